@@ -1,0 +1,96 @@
+// kvstash-bench: transfer benchmarks with their references measured in the same run.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <sstream>
+
+#include "common/units.h"
+#include "p2p.h"
+
+namespace {
+
+using namespace kvstash;
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::vector<TransportKind> parse_transports(const std::string& list) {
+  std::vector<TransportKind> out;
+  if (list == "all" || list.empty()) return out;
+  for (const auto& name : split(list)) {
+    auto k = parse_transport_kind(name);
+    if (!k) throw CLI::ValidationError("--transport", "unknown transport '" + name + "' (shm, tcp, ucx, verbs)");
+    out.push_back(*k);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvstash-bench: kvstash transfer benchmarks, each row compared with references measured in the same run"};
+  app.require_subcommand(1);
+
+  bench::P2POptions p2p;
+  std::string transports = "all", sizes = "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB", ops = "write,read";
+  auto* p = app.add_subcommand("p2p", "Point-to-point one-sided READ/WRITE between this process and a target it spawns");
+  p->add_option("-t,--transport", transports, "Transports to measure: all, or a list of shm,tcp,ucx")->capture_default_str();
+  p->add_option("-s,--sizes", sizes, "Request sizes (comma-separated; units B, KiB, MiB, GiB)")->capture_default_str();
+  p->add_option("--op", ops, "Operations: write,read")->capture_default_str();
+  p->add_option("--threads", p2p.threads, "Initiator threads submitting concurrently")->capture_default_str()->check(CLI::Range(1, 64));
+  p->add_option("--depth", p2p.depth, "Requests per batch (in flight per thread)")->capture_default_str()->check(CLI::Range(1, 256));
+  p->add_option("--seconds", p2p.seconds, "Measuring time per row")->capture_default_str()->check(CLI::Range(0.01, 60.0));
+  p->add_option("--token", p2p.token, "Cluster token for the tcp handshake");
+  p->add_flag("--json", p2p.json, "One JSON object per row");
+  p->add_option("--tcp-streams", p2p.tcp.streams, "tcp: parallel connections per peer")->capture_default_str()->check(CLI::Range(1, 64));
+  p->add_option("--tcp-io-threads", p2p.tcp.io_threads, "tcp: socket I/O threads in each process")->capture_default_str()->check(CLI::Range(1, 64));
+  std::string tcp_slice = "1MiB", shm_slice = "4MiB";
+  p->add_option("--tcp-slice", tcp_slice, "tcp: requests above this are striped over the streams")->capture_default_str();
+  p->add_option("--shm-copy-threads", p2p.shm.copy_threads, "shm: copy threads of the initiator")->capture_default_str()->check(CLI::Range(1, 64));
+  p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")->capture_default_str();
+  p->footer("Example: kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json");
+
+  std::size_t region = 0;
+  std::string target_transports;
+  TcpOptions target_tcp;
+  auto* t = app.add_subcommand("p2p-target", "(internal) the target process of `p2p`");
+  t->group("");
+  t->add_option("--region", region)->required();
+  t->add_option("--transports", target_transports);
+  t->add_option("--token", target_tcp.cluster_token);
+  t->add_option("--tcp-io-threads", target_tcp.io_threads);
+
+  try {
+    app.parse(argc, argv);
+    if (p->parsed()) {
+      p2p.transports = parse_transports(transports);
+      for (const auto& s : split(sizes)) {
+        auto v = units::parse_size(s);
+        if (!v.is_ok() || *v == 0) throw CLI::ValidationError("--sizes", v.status().message());
+        p2p.sizes.push_back(*v);
+      }
+      if (p2p.sizes.empty()) throw CLI::ValidationError("--sizes", "no size given");
+      auto ts = units::parse_size(tcp_slice), ss = units::parse_size(shm_slice);
+      if (!ts.is_ok()) throw CLI::ValidationError("--tcp-slice", ts.status().message());
+      if (!ss.is_ok()) throw CLI::ValidationError("--shm-slice", ss.status().message());
+      p2p.tcp.slice_bytes = *ts;
+      p2p.shm.slice_bytes = *ss;
+      p2p.ops.clear();
+      for (const auto& s : split(ops)) {
+        if (s == "read") p2p.ops.push_back(TransferOp::kRead);
+        else if (s == "write") p2p.ops.push_back(TransferOp::kWrite);
+        else throw CLI::ValidationError("--op", "unknown op '" + s + "' (read, write)");
+      }
+    }
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (t->parsed()) return bench::run_p2p_target(region, parse_transports(target_transports), target_tcp);
+  return bench::run_p2p(p2p);
+}

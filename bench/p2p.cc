@@ -1,0 +1,284 @@
+#include "p2p.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "child.h"
+#include "common/units.h"
+#include "kvstash/engine.h"
+#include "references.h"
+
+namespace kvstash::bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Row {
+  std::string transport;
+  std::string op;
+  std::size_t size = 0;
+  unsigned threads = 1, depth = 1;
+  double gbps = 0, p50_us = 0, p99_us = 0;
+  double memcpy_gbps = 0, socket_gbps = 0;
+  bool verified = false;
+  std::string error;
+};
+
+double percentile(std::vector<double>& v, double p) {
+  if (v.empty()) return 0;
+  std::size_t i = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
+  return v[i];
+}
+
+void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (std::size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    p[i] = static_cast<std::byte>(x);
+  }
+}
+
+void print(const Row& r, bool json) {
+  if (json) {
+    nlohmann::json j{{"transport", r.transport}, {"op", r.op},       {"size", r.size},
+                     {"threads", r.threads},     {"depth", r.depth}, {"gbps", r.gbps},
+                     {"p50_us", r.p50_us},       {"p99_us", r.p99_us}};
+    if (r.memcpy_gbps > 0) {
+      j["memcpy_gbps"] = r.memcpy_gbps;
+      j["vs_memcpy"] = r.gbps / r.memcpy_gbps;
+    }
+    if (r.socket_gbps > 0) {
+      j["socket_gbps"] = r.socket_gbps;
+      j["vs_socket"] = r.gbps / r.socket_gbps;
+    }
+    if (r.op == "read" || r.op == "write") j["verified"] = r.verified;
+    if (!r.error.empty()) j["error"] = r.error;
+    std::cout << j.dump() << std::endl;
+    return;
+  }
+  if (!r.error.empty()) {
+    std::cout << fmt::format("{:<10} {:<6} {:>10}  error: {}\n", r.transport, r.op, units::format_size(r.size), r.error);
+    return;
+  }
+  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10.1f} {:>10.1f} {:>9} {:>9}\n", r.transport,
+                           r.op, units::format_size(r.size), r.threads, r.depth, r.gbps, r.p50_us, r.p99_us,
+                           r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
+                           r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "");
+}
+
+// Writes random bytes to the peer and reads them back elsewhere: the row's data check.
+Status verify(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemory& remote, std::size_t size) {
+  fill_random(local.data(), size, size);
+  TransferEntry w{TransferOp::kWrite, &mem, local.data(), remote.base(), &remote, size};
+  KVSTASH_RETURN_IF_ERROR(peer.transfer({&w, 1}, deadline_after(60s)));
+  std::memset(local.data(), 0, size);
+  TransferEntry r{TransferOp::kRead, &mem, local.data(), remote.base(), &remote, size};
+  KVSTASH_RETURN_IF_ERROR(peer.transfer({&r, 1}, deadline_after(60s)));
+  std::vector<std::byte> expect(size);
+  fill_random(expect.data(), size, size);
+  if (std::memcmp(expect.data(), local.data(), size) != 0) return Status::corrupt("read back differs from what was written");
+  return {};
+}
+
+Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemory& remote, TransferOp op,
+            std::size_t size, const P2POptions& o) {
+  Row row;
+  row.op = std::string(to_string(op));
+  row.size = size;
+  row.threads = o.threads;
+  row.depth = o.depth;
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> bytes{0};
+  std::vector<std::vector<double>> lat(o.threads);
+  std::vector<Status> errors(o.threads);
+  auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < o.threads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<TransferEntry> es;
+      for (unsigned d = 0; d < o.depth; ++d) {
+        std::size_t off = (static_cast<std::size_t>(t) * o.depth + d) * size;
+        es.push_back({op, &mem, local.data() + off, remote.base() + off, &remote, size});
+      }
+      std::size_t iters = 0;
+      while (!stop.load(std::memory_order_relaxed) || iters < 3) {
+        auto t0 = Clock::now();
+        Status s = peer.transfer(es, deadline_after(60s));
+        if (!s.is_ok()) {
+          errors[t] = s;
+          stop = true;
+          return;
+        }
+        lat[t].push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        bytes.fetch_add(size * o.depth, std::memory_order_relaxed);
+        ++iters;
+      }
+    });
+  }
+  while (Clock::now() - start < std::chrono::duration<double>(o.seconds) && !stop) std::this_thread::sleep_for(1ms);
+  stop = true;
+  for (auto& t : threads) t.join();
+  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  for (const auto& e : errors) {
+    if (!e.is_ok()) row.error = e.to_string();
+  }
+  std::vector<double> all;
+  for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+  row.gbps = static_cast<double>(bytes.load()) / elapsed / 1e9;
+  row.p50_us = percentile(all, 0.50);
+  row.p99_us = percentile(all, 0.99);
+  return row;
+}
+
+}  // namespace
+
+int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports, const TcpOptions& tcp) {
+  EngineOptions eo;
+  eo.transports = transports;
+  eo.tcp = tcp;
+  auto engine = Engine::create(eo);
+  if (!engine.is_ok()) {
+    std::cerr << "p2p-target: " << engine.status().to_string() << "\n";
+    return 1;
+  }
+  auto buffer = Buffer::allocate(region_bytes);
+  if (!buffer.is_ok()) {
+    std::cerr << "p2p-target: " << buffer.status().to_string() << "\n";
+    return 1;
+  }
+  auto mem = (*engine)->register_memory(buffer->region(), Access::kRemote);
+  if (!mem.is_ok()) {
+    std::cerr << "p2p-target: " << mem.status().to_string() << "\n";
+    return 1;
+  }
+  std::uint16_t port = start_socket_sink();
+  std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(mem->remote_key()) << "\nsocket "
+            << port << std::endl;
+  std::string ignored;
+  while (std::getline(std::cin, ignored)) {
+  }
+  return 0;
+}
+
+int run_p2p(const P2POptions& o) {
+  const std::size_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+  const std::size_t region = max_size * o.threads * o.depth;
+  std::vector<TransportKind> kinds = o.transports;
+  if (kinds.empty()) {
+    auto probe = Engine::create({});
+    if (!probe.is_ok()) {
+      std::cerr << "kvstash-bench: " << probe.status().to_string() << "\n";
+      return 1;
+    }
+    kinds = (*probe)->transports();
+  }
+  std::vector<std::string> args{"p2p-target",   "--region",
+                                "--tcp-io-threads", std::to_string(o.tcp.io_threads),
+                                "--token",        o.token,
+                                "--transports"};
+  args.insert(args.begin() + 2, std::to_string(region));
+  std::string list;
+  for (auto k : kinds) list += (list.empty() ? "" : ",") + std::string(to_string(k));
+  args.push_back(list);
+  Child target(args);
+  std::string address_line = target.read_line(), key_line = target.read_line(), socket_line = target.read_line();
+  if (address_line.rfind("address ", 0) != 0 || key_line.rfind("key ", 0) != 0 || socket_line.rfind("socket ", 0) != 0) {
+    std::cerr << "kvstash-bench: the target process did not start\n";
+    return 1;
+  }
+  const std::string address = from_text(address_line.substr(8)).value();
+  const std::string key = from_text(key_line.substr(4)).value();
+  const auto port = static_cast<std::uint16_t>(std::stoi(socket_line.substr(7)));
+
+  // References, measured now, in this run, between these two processes.
+  std::vector<double> socket_runs;
+  for (int i = 0; i < 3; ++i) socket_runs.push_back(socket_stream_gbps(port, 1u << 20, 1u << 30));
+  const double socket_gbps = percentile(socket_runs, 0.5);
+  std::map<std::size_t, double> memcpy_ref;
+  for (std::size_t s : o.sizes) memcpy_ref[s] = memcpy_gbps(s, std::min(o.seconds, 0.3));
+
+  if (!o.json) {
+    std::cout << fmt::format("references: raw TCP socket stream on loopback {:.2f} GB/s (median of 3 x 1 GiB)\n", socket_gbps);
+    std::cout << fmt::format("{:<10} {:<6} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9}\n", "transport", "op", "size",
+                             "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket");
+  } else {
+    Row s;
+    s.transport = "tcp-socket";
+    s.op = "stream";
+    s.size = 1u << 30;
+    s.gbps = socket_gbps;
+    print(s, true);
+  }
+  for (std::size_t size : o.sizes) {
+    Row m;
+    m.transport = "memcpy";
+    m.op = "copy";
+    m.size = size;
+    m.gbps = memcpy_ref[size];
+    print(m, o.json);
+  }
+
+  auto local = Buffer::allocate(region, {.shareable = false}).value();
+  int failures = 0;
+  for (TransportKind kind : kinds) {
+    EngineOptions eo;
+    eo.transports = {kind};
+    eo.tcp = o.tcp;
+    eo.tcp.cluster_token = o.token;
+    eo.shm = o.shm;
+    auto engine = Engine::create(eo);
+    auto fail = [&](const Status& s) {
+      Row r;
+      r.transport = std::string(to_string(kind));
+      r.error = s.to_string();
+      print(r, o.json);
+      ++failures;
+    };
+    if (!engine.is_ok()) {
+      fail(engine.status());
+      continue;
+    }
+    auto mem = (*engine)->register_memory(local.region(), Access::kLocal);
+    auto peer = mem.is_ok() ? (*engine)->connect(address, deadline_after(10s)) : mem.status();
+    if (!peer.is_ok()) {
+      fail(peer.status());
+      continue;
+    }
+    auto remote = (*peer)->import_key(key);
+    if (!remote.is_ok()) {
+      fail(remote.status());
+      continue;
+    }
+    for (std::size_t size : o.sizes) {
+      Status v = verify(**peer, *mem, local, *remote, size);
+      for (TransferOp op : o.ops) {
+        Row r = v.is_ok() ? measure(**peer, *mem, local, *remote, op, size, o) : Row{};
+        r.transport = std::string(to_string(kind));
+        r.op = std::string(to_string(op));
+        r.size = size;
+        r.threads = o.threads;
+        r.depth = o.depth;
+        r.verified = v.is_ok();
+        if (!v.is_ok()) r.error = "verification failed: " + v.to_string();
+        r.memcpy_gbps = memcpy_ref[size];
+        r.socket_gbps = socket_gbps;
+        failures += !r.error.empty();
+        print(r, o.json);
+      }
+    }
+  }
+  target.finish();
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace kvstash::bench

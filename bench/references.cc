@@ -1,0 +1,125 @@
+#include "references.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "kvstash/memory.h"
+
+namespace kvstash::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool read_full(int fd, void* p, std::size_t n) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t k = ::recv(fd, c, n, 0);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return true;
+}
+
+bool write_full(int fd, const void* p, std::size_t n) {
+  auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t k = ::send(fd, c, n, MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return true;
+}
+
+void serve(int fd) {
+  // Like iperf3: the receiver reads into one reused buffer.
+  std::vector<char> buf(4u << 20);
+  for (;;) {
+    std::uint64_t n = 0;
+    if (!read_full(fd, &n, sizeof n)) break;
+    while (n > 0) {
+      ssize_t k = ::recv(fd, buf.data(), std::min<std::uint64_t>(n, buf.size()), 0);
+      if (k <= 0) goto done;
+      n -= static_cast<std::uint64_t>(k);
+    }
+    char ack = 1;
+    if (!write_full(fd, &ack, 1)) break;
+  }
+done:
+  ::close(fd);
+}
+
+}  // namespace
+
+double memcpy_gbps(std::size_t size, double seconds) {
+  auto src = Buffer::allocate(size, {.shareable = false}).value();
+  auto dst = Buffer::allocate(size, {.shareable = false}).value();
+  std::memset(src.data(), 1, size);
+  std::memcpy(dst.data(), src.data(), size);  // fault the pages in before timing
+  std::size_t reps = 0;
+  auto start = Clock::now();
+  double elapsed = 0;
+  do {
+    std::memcpy(dst.data(), src.data(), size);
+    ++reps;
+    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  } while (elapsed < seconds || reps < 3);
+  return static_cast<double>(size) * static_cast<double>(reps) / elapsed / 1e9;
+}
+
+std::uint16_t start_socket_sink() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd, 8) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    return 0;
+  }
+  std::thread([fd] {
+    for (;;) {
+      int c = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) return;
+      std::thread(serve, c).detach();
+    }
+  }).detach();
+  return ntohs(a.sin_port);
+}
+
+double socket_stream_gbps(std::uint16_t port, std::size_t chunk, std::size_t total) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return 0;
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  auto src = Buffer::allocate(chunk, {.shareable = false}).value();
+  std::memset(src.data(), 7, chunk);
+  // One message of `total` bytes, sent from one reused buffer: a plain stream, like iperf3.
+  auto start = Clock::now();
+  std::uint64_t n = total;
+  bool ok = write_full(fd, &n, sizeof n);
+  for (std::size_t sent = 0; ok && sent < total; sent += chunk) {
+    ok = write_full(fd, src.data(), std::min(chunk, total - sent));
+  }
+  char ack;
+  ok = ok && read_full(fd, &ack, 1);
+  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  ::close(fd);
+  return ok ? static_cast<double>(total) / elapsed / 1e9 : 0;
+}
+
+}  // namespace kvstash::bench

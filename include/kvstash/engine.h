@@ -1,0 +1,243 @@
+// kvstash/engine.h: the point-to-point transfer engine.
+//
+// One Engine per process owns the transports built into this binary (shm, tcp, ucx, ...),
+// registers memory with each, publishes one address blob for peers, connects to a peer by
+// its blob over the best transport both sides share, and runs batches of one-sided
+// READ/WRITE between registered local memory and a peer's registered memory.
+//
+//   auto engine = Engine::create({}).value();
+//   auto mem = engine->register_memory(buffer.region(), Access::kRemote).value();
+//   publish(engine->address(), mem.remote_key());        // out of band: Redis, a pipe, ...
+//   auto peer = engine->connect(peer_address, deadline).value();
+//   auto remote = peer->import_key(peer_key, deadline).value();
+//   TransferEntry e{TransferOp::kWrite, &mem, buffer.data(), remote.base(), &remote, n};
+//   auto batch = peer->submit({&e, 1}, deadline).value();
+//   Status s = batch.wait();
+//
+// Thread safety: Engine, Peer and RemoteMemory are safe to use from many threads at once
+// (submit from several threads is the expected use). A MemoryHandle must outlive every
+// batch that uses it; a Batch is one caller's handle (move it, don't share it).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/memory.h"
+#include "kvstash/status.h"
+#include "kvstash/types.h"
+
+namespace kvstash {
+
+namespace transport {
+class Transport;
+class LocalRegistration;
+class RemoteKey;
+}  // namespace transport
+
+struct TcpOptions {
+  // host:port the engine serves one-sided requests on. Port 0 picks a free port. Loopback
+  // by default: serving the LAN is the operator's explicit choice.
+  std::string listen = "127.0.0.1:0";
+  // Address peers should connect to, when it differs from `listen` (0.0.0.0, NAT). Empty:
+  // the listening address.
+  std::string advertise;
+  // Parallel TCP connections per peer; a large transfer is striped across them.
+  std::uint32_t streams = 4;
+  // Threads running the socket I/O (both the serving and the initiating side).
+  std::uint32_t io_threads = 2;
+  // Transfers longer than this are cut into slices spread over the streams.
+  std::size_t slice_bytes = 1u << 20;
+  // Shared cluster secret. When set, both sides of every connection prove they know it
+  // (HMAC-SHA256 challenge-response; the token itself never crosses the wire).
+  std::string cluster_token;
+};
+
+struct ShmOptions {
+  // Directory of the UNIX socket peers fetch region file descriptors from; created 0700.
+  // Empty: $XDG_RUNTIME_DIR/kvstash, else /tmp/kvstash-<uid>.
+  std::string socket_dir;
+  // Threads copying bytes; a large transfer is split over them.
+  std::uint32_t copy_threads = 2;
+  // Transfers longer than this are split over the copy threads.
+  std::size_t slice_bytes = 4u << 20;
+};
+
+struct UcxOptions {
+  // Run UCP progress on a dedicated thread (true) or from the thread that waits (false).
+  bool progress_thread = true;
+  // Optional UCX_TLS-style transport list for this context ("" = UCX's default choice).
+  std::string transports;
+};
+
+struct EngineOptions {
+  // Transports to start, in no particular order; empty: every one built in that starts here.
+  std::vector<TransportKind> transports;
+  // Force one transport for every peer (when both sides have it) instead of the automatic
+  // choice: shm on the same host, then RDMA-capable verbs/UCX, then tcp, then UCX over TCP.
+  std::optional<TransportKind> prefer;
+  // Deadline for connect() and import_key() when the caller gives none.
+  std::chrono::milliseconds control_timeout{5000};
+  TcpOptions tcp;
+  ShmOptions shm;
+  UcxOptions ucx;
+};
+
+enum class Access : std::uint8_t {
+  kLocal,   // source or destination of this process's own transfers only
+  kRemote,  // peers holding the remote key may also READ and WRITE it
+};
+
+class Engine;
+class Peer;
+
+// A registration of one region with every transport of an engine. Move-only; destroying it
+// deregisters (peers can no longer reach the region). Must outlive batches that use it.
+class MemoryHandle {
+ public:
+  MemoryHandle();
+  MemoryHandle(MemoryHandle&&) noexcept;
+  MemoryHandle& operator=(MemoryHandle&&) noexcept;
+  ~MemoryHandle();
+
+  const MemoryRegion& region() const { return region_; }
+  // The serialized remote key: what a peer passes to Peer::import_key. Empty for kLocal.
+  const std::string& remote_key() const { return remote_key_; }
+  // Whether [addr, addr+len) lies inside the region.
+  bool covers(const void* addr, std::size_t len) const;
+
+ private:
+  friend class Engine;
+  friend class Peer;
+  const transport::LocalRegistration* registration(TransportKind kind) const;
+
+  MemoryRegion region_;
+  std::string remote_key_;
+  std::vector<std::pair<TransportKind, std::unique_ptr<transport::LocalRegistration>>> regs_;
+};
+
+// A peer's region, imported from its remote key through one Peer.
+class RemoteMemory {
+ public:
+  RemoteMemory();
+  RemoteMemory(RemoteMemory&&) noexcept;
+  RemoteMemory& operator=(RemoteMemory&&) noexcept;
+  ~RemoteMemory();
+
+  std::uint64_t base() const { return base_; }  // remote address of the region's first byte
+  std::uint64_t length() const { return length_; }
+
+ private:
+  friend class Peer;
+  struct State;
+  std::uint64_t base_ = 0;
+  std::uint64_t length_ = 0;
+  std::shared_ptr<State> state_;
+};
+
+struct TransferEntry {
+  TransferOp op = TransferOp::kRead;
+  const MemoryHandle* local = nullptr;  // registration covering [local_addr, +length)
+  void* local_addr = nullptr;
+  std::uint64_t remote_addr = 0;         // inside remote's [base, base + length)
+  const RemoteMemory* remote = nullptr;  // imported through the Peer that submits
+  std::size_t length = 0;
+};
+
+// A submitted batch. wait() or poll() until done; statuses() then holds one Status per
+// entry. Destroying an unfinished batch cancels it and waits for its ops to stop.
+class Batch {
+ public:
+  Batch();
+  Batch(Batch&&) noexcept;
+  Batch& operator=(Batch&&) noexcept;
+  ~Batch();
+
+  // True once every entry has completed. Cancels the batch when its deadline has passed.
+  bool poll();
+  // Blocks until every entry completed, or until the batch's deadline (then the rest is
+  // cancelled and ends with kTimeout). Returns OK or the first entry's error.
+  Status wait();
+  // Ends every unfinished entry with kCancelled; returns when none can touch memory.
+  void cancel();
+  // One status per entry, in submission order. Valid once poll() or wait() said done.
+  std::span<const Status> statuses() const;
+
+ private:
+  friend class Peer;
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+// A connection to one peer engine. Reconnects by itself after the transport broke.
+class Peer {
+ public:
+  ~Peer();
+  TransportKind transport() const;
+
+  // Imports a remote key the peer's MemoryHandle::remote_key() produced.
+  // Errors: kInvalidArgument (malformed), kPermissionDenied (peer refused the key),
+  // kUnsupported (the key has no part for this peer's transport), kUnavailable, kTimeout.
+  Result<RemoteMemory> import_key(std::string_view remote_key, std::optional<Deadline> deadline = {});
+
+  // Starts the entries as one batch with `deadline`. Entries are checked first: a local
+  // range outside its handle or a remote range outside its key fails with
+  // kInvalidArgument before anything moves (the Result's status), as does an empty batch.
+  // Never blocks on the network. Thread-safe.
+  Result<Batch> submit(std::span<const TransferEntry> entries, Deadline deadline);
+
+  // Convenience: submit and wait.
+  Status transfer(std::span<const TransferEntry> entries, Deadline deadline);
+
+ private:
+  friend class Engine;
+  friend struct RemoteMemory::State;
+  struct State;
+  explicit Peer(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+class Engine {
+ public:
+  // Starts the requested transports. A transport that cannot start here (no UCX device,
+  // no socket dir) is left out with a warning unless it was asked for by name, in which case
+  // create fails with its error.
+  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Serialized addresses of every transport; what peers pass to connect(). Hex text form
+  // through address_text().
+  const std::string& address() const { return address_; }
+  std::vector<TransportKind> transports() const;
+
+  // Registers a region with every transport (that can take it). Errors: kInvalidArgument
+  // (null or empty region), or the first transport's error when none could register it.
+  Result<MemoryHandle> register_memory(const MemoryRegion& region, Access access);
+
+  // Connects to a peer by its address blob. With `force`, only that transport is tried.
+  // Errors: kInvalidArgument (malformed blob), kUnsupported (no transport in common),
+  // kUnavailable, kPermissionDenied, kTimeout.
+  Result<std::unique_ptr<Peer>> connect(std::string_view peer_address,
+                                        std::optional<Deadline> deadline = {},
+                                        std::optional<TransportKind> force = {});
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  std::string address_;
+};
+
+// Text forms for pipes, files and command lines (hex of the binary blob).
+std::string to_text(std::string_view blob);
+Result<std::string> from_text(std::string_view text);
+
+}  // namespace kvstash

@@ -1,0 +1,26 @@
+// kvstash/types.h: small vocabulary types shared by every kvstash header.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace kvstash {
+
+using Clock = std::chrono::steady_clock;
+// Every blocking or asynchronous kvstash operation takes an absolute deadline.
+using Deadline = Clock::time_point;
+
+inline Deadline deadline_after(std::chrono::nanoseconds d) { return Clock::now() + d; }
+
+enum class TransferOp : std::uint8_t { kRead = 0, kWrite = 1 };
+
+// Listed in the engine's order of preference for a peer that both sides can reach by several.
+enum class TransportKind : std::uint8_t { kShm = 0, kVerbs = 1, kUcx = 2, kTcp = 3 };
+
+std::string_view to_string(TransferOp op);
+std::string_view to_string(TransportKind kind);  // "shm", "verbs", "ucx", "tcp"
+std::optional<TransportKind> parse_transport_kind(std::string_view name);
+
+}  // namespace kvstash

@@ -1,0 +1,76 @@
+// Batches: per-entry completion counting, deadlines and cancellation.
+#include "engine/engine_internal.h"
+
+namespace kvstash {
+
+Batch::State::State(std::size_t entries, Deadline d)
+    : deadline(d),
+      statuses(entries),
+      parts_left(std::make_unique<std::atomic<std::uint32_t>[]>(entries)),
+      entries_left(entries) {}
+
+void Batch::State::complete(std::uint32_t tag, Status status) {
+  std::lock_guard lock(mu);
+  // The first failing slice decides the entry's status.
+  if (!status.is_ok() && statuses[tag].is_ok()) statuses[tag] = std::move(status);
+  if (parts_left[tag].fetch_sub(1, std::memory_order_acq_rel) == 1 && --entries_left == 0) {
+    cv.notify_all();
+  }
+}
+
+void Batch::State::abort(const Status& reason) {
+  {
+    std::lock_guard lock(mu);
+    if (done_locked()) return;
+  }
+  endpoint->abort(this, reason);
+}
+
+Batch::Batch() = default;
+Batch::Batch(Batch&&) noexcept = default;
+Batch& Batch::operator=(Batch&& other) noexcept {
+  if (this != &other) {
+    if (state_) cancel();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+Batch::~Batch() {
+  if (state_) cancel();
+}
+
+bool Batch::poll() {
+  if (!state_) return true;
+  {
+    std::lock_guard lock(state_->mu);
+    if (state_->done_locked()) return true;
+  }
+  if (Clock::now() < state_->deadline) return false;
+  state_->abort(Status::timeout("batch deadline passed"));
+  return true;
+}
+
+Status Batch::wait() {
+  if (!state_) return Status::invalid_argument("wait on an empty batch handle");
+  bool done;
+  {
+    std::unique_lock lock(state_->mu);
+    done = state_->cv.wait_until(lock, state_->deadline, [&] { return state_->done_locked(); });
+  }
+  if (!done) state_->abort(Status::timeout("batch deadline passed"));
+  for (const Status& s : state_->statuses) {
+    if (!s.is_ok()) return s;
+  }
+  return {};
+}
+
+void Batch::cancel() {
+  if (state_) state_->abort(Status::cancelled("batch cancelled"));
+}
+
+std::span<const Status> Batch::statuses() const {
+  if (!state_) return {};
+  return state_->statuses;
+}
+
+}  // namespace kvstash

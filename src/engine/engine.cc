@@ -1,0 +1,349 @@
+// The engine: transports, registration, addresses and keys, peer connection and submission.
+#include <algorithm>
+
+#include "common/log.h"
+#include "common/wire.h"
+#include "engine/engine_internal.h"
+#include "kvstash_config.h"
+#include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
+#if KVSTASH_HAVE_UCX
+#include "transport/ucx/ucx_transport.h"
+#endif
+
+namespace kvstash {
+namespace {
+
+constexpr std::uint32_t kAddressMagic = 0x3145564b;  // "KVE1"
+constexpr std::uint32_t kKeyMagic = 0x314b564b;      // "KVK1"
+constexpr std::size_t kMaxParts = 16;
+
+using Parts = std::vector<std::pair<TransportKind, std::string>>;
+
+std::string encode_parts(std::uint32_t magic, std::uint64_t base, std::uint64_t length, const Parts& parts,
+                         bool with_range) {
+  wire::Writer w;
+  w.u32(magic);
+  if (with_range) {
+    w.u64(base);
+    w.u64(length);
+  }
+  w.u8(static_cast<std::uint8_t>(parts.size()));
+  for (const auto& [kind, bytes] : parts) {
+    w.u8(static_cast<std::uint8_t>(kind));
+    w.bytes(bytes);
+  }
+  return w.take();
+}
+
+struct Decoded {
+  std::uint64_t base = 0;
+  std::uint64_t length = 0;
+  Parts parts;
+};
+
+std::optional<Decoded> decode_parts(std::string_view blob, std::uint32_t magic, bool with_range) {
+  wire::Reader r(blob);
+  Decoded d;
+  if (r.u32() != magic) return std::nullopt;
+  if (with_range) {
+    d.base = r.u64();
+    d.length = r.u64();
+  }
+  std::size_t n = r.u8();
+  if (n > kMaxParts) return std::nullopt;
+  for (std::size_t i = 0; i < n && r.ok(); ++i) {
+    auto kind = r.u8();
+    auto bytes = r.bytes();
+    if (kind > static_cast<std::uint8_t>(TransportKind::kTcp)) continue;  // a newer peer's transport
+    d.parts.emplace_back(static_cast<TransportKind>(kind), std::string(bytes));
+  }
+  if (!r.at_end()) return std::nullopt;
+  return d;
+}
+
+// Lower is better: shared memory, then RDMA, then our TCP, then UCX emulating RMA over TCP.
+int rank(const transport::Transport& t) {
+  auto caps = t.capabilities();
+  switch (t.kind()) {
+    case TransportKind::kShm: return 0;
+    case TransportKind::kVerbs: return 1;
+    case TransportKind::kUcx: return caps.rdma ? 2 : 4;
+    case TransportKind::kTcp: return 3;
+  }
+  return 5;
+}
+
+Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind, const EngineOptions& o) {
+  switch (kind) {
+    case TransportKind::kShm: return transport::make_shm_transport(o.shm);
+    case TransportKind::kTcp: return transport::make_tcp_transport(o.tcp);
+    case TransportKind::kUcx:
+#if KVSTASH_HAVE_UCX
+      return transport::make_ucx_transport(o.ucx);
+#else
+      return Status::unsupported("this build has no UCX transport (meson -Ducx=enabled)");
+#endif
+    case TransportKind::kVerbs:
+      return Status::unsupported("the verbs transport is not built yet");
+  }
+  return Status::invalid_argument("unknown transport");
+}
+
+}  // namespace
+
+std::string to_text(std::string_view blob) { return wire::to_hex(blob); }
+
+Result<std::string> from_text(std::string_view text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
+  auto bytes = wire::from_hex(text);
+  if (!bytes) return Status::invalid_argument("not a kvstash address or key: expected hex text");
+  return std::move(*bytes);
+}
+
+// ---- Engine ---------------------------------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  Parts parts;
+  for (const auto& t : impl_->transports) parts.emplace_back(t->kind(), t->local_address());
+  address_ = encode_parts(kAddressMagic, 0, 0, parts, false);
+}
+
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  std::vector<TransportKind> kinds = options.transports;
+  const bool explicit_list = !kinds.empty();
+  if (!explicit_list) kinds = {TransportKind::kShm, TransportKind::kUcx, TransportKind::kTcp};
+  for (TransportKind kind : kinds) {
+    auto t = make_transport(kind, options);
+    if (!t.is_ok()) {
+      if (explicit_list) return t.status().with_context(std::string("start ") + std::string(to_string(kind)));
+      if (t.status().code() != StatusCode::kUnsupported) {
+        KVSTASH_LOG_WARN("transport {} not started: {}", to_string(kind), t.status().to_string());
+      }
+      continue;
+    }
+    impl->transports.push_back(std::move(t).value());
+  }
+  if (impl->transports.empty()) return Status::unavailable("no transport could start");
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+std::vector<TransportKind> Engine::transports() const {
+  std::vector<TransportKind> out;
+  for (const auto& t : impl_->transports) out.push_back(t->kind());
+  return out;
+}
+
+Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access access) {
+  if (region.addr == nullptr || region.length == 0) {
+    return Status::invalid_argument("cannot register an empty region");
+  }
+  MemoryHandle h;
+  h.region_ = region;
+  Status first_error;
+  Parts keys;
+  for (const auto& t : impl_->transports) {
+    auto reg = t->register_memory(region, access == Access::kRemote);
+    if (!reg.is_ok()) {
+      // One transport declining (shm without an fd, tcp with GPU memory) is normal; peers
+      // reached through it then cannot use this region.
+      if (first_error.is_ok()) first_error = reg.status().with_context(std::string(to_string(t->kind())));
+      continue;
+    }
+    if (access == Access::kRemote) keys.emplace_back(t->kind(), (*reg)->packed_key());
+    h.regs_.emplace_back(t->kind(), std::move(reg).value());
+  }
+  if (h.regs_.empty()) return first_error;
+  if (access == Access::kRemote) {
+    h.remote_key_ = encode_parts(kKeyMagic, reinterpret_cast<std::uintptr_t>(region.addr), region.length,
+                                 keys, true);
+  }
+  return h;
+}
+
+Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std::optional<Deadline> deadline,
+                                              std::optional<TransportKind> force) {
+  auto decoded = decode_parts(peer_address, kAddressMagic, false);
+  if (!decoded) return Status::invalid_argument("malformed peer address");
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.control_timeout));
+
+  std::vector<std::pair<transport::Transport*, std::string>> candidates;
+  for (const auto& t : impl_->transports) {
+    if (force && t->kind() != *force) continue;
+    for (const auto& [kind, addr] : decoded->parts) {
+      if (kind == t->kind() && t->can_reach(addr)) candidates.emplace_back(t.get(), addr);
+    }
+  }
+  auto preferred = force ? force : impl_->options.prefer;
+  std::stable_sort(candidates.begin(), candidates.end(), [&](const auto& a, const auto& b) {
+    bool pa = preferred && a.first->kind() == *preferred;
+    bool pb = preferred && b.first->kind() == *preferred;
+    if (pa != pb) return pa;
+    return rank(*a.first) < rank(*b.first);
+  });
+  if (candidates.empty()) {
+    return Status::unsupported(force ? std::string("peer cannot be reached over ") + std::string(to_string(*force))
+                                     : std::string("no transport in common with the peer"));
+  }
+  Status last;
+  for (auto& [t, addr] : candidates) {
+    auto ep = t->connect(addr, d);
+    if (!ep.is_ok()) {
+      last = ep.status().with_context(std::string("connect over ") + std::string(to_string(t->kind())));
+      KVSTASH_LOG_INFO("{}", last.to_string());
+      if (last.code() == StatusCode::kPermissionDenied) return last;  // don't downgrade past a refusal
+      continue;
+    }
+    auto state = std::make_shared<Peer::State>();
+    state->transport = t;
+    state->caps = t->capabilities();
+    state->peer_address = addr;
+    state->control_timeout = impl_->options.control_timeout;
+    state->endpoint = std::move(ep).value();
+    return std::unique_ptr<Peer>(new Peer(std::move(state)));
+  }
+  return last;
+}
+
+// ---- MemoryHandle, RemoteMemory -------------------------------------------------------------
+
+MemoryHandle::MemoryHandle() = default;
+MemoryHandle::MemoryHandle(MemoryHandle&&) noexcept = default;
+MemoryHandle& MemoryHandle::operator=(MemoryHandle&&) noexcept = default;
+MemoryHandle::~MemoryHandle() = default;
+
+bool MemoryHandle::covers(const void* addr, std::size_t len) const {
+  auto base = reinterpret_cast<std::uintptr_t>(region_.addr);
+  auto a = reinterpret_cast<std::uintptr_t>(addr);
+  return a >= base && a - base <= region_.length && len <= region_.length - (a - base);
+}
+
+const transport::LocalRegistration* MemoryHandle::registration(TransportKind kind) const {
+  for (const auto& [k, reg] : regs_) {
+    if (k == kind) return reg.get();
+  }
+  return nullptr;
+}
+
+RemoteMemory::RemoteMemory() = default;
+RemoteMemory::RemoteMemory(RemoteMemory&&) noexcept = default;
+RemoteMemory& RemoteMemory::operator=(RemoteMemory&&) noexcept = default;
+RemoteMemory::~RemoteMemory() = default;
+
+Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
+    const std::shared_ptr<transport::Endpoint>& ep, std::uint64_t gen, std::uint64_t base, std::uint64_t length,
+    Deadline deadline) {
+  std::lock_guard lock(mu);
+  if (generation != gen || !key) {
+    KVSTASH_ASSIGN_OR_RETURN(auto k, ep->import_key(base, length, packed, deadline));
+    key = std::move(k);
+    generation = gen;
+  }
+  return key;
+}
+
+// ---- Peer -----------------------------------------------------------------------------------
+
+Peer::Peer(std::shared_ptr<State> state) : state_(std::move(state)) {}
+Peer::~Peer() = default;
+
+TransportKind Peer::transport() const { return state_->transport->kind(); }
+
+Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(Deadline deadline) {
+  std::lock_guard lock(mu);
+  if (!endpoint || !endpoint->healthy()) {
+    endpoint.reset();
+    auto d = std::min(deadline, deadline_after(control_timeout));
+    KVSTASH_ASSIGN_OR_RETURN(endpoint, transport->connect(peer_address, d));
+    ++generation;
+    KVSTASH_LOG_INFO("reconnected to peer over {}", to_string(transport->kind()));
+  }
+  return std::make_pair(endpoint, generation);
+}
+
+Result<RemoteMemory> Peer::import_key(std::string_view remote_key, std::optional<Deadline> deadline) {
+  auto decoded = decode_parts(remote_key, kKeyMagic, true);
+  if (!decoded) return Status::invalid_argument("malformed remote key");
+  const Deadline d = deadline.value_or(deadline_after(state_->control_timeout));
+  const TransportKind kind = state_->transport->kind();
+  auto part = std::find_if(decoded->parts.begin(), decoded->parts.end(),
+                           [&](const auto& p) { return p.first == kind; });
+  if (part == decoded->parts.end()) {
+    return Status::unsupported(std::string("remote key has no part for transport ") + std::string(to_string(kind)));
+  }
+  RemoteMemory rm;
+  rm.base_ = decoded->base;
+  rm.length_ = decoded->length;
+  rm.state_ = std::make_shared<RemoteMemory::State>();
+  rm.state_->peer = state_;
+  rm.state_->packed = std::move(part->second);
+  KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(d));
+  KVSTASH_RETURN_IF_ERROR(rm.state_->key_for(ep.first, ep.second, rm.base_, rm.length_, d).status());
+  return rm;
+}
+
+Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline deadline) {
+  if (entries.empty()) return Status::invalid_argument("empty batch");
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const TransferEntry& e = entries[i];
+    auto where = "entry " + std::to_string(i) + ": ";
+    if (e.length == 0) return Status::invalid_argument(where + "length is 0");
+    if (e.local == nullptr || !e.local->covers(e.local_addr, e.length)) {
+      return Status::invalid_argument(where + "local range is not inside its registered memory");
+    }
+    if (e.remote == nullptr || !e.remote->state_ || e.remote->state_->peer != state_) {
+      return Status::invalid_argument(where + "remote memory was not imported through this peer");
+    }
+    const std::uint64_t base = e.remote->base();
+    if (e.remote_addr < base || e.remote_addr - base > e.remote->length() ||
+        e.length > e.remote->length() - (e.remote_addr - base)) {
+      return Status::invalid_argument(where + "remote range is outside the remote key's region");
+    }
+  }
+  KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(deadline));
+  auto batch_state = std::make_shared<Batch::State>(entries.size(), deadline);
+  batch_state->endpoint = ep.first;
+
+  const auto& caps = state_->caps;
+  const std::size_t slice = caps.slice_bytes == 0 ? SIZE_MAX : caps.slice_bytes;
+  const TransportKind kind = state_->transport->kind();
+  std::vector<transport::Op> ops;
+  ops.reserve(entries.size());
+  std::uint32_t lane = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const TransferEntry& e = entries[i];
+    auto key = e.remote->state_->key_for(ep.first, ep.second, e.remote->base(), e.remote->length(), deadline);
+    if (!key.is_ok()) return key.status();
+    if (batch_state->keys.empty() || batch_state->keys.back() != *key) batch_state->keys.push_back(*key);
+    const std::size_t parts = (e.length + slice - 1) / slice;
+    batch_state->parts_left[i].store(static_cast<std::uint32_t>(parts), std::memory_order_relaxed);
+    for (std::size_t off = 0; off < e.length; off += slice) {
+      transport::Op op;
+      op.op = e.op;
+      op.local = static_cast<std::byte*>(e.local_addr) + off;
+      op.local_reg = e.local->registration(kind);
+      op.remote_addr = e.remote_addr + off;
+      op.remote_key = key->get();
+      op.length = std::min(slice, e.length - off);
+      op.lane = lane++ % std::max<std::uint32_t>(1, caps.lanes);
+      op.sink = batch_state.get();
+      op.tag = static_cast<std::uint32_t>(i);
+      ops.push_back(op);
+    }
+  }
+  ep.first->post(ops);
+  Batch b;
+  b.state_ = std::move(batch_state);
+  return b;
+}
+
+Status Peer::transfer(std::span<const TransferEntry> entries, Deadline deadline) {
+  KVSTASH_ASSIGN_OR_RETURN(Batch b, submit(entries, deadline));
+  return b.wait();
+}
+
+}  // namespace kvstash

@@ -1,0 +1,65 @@
+// Private to src/engine: the shared state behind Engine, Peer, RemoteMemory and Batch.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kvstash/engine.h"
+#include "transport/transport.h"
+
+namespace kvstash {
+
+struct Engine::Impl {
+  EngineOptions options;
+  std::vector<std::unique_ptr<transport::Transport>> transports;
+};
+
+struct Peer::State {
+  transport::Transport* transport = nullptr;
+  transport::Capabilities caps;
+  std::string peer_address;  // the chosen transport's part of the peer's blob
+  std::chrono::milliseconds control_timeout{};
+
+  std::mutex mu;
+  std::shared_ptr<transport::Endpoint> endpoint;  // replaced after the connection broke
+  std::uint64_t generation = 0;                   // bumps with every new endpoint
+
+  // The current endpoint, connecting anew when there is none or it broke.
+  Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> current(Deadline deadline);
+};
+
+struct RemoteMemory::State {
+  std::shared_ptr<Peer::State> peer;
+  std::string packed;  // this transport's part of the key blob
+
+  std::mutex mu;
+  std::uint64_t generation = ~0ull;  // endpoint generation `key` was imported through
+  std::shared_ptr<transport::RemoteKey> key;
+
+  // The key unpacked for endpoint `generation`, importing it again after a reconnect.
+  Result<std::shared_ptr<transport::RemoteKey>> key_for(const std::shared_ptr<transport::Endpoint>& ep,
+                                                        std::uint64_t generation, std::uint64_t base,
+                                                        std::uint64_t length, Deadline deadline);
+};
+
+struct Batch::State final : transport::CompletionSink {
+  State(std::size_t entries, Deadline deadline);
+  void complete(std::uint32_t tag, Status status) override;
+  bool done_locked() const { return entries_left == 0; }
+  void abort(const Status& reason);
+
+  Deadline deadline;
+  std::vector<Status> statuses;
+  std::unique_ptr<std::atomic<std::uint32_t>[]> parts_left;  // per entry: ops not complete
+  std::shared_ptr<transport::Endpoint> endpoint;
+  std::vector<std::shared_ptr<transport::RemoteKey>> keys;  // kept alive while ops run
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::size_t entries_left;  // guarded by mu
+};
+
+}  // namespace kvstash

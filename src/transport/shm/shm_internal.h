@@ -1,0 +1,236 @@
+// Internals of the shm transport, shared by its control path (shm_transport.cc) and its
+// datapath (shm_transport_datapath.cc). Nothing outside src/transport/shm/ includes this,
+// except shm_transport_test.cc, which crafts foreign addresses with encode_address().
+//
+// How it works, in one paragraph: every transport runs a server thread on a UNIX
+// SOCK_SEQPACKET socket in a private directory. A peer connects (both sides check the other's
+// uid with SO_PEERCRED), says hello and receives the "key table": a small sealed memfd of
+// 64-bit slots that it maps read-only. A remote-access registration takes a slot and writes a
+// random key into it; its packed key names (slot, key). To import a key, the peer asks the
+// server for the region's file descriptor (SCM_RIGHTS) and maps it MAP_SHARED. From then on
+// a READ or WRITE is a memcpy on the initiator's own copy thread, preceded by an acquire load
+// of the slot (revocation) and a zero-timeout poll of the socket (peer death).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kvstash/engine.h"
+#include "kvstash/status.h"
+#include "transport/transport.h"
+
+namespace kvstash::transport::shm {
+
+// ---- records -------------------------------------------------------------------------------
+
+inline constexpr std::uint32_t kAddressMagic = 0x4d53564b;  // "KVSM"
+inline constexpr std::uint32_t kKeyMagic = 0x4b53564b;      // "KVSK"
+inline constexpr std::uint32_t kMessageMagic = 0x5053564b;  // "KVSP"
+inline constexpr std::uint16_t kVersion = 1;
+
+// Slot 0 of the key table holds this magic (it includes the version), so a peer that maps
+// something else notices. Slots 1..kKeySlots-1 hold keys; 0 means free or revoked.
+inline constexpr std::uint64_t kKeyTableMagic = 0x3130594b4853564bull;  // "KVSHKY01"
+inline constexpr std::uint32_t kKeySlots = 8192;                        // 64 KiB memfd
+
+struct Address {
+  std::string boot_id;
+  std::uint32_t uid = 0;
+  std::string socket_path;
+};
+std::string encode_address(const Address& address);
+// kInvalidArgument unless `bytes` is exactly one well-formed record of this version.
+Result<Address> decode_address(std::string_view bytes);
+
+struct PackedKey {
+  std::uint32_t slot = 0;
+  std::uint64_t key = 0;
+};
+std::string encode_key(const PackedKey& key);
+Result<PackedKey> decode_key(std::string_view bytes);
+
+// ---- RAII for OS handles -------------------------------------------------------------------
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+class Mapping {
+ public:
+  Mapping() = default;
+  Mapping(void* addr, std::size_t length) : addr_(addr), length_(length) {}
+  Mapping(Mapping&& o) noexcept
+      : addr_(std::exchange(o.addr_, nullptr)), length_(std::exchange(o.length_, 0)) {}
+  Mapping& operator=(Mapping&& o) noexcept {
+    if (this != &o) {
+      reset();
+      addr_ = std::exchange(o.addr_, nullptr);
+      length_ = std::exchange(o.length_, 0);
+    }
+    return *this;
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() { reset(); }
+
+  std::byte* data() const { return static_cast<std::byte*>(addr_); }
+  std::size_t size() const { return length_; }
+  void reset();
+
+ private:
+  void* addr_ = nullptr;
+  std::size_t length_ = 0;
+};
+
+// Acquire load of a key-table slot. The peer's table is mapped read-only, and
+// std::atomic_ref needs a non-const object, hence the builtin (a plain load on x86/arm64).
+inline std::uint64_t load_slot(const std::uint64_t* slot) {
+  return __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+}
+
+// ---- initiator side: one connection to a peer ----------------------------------------------
+
+// Shared by the endpoint and every region imported through it, so a queued op keeps the
+// socket and the peer's key table alive even if the endpoint goes first.
+struct PeerConnection {
+  UniqueFd socket;
+  Mapping key_table;  // the peer's, read-only
+  std::uint32_t slots = 0;
+  std::string peer;  // socket path, for messages
+  std::atomic<bool> healthy{true};
+
+  // Serializes request/response exchanges (import_key from several threads): one
+  // exchange at a time holds `request_busy`, the others wait for it up to their deadline.
+  // (A flag and a condvar rather than std::timed_mutex, which TSan cannot follow.)
+  std::mutex request_mu;
+  std::condition_variable request_cv;
+  bool request_busy = false;       // guarded by request_mu
+  std::uint64_t next_request = 1;  // guarded by request_busy
+
+  const std::uint64_t* slot(std::uint32_t i) const {
+    return reinterpret_cast<const std::uint64_t*>(key_table.data()) + i;
+  }
+  // True once the peer hung up (its process died or its transport closed); cheap: one
+  // zero-timeout poll. Marks the connection unhealthy.
+  bool gone();
+};
+
+// A peer's region mapped into this process: [base, base + length) in the peer's address
+// space is [data, data + length) here.
+struct RemoteRegion {
+  std::shared_ptr<PeerConnection> conn;
+  Mapping mapping;
+  std::byte* data = nullptr;
+  std::uint64_t base = 0;
+  std::uint64_t length = 0;
+  std::uint32_t slot = 0;
+  std::uint64_t key = 0;
+};
+
+class ShmRemoteKey final : public RemoteKey {
+ public:
+  explicit ShmRemoteKey(std::shared_ptr<const RemoteRegion> region) : region_(std::move(region)) {
+    base = region_->base;
+    length = region_->length;
+  }
+  const std::shared_ptr<const RemoteRegion>& region() const { return region_; }
+
+ private:
+  std::shared_ptr<const RemoteRegion> region_;
+};
+
+// ---- datapath: copy lanes ------------------------------------------------------------------
+
+// One worker thread and a FIFO per lane. The queue lock is taken once per batch by post()
+// and once per op by the worker, never during a copy.
+class Datapath {
+ public:
+  explicit Datapath(std::uint32_t lanes);
+  ~Datapath();
+  Datapath(const Datapath&) = delete;
+  Datapath& operator=(const Datapath&) = delete;
+
+  std::uint32_t lanes() const { return static_cast<std::uint32_t>(lanes_.size()); }
+
+  // Validates and enqueues; ops that fail validation complete inline.
+  void post(const PeerConnection* conn, std::span<const Op> ops);
+  // See Endpoint::abort.
+  void abort(CompletionSink* sink, const Status& reason);
+  // Completes every queued op with kUnavailable and joins the workers; later posts complete
+  // inline with kUnavailable. Idempotent.
+  void stop();
+
+ private:
+  struct Job {
+    Op op;
+    std::shared_ptr<const RemoteRegion> region;
+  };
+  struct Lane {
+    std::mutex mu;
+    std::condition_variable work_cv;  // a job arrived or stop
+    std::condition_variable idle_cv;  // busy_sink changed
+    std::deque<Job> queue;
+    CompletionSink* busy_sink = nullptr;  // sink of the op being copied (until completed)
+    bool stopping = false;
+    std::thread thread;
+  };
+
+  void run(Lane& lane);
+  static Status execute(const Job& job);
+  // The key the op may use (nullptr: nothing to copy), or the error to complete it with.
+  static Result<const ShmRemoteKey*> validate(const PeerConnection* conn, const Op& op,
+                                              std::uint32_t lanes);
+
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::mutex stop_mu_;
+  bool stopped_ = false;  // guarded by stop_mu_
+};
+
+class ShmEndpoint final : public Endpoint {
+ public:
+  ShmEndpoint(std::shared_ptr<PeerConnection> conn, std::shared_ptr<Datapath> datapath)
+      : conn_(std::move(conn)), datapath_(std::move(datapath)) {}
+
+  Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
+                                                std::string_view packed,
+                                                Deadline deadline) override;
+  void post(std::span<const Op> ops) override;
+  void abort(CompletionSink* sink, const Status& reason) override;
+  bool healthy() const override;
+
+ private:
+  std::shared_ptr<PeerConnection> conn_;
+  std::shared_ptr<Datapath> datapath_;
+};
+
+}  // namespace kvstash::transport::shm

@@ -1,0 +1,203 @@
+// Private to the tcp transport: wire protocol, region table, and the stream machinery.
+//
+// Protocol (little-endian, fixed-size headers, one request at a time per direction):
+//   handshake  server -> client  ServerHello   (nonce_s, whether a token is required)
+//              client -> server  ClientHello   (nonce_c, HMAC(token, "client", nonce_s, nonce_c))
+//              server -> client  ServerVerdict (ok/denied, HMAC(token, "server", nonce_s, nonce_c))
+//   requests   client -> server  RequestHeader [+ payload for WRITE]
+//              server -> client  ResponseHeader [+ payload for a successful READ]
+// Responses come back in request order on each stream, so no request ids are needed.
+// Payloads move straight between the socket and the registered memory on both sides.
+#pragma once
+
+#include <atomic>
+#include <bit>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "transport/tcp/asio.h"
+
+#include "kvstash/engine.h"
+#include "transport/transport.h"
+
+namespace kvstash::transport::tcp {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+
+static_assert(std::endian::native == std::endian::little, "the tcp protocol is little-endian");
+
+inline constexpr std::uint32_t kServerMagic = 0x5354564b;  // "KVTS"
+inline constexpr std::uint32_t kClientMagic = 0x4354564b;  // "KVTC"
+inline constexpr std::uint8_t kProtocolVersion = 1;
+inline constexpr std::size_t kNonceBytes = 16;
+inline constexpr std::size_t kMacBytes = 32;
+
+struct ServerHello {
+  std::uint32_t magic;
+  std::uint8_t version;
+  std::uint8_t token_required;
+  std::uint8_t reserved[2];
+  std::uint8_t nonce[kNonceBytes];
+};
+struct ClientHello {
+  std::uint32_t magic;
+  std::uint8_t version;
+  std::uint8_t reserved[3];
+  std::uint8_t nonce[kNonceBytes];
+  std::uint8_t mac[kMacBytes];
+};
+struct ServerVerdict {
+  std::uint32_t status;  // a StatusCode
+  std::uint8_t mac[kMacBytes];
+};
+
+struct RequestHeader {
+  std::uint8_t op;  // TransferOp
+  std::uint8_t reserved[7];
+  std::uint64_t key;
+  std::uint64_t addr;
+  std::uint64_t length;
+};
+struct ResponseHeader {
+  std::uint32_t status;  // a StatusCode
+  std::uint32_t reason;  // a RefusalReason when status is not OK
+  std::uint64_t length;  // payload bytes that follow
+};
+enum class RefusalReason : std::uint32_t { kNone = 0, kUnknownKey, kOutOfRange, kBadOp };
+static_assert(sizeof(RequestHeader) == 32 && sizeof(ResponseHeader) == 16);
+
+// HMAC-SHA256(token, role || nonce_s || nonce_c).
+void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
+                   const std::uint8_t* nonce_c, std::uint8_t* mac_out);
+
+// Regions this process serves. Lookups take a reference that holds off deregistration until
+// the request that uses it is done, so memory is never touched after deregister returns.
+class RegionTable {
+ public:
+  struct Region {
+    std::byte* base;
+    std::uint64_t length;
+    std::atomic<std::uint32_t> users{0};
+  };
+  class Lease {
+   public:
+    Lease() = default;
+    explicit Lease(std::shared_ptr<Region> r) : r_(std::move(r)) {}
+    Lease(Lease&&) = default;
+    Lease& operator=(Lease&& o) noexcept {
+      release();
+      r_ = std::move(o.r_);
+      return *this;
+    }
+    ~Lease() { release(); }
+    Region* get() const { return r_.get(); }
+
+   private:
+    void release() {
+      if (r_) r_->users.fetch_sub(1, std::memory_order_release);
+      r_.reset();
+    }
+    std::shared_ptr<Region> r_;
+  };
+
+  std::uint64_t add(std::byte* base, std::uint64_t length);
+  // Removes the key; returns once no request uses the region any more.
+  void remove(std::uint64_t key);
+  // An empty lease when the key is unknown.
+  Lease find(std::uint64_t key) const;
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Region>> regions_;
+};
+
+// One op in flight on a client stream.
+struct Pending {
+  Op op{};
+  bool aborted = false;
+  Status abort_reason{};
+};
+
+// The io_context and its threads, shared by the transport, its endpoints and streams so that
+// whichever goes last stops it.
+class IoRuntime {
+ public:
+  explicit IoRuntime(std::uint32_t threads);
+  ~IoRuntime();
+  asio::io_context& io() { return io_; }
+
+ private:
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  std::vector<std::thread> threads_;
+};
+
+// One TCP connection of a client endpoint: a writer sends queued requests, a reader takes
+// the responses in order. All socket work runs on the stream's strand.
+class Stream : public std::enable_shared_from_this<Stream> {
+ public:
+  Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket);
+  void start();
+  void enqueue(const Op& op);
+  // Completes queued ops of `sink` with `reason`; returns the number still on the wire.
+  std::size_t abort_queued(CompletionSink* sink, const Status& reason);
+  // Closes the socket so every op on the wire fails; ops of `sink` end with `reason`.
+  void reset(CompletionSink* sink, const Status& reason);
+  // Blocks until no op of `sink` is on this stream.
+  void wait_drained(CompletionSink* sink);
+  bool healthy() const { return healthy_.load(std::memory_order_acquire); }
+  void close();
+
+ private:
+  static asio::awaitable<void> write_loop(std::shared_ptr<Stream> self);
+  static asio::awaitable<void> read_loop(std::shared_ptr<Stream> self);
+  void fail_all(const Status& status);
+  void finish(Pending& p, Status status);
+
+  std::shared_ptr<IoRuntime> runtime_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  tcp::socket socket_;
+  std::mutex mu_;
+  std::condition_variable drained_;
+  std::deque<Pending> queued_;   // not yet sent
+  std::deque<Pending> on_wire_;  // sent, waiting for the response
+  bool writing_ = false;
+  bool failed_ = false;
+  Status failure_;
+  std::atomic<bool> healthy_{true};
+};
+
+class Endpoint final : public transport::Endpoint {
+ public:
+  explicit Endpoint(std::vector<std::shared_ptr<Stream>> streams) : streams_(std::move(streams)) {}
+  ~Endpoint() override;
+  Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
+                                                std::string_view packed, Deadline deadline) override;
+  void post(std::span<const Op> ops) override;
+  void abort(CompletionSink* sink, const Status& reason) override;
+  bool healthy() const override;
+
+ private:
+  std::vector<std::shared_ptr<Stream>> streams_;
+};
+
+struct TcpRemoteKey final : RemoteKey {
+  std::uint64_t key = 0;
+};
+
+// Serves one accepted connection: handshake, then requests against the region table.
+// Runs on the socket's strand.
+asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const RegionTable> regions,
+                                       std::string token);
+
+}  // namespace kvstash::transport::tcp

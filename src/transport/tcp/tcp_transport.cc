@@ -1,0 +1,468 @@
+// tcp control path: listening, the connection handshake, connecting, registration.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/log.h"
+#include "common/system.h"
+#include "common/wire.h"
+#include "transport/tcp/tcp_internal.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace kvstash::transport::tcp {
+
+asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions);
+
+namespace {
+
+using asio::use_awaitable;
+
+constexpr std::uint32_t kAddressMagic = 0x3154564b;  // "KVT1"
+constexpr std::uint8_t kKeyVersion = 1;
+constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+
+struct HostPort {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+// "host:port", "[v6]:port".
+Result<HostPort> parse_host_port(std::string_view s) {
+  HostPort hp;
+  std::size_t colon;
+  if (!s.empty() && s.front() == '[') {
+    auto close = s.find(']');
+    if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') {
+      return Status::invalid_argument("malformed address '" + std::string(s) + "'; expected [v6]:port");
+    }
+    hp.host = std::string(s.substr(1, close - 1));
+    colon = close + 1;
+  } else {
+    colon = s.rfind(':');
+    if (colon == std::string_view::npos) {
+      return Status::invalid_argument("malformed address '" + std::string(s) + "'; expected host:port");
+    }
+    hp.host = std::string(s.substr(0, colon));
+  }
+  auto port = s.substr(colon + 1);
+  unsigned long v = 0;
+  if (port.empty() || port.size() > 5) v = 1u << 20;
+  for (char c : port) v = (c >= '0' && c <= '9') ? v * 10 + static_cast<unsigned>(c - '0') : 1u << 20;
+  if (v > 65535 || hp.host.empty()) {
+    return Status::invalid_argument("malformed address '" + std::string(s) + "'; expected host:port");
+  }
+  hp.port = static_cast<std::uint16_t>(v);
+  return hp;
+}
+
+std::string encode_address(const HostPort& hp) {
+  wire::Writer w;
+  w.u32(kAddressMagic);
+  w.bytes(hp.host);
+  w.u16(hp.port);
+  return w.take();
+}
+
+std::optional<HostPort> decode_address(std::string_view blob) {
+  wire::Reader r(blob);
+  HostPort hp;
+  if (r.u32() != kAddressMagic) return std::nullopt;
+  hp.host = std::string(r.bytes());
+  hp.port = r.u16();
+  if (!r.at_end() || hp.host.empty() || hp.host.size() > 255 || hp.port == 0) return std::nullopt;
+  return hp;
+}
+
+// Blocking socket helpers for the client side of the handshake, each bounded by a deadline.
+Status wait_fd(int fd, short events, Deadline deadline, const char* what) {
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return Status::timeout(std::string("tcp ") + what + " timed out");
+    pollfd p{fd, events, 0};
+    int n = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    if (n > 0) return {};
+    if (n < 0 && errno != EINTR) return Status::from_errno("poll", errno);
+  }
+}
+
+Status send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLOUT, deadline, "handshake send"));
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      return Status::unavailable(std::string("tcp handshake send: ") + std::strerror(errno));
+    }
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return {};
+}
+
+Status recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLIN, deadline, "handshake receive"));
+    ssize_t k = ::recv(fd, p, n, 0);
+    if (k == 0) return Status::unavailable("peer closed the connection during the tcp handshake");
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      return Status::unavailable(std::string("tcp handshake receive: ") + std::strerror(errno));
+    }
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return {};
+}
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+  int release() { return std::exchange(fd, -1); }
+};
+
+Result<int> connect_socket(const HostPort& hp, Deadline deadline) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string port = std::to_string(hp.port);
+  if (int rc = getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return Status::unavailable("cannot resolve '" + hp.host + "': " + gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  Status last = Status::unavailable("no address for '" + hp.host + "'");
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    Fd s{::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
+    if (s.fd < 0) return Status::from_errno("socket", errno);
+    if (::connect(s.fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(errno));
+      continue;
+    }
+    if (Status st = wait_fd(s.fd, POLLOUT, deadline, "connect"); !st.is_ok()) return st;
+    int err = 0;
+    socklen_t len = sizeof err;
+    getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) {
+      last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(err));
+      continue;
+    }
+    int one = 1;
+    setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return s.release();
+  }
+  return last;
+}
+
+// Client side: prove the token (when we have one) and require the target to prove it too.
+Status client_handshake(int fd, const std::string& token, Deadline deadline) {
+  ServerHello hello;
+  KVSTASH_RETURN_IF_ERROR(recv_all(fd, &hello, sizeof hello, deadline));
+  if (hello.magic != kServerMagic) return Status::invalid_argument("peer is not a kvstash tcp target");
+  if (hello.version != kProtocolVersion) {
+    return Status::unsupported("peer speaks tcp protocol version " + std::to_string(hello.version) +
+                               ", this build speaks " + std::to_string(kProtocolVersion));
+  }
+  if (hello.token_required && token.empty()) {
+    return Status::permission_denied("target requires a cluster token and none is configured");
+  }
+  ClientHello mine{};
+  mine.magic = kClientMagic;
+  mine.version = kProtocolVersion;
+  sys::random_bytes(mine.nonce, sizeof mine.nonce);
+  if (!token.empty()) handshake_mac(token, "client", hello.nonce, mine.nonce, mine.mac);
+  KVSTASH_RETURN_IF_ERROR(send_all(fd, &mine, sizeof mine, deadline));
+  ServerVerdict verdict;
+  KVSTASH_RETURN_IF_ERROR(recv_all(fd, &verdict, sizeof verdict, deadline));
+  if (verdict.status != static_cast<std::uint32_t>(StatusCode::kOk)) {
+    return Status::permission_denied("target refused this client's cluster token");
+  }
+  if (!token.empty()) {
+    std::uint8_t expect[kMacBytes];
+    handshake_mac(token, "server", hello.nonce, mine.nonce, expect);
+    if (CRYPTO_memcmp(expect, verdict.mac, kMacBytes) != 0) {
+      return Status::permission_denied("target could not prove the cluster token");
+    }
+  }
+  return {};
+}
+
+class Registration final : public LocalRegistration {
+ public:
+  Registration(std::shared_ptr<RegionTable> table, std::uint64_t key) : table_(std::move(table)), key_(key) {}
+  ~Registration() override {
+    if (table_) table_->remove(key_);
+  }
+  std::string packed_key() const override {
+    if (!table_) return {};
+    wire::Writer w;
+    w.u8(kKeyVersion);
+    w.u64(key_);
+    return w.take();
+  }
+
+ private:
+  std::shared_ptr<RegionTable> table_;  // null: local use only
+  std::uint64_t key_;
+};
+
+class TcpTransport final : public Transport {
+ public:
+  TcpTransport(const TcpOptions& options, std::shared_ptr<IoRuntime> runtime, tcp::acceptor acceptor,
+               std::string address)
+      : options_(options),
+        runtime_(std::move(runtime)),
+        acceptor_(std::move(acceptor)),
+        address_(std::move(address)),
+        regions_(std::make_shared<RegionTable>()) {
+    asio::co_spawn(acceptor_.get_executor(), accept_loop(), asio::detached);
+  }
+  ~TcpTransport() override {
+    asio::post(acceptor_.get_executor(), [this] {
+      boost::system::error_code ignored;
+      acceptor_.close(ignored);
+    });
+    std::unique_lock lock(mu_);
+    stopped_.wait(lock, [&] { return !accepting_; });
+  }
+
+  TransportKind kind() const override { return TransportKind::kTcp; }
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.lanes = std::max<std::uint32_t>(1, options_.streams);
+    c.slice_bytes = options_.slice_bytes;
+    return c;
+  }
+  std::string local_address() const override { return address_; }
+  bool can_reach(std::string_view peer_address) const override {
+    return decode_address(peer_address).has_value();
+  }
+
+  Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
+                                                             bool remote_access) override {
+    if (region.kind != MemoryKind::kHost) return Status::unsupported("tcp moves host memory only");
+    if (!remote_access) return std::unique_ptr<LocalRegistration>(new Registration(nullptr, 0));
+    std::uint64_t key = regions_->add(static_cast<std::byte*>(region.addr), region.length);
+    return std::unique_ptr<LocalRegistration>(new Registration(regions_, key));
+  }
+
+  Result<std::shared_ptr<transport::Endpoint>> connect(std::string_view peer_address,
+                                                       Deadline deadline) override {
+    auto hp = decode_address(peer_address);
+    if (!hp) return Status::invalid_argument("malformed tcp peer address");
+    std::vector<std::shared_ptr<Stream>> streams;
+    for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, options_.streams); ++i) {
+      KVSTASH_ASSIGN_OR_RETURN(int fd, connect_socket(*hp, deadline));
+      Fd guard{fd};
+      KVSTASH_RETURN_IF_ERROR(client_handshake(fd, options_.cluster_token, deadline));
+      tcp::socket sock(runtime_->io());
+      boost::system::error_code ec;
+      sock.assign(hp->host.find(':') == std::string::npos ? tcp::v4() : tcp::v6(), guard.release(), ec);
+      if (ec) return Status::io_error("asio assign: " + ec.message());
+      streams.push_back(std::make_shared<Stream>(runtime_, std::move(sock)));
+      streams.back()->start();
+    }
+    return std::shared_ptr<transport::Endpoint>(std::make_shared<Endpoint>(std::move(streams)));
+  }
+
+ private:
+  asio::awaitable<void> accept_loop() {
+    {
+      std::lock_guard lock(mu_);
+      accepting_ = true;
+    }
+    for (;;) {
+      boost::system::error_code ec;
+      tcp::socket sock(asio::make_strand(runtime_->io()));
+      co_await acceptor_.async_accept(sock, asio::redirect_error(use_awaitable, ec));
+      if (ec == asio::error::operation_aborted || !acceptor_.is_open()) break;
+      if (ec) {
+        KVSTASH_LOG_WARN("tcp accept failed: {}", ec.message());
+        continue;
+      }
+      sock.set_option(tcp::no_delay(true), ec);
+      auto ex = sock.get_executor();
+      asio::co_spawn(ex, serve_connection(std::move(sock), regions_, options_.cluster_token),
+                     asio::detached);
+    }
+    std::lock_guard lock(mu_);
+    accepting_ = false;
+    stopped_.notify_all();
+    co_return;
+  }
+
+  TcpOptions options_;
+  std::shared_ptr<IoRuntime> runtime_;
+  tcp::acceptor acceptor_;
+  std::string address_;
+  std::shared_ptr<RegionTable> regions_;
+  std::mutex mu_;
+  std::condition_variable stopped_;
+  bool accepting_ = true;
+};
+
+}  // namespace
+
+void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
+                   const std::uint8_t* nonce_c, std::uint8_t* mac_out) {
+  std::string msg(role);
+  msg.append(reinterpret_cast<const char*>(nonce_s), kNonceBytes);
+  msg.append(reinterpret_cast<const char*>(nonce_c), kNonceBytes);
+  unsigned int len = kMacBytes;
+  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+       reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac_out, &len);
+}
+
+IoRuntime::IoRuntime(std::uint32_t threads) : work_(asio::make_work_guard(io_)) {
+  for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, threads); ++i) {
+    threads_.emplace_back([this] { io_.run(); });
+  }
+}
+
+IoRuntime::~IoRuntime() {
+  work_.reset();
+  io_.stop();
+  for (auto& t : threads_) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // the last owner let go from an io thread; it exits after this handler
+    } else {
+      t.join();
+    }
+  }
+}
+
+std::uint64_t RegionTable::add(std::byte* base, std::uint64_t length) {
+  auto region = std::make_shared<Region>();
+  region->base = base;
+  region->length = length;
+  std::unique_lock lock(mu_);
+  std::uint64_t key;
+  do {
+    key = sys::random_u64();
+  } while (key == 0 || regions_.count(key) != 0);
+  regions_.emplace(key, std::move(region));
+  return key;
+}
+
+void RegionTable::remove(std::uint64_t key) {
+  std::shared_ptr<Region> region;
+  {
+    std::unique_lock lock(mu_);
+    auto it = regions_.find(key);
+    if (it == regions_.end()) return;
+    region = std::move(it->second);
+    regions_.erase(it);
+  }
+  // Requests that found the region before it left the table finish first.
+  while (region->users.load(std::memory_order_acquire) != 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+RegionTable::Lease RegionTable::find(std::uint64_t key) const {
+  std::shared_lock lock(mu_);
+  auto it = regions_.find(key);
+  if (it == regions_.end()) return {};
+  it->second->users.fetch_add(1, std::memory_order_acquire);
+  return Lease(it->second);
+}
+
+Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std::uint64_t length,
+                                                        std::string_view packed, Deadline) {
+  wire::Reader r(packed);
+  std::uint8_t version = r.u8();
+  std::uint64_t key = r.u64();
+  if (!r.at_end() || version != kKeyVersion) return Status::invalid_argument("malformed tcp remote key");
+  auto k = std::make_unique<TcpRemoteKey>();
+  k->base = base;
+  k->length = length;
+  k->key = key;
+  return std::unique_ptr<RemoteKey>(std::move(k));
+}
+
+asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const RegionTable> regions,
+                                       std::string token) {
+  // A client that connects and says nothing is dropped after kHandshakeTimeout.
+  auto done = std::make_shared<bool>(false);
+  asio::steady_timer timer(socket.get_executor(), kHandshakeTimeout);
+  timer.async_wait([&socket, done](boost::system::error_code ec) {
+    if (!ec && !*done) {
+      boost::system::error_code ignored;
+      socket.close(ignored);
+    }
+  });
+  try {
+    ServerHello hello{};
+    hello.magic = kServerMagic;
+    hello.version = kProtocolVersion;
+    hello.token_required = token.empty() ? 0 : 1;
+    sys::random_bytes(hello.nonce, sizeof hello.nonce);
+    co_await asio::async_write(socket, asio::buffer(&hello, sizeof hello), use_awaitable);
+    ClientHello client;
+    co_await asio::async_read(socket, asio::buffer(&client, sizeof client), use_awaitable);
+    ServerVerdict verdict{};
+    bool ok = client.magic == kClientMagic && client.version == kProtocolVersion;
+    if (ok && !token.empty()) {
+      std::uint8_t expect[kMacBytes];
+      handshake_mac(token, "client", hello.nonce, client.nonce, expect);
+      ok = CRYPTO_memcmp(expect, client.mac, kMacBytes) == 0;
+      if (ok) handshake_mac(token, "server", hello.nonce, client.nonce, verdict.mac);
+    }
+    verdict.status = static_cast<std::uint32_t>(ok ? StatusCode::kOk : StatusCode::kPermissionDenied);
+    co_await asio::async_write(socket, asio::buffer(&verdict, sizeof verdict), use_awaitable);
+    *done = true;
+    timer.cancel();
+    if (!ok) {
+      KVSTASH_LOG_WARN("tcp: refused a client that failed the cluster-token handshake");
+      co_return;
+    }
+    co_await serve_requests(socket, *regions);
+  } catch (const boost::system::system_error& e) {
+    *done = true;
+    // The initiator went away or broke protocol; its requests are its own to retry.
+    if (e.code() != asio::error::eof) KVSTASH_LOG_DEBUG("tcp: connection ended: {}", e.what());
+  }
+}
+
+Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options) {
+  KVSTASH_ASSIGN_OR_RETURN(HostPort listen, parse_host_port(options.listen));
+  auto runtime = std::make_shared<IoRuntime>(options.io_threads);
+  boost::system::error_code ec;
+  auto ip = asio::ip::make_address(listen.host, ec);
+  if (ec) return Status::invalid_argument("tcp listen address must be numeric: '" + listen.host + "'");
+  tcp::acceptor acceptor(asio::make_strand(runtime->io()));
+  tcp::endpoint ep(ip, listen.port);
+  acceptor.open(ep.protocol(), ec);
+  if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor.bind(ep, ec);
+  if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) return Status::unavailable("tcp listen on " + options.listen + ": " + ec.message());
+  HostPort advertised = listen;
+  if (!options.advertise.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(advertised, parse_host_port(options.advertise));
+  }
+  if (advertised.port == 0 || options.advertise.empty()) advertised.port = acceptor.local_endpoint().port();
+  return std::unique_ptr<Transport>(
+      new TcpTransport(options, std::move(runtime), std::move(acceptor), encode_address(advertised)));
+}
+
+}  // namespace kvstash::transport::tcp
+
+namespace kvstash::transport {
+Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options) {
+  return tcp::make_transport(options);
+}
+}  // namespace kvstash::transport

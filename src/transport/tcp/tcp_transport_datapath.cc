@@ -1,0 +1,320 @@
+// tcp datapath: the initiator's streams (post, abort, responses) and the target's request loop.
+// Payloads go straight between sockets and registered memory: a WRITE is one gather write of
+// header + payload, a READ's payload is read straight into the destination.
+#include <array>
+#include <vector>
+
+#include "common/log.h"
+#include "transport/tcp/tcp_internal.h"
+
+namespace kvstash::transport::tcp {
+namespace {
+
+using asio::redirect_error;
+using asio::use_awaitable;
+using boost::system::error_code;
+
+// A refused WRITE's payload is read and dropped to keep the stream in sync, up to this size;
+// beyond it the connection is closed instead.
+constexpr std::uint64_t kMaxDiscard = 64u << 20;
+
+Status refusal(std::uint32_t code, std::uint32_t reason) {
+  auto c = static_cast<StatusCode>(code);
+  switch (static_cast<RefusalReason>(reason)) {
+    case RefusalReason::kUnknownKey:
+      return {c, "target refused the request: unknown or revoked remote key"};
+    case RefusalReason::kOutOfRange:
+      return {c, "target refused the request: range outside the registered region"};
+    case RefusalReason::kBadOp:
+      return {c, "target refused the request: unknown operation"};
+    case RefusalReason::kNone:
+      break;
+  }
+  return {c, "target refused the request"};
+}
+
+}  // namespace
+
+// ---- initiator ------------------------------------------------------------------------------
+
+Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket)
+    : runtime_(std::move(runtime)),
+      strand_(asio::make_strand(runtime_->io())),
+      socket_(std::move(socket)) {}
+
+void Stream::start() { asio::co_spawn(strand_, read_loop(shared_from_this()), asio::detached); }
+
+void Stream::enqueue(const Op& op) {
+  std::unique_lock lock(mu_);
+  if (failed_) {
+    Status s = failure_;
+    lock.unlock();
+    op.sink->complete(op.tag, std::move(s));
+    return;
+  }
+  queued_.push_back({op});
+  if (writing_) return;
+  writing_ = true;
+  lock.unlock();
+  asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
+}
+
+asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
+  for (;;) {
+    RequestHeader h{};
+    std::byte* payload = nullptr;
+    {
+      std::lock_guard lock(self->mu_);
+      if (self->queued_.empty() || self->failed_) {
+        self->writing_ = false;
+        co_return;
+      }
+      // On the wire before the header is sent, so the response always finds it.
+      self->on_wire_.push_back(std::move(self->queued_.front()));
+      self->queued_.pop_front();
+      const Op& op = self->on_wire_.back().op;
+      h.op = static_cast<std::uint8_t>(op.op);
+      h.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
+      h.addr = op.remote_addr;
+      h.length = op.length;
+      if (op.op == TransferOp::kWrite) payload = op.local;
+    }
+    // Only locals from here on: a failure on the read side may complete the op meanwhile.
+    error_code ec;
+    if (payload != nullptr) {
+      std::array<asio::const_buffer, 2> bufs{asio::buffer(&h, sizeof h),
+                                              asio::buffer(payload, h.length)};
+      co_await asio::async_write(self->socket_, bufs, redirect_error(use_awaitable, ec));
+    } else {
+      co_await asio::async_write(self->socket_, asio::buffer(&h, sizeof h),
+                                 redirect_error(use_awaitable, ec));
+    }
+    if (ec) {
+      self->fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()));
+      std::lock_guard lock(self->mu_);
+      self->writing_ = false;
+      co_return;
+    }
+  }
+}
+
+asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
+  for (;;) {
+    ResponseHeader r{};
+    error_code ec;
+    co_await asio::async_read(self->socket_, asio::buffer(&r, sizeof r),
+                              redirect_error(use_awaitable, ec));
+    if (ec) {
+      self->fail_all(Status::unavailable(
+          ec == asio::error::eof ? "peer closed the tcp connection" : "tcp receive failed: " + ec.message()));
+      co_return;
+    }
+    Op op;
+    {
+      std::lock_guard lock(self->mu_);
+      if (self->failed_) co_return;  // reset meanwhile; its ops are already completed
+      if (self->on_wire_.empty()) {
+        op.sink = nullptr;
+      } else {
+        op = self->on_wire_.front().op;
+      }
+    }
+    const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    const std::uint64_t expect = ok && op.op == TransferOp::kRead ? op.length : 0;
+    if (op.sink == nullptr || r.length != expect) {
+      self->fail_all(Status::corrupt("tcp protocol error: unexpected response from peer"));
+      co_return;
+    }
+    if (expect > 0) {
+      co_await asio::async_read(self->socket_, asio::buffer(op.local, expect),
+                                redirect_error(use_awaitable, ec));
+      if (ec) {
+        self->fail_all(Status::unavailable("tcp receive failed mid-payload: " + ec.message()));
+        co_return;
+      }
+    }
+    Pending done;
+    {
+      std::lock_guard lock(self->mu_);
+      if (self->failed_) co_return;
+      done = std::move(self->on_wire_.front());
+      self->on_wire_.pop_front();
+    }
+    self->finish(done, ok ? Status() : refusal(r.status, r.reason));
+  }
+}
+
+void Stream::finish(Pending& p, Status status) {
+  if (p.aborted) status = p.abort_reason;
+  p.op.sink->complete(p.op.tag, std::move(status));
+  std::lock_guard lock(mu_);
+  drained_.notify_all();
+}
+
+void Stream::fail_all(const Status& status) {
+  std::deque<Pending> dead;
+  {
+    std::lock_guard lock(mu_);
+    if (!failed_) {
+      failed_ = true;
+      failure_ = status;
+      healthy_.store(false, std::memory_order_release);
+      if (status.code() != StatusCode::kCancelled) KVSTASH_LOG_WARN("tcp stream failed: {}", status.to_string());
+    }
+    dead.swap(on_wire_);
+    for (auto& p : queued_) dead.push_back(std::move(p));
+    queued_.clear();
+  }
+  // Closing on the strand stops every pending socket operation before the ops are reported
+  // complete, so no byte of theirs is touched afterwards.
+  error_code ignored;
+  socket_.close(ignored);
+  for (auto& p : dead) finish(p, status);
+}
+
+std::size_t Stream::abort_queued(CompletionSink* sink, const Status& reason) {
+  std::vector<Pending> mine;
+  std::size_t on_wire = 0;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = queued_.begin(); it != queued_.end();) {
+      if (it->op.sink == sink) {
+        mine.push_back(std::move(*it));
+        it = queued_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (const auto& p : on_wire_) on_wire += p.op.sink == sink;
+  }
+  for (auto& p : mine) {
+    p.aborted = true;
+    p.abort_reason = reason;
+    finish(p, reason);
+  }
+  return on_wire;
+}
+
+void Stream::reset(CompletionSink* sink, const Status& reason) {
+  asio::post(strand_, [self = shared_from_this(), sink, reason] {
+    {
+      std::lock_guard lock(self->mu_);
+      for (auto& p : self->on_wire_) {
+        if (p.op.sink == sink) {
+          p.aborted = true;
+          p.abort_reason = reason;
+        }
+      }
+    }
+    self->fail_all(Status::unavailable("tcp connection reset to cancel an in-flight batch"));
+  });
+}
+
+void Stream::wait_drained(CompletionSink* sink) {
+  std::unique_lock lock(mu_);
+  drained_.wait(lock, [&] {
+    for (const auto& p : queued_) {
+      if (p.op.sink == sink) return false;
+    }
+    for (const auto& p : on_wire_) {
+      if (p.op.sink == sink) return false;
+    }
+    return true;
+  });
+}
+
+void Stream::close() {
+  asio::post(strand_, [self = shared_from_this()] {
+    self->fail_all(Status::cancelled("tcp endpoint closed"));
+  });
+}
+
+void Endpoint::post(std::span<const Op> ops) {
+  for (const Op& op : ops) streams_[op.lane % streams_.size()]->enqueue(op);
+}
+
+void Endpoint::abort(CompletionSink* sink, const Status& reason) {
+  for (auto& s : streams_) {
+    if (s->abort_queued(sink, reason) > 0) s->reset(sink, reason);
+  }
+  for (auto& s : streams_) s->wait_drained(sink);
+}
+
+bool Endpoint::healthy() const {
+  for (const auto& s : streams_) {
+    if (!s->healthy()) return false;
+  }
+  return true;
+}
+
+Endpoint::~Endpoint() {
+  for (auto& s : streams_) s->close();
+}
+
+// ---- target ---------------------------------------------------------------------------------
+
+namespace {
+
+ResponseHeader check(const RequestHeader& h, const RegionTable::Lease& lease, std::byte** where) {
+  ResponseHeader r{};
+  r.status = static_cast<std::uint32_t>(StatusCode::kPermissionDenied);
+  if (h.op != static_cast<std::uint8_t>(TransferOp::kRead) &&
+      h.op != static_cast<std::uint8_t>(TransferOp::kWrite)) {
+    r.status = static_cast<std::uint32_t>(StatusCode::kInvalidArgument);
+    r.reason = static_cast<std::uint32_t>(RefusalReason::kBadOp);
+    return r;
+  }
+  const RegionTable::Region* region = lease.get();
+  if (region == nullptr) {
+    r.reason = static_cast<std::uint32_t>(RefusalReason::kUnknownKey);
+    return r;
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(region->base);
+  if (h.addr < base || h.addr - base > region->length || h.length > region->length - (h.addr - base)) {
+    r.reason = static_cast<std::uint32_t>(RefusalReason::kOutOfRange);
+    return r;
+  }
+  *where = region->base + (h.addr - base);
+  r.status = static_cast<std::uint32_t>(StatusCode::kOk);
+  return r;
+}
+
+}  // namespace
+
+asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions) {
+  std::vector<std::byte> scratch;
+  for (;;) {
+    RequestHeader h;
+    co_await asio::async_read(socket, asio::buffer(&h, sizeof h), use_awaitable);
+    std::byte* where = nullptr;
+    RegionTable::Lease lease = regions.find(h.key);
+    ResponseHeader r = check(h, lease, &where);
+    const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
+      if (ok) {
+        co_await asio::async_read(socket, asio::buffer(where, h.length), use_awaitable);
+      } else {
+        if (h.length > kMaxDiscard) {
+          co_await asio::async_write(socket, asio::buffer(&r, sizeof r), use_awaitable);
+          co_return;
+        }
+        scratch.resize(64u << 10);
+        for (std::uint64_t left = h.length; left > 0;) {
+          std::size_t n = std::min<std::uint64_t>(left, scratch.size());
+          co_await asio::async_read(socket, asio::buffer(scratch.data(), n), use_awaitable);
+          left -= n;
+        }
+      }
+      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), use_awaitable);
+    } else if (ok) {
+      r.length = h.length;
+      std::array<asio::const_buffer, 2> bufs{asio::buffer(&r, sizeof r), asio::buffer(where, h.length)};
+      co_await asio::async_write(socket, bufs, use_awaitable);
+    } else {
+      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), use_awaitable);
+      if (r.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp)) co_return;
+    }
+  }
+}
+
+}  // namespace kvstash::transport::tcp

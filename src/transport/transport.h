@@ -1,0 +1,135 @@
+// The transport interface: what the engine needs from shm, tcp, ucx and verbs.
+//
+// Control path (Transport): describe capabilities, publish a local address, register memory,
+// connect to a peer. Datapath (Endpoint::post): post one-sided READ/WRITE ops that complete
+// asynchronously through a CompletionSink. A transport never special-cases another; the
+// engine chooses between them through capabilities() and can_reach().
+//
+// Internal header: only src/engine and the transports include it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "kvstash/memory.h"
+#include "kvstash/status.h"
+#include "kvstash/types.h"
+
+namespace kvstash::transport {
+
+struct Capabilities {
+  // Only peers on this host can be reached (shm).
+  bool same_host_only = false;
+  // Bytes move without the target's CPU (shared memory, RDMA). False where a target thread
+  // serves requests (tcp, UCX emulating RMA over active messages).
+  bool one_sided = false;
+  // Reaches RDMA hardware (verbs, UCX over rc/dc/ud).
+  bool rdma = false;
+  // Can register MemoryKind::kCuda regions.
+  bool cuda_memory = false;
+  // Independent lanes (streams, copy threads, QPs) the engine may stripe a large op across.
+  std::uint32_t lanes = 1;
+  // The engine splits an op longer than this into slices spread over the lanes (0: never).
+  std::size_t slice_bytes = 0;
+};
+
+// Receives completions. Implemented by the engine's batches. Transports call complete()
+// exactly once per posted op, from any thread, also for ops that fail or are aborted.
+class CompletionSink {
+ public:
+  virtual void complete(std::uint32_t tag, Status status) = 0;
+
+ protected:
+  ~CompletionSink() = default;
+};
+
+// A region registered with one transport. Destroying it deregisters: ops that start
+// afterwards can no longer reach the region.
+class LocalRegistration {
+ public:
+  virtual ~LocalRegistration() = default;
+  // Bytes a peer passes to Endpoint::import_key; empty when the region was registered for
+  // local use only or this transport cannot expose it.
+  virtual std::string packed_key() const = 0;
+};
+
+// A peer's key, unpacked for one endpoint. [base, base + length) is the remote range it
+// grants, in the peer's address space.
+class RemoteKey {
+ public:
+  virtual ~RemoteKey() = default;
+  std::uint64_t base = 0;
+  std::uint64_t length = 0;
+};
+
+struct Op {
+  TransferOp op = TransferOp::kRead;
+  std::byte* local = nullptr;                       // source of a write, destination of a read
+  const LocalRegistration* local_reg = nullptr;     // covers [local, local+length), or nullptr
+  std::uint64_t remote_addr = 0;                    // in the peer's address space
+  const RemoteKey* remote_key = nullptr;            // imported through the same endpoint
+  std::size_t length = 0;
+  std::uint32_t lane = 0;                           // < capabilities().lanes
+  CompletionSink* sink = nullptr;
+  std::uint32_t tag = 0;                            // passed back to sink->complete()
+};
+
+// A connection to one peer through one transport. Thread-safe.
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+
+  // Unpacks a key the peer's LocalRegistration::packed_key() produced, granting
+  // [base, base + length). Errors: kInvalidArgument for malformed bytes, kPermissionDenied
+  // when the peer refuses the key, kUnavailable when the peer is gone. May block up to the
+  // deadline (shm asks the peer for the region's file descriptor).
+  virtual Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
+                                                        std::string_view packed,
+                                                        Deadline deadline) = 0;
+
+  // Datapath: starts every op; never blocks on the network. Each op completes exactly once
+  // through op.sink, possibly before post() returns. The engine has checked ranges against
+  // the keys; the target (where a target takes part) checks them again.
+  virtual void post(std::span<const Op> ops) = 0;
+
+  // Completes every op of `sink` that has not completed yet (with `reason`), and returns only
+  // when none of them can touch local memory any more. May break the connection for ops of
+  // other sinks (they complete with kUnavailable) when the transport cannot stop one
+  // in-flight op alone; healthy() is then false.
+  virtual void abort(CompletionSink* sink, const Status& reason) = 0;
+
+  // False once the peer is known dead or the connection broke; the engine reconnects.
+  virtual bool healthy() const = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual TransportKind kind() const = 0;
+  virtual Capabilities capabilities() const = 0;
+
+  // This transport's part of the engine's address blob: what a peer passes to connect().
+  virtual std::string local_address() const = 0;
+
+  // Whether connect() to this address may succeed from here (shm: same host and user).
+  // Cheap, no I/O; false for malformed addresses.
+  virtual bool can_reach(std::string_view peer_address) const = 0;
+
+  // Registers [region.addr, +length). With remote_access, peers may READ and WRITE it
+  // through the packed key. Errors: kUnsupported (e.g. shm and a region without fd, or a
+  // memory kind this transport cannot reach), kInvalidArgument, kNoSpace.
+  virtual Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
+                                                                     bool remote_access) = 0;
+
+  // Connects to a peer. Errors: kInvalidArgument (malformed address), kUnavailable
+  // (unreachable), kPermissionDenied (handshake refused), kTimeout.
+  virtual Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address,
+                                                    Deadline deadline) = 0;
+};
+
+}  // namespace kvstash::transport

@@ -1,0 +1,140 @@
+// The engine in one process: two engines, transport choice, validation, batches.
+#include <gtest/gtest.h>
+
+#include "kvstash/engine.h"
+#include "test_util.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Two {
+  std::unique_ptr<Engine> a, b;
+  Buffer local, remote;
+  MemoryHandle local_mem, remote_mem;
+};
+
+Two make_two(std::vector<TransportKind> kinds, std::size_t size = 1u << 20) {
+  Two t;
+  t.a = Engine::create({.transports = kinds}).value();
+  t.b = Engine::create({.transports = kinds}).value();
+  t.local = Buffer::allocate(size).value();
+  t.remote = Buffer::allocate(size).value();
+  t.local_mem = t.a->register_memory(t.local.region(), Access::kLocal).value();
+  t.remote_mem = t.b->register_memory(t.remote.region(), Access::kRemote).value();
+  return t;
+}
+
+TEST(Engine, SameHostPeersChooseSharedMemoryAndCanBeForcedToTcp) {
+  Two t = make_two({TransportKind::kTcp, TransportKind::kShm});
+  auto p = t.a->connect(t.b->address());
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ((*p)->transport(), TransportKind::kShm);
+  auto forced = t.a->connect(t.b->address(), {}, TransportKind::kTcp);
+  ASSERT_TRUE(forced.is_ok()) << forced.status().to_string();
+  EXPECT_EQ((*forced)->transport(), TransportKind::kTcp);
+
+  auto e = Engine::create({.transports = {TransportKind::kTcp, TransportKind::kShm}, .prefer = TransportKind::kTcp});
+  ASSERT_TRUE(e.is_ok());
+  auto preferred = (*e)->connect(t.b->address());
+  ASSERT_TRUE(preferred.is_ok());
+  EXPECT_EQ((*preferred)->transport(), TransportKind::kTcp);
+}
+
+TEST(Engine, NoTransportInCommonIsUnsupported) {
+  auto a = Engine::create({.transports = {TransportKind::kShm}}).value();
+  auto b = Engine::create({.transports = {TransportKind::kTcp}}).value();
+  auto p = a->connect(b->address());
+  ASSERT_FALSE(p.is_ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kUnsupported);
+}
+
+TEST(Engine, UnbuiltOrUnknownTransportAskedByNameFailsCreate) {
+  auto e = Engine::create({.transports = {TransportKind::kVerbs}});
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kUnsupported);
+}
+
+TEST(Engine, TransferAcrossBothTransportsWithSlicing) {
+  for (TransportKind kind : {TransportKind::kShm, TransportKind::kTcp}) {
+    Two t = make_two({kind}, 16u << 20);
+    auto peer = t.a->connect(t.b->address()).value();
+    auto remote = peer->import_key(t.remote_mem.remote_key()).value();
+    test::fill_random(t.local.bytes(), 5);
+    // 16 MiB is several slices on either transport; they must land in order.
+    TransferEntry w{TransferOp::kWrite, &t.local_mem, t.local.data(), remote.base(), &remote, t.local.size()};
+    ASSERT_TRUE(peer->transfer({&w, 1}, deadline_after(30s)).is_ok()) << to_string(kind);
+    EXPECT_EQ(test::first_mismatch(t.local.data(), t.remote.data(), t.local.size()), -1) << to_string(kind);
+  }
+}
+
+TEST(Engine, SubmitValidatesEveryEntry) {
+  Two t = make_two({TransportKind::kTcp});
+  auto peer = t.a->connect(t.b->address()).value();
+  auto remote = peer->import_key(t.remote_mem.remote_key()).value();
+  EXPECT_EQ(peer->submit({}, deadline_after(1s)).status().code(), StatusCode::kInvalidArgument);
+  TransferEntry e{TransferOp::kRead, &t.local_mem, t.local.data(), remote.base(), &remote, 0};
+  EXPECT_EQ(peer->submit({&e, 1}, deadline_after(1s)).status().code(), StatusCode::kInvalidArgument);
+  e.length = 16;
+  e.local = nullptr;
+  EXPECT_EQ(peer->submit({&e, 1}, deadline_after(1s)).status().code(), StatusCode::kInvalidArgument);
+  e.local = &t.local_mem;
+  e.remote_addr = remote.base() - 1;
+  EXPECT_EQ(peer->submit({&e, 1}, deadline_after(1s)).status().code(), StatusCode::kInvalidArgument);
+  // A key imported through another peer is not this peer's to use.
+  auto other = t.a->connect(t.b->address()).value();
+  auto foreign = other->import_key(t.remote_mem.remote_key()).value();
+  e.remote_addr = remote.base();
+  e.remote = &foreign;
+  auto r = peer->submit({&e, 1}, deadline_after(1s));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("not imported through this peer"), std::string::npos);
+}
+
+TEST(Engine, PerEntryStatusesReportOnlyTheFailingEntry) {
+  Two t = make_two({TransportKind::kTcp});
+  auto peer = t.a->connect(t.b->address()).value();
+  auto good = peer->import_key(t.remote_mem.remote_key()).value();
+  // Register and drop a second region: its key is revoked at the target.
+  auto extra = Buffer::allocate(4096).value();
+  std::string revoked_key;
+  {
+    auto m = t.b->register_memory(extra.region(), Access::kRemote).value();
+    revoked_key = m.remote_key();
+  }
+  auto revoked = peer->import_key(revoked_key).value();
+  std::vector<TransferEntry> es{
+      {TransferOp::kRead, &t.local_mem, t.local.data(), good.base(), &good, 4096},
+      {TransferOp::kRead, &t.local_mem, t.local.data() + 4096, revoked.base(), &revoked, 4096},
+      {TransferOp::kRead, &t.local_mem, t.local.data() + 8192, good.base() + 8192, &good, 4096},
+  };
+  auto b = peer->submit(es, deadline_after(10s)).value();
+  Status s = b.wait();
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied);
+  ASSERT_EQ(b.statuses().size(), 3u);
+  EXPECT_TRUE(b.statuses()[0].is_ok());
+  EXPECT_EQ(b.statuses()[1].code(), StatusCode::kPermissionDenied);
+  EXPECT_TRUE(b.statuses()[2].is_ok());
+}
+
+TEST(Engine, RegisterRefusesEmptyRegionsAndLocalHandlesHaveNoKey) {
+  auto e = Engine::create({.transports = {TransportKind::kTcp}}).value();
+  EXPECT_EQ(e->register_memory({}, Access::kLocal).status().code(), StatusCode::kInvalidArgument);
+  auto b = Buffer::allocate(4096).value();
+  auto local = e->register_memory(b.region(), Access::kLocal).value();
+  EXPECT_TRUE(local.remote_key().empty());
+  EXPECT_TRUE(local.covers(b.data() + 10, 100));
+  EXPECT_FALSE(local.covers(b.data() + 4000, 100));
+}
+
+TEST(Engine, TextFormRoundTrips) {
+  auto e = Engine::create({.transports = {TransportKind::kTcp}}).value();
+  auto back = from_text(to_text(e->address()) + "\n");
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(*back, e->address());
+  EXPECT_EQ(from_text("xyz").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvstash

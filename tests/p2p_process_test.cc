@@ -1,0 +1,299 @@
+// Two real processes: this test is the initiator; p2p_peer (spawned, stopped and killed
+// here) is the target. Run once per transport built into this binary.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <thread>
+
+#include "kvstash/engine.h"
+#include "kvstash_config.h"
+#include "test_util.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A child process with pipes to its stdin and stdout.
+class PeerProcess {
+ public:
+  PeerProcess(std::size_t size, const std::string& transports, const std::string& token = "") {
+    const char* exe = std::getenv("KVSTASH_P2P_PEER");
+    if (exe == nullptr) return;
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      std::string sz = std::to_string(size);
+      execl(exe, exe, sz.c_str(), transports.c_str(), token.empty() ? nullptr : token.c_str(), nullptr);
+      _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    to_ = fdopen(in[1], "w");
+    from_ = fdopen(out[0], "r");
+    address_ = field("address ");
+    key_ = field("key ");
+  }
+  ~PeerProcess() {
+    if (to_) fclose(to_);
+    if (from_) fclose(from_);
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  bool ok() const { return !address_.empty() && !key_.empty(); }
+  const std::string& address() const { return address_; }
+  const std::string& key() const { return key_; }
+  // Sends a command and waits for its "ok".
+  bool command(const std::string& line) {
+    std::fprintf(to_, "%s\n", line.c_str());
+    std::fflush(to_);
+    return read_line() == "ok";
+  }
+  void signal(int sig) { kill(pid_, sig); }
+
+ private:
+  std::string read_line() {
+    char buf[8192];
+    if (from_ == nullptr || std::fgets(buf, sizeof buf, from_) == nullptr) return {};
+    std::string s(buf);
+    if (!s.empty() && s.back() == '\n') s.pop_back();
+    return s;
+  }
+  std::string field(const std::string& prefix) {
+    std::string line = read_line();
+    if (line.rfind(prefix, 0) != 0) return {};
+    auto blob = from_text(line.substr(prefix.size()));
+    return blob.is_ok() ? *blob : std::string();
+  }
+
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+  std::string address_, key_;
+};
+
+class P2P : public ::testing::TestWithParam<TransportKind> {
+ protected:
+  static constexpr std::size_t kRegion = (64u << 20) + (64u << 10);
+
+  void SetUp() override {
+    if (std::getenv("KVSTASH_P2P_PEER") == nullptr) GTEST_SKIP() << "KVSTASH_P2P_PEER not set (run via meson test)";
+    kind_ = GetParam();
+    start_peer();
+    EngineOptions o;
+    o.transports = {kind_};
+    auto e = Engine::create(o);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    engine_ = std::move(e).value();
+    local_ = Buffer::allocate(kRegion).value();
+    mem_ = engine_->register_memory(local_.region(), Access::kLocal).value();
+    connect();
+  }
+
+  void start_peer(const std::string& token = "") {
+    peer_ = std::make_unique<PeerProcess>(kRegion, std::string(to_string(kind_)), token);
+    ASSERT_TRUE(peer_->ok()) << "p2p_peer did not start";
+  }
+
+  void connect() {
+    auto p = engine_->connect(peer_->address(), deadline_after(10s));
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    peer_conn_ = std::move(p).value();
+    ASSERT_EQ(peer_conn_->transport(), kind_);
+    auto r = peer_conn_->import_key(peer_->key());
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    remote_ = std::move(r).value();
+  }
+
+  TransferEntry entry(TransferOp op, std::size_t local_off, std::size_t remote_off, std::size_t len) {
+    return {op, &mem_, local_.data() + local_off, remote_.base() + remote_off, &remote_, len};
+  }
+
+  TransportKind kind_{};
+  std::unique_ptr<PeerProcess> peer_;
+  std::unique_ptr<Engine> engine_;
+  Buffer local_;
+  MemoryHandle mem_;
+  std::unique_ptr<Peer> peer_conn_;
+  RemoteMemory remote_;
+};
+
+TEST_P(P2P, RandomBytesRoundTripBitExactAtManySizesAndOffsets) {
+  for (std::size_t len : {std::size_t{1}, std::size_t{4099}, (std::size_t{1} << 20) + 5, std::size_t{64} << 20}) {
+    const std::size_t loff = len % 61, roff = (len * 7) % 4093;
+    test::fill_random({local_.data() + loff, len}, len ^ 0xabc);
+    auto w = entry(TransferOp::kWrite, loff, roff, len);
+    ASSERT_TRUE(peer_conn_->transfer({&w, 1}, deadline_after(30s)).is_ok()) << len;
+    // Read back into a different place and compare with what was written.
+    std::vector<std::byte> expect(local_.data() + loff, local_.data() + loff + len);
+    const std::size_t back = (len + 1) % 4096;
+    std::memset(local_.data(), 0, local_.size());
+    auto r = entry(TransferOp::kRead, back, roff, len);
+    Status s = peer_conn_->transfer({&r, 1}, deadline_after(30s));
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    ASSERT_EQ(test::first_mismatch(expect.data(), local_.data() + back, len), -1) << "size " << len;
+  }
+}
+
+TEST_P(P2P, ConcurrentBatchesFromSeveralThreads) {
+  constexpr std::size_t kThreads = 4, kBatches = 16, kEntries = 8, kLen = 16u << 10;
+  test::fill_random({local_.data(), kThreads * kBatches * kEntries * kLen}, 99);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (std::size_t b = 0; b < kBatches; ++b) {
+        std::vector<TransferEntry> es;
+        for (std::size_t e = 0; e < kEntries; ++e) {
+          std::size_t off = ((t * kBatches + b) * kEntries + e) * kLen;
+          es.push_back(entry(TransferOp::kWrite, off, off, kLen));
+        }
+        auto batch = peer_conn_->submit(es, deadline_after(30s));
+        if (!batch.is_ok() || !batch->wait().is_ok()) ++failures;
+        else if (batch->statuses().size() != kEntries) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(failures.load(), 0);
+  // Read everything back in one batch and compare.
+  const std::size_t total = kThreads * kBatches * kEntries * kLen;
+  std::vector<std::byte> expect(local_.data(), local_.data() + total);
+  std::memset(local_.data(), 0, total);
+  auto r = entry(TransferOp::kRead, 0, 0, total);
+  ASSERT_TRUE(peer_conn_->transfer({&r, 1}, deadline_after(30s)).is_ok());
+  EXPECT_EQ(test::first_mismatch(expect.data(), local_.data(), total), -1);
+}
+
+TEST_P(P2P, OutOfRegionWrongKeyAndMalformedInputAreRefused) {
+  // Outside the remote key's region: refused before anything moves.
+  auto e = entry(TransferOp::kWrite, 0, kRegion - 100, 4096);
+  auto b = peer_conn_->submit({&e, 1}, deadline_after(5s));
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  // Outside the local registration.
+  e = entry(TransferOp::kRead, kRegion - 10, 0, 4096);
+  EXPECT_EQ(peer_conn_->submit({&e, 1}, deadline_after(5s)).status().code(), StatusCode::kInvalidArgument);
+  // Malformed peer address and key.
+  EXPECT_EQ(engine_->connect("not an address").status().code(), StatusCode::kInvalidArgument);
+  std::string truncated = peer_->address().substr(0, peer_->address().size() / 2);
+  EXPECT_EQ(engine_->connect(truncated).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(peer_conn_->import_key("junk").status().code(), StatusCode::kInvalidArgument);
+  if (kind_ == TransportKind::kUcx) return;  // UCX trusts rkey bytes: a forged rkey is undefined behaviour there
+  // A key the target never issued (last byte of the transport's key flipped).
+  std::string forged = peer_->key();
+  forged.back() ^= 0x41;
+  auto rm = peer_conn_->import_key(forged);
+  Status s = rm.status();
+  if (rm.is_ok()) {
+    auto f = TransferEntry{TransferOp::kRead, &mem_, local_.data(), rm->base(), &*rm, 4096};
+    s = peer_conn_->transfer({&f, 1}, deadline_after(5s));
+  }
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+}
+
+TEST_P(P2P, DeregisteredMemoryCanNoLongerBeReached) {
+  auto e = entry(TransferOp::kRead, 0, 0, 4096);
+  ASSERT_TRUE(peer_conn_->transfer({&e, 1}, deadline_after(5s)).is_ok());
+  ASSERT_TRUE(peer_->command("dereg"));
+  Status s = peer_conn_->transfer({&e, 1}, deadline_after(5s));
+  EXPECT_FALSE(s.is_ok());
+  if (kind_ != TransportKind::kUcx) {
+    EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  }
+}
+
+TEST_P(P2P, TargetKilledMidTransferTurnsIntoAnErrorWithinTheDeadline) {
+  std::thread killer([&] {
+    std::this_thread::sleep_for(100ms);
+    peer_->signal(SIGKILL);
+  });
+  Status failure;
+  const auto give_up = Clock::now() + 20s;
+  while (failure.is_ok() && Clock::now() < give_up) {
+    std::vector<TransferEntry> es;
+    for (std::size_t i = 0; i < 4; ++i) es.push_back(entry(TransferOp::kRead, i << 24, i << 24, 16u << 20));
+    const auto deadline = deadline_after(5s);
+    auto b = peer_conn_->submit(es, deadline);
+    failure = b.is_ok() ? b->wait() : b.status();
+    EXPECT_LT(Clock::now(), deadline + 2s) << "wait overran its deadline";
+  }
+  killer.join();
+  ASSERT_FALSE(failure.is_ok()) << "no transfer failed after the target died";
+  EXPECT_TRUE(failure.code() == StatusCode::kUnavailable || failure.code() == StatusCode::kTimeout)
+      << failure.to_string();
+}
+
+TEST_P(P2P, StoppedTargetMeansTimeoutForTwoSidedAndNothingForOneSidedTransports) {
+  peer_->signal(SIGSTOP);
+  auto e = entry(TransferOp::kRead, 0, 0, 1u << 20);
+  const auto start = Clock::now();
+  Status s = peer_conn_->transfer({&e, 1}, deadline_after(500ms));
+  const auto took = Clock::now() - start;
+  peer_->signal(SIGCONT);
+  if (kind_ == TransportKind::kShm) {
+    EXPECT_TRUE(s.is_ok()) << "shm needs no target CPU: " << s.to_string();
+  } else {
+    EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
+    EXPECT_LT(took, 3s);
+  }
+  // The peer reconnects by itself once the target runs again.
+  s = peer_conn_->transfer({&e, 1}, deadline_after(10s));
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+}
+
+TEST_P(P2P, CancelledBatchEndsEveryEntry) {
+  std::vector<TransferEntry> es;
+  for (std::size_t i = 0; i < 4; ++i) es.push_back(entry(TransferOp::kRead, i << 24, i << 24, 16u << 20));
+  auto b = peer_conn_->submit(es, deadline_after(30s));
+  ASSERT_TRUE(b.is_ok());
+  b->cancel();
+  ASSERT_TRUE(b->poll());
+  ASSERT_EQ(b->statuses().size(), es.size());
+  for (const Status& s : b->statuses()) {
+    EXPECT_TRUE(s.is_ok() || s.code() == StatusCode::kCancelled || s.code() == StatusCode::kUnavailable)
+        << s.to_string();
+  }
+  // The connection is usable afterwards.
+  auto e = entry(TransferOp::kRead, 0, 0, 4096);
+  EXPECT_TRUE(peer_conn_->transfer({&e, 1}, deadline_after(10s)).is_ok());
+}
+
+std::vector<TransportKind> transports() {
+  std::vector<TransportKind> v{TransportKind::kTcp, TransportKind::kShm};
+#if KVSTASH_HAVE_UCX
+  v.push_back(TransportKind::kUcx);
+#endif
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, P2P, ::testing::ValuesIn(transports()),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST(P2PToken, TargetWithClusterTokenRefusesClientsWithoutIt) {
+  if (std::getenv("KVSTASH_P2P_PEER") == nullptr) GTEST_SKIP() << "KVSTASH_P2P_PEER not set";
+  PeerProcess peer(4096, "tcp", "cluster-secret");
+  ASSERT_TRUE(peer.ok());
+  auto anon = Engine::create({.transports = {TransportKind::kTcp}}).value();
+  auto r = anon->connect(peer.address(), deadline_after(5s));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
+  EngineOptions o{.transports = {TransportKind::kTcp}};
+  o.tcp.cluster_token = "cluster-secret";
+  auto member = Engine::create(o).value();
+  EXPECT_TRUE(member->connect(peer.address(), deadline_after(5s)).is_ok());
+}
+
+}  // namespace
+}  // namespace kvstash

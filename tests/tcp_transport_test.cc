@@ -1,0 +1,236 @@
+// The tcp transport on its own: a target and an initiator transport in one process, talking
+// over loopback sockets.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "test_util.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace kvstash::transport {
+namespace {
+
+using namespace std::chrono_literals;
+
+class Sink final : public CompletionSink {
+ public:
+  void complete(std::uint32_t tag, Status status) override {
+    std::lock_guard lock(mu_);
+    done_[tag] = std::move(status);
+    cv_.notify_all();
+  }
+  // Waits for `n` completions; false on timeout.
+  bool wait(std::size_t n, std::chrono::seconds limit = 30s) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return done_.size() >= n; });
+  }
+  Status status(std::uint32_t tag) {
+    std::lock_guard lock(mu_);
+    return done_.at(tag);
+  }
+  std::size_t count() {
+    std::lock_guard lock(mu_);
+    return done_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::uint32_t, Status> done_;
+};
+
+struct Pair {
+  std::unique_ptr<Transport> target, initiator;
+  Buffer remote, local;
+  std::unique_ptr<LocalRegistration> reg;
+  std::shared_ptr<Endpoint> ep;
+  std::unique_ptr<RemoteKey> key;
+};
+
+Pair make_pair(std::size_t size, TcpOptions target_opts = {}, TcpOptions init_opts = {}) {
+  Pair p;
+  p.target = make_tcp_transport(target_opts).value();
+  p.initiator = make_tcp_transport(init_opts).value();
+  p.remote = Buffer::allocate(size).value();
+  p.local = Buffer::allocate(size).value();
+  p.reg = p.target->register_memory(p.remote.region(), true).value();
+  auto ep = p.initiator->connect(p.target->local_address(), deadline_after(5s));
+  EXPECT_TRUE(ep.is_ok()) << ep.status().to_string();
+  if (!ep.is_ok()) return p;
+  p.ep = *ep;
+  auto base = reinterpret_cast<std::uintptr_t>(p.remote.data());
+  p.key = p.ep->import_key(base, size, p.reg->packed_key(), deadline_after(5s)).value();
+  return p;
+}
+
+Op make_op(Pair& p, TransferOp op, std::size_t local_off, std::size_t remote_off, std::size_t len, Sink& sink,
+           std::uint32_t tag, std::uint32_t lane = 0) {
+  Op o;
+  o.op = op;
+  o.local = p.local.data() + local_off;
+  o.remote_addr = reinterpret_cast<std::uintptr_t>(p.remote.data()) + remote_off;
+  o.remote_key = p.key.get();
+  o.length = len;
+  o.lane = lane;
+  o.sink = &sink;
+  o.tag = tag;
+  return o;
+}
+
+TEST(TcpTransport, WriteThenReadBackAtManySizesAndOffsets) {
+  constexpr std::size_t kSize = 64u << 20;
+  Pair p = make_pair(kSize + 8192);
+  ASSERT_TRUE(p.ep);
+  std::uint32_t tag = 0;
+  for (std::size_t len : {std::size_t{1}, std::size_t{4099}, std::size_t{1} << 20, kSize}) {
+    const std::size_t loff = len % 7, roff = len % 13 + 1;
+    test::fill_random({p.local.data() + loff, len}, len);
+    Sink w;
+    Op op = make_op(p, TransferOp::kWrite, loff, roff, len, w, tag);
+    p.ep->post({&op, 1});
+    ASSERT_TRUE(w.wait(1));
+    ASSERT_TRUE(w.status(tag).is_ok()) << w.status(tag).to_string();
+    ASSERT_EQ(test::first_mismatch(p.local.data() + loff, p.remote.data() + roff, len), -1) << len;
+    std::memset(p.local.data(), 0, p.local.size());
+    Sink r;
+    op = make_op(p, TransferOp::kRead, loff, roff, len, r, tag);
+    p.ep->post({&op, 1});
+    ASSERT_TRUE(r.wait(1));
+    ASSERT_TRUE(r.status(tag).is_ok()) << r.status(tag).to_string();
+    ASSERT_EQ(test::first_mismatch(p.local.data() + loff, p.remote.data() + roff, len), -1) << len;
+  }
+}
+
+TEST(TcpTransport, ManyOpsAcrossLanesFromSeveralThreads) {
+  constexpr std::size_t kChunk = 64u << 10, kThreads = 4, kPerThread = 64;
+  Pair p = make_pair(kChunk * kThreads * kPerThread, {}, {.streams = 3});
+  ASSERT_TRUE(p.ep);
+  test::fill_random(p.local.bytes(), 7);
+  Sink sink;
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (std::size_t i = 0; i < kPerThread; ++i) {
+        std::size_t off = (t * kPerThread + i) * kChunk;
+        Op op = make_op(p, TransferOp::kWrite, off, off, kChunk, sink, static_cast<std::uint32_t>(off / kChunk),
+                        static_cast<std::uint32_t>(i % 3));
+        p.ep->post({&op, 1});
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(sink.wait(kThreads * kPerThread));
+  for (std::uint32_t i = 0; i < kThreads * kPerThread; ++i) ASSERT_TRUE(sink.status(i).is_ok());
+  EXPECT_EQ(test::first_mismatch(p.local.data(), p.remote.data(), p.local.size()), -1);
+}
+
+TEST(TcpTransport, TargetRefusesWrongKeyAndOutOfRangeAndKeepsServing) {
+  Pair p = make_pair(1u << 20);
+  ASSERT_TRUE(p.ep);
+  auto* key = static_cast<RemoteKey*>(p.key.get());
+  // Out of range: the target checks even when the initiator's view of the region is forged.
+  key->length = 2u << 20;
+  Sink sink;
+  Op op = make_op(p, TransferOp::kWrite, 0, (1u << 20) - 10, 4096, sink, 1);
+  p.ep->post({&op, 1});
+  op = make_op(p, TransferOp::kRead, 0, (1u << 20) - 10, 4096, sink, 2);
+  p.ep->post({&op, 1});
+  // Wrong key: the same region under a key the target never issued.
+  std::string packed = p.reg->packed_key();
+  packed.back() ^= 0x5a;
+  auto wrong = p.ep->import_key(key->base, 1u << 20, packed, deadline_after(5s)).value();
+  op = make_op(p, TransferOp::kRead, 0, 0, 4096, sink, 3);
+  op.remote_key = wrong.get();
+  p.ep->post({&op, 1});
+  // The stream stays in sync: a good request afterwards succeeds.
+  op = make_op(p, TransferOp::kRead, 0, 0, 4096, sink, 4);
+  p.ep->post({&op, 1});
+  ASSERT_TRUE(sink.wait(4));
+  EXPECT_EQ(sink.status(1).code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(sink.status(1).message().find("outside the registered region"), std::string::npos);
+  EXPECT_EQ(sink.status(2).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(sink.status(3).code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(sink.status(3).message().find("unknown or revoked remote key"), std::string::npos);
+  EXPECT_TRUE(sink.status(4).is_ok()) << sink.status(4).to_string();
+  EXPECT_TRUE(p.ep->healthy());
+}
+
+TEST(TcpTransport, DeregisteredRegionCanNoLongerBeReached) {
+  Pair p = make_pair(1u << 20);
+  ASSERT_TRUE(p.ep);
+  p.reg.reset();
+  Sink sink;
+  Op op = make_op(p, TransferOp::kWrite, 0, 0, 4096, sink, 1);
+  p.ep->post({&op, 1});
+  ASSERT_TRUE(sink.wait(1));
+  EXPECT_EQ(sink.status(1).code(), StatusCode::kPermissionDenied);
+}
+
+TEST(TcpTransport, MalformedInputIsRefused) {
+  auto t = make_tcp_transport({}).value();
+  EXPECT_FALSE(t->can_reach("garbage"));
+  auto ep = t->connect("garbage", deadline_after(1s));
+  ASSERT_FALSE(ep.is_ok());
+  EXPECT_EQ(ep.status().code(), StatusCode::kInvalidArgument);
+  for (const char* bad : {"nohostport", "1.2.3.4:99999", "[::1:80", "x:"}) {
+    auto r = make_tcp_transport({.listen = bad});
+    ASSERT_FALSE(r.is_ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  Pair p = make_pair(4096);
+  ASSERT_TRUE(p.ep);
+  auto key = p.ep->import_key(0, 1, "xyz", deadline_after(1s));
+  ASSERT_FALSE(key.is_ok());
+  EXPECT_EQ(key.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(TcpTransport, ClusterTokenIsProvedBothWays) {
+  auto target = make_tcp_transport({.cluster_token = "s3cret"}).value();
+  auto open_target = make_tcp_transport({}).value();
+  auto good = make_tcp_transport({.cluster_token = "s3cret"}).value();
+  auto bad = make_tcp_transport({.cluster_token = "guess"}).value();
+  auto none = make_tcp_transport({}).value();
+  EXPECT_TRUE(good->connect(target->local_address(), deadline_after(5s)).is_ok());
+  auto r = bad->connect(target->local_address(), deadline_after(5s));
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
+  r = none->connect(target->local_address(), deadline_after(5s));
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(r.status().message().find("requires a cluster token"), std::string::npos);
+  // A client with a token will not talk to a target that cannot prove it.
+  r = good->connect(open_target->local_address(), deadline_after(5s));
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
+}
+
+TEST(TcpTransport, ConnectToNothingFailsFast) {
+  auto t = make_tcp_transport({}).value();
+  std::string addr;
+  {
+    auto gone = make_tcp_transport({}).value();
+    addr = gone->local_address();
+  }
+  auto r = t->connect(addr, deadline_after(5s));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(TcpTransport, AbortCompletesEveryOpOfTheSinkAndLeavesOthersConsistent) {
+  Pair p = make_pair(64u << 20, {}, {.streams = 2});
+  ASSERT_TRUE(p.ep);
+  Sink mine;
+  std::vector<Op> ops;
+  for (std::uint32_t i = 0; i < 64; ++i) ops.push_back(make_op(p, TransferOp::kRead, i * (1u << 20), i * (1u << 20), 1u << 20, mine, i, i % 2));
+  p.ep->post(ops);
+  p.ep->abort(&mine, Status::cancelled("test abort"));
+  // abort returns only when every op of the sink has completed.
+  EXPECT_EQ(mine.count(), 64u);
+  for (std::uint32_t i = 0; i < 64; ++i) {
+    Status s = mine.status(i);
+    EXPECT_TRUE(s.is_ok() || s.code() == StatusCode::kCancelled) << s.to_string();
+  }
+}
+
+}  // namespace
+}  // namespace kvstash::transport
