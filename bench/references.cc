@@ -42,15 +42,24 @@ bool write_full(int fd, const void* p, std::size_t n) {
 }
 
 void serve(int fd) {
-  // Like iperf3: the receiver reads into one reused buffer.
-  std::vector<char> buf(4u << 20);
+  // Each message: u64 buffer size, u64 total; the bytes land in a buffer of that size,
+  // cycling through it, the way a transfer of that size lands in registered memory.
+  std::unique_ptr<Buffer> buf;
   for (;;) {
-    std::uint64_t n = 0;
-    if (!read_full(fd, &n, sizeof n)) break;
-    while (n > 0) {
-      ssize_t k = ::recv(fd, buf.data(), std::min<std::uint64_t>(n, buf.size()), 0);
+    std::uint64_t hdr[2];
+    if (!read_full(fd, hdr, sizeof hdr) || hdr[0] == 0) break;
+    if (!buf || buf->size() != hdr[0]) {
+      auto b = Buffer::allocate(hdr[0], {.shareable = false});
+      if (!b.is_ok()) break;
+      buf = std::make_unique<Buffer>(std::move(b).value());
+    }
+    std::size_t pos = 0;
+    for (std::uint64_t left = hdr[1]; left > 0;) {
+      std::size_t n = std::min<std::uint64_t>(left, buf->size() - pos);
+      ssize_t k = ::recv(fd, buf->data() + pos, n, 0);
       if (k <= 0) goto done;
-      n -= static_cast<std::uint64_t>(k);
+      left -= static_cast<std::uint64_t>(k);
+      pos = (pos + static_cast<std::size_t>(k)) % buf->size();
     }
     char ack = 1;
     if (!write_full(fd, &ack, 1)) break;
@@ -97,7 +106,7 @@ std::uint16_t start_socket_sink() {
   return ntohs(a.sin_port);
 }
 
-double socket_stream_gbps(std::uint16_t port, std::size_t chunk, std::size_t total) {
+double socket_stream_gbps(std::uint16_t port, std::size_t size, std::size_t total) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -106,17 +115,23 @@ double socket_stream_gbps(std::uint16_t port, std::size_t chunk, std::size_t tot
   if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return 0;
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  auto src = Buffer::allocate(chunk, {.shareable = false}).value();
-  std::memset(src.data(), 7, chunk);
-  // One message of `total` bytes, sent from one reused buffer: a plain stream, like iperf3.
+  auto src = Buffer::allocate(size, {.shareable = false}).value();
+  std::memset(src.data(), 7, size);
+  // A warm-up message lets the receiver allocate and fault in its buffer before timing.
+  auto send_message = [&](std::uint64_t bytes) {
+    std::uint64_t hdr[2] = {size, bytes};
+    bool ok = write_full(fd, hdr, sizeof hdr);
+    for (std::uint64_t sent = 0; ok && sent < bytes;) {
+      std::size_t n = std::min<std::uint64_t>(bytes - sent, size);
+      ok = write_full(fd, src.data(), n);
+      sent += n;
+    }
+    char ack;
+    return ok && read_full(fd, &ack, 1);
+  };
+  bool ok = send_message(size);
   auto start = Clock::now();
-  std::uint64_t n = total;
-  bool ok = write_full(fd, &n, sizeof n);
-  for (std::size_t sent = 0; ok && sent < total; sent += chunk) {
-    ok = write_full(fd, src.data(), std::min(chunk, total - sent));
-  }
-  char ack;
-  ok = ok && read_full(fd, &ack, 1);
+  ok = ok && send_message(total);
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   ::close(fd);
   return ok ? static_cast<double>(total) / elapsed / 1e9 : 0;

@@ -10,10 +10,12 @@ namespace kvstash::bench {
 double memcpy_gbps(std::size_t size, double seconds);
 
 // The sink side of the raw socket stream: accepts on 127.0.0.1:0 in a background thread
-// and returns the port. Each message is a u64 length then the bytes; it answers one byte.
+// and returns the port (0 on failure).
 std::uint16_t start_socket_sink();
 
-// One plain TCP stream to a sink on loopback: `total` bytes sent `chunk` bytes per send(), GB/s.
-double socket_stream_gbps(std::uint16_t port, std::size_t chunk, std::size_t total);
+// One plain TCP stream on loopback to the sink, GB/s: `total` bytes sent from a `size`-byte
+// buffer and received into a `size`-byte buffer, so the reference touches the same amount of
+// memory as a transfer of that size (a 64 MiB row is not compared with cache-hot buffers).
+double socket_stream_gbps(std::uint16_t port, std::size_t size, std::size_t total);
 
 }  // namespace kvstash::bench

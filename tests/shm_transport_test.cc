@@ -127,14 +127,16 @@ class ShmTransportTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
-  ShmOptions options(std::uint32_t threads = 2) const {
+  // inline_bytes 0: every op goes through the copy threads, which most tests are about.
+  ShmOptions options(std::uint32_t threads = 2, std::size_t inline_bytes = 0) const {
     ShmOptions o;
     o.socket_dir = dir_;
     o.copy_threads = threads;
+    o.inline_bytes = inline_bytes;
     return o;
   }
-  std::unique_ptr<Transport> make(std::uint32_t threads = 2) {
-    auto t = make_shm_transport(options(threads));
+  std::unique_ptr<Transport> make(std::uint32_t threads = 2, std::size_t inline_bytes = 0) {
+    auto t = make_shm_transport(options(threads, inline_bytes));
     EXPECT_TRUE(t.is_ok()) << t.status().to_string();
     return t.is_ok() ? std::move(t).value() : nullptr;
   }
@@ -201,8 +203,11 @@ TEST_F(ShmTransportTest, MalformedAddressIsInvalidArgument) {
   auto t = make();
   ASSERT_TRUE(t);
   const std::string good = t->local_address();
-  std::vector<std::string> bad = {"", "x", "garbage that is not an address",
-                                  good.substr(0, good.size() - 1), good + "!",
+  std::vector<std::string> bad = {"",
+                                  "x",
+                                  "garbage that is not an address",
+                                  good.substr(0, good.size() - 1),
+                                  good + "!",
                                   std::string(64, '\xff')};
   std::string flipped_magic = good;
   flipped_magic[0] ^= 0x01;
@@ -289,8 +294,7 @@ TEST_F(ShmTransportTest, RegionWithoutFdIsLocalOnly) {
   ASSERT_TRUE(local.is_ok()) << local.status().to_string();
   EXPECT_TRUE((*local)->packed_key().empty());
 
-  EXPECT_EQ(t->register_memory(MemoryRegion{}, false).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_memory(MemoryRegion{}, false).status().code(), StatusCode::kInvalidArgument);
   Buffer shared = alloc(4096);
   MemoryRegion cuda = shared.region();
   cuda.kind = MemoryKind::kCuda;
@@ -303,39 +307,42 @@ TEST_F(ShmTransportTest, RegionWithoutFdIsLocalOnly) {
 // ---- data movement ---------------------------------------------------------------------------
 
 TEST_F(ShmTransportTest, WriteThenReadIsBitExactAtManySizes) {
-  auto target = make();
-  auto initiator = make();
-  auto ep = connect(*initiator, *target);
-  ASSERT_TRUE(ep);
-  for (std::size_t size : {std::size_t{1}, std::size_t{4096 + 3}, std::size_t{1} << 20,
-                           std::size_t{64} << 20}) {
-    SCOPED_TRACE("size " + std::to_string(size));
-    constexpr std::size_t kRemoteOff = 13, kSrcOff = 3, kDstOff = 5;
-    Buffer remote = alloc(size + 64);
-    Buffer src = alloc(size + 64);
-    Buffer dst = alloc(size + 64);
-    fill_random(src.bytes(), size);
-    auto remote_reg = target->register_memory(remote.region(), true);
-    ASSERT_TRUE(remote_reg.is_ok()) << remote_reg.status().to_string();
-    auto src_reg = initiator->register_memory(src.region(), false);
-    ASSERT_TRUE(src_reg.is_ok());
-    auto key = import(*ep, remote, **remote_reg);
-    ASSERT_TRUE(key);
-    EXPECT_EQ(key->base, addr_of(remote.data()));
-    EXPECT_EQ(key->length, remote.size());
+  // Through the copy threads, then with ops up to 2 MiB copied by the posting thread.
+  for (std::size_t inline_bytes : {std::size_t{0}, std::size_t{2} << 20}) {
+    SCOPED_TRACE("inline_bytes " + std::to_string(inline_bytes));
+    auto target = make();
+    auto initiator = make(2, inline_bytes);
+    auto ep = connect(*initiator, *target);
+    ASSERT_TRUE(ep);
+    for (std::size_t size :
+         {std::size_t{1}, std::size_t{4096 + 3}, std::size_t{1} << 20, std::size_t{64} << 20}) {
+      SCOPED_TRACE("size " + std::to_string(size));
+      constexpr std::size_t kRemoteOff = 13, kSrcOff = 3, kDstOff = 5;
+      Buffer remote = alloc(size + 64);
+      Buffer src = alloc(size + 64);
+      Buffer dst = alloc(size + 64);
+      fill_random(src.bytes(), size);
+      auto remote_reg = target->register_memory(remote.region(), true);
+      ASSERT_TRUE(remote_reg.is_ok()) << remote_reg.status().to_string();
+      auto src_reg = initiator->register_memory(src.region(), false);
+      ASSERT_TRUE(src_reg.is_ok());
+      auto key = import(*ep, remote, **remote_reg);
+      ASSERT_TRUE(key);
+      EXPECT_EQ(key->base, addr_of(remote.data()));
+      EXPECT_EQ(key->length, remote.size());
 
-    const std::uint64_t raddr = addr_of(remote.data()) + kRemoteOff;
-    ASSERT_TRUE(run_op(*ep, TransferOp::kWrite, src.data() + kSrcOff, *key, raddr, size).is_ok());
-    EXPECT_EQ(std::memcmp(remote.data() + kRemoteOff, src.data() + kSrcOff, size), 0);
-    // Bytes around the target range are untouched.
-    for (std::size_t i = 0; i < kRemoteOff; ++i) ASSERT_EQ(remote.data()[i], std::byte{0});
-    for (std::size_t i = kRemoteOff + size; i < remote.size(); ++i) {
-      ASSERT_EQ(remote.data()[i], std::byte{0});
+      const std::uint64_t raddr = addr_of(remote.data()) + kRemoteOff;
+      ASSERT_TRUE(run_op(*ep, TransferOp::kWrite, src.data() + kSrcOff, *key, raddr, size).is_ok());
+      EXPECT_EQ(std::memcmp(remote.data() + kRemoteOff, src.data() + kSrcOff, size), 0);
+      // Bytes around the target range are untouched.
+      for (std::size_t i = 0; i < kRemoteOff; ++i) ASSERT_EQ(remote.data()[i], std::byte{0});
+      for (std::size_t i = kRemoteOff + size; i < remote.size(); ++i) {
+        ASSERT_EQ(remote.data()[i], std::byte{0});
+      }
+
+      ASSERT_TRUE(run_op(*ep, TransferOp::kRead, dst.data() + kDstOff, *key, raddr, size, 1).is_ok());
+      EXPECT_EQ(std::memcmp(dst.data() + kDstOff, src.data() + kSrcOff, size), 0);
     }
-
-    ASSERT_TRUE(
-        run_op(*ep, TransferOp::kRead, dst.data() + kDstOff, *key, raddr, size, 1).is_ok());
-    EXPECT_EQ(std::memcmp(dst.data() + kDstOff, src.data() + kSrcOff, size), 0);
   }
 }
 
@@ -367,8 +374,8 @@ TEST_F(ShmTransportTest, ManyConcurrentOpsFromSeveralThreads) {
         std::vector<Op> batch;
         for (int i = 0; i < kOpsPerThread; ++i) {
           const std::size_t off = (static_cast<std::size_t>(t) * kOpsPerThread + i) * kChunk;
-          batch.push_back(Op{kind, local.data() + off, nullptr, addr_of(remote.data()) + off,
-                             key.get(), kChunk, static_cast<std::uint32_t>(i) % lanes, &sink,
+          batch.push_back(Op{kind, local.data() + off, nullptr, addr_of(remote.data()) + off, key.get(),
+                             kChunk, static_cast<std::uint32_t>(i) % lanes, &sink,
                              static_cast<std::uint32_t>(i)});
           if (batch.size() == 16) {  // batches of 16, to exercise batched posting
             ep->post(batch);
@@ -443,8 +450,7 @@ TEST_F(ShmTransportTest, WrongKeyIsPermissionDenied) {
   }
   shm::PackedKey other_slot = *decoded;
   other_slot.slot = other_slot.slot == 1 ? 2 : 1;
-  auto r = ep->import_key(addr_of(remote.data()), remote.size(), shm::encode_key(other_slot),
-                          soon());
+  auto r = ep->import_key(addr_of(remote.data()), remote.size(), shm::encode_key(other_slot), soon());
   EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
   // The right key, but a range beyond what it grants.
   r = ep->import_key(addr_of(remote.data()), remote.size() + 1, packed, soon());
@@ -470,8 +476,8 @@ TEST_F(ShmTransportTest, MalformedKeyIsInvalidArgument) {
   bad_magic[1] ^= 0x40;
   std::string bad_version = packed;
   bad_version[4] ^= 0x02;
-  for (const std::string& k : {std::string(), std::string("nonsense"), packed.substr(0, 9),
-                               packed + '\0', bad_magic, bad_version}) {
+  for (const std::string& k :
+       {std::string(), std::string("nonsense"), packed.substr(0, 9), packed + '\0', bad_magic, bad_version}) {
     auto r = ep->import_key(addr_of(remote.data()), remote.size(), k, soon());
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
   }
@@ -543,8 +549,8 @@ TEST_F(ShmTransportTest, AbortCompletesQueuedOpsWithTheReason) {
   constexpr int kQueued = 32;
   for (int i = 0; i < kQueued; ++i) {
     const std::size_t off = 4096 + static_cast<std::size_t>(i) * 4096;
-    ops.push_back(Op{TransferOp::kWrite, local.data() + off, nullptr, base + off, key.get(), 4096,
-                     0, i % 2 == 0 ? static_cast<CompletionSink*>(&aborted) : &other,
+    ops.push_back(Op{TransferOp::kWrite, local.data() + off, nullptr, base + off, key.get(), 4096, 0,
+                     i % 2 == 0 ? static_cast<CompletionSink*>(&aborted) : &other,
                      static_cast<std::uint32_t>(i)});
   }
   ep->post(ops);
@@ -660,8 +666,7 @@ TEST_F(ShmTransportTest, PeerKilledBySigkillTurnsIntoUnavailable) {
     if (!reg.is_ok()) ::_exit(4);
     const std::uint64_t base = addr_of(buf->data());
     if (!write_string(to_parent[1], (*t)->local_address()) ||
-        !write_string(to_parent[1], (*reg)->packed_key()) ||
-        !write_all(to_parent[1], &base, sizeof base)) {
+        !write_string(to_parent[1], (*reg)->packed_key()) || !write_all(to_parent[1], &base, sizeof base)) {
       ::_exit(5);
     }
     for (;;) ::pause();

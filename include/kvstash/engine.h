@@ -67,6 +67,9 @@ struct ShmOptions {
   std::uint32_t copy_threads = 2;
   // Transfers longer than this are split over the copy threads.
   std::size_t slice_bytes = 4u << 20;
+  // A batch whose ops are all at most this long is copied by the submitting thread:
+  // handing it to a copy thread and back costs more than the copy.
+  std::size_t inline_bytes = 2u << 20;
 };
 
 struct UcxOptions {

@@ -175,7 +175,8 @@ class ShmRemoteKey final : public RemoteKey {
 // and once per op by the worker, never during a copy.
 class Datapath {
  public:
-  explicit Datapath(std::uint32_t lanes);
+  // Ops of at most `inline_bytes` are copied on the posting thread (no hand-off latency).
+  Datapath(std::uint32_t lanes, std::size_t inline_bytes);
   ~Datapath();
   Datapath(const Datapath&) = delete;
   Datapath& operator=(const Datapath&) = delete;
@@ -195,6 +196,7 @@ class Datapath {
     Op op;
     std::shared_ptr<const RemoteRegion> region;
   };
+  std::size_t inline_bytes_;
   struct Lane {
     std::mutex mu;
     std::condition_variable work_cv;  // a job arrived or stop

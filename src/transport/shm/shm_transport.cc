@@ -493,7 +493,7 @@ class ShmTransport final : public Transport {
         listen_(std::move(listen)),
         wake_(std::move(wake)),
         registry_(std::move(registry)),
-        datapath_(std::make_shared<Datapath>(options.copy_threads)) {
+        datapath_(std::make_shared<Datapath>(options.copy_threads, options.inline_bytes)) {
     server_ = std::thread([this] { serve(); });
   }
 

@@ -36,7 +36,7 @@ bool PeerConnection::gone() {
   return false;
 }
 
-Datapath::Datapath(std::uint32_t lanes) {
+Datapath::Datapath(std::uint32_t lanes, std::size_t inline_bytes) : inline_bytes_(inline_bytes) {
   lanes = std::clamp<std::uint32_t>(lanes, 1, kMaxLanes);
   lanes_.reserve(lanes);
   for (std::uint32_t i = 0; i < lanes; ++i) lanes_.push_back(std::make_unique<Lane>());
@@ -86,6 +86,28 @@ Result<const ShmRemoteKey*> Datapath::validate(const PeerConnection* conn, const
 
 void Datapath::post(const PeerConnection* conn, std::span<const Op> ops) {
   const std::uint32_t n = lanes();
+  // Small ops are copied right here: waking a copy thread and being woken by it costs more
+  // than the copy. Large ones (slices of a striped transfer) go to the lanes to run in
+  // parallel.
+  bool all_inline = true;
+  for (const Op& op : ops) all_inline = all_inline && op.length <= inline_bytes_;
+  if (all_inline) {
+    for (const Op& op : ops) {
+      if (op.sink == nullptr) continue;
+      auto key = validate(conn, op, n);
+      if (!key.is_ok()) {
+        op.sink->complete(op.tag, key.status());
+      } else if (*key == nullptr) {
+        op.sink->complete(op.tag, Status::ok());
+      } else {
+        op.sink->complete(op.tag, execute(Job{op, (*key)->region()}));
+      }
+    }
+    for (const Op& op : ops) {
+      if (op.sink == nullptr) KVSTASH_LOG_ERROR("shm: op posted without a completion sink, dropped");
+    }
+    return;
+  }
   for (std::uint32_t l = 0; l < n; ++l) {
     Lane& lane = *lanes_[l];
     bool stopping = false;
