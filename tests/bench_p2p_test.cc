@@ -1,0 +1,78 @@
+// kvstash-bench p2p as a real process: its --json rows carry the documented fields and every
+// row's data was verified. Sizes and time are tiny: this checks output, not speed.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+std::string run(const std::string& cmd, int* status) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  *status = pclose(p);
+  return out;
+}
+
+std::string bench() {
+  const char* exe = std::getenv("KVSTASH_BENCH");
+  return exe ? exe : "";
+}
+
+TEST(BenchP2P, JsonRowsCarryTheDocumentedFieldsForEveryTransport) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  std::string out = run(bench() + " p2p --transport tcp,shm --sizes 4KiB,1MiB --seconds 0.05 --json", &status);
+  ASSERT_EQ(status, 0) << out;
+  std::map<std::string, int> rows;  // "transport/op" -> count
+  std::size_t n = 0;
+  std::size_t start = 0;
+  while (start < out.size()) {
+    std::size_t end = out.find('\n', start);
+    std::string line = out.substr(start, end - start);
+    start = end == std::string::npos ? out.size() : end + 1;
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << "not JSON: " << line;
+    for (const char* field : {"transport", "op", "size", "threads", "gbps", "p50_us", "p99_us"}) {
+      ASSERT_TRUE(j.contains(field)) << field << " missing in " << line;
+    }
+    EXPECT_FALSE(j.contains("error")) << line;
+    const std::string t = j["transport"];
+    rows[t + "/" + std::string(j["op"])]++;
+    if (t == "tcp" || t == "shm") {
+      EXPECT_EQ(j["verified"], true) << line;
+      EXPECT_GT(j["gbps"].get<double>(), 0) << line;
+      EXPECT_GT(j["p50_us"].get<double>(), 0) << line;
+      EXPECT_GE(j["p99_us"].get<double>(), j["p50_us"].get<double>()) << line;
+      EXPECT_TRUE(j.contains("vs_memcpy") && j.contains("vs_socket")) << line;
+    }
+    ++n;
+  }
+  // Two sizes: a memcpy and a socket reference each, and write+read per transport.
+  EXPECT_EQ(rows["memcpy/copy"], 2);
+  EXPECT_EQ(rows["tcp-socket/stream"], 2);
+  for (const char* key : {"tcp/write", "tcp/read", "shm/write", "shm/read"}) EXPECT_EQ(rows[key], 2) << key;
+  EXPECT_EQ(n, 12u);
+}
+
+TEST(BenchP2P, BadArgumentsAreUsageErrors) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  run(bench() + " p2p --sizes 12XB 2>&1", &status);
+  EXPECT_NE(status, 0);
+  run(bench() + " p2p --transport carrier-pigeon 2>&1", &status);
+  EXPECT_NE(status, 0);
+  std::string out = run(bench() + " p2p --help", &status);
+  EXPECT_EQ(status, 0);
+  EXPECT_NE(out.find("--json"), std::string::npos);
+}
+
+}  // namespace
