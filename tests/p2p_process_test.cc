@@ -208,10 +208,14 @@ TEST_P(P2P, DeregisteredMemoryCanNoLongerBeReached) {
   ASSERT_TRUE(peer_conn_->transfer({&e, 1}, deadline_after(5s)).is_ok());
   ASSERT_TRUE(peer_->command("dereg"));
   Status s = peer_conn_->transfer({&e, 1}, deadline_after(5s));
-  EXPECT_FALSE(s.is_ok());
-  if (kind_ != TransportKind::kUcx) {
-    EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  if (kind_ == TransportKind::kUcx) {
+    // Without RDMA, UCX 1.13 emulates RMA with active messages and its target copies without
+    // checking any registration, so deregistration fences nothing (src/transport/ucx/README.md,
+    // pinned down by ucx_transport_test's AccessAfterTargetDeregisters).
+    return;
   }
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
 }
 
 TEST_P(P2P, TargetKilledMidTransferTurnsIntoAnErrorWithinTheDeadline) {

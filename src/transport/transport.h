@@ -48,7 +48,9 @@ class CompletionSink {
 };
 
 // A region registered with one transport. Destroying it deregisters: ops that start
-// afterwards can no longer reach the region.
+// afterwards can no longer reach the region (an op already moving bytes may finish). What a
+// key exposes beyond its region is the transport's to document: shm hands peers of the same
+// uid the whole file behind the region; UCX emulating RMA over TCP checks no key at all.
 class LocalRegistration {
  public:
   virtual ~LocalRegistration() = default;
@@ -74,7 +76,7 @@ struct Op {
   const RemoteKey* remote_key = nullptr;            // imported through the same endpoint
   std::size_t length = 0;
   std::uint32_t lane = 0;                           // < capabilities().lanes
-  CompletionSink* sink = nullptr;
+  CompletionSink* sink = nullptr;                   // required
   std::uint32_t tag = 0;                            // passed back to sink->complete()
 };
 

@@ -8,7 +8,9 @@
 
 namespace kvstash::transport {
 
-// Starts a shm transport. Errors: kUnavailable when it cannot run on this host, kIoError.
+// Starts a shm transport. Errors: kUnavailable when it cannot run on this host,
+// kPermissionDenied when the socket directory is a symlink or another user's,
+// kInvalidArgument when the socket path is too long, kIoError.
 Result<std::unique_ptr<Transport>> make_shm_transport(const ShmOptions& options);
 
 }  // namespace kvstash::transport

@@ -111,7 +111,7 @@ class UcxTransport final : public Transport {
     c.rdma = core_->rdma_device();
     c.cuda_memory = false;  // Debian's UCX 1.13 is built without CUDA
     c.lanes = 1;
-    c.slice_bytes = 0;  // UCX fragments (and stripes over its own lanes) by itself
+    c.slice_bytes = std::size_t{4} << 20;  // TEMP
     return c;
   }
 

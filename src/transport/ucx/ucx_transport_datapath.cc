@@ -163,6 +163,11 @@ void Core::run(const std::function<void()>& fn) {
   std::atomic<bool> ran{false};
   submit([&] {
     fn();
+    // Completions `fn` produced (abort's sweep, for one) reach their sinks before the caller
+    // resumes, as they do without a progress thread: abort() promises that every op of the
+    // sink has completed when it returns. Safe here: we own the worker, outside UCX calls.
+    std::vector<Completion> done = take_completions();
+    deliver(done);
     ran = true;
   });
   wait_until([&] { return ran.load(); }, Deadline::max());
