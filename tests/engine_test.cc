@@ -69,6 +69,28 @@ TEST(Engine, TransferAcrossBothTransportsWithSlicing) {
   }
 }
 
+TEST(Engine, UnslicedTransfersCompleteWhenTheirOpCompletes) {
+  // slice_bytes 0 means "never split": each entry is one op, and the batch must finish when
+  // that op does, not at its deadline.
+  EngineOptions o{.transports = {TransportKind::kTcp}};
+  o.tcp.slice_bytes = 0;
+  auto a = Engine::create(o).value();
+  auto b = Engine::create(o).value();
+  auto local = Buffer::allocate(3u << 20).value();
+  auto remote_buf = Buffer::allocate(3u << 20).value();
+  auto lmem = a->register_memory(local.region(), Access::kLocal).value();
+  auto rmem = b->register_memory(remote_buf.region(), Access::kRemote).value();
+  auto peer = a->connect(b->address()).value();
+  auto remote = peer->import_key(rmem.remote_key()).value();
+  test::fill_random(local.bytes(), 11);
+  TransferEntry w{TransferOp::kWrite, &lmem, local.data(), remote.base(), &remote, local.size()};
+  const auto start = Clock::now();
+  auto batch = peer->submit({&w, 1}, deadline_after(60s)).value();
+  ASSERT_TRUE(batch.wait().is_ok());
+  EXPECT_LT(Clock::now() - start, 30s) << "the batch waited for its deadline";
+  EXPECT_EQ(test::first_mismatch(local.data(), remote_buf.data(), local.size()), -1);
+}
+
 TEST(Engine, SubmitValidatesEveryEntry) {
   Two t = make_two({TransportKind::kTcp});
   auto peer = t.a->connect(t.b->address()).value();

@@ -24,6 +24,16 @@ void Batch::State::abort(const Status& reason) {
     if (done_locked()) return;
   }
   endpoint->abort(this, reason);
+  // The transport promised that every op has completed. Should one have been lost anyway,
+  // its entry must not look successful: it ends with the abort's reason.
+  std::lock_guard lock(mu);
+  for (std::size_t i = 0; i < statuses.size() && entries_left > 0; ++i) {
+    if (parts_left[i].exchange(0, std::memory_order_acq_rel) != 0) {
+      if (statuses[i].is_ok()) statuses[i] = reason;
+      --entries_left;
+    }
+  }
+  cv.notify_all();
 }
 
 Batch::Batch() = default;

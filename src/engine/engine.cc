@@ -319,7 +319,7 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
     auto key = e.remote->state_->key_for(ep.first, ep.second, e.remote->base(), e.remote->length(), deadline);
     if (!key.is_ok()) return key.status();
     if (batch_state->keys.empty() || batch_state->keys.back() != *key) batch_state->keys.push_back(*key);
-    const std::size_t parts = (e.length + slice - 1) / slice;
+    const std::size_t parts = (e.length - 1) / slice + 1;  // e.length > 0; no overflow at SIZE_MAX
     batch_state->parts_left[i].store(static_cast<std::uint32_t>(parts), std::memory_order_relaxed);
     for (std::size_t off = 0; off < e.length; off += slice) {
       transport::Op op;
