@@ -146,6 +146,7 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   EngineOptions eo;
   eo.transports = transports;
   eo.tcp = tcp;
+  eo.ucx.allow_emulated_rma = true;  // a benchmark target on loopback: see UcxOptions
   auto engine = Engine::create(eo);
   if (!engine.is_ok()) {
     std::cerr << "p2p-target: " << engine.status().to_string() << "\n";

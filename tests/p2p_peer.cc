@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
     }
   }
   if (argc > 3) options.tcp.cluster_token = argv[3];
+  options.ucx.allow_emulated_rma = true;  // a test target on loopback: see UcxOptions
   auto engine = Engine::create(options);
   if (!engine.is_ok()) {
     std::fprintf(stderr, "%s\n", engine.status().to_string().c_str());

@@ -62,9 +62,10 @@ class TestSink : public CompletionSink {
   std::map<std::uint32_t, Status> statuses_;
 };
 
-std::unique_ptr<Transport> make(bool progress_thread) {
+std::unique_ptr<Transport> make(bool progress_thread, bool allow_emulated_rma = true) {
   UcxOptions options;
   options.progress_thread = progress_thread;
+  options.allow_emulated_rma = allow_emulated_rma;
   auto t = make_ucx_transport(options);
   EXPECT_TRUE(t.is_ok()) << t.status().to_string();
   return t.is_ok() ? std::move(*t) : nullptr;
@@ -396,6 +397,18 @@ TEST(UcxTransport, UnsupportedAndInvalidRegistrations) {
   EXPECT_EQ(t->register_memory(cuda, true).status().code(), StatusCode::kUnsupported);
   MemoryRegion empty;
   EXPECT_EQ(t->register_memory(empty, true).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(UcxTransport, EmulatedRmaExposesNothingUnlessAllowed) {
+  auto t = make(true, /*allow_emulated_rma=*/false);
+  if (t->capabilities().rdma) GTEST_SKIP() << "UCX has an RDMA device here: keys are enforced";
+  Buffer b = make_buffer(4096);
+  auto remote = t->register_memory(b.region(), true);
+  ASSERT_FALSE(remote.is_ok());
+  EXPECT_EQ(remote.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(remote.status().message().find("allow_emulated_rma"), std::string::npos);
+  // Local use (the initiator's own buffers) stays possible.
+  EXPECT_TRUE(t->register_memory(b.region(), false).is_ok());
 }
 
 TEST(UcxTransport, BadTransportListIsRefused) {

@@ -77,6 +77,10 @@ struct UcxOptions {
   bool progress_thread = true;
   // Optional UCX_TLS-style transport list for this context ("" = UCX's default choice).
   std::string transports;
+  // Without RDMA hardware UCX 1.13 emulates put/get over TCP and checks no remote key: a
+  // connected peer could write anywhere in this process. Regions are then registered for
+  // local use only unless this is set (tests and benchmarks on machines without RDMA).
+  bool allow_emulated_rma = false;
 };
 
 struct EngineOptions {

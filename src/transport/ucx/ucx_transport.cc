@@ -98,7 +98,8 @@ class UcxRegistration final : public LocalRegistration {
 
 class UcxTransport final : public Transport {
  public:
-  explicit UcxTransport(std::shared_ptr<Core> core) : core_(std::move(core)) {}
+  UcxTransport(std::shared_ptr<Core> core, bool allow_emulated_rma)
+      : core_(std::move(core)), allow_emulated_rma_(allow_emulated_rma) {}
 
   TransportKind kind() const override { return TransportKind::kUcx; }
 
@@ -133,6 +134,14 @@ class UcxTransport final : public Transport {
     }
     if (region.addr == nullptr || region.length == 0) {
       return Status::invalid_argument("ucx: empty memory region");
+    }
+    // Without an RDMA resource UCX emulates put/get with active messages that write to
+    // whatever address the peer names, key or no key: exposing a region would expose the
+    // whole process. Only an explicit opt-in (tests, benchmarks) accepts that.
+    if (remote_access && !core_->rdma_device() && !allow_emulated_rma_) {
+      return Status::unsupported(
+          "ucx: no RDMA device, and UCX's emulated RMA checks no remote key (a peer could reach "
+          "any address of this process); set UcxOptions::allow_emulated_rma to accept that");
     }
     Status status;
     ucp_mem_h memh = nullptr;
@@ -191,6 +200,7 @@ class UcxTransport final : public Transport {
 
  private:
   std::shared_ptr<Core> core_;
+  bool allow_emulated_rma_;
 };
 
 }  // namespace
@@ -440,7 +450,7 @@ Result<std::unique_ptr<Transport>> make_ucx_transport(const UcxOptions& options)
     if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kIoError) return s;
     return Status::unavailable(s.message());
   }
-  return std::unique_ptr<Transport>(std::make_unique<ucx::UcxTransport>(std::move(*core)));
+  return std::unique_ptr<Transport>(std::make_unique<ucx::UcxTransport>(std::move(*core), options.allow_emulated_rma));
 }
 
 }  // namespace kvstash::transport
