@@ -160,6 +160,11 @@ class Stream : public std::enable_shared_from_this<Stream> {
 
  private:
   static asio::awaitable<void> write_loop(std::shared_ptr<Stream> self);
+  // Moves the next queued op on the wire and fills its header; false when none. Needs mu_.
+  bool next_request(RequestHeader& h, std::byte*& payload);
+  // Sends queued requests from the calling thread while the socket takes them whole.
+  // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
+  bool send_inline();
   static asio::awaitable<void> read_loop(std::shared_ptr<Stream> self);
   void fail_all(const Status& status);
   void finish(Pending& p, Status status);
@@ -172,6 +177,13 @@ class Stream : public std::enable_shared_from_this<Stream> {
   std::deque<Pending> queued_;   // not yet sent
   std::deque<Pending> on_wire_;  // sent, waiting for the response
   bool writing_ = false;
+  // A request send_inline() could not finish: the writer sends its remaining bytes first.
+  struct Resume {
+    RequestHeader header{};
+    std::byte* payload = nullptr;
+    std::size_t sent = 0;  // bytes of header + payload already sent
+    bool pending = false;
+  } resume_;
   bool failed_ = false;
   Status failure_;
   std::atomic<bool> healthy_{true};

@@ -1,6 +1,8 @@
 // tcp datapath: the initiator's streams (post, abort, responses) and the target's request loop.
 // Payloads go straight between sockets and registered memory: a WRITE is one gather write of
 // header + payload, a READ's payload is read straight into the destination.
+#include <sys/uio.h>
+
 #include <array>
 #include <vector>
 
@@ -55,40 +57,81 @@ void Stream::enqueue(const Op& op) {
   queued_.push_back({op});
   if (writing_) return;
   writing_ = true;
+  // Send from this thread while the socket takes requests whole: no hop to an io thread.
+  if (send_inline()) {
+    writing_ = false;
+    return;
+  }
   lock.unlock();
   asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
+}
+
+bool Stream::next_request(RequestHeader& h, std::byte*& payload) {
+  if (queued_.empty() || failed_) return false;
+  // On the wire before the header is sent, so the response always finds it.
+  on_wire_.push_back(std::move(queued_.front()));
+  queued_.pop_front();
+  const Op& op = on_wire_.back().op;
+  h = RequestHeader{};
+  h.op = static_cast<std::uint8_t>(op.op);
+  h.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
+  h.addr = op.remote_addr;
+  h.length = op.length;
+  payload = op.op == TransferOp::kWrite ? op.local : nullptr;
+  return true;
+}
+
+bool Stream::send_inline() {
+  // The socket was made non-blocking at connect, so writev never waits here. Holding mu_
+  // keeps fail_all() from closing the descriptor under us.
+  const int fd = socket_.native_handle();
+  RequestHeader h;
+  std::byte* payload = nullptr;
+  while (next_request(h, payload)) {
+    iovec iov[2] = {{&h, sizeof h}, {payload, payload != nullptr ? h.length : 0}};
+    const std::size_t total = sizeof h + iov[1].iov_len;
+    ssize_t n = ::writev(fd, iov, payload != nullptr ? 2 : 1);
+    if (n == static_cast<ssize_t>(total)) continue;
+    // Partly sent, would block, or failed: the writer coroutine finishes the job (and meets
+    // the error itself, closing the stream on its strand).
+    resume_ = {h, payload, n > 0 ? static_cast<std::size_t>(n) : 0, true};
+    return false;
+  }
+  return true;
 }
 
 asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
   for (;;) {
     RequestHeader h{};
     std::byte* payload = nullptr;
+    std::size_t sent = 0;
     {
       std::lock_guard lock(self->mu_);
-      if (self->queued_.empty() || self->failed_) {
+      if (self->failed_) {
         self->writing_ = false;
         co_return;
       }
-      // On the wire before the header is sent, so the response always finds it.
-      self->on_wire_.push_back(std::move(self->queued_.front()));
-      self->queued_.pop_front();
-      const Op& op = self->on_wire_.back().op;
-      h.op = static_cast<std::uint8_t>(op.op);
-      h.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
-      h.addr = op.remote_addr;
-      h.length = op.length;
-      if (op.op == TransferOp::kWrite) payload = op.local;
+      if (self->resume_.pending) {
+        h = self->resume_.header;
+        payload = self->resume_.payload;
+        sent = self->resume_.sent;
+        self->resume_.pending = false;
+      } else if (!self->next_request(h, payload)) {
+        self->writing_ = false;
+        co_return;
+      }
     }
     // Only locals from here on: a failure on the read side may complete the op meanwhile.
-    error_code ec;
-    if (payload != nullptr) {
-      std::array<asio::const_buffer, 2> bufs{asio::buffer(&h, sizeof h),
-                                              asio::buffer(payload, h.length)};
-      co_await asio::async_write(self->socket_, bufs, redirect_error(use_awaitable, ec));
+    const std::size_t payload_len = payload != nullptr ? h.length : 0;
+    std::array<asio::const_buffer, 2> bufs{asio::buffer(&h, sizeof h), asio::buffer(payload, payload_len)};
+    if (sent >= sizeof h) {
+      bufs[0] = asio::const_buffer();
+      bufs[1] = asio::buffer(payload + (sent - sizeof h), payload_len - (sent - sizeof h));
     } else {
-      co_await asio::async_write(self->socket_, asio::buffer(&h, sizeof h),
-                                 redirect_error(use_awaitable, ec));
+      bufs[0] = asio::buffer(reinterpret_cast<const std::byte*>(&h) + sent, sizeof h - sent);
     }
+    error_code ec;
+    co_await asio::async_write(self->socket_, bufs, redirect_error(use_awaitable, ec));
     if (ec) {
       self->fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()));
       std::lock_guard lock(self->mu_);
