@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   p->add_flag("--json", p2p.json, "One JSON object per row");
   p->add_option("--tcp-streams", p2p.tcp.streams, "tcp: parallel connections per peer")->capture_default_str()->check(CLI::Range(1, 64));
   p->add_option("--tcp-io-threads", p2p.tcp.io_threads, "tcp: socket I/O threads in each process")->capture_default_str()->check(CLI::Range(1, 64));
-  std::string tcp_slice = "1MiB", shm_slice = "4MiB";
+  std::string tcp_slice = "512KiB", shm_slice = "4MiB";
   p->add_option("--tcp-slice", tcp_slice, "tcp: requests above this are striped over the streams")->capture_default_str();
   p->add_option("--shm-copy-threads", p2p.shm.copy_threads, "shm: copy threads of the initiator")->capture_default_str()->check(CLI::Range(1, 64));
   p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")->capture_default_str();

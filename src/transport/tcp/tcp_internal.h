@@ -176,6 +176,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   std::condition_variable drained_;
   std::deque<Pending> queued_;   // not yet sent
   std::deque<Pending> on_wire_;  // sent, waiting for the response
+  // Ops taken out of the queues whose sink->complete() has not returned yet: abort may not
+  // return (and let the sink be destroyed) while one of them is being delivered.
+  std::size_t completing_ = 0;
   bool writing_ = false;
   // A request send_inline() could not finish: the writer sends its remaining bytes first.
   struct Resume {

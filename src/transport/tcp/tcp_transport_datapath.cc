@@ -4,6 +4,7 @@
 #include <sys/uio.h>
 
 #include <array>
+#include <limits>
 #include <vector>
 
 #include "common/log.h"
@@ -34,6 +35,15 @@ Status refusal(std::uint32_t code, std::uint32_t reason) {
   }
   return {c, "target refused the request"};
 }
+
+// asio's transfer_all() moves at most 64 KiB per read/write syscall; a 1 MiB payload then
+// costs 16 trips through the reactor. Let each syscall take all that is left.
+struct WholeBuffers {
+  std::size_t operator()(const boost::system::error_code& ec, std::size_t) const {
+    return ec ? 0 : std::numeric_limits<std::size_t>::max();
+  }
+};
+constexpr WholeBuffers kWhole{};
 
 }  // namespace
 
@@ -131,7 +141,7 @@ asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
       bufs[0] = asio::buffer(reinterpret_cast<const std::byte*>(&h) + sent, sizeof h - sent);
     }
     error_code ec;
-    co_await asio::async_write(self->socket_, bufs, redirect_error(use_awaitable, ec));
+    co_await asio::async_write(self->socket_, bufs, kWhole, redirect_error(use_awaitable, ec));
     if (ec) {
       self->fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()));
       std::lock_guard lock(self->mu_);
@@ -145,7 +155,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
   for (;;) {
     ResponseHeader r{};
     error_code ec;
-    co_await asio::async_read(self->socket_, asio::buffer(&r, sizeof r),
+    co_await asio::async_read(self->socket_, asio::buffer(&r, sizeof r), kWhole,
                               redirect_error(use_awaitable, ec));
     if (ec) {
       self->fail_all(Status::unavailable(
@@ -169,7 +179,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
       co_return;
     }
     if (expect > 0) {
-      co_await asio::async_read(self->socket_, asio::buffer(op.local, expect),
+      co_await asio::async_read(self->socket_, asio::buffer(op.local, expect), kWhole,
                                 redirect_error(use_awaitable, ec));
       if (ec) {
         self->fail_all(Status::unavailable("tcp receive failed mid-payload: " + ec.message()));
@@ -182,6 +192,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
       if (self->failed_) co_return;
       done = std::move(self->on_wire_.front());
       self->on_wire_.pop_front();
+      ++self->completing_;
     }
     self->finish(done, ok ? Status() : refusal(r.status, r.reason));
   }
@@ -191,6 +202,7 @@ void Stream::finish(Pending& p, Status status) {
   if (p.aborted) status = p.abort_reason;
   p.op.sink->complete(p.op.tag, std::move(status));
   std::lock_guard lock(mu_);
+  --completing_;
   drained_.notify_all();
 }
 
@@ -207,6 +219,7 @@ void Stream::fail_all(const Status& status) {
     dead.swap(on_wire_);
     for (auto& p : queued_) dead.push_back(std::move(p));
     queued_.clear();
+    completing_ += dead.size();
   }
   // Closing on the strand stops every pending socket operation before the ops are reported
   // complete, so no byte of theirs is touched afterwards.
@@ -224,6 +237,7 @@ std::size_t Stream::abort_queued(CompletionSink* sink, const Status& reason) {
       if (it->op.sink == sink) {
         mine.push_back(std::move(*it));
         it = queued_.erase(it);
+        ++completing_;
       } else {
         ++it;
       }
@@ -256,6 +270,7 @@ void Stream::reset(CompletionSink* sink, const Status& reason) {
 void Stream::wait_drained(CompletionSink* sink) {
   std::unique_lock lock(mu_);
   drained_.wait(lock, [&] {
+    if (completing_ != 0) return false;
     for (const auto& p : queued_) {
       if (p.op.sink == sink) return false;
     }
@@ -328,33 +343,33 @@ asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& reg
   std::vector<std::byte> scratch;
   for (;;) {
     RequestHeader h;
-    co_await asio::async_read(socket, asio::buffer(&h, sizeof h), use_awaitable);
+    co_await asio::async_read(socket, asio::buffer(&h, sizeof h), kWhole, use_awaitable);
     std::byte* where = nullptr;
     RegionTable::Lease lease = regions.find(h.key);
     ResponseHeader r = check(h, lease, &where);
     const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
     if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
       if (ok) {
-        co_await asio::async_read(socket, asio::buffer(where, h.length), use_awaitable);
+        co_await asio::async_read(socket, asio::buffer(where, h.length), kWhole, use_awaitable);
       } else {
         if (h.length > kMaxDiscard) {
-          co_await asio::async_write(socket, asio::buffer(&r, sizeof r), use_awaitable);
+          co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
           co_return;
         }
         scratch.resize(64u << 10);
         for (std::uint64_t left = h.length; left > 0;) {
           std::size_t n = std::min<std::uint64_t>(left, scratch.size());
-          co_await asio::async_read(socket, asio::buffer(scratch.data(), n), use_awaitable);
+          co_await asio::async_read(socket, asio::buffer(scratch.data(), n), kWhole, use_awaitable);
           left -= n;
         }
       }
-      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), use_awaitable);
+      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
     } else if (ok) {
       r.length = h.length;
       std::array<asio::const_buffer, 2> bufs{asio::buffer(&r, sizeof r), asio::buffer(where, h.length)};
-      co_await asio::async_write(socket, bufs, use_awaitable);
+      co_await asio::async_write(socket, bufs, kWhole, use_awaitable);
     } else {
-      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), use_awaitable);
+      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
       if (r.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp)) co_return;
     }
   }
