@@ -27,6 +27,7 @@
 
 #include "common/system.h"
 #include "kvstash/memory.h"
+#include "recording_sink.h"
 #include "transport/shm/shm_internal.h"
 #include "transport/shm/shm_transport.h"
 
@@ -35,42 +36,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Counts completions and records each tag's status. Also checks "exactly once".
-class TestSink final : public CompletionSink {
- public:
-  void complete(std::uint32_t tag, Status status) override {
-    std::lock_guard lock(mu_);
-    if (statuses_.count(tag) != 0) ++duplicates_;
-    statuses_[tag] = std::move(status);
-    ++done_;
-    cv_.notify_all();
-  }
-  // Waits for `n` completions. The bound only keeps a broken build from hanging the suite.
-  bool wait_for(std::size_t n) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, 120s, [&] { return done_ >= n; });
-  }
-  Status status(std::uint32_t tag) {
-    std::lock_guard lock(mu_);
-    auto it = statuses_.find(tag);
-    return it == statuses_.end() ? Status::internal("no completion") : it->second;
-  }
-  std::size_t done() {
-    std::lock_guard lock(mu_);
-    return done_;
-  }
-  int duplicates() {
-    std::lock_guard lock(mu_);
-    return duplicates_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::uint32_t, Status> statuses_;
-  std::size_t done_ = 0;
-  int duplicates_ = 0;
-};
+using TestSink = test::RecordingSink;
 
 // Blocks inside complete() until released: pins a copy thread so that later ops stay queued.
 class BlockingSink final : public CompletionSink {
@@ -161,7 +127,7 @@ class ShmTransportTest : public ::testing::Test {
     TestSink sink;
     Op op{kind, local, nullptr, remote, &key, len, lane, &sink, 7};
     ep.post({&op, 1});
-    if (!sink.wait_for(1)) return Status::internal("no completion");
+    if (!sink.wait(1)) return Status::internal("no completion");
     EXPECT_EQ(sink.duplicates(), 0);
     return sink.status(7);
   }
@@ -383,11 +349,11 @@ TEST_F(ShmTransportTest, ManyConcurrentOpsFromSeveralThreads) {
           }
         }
         ep->post(batch);
-        if (!sink.wait_for(kOpsPerThread)) ++bad;
+        if (!sink.wait(kOpsPerThread)) ++bad;
         for (int i = 0; i < kOpsPerThread; ++i) {
           if (!sink.status(static_cast<std::uint32_t>(i)).is_ok()) ++bad;
         }
-        if (sink.done() != kOpsPerThread || sink.duplicates() != 0) ++bad;
+        if (sink.count() != kOpsPerThread || sink.duplicates() != 0) ++bad;
       });
     }
     for (auto& th : threads) th.join();
@@ -556,15 +522,15 @@ TEST_F(ShmTransportTest, AbortCompletesQueuedOpsWithTheReason) {
   ep->post(ops);
   ep->abort(&aborted, Status::cancelled("test abort"));
   // abort returned: every op of `aborted` has completed, with the reason.
-  ASSERT_EQ(aborted.done(), static_cast<std::size_t>(kQueued / 2));
+  ASSERT_EQ(aborted.count(), static_cast<std::size_t>(kQueued / 2));
   for (int i = 0; i < kQueued; i += 2) {
     Status s = aborted.status(static_cast<std::uint32_t>(i));
     EXPECT_EQ(s.code(), StatusCode::kCancelled);
     EXPECT_EQ(s.message(), "test abort");
   }
-  EXPECT_EQ(other.done(), 0u);
+  EXPECT_EQ(other.count(), 0u);
   pin.release();
-  ASSERT_TRUE(other.wait_for(kQueued / 2));
+  ASSERT_TRUE(other.wait(kQueued / 2));
   EXPECT_TRUE(pin.last().is_ok());
   for (int i = 0; i < kQueued; ++i) {
     const std::size_t off = 4096 + static_cast<std::size_t>(i) * 4096;

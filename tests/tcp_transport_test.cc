@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "recording_sink.h"
 #include "test_util.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -15,32 +16,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-class Sink final : public CompletionSink {
- public:
-  void complete(std::uint32_t tag, Status status) override {
-    std::lock_guard lock(mu_);
-    done_[tag] = std::move(status);
-    cv_.notify_all();
-  }
-  // Waits for `n` completions; false on timeout.
-  bool wait(std::size_t n, std::chrono::seconds limit = 30s) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, limit, [&] { return done_.size() >= n; });
-  }
-  Status status(std::uint32_t tag) {
-    std::lock_guard lock(mu_);
-    return done_.at(tag);
-  }
-  std::size_t count() {
-    std::lock_guard lock(mu_);
-    return done_.size();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::uint32_t, Status> done_;
-};
+using Sink = test::RecordingSink;
 
 struct Pair {
   std::unique_ptr<Transport> target, initiator;

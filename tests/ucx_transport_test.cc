@@ -3,6 +3,8 @@
 // active messages; see src/transport/ucx/README.md), which is what these tests exercise.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "kvstash/memory.h"
+#include "recording_sink.h"
 #include "transport/ucx/ucx_internal.h"
 #include "transport/ucx/ucx_transport.h"
 
@@ -23,44 +26,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Counts completions per tag; a wait can drive progress for a transport without a thread.
-class TestSink : public CompletionSink {
- public:
-  void complete(std::uint32_t tag, Status status) override {
-    std::lock_guard lock(mu_);
-    EXPECT_EQ(statuses_.count(tag), 0u) << "tag " << tag << " completed twice";
-    statuses_.emplace(tag, std::move(status));
-    cv_.notify_all();
-  }
-  // True once `n` completions arrived (within 60 s: a hang fails instead of blocking).
-  bool wait(std::size_t n, ucx::UcxEndpoint* drive = nullptr) {
-    Deadline deadline = deadline_after(60s);
-    std::unique_lock lock(mu_);
-    while (statuses_.size() < n && Clock::now() < deadline) {
-      if (drive != nullptr) {
-        lock.unlock();
-        drive->progress();
-        lock.lock();
-      } else {
-        cv_.wait_for(lock, 10ms);
-      }
-    }
-    return statuses_.size() >= n;
-  }
-  std::map<std::uint32_t, Status> statuses() {
-    std::lock_guard lock(mu_);
-    return statuses_;
-  }
-  std::size_t count() {
-    std::lock_guard lock(mu_);
-    return statuses_.size();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::uint32_t, Status> statuses_;
-};
+using TestSink = test::RecordingSink;
 
 std::unique_ptr<Transport> make(bool progress_thread, bool allow_emulated_rma = true) {
   UcxOptions options;
@@ -123,7 +89,11 @@ struct Pair {
     o.tag = tag;
     return o;
   }
-  ucx::UcxEndpoint* drive() const { return initiator_thread_ ? nullptr : ucx_ep; }
+  // Without a progress thread, waiting must drive the initiator's worker.
+  std::function<void()> drive() const {
+    if (initiator_thread_) return {};
+    return [ep = ucx_ep] { ep->progress(); };
+  }
 
   bool initiator_thread_ = true;
   std::unique_ptr<Transport> target;
@@ -161,7 +131,7 @@ TEST_P(UcxRoundTrip, WriteThenReadBackIsBitExact) {
     TestSink wsink;
     Op w = p.op(TransferOp::kWrite, s.data(), src_reg->get(), remote_off, len, &wsink, ++tag);
     p.endpoint->post({&w, 1});
-    ASSERT_TRUE(wsink.wait(1, p.drive()));
+    ASSERT_TRUE(wsink.wait(1, std::chrono::seconds(60), p.drive()));
     ASSERT_TRUE(wsink.statuses().at(tag).is_ok()) << wsink.statuses().at(tag).to_string();
     // Remote completion: the bytes are in the target's memory when the write completes.
     ASSERT_EQ(std::memcmp(p.target_buf.data() + remote_off, s.data(), len), 0);
@@ -169,7 +139,7 @@ TEST_P(UcxRoundTrip, WriteThenReadBackIsBitExact) {
     TestSink rsink;
     Op r = p.op(TransferOp::kRead, dst.data() + 5, dst_reg->get(), remote_off, len, &rsink, ++tag);
     p.endpoint->post({&r, 1});
-    ASSERT_TRUE(rsink.wait(1, p.drive()));
+    ASSERT_TRUE(rsink.wait(1, std::chrono::seconds(60), p.drive()));
     ASSERT_TRUE(rsink.statuses().at(tag).is_ok()) << rsink.statuses().at(tag).to_string();
     ASSERT_EQ(std::memcmp(dst.data() + 5, s.data(), len), 0);
     EXPECT_EQ(dst.data()[4], std::byte{0});  // nothing written outside the range
