@@ -60,7 +60,11 @@ class PeerProcess {
     std::fflush(to_);
     return read_line() == "ok";
   }
-  void signal(int sig) { kill(pid_, sig); }
+  // Sends `sig`; for SIGSTOP returns only once the child has actually stopped.
+  void signal(int sig) {
+    kill(pid_, sig);
+    if (sig == SIGSTOP) waitpid(pid_, nullptr, WUNTRACED);
+  }
 
  private:
   std::string read_line() {

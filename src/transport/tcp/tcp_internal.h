@@ -166,7 +166,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
   bool send_inline();
   static asio::awaitable<void> read_loop(std::shared_ptr<Stream> self);
-  void fail_all(const Status& status);
+  // `deliberate`: a reset or close we asked for, logged quietly.
+  void fail_all(const Status& status, bool deliberate = false);
   void finish(Pending& p, Status status);
 
   std::shared_ptr<IoRuntime> runtime_;

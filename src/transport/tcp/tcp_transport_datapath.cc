@@ -206,7 +206,7 @@ void Stream::finish(Pending& p, Status status) {
   drained_.notify_all();
 }
 
-void Stream::fail_all(const Status& status) {
+void Stream::fail_all(const Status& status, bool deliberate) {
   std::deque<Pending> dead;
   {
     std::lock_guard lock(mu_);
@@ -214,7 +214,11 @@ void Stream::fail_all(const Status& status) {
       failed_ = true;
       failure_ = status;
       healthy_.store(false, std::memory_order_release);
-      if (status.code() != StatusCode::kCancelled) KVSTASH_LOG_WARN("tcp stream failed: {}", status.to_string());
+      if (deliberate) {
+        KVSTASH_LOG_DEBUG("tcp stream closed: {}", status.to_string());
+      } else {
+        KVSTASH_LOG_WARN("tcp stream failed: {}", status.to_string());
+      }
     }
     dead.swap(on_wire_);
     for (auto& p : queued_) dead.push_back(std::move(p));
@@ -263,7 +267,7 @@ void Stream::reset(CompletionSink* sink, const Status& reason) {
         }
       }
     }
-    self->fail_all(Status::unavailable("tcp connection reset to cancel an in-flight batch"));
+    self->fail_all(Status::unavailable("tcp connection reset to cancel an in-flight batch"), true);
   });
 }
 
@@ -283,7 +287,7 @@ void Stream::wait_drained(CompletionSink* sink) {
 
 void Stream::close() {
   asio::post(strand_, [self = shared_from_this()] {
-    self->fail_all(Status::cancelled("tcp endpoint closed"));
+    self->fail_all(Status::cancelled("tcp endpoint closed"), true);
   });
 }
 
