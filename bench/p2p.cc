@@ -70,8 +70,11 @@ void print(const Row& r, bool json) {
     std::cout << fmt::format("{:<10} {:<6} {:>10}  error: {}\n", r.transport, r.op, units::format_size(r.size), r.error);
     return;
   }
-  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10.1f} {:>10.1f} {:>9} {:>9}\n", r.transport,
-                           r.op, units::format_size(r.size), r.threads, r.depth, r.gbps, r.p50_us, r.p99_us,
+  // Reference rows have no per-request latency.
+  const bool reference = r.op == "copy" || r.op == "stream";
+  auto us = [&](double v) { return reference ? std::string() : fmt::format("{:.1f}", v); };
+  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9}\n", r.transport,
+                           r.op, units::format_size(r.size), r.threads, r.depth, r.gbps, us(r.p50_us), us(r.p99_us),
                            r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
                            r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "");
 }
