@@ -79,6 +79,15 @@ void print(const Row& r, bool json) {
                            r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "");
 }
 
+Row reference_row(std::string transport, std::string op, std::size_t size, double gbps) {
+  Row r;
+  r.transport = std::move(transport);
+  r.op = std::move(op);
+  r.size = size;
+  r.gbps = gbps;
+  return r;
+}
+
 // Writes random bytes to the peer and reads them back elsewhere: the row's data check.
 Status verify(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemory& remote, std::size_t size) {
   fill_random(local.data(), size, size);
@@ -216,18 +225,8 @@ int run_p2p(const P2POptions& o) {
     for (int i = 0; i < 3; ++i) runs.push_back(socket_stream_gbps(port, size, std::max<std::size_t>(size * 2, 512u << 20)));
     socket_ref[size] = percentile(runs, 0.5);
     memcpy_ref[size] = memcpy_gbps(size, std::min(o.seconds, 0.3));
-    Row m;
-    m.transport = "memcpy";
-    m.op = "copy";
-    m.size = size;
-    m.gbps = memcpy_ref[size];
-    print(m, o.json);
-    Row sock;
-    sock.transport = "tcp-socket";
-    sock.op = "stream";
-    sock.size = size;
-    sock.gbps = socket_ref[size];
-    print(sock, o.json);
+    print(reference_row("memcpy", "copy", size, memcpy_ref[size]), o.json);
+    print(reference_row("tcp-socket", "stream", size, socket_ref[size]), o.json);
   }
 
   auto local = Buffer::allocate(region, {.shareable = false}).value();
