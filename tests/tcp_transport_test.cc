@@ -7,7 +7,13 @@
 #include <mutex>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/wire.h"
 #include "recording_sink.h"
+#include "transport/tcp/tcp_internal.h"
 #include "test_util.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -190,6 +196,51 @@ TEST(TcpTransport, ConnectToNothingFailsFast) {
   auto r = t->connect(addr, deadline_after(5s));
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(TcpTransport, StalledInitiatorCannotHoldDeregistrationHostage) {
+  using namespace tcp;
+  auto target = make_tcp_transport({.io_timeout = std::chrono::milliseconds(300)}).value();
+  auto remote = Buffer::allocate(1u << 20).value();
+  auto reg = target->register_memory(remote.region(), true).value();
+  // A hand-made initiator: handshake, then a WRITE promising 1 MiB that sends 10 bytes.
+  const std::string address = target->local_address();
+  wire::Reader addr(address);
+  addr.u32();
+  addr.bytes();
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(addr.u16());
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ServerHello hello;
+  ASSERT_EQ(::recv(fd, &hello, sizeof hello, MSG_WAITALL), static_cast<ssize_t>(sizeof hello));
+  ClientHello client{};
+  client.magic = kClientMagic;
+  client.version = kProtocolVersion;
+  ASSERT_EQ(::send(fd, &client, sizeof client, 0), static_cast<ssize_t>(sizeof client));
+  ServerVerdict verdict;
+  ASSERT_EQ(::recv(fd, &verdict, sizeof verdict, MSG_WAITALL), static_cast<ssize_t>(sizeof verdict));
+  ASSERT_EQ(verdict.status, 0u);
+  const std::string packed = reg->packed_key();
+  wire::Reader key(packed);
+  key.u8();
+  RequestHeader h{};
+  h.op = static_cast<std::uint8_t>(TransferOp::kWrite);
+  h.key = key.u64();
+  h.addr = reinterpret_cast<std::uintptr_t>(remote.data());
+  h.length = 1u << 20;
+  ASSERT_EQ(::send(fd, &h, sizeof h, 0), static_cast<ssize_t>(sizeof h));
+  ASSERT_EQ(::send(fd, "0123456789", 10, 0), 10);
+  std::this_thread::sleep_for(100ms);  // the target now holds the region for this request
+  // Deregistering waits for the request, which the target drops once it has stalled.
+  const auto start = Clock::now();
+  reg.reset();
+  EXPECT_LT(Clock::now() - start, 10s);
+  char byte;
+  EXPECT_LE(::recv(fd, &byte, 1, 0), 0) << "the target should have dropped the connection";
+  ::close(fd);
 }
 
 TEST(TcpTransport, AbortCompletesEveryOpOfTheSinkAndLeavesOthersConsistent) {

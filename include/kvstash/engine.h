@@ -17,6 +17,7 @@
 // Thread safety: Engine, Peer and RemoteMemory are safe to use from many threads at once
 // (submit from several threads is the expected use). A MemoryHandle must outlive every
 // batch that uses it; a Batch is one caller's handle (move it, don't share it).
+// Lifetimes: Peers, handles and batches must not outlive the Engine that made them.
 #pragma once
 
 #include <chrono>
@@ -55,6 +56,9 @@ struct TcpOptions {
   // Transfers longer than this are cut into slices spread over the streams (512 KiB: a
   // 1 MiB transfer already uses two streams; measured in docs/benchmarks.md).
   std::size_t slice_bytes = 512u << 10;
+  // A target drops a connection whose request payload does not move for this long, so a
+  // stalled initiator cannot hold a region (and its deregistration) hostage.
+  std::chrono::milliseconds io_timeout{30000};
   // Shared cluster secret. When set, both sides of every connection prove they know it
   // (HMAC-SHA256 challenge-response; the token itself never crosses the wire).
   std::string cluster_token;

@@ -214,6 +214,6 @@ struct TcpRemoteKey final : RemoteKey {
 // Serves one accepted connection: handshake, then requests against the region table.
 // Runs on the socket's strand.
 asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const RegionTable> regions,
-                                       std::string token);
+                                       std::string token, std::chrono::milliseconds io_timeout);
 
 }  // namespace kvstash::transport::tcp

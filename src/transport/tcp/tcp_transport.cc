@@ -21,7 +21,8 @@
 
 namespace kvstash::transport::tcp {
 
-asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions);
+asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions,
+                                     std::chrono::milliseconds io_timeout);
 
 namespace {
 
@@ -295,7 +296,7 @@ class TcpTransport final : public Transport {
       }
       sock.set_option(tcp::no_delay(true), ec);
       auto ex = sock.get_executor();
-      asio::co_spawn(ex, serve_connection(std::move(sock), regions_, options_.cluster_token),
+      asio::co_spawn(ex, serve_connection(std::move(sock), regions_, options_.cluster_token, options_.io_timeout),
                      asio::detached);
     }
     std::lock_guard lock(mu_);
@@ -394,7 +395,7 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std:
 }
 
 asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const RegionTable> regions,
-                                       std::string token) {
+                                       std::string token, std::chrono::milliseconds io_timeout) {
   // A client that connects and says nothing is dropped after kHandshakeTimeout.
   auto done = std::make_shared<bool>(false);
   asio::steady_timer timer(socket.get_executor(), kHandshakeTimeout);
@@ -429,7 +430,7 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const
       KVSTASH_LOG_WARN("tcp: refused a client that failed the cluster-token handshake");
       co_return;
     }
-    co_await serve_requests(socket, *regions);
+    co_await serve_requests(socket, *regions, io_timeout);
   } catch (const boost::system::system_error& e) {
     *done = true;
     // The initiator went away or broke protocol; its requests are its own to retry.

@@ -343,8 +343,48 @@ ResponseHeader check(const RequestHeader& h, const RegionTable::Lease& lease, st
 
 }  // namespace
 
-asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions) {
+namespace {
+
+// Closes the connection when a request's payload stops moving for `timeout`: a stalled
+// initiator must not hold a region lease, and so its deregistration, forever. Runs on the
+// connection's strand, like the request loop that arms it.
+class Watchdog {
+ public:
+  Watchdog(tcp::socket& socket, std::chrono::milliseconds timeout)
+      : socket_(socket), timer_(socket.get_executor()), timeout_(timeout) {}
+  ~Watchdog() { *alive_ = false; }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  void arm() {
+    const std::uint64_t generation = ++generation_;
+    timer_.expires_after(timeout_);
+    timer_.async_wait([this, generation, alive = alive_](error_code ec) {
+      if (ec || !*alive || generation != generation_) return;
+      KVSTASH_LOG_WARN("tcp: request payload stalled for {} ms, dropping the connection", timeout_.count());
+      error_code ignored;
+      socket_.close(ignored);
+    });
+  }
+  void disarm() {
+    ++generation_;
+    timer_.cancel();
+  }
+
+ private:
+  tcp::socket& socket_;
+  asio::steady_timer timer_;
+  std::chrono::milliseconds timeout_;
+  std::uint64_t generation_ = 0;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+};
+
+}  // namespace
+
+asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions,
+                                     std::chrono::milliseconds io_timeout) {
   std::vector<std::byte> scratch;
+  Watchdog watchdog(socket, io_timeout);
   for (;;) {
     RequestHeader h;
     co_await asio::async_read(socket, asio::buffer(&h, sizeof h), kWhole, use_awaitable);
@@ -352,6 +392,7 @@ asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& reg
     RegionTable::Lease lease = regions.find(h.key);
     ResponseHeader r = check(h, lease, &where);
     const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    watchdog.arm();
     if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
       if (ok) {
         co_await asio::async_read(socket, asio::buffer(where, h.length), kWhole, use_awaitable);
@@ -376,6 +417,7 @@ asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& reg
       co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
       if (r.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp)) co_return;
     }
+    watchdog.disarm();
   }
 }
 
