@@ -195,14 +195,13 @@ int run_p2p(const P2POptions& o) {
     }
     kinds = (*probe)->transports();
   }
-  std::vector<std::string> args{"p2p-target",   "--region",
-                                "--tcp-io-threads", std::to_string(o.tcp.io_threads),
-                                "--token",        o.token,
-                                "--transports"};
-  args.insert(args.begin() + 2, std::to_string(region));
   std::string list;
-  for (auto k : kinds) list += (list.empty() ? "" : ",") + std::string(to_string(k));
-  args.push_back(list);
+  for (auto k : kinds) {
+    if (!list.empty()) list.push_back(',');
+    list.append(to_string(k));
+  }
+  std::vector<std::string> args{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
+                                std::to_string(o.tcp.io_threads), "--token", o.token, "--transports", list};
   Child target(args);
   std::string address_line = target.read_line(), key_line = target.read_line(), socket_line = target.read_line();
   if (address_line.rfind("address ", 0) != 0 || key_line.rfind("key ", 0) != 0 || socket_line.rfind("socket ", 0) != 0) {

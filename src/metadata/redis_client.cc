@@ -1,0 +1,317 @@
+#include "metadata/redis_client.h"
+
+#include <hiredis/hiredis.h>
+#include <openssl/sha.h>
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+#include <cerrno>
+#include <thread>
+
+#include "common/log.h"
+#include "common/wire.h"
+
+namespace kvstash::metadata {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+timeval to_timeval(std::chrono::milliseconds ms) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
+  return tv;
+}
+
+std::optional<std::string> percent_decode(std::string_view s) {
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out.push_back(s[i]);
+      continue;
+    }
+    if (i + 2 >= s.size()) return std::nullopt;
+    auto byte = wire::from_hex(s.substr(i + 1, 2));
+    if (!byte) return std::nullopt;
+    out += *byte;
+    i += 2;
+  }
+  return out;
+}
+
+std::optional<int> parse_int(std::string_view s, int lo, int hi) {
+  if (s.empty() || s.size() > 9) return std::nullopt;
+  int v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + (c - '0');
+  }
+  if (v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+// Status for an error reply, by Redis's error code (its first word).
+Status error_status(std::string_view text) {
+  std::string msg = "redis: " + std::string(text);
+  if (text.rfind("NOPERM", 0) == 0 || text.rfind("WRONGPASS", 0) == 0 || text.rfind("NOAUTH", 0) == 0 ||
+      text.find("invalid password") != std::string_view::npos) {
+    return Status::permission_denied(std::move(msg));
+  }
+  if (text.rfind("NOSCRIPT", 0) == 0) return Status::not_found(std::move(msg));
+  if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
+      text.rfind("READONLY", 0) == 0) {
+    return Status::unavailable(std::move(msg));
+  }
+  return Status::internal(std::move(msg));
+}
+
+void free_context(redisContext* c) {
+  if (c != nullptr) redisFree(c);
+}
+
+}  // namespace
+
+// ---- RedisUrl -------------------------------------------------------------------------------
+
+Result<RedisUrl> RedisUrl::parse(std::string_view url) {
+  RedisUrl u;
+  std::string_view rest;
+  if (url.rfind("redis://", 0) == 0) {
+    rest = url.substr(8);
+  } else if (url.rfind("unix://", 0) == 0) {
+    rest = url.substr(7);
+    u.unix_socket = true;
+  } else {
+    return Status::invalid_argument("redis URL must start with redis:// or unix://");
+  }
+  // Credentials end at the last '@' (passwords may contain '@' only percent-encoded, but be
+  // lenient).
+  if (auto at = rest.rfind('@'); at != std::string_view::npos && (u.unix_socket || rest.find('/') > at)) {
+    std::string_view cred = rest.substr(0, at);
+    rest = rest.substr(at + 1);
+    auto colon = cred.find(':');
+    if (colon == std::string_view::npos) {
+      return Status::invalid_argument("redis URL credentials must be user:password or :password");
+    }
+    auto user = percent_decode(cred.substr(0, colon));
+    auto pass = percent_decode(cred.substr(colon + 1));
+    if (!user || !pass) return Status::invalid_argument("redis URL credentials have a bad %-escape");
+    u.user = *user;
+    u.password = *pass;
+  }
+  if (u.unix_socket) {
+    auto q = rest.find('?');
+    u.path = std::string(rest.substr(0, q));
+    if (u.path.empty() || u.path.front() != '/') {
+      return Status::invalid_argument("unix:// redis URL needs an absolute socket path");
+    }
+    if (q != std::string_view::npos) {
+      auto query = rest.substr(q + 1);
+      if (query.rfind("db=", 0) != 0) return Status::invalid_argument("unix:// redis URL accepts only ?db=N");
+      auto db = parse_int(query.substr(3), 0, 1 << 20);
+      if (!db) return Status::invalid_argument("bad database number in redis URL");
+      u.db = *db;
+    }
+    return u;
+  }
+  auto slash = rest.find('/');
+  std::string_view hostport = rest.substr(0, slash);
+  if (slash != std::string_view::npos && slash + 1 < rest.size()) {
+    auto db = parse_int(rest.substr(slash + 1), 0, 1 << 20);
+    if (!db) return Status::invalid_argument("bad database number in redis URL");
+    u.db = *db;
+  }
+  std::string_view port;
+  if (!hostport.empty() && hostport.front() == '[') {
+    auto close = hostport.find(']');
+    if (close == std::string_view::npos) return Status::invalid_argument("unterminated [IPv6] host in redis URL");
+    u.host = std::string(hostport.substr(1, close - 1));
+    if (close + 1 < hostport.size()) {
+      if (hostport[close + 1] != ':') return Status::invalid_argument("garbage after [IPv6] host in redis URL");
+      port = hostport.substr(close + 2);
+    }
+  } else {
+    auto colon = hostport.rfind(':');
+    u.host = std::string(hostport.substr(0, colon));
+    if (colon != std::string_view::npos) port = hostport.substr(colon + 1);
+  }
+  if (u.host.empty()) return Status::invalid_argument("redis URL has no host");
+  if (!port.empty() || hostport.back() == ':') {
+    auto p = parse_int(port, 1, 65535);
+    if (!p) return Status::invalid_argument("bad port in redis URL");
+    u.port = *p;
+  }
+  return u;
+}
+
+std::string RedisUrl::redacted() const {
+  // Built with append(): GCC 12 at -O3 warns falsely (-Wrestrict) on chains of operator+.
+  std::string s = unix_socket ? "unix://" : "redis://";
+  if (!user.empty() || !password.empty()) s.append(user).append(password.empty() ? "@" : ":***@");
+  if (unix_socket) {
+    s.append(path);
+    if (db != 0) s.append("?db=").append(std::to_string(db));
+    return s;
+  }
+  const bool v6 = host.find(':') != std::string::npos;
+  s.append(v6 ? "[" : "").append(host).append(v6 ? "]" : "");
+  s.append(":").append(std::to_string(port)).append("/").append(std::to_string(db));
+  return s;
+}
+
+// ---- Reply, Script --------------------------------------------------------------------------
+
+Reply::Reply(redisReply* r) : r_(r) {}
+Reply::Reply(Reply&& o) noexcept : r_(std::exchange(o.r_, nullptr)) {}
+Reply& Reply::operator=(Reply&& o) noexcept {
+  if (this != &o) {
+    if (r_ != nullptr) freeReplyObject(r_);
+    r_ = std::exchange(o.r_, nullptr);
+  }
+  return *this;
+}
+Reply::~Reply() {
+  if (r_ != nullptr) freeReplyObject(r_);
+}
+
+Reply::Type Reply::type() const {
+  switch (r_->type) {
+    case REDIS_REPLY_STRING: return Type::kString;
+    case REDIS_REPLY_ARRAY: return Type::kArray;
+    case REDIS_REPLY_INTEGER: return Type::kInteger;
+    case REDIS_REPLY_STATUS: return Type::kStatus;
+    case REDIS_REPLY_ERROR: return Type::kError;
+    default: return Type::kNil;
+  }
+}
+std::int64_t Reply::integer() const { return r_->type == REDIS_REPLY_INTEGER ? r_->integer : 0; }
+std::string_view Reply::str() const {
+  return r_->str != nullptr ? std::string_view(r_->str, r_->len) : std::string_view();
+}
+std::size_t Reply::size() const { return r_->type == REDIS_REPLY_ARRAY ? r_->elements : 0; }
+const redisReply* Reply::element(std::size_t i) const { return i < size() ? r_->element[i] : nullptr; }
+
+Script::Script(std::string b) : body(std::move(b)) {
+  unsigned char digest[SHA_DIGEST_LENGTH];
+  SHA1(reinterpret_cast<const unsigned char*>(body.data()), body.size(), digest);
+  sha = wire::to_hex(std::string_view(reinterpret_cast<const char*>(digest), sizeof digest));
+}
+
+// ---- RedisClient ----------------------------------------------------------------------------
+
+RedisClient::RedisClient(RedisOptions options, RedisUrl url)
+    : options_(std::move(options)), url_(std::move(url)), ctx_(nullptr, free_context) {}
+
+RedisClient::~RedisClient() = default;
+
+Result<std::unique_ptr<RedisClient>> RedisClient::connect(const RedisOptions& options) {
+  KVSTASH_ASSIGN_OR_RETURN(RedisUrl url, RedisUrl::parse(options.url));
+  if (!options.password.empty()) url.password = options.password;
+  std::unique_ptr<RedisClient> c(new RedisClient(options, std::move(url)));
+  KVSTASH_RETURN_IF_ERROR(c->open());
+  return c;
+}
+
+Status RedisClient::open() {
+  ctx_.reset();
+  const timeval tv = to_timeval(options_.connect_timeout);
+  redisContext* c = url_.unix_socket ? redisConnectUnixWithTimeout(url_.path.c_str(), tv)
+                                     : redisConnectWithTimeout(url_.host.c_str(), url_.port, tv);
+  if (c == nullptr) return Status::no_space("redis: cannot allocate a connection");
+  ctx_.reset(c);
+  if (c->err != 0) {
+    std::string what = "redis " + url_.redacted() + ": " + c->errstr;
+    ctx_.reset();
+    if (what.find("timed out") != std::string::npos) return Status::timeout(std::move(what));
+    return Status::unavailable(std::move(what));
+  }
+  redisSetTimeout(c, to_timeval(options_.command_timeout));
+  if (!url_.password.empty()) {
+    std::vector<std::string_view> auth{"AUTH"};
+    if (!url_.user.empty()) auth.push_back(url_.user);
+    auth.push_back(url_.password);
+    auto r = run_once(auth);
+    if (!r.is_ok()) {
+      ctx_.reset();
+      if (r.status().code() == StatusCode::kPermissionDenied) {
+        return Status::permission_denied("redis " + url_.redacted() + " refused the credentials of user '" +
+                                         (url_.user.empty() ? std::string("default") : url_.user) + "'");
+      }
+      return r.status();
+    }
+  }
+  if (url_.db != 0) {
+    std::string db = std::to_string(url_.db);
+    auto r = run_once({"SELECT", db});
+    if (!r.is_ok()) {
+      ctx_.reset();
+      return r.status().with_context("redis SELECT " + db);
+    }
+  }
+  return {};
+}
+
+Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
+  if (!ctx_) return Status::unavailable("redis: not connected");
+  std::vector<const char*> argv;
+  std::vector<std::size_t> lens;
+  argv.reserve(args.size());
+  lens.reserve(args.size());
+  for (auto a : args) {
+    argv.push_back(a.data());
+    lens.push_back(a.size());
+  }
+  auto* r = static_cast<redisReply*>(redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+  if (r == nullptr) {
+    // The connection is unusable after an I/O error or timeout (hiredis' rule).
+    std::string what = "redis " + url_.redacted() + ": " + ctx_->errstr;
+    const bool timed_out = ctx_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK);
+    ctx_.reset();
+    return timed_out ? Status::timeout(what + " (command timed out)") : Status::unavailable(std::move(what));
+  }
+  Reply reply(r);
+  if (reply.type() == Reply::Type::kError) return error_status(reply.str());
+  return reply;
+}
+
+Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
+  const auto give_up = Clock::now() + options_.reconnect_budget;
+  auto backoff = options_.backoff_initial;
+  for (;;) {
+    if (ctx_) {
+      auto r = run_once(args);
+      // Retry only what surely did not run: a broken connection or a server still loading.
+      if (r.is_ok() || r.status().code() != StatusCode::kUnavailable) return r;
+      KVSTASH_LOG_INFO("{}", r.status().to_string());
+    }
+    if (Clock::now() + backoff > give_up) {
+      return Status::unavailable("redis " + url_.redacted() + " unreachable for " +
+                                 std::to_string(options_.reconnect_budget.count()) + " ms");
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, options_.backoff_max);
+    Status s = open();
+    if (s.is_ok()) {
+      ++reconnects_;
+      KVSTASH_LOG_INFO("redis {}: reconnected", url_.redacted());
+    } else if (s.code() == StatusCode::kPermissionDenied) {
+      return s;  // credentials changed under us: retrying will not help
+    }
+  }
+}
+
+Result<Reply> RedisClient::eval(const Script& script, const std::vector<std::string_view>& keys,
+                                const std::vector<std::string_view>& args) {
+  std::string nkeys = std::to_string(keys.size());
+  std::vector<std::string_view> argv{"EVALSHA", script.sha, nkeys};
+  argv.insert(argv.end(), keys.begin(), keys.end());
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = command(argv);
+  if (r.is_ok() || r.status().code() != StatusCode::kNotFound) return r;
+  // NOSCRIPT: Redis restarted, failed over or flushed its scripts. Load and run again.
+  KVSTASH_RETURN_IF_ERROR(command({"SCRIPT", "LOAD", script.body}).status());
+  return command(argv);
+}
+
+}  // namespace kvstash::metadata

@@ -1,0 +1,118 @@
+// A small synchronous Redis client over hiredis: URL parsing with ACL credentials, deadlines
+// on connect and on every command, reconnect with backoff, and Lua scripts run by SHA and
+// reloaded after a restart or failover (NOSCRIPT).
+//
+// Thread safety: a RedisClient is one connection; use it from one thread at a time.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/status.h"
+
+struct redisContext;
+struct redisReply;
+
+namespace kvstash::metadata {
+
+// redis://[[user]:password@]host[:port][/db]   (user alone is not accepted: ACL needs both)
+// unix://[[user]:password@]/path/to/socket[?db=N]
+struct RedisUrl {
+  bool unix_socket = false;
+  std::string host = "127.0.0.1";
+  int port = 6379;
+  std::string path;  // unix socket
+  int db = 0;
+  std::string user;  // empty: the default user
+  std::string password;
+
+  // Errors: kInvalidArgument naming what is wrong (never echoing the password).
+  static Result<RedisUrl> parse(std::string_view url);
+  // The URL with the password replaced by "***", for logs and CLI output.
+  std::string redacted() const;
+};
+
+struct RedisOptions {
+  std::string url = "redis://127.0.0.1:6379/0";
+  // Overrides the URL's password when set (keeps secrets out of command lines).
+  std::string password;
+  std::chrono::milliseconds connect_timeout{2000};
+  std::chrono::milliseconds command_timeout{2000};
+  // After a broken connection, reconnect attempts back off from `backoff_initial`, doubling
+  // up to `backoff_max`, until the command's deadline.
+  std::chrono::milliseconds backoff_initial{20};
+  std::chrono::milliseconds backoff_max{1000};
+  // How long one command may spend reconnecting before it gives up with kUnavailable.
+  std::chrono::milliseconds reconnect_budget{5000};
+};
+
+// An owned hiredis reply.
+class Reply {
+ public:
+  enum class Type { kString, kArray, kInteger, kNil, kStatus, kError };
+
+  explicit Reply(redisReply* r);
+  Reply(Reply&&) noexcept;
+  Reply& operator=(Reply&&) noexcept;
+  ~Reply();
+
+  Type type() const;
+  bool is_nil() const { return type() == Type::kNil; }
+  std::int64_t integer() const;      // kInteger, else 0
+  std::string_view str() const;      // kString, kStatus, kError
+  std::size_t size() const;          // kArray element count
+  const redisReply* element(std::size_t i) const;
+  const redisReply* raw() const { return r_; }
+
+ private:
+  redisReply* r_;
+};
+
+// A Lua script and its SHA1, loaded lazily.
+struct Script {
+  explicit Script(std::string body);
+  std::string body;
+  std::string sha;  // hex SHA1 of body
+};
+
+class RedisClient {
+ public:
+  // Connects (and authenticates, and selects the db). Errors: kInvalidArgument (bad URL),
+  // kUnavailable (unreachable), kPermissionDenied (wrong password, unknown user), kTimeout.
+  static Result<std::unique_ptr<RedisClient>> connect(const RedisOptions& options);
+  ~RedisClient();
+  RedisClient(const RedisClient&) = delete;
+  RedisClient& operator=(const RedisClient&) = delete;
+
+  // Runs one command, binary-safe. An error reply becomes a Status: NOPERM/WRONGPASS/NOAUTH
+  // -> kPermissionDenied, anything else -> kInternal with Redis's text. A broken connection
+  // is re-established (with backoff, within reconnect_budget) and the command retried once
+  // it is back, so callers must only send commands that are safe to repeat (every kvstash
+  // metadata change is an idempotent-by-token script).
+  Result<Reply> command(const std::vector<std::string_view>& args);
+
+  // EVALSHA, loading the script first when Redis does not know it (NOSCRIPT: after a
+  // restart, a failover or SCRIPT FLUSH).
+  Result<Reply> eval(const Script& script, const std::vector<std::string_view>& keys,
+                     const std::vector<std::string_view>& args);
+
+  const RedisUrl& url() const { return url_; }
+  // How many times the connection was re-established.
+  std::uint64_t reconnects() const { return reconnects_; }
+
+ private:
+  RedisClient(RedisOptions options, RedisUrl url);
+  Status open();  // connect + AUTH + SELECT
+  Result<Reply> run_once(const std::vector<std::string_view>& args);
+
+  RedisOptions options_;
+  RedisUrl url_;
+  std::unique_ptr<redisContext, void (*)(redisContext*)> ctx_;
+  std::uint64_t reconnects_ = 0;
+};
+
+}  // namespace kvstash::metadata

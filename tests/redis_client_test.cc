@@ -1,0 +1,135 @@
+// The Redis client against real redis-server processes on loopback.
+#include "metadata/redis_client.h"
+
+#include <gtest/gtest.h>
+
+#include "redis_server.h"
+
+namespace kvstash::metadata {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(RedisUrl, ParsesHostsCredentialsAndDatabases) {
+  auto u = RedisUrl::parse("redis://127.0.0.1:7000/3").value();
+  EXPECT_FALSE(u.unix_socket);
+  EXPECT_EQ(u.host, "127.0.0.1");
+  EXPECT_EQ(u.port, 7000);
+  EXPECT_EQ(u.db, 3);
+  EXPECT_TRUE(u.password.empty());
+
+  u = RedisUrl::parse("redis://alice:p%40ss:w@redis.internal").value();
+  EXPECT_EQ(u.user, "alice");
+  EXPECT_EQ(u.password, "p@ss:w");
+  EXPECT_EQ(u.host, "redis.internal");
+  EXPECT_EQ(u.port, 6379);
+  EXPECT_EQ(u.redacted(), "redis://alice:***@redis.internal:6379/0");
+
+  u = RedisUrl::parse("redis://:secret@[::1]:6380").value();
+  EXPECT_EQ(u.host, "::1");
+  EXPECT_EQ(u.port, 6380);
+  EXPECT_TRUE(u.user.empty());
+  EXPECT_EQ(u.password, "secret");
+  EXPECT_EQ(u.redacted().find("secret"), std::string::npos);
+
+  u = RedisUrl::parse("unix:///run/redis/redis.sock?db=2").value();
+  EXPECT_TRUE(u.unix_socket);
+  EXPECT_EQ(u.path, "/run/redis/redis.sock");
+  EXPECT_EQ(u.db, 2);
+}
+
+TEST(RedisUrl, RefusesMalformedUrlsWithoutEchoingSecrets) {
+  for (const char* bad : {"", "http://x", "redis://", "redis://host:0", "redis://host:99999", "redis://host:x",
+                          "redis://host/abc", "redis://[::1", "unix://relative.sock", "unix:///s?user=x",
+                          "redis://justuser@host", "redis://a:%zz@host"}) {
+    auto r = RedisUrl::parse(bad);
+    ASSERT_FALSE(r.is_ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  auto r = RedisUrl::parse("redis://u:hunter2@host:bad");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().message().find("hunter2"), std::string::npos);
+}
+
+TEST(RedisClient, BinarySafeCommands) {
+  test::RedisServer server;
+  ASSERT_TRUE(server.running()) << "redis-server did not start (is it installed?)";
+  auto c = RedisClient::connect({.url = server.url()}).value();
+  const std::string value("a\0b\r\nc", 6);
+  ASSERT_TRUE(c->command({"SET", "k", value}).is_ok());
+  auto r = c->command({"GET", "k"}).value();
+  EXPECT_EQ(r.type(), Reply::Type::kString);
+  EXPECT_EQ(r.str(), value);
+  EXPECT_TRUE(c->command({"GET", "missing"})->is_nil());
+  auto bad = c->command({"NOSUCHCOMMAND"});
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInternal);
+  EXPECT_NE(bad.status().message().find("unknown command"), std::string::npos);
+}
+
+TEST(RedisClient, UnreachableServerIsUnavailable) {
+  int port;
+  {
+    test::RedisServer gone;
+    port = gone.port();
+  }
+  auto r = RedisClient::connect({.url = "redis://127.0.0.1:" + std::to_string(port)});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(RedisClient, PasswordsAndAclUsers) {
+  test::RedisServer server(
+      {"--requirepass", "s3cret", "--user", "reader", "on", ">rpw", "~*", "&*", "-@all", "+ping", "+get"});
+  ASSERT_TRUE(server.running());
+  EXPECT_TRUE(RedisClient::connect({.url = server.url(":s3cret")}).is_ok());
+  // The password may also come from the options (never from a command line).
+  EXPECT_TRUE(RedisClient::connect({.url = server.url(), .password = "s3cret"}).is_ok());
+
+  auto wrong = RedisClient::connect({.url = server.url(":guess")});
+  ASSERT_FALSE(wrong.is_ok());
+  EXPECT_EQ(wrong.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(wrong.status().message().find("guess"), std::string::npos) << "password echoed";
+
+  auto anonymous = RedisClient::connect({.url = server.url()}).value();
+  EXPECT_EQ(anonymous->command({"GET", "k"}).status().code(), StatusCode::kPermissionDenied);
+
+  auto reader = RedisClient::connect({.url = server.url("reader:rpw")}).value();
+  EXPECT_TRUE(reader->command({"GET", "k"}).is_ok());
+  auto denied = reader->command({"SET", "k", "v"});
+  ASSERT_FALSE(denied.is_ok());
+  EXPECT_EQ(denied.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(denied.status().message().find("NOPERM"), std::string::npos);
+}
+
+TEST(RedisClient, ScriptsRunBySha1AndReloadAfterFlush) {
+  test::RedisServer server;
+  ASSERT_TRUE(server.running());
+  auto c = RedisClient::connect({.url = server.url()}).value();
+  Script incr("return redis.call('INCRBY', KEYS[1], ARGV[1])");
+  EXPECT_EQ(incr.sha.size(), 40u);
+  EXPECT_EQ(c->eval(incr, {"n"}, {"5"})->integer(), 5);
+  ASSERT_TRUE(c->command({"SCRIPT", "FLUSH"}).is_ok());
+  EXPECT_EQ(c->eval(incr, {"n"}, {"2"})->integer(), 7);
+}
+
+TEST(RedisClient, ReconnectsAfterRedisRestarts) {
+  test::RedisServer server;
+  ASSERT_TRUE(server.running());
+  auto c = RedisClient::connect({.url = server.url(), .reconnect_budget = 1s}).value();
+  ASSERT_TRUE(c->command({"SET", "k", "v"}).is_ok());
+  ASSERT_TRUE(server.restart());
+  // The data is gone (no persistence) but the client carries on by itself.
+  auto r = c->command({"GET", "k"});
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_TRUE(r->is_nil());
+  EXPECT_EQ(c->reconnects(), 1u);
+  // With the server gone for good, a command gives up within the reconnect budget.
+  server.stop();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(c->command({"PING"}).status().code(), StatusCode::kUnavailable);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+}  // namespace
+}  // namespace kvstash::metadata
