@@ -54,20 +54,28 @@ int main(int argc, char** argv) {
   p->add_option("--tcp-slice", tcp_slice, "tcp: requests above this are striped over the streams")->capture_default_str();
   p->add_option("--shm-copy-threads", p2p.shm.copy_threads, "shm: copy threads of the initiator")->capture_default_str()->check(CLI::Range(1, 64));
   p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")->capture_default_str();
-  p->footer("Example: kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json");
+  p->add_option("--peer", p2p.peer_file,
+                "Use a running `kvstash-bench p2p-target` (maybe on another host): a file, or - for stdin, "
+                "holding the three lines it printed");
+  p->footer("Examples:\n  kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json\n"
+            "  host A: kvstash-bench p2p-target --listen 10.0.0.1:7000 --region 1GiB > target.txt\n"
+            "  host B: kvstash-bench p2p --transport tcp --peer target.txt");
 
-  std::size_t region = 0;
-  std::string target_transports;
+  std::string region_text = "1GiB", target_transports = "all";
   TcpOptions target_tcp;
-  auto* t = app.add_subcommand("p2p-target", "(internal) the target process of `p2p`");
-  t->group("");
-  t->add_option("--region", region)->required();
-  t->add_option("--transports", target_transports);
-  t->add_option("--token", target_tcp.cluster_token);
-  t->add_option("--tcp-io-threads", target_tcp.io_threads);
+  auto* t = app.add_subcommand("p2p-target",
+                               "The target side of `p2p`, for runs across hosts (p2p spawns one itself on loopback). "
+                               "Prints its address, key and socket lines, serves until stdin closes");
+  t->add_option("--region", region_text, "Registered memory to serve (at least sizes x threads x depth)")->capture_default_str();
+  t->add_option("--listen", target_tcp.listen, "tcp transport and socket-reference address (numeric IPv4:port)")->capture_default_str();
+  t->add_option("--transports", target_transports, "Transports to serve: all, or a list")->capture_default_str();
+  t->add_option("--token", target_tcp.cluster_token, "Cluster token required from initiators");
+  t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
 
+  std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
+    if (t->parsed()) target_kinds = parse_transports(target_transports);
     if (p->parsed()) {
       p2p.transports = parse_transports(transports);
       for (const auto& s : split(sizes)) {
@@ -89,8 +97,16 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help exits 0; every usage error exits 2, as the kvstash tools document.
+    return app.exit(e) == 0 ? 0 : 2;
   }
-  if (t->parsed()) return bench::run_p2p_target(region, parse_transports(target_transports), target_tcp);
+  if (t->parsed()) {
+    auto region = units::parse_size(region_text);
+    if (!region.is_ok() || *region == 0) {
+      std::cerr << "--region: " << region.status().message() << "\n";
+      return 2;
+    }
+    return bench::run_p2p_target(*region, target_kinds, target_tcp);
+  }
   return bench::run_p2p(p2p);
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
+#include <functional>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -174,9 +176,14 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
     std::cerr << "p2p-target: " << mem.status().to_string() << "\n";
     return 1;
   }
-  std::uint16_t port = start_socket_sink();
+  const std::string host = tcp.listen.substr(0, tcp.listen.rfind(':'));
+  const std::uint16_t port = start_socket_sink(host);
+  if (port == 0) {
+    std::cerr << "p2p-target: cannot listen for the socket reference on " << host << " (numeric IPv4 needed)\n";
+    return 1;
+  }
   std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(mem->remote_key()) << "\nsocket "
-            << port << std::endl;
+            << host << ":" << port << std::endl;
   std::string ignored;
   while (std::getline(std::cin, ignored)) {
   }
@@ -200,17 +207,36 @@ int run_p2p(const P2POptions& o) {
     if (!list.empty()) list.push_back(',');
     list.append(to_string(k));
   }
-  std::vector<std::string> args{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
-                                std::to_string(o.tcp.io_threads), "--token", o.token, "--transports", list};
-  Child target(args);
-  std::string address_line = target.read_line(), key_line = target.read_line(), socket_line = target.read_line();
-  if (address_line.rfind("address ", 0) != 0 || key_line.rfind("key ", 0) != 0 || socket_line.rfind("socket ", 0) != 0) {
-    std::cerr << "kvstash-bench: the target process did not start\n";
+  // The target: spawned here on loopback, or already running (possibly on another host)
+  // and described by the three lines it printed.
+  std::unique_ptr<Child> target;
+  std::ifstream peer_stream;
+  std::function<std::string()> read_line;
+  if (o.peer_file.empty()) {
+    target = std::make_unique<Child>(std::vector<std::string>{
+        "p2p-target", "--region", std::to_string(region), "--tcp-io-threads", std::to_string(o.tcp.io_threads),
+        "--token", o.token, "--transports", list});
+    read_line = [&] { return target->read_line(); };
+  } else {
+    if (o.peer_file != "-") peer_stream.open(o.peer_file);
+    std::istream& in = o.peer_file == "-" ? std::cin : peer_stream;
+    read_line = [&in] {
+      std::string line;
+      std::getline(in, line);
+      return line;
+    };
+  }
+  std::string address_line = read_line(), key_line = read_line(), socket_line = read_line();
+  auto address = from_text(address_line.rfind("address ", 0) == 0 ? address_line.substr(8) : "");
+  auto key = from_text(key_line.rfind("key ", 0) == 0 ? key_line.substr(4) : "");
+  const auto colon = socket_line.rfind(':');
+  if (!address.is_ok() || !key.is_ok() || socket_line.rfind("socket ", 0) != 0 || colon == std::string::npos) {
+    std::cerr << "kvstash-bench: " << (target ? "the target process did not start" : "cannot read the target's "
+                                       "address, key and socket lines from " + o.peer_file) << "\n";
     return 1;
   }
-  const std::string address = from_text(address_line.substr(8)).value();
-  const std::string key = from_text(key_line.substr(4)).value();
-  const auto port = static_cast<std::uint16_t>(std::stoi(socket_line.substr(7)));
+  const std::string socket_host = socket_line.substr(7, colon - 7);
+  const auto port = static_cast<std::uint16_t>(std::stoi(socket_line.substr(colon + 1)));
 
   // References, measured now, in this run, between these two processes: per size, the
   // median of three socket streams (at least 512 MiB each) and single-core memcpy.
@@ -221,7 +247,9 @@ int run_p2p(const P2POptions& o) {
   std::map<std::size_t, double> memcpy_ref, socket_ref;
   for (std::size_t size : o.sizes) {
     std::vector<double> runs;
-    for (int i = 0; i < 3; ++i) runs.push_back(socket_stream_gbps(port, size, std::max<std::size_t>(size * 2, 512u << 20)));
+    for (int i = 0; i < 3; ++i) {
+      runs.push_back(socket_stream_gbps(socket_host, port, size, std::max<std::size_t>(size * 2, 512u << 20)));
+    }
     socket_ref[size] = percentile(runs, 0.5);
     memcpy_ref[size] = memcpy_gbps(size, std::min(o.seconds, 0.3));
     print(reference_row("memcpy", "copy", size, memcpy_ref[size]), o.json);
@@ -249,14 +277,19 @@ int run_p2p(const P2POptions& o) {
       continue;
     }
     auto mem = (*engine)->register_memory(local.region(), Access::kLocal);
-    auto peer = mem.is_ok() ? (*engine)->connect(address, deadline_after(10s)) : mem.status();
+    auto peer = mem.is_ok() ? (*engine)->connect(*address, deadline_after(10s)) : mem.status();
     if (!peer.is_ok()) {
       fail(peer.status());
       continue;
     }
-    auto remote = (*peer)->import_key(key);
+    auto remote = (*peer)->import_key(*key);
     if (!remote.is_ok()) {
       fail(remote.status());
+      continue;
+    }
+    if (remote->length() < region) {
+      fail(Status::invalid_argument("the target's region (" + std::to_string(remote->length()) + " bytes) is smaller "
+                                    "than sizes x threads x depth (" + std::to_string(region) + " bytes)"));
       continue;
     }
     for (std::size_t size : o.sizes) {
@@ -277,7 +310,7 @@ int run_p2p(const P2POptions& o) {
       }
     }
   }
-  target.finish();
+  if (target) target->finish();
   return failures == 0 ? 0 : 1;
 }
 

@@ -20,13 +20,15 @@ struct P2POptions {
   std::string token;         // cluster token for tcp
   TcpOptions tcp;            // streams, io threads and slice size for both processes
   ShmOptions shm;            // copy threads and slice size of the initiator
+  std::string peer_file;     // read a running p2p-target's three lines from here ("-": stdin)
 };
 
 // Runs the initiator and spawns the target (this executable, `p2p-target`). Returns an exit code.
 int run_p2p(const P2POptions& options);
 
 // The target: serves one region over every transport plus the raw socket sink, prints
-// "address HEX", "key HEX", "socket PORT", and exits when stdin closes.
+// "address HEX", "key HEX", "socket HOST:PORT", and exits when stdin closes. The sink binds
+// the host of tcp.listen.
 int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports, const TcpOptions& tcp);
 
 }  // namespace kvstash::bench

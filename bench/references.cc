@@ -86,11 +86,11 @@ double memcpy_gbps(std::size_t size, double seconds) {
   return static_cast<double>(size) * static_cast<double>(reps) / elapsed / 1e9;
 }
 
-std::uint16_t start_socket_sink() {
+std::uint16_t start_socket_sink(const std::string& host) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1) return 0;
   socklen_t len = sizeof a;
   if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd, 8) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
@@ -106,12 +106,12 @@ std::uint16_t start_socket_sink() {
   return ntohs(a.sin_port);
 }
 
-double socket_stream_gbps(std::uint16_t port, std::size_t size, std::size_t total) {
+double socket_stream_gbps(const std::string& host, std::uint16_t port, std::size_t size, std::size_t total) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1) return 0;
   if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return 0;
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);

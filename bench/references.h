@@ -3,19 +3,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace kvstash::bench {
 
 // Single-core memcpy of `size` bytes between two private buffers, GB/s (1e9 bytes/s).
 double memcpy_gbps(std::size_t size, double seconds);
 
-// The sink side of the raw socket stream: accepts on 127.0.0.1:0 in a background thread
-// and returns the port (0 on failure).
-std::uint16_t start_socket_sink();
+// The sink side of the raw socket stream: accepts on `host` (numeric IPv4), any free port,
+// in a background thread, and returns the port (0 on failure).
+std::uint16_t start_socket_sink(const std::string& host);
 
 // One plain TCP stream on loopback to the sink, GB/s: `total` bytes sent from a `size`-byte
 // buffer and received into a `size`-byte buffer, so the reference touches the same amount of
 // memory as a transfer of that size (a 64 MiB row is not compared with cache-hot buffers).
-double socket_stream_gbps(std::uint16_t port, std::size_t size, std::size_t total);
+double socket_stream_gbps(const std::string& host, std::uint16_t port, std::size_t size, std::size_t total);
 
 }  // namespace kvstash::bench

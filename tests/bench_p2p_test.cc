@@ -2,7 +2,17 @@
 // row's data was verified. Sizes and time are tiny: this checks output, not speed.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <thread>
 #include <map>
 #include <set>
 #include <string>
@@ -63,13 +73,51 @@ TEST(BenchP2P, JsonRowsCarryTheDocumentedFieldsForEveryTransport) {
   EXPECT_EQ(n, 12u);
 }
 
+TEST(BenchP2P, RunsAgainstASeparatelyStartedTarget) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  char dir[] = "/tmp/kvstash-bench-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string lines = std::string(dir) + "/target.txt";
+  int in[2];
+  ASSERT_EQ(pipe(in), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(in[0], 0);
+    close(in[1]);
+    int out = open(lines.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(out, 1);
+    execl(bench().c_str(), bench().c_str(), "p2p-target", "--region", "2MiB", "--transports", "tcp", nullptr);
+    _exit(127);
+  }
+  close(in[0]);
+  // Wait for its three lines (address, key, socket).
+  std::string text;
+  for (int i = 0; i < 500 && std::count(text.begin(), text.end(), '\n') < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::ifstream f(lines);
+    text.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  int status = -1;
+  std::string out = run(bench() + " p2p --peer " + lines + " --transport tcp --sizes 1MiB --seconds 0.05 --json", &status);
+  close(in[1]);  // the target exits when its stdin closes
+  int target_status = -1;
+  waitpid(pid, &target_status, 0);
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_EQ(WEXITSTATUS(target_status), 0);
+  EXPECT_NE(out.find("\"transport\":\"tcp\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"verified\":true"), std::string::npos) << out;
+}
+
 TEST(BenchP2P, BadArgumentsAreUsageErrors) {
   if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
   int status = -1;
   run(bench() + " p2p --sizes 12XB 2>&1", &status);
-  EXPECT_NE(status, 0);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
   run(bench() + " p2p --transport carrier-pigeon 2>&1", &status);
-  EXPECT_NE(status, 0);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  run(bench() + " p2p-target --transports carrier-pigeon 2>&1", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
   std::string out = run(bench() + " p2p --help", &status);
   EXPECT_EQ(status, 0);
   EXPECT_NE(out.find("--json"), std::string::npos);

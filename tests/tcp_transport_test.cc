@@ -243,6 +243,31 @@ TEST(TcpTransport, StalledInitiatorCannotHoldDeregistrationHostage) {
   ::close(fd);
 }
 
+TEST(TcpTransport, WritesToAVanishedTargetFailWithoutSigpipe) {
+  // The test process does not ignore SIGPIPE: a send racing the peer's close must become an
+  // error status, not the signal's default action (death). The race is not deterministic;
+  // posting right as the target goes makes it likely.
+  Pair p = make_pair(1u << 20);
+  ASSERT_TRUE(p.ep);
+  Sink sink;
+  std::thread closer([&] {
+    p.reg.reset();
+    p.target.reset();  // closes its end of every connection
+  });
+  constexpr std::uint32_t kOps = 300;
+  for (std::uint32_t n = 0; n < kOps; ++n) {
+    Op op = make_op(p, TransferOp::kWrite, 0, 0, 64u << 10, sink, n, n % 4);
+    p.ep->post({&op, 1});
+  }
+  closer.join();
+  ASSERT_TRUE(sink.wait(kOps));
+  Op op = make_op(p, TransferOp::kWrite, 0, 0, 4096, sink, kOps);
+  p.ep->post({&op, 1});
+  ASSERT_TRUE(sink.wait(kOps + 1));
+  EXPECT_FALSE(p.ep->healthy());
+  EXPECT_EQ(sink.status(kOps).code(), StatusCode::kUnavailable) << sink.status(kOps).to_string();
+}
+
 TEST(TcpTransport, AbortCompletesEveryOpOfTheSinkAndLeavesOthersConsistent) {
   Pair p = make_pair(64u << 20, {}, {.streams = 2});
   ASSERT_TRUE(p.ep);

@@ -2,6 +2,8 @@
 
 #include <hiredis/hiredis.h>
 #include <openssl/sha.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <optional>
@@ -65,6 +67,38 @@ Status error_status(std::string_view text) {
   }
   return Status::internal(std::move(msg));
 }
+
+// hiredis writes with write(2): a Redis that went away would raise SIGPIPE and kill a
+// process that did not ignore it. Block it in this thread for the call and swallow one that
+// our write raised, leaving the process's signal disposition alone.
+class SigpipeGuard {
+ public:
+  SigpipeGuard() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    sigset_t pending;
+    sigpending(&pending);
+    already_pending_ = sigismember(&pending, SIGPIPE) == 1;
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~SigpipeGuard() {
+    if (!already_pending_) {
+      sigset_t pending;
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        timespec zero{};
+        sigtimedwait(&pipe_, nullptr, &zero);
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeGuard(const SigpipeGuard&) = delete;
+  SigpipeGuard& operator=(const SigpipeGuard&) = delete;
+
+ private:
+  sigset_t pipe_, old_;
+  bool already_pending_ = false;
+};
 
 void free_context(redisContext* c) {
   if (c != nullptr) redisFree(c);
@@ -262,7 +296,11 @@ Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
     argv.push_back(a.data());
     lens.push_back(a.size());
   }
-  auto* r = static_cast<redisReply*>(redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+  redisReply* r;
+  {
+    SigpipeGuard no_sigpipe;
+    r = static_cast<redisReply*>(redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+  }
   if (r == nullptr) {
     // The connection is unusable after an I/O error or timeout (hiredis' rule).
     std::string what = "redis " + url_.redacted() + ": " + ctx_->errstr;

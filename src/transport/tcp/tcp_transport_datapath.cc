@@ -92,7 +92,7 @@ bool Stream::next_request(RequestHeader& h, std::byte*& payload) {
 }
 
 bool Stream::send_inline() {
-  // The socket was made non-blocking at connect, so writev never waits here. Holding mu_
+  // MSG_DONTWAIT (and the socket is non-blocking anyway): sendmsg never waits here. Holding mu_
   // keeps fail_all() from closing the descriptor under us.
   const int fd = socket_.native_handle();
   RequestHeader h;
@@ -100,7 +100,11 @@ bool Stream::send_inline() {
   while (next_request(h, payload)) {
     iovec iov[2] = {{&h, sizeof h}, {payload, payload != nullptr ? h.length : 0}};
     const std::size_t total = sizeof h + iov[1].iov_len;
-    ssize_t n = ::writev(fd, iov, payload != nullptr ? 2 : 1);
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = payload != nullptr ? 2 : 1;
+    // MSG_NOSIGNAL: a peer that died must turn into an error, not a SIGPIPE for the process.
+    ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(total)) continue;
     // Partly sent, would block, or failed: the writer coroutine finishes the job (and meets
     // the error itself, closing the stream on its strand).
