@@ -132,11 +132,15 @@ struct Pending {
 // whichever goes last stops it.
 class IoRuntime {
  public:
-  explicit IoRuntime(std::uint32_t threads);
+  // The last owner often lets go inside a completion handler, on one of the runtime's own
+  // threads, which is still inside io_context::run(): destroying the io_context there would
+  // pull it from under that thread. The deleter hands such a destruction to a fresh thread.
+  static std::shared_ptr<IoRuntime> create(std::uint32_t threads);
   ~IoRuntime();
   asio::io_context& io() { return io_; }
 
  private:
+  explicit IoRuntime(std::uint32_t threads);
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   std::vector<std::thread> threads_;

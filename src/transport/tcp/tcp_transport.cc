@@ -333,16 +333,20 @@ IoRuntime::IoRuntime(std::uint32_t threads) : work_(asio::make_work_guard(io_)) 
   }
 }
 
+std::shared_ptr<IoRuntime> IoRuntime::create(std::uint32_t threads) {
+  return std::shared_ptr<IoRuntime>(new IoRuntime(threads), [](IoRuntime* r) {
+    if (r->io_.get_executor().running_in_this_thread()) {
+      std::thread([r] { delete r; }).detach();
+    } else {
+      delete r;
+    }
+  });
+}
+
 IoRuntime::~IoRuntime() {
   work_.reset();
   io_.stop();
-  for (auto& t : threads_) {
-    if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();  // the last owner let go from an io thread; it exits after this handler
-    } else {
-      t.join();
-    }
-  }
+  for (auto& t : threads_) t.join();
 }
 
 std::uint64_t RegionTable::add(std::byte* base, std::uint64_t length) {
@@ -440,7 +444,7 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const
 
 Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options) {
   KVSTASH_ASSIGN_OR_RETURN(HostPort listen, parse_host_port(options.listen));
-  auto runtime = std::make_shared<IoRuntime>(options.io_threads);
+  auto runtime = IoRuntime::create(options.io_threads);
   boost::system::error_code ec;
   auto ip = asio::ip::make_address(listen.host, ec);
   if (ec) return Status::invalid_argument("tcp listen address must be numeric: '" + listen.host + "'");
