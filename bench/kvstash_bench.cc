@@ -25,7 +25,8 @@ std::vector<TransportKind> parse_transports(const std::string& list) {
   if (list == "all" || list.empty()) return out;
   for (const auto& name : split(list)) {
     auto k = parse_transport_kind(name);
-    if (!k) throw CLI::ValidationError("--transport", "unknown transport '" + name + "' (shm, tcp, ucx, verbs)");
+    if (!k)
+      throw CLI::ValidationError("--transport", "unknown transport '" + name + "' (shm, tcp, ucx, verbs)");
     out.push_back(*k);
   }
   return out;
@@ -34,41 +35,66 @@ std::vector<TransportKind> parse_transports(const std::string& list) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"kvstash-bench: kvstash transfer benchmarks, each row compared with references measured in the same run"};
+  CLI::App app{
+      "kvstash-bench: kvstash transfer benchmarks, each row compared with references measured in the same "
+      "run"};
   app.require_subcommand(1);
 
   bench::P2POptions p2p;
   std::string transports = "all", sizes = "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB", ops = "write,read";
-  auto* p = app.add_subcommand("p2p", "Point-to-point one-sided READ/WRITE between this process and a target it spawns");
-  p->add_option("-t,--transport", transports, "Transports to measure: all, or a list of shm,tcp,ucx")->capture_default_str();
-  p->add_option("-s,--sizes", sizes, "Request sizes (comma-separated; units B, KiB, MiB, GiB)")->capture_default_str();
+  auto* p = app.add_subcommand(
+      "p2p", "Point-to-point one-sided READ/WRITE between this process and a target it spawns");
+  p->add_option("-t,--transport", transports, "Transports to measure: all, or a list of shm,tcp,ucx")
+      ->capture_default_str();
+  p->add_option("-s,--sizes", sizes, "Request sizes (comma-separated; units B, KiB, MiB, GiB)")
+      ->capture_default_str();
   p->add_option("--op", ops, "Operations: write,read")->capture_default_str();
-  p->add_option("--threads", p2p.threads, "Initiator threads submitting concurrently")->capture_default_str()->check(CLI::Range(1, 64));
-  p->add_option("--depth", p2p.depth, "Requests per batch (in flight per thread)")->capture_default_str()->check(CLI::Range(1, 256));
-  p->add_option("--seconds", p2p.seconds, "Measuring time per row")->capture_default_str()->check(CLI::Range(0.01, 60.0));
+  p->add_option("--threads", p2p.threads, "Initiator threads submitting concurrently")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  p->add_option("--depth", p2p.depth, "Requests per batch (in flight per thread)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  p->add_option("--seconds", p2p.seconds, "Measuring time per row")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 60.0));
   p->add_option("--token", p2p.token, "Cluster token for the tcp handshake");
   p->add_flag("--json", p2p.json, "One JSON object per row");
-  p->add_option("--tcp-streams", p2p.tcp.streams, "tcp: parallel connections per peer")->capture_default_str()->check(CLI::Range(1, 64));
-  p->add_option("--tcp-io-threads", p2p.tcp.io_threads, "tcp: socket I/O threads in each process")->capture_default_str()->check(CLI::Range(1, 64));
+  p->add_option("--tcp-streams", p2p.tcp.streams, "tcp: parallel connections per peer")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  p->add_option("--tcp-io-threads", p2p.tcp.io_threads, "tcp: socket I/O threads in each process")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   std::string tcp_slice = "512KiB", shm_slice = "4MiB";
-  p->add_option("--tcp-slice", tcp_slice, "tcp: requests above this are striped over the streams")->capture_default_str();
-  p->add_option("--shm-copy-threads", p2p.shm.copy_threads, "shm: copy threads of the initiator")->capture_default_str()->check(CLI::Range(1, 64));
-  p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")->capture_default_str();
+  p->add_option("--tcp-slice", tcp_slice, "tcp: requests above this are striped over the streams")
+      ->capture_default_str();
+  p->add_option("--shm-copy-threads", p2p.shm.copy_threads, "shm: copy threads of the initiator")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")
+      ->capture_default_str();
   p->add_option("--peer", p2p.peer_file,
                 "Use a running `kvstash-bench p2p-target` (maybe on another host): a file, or - for stdin, "
                 "holding the three lines it printed");
-  p->footer("Examples:\n  kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json\n"
-            "  host A: kvstash-bench p2p-target --listen 10.0.0.1:7000 --region 1GiB > target.txt\n"
-            "  host B: kvstash-bench p2p --transport tcp --peer target.txt");
+  p->footer(
+      "Examples:\n  kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json\n"
+      "  host A: kvstash-bench p2p-target --listen 10.0.0.1:7000 --region 1GiB > target.txt\n"
+      "  host B: kvstash-bench p2p --transport tcp --peer target.txt");
 
   std::string region_text = "1GiB", target_transports = "all";
   TcpOptions target_tcp;
-  auto* t = app.add_subcommand("p2p-target",
-                               "The target side of `p2p`, for runs across hosts (p2p spawns one itself on loopback). "
-                               "Prints its address, key and socket lines, serves until stdin closes");
-  t->add_option("--region", region_text, "Registered memory to serve (at least sizes x threads x depth)")->capture_default_str();
-  t->add_option("--listen", target_tcp.listen, "tcp transport and socket-reference address (numeric IPv4:port)")->capture_default_str();
-  t->add_option("--transports", target_transports, "Transports to serve: all, or a list")->capture_default_str();
+  auto* t = app.add_subcommand(
+      "p2p-target",
+      "The target side of `p2p`, for runs across hosts (p2p spawns one itself on loopback). "
+      "Prints its address, key and socket lines, serves until stdin closes");
+  t->add_option("--region", region_text, "Registered memory to serve (at least sizes x threads x depth)")
+      ->capture_default_str();
+  t->add_option("--listen", target_tcp.listen,
+                "tcp transport and socket-reference address (numeric IPv4:port)")
+      ->capture_default_str();
+  t->add_option("--transports", target_transports, "Transports to serve: all, or a list")
+      ->capture_default_str();
   t->add_option("--token", target_tcp.cluster_token, "Cluster token required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
 
@@ -91,9 +117,12 @@ int main(int argc, char** argv) {
       p2p.shm.slice_bytes = *ss;
       p2p.ops.clear();
       for (const auto& s : split(ops)) {
-        if (s == "read") p2p.ops.push_back(TransferOp::kRead);
-        else if (s == "write") p2p.ops.push_back(TransferOp::kWrite);
-        else throw CLI::ValidationError("--op", "unknown op '" + s + "' (read, write)");
+        if (s == "read")
+          p2p.ops.push_back(TransferOp::kRead);
+        else if (s == "write")
+          p2p.ops.push_back(TransferOp::kWrite);
+        else
+          throw CLI::ValidationError("--op", "unknown op '" + s + "' (read, write)");
       }
     }
   } catch (const CLI::ParseError& e) {

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <functional>
-#include <cstdio>
 #include <iostream>
 #include <map>
 #include <thread>
@@ -52,8 +52,8 @@ void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
 
 void print(const Row& r, bool json) {
   if (json) {
-    nlohmann::json j{{"transport", r.transport}, {"op", r.op},       {"size", r.size},
-                     {"threads", r.threads},     {"depth", r.depth}, {"gbps", r.gbps},
+    nlohmann::json j{{"transport", r.transport}, {"op", r.op},        {"size", r.size},
+                     {"threads", r.threads},     {"depth", r.depth},  {"gbps", r.gbps},
                      {"p50_us", r.p50_us},       {"p99_us", r.p99_us}};
     if (r.memcpy_gbps > 0) {
       j["memcpy_gbps"] = r.memcpy_gbps;
@@ -69,14 +69,16 @@ void print(const Row& r, bool json) {
     return;
   }
   if (!r.error.empty()) {
-    std::cout << fmt::format("{:<10} {:<6} {:>10}  error: {}\n", r.transport, r.op, units::format_size(r.size), r.error);
+    std::cout << fmt::format("{:<10} {:<6} {:>10}  error: {}\n", r.transport, r.op,
+                             units::format_size(r.size), r.error);
     return;
   }
   // Reference rows have no per-request latency.
   const bool reference = r.op == "copy" || r.op == "stream";
   auto us = [&](double v) { return reference ? std::string() : fmt::format("{:.1f}", v); };
-  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9}\n", r.transport,
-                           r.op, units::format_size(r.size), r.threads, r.depth, r.gbps, us(r.p50_us), us(r.p99_us),
+  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9}\n",
+                           r.transport, r.op, units::format_size(r.size), r.threads, r.depth, r.gbps,
+                           us(r.p50_us), us(r.p99_us),
                            r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
                            r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "");
 }
@@ -91,7 +93,8 @@ Row reference_row(std::string transport, std::string op, std::size_t size, doubl
 }
 
 // Writes random bytes to the peer and reads them back elsewhere: the row's data check.
-Status verify(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemory& remote, std::size_t size) {
+Status verify(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemory& remote,
+              std::size_t size) {
   fill_random(local.data(), size, size);
   TransferEntry w{TransferOp::kWrite, &mem, local.data(), remote.base(), &remote, size};
   KVSTASH_RETURN_IF_ERROR(peer.transfer({&w, 1}, deadline_after(60s)));
@@ -100,7 +103,8 @@ Status verify(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMe
   KVSTASH_RETURN_IF_ERROR(peer.transfer({&r, 1}, deadline_after(60s)));
   std::vector<std::byte> expect(size);
   fill_random(expect.data(), size, size);
-  if (std::memcmp(expect.data(), local.data(), size) != 0) return Status::corrupt("read back differs from what was written");
+  if (std::memcmp(expect.data(), local.data(), size) != 0)
+    return Status::corrupt("read back differs from what was written");
   return {};
 }
 
@@ -139,7 +143,8 @@ Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemo
       }
     });
   }
-  while (Clock::now() - start < std::chrono::duration<double>(o.seconds) && !stop) std::this_thread::sleep_for(1ms);
+  while (Clock::now() - start < std::chrono::duration<double>(o.seconds) && !stop)
+    std::this_thread::sleep_for(1ms);
   stop = true;
   for (auto& t : threads) t.join();
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
@@ -156,7 +161,8 @@ Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemo
 
 }  // namespace
 
-int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports, const TcpOptions& tcp) {
+int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports,
+                   const TcpOptions& tcp) {
   EngineOptions eo;
   eo.transports = transports;
   eo.tcp = tcp;
@@ -179,11 +185,12 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   const std::string host = tcp.listen.substr(0, tcp.listen.rfind(':'));
   const std::uint16_t port = start_socket_sink(host);
   if (port == 0) {
-    std::cerr << "p2p-target: cannot listen for the socket reference on " << host << " (numeric IPv4 needed)\n";
+    std::cerr << "p2p-target: cannot listen for the socket reference on " << host
+              << " (numeric IPv4 needed)\n";
     return 1;
   }
-  std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(mem->remote_key()) << "\nsocket "
-            << host << ":" << port << std::endl;
+  std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(mem->remote_key())
+            << "\nsocket " << host << ":" << port << std::endl;
   std::string ignored;
   while (std::getline(std::cin, ignored)) {
   }
@@ -213,9 +220,9 @@ int run_p2p(const P2POptions& o) {
   std::ifstream peer_stream;
   std::function<std::string()> read_line;
   if (o.peer_file.empty()) {
-    target = std::make_unique<Child>(std::vector<std::string>{
-        "p2p-target", "--region", std::to_string(region), "--tcp-io-threads", std::to_string(o.tcp.io_threads),
-        "--token", o.token, "--transports", list});
+    target = std::make_unique<Child>(
+        std::vector<std::string>{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
+                                 std::to_string(o.tcp.io_threads), "--token", o.token, "--transports", list});
     read_line = [&] { return target->read_line(); };
   } else {
     if (o.peer_file != "-") peer_stream.open(o.peer_file);
@@ -230,9 +237,14 @@ int run_p2p(const P2POptions& o) {
   auto address = from_text(address_line.rfind("address ", 0) == 0 ? address_line.substr(8) : "");
   auto key = from_text(key_line.rfind("key ", 0) == 0 ? key_line.substr(4) : "");
   const auto colon = socket_line.rfind(':');
-  if (!address.is_ok() || !key.is_ok() || socket_line.rfind("socket ", 0) != 0 || colon == std::string::npos) {
-    std::cerr << "kvstash-bench: " << (target ? "the target process did not start" : "cannot read the target's "
-                                       "address, key and socket lines from " + o.peer_file) << "\n";
+  if (!address.is_ok() || !key.is_ok() || socket_line.rfind("socket ", 0) != 0 ||
+      colon == std::string::npos) {
+    std::cerr << "kvstash-bench: "
+              << (target ? "the target process did not start"
+                         : "cannot read the target's "
+                           "address, key and socket lines from " +
+                               o.peer_file)
+              << "\n";
     return 1;
   }
   const std::string socket_host = socket_line.substr(7, colon - 7);
@@ -241,14 +253,15 @@ int run_p2p(const P2POptions& o) {
   // References, measured now, in this run, between these two processes: per size, the
   // median of three socket streams (at least 512 MiB each) and single-core memcpy.
   if (!o.json) {
-    std::cout << fmt::format("{:<10} {:<6} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9}\n", "transport", "op", "size",
-                             "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket");
+    std::cout << fmt::format("{:<10} {:<6} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9}\n", "transport", "op",
+                             "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket");
   }
   std::map<std::size_t, double> memcpy_ref, socket_ref;
   for (std::size_t size : o.sizes) {
     std::vector<double> runs;
     for (int i = 0; i < 3; ++i) {
-      runs.push_back(socket_stream_gbps(socket_host, port, size, std::max<std::size_t>(size * 2, 512u << 20)));
+      runs.push_back(
+          socket_stream_gbps(socket_host, port, size, std::max<std::size_t>(size * 2, 512u << 20)));
     }
     socket_ref[size] = percentile(runs, 0.5);
     memcpy_ref[size] = memcpy_gbps(size, std::min(o.seconds, 0.3));
@@ -288,8 +301,10 @@ int run_p2p(const P2POptions& o) {
       continue;
     }
     if (remote->length() < region) {
-      fail(Status::invalid_argument("the target's region (" + std::to_string(remote->length()) + " bytes) is smaller "
-                                    "than sizes x threads x depth (" + std::to_string(region) + " bytes)"));
+      fail(Status::invalid_argument("the target's region (" + std::to_string(remote->length()) +
+                                    " bytes) is smaller "
+                                    "than sizes x threads x depth (" +
+                                    std::to_string(region) + " bytes)"));
       continue;
     }
     for (std::size_t size : o.sizes) {

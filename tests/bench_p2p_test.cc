@@ -12,10 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <thread>
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -39,7 +39,8 @@ std::string bench() {
 TEST(BenchP2P, JsonRowsCarryTheDocumentedFieldsForEveryTransport) {
   if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
   int status = -1;
-  std::string out = run(bench() + " p2p --transport tcp,shm --sizes 4KiB,1MiB --seconds 0.05 --json", &status);
+  std::string out =
+      run(bench() + " p2p --transport tcp,shm --sizes 4KiB,1MiB --seconds 0.05 --json", &status);
   ASSERT_EQ(status, 0) << out;
   std::map<std::string, int> rows;  // "transport/op" -> count
   std::size_t n = 0;
@@ -98,7 +99,8 @@ TEST(BenchP2P, RunsAgainstASeparatelyStartedTarget) {
     text.assign(std::istreambuf_iterator<char>(f), {});
   }
   int status = -1;
-  std::string out = run(bench() + " p2p --peer " + lines + " --transport tcp --sizes 1MiB --seconds 0.05 --json", &status);
+  std::string out =
+      run(bench() + " p2p --peer " + lines + " --transport tcp --sizes 1MiB --seconds 0.05 --json", &status);
   close(in[1]);  // the target exits when its stdin closes
   int target_status = -1;
   waitpid(pid, &target_status, 0);

@@ -35,7 +35,8 @@ TEST(Engine, SameHostPeersChooseSharedMemoryAndCanBeForcedToTcp) {
   ASSERT_TRUE(forced.is_ok()) << forced.status().to_string();
   EXPECT_EQ((*forced)->transport(), TransportKind::kTcp);
 
-  auto e = Engine::create({.transports = {TransportKind::kTcp, TransportKind::kShm}, .prefer = TransportKind::kTcp});
+  auto e = Engine::create(
+      {.transports = {TransportKind::kTcp, TransportKind::kShm}, .prefer = TransportKind::kTcp});
   ASSERT_TRUE(e.is_ok());
   auto preferred = (*e)->connect(t.b->address());
   ASSERT_TRUE(preferred.is_ok());

@@ -39,8 +39,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto buffer = Buffer::allocate(std::stoull(argv[1])).value();
-  auto handle = std::make_unique<MemoryHandle>((*engine)->register_memory(buffer.region(), Access::kRemote).value());
-  std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(handle->remote_key()) << std::endl;
+  auto handle =
+      std::make_unique<MemoryHandle>((*engine)->register_memory(buffer.region(), Access::kRemote).value());
+  std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(handle->remote_key())
+            << std::endl;
   for (std::string line; std::getline(std::cin, line);) {
     if (line == "dereg") {
       handle.reset();

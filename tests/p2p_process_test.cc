@@ -92,7 +92,8 @@ class P2P : public ::testing::TestWithParam<TransportKind> {
   static constexpr std::size_t kRegion = (64u << 20) + (64u << 10);
 
   void SetUp() override {
-    if (std::getenv("KVSTASH_P2P_PEER") == nullptr) GTEST_SKIP() << "KVSTASH_P2P_PEER not set (run via meson test)";
+    if (std::getenv("KVSTASH_P2P_PEER") == nullptr)
+      GTEST_SKIP() << "KVSTASH_P2P_PEER not set (run via meson test)";
     kind_ = GetParam();
     start_peer();
     EngineOptions o;
@@ -134,7 +135,8 @@ class P2P : public ::testing::TestWithParam<TransportKind> {
 };
 
 TEST_P(P2P, RandomBytesRoundTripBitExactAtManySizesAndOffsets) {
-  for (std::size_t len : {std::size_t{1}, std::size_t{4099}, (std::size_t{1} << 20) + 5, std::size_t{64} << 20}) {
+  for (std::size_t len :
+       {std::size_t{1}, std::size_t{4099}, (std::size_t{1} << 20) + 5, std::size_t{64} << 20}) {
     const std::size_t loff = len % 61, roff = (len * 7) % 4093;
     test::fill_random({local_.data() + loff, len}, len ^ 0xabc);
     auto w = entry(TransferOp::kWrite, loff, roff, len);
@@ -164,8 +166,10 @@ TEST_P(P2P, ConcurrentBatchesFromSeveralThreads) {
           es.push_back(entry(TransferOp::kWrite, off, off, kLen));
         }
         auto batch = peer_conn_->submit(es, deadline_after(30s));
-        if (!batch.is_ok() || !batch->wait().is_ok()) ++failures;
-        else if (batch->statuses().size() != kEntries) ++failures;
+        if (!batch.is_ok() || !batch->wait().is_ok())
+          ++failures;
+        else if (batch->statuses().size() != kEntries)
+          ++failures;
       }
     });
   }
@@ -194,7 +198,8 @@ TEST_P(P2P, OutOfRegionWrongKeyAndMalformedInputAreRefused) {
   std::string truncated = peer_->address().substr(0, peer_->address().size() / 2);
   EXPECT_EQ(engine_->connect(truncated).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(peer_conn_->import_key("junk").status().code(), StatusCode::kInvalidArgument);
-  if (kind_ == TransportKind::kUcx) return;  // UCX trusts rkey bytes: a forged rkey is undefined behaviour there
+  if (kind_ == TransportKind::kUcx)
+    return;  // UCX trusts rkey bytes: a forged rkey is undefined behaviour there
   // A key the target never issued (last byte of the transport's key flipped).
   std::string forged = peer_->key();
   forged.back() ^= 0x41;

@@ -39,9 +39,9 @@ TEST(RedisUrl, ParsesHostsCredentialsAndDatabases) {
 }
 
 TEST(RedisUrl, RefusesMalformedUrlsWithoutEchoingSecrets) {
-  for (const char* bad : {"", "http://x", "redis://", "redis://host:0", "redis://host:99999", "redis://host:x",
-                          "redis://host/abc", "redis://[::1", "unix://relative.sock", "unix:///s?user=x",
-                          "redis://justuser@host", "redis://a:%zz@host"}) {
+  for (const char* bad : {"", "http://x", "redis://", "redis://host:0", "redis://host:99999",
+                          "redis://host:x", "redis://host/abc", "redis://[::1", "unix://relative.sock",
+                          "unix:///s?user=x", "redis://justuser@host", "redis://a:%zz@host"}) {
     auto r = RedisUrl::parse(bad);
     ASSERT_FALSE(r.is_ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;

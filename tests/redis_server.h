@@ -33,7 +33,8 @@ class RedisServer {
   bool running() const { return pid_ > 0; }
   int port() const { return port_; }
   std::string url(const std::string& credentials = "") const {
-    return "redis://" + (credentials.empty() ? "" : credentials + "@") + "127.0.0.1:" + std::to_string(port_) + "/0";
+    return "redis://" + (credentials.empty() ? "" : credentials + "@") +
+           "127.0.0.1:" + std::to_string(port_) + "/0";
   }
   void stop() {
     if (pid_ > 0) {
@@ -80,8 +81,19 @@ class RedisServer {
   }
 
   void start() {
-    std::vector<std::string> args{"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1",
-                                  "--save", "", "--appendonly", "no", "--dir", "/tmp", "--logfile", ""};
+    std::vector<std::string> args{"redis-server",
+                                  "--port",
+                                  std::to_string(port_),
+                                  "--bind",
+                                  "127.0.0.1",
+                                  "--save",
+                                  "",
+                                  "--appendonly",
+                                  "no",
+                                  "--dir",
+                                  "/tmp",
+                                  "--logfile",
+                                  ""};
     args.insert(args.end(), extra_.begin(), extra_.end());
     pid_ = fork();
     if (pid_ == 0) {

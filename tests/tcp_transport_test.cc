@@ -13,8 +13,8 @@
 
 #include "common/wire.h"
 #include "recording_sink.h"
-#include "transport/tcp/tcp_internal.h"
 #include "test_util.h"
+#include "transport/tcp/tcp_internal.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvstash::transport {
@@ -97,8 +97,8 @@ TEST(TcpTransport, ManyOpsAcrossLanesFromSeveralThreads) {
     threads.emplace_back([&, t] {
       for (std::size_t i = 0; i < kPerThread; ++i) {
         std::size_t off = (t * kPerThread + i) * kChunk;
-        Op op = make_op(p, TransferOp::kWrite, off, off, kChunk, sink, static_cast<std::uint32_t>(off / kChunk),
-                        static_cast<std::uint32_t>(i % 3));
+        Op op = make_op(p, TransferOp::kWrite, off, off, kChunk, sink,
+                        static_cast<std::uint32_t>(off / kChunk), static_cast<std::uint32_t>(i % 3));
         p.ep->post({&op, 1});
       }
     });
@@ -273,7 +273,8 @@ TEST(TcpTransport, AbortCompletesEveryOpOfTheSinkAndLeavesOthersConsistent) {
   ASSERT_TRUE(p.ep);
   Sink mine;
   std::vector<Op> ops;
-  for (std::uint32_t i = 0; i < 64; ++i) ops.push_back(make_op(p, TransferOp::kRead, i * (1u << 20), i * (1u << 20), 1u << 20, mine, i, i % 2));
+  for (std::uint32_t i = 0; i < 64; ++i)
+    ops.push_back(make_op(p, TransferOp::kRead, i * (1u << 20), i * (1u << 20), 1u << 20, mine, i, i % 2));
   p.ep->post(ops);
   p.ep->abort(&mine, Status::cancelled("test abort"));
   // abort returns only when every op of the sink has completed.

@@ -120,8 +120,8 @@ TEST_P(UcxRoundTrip, WriteThenReadBackIsBitExact) {
   EXPECT_TRUE((*src_reg)->packed_key().empty());
 
   std::uint32_t tag = 0;
-  for (std::size_t len : {std::size_t{1}, std::size_t{4096 + 3}, std::size_t{1} << 20,
-                          std::size_t{16} << 20}) {
+  for (std::size_t len :
+       {std::size_t{1}, std::size_t{4096 + 3}, std::size_t{1} << 20, std::size_t{16} << 20}) {
     SCOPED_TRACE(len);
     const std::size_t local_off = 3, remote_off = 7;  // deliberately unaligned
     auto s = src.bytes().subspan(local_off, len);
@@ -158,8 +158,7 @@ TEST(UcxTransport, BatchOfMixedOpsCompletesEachOnce) {
   TestSink sink;
   std::vector<Op> ops;
   for (std::uint32_t i = 0; i < 16; ++i) {
-    ops.push_back(p.op(TransferOp::kWrite, local.data() + i * 4096, nullptr, i * 4096, 4096,
-                       &sink, i));
+    ops.push_back(p.op(TransferOp::kWrite, local.data() + i * 4096, nullptr, i * 4096, 4096, &sink, i));
   }
   p.endpoint->post(ops);
   ASSERT_TRUE(sink.wait(16));
@@ -194,8 +193,10 @@ TEST(UcxTransport, ConcurrentPostsFromSeveralThreads) {
         p.endpoint->post({&r, 1});
       }
       if (!rsink.wait(kOps)) ++failures;
-      for (auto& [tag, st] : wsink.statuses()) if (!st.is_ok()) ++failures;
-      for (auto& [tag, st] : rsink.statuses()) if (!st.is_ok()) ++failures;
+      for (auto& [tag, st] : wsink.statuses())
+        if (!st.is_ok()) ++failures;
+      for (auto& [tag, st] : rsink.statuses())
+        if (!st.is_ok()) ++failures;
     });
   }
   for (auto& th : threads) th.join();
@@ -231,8 +232,8 @@ TEST(UcxTransport, MalformedKeysAreRefused) {
   std::string good = p.target_reg->packed_key();
   std::string flipped = good;
   flipped[good.size() - 12] ^= 0x40;
-  for (const std::string& key : {std::string(), std::string("nonsense"), good.substr(1), flipped,
-                                 good.substr(0, good.size() - 1)}) {
+  for (const std::string& key :
+       {std::string(), std::string("nonsense"), good.substr(1), flipped, good.substr(0, good.size() - 1)}) {
     auto k = p.endpoint->import_key(p.base(), 16, key, deadline_after(2s));
     ASSERT_FALSE(k.is_ok());
     EXPECT_EQ(k.status().code(), StatusCode::kInvalidArgument) << k.status().to_string();
@@ -264,8 +265,7 @@ TEST(UcxTransport, AbortEndsEveryOpOfTheSink) {
   TestSink victim, bystander;
   std::vector<Op> ops;
   for (std::uint32_t i = 0; i < 16; ++i) {
-    ops.push_back(p.op(TransferOp::kWrite, local.data() + (i << 20), nullptr, i << 20, 1 << 20,
-                       &victim, i));
+    ops.push_back(p.op(TransferOp::kWrite, local.data() + (i << 20), nullptr, i << 20, 1 << 20, &victim, i));
   }
   Op other = p.op(TransferOp::kRead, local.data(), nullptr, 0, 1 << 20, &bystander, 99);
   p.endpoint->post(ops);
@@ -329,8 +329,7 @@ TEST(UcxTransport, ConnectToADeadPeerFailsWithinTheDeadline) {
     while ((*ep)->healthy() && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
     EXPECT_FALSE((*ep)->healthy());
   } else {
-    EXPECT_TRUE(ep.status().code() == StatusCode::kUnavailable ||
-                ep.status().code() == StatusCode::kTimeout)
+    EXPECT_TRUE(ep.status().code() == StatusCode::kUnavailable || ep.status().code() == StatusCode::kTimeout)
         << ep.status().to_string();
   }
 }

@@ -39,7 +39,10 @@ TEST(Wire, TruncatedInputFailsSoftly) {
     EXPECT_EQ(r.u64(), 0u);
   }
   // A length prefix claiming more than there is must not read past the end.
-  const std::string lying("\xff\xff\xff\x7f" "abc", 7);
+  const std::string lying(
+      "\xff\xff\xff\x7f"
+      "abc",
+      7);
   Reader r(lying);
   EXPECT_TRUE(r.bytes().empty());
   EXPECT_FALSE(r.ok());

@@ -237,8 +237,7 @@ class Engine {
   // Connects to a peer by its address blob. With `force`, only that transport is tried.
   // Errors: kInvalidArgument (malformed blob), kUnsupported (no transport in common),
   // kUnavailable, kPermissionDenied, kTimeout.
-  Result<std::unique_ptr<Peer>> connect(std::string_view peer_address,
-                                        std::optional<Deadline> deadline = {},
+  Result<std::unique_ptr<Peer>> connect(std::string_view peer_address, std::optional<Deadline> deadline = {},
                                         std::optional<TransportKind> force = {});
 
  private:

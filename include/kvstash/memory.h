@@ -34,7 +34,7 @@ struct MemoryRegion {
   void* addr = nullptr;
   std::size_t length = 0;
   MemoryKind kind = MemoryKind::kHost;
-  int fd = -1;                // file backing [addr, addr+length), or -1
+  int fd = -1;                  // file backing [addr, addr+length), or -1
   std::uint64_t fd_offset = 0;  // offset of addr within fd
 
   // The sub-range [offset, offset+len); precondition: it lies within this region.

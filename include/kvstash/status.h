@@ -46,13 +46,9 @@ class [[nodiscard]] Status {
   static Status timeout(std::string m) { return {StatusCode::kTimeout, std::move(m)}; }
   static Status unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
   static Status no_space(std::string m) { return {StatusCode::kNoSpace, std::move(m)}; }
-  static Status invalid_argument(std::string m) {
-    return {StatusCode::kInvalidArgument, std::move(m)};
-  }
+  static Status invalid_argument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
   static Status corrupt(std::string m) { return {StatusCode::kCorrupt, std::move(m)}; }
-  static Status permission_denied(std::string m) {
-    return {StatusCode::kPermissionDenied, std::move(m)};
-  }
+  static Status permission_denied(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
   static Status cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
   static Status unsupported(std::string m) { return {StatusCode::kUnsupported, std::move(m)}; }
   static Status io_error(std::string m) { return {StatusCode::kIoError, std::move(m)}; }
@@ -77,7 +73,7 @@ class [[nodiscard]] Status {
 template <class T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {}  // NOLINT(google-explicit-constructor)
 
   bool is_ok() const { return std::holds_alternative<T>(v_); }
@@ -100,9 +96,9 @@ class [[nodiscard]] Result {
 }  // namespace kvstash
 
 // Returns the status from the enclosing function when `expr` (a Status) is not OK.
-#define KVSTASH_RETURN_IF_ERROR(expr)        \
-  do {                                       \
-    ::kvstash::Status kvstash_s_ = (expr);   \
+#define KVSTASH_RETURN_IF_ERROR(expr)           \
+  do {                                          \
+    ::kvstash::Status kvstash_s_ = (expr);      \
     if (!kvstash_s_.is_ok()) return kvstash_s_; \
   } while (0)
 

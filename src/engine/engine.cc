@@ -84,8 +84,7 @@ Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind,
 #else
       return Status::unsupported("this build has no UCX transport (meson -Ducx=enabled)");
 #endif
-    case TransportKind::kVerbs:
-      return Status::unsupported("the verbs transport is not built yet");
+    case TransportKind::kVerbs: return Status::unsupported("the verbs transport is not built yet");
   }
   return Status::invalid_argument("unknown transport");
 }
@@ -159,8 +158,8 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
   }
   if (h.regs_.empty()) return first_error;
   if (access == Access::kRemote) {
-    h.remote_key_ = encode_parts(kKeyMagic, reinterpret_cast<std::uintptr_t>(region.addr), region.length,
-                                 keys, true);
+    h.remote_key_ =
+        encode_parts(kKeyMagic, reinterpret_cast<std::uintptr_t>(region.addr), region.length, keys, true);
   }
   return h;
 }
@@ -186,7 +185,8 @@ Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std
     return rank(*a.first) < rank(*b.first);
   });
   if (candidates.empty()) {
-    return Status::unsupported(force ? std::string("peer cannot be reached over ") + std::string(to_string(*force))
+    return Status::unsupported(force ? std::string("peer cannot be reached over ") +
+                                           std::string(to_string(*force))
                                      : std::string("no transport in common with the peer"));
   }
   Status last;
@@ -235,8 +235,8 @@ RemoteMemory& RemoteMemory::operator=(RemoteMemory&&) noexcept = default;
 RemoteMemory::~RemoteMemory() = default;
 
 Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
-    const std::shared_ptr<transport::Endpoint>& ep, std::uint64_t gen, std::uint64_t base, std::uint64_t length,
-    Deadline deadline) {
+    const std::shared_ptr<transport::Endpoint>& ep, std::uint64_t gen, std::uint64_t base,
+    std::uint64_t length, Deadline deadline) {
   std::lock_guard lock(mu);
   if (generation != gen || !key) {
     KVSTASH_ASSIGN_OR_RETURN(auto k, ep->import_key(base, length, packed, deadline));
@@ -253,7 +253,8 @@ Peer::~Peer() = default;
 
 TransportKind Peer::transport() const { return state_->transport->kind(); }
 
-Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(Deadline deadline) {
+Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(
+    Deadline deadline) {
   std::lock_guard lock(mu);
   if (!endpoint || !endpoint->healthy()) {
     endpoint.reset();
@@ -273,7 +274,8 @@ Result<RemoteMemory> Peer::import_key(std::string_view remote_key, std::optional
   auto part = std::find_if(decoded->parts.begin(), decoded->parts.end(),
                            [&](const auto& p) { return p.first == kind; });
   if (part == decoded->parts.end()) {
-    return Status::unsupported(std::string("remote key has no part for transport ") + std::string(to_string(kind)));
+    return Status::unsupported(std::string("remote key has no part for transport ") +
+                               std::string(to_string(kind)));
   }
   RemoteMemory rm;
   rm.base_ = decoded->base;

@@ -6,10 +6,10 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <optional>
-#include <utility>
 #include <cerrno>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "common/log.h"
 #include "common/wire.h"
@@ -159,10 +159,12 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
   std::string_view port;
   if (!hostport.empty() && hostport.front() == '[') {
     auto close = hostport.find(']');
-    if (close == std::string_view::npos) return Status::invalid_argument("unterminated [IPv6] host in redis URL");
+    if (close == std::string_view::npos)
+      return Status::invalid_argument("unterminated [IPv6] host in redis URL");
     u.host = std::string(hostport.substr(1, close - 1));
     if (close + 1 < hostport.size()) {
-      if (hostport[close + 1] != ':') return Status::invalid_argument("garbage after [IPv6] host in redis URL");
+      if (hostport[close + 1] != ':')
+        return Status::invalid_argument("garbage after [IPv6] host in redis URL");
       port = hostport.substr(close + 2);
     }
   } else {
@@ -299,7 +301,8 @@ Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
   redisReply* r;
   {
     SigpipeGuard no_sigpipe;
-    r = static_cast<redisReply*>(redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+    r = static_cast<redisReply*>(
+        redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
   }
   if (r == nullptr) {
     // The connection is unusable after an I/O error or timeout (hiredis' rule).

@@ -62,9 +62,9 @@ class Reply {
 
   Type type() const;
   bool is_nil() const { return type() == Type::kNil; }
-  std::int64_t integer() const;      // kInteger, else 0
-  std::string_view str() const;      // kString, kStatus, kError
-  std::size_t size() const;          // kArray element count
+  std::int64_t integer() const;  // kInteger, else 0
+  std::string_view str() const;  // kString, kStatus, kError
+  std::size_t size() const;      // kArray element count
   const redisReply* element(std::size_t i) const;
   const redisReply* raw() const { return r_; }
 

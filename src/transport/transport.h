@@ -70,14 +70,14 @@ class RemoteKey {
 
 struct Op {
   TransferOp op = TransferOp::kRead;
-  std::byte* local = nullptr;                       // source of a write, destination of a read
-  const LocalRegistration* local_reg = nullptr;     // covers [local, local+length), or nullptr
-  std::uint64_t remote_addr = 0;                    // in the peer's address space
-  const RemoteKey* remote_key = nullptr;            // imported through the same endpoint
+  std::byte* local = nullptr;                    // source of a write, destination of a read
+  const LocalRegistration* local_reg = nullptr;  // covers [local, local+length), or nullptr
+  std::uint64_t remote_addr = 0;                 // in the peer's address space
+  const RemoteKey* remote_key = nullptr;         // imported through the same endpoint
   std::size_t length = 0;
-  std::uint32_t lane = 0;                           // < capabilities().lanes
-  CompletionSink* sink = nullptr;                   // required
-  std::uint32_t tag = 0;                            // passed back to sink->complete()
+  std::uint32_t lane = 0;          // < capabilities().lanes
+  CompletionSink* sink = nullptr;  // required
+  std::uint32_t tag = 0;           // passed back to sink->complete()
 };
 
 // A connection to one peer through one transport. Thread-safe.
@@ -90,8 +90,7 @@ class Endpoint {
   // when the peer refuses the key, kUnavailable when the peer is gone. May block up to the
   // deadline (shm asks the peer for the region's file descriptor).
   virtual Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
-                                                        std::string_view packed,
-                                                        Deadline deadline) = 0;
+                                                        std::string_view packed, Deadline deadline) = 0;
 
   // Datapath: starts every op; never blocks on the network. Each op completes exactly once
   // through op.sink, possibly before post() returns. The engine has checked ranges against
@@ -130,8 +129,7 @@ class Transport {
 
   // Connects to a peer. Errors: kInvalidArgument (malformed address), kUnavailable
   // (unreachable), kPermissionDenied (handshake refused), kTimeout.
-  virtual Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address,
-                                                    Deadline deadline) = 0;
+  virtual Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address, Deadline deadline) = 0;
 };
 
 }  // namespace kvstash::transport

@@ -114,9 +114,7 @@ class Mapping {
 
 // Acquire load of a key-table slot. The peer's table is mapped read-only, and
 // std::atomic_ref needs a non-const object, hence the builtin (a plain load on x86/arm64).
-inline std::uint64_t load_slot(const std::uint64_t* slot) {
-  return __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-}
+inline std::uint64_t load_slot(const std::uint64_t* slot) { return __atomic_load_n(slot, __ATOMIC_ACQUIRE); }
 
 // ---- initiator side: one connection to a peer ----------------------------------------------
 
@@ -210,8 +208,7 @@ class Datapath {
   void run(Lane& lane);
   static Status execute(const Job& job);
   // The key the op may use (nullptr: nothing to copy), or the error to complete it with.
-  static Result<const ShmRemoteKey*> validate(const PeerConnection* conn, const Op& op,
-                                              std::uint32_t lanes);
+  static Result<const ShmRemoteKey*> validate(const PeerConnection* conn, const Op& op, std::uint32_t lanes);
 
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::mutex stop_mu_;
@@ -224,8 +221,7 @@ class ShmEndpoint final : public Endpoint {
       : conn_(std::move(conn)), datapath_(std::move(datapath)) {}
 
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
-                                                std::string_view packed,
-                                                Deadline deadline) override;
+                                                std::string_view packed, Deadline deadline) override;
   void post(std::span<const Op> ops) override;
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override;

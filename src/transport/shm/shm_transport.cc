@@ -68,8 +68,7 @@ Result<Address> decode_address(std::string_view bytes) {
     return Status::invalid_argument("malformed shm address");
   }
   if (version != kVersion) {
-    return Status::invalid_argument("shm address version " + std::to_string(version) +
-                                    " not supported");
+    return Status::invalid_argument("shm address version " + std::to_string(version) + " not supported");
   }
   if (a.socket_path.empty() || a.socket_path.size() >= sizeof(sockaddr_un::sun_path) ||
       a.socket_path.find('\0') != std::string::npos || a.boot_id.empty()) {
@@ -350,8 +349,7 @@ Status prepare_socket_dir(const std::string& dir) {
                                      std::to_string(st.st_uid) + ", not by us");
   }
   if ((st.st_mode & 077) != 0) {
-    KVSTASH_LOG_WARN("shm: socket directory {} had mode {:o}; narrowing it to 0700", dir,
-                     st.st_mode & 07777);
+    KVSTASH_LOG_WARN("shm: socket directory {} had mode {:o}; narrowing it to 0700", dir, st.st_mode & 07777);
     if (::fchmod(d.get(), 0700) != 0) {
       return Status::from_errno("shm: chmod 0700 " + dir, errno);
     }
@@ -401,8 +399,7 @@ class Registry {
     while (key == 0) key = sys::random_u64();  // 0 marks a free slot
     std::lock_guard lock(mu_);
     if (free_.empty()) {
-      return Status::no_space("shm: all " + std::to_string(kKeySlots - 1) +
-                              " key slots are in use");
+      return Status::no_space("shm: all " + std::to_string(kKeySlots - 1) + " key slots are in use");
     }
     const std::uint32_t s = free_.back();
     free_.pop_back();
@@ -430,14 +427,11 @@ class Registry {
     std::lock_guard lock(mu_);
     if (s == 0 || s >= kKeySlots || entries_[s].key == 0 || entries_[s].key != key) {
       return send_message(sock,
-                          encode_reply(MsgType::kImport, id,
-                                       Status::permission_denied("unknown remote key")),
+                          encode_reply(MsgType::kImport, id, Status::permission_denied("unknown remote key")),
                           -1, Clock::now());
     }
     const Entry& e = entries_[s];
-    return send_message(sock,
-                        encode_reply(MsgType::kImport, id, Status::ok(), e.addr, e.length,
-                                     e.fd_offset),
+    return send_message(sock, encode_reply(MsgType::kImport, id, Status::ok(), e.addr, e.length, e.fd_offset),
                         e.fd.get(), Clock::now());
   }
 
@@ -450,9 +444,7 @@ class Registry {
     std::uint64_t length = 0;
   };
 
-  std::uint64_t& slot(std::uint32_t s) {
-    return reinterpret_cast<std::uint64_t*>(table_.data())[s];
-  }
+  std::uint64_t& slot(std::uint32_t s) { return reinterpret_cast<std::uint64_t*>(table_.data())[s]; }
 
   UniqueFd fd_;
   Mapping table_;
@@ -484,12 +476,11 @@ class ShmRegistration final : public LocalRegistration {
 
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(const ShmOptions& options, std::string socket_path, UniqueFd listen,
-               UniqueFd wake, std::shared_ptr<Registry> registry)
+  ShmTransport(const ShmOptions& options, std::string socket_path, UniqueFd listen, UniqueFd wake,
+               std::shared_ptr<Registry> registry)
       : options_(options),
         socket_path_(std::move(socket_path)),
-        address_(encode_address({sys::boot_id(), static_cast<std::uint32_t>(::geteuid()),
-                                 socket_path_})),
+        address_(encode_address({sys::boot_id(), static_cast<std::uint32_t>(::geteuid()), socket_path_})),
         listen_(std::move(listen)),
         wake_(std::move(wake)),
         registry_(std::move(registry)),
@@ -551,8 +542,7 @@ class ShmTransport final : public Transport {
     return std::unique_ptr<LocalRegistration>(new ShmRegistration(registry_, key));
   }
 
-  Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address,
-                                            Deadline deadline) override;
+  Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address, Deadline deadline) override;
 
  private:
   void serve();
@@ -576,8 +566,7 @@ void ShmTransport::serve() {
   for (;;) {
     fds.clear();
     fds.push_back({wake_.get(), POLLIN, 0});
-    fds.push_back(
-        {listen_.get(), static_cast<short>(conns.size() < kMaxConnections ? POLLIN : 0), 0});
+    fds.push_back({listen_.get(), static_cast<short>(conns.size() < kMaxConnections ? POLLIN : 0), 0});
     for (const UniqueFd& c : conns) fds.push_back({c.get(), POLLIN | POLLRDHUP, 0});
     if (::poll(fds.data(), fds.size(), -1) < 0) {
       if (errno == EINTR) continue;
@@ -606,11 +595,10 @@ void ShmTransport::serve() {
         const uid_t uid = peer_uid(c.get(), &error);
         if (uid != ::geteuid()) {
           KVSTASH_LOG_WARN("shm: refused a connection from uid {} on {}", uid, socket_path_);
-          (void)send_message(c.get(),
-                             encode_reply(MsgType::kRefused, 0,
-                                          Status::permission_denied(
-                                              "shm peer runs as another user")),
-                             -1, Clock::now());
+          (void)send_message(
+              c.get(),
+              encode_reply(MsgType::kRefused, 0, Status::permission_denied("shm peer runs as another user")),
+              -1, Clock::now());
           continue;
         }
         conns.push_back(std::move(c));
@@ -631,10 +619,9 @@ bool ShmTransport::handle(int sock) {
   const std::uint64_t id = r.u64();
   if (!r.ok() || magic != kMessageMagic) return false;
   if (version != kVersion) {
-    (void)send_message(sock,
-                       encode_reply(type, id, Status::unsupported("shm protocol version " +
-                                                                  std::to_string(version))),
-                       -1, Clock::now());
+    (void)send_message(
+        sock, encode_reply(type, id, Status::unsupported("shm protocol version " + std::to_string(version))),
+        -1, Clock::now());
     return false;
   }
   switch (type) {
@@ -650,22 +637,19 @@ bool ShmTransport::handle(int sock) {
       return registry_->reply_import(sock, id, slot, key).is_ok();
     }
     default:
-      (void)send_message(sock,
-                         encode_reply(type, id, Status::invalid_argument("unknown shm request")),
-                         -1, Clock::now());
+      (void)send_message(sock, encode_reply(type, id, Status::invalid_argument("unknown shm request")), -1,
+                         Clock::now());
       return true;
   }
 }
 
-Result<std::shared_ptr<Endpoint>> ShmTransport::connect(std::string_view peer_address,
-                                                        Deadline deadline) {
+Result<std::shared_ptr<Endpoint>> ShmTransport::connect(std::string_view peer_address, Deadline deadline) {
   KVSTASH_ASSIGN_OR_RETURN(Address a, decode_address(peer_address));
   if (a.boot_id != sys::boot_id()) {
     return Status::unavailable("shm: peer " + a.socket_path + " runs on another host or boot");
   }
   if (a.uid != ::geteuid()) {
-    return Status::permission_denied("shm: peer " + a.socket_path + " runs as uid " +
-                                     std::to_string(a.uid));
+    return Status::permission_denied("shm: peer " + a.socket_path + " runs as uid " + std::to_string(a.uid));
   }
   UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return Status::from_errno("shm: socket", errno);
@@ -700,8 +684,7 @@ Result<std::shared_ptr<Endpoint>> ShmTransport::connect(std::string_view peer_ad
   const uid_t uid = peer_uid(sock.get(), &error);
   KVSTASH_RETURN_IF_ERROR(error);
   if (uid != ::geteuid()) {
-    return Status::permission_denied("shm: " + a.socket_path + " is served by uid " +
-                                     std::to_string(uid));
+    return Status::permission_denied("shm: " + a.socket_path + " is served by uid " + std::to_string(uid));
   }
 
   auto conn = std::make_shared<PeerConnection>();
@@ -710,8 +693,7 @@ Result<std::shared_ptr<Endpoint>> ShmTransport::connect(std::string_view peer_ad
   KVSTASH_ASSIGN_OR_RETURN(Reply hello, exchange(*conn, MsgType::kHello, 0, 0, deadline));
   if (!hello.status.is_ok()) return hello.status.with_context("shm: " + a.socket_path);
   struct stat st {};
-  if (!hello.fd.valid() || ::fstat(hello.fd.get(), &st) != 0 || hello.a < 2 ||
-      hello.a > (1u << 24) ||
+  if (!hello.fd.valid() || ::fstat(hello.fd.get(), &st) != 0 || hello.a < 2 || hello.a > (1u << 24) ||
       static_cast<std::uint64_t>(st.st_size) != hello.a * sizeof(std::uint64_t)) {
     return Status::corrupt("shm: " + a.socket_path + " sent no valid key table");
   }
@@ -731,18 +713,15 @@ Result<std::shared_ptr<Endpoint>> ShmTransport::connect(std::string_view peer_ad
 
 // ---- ShmEndpoint's control half ------------------------------------------------------------
 
-Result<std::unique_ptr<RemoteKey>> ShmEndpoint::import_key(std::uint64_t base,
-                                                           std::uint64_t length,
-                                                           std::string_view packed,
-                                                           Deadline deadline) {
+Result<std::unique_ptr<RemoteKey>> ShmEndpoint::import_key(std::uint64_t base, std::uint64_t length,
+                                                           std::string_view packed, Deadline deadline) {
   KVSTASH_ASSIGN_OR_RETURN(PackedKey key, decode_key(packed));
   if (length == 0 || base + length < base) {
     return Status::invalid_argument("shm: empty or wrapping remote range");
   }
   if (key.slot >= conn_->slots) return Status::permission_denied("shm: unknown remote key");
   if (conn_->gone()) return Status::unavailable("shm: peer " + conn_->peer + " gone");
-  KVSTASH_ASSIGN_OR_RETURN(Reply r,
-                           exchange(*conn_, MsgType::kImport, key.slot, key.key, deadline));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, exchange(*conn_, MsgType::kImport, key.slot, key.key, deadline));
   if (!r.status.is_ok()) return r.status;
   if (!r.fd.valid()) return Status::corrupt("shm: import reply without a descriptor");
   const std::uint64_t region_addr = r.a, region_len = r.b, fd_offset = r.c;
@@ -766,8 +745,8 @@ Result<std::unique_ptr<RemoteKey>> ShmEndpoint::import_key(std::uint64_t base,
   std::uint64_t map_len = file_off - map_off + length;
   const std::uint64_t rounded = (map_len + align - 1) & ~(align - 1);
   if (map_off + rounded <= file_size) map_len = rounded;
-  void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd.get(),
-                   static_cast<off_t>(map_off));
+  void* p =
+      ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd.get(), static_cast<off_t>(map_off));
   if (p == MAP_FAILED) return Status::from_errno("shm: mmap remote region", errno);
   auto region = std::make_shared<RemoteRegion>();
   region->conn = conn_;
@@ -791,9 +770,8 @@ Result<std::unique_ptr<Transport>> make_shm_transport(const ShmOptions& options)
   KVSTASH_RETURN_IF_ERROR(prepare_socket_dir(dir));
   // Random, so that a stale file of a dead process with our pid never gets in the way.
   const std::uint64_t nonce = sys::random_u64();
-  const std::string path =
-      dir + "/shm-" + std::to_string(::getpid()) + "-" +
-      wire::to_hex(std::string_view(reinterpret_cast<const char*>(&nonce), 6)) + ".sock";
+  const std::string path = dir + "/shm-" + std::to_string(::getpid()) + "-" +
+                           wire::to_hex(std::string_view(reinterpret_cast<const char*>(&nonce), 6)) + ".sock";
   sockaddr_un sa{};
   if (path.size() >= sizeof sa.sun_path) {
     return Status::invalid_argument("shm: socket path too long: " + path);

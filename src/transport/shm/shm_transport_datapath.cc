@@ -65,8 +65,7 @@ void Datapath::stop() {
 Result<const ShmRemoteKey*> Datapath::validate(const PeerConnection* conn, const Op& op,
                                                std::uint32_t lanes) {
   if (op.lane >= lanes) {
-    return Status::invalid_argument("shm: lane " + std::to_string(op.lane) + " >= " +
-                                    std::to_string(lanes));
+    return Status::invalid_argument("shm: lane " + std::to_string(op.lane) + " >= " + std::to_string(lanes));
   }
   if (op.length == 0) return static_cast<const ShmRemoteKey*>(nullptr);  // nothing to move
   if (op.local == nullptr) return Status::invalid_argument("shm: null local address");
@@ -77,8 +76,7 @@ Result<const ShmRemoteKey*> Datapath::validate(const PeerConnection* conn, const
   // Defence in depth: the engine has checked the range, but a copy outside the mapping
   // would touch unrelated memory of this process.
   const RemoteRegion& r = *key->region();
-  if (op.remote_addr < r.base || op.length > r.length ||
-      op.remote_addr - r.base > r.length - op.length) {
+  if (op.remote_addr < r.base || op.length > r.length || op.remote_addr - r.base > r.length - op.length) {
     return Status::invalid_argument("shm: remote range outside the remote key");
   }
   return key;
@@ -227,9 +225,7 @@ void Datapath::abort(CompletionSink* sink, const Status& reason) {
 
 void ShmEndpoint::post(std::span<const Op> ops) { datapath_->post(conn_.get(), ops); }
 
-void ShmEndpoint::abort(CompletionSink* sink, const Status& reason) {
-  datapath_->abort(sink, reason);
-}
+void ShmEndpoint::abort(CompletionSink* sink, const Status& reason) { datapath_->abort(sink, reason); }
 
 bool ShmEndpoint::healthy() const { return !conn_->gone(); }
 

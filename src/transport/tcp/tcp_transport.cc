@@ -296,7 +296,8 @@ class TcpTransport final : public Transport {
       }
       sock.set_option(tcp::no_delay(true), ec);
       auto ex = sock.get_executor();
-      asio::co_spawn(ex, serve_connection(std::move(sock), regions_, options_.cluster_token, options_.io_timeout),
+      asio::co_spawn(ex,
+                     serve_connection(std::move(sock), regions_, options_.cluster_token, options_.io_timeout),
                      asio::detached);
     }
     std::lock_guard lock(mu_);

@@ -24,14 +24,11 @@ constexpr std::uint64_t kMaxDiscard = 64u << 20;
 Status refusal(std::uint32_t code, std::uint32_t reason) {
   auto c = static_cast<StatusCode>(code);
   switch (static_cast<RefusalReason>(reason)) {
-    case RefusalReason::kUnknownKey:
-      return {c, "target refused the request: unknown or revoked remote key"};
+    case RefusalReason::kUnknownKey: return {c, "target refused the request: unknown or revoked remote key"};
     case RefusalReason::kOutOfRange:
       return {c, "target refused the request: range outside the registered region"};
-    case RefusalReason::kBadOp:
-      return {c, "target refused the request: unknown operation"};
-    case RefusalReason::kNone:
-      break;
+    case RefusalReason::kBadOp: return {c, "target refused the request: unknown operation"};
+    case RefusalReason::kNone: break;
   }
   return {c, "target refused the request"};
 }
@@ -50,9 +47,7 @@ constexpr WholeBuffers kWhole{};
 // ---- initiator ------------------------------------------------------------------------------
 
 Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket)
-    : runtime_(std::move(runtime)),
-      strand_(asio::make_strand(runtime_->io())),
-      socket_(std::move(socket)) {}
+    : runtime_(std::move(runtime)), strand_(asio::make_strand(runtime_->io())), socket_(std::move(socket)) {}
 
 void Stream::start() { asio::co_spawn(strand_, read_loop(shared_from_this()), asio::detached); }
 
@@ -162,8 +157,8 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
     co_await asio::async_read(self->socket_, asio::buffer(&r, sizeof r), kWhole,
                               redirect_error(use_awaitable, ec));
     if (ec) {
-      self->fail_all(Status::unavailable(
-          ec == asio::error::eof ? "peer closed the tcp connection" : "tcp receive failed: " + ec.message()));
+      self->fail_all(Status::unavailable(ec == asio::error::eof ? "peer closed the tcp connection"
+                                                                : "tcp receive failed: " + ec.message()));
       co_return;
     }
     Op op;
@@ -290,9 +285,8 @@ void Stream::wait_drained(CompletionSink* sink) {
 }
 
 void Stream::close() {
-  asio::post(strand_, [self = shared_from_this()] {
-    self->fail_all(Status::cancelled("tcp endpoint closed"), true);
-  });
+  asio::post(strand_,
+             [self = shared_from_this()] { self->fail_all(Status::cancelled("tcp endpoint closed"), true); });
 }
 
 void Endpoint::post(std::span<const Op> ops) {

@@ -141,9 +141,9 @@ class Core : public std::enable_shared_from_this<Core> {
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};
   Clock::time_point last_forced_close_{};  // owner only
-  bool delete_on_exit_ = false;  // the last reference dropped on the progress thread itself
-  int event_fd_ = -1;            // wakes the progress thread for new work
-  int ucp_efd_ = -1;             // the worker's event fd, -1 when UCX offers none
+  bool delete_on_exit_ = false;            // the last reference dropped on the progress thread itself
+  int event_fd_ = -1;                      // wakes the progress thread for new work
+  int ucp_efd_ = -1;                       // the worker's event fd, -1 when UCX offers none
 };
 
 // ---- endpoint state (datapath) ------------------------------------------------------------
@@ -156,11 +156,11 @@ struct OpRecord {
   CompletionSink* sink = nullptr;
   std::uint32_t tag = 0;
   std::uint32_t index = 0;
-  int pending = 0;         // UCX callbacks still to come (the op, plus its batch flush if a write)
+  int pending = 0;  // UCX callbacks still to come (the op, plus its batch flush if a write)
   bool in_use = false;
   bool write = false;
-  bool reported = false;   // the sink has been told
-  Status status;           // first error seen
+  bool reported = false;         // the sink has been told
+  Status status;                 // first error seen
   std::optional<Status> forced;  // set by abort / peer failure: what the sink will be told
 };
 
@@ -188,9 +188,9 @@ class EpState : public std::enable_shared_from_this<EpState> {
 
   ucp_ep_h ep() const { return ep_; }
   std::atomic<bool> healthy{true};
-  std::atomic<bool> connected{false};   // the connect flush completed
-  std::atomic<int> connect_status{0};   // its ucs_status_t
-  std::atomic<bool> closed{false};      // no UCP endpoint left (never created, or closed)
+  std::atomic<bool> connected{false};  // the connect flush completed
+  std::atomic<int> connect_status{0};  // its ucs_status_t
+  std::atomic<bool> closed{false};     // no UCP endpoint left (never created, or closed)
   bool one_sided = false;
 
  private:
@@ -229,8 +229,7 @@ class UcxEndpoint final : public Endpoint {
   ~UcxEndpoint() override;
 
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
-                                                std::string_view packed,
-                                                Deadline deadline) override;
+                                                std::string_view packed, Deadline deadline) override;
   void post(std::span<const Op> ops) override;
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override { return state_->healthy.load(); }

@@ -175,8 +175,7 @@ class UcxTransport final : public Transport {
         std::make_unique<UcxRegistration>(core_, memh, std::move(packed)));
   }
 
-  Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address,
-                                            Deadline deadline) override {
+  Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address, Deadline deadline) override {
     std::optional<std::string> addr = decode_address(peer_address);
     if (!addr) return Status::invalid_argument("ucx: malformed peer address");
     auto state = std::make_shared<EpState>(core_.get());
@@ -251,24 +250,17 @@ std::optional<KeyRecord> decode_key(std::string_view record) {
 Status from_ucs(ucs_status_t status, std::string_view what) {
   std::string m = std::string(what) + ": " + ucs_status_string(status);
   switch (status) {
-    case UCS_OK:
-      return Status::ok();
+    case UCS_OK: return Status::ok();
     case UCS_ERR_NO_MEMORY:
     case UCS_ERR_NO_RESOURCE:
-    case UCS_ERR_EXCEEDS_LIMIT:
-      return Status::no_space(std::move(m));
+    case UCS_ERR_EXCEEDS_LIMIT: return Status::no_space(std::move(m));
     case UCS_ERR_INVALID_PARAM:
-    case UCS_ERR_INVALID_ADDR:
-      return Status::invalid_argument(std::move(m));
-    case UCS_ERR_TIMED_OUT:
-      return Status::timeout(std::move(m));
-    case UCS_ERR_UNSUPPORTED:
-      return Status::unsupported(std::move(m));
+    case UCS_ERR_INVALID_ADDR: return Status::invalid_argument(std::move(m));
+    case UCS_ERR_TIMED_OUT: return Status::timeout(std::move(m));
+    case UCS_ERR_UNSUPPORTED: return Status::unsupported(std::move(m));
     case UCS_ERR_REJECTED:
-    case UCS_ERR_NOT_CONNECTED:
-      return Status::permission_denied(std::move(m));
-    case UCS_ERR_IO_ERROR:
-      return Status::io_error(std::move(m));
+    case UCS_ERR_NOT_CONNECTED: return Status::permission_denied(std::move(m));
+    case UCS_ERR_IO_ERROR: return Status::io_error(std::move(m));
     default:
       // Unreachable peer, reset/timed-out endpoint, cancelled request: the connection is
       // the problem, and a reconnect may help.
@@ -361,8 +353,7 @@ Core::~Core() {
     while (Clock::now() < hard_stop) {
       if (pass()) {
         quiet_since = Clock::now();
-      } else if (Clock::now() - quiet_since > std::chrono::milliseconds(50) &&
-                 Clock::now() >= min_linger) {
+      } else if (Clock::now() - quiet_since > std::chrono::milliseconds(50) && Clock::now() >= min_linger) {
         break;
       } else {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -390,8 +381,7 @@ UcxEndpoint::~UcxEndpoint() {
   // once ucp_ep_close_nbx was called), so a peer that never answers leaves it pending; the
   // state stays alive through the close callback's reference.
   core->run([&] { state->begin_close(/*force=*/!state->healthy.load()); });
-  if (!core->wait_until([&] { return state->closed.load(); },
-                        deadline_after(std::chrono::seconds(2)))) {
+  if (!core->wait_until([&] { return state->closed.load(); }, deadline_after(std::chrono::seconds(2)))) {
     KVSTASH_LOG_WARN("ucx: endpoint close still pending after 2 s");
   }
   core->run([&] { state->sweep(); });
@@ -406,10 +396,8 @@ bool EpState::detect_rma_lanes() {
   return info.find("rma_bw#") != std::string::npos;
 }
 
-Result<std::unique_ptr<RemoteKey>> UcxEndpoint::import_key(std::uint64_t base,
-                                                           std::uint64_t length,
-                                                           std::string_view packed,
-                                                           Deadline deadline) {
+Result<std::unique_ptr<RemoteKey>> UcxEndpoint::import_key(std::uint64_t base, std::uint64_t length,
+                                                           std::string_view packed, Deadline deadline) {
   std::optional<KeyRecord> key = decode_key(packed);
   if (!key) return Status::invalid_argument("ucx: malformed remote key");
   if (base < key->base || base + length < base || base + length > key->base + key->length) {
@@ -450,7 +438,8 @@ Result<std::unique_ptr<Transport>> make_ucx_transport(const UcxOptions& options)
     if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kIoError) return s;
     return Status::unavailable(s.message());
   }
-  return std::unique_ptr<Transport>(std::make_unique<ucx::UcxTransport>(std::move(*core), options.allow_emulated_rma));
+  return std::unique_ptr<Transport>(
+      std::make_unique<ucx::UcxTransport>(std::move(*core), options.allow_emulated_rma));
 }
 
 }  // namespace kvstash::transport

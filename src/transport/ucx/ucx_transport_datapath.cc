@@ -394,8 +394,7 @@ void EpState::begin_close(bool force) {
   if (in_use_ > 0) force = true;  // a graceful close would wait for ops we are abandoning
   healthy = false;
   ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   if (force) core_->note_forced_close();
   param.cb.send = &EpCallbacks::close_done;
@@ -435,9 +434,7 @@ void EpState::on_peer_failure(ucs_status_t status) {
   }
   // The failed endpoint still has to be closed (forced); not from inside UCX's callback.
   std::shared_ptr<EpState> self = shared_from_this();
-  core_->submit([self] {
-    self->begin_close(/*force=*/true);
-  });
+  core_->submit([self] { self->begin_close(/*force=*/true); });
 }
 
 // ---- endpoint datapath ---------------------------------------------------------------------------
@@ -445,9 +442,7 @@ void EpState::on_peer_failure(ucs_status_t status) {
 void UcxEndpoint::post(std::span<const Op> ops) {
   if (ops.empty()) return;
   std::shared_ptr<Core> core = core_;  // a completion may destroy this endpoint
-  core->submit([state = state_, batch = std::vector<Op>(ops.begin(), ops.end())] {
-    state->post_now(batch);
-  });
+  core->submit([state = state_, batch = std::vector<Op>(ops.begin(), ops.end())] { state->post_now(batch); });
 }
 
 void UcxEndpoint::abort(CompletionSink* sink, const Status& reason) {
@@ -458,8 +453,7 @@ void UcxEndpoint::abort(CompletionSink* sink, const Status& reason) {
   core->run([&] { closing = state->begin_abort(sink, reason, /*force_all=*/false); });
   if (!closing) return;
   // The close completes once UCX has completed (and stopped) every request on the endpoint.
-  if (!core->wait_until([&] { return state->closed.load(); },
-                        deadline_after(std::chrono::seconds(30)))) {
+  if (!core->wait_until([&] { return state->closed.load(); }, deadline_after(std::chrono::seconds(30)))) {
     KVSTASH_LOG_ERROR("ucx: forced endpoint close did not complete in 30 s");
   }
   core->run([&] { state->sweep(); });
