@@ -61,6 +61,12 @@ Status error_status(std::string_view text) {
     return Status::permission_denied(std::move(msg));
   }
   if (text.rfind("NOSCRIPT", 0) == 0) return Status::not_found(std::move(msg));
+  // kvstash's own scripts answer with these codes.
+  if (text.rfind("NO_SPACE", 0) == 0) return Status::no_space(std::move(msg));
+  if (text.rfind("STALE", 0) == 0) return Status::stale(std::move(msg));
+  if (text.rfind("NOT_FOUND", 0) == 0) return Status::not_found(std::move(msg));
+  if (text.rfind("INVALID", 0) == 0) return Status::invalid_argument(std::move(msg));
+  if (text.rfind("CORRUPT", 0) == 0) return Status::corrupt(std::move(msg));
   if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
       text.rfind("READONLY", 0) == 0) {
     return Status::unavailable(std::move(msg));
@@ -349,7 +355,8 @@ Result<Reply> RedisClient::eval(const Script& script, const std::vector<std::str
   argv.insert(argv.end(), keys.begin(), keys.end());
   argv.insert(argv.end(), args.begin(), args.end());
   auto r = command(argv);
-  if (r.is_ok() || r.status().code() != StatusCode::kNotFound) return r;
+  // Scripts answer NOT_FOUND themselves too; only Redis's own NOSCRIPT means "load me".
+  if (r.is_ok() || r.status().message().rfind("redis: NOSCRIPT", 0) != 0) return r;
   // NOSCRIPT: Redis restarted, failed over or flushed its scripts. Load and run again.
   KVSTASH_RETURN_IF_ERROR(command({"SCRIPT", "LOAD", script.body}).status());
   return command(argv);
