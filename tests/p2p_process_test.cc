@@ -266,6 +266,23 @@ TEST_P(P2P, StoppedTargetMeansTimeoutForTwoSidedAndNothingForOneSidedTransports)
   EXPECT_TRUE(s.is_ok()) << s.to_string();
 }
 
+TEST_P(P2P, PollingAStuckBatchEndsItAtItsDeadline) {
+  if (kind_ == TransportKind::kShm)
+    GTEST_SKIP() << "shm needs no target CPU: a stopped target cannot stall it";
+  peer_->signal(SIGSTOP);
+  std::vector<TransferEntry> es{entry(TransferOp::kRead, 0, 0, 1u << 20),
+                                entry(TransferOp::kWrite, 1u << 20, 1u << 20, 4096)};
+  auto b = peer_conn_->submit(es, deadline_after(300ms));
+  ASSERT_TRUE(b.is_ok());
+  const auto give_up = Clock::now() + 10s;
+  bool done = false;
+  while (!(done = b->poll()) && Clock::now() < give_up) std::this_thread::sleep_for(5ms);
+  peer_->signal(SIGCONT);
+  ASSERT_TRUE(done) << "poll never ended the batch after its deadline";
+  ASSERT_EQ(b->statuses().size(), 2u);
+  for (const Status& st : b->statuses()) EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+}
+
 TEST_P(P2P, CancelledBatchEndsEveryEntry) {
   std::vector<TransferEntry> es;
   for (std::size_t i = 0; i < 4; ++i) es.push_back(entry(TransferOp::kRead, i << 24, i << 24, 16u << 20));
