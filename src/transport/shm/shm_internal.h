@@ -207,6 +207,9 @@ class Datapath {
 
   void run(Lane& lane);
   static Status execute(const Job& job);
+  // Completes `op` on the calling thread: its validation error, OK for an empty op, else the
+  // copy itself when `copy`, or kUnavailable (shut down) when not.
+  static void complete_here(const PeerConnection* conn, const Op& op, std::uint32_t lanes, bool copy);
   // The key the op may use (nullptr: nothing to copy), or the error to complete it with.
   static Result<const ShmRemoteKey*> validate(const PeerConnection* conn, const Op& op, std::uint32_t lanes);
 

@@ -82,7 +82,23 @@ Result<const ShmRemoteKey*> Datapath::validate(const PeerConnection* conn, const
   return key;
 }
 
+void Datapath::complete_here(const PeerConnection* conn, const Op& op, std::uint32_t lanes, bool copy) {
+  auto key = validate(conn, op, lanes);
+  if (!key.is_ok()) {
+    op.sink->complete(op.tag, key.status());
+  } else if (*key == nullptr) {
+    op.sink->complete(op.tag, Status::ok());
+  } else if (copy) {
+    op.sink->complete(op.tag, execute(Job{op, (*key)->region()}));
+  } else {
+    op.sink->complete(op.tag, Status::unavailable("shm transport shut down"));
+  }
+}
+
 void Datapath::post(const PeerConnection* conn, std::span<const Op> ops) {
+  for (const Op& op : ops) {
+    if (op.sink == nullptr) KVSTASH_LOG_ERROR("shm: op posted without a completion sink, dropped");
+  }
   const std::uint32_t n = lanes();
   // Small ops are copied right here: waking a copy thread and being woken by it costs more
   // than the copy. Large ones (slices of a striped transfer) go to the lanes to run in
@@ -90,19 +106,13 @@ void Datapath::post(const PeerConnection* conn, std::span<const Op> ops) {
   bool all_inline = true;
   for (const Op& op : ops) all_inline = all_inline && op.length <= inline_bytes_;
   if (all_inline) {
-    for (const Op& op : ops) {
-      if (op.sink == nullptr) continue;
-      auto key = validate(conn, op, n);
-      if (!key.is_ok()) {
-        op.sink->complete(op.tag, key.status());
-      } else if (*key == nullptr) {
-        op.sink->complete(op.tag, Status::ok());
-      } else {
-        op.sink->complete(op.tag, execute(Job{op, (*key)->region()}));
-      }
+    bool stopping;
+    {
+      std::lock_guard lock(lanes_[0]->mu);  // stop() marks every lane
+      stopping = lanes_[0]->stopping;
     }
     for (const Op& op : ops) {
-      if (op.sink == nullptr) KVSTASH_LOG_ERROR("shm: op posted without a completion sink, dropped");
+      if (op.sink != nullptr) complete_here(conn, op, n, !stopping);
     }
     return;
   }
@@ -127,17 +137,12 @@ void Datapath::post(const PeerConnection* conn, std::span<const Op> ops) {
     }
     if (queued > 0) lane.work_cv.notify_one();
     if (!leftovers) continue;
-    // Completions run outside the lock: a sink may post again from complete().
+    // Completions run outside the lock: a sink may post again from complete(). Queued ops
+    // were valid and not stopping; everything else completes here without a copy.
     for (const Op& op : ops) {
       if (op.lane != l || op.sink == nullptr) continue;
       auto key = validate(conn, op, n);
-      if (!key.is_ok()) {
-        op.sink->complete(op.tag, key.status());
-      } else if (*key == nullptr) {
-        op.sink->complete(op.tag, Status::ok());
-      } else if (stopping) {
-        op.sink->complete(op.tag, Status::unavailable("shm transport shut down"));
-      }
+      if (!key.is_ok() || *key == nullptr || stopping) complete_here(conn, op, n, false);
     }
   }
   // Ops naming a lane that does not exist belong to no loop above.
@@ -145,9 +150,6 @@ void Datapath::post(const PeerConnection* conn, std::span<const Op> ops) {
     if (op.lane < n) continue;
     if (op.sink == nullptr) continue;
     op.sink->complete(op.tag, validate(conn, op, n).status());
-  }
-  for (const Op& op : ops) {
-    if (op.sink == nullptr) KVSTASH_LOG_ERROR("shm: op posted without a completion sink, dropped");
   }
 }
 
