@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -237,18 +238,18 @@ int run_p2p(const P2POptions& o) {
   auto address = from_text(address_line.rfind("address ", 0) == 0 ? address_line.substr(8) : "");
   auto key = from_text(key_line.rfind("key ", 0) == 0 ? key_line.substr(4) : "");
   const auto colon = socket_line.rfind(':');
-  if (!address.is_ok() || !key.is_ok() || socket_line.rfind("socket ", 0) != 0 ||
-      colon == std::string::npos) {
-    std::cerr << "kvstash-bench: "
-              << (target ? "the target process did not start"
-                         : "cannot read the target's "
-                           "address, key and socket lines from " +
-                               o.peer_file)
-              << "\n";
+  unsigned port = 0;
+  if (colon != std::string::npos) {
+    const char* digits = socket_line.data() + colon + 1;
+    auto [end, ec] = std::from_chars(digits, socket_line.data() + socket_line.size(), port);
+    if (ec != std::errc() || end != socket_line.data() + socket_line.size() || port > 65535) port = 0;
+  }
+  if (!address.is_ok() || !key.is_ok() || socket_line.rfind("socket ", 0) != 0 || port == 0) {
+    const std::string from = target ? std::string("the target process") : o.peer_file;
+    std::cerr << "kvstash-bench: no valid address, key and socket lines from " << from << "\n";
     return 1;
   }
   const std::string socket_host = socket_line.substr(7, colon - 7);
-  const auto port = static_cast<std::uint16_t>(std::stoi(socket_line.substr(colon + 1)));
 
   // References, measured now, in this run, between these two processes: per size, the
   // median of three socket streams (at least 512 MiB each) and single-core memcpy.
@@ -260,8 +261,8 @@ int run_p2p(const P2POptions& o) {
   for (std::size_t size : o.sizes) {
     std::vector<double> runs;
     for (int i = 0; i < 3; ++i) {
-      runs.push_back(
-          socket_stream_gbps(socket_host, port, size, std::max<std::size_t>(size * 2, 512u << 20)));
+      runs.push_back(socket_stream_gbps(socket_host, static_cast<std::uint16_t>(port), size,
+                                        std::max<std::size_t>(size * 2, 512u << 20)));
     }
     socket_ref[size] = percentile(runs, 0.5);
     memcpy_ref[size] = memcpy_gbps(size, std::min(o.seconds, 0.3));
@@ -302,8 +303,7 @@ int run_p2p(const P2POptions& o) {
     }
     if (remote->length() < region) {
       fail(Status::invalid_argument("the target's region (" + std::to_string(remote->length()) +
-                                    " bytes) is smaller "
-                                    "than sizes x threads x depth (" +
+                                    " bytes) is smaller than sizes x threads x depth (" +
                                     std::to_string(region) + " bytes)"));
       continue;
     }
