@@ -112,12 +112,7 @@ class UcxTransport final : public Transport {
     c.rdma = core_->rdma_device();
     c.cuda_memory = false;  // Debian's UCX 1.13 is built without CUDA
     c.lanes = 1;
-    // UCX fragments by itself, so this is not about speed (measured: no difference against
-    // unsliced). It must not be 0 with the engine as it stands: Peer::submit counts an entry's
-    // parts as (length + slice - 1) / slice with slice = SIZE_MAX for 0, which wraps to 0
-    // parts for every length >= 2, so such a batch never completes and waits out its
-    // deadline (then reports OK). 4 MiB slices are harmless either way.
-    c.slice_bytes = std::size_t{4} << 20;
+    c.slice_bytes = 0;  // UCX fragments (and stripes over its own lanes) by itself
     return c;
   }
 
