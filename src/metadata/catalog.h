@@ -1,0 +1,161 @@
+// The metadata plane of a cell, behind one class: memory nodes and their page pools, objects
+// and their extents, leases, LRU eviction, expiry and reclaim (docs/metadata.md).
+//
+// Every change is one Lua script (scripts.h), so each is atomic; time comes from Redis.
+// Replies are parsed defensively: a record that was corrupted or written by something else
+// gives kCorrupt, never a crash.
+//
+// Thread safety: as the RedisClient it uses (one thread at a time).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "metadata/redis_client.h"
+
+namespace kvstash::metadata {
+
+// The schema this build reads and writes (the cell's `schema` field).
+inline constexpr int kSchemaVersion = 1;
+
+struct NodeRecord {
+  std::string id;       // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
+  std::string epoch;    // random per start: a new epoch means the old memory is gone
+  std::uint64_t page_size = 0;
+  std::uint64_t page_count = 0;
+  std::string address;  // the node engine's address blob
+  std::string key;      // the pool region's remote-key blob
+};
+
+// How to reach a node's pool.
+struct NodeEndpoint {
+  std::string id;
+  std::string address;
+  std::string key;
+};
+
+// One page of an object: which node, which page, and the page's generation at allocation.
+struct Extent {
+  std::string node;
+  std::uint64_t page = 0;
+  std::int64_t generation = 0;
+  bool operator==(const Extent&) const = default;
+};
+
+// Where an object's pages are. `extents` is in object order: byte b of the object lives in
+// extents[b / page_size] at offset b % page_size.
+struct Placement {
+  std::uint64_t page_size = 0;
+  std::vector<Extent> extents;
+  std::vector<NodeEndpoint> nodes;
+  std::string extents_text;  // the record's own form, handed back to end_get
+};
+
+// A leased read: what the object is and where its pages are.
+struct ReadLease {
+  std::string object_token;  // the put that wrote it
+  std::uint64_t size = 0;
+  std::uint64_t checksum = 0;
+  std::string layout;
+  Placement placement;
+};
+
+struct ObjectRecord {
+  std::uint64_t size = 0;
+  std::uint64_t checksum = 0;
+  std::string layout;
+  std::uint64_t pages = 0;
+  std::vector<std::string> nodes;
+  std::int64_t ttl_ms = -1;  // time left; -1: no expiry
+};
+
+struct NodeStatus {
+  std::string state;  // up, draining, dead, gone
+  std::string epoch;
+  std::uint64_t page_size = 0;
+  std::uint64_t page_count = 0;
+  std::uint64_t free_pages = 0;
+  std::uint64_t objects = 0;
+  std::int64_t heartbeat_in_ms = 0;  // until the heartbeat deadline; negative: past it
+};
+
+struct ReclaimCounts {
+  std::uint64_t expired = 0;          // objects past their TTL
+  std::uint64_t abandoned_puts = 0;   // pending puts past their lease
+  std::uint64_t zombies = 0;          // released pages whose last read lease ran out
+  std::uint64_t dead_nodes = 0;       // nodes past their heartbeat deadline
+  std::uint64_t orphaned_objects = 0; // objects dropped with them
+};
+
+struct EvictCounts {
+  std::uint64_t objects = 0;
+  std::uint64_t pages = 0;
+};
+
+class Catalog {
+ public:
+  explicit Catalog(RedisClient& redis, std::string cell = "default");
+
+  const std::string& prefix() const { return prefix_; }
+
+  // kCorrupt when the cell was written by a schema this build does not know.
+  Status check_schema();
+
+  // --- Nodes ---------------------------------------------------------------------------
+  // Creates or refreshes a node. A new epoch drops the objects of the previous incarnation
+  // and resets its pool. Errors: kInvalidArgument (bad id, page size differs from the
+  // cell's, zero pages), Redis errors.
+  Status register_node(const NodeRecord& node, std::chrono::milliseconds heartbeat_ttl);
+  // Keeps a node alive for `ttl` more. kStale when it must register again (another epoch,
+  // or declared dead after missing its deadline).
+  Status heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl);
+  // The node takes no new pages and its objects are dropped. Returns how many.
+  Result<std::uint64_t> drain_node(std::string_view id, std::string_view epoch);
+  // The node leaves the cell (after drain_node).
+  Status deregister_node(std::string_view id, std::string_view epoch);
+  Result<NodeStatus> node_status(std::string_view id);
+  Result<std::vector<std::string>> list_nodes();
+  // Free pages of one node. kNotFound for an unknown node.
+  Result<std::uint64_t> free_pages(std::string_view node);
+
+  // --- Objects -------------------------------------------------------------------------
+  // Allocates pages for a `size`-byte object under a fresh put `token` (evicting when
+  // short) and records a pending put leased for `lease`. kNoSpace when the live nodes
+  // cannot hold it; kInvalidArgument for a bad key.
+  Result<Placement> begin_put(std::string_view token, std::string_view key, std::uint64_t size,
+                              std::chrono::milliseconds lease);
+  // Makes the put visible (with its TTL; 0 = none), releasing an object it replaces.
+  // kStale when the lease ran out and the pages were reclaimed, or a node of the put died.
+  Status commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
+                    std::string_view layout, std::chrono::milliseconds ttl);
+  Status abort_put(std::string_view token);
+
+  // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
+  // absent, expired or on a dead node; kCorrupt for a malformed record.
+  Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease);
+  // Ends the lease; kStale when a page was freed or reused while it was held.
+  Status end_get(std::string_view reader, const ReadLease& lease);
+
+  Result<ObjectRecord> stat(std::string_view key);
+  Status remove(std::string_view key);  // kNotFound when absent
+  Status touch(std::string_view key, std::chrono::milliseconds ttl);
+  Result<std::size_t> contains_prefix(std::span<const std::string> keys);
+
+  Result<EvictCounts> evict(std::uint64_t bytes);
+  Result<ReclaimCounts> reclaim(std::uint32_t limit = 256);
+
+ private:
+  RedisClient& redis_;
+  std::string prefix_;  // kvs:{kvs:<cell>}
+};
+
+// Object keys: 1..1024 bytes. kInvalidArgument otherwise.
+Status validate_object_key(std::string_view key);
+// Parses "node,page,generation;..." (kCorrupt when malformed).
+Result<std::vector<Extent>> parse_extents(std::string_view text);
+
+}  // namespace kvstash::metadata

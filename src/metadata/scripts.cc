@@ -1,0 +1,514 @@
+#include "metadata/scripts.h"
+
+#include <string>
+
+namespace kvstash::metadata::scripts {
+namespace {
+
+// Shared by every script: the prefix, the time from Redis itself (client clocks never
+// matter), and the helpers that keep the invariants in one place.
+//
+// Extent lists are text, "node,page,generation;..." in object order. A free page's
+// generation is stored negated, so freeing twice, or freeing with an outdated extent, is a
+// no-op: only the holder of the current generation can free a page.
+constexpr const char* kPrelude = R"lua(
+local P = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function live(id)
+  local d = redis.call('ZSCORE', P .. ':nodes', id)
+  return d ~= false and d ~= nil and tonumber(d) >= now
+end
+
+local function each_extent(list, fn)
+  for id, page, gen in string.gmatch(list or '', '([^,;]+),(%d+),(%d+)') do
+    if fn(id, page, tonumber(gen)) then return true end
+  end
+  return false
+end
+
+-- Whether every page of `list` still carries the generation it names.
+local function current(list)
+  return not each_extent(list, function(id, page, gen)
+    return tonumber(redis.call('HGET', P .. ':gen:' .. id, page) or '0') ~= gen
+  end)
+end
+
+local function free_extents(list)
+  local n = 0
+  each_extent(list, function(id, page, gen)
+    local gk = P .. ':gen:' .. id
+    if gen > 0 and tonumber(redis.call('HGET', gk, page) or '0') == gen then
+      redis.call('HSET', gk, page, -gen)
+      redis.call('LPUSH', P .. ':free:' .. id, page)
+      n = n + 1
+    end
+  end)
+  return n
+end
+
+-- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
+-- the last read lease on them ends. Returns the pages freed now.
+local function release(key)
+  local ok = P .. ':obj:' .. key
+  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes')
+  redis.call('DEL', ok)
+  redis.call('ZREM', P .. ':lru', key)
+  redis.call('ZREM', P .. ':expiry', key)
+  for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('SREM', P .. ':objs:' .. id, key) end
+  if not o[1] then return 0 end
+  local rk = P .. ':readers:' .. o[1]
+  redis.call('ZREMRANGEBYSCORE', rk, '-inf', '(' .. now)
+  local last = redis.call('ZREVRANGE', rk, 0, 0, 'WITHSCORES')
+  if last[2] then
+    redis.call('SET', P .. ':zombie:' .. o[1], o[2] or '')
+    redis.call('ZADD', P .. ':zombies', last[2], o[1])
+    return 0
+  end
+  redis.call('DEL', rk)
+  return free_extents(o[2])
+end
+
+-- Whether `key` names a readable object: present, unexpired, every node alive. An expired
+-- object or one on a dead node is released on the spot.
+local function present(key)
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'expires', 'nodes')
+  if not o[1] then return false end
+  local exp = tonumber(o[2] or '0') or 0
+  if exp > 0 and exp <= now then
+    release(key)
+    return false
+  end
+  for id in string.gmatch(o[3] or '', '[^ ]+') do
+    if not live(id) then
+      release(key)
+      return false
+    end
+  end
+  return true
+end
+
+-- Free pages per live node that takes allocations, and their sum.
+local function candidates()
+  local c, total = {}, 0
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page')
+    if st[1] == 'up' then
+      local free = (tonumber(st[2]) or 0) - (tonumber(st[3]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
+      if free > 0 then
+        c[#c + 1] = {id, free}
+        total = total + free
+      end
+    end
+  end
+  return c, total
+end
+
+-- Releases expired objects, oldest deadline first, at most `limit`.
+local function sweep_expired(limit)
+  local keys = redis.call('ZRANGEBYSCORE', P .. ':expiry', '-inf', now, 'LIMIT', 0, limit)
+  for _, key in ipairs(keys) do release(key) end
+  return #keys
+end
+
+-- Evicts least recently used objects that no reader leases until `need` pages came free.
+-- All or nothing: when the unleased objects cannot free enough, nothing is evicted (a put
+-- that fails anyway must not empty the cache). Returns objects evicted and pages freed.
+local function evict(need)
+  local victims, pages, offset = {}, 0, 0
+  while pages < need do
+    local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63)
+    if #batch == 0 then break end
+    offset = offset + #batch
+    for _, key in ipairs(batch) do
+      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents')
+      if o[1] and redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
+        victims[#victims + 1] = key
+        local _, n = string.gsub(o[2] or '', ',%d+,%d+', '')
+        pages = pages + n
+        if pages >= need then break end
+      end
+    end
+  end
+  if pages < need then return 0, 0 end
+  local freed = 0
+  for _, key in ipairs(victims) do freed = freed + release(key) end
+  return #victims, freed
+end
+
+-- The endpoints of nodes (space-separated ids) appended to `out`: id, address, key.
+local function endpoints(out, nodes)
+  for id in string.gmatch(nodes or '', '[^ ]+') do
+    local n = redis.call('HMGET', P .. ':node:' .. id, 'address', 'key')
+    out[#out + 1] = id
+    out[#out + 1] = n[1] or ''
+    out[#out + 1] = n[2] or ''
+  end
+  return out
+end
+
+local function page_size()
+  return tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0
+end
+)lua";
+
+Script make(const char* body) { return Script(std::string(kPrelude) + body); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Nodes
+
+// ARGV id, epoch, page_size, page_count, address, key, ttl_ms. A new epoch means the old
+// incarnation's memory is gone: its objects are dropped and its pool starts over.
+const Script& register_node() {
+  static const Script s = make(R"lua(
+local id, epoch = ARGV[1], ARGV[2]
+local ps, count = tonumber(ARGV[3]), tonumber(ARGV[4])
+if not count or count < 1 or not ps or ps < 1 then
+  return redis.error_reply('INVALID page size and count must be positive')
+end
+local cell = page_size()
+if cell > 0 and cell ~= ps then
+  return redis.error_reply('INVALID page size ' .. ps .. ' differs from the cell page size ' .. cell)
+end
+redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 1)
+local nk = P .. ':node:' .. id
+if redis.call('HGET', nk, 'epoch') ~= epoch then
+  for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do release(key) end
+  redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id)
+  local gens = redis.call('HGETALL', P .. ':gen:' .. id)
+  for i = 1, #gens, 2 do
+    local g = tonumber(gens[i + 1])
+    if g > 0 then redis.call('HSET', P .. ':gen:' .. id, gens[i], -g) end
+  end
+  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now)
+end
+redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
+redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV id, epoch, ttl_ms. STALE when the node must register again: another epoch holds the
+// id, or it was declared dead (its objects are gone).
+const Script& heartbeat() {
+  static const Script s = make(R"lua(
+local id = ARGV[1]
+local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
+if n[1] ~= ARGV[2] or (n[2] ~= 'up' and n[2] ~= 'draining') then
+  return redis.error_reply('STALE node ' .. id .. ' is not registered with this epoch')
+end
+redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[3]), id)
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV id, epoch. The node takes no new pages and its objects are dropped. Returns how many.
+const Script& drain_node() {
+  static const Script s = make(R"lua(
+local id = ARGV[1]
+local nk = P .. ':node:' .. id
+if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then
+  return redis.error_reply('STALE node ' .. id .. ' is not registered with this epoch')
+end
+redis.call('HSET', nk, 'state', 'draining')
+local keys = redis.call('SMEMBERS', P .. ':objs:' .. id)
+for _, key in ipairs(keys) do release(key) end
+return #keys
+)lua");
+  return s;
+}
+
+// ARGV id, epoch. The node leaves the cell. Generations stay, so extents handed out by this
+// incarnation can never match a page of a later one.
+const Script& deregister_node() {
+  static const Script s = make(R"lua(
+local id = ARGV[1]
+local nk = P .. ':node:' .. id
+if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then return 'OK' end
+for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do release(key) end
+redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id)
+redis.call('ZREM', P .. ':nodes', id)
+redis.call('HSET', nk, 'state', 'gone')
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV id. Returns state, epoch, page_size, page_count, free pages, objects, heartbeat
+// deadline (ms, -1 when not in the cell), now.
+const Script& node_status() {
+  static const Script s = make(R"lua(
+local id = ARGV[1]
+local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'epoch', 'page_size', 'page_count', 'next_page')
+if not n[1] then return redis.error_reply('NOT_FOUND no node ' .. id) end
+local free = (tonumber(n[4]) or 0) - (tonumber(n[5]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
+local d = redis.call('ZSCORE', P .. ':nodes', id)
+return {n[1], n[2] or '', tonumber(n[3]) or 0, tonumber(n[4]) or 0, free,
+        redis.call('SCARD', P .. ':objs:' .. id), d and tonumber(d) or -1, now}
+)lua");
+  return s;
+}
+
+// Returns the ids of the nodes in the cell (alive or past their deadline, not yet reclaimed).
+const Script& list_nodes() {
+  static const Script s = make(R"lua(
+return redis.call('ZRANGE', P .. ':nodes', 0, -1)
+)lua");
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------
+// Objects
+
+// ARGV token, key, size, lease_ms. Allocates the pages of a new object, most free node
+// first, spilling over nodes; expired then least recently used unleased objects make room.
+// Repeating a begin_put with the same token returns the same pages (a retry after a lost
+// reply). Returns page_size, extents, then id, address, key per node.
+const Script& begin_put() {
+  static const Script s = make(R"lua(
+local token, key, size, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local pk = P .. ':put:' .. token
+local prev = redis.call('HMGET', pk, 'extents', 'nodes')
+if prev[1] then return endpoints({page_size(), prev[1]}, prev[2]) end
+local ps = page_size()
+if ps <= 0 then return redis.error_reply('NO_SPACE no memory node has joined this cell') end
+local need = math.ceil(size / ps)
+local cands, total = candidates()
+if total < need then
+  local capacity = 0
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count')
+    if st[1] == 'up' then capacity = capacity + (tonumber(st[2]) or 0) end
+  end
+  if need > capacity then
+    return redis.error_reply('NO_SPACE object needs ' .. need .. ' pages, the live nodes hold ' .. capacity)
+  end
+  sweep_expired(256)
+  cands, total = candidates()
+  if total < need then
+    evict(need - total)
+    cands, total = candidates()
+  end
+  if total < need then
+    return redis.error_reply('NO_SPACE object needs ' .. need .. ' pages, ' .. total ..
+                             ' are free and every other page is leased by a reader or a put')
+  end
+end
+table.sort(cands, function(a, b) return a[2] > b[2] end)
+local ext, nodes, got = {}, {}, 0
+for _, c in ipairs(cands) do
+  if got >= need then break end
+  local id = c[1]
+  nodes[#nodes + 1] = id
+  for _ = 1, math.min(c[2], need - got) do
+    local page = redis.call('RPOP', P .. ':free:' .. id)
+    if not page then page = redis.call('HINCRBY', P .. ':node:' .. id, 'next_page', 1) - 1 end
+    local gen = math.abs(tonumber(redis.call('HGET', P .. ':gen:' .. id, page) or '0')) + 1
+    redis.call('HSET', P .. ':gen:' .. id, page, gen)
+    ext[#ext + 1] = id .. ',' .. page .. ',' .. gen
+    got = got + 1
+  end
+end
+local extents, node_list = table.concat(ext, ';'), table.concat(nodes, ' ')
+redis.call('HSET', pk, 'key', key, 'size', size, 'extents', extents, 'nodes', node_list)
+redis.call('ZADD', P .. ':pending', now + lease, token)
+return endpoints({ps, extents}, node_list)
+)lua");
+  return s;
+}
+
+// ARGV token, key, checksum, layout, ttl_ms. The pending put becomes the object; an object
+// it replaces is released. Repeating a commit that succeeded is OK.
+const Script& commit_put() {
+  static const Script s = make(R"lua(
+local token, key, ttl = ARGV[1], ARGV[2], tonumber(ARGV[5])
+local pk, ok = P .. ':put:' .. token, P .. ':obj:' .. key
+local p = redis.call('HMGET', pk, 'key', 'extents', 'nodes', 'size')
+if not p[1] then
+  if redis.call('HGET', ok, 'token') == token then return 'OK' end
+  return redis.error_reply('STALE the put lost its lease before the commit; its pages were reclaimed')
+end
+if p[1] ~= key then return redis.error_reply('INVALID put token belongs to another key') end
+local gone = not current(p[2])
+for id in string.gmatch(p[3] or '', '[^ ]+') do
+  if not live(id) then gone = true end
+end
+if gone then
+  free_extents(p[2])
+  redis.call('DEL', pk)
+  redis.call('ZREM', P .. ':pending', token)
+  return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
+end
+release(key)
+local expires = 0
+if ttl > 0 then expires = now + ttl end
+redis.call('HSET', ok, 'size', p[4], 'token', token, 'extents', p[2], 'nodes', p[3], 'checksum', ARGV[3],
+           'layout', ARGV[4], 'created', now, 'accessed', now, 'expires', expires)
+for id in string.gmatch(p[3] or '', '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
+redis.call('ZADD', P .. ':lru', now, key)
+if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
+redis.call('DEL', pk)
+redis.call('ZREM', P .. ':pending', token)
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV token. Frees a pending put's pages. Idempotent.
+const Script& abort_put() {
+  static const Script s = make(R"lua(
+local pk = P .. ':put:' .. ARGV[1]
+free_extents(redis.call('HGET', pk, 'extents'))
+redis.call('DEL', pk)
+redis.call('ZREM', P .. ':pending', ARGV[1])
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV key, reader, lease_ms. Looks the object up and leases it for reading. Returns
+// page_size, token, size, extents, checksum, layout, then id, address, key per node.
+const Script& begin_get() {
+  static const Script s = make(R"lua(
+local key = ARGV[1]
+if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
+local ok = P .. ':obj:' .. key
+local o = redis.call('HMGET', ok, 'token', 'size', 'extents', 'checksum', 'layout', 'nodes')
+local rk = P .. ':readers:' .. o[1]
+redis.call('ZREMRANGEBYSCORE', rk, '-inf', '(' .. now)
+redis.call('ZADD', rk, now + tonumber(ARGV[3]), ARGV[2])
+redis.call('HSET', ok, 'accessed', now)
+redis.call('ZADD', P .. ':lru', now, key)
+return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or ''}, o[6])
+)lua");
+  return s;
+}
+
+// ARGV reader, object token, extents read. Ends the read lease; STALE when a page was freed
+// or reused meanwhile (the bytes read cannot be trusted). A zombie whose last reader left is
+// freed here.
+const Script& end_get() {
+  static const Script s = make(R"lua(
+local tok = ARGV[2]
+local rk = P .. ':readers:' .. tok
+redis.call('ZREM', rk, ARGV[1])
+local fresh = current(ARGV[3])
+local zk = P .. ':zombie:' .. tok
+if redis.call('EXISTS', zk) == 1 and redis.call('ZCOUNT', rk, now, '+inf') == 0 then
+  free_extents(redis.call('GET', zk))
+  redis.call('DEL', zk, rk)
+  redis.call('ZREM', P .. ':zombies', tok)
+end
+if not fresh then return redis.error_reply('STALE the object\'s pages were reused during the read') end
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV key. Returns size, checksum, layout, extents, nodes, ms to expiry (-1: none).
+const Script& stat() {
+  static const Script s = make(R"lua(
+local key = ARGV[1]
+if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
+local o = redis.call('HMGET', P .. ':obj:' .. key, 'size', 'checksum', 'layout', 'extents', 'nodes', 'expires')
+local exp = tonumber(o[6] or '0') or 0
+local left = -1
+if exp > 0 then left = exp - now end
+return {o[1] or '', o[2] or '', o[3] or '', o[4] or '', o[5] or '', left}
+)lua");
+  return s;
+}
+
+// ARGV key.
+const Script& remove() {
+  static const Script s = make(R"lua(
+if not present(ARGV[1]) then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end
+release(ARGV[1])
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV key, ttl_ms (0: no expiry).
+const Script& touch() {
+  static const Script s = make(R"lua(
+local key, ttl = ARGV[1], tonumber(ARGV[2])
+if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
+local expires = 0
+if ttl > 0 then expires = now + ttl end
+redis.call('HSET', P .. ':obj:' .. key, 'expires', expires, 'accessed', now)
+if expires > 0 then
+  redis.call('ZADD', P .. ':expiry', expires, key)
+else
+  redis.call('ZREM', P .. ':expiry', key)
+end
+redis.call('ZADD', P .. ':lru', now, key)
+return 'OK'
+)lua");
+  return s;
+}
+
+// ARGV keys. Returns how many leading keys are present.
+const Script& contains_prefix() {
+  static const Script s = make(R"lua(
+for i, key in ipairs(ARGV) do
+  if not present(key) then return i - 1 end
+end
+return #ARGV
+)lua");
+  return s;
+}
+
+// ARGV bytes. Evicts least recently used unleased objects until that many bytes came free
+// (all or nothing). Returns objects, pages.
+const Script& evict() {
+  static const Script s = make(R"lua(
+local ps = page_size()
+if ps <= 0 then return {0, 0} end
+local objects, pages = evict(math.ceil(tonumber(ARGV[1]) / ps))
+return {objects, pages}
+)lua");
+  return s;
+}
+
+// ARGV limit. Sweeps expired objects, puts past their lease, zombies past their last read
+// lease, and nodes past their heartbeat (their objects are dropped). Returns the four counts
+// and the objects of dead nodes.
+const Script& reclaim() {
+  static const Script s = make(R"lua(
+local limit = tonumber(ARGV[1])
+local expired = sweep_expired(limit)
+local puts = redis.call('ZRANGEBYSCORE', P .. ':pending', '-inf', '(' .. now, 'LIMIT', 0, limit)
+for _, tok in ipairs(puts) do
+  free_extents(redis.call('HGET', P .. ':put:' .. tok, 'extents'))
+  redis.call('DEL', P .. ':put:' .. tok)
+  redis.call('ZREM', P .. ':pending', tok)
+end
+local zombies = redis.call('ZRANGEBYSCORE', P .. ':zombies', '-inf', '(' .. now, 'LIMIT', 0, limit)
+for _, tok in ipairs(zombies) do
+  free_extents(redis.call('GET', P .. ':zombie:' .. tok))
+  redis.call('DEL', P .. ':zombie:' .. tok, P .. ':readers:' .. tok)
+  redis.call('ZREM', P .. ':zombies', tok)
+end
+local dead = redis.call('ZRANGEBYSCORE', P .. ':nodes', '-inf', '(' .. now, 'LIMIT', 0, limit)
+local orphans = 0
+for _, id in ipairs(dead) do
+  for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do
+    release(key)
+    orphans = orphans + 1
+  end
+  redis.call('DEL', P .. ':objs:' .. id)
+  redis.call('HSET', P .. ':node:' .. id, 'state', 'dead')
+  redis.call('ZREM', P .. ':nodes', id)
+end
+return {expired, #puts, #zombies, #dead, orphans}
+)lua");
+  return s;
+}
+
+}  // namespace kvstash::metadata::scripts

@@ -1,0 +1,313 @@
+// The metadata scripts against a real redis-server: allocation, commit, leases, zombies,
+// generations, eviction, expiry, reclaim, dead and restarted nodes, corrupt records.
+#include "metadata/catalog.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <thread>
+
+#include "redis_server.h"
+
+namespace kvstash::metadata {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr std::uint64_t kPage = 1u << 20;
+
+class CatalogTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.running()) << "redis-server did not start (is it installed?)";
+    redis_ = RedisClient::connect({.url = server_.url()}).value();
+    cat_ = std::make_unique<Catalog>(*redis_);
+  }
+  Status add_node(std::string id, std::uint64_t pages, std::chrono::milliseconds ttl = 30s,
+                  std::string epoch = "e1") {
+    return cat_->register_node({id, epoch, kPage, pages, "addr-" + id, "key-" + id}, ttl);
+  }
+  std::uint64_t free_of(std::string_view id) { return cat_->free_pages(id).value(); }
+  // A committed object of `pages` pages.
+  Placement put(const std::string& key, std::uint64_t pages, std::chrono::milliseconds ttl = 0ms) {
+    std::string token = "t-" + key + "-" + std::to_string(++puts_);
+    auto p = cat_->begin_put(token, key, pages * kPage, 30s);
+    EXPECT_TRUE(p.is_ok()) << p.status().to_string();
+    if (!p.is_ok()) return {};
+    Status s = cat_->commit_put(token, key, 0x1234, "layout-" + key, ttl);
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+    return std::move(p).value();
+  }
+  StatusCode get_code(const std::string& key) { return cat_->begin_get(key, "probe", 1ms).status().code(); }
+
+  test::RedisServer server_;
+  std::unique_ptr<RedisClient> redis_;
+  std::unique_ptr<Catalog> cat_;
+  int puts_ = 0;
+};
+
+TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {
+  ASSERT_TRUE(add_node("a", 10).is_ok());
+  ASSERT_TRUE(add_node("b", 6).is_ok());
+  auto p = cat_->begin_put("tok", "obj", 13 * kPage - 5, 30s);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  ASSERT_EQ(p->extents.size(), 13u);
+  EXPECT_EQ(p->page_size, kPage);
+  std::set<std::pair<std::string, std::uint64_t>> distinct;
+  int on_a = 0;
+  for (const Extent& e : p->extents) {
+    distinct.emplace(e.node, e.page);
+    on_a += e.node == "a";
+    EXPECT_EQ(e.generation, 1);
+  }
+  EXPECT_EQ(distinct.size(), 13u) << "a page was handed out twice";
+  EXPECT_EQ(on_a, 10) << "the node with most free pages is used first";
+  ASSERT_EQ(p->nodes.size(), 2u);
+  EXPECT_EQ(p->nodes[0].address, "addr-a");
+  EXPECT_EQ(p->nodes[1].key, "key-b");
+  EXPECT_EQ(free_of("a"), 0u);
+  EXPECT_EQ(free_of("b"), 3u);
+
+  EXPECT_EQ(get_code("obj"), StatusCode::kNotFound) << "a pending put is not visible";
+  ASSERT_TRUE(cat_->commit_put("tok", "obj", 0xfeedface, "L", 0ms).is_ok());
+  // A retried commit (reply lost) is fine; so is a retried begin_put of the same token.
+  EXPECT_TRUE(cat_->commit_put("tok", "obj", 0xfeedface, "L", 0ms).is_ok());
+
+  auto g = cat_->begin_get("obj", "r1", 30s);
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  EXPECT_EQ(g->size, 13 * kPage - 5);
+  EXPECT_EQ(g->checksum, 0xfeedfaceu);
+  EXPECT_EQ(g->layout, "L");
+  EXPECT_EQ(g->placement.extents, p->extents);
+  EXPECT_TRUE(cat_->end_get("r1", *g).is_ok());
+
+  auto st = cat_->stat("obj");
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->pages, 13u);
+  EXPECT_EQ(st->nodes, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(st->ttl_ms, -1);
+
+  ASSERT_TRUE(cat_->remove("obj").is_ok());
+  EXPECT_EQ(free_of("a"), 10u);
+  EXPECT_EQ(free_of("b"), 6u);
+  EXPECT_EQ(get_code("obj"), StatusCode::kNotFound);
+  EXPECT_EQ(cat_->remove("obj").code(), StatusCode::kNotFound);
+}
+
+TEST_F(CatalogTest, RetriedBeginPutReturnsTheSamePages) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  auto first = cat_->begin_put("tok", "k", 3 * kPage, 30s).value();
+  auto again = cat_->begin_put("tok", "k", 3 * kPage, 30s).value();
+  EXPECT_EQ(first.extents, again.extents);
+  EXPECT_EQ(free_of("a"), 5u);
+  ASSERT_TRUE(cat_->abort_put("tok").is_ok());
+  EXPECT_TRUE(cat_->abort_put("tok").is_ok()) << "abort is idempotent";
+  EXPECT_EQ(free_of("a"), 8u);
+  EXPECT_EQ(cat_->commit_put("tok", "k", 1, "", 0ms).code(), StatusCode::kStale);
+}
+
+TEST_F(CatalogTest, OverwriteFreesTheOldPagesUnlessAReaderHoldsThem) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  put("k", 2);
+  put("k", 2);
+  EXPECT_EQ(free_of("a"), 6u) << "overwrite must free the replaced object's pages";
+
+  auto g = cat_->begin_get("k", "reader", 30s).value();
+  put("k", 3);  // replaces the object the reader is reading
+  EXPECT_EQ(free_of("a"), 3u) << "a leased object's pages must stay out of the pool";
+  // The old pages were not reused: the read is consistent and ends OK; the zombie goes.
+  EXPECT_TRUE(cat_->end_get("reader", g).is_ok());
+  EXPECT_EQ(free_of("a"), 5u);
+}
+
+TEST_F(CatalogTest, AReaderWhoseLeaseRanOutWhileThePagesWereReusedIsStale) {
+  ASSERT_TRUE(add_node("a", 2).is_ok());
+  put("k", 2);
+  auto g = cat_->begin_get("k", "slow", 100ms).value();
+  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(cat_->remove("k").is_ok());
+  EXPECT_EQ(free_of("a"), 2u) << "an expired read lease must not hold pages";
+  put("other", 2);  // reuses the pages: generations move on
+  EXPECT_EQ(cat_->end_get("slow", g).code(), StatusCode::kStale);
+  // Removed but not yet reused is stale too: the page may be reused any moment.
+  auto g2 = cat_->begin_get("other", "slow2", 100ms).value();
+  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(cat_->remove("other").is_ok());
+  EXPECT_EQ(cat_->end_get("slow2", g2).code(), StatusCode::kStale);
+}
+
+TEST_F(CatalogTest, FullPoolEvictsLeastRecentlyUsedObjectsWithoutReaders) {
+  ASSERT_TRUE(add_node("a", 6).is_ok());
+  put("old", 2);
+  put("mid", 2);
+  put("new", 2);
+  auto lease = cat_->begin_get("old", "reader", 30s).value();  // oldest, but leased
+  ASSERT_EQ(free_of("a"), 0u);
+  put("next", 2);
+  EXPECT_EQ(get_code("mid"), StatusCode::kNotFound) << "the least recently used unleased object goes";
+  EXPECT_TRUE(cat_->stat("old").is_ok()) << "a leased object must not be evicted";
+  EXPECT_TRUE(cat_->stat("new").is_ok());
+  EXPECT_TRUE(cat_->stat("next").is_ok());
+
+  // Bigger than the cell: refused without evicting anything.
+  auto huge = cat_->begin_put("t-huge", "huge", 7 * kPage, 30s);
+  EXPECT_EQ(huge.status().code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(cat_->stat("new").is_ok());
+  // Fits the cell only if the leased object went: no space, and the lease is honoured.
+  auto all = cat_->begin_put("t-all", "all", 6 * kPage, 30s);
+  EXPECT_EQ(all.status().code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(cat_->stat("old").is_ok());
+  EXPECT_TRUE(cat_->stat("new").is_ok()) << "a put that fails anyway must not evict";
+  EXPECT_TRUE(cat_->end_get("reader", lease).is_ok());
+
+  auto ev = cat_->evict(3 * kPage).value();
+  EXPECT_GE(ev.pages, 3u);
+  EXPECT_GE(free_of("a"), 3u);
+}
+
+TEST_F(CatalogTest, ExpiredObjectsVanishAndReclaimReturnsTheirPages) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  put("short", 1, 100ms);
+  put("swept", 2, 100ms);
+  put("kept", 1, 30s);
+  auto st = cat_->stat("short").value();
+  EXPECT_GT(st.ttl_ms, 0);
+  EXPECT_LE(st.ttl_ms, 100);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(get_code("short"), StatusCode::kNotFound);  // released on the spot
+  EXPECT_EQ(free_of("a"), 1u);
+  auto counts = cat_->reclaim().value();
+  EXPECT_EQ(counts.expired, 1u);  // "swept"
+  EXPECT_EQ(free_of("a"), 3u);
+  EXPECT_TRUE(cat_->stat("kept").is_ok());
+}
+
+TEST_F(CatalogTest, TouchSetsANewTimeToLive) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  put("k", 1, 150ms);
+  ASSERT_TRUE(cat_->touch("k", 30s).is_ok());
+  std::this_thread::sleep_for(250ms);
+  EXPECT_TRUE(cat_->stat("k").is_ok()) << "touch must extend the TTL";
+  ASSERT_TRUE(cat_->touch("k", 0ms).is_ok());
+  EXPECT_EQ(cat_->stat("k")->ttl_ms, -1);
+  EXPECT_EQ(cat_->touch("absent", 1s).code(), StatusCode::kNotFound);
+}
+
+TEST_F(CatalogTest, AbandonedPutsAreReclaimedAfterTheirLease) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  ASSERT_TRUE(cat_->begin_put("dead-client", "k", 3 * kPage, 100ms).is_ok());
+  EXPECT_EQ(free_of("a"), 1u);
+  std::this_thread::sleep_for(200ms);
+  auto counts = cat_->reclaim().value();
+  EXPECT_EQ(counts.abandoned_puts, 1u);
+  EXPECT_EQ(free_of("a"), 4u);
+  EXPECT_EQ(cat_->commit_put("dead-client", "k", 1, "", 0ms).code(), StatusCode::kStale);
+  EXPECT_EQ(get_code("k"), StatusCode::kNotFound);
+}
+
+TEST_F(CatalogTest, ADeadNodesObjectsVanishAndItMustRegisterAgain) {
+  ASSERT_TRUE(add_node("a", 4, 200ms).is_ok());
+  ASSERT_TRUE(add_node("b", 4).is_ok());
+  put("spans", 6);  // more than one node holds: spread over a and b
+  ASSERT_EQ(cat_->stat("spans")->nodes.size(), 2u);
+  put("on-b", 1);
+  std::this_thread::sleep_for(300ms);  // a misses its heartbeat
+  EXPECT_EQ(get_code("spans"), StatusCode::kNotFound) << "an object on a dead node must vanish";
+  EXPECT_EQ(free_of("b"), 3u) << "its pages on live nodes come back";
+  auto p = cat_->begin_put("t", "fresh", 2 * kPage, 30s).value();
+  for (const Extent& e : p.extents) EXPECT_EQ(e.node, "b") << "a dead node got pages";
+  ASSERT_TRUE(cat_->abort_put("t").is_ok());
+
+  auto counts = cat_->reclaim().value();
+  EXPECT_EQ(counts.dead_nodes, 1u);
+  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s).code(), StatusCode::kStale);
+  EXPECT_EQ(cat_->node_status("a")->state, "dead");
+  EXPECT_EQ(cat_->list_nodes().value(), std::vector<std::string>{"b"});
+  ASSERT_TRUE(add_node("a", 4, 30s, "e2").is_ok());
+  EXPECT_EQ(free_of("a"), 4u);
+  EXPECT_TRUE(cat_->heartbeat("a", "e2", 30s).is_ok());
+  EXPECT_TRUE(cat_->stat("on-b").is_ok());
+}
+
+TEST_F(CatalogTest, ARestartedNodeDropsTheObjectsOfItsPreviousLife) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  put("k", 2);
+  auto pending = cat_->begin_put("inflight", "p", kPage, 30s).value();
+  ASSERT_TRUE(add_node("a", 4, 30s, "e2").is_ok());
+  EXPECT_EQ(get_code("k"), StatusCode::kNotFound);
+  EXPECT_EQ(free_of("a"), 4u);
+  EXPECT_EQ(cat_->commit_put("inflight", "p", 1, "", 0ms).code(), StatusCode::kStale)
+      << "a put into the old incarnation's memory must not commit";
+  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s).code(), StatusCode::kStale);
+}
+
+TEST_F(CatalogTest, DrainingNodeTakesNoPagesAndDropsItsObjects) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  ASSERT_TRUE(add_node("b", 4).is_ok());
+  put("k1", 3);  // a or b
+  auto where = cat_->stat("k1")->nodes.at(0);
+  EXPECT_EQ(cat_->drain_node(where, "e1").value(), 1u);
+  EXPECT_EQ(get_code("k1"), StatusCode::kNotFound);
+  auto p = cat_->begin_put("t", "k2", 4 * kPage, 30s).value();
+  for (const Extent& e : p.extents) EXPECT_NE(e.node, where);
+  EXPECT_TRUE(cat_->heartbeat(where, "e1", 30s).is_ok()) << "a draining node still heartbeats";
+  ASSERT_TRUE(cat_->deregister_node(where, "e1").is_ok());
+  EXPECT_EQ(cat_->node_status(where)->state, "gone");
+  EXPECT_EQ(cat_->drain_node(where, "other-epoch").status().code(), StatusCode::kStale);
+}
+
+TEST_F(CatalogTest, ContainsPrefixCountsLeadingPresentKeys) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  for (const char* k : {"c0", "c1", "c2", "c4"}) put(k, 1);
+  std::vector<std::string> keys{"c0", "c1", "c2", "c3", "c4"};
+  EXPECT_EQ(cat_->contains_prefix(keys).value(), 3u);
+  EXPECT_EQ(cat_->contains_prefix(std::span(keys).subspan(3)).value(), 0u);
+  EXPECT_EQ(cat_->contains_prefix({}).value(), 0u);
+  std::vector<std::string> bad{"c0", ""};
+  EXPECT_EQ(cat_->contains_prefix(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  put("k", 1);
+  const std::string obj = cat_->prefix() + ":obj:";
+  auto cmd = [&](std::vector<std::string_view> args) { ASSERT_TRUE(redis_->command(args).is_ok()); };
+
+  cmd({"HSET", obj + "k", "size", "twelve"});
+  EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
+  cmd({"HSET", obj + "k", "size", "100", "extents", "a,zz,1"});
+  EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
+  cmd({"HSET", obj + "k", "extents", "a,0,1;a,1,1;a,2,1"});  // 3 pages for 100 bytes
+  EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
+  cmd({"HSET", obj + "k", "extents", "a,0,1", "checksum", "not-hex!"});
+  EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
+  cmd({"SET", obj + "foreign", "a string, not a hash"});
+  EXPECT_EQ(get_code("foreign"), StatusCode::kCorrupt);
+  EXPECT_EQ(cat_->stat("foreign").status().code(), StatusCode::kCorrupt);
+  cmd({"HSET", cat_->prefix() + ":cell", "schema", "7"});
+  EXPECT_EQ(cat_->check_schema().code(), StatusCode::kCorrupt);
+  // The cell keeps working for well-formed objects.
+  cmd({"HSET", cat_->prefix() + ":cell", "schema", "1"});
+  EXPECT_TRUE(cat_->check_schema().is_ok());
+  put("fine", 1);
+  EXPECT_TRUE(cat_->stat("fine").is_ok());
+}
+
+TEST_F(CatalogTest, RegistrationAndKeysAreValidated) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  NodeRecord other{"b", "e1", 4096, 4, "addr", "key"};
+  EXPECT_EQ(cat_->register_node(other, 10s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(add_node("c", 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(add_node("", 4).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(add_node("bad id;", 4).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cat_->free_pages("zzz").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(cat_->begin_put("t", "", 1, 1s).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cat_->begin_put("t", std::string(1025, 'k'), 1, 1s).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(CatalogTest, NoNodesIsNoSpace) {
+  EXPECT_EQ(cat_->begin_put("t", "k", 1, 1s).status().code(), StatusCode::kNoSpace);
+}
+
+}  // namespace
+}  // namespace kvstash::metadata
