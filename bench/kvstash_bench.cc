@@ -6,6 +6,7 @@
 
 #include "common/units.h"
 #include "p2p.h"
+#include "store.h"
 
 namespace {
 
@@ -98,10 +99,69 @@ int main(int argc, char** argv) {
   t->add_option("--token", target_tcp.cluster_token, "Cluster token required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
 
+  bench::StoreBenchOptions store;
+  std::string tokens = "256", object_size, backends = "all", capacity, page_size;
+  auto* st = app.add_subcommand(
+      "store",
+      "Offload and restore the KV cache of N sessions through the Store (Redis for metadata, bytes "
+      "one-sided), against pushing the same bytes through Redis (HSET/HGET). Starts a private "
+      "redis-server and kvstashd unless --redis names a cell");
+  st->add_option("--sessions", store.sessions, "Sessions (objects) per round")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 65536u));
+  st->add_option("--tokens", tokens,
+                 "Tokens per session, A or a range A-B (picked per session with a fixed seed), 1..32768; "
+                 "a Llama-2-7B token is 512 KiB of KV cache. Ignored with --object-size")
+      ->capture_default_str();
+  st->add_option("--object-size", object_size, "Every session exactly this size instead (e.g. 64MiB)");
+  st->add_option("--backends", backends,
+                 "all (kvstash-ucx only when built with UCX), or a list of "
+                 "kvstash-shm,kvstash-tcp,kvstash-ucx,redis-bytes")
+      ->capture_default_str();
+  st->add_option("--rounds", store.rounds, "Rounds; each puts every session, then gets every one back")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1000u));
+  auto* redis_opt = st->add_option("--redis", store.redis_url,
+                                   "An existing cell's Redis URL: start no redis-server or kvstashd");
+  st->add_option("--redis-password", store.redis_password, "Password of --redis's Redis")
+      ->envname("KVSTASH_REDIS_PASSWORD");
+  st->add_option("--capacity", capacity, "Pool of the private kvstashd (default: one round's sessions + 25%)")
+      ->excludes(redis_opt);
+  st->add_option("--page-size", page_size, "Page size of the private kvstashd (default: kvstashd's)")
+      ->excludes(redis_opt);
+  st->add_flag("--json", store.json, "One JSON object per row");
+  st->add_option("--token", store.token, "Cluster token for the tcp transport")
+      ->envname("KVSTASH_CLUSTER_TOKEN");
+  st->footer(
+      "Examples:\n  kvstash-bench store\n  kvstash-bench store --sessions 4 --tokens 256-4096 --json\n"
+      "  kvstash-bench store --object-size 64MiB --backends kvstash-tcp,redis-bytes\n"
+      "  kvstash-bench store --redis redis://10.0.0.5:6379/0 --backends kvstash-tcp");
+
   std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
     if (t->parsed()) target_kinds = parse_transports(target_transports);
+    if (st->parsed()) {
+      if (Status s = bench::parse_token_range(tokens, &store); !s.is_ok()) {
+        throw CLI::ValidationError("--tokens", s.message());
+      }
+      auto b = bench::parse_backends(backends);
+      if (!b.is_ok()) throw CLI::ValidationError("--backends", b.status().message());
+      store.backends = *b;
+      auto size_option = [](const std::string& name, const std::string& text, std::uint64_t* out) {
+        if (text.empty()) return;
+        auto v = units::parse_size(text);
+        if (!v.is_ok()) throw CLI::ValidationError(name, v.status().message());
+        if (*v == 0) throw CLI::ValidationError(name, "must be more than 0 bytes");
+        *out = *v;
+      };
+      size_option("--object-size", object_size, &store.object_size);
+      size_option("--capacity", capacity, &store.capacity);
+      size_option("--page-size", page_size, &store.page_size);
+      if ((store.page_size & (store.page_size - 1)) != 0) {
+        throw CLI::ValidationError("--page-size", "must be a power of two (kvstashd's rule)");
+      }
+    }
     if (p->parsed()) {
       p2p.transports = parse_transports(transports);
       for (const auto& s : split(sizes)) {
@@ -137,5 +197,6 @@ int main(int argc, char** argv) {
     }
     return bench::run_p2p_target(*region, target_kinds, target_tcp);
   }
+  if (st->parsed()) return bench::run_store(store);
   return bench::run_p2p(p2p);
 }

@@ -230,9 +230,12 @@ TEST_F(CatalogTest, ADeadNodesObjectsVanishAndItMustRegisterAgain) {
 }
 
 TEST_F(CatalogTest, ARestartedNodeDropsTheObjectsOfItsPreviousLife) {
-  ASSERT_TRUE(add_node("a", 4).is_ok());
+  ASSERT_TRUE(add_node("a", 4, 300ms).is_ok());
   put("k", 2);
   auto pending = cat_->begin_put("inflight", "p", kPage, 30s).value();
+  // While the old incarnation is alive the id is taken: two daemons must not share it.
+  EXPECT_EQ(add_node("a", 4, 30s, "e2").code(), StatusCode::kInvalidArgument);
+  std::this_thread::sleep_for(400ms);  // it died (its heartbeat lapsed) and comes back
   ASSERT_TRUE(add_node("a", 4, 30s, "e2").is_ok());
   EXPECT_EQ(get_code("k"), StatusCode::kNotFound);
   EXPECT_EQ(free_of("a"), 4u);
@@ -302,7 +305,8 @@ TEST_F(CatalogTest, RegistrationAndKeysAreValidated) {
   EXPECT_EQ(add_node("bad id;", 4).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cat_->free_pages("zzz").status().code(), StatusCode::kNotFound);
   EXPECT_EQ(cat_->begin_put("t", "", 1, 1s).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(cat_->begin_put("t", std::string(1025, 'k'), 1, 1s).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cat_->begin_put("t", std::string(1025, 'k'), 1, 1s).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST_F(CatalogTest, NoNodesIsNoSpace) {

@@ -31,3 +31,22 @@ TEST(Units, Formats) {
 
 }  // namespace
 }  // namespace kvstash::units
+
+namespace kvstash::units {
+namespace {
+
+TEST(Units, ParsesDurations) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(parse_duration("250").value(), milliseconds(250));
+  EXPECT_EQ(parse_duration("250ms").value(), milliseconds(250));
+  EXPECT_EQ(parse_duration("3s").value(), milliseconds(3000));
+  EXPECT_EQ(parse_duration("1.5s").value(), milliseconds(1500));
+  EXPECT_EQ(parse_duration("2m").value(), milliseconds(120000));
+  EXPECT_EQ(parse_duration("1h").value(), milliseconds(3600000));
+  for (const char* bad : {"", "s", "-1s", "3 parsecs", "0.0001ms", "1e3"}) {
+    EXPECT_EQ(parse_duration(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace kvstash::units

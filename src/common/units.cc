@@ -50,6 +50,34 @@ Result<std::uint64_t> parse_size(std::string_view text) {
   return static_cast<std::uint64_t>(bytes);
 }
 
+Result<std::chrono::milliseconds> parse_duration(std::string_view text) {
+  auto bad = [&] {
+    std::string m = "'";
+    m.append(text).append("' is not a duration (examples: 250ms, 3s, 2m)");
+    return Status::invalid_argument(std::move(m));
+  };
+  std::size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  double value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + i, value);
+  if (i == 0 || ec != std::errc() || end != text.data() + i) return bad();
+  std::string_view unit = text.substr(i);
+  double mult;
+  if (unit.empty() || unit == "ms")
+    mult = 1;
+  else if (unit == "s")
+    mult = 1e3;
+  else if (unit == "m" || unit == "min")
+    mult = 60e3;
+  else if (unit == "h")
+    mult = 3600e3;
+  else
+    return bad();
+  double ms = value * mult;
+  if (ms >= 1e15 || ms != std::floor(ms)) return bad();
+  return std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+}
+
 std::string format_size(std::uint64_t bytes) {
   static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(bytes);

@@ -97,7 +97,8 @@ Result<std::vector<Extent>> parse_extents(std::string_view text) {
     std::string_view item = text.substr(0, end);
     text = end == std::string_view::npos ? std::string_view{} : text.substr(end + 1);
     std::size_t c1 = item.find(','), c2 = item.rfind(',');
-    if (c1 == std::string_view::npos || c1 == c2) return corrupt("malformed extent '" + std::string(item) + "'");
+    if (c1 == std::string_view::npos || c1 == c2)
+      return corrupt("malformed extent '" + std::string(item) + "'");
     auto page = number<std::uint64_t>(item.substr(c1 + 1, c2 - c1 - 1));
     auto gen = number<std::int64_t>(item.substr(c2 + 1));
     Extent e{std::string(item.substr(0, c1)), page.value_or(0), gen.value_or(0)};
@@ -224,7 +225,8 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
 }
 
 Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {
-  return redis_.eval(scripts::end_get(), {prefix_}, {reader, lease.object_token, lease.placement.extents_text})
+  return redis_
+      .eval(scripts::end_get(), {prefix_}, {reader, lease.object_token, lease.placement.extents_text})
       .status();
 }
 

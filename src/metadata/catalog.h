@@ -23,8 +23,8 @@ namespace kvstash::metadata {
 inline constexpr int kSchemaVersion = 1;
 
 struct NodeRecord {
-  std::string id;       // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
-  std::string epoch;    // random per start: a new epoch means the old memory is gone
+  std::string id;     // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
+  std::string epoch;  // random per start: a new epoch means the old memory is gone
   std::uint64_t page_size = 0;
   std::uint64_t page_count = 0;
   std::string address;  // the node engine's address blob
@@ -84,11 +84,11 @@ struct NodeStatus {
 };
 
 struct ReclaimCounts {
-  std::uint64_t expired = 0;          // objects past their TTL
-  std::uint64_t abandoned_puts = 0;   // pending puts past their lease
-  std::uint64_t zombies = 0;          // released pages whose last read lease ran out
-  std::uint64_t dead_nodes = 0;       // nodes past their heartbeat deadline
-  std::uint64_t orphaned_objects = 0; // objects dropped with them
+  std::uint64_t expired = 0;           // objects past their TTL
+  std::uint64_t abandoned_puts = 0;    // pending puts past their lease
+  std::uint64_t zombies = 0;           // released pages whose last read lease ran out
+  std::uint64_t dead_nodes = 0;        // nodes past their heartbeat deadline
+  std::uint64_t orphaned_objects = 0;  // objects dropped with them
 };
 
 struct EvictCounts {

@@ -56,14 +56,23 @@ std::optional<int> parse_int(std::string_view s, int lo, int hi) {
 // Status for an error reply, by Redis's error code (its first word).
 Status error_status(std::string_view text) {
   std::string msg = "redis: " + std::string(text);
+  // ACL refusals inside a script arrive as ERR with the reason in the text (7.0: "The user
+  // executing the script can't run this command", 7.2: "ACL failure in script").
   if (text.rfind("NOPERM", 0) == 0 || text.rfind("WRONGPASS", 0) == 0 || text.rfind("NOAUTH", 0) == 0 ||
-      text.find("invalid password") != std::string_view::npos) {
+      text.find("invalid password") != std::string_view::npos ||
+      text.find("can't run this command") != std::string_view::npos ||
+      text.find("ACL failure") != std::string_view::npos || text.find("NOPERM") != std::string_view::npos) {
     return Status::permission_denied(std::move(msg));
+  }
+  if (text.rfind("OOM", 0) == 0 || text.find("-OOM") != std::string_view::npos) {
+    return Status::no_space(msg +
+                            " (Redis reached maxmemory: kvstash needs maxmemory-policy noeviction and room)");
   }
   if (text.rfind("NOSCRIPT", 0) == 0) return Status::not_found(std::move(msg));
   // kvstash's own scripts answer with these codes.
   if (text.rfind("NO_SPACE", 0) == 0) return Status::no_space(std::move(msg));
   if (text.rfind("STALE", 0) == 0) return Status::stale(std::move(msg));
+  if (text.rfind("IN_USE", 0) == 0) return Status::invalid_argument(std::move(msg));
   if (text.rfind("NOT_FOUND", 0) == 0) return Status::not_found(std::move(msg));
   if (text.rfind("INVALID", 0) == 0) return Status::invalid_argument(std::move(msg));
   if (text.rfind("CORRUPT", 0) == 0) return Status::corrupt(std::move(msg));

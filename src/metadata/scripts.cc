@@ -161,7 +161,8 @@ Script make(const char* body) { return Script(std::string(kPrelude) + body); }
 // Nodes
 
 // ARGV id, epoch, page_size, page_count, address, key, ttl_ms. A new epoch means the old
-// incarnation's memory is gone: its objects are dropped and its pool starts over.
+// incarnation's memory is gone: its objects are dropped and its pool starts over. IN_USE while
+// another epoch of the id is alive: two daemons sharing an id would drop each other's objects.
 const Script& register_node() {
   static const Script s = make(R"lua(
 local id, epoch = ARGV[1], ARGV[2]
@@ -175,7 +176,11 @@ if cell > 0 and cell ~= ps then
 end
 redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 1)
 local nk = P .. ':node:' .. id
-if redis.call('HGET', nk, 'epoch') ~= epoch then
+local held = redis.call('HMGET', nk, 'epoch', 'state')
+if held[1] and held[1] ~= epoch and (held[2] == 'up' or held[2] == 'draining') and live(id) then
+  return redis.error_reply('IN_USE node id ' .. id .. ' is held by a live node (another kvstashd with the same id?)')
+end
+if held[1] ~= epoch then
   for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do release(key) end
   redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id)
   local gens = redis.call('HGETALL', P .. ':gen:' .. id)

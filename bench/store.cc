@@ -1,0 +1,819 @@
+#include "store.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <hiredis/hiredis.h>
+#include <nlohmann/json.hpp>
+
+#include "common/units.h"
+#include "kvstash/memory.h"
+#include "kvstash/store.h"
+#include "kvstash_config.h"
+#include "metadata/redis_client.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash::bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+// ---- interruption ---------------------------------------------------------------------------
+
+// Ctrl-C or SIGTERM: the operation under way finishes, then the run stops and unwinds, so the
+// private kvstashd drains before its Redis goes and their temporary files are removed. (They
+// run in process groups of their own: the terminal's SIGINT reaches only us.) A second
+// signal ends the process at once.
+std::atomic<bool> g_interrupted{false};
+
+extern "C" void on_interrupt(int) { g_interrupted.store(true); }
+
+bool interrupted() { return g_interrupted.load(std::memory_order_relaxed); }
+
+class InterruptHandler {
+ public:
+  InterruptHandler() {
+    struct sigaction sa {};
+    sa.sa_handler = on_interrupt;
+    sa.sa_flags = SA_RESETHAND | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGINT, &sa, &old_int_);
+    ::sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~InterruptHandler() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  InterruptHandler(const InterruptHandler&) = delete;
+  InterruptHandler& operator=(const InterruptHandler&) = delete;
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+// ---- the synthetic KV cache ---------------------------------------------------------------
+
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Bytes that differ per backend, round and session, so a get that returned another session's
+// object, or last round's, fails the comparison. A word at a time: generating a GiB must not
+// take longer than moving it.
+void fill_pattern(std::byte* p, std::size_t n, std::uint64_t backend, std::uint64_t round,
+                  std::uint64_t session) {
+  std::uint64_t state = (backend << 48) ^ (round << 32) ^ session;
+  state = splitmix64(state);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const std::uint64_t w = splitmix64(state);
+    std::memcpy(p + i, &w, 8);
+  }
+  if (i < n) {
+    const std::uint64_t w = splitmix64(state);
+    std::memcpy(p + i, &w, n - i);
+  }
+}
+
+// Session sizes: every one `object_size`, or a token count drawn with a fixed seed (the same
+// sessions in every run and on every machine) times the KV bytes of a token.
+std::vector<std::uint64_t> session_sizes(const StoreBenchOptions& o) {
+  std::vector<std::uint64_t> sizes;
+  std::uint64_t state = 0x6b7673746173682dull;  // fixed: runs compare
+  for (std::uint32_t s = 0; s < o.sessions; ++s) {
+    if (o.object_size != 0) {
+      sizes.push_back(o.object_size);
+      continue;
+    }
+    const std::uint64_t span = o.max_tokens - o.min_tokens + 1ull;
+    sizes.push_back((o.min_tokens + splitmix64(state) % span) * kKvBytesPerToken);
+  }
+  return sizes;
+}
+
+// ---- measurements -------------------------------------------------------------------------
+
+struct OpStats {
+  std::vector<double> latency_us;   // one per operation
+  std::vector<double> metadata_us;  // kvstash: time in Redis round trips, per operation
+  std::uint64_t round_trips = 0;    // kvstash: Redis round trips, summed
+  std::uint64_t bytes = 0;
+  double seconds = 0;  // summed over the operations: the ops run one after another
+};
+
+struct Row {
+  std::string backend;
+  std::string op;  // "put", "get"
+  bool kvstash = false;
+  OpStats stats;
+  bool verified = false;
+  std::string error;    // the run failed (exit code 1)
+  std::string skipped;  // not measured, and why (not a failure)
+};
+
+// Nearest rank: with few samples p99 is the slowest one, not an interpolation below it.
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  auto rank = static_cast<std::size_t>(std::ceil(p * static_cast<double>(v.size())));
+  return v[std::clamp<std::size_t>(rank, 1, v.size()) - 1];
+}
+
+double gbps(const OpStats& s) { return s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0; }
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+// Where in [a, a+n) the two first differ, for the error message.
+std::size_t first_difference(const std::byte* a, const std::byte* b, std::size_t n) {
+  std::size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+// A progress line on a terminal (stderr), overwritten in place; nothing when redirected.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled && ::isatty(2) == 1) {}
+  ~Progress() { clear(); }
+  void show(const std::string& text) {
+    if (!enabled_) return;
+    std::fprintf(stderr, "\r\033[K  %s", text.c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void clear() {
+    if (!shown_) return;
+    std::fprintf(stderr, "\r\033[K");
+    std::fflush(stderr);
+    shown_ = false;
+  }
+
+ private:
+  bool enabled_;
+  bool shown_ = false;
+};
+
+// ---- the run ------------------------------------------------------------------------------
+
+struct Sessions {
+  std::vector<std::uint64_t> sizes;
+  std::vector<Buffer> source;  // one per session: what is put, and the truth a get is compared with
+  Buffer restore;              // every get lands here (zeroed first), as into a GPU's free blocks
+  std::uint64_t total = 0;
+  std::uint64_t largest = 0;
+};
+
+class StoreBench {
+ public:
+  StoreBench(const StoreBenchOptions& o, Sessions& sessions) : o_(o), s_(sessions), progress_(!o.json) {}
+
+  std::pair<Row, Row> measure_redis(const std::string& url, std::uint64_t backend_index);
+  std::pair<Row, Row> measure_store(const std::string& backend, TransportKind kind, const StoreOptions& so,
+                                    std::uint64_t backend_index);
+  void print(const Row& r, const std::optional<double>& redis_gbps);
+
+ private:
+  const StoreBenchOptions& o_;
+  Sessions& s_;
+  Progress progress_;
+};
+
+std::string key_of(const std::string& backend, std::uint32_t round, std::uint32_t session) {
+  return "bench/" + backend + "/" + std::to_string(round) + "/" + std::to_string(session);
+}
+
+// The Store: register every session's buffer once (as an inference engine registers its KV
+// cache), then per round put every session and get every one back.
+std::pair<Row, Row> StoreBench::measure_store(const std::string& backend, TransportKind kind,
+                                              const StoreOptions& so, std::uint64_t backend_index) {
+  Row put{.backend = backend, .op = "put", .kvstash = true};
+  Row get{.backend = backend, .op = "get", .kvstash = true};
+  auto store = Store::open(so);
+  std::optional<std::uint32_t> live_round;  // whose objects are in the cell
+  // On a failure the round's objects are removed (best effort: some were never put), so
+  // that an existing cell keeps no garbage.
+  auto fail = [&](const std::string& what) {
+    progress_.clear();
+    put.error = get.error = what;
+    if (live_round) {
+      for (std::uint32_t i = 0; i < o_.sessions; ++i) (void)(*store)->remove(key_of(backend, *live_round, i));
+    }
+    return std::pair{put, get};
+  };
+  if (!store.is_ok()) return fail("cannot open the store: " + store.status().to_string());
+  const auto offered = (*store)->engine().transports();
+  if (std::find(offered.begin(), offered.end(), kind) == offered.end()) {
+    put.skipped = get.skipped = "this process's engine has no " + std::string(to_string(kind)) +
+                                " transport (not built in or cannot start here)";
+    return {put, get};
+  }
+  std::vector<MemoryHandle> handles;  // destroyed before the store (declared after it)
+  for (const auto& b : s_.source) {
+    auto h = (*store)->register_memory(b.region());
+    if (!h.is_ok()) return fail("register_memory: " + h.status().to_string());
+    handles.push_back(std::move(*h));
+  }
+  auto restore_handle = (*store)->register_memory(s_.restore.region());
+  if (!restore_handle.is_ok()) return fail("register_memory: " + restore_handle.status().to_string());
+
+  // Warm-up, not measured: the first operation connects to the node and loads the scripts.
+  {
+    const std::string key = "bench/" + backend + "/warmup";
+    Slice slice{s_.restore.data(), std::min<std::size_t>(s_.restore.size(), 4096), &*restore_handle};
+    Status st = (*store)->put(key, {&slice, 1});
+    if (st.is_ok()) st = (*store)->get(key, {&slice, 1}).status();
+    if (st.is_ok()) st = (*store)->remove(key);
+    if (!st.is_ok()) {
+      (void)(*store)->remove(key);
+      return fail("warm-up put/get of " + key + ": " + st.to_string());
+    }
+  }
+
+  for (std::uint32_t round = 0; round < o_.rounds; ++round) {
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      fill_pattern(s_.source[i].data(), s_.sizes[i], backend_index, round, i);
+    }
+    live_round = round;
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      if (interrupted()) return fail("interrupted");
+      progress_.show(
+          fmt::format("{}: round {}/{}, put {}/{}", backend, round + 1, o_.rounds, i + 1, o_.sessions));
+      const std::string key = key_of(backend, round, i);
+      Slice slice{s_.source[i].data(), s_.sizes[i], &handles[i]};
+      OpTimings t;
+      const auto t0 = Clock::now();
+      Status st = (*store)->put(key, {&slice, 1}, PutOptions{.timings = &t});
+      const double us = us_since(t0);
+      if (!st.is_ok()) return fail("put " + key + ": " + st.to_string());
+      put.stats.latency_us.push_back(us);
+      put.stats.metadata_us.push_back(std::chrono::duration<double, std::micro>(t.metadata).count());
+      put.stats.round_trips += t.redis_round_trips;
+      put.stats.bytes += s_.sizes[i];
+      put.stats.seconds += us / 1e6;
+    }
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      if (interrupted()) return fail("interrupted");
+      progress_.show(
+          fmt::format("{}: round {}/{}, get {}/{}", backend, round + 1, o_.rounds, i + 1, o_.sessions));
+      const std::string key = key_of(backend, round, i);
+      const std::size_t size = s_.sizes[i];
+      std::memset(s_.restore.data(), 0, size);
+      Slice into{s_.restore.data(), size, &*restore_handle};
+      OpTimings t;
+      const auto t0 = Clock::now();
+      auto info = (*store)->get(key, {&into, 1}, GetOptions{.timings = &t});
+      const double us = us_since(t0);
+      if (!info.is_ok()) return fail("get " + key + ": " + info.status().to_string());
+      if (info->size != size) {
+        return fail("get " + key + ": the object has " + std::to_string(info->size) + " bytes, " +
+                    std::to_string(size) + " were put");
+      }
+      if (std::memcmp(s_.restore.data(), s_.source[i].data(), size) != 0) {
+        const std::size_t at = first_difference(s_.restore.data(), s_.source[i].data(), size);
+        return fail("get " + key + ": wrong bytes (byte " + std::to_string(at) + " of " +
+                    std::to_string(size) + " differs from what was put)");
+      }
+      get.stats.latency_us.push_back(us);
+      get.stats.metadata_us.push_back(std::chrono::duration<double, std::micro>(t.metadata).count());
+      get.stats.round_trips += t.redis_round_trips;
+      get.stats.bytes += size;
+      get.stats.seconds += us / 1e6;
+    }
+    // Each round's objects go before the next round's arrive: the pool holds one round.
+    live_round.reset();
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      const std::string key = key_of(backend, round, i);
+      Status st = (*store)->remove(key);
+      if (!st.is_ok()) return fail("remove " + key + ": " + st.to_string());
+    }
+  }
+  progress_.clear();
+  put.verified = get.verified = true;
+  return {put, get};
+}
+
+// The tutorial's approach: the bytes themselves through Redis, HSET and HGET, landing in the
+// same buffers. The copy out of hiredis' reply into the restore buffer is part of a get: an
+// engine needs the bytes in its KV cache, not in a reply object.
+std::pair<Row, Row> StoreBench::measure_redis(const std::string& url, std::uint64_t backend_index) {
+  Row put{.backend = std::string(kRedisBytes), .op = "put"};
+  Row get{.backend = std::string(kRedisBytes), .op = "get"};
+  metadata::RedisOptions ro;
+  ro.url = url;
+  ro.password = o_.redis_password;
+  // A 512 MB value takes seconds through Redis; the default 2 s per command is for metadata.
+  ro.command_timeout = 120s;
+  auto client = metadata::RedisClient::connect(ro);
+  auto fail = [&](const std::string& what) {
+    progress_.clear();
+    put.error = get.error = what;
+    return std::pair{put, get};
+  };
+  if (!client.is_ok()) return fail("cannot connect: " + client.status().to_string());
+  auto& redis = **client;
+  auto key_of = [](std::uint32_t session) { return "bench:redis-bytes:" + std::to_string(session); };
+  auto cleanup = [&] {
+    std::vector<std::string> keys;
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) keys.push_back(key_of(i));
+    std::vector<std::string_view> del{"DEL"};
+    del.insert(del.end(), keys.begin(), keys.end());
+    return redis.command(del).status();
+  };
+
+  // Redis refuses bulk values over proto-max-bulk-len (512 MB unless configured otherwise).
+  std::uint64_t limit = 512ull << 20;
+  if (auto cfg = redis.command({"CONFIG", "GET", "proto-max-bulk-len"}); cfg.is_ok() && cfg->size() == 2) {
+    const redisReply* v = cfg->element(1);
+    if (v != nullptr && v->str != nullptr) {
+      const std::uint64_t n = std::strtoull(std::string(v->str, v->len).c_str(), nullptr, 10);
+      if (n > 0) limit = n;
+    }
+  }
+  if (s_.largest > limit) {
+    put.skipped = get.skipped = "a session of " + units::format_size(s_.largest) +
+                                " exceeds Redis's proto-max-bulk-len (" + units::format_size(limit) +
+                                "): Redis cannot hold a value that large";
+    return {put, get};
+  }
+
+  for (std::uint32_t round = 0; round < o_.rounds; ++round) {
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      fill_pattern(s_.source[i].data(), s_.sizes[i], backend_index, round, i);
+    }
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      if (interrupted()) {
+        (void)cleanup();
+        return fail("interrupted");
+      }
+      progress_.show(
+          fmt::format("{}: round {}/{}, HSET {}/{}", kRedisBytes, round + 1, o_.rounds, i + 1, o_.sessions));
+      const std::string key = key_of(i);
+      const std::string_view bytes(reinterpret_cast<const char*>(s_.source[i].data()), s_.sizes[i]);
+      const auto t0 = Clock::now();
+      auto r = redis.command({"HSET", key, "kv", bytes});
+      const double us = us_since(t0);
+      if (!r.is_ok()) {
+        (void)cleanup();
+        return fail("HSET " + key + ": " + r.status().to_string());
+      }
+      put.stats.latency_us.push_back(us);
+      put.stats.bytes += s_.sizes[i];
+      put.stats.seconds += us / 1e6;
+    }
+    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
+      if (interrupted()) {
+        (void)cleanup();
+        return fail("interrupted");
+      }
+      progress_.show(
+          fmt::format("{}: round {}/{}, HGET {}/{}", kRedisBytes, round + 1, o_.rounds, i + 1, o_.sessions));
+      const std::string key = key_of(i);
+      const std::size_t size = s_.sizes[i];
+      std::memset(s_.restore.data(), 0, size);
+      const auto t0 = Clock::now();
+      auto r = redis.command({"HGET", key, "kv"});
+      if (r.is_ok() && r->type() == metadata::Reply::Type::kString && r->str().size() == size) {
+        std::memcpy(s_.restore.data(), r->str().data(), size);
+      }
+      const double us = us_since(t0);
+      if (!r.is_ok()) {
+        (void)cleanup();
+        return fail("HGET " + key + ": " + r.status().to_string());
+      }
+      if (r->type() != metadata::Reply::Type::kString || r->str().size() != size) {
+        (void)cleanup();
+        return fail("HGET " + key + ": " +
+                    (r->type() == metadata::Reply::Type::kString ? std::to_string(r->str().size()) + " bytes"
+                                                                 : std::string("no value")) +
+                    ", " + std::to_string(size) + " were put");
+      }
+      if (std::memcmp(s_.restore.data(), s_.source[i].data(), size) != 0) {
+        (void)cleanup();
+        const std::size_t at = first_difference(s_.restore.data(), s_.source[i].data(), size);
+        return fail("HGET " + key + ": wrong bytes (byte " + std::to_string(at) + " of " +
+                    std::to_string(size) + " differs from what was put)");
+      }
+      get.stats.latency_us.push_back(us);
+      get.stats.bytes += size;
+      get.stats.seconds += us / 1e6;
+    }
+    if (Status st = cleanup(); !st.is_ok()) return fail("DEL: " + st.to_string());
+  }
+  progress_.clear();
+  put.verified = get.verified = true;
+  return {put, get};
+}
+
+void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
+  const double rate = gbps(r.stats);
+  std::optional<double> ratio;
+  if (r.error.empty() && r.skipped.empty() && redis_gbps && *redis_gbps > 0) ratio = rate / *redis_gbps;
+  if (o_.json) {
+    nlohmann::json j{{"backend", r.backend}, {"op", r.op}, {"sessions", o_.sessions}, {"rounds", o_.rounds}};
+    j["object_bytes"] = s_.sizes.empty() ? 0 : s_.total / s_.sizes.size();
+    j["min_object_bytes"] = *std::min_element(s_.sizes.begin(), s_.sizes.end());
+    j["max_object_bytes"] = s_.largest;
+    if (!r.skipped.empty()) {
+      j["skipped"] = r.skipped;
+    } else if (!r.error.empty()) {
+      j["error"] = r.error;
+      j["verified"] = false;
+    } else {
+      j["bytes"] = r.stats.bytes;
+      j["gbps"] = rate;
+      j["p50_us"] = percentile(r.stats.latency_us, 0.50);
+      j["p99_us"] = percentile(r.stats.latency_us, 0.99);
+      j["vs_redis"] = ratio ? nlohmann::json(*ratio) : nlohmann::json(nullptr);
+      j["verified"] = r.verified;
+      if (r.kvstash) {
+        j["metadata_p50_us"] = percentile(r.stats.metadata_us, 0.50);
+        j["metadata_p99_us"] = percentile(r.stats.metadata_us, 0.99);
+        j["redis_round_trips"] =
+            static_cast<double>(r.stats.round_trips) / static_cast<double>(r.stats.latency_us.size());
+      }
+    }
+    std::cout << j.dump() << std::endl;
+    return;
+  }
+  if (!r.skipped.empty()) {
+    std::cout << fmt::format("{:<13} {:<4} skipped: {}\n", r.backend, r.op, r.skipped);
+    return;
+  }
+  if (!r.error.empty()) {
+    std::cout << fmt::format("{:<13} {:<4} FAILED: {}\n", r.backend, r.op, r.error);
+    return;
+  }
+  std::string meta = fmt::format("{:>9} {:>9} {:>8}", "-", "-", "-");
+  if (r.kvstash) {
+    meta = fmt::format(
+        "{:>9.0f} {:>9.0f} {:>8.1f}", percentile(r.stats.metadata_us, 0.50),
+        percentile(r.stats.metadata_us, 0.99),
+        static_cast<double>(r.stats.round_trips) / static_cast<double>(r.stats.latency_us.size()));
+  }
+  std::cout << fmt::format("{:<13} {:<4} {:>8.2f} {:>8} {:>10.0f} {:>10.0f} {}  {}\n", r.backend, r.op, rate,
+                           ratio ? fmt::format("{:.2f}", *ratio) : "-", percentile(r.stats.latency_us, 0.50),
+                           percentile(r.stats.latency_us, 0.99), meta, "yes");
+  std::cout.flush();
+}
+
+std::uint64_t round_up(std::uint64_t n, std::uint64_t unit) { return (n + unit - 1) / unit * unit; }
+
+// Whole pages an object of each size takes.
+std::uint64_t pages_for(const std::vector<std::uint64_t>& sizes, std::uint64_t page) {
+  std::uint64_t n = 0;
+  for (auto size : sizes) n += (size + page - 1) / page;
+  return n;
+}
+
+// MemAvailable from /proc/meminfo, in bytes; 0 when unknown.
+std::uint64_t mem_available() {
+  std::ifstream f("/proc/meminfo");
+  for (std::string name; f >> name;) {
+    std::uint64_t kib = 0;
+    f >> kib;
+    if (name == "MemAvailable:") return kib << 10;
+    f.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+// The sessions' buffers and the restore buffer.
+Status allocate_sessions(Sessions& s) {
+  for (auto size : s.sizes) {
+    auto b = Buffer::allocate(size);
+    if (!b.is_ok()) return b.status().with_context("allocate a session of " + units::format_size(size));
+    s.source.push_back(std::move(*b));
+  }
+  auto r = Buffer::allocate(s.largest);
+  if (!r.is_ok()) return r.status().with_context("allocate the restore buffer");
+  s.restore = std::move(*r);
+  return {};
+}
+
+// A 0600 temporary file holding a secret (the cluster token for kvstashd), removed when this
+// goes. Never on a command line: `ps` shows those to every local user.
+class SecretFile {
+ public:
+  static Result<SecretFile> create(std::string_view content) {
+    std::error_code ec;
+    std::string path = (std::filesystem::temp_directory_path(ec) / "kvstash-token-XXXXXX").string();
+    const int fd = ::mkstemp(path.data());  // 0600
+    if (fd < 0) return Status::from_errno("mkstemp " + path, errno);
+    SecretFile f(path);
+    const bool ok = ::write(fd, content.data(), content.size()) == static_cast<ssize_t>(content.size());
+    const int err = errno;
+    ::close(fd);
+    if (!ok) return Status::from_errno("write " + path, err);
+    return f;
+  }
+  SecretFile(SecretFile&& o) noexcept : path_(std::exchange(o.path_, {})) {}
+  SecretFile& operator=(SecretFile&&) = delete;
+  SecretFile(const SecretFile&) = delete;
+  SecretFile& operator=(const SecretFile&) = delete;
+  ~SecretFile() {
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit SecretFile(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
+
+}  // namespace
+
+Status parse_token_range(std::string_view text, StoreBenchOptions* options) {
+  auto number = [](std::string_view t, std::uint32_t* out) {
+    auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *out);
+    return ec == std::errc() && end == t.data() + t.size() && !t.empty();
+  };
+  const auto dash = text.find('-');
+  std::uint32_t a = 0, b = 0;
+  const bool ok = dash == std::string_view::npos
+                      ? number(text, &a) && (b = a, true)
+                      : number(text.substr(0, dash), &a) && number(text.substr(dash + 1), &b);
+  if (!ok || a < 1 || b < a || b > kMaxTokens) {
+    return Status::invalid_argument(
+        fmt::format("'{}' is not a token count or range A-B with 1 <= A <= B <= {}", text, kMaxTokens));
+  }
+  options->min_tokens = a;
+  options->max_tokens = b;
+  return {};
+}
+
+Result<std::vector<std::string>> parse_backends(std::string_view list) {
+  std::vector<std::string> out;
+  if (list.empty() || list == "all") return out;
+  std::stringstream in{std::string(list)};
+  for (std::string name; std::getline(in, name, ',');) {
+    if (name.empty()) continue;
+    const bool known = name == kRedisBytes || std::find(std::begin(kStoreBackends), std::end(kStoreBackends),
+                                                        name) != std::end(kStoreBackends);
+    if (!known) {
+      return Status::invalid_argument("unknown backend '" + name +
+                                      "' (kvstash-shm, kvstash-tcp, kvstash-ucx, redis-bytes)");
+    }
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  if (out.empty()) return Status::invalid_argument("no backend given");
+  return out;
+}
+
+int run_store(const StoreBenchOptions& options) {
+  StoreBenchOptions o = options;
+  if (o.redis_url.empty()) o.redis_password.clear();  // for an existing cell only: ours has none
+  std::vector<std::string> backends = o.backends;
+  if (backends.empty()) {
+    backends = {"kvstash-shm", "kvstash-tcp"};
+    if (KVSTASH_HAVE_UCX) backends.emplace_back("kvstash-ucx");
+    backends.emplace_back(kRedisBytes);
+  }
+  auto wanted = [&](std::string_view name) {
+    return std::find(backends.begin(), backends.end(), name) != backends.end();
+  };
+  std::vector<std::pair<std::string, TransportKind>> store_backends;
+  for (auto [name, kind] :
+       {std::pair{"kvstash-shm", TransportKind::kShm}, std::pair{"kvstash-tcp", TransportKind::kTcp},
+        std::pair{"kvstash-ucx", TransportKind::kUcx}}) {
+    if (wanted(name)) store_backends.emplace_back(name, kind);
+  }
+  const bool with_ucx = wanted("kvstash-ucx");
+  const bool private_cell = o.redis_url.empty();
+  if (!private_cell) {
+    if (auto u = metadata::RedisUrl::parse(o.redis_url); !u.is_ok()) {
+      std::cerr << "kvstash-bench: --redis: " << u.status().message() << "\n";
+      return 2;
+    }
+  }
+
+  Sessions s;
+  s.sizes = session_sizes(o);
+  for (auto size : s.sizes) {
+    s.total += size;
+    s.largest = std::max(s.largest, size);
+  }
+
+  // Refuse a run this host cannot hold rather than let the OOM killer pick a victim: the
+  // sessions, the restore buffer, the private node's pool, and Redis holding every session
+  // (plus hiredis' and Redis's copies of the largest) for the baseline.
+  const std::uint64_t guess_page = o.page_size != 0 ? o.page_size : 4ull << 20;  // kvstashd's default
+  std::uint64_t capacity = o.capacity != 0
+                               ? o.capacity
+                               : round_up(pages_for(s.sizes, guess_page) * guess_page * 5 / 4, guess_page);
+  if (o.capacity != 0 && !store_backends.empty() && private_cell) {
+    const std::uint64_t need = (pages_for(s.sizes, guess_page) + 1) * guess_page;
+    if (o.capacity < need) {
+      std::cerr << "kvstash-bench: --capacity " << units::format_size(o.capacity)
+                << " cannot hold one round: " << o.sessions << " sessions in pages of "
+                << units::format_size(guess_page) << " (plus one for "
+                << "a warm-up object) need " << units::format_size(need) << "\n";
+      return 2;
+    }
+  }
+  {
+    std::uint64_t need = s.total + s.largest;
+    if (private_cell && !store_backends.empty()) need += capacity;
+    if (wanted(kRedisBytes)) need += s.total + 2 * s.largest;
+    const std::uint64_t available = mem_available();
+    if (available != 0 && need > available) {
+      std::cerr << "kvstash-bench: this run needs about " << units::format_size(need) << " of memory ("
+                << o.sessions << " sessions of " << units::format_size(s.total) << " in all, their copies in "
+                << "the memory node and in Redis) but " << units::format_size(available)
+                << " is available: use fewer --sessions, fewer --tokens or a smaller --object-size\n";
+      return 1;
+    }
+  }
+
+  InterruptHandler interrupt_handler;
+  auto stop_interrupted = [] {
+    std::cerr << "kvstash-bench: interrupted\n";
+    return 130;  // the shell's code for SIGINT
+  };
+
+  // The private cell. Destroyed in reverse order: the node says goodbye to Redis before
+  // Redis goes, and the token file outlives the node that reads it.
+  std::optional<SecretFile> token_file;
+  std::unique_ptr<tools::LocalRedis> local_redis;
+  std::unique_ptr<tools::LocalNode> node;
+  std::string url = o.redis_url;
+  if (private_cell) {
+    auto r = tools::LocalRedis::start({});
+    if (!r.is_ok()) {
+      std::cerr << "kvstash-bench: cannot start a private redis-server: " << r.status().to_string() << "\n";
+      return 1;
+    }
+    local_redis = std::move(*r);
+    url = local_redis->url();
+    if (!store_backends.empty()) {
+      tools::LocalNodeOptions no;
+      no.redis_url = url;
+      if (o.page_size != 0) no.page_size = std::to_string(o.page_size);
+      no.extra_args = {"--transports", "all"};
+      if (!o.token.empty()) {
+        auto f = SecretFile::create(o.token);
+        if (!f.is_ok()) {
+          std::cerr << "kvstash-bench: cluster token file: " << f.status().to_string() << "\n";
+          return 1;
+        }
+        token_file.emplace(std::move(*f));
+        no.extra_args.insert(no.extra_args.end(), {"--cluster-token-file", token_file->path()});
+      }
+      if (KVSTASH_HAVE_UCX && with_ucx) no.extra_args.emplace_back("--ucx-allow-emulated-rma");
+      // Started once with a guessed page size; once kvstashd says its real one, started again
+      // bigger if whole pages for every session (and the warm-up object) do not fit.
+      for (int attempt = 0; attempt < 2 && !node; ++attempt) {
+        no.capacity = std::to_string(capacity);
+        auto n = tools::LocalNode::start(no);
+        if (!n.is_ok()) {
+          std::cerr << "kvstash-bench: cannot start a private kvstashd: " << n.status().to_string() << "\n";
+          return 1;
+        }
+        const std::uint64_t page = (*n)->page_size(), need = pages_for(s.sizes, page) + 1;
+        if ((*n)->pages() >= need) {
+          node = std::move(*n);
+        } else if (o.capacity != 0 || attempt == 1) {
+          std::cerr << "kvstash-bench: " << (o.capacity != 0 ? "--capacity " : "a pool of ")
+                    << units::format_size(capacity) << " is " << (*n)->pages() << " pages of "
+                    << units::format_size(page) << "; the sessions of one round need " << need << " ("
+                    << units::format_size(need * page) << ")\n";
+          return o.capacity != 0 ? 2 : 1;
+        } else {
+          capacity = round_up(need * page * 5 / 4, page);
+        }
+      }
+    }
+  }
+
+  if (interrupted()) return stop_interrupted();
+  if (!private_cell) {
+    // One clear line for an unreachable cell or wrong credentials, not one per backend.
+    metadata::RedisOptions ro;
+    ro.url = url;
+    ro.password = o.redis_password;
+    auto c = metadata::RedisClient::connect(ro);
+    if (!c.is_ok()) {
+      std::cerr << "kvstash-bench: --redis: " << c.status().to_string() << "\n";
+      return 1;
+    }
+  }
+  const auto u = metadata::RedisUrl::parse(url);
+  const std::string shown_url = u.is_ok() ? u->redacted() : url;
+  if (!o.json) {
+    std::cout << "kvstash-bench store: offload the KV cache of " << o.sessions
+              << (o.sessions == 1 ? " session" : " sessions") << " to remote memory and restore it\n";
+    std::cout << "  model     Llama-2-7B shape, fp16: " << units::format_size(kKvBytesPerToken)
+              << " of K and V per token\n";
+    const std::uint64_t smallest = *std::min_element(s.sizes.begin(), s.sizes.end());
+    if (o.object_size != 0) {
+      std::cout << fmt::format("  sessions  {} x {} (--object-size), {} in all\n", o.sessions,
+                               units::format_size(o.object_size), units::format_size(s.total));
+    } else if (o.min_tokens == o.max_tokens) {
+      std::cout << fmt::format("  sessions  {} x {} tokens = {} each, {} in all\n", o.sessions, o.min_tokens,
+                               units::format_size(s.largest), units::format_size(s.total));
+    } else {
+      std::cout << fmt::format("  sessions  {} of {}-{} tokens: {} to {}, {} in all\n", o.sessions,
+                               o.min_tokens, o.max_tokens, units::format_size(smallest),
+                               units::format_size(s.largest), units::format_size(s.total));
+    }
+    std::cout << "  rounds    " << o.rounds
+              << ": each puts every session, then gets every one back and compares every byte\n";
+    std::cout << "  redis     " << shown_url
+              << (private_cell ? ", a private redis-server started for this run" : ", an existing cell")
+              << "\n";
+    if (node) {
+      std::cout << fmt::format("  node      kvstashd '{}' started for this run: {} in {} pages of {}\n",
+                               node->node_id(), units::format_size(node->pages() * node->page_size()),
+                               node->pages(), units::format_size(node->page_size()));
+    } else if (!private_cell && !store_backends.empty()) {
+      std::cout << "  nodes     the cell's memory nodes\n";
+    }
+    std::cout << "\n"
+              << fmt::format("{:<13} {:<4} {:>8} {:>8} {:>10} {:>10} {:>9} {:>9} {:>8}  {}\n", "backend",
+                             "op", "GB/s", "x redis", "p50 us", "p99 us", "meta p50", "meta p99", "redis/op",
+                             "verified");
+  }
+
+  if (Status st = allocate_sessions(s); !st.is_ok()) {
+    std::cerr << "kvstash-bench: " << st.to_string() << "\n";
+    return 1;
+  }
+
+  StoreBench bench(o, s);
+  int failures = 0;
+  std::map<std::string, double> redis_gbps;  // op -> GB/s of the baseline
+  auto report = [&](const Row& put, const Row& get) {
+    failures += !put.error.empty() || !get.error.empty();
+    const bool whole =
+        put.error == get.error && put.skipped == get.skipped && (!put.error.empty() || !put.skipped.empty());
+    if (whole && !o.json) {  // failed or skipped as a whole: one line in the table
+      Row r = put;
+      r.op = "-";
+      bench.print(r, std::nullopt);
+      return;
+    }
+    for (const Row* r : {&put, &get}) {
+      std::optional<double> baseline;
+      if (auto it = redis_gbps.find(r->op); it != redis_gbps.end()) baseline = it->second;
+      bench.print(*r, baseline);
+    }
+  };
+  std::uint64_t backend_index = 0;
+  if (wanted(kRedisBytes)) {
+    auto [put, get] = bench.measure_redis(url, backend_index++);
+    if (interrupted()) return stop_interrupted();
+    for (const Row* r : {&put, &get}) {
+      if (r->error.empty() && r->skipped.empty()) redis_gbps[r->op] = gbps(r->stats);
+    }
+    report(put, get);
+  }
+  for (const auto& [name, kind] : store_backends) {
+    StoreOptions so;
+    so.redis_url = url;
+    so.redis_password = o.redis_password;
+    so.engine.prefer = kind;
+    so.engine.tcp.cluster_token = o.token;
+    so.engine.ucx.allow_emulated_rma = kind == TransportKind::kUcx;
+    // Long enough for the largest session at 100 MB/s (UCX emulating RMA over TCP is slow),
+    // and never below the defaults.
+    const auto slow = std::chrono::milliseconds(s.largest / 100'000 + 1);
+    so.timeout = std::max(so.timeout, slow);
+    so.put_lease = std::max(so.put_lease, slow);
+    so.read_lease = std::max(so.read_lease, slow);
+    auto [put, get] = bench.measure_store(name, kind, so, backend_index++);
+    if (interrupted()) return stop_interrupted();
+    report(put, get);
+  }
+  if (!o.json) {
+    std::cout
+        << "\nGB/s: bytes moved / time spent in the operations (1 GB = 1e9 bytes); x redis: GB/s over\n"
+           "redis-bytes' for the same op. p50/p99: latency of one session's put or get; meta: the part\n"
+           "spent in Redis (metadata), redis/op: Redis round trips per op. redis-bytes is the tutorial's\n"
+           "approach, HSET/HGET of the bytes through Redis itself; kvstash moves them one-sided and keeps\n"
+           "only metadata in Redis.\n";
+  }
+  if (failures != 0) std::cerr << "kvstash-bench: " << failures << " backend(s) failed\n";
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace kvstash::bench

@@ -1,0 +1,175 @@
+// kvstash/store.h: the object store that inference engines call.
+//
+// A Store offloads objects (a session's KV cache, a prefix chunk) to the memory nodes of a
+// cell and loads them back. Redis holds the metadata only (docs/metadata.md); the bytes move
+// one-sided between the caller's memory and the nodes' pools through an Engine.
+//
+//   auto store = Store::open({.redis_url = "redis://127.0.0.1:6379/0"}).value();
+//   Slice s{kv.data(), kv.size()};
+//   store->put("session/42", {&s, 1}, {.ttl = std::chrono::minutes(10)});
+//   store->get("session/42", {&s, 1});
+//
+// Guarantees (each proven by tests/store_*_test.cc):
+// - A get returns exactly the bytes the matching put wrote, or an error: an object removed,
+//   evicted, expired or overwritten during the get ends kStale or kNotFound, never with
+//   another object's bytes (read leases, page generations and an xxh3 checksum).
+// - Every operation has a deadline (the caller's, else StoreOptions::timeout); a dead
+//   memory node or Redis turns into an error by then.
+// - Pages of removed, expired, evicted and half-written objects return to the pool.
+//
+// Thread safety: a Store is safe to use from many threads at once. The caller keeps the
+// memory a Slice names valid (and, for put, unchanged) until the operation returns, or
+// until an async operation's future is ready.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/engine.h"
+#include "kvstash/status.h"
+#include "kvstash/types.h"
+
+namespace kvstash {
+
+struct StoreOptions {
+  // The cell's Redis: redis://[user:password@]host[:port][/db] or
+  // unix://[user:password@]/path/to/socket[?db=N].
+  std::string redis_url = "redis://127.0.0.1:6379/0";
+  // Overrides the URL's password when set (keeps it out of command lines and logs).
+  std::string redis_password;
+  // The cell: one Redis can hold several independent cells (key prefix kvs:{kvs:<cell>}).
+  std::string cell = "default";
+  // The data path: transports, preferred transport, tcp cluster token.
+  EngineOptions engine;
+  // Deadline of an operation when the caller gives none.
+  std::chrono::milliseconds timeout{30000};
+  // A put not committed within this lease is abandoned: its pages go back to the pool and
+  // the commit fails with kStale. A put stops writing at its lease, whatever its deadline.
+  std::chrono::milliseconds put_lease{60000};
+  // A get holds a read lease this long: eviction, removal and overwrite keep the pages out
+  // of reuse meanwhile. A get outliving it ends kStale if the pages were reused.
+  std::chrono::milliseconds read_lease{60000};
+  // Per Redis command (a reconnect after a broken connection may add up to the deadline).
+  std::chrono::milliseconds redis_timeout{2000};
+  // Redis connections kept for concurrent operations.
+  std::uint32_t redis_connections = 4;
+  // Threads running the *_async operations.
+  std::uint32_t async_threads = 2;
+  // Verify the xxh3 checksum of every object read (a mismatch is kCorrupt).
+  bool verify_checksum = true;
+};
+
+// A piece of the caller's memory. An object is the concatenation of its slices. `memory`
+// may name a registration covering it (Store::register_memory; needed for zero-copy RDMA);
+// without one the store registers the slice for the call (cheap for shm and tcp).
+struct Slice {
+  void* addr = nullptr;
+  std::size_t length = 0;
+  const MemoryHandle* memory = nullptr;
+};
+
+// Where the time of one operation went, for benchmarks and tracing.
+struct OpTimings {
+  std::chrono::nanoseconds metadata{0};  // Redis round trips (scripts)
+  std::chrono::nanoseconds transfer{0};  // bytes on the data path
+  std::chrono::nanoseconds checksum{0};  // xxh3 (a put's runs while its writes are in flight)
+  std::uint32_t redis_round_trips = 0;
+};
+
+struct PutOptions {
+  // The object expires this long after the put; 0: never (until removed or evicted).
+  std::chrono::milliseconds ttl{0};
+  // Opaque bytes stored with the object and returned by get and stat (at most 64 KiB):
+  // the KV layout, dtype, token count...
+  std::string layout;
+  std::optional<Deadline> deadline;
+  OpTimings* timings = nullptr;  // filled when set
+};
+
+struct GetOptions {
+  std::optional<Deadline> deadline;
+  OpTimings* timings = nullptr;  // filled when set
+};
+
+struct ObjectInfo {
+  std::uint64_t size = 0;
+  std::string layout;
+  std::uint64_t checksum = 0;  // xxh3-64 of the bytes
+  std::uint64_t pages = 0;
+  std::vector<std::string> nodes;                // memory nodes holding it
+  std::optional<std::chrono::milliseconds> ttl;  // time left; none: no expiry
+};
+
+class Store {
+ public:
+  // Connects to Redis (checking the schema version) and starts the engine. Errors:
+  // kInvalidArgument (bad URL or options), kPermissionDenied (credentials), kUnavailable,
+  // kTimeout, kCorrupt (the cell's schema is not one this build knows).
+  static Result<std::unique_ptr<Store>> open(const StoreOptions& options);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // Writes `data` as object `key`, replacing any previous object of that key once the new
+  // one is complete (readers see the old or the new object, never a mix). Blocks until
+  // committed or failed. Errors: kInvalidArgument (empty or oversize key, layout over
+  // 64 KiB), kNoSpace (the live nodes cannot hold it even after evicting every unleased
+  // object), kTimeout, kUnavailable (a node or Redis unreachable), kStale (the put's lease
+  // ran out before the commit), kPermissionDenied.
+  Status put(std::string_view key, std::span<const Slice> data, const PutOptions& options = {});
+
+  // Reads object `key` into `into` (filled in order; it may be longer than the object).
+  // Returns what was read. Errors: kNotFound (absent, expired, or its node is gone),
+  // kInvalidArgument (`into` shorter than the object: nothing is read), kStale (the pages
+  // were reused during the read), kCorrupt (checksum mismatch or a malformed record),
+  // kTimeout, kUnavailable.
+  Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& options = {});
+
+  // The object's size, layout and placement, without reading it. kNotFound when absent.
+  Result<ObjectInfo> stat(std::string_view key, std::optional<Deadline> deadline = {});
+
+  // How many of `keys`, from the first, are present: the length of the longest cached
+  // prefix when keys are a sequence of prefix chunks. One Redis round trip.
+  Result<std::size_t> contains_prefix(std::span<const std::string> keys,
+                                      std::optional<Deadline> deadline = {});
+
+  // Deletes the object (its pages return to the pool once no reader holds them).
+  // kNotFound when absent.
+  Status remove(std::string_view key, std::optional<Deadline> deadline = {});
+
+  // Sets a new time to live from now (0: no expiry) and marks the object recently used.
+  // kNotFound when absent.
+  Status touch(std::string_view key, std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
+
+  // Async forms: run on the store's threads; the future holds what the sync form returns.
+  // Slices are copied, not the memory they name.
+  std::future<Status> put_async(std::string key, std::vector<Slice> data, PutOptions options = {});
+  std::future<Result<ObjectInfo>> get_async(std::string key, std::vector<Slice> into,
+                                            GetOptions options = {});
+  std::future<Status> remove_async(std::string key, std::optional<Deadline> deadline = {});
+  std::future<Status> touch_async(std::string key, std::chrono::milliseconds ttl,
+                                  std::optional<Deadline> deadline = {});
+  std::future<Result<std::size_t>> contains_prefix_async(std::vector<std::string> keys,
+                                                         std::optional<Deadline> deadline = {});
+
+  // Registers memory the caller will pass in Slices many times (zero-copy for RDMA).
+  Result<MemoryHandle> register_memory(const MemoryRegion& region);
+
+  // The engine moving the bytes (its transports, its address).
+  Engine& engine();
+
+ private:
+  struct Impl;
+  explicit Store(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvstash

@@ -1,0 +1,228 @@
+#include "node/memory_node.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "common/log.h"
+#include "common/system.h"
+#include "metadata/catalog.h"
+#include "node/metrics.h"
+
+namespace kvstash::node {
+
+struct MemoryNode::Shared {
+  std::mutex mu;  // guards redis, catalog, epoch, state strings, last_error
+  std::condition_variable wake;
+  bool stopping = false;
+  std::unique_ptr<metadata::RedisClient> redis;
+  std::unique_ptr<metadata::Catalog> catalog;
+  std::string epoch;
+  std::string state = "up";
+  std::string last_error;  // empty while Redis answers
+
+  std::atomic<std::uint64_t> heartbeats{0}, heartbeat_failures{0}, registrations{0};
+  std::atomic<std::uint64_t> free_pages{0}, objects{0};
+  std::atomic<std::uint64_t> expired{0}, abandoned_puts{0}, zombies{0}, dead_nodes{0}, orphaned{0};
+};
+
+namespace {
+
+std::string default_node_id() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') return "node";
+  std::string id;
+  for (const char* p = host; *p != '\0' && id.size() < 64; ++p) {
+    char c = *p;
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+              c == '_' || c == '-';
+    id.push_back(ok ? c : '-');
+  }
+  return id;
+}
+
+std::string new_epoch() { return std::to_string(sys::random_u64()); }
+
+}  // namespace
+
+Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& options) {
+  if (options.page_size < 4096 || (options.page_size & (options.page_size - 1)) != 0) {
+    return Status::invalid_argument("page size must be a power of two of at least 4 KiB");
+  }
+  if (options.capacity < options.page_size) {
+    return Status::invalid_argument("capacity must hold at least one page");
+  }
+  if (options.heartbeat_ttl < std::chrono::milliseconds(100)) {
+    return Status::invalid_argument("heartbeat TTL must be at least 100 ms");
+  }
+  std::unique_ptr<MemoryNode> n(new MemoryNode());
+  n->options_ = options;
+  n->id_ = options.node_id.empty() ? default_node_id() : options.node_id;
+  n->page_count_ = options.capacity / options.page_size;
+
+  KVSTASH_ASSIGN_OR_RETURN(n->pool_, Buffer::allocate(n->page_count_ * options.page_size,
+                                                      {.shareable = true, .huge_pages = options.huge_pages}));
+  if (options.require_huge_pages && !n->pool_.huge_pages()) {
+    return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
+  }
+  KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
+  KVSTASH_ASSIGN_OR_RETURN(n->handle_, n->engine_->register_memory(n->pool_.region(), Access::kRemote));
+
+  n->shared_ = std::make_unique<Shared>();
+  metadata::RedisOptions ro;
+  ro.url = options.redis_url;
+  ro.password = options.redis_password;
+  // The loop must keep its heartbeat: never let one command outlast a third of the TTL.
+  ro.command_timeout = std::max(std::chrono::milliseconds(50), options.heartbeat_ttl / 3);
+  ro.reconnect_budget = ro.command_timeout;
+  KVSTASH_ASSIGN_OR_RETURN(n->shared_->redis, metadata::RedisClient::connect(ro));
+  n->shared_->catalog = std::make_unique<metadata::Catalog>(*n->shared_->redis, options.cell);
+  KVSTASH_RETURN_IF_ERROR(n->shared_->catalog->check_schema());
+  {
+    // A previous incarnation killed moments ago holds the id until its heartbeat deadline:
+    // wait that long, then give up (a second daemon with this id is still running).
+    std::lock_guard lock(n->shared_->mu);
+    const Deadline give_up = deadline_after(options.heartbeat_ttl + std::chrono::milliseconds(500));
+    Status joined;
+    while (!(joined = n->join()).is_ok() && joined.message().find("IN_USE") != std::string::npos &&
+           Clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    KVSTASH_RETURN_IF_ERROR(joined);
+  }
+  KVSTASH_LOG_INFO("node {}: joined cell {} with {} pages of {} bytes (huge pages: {})", n->id_, options.cell,
+                   n->page_count_, options.page_size, n->pool_.huge_pages());
+  n->thread_ = std::thread([p = n.get()] { p->loop(); });
+  return n;
+}
+
+MemoryNode::~MemoryNode() {
+  if (shared_) {
+    {
+      std::lock_guard lock(shared_->mu);
+      shared_->stopping = true;
+    }
+    shared_->wake.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+// Caller holds shared_->mu.
+Status MemoryNode::join() {
+  auto& s = *shared_;
+  s.epoch = new_epoch();
+  metadata::NodeRecord rec{
+      id_, s.epoch, options_.page_size, page_count_, engine_->address(), handle_.remote_key()};
+  KVSTASH_RETURN_IF_ERROR(s.catalog->register_node(rec, options_.heartbeat_ttl));
+  ++s.registrations;
+  s.free_pages = page_count_;
+  s.objects = 0;
+  s.state = "up";
+  return {};
+}
+
+void MemoryNode::loop() {
+  auto& s = *shared_;
+  const auto beat = std::max(std::chrono::milliseconds(20), options_.heartbeat_ttl / 3);
+  auto next_reclaim = Clock::now();
+  std::unique_lock lock(s.mu);
+  while (!s.stopping) {
+    Status st = s.catalog->heartbeat(id_, s.epoch, options_.heartbeat_ttl);
+    if (st.code() == StatusCode::kStale && s.state != "gone") {
+      // Declared dead (a long pause, Redis restarted empty) or displaced: the cell dropped
+      // our objects already, so the pool starts over under a new epoch.
+      KVSTASH_LOG_WARN("node {}: heartbeat refused ({}); registering again", id_, st.to_string());
+      st = join();
+    }
+    if (st.is_ok()) {
+      ++s.heartbeats;
+      s.last_error.clear();
+      if (Clock::now() >= next_reclaim) {
+        next_reclaim = Clock::now() + options_.reclaim_interval;
+        auto r = s.catalog->reclaim();
+        if (r.is_ok()) {
+          s.expired += r->expired;
+          s.abandoned_puts += r->abandoned_puts;
+          s.zombies += r->zombies;
+          s.dead_nodes += r->dead_nodes;
+          s.orphaned += r->orphaned_objects;
+          if (r->dead_nodes > 0) {
+            KVSTASH_LOG_WARN("node {}: reclaimed {} dead node(s) and {} of their objects", id_, r->dead_nodes,
+                             r->orphaned_objects);
+          }
+        }
+      }
+      if (auto ns = s.catalog->node_status(id_); ns.is_ok()) {
+        s.free_pages = ns->free_pages;
+        s.objects = ns->objects;
+      }
+    } else if (s.state != "gone") {
+      ++s.heartbeat_failures;
+      if (s.last_error.empty()) KVSTASH_LOG_WARN("node {}: heartbeat failed: {}", id_, st.to_string());
+      s.last_error = st.to_string();
+    }
+    s.wake.wait_for(lock, beat, [&] { return s.stopping; });
+  }
+}
+
+Result<std::uint64_t> MemoryNode::drain() {
+  auto& s = *shared_;
+  std::lock_guard lock(s.mu);
+  s.state = "draining";
+  KVSTASH_ASSIGN_OR_RETURN(std::uint64_t dropped, s.catalog->drain_node(id_, s.epoch));
+  KVSTASH_RETURN_IF_ERROR(s.catalog->deregister_node(id_, s.epoch));
+  s.state = "gone";
+  KVSTASH_LOG_INFO("node {}: drained, {} objects dropped, left the cell", id_, dropped);
+  return dropped;
+}
+
+std::string MemoryNode::metrics() const {
+  auto& s = *shared_;
+  std::string state;
+  {
+    std::lock_guard lock(s.mu);
+    state = s.state;
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
+  MetricsText m;
+  m.gauge("kvstash_node_info", "Constant 1, labelled with the node id, cell and state", 1,
+          {{"node", id_}, {"cell", options_.cell}, {"state", state}});
+  m.gauge("kvstash_node_up", "1 while the node takes new pages, 0 while draining or gone",
+          state == "up" ? 1 : 0);
+  m.gauge("kvstash_node_pages", "Pages donated to the cell", static_cast<double>(page_count_));
+  m.gauge("kvstash_node_page_size_bytes", "Bytes per page", static_cast<double>(options_.page_size));
+  m.gauge("kvstash_node_capacity_bytes", "Bytes donated to the cell",
+          static_cast<double>(page_count_ * options_.page_size));
+  m.gauge("kvstash_node_huge_pages", "1 when the pool is backed by huge pages", pool_.huge_pages() ? 1 : 0);
+  m.gauge("kvstash_node_free_pages", "Free pages at the last heartbeat",
+          static_cast<double>(s.free_pages.load()));
+  m.gauge("kvstash_node_objects", "Objects with a page on this node at the last heartbeat",
+          static_cast<double>(s.objects.load()));
+  m.counter("kvstash_node_heartbeats_total", "Heartbeats Redis accepted",
+            static_cast<double>(s.heartbeats.load()));
+  m.counter("kvstash_node_heartbeat_failures_total", "Heartbeats that failed (Redis unreachable or slow)",
+            static_cast<double>(s.heartbeat_failures.load()));
+  m.counter("kvstash_node_registrations_total", "Times this node joined the cell under a new epoch",
+            static_cast<double>(s.registrations.load()));
+  m.counter("kvstash_reclaimed_total", "Things the reclaim sweep run by this node returned to the pool",
+            static_cast<double>(s.expired.load()), {{"kind", "expired_object"}});
+  m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.abandoned_puts.load()),
+            {{"kind", "abandoned_put"}});
+  m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.zombies.load()), {{"kind", "zombie"}});
+  m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.dead_nodes.load()), {{"kind", "dead_node"}});
+  m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.orphaned.load()),
+            {{"kind", "orphaned_object"}});
+  m.gauge("kvstash_node_uptime_seconds", "Seconds since the node started", secs);
+  return m.str();
+}
+
+std::pair<bool, std::string> MemoryNode::health() const {
+  auto& s = *shared_;
+  std::lock_guard lock(s.mu);
+  if (s.state != "up") return {false, s.state};
+  if (!s.last_error.empty()) return {false, "redis unreachable: " + s.last_error};
+  return {true, "ok"};
+}
+
+}  // namespace kvstash::node

@@ -1,0 +1,475 @@
+// The Store: metadata scripts around one-sided transfers. A put is begin_put (pages), the
+// writes, commit_put; a get is begin_get (read lease), the reads, end_get (generations),
+// and the checksum. Redis connections are borrowed only around metadata calls, so a slow
+// transfer never holds one.
+#include "kvstash/store.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+
+#include "common/log.h"
+#include "common/system.h"
+#include "common/thread_pool.h"
+#include "metadata/catalog.h"
+
+namespace kvstash {
+namespace {
+
+using metadata::Catalog;
+using metadata::Placement;
+
+constexpr std::size_t kMaxLayout = 64u << 10;
+
+std::string random_token() {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::uint8_t raw[16];
+  sys::random_bytes(raw, sizeof raw);
+  std::string s;
+  s.reserve(32);
+  for (std::uint8_t b : raw) {
+    s.push_back(kDigits[b >> 4]);
+    s.push_back(kDigits[b & 0xf]);
+  }
+  return s;
+}
+
+std::uint64_t total_length(std::span<const Slice> slices) {
+  std::uint64_t n = 0;
+  for (const Slice& s : slices) n += s.length;
+  return n;
+}
+
+// xxh3-64 of the first `size` bytes of the slices.
+std::uint64_t checksum(std::span<const Slice> slices, std::uint64_t size) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (const Slice& s : slices) {
+    if (size == 0) break;
+    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(s.length, size));
+    XXH3_64bits_update(state, s.addr, n);
+    size -= n;
+  }
+  std::uint64_t h = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return h;
+}
+
+// Time spent in the metadata plane, when the caller asked for timings.
+class MetadataClock {
+ public:
+  explicit MetadataClock(OpTimings* t) : t_(t), start_(Clock::now()) {}
+  ~MetadataClock() {
+    if (t_ == nullptr) return;
+    t_->metadata += Clock::now() - start_;
+    ++t_->redis_round_trips;
+  }
+
+ private:
+  OpTimings* t_;
+  Clock::time_point start_;
+};
+
+// A connection to one memory node's pool, shared by every operation touching the node.
+struct NodeLink {
+  std::string address;
+  std::string key;
+  std::mutex mu;  // held while connecting
+  std::unique_ptr<Peer> peer;
+  RemoteMemory remote;
+};
+
+}  // namespace
+
+struct Store::Impl {
+  struct Conn {
+    std::unique_ptr<metadata::RedisClient> redis;
+    std::unique_ptr<Catalog> catalog;
+  };
+
+  // A Redis connection borrowed from the pool for one metadata call.
+  class Borrowed {
+   public:
+    Borrowed(Impl* impl, std::unique_ptr<Conn> c) : impl_(impl), c_(std::move(c)) {}
+    Borrowed(Borrowed&&) = default;
+    ~Borrowed() {
+      if (c_) impl_->give_back(std::move(c_));
+    }
+    Catalog* operator->() { return c_->catalog.get(); }
+
+   private:
+    Impl* impl_;
+    std::unique_ptr<Conn> c_;
+  };
+
+  StoreOptions options;
+  std::unique_ptr<Engine> engine;
+
+  std::mutex pool_mu;
+  std::condition_variable pool_cv;
+  std::vector<std::unique_ptr<Conn>> idle;
+  std::uint32_t open_conns = 0;
+
+  std::mutex links_mu;
+  std::map<std::string, std::shared_ptr<NodeLink>, std::less<>> links;
+
+  std::unique_ptr<ThreadPool> workers;
+
+  Result<std::unique_ptr<Conn>> connect() {
+    metadata::RedisOptions ro;
+    ro.url = options.redis_url;
+    ro.password = options.redis_password;
+    ro.command_timeout = options.redis_timeout;
+    ro.connect_timeout = options.redis_timeout;
+    KVSTASH_ASSIGN_OR_RETURN(auto redis, metadata::RedisClient::connect(ro));
+    auto c = std::make_unique<Conn>();
+    c->catalog = std::make_unique<Catalog>(*redis, options.cell);
+    c->redis = std::move(redis);
+    return c;
+  }
+
+  Result<Borrowed> borrow(Deadline deadline) {
+    std::unique_lock lock(pool_mu);
+    for (;;) {
+      if (!idle.empty()) {
+        auto c = std::move(idle.back());
+        idle.pop_back();
+        return Borrowed(this, std::move(c));
+      }
+      if (open_conns < std::max<std::uint32_t>(1, options.redis_connections)) break;
+      if (pool_cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+        return Status::timeout("store: no Redis connection came free before the deadline");
+      }
+    }
+    ++open_conns;
+    lock.unlock();
+    auto c = connect();
+    if (!c.is_ok()) {
+      std::lock_guard relock(pool_mu);
+      --open_conns;
+      pool_cv.notify_one();
+      return c.status();
+    }
+    return Borrowed(this, std::move(c).value());
+  }
+
+  void give_back(std::unique_ptr<Conn> c) {
+    {
+      std::lock_guard lock(pool_mu);
+      idle.push_back(std::move(c));
+    }
+    pool_cv.notify_one();
+  }
+
+  // The link to a node's pool, connected and its key imported.
+  Result<std::shared_ptr<NodeLink>> link(const metadata::NodeEndpoint& n, Deadline deadline) {
+    std::shared_ptr<NodeLink> l;
+    {
+      std::lock_guard lock(links_mu);
+      auto& slot = links[n.id];
+      if (!slot || slot->address != n.address || slot->key != n.key) {
+        slot = std::make_shared<NodeLink>();
+        slot->address = n.address;
+        slot->key = n.key;
+      }
+      l = slot;
+    }
+    std::lock_guard lock(l->mu);
+    if (l->peer) return l;
+    auto peer = engine->connect(l->address, deadline);
+    if (!peer.is_ok()) return peer.status().with_context("memory node " + n.id);
+    auto remote = (*peer)->import_key(l->key, deadline);
+    if (!remote.is_ok()) return remote.status().with_context("memory node " + n.id);
+    l->remote = std::move(remote).value();
+    l->peer = std::move(peer).value();
+    return l;
+  }
+
+  // Starts the transfers between the object's pages and the caller's slices, one batch per
+  // node. Adjacent pieces that are contiguous on both sides travel as one entry.
+  Result<std::vector<Batch>> start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
+                                             std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
+                                             Deadline deadline) {
+    std::vector<Batch> batches;
+    if (size == 0) return batches;
+    std::vector<const MemoryHandle*> handles;
+    std::uint64_t left = size;
+    for (const Slice& s : slices) {
+      if (left == 0) break;
+      left -= std::min<std::uint64_t>(left, s.length);
+      if (s.memory != nullptr) {
+        handles.push_back(s.memory);
+        continue;
+      }
+      auto h = engine->register_memory({s.addr, s.length}, Access::kLocal);
+      if (!h.is_ok()) return h.status().with_context("registering a slice");
+      temp.push_back(std::move(h).value());
+      handles.push_back(&temp.back());
+    }
+
+    std::vector<std::shared_ptr<NodeLink>> node_links;
+    for (const auto& n : p.nodes) {
+      KVSTASH_ASSIGN_OR_RETURN(auto l, link(n, deadline));
+      node_links.push_back(std::move(l));
+    }
+    auto node_index = [&](const std::string& id) {
+      for (std::size_t i = 0; i < p.nodes.size(); ++i) {
+        if (p.nodes[i].id == id) return i;
+      }
+      return p.nodes.size();
+    };
+    std::vector<std::vector<TransferEntry>> entries(p.nodes.size());
+    std::uint64_t offset = 0;
+    std::size_t si = 0, soff = 0;
+    while (offset < size) {
+      while (slices[si].length == soff) ++si, soff = 0;
+      const metadata::Extent& e = p.extents[offset / p.page_size];
+      std::size_t ni = node_index(e.node);
+      std::uint64_t in_page = offset % p.page_size;
+      std::size_t n = static_cast<std::size_t>(std::min(
+          {p.page_size - in_page, static_cast<std::uint64_t>(slices[si].length - soff), size - offset}));
+      auto* local = static_cast<std::byte*>(slices[si].addr) + soff;
+      std::uint64_t remote = node_links[ni]->remote.base() + e.page * p.page_size + in_page;
+      auto& list = entries[ni];
+      if (!list.empty() && list.back().local == handles[si] &&
+          static_cast<std::byte*>(list.back().local_addr) + list.back().length == local &&
+          list.back().remote_addr + list.back().length == remote) {
+        list.back().length += n;
+      } else {
+        list.push_back({op, handles[si], local, remote, &node_links[ni]->remote, n});
+      }
+      offset += n;
+      soff += n;
+    }
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].empty()) continue;
+      auto b = node_links[i]->peer->submit(entries[i], deadline);
+      if (!b.is_ok()) return b.status().with_context("memory node " + p.nodes[i].id);
+      batches.push_back(std::move(b).value());
+    }
+    return batches;
+  }
+
+  static Status wait_all(std::vector<Batch>& batches) {
+    Status first;
+    for (auto& b : batches) {
+      Status s = b.wait();
+      if (first.is_ok() && !s.is_ok()) first = s;
+    }
+    return first;
+  }
+
+  // The transfer deadline: the caller's, but never past the lease (minus a margin for the
+  // commit or end_get), so a slow put cannot write into pages that were reclaimed.
+  static Deadline within_lease(Deadline deadline, Clock::time_point leased_at,
+                               std::chrono::milliseconds lease) {
+    return std::min(deadline, leased_at + lease - lease / 10);
+  }
+
+  Status put(std::string_view key, std::span<const Slice> data, const PutOptions& o) {
+    KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+    if (o.layout.size() > kMaxLayout) return Status::invalid_argument("store: layout is larger than 64 KiB");
+    const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
+    const std::uint64_t size = total_length(data);
+    const std::string token = random_token();
+
+    const auto leased_at = Clock::now();
+    Result<Placement> placement = Status::internal("unset");
+    {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
+      MetadataClock mc(o.timings);
+      placement = c->begin_put(token, key, size, options.put_lease);
+    }
+    if (!placement.is_ok()) return placement.status().with_context(std::string(key));
+
+    std::vector<MemoryHandle> temp;
+    temp.reserve(data.size());
+    const auto t0 = Clock::now();
+    auto batches = start_transfers(TransferOp::kWrite, *placement, size, data, temp,
+                                   within_lease(deadline, leased_at, options.put_lease));
+    Status moved = batches.status();
+    std::uint64_t sum = 0;
+    if (moved.is_ok()) {
+      const auto c0 = Clock::now();
+      sum = checksum(data, size);  // overlaps the writes: both only read the source
+      const auto c1 = Clock::now();
+      moved = wait_all(*batches);
+      if (o.timings != nullptr) {
+        o.timings->transfer += Clock::now() - t0;
+        o.timings->checksum += c1 - c0;
+      }
+    }
+    auto c = borrow(deadline_after(options.redis_timeout * 2));
+    if (!c.is_ok()) return moved.is_ok() ? c.status() : moved;  // the lease returns the pages
+    MetadataClock mc(o.timings);
+    if (!moved.is_ok()) {
+      Status aborted = (*c)->abort_put(token);
+      if (!aborted.is_ok())
+        KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
+      KVSTASH_LOG_DEBUG("put {} failed: {}", key, moved.to_string());
+      return moved.with_context(std::string(key));
+    }
+    return (*c)->commit_put(token, key, sum, o.layout, o.ttl).with_context(std::string(key));
+  }
+
+  Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& o) {
+    KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+    const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
+    const std::string reader = random_token();
+    Result<metadata::ReadLease> lease = Status::internal("unset");
+    {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
+      MetadataClock mc(o.timings);
+      lease = c->begin_get(key, reader, options.read_lease);
+    }
+    if (!lease.is_ok()) return lease.status().with_context(std::string(key));
+
+    Status moved;
+    if (total_length(into) < lease->size) {
+      moved = Status::invalid_argument("store: buffers hold " + std::to_string(total_length(into)) +
+                                       " bytes, object " + std::string(key) + " has " +
+                                       std::to_string(lease->size));
+    } else {
+      std::vector<MemoryHandle> temp;
+      temp.reserve(into.size());
+      const auto t0 = Clock::now();
+      // Not capped at the lease: a read that outlives it is caught by end_get's generations.
+      auto batches = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp, deadline);
+      moved = batches.is_ok() ? wait_all(*batches) : batches.status();
+      if (o.timings != nullptr) o.timings->transfer += Clock::now() - t0;
+    }
+
+    // The lease ends whatever happened; its verdict matters only when the bytes arrived.
+    Status ended;
+    {
+      auto c = borrow(deadline_after(options.redis_timeout * 2));
+      if (c.is_ok()) {
+        MetadataClock mc(o.timings);
+        ended = (*c)->end_get(reader, *lease);
+      } else {
+        ended = c.status();
+      }
+    }
+    if (!moved.is_ok()) return moved.with_context(std::string(key));
+    if (!ended.is_ok()) return ended.with_context(std::string(key));
+
+    if (options.verify_checksum) {
+      const auto c0 = Clock::now();
+      std::uint64_t sum = checksum(into, lease->size);
+      if (o.timings != nullptr) o.timings->checksum += Clock::now() - c0;
+      if (sum != lease->checksum) {
+        KVSTASH_LOG_ERROR("get {}: checksum mismatch (record {:016x}, bytes {:016x})", key, lease->checksum,
+                          sum);
+        return Status::corrupt("store: object " + std::string(key) + " failed its checksum");
+      }
+    }
+    ObjectInfo info;
+    info.size = lease->size;
+    info.layout = std::move(lease->layout);
+    info.checksum = lease->checksum;
+    info.pages = lease->placement.extents.size();
+    for (auto& n : lease->placement.nodes) info.nodes.push_back(std::move(n.id));
+    return info;
+  }
+
+  template <typename Fn>
+  auto with_catalog(std::optional<Deadline> deadline, Fn fn) -> decltype(fn(std::declval<Catalog&>())) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline.value_or(deadline_after(options.timeout))));
+    return fn(*c.operator->());
+  }
+};
+
+Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Store::~Store() {
+  // Async operations finish before the engine and connections they use go away.
+  impl_->workers.reset();
+}
+
+Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
+  if (options.put_lease.count() <= 0 || options.read_lease.count() <= 0 || options.timeout.count() <= 0) {
+    return Status::invalid_argument("store: leases and timeout must be positive");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  KVSTASH_ASSIGN_OR_RETURN(auto first, impl->connect());
+  KVSTASH_RETURN_IF_ERROR(first->catalog->check_schema());
+  impl->open_conns = 1;
+  impl->idle.push_back(std::move(first));
+  KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));
+  impl->workers = std::make_unique<ThreadPool>(std::max<std::uint32_t>(1, options.async_threads));
+  return std::unique_ptr<Store>(new Store(std::move(impl)));
+}
+
+Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
+  return impl_->put(key, data, options);
+}
+
+Result<ObjectInfo> Store::get(std::string_view key, std::span<const Slice> into, const GetOptions& options) {
+  return impl_->get(key, into, options);
+}
+
+Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> deadline) {
+  return impl_->with_catalog(deadline, [&](Catalog& c) -> Result<ObjectInfo> {
+    KVSTASH_ASSIGN_OR_RETURN(auto r, c.stat(key));
+    ObjectInfo info;
+    info.size = r.size;
+    info.checksum = r.checksum;
+    info.layout = std::move(r.layout);
+    info.pages = r.pages;
+    info.nodes = std::move(r.nodes);
+    if (r.ttl_ms >= 0) info.ttl = std::chrono::milliseconds(r.ttl_ms);
+    return info;
+  });
+}
+
+Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
+                                           std::optional<Deadline> deadline) {
+  return impl_->with_catalog(deadline, [&](Catalog& c) { return c.contains_prefix(keys); });
+}
+
+Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
+  return impl_->with_catalog(deadline, [&](Catalog& c) { return c.remove(key); });
+}
+
+Status Store::touch(std::string_view key, std::chrono::milliseconds ttl, std::optional<Deadline> deadline) {
+  return impl_->with_catalog(deadline, [&](Catalog& c) { return c.touch(key, ttl); });
+}
+
+std::future<Status> Store::put_async(std::string key, std::vector<Slice> data, PutOptions options) {
+  return impl_->workers->submit([this, key = std::move(key), data = std::move(data),
+                                 options = std::move(options)] { return put(key, data, options); });
+}
+
+std::future<Result<ObjectInfo>> Store::get_async(std::string key, std::vector<Slice> into,
+                                                 GetOptions options) {
+  return impl_->workers->submit(
+      [this, key = std::move(key), into = std::move(into), options] { return get(key, into, options); });
+}
+
+std::future<Status> Store::remove_async(std::string key, std::optional<Deadline> deadline) {
+  return impl_->workers->submit([this, key = std::move(key), deadline] { return remove(key, deadline); });
+}
+
+std::future<Status> Store::touch_async(std::string key, std::chrono::milliseconds ttl,
+                                       std::optional<Deadline> deadline) {
+  return impl_->workers->submit(
+      [this, key = std::move(key), ttl, deadline] { return touch(key, ttl, deadline); });
+}
+
+std::future<Result<std::size_t>> Store::contains_prefix_async(std::vector<std::string> keys,
+                                                              std::optional<Deadline> deadline) {
+  return impl_->workers->submit(
+      [this, keys = std::move(keys), deadline] { return contains_prefix(keys, deadline); });
+}
+
+Result<MemoryHandle> Store::register_memory(const MemoryRegion& region) {
+  return impl_->engine->register_memory(region, Access::kLocal);
+}
+
+Engine& Store::engine() { return *impl_->engine; }
+
+}  // namespace kvstash

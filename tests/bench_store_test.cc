@@ -1,0 +1,281 @@
+// kvstash-bench store as a real process (with its private redis-server and kvstashd, or
+// against a cell started here): its --json rows carry the documented fields, every restored
+// byte was verified, and it cleans up after itself. Sizes are tiny: this checks output and
+// correctness, not speed. Also the local-cluster helpers it starts the cell with.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include <hiredis/hiredis.h>
+
+#include "metadata/redis_client.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string run(const std::string& cmd, int* status) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  *status = pclose(p);
+  return out;
+}
+
+std::string bench() {
+  const char* exe = std::getenv("KVSTASH_BENCH");
+  return exe ? exe : "";
+}
+
+std::vector<nlohmann::json> json_lines(const std::string& out) {
+  std::vector<nlohmann::json> rows;
+  std::size_t start = 0;
+  while (start < out.size()) {
+    const std::size_t end = out.find('\n', start);
+    const std::string line = out.substr(start, end - start);
+    start = end == std::string::npos ? out.size() : end + 1;
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << "not JSON: " << line;
+    if (!j.is_discarded()) rows.push_back(std::move(j));
+  }
+  return rows;
+}
+
+// Every backend measured both ways, verified, with the documented fields.
+void expect_rows(const std::vector<nlohmann::json>& rows, const std::vector<std::string>& backends,
+                 std::uint64_t object_bytes, std::uint32_t sessions) {
+  std::map<std::string, int> seen;  // "backend/op" -> rows
+  for (const auto& j : rows) {
+    const std::string line = j.dump();
+    for (const char* field :
+         {"backend", "op", "sessions", "object_bytes", "gbps", "p50_us", "p99_us", "vs_redis", "verified"}) {
+      ASSERT_TRUE(j.contains(field)) << field << " missing in " << line;
+    }
+    EXPECT_FALSE(j.contains("error")) << line;
+    EXPECT_FALSE(j.contains("skipped")) << line;
+    const std::string backend = j["backend"], op = j["op"];
+    seen[backend + "/" + op]++;
+    EXPECT_TRUE(op == "put" || op == "get") << line;
+    EXPECT_EQ(j["verified"], true) << line;
+    EXPECT_EQ(j["sessions"], sessions) << line;
+    EXPECT_EQ(j["object_bytes"], object_bytes) << line;
+    EXPECT_GT(j["gbps"].get<double>(), 0) << line;
+    EXPECT_GT(j["p50_us"].get<double>(), 0) << line;
+    EXPECT_GE(j["p99_us"].get<double>(), j["p50_us"].get<double>()) << line;
+    if (backend.rfind("kvstash-", 0) == 0) {
+      ASSERT_TRUE(j["vs_redis"].is_number()) << "no ratio to the redis-bytes baseline: " << line;
+      EXPECT_GT(j["vs_redis"].get<double>(), 0) << line;
+      for (const char* field : {"metadata_p50_us", "metadata_p99_us", "redis_round_trips"}) {
+        ASSERT_TRUE(j.contains(field)) << field << " missing in " << line;
+      }
+      EXPECT_GT(j["redis_round_trips"].get<double>(), 0) << line;
+      EXPECT_LE(j["metadata_p50_us"].get<double>(), j["p50_us"].get<double>()) << line;
+    }
+  }
+  for (const auto& b : backends) {
+    EXPECT_EQ(seen[b + "/put"], 1) << b;
+    EXPECT_EQ(seen[b + "/get"], 1) << b;
+  }
+  EXPECT_EQ(rows.size(), 2 * backends.size());
+}
+
+TEST(BenchStore, JsonRowsForEveryBackendWithAPrivateCell) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  const std::string out = run(bench() +
+                                  " store --sessions 2 --object-size 4MiB --rounds 1 --json"
+                                  " --backends kvstash-shm,kvstash-tcp,redis-bytes",
+                              &status);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  expect_rows(json_lines(out), {"kvstash-shm", "kvstash-tcp", "redis-bytes"}, 4u << 20, 2);
+}
+
+TEST(BenchStore, TokenRangesReportTheirSpread) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  const std::string out =
+      run(bench() + " store --sessions 3 --tokens 2-9 --rounds 2 --json --backends kvstash-tcp,redis-bytes",
+          &status);
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  for (const auto& j : json_lines(out)) {
+    const std::uint64_t lo = j["min_object_bytes"], hi = j["max_object_bytes"], mean = j["object_bytes"];
+    EXPECT_GE(lo, 2u * 512 * 1024) << j.dump();
+    EXPECT_LE(hi, 9u * 512 * 1024) << j.dump();
+    EXPECT_TRUE(lo <= mean && mean <= hi) << j.dump();
+    EXPECT_EQ(j["verified"], true) << j.dump();
+  }
+}
+
+TEST(BenchStore, TableOutputExplainsItself) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  const std::string out =
+      run(bench() + " store --sessions 1 --tokens 4 --rounds 1 --backends kvstash-tcp,redis-bytes", &status);
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  for (const char* text : {"Llama-2-7B", "1 x 4 tokens = 2 MiB", "a private redis-server", "kvstashd",
+                           "x redis", "redis-bytes", "kvstash-tcp"}) {
+    EXPECT_NE(out.find(text), std::string::npos) << text << " missing in\n" << out;
+  }
+}
+
+// --redis: the bench starts nothing and leaves nothing behind in the cell it was given.
+TEST(BenchStore, RunsAgainstAnExistingCellWithAPasswordAndCleansUp) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  auto redis = tools::LocalRedis::start({.password = "bench-secret"});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
+                                       .redis_password = "bench-secret",
+                                       .capacity = "32MiB",
+                                       .page_size = "1MiB",
+                                       .node_id = "bench-node",
+                                       .extra_args = {"--huge-pages", "off"}});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  EXPECT_EQ((*node)->node_id(), "bench-node");
+  EXPECT_EQ((*node)->page_size(), 1u << 20);
+  EXPECT_EQ((*node)->pages(), 32u);
+
+  int status = -1;
+  const std::string out =
+      run("KVSTASH_REDIS_PASSWORD=bench-secret " + bench() + " store --redis " + (*redis)->url() +
+              " --sessions 2 --object-size 3MiB --rounds 2 --json"
+              " --backends kvstash-tcp,redis-bytes",
+          &status);
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  expect_rows(json_lines(out), {"kvstash-tcp", "redis-bytes"}, 3u << 20, 2);
+
+  auto c = metadata::RedisClient::connect({.url = (*redis)->url(), .password = "bench-secret"});
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  // The baseline's hashes and the store's objects (kvs:{kvs:<cell>}:obj:<key>).
+  for (const char* pattern : {"bench:*", "*:obj:bench/*"}) {
+    auto keys = (*c)->command({"KEYS", pattern});
+    ASSERT_TRUE(keys.is_ok()) << keys.status().to_string();
+    std::string left;
+    for (std::size_t i = 0; i < keys->size(); ++i) left.append(" ").append(keys->element(i)->str);
+    EXPECT_EQ(keys->size(), 0u) << "the bench left keys behind:" << left;
+  }
+  EXPECT_EQ((*node)->terminate(deadline_after(10s)).value_or(-1), 0);
+}
+
+TEST(BenchStore, BadOptionsAreUsageErrors) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  for (const char* args :
+       {"--tokens 0", "--tokens 300-200", "--tokens 40000", "--tokens many", "--backends carrier-pigeon",
+        "--object-size 12XB", "--sessions 0", "--rounds 0", "--page-size 3MiB",
+        "--redis redis://127.0.0.1:1/0 --capacity 1GiB", "--redis mysql://x"}) {
+    const std::string out = run(bench() + " store " + args + " 2>&1", &status);
+    EXPECT_EQ(WEXITSTATUS(status), 2) << args << ": " << out;
+    EXPECT_FALSE(out.empty()) << args << ": no message";
+  }
+  const std::string out = run(bench() + " store --tokens 0 2>&1", &status);
+  EXPECT_NE(out.find("--tokens"), std::string::npos) << out;
+  const std::string help = run(bench() + " store --help", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_NE(help.find("--object-size"), std::string::npos) << help;
+}
+
+TEST(BenchStore, AnUnreachableCellIsARuntimeFailure) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  // Port 1 on loopback: nothing listens there.
+  const std::string out = run(bench() +
+                                  " store --redis redis://127.0.0.1:1/0 --sessions 1 --object-size 1MiB"
+                                  " --rounds 1 --json 2>&1",
+                              &status);
+  EXPECT_EQ(WEXITSTATUS(status), 1) << out;
+  EXPECT_NE(out.find("redis://127.0.0.1:1/0"), std::string::npos) << out;
+}
+
+// ---- the local-cluster helpers the bench starts its cell with ------------------------------
+
+TEST(LocalCluster, ChildProcessLinesTimeoutsAndExitStatus) {
+  auto child = tools::ChildProcess::start({.argv = {"sh", "-c", "echo one; printf two; sleep 1; exit 3"}});
+  ASSERT_TRUE(child.is_ok()) << child.status().to_string();
+  EXPECT_EQ(child->read_line(deadline_after(5s)).value_or("<none>"), "one");
+  // "two" has no newline yet: not a line until EOF.
+  EXPECT_FALSE(child->read_line(deadline_after(50ms)).has_value());
+  EXPECT_FALSE(child->eof());
+  EXPECT_EQ(child->read_line(deadline_after(5s)).value_or("<none>"), "two");
+  EXPECT_FALSE(child->read_line(deadline_after(5s)).has_value());
+  EXPECT_TRUE(child->eof());
+  EXPECT_EQ(child->wait(deadline_after(5s)).value_or(-1), 3);
+
+  auto sleeper = tools::ChildProcess::start({.argv = {"sleep", "30"}});
+  ASSERT_TRUE(sleeper.is_ok());
+  EXPECT_FALSE(sleeper->wait(deadline_after(20ms)).has_value());
+  sleeper->signal(SIGTERM);
+  EXPECT_EQ(sleeper->wait(deadline_after(5s)).value_or(-1), 128 + SIGTERM);
+
+  auto missing = tools::ChildProcess::start({.argv = {"kvstash-no-such-program"}});
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().to_string();
+}
+
+TEST(LocalCluster, RedisRestartKeepsDataOnlyWithPersistence) {
+  for (bool persistence : {false, true}) {
+    auto redis = tools::LocalRedis::start({.persistence = persistence});
+    ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+    const std::string dir = (*redis)->dir();
+    EXPECT_TRUE(std::filesystem::is_directory(dir));
+    auto c = metadata::RedisClient::connect({.url = (*redis)->url()});
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    ASSERT_TRUE((*c)->command({"SET", "k", "v"}).is_ok());
+    const int port = (*redis)->port();
+    ASSERT_TRUE((*redis)->restart().is_ok());
+    EXPECT_EQ((*redis)->port(), port);
+    auto v = (*c)->command({"GET", "k"});  // reconnects
+    ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+    EXPECT_EQ(v->is_nil(), !persistence) << "persistence=" << persistence;
+    redis->reset();
+    EXPECT_FALSE(std::filesystem::exists(dir)) << "the private directory outlived the server";
+  }
+}
+
+TEST(LocalCluster, RedisRestartRefusesAPortTakenMeanwhile) {
+  for (const std::string password : {"", "pw"}) {
+    auto redis = tools::LocalRedis::start({.password = password});
+    ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+    const std::string port = std::to_string((*redis)->port());
+    ::kill((*redis)->pid(), SIGKILL);
+    // Another server takes the port (protected by another password, or by none).
+    auto squatter =
+        tools::ChildProcess::start({.argv = {"redis-server", "--port", port, "--bind", "127.0.0.1", "--save",
+                                             "", "--requirepass", "other", "--logfile", ""},
+                                    .capture_stdout = false});
+    ASSERT_TRUE(squatter.is_ok()) << squatter.status().to_string();
+    std::this_thread::sleep_for(200ms);
+    Status s = (*redis)->restart();
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << "password '" << password << "': " << s.to_string();
+    EXPECT_NE(s.message().find("taken"), std::string::npos) << s.to_string();
+  }
+}
+
+TEST(LocalCluster, ANodeThatCannotStartReportsItsExitStatus) {
+  auto redis = tools::LocalRedis::start({});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "not-a-size"});
+  ASSERT_FALSE(node.is_ok());
+  EXPECT_EQ(node.status().code(), StatusCode::kUnavailable) << node.status().to_string();
+  EXPECT_NE(node.status().message().find("exited with status"), std::string::npos)
+      << node.status().to_string();
+  auto absent = tools::LocalNode::start({.kvstashd = "/nonexistent/kvstashd", .redis_url = (*redis)->url()});
+  EXPECT_EQ(absent.status().code(), StatusCode::kNotFound) << absent.status().to_string();
+}
+
+}  // namespace
+}  // namespace kvstash

@@ -1,0 +1,500 @@
+// The Store end to end: a real redis-server and real kvstashd processes on loopback, started
+// per test on free ports, and this process as the client.
+#include "kvstash/store.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "metadata/catalog.h"
+#include "test_util.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+using tools::LocalNode;
+using tools::LocalRedis;
+
+constexpr std::uint64_t kPage = 1u << 20;
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { start_redis({}); }
+
+  void start_redis(tools::LocalRedisOptions o) {
+    auto r = LocalRedis::start(std::move(o));
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    redis_ = std::move(r).value();
+    auto c = metadata::RedisClient::connect({.url = redis_->url(), .password = redis_->password()});
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    admin_redis_ = std::move(c).value();
+    catalog_ = std::make_unique<metadata::Catalog>(*admin_redis_);
+  }
+
+  std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
+                                  std::vector<std::string> extra = {}) {
+    std::vector<std::string> args{
+        "--heartbeat-ttl", "1s", "--reclaim-interval", "100ms", "--ucx-allow-emulated-rma",
+        "--huge-pages",    "off"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto n = LocalNode::start({.redis_url = redis_->url(),
+                               .redis_password = redis_->password(),
+                               .capacity = capacity,
+                               .page_size = "1MiB",
+                               .node_id = id,
+                               .extra_args = args});
+    EXPECT_TRUE(n.is_ok()) << n.status().to_string();
+    return n.is_ok() ? std::move(n).value() : nullptr;
+  }
+
+  std::unique_ptr<Store> open(std::optional<TransportKind> prefer = TransportKind::kShm,
+                              std::chrono::milliseconds put_lease = 60s,
+                              std::chrono::milliseconds read_lease = 60s) {
+    StoreOptions o;
+    o.redis_url = redis_->url();
+    o.redis_password = redis_->password();
+    o.engine.prefer = prefer;
+    o.engine.ucx.allow_emulated_rma = true;
+    o.timeout = 10s;
+    o.put_lease = put_lease;
+    o.read_lease = read_lease;
+    auto s = Store::open(o);
+    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+    return s.is_ok() ? std::move(s).value() : nullptr;
+  }
+
+  std::uint64_t free_pages(const std::string& node) {
+    auto f = catalog_->free_pages(node);
+    EXPECT_TRUE(f.is_ok()) << f.status().to_string();
+    return f.is_ok() ? *f : 0;
+  }
+
+  // Waits until `pred` holds, up to `limit`.
+  template <typename Pred>
+  static bool eventually(Pred pred, std::chrono::milliseconds limit = 5s) {
+    for (auto end = Clock::now() + limit; Clock::now() < end; std::this_thread::sleep_for(20ms)) {
+      if (pred()) return true;
+    }
+    return pred();
+  }
+
+  std::unique_ptr<LocalRedis> redis_;
+  std::unique_ptr<metadata::RedisClient> admin_redis_;
+  std::unique_ptr<metadata::Catalog> catalog_;
+};
+
+void fill(std::vector<std::byte>& v) {
+  static std::atomic<std::uint64_t> seed{1};
+  test::fill_random(v, seed++);
+}
+
+Status put_bytes(Store& s, const std::string& key, const std::vector<std::byte>& data, PutOptions o = {}) {
+  Slice slice{const_cast<std::byte*>(data.data()), data.size()};
+  return s.put(key, {&slice, 1}, o);
+}
+
+Result<std::vector<std::byte>> get_bytes(Store& s, const std::string& key, std::size_t capacity) {
+  std::vector<std::byte> out(capacity);
+  Slice slice{out.data(), out.size()};
+  KVSTASH_ASSIGN_OR_RETURN(ObjectInfo info, s.get(key, {&slice, 1}));
+  out.resize(info.size);
+  return out;
+}
+
+TEST_F(StoreTest, RoundTripsAreBitExactAcrossSizesAndTransports) {
+  auto n = node("n1", "24MiB");
+  ASSERT_TRUE(n);
+  std::vector<TransportKind> kinds{TransportKind::kShm, TransportKind::kTcp};
+#if KVSTASH_HAVE_UCX
+  kinds.push_back(TransportKind::kUcx);
+#endif
+  for (TransportKind kind : kinds) {
+    SCOPED_TRACE(std::string(to_string(kind)));
+    auto store = open(kind);
+    ASSERT_TRUE(store);
+    for (std::size_t size :
+         {std::size_t{0}, std::size_t{1}, std::size_t{4095}, std::size_t{kPage}, std::size_t{kPage + 1},
+          std::size_t{3 * kPage + 12345}, std::size_t{9 * kPage}}) {
+      SCOPED_TRACE(size);
+      std::vector<std::byte> data(size);
+      fill(data);
+      std::string key = "obj/" + std::to_string(size);
+      ASSERT_TRUE(put_bytes(*store, key, data, {.layout = "L" + key}).is_ok());
+      auto back = get_bytes(*store, key, size + 100);
+      ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+      ASSERT_EQ(back->size(), size);
+      EXPECT_EQ(test::first_mismatch(back->data(), data.data(), size), -1);
+      auto st = store->stat(key);
+      ASSERT_TRUE(st.is_ok());
+      EXPECT_EQ(st->layout, "L" + key);
+      EXPECT_EQ(st->pages, (size + kPage - 1) / kPage);
+    }
+
+    // Scattered slices at odd offsets on both sides, registered and not.
+    std::vector<std::byte> a(kPage + 7), b(333), c(2 * kPage - 5);
+    for (auto* v : {&a, &b, &c}) fill(*v);
+    Buffer reg = Buffer::allocate(c.size()).value();
+    std::memcpy(reg.data(), c.data(), c.size());
+    auto handle = store->register_memory(reg.region());
+    ASSERT_TRUE(handle.is_ok());
+    std::vector<Slice> parts{{a.data(), a.size()}, {b.data(), b.size()}, {reg.data(), reg.size(), &*handle}};
+    ASSERT_TRUE(store->put("scatter", parts).is_ok());
+    std::vector<std::byte> whole(a.size() + b.size() + c.size());
+    auto got = get_bytes(*store, "scatter", whole.size());
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    std::memcpy(whole.data(), a.data(), a.size());
+    std::memcpy(whole.data() + a.size(), b.data(), b.size());
+    std::memcpy(whole.data() + a.size() + b.size(), c.data(), c.size());
+    EXPECT_EQ(test::first_mismatch(got->data(), whole.data(), whole.size()), -1);
+    std::vector<std::byte> x(1000), y(whole.size() - 1000);
+    std::vector<Slice> into{{x.data(), x.size()}, {y.data(), y.size()}};
+    ASSERT_TRUE(store->get("scatter", into).is_ok());
+    EXPECT_EQ(test::first_mismatch(x.data(), whole.data(), x.size()), -1);
+    EXPECT_EQ(test::first_mismatch(y.data(), whole.data() + 1000, y.size()), -1);
+    for (const char* k : {"scatter"}) ASSERT_TRUE(store->remove(k).is_ok());
+  }
+}
+
+TEST_F(StoreTest, ObjectsSpanPagesAndTwoNodes) {
+  auto a = node("a", "8MiB");
+  auto b = node("b", "8MiB");
+  ASSERT_TRUE(a && b);
+  auto store = open(TransportKind::kTcp);
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(12 * kPage + 99);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "big", data).is_ok());
+  auto st = store->stat("big").value();
+  EXPECT_EQ(st.pages, 13u);
+  EXPECT_EQ(st.nodes.size(), 2u) << "13 pages cannot fit one 8-page node";
+  EXPECT_EQ(free_pages("a") + free_pages("b"), 3u);
+  auto back = get_bytes(*store, "big", data.size());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(test::first_mismatch(back->data(), data.data(), data.size()), -1);
+  // Too big for the cell: a clear no-space error, nothing evicted.
+  std::vector<std::byte> huge(17 * kPage);
+  EXPECT_EQ(put_bytes(*store, "huge", huge).code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(store->stat("big").is_ok());
+}
+
+TEST_F(StoreTest, ExpiryRemoveAndOverwriteReturnPagesToThePool) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(2 * kPage);
+  fill(data);
+
+  ASSERT_TRUE(put_bytes(*store, "ttl", data, {.ttl = 300ms}).is_ok());
+  EXPECT_EQ(free_pages("n1"), 6u);
+  EXPECT_TRUE(store->stat("ttl")->ttl.has_value());
+  // Nobody reads it: kvstashd's reclaim sweep must return the pages by itself.
+  EXPECT_TRUE(eventually([&] { return free_pages("n1") == 8u; })) << "expired pages did not come back";
+  EXPECT_EQ(get_bytes(*store, "ttl", data.size()).status().code(), StatusCode::kNotFound);
+
+  ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
+  ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
+  EXPECT_EQ(free_pages("n1"), 6u) << "an overwrite must free the old pages";
+  ASSERT_TRUE(store->remove("k").is_ok());
+  EXPECT_EQ(free_pages("n1"), 8u);
+  EXPECT_EQ(store->remove("k").code(), StatusCode::kNotFound);
+
+  ASSERT_TRUE(put_bytes(*store, "t", data, {.ttl = 200ms}).is_ok());
+  ASSERT_TRUE(store->touch("t", 60s).is_ok());
+  std::this_thread::sleep_for(400ms);
+  EXPECT_TRUE(get_bytes(*store, "t", data.size()).is_ok()) << "touch must extend the TTL";
+  EXPECT_EQ(store->touch("absent", 1s).code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, FillingMemoryEvictsTheLeastRecentlyUsed) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(2 * kPage);
+  for (int i = 0; i < 4; ++i) {
+    fill(data);
+    ASSERT_TRUE(put_bytes(*store, "s" + std::to_string(i), data).is_ok());
+  }
+  ASSERT_TRUE(get_bytes(*store, "s0", data.size()).is_ok());  // s0 is now the most recent
+  ASSERT_TRUE(put_bytes(*store, "s4", data).is_ok());         // the pool is full: s1 goes
+  EXPECT_EQ(get_bytes(*store, "s1", data.size()).status().code(), StatusCode::kNotFound);
+  for (const char* k : {"s0", "s2", "s3", "s4"}) EXPECT_TRUE(store->stat(k).is_ok()) << k;
+  std::vector<std::string> chain{"s2", "s3", "s1", "s4"};
+  EXPECT_EQ(store->contains_prefix(chain).value(), 2u);
+}
+
+// Two writers overwrite one key and fill the pool (forcing evictions) while readers get it
+// thousands of times: every successful get must hold one version's bytes, whole. With a
+// normal read lease the replaced pages wait for their readers; with a 1 ms lease they are
+// reused under the readers, and generations and checksums must turn that into kStale.
+class StoreRaceTest : public StoreTest, public ::testing::WithParamInterface<int> {};
+
+INSTANTIATE_TEST_SUITE_P(ReadLease, StoreRaceTest, ::testing::Values(60000, 1),
+                         [](const auto& info) { return std::to_string(info.param) + "ms"; });
+
+TEST_P(StoreRaceTest, ReadersRacingEvictionAndOverwriteNeverSeeWrongBytes) {
+  auto n = node("n1", "6MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kShm, 60s, std::chrono::milliseconds(GetParam()));
+  ASSERT_TRUE(store);
+  constexpr std::size_t kSize = kPage + 4096;  // two pages
+  auto pattern = [](std::uint64_t version, std::vector<std::uint64_t>& words) {
+    std::uint64_t x = version * 0x9e3779b97f4a7c15ull + 1;
+    for (auto& w : words) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      w = x;
+    }
+    words[0] = version;
+  };
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> next_version{1};
+  std::atomic<int> puts_failed{0};
+  auto writer = [&](const std::string& key) {
+    std::vector<std::uint64_t> words(kSize / 8);
+    while (!stop) {
+      pattern(next_version++, words);
+      Slice s{words.data(), kSize};
+      Status st = store->put(key, {&s, 1});
+      if (!st.is_ok() && st.code() != StatusCode::kNoSpace) ++puts_failed;
+    }
+  };
+  std::vector<std::uint64_t> first(kSize / 8);
+  pattern(0, first);
+  Slice s0{first.data(), kSize};
+  ASSERT_TRUE(store->put("hot", {&s0, 1}).is_ok());
+
+  std::thread w1(writer, "hot"), w2(writer, "filler");
+  std::atomic<int> ok{0}, stale{0}, missing{0}, wrong{0};
+  std::vector<std::string> errors;
+  std::mutex errors_mu;
+  auto reader = [&] {
+    std::vector<std::uint64_t> got(kSize / 8), want(kSize / 8);
+    Slice s{got.data(), kSize};
+    for (int i = 0; i < 700; ++i) {
+      auto r = store->get("hot", {&s, 1});
+      if (r.is_ok()) {
+        pattern(got[0], want);
+        if (r->size != kSize || std::memcmp(got.data(), want.data(), kSize) != 0) ++wrong;
+        ++ok;
+      } else if (r.status().code() == StatusCode::kStale) {
+        ++stale;  // pages reused under an expired lease: refused, as it must be
+      } else if (r.status().code() == StatusCode::kNotFound) {
+        ++missing;  // evicted by the filler before this read began
+      } else {
+        std::lock_guard lock(errors_mu);
+        errors.push_back(r.status().to_string());
+      }
+    }
+  };
+  std::thread r1(reader), r2(reader), r3(reader);
+  r1.join(), r2.join(), r3.join();
+  stop = true;
+  w1.join(), w2.join();
+  EXPECT_EQ(wrong, 0) << "a get returned bytes that no single put wrote";
+  EXPECT_TRUE(errors.empty()) << errors.front();
+  EXPECT_EQ(puts_failed, 0);
+  EXPECT_GT(ok, 100) << "the race did not exercise successful reads";
+  std::printf("[ info ] 2100 racing gets: %d whole versions, %d stale, %d not found; %llu puts\n", ok.load(),
+              stale.load(), missing.load(), static_cast<unsigned long long>(next_version.load()));
+}
+
+TEST_F(StoreTest, AClientKilledBetweenBeginPutAndCommitLeaksNoPages) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  const char* client = std::getenv("KVSTASH_STORE_CLIENT");
+  ASSERT_NE(client, nullptr) << "KVSTASH_STORE_CLIENT must name tests/store_client (meson sets it)";
+  auto child = tools::ChildProcess::start(
+      {.argv = {client, "begin-put", redis_->url(), "doomed", std::to_string(5 * kPage), "300"}});
+  ASSERT_TRUE(child.is_ok()) << child.status().to_string();
+  auto line = child->read_line(deadline_after(10s));
+  ASSERT_EQ(line.value_or("<none>"), "pending");
+  EXPECT_EQ(free_pages("n1"), 3u);
+  child->kill();
+  EXPECT_TRUE(eventually([&] { return free_pages("n1") == 8u; }))
+      << "a dead client's pending put leaked pages";
+  auto store = open();
+  EXPECT_EQ(store->stat("doomed").status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, NodeKilledMidGetFailsWithinTheDeadlineAndItsObjectsVanish) {
+  auto n = node("n1", "72MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kTcp);
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(64 * kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "victim", data).is_ok());
+
+  std::atomic<bool> killed{false};
+  std::vector<std::byte> out(data.size());
+  std::thread killer([&] {
+    std::this_thread::sleep_for(30ms);
+    n->kill();
+    killed = true;
+  });
+  int failures = 0;
+  for (int i = 0; i < 200 && failures == 0; ++i) {
+    Slice s{out.data(), out.size()};
+    auto start = Clock::now();
+    auto r = store->get("victim", {&s, 1}, {.deadline = deadline_after(3s)});
+    EXPECT_LT(Clock::now() - start, 4s) << "a get outlived its deadline";
+    if (r.is_ok()) {
+      EXPECT_EQ(test::first_mismatch(out.data(), data.data(), data.size()), -1);
+    } else {
+      ++failures;
+      auto c = r.status().code();
+      EXPECT_TRUE(c == StatusCode::kUnavailable || c == StatusCode::kTimeout || c == StatusCode::kNotFound)
+          << r.status().to_string();
+    }
+  }
+  killer.join();
+  EXPECT_TRUE(killed);
+  EXPECT_EQ(failures, 1) << "gets kept succeeding after the node was killed";
+  // After its heartbeat TTL (1 s) the node's objects are gone from the metadata.
+  EXPECT_TRUE(eventually([&] { return store->stat("victim").status().code() == StatusCode::kNotFound; }))
+      << "a dead node's object is still listed";
+}
+
+TEST_F(StoreTest, SigtermDrainsTheNodeAndItsObjectsLeaveAtOnce) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::byte> data(kPage);
+  ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
+  EXPECT_EQ(n->terminate(deadline_after(10s)).value_or(-1), 0);
+  EXPECT_EQ(store->stat("k").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(catalog_->node_status("n1")->state, "gone");
+  EXPECT_EQ(put_bytes(*store, "k2", data).code(), StatusCode::kNoSpace) << "no node is left";
+}
+
+TEST_F(StoreTest, RedisRestartEmptyNodesRejoinAndClientsCarryOn) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "before", data).is_ok());
+  ASSERT_TRUE(redis_->restart().is_ok());  // no persistence: the metadata is gone
+  // The node finds its heartbeat refused and registers again; the client reconnects.
+  Status last;
+  EXPECT_TRUE(eventually([&] { return (last = put_bytes(*store, "after", data)).is_ok(); }, 10s))
+      << last.to_string();
+  auto back = get_bytes(*store, "after", data.size());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(test::first_mismatch(back->data(), data.data(), data.size()), -1);
+  EXPECT_EQ(store->stat("before").status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, RedisRestartWithPersistenceKeepsTheObjects) {
+  start_redis({.persistence = true});
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::byte> data(3 * kPage + 5);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "kept", data).is_ok());
+  ASSERT_TRUE(redis_->restart().is_ok());
+  Result<std::vector<std::byte>> back = Status::internal("unset");
+  EXPECT_TRUE(eventually([&] { return (back = get_bytes(*store, "kept", data.size())).is_ok(); }, 10s))
+      << back.status().to_string();
+  if (back.is_ok()) {
+    EXPECT_EQ(test::first_mismatch(back->data(), data.data(), data.size()), -1);
+  }
+}
+
+TEST_F(StoreTest, CorruptRecordsAndChecksumMismatchesAreErrorsNotBytes) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
+  const std::string obj = catalog_->prefix() + ":obj:k";
+  ASSERT_TRUE(admin_redis_->command({"HSET", obj, "checksum", "0123456789abcdef"}).is_ok());
+  EXPECT_EQ(get_bytes(*store, "k", data.size()).status().code(), StatusCode::kCorrupt);
+  ASSERT_TRUE(admin_redis_->command({"HSET", obj, "extents", "n1,0,1;garbage"}).is_ok());
+  EXPECT_EQ(get_bytes(*store, "k", data.size()).status().code(), StatusCode::kCorrupt);
+  ASSERT_TRUE(admin_redis_->command({"SET", catalog_->prefix() + ":obj:foreign", "x"}).is_ok());
+  EXPECT_EQ(get_bytes(*store, "foreign", 10).status().code(), StatusCode::kCorrupt);
+}
+
+TEST_F(StoreTest, BadInputGetsClearErrors) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::byte> data(2 * kPage);
+  ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
+  EXPECT_EQ(get_bytes(*store, "k", data.size() - 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(put_bytes(*store, "", data).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(put_bytes(*store, std::string(2000, 'k'), data).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(put_bytes(*store, "k", data, {.layout = std::string(70000, 'x')}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(get_bytes(*store, "absent", 10).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(Store::open({.redis_url = "redis://127.0.0.1:1/0", .redis_timeout = 300ms}).status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(Store::open({.redis_url = "http://nope"}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreTest, AsyncFormsRunConcurrently) {
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::vector<std::byte>> data(6, std::vector<std::byte>(kPage + 17));
+  std::vector<std::future<Status>> puts;
+  for (std::size_t i = 0; i < data.size(); ++i) {
+    fill(data[i]);
+    puts.push_back(store->put_async("a" + std::to_string(i), {{data[i].data(), data[i].size()}}));
+  }
+  for (auto& f : puts) EXPECT_TRUE(f.get().is_ok());
+  std::vector<std::vector<std::byte>> out(6, std::vector<std::byte>(kPage + 17));
+  std::vector<std::future<Result<ObjectInfo>>> gets;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    gets.push_back(store->get_async("a" + std::to_string(i), {{out[i].data(), out[i].size()}}));
+  }
+  for (std::size_t i = 0; i < gets.size(); ++i) {
+    auto r = gets[i].get();
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_EQ(test::first_mismatch(out[i].data(), data[i].data(), data[i].size()), -1);
+  }
+  EXPECT_EQ(store->contains_prefix_async({"a0", "a1", "zz"}).get().value(), 2u);
+  EXPECT_TRUE(store->touch_async("a0", 10s).get().is_ok());
+  EXPECT_TRUE(store->remove_async("a0").get().is_ok());
+  EXPECT_EQ(store->remove_async("a0").get().code(), StatusCode::kNotFound);
+}
+
+class StoreAuthTest : public StoreTest {
+ protected:
+  void SetUp() override { start_redis({.password = "s3cret"}); }
+};
+
+TEST_F(StoreAuthTest, WrongPasswordAndUsersWithoutRightsArePermissionDenied) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n) << "kvstashd must authenticate with the password";
+  StoreOptions o;
+  o.redis_url = redis_->url();
+  o.redis_password = "wrong";
+  EXPECT_EQ(Store::open(o).status().code(), StatusCode::kPermissionDenied);
+  // An ACL user that may only touch other keys.
+  ASSERT_TRUE(
+      admin_redis_->command({"ACL", "SETUSER", "outsider", "on", ">pw", "~other:*", "+@all"}).is_ok());
+  ASSERT_TRUE(admin_redis_->command({"ACL", "SETUSER", "kvs", "on", ">pw", "~kvs:*", "+@all"}).is_ok());
+  o.redis_url = "redis://outsider:pw@127.0.0.1:" + std::to_string(redis_->port()) + "/0";
+  o.redis_password.clear();
+  EXPECT_EQ(Store::open(o).status().code(), StatusCode::kPermissionDenied);
+  o.redis_url = "redis://kvs:pw@127.0.0.1:" + std::to_string(redis_->port()) + "/0";
+  auto store = Store::open(o);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(**store, "k", data).is_ok());
+  EXPECT_TRUE(get_bytes(**store, "k", data.size()).is_ok());
+}
+
+}  // namespace
+}  // namespace kvstash

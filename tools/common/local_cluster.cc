@@ -1,0 +1,631 @@
+#include "tools/common/local_cluster.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace kvstash::tools {
+namespace {
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+// Owns one file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset() {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+int decode_wait_status(int st) {
+  if (WIFEXITED(st)) return WEXITSTATUS(st);
+  if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+  return 255;
+}
+
+std::string describe_status(int status) {
+  if (status > 128 && status < 128 + 65) {
+    return "was killed by signal " + std::to_string(status - 128) + " (" + strsignal(status - 128) + ")";
+  }
+  return "exited with status " + std::to_string(status);
+}
+
+// Milliseconds to `deadline` for poll(): at least 0, rounded up so we never spin.
+int poll_ms(Deadline deadline) {
+  auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1000 * 1000));
+}
+
+}  // namespace
+
+// ---- ChildProcess -------------------------------------------------------------------------
+
+Result<ChildProcess> ChildProcess::start(const ChildOptions& options) {
+  if (options.argv.empty() || options.argv[0].empty()) {
+    return Status::invalid_argument("no program to run");
+  }
+  // Everything the child touches is prepared before fork(): in a multithreaded parent the
+  // child may only make async-signal-safe calls (no allocation) until it execs.
+  std::vector<std::string> argv_store = options.argv;
+  std::vector<char*> argv;
+  for (auto& a : argv_store) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  std::vector<std::string> env_store;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    std::string_view entry(*e);
+    const auto name = entry.substr(0, entry.find('='));
+    const bool replaced =
+        std::any_of(options.env.begin(), options.env.end(), [&](const auto& kv) { return kv.first == name; });
+    const bool unset =
+        std::find(options.unset_env.begin(), options.unset_env.end(), name) != options.unset_env.end();
+    if (!replaced && !unset) env_store.emplace_back(entry);
+  }
+  for (const auto& [name, value] : options.env) env_store.push_back(name + "=" + value);
+  std::vector<char*> envp;
+  for (auto& e : env_store) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  Fd devnull(::open("/dev/null", O_RDWR | O_CLOEXEC));
+  if (devnull.get() < 0) return Status::from_errno("open /dev/null", errno);
+  int p[2];
+  Fd out_read, out_write;
+  if (options.capture_stdout) {
+    if (::pipe2(p, O_CLOEXEC) != 0) return Status::from_errno("pipe", errno);
+    out_read = Fd(p[0]);
+    out_write = Fd(p[1]);
+  }
+  // The child reports a failed exec through this pipe; a successful exec closes it.
+  if (::pipe2(p, O_CLOEXEC) != 0) return Status::from_errno("pipe", errno);
+  Fd err_read(p[0]), err_write(p[1]);
+
+  const long open_max = std::clamp(::sysconf(_SC_OPEN_MAX), 1024L, 65536L);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) return Status::from_errno("fork", errno);
+  if (pid == 0) {
+    // Die with the parent (strictly: with the thread that forked) so nothing outlives a
+    // crashed benchmark or test; the getppid() check closes the race with a parent that
+    // died before prctl.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    // A process group of its own: a Ctrl-C at the terminal reaches only the parent, which
+    // can then stop its children in order (the node drains before Redis goes) and remove
+    // their directories. Should the parent die of it instead, PDEATHSIG still applies.
+    if (options.own_process_group) ::setpgid(0, 0);
+    // Signal dispositions that were SIG_IGN and the blocked mask survive exec: a parent that
+    // blocks SIGTERM for a signal thread would otherwise make its children ignore it.
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (int sig = 1; sig < NSIG; ++sig) ::sigaction(sig, &dfl, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::dup2(devnull.get(), 0);
+    ::dup2(options.capture_stdout ? out_write.get() : devnull.get(), 1);
+    if (options.discard_stderr) ::dup2(devnull.get(), 2);
+    // The child inherits nothing else of ours (sockets of our engine, Redis connections,
+    // other children's pipes), whether or not their owner asked for close-on-exec. The
+    // error pipe stays until exec closes it.
+    const int keep = err_write.get();
+    if ((keep > 3 && ::close_range(3, keep - 1, 0) != 0) || ::close_range(keep + 1, ~0u, 0) != 0) {
+      for (long fd = 3; fd < open_max; ++fd) {  // kernels before 5.9
+        if (fd != keep) ::close(static_cast<int>(fd));
+      }
+    }
+    ::execvpe(argv[0], argv.data(), envp.data());
+    const int e = errno;
+    [[maybe_unused]] auto n = ::write(keep, &e, sizeof e);
+    ::_exit(127);
+  }
+  err_write.reset();
+  out_write.reset();
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(err_read.get(), &exec_errno, sizeof exec_errno);
+  } while (n < 0 && errno == EINTR);
+  if (n == sizeof exec_errno) {
+    int st = 0;
+    while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+    }
+    const std::string& prog = options.argv[0];
+    if (exec_errno == ENOENT) return Status::not_found(prog + ": no such program");
+    if (exec_errno == EACCES) return Status::permission_denied(prog + ": not executable");
+    return Status::from_errno("exec " + prog, exec_errno);
+  }
+  ChildProcess child;
+  child.pid_ = pid;
+  child.stdout_fd_ = out_read.release();
+  child.eof_ = !options.capture_stdout;
+  return child;
+}
+
+ChildProcess::ChildProcess(ChildProcess&& o) noexcept
+    : pid_(std::exchange(o.pid_, -1)),
+      stdout_fd_(std::exchange(o.stdout_fd_, -1)),
+      eof_(o.eof_),
+      pending_(std::move(o.pending_)),
+      status_(std::exchange(o.status_, std::nullopt)) {}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
+  if (this != &o) {
+    reset();
+    pid_ = std::exchange(o.pid_, -1);
+    stdout_fd_ = std::exchange(o.stdout_fd_, -1);
+    eof_ = o.eof_;
+    pending_ = std::move(o.pending_);
+    status_ = std::exchange(o.status_, std::nullopt);
+  }
+  return *this;
+}
+
+ChildProcess::~ChildProcess() { reset(); }
+
+void ChildProcess::reset() {
+  if (pid_ > 0) kill();
+  if (stdout_fd_ >= 0) ::close(std::exchange(stdout_fd_, -1));
+  pending_.clear();
+  eof_ = false;
+  status_.reset();
+}
+
+std::optional<std::string> ChildProcess::read_line(Deadline deadline) {
+  for (;;) {
+    const auto nl = pending_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = pending_.substr(0, nl);
+      pending_.erase(0, nl + 1);
+      return line;
+    }
+    if (stdout_fd_ < 0 || eof_) {
+      eof_ = true;
+      if (!pending_.empty()) return std::exchange(pending_, {});
+      return std::nullopt;
+    }
+    pollfd p{stdout_fd_, POLLIN, 0};
+    const int r = ::poll(&p, 1, poll_ms(deadline));
+    if (r < 0 && errno != EINTR) {
+      eof_ = true;
+      continue;
+    }
+    if (r <= 0) {
+      if (Clock::now() >= deadline) return std::nullopt;
+      continue;
+    }
+    char buf[4096];
+    const ssize_t n = ::read(stdout_fd_, buf, sizeof buf);
+    if (n > 0) {
+      pending_.append(buf, static_cast<std::size_t>(n));
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      eof_ = true;
+      ::close(std::exchange(stdout_fd_, -1));
+    }
+  }
+}
+
+void ChildProcess::signal(int sig) {
+  if (pid_ > 0) ::kill(pid_, sig);
+}
+
+std::optional<int> ChildProcess::wait(Deadline deadline) {
+  if (status_) return status_;
+  if (pid_ <= 0) return std::nullopt;
+  auto backoff = 1ms;
+  for (;;) {
+    int st = 0;
+    const bool block = deadline == Deadline::max();
+    const pid_t r = ::waitpid(pid_, &st, block ? 0 : WNOHANG);
+    if (r == pid_) {
+      status_ = decode_wait_status(st);
+      pid_ = -1;
+      return status_;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {  // ECHILD: reaped behind our back; its status is lost
+      status_ = 255;
+      pid_ = -1;
+      return status_;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) return std::nullopt;
+    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+    backoff = std::min(backoff * 2, 20ms);
+  }
+}
+
+int ChildProcess::kill() {
+  if (status_) return *status_;
+  if (pid_ <= 0) return -1;
+  ::kill(pid_, SIGKILL);
+  return *wait(Deadline::max());
+}
+
+// ---- LocalRedis ---------------------------------------------------------------------------
+
+namespace {
+
+// A free TCP port on 127.0.0.1 right now (someone may take it before we bind it; callers
+// retry). 0 on failure.
+int free_port() {
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    return 0;
+  }
+  return ntohs(a.sin_port);
+}
+
+std::string resp_command(const std::vector<std::string_view>& args) {
+  // append(), not operator+: GCC 12 at -O3 warns falsely (-Wrestrict) on "*" + std::string.
+  std::string s = "*";
+  s.append(std::to_string(args.size())).append("\r\n");
+  for (auto a : args) s.append("$").append(std::to_string(a.size())).append("\r\n").append(a).append("\r\n");
+  return s;
+}
+
+enum class Probe {
+  kNoAnswer,  // nothing listening (yet), or no reply
+  kLoading,   // up, still loading its data
+  kUp,        // a Redis is up, INFO refused: whose it is, its log says
+  kOurs,      // up, and INFO names our pid
+  kOther,     // another redis-server holds the port
+};
+
+// Asks the server on `port` who it is and whether it is done loading: AUTH when we have a
+// password, then INFO server persistence. Each exchange is bounded by a 1 s socket timeout.
+Probe probe_redis(int port, const std::string& password, pid_t pid) {
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) return Probe::kNoAnswer;
+  timeval tv{1, 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return Probe::kNoAnswer;
+
+  std::string in;
+  auto send_all = [&](const std::string& s) {
+    return ::send(fd.get(), s.data(), s.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(s.size());
+  };
+  // One reply: a status/error/integer line, or a bulk string (its payload returned).
+  auto read_reply = [&](std::string* reply) -> bool {
+    auto fill = [&] {
+      char buf[4096];
+      const ssize_t n = ::recv(fd.get(), buf, sizeof buf, 0);
+      if (n <= 0) return false;
+      in.append(buf, static_cast<std::size_t>(n));
+      return true;
+    };
+    std::size_t eol;
+    while ((eol = in.find("\r\n")) == std::string::npos) {
+      if (!fill()) return false;
+    }
+    std::string head = in.substr(0, eol);
+    if (head.empty() || head[0] != '$') {
+      *reply = head;
+      in.erase(0, eol + 2);
+      return true;
+    }
+    const long len = std::strtol(head.c_str() + 1, nullptr, 10);
+    if (len < 0) {
+      *reply = head;
+      in.erase(0, eol + 2);
+      return true;
+    }
+    while (in.size() < eol + 2 + static_cast<std::size_t>(len) + 2) {
+      if (!fill()) return false;
+    }
+    *reply = "$" + in.substr(eol + 2, static_cast<std::size_t>(len));
+    in.erase(0, eol + 2 + static_cast<std::size_t>(len) + 2);
+    return true;
+  };
+
+  std::string reply;
+  if (!password.empty()) {
+    if (!send_all(resp_command({"AUTH", password})) || !read_reply(&reply)) return Probe::kNoAnswer;
+    if (reply.rfind("-LOADING", 0) == 0) return Probe::kLoading;
+  }
+  if (!send_all(resp_command({"INFO", "server", "persistence"})) || !read_reply(&reply)) {
+    return Probe::kNoAnswer;
+  }
+  if (reply.rfind("-LOADING", 0) == 0) return Probe::kLoading;
+  // An error (NOAUTH from another password-protected server, INFO renamed away) means a
+  // Redis is up, maybe not ours; anything else is not Redis at all.
+  if (!reply.empty() && reply[0] == '-') return Probe::kUp;
+  if (reply.empty() || reply[0] != '$') return Probe::kNoAnswer;
+  const auto at = reply.find("\nprocess_id:");
+  if (at == std::string::npos) return Probe::kUp;
+  const long server_pid = std::strtol(reply.c_str() + at + 12, nullptr, 10);
+  if (server_pid != pid) return Probe::kOther;
+  if (reply.find("\nloading:1") != std::string::npos) return Probe::kLoading;
+  return Probe::kOurs;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<LocalRedis>> LocalRedis::start(LocalRedisOptions options) {
+  std::unique_ptr<LocalRedis> redis(new LocalRedis(std::move(options)));
+  std::error_code ec;
+  std::string tmpl = (fs::temp_directory_path(ec) / "kvstash-redis-XXXXXX").string();
+  if (::mkdtemp(tmpl.data()) == nullptr) return Status::from_errno("mkdtemp " + tmpl, errno);
+  redis->dir_ = tmpl;
+  if (!redis->options_.password.empty()) {
+    // requirepass in a 0600 file of the private (0700) directory: off the command line,
+    // where any local user's `ps` would show it.
+    const std::string conf = redis->dir_ + "/redis.conf";
+    Fd fd(::open(conf.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (fd.get() < 0) return Status::from_errno("create " + conf, errno);
+    std::string line = "requirepass \"";
+    for (char c : redis->options_.password) {
+      if (c == '"' || c == '\\') line.push_back('\\');
+      line.push_back(c);
+    }
+    line += "\"\n";
+    if (::write(fd.get(), line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+      return Status::from_errno("write " + conf, errno);
+    }
+  }
+  Status last;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    redis->port_ = free_port();
+    if (redis->port_ == 0) return Status::unavailable("no free TCP port on 127.0.0.1");
+    bool port_taken = false;
+    last = redis->launch(deadline_after(redis->options_.ready_timeout), &port_taken);
+    if (last.is_ok()) return redis;
+    if (!port_taken) break;
+  }
+  return last;  // ~LocalRedis removes the directory
+}
+
+LocalRedis::~LocalRedis() { stop(); }
+
+std::string LocalRedis::url() const { return "redis://127.0.0.1:" + std::to_string(port_) + "/0"; }
+
+Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
+  *port_taken = false;
+  const std::string port = std::to_string(port_);
+  std::vector<std::string> argv{options_.redis_server};
+  if (!options_.password.empty()) argv.push_back(dir_ + "/redis.conf");  // the config file comes first
+  const std::string log = dir_ + "/redis.log";
+  for (const char* a : {"--port", port.c_str(), "--bind", "127.0.0.1", "--dir", dir_.c_str(), "--logfile",
+                        log.c_str(), "--daemonize", "no", "--save", ""}) {
+    argv.emplace_back(a);
+  }
+  if (options_.persistence) {
+    argv.insert(argv.end(), {"--appendonly", "yes", "--appendfsync", "always"});
+  } else {
+    argv.insert(argv.end(), {"--appendonly", "no"});
+  }
+  argv.insert(argv.end(), options_.extra_args.begin(), options_.extra_args.end());
+
+  {
+    // A fresh log per attempt: "Ready to accept connections" must be this server's.
+    std::ofstream truncate(dir_ + "/redis.log", std::ios::trunc);
+  }
+  auto child = ChildProcess::start({.argv = argv, .capture_stdout = false});
+  if (!child.is_ok()) {
+    if (child.status().code() == StatusCode::kNotFound) {
+      return Status::unavailable(options_.redis_server +
+                                 " not found: install Redis (Debian: apt-get install redis-server) or put "
+                                 "redis-server in PATH");
+    }
+    return Status::unavailable("cannot start " + options_.redis_server + ": " + child.status().to_string());
+  }
+  child_ = std::move(*child);
+  auto backoff = 5ms;
+  for (;;) {
+    if (auto status = child_.wait(Clock::now())) {
+      const std::string tail = log_tail();
+      *port_taken = tail.find("Address already in use") != std::string::npos;
+      return Status::unavailable("redis-server " + describe_status(*status) + " at start on 127.0.0.1:" +
+                                 port + (tail.empty() ? " (see its errors above)" : ": " + tail));
+    }
+    switch (probe_redis(port_, options_.password, child_.pid())) {
+      case Probe::kOurs: return {};
+      case Probe::kUp:
+        // Ours only if it says so: another server may hold the port while ours fails to bind.
+        if (log_says_ready()) return {};
+        break;
+      case Probe::kOther:
+        child_.kill();
+        *port_taken = true;
+        return Status::unavailable("port " + port + " on 127.0.0.1 is taken by another redis-server");
+      case Probe::kLoading:
+      case Probe::kNoAnswer: break;
+    }
+    if (Clock::now() >= deadline) {
+      child_.kill();
+      const std::string tail = log_tail();
+      return Status::unavailable("redis-server did not answer on 127.0.0.1:" + port + " within " +
+                                 std::to_string(options_.ready_timeout.count()) + " ms" +
+                                 (tail.empty() ? "" : ": " + tail));
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, 50ms);
+  }
+}
+
+bool LocalRedis::log_says_ready() const {
+  std::ifstream f(dir_ + "/redis.log");
+  for (std::string line; std::getline(f, line);) {
+    if (line.find("Ready to accept connections") != std::string::npos) return true;
+  }
+  return false;
+}
+
+// The last few lines of its log: why it failed, in its own words.
+std::string LocalRedis::log_tail() const {
+  std::ifstream f(dir_ + "/redis.log");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(f, line);) {
+    if (line.empty()) continue;
+    lines.push_back(line);
+    if (lines.size() > 3) lines.erase(lines.begin());
+  }
+  std::string out;
+  for (const auto& l : lines) out.append(out.empty() ? "" : " | ").append(l);
+  return out;
+}
+
+Status LocalRedis::restart() {
+  child_.kill();
+  bool port_taken = false;
+  Status s = launch(deadline_after(options_.ready_timeout), &port_taken);
+  if (!s.is_ok() && port_taken) {
+    return Status::unavailable("cannot restart redis-server: port " + std::to_string(port_) +
+                               " was taken meanwhile (" + s.message() + ")");
+  }
+  return s;
+}
+
+void LocalRedis::stop() {
+  child_.kill();
+  if (!dir_.empty()) {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+    dir_.clear();
+  }
+}
+
+// ---- LocalNode ----------------------------------------------------------------------------
+
+Result<std::unique_ptr<LocalNode>> LocalNode::start(LocalNodeOptions options) {
+  const std::string exe = options.kvstashd.empty() ? find_tool("kvstashd") : options.kvstashd;
+  std::vector<std::string> argv{exe, "--redis", options.redis_url, "--capacity", options.capacity};
+  if (!options.page_size.empty()) argv.insert(argv.end(), {"--page-size", options.page_size});
+  if (!options.node_id.empty()) argv.insert(argv.end(), {"--node-id", options.node_id});
+  const bool has_admin = std::any_of(options.extra_args.begin(), options.extra_args.end(), [](const auto& a) {
+    return a == "--admin" || a.rfind("--admin=", 0) == 0;
+  });
+  if (!has_admin) argv.insert(argv.end(), {"--admin", "127.0.0.1:0"});
+  argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
+  ChildOptions co{.argv = argv,
+                  .unset_env = {"KVSTASH_REDIS_URL", "KVSTASH_REDIS_PASSWORD", "KVSTASH_CLUSTER_TOKEN"}};
+  if (!options.redis_password.empty()) co.env.emplace_back("KVSTASH_REDIS_PASSWORD", options.redis_password);
+
+  auto child = ChildProcess::start(co);
+  if (!child.is_ok()) {
+    if (child.status().code() == StatusCode::kNotFound) {
+      return Status::not_found("kvstashd not found (" + exe +
+                               "): build it (meson compile -C build kvstashd) or set KVSTASH_KVSTASHD");
+    }
+    return child.status().with_context("start kvstashd");
+  }
+  std::unique_ptr<LocalNode> node(new LocalNode());
+  node->child_ = std::move(*child);
+  const Deadline deadline = deadline_after(options.ready_timeout);
+  for (;;) {
+    auto line = node->child_.read_line(deadline);
+    if (!line) {
+      if (node->child_.eof()) {
+        // It closed stdout: it is exiting. Give it a moment to finish before reporting.
+        auto status = node->child_.wait(deadline_after(5s));
+        if (!status) status = node->child_.kill();
+        return Status::unavailable("kvstashd " + describe_status(*status) +
+                                   " before it was ready (its error is on stderr above)");
+      }
+      node->child_.kill();
+      return Status::timeout("kvstashd printed no ready line within " +
+                             std::to_string(options.ready_timeout.count()) + " ms");
+    }
+    if (line->rfind("ready ", 0) != 0) continue;  // not for us
+    std::istringstream words(line->substr(6));
+    for (std::string w; words >> w;) {
+      const auto eq = w.find('=');
+      if (eq == std::string::npos) continue;
+      const std::string key = w.substr(0, eq), value = w.substr(eq + 1);
+      if (key == "node") node->node_id_ = value;
+      if (key == "admin") node->admin_ = value;
+      if (key == "pages") node->pages_ = std::strtoull(value.c_str(), nullptr, 10);
+      if (key == "page_size") node->page_size_ = std::strtoull(value.c_str(), nullptr, 10);
+    }
+    if (node->node_id_.empty() || node->admin_.empty() || node->pages_ == 0 || node->page_size_ == 0) {
+      node->child_.kill();
+      return Status::corrupt("malformed ready line from kvstashd: '" + *line + "'");
+    }
+    return node;
+  }
+}
+
+LocalNode::~LocalNode() { stop(); }
+
+std::optional<int> LocalNode::terminate(Deadline deadline) {
+  child_.signal(SIGTERM);
+  return child_.wait(deadline);
+}
+
+int LocalNode::kill() { return child_.kill(); }
+
+void LocalNode::stop() {
+  if (!child_.running()) return;
+  if (!terminate(deadline_after(10s))) child_.kill();
+}
+
+// ---- find_tool ----------------------------------------------------------------------------
+
+std::string find_tool(std::string_view name) {
+  std::string var = "KVSTASH_";
+  for (char c : name)
+    var.push_back(c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+  if (const char* v = std::getenv(var.c_str()); v != nullptr && *v != '\0') return v;
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path dir = self.parent_path();
+    for (const fs::path& candidate : {dir / ".." / "tools" / name / name, dir / name}) {
+      if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0) {
+        return candidate.lexically_normal().string();
+      }
+    }
+  }
+  return std::string(name);
+}
+
+}  // namespace kvstash::tools

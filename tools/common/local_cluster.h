@@ -1,0 +1,233 @@
+// tools/common/local_cluster.h: what a kvstash cell needs, started on loopback by one process.
+//
+// kvstash-bench and the integration tests start a private redis-server and memory nodes
+// (kvstashd) with these classes, use them, and stop them again. Everything they start listens
+// on 127.0.0.1 only, lives in private temporary directories, and dies with the process that
+// started it: children get PR_SET_PDEATHSIG(SIGKILL), and every destructor kills and reaps.
+//
+//   auto redis = LocalRedis::start({}).value();
+//   auto node = LocalNode::start({.redis_url = redis->url(), .capacity = "256MiB"}).value();
+//   auto store = Store::open({.redis_url = redis->url()}).value();
+//   ...                                  // destroy node before redis: it says goodbye to it
+//
+// Thread safety: none of these objects may be used from two threads at once. Note that the
+// kernel delivers PR_SET_PDEATHSIG when the *thread* that started a child exits: start
+// children from a thread that outlives them (the main thread, a test body).
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvstash/status.h"
+#include "kvstash/types.h"
+
+namespace kvstash::tools {
+
+// ---- ChildProcess -------------------------------------------------------------------------
+
+struct ChildOptions {
+  // argv[0] is run through execvp: looked up in PATH unless it contains a '/'.
+  std::vector<std::string> argv;
+  // Set in the child's environment, on top of (or replacing) this process's. Secrets such as
+  // KVSTASH_REDIS_PASSWORD travel here rather than on the command line, where `ps` shows them.
+  std::vector<std::pair<std::string, std::string>> env;
+  // Removed from the child's environment (unless `env` sets them).
+  std::vector<std::string> unset_env;
+  // stdout goes into a pipe that read_line() reads (true), or to /dev/null (false). A child
+  // that writes much to a pipe nobody reads blocks once the pipe is full (64 KiB): capture
+  // only what the caller reads.
+  bool capture_stdout = true;
+  // stderr is inherited (the user sees the child's errors) unless this is set.
+  bool discard_stderr = false;
+  // Run in a process group of its own, so that the terminal's Ctrl-C (SIGINT to the
+  // foreground group) reaches only us and we stop the child in order. It still dies with us.
+  bool own_process_group = true;
+};
+
+// A child process with its stdout piped to us. stdin is /dev/null; the child inherits no
+// other descriptor of ours (everything above stderr is closed before exec). Move-only; the
+// destructor SIGKILLs and reaps a child still running.
+class ChildProcess {
+ public:
+  // Forks and execs. Errors: kInvalidArgument (empty argv), kNotFound (no such program),
+  // kPermissionDenied (not executable), kIoError (fork, pipe). Does not wait for anything
+  // but the exec.
+  static Result<ChildProcess> start(const ChildOptions& options);
+
+  ChildProcess() = default;
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  ~ChildProcess();
+
+  // -1 once reaped (or for a default-constructed object).
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0; }
+
+  // One line of the child's stdout without its newline. Blocks until a whole line arrived,
+  // the deadline passed, or the child closed its stdout: nullopt for the last two (eof()
+  // tells which; a last line without a newline is returned before EOF is reported).
+  std::optional<std::string> read_line(Deadline deadline);
+  bool eof() const { return eof_; }
+
+  // Sends `sig` to the child (nothing once it is reaped).
+  void signal(int sig);
+
+  // Reaps the child: its exit status, or 128 + the signal that killed it (the shell's
+  // convention). nullopt when it is still running at the deadline. Once reaped, returns the
+  // same status again.
+  std::optional<int> wait(Deadline deadline);
+
+  // SIGKILL and reap; returns the status as wait() does. No-op once reaped.
+  int kill();
+
+ private:
+  void reset();
+
+  pid_t pid_ = -1;
+  int stdout_fd_ = -1;
+  bool eof_ = false;
+  std::string pending_;  // read from the pipe, not yet returned as a line
+  std::optional<int> status_;
+};
+
+// ---- LocalRedis ---------------------------------------------------------------------------
+
+struct LocalRedisOptions {
+  // More redis-server arguments, each argv word separate: {"--maxmemory", "64mb"}. They
+  // come last, so they override the defaults below.
+  std::vector<std::string> extra_args;
+  // appendonly yes (appendfsync always: an acknowledged write survives SIGKILL), in the
+  // private directory, so restart() keeps the data. Without it, no RDB or AOF at all.
+  bool persistence = false;
+  // requirepass: clients must AUTH with it.
+  std::string password;
+  // The redis-server executable (PATH lookup unless it contains a '/').
+  std::string redis_server = "redis-server";
+  // How long start() and restart() wait for it to answer.
+  std::chrono::milliseconds ready_timeout{10000};
+};
+
+// A private redis-server on a free loopback port: bound to 127.0.0.1, working directory (and
+// log file) in a private mkdtemp directory removed at stop().
+class LocalRedis {
+ public:
+  // Starts it and waits until it answers (a PING, or NOAUTH, which also means it is up; and
+  // it is this server, not another one that holds the port: its INFO names our pid). A port
+  // taken between picking and binding is retried with another one, up to 5 times.
+  // Errors: kUnavailable (redis-server not found, exited at start, did not answer in time;
+  // the message quotes the end of its log), kIoError (temporary directory).
+  static Result<std::unique_ptr<LocalRedis>> start(LocalRedisOptions options = {});
+  ~LocalRedis();
+  LocalRedis(const LocalRedis&) = delete;
+  LocalRedis& operator=(const LocalRedis&) = delete;
+
+  // "redis://127.0.0.1:PORT/0" (no credentials: pass password() separately).
+  std::string url() const;
+  int port() const { return port_; }
+  const std::string& password() const { return options_.password; }
+  pid_t pid() const { return child_.pid(); }
+  bool running() const { return child_.running(); }
+  // The private directory (data and redis.log).
+  const std::string& dir() const { return dir_; }
+
+  // SIGKILLs the server and starts it again on the same port: with persistence it comes back
+  // with its data, otherwise empty. Errors as start(); kUnavailable when the port was taken
+  // meanwhile (the URL cannot change under the clients).
+  Status restart();
+  // SIGKILLs the server and removes its directory. Idempotent; the destructor calls it.
+  void stop();
+
+ private:
+  explicit LocalRedis(LocalRedisOptions options) : options_(std::move(options)) {}
+  // One attempt on port_: the child runs and answers, or an error (port_taken set when the
+  // port belongs to another process, so another port may work).
+  Status launch(Deadline deadline, bool* port_taken);
+  std::string log_tail() const;
+  bool log_says_ready() const;
+
+  LocalRedisOptions options_;
+  std::string dir_;
+  int port_ = 0;
+  ChildProcess child_;
+};
+
+// ---- LocalNode ----------------------------------------------------------------------------
+
+struct LocalNodeOptions {
+  // The kvstashd executable; empty: find_tool("kvstashd").
+  std::string kvstashd;
+  std::string redis_url;
+  // Passed in the child's environment (KVSTASH_REDIS_PASSWORD), never on its command line.
+  std::string redis_password;
+  // Pool size and page size as kvstashd parses them ("1GiB"); empty page size: its default.
+  std::string capacity = "1GiB";
+  std::string page_size;
+  // Empty: kvstashd's default (the host name).
+  std::string node_id;
+  // More kvstashd arguments ({"--transports", "tcp"}). `--admin 127.0.0.1:0` is added
+  // unless these contain --admin.
+  std::vector<std::string> extra_args;
+  // How long to wait for the ready line.
+  std::chrono::milliseconds ready_timeout{15000};
+};
+
+// A memory node (kvstashd) started as a child process, ready once it registered its pool in
+// Redis and printed `ready node=<id> admin=<host:port> pages=<n> page_size=<bytes>`. Its
+// configuration comes from LocalNodeOptions alone: this process's KVSTASH_REDIS_URL,
+// KVSTASH_REDIS_PASSWORD and KVSTASH_CLUSTER_TOKEN are not passed on (a developer's shell
+// must not change what a test or benchmark starts); KVSTASH_LOG is.
+class LocalNode {
+ public:
+  // Errors: kNotFound (no kvstashd executable), kUnavailable (it exited before it was
+  // ready: the message carries its exit status; its own error went to our stderr),
+  // kTimeout (no ready line in time: it is killed), kCorrupt (a malformed ready line).
+  static Result<std::unique_ptr<LocalNode>> start(LocalNodeOptions options);
+  // stop().
+  ~LocalNode();
+  LocalNode(const LocalNode&) = delete;
+  LocalNode& operator=(const LocalNode&) = delete;
+
+  const std::string& node_id() const { return node_id_; }
+  const std::string& admin() const { return admin_; }  // host:port of its admin endpoint
+  std::uint64_t pages() const { return pages_; }
+  std::uint64_t page_size() const { return page_size_; }
+  pid_t pid() const { return child_.pid(); }
+  bool running() const { return child_.running(); }
+
+  // SIGTERM (graceful drain) and wait: the exit status (0 after a clean drain), or nullopt
+  // when it still runs at the deadline (then kill() or wait again).
+  std::optional<int> terminate(Deadline deadline);
+  // SIGKILL and reap: a crash, as far as the cell can tell. Returns the status.
+  int kill();
+  // terminate() with a 10 s deadline, then kill() if it is still running. Idempotent.
+  void stop();
+
+ private:
+  LocalNode() = default;
+
+  ChildProcess child_;
+  std::string node_id_;
+  std::string admin_;
+  std::uint64_t pages_ = 0;
+  std::uint64_t page_size_ = 0;
+};
+
+// ---- find_tool ----------------------------------------------------------------------------
+
+// Where a kvstash executable is: $KVSTASH_<NAME> (upper case, '-' -> '_': KVSTASH_KVSTASHD)
+// when set; else next to this executable in the build tree (<exe dir>/../tools/<name>/<name>:
+// build/bench/kvstash-bench -> build/tools/kvstashd/kvstashd, and likewise from build/tests);
+// else installed side by side (<exe dir>/<name>); else `name` itself, for a PATH lookup.
+std::string find_tool(std::string_view name);
+
+}  // namespace kvstash::tools

@@ -1,0 +1,190 @@
+// kvstashd: a kvstash memory node. Donates DRAM to a cell, serves it one-sided, keeps its
+// place in Redis, exposes /metrics and /healthz, and drains on SIGTERM.
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "common/log.h"
+#include "common/units.h"
+#include "node/admin_server.h"
+#include "node/memory_node.h"
+
+namespace {
+
+using namespace kvstash;
+
+std::string read_secret(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw CLI::ValidationError(path, "cannot read the file");
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+std::vector<TransportKind> parse_transports(const std::string& list) {
+  std::vector<TransportKind> out;
+  if (list == "all" || list.empty()) return out;
+  std::stringstream in(list);
+  for (std::string name; std::getline(in, name, ',');) {
+    auto k = parse_transport_kind(name);
+    if (!k)
+      throw CLI::ValidationError("--transports", "unknown transport '" + name + "' (shm, tcp, ucx, verbs)");
+    out.push_back(*k);
+  }
+  return out;
+}
+
+// 2: the command line or configuration is wrong; 1: the node could not start or run.
+int fail(const Status& s, std::string_view what) {
+  std::cerr << "kvstashd: " << what << ": " << s.to_string() << "\n";
+  return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "kvstashd: a kvstash memory node. Donates DRAM to a cell of memory nodes; clients write and read it "
+      "one-sided (RDMA, shared memory, or the TCP transport), while Redis holds only the metadata."};
+  app.set_config("--config", "", "Read options from this TOML or INI file (keys are the long option names)");
+  app.get_config_formatter_base()->arrayDelimiter(',');
+  app.allow_config_extras(false);  // a misspelt key in the file is an error, not a silent default
+
+  node::MemoryNodeOptions opts;
+  std::string capacity = "1GiB", page_size = "4MiB", huge = "auto", transports = "all";
+  std::string heartbeat = "3s", reclaim = "1s", admin = "127.0.0.1:9745";
+  std::string password_file, token_file;
+  bool emulated_rma = false;
+
+  app.add_option("--redis", opts.redis_url,
+                 "The cell's Redis: redis://[user:password@]host:port/db or unix://[user:password@]/path. "
+                 "The password is better passed by KVSTASH_REDIS_PASSWORD or --redis-password-file")
+      ->envname("KVSTASH_REDIS_URL")
+      ->capture_default_str();
+  app.add_option("--redis-password-file", password_file,
+                 "File holding the Redis password (ACL user's or AUTH)");
+  app.add_option("--cell", opts.cell, "Cell name: independent groups of nodes can share one Redis")
+      ->capture_default_str();
+  app.add_option("--node-id", opts.node_id,
+                 "Stable id of this node in the cell, [A-Za-z0-9._-] (default: the host name)");
+  app.add_option("--capacity", capacity, "DRAM donated to the cell (e.g. 8GiB), rounded down to whole pages")
+      ->capture_default_str();
+  app.add_option("--page-size", page_size,
+                 "Unit of allocation, a power of two; every node of a cell must use the same "
+                 "(docs/operations.md explains the default)")
+      ->capture_default_str();
+  app.add_option("--huge-pages", huge,
+                 "Back the pool with 2 MiB huge pages: auto (when reserved), on (required), off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app.add_option("--transports", transports,
+                 "Transports serving the pool: all, or a list of shm,tcp,ucx,verbs")
+      ->capture_default_str();
+  app.add_option(
+         "--listen", opts.engine.tcp.listen,
+         "tcp transport: address to serve on (host:port, port 0 = any free port). Loopback by default: "
+         "serving a network is an explicit choice")
+      ->capture_default_str();
+  app.add_option("--advertise", opts.engine.tcp.advertise,
+                 "tcp transport: address clients should connect to");
+  app.add_option("--tcp-io-threads", opts.engine.tcp.io_threads, "tcp transport: socket I/O threads")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  app.add_option("--shm-socket-dir", opts.engine.shm.socket_dir,
+                 "shm transport: directory of the UNIX socket (default $XDG_RUNTIME_DIR/kvstash)");
+  app.add_option(
+      "--cluster-token-file", token_file,
+      "File holding the cluster secret every tcp peer must prove it knows (or KVSTASH_CLUSTER_TOKEN)");
+  app.add_flag("--ucx-allow-emulated-rma", emulated_rma,
+               "Serve the pool through UCX even without RDMA hardware, where UCX cannot enforce remote keys "
+               "(tests and benchmarks only)");
+  app.add_option("--admin", admin,
+                 "Address of the /metrics and /healthz HTTP endpoint (port 0 = free port, off = none)")
+      ->capture_default_str();
+  app.add_option("--heartbeat-ttl", heartbeat,
+                 "A node silent for this long is declared dead and its objects dropped; it beats every third")
+      ->capture_default_str();
+  app.add_option("--reclaim-interval", reclaim,
+                 "How often this node sweeps the cell for expired objects, abandoned puts and dead nodes")
+      ->capture_default_str();
+  app.footer(
+      "Environment: KVSTASH_REDIS_URL, KVSTASH_REDIS_PASSWORD, KVSTASH_CLUSTER_TOKEN, KVSTASH_LOG "
+      "(debug|info|warn|error).\n"
+      "Signals: SIGTERM or SIGINT drains the node (no new pages, its objects leave the metadata) and exits "
+      "0.\n"
+      "Prints `ready node=ID admin=HOST:PORT pages=N page_size=BYTES` on stdout once it serves.\n"
+      "Example: kvstashd --redis redis://kvstash:secret@10.0.0.5:6379/0 --capacity 64GiB --listen "
+      "10.0.0.7:7400");
+
+  try {
+    app.parse(argc, argv);
+    auto cap = units::parse_size(capacity), ps = units::parse_size(page_size);
+    if (!cap.is_ok()) throw CLI::ValidationError("--capacity", cap.status().message());
+    if (!ps.is_ok()) throw CLI::ValidationError("--page-size", ps.status().message());
+    opts.capacity = *cap;
+    opts.page_size = *ps;
+    auto hb = units::parse_duration(heartbeat), rc = units::parse_duration(reclaim);
+    if (!hb.is_ok()) throw CLI::ValidationError("--heartbeat-ttl", hb.status().message());
+    if (!rc.is_ok()) throw CLI::ValidationError("--reclaim-interval", rc.status().message());
+    opts.heartbeat_ttl = *hb;
+    opts.reclaim_interval = *rc;
+    opts.huge_pages = huge != "off";
+    opts.require_huge_pages = huge == "on";
+    opts.engine.transports = parse_transports(transports);
+    opts.engine.ucx.allow_emulated_rma = emulated_rma;
+    if (!password_file.empty()) {
+      opts.redis_password = read_secret(password_file);
+    } else if (const char* pw = std::getenv("KVSTASH_REDIS_PASSWORD")) {
+      opts.redis_password = pw;
+    }
+    if (!token_file.empty()) {
+      opts.engine.tcp.cluster_token = read_secret(token_file);
+    } else if (const char* tok = std::getenv("KVSTASH_CLUSTER_TOKEN")) {
+      opts.engine.tcp.cluster_token = tok;
+    }
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  // Signals are taken synchronously by the main thread: block them before any thread starts
+  // so every thread inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto node = node::MemoryNode::start(opts);
+  if (!node.is_ok()) return fail(node.status(), "cannot start the memory node");
+
+  std::unique_ptr<node::AdminServer> server;
+  std::string admin_address = "off";
+  if (admin != "off") {
+    node::MemoryNode* n = node->get();
+    auto s = node::AdminServer::start(
+        admin, {.metrics = [n] { return n->metrics(); }, .health = [n] { return n->health(); }});
+    if (!s.is_ok()) return fail(s.status(), "cannot serve the admin endpoint");
+    server = std::move(s).value();
+    admin_address = server->address();
+  }
+
+  std::cout << "ready node=" << (*node)->id() << " admin=" << admin_address
+            << " pages=" << (*node)->page_count() << " page_size=" << (*node)->page_size() << std::endl;
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  KVSTASH_LOG_INFO("kvstashd: signal {}, draining", sig);
+  auto dropped = (*node)->drain();
+  if (!dropped.is_ok()) {
+    // The cell still forgets us: the heartbeat stops and the deadline passes.
+    std::cerr << "kvstashd: drain failed, the node will be declared dead after its heartbeat TTL: "
+              << dropped.status().to_string() << "\n";
+  }
+  server.reset();
+  node->reset();
+  return 0;
+}
