@@ -28,6 +28,10 @@ struct BufferOptions {
   // Try 2 MiB huge pages (MFD_HUGETLB); silently fall back to normal pages when the system
   // has none reserved. Buffer::huge_pages() says which one was used.
   bool huge_pages = false;
+  // Allocate and map every page now (a shareable buffer's memory is committed at once:
+  // allocation fails now rather than at a later write, and writers never fault). Huge-page
+  // buffers are always populated.
+  bool populate = false;
 };
 
 struct MemoryRegion {

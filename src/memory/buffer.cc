@@ -1,3 +1,4 @@
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -52,7 +53,13 @@ Result<Buffer> Buffer::allocate(std::size_t size, const BufferOptions& options) 
   if (ftruncate(fd, static_cast<off_t>(b.mapped_)) != 0) {
     return Status::no_space("cannot size a memfd to " + std::to_string(size) + " bytes");
   }
-  void* p = mmap(nullptr, b.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // Committed up front: the memory exists now (or allocate fails here, not at the first
+  // write), and the writers never stall on allocating and zeroing pages.
+  if (options.populate && fallocate(fd, 0, 0, static_cast<off_t>(b.mapped_)) != 0) {
+    return Status::no_space("cannot commit " + std::to_string(size) + " bytes of memory");
+  }
+  void* p = mmap(nullptr, b.mapped_, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | (options.populate ? MAP_POPULATE : 0), fd, 0);
   if (p == MAP_FAILED) return Status::no_space("mmap of " + std::to_string(size) + " bytes failed");
   b.data_ = static_cast<std::byte*>(p);
   return b;

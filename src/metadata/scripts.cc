@@ -16,35 +16,84 @@ local P = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- Commands in one script cost a few microseconds each: the helpers below touch a node's
+-- pages with one command per node (chunked under Lua's unpack limit), never one per page.
+local CHUNK = 1000
+
+local function call_chunked(cmd, key, items, step)
+  local n = #items
+  local i = 1
+  while i <= n do
+    local j = math.min(n, i + CHUNK * (step or 1) - 1)
+    redis.call(cmd, key, unpack(items, i, j))
+    i = j + 1
+  end
+end
+
+local function hmget_chunked(key, fields)
+  local out = {}
+  for i = 1, #fields, CHUNK do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(#fields, i + CHUNK - 1)))
+    for _, v in ipairs(part) do out[#out + 1] = v end
+  end
+  return out
+end
+
 local function live(id)
   local d = redis.call('ZSCORE', P .. ':nodes', id)
   return d ~= false and d ~= nil and tonumber(d) >= now
 end
 
-local function each_extent(list, fn)
+-- An extent list grouped by node, in order of first appearance.
+local function by_node(list)
+  local groups, order = {}, {}
   for id, page, gen in string.gmatch(list or '', '([^,;]+),(%d+),(%d+)') do
-    if fn(id, page, tonumber(gen)) then return true end
+    local g = groups[id]
+    if not g then
+      g = {pages = {}, gens = {}}
+      groups[id] = g
+      order[#order + 1] = id
+    end
+    g.pages[#g.pages + 1] = page
+    g.gens[#g.gens + 1] = tonumber(gen)
   end
-  return false
+  return groups, order
 end
 
 -- Whether every page of `list` still carries the generation it names.
 local function current(list)
-  return not each_extent(list, function(id, page, gen)
-    return tonumber(redis.call('HGET', P .. ':gen:' .. id, page) or '0') ~= gen
-  end)
+  local groups, order = by_node(list)
+  for _, id in ipairs(order) do
+    local g = groups[id]
+    local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
+    for i = 1, #g.pages do
+      if tonumber(cur[i] or '0') ~= g.gens[i] then return false end
+    end
+  end
+  return true
 end
 
 local function free_extents(list)
   local n = 0
-  each_extent(list, function(id, page, gen)
-    local gk = P .. ':gen:' .. id
-    if gen > 0 and tonumber(redis.call('HGET', gk, page) or '0') == gen then
-      redis.call('HSET', gk, page, -gen)
-      redis.call('LPUSH', P .. ':free:' .. id, page)
-      n = n + 1
+  local groups, order = by_node(list)
+  for _, id in ipairs(order) do
+    local g, gk = groups[id], P .. ':gen:' .. id
+    local cur = hmget_chunked(gk, g.pages)
+    local sets, frees = {}, {}
+    for i, page in ipairs(g.pages) do
+      local gen = g.gens[i]
+      if gen > 0 and tonumber(cur[i] or '0') == gen then
+        sets[#sets + 1] = page
+        sets[#sets + 1] = -gen
+        frees[#frees + 1] = page
+      end
     end
-  end)
+    if #frees > 0 then
+      call_chunked('HSET', gk, sets, 2)
+      call_chunked('LPUSH', P .. ':free:' .. id, frees)
+      n = n + #frees
+    end
+  end
   return n
 end
 
@@ -59,8 +108,7 @@ local function release(key)
   for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('SREM', P .. ':objs:' .. id, key) end
   if not o[1] then return 0 end
   local rk = P .. ':readers:' .. o[1]
-  redis.call('ZREMRANGEBYSCORE', rk, '-inf', '(' .. now)
-  local last = redis.call('ZREVRANGE', rk, 0, 0, 'WITHSCORES')
+  local last = redis.call('ZREVRANGEBYSCORE', rk, '+inf', now, 'WITHSCORES', 'LIMIT', 0, 1)
   if last[2] then
     redis.call('SET', P .. ':zombie:' .. o[1], o[2] or '')
     redis.call('ZADD', P .. ':zombies', last[2], o[1])
@@ -70,23 +118,28 @@ local function release(key)
   return free_extents(o[2])
 end
 
--- Whether `key` names a readable object: present, unexpired, every node alive. An expired
--- object or one on a dead node is released on the spot.
-local function present(key)
-  local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'expires', 'nodes')
-  if not o[1] then return false end
-  local exp = tonumber(o[2] or '0') or 0
+-- The fields of a readable object (present, unexpired, every node alive), or nil. An
+-- expired object or one on a dead node is released on the spot.
+local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires'}
+local function lookup(key)
+  local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
+  if not o[1] then return nil end
+  local exp = tonumber(o[7] or '0') or 0
   if exp > 0 and exp <= now then
     release(key)
-    return false
+    return nil
   end
-  for id in string.gmatch(o[3] or '', '[^ ]+') do
+  for id in string.gmatch(o[6] or '', '[^ ]+') do
     if not live(id) then
       release(key)
-      return false
+      return nil
     end
   end
-  return true
+  return o
+end
+
+local function present(key)
+  return lookup(key) ~= nil
 end
 
 -- Free pages per live node that takes allocations, and their sum.
@@ -309,15 +362,27 @@ local ext, nodes, got = {}, {}, 0
 for _, c in ipairs(cands) do
   if got >= need then break end
   local id = c[1]
+  local take = math.min(c[2], need - got)
   nodes[#nodes + 1] = id
-  for _ = 1, math.min(c[2], need - got) do
-    local page = redis.call('RPOP', P .. ':free:' .. id)
-    if not page then page = redis.call('HINCRBY', P .. ':node:' .. id, 'next_page', 1) - 1 end
-    local gen = math.abs(tonumber(redis.call('HGET', P .. ':gen:' .. id, page) or '0')) + 1
-    redis.call('HSET', P .. ':gen:' .. id, page, gen)
-    ext[#ext + 1] = id .. ',' .. page .. ',' .. gen
-    got = got + 1
+  -- Returned pages first (oldest first, so neighbours stay neighbours), then fresh ones.
+  local pages = redis.call('RPOP', P .. ':free:' .. id, take)
+  if not pages then pages = {} end
+  local fresh = take - #pages
+  if fresh > 0 then
+    local last = redis.call('HINCRBY', P .. ':node:' .. id, 'next_page', fresh)
+    for page = last - fresh, last - 1 do pages[#pages + 1] = page end
   end
+  local gk = P .. ':gen:' .. id
+  local old = hmget_chunked(gk, pages)
+  local sets = {}
+  for i, page in ipairs(pages) do
+    local gen = math.abs(tonumber(old[i] or '0')) + 1
+    sets[#sets + 1] = page
+    sets[#sets + 1] = gen
+    ext[#ext + 1] = id .. ',' .. page .. ',' .. gen
+  end
+  call_chunked('HSET', gk, sets, 2)
+  got = got + take
 end
 local extents, node_list = table.concat(ext, ';'), table.concat(nodes, ' ')
 redis.call('HSET', pk, 'key', key, 'size', size, 'extents', extents, 'nodes', node_list)
@@ -349,11 +414,11 @@ if gone then
   redis.call('ZREM', P .. ':pending', token)
   return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
 end
-release(key)
+if redis.call('EXISTS', ok) == 1 then release(key) end
 local expires = 0
 if ttl > 0 then expires = now + ttl end
 redis.call('HSET', ok, 'size', p[4], 'token', token, 'extents', p[2], 'nodes', p[3], 'checksum', ARGV[3],
-           'layout', ARGV[4], 'created', now, 'accessed', now, 'expires', expires)
+           'layout', ARGV[4], 'created', now, 'expires', expires)
 for id in string.gmatch(p[3] or '', '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
 redis.call('ZADD', P .. ':lru', now, key)
 if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
@@ -381,13 +446,9 @@ return 'OK'
 const Script& begin_get() {
   static const Script s = make(R"lua(
 local key = ARGV[1]
-if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
-local ok = P .. ':obj:' .. key
-local o = redis.call('HMGET', ok, 'token', 'size', 'extents', 'checksum', 'layout', 'nodes')
-local rk = P .. ':readers:' .. o[1]
-redis.call('ZREMRANGEBYSCORE', rk, '-inf', '(' .. now)
-redis.call('ZADD', rk, now + tonumber(ARGV[3]), ARGV[2])
-redis.call('HSET', ok, 'accessed', now)
+local o = lookup(key)
+if not o then return redis.error_reply('NOT_FOUND no object ' .. key) end
+redis.call('ZADD', P .. ':readers:' .. o[1], now + tonumber(ARGV[3]), ARGV[2])
 redis.call('ZADD', P .. ':lru', now, key)
 return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or ''}, o[6])
 )lua");
@@ -418,13 +479,12 @@ return 'OK'
 // ARGV key. Returns size, checksum, layout, extents, nodes, ms to expiry (-1: none).
 const Script& stat() {
   static const Script s = make(R"lua(
-local key = ARGV[1]
-if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
-local o = redis.call('HMGET', P .. ':obj:' .. key, 'size', 'checksum', 'layout', 'extents', 'nodes', 'expires')
-local exp = tonumber(o[6] or '0') or 0
+local o = lookup(ARGV[1])
+if not o then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end
+local exp = tonumber(o[7] or '0') or 0
 local left = -1
 if exp > 0 then left = exp - now end
-return {o[1] or '', o[2] or '', o[3] or '', o[4] or '', o[5] or '', left}
+return {o[2] or '', o[4] or '', o[5] or '', o[3] or '', o[6] or '', left}
 )lua");
   return s;
 }
@@ -446,7 +506,7 @@ local key, ttl = ARGV[1], tonumber(ARGV[2])
 if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
 local expires = 0
 if ttl > 0 then expires = now + ttl end
-redis.call('HSET', P .. ':obj:' .. key, 'expires', expires, 'accessed', now)
+redis.call('HSET', P .. ':obj:' .. key, 'expires', expires)
 if expires > 0 then
   redis.call('ZADD', P .. ':expiry', expires, key)
 else

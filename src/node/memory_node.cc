@@ -61,8 +61,9 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   n->id_ = options.node_id.empty() ? default_node_id() : options.node_id;
   n->page_count_ = options.capacity / options.page_size;
 
-  KVSTASH_ASSIGN_OR_RETURN(n->pool_, Buffer::allocate(n->page_count_ * options.page_size,
-                                                      {.shareable = true, .huge_pages = options.huge_pages}));
+  KVSTASH_ASSIGN_OR_RETURN(
+      n->pool_, Buffer::allocate(n->page_count_ * options.page_size,
+                                 {.shareable = true, .huge_pages = options.huge_pages, .populate = true}));
   if (options.require_huge_pages && !n->pool_.huge_pages()) {
     return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
   }

@@ -43,20 +43,45 @@ std::uint64_t total_length(std::span<const Slice> slices) {
   return n;
 }
 
-// xxh3-64 of the first `size` bytes of the slices.
-std::uint64_t checksum(std::span<const Slice> slices, std::uint64_t size) {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  for (const Slice& s : slices) {
-    if (size == 0) break;
-    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(s.length, size));
-    XXH3_64bits_update(state, s.addr, n);
-    size -= n;
+// xxh3-64 of an object's bytes, fed in order as they become available.
+class SliceHasher {
+ public:
+  explicit SliceHasher(std::span<const Slice> slices) : slices_(slices), state_(XXH3_createState()) {
+    XXH3_64bits_reset(state_);
   }
-  std::uint64_t h = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return h;
+  ~SliceHasher() { XXH3_freeState(state_); }
+  SliceHasher(const SliceHasher&) = delete;
+  SliceHasher& operator=(const SliceHasher&) = delete;
+
+  // Hashes the object's bytes up to `end` (from where the last call stopped).
+  void advance_to(std::uint64_t end) {
+    while (done_ < end && si_ < slices_.size()) {
+      const Slice& s = slices_[si_];
+      std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(s.length - soff_, end - done_));
+      XXH3_64bits_update(state_, static_cast<const std::byte*>(s.addr) + soff_, n);
+      soff_ += n;
+      done_ += n;
+      if (soff_ == s.length) ++si_, soff_ = 0;
+    }
+  }
+  std::uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  std::span<const Slice> slices_;
+  XXH3_state_t* state_;
+  std::size_t si_ = 0, soff_ = 0;
+  std::uint64_t done_ = 0;
+};
+
+std::uint64_t checksum(std::span<const Slice> slices, std::uint64_t size) {
+  SliceHasher h(slices);
+  h.advance_to(size);
+  return h.digest();
 }
+
+// A get's reads go in waves of this many bytes so that each wave is checksummed while the
+// next ones still move (and while its bytes are still in cache).
+constexpr std::uint64_t kWaveBytes = 4u << 20;
 
 // Time spent in the metadata plane, when the caller asked for timings.
 class MetadataClock {
@@ -117,6 +142,7 @@ struct Store::Impl {
   std::map<std::string, std::shared_ptr<NodeLink>, std::less<>> links;
 
   std::unique_ptr<ThreadPool> workers;
+  std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
 
   Result<std::unique_ptr<Conn>> connect() {
     metadata::RedisOptions ro;
@@ -188,14 +214,23 @@ struct Store::Impl {
     return l;
   }
 
-  // Starts the transfers between the object's pages and the caller's slices, one batch per
-  // node. Adjacent pieces that are contiguous on both sides travel as one entry.
-  Result<std::vector<Batch>> start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
-                                             std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
-                                             Deadline deadline) {
+  // The transfers of one stretch of the object: a batch per node, and where the stretch ends.
+  struct Wave {
     std::vector<Batch> batches;
-    if (size == 0) return batches;
+    std::uint64_t end = 0;
+  };
+
+  // Starts the transfers between the object's pages and the caller's slices, in waves of
+  // `wave_bytes` of the object (a batch per node each), all submitted at once. A reader can
+  // then checksum each wave as it lands while the later ones still move. Adjacent pieces that
+  // are contiguous on both sides travel as one entry.
+  Result<std::vector<Wave>> start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
+                                            std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
+                                            Deadline deadline, std::uint64_t wave_bytes) {
+    std::vector<Wave> waves;
+    if (size == 0) return waves;
     std::vector<const MemoryHandle*> handles;
+    temp.reserve(temp.size() + slices.size());  // handles point into it
     std::uint64_t left = size;
     for (const Slice& s : slices) {
       if (left == 0) break;
@@ -225,32 +260,39 @@ struct Store::Impl {
     std::uint64_t offset = 0;
     std::size_t si = 0, soff = 0;
     while (offset < size) {
-      while (slices[si].length == soff) ++si, soff = 0;
-      const metadata::Extent& e = p.extents[offset / p.page_size];
-      std::size_t ni = node_index(e.node);
-      std::uint64_t in_page = offset % p.page_size;
-      std::size_t n = static_cast<std::size_t>(std::min(
-          {p.page_size - in_page, static_cast<std::uint64_t>(slices[si].length - soff), size - offset}));
-      auto* local = static_cast<std::byte*>(slices[si].addr) + soff;
-      std::uint64_t remote = node_links[ni]->remote.base() + e.page * p.page_size + in_page;
-      auto& list = entries[ni];
-      if (!list.empty() && list.back().local == handles[si] &&
-          static_cast<std::byte*>(list.back().local_addr) + list.back().length == local &&
-          list.back().remote_addr + list.back().length == remote) {
-        list.back().length += n;
-      } else {
-        list.push_back({op, handles[si], local, remote, &node_links[ni]->remote, n});
+      const std::uint64_t wave_end = std::min(size, (offset / wave_bytes + 1) * wave_bytes);
+      for (auto& list : entries) list.clear();
+      while (offset < wave_end) {
+        while (slices[si].length == soff) ++si, soff = 0;
+        const metadata::Extent& e = p.extents[offset / p.page_size];
+        std::size_t ni = node_index(e.node);
+        std::uint64_t in_page = offset % p.page_size;
+        std::size_t n = static_cast<std::size_t>(
+            std::min({p.page_size - in_page, static_cast<std::uint64_t>(slices[si].length - soff),
+                      wave_end - offset}));
+        auto* local = static_cast<std::byte*>(slices[si].addr) + soff;
+        std::uint64_t remote = node_links[ni]->remote.base() + e.page * p.page_size + in_page;
+        auto& list = entries[ni];
+        if (!list.empty() && list.back().local == handles[si] &&
+            static_cast<std::byte*>(list.back().local_addr) + list.back().length == local &&
+            list.back().remote_addr + list.back().length == remote) {
+          list.back().length += n;
+        } else {
+          list.push_back({op, handles[si], local, remote, &node_links[ni]->remote, n});
+        }
+        offset += n;
+        soff += n;
       }
-      offset += n;
-      soff += n;
+      Wave& w = waves.emplace_back();
+      w.end = wave_end;
+      for (std::size_t i = 0; i < entries.size(); ++i) {
+        if (entries[i].empty()) continue;
+        auto b = node_links[i]->peer->submit(entries[i], deadline);
+        if (!b.is_ok()) return b.status().with_context("memory node " + p.nodes[i].id);
+        w.batches.push_back(std::move(b).value());
+      }
     }
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      if (entries[i].empty()) continue;
-      auto b = node_links[i]->peer->submit(entries[i], deadline);
-      if (!b.is_ok()) return b.status().with_context("memory node " + p.nodes[i].id);
-      batches.push_back(std::move(b).value());
-    }
-    return batches;
+    return waves;
   }
 
   static Status wait_all(std::vector<Batch>& batches) {
@@ -288,15 +330,18 @@ struct Store::Impl {
     std::vector<MemoryHandle> temp;
     temp.reserve(data.size());
     const auto t0 = Clock::now();
-    auto batches = start_transfers(TransferOp::kWrite, *placement, size, data, temp,
-                                   within_lease(deadline, leased_at, options.put_lease));
-    Status moved = batches.status();
+    auto waves = start_transfers(TransferOp::kWrite, *placement, size, data, temp,
+                                 within_lease(deadline, leased_at, options.put_lease), size);
+    Status moved = waves.status();
     std::uint64_t sum = 0;
     if (moved.is_ok()) {
       const auto c0 = Clock::now();
       sum = checksum(data, size);  // overlaps the writes: both only read the source
       const auto c1 = Clock::now();
-      moved = wait_all(*batches);
+      for (auto& w : *waves) {
+        Status s = wait_all(w.batches);
+        if (moved.is_ok()) moved = s;
+      }
       if (o.timings != nullptr) {
         o.timings->transfer += Clock::now() - t0;
         o.timings->checksum += c1 - c0;
@@ -319,6 +364,7 @@ struct Store::Impl {
     KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
     const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
     const std::string reader = random_token();
+    const auto leased_at = Clock::now();
     Result<metadata::ReadLease> lease = Status::internal("unset");
     {
       KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
@@ -328,6 +374,7 @@ struct Store::Impl {
     if (!lease.is_ok()) return lease.status().with_context(std::string(key));
 
     Status moved;
+    SliceHasher hasher(into);
     if (total_length(into) < lease->size) {
       moved = Status::invalid_argument("store: buffers hold " + std::to_string(total_length(into)) +
                                        " bytes, object " + std::string(key) + " has " +
@@ -337,29 +384,40 @@ struct Store::Impl {
       temp.reserve(into.size());
       const auto t0 = Clock::now();
       // Not capped at the lease: a read that outlives it is caught by end_get's generations.
-      auto batches = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp, deadline);
-      moved = batches.is_ok() ? wait_all(*batches) : batches.status();
-      if (o.timings != nullptr) o.timings->transfer += Clock::now() - t0;
-    }
-
-    // The lease ends whatever happened; its verdict matters only when the bytes arrived.
-    Status ended;
-    {
-      auto c = borrow(deadline_after(options.redis_timeout * 2));
-      if (c.is_ok()) {
-        MetadataClock mc(o.timings);
-        ended = (*c)->end_get(reader, *lease);
-      } else {
-        ended = c.status();
+      auto waves =
+          start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp, deadline, kWaveBytes);
+      moved = waves.status();
+      std::chrono::nanoseconds hashing{0};
+      for (std::size_t i = 0; moved.is_ok() && i < waves->size(); ++i) {
+        moved = wait_all((*waves)[i].batches);  // on error the later waves are cancelled
+        if (moved.is_ok() && options.verify_checksum) {
+          const auto c0 = Clock::now();
+          hasher.advance_to((*waves)[i].end);
+          hashing += Clock::now() - c0;
+        }
+      }
+      if (o.timings != nullptr) {
+        o.timings->transfer += Clock::now() - t0 - hashing;
+        o.timings->checksum += hashing;
       }
     }
-    if (!moved.is_ok()) return moved.with_context(std::string(key));
-    if (!ended.is_ok()) return ended.with_context(std::string(key));
+
+    // While the read lease held, no page of the object could be freed, so no generation
+    // could move: the lease is ended off the critical path. A read that outlived its lease
+    // (less a margin for clock drift) asks Redis whether its pages were reused meanwhile.
+    const bool lease_held = Clock::now() < leased_at + options.read_lease - options.read_lease / 10;
+    if (!moved.is_ok() || lease_held) {
+      release_later(reader, *lease);
+      if (!moved.is_ok()) return moved.with_context(std::string(key));
+    } else {
+      auto c = borrow(deadline_after(options.redis_timeout * 2));
+      if (!c.is_ok()) return c.status().with_context(std::string(key));
+      MetadataClock mc(o.timings);
+      KVSTASH_RETURN_IF_ERROR((*c)->end_get(reader, *lease).with_context(std::string(key)));
+    }
 
     if (options.verify_checksum) {
-      const auto c0 = Clock::now();
-      std::uint64_t sum = checksum(into, lease->size);
-      if (o.timings != nullptr) o.timings->checksum += Clock::now() - c0;
+      const std::uint64_t sum = hasher.digest();
       if (sum != lease->checksum) {
         KVSTASH_LOG_ERROR("get {}: checksum mismatch (record {:016x}, bytes {:016x})", key, lease->checksum,
                           sum);
@@ -375,6 +433,20 @@ struct Store::Impl {
     return info;
   }
 
+  // Ends a read lease on the releaser thread (errors only logged: the lease expires anyway).
+  void release_later(const std::string& reader, const metadata::ReadLease& lease) {
+    releaser->submit([this, reader, token = lease.object_token, extents = lease.placement.extents_text] {
+      metadata::ReadLease l;
+      l.object_token = token;
+      l.placement.extents_text = extents;
+      auto c = borrow(deadline_after(options.redis_timeout * 2));
+      Status s = c.is_ok() ? (*c)->end_get(reader, l) : c.status();
+      if (!s.is_ok() && s.code() != StatusCode::kStale) {
+        KVSTASH_LOG_DEBUG("ending read lease {} failed, it will expire: {}", reader, s.to_string());
+      }
+    });
+  }
+
   template <typename Fn>
   auto with_catalog(std::optional<Deadline> deadline, Fn fn) -> decltype(fn(std::declval<Catalog&>())) {
     KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline.value_or(deadline_after(options.timeout))));
@@ -385,8 +457,9 @@ struct Store::Impl {
 Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Store::~Store() {
-  // Async operations finish before the engine and connections they use go away.
+  // Async operations, then lease releases, finish before the engine and connections go away.
   impl_->workers.reset();
+  impl_->releaser.reset();
 }
 
 Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
@@ -401,6 +474,7 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   impl->idle.push_back(std::move(first));
   KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));
   impl->workers = std::make_unique<ThreadPool>(std::max<std::uint32_t>(1, options.async_threads));
+  impl->releaser = std::make_unique<ThreadPool>(1);
   return std::unique_ptr<Store>(new Store(std::move(impl)));
 }
 
