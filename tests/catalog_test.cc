@@ -241,6 +241,10 @@ TEST_F(CatalogTest, ARestartedNodeDropsTheObjectsOfItsPreviousLife) {
   EXPECT_EQ(free_of("a"), 4u);
   EXPECT_EQ(cat_->commit_put("inflight", "p", 1, "", 0ms).code(), StatusCode::kStale)
       << "a put into the old incarnation's memory must not commit";
+  auto fresh = cat_->begin_put("t-new", "n", 4 * kPage, 30s).value();
+  for (const Extent& e : fresh.extents) {
+    EXPECT_GT(e.generation, pending.extents[0].generation) << "generations must rise across incarnations";
+  }
   EXPECT_EQ(cat_->heartbeat("a", "e1", 30s).code(), StatusCode::kStale);
 }
 

@@ -112,6 +112,7 @@ TEST(Kvstashd, ConfigFileAdminEndpointAndHealth) {
   }
   EXPECT_TRUE(beating);
   EXPECT_NE(text.find("kvstash_node_info{node=\"from-file\""), std::string::npos) << text;
+  EXPECT_NE(text.find("kvstash_node_transport{transport=\"tcp\"} 1"), std::string::npos) << text;
 
   // A put shows in the free-page gauge at the next heartbeat.
   auto store = Store::open({.redis_url = (*redis)->url()});

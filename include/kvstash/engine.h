@@ -123,6 +123,9 @@ class MemoryHandle {
   const std::string& remote_key() const { return remote_key_; }
   // Whether [addr, addr+len) lies inside the region.
   bool covers(const void* addr, std::size_t len) const;
+  // The transports that registered the region (a transport may decline one: UCX without
+  // RDMA for remote access, tcp for GPU memory).
+  std::vector<TransportKind> transports() const;
 
  private:
   friend class Engine;

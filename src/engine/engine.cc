@@ -222,6 +222,12 @@ bool MemoryHandle::covers(const void* addr, std::size_t len) const {
   return a >= base && a - base <= region_.length && len <= region_.length - (a - base);
 }
 
+std::vector<TransportKind> MemoryHandle::transports() const {
+  std::vector<TransportKind> out;
+  for (const auto& r : regs_) out.push_back(r.first);
+  return out;
+}
+
 const transport::LocalRegistration* MemoryHandle::registration(TransportKind kind) const {
   for (const auto& [k, reg] : regs_) {
     if (k == kind) return reg.get();

@@ -146,11 +146,11 @@ end
 local function candidates()
   local c, total = {}, 0
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
-    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page')
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page', 'gen_floor')
     if st[1] == 'up' then
       local free = (tonumber(st[2]) or 0) - (tonumber(st[3]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
       if free > 0 then
-        c[#c + 1] = {id, free}
+        c[#c + 1] = {id, free, tonumber(st[4] or '0') or 0}
         total = total + free
       end
     end
@@ -169,14 +169,16 @@ end
 -- All or nothing: when the unleased objects cannot free enough, nothing is evicted (a put
 -- that fails anyway must not empty the cache). Returns objects evicted and pages freed.
 local function evict(need)
-  local victims, pages, offset = {}, 0, 0
+  local victims, orphans, pages, offset = {}, {}, 0, 0
   while pages < need do
     local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63)
     if #batch == 0 then break end
     offset = offset + #batch
     for _, key in ipairs(batch) do
       local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents')
-      if o[1] and redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
+      if not o[1] then
+        orphans[#orphans + 1] = key  -- a record deleted by hand: drop its LRU entry
+      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
         victims[#victims + 1] = key
         local _, n = string.gsub(o[2] or '', ',%d+,%d+', '')
         pages = pages + n
@@ -184,6 +186,7 @@ local function evict(need)
       end
     end
   end
+  if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
   if pages < need then return 0, 0 end
   local freed = 0
   for _, key in ipairs(victims) do freed = freed + release(key) end
@@ -236,12 +239,12 @@ end
 if held[1] ~= epoch then
   for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do release(key) end
   redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id)
-  local gens = redis.call('HGETALL', P .. ':gen:' .. id)
-  for i = 1, #gens, 2 do
-    local g = tonumber(gens[i + 1])
-    if g > 0 then redis.call('HSET', P .. ':gen:' .. id, gens[i], -g) end
-  end
-  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now)
+  -- Every generation of the new incarnation starts above every generation of the old ones
+  -- (the floor), so an old extent can never match a page again, without touching each page.
+  redis.call('DEL', P .. ':gen:' .. id)
+  -- 2^32 allocations of a page per incarnation, 2^21 incarnations within Lua's exact integers.
+  local floor = (redis.call('HINCRBY', nk, 'epochs', 1) - 1) * 4294967296
+  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now, 'gen_floor', floor)
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
@@ -376,10 +379,10 @@ for _, c in ipairs(cands) do
   local old = hmget_chunked(gk, pages)
   local sets = {}
   for i, page in ipairs(pages) do
-    local gen = math.abs(tonumber(old[i] or '0')) + 1
+    local gen = math.max(math.abs(tonumber(old[i] or '0')), c[3]) + 1
     sets[#sets + 1] = page
     sets[#sets + 1] = gen
-    ext[#ext + 1] = id .. ',' .. page .. ',' .. gen
+    ext[#ext + 1] = string.format('%s,%s,%d', id, page, gen)  -- %d: no exponent for big numbers
   end
   call_chunked('HSET', gk, sets, 2)
   got = got + take

@@ -92,8 +92,9 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
     }
     KVSTASH_RETURN_IF_ERROR(joined);
   }
-  KVSTASH_LOG_INFO("node {}: joined cell {} with {} pages of {} bytes (huge pages: {})", n->id_, options.cell,
-                   n->page_count_, options.page_size, n->pool_.huge_pages());
+  KVSTASH_LOG_INFO("node {}: joined cell {} with {} pages of {} bytes (huge pages: {}, transports: {})",
+                   n->id_, options.cell, n->page_count_, options.page_size, n->pool_.huge_pages(),
+                   n->transports());
   n->thread_ = std::thread([p = n.get()] { p->loop(); });
   return n;
 }
@@ -178,6 +179,15 @@ Result<std::uint64_t> MemoryNode::drain() {
   return dropped;
 }
 
+std::string MemoryNode::transports() const {
+  std::string out;
+  for (TransportKind k : handle_.transports()) {
+    if (!out.empty()) out += ',';
+    out += to_string(k);
+  }
+  return out;
+}
+
 std::string MemoryNode::metrics() const {
   auto& s = *shared_;
   std::string state;
@@ -196,6 +206,10 @@ std::string MemoryNode::metrics() const {
   m.gauge("kvstash_node_capacity_bytes", "Bytes donated to the cell",
           static_cast<double>(page_count_ * options_.page_size));
   m.gauge("kvstash_node_huge_pages", "1 when the pool is backed by huge pages", pool_.huge_pages() ? 1 : 0);
+  for (TransportKind k : handle_.transports()) {
+    m.gauge("kvstash_node_transport", "Constant 1 per transport serving the pool", 1,
+            {{"transport", to_string(k)}});
+  }
   m.gauge("kvstash_node_free_pages", "Free pages at the last heartbeat",
           static_cast<double>(s.free_pages.load()));
   m.gauge("kvstash_node_objects", "Objects with a page on this node at the last heartbeat",

@@ -59,6 +59,8 @@ class MemoryNode {
   std::uint64_t page_size() const { return options_.page_size; }
   bool huge_pages() const { return pool_.huge_pages(); }
   const Engine& engine() const { return *engine_; }
+  // The transports serving the pool ("shm,tcp").
+  std::string transports() const;
 
   // Prometheus text of the node's counters and gauges.
   std::string metrics() const;

@@ -115,7 +115,8 @@ int main(int argc, char** argv) {
       "(debug|info|warn|error).\n"
       "Signals: SIGTERM or SIGINT drains the node (no new pages, its objects leave the metadata) and exits "
       "0.\n"
-      "Prints `ready node=ID admin=HOST:PORT pages=N page_size=BYTES` on stdout once it serves.\n"
+      "Prints `ready node=ID admin=HOST:PORT pages=N page_size=BYTES transports=LIST` on stdout once it "
+      "serves.\n"
       "Example: kvstashd --redis redis://kvstash:secret@10.0.0.5:6379/0 --capacity 64GiB --listen "
       "10.0.0.7:7400");
 
@@ -173,7 +174,8 @@ int main(int argc, char** argv) {
   }
 
   std::cout << "ready node=" << (*node)->id() << " admin=" << admin_address
-            << " pages=" << (*node)->page_count() << " page_size=" << (*node)->page_size() << std::endl;
+            << " pages=" << (*node)->page_count() << " page_size=" << (*node)->page_size()
+            << " transports=" << (*node)->transports() << std::endl;
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
