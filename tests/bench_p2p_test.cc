@@ -19,22 +19,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "command.h"
+
 namespace {
 
-std::string run(const std::string& cmd, int* status) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
-  *status = pclose(p);
-  return out;
-}
-
-std::string bench() {
-  const char* exe = std::getenv("KVSTASH_BENCH");
-  return exe ? exe : "";
-}
+using kvstash::test::bench;
+using kvstash::test::run;
 
 TEST(BenchP2P, JsonRowsCarryTheDocumentedFieldsForEveryTransport) {
   if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";

@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "command.h"
+
 #include <hiredis/hiredis.h>
 
 #include "metadata/redis_client.h"
@@ -26,20 +28,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::string run(const std::string& cmd, int* status) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
-  *status = pclose(p);
-  return out;
-}
-
-std::string bench() {
-  const char* exe = std::getenv("KVSTASH_BENCH");
-  return exe ? exe : "";
-}
+using kvstash::test::bench;
+using kvstash::test::run;
 
 std::vector<nlohmann::json> json_lines(const std::string& out) {
   std::vector<nlohmann::json> rows;
