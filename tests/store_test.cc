@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
@@ -466,6 +467,26 @@ TEST_F(StoreTest, AsyncFormsRunConcurrently) {
   EXPECT_TRUE(store->touch_async("a0", 10s).get().is_ok());
   EXPECT_TRUE(store->remove_async("a0").get().is_ok());
   EXPECT_EQ(store->remove_async("a0").get().code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, RedisOverAUnixSocket) {
+  const std::string sock = "/tmp/kvstash-store-test-" + std::to_string(getpid()) + ".sock";
+  start_redis({.extra_args = {"--unixsocket", sock, "--unixsocketperm", "700"}});
+  const std::string url = "unix://" + sock + "?db=0";
+  auto n = LocalNode::start({.redis_url = url, .capacity = "4MiB", .page_size = "1MiB", .node_id = "u1",
+                             .extra_args = {"--huge-pages", "off"}});
+  ASSERT_TRUE(n.is_ok()) << n.status().to_string();
+  auto store = Store::open({.redis_url = url});
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  std::vector<std::byte> data(kPage + 3);
+  fill(data);
+  ASSERT_TRUE(put_bytes(**store, "k", data).is_ok());
+  auto back = get_bytes(**store, "k", data.size());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(test::first_mismatch(back->data(), data.data(), data.size()), -1);
+  (*n)->stop();
+  redis_->stop();
+  ::unlink(sock.c_str());  // a killed redis-server leaves its socket behind
 }
 
 class StoreAuthTest : public StoreTest {
