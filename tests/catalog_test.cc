@@ -134,6 +134,12 @@ TEST_F(CatalogTest, AReaderWhoseLeaseRanOutWhileThePagesWereReusedIsStale) {
   std::this_thread::sleep_for(200ms);
   ASSERT_TRUE(cat_->remove("other").is_ok());
   EXPECT_EQ(cat_->end_get("slow2", g2).code(), StatusCode::kStale);
+  // A lease that ran out is stale even when nothing touched the pages (yet).
+  put("quiet", 1);
+  auto g3 = cat_->begin_get("quiet", "late", 100ms).value();
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(cat_->end_get("late", g3).code(), StatusCode::kStale);
+  ASSERT_TRUE(cat_->remove("quiet").is_ok());
 }
 
 TEST_F(CatalogTest, FullPoolEvictsLeastRecentlyUsedObjectsWithoutReaders) {

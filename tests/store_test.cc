@@ -473,7 +473,10 @@ TEST_F(StoreTest, RedisOverAUnixSocket) {
   const std::string sock = "/tmp/kvstash-store-test-" + std::to_string(getpid()) + ".sock";
   start_redis({.extra_args = {"--unixsocket", sock, "--unixsocketperm", "700"}});
   const std::string url = "unix://" + sock + "?db=0";
-  auto n = LocalNode::start({.redis_url = url, .capacity = "4MiB", .page_size = "1MiB", .node_id = "u1",
+  auto n = LocalNode::start({.redis_url = url,
+                             .capacity = "4MiB",
+                             .page_size = "1MiB",
+                             .node_id = "u1",
                              .extra_args = {"--huge-pages", "off"}});
   ASSERT_TRUE(n.is_ok()) << n.status().to_string();
   auto store = Store::open({.redis_url = url});
