@@ -100,6 +100,10 @@ TEST(RedisClient, PasswordsAndAclUsers) {
   ASSERT_FALSE(denied.is_ok());
   EXPECT_EQ(denied.status().code(), StatusCode::kPermissionDenied);
   EXPECT_NE(denied.status().message().find("NOPERM"), std::string::npos);
+
+  // A user without a password is refused before connecting, not quietly run as `default`.
+  EXPECT_EQ(RedisClient::connect({.url = server.url("reader:")}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(RedisClient::connect({.url = server.url("reader:"), .password = "rpw"}).is_ok());
 }
 
 TEST(RedisClient, ScriptsRunBySha1AndReloadAfterFlush) {

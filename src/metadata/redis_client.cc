@@ -264,6 +264,11 @@ RedisClient::~RedisClient() = default;
 Result<std::unique_ptr<RedisClient>> RedisClient::connect(const RedisOptions& options) {
   KVSTASH_ASSIGN_OR_RETURN(RedisUrl url, RedisUrl::parse(options.url));
   if (!options.password.empty()) url.password = options.password;
+  if (!url.user.empty() && url.password.empty()) {
+    // Connecting as `default` instead would be a silent change of identity.
+    return Status::invalid_argument("redis user '" + url.user +
+                                    "' needs a password (in the URL, or KVSTASH_REDIS_PASSWORD / a password file)");
+  }
   std::unique_ptr<RedisClient> c(new RedisClient(options, std::move(url)));
   KVSTASH_RETURN_IF_ERROR(c->open());
   return c;
