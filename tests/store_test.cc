@@ -362,6 +362,38 @@ TEST_F(StoreTest, NodeKilledMidGetFailsWithinTheDeadlineAndItsObjectsVanish) {
       << "a dead node's object is still listed";
 }
 
+TEST_F(StoreTest, NodeKilledMidPutFailsWithinTheDeadlineAndLeaksNothingOnTheSurvivor) {
+  auto victim = node("victim", "40MiB");
+  auto survivor = node("survivor", "40MiB");
+  ASSERT_TRUE(victim && survivor);
+  auto store = open(TransportKind::kTcp);
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(64 * kPage);  // 64 pages: more than one node holds
+  fill(data);
+  std::thread killer([&] {
+    std::this_thread::sleep_for(30ms);
+    victim->kill();
+  });
+  int failures = 0;
+  for (int i = 0; i < 200 && failures == 0; ++i) {
+    auto start = Clock::now();
+    Status s = put_bytes(*store, i % 2 ? "k1" : "k0", data, {.deadline = deadline_after(3s)});
+    EXPECT_LT(Clock::now() - start, 4s) << "a put outlived its deadline";
+    if (!s.is_ok()) {
+      ++failures;
+      auto c = s.code();
+      EXPECT_TRUE(c == StatusCode::kUnavailable || c == StatusCode::kTimeout || c == StatusCode::kStale ||
+                  c == StatusCode::kNoSpace)
+          << s.to_string();
+    }
+  }
+  killer.join();
+  EXPECT_EQ(failures, 1) << "puts kept succeeding after a node of theirs was killed";
+  // Once the victim is declared dead, every page on the survivor is free again: the failed
+  // put's and those of the objects that spanned the victim.
+  EXPECT_TRUE(eventually([&] { return free_pages("survivor") == 40u; })) << "pages leaked on the survivor";
+}
+
 TEST_F(StoreTest, SigtermDrainsTheNodeAndItsObjectsLeaveAtOnce) {
   auto n = node("n1", "8MiB");
   ASSERT_TRUE(n);
