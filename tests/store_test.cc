@@ -94,6 +94,17 @@ void fill(std::vector<std::byte>& v) {
   test::fill_random(v, seed++);
 }
 
+// Words that only version `version` of an object holds, its number first: a reader can tell
+// from the bytes alone whether it got one whole version.
+void versioned(std::uint64_t version, std::vector<std::uint64_t>& words) {
+  std::uint64_t x = version * 0x9e3779b97f4a7c15ull + 1;
+  for (auto& w : words) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    w = x;
+  }
+  words[0] = version;
+}
+
 Status put_bytes(Store& s, const std::string& key, const std::vector<std::byte>& data, PutOptions o = {}) {
   Slice slice{const_cast<std::byte*>(data.data()), data.size()};
   return s.put(key, {&slice, 1}, o);
@@ -245,14 +256,7 @@ TEST_P(StoreRaceTest, ReadersRacingEvictionAndOverwriteNeverSeeWrongBytes) {
   auto store = open(TransportKind::kShm, 60s, std::chrono::milliseconds(GetParam()));
   ASSERT_TRUE(store);
   constexpr std::size_t kSize = kPage + 4096;  // two pages
-  auto pattern = [](std::uint64_t version, std::vector<std::uint64_t>& words) {
-    std::uint64_t x = version * 0x9e3779b97f4a7c15ull + 1;
-    for (auto& w : words) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-      w = x;
-    }
-    words[0] = version;
-  };
+  const auto& pattern = versioned;
   std::atomic<bool> stop{false};
   std::atomic<std::uint64_t> next_version{1};
   std::atomic<int> puts_failed{0};
@@ -303,6 +307,53 @@ TEST_P(StoreRaceTest, ReadersRacingEvictionAndOverwriteNeverSeeWrongBytes) {
   EXPECT_GT(ok, 100) << "the race did not exercise successful reads";
   std::printf("[ info ] 2100 racing gets: %d whole versions, %d stale, %d not found; %llu puts\n", ok.load(),
               stale.load(), missing.load(), static_cast<unsigned long long>(next_version.load()));
+}
+
+// Objects with a 20 ms TTL are written and read back continuously: reads land before,
+// during and after expiry. Never wrong bytes, and once it stops every page comes back.
+TEST_F(StoreTest, TtlsExpiringUnderReadersNeverGiveWrongBytesAndLeakNothing) {
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  ASSERT_TRUE(store);
+  constexpr std::size_t kSize = kPage + 4096;
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> version{1};
+  std::thread writer([&] {
+    std::vector<std::uint64_t> words(kSize / 8);
+    while (!stop) {
+      versioned(version++, words);
+      Slice s{words.data(), kSize};
+      Status st = store->put(version % 3 == 0 ? "t0" : "t1", {&s, 1}, {.ttl = 20ms});
+      EXPECT_TRUE(st.is_ok() || st.code() == StatusCode::kNoSpace) << st.to_string();
+      if (version % 16 == 0) std::this_thread::sleep_for(30ms);  // let both expire now and then
+    }
+  });
+  std::atomic<int> ok{0}, gone{0}, wrong{0};
+  auto reader = [&](const char* key) {
+    std::vector<std::uint64_t> got(kSize / 8), want(kSize / 8);
+    Slice s{got.data(), kSize};
+    for (int i = 0; i < 500; ++i) {
+      auto r = store->get(key, {&s, 1});
+      if (r.is_ok()) {
+        versioned(got[0], want);
+        wrong += std::memcmp(got.data(), want.data(), kSize) != 0;
+        ++ok;
+      } else {
+        auto c = r.status().code();
+        EXPECT_TRUE(c == StatusCode::kNotFound || c == StatusCode::kStale) << r.status().to_string();
+        ++gone;
+      }
+    }
+  };
+  std::thread r1(reader, "t0"), r2(reader, "t1");
+  r1.join(), r2.join();
+  stop = true;
+  writer.join();
+  EXPECT_EQ(wrong, 0) << "a get returned bytes no single put wrote";
+  EXPECT_GT(ok, 0);
+  EXPECT_GT(gone, 0) << "no read met an expired object: the test did not exercise expiry";
+  EXPECT_TRUE(eventually([&] { return free_pages("n1") == 8u; })) << "expired objects leaked pages";
 }
 
 TEST_F(StoreTest, AClientKilledBetweenBeginPutAndCommitLeaksNoPages) {
