@@ -445,7 +445,7 @@ TEST_F(StoreTest, NodeKilledMidPutFailsWithinTheDeadlineAndLeaksNothingOnTheSurv
   EXPECT_TRUE(eventually([&] { return free_pages("survivor") == 40u; })) << "pages leaked on the survivor";
 }
 
-TEST_F(StoreTest, SigtermDrainsTheNodeAndItsObjectsLeaveAtOnce) {
+TEST_F(StoreTest, StopSignalsDrainTheNodeAndItsObjectsLeaveAtOnce) {
   auto n = node("n1", "8MiB");
   ASSERT_TRUE(n);
   auto store = open();
@@ -455,6 +455,15 @@ TEST_F(StoreTest, SigtermDrainsTheNodeAndItsObjectsLeaveAtOnce) {
   EXPECT_EQ(store->stat("k").status().code(), StatusCode::kNotFound);
   EXPECT_EQ(catalog_->node_status("n1")->state, "gone");
   EXPECT_EQ(put_bytes(*store, "k2", data).code(), StatusCode::kNoSpace) << "no node is left";
+
+  // There is no reload: a hang-up drains too, rather than killing the node undrained.
+  auto m = node("n2", "8MiB");
+  ASSERT_TRUE(m);
+  ASSERT_TRUE(put_bytes(*store, "k3", data).is_ok());
+  ::kill(m->pid(), SIGHUP);
+  EXPECT_TRUE(eventually([&] { return store->stat("k3").status().code() == StatusCode::kNotFound; }, 3s))
+      << "SIGHUP did not drain the node";
+  EXPECT_TRUE(eventually([&] { return catalog_->node_status("n2")->state == "gone"; }, 3s));
 }
 
 TEST_F(StoreTest, RedisRestartEmptyNodesRejoinAndClientsCarryOn) {

@@ -113,7 +113,8 @@ int main(int argc, char** argv) {
   app.footer(
       "Environment: KVSTASH_REDIS_URL, KVSTASH_REDIS_PASSWORD, KVSTASH_CLUSTER_TOKEN, KVSTASH_LOG "
       "(debug|info|warn|error).\n"
-      "Signals: SIGTERM or SIGINT drains the node (no new pages, its objects leave the metadata) and exits "
+      "Signals: SIGTERM, SIGINT or SIGHUP drains the node (no new pages, its objects leave the metadata) and "
+      "exits "
       "0.\n"
       "Prints `ready node=ID admin=HOST:PORT pages=N page_size=BYTES transports=LIST` on stdout once it "
       "serves.\n"
@@ -156,6 +157,7 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGHUP);  // no reload: a hang-up must not kill the node undrained
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
