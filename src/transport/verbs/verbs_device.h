@@ -1,0 +1,105 @@
+// RDMA devices as the verbs transport sees them: discovery of devices, ports, link layers and
+// GID tables, the choice of a port and GID for a connection, and RAII owners for every verbs
+// handle. Control path only; nothing here is on the datapath.
+//
+// Thread safety: discovery is a pure function of the system; the owners are plain values.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/status.h"
+
+namespace kvstash::transport::verbs {
+
+// ---- RAII owners ----------------------------------------------------------------------------
+
+struct ContextCloser {
+  void operator()(ibv_context* c) const { ibv_close_device(c); }
+};
+struct PdDeleter {
+  void operator()(ibv_pd* p) const { ibv_dealloc_pd(p); }
+};
+struct MrDeleter {
+  void operator()(ibv_mr* m) const { ibv_dereg_mr(m); }
+};
+struct CqDeleter {
+  void operator()(ibv_cq* c) const { ibv_destroy_cq(c); }
+};
+struct QpDeleter {
+  void operator()(ibv_qp* q) const { ibv_destroy_qp(q); }
+};
+struct MwDeleter {
+  void operator()(ibv_mw* w) const { ibv_dealloc_mw(w); }
+};
+using Context = std::unique_ptr<ibv_context, ContextCloser>;
+using Pd = std::unique_ptr<ibv_pd, PdDeleter>;
+using Mr = std::unique_ptr<ibv_mr, MrDeleter>;
+using Cq = std::unique_ptr<ibv_cq, CqDeleter>;
+using Qp = std::unique_ptr<ibv_qp, QpDeleter>;
+using Mw = std::unique_ptr<ibv_mw, MwDeleter>;
+
+// ---- discovery ------------------------------------------------------------------------------
+
+enum class GidType : std::uint8_t { kIb, kRoceV1, kRoceV2 };
+
+struct Gid {
+  std::uint32_t index = 0;
+  GidType type = GidType::kIb;
+  ibv_gid gid{};
+  bool ipv4_mapped() const;       // ::ffff:a.b.c.d
+  std::string to_string() const;  // "::ffff:192.168.77.1"
+};
+
+struct Port {
+  std::uint8_t number = 0;  // 1-based, as verbs counts
+  bool active = false;
+  bool ethernet = false;  // RoCE; otherwise InfiniBand
+  std::uint16_t lid = 0;  // InfiniBand only
+  ibv_mtu active_mtu = IBV_MTU_1024;
+  std::vector<Gid> gids;  // the populated entries
+};
+
+struct Device {
+  std::string name;  // "mlx5_0", "rxe0"
+  std::uint64_t node_guid = 0;
+  int numa_node = -1;  // from sysfs; -1 when unknown
+  // The limits the datapath sizes itself by.
+  int max_qp_wr = 0;
+  int max_sge = 0;
+  int max_sge_rd = 0;
+  int max_qp_rd_atom = 0;
+  int max_mw = 0;  // memory windows (revocable keys) when > 0
+  std::uint64_t max_mr_size = 0;
+  std::uint32_t max_msg_sz = 0;  // of the first active port
+  std::vector<Port> ports;
+};
+
+// Every device with at least one port, in the order verbs lists them. `only`: device names to
+// keep (empty: all); KVSTASH_RDMA_DEVICES ("mlx5_0,mlx5_1" or "auto") applies when `only` is
+// empty. A machine without RDMA gives an empty list, not an error. Errors: kIoError when a
+// device cannot be opened or queried.
+Result<std::vector<Device>> discover(const std::vector<std::string>& only = {});
+
+// Which GID a connection from this port should use. RoCE: a RoCE v2 GID of the wanted family
+// (IPv4-mapped unless `ipv6`), the one whose address is `ip` when given; InfiniBand: index 0.
+// nullopt when the port has none that fits.
+std::optional<Gid> pick_gid(const Port& port, bool ipv6 = false, std::string_view ip = {});
+
+// Opens a device by name. kNotFound when there is none of that name.
+Result<Context> open_device(std::string_view name);
+
+// "1024" for IBV_MTU_1024, ...
+int mtu_bytes(ibv_mtu mtu);
+
+// A 24-bit packet sequence number from the kernel's CSPRNG: a connection's PSNs must not be
+// guessable or repeat across connections.
+std::uint32_t random_psn();
+
+}  // namespace kvstash::transport::verbs
