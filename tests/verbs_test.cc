@@ -13,6 +13,7 @@
 #include "test_util.h"
 #include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_qp.h"
+#include "transport/verbs/verbs_wr.h"
 
 namespace kvstash::transport::verbs {
 namespace {
@@ -174,6 +175,69 @@ TEST(Verbs, WriteAndReadAreBitExactAcrossSizesOffsetsAndSges) {
   ASSERT_EQ(one_sided(l, l.a.get(), IBV_WR_RDMA_READ, scatter, raddr, rmr->rkey), IBV_WC_SUCCESS);
   EXPECT_EQ(test::first_mismatch(back.data() + 3, remote.data() + 11, 500), -1);
   EXPECT_EQ(test::first_mismatch(back.data() + 600000, remote.data() + 511, 70503), -1);
+}
+
+// Many pieces through the work-request builder: chains of at most 16 requests, every 4th
+// signaled, more requests in all than the send queue holds (64), the queue never overrun
+// because each signaled completion frees the requests before it.
+TEST(Verbs, ChainedSelectivelySignaledBatchesDeeperThanTheSendQueue) {
+  REQUIRE_RDMA();
+  QpConfig cfg;
+  cfg.max_send_wr = 64;
+  cfg.max_send_sge = 4;
+  Loop l = make_loop(device, port, cfg);
+  constexpr std::size_t kRegion = 2u << 20;
+  std::vector<std::byte> local(kRegion), remote(kRegion);
+  test::fill_random({local.data(), kRegion}, 99);
+  Mr lmr(ibv_reg_mr(l.pd.get(), local.data(), kRegion, IBV_ACCESS_LOCAL_WRITE));
+  Mr rmr(ibv_reg_mr(l.pd.get(), remote.data(), kRegion,
+                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ));
+  ASSERT_TRUE(lmr && rmr);
+  WrBuilder b({.max_wrs = 16, .max_sge = 4, .max_msg = device.max_msg_sz ? device.max_msg_sz : 1u << 30});
+  // 512 pieces of 4 KiB: remote order is the local order reversed in pairs, so some pieces
+  // gather into one request and others do not.
+  constexpr std::size_t kPiece = 4096, kPieces = 512;
+  std::uint32_t in_flight = 0, posted_requests = 0;
+  auto drain_one = [&] {
+    ibv_wc wc = wait_one(l.cq.get());
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+    in_flight -= static_cast<std::uint32_t>(wc.wr_id >> 32);  // requests this completion covers
+  };
+  auto post = [&] {
+    std::uint32_t n = b.size();
+    ibv_send_wr* head = b.chain(4);
+    // Tag each signaled request with how many requests it completes.
+    std::uint32_t since = 0;
+    for (ibv_send_wr* w = head; w != nullptr; w = w->next) {
+      ++since;
+      if (w->send_flags & IBV_SEND_SIGNALED) {
+        w->wr_id = static_cast<std::uint64_t>(since) << 32;
+        since = 0;
+      }
+    }
+    while (in_flight + n > cfg.max_send_wr) drain_one();
+    ibv_send_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_send(l.a.get(), head, &bad), 0);
+    in_flight += n;
+    posted_requests += n;
+    b.reset();
+  };
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    std::size_t src = i * kPiece, dst = (i ^ 1) * kPiece;
+    Piece p{reinterpret_cast<std::uint64_t>(local.data() + src), lmr->lkey,
+            reinterpret_cast<std::uint64_t>(remote.data() + dst), rmr->rkey, kPiece};
+    if (!b.add(IBV_WR_RDMA_WRITE, p, i)) {
+      post();
+      ASSERT_TRUE(b.add(IBV_WR_RDMA_WRITE, p, i));
+    }
+  }
+  post();
+  while (in_flight > 0) drain_one();
+  EXPECT_GT(posted_requests, cfg.max_send_wr) << "the batch must be deeper than the send queue";
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    ASSERT_EQ(test::first_mismatch(remote.data() + (i ^ 1) * kPiece, local.data() + i * kPiece, kPiece), -1)
+        << i;
+  }
 }
 
 TEST(Verbs, AccessOutsideTheRegionWithAWrongKeyOrAfterDeregistrationIsARemoteAccessError) {
