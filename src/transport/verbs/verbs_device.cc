@@ -80,10 +80,12 @@ Status query_device(ibv_context* ctx, Device& d) {
 
 }  // namespace
 
-bool Gid::ipv4_mapped() const {
+bool ipv4_mapped(const ibv_gid& gid) {
   static constexpr std::uint8_t kPrefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
   return std::memcmp(gid.raw, kPrefix, sizeof kPrefix) == 0;
 }
+
+bool Gid::ipv4_mapped() const { return verbs::ipv4_mapped(gid); }
 
 std::string Gid::to_string() const {
   char buf[INET6_ADDRSTRLEN] = {};

@@ -95,6 +95,9 @@ std::optional<Gid> pick_gid(const Port& port, bool ipv6 = false, std::string_vie
 // Opens a device by name. kNotFound when there is none of that name.
 Result<Context> open_device(std::string_view name);
 
+// Whether a GID is an IPv4-mapped address (::ffff:a.b.c.d): a RoCE v2 IPv4 GID.
+bool ipv4_mapped(const ibv_gid& gid);
+
 // "1024" for IBV_MTU_1024, ...
 int mtu_bytes(ibv_mtu mtu);
 

@@ -1,0 +1,189 @@
+#include "transport/verbs/verbs_wire.h"
+
+#include <cstring>
+
+#include "common/wire.h"
+
+namespace kvstash::transport::verbs {
+namespace {
+
+constexpr std::uint32_t kAddressMagic = 0x4256534b;  // "KSVB"
+constexpr std::uint32_t kHelloMagic = 0x4856534b;    // "KSVH"
+constexpr std::uint32_t kKeyMagic = 0x5256534b;      // "KSVR"
+constexpr std::size_t kMaxPorts = 64;
+constexpr std::size_t kMaxName = 64;
+constexpr std::size_t kMaxControl = 262;  // "[" + 255-char host + "]:65535"
+
+Status invalid(std::string_view what) {
+  std::string m = "verbs: malformed ";
+  m.append(what);
+  return Status::invalid_argument(std::move(m));
+}
+
+void put_gid(wire::Writer& w, const ibv_gid& g) {
+  w.raw({reinterpret_cast<const char*>(g.raw), sizeof g.raw});
+}
+
+ibv_gid get_gid(wire::Reader& r) {
+  ibv_gid g{};
+  auto s = r.raw(sizeof g.raw);
+  if (s.size() == sizeof g.raw) std::memcpy(g.raw, s.data(), sizeof g.raw);
+  return g;
+}
+
+bool valid_mtu(std::uint8_t m) { return m >= IBV_MTU_256 && m <= IBV_MTU_4096; }
+
+// Checks the magic and version; false (with `why` set) when they do not match.
+bool header(wire::Reader& r, std::uint32_t magic, std::string_view what, Status* why) {
+  std::uint32_t m = r.u32();
+  std::uint8_t v = r.u8();
+  if (!r.ok() || m != magic) {
+    *why = invalid(what);
+    return false;
+  }
+  if (v != kWireVersion) {
+    std::string msg = "verbs: peer speaks ";
+    msg.append(what).append(" version ").append(std::to_string(v)).append(", this build ");
+    msg.append(std::to_string(kWireVersion));
+    *why = Status::invalid_argument(std::move(msg));
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool PortAddress::operator==(const PortAddress& o) const {
+  return device == o.device && node_guid == o.node_guid && port == o.port && ethernet == o.ethernet &&
+         std::memcmp(gid.raw, o.gid.raw, sizeof gid.raw) == 0 && lid == o.lid && mtu == o.mtu;
+}
+
+std::string encode_address(const Address& a) {
+  wire::Writer w;
+  w.u32(kAddressMagic);
+  w.u8(kWireVersion);
+  w.bytes(a.control);
+  w.u8(static_cast<std::uint8_t>(a.ports.size()));
+  for (const auto& p : a.ports) {
+    w.bytes(p.device);
+    w.u64(p.node_guid);
+    w.u8(p.port);
+    w.u8(p.ethernet ? 1 : 0);
+    put_gid(w, p.gid);
+    w.u16(p.lid);
+    w.u8(static_cast<std::uint8_t>(p.mtu));
+  }
+  return w.take();
+}
+
+Result<Address> decode_address(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kAddressMagic, "address", &why)) return why;
+  Address a;
+  std::string_view control = r.bytes();
+  if (control.empty() || control.size() > kMaxControl) return invalid("address (control endpoint)");
+  a.control = std::string(control);
+  std::size_t n = r.u8();
+  if (n == 0 || n > kMaxPorts) return invalid("address (port count)");
+  for (std::size_t i = 0; i < n; ++i) {
+    PortAddress p;
+    std::string_view name = r.bytes();
+    if (name.size() > kMaxName) return invalid("address (device name)");
+    p.device = std::string(name);
+    p.node_guid = r.u64();
+    p.port = r.u8();
+    std::uint8_t eth = r.u8();
+    p.gid = get_gid(r);
+    p.lid = r.u16();
+    std::uint8_t mtu = r.u8();
+    if (!r.ok() || p.port == 0 || eth > 1 || !valid_mtu(mtu)) return invalid("address (port)");
+    p.ethernet = eth == 1;
+    p.mtu = static_cast<ibv_mtu>(mtu);
+    a.ports.push_back(std::move(p));
+  }
+  if (!r.at_end()) return invalid("address (trailing bytes)");
+  return a;
+}
+
+std::string encode_hello(const Hello& h) {
+  wire::Writer w;
+  w.u32(kHelloMagic);
+  w.u8(kWireVersion);
+  w.u64(h.node_guid);
+  w.u32(h.qp.qpn);
+  w.u32(h.qp.psn);
+  put_gid(w, h.qp.gid);
+  w.u16(h.qp.lid);
+  w.u8(static_cast<std::uint8_t>(h.qp.mtu));
+  w.u8(h.max_rd_atomic);
+  return w.take();
+}
+
+Result<Hello> decode_hello(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kHelloMagic, "hello", &why)) return why;
+  Hello h;
+  h.node_guid = r.u64();
+  h.qp.qpn = r.u32();
+  h.qp.psn = r.u32();
+  h.qp.gid = get_gid(r);
+  h.qp.lid = r.u16();
+  std::uint8_t mtu = r.u8();
+  h.max_rd_atomic = r.u8();
+  // QPNs and PSNs are 24-bit; QPN 0 and 1 are the special QPs, never an RC peer.
+  if (!r.at_end() || h.qp.qpn < 2 || h.qp.qpn > 0xffffff || h.qp.psn > 0xffffff || !valid_mtu(mtu) ||
+      h.max_rd_atomic == 0) {
+    return invalid("hello");
+  }
+  h.qp.mtu = static_cast<ibv_mtu>(mtu);
+  return h;
+}
+
+std::string encode_key(std::span<const KeyPart> parts) {
+  wire::Writer w;
+  w.u32(kKeyMagic);
+  w.u8(kWireVersion);
+  w.u8(static_cast<std::uint8_t>(parts.size()));
+  for (const auto& p : parts) {
+    w.u64(p.node_guid);
+    w.u32(p.rkey);
+  }
+  return w.take();
+}
+
+Result<std::vector<KeyPart>> decode_key(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kKeyMagic, "remote key", &why)) return why;
+  std::size_t n = r.u8();
+  if (n == 0 || n > kMaxPorts) return invalid("remote key (device count)");
+  std::vector<KeyPart> out(n);
+  for (auto& p : out) {
+    p.node_guid = r.u64();
+    p.rkey = r.u32();
+  }
+  if (!r.at_end()) return invalid("remote key");
+  return out;
+}
+
+std::optional<std::pair<std::size_t, std::size_t>> match_ports(std::span<const PortAddress> ours,
+                                                               std::span<const PortAddress> theirs) {
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    for (std::size_t j = 0; j < theirs.size(); ++j) {
+      const PortAddress& a = ours[i];
+      const PortAddress& b = theirs[j];
+      if (a.ethernet != b.ethernet) continue;
+      if (a.ethernet) {
+        if (ipv4_mapped(a.gid) != ipv4_mapped(b.gid)) continue;
+      } else if (std::memcmp(a.gid.raw, b.gid.raw, 8) != 0) {
+        continue;  // another InfiniBand subnet: no route without a router we know nothing of
+      }
+      return std::make_pair(i, j);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace kvstash::transport::verbs

@@ -1,0 +1,113 @@
+// The verbs transport's wire formats: address, connection hello, remote key, port matching.
+// Pure logic: runs on every machine.
+#include "transport/verbs/verbs_wire.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+namespace kvstash::transport::verbs {
+namespace {
+
+ibv_gid gid_of(const char* ip6) {
+  ibv_gid g{};
+  inet_pton(AF_INET6, ip6, g.raw);
+  return g;
+}
+
+PortAddress roce(const char* ip6, std::uint64_t guid = 0x1122) {
+  return {"rxe0", guid, 1, true, gid_of(ip6), 0, IBV_MTU_1024};
+}
+
+PortAddress ib(const char* ip6, std::uint16_t lid) {
+  return {"mlx5_0", 0x33, 1, false, gid_of(ip6), lid, IBV_MTU_4096};
+}
+
+TEST(VerbsWire, AddressesRoundTripAndMalformedOnesAreRefused) {
+  Address a{"192.168.77.1:7471", {roce("::ffff:192.168.77.1"), ib("fe80::1", 7)}};
+  std::string bytes = encode_address(a);
+  auto back = decode_address(bytes);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->control, a.control);
+  ASSERT_EQ(back->ports.size(), 2u);
+  EXPECT_EQ(back->ports[0], a.ports[0]);
+  EXPECT_EQ(back->ports[1], a.ports[1]);
+
+  for (std::size_t cut = 0; cut < bytes.size(); ++cut) {
+    EXPECT_EQ(decode_address(bytes.substr(0, cut)).status().code(), StatusCode::kInvalidArgument) << cut;
+  }
+  EXPECT_EQ(decode_address(bytes + "x").status().code(), StatusCode::kInvalidArgument);
+  std::string other_version = bytes;
+  other_version[4] = 9;
+  auto v = decode_address(other_version);
+  EXPECT_EQ(v.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v.status().message().find("version 9"), std::string::npos) << v.status().message();
+  std::string bad_mtu = encode_address({"h:1", {{"d", 1, 1, true, {}, 0, static_cast<ibv_mtu>(9)}}});
+  EXPECT_EQ(decode_address(bad_mtu).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_address(encode_address({"h:1", {}})).status().code(), StatusCode::kInvalidArgument)
+      << "an address without ports is useless";
+  EXPECT_EQ(decode_address(encode_address({"", {roce("::ffff:1.2.3.4")}})).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
+  Hello h;
+  h.node_guid = 0xabcdef;
+  h.qp = {0x123456, 0xfedcba, gid_of("::ffff:192.168.77.1"), 0, IBV_MTU_1024};
+  h.max_rd_atomic = 16;
+  auto back = decode_hello(encode_hello(h));
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->node_guid, h.node_guid);
+  EXPECT_EQ(back->qp.qpn, h.qp.qpn);
+  EXPECT_EQ(back->qp.psn, h.qp.psn);
+  EXPECT_EQ(std::memcmp(back->qp.gid.raw, h.qp.gid.raw, 16), 0);
+  EXPECT_EQ(back->qp.mtu, IBV_MTU_1024);
+  EXPECT_EQ(back->max_rd_atomic, 16);
+
+  auto refused = [&](auto mutate) {
+    Hello x = h;
+    mutate(x);
+    return decode_hello(encode_hello(x)).status().code() == StatusCode::kInvalidArgument;
+  };
+  EXPECT_TRUE(refused([](Hello& x) { x.qp.qpn = 1; })) << "QP 0 and 1 are special, never a peer";
+  EXPECT_TRUE(refused([](Hello& x) { x.qp.qpn = 0x1000000; })) << "QPNs are 24-bit";
+  EXPECT_TRUE(refused([](Hello& x) { x.qp.psn = 0x1000000; })) << "PSNs are 24-bit";
+  EXPECT_TRUE(refused([](Hello& x) { x.max_rd_atomic = 0; }));
+  EXPECT_TRUE(refused([](Hello& x) { x.qp.mtu = static_cast<ibv_mtu>(0); }));
+  EXPECT_EQ(decode_hello(encode_address({"h:1", {roce("::ffff:1.2.3.4")}})).status().code(),
+            StatusCode::kInvalidArgument)
+      << "another message's magic";
+}
+
+TEST(VerbsWire, KeysRoundTripAndMalformedOnesAreRefused) {
+  std::vector<KeyPart> parts{{0x1122, 0xdeadbeef}, {0x3344, 7}};
+  std::string bytes = encode_key(parts);
+  auto back = decode_key(bytes);
+  ASSERT_TRUE(back.is_ok());
+  ASSERT_EQ(back->size(), 2u);
+  EXPECT_EQ((*back)[0].node_guid, 0x1122u);
+  EXPECT_EQ((*back)[0].rkey, 0xdeadbeefu);
+  EXPECT_EQ((*back)[1].rkey, 7u);
+  EXPECT_EQ(decode_key(bytes.substr(0, bytes.size() - 1)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_key(encode_key({})).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_key("").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(VerbsWire, PortsMatchByLinkLayerFamilyAndSubnet) {
+  std::vector<PortAddress> v4{roce("::ffff:10.0.0.1")}, v6{roce("fd00::1")};
+  std::vector<PortAddress> ib_a{ib("fe80::1", 1)}, ib_b{ib("fe80::2", 2)}, ib_other{ib("fe81::2", 3)};
+  EXPECT_EQ(match_ports(v4, v4), std::make_optional(std::make_pair<std::size_t, std::size_t>(0, 0)));
+  EXPECT_FALSE(match_ports(v4, v6)) << "IPv4-mapped RoCE GIDs cannot reach IPv6 ones";
+  EXPECT_FALSE(match_ports(v4, ib_a)) << "RoCE cannot reach InfiniBand";
+  EXPECT_TRUE(match_ports(ib_a, ib_b)) << "same subnet prefix";
+  EXPECT_FALSE(match_ports(ib_a, ib_other)) << "another subnet";
+  std::vector<PortAddress> both{ib("fe80::9", 9), roce("::ffff:10.0.0.9")};
+  auto m = match_ports(both, v4);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->first, 1u);
+  EXPECT_EQ(m->second, 0u);
+}
+
+}  // namespace
+}  // namespace kvstash::transport::verbs
