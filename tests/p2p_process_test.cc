@@ -95,6 +95,14 @@ class P2P : public ::testing::TestWithParam<TransportKind> {
     if (std::getenv("KVSTASH_P2P_PEER") == nullptr)
       GTEST_SKIP() << "KVSTASH_P2P_PEER not set (run via meson test)";
     kind_ = GetParam();
+    if (kind_ == TransportKind::kVerbs) {
+      auto probe = Engine::create({.transports = {TransportKind::kVerbs}});
+      if (!probe.is_ok()) {
+        if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << probe.status().to_string();
+        GTEST_SKIP() << "no RDMA device here (" << probe.status().to_string()
+                     << "); the Soft-RoCE lane runs this (scripts/rdma-vm)";
+      }
+    }
     start_peer();
     EngineOptions o;
     o.transports = {kind_};
@@ -255,8 +263,8 @@ TEST_P(P2P, StoppedTargetMeansTimeoutForTwoSidedAndNothingForOneSidedTransports)
   Status s = peer_conn_->transfer({&e, 1}, deadline_after(500ms));
   const auto took = Clock::now() - start;
   peer_->signal(SIGCONT);
-  if (kind_ == TransportKind::kShm) {
-    EXPECT_TRUE(s.is_ok()) << "shm needs no target CPU: " << s.to_string();
+  if (kind_ == TransportKind::kShm || kind_ == TransportKind::kVerbs) {
+    EXPECT_TRUE(s.is_ok()) << "one-sided transports need no target CPU: " << s.to_string();
   } else {
     EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
     EXPECT_LT(took, 3s);
@@ -267,8 +275,8 @@ TEST_P(P2P, StoppedTargetMeansTimeoutForTwoSidedAndNothingForOneSidedTransports)
 }
 
 TEST_P(P2P, PollingAStuckBatchEndsItAtItsDeadline) {
-  if (kind_ == TransportKind::kShm)
-    GTEST_SKIP() << "shm needs no target CPU: a stopped target cannot stall it";
+  if (kind_ == TransportKind::kShm || kind_ == TransportKind::kVerbs)
+    GTEST_SKIP() << "one-sided transports need no target CPU: a stopped target cannot stall them";
   peer_->signal(SIGSTOP);
   std::vector<TransferEntry> es{entry(TransferOp::kRead, 0, 0, 1u << 20),
                                 entry(TransferOp::kWrite, 1u << 20, 1u << 20, 4096)};
@@ -304,6 +312,9 @@ std::vector<TransportKind> transports() {
   std::vector<TransportKind> v{TransportKind::kTcp, TransportKind::kShm};
 #if KVSTASH_HAVE_UCX
   v.push_back(TransportKind::kUcx);
+#endif
+#if KVSTASH_HAVE_VERBS
+  v.push_back(TransportKind::kVerbs);
 #endif
   return v;
 }

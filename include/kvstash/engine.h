@@ -88,6 +88,25 @@ struct UcxOptions {
   bool allow_emulated_rma = false;
 };
 
+struct VerbsOptions {
+  // RDMA devices to use ("mlx5_0"); empty: KVSTASH_RDMA_DEVICES, else the first device with
+  // an active port.
+  std::vector<std::string> devices;
+  // host:port of the TCP listener that sets up queue pairs (the bytes themselves go over
+  // RDMA). Port 0 picks a free port. Loopback by default, like tcp.
+  std::string listen = "127.0.0.1:0";
+  // Address peers should connect to for queue-pair setup, when it differs from `listen`.
+  std::string advertise;
+  // Work requests in flight per connection; more wait in a queue inside the transport.
+  std::uint32_t send_queue_depth = 256;
+  // RDMA READs in flight per connection (bounded by the device's max_qp_rd_atom).
+  std::uint32_t max_rd_atomic = 16;
+  // A dead peer fails requests after about 4.096 us x 2^retry_timeout x retry_count (default
+  // ~0.5 s); closing the setup connection fails them at once.
+  std::uint32_t retry_timeout = 14;
+  std::uint32_t retry_count = 7;
+};
+
 struct EngineOptions {
   // Transports to start, in no particular order; empty: every one built in that starts here.
   std::vector<TransportKind> transports;
@@ -99,6 +118,7 @@ struct EngineOptions {
   TcpOptions tcp;
   ShmOptions shm;
   UcxOptions ucx;
+  VerbsOptions verbs;
 };
 
 enum class Access : std::uint8_t {

@@ -10,6 +10,9 @@
 #if KVSTASH_HAVE_UCX
 #include "transport/ucx/ucx_transport.h"
 #endif
+#if KVSTASH_HAVE_VERBS
+#include "transport/verbs/verbs_transport.h"
+#endif
 
 namespace kvstash {
 namespace {
@@ -84,7 +87,12 @@ Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind,
 #else
       return Status::unsupported("this build has no UCX transport (meson -Ducx=enabled)");
 #endif
-    case TransportKind::kVerbs: return Status::unsupported("the verbs transport is not built yet");
+    case TransportKind::kVerbs:
+#if KVSTASH_HAVE_VERBS
+      return transport::make_verbs_transport(o.verbs);
+#else
+      return Status::unsupported("this build has no verbs transport (meson -Dverbs=enabled)");
+#endif
   }
   return Status::invalid_argument("unknown transport");
 }
@@ -115,7 +123,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
   impl->options = options;
   std::vector<TransportKind> kinds = options.transports;
   const bool explicit_list = !kinds.empty();
-  if (!explicit_list) kinds = {TransportKind::kShm, TransportKind::kUcx, TransportKind::kTcp};
+  if (!explicit_list)
+    kinds = {TransportKind::kShm, TransportKind::kVerbs, TransportKind::kUcx, TransportKind::kTcp};
   for (TransportKind kind : kinds) {
     auto t = make_transport(kind, options);
     if (!t.is_ok()) {

@@ -1,0 +1,418 @@
+// The verbs transport's control path: device and port selection, memory registration, the
+// setup listener that builds a queue pair per incoming connection, and connect().
+#include "transport/verbs/verbs_transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <list>
+
+#include "common/log.h"
+#include "common/net.h"
+#include "transport/verbs/verbs_internal.h"
+#include "transport/verbs/verbs_wire.h"
+
+namespace kvstash::transport::verbs {
+
+// ---- small pieces shared with the datapath -----------------------------------------------
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+Fd::~Fd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string Registration::packed_key() const {
+  if (!remote_) return {};
+  KeyPart part{guid_, mr_->rkey};
+  return encode_key({&part, 1});
+}
+
+namespace {
+
+int remaining_ms(Deadline deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return left <= 0 ? 0 : static_cast<int>(std::min<long long>(left, 60000));
+}
+
+// Waits for `events` on fd until the deadline. kTimeout at the deadline.
+Status wait_fd(int fd, short events, Deadline deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int n = ::poll(&p, 1, remaining_ms(deadline));
+    if (n > 0) return {};
+    if (n == 0) return Status::timeout("verbs: queue-pair setup timed out");
+    if (errno != EINTR) return Status::from_errno("verbs: poll", errno);
+  }
+}
+
+Status send_all(int fd, const char* p, std::size_t n, Deadline deadline) {
+  while (n > 0) {
+    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLOUT, deadline));
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (w <= 0) return Status::unavailable("verbs: setup connection lost while sending");
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return {};
+}
+
+Status recv_all(int fd, char* p, std::size_t n, Deadline deadline) {
+  while (n > 0) {
+    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLIN, deadline));
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (r <= 0) return Status::unavailable("verbs: setup connection closed by the peer");
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return {};
+}
+
+constexpr std::size_t kMaxFrame = 4096;
+constexpr auto kSetupTimeout = std::chrono::seconds(5);
+
+}  // namespace
+
+Status write_frame(int fd, std::string_view bytes, Deadline deadline) {
+  std::uint32_t n = htonl(static_cast<std::uint32_t>(bytes.size()));
+  KVSTASH_RETURN_IF_ERROR(send_all(fd, reinterpret_cast<const char*>(&n), sizeof n, deadline));
+  return send_all(fd, bytes.data(), bytes.size(), deadline);
+}
+
+Result<std::string> read_frame(int fd, Deadline deadline) {
+  std::uint32_t n = 0;
+  KVSTASH_RETURN_IF_ERROR(recv_all(fd, reinterpret_cast<char*>(&n), sizeof n, deadline));
+  n = ntohl(n);
+  if (n > kMaxFrame) return Status::invalid_argument("verbs: oversize setup message");
+  std::string s(n, '\0');
+  KVSTASH_RETURN_IF_ERROR(recv_all(fd, s.data(), n, deadline));
+  return s;
+}
+
+namespace {
+
+// ---- the transport ---------------------------------------------------------------------------
+
+class VerbsTransport final : public Transport {
+ public:
+  static Result<std::unique_ptr<VerbsTransport>> create(const VerbsOptions& options);
+  ~VerbsTransport() override;
+
+  TransportKind kind() const override { return TransportKind::kVerbs; }
+  Capabilities capabilities() const override {
+    return {.same_host_only = false,
+            .one_sided = true,
+            .rdma = true,
+            .cuda_memory = false,
+            .lanes = 1,
+            .slice_bytes = 0};
+  }
+  std::string local_address() const override { return address_; }
+  bool can_reach(std::string_view peer_address) const override;
+  Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
+                                                             bool remote_access) override;
+  Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address, Deadline deadline) override;
+
+ private:
+  VerbsTransport() = default;
+  QpConfig qp_config() const;
+  PortAddress port_address() const;
+  void serve();                   // the setup listener's thread
+  void accept_one(int listener);  // builds the target side of one connection
+
+  struct Accepted {
+    Fd socket;
+    Qp qp;
+  };
+
+  VerbsOptions options_;
+  std::shared_ptr<DeviceState> dev_;
+  Cq target_cq_;  // the target side's QPs never complete anything; verbs wants a CQ anyway
+  Fd listener_;
+  Fd wake_;
+  std::string address_;
+  std::list<Accepted> accepted_;  // touched by the listener thread only
+  std::thread thread_;
+};
+
+Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOptions& options) {
+  KVSTASH_ASSIGN_OR_RETURN(auto devices, discover(options.devices));
+  std::unique_ptr<VerbsTransport> t(new VerbsTransport());
+  t->options_ = options;
+  for (auto& d : devices) {
+    for (auto& p : d.ports) {
+      auto gid = p.active ? pick_gid(p) : std::nullopt;
+      if (!gid) continue;
+      auto dev = std::make_shared<DeviceState>();
+      dev->device = d;
+      dev->port = p;
+      dev->gid = *gid;
+      KVSTASH_ASSIGN_OR_RETURN(dev->ctx, open_device(d.name));
+      dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
+      if (!dev->pd) return Status::from_errno("verbs: allocate a protection domain", errno);
+      t->dev_ = std::move(dev);
+      break;
+    }
+    if (t->dev_) break;
+  }
+  if (!t->dev_) return Status::unsupported("verbs: no RDMA device with an active port here");
+  t->target_cq_.reset(ibv_create_cq(t->dev_->ctx.get(), 1, nullptr, nullptr, 0));
+  if (!t->target_cq_) return Status::from_errno("verbs: create CQ", errno);
+
+  KVSTASH_ASSIGN_OR_RETURN(net::HostPort listen, net::parse_host_port(options.listen));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
+  addrinfo* res = nullptr;
+  std::string port = std::to_string(listen.port);
+  if (getaddrinfo(listen.host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) {
+    return Status::invalid_argument("verbs: listen address '" + options.listen +
+                                    "' is not a numeric host:port");
+  }
+  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  int rc = ::bind(fd.get(), res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  if (rc != 0 || ::listen(fd.get(), 64) != 0) {
+    return Status::unavailable("verbs: cannot listen on " + options.listen + ": " + std::strerror(errno));
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+  char host[INET6_ADDRSTRLEN] = {};
+  std::uint16_t bound_port = 0;
+  if (bound.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&bound);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+    bound_port = ntohs(a->sin6_port);
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&bound);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+    bound_port = ntohs(a->sin_port);
+  }
+  t->listener_ = std::move(fd);
+  t->wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  std::string control = options.advertise;
+  if (control.empty()) {
+    control = bound.ss_family == AF_INET6 ? "[" + std::string(host) + "]:" + std::to_string(bound_port)
+                                          : std::string(host) + ":" + std::to_string(bound_port);
+  }
+  t->address_ = encode_address({control, {t->port_address()}});
+  t->thread_ = std::thread([p = t.get()] { p->serve(); });
+  KVSTASH_LOG_INFO("verbs: serving {} port {} (GID {}) for setup on {}", t->dev_->device.name,
+                   t->dev_->port.number, t->dev_->gid.to_string(), control);
+  return t;
+}
+
+VerbsTransport::~VerbsTransport() {
+  std::uint64_t one = 1;
+  if (wake_.get() >= 0) (void)!::write(wake_.get(), &one, sizeof one);
+  if (thread_.joinable()) thread_.join();
+  accepted_.clear();
+}
+
+PortAddress VerbsTransport::port_address() const {
+  return {dev_->device.name, dev_->device.node_guid, dev_->port.number,    dev_->port.ethernet,
+          dev_->gid.gid,     dev_->port.lid,         dev_->port.active_mtu};
+}
+
+QpConfig VerbsTransport::qp_config() const {
+  QpConfig c;
+  c.max_send_wr =
+      std::min<std::uint32_t>(options_.send_queue_depth, static_cast<std::uint32_t>(dev_->device.max_qp_wr));
+  c.max_send_sge = static_cast<std::uint32_t>(std::max(1, std::min(dev_->device.max_sge, 16)));
+  c.max_rd_atomic = static_cast<std::uint8_t>(
+      std::clamp<int>(static_cast<int>(options_.max_rd_atomic), 1, std::max(1, dev_->device.max_qp_rd_atom)));
+  c.timeout = static_cast<std::uint8_t>(std::min<std::uint32_t>(options_.retry_timeout, 31));
+  c.retry_cnt = static_cast<std::uint8_t>(std::min<std::uint32_t>(options_.retry_count, 7));
+  return c;
+}
+
+bool VerbsTransport::can_reach(std::string_view peer_address) const {
+  auto peer = decode_address(peer_address);
+  if (!peer.is_ok()) return false;
+  PortAddress ours = port_address();
+  return match_ports({&ours, 1}, peer->ports).has_value();
+}
+
+Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const MemoryRegion& region,
+                                                                           bool remote_access) {
+  if (region.addr == nullptr || region.length == 0) return Status::invalid_argument("verbs: empty region");
+  if (region.kind != MemoryKind::kHost) {
+    return Status::unsupported("verbs: GPU memory registration (GPUDirect) is not built yet");
+  }
+  int access = IBV_ACCESS_LOCAL_WRITE;
+  if (remote_access) access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  Mr mr(ibv_reg_mr(dev_->pd.get(), region.addr, region.length, access));
+  if (!mr) {
+    int e = errno;
+    if (e == ENOMEM) {
+      return Status::no_space("verbs: cannot register " + std::to_string(region.length) +
+                              " bytes (RLIMIT_MEMLOCK too low?)");
+    }
+    return Status::from_errno("verbs: register memory", e);
+  }
+  return std::unique_ptr<LocalRegistration>(
+      std::make_unique<Registration>(std::move(mr), dev_->device.node_guid, remote_access));
+}
+
+Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_address, Deadline deadline) {
+  KVSTASH_ASSIGN_OR_RETURN(Address peer, decode_address(peer_address));
+  PortAddress ours = port_address();
+  auto match = match_ports({&ours, 1}, peer.ports);
+  if (!match) return Status::unsupported("verbs: no RDMA port of ours can reach the peer's");
+  const PortAddress& theirs = peer.ports[match->second];
+
+  KVSTASH_ASSIGN_OR_RETURN(net::HostPort hp, net::parse_host_port(peer.control));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST;
+  addrinfo* res = nullptr;
+  std::string port = std::to_string(hp.port);
+  if (getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) {
+    return Status::invalid_argument("verbs: peer setup address '" + peer.control + "' is not numeric");
+  }
+  Fd sock(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  int rc = ::connect(sock.get(), res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  if (rc != 0 && errno != EINPROGRESS) {
+    return Status::unavailable("verbs: cannot reach " + peer.control + ": " + std::strerror(errno));
+  }
+  KVSTASH_RETURN_IF_ERROR(wait_fd(sock.get(), POLLOUT, deadline));
+  int err = 0;
+  socklen_t len = sizeof err;
+  ::getsockopt(sock.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+  if (err != 0) return Status::unavailable("verbs: cannot reach " + peer.control + ": " + std::strerror(err));
+  int one = 1;
+  ::setsockopt(sock.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+
+  ibv_comp_channel* channel = ibv_create_comp_channel(dev_->ctx.get());
+  if (channel == nullptr) return Status::from_errno("verbs: create completion channel", errno);
+  const QpConfig cfg = qp_config();
+  Cq cq(ibv_create_cq(dev_->ctx.get(), static_cast<int>(cfg.max_send_wr) + 1, nullptr, channel, 0));
+  if (!cq) {
+    ibv_destroy_comp_channel(channel);
+    return Status::from_errno("verbs: create CQ", errno);
+  }
+  auto qp = create_rc_qp(dev_->pd.get(), cq.get(), cfg);
+  auto cleanup = [&] {
+    cq.reset();
+    ibv_destroy_comp_channel(channel);
+  };
+  if (!qp.is_ok()) {
+    cleanup();
+    return qp.status();
+  }
+  Hello mine{dev_->device.node_guid,
+             {(*qp)->qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
+             cfg.max_rd_atomic};
+  Status s = write_frame(sock.get(), encode_hello(mine), deadline);
+  Result<std::string> reply = s.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(s);
+  Result<Hello> theirs_hello = reply.is_ok() ? decode_hello(*reply) : Result<Hello>(reply.status());
+  if (theirs_hello.is_ok() && theirs_hello->node_guid != theirs.node_guid) {
+    theirs_hello =
+        Status::invalid_argument("verbs: the peer answered from another device than it advertises");
+  }
+  if (!theirs_hello.is_ok()) {
+    qp->reset();
+    cleanup();
+    return theirs_hello.status().with_context("verbs setup with " + peer.control);
+  }
+  QpConfig peer_cfg = cfg;
+  peer_cfg.max_rd_atomic = std::min(cfg.max_rd_atomic, theirs_hello->max_rd_atomic);
+  Status up = connect_rc_qp(qp->get(), dev_->port, dev_->gid, mine.qp.psn, theirs_hello->qp, peer_cfg);
+  if (!up.is_ok()) {
+    qp->reset();
+    cleanup();
+    return up;
+  }
+  return std::shared_ptr<Endpoint>(std::make_shared<VerbsEndpoint>(
+      dev_, channel, std::move(cq), std::move(qp).value(), std::move(sock), options_));
+}
+
+void VerbsTransport::accept_one(int listener) {
+  Fd sock(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (sock.get() < 0) return;
+  const Deadline deadline = deadline_after(kSetupTimeout);
+  auto frame = read_frame(sock.get(), deadline);
+  auto hello = frame.is_ok() ? decode_hello(*frame) : Result<Hello>(frame.status());
+  if (!hello.is_ok()) {
+    KVSTASH_LOG_WARN("verbs: refused a queue-pair setup: {}", hello.status().to_string());
+    return;
+  }
+  QpConfig cfg = qp_config();
+  cfg.max_rd_atomic = std::min(cfg.max_rd_atomic, hello->max_rd_atomic);
+  auto qp = create_rc_qp(dev_->pd.get(), target_cq_.get(), cfg);
+  if (!qp.is_ok()) {
+    KVSTASH_LOG_WARN("verbs: cannot create a QP for a peer: {}", qp.status().to_string());
+    return;
+  }
+  Hello mine{dev_->device.node_guid,
+             {(*qp)->qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
+             cfg.max_rd_atomic};
+  Status up = connect_rc_qp(qp->get(), dev_->port, dev_->gid, mine.qp.psn, hello->qp, cfg);
+  if (up.is_ok()) up = write_frame(sock.get(), encode_hello(mine), deadline);
+  if (!up.is_ok()) {
+    KVSTASH_LOG_WARN("verbs: queue-pair setup failed: {}", up.to_string());
+    return;
+  }
+  accepted_.push_back({std::move(sock), std::move(qp).value()});
+}
+
+void VerbsTransport::serve() {
+  for (;;) {
+    std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    for (const auto& a : accepted_) fds.push_back({a.socket.get(), POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if (fds[0].revents & POLLIN) accept_one(listener_.get());
+    // A peer that closed its setup connection is gone: its QP goes with it.
+    std::size_t i = 2;
+    for (auto it = accepted_.begin(); it != accepted_.end() && i < fds.size(); ++i) {
+      if (fds[i].revents != 0) {
+        char buf[64];
+        if (::recv(it->socket.get(), buf, sizeof buf, 0) <= 0) {
+          it = accepted_.erase(it);
+          continue;
+        }
+      }
+      ++it;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvstash::transport::verbs
+
+namespace kvstash::transport {
+
+Result<std::unique_ptr<Transport>> make_verbs_transport(const VerbsOptions& options) {
+  KVSTASH_ASSIGN_OR_RETURN(auto t, verbs::VerbsTransport::create(options));
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace kvstash::transport

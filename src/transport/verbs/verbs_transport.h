@@ -1,0 +1,16 @@
+// The verbs transport's factory; everything else about it is private to src/transport/verbs/.
+#pragma once
+
+#include <memory>
+
+#include "kvstash/engine.h"
+#include "transport/transport.h"
+
+namespace kvstash::transport {
+
+// Starts a verbs transport on the first usable RDMA port. Errors: kUnsupported when this
+// host has no RDMA device with an active port (the engine then leaves verbs out quietly),
+// kUnavailable (the setup listener cannot bind), kIoError.
+Result<std::unique_ptr<Transport>> make_verbs_transport(const VerbsOptions& options);
+
+}  // namespace kvstash::transport
