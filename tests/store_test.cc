@@ -172,6 +172,46 @@ TEST_F(StoreTest, RoundTripsAreBitExactAcrossSizesAndTransports) {
   }
 }
 
+// A client that has only the verbs transport: every byte goes over RDMA to the node's pool
+// (in the Soft-RoCE lane, over rxe0). Skips where there is no RDMA device.
+TEST_F(StoreTest, RoundTripsOverVerbs) {
+  StoreOptions o;
+  o.redis_url = redis_->url();
+  o.engine.transports = {TransportKind::kVerbs};
+  o.timeout = 30s;
+  auto probe = Engine::create({.transports = {TransportKind::kVerbs}});
+  if (!probe.is_ok()) {
+    if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << probe.status().to_string();
+    GTEST_SKIP() << "no RDMA device here; the Soft-RoCE lane runs this (scripts/rdma-vm)";
+  }
+  probe->reset();
+  auto n = node("n1", "24MiB");
+  ASSERT_TRUE(n);
+  auto store = Store::open(o);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  for (std::size_t size : {std::size_t{1}, std::size_t{kPage + 4097}, std::size_t{5 * kPage}}) {
+    SCOPED_TRACE(size);
+    std::vector<std::byte> data(size);
+    fill(data);
+    std::string key = "v";
+    key += std::to_string(size);
+    ASSERT_TRUE(put_bytes(**store, key, data).is_ok());
+    auto back = get_bytes(**store, key, size);
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(test::first_mismatch(back->data(), data.data(), size), -1);
+  }
+  // The node dies: the next get fails within its deadline instead of hanging.
+  n->kill();
+  std::vector<std::byte> out(kPage + 4097);
+  Slice s{out.data(), out.size()};
+  auto start = Clock::now();
+  std::string key = "v";
+  key += std::to_string(kPage + 4097);
+  auto r = (*store)->get(key, {&s, 1}, {.deadline = deadline_after(5s)});
+  EXPECT_LT(Clock::now() - start, 7s);
+  EXPECT_FALSE(r.is_ok());
+}
+
 TEST_F(StoreTest, ObjectsSpanPagesAndTwoNodes) {
   auto a = node("a", "8MiB");
   auto b = node("b", "8MiB");
