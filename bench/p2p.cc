@@ -167,6 +167,8 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   EngineOptions eo;
   eo.transports = transports;
   eo.tcp = tcp;
+  // The verbs queue-pair setup listens on the same host as tcp (any free port).
+  eo.verbs.listen = tcp.listen.substr(0, tcp.listen.rfind(':')) + ":0";
   eo.ucx.allow_emulated_rma = true;  // a benchmark target on loopback: see UcxOptions
   auto engine = Engine::create(eo);
   if (!engine.is_ok()) {

@@ -85,8 +85,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option(
          "--listen", opts.engine.tcp.listen,
-         "tcp transport: address to serve on (host:port, port 0 = any free port). Loopback by default: "
-         "serving a network is an explicit choice")
+         "tcp transport: address to serve on (host:port, port 0 = any free port); the verbs transport's "
+         "queue-pair setup listens on the same host. Loopback by default: serving a network is an explicit "
+         "choice")
       ->capture_default_str();
   app.add_option("--advertise", opts.engine.tcp.advertise,
                  "tcp transport: address clients should connect to");
@@ -137,6 +138,8 @@ int main(int argc, char** argv) {
     opts.require_huge_pages = huge == "on";
     opts.engine.transports = parse_transports(transports);
     opts.engine.ucx.allow_emulated_rma = emulated_rma;
+    // The verbs queue-pair setup listens on the --listen host too (any free port).
+    opts.engine.verbs.listen = opts.engine.tcp.listen.substr(0, opts.engine.tcp.listen.rfind(':')) + ":0";
     if (!password_file.empty()) {
       opts.redis_password = read_secret(password_file);
     } else if (const char* pw = std::getenv("KVSTASH_REDIS_PASSWORD")) {
