@@ -322,18 +322,47 @@ std::vector<TransportKind> transports() {
 INSTANTIATE_TEST_SUITE_P(Transports, P2P, ::testing::ValuesIn(transports()),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
-TEST(P2PToken, TargetWithClusterTokenRefusesClientsWithoutIt) {
+class P2PToken : public ::testing::TestWithParam<TransportKind> {};
+
+std::vector<TransportKind> network_transports() {
+  std::vector<TransportKind> v{TransportKind::kTcp};
+#if KVSTASH_HAVE_VERBS
+  v.push_back(TransportKind::kVerbs);
+#endif
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, P2PToken, ::testing::ValuesIn(network_transports()),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST_P(P2PToken, TargetWithClusterTokenRefusesClientsWithoutIt) {
   if (std::getenv("KVSTASH_P2P_PEER") == nullptr) GTEST_SKIP() << "KVSTASH_P2P_PEER not set";
-  PeerProcess peer(4096, "tcp", "cluster-secret");
+  const TransportKind kind = GetParam();
+  if (kind == TransportKind::kVerbs && !Engine::create({.transports = {kind}}).is_ok()) {
+    if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << "no verbs device in the Soft-RoCE lane";
+    GTEST_SKIP() << "no RDMA device here; the Soft-RoCE lane runs this (scripts/rdma-vm)";
+  }
+  PeerProcess peer(4096, std::string(to_string(kind)), "cluster-secret");
   ASSERT_TRUE(peer.ok());
-  auto anon = Engine::create({.transports = {TransportKind::kTcp}}).value();
+  auto anon = Engine::create({.transports = {kind}}).value();
   auto r = anon->connect(peer.address(), deadline_after(5s));
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
-  EngineOptions o{.transports = {TransportKind::kTcp}};
+  EngineOptions wrong{.transports = {kind}};
+  wrong.tcp.cluster_token = "guess";
+  r = Engine::create(wrong).value()->connect(peer.address(), deadline_after(5s));
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
+  EngineOptions o{.transports = {kind}};
   o.tcp.cluster_token = "cluster-secret";
   auto member = Engine::create(o).value();
-  EXPECT_TRUE(member->connect(peer.address(), deadline_after(5s)).is_ok());
+  auto conn = member->connect(peer.address(), deadline_after(5s));
+  ASSERT_TRUE(conn.is_ok()) << conn.status().to_string();
+  auto remote = (*conn)->import_key(peer.key());
+  ASSERT_TRUE(remote.is_ok()) << remote.status().to_string();
+  auto buf = Buffer::allocate(4096).value();
+  auto mem = member->register_memory(buf.region(), Access::kLocal).value();
+  TransferEntry e{TransferOp::kRead, &mem, buf.data(), remote->base(), &*remote, 4096};
+  EXPECT_TRUE((*conn)->transfer({&e, 1}, deadline_after(10s)).is_ok());
 }
 
 }  // namespace

@@ -56,6 +56,10 @@ TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
   h.node_guid = 0xabcdef;
   h.qp = {0x123456, 0xfedcba, gid_of("::ffff:192.168.77.1"), 0, IBV_MTU_1024};
   h.max_rd_atomic = 16;
+  h.nonce[0] = 7;
+  h.nonce[15] = 9;
+  h.token_required = true;
+  h.mac[31] = 0x5a;
   auto back = decode_hello(encode_hello(h));
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(back->node_guid, h.node_guid);
@@ -64,6 +68,9 @@ TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
   EXPECT_EQ(std::memcmp(back->qp.gid.raw, h.qp.gid.raw, 16), 0);
   EXPECT_EQ(back->qp.mtu, IBV_MTU_1024);
   EXPECT_EQ(back->max_rd_atomic, 16);
+  EXPECT_EQ(back->nonce, h.nonce);
+  EXPECT_TRUE(back->token_required);
+  EXPECT_EQ(back->mac, h.mac);
 
   auto refused = [&](auto mutate) {
     Hello x = h;

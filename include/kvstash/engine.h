@@ -105,6 +105,9 @@ struct VerbsOptions {
   // ~0.5 s); closing the setup connection fails them at once.
   std::uint32_t retry_timeout = 14;
   std::uint32_t retry_count = 7;
+  // Shared cluster secret checked when queue pairs are set up (HMAC challenge-response, as
+  // tcp's). Empty: TcpOptions::cluster_token, so one token covers every network transport.
+  std::string cluster_token;
 };
 
 struct EngineOptions {

@@ -89,7 +89,11 @@ Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind,
 #endif
     case TransportKind::kVerbs:
 #if KVSTASH_HAVE_VERBS
-      return transport::make_verbs_transport(o.verbs);
+    {
+      VerbsOptions v = o.verbs;
+      if (v.cluster_token.empty()) v.cluster_token = o.tcp.cluster_token;
+      return transport::make_verbs_transport(v);
+    }
 #else
       return Status::unsupported("this build has no verbs transport (meson -Dverbs=enabled)");
 #endif

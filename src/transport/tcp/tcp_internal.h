@@ -26,6 +26,7 @@
 
 #include "transport/tcp/asio.h"
 
+#include "common/handshake.h"
 #include "kvstash/engine.h"
 #include "transport/transport.h"
 
@@ -39,8 +40,8 @@ static_assert(std::endian::native == std::endian::little, "the tcp protocol is l
 inline constexpr std::uint32_t kServerMagic = 0x5354564b;  // "KVTS"
 inline constexpr std::uint32_t kClientMagic = 0x4354564b;  // "KVTC"
 inline constexpr std::uint8_t kProtocolVersion = 1;
-inline constexpr std::size_t kNonceBytes = 16;
-inline constexpr std::size_t kMacBytes = 32;
+inline constexpr std::size_t kNonceBytes = handshake::kNonceBytes;
+inline constexpr std::size_t kMacBytes = handshake::kMacBytes;
 
 struct ServerHello {
   std::uint32_t magic;
@@ -76,9 +77,11 @@ struct ResponseHeader {
 enum class RefusalReason : std::uint32_t { kNone = 0, kUnknownKey, kOutOfRange, kBadOp };
 static_assert(sizeof(RequestHeader) == 32 && sizeof(ResponseHeader) == 16);
 
-// HMAC-SHA256(token, role || nonce_s || nonce_c).
-void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
-                   const std::uint8_t* nonce_c, std::uint8_t* mac_out);
+// HMAC-SHA256(token, role || nonce_s || nonce_c) (common/handshake.h).
+inline void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
+                          const std::uint8_t* nonce_c, std::uint8_t* mac_out) {
+  handshake::mac(token, role, nonce_s, nonce_c, mac_out);
+}
 
 // Regions this process serves. Lookups take a reference that holds off deregistration until
 // the request that uses it is done, so memory is never touched after deregister returns.

@@ -288,16 +288,6 @@ class TcpTransport final : public Transport {
 
 }  // namespace
 
-void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
-                   const std::uint8_t* nonce_c, std::uint8_t* mac_out) {
-  std::string msg(role);
-  msg.append(reinterpret_cast<const char*>(nonce_s), kNonceBytes);
-  msg.append(reinterpret_cast<const char*>(nonce_c), kNonceBytes);
-  unsigned int len = kMacBytes;
-  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
-       reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac_out, &len);
-}
-
 IoRuntime::IoRuntime(std::uint32_t threads) : work_(asio::make_work_guard(io_)) {
   for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, threads); ++i) {
     threads_.emplace_back([this] { io_.run(); });

@@ -13,12 +13,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <list>
 
+#include "common/handshake.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "common/system.h"
 #include "transport/verbs/verbs_internal.h"
 #include "transport/verbs/verbs_wire.h"
 
@@ -327,12 +330,43 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
   Hello mine{dev_->device.node_guid,
              {(*qp)->qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
              cfg.max_rd_atomic};
+  sys::random_bytes(mine.nonce.data(), mine.nonce.size());
+  mine.token_required = !options_.cluster_token.empty();
   Status s = write_frame(sock.get(), encode_hello(mine), deadline);
   Result<std::string> reply = s.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(s);
   Result<Hello> theirs_hello = reply.is_ok() ? decode_hello(*reply) : Result<Hello>(reply.status());
   if (theirs_hello.is_ok() && theirs_hello->node_guid != theirs.node_guid) {
     theirs_hello =
         Status::invalid_argument("verbs: the peer answered from another device than it advertises");
+  }
+  if (theirs_hello.is_ok()) {
+    // The cluster token, both ways: the target proves it first, then we do; the target brings
+    // its queue pair up only after our proof, and says so with one byte.
+    const std::string& token = options_.cluster_token;
+    std::array<std::uint8_t, handshake::kMacBytes> proof{};
+    if (theirs_hello->token_required && token.empty()) {
+      theirs_hello =
+          Status::permission_denied("verbs: the target requires a cluster token and none is configured");
+    } else if (!token.empty()) {
+      std::array<std::uint8_t, handshake::kMacBytes> expect{};
+      handshake::mac(token, "server", theirs_hello->nonce.data(), mine.nonce.data(), expect.data());
+      if (!theirs_hello->token_required || !handshake::equal(expect.data(), theirs_hello->mac.data())) {
+        theirs_hello = Status::permission_denied("verbs: the target could not prove the cluster token");
+      } else {
+        handshake::mac(token, "client", theirs_hello->nonce.data(), mine.nonce.data(), proof.data());
+      }
+    }
+    if (theirs_hello.is_ok()) {
+      Status sent =
+          write_frame(sock.get(), {reinterpret_cast<const char*>(proof.data()), proof.size()}, deadline);
+      auto verdict = sent.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(sent);
+      if (!verdict.is_ok() || *verdict != "\x01") {
+        theirs_hello =
+            verdict.is_ok() || verdict.status().code() == StatusCode::kUnavailable
+                ? Status::permission_denied("verbs: the target refused this client's cluster token")
+                : verdict.status();
+      }
+    }
   }
   if (!theirs_hello.is_ok()) {
     qp->reset();
@@ -371,8 +405,29 @@ void VerbsTransport::accept_one(int listener) {
   Hello mine{dev_->device.node_guid,
              {(*qp)->qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
              cfg.max_rd_atomic};
-  Status up = connect_rc_qp(qp->get(), dev_->port, dev_->gid, mine.qp.psn, hello->qp, cfg);
-  if (up.is_ok()) up = write_frame(sock.get(), encode_hello(mine), deadline);
+  const std::string& token = options_.cluster_token;
+  sys::random_bytes(mine.nonce.data(), mine.nonce.size());
+  mine.token_required = !token.empty();
+  if (!token.empty())
+    handshake::mac(token, "server", mine.nonce.data(), hello->nonce.data(), mine.mac.data());
+  Status up = write_frame(sock.get(), encode_hello(mine), deadline);
+  // The queue pair comes up only for a client that proved the token: until then it is in
+  // RESET and drops every request addressed to it.
+  auto proof = up.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(up);
+  if (!proof.is_ok() || proof->size() != handshake::kMacBytes) {
+    KVSTASH_LOG_WARN("verbs: queue-pair setup abandoned by the peer");
+    return;
+  }
+  if (!token.empty()) {
+    std::array<std::uint8_t, handshake::kMacBytes> expect{};
+    handshake::mac(token, "client", mine.nonce.data(), hello->nonce.data(), expect.data());
+    if (!handshake::equal(expect.data(), reinterpret_cast<const std::uint8_t*>(proof->data()))) {
+      KVSTASH_LOG_WARN("verbs: refused a client that failed the cluster-token handshake");
+      return;  // closing the socket tells it
+    }
+  }
+  up = connect_rc_qp(qp->get(), dev_->port, dev_->gid, mine.qp.psn, hello->qp, cfg);
+  if (up.is_ok()) up = write_frame(sock.get(), "\x01", deadline);
   if (!up.is_ok()) {
     KVSTASH_LOG_WARN("verbs: queue-pair setup failed: {}", up.to_string());
     return;

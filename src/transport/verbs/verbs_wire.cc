@@ -117,6 +117,9 @@ std::string encode_hello(const Hello& h) {
   w.u16(h.qp.lid);
   w.u8(static_cast<std::uint8_t>(h.qp.mtu));
   w.u8(h.max_rd_atomic);
+  w.raw({reinterpret_cast<const char*>(h.nonce.data()), h.nonce.size()});
+  w.u8(h.token_required ? 1 : 0);
+  w.raw({reinterpret_cast<const char*>(h.mac.data()), h.mac.size()});
   return w.take();
 }
 
@@ -132,6 +135,13 @@ Result<Hello> decode_hello(std::string_view bytes) {
   h.qp.lid = r.u16();
   std::uint8_t mtu = r.u8();
   h.max_rd_atomic = r.u8();
+  auto nonce = r.raw(h.nonce.size());
+  std::uint8_t token = r.u8();
+  auto mac = r.raw(h.mac.size());
+  if (nonce.size() == h.nonce.size()) std::memcpy(h.nonce.data(), nonce.data(), h.nonce.size());
+  if (mac.size() == h.mac.size()) std::memcpy(h.mac.data(), mac.data(), h.mac.size());
+  h.token_required = token == 1;
+  if (token > 1) return invalid("hello (token flag)");
   // QPNs and PSNs are 24-bit; QPN 0 and 1 are the special QPs, never an RC peer.
   if (!r.at_end() || h.qp.qpn < 2 || h.qp.qpn > 0xffffff || h.qp.psn > 0xffffff || !valid_mtu(mtu) ||
       h.max_rd_atomic == 0) {

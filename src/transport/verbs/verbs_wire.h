@@ -6,6 +6,7 @@
 // Thread safety: pure functions.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -42,11 +43,17 @@ struct Address {
 std::string encode_address(const Address& a);
 Result<Address> decode_address(std::string_view bytes);
 
-// The first connection message of each side: which device it uses, and its queue pair.
+// The first connection message of each side: which device it uses, its queue pair, and its
+// half of the cluster-token handshake (common/handshake.h). The client's mac is empty; the
+// server's proves the token when it requires one. The client answers with its own mac, and
+// the server brings its queue pair up only after checking it.
 struct Hello {
   std::uint64_t node_guid = 0;
   QpEndpoint qp;
   std::uint8_t max_rd_atomic = 1;  // READs this side accepts in flight
+  std::array<std::uint8_t, 16> nonce{};
+  bool token_required = false;
+  std::array<std::uint8_t, 32> mac{};
 };
 
 std::string encode_hello(const Hello& h);
