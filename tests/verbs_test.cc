@@ -12,6 +12,7 @@
 
 #include "test_util.h"
 #include "transport/verbs/verbs_device.h"
+#include "transport/verbs/verbs_gpu.h"
 #include "transport/verbs/verbs_qp.h"
 #include "transport/verbs/verbs_wr.h"
 
@@ -329,6 +330,32 @@ TEST(Verbs, ADeadPeerFailsPendingRequestsWithinTheRetryBudget) {
   EXPECT_NE(st, IBV_WC_SUCCESS);
   EXPECT_NE(st, IBV_WC_GENERAL_ERR) << "no completion within 10 s: the request hung";
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+// Without a GPU (every machine here, and the lane's guest) no GPUDirect path exists: the
+// registration says so, naming why each path was ruled out, instead of failing obscurely.
+TEST(Verbs, GpuRegistrationTakesAPathOrExplainsWhyOnlyStagingIsLeft) {
+  REQUIRE_RDMA();
+  (void)port;
+  EXPECT_EQ(to_string(GpuPath::kDmaBuf), "dma-buf");
+  EXPECT_EQ(to_string(GpuPath::kPeerMem), "nvidia-peermem");
+  EXPECT_EQ(to_string(GpuPath::kStaging), "staging");
+  Context ctx = open_device(device.name).value();
+  Pd pd(ibv_alloc_pd(ctx.get()));
+  ASSERT_TRUE(pd);
+  alignas(4096) static std::byte page[1u << 16];
+  auto r = register_gpu_memory(pd.get(), page, sizeof page, IBV_ACCESS_LOCAL_WRITE);
+  if (r.is_ok()) {
+    // A GPU host with nvidia-peermem takes any pointer; the path must be named.
+    EXPECT_NE(r->path, GpuPath::kStaging);
+    return;
+  }
+  EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);
+  const std::string m = r.status().message();
+  EXPECT_NE(m.find("staging"), std::string::npos) << m;
+  EXPECT_NE(m.find("dma-buf:"), std::string::npos) << m;
+  EXPECT_NE(m.find("nvidia-peermem:"), std::string::npos) << m;
+  EXPECT_EQ(register_gpu_memory(pd.get(), nullptr, 0, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

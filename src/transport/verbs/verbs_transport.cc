@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "common/system.h"
+#include "transport/verbs/verbs_gpu.h"
 #include "transport/verbs/verbs_internal.h"
 #include "transport/verbs/verbs_wire.h"
 
@@ -124,7 +125,7 @@ class VerbsTransport final : public Transport {
     return {.same_host_only = false,
             .one_sided = true,
             .rdma = true,
-            .cuda_memory = false,
+            .cuda_memory = true,
             .lanes = 1,
             .slice_bytes = 0};
   }
@@ -261,11 +262,17 @@ bool VerbsTransport::can_reach(std::string_view peer_address) const {
 Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const MemoryRegion& region,
                                                                            bool remote_access) {
   if (region.addr == nullptr || region.length == 0) return Status::invalid_argument("verbs: empty region");
-  if (region.kind != MemoryKind::kHost) {
-    return Status::unsupported("verbs: GPU memory registration (GPUDirect) is not built yet");
-  }
   int access = IBV_ACCESS_LOCAL_WRITE;
   if (remote_access) access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  if (region.kind == MemoryKind::kCuda) {
+    // GPUDirect: the NIC reaches GPU memory itself (dma-buf, else nvidia-peermem).
+    KVSTASH_ASSIGN_OR_RETURN(GpuRegistration gpu,
+                             register_gpu_memory(dev_->pd.get(), region.addr, region.length, access));
+    KVSTASH_LOG_INFO("verbs: registered {} bytes of GPU memory through {}", region.length,
+                     to_string(gpu.path));
+    return std::unique_ptr<LocalRegistration>(
+        std::make_unique<Registration>(std::move(gpu.mr), dev_->device.node_guid, remote_access));
+  }
   Mr mr(ibv_reg_mr(dev_->pd.get(), region.addr, region.length, access));
   if (!mr) {
     int e = errno;
