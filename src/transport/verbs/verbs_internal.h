@@ -106,7 +106,9 @@ class VerbsEndpoint final : public Endpoint {
   // With mu_ held: the QP goes to ERROR (every posted request flushes) and nothing new posts.
   void fail(const Status& why);
   void poll_loop();
+  // Reaps completions into `done`; abort() waits until deliver() handed them to their sinks.
   void reap(std::vector<Done>& done);
+  void deliver(std::vector<Done>& done);
 
   std::shared_ptr<DeviceState> dev_;
   ibv_comp_channel* channel_;
@@ -122,6 +124,9 @@ class VerbsEndpoint final : public Endpoint {
   std::vector<Slot> slots_;
   std::vector<std::uint32_t> free_slots_;
   std::uint32_t in_flight_wrs_ = 0;
+  // Completions the poller reaped but has not delivered yet (it delivers outside mu_):
+  // abort() waits for them, since the engine may free a sink as soon as abort returns.
+  std::uint64_t undelivered_ = 0;
   std::deque<Op> pending_;
   Status broken_;                                            // set once the connection failed
   std::vector<std::pair<CompletionSink*, Status>> aborted_;  // sinks being aborted and why

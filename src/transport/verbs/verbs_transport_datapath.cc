@@ -196,8 +196,8 @@ void VerbsEndpoint::abort(CompletionSink* sink, const Status& reason) {
     aborted_.emplace_back(sink, reason);
     fail(Status::unavailable("verbs: connection torn down to cancel an op"));
     idle_.wait(lock, [&] {
-      return std::none_of(slots_.begin(), slots_.end(),
-                          [&](const Slot& s) { return s.busy && s.sink == sink; });
+      return undelivered_ == 0 && std::none_of(slots_.begin(), slots_.end(),
+                                               [&](const Slot& s) { return s.busy && s.sink == sink; });
     });
     std::erase_if(aborted_, [&](const auto& a) { return a.first == sink; });
   }
@@ -237,16 +237,23 @@ void VerbsEndpoint::reap(std::vector<Done>& done) {
       for (const Op& op : pending_) done.push_back({op.sink, op.tag, broken_});
       pending_.clear();
     }
-    idle_.notify_all();
+    undelivered_ = done.size();
   }
+}
+
+void VerbsEndpoint::deliver(std::vector<Done>& done) {
+  for (auto& d : done) d.sink->complete(d.tag, std::move(d.status));
+  std::lock_guard lock(mu_);
+  undelivered_ = 0;
+  done.clear();
+  idle_.notify_all();
 }
 
 void VerbsEndpoint::poll_loop() {
   std::vector<Done> done;
   for (;;) {
     reap(done);
-    for (auto& d : done) d.sink->complete(d.tag, std::move(d.status));
-    done.clear();
+    deliver(done);
     {
       std::lock_guard lock(mu_);
       if (stopping_) return;
