@@ -115,8 +115,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   st->add_option("--object-size", object_size, "Every session exactly this size instead (e.g. 64MiB)");
   st->add_option("--backends", backends,
-                 "all (kvstash-ucx only when built with UCX), or a list of "
-                 "kvstash-shm,kvstash-tcp,kvstash-ucx,redis-bytes")
+                 "all (kvstash-ucx only when built with UCX, kvstash-verbs only where an RDMA device is "
+                 "active), or a list of kvstash-shm,kvstash-tcp,kvstash-ucx,kvstash-verbs,redis-bytes")
       ->capture_default_str();
   st->add_option("--rounds", store.rounds, "Rounds; each puts every session, then gets every one back")
       ->capture_default_str()

@@ -571,8 +571,9 @@ Result<std::vector<std::string>> parse_backends(std::string_view list) {
     const bool known = name == kRedisBytes || std::find(std::begin(kStoreBackends), std::end(kStoreBackends),
                                                         name) != std::end(kStoreBackends);
     if (!known) {
-      return Status::invalid_argument("unknown backend '" + name +
-                                      "' (kvstash-shm, kvstash-tcp, kvstash-ucx, redis-bytes)");
+      return Status::invalid_argument(
+          "unknown backend '" + name +
+          "' (kvstash-shm, kvstash-tcp, kvstash-ucx, kvstash-verbs, redis-bytes)");
     }
     if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
   }
@@ -587,6 +588,9 @@ int run_store(const StoreBenchOptions& options) {
   if (backends.empty()) {
     backends = {"kvstash-shm", "kvstash-tcp"};
     if (KVSTASH_HAVE_UCX) backends.emplace_back("kvstash-ucx");
+    // verbs only where this host has an RDMA device to run it on.
+    if (Engine::create({.transports = {TransportKind::kVerbs}}).is_ok())
+      backends.emplace_back("kvstash-verbs");
     backends.emplace_back(kRedisBytes);
   }
   auto wanted = [&](std::string_view name) {
@@ -595,7 +599,7 @@ int run_store(const StoreBenchOptions& options) {
   std::vector<std::pair<std::string, TransportKind>> store_backends;
   for (auto [name, kind] :
        {std::pair{"kvstash-shm", TransportKind::kShm}, std::pair{"kvstash-tcp", TransportKind::kTcp},
-        std::pair{"kvstash-ucx", TransportKind::kUcx}}) {
+        std::pair{"kvstash-ucx", TransportKind::kUcx}, std::pair{"kvstash-verbs", TransportKind::kVerbs}}) {
     if (wanted(name)) store_backends.emplace_back(name, kind);
   }
   const bool with_ucx = wanted("kvstash-ucx");

@@ -21,7 +21,8 @@ inline constexpr std::uint32_t kMaxTokens = 32768;
 // Backend names, in the order they are measured (the baseline first: the others' ratios
 // need it).
 inline constexpr std::string_view kRedisBytes = "redis-bytes";
-inline constexpr std::string_view kStoreBackends[] = {"kvstash-shm", "kvstash-tcp", "kvstash-ucx"};
+inline constexpr std::string_view kStoreBackends[] = {"kvstash-shm", "kvstash-tcp", "kvstash-ucx",
+                                                      "kvstash-verbs"};
 
 struct StoreBenchOptions {
   std::uint32_t sessions = 8;
