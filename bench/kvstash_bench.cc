@@ -4,6 +4,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "common/transports.h"
 #include "common/units.h"
 #include "p2p.h"
 #include "store.h"
@@ -22,15 +23,9 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 std::vector<TransportKind> parse_transports(const std::string& list) {
-  std::vector<TransportKind> out;
-  if (list == "all" || list.empty()) return out;
-  for (const auto& name : split(list)) {
-    auto k = parse_transport_kind(name);
-    if (!k)
-      throw CLI::ValidationError("--transport", "unknown transport '" + name + "' (shm, tcp, ucx, verbs)");
-    out.push_back(*k);
-  }
-  return out;
+  auto kinds = parse_transport_list(list);
+  if (!kinds.is_ok()) throw CLI::ValidationError("--transport", kinds.status().message());
+  return std::move(kinds).value();
 }
 
 }  // namespace

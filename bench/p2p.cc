@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "child.h"
+#include "common/net.h"
 #include "common/units.h"
 #include "kvstash/engine.h"
 #include "references.h"
@@ -168,7 +169,7 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   eo.transports = transports;
   eo.tcp = tcp;
   // The verbs queue-pair setup listens on the same host as tcp (any free port).
-  eo.verbs.listen = tcp.listen.substr(0, tcp.listen.rfind(':')) + ":0";
+  eo.verbs.listen = net::same_host_any_port(tcp.listen);
   eo.ucx.allow_emulated_rma = true;  // a benchmark target on loopback: see UcxOptions
   auto engine = Engine::create(eo);
   if (!engine.is_ok()) {

@@ -1,5 +1,17 @@
 #include "common/net.h"
 
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
 namespace kvstash::net {
 
 // "host:port", "[v6]:port".
@@ -29,6 +41,107 @@ Result<HostPort> parse_host_port(std::string_view s) {
   }
   hp.port = static_cast<std::uint16_t>(v);
   return hp;
+}
+
+std::string same_host_any_port(std::string_view host_port) {
+  std::string out(host_port.substr(0, host_port.rfind(':')));
+  out += ":0";
+  return out;
+}
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+Fd::~Fd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status wait_fd(int fd, short events, Deadline deadline, std::string_view what) {
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      std::string m(what);
+      return Status::timeout(m.append(" timed out"));
+    }
+    pollfd p{fd, events, 0};
+    int n = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    if (n > 0) return {};
+    if (n < 0 && errno != EINTR) return Status::from_errno("poll", errno);
+  }
+}
+
+Status send_all(int fd, const void* data, std::size_t n, Deadline deadline, std::string_view what) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLOUT, deadline, what));
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      std::string m(what);
+      return Status::unavailable(m.append(": ").append(std::strerror(errno)));
+    }
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return {};
+}
+
+Status recv_all(int fd, void* data, std::size_t n, Deadline deadline, std::string_view what) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLIN, deadline, what));
+    ssize_t k = ::recv(fd, p, n, 0);
+    if (k == 0) {
+      std::string m(what);
+      return Status::unavailable(m.append(": the peer closed the connection"));
+    }
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      std::string m(what);
+      return Status::unavailable(m.append(": ").append(std::strerror(errno)));
+    }
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return {};
+}
+
+Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string port = std::to_string(hp.port);
+  if (int rc = getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return Status::unavailable("cannot resolve '" + hp.host + "': " + gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  Status last = Status::unavailable("no address for '" + hp.host + "'");
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    Fd s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (s.get() < 0) return Status::from_errno("socket", errno);
+    if (::connect(s.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(errno));
+      continue;
+    }
+    KVSTASH_RETURN_IF_ERROR(wait_fd(s.get(), POLLOUT, deadline, "connect"));
+    int err = 0;
+    socklen_t len = sizeof err;
+    getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) {
+      last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(err));
+      continue;
+    }
+    int one = 1;
+    setsockopt(s.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return s;
+  }
+  return last;
 }
 
 }  // namespace kvstash::net

@@ -1,5 +1,9 @@
 #include "kvstash/types.h"
 
+#include <string>
+
+#include "common/transports.h"
+
 namespace kvstash {
 
 std::string_view to_string(TransferOp op) { return op == TransferOp::kRead ? "read" : "write"; }
@@ -19,6 +23,25 @@ std::optional<TransportKind> parse_transport_kind(std::string_view name) {
     if (to_string(k) == name) return k;
   }
   return std::nullopt;
+}
+
+Result<std::vector<TransportKind>> parse_transport_list(std::string_view list) {
+  std::vector<TransportKind> out;
+  if (list == "all") return out;
+  while (!list.empty()) {
+    const std::size_t comma = list.find(',');
+    const std::string_view name = list.substr(0, comma);
+    list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+    if (name.empty()) continue;
+    auto kind = parse_transport_kind(name);
+    if (!kind) {
+      std::string m = "unknown transport '";
+      m.append(name).append("' (shm, tcp, ucx, verbs)");
+      return Status::invalid_argument(std::move(m));
+    }
+    out.push_back(*kind);
+  }
+  return out;
 }
 
 }  // namespace kvstash

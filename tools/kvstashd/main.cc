@@ -5,9 +5,10 @@
 #include <CLI/CLI.hpp>
 #include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "common/log.h"
+#include "common/net.h"
+#include "common/transports.h"
 #include "common/units.h"
 #include "node/admin_server.h"
 #include "node/memory_node.h"
@@ -22,19 +23,6 @@ std::string read_secret(const std::string& path) {
   std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
   return s;
-}
-
-std::vector<TransportKind> parse_transports(const std::string& list) {
-  std::vector<TransportKind> out;
-  if (list == "all" || list.empty()) return out;
-  std::stringstream in(list);
-  for (std::string name; std::getline(in, name, ',');) {
-    auto k = parse_transport_kind(name);
-    if (!k)
-      throw CLI::ValidationError("--transports", "unknown transport '" + name + "' (shm, tcp, ucx, verbs)");
-    out.push_back(*k);
-  }
-  return out;
 }
 
 // 2: the command line or configuration is wrong; 1: the node could not start or run.
@@ -136,10 +124,12 @@ int main(int argc, char** argv) {
     opts.reclaim_interval = *rc;
     opts.huge_pages = huge != "off";
     opts.require_huge_pages = huge == "on";
-    opts.engine.transports = parse_transports(transports);
+    auto kinds = parse_transport_list(transports);
+    if (!kinds.is_ok()) throw CLI::ValidationError("--transports", kinds.status().message());
+    opts.engine.transports = std::move(kinds).value();
     opts.engine.ucx.allow_emulated_rma = emulated_rma;
     // The verbs queue-pair setup listens on the --listen host too (any free port).
-    opts.engine.verbs.listen = opts.engine.tcp.listen.substr(0, opts.engine.tcp.listen.rfind(':')) + ":0";
+    opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
     if (!password_file.empty()) {
       opts.redis_password = read_secret(password_file);
     } else if (const char* pw = std::getenv("KVSTASH_REDIS_PASSWORD")) {

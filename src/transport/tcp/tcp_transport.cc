@@ -54,88 +54,16 @@ std::optional<HostPort> decode_address(std::string_view blob) {
   return hp;
 }
 
-// Blocking socket helpers for the client side of the handshake, each bounded by a deadline.
-Status wait_fd(int fd, short events, Deadline deadline, const char* what) {
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return Status::timeout(std::string("tcp ") + what + " timed out");
-    pollfd p{fd, events, 0};
-    int n = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
-    if (n > 0) return {};
-    if (n < 0 && errno != EINTR) return Status::from_errno("poll", errno);
-  }
-}
+using net::connect_tcp;
+using net::Fd;
 
+// The client side of the handshake, each step bounded by the deadline.
 Status send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
-  auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLOUT, deadline, "handshake send"));
-    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EINTR) continue;
-      return Status::unavailable(std::string("tcp handshake send: ") + std::strerror(errno));
-    }
-    p += k;
-    n -= static_cast<std::size_t>(k);
-  }
-  return {};
+  return net::send_all(fd, data, n, deadline, "tcp handshake send");
 }
 
 Status recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
-  auto* p = static_cast<char*>(data);
-  while (n > 0) {
-    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLIN, deadline, "handshake receive"));
-    ssize_t k = ::recv(fd, p, n, 0);
-    if (k == 0) return Status::unavailable("peer closed the connection during the tcp handshake");
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EINTR) continue;
-      return Status::unavailable(std::string("tcp handshake receive: ") + std::strerror(errno));
-    }
-    p += k;
-    n -= static_cast<std::size_t>(k);
-  }
-  return {};
-}
-
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  int release() { return std::exchange(fd, -1); }
-};
-
-Result<int> connect_socket(const HostPort& hp, Deadline deadline) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  std::string port = std::to_string(hp.port);
-  if (int rc = getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res); rc != 0) {
-    return Status::unavailable("cannot resolve '" + hp.host + "': " + gai_strerror(rc));
-  }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
-  Status last = Status::unavailable("no address for '" + hp.host + "'");
-  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
-    Fd s{::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
-    if (s.fd < 0) return Status::from_errno("socket", errno);
-    if (::connect(s.fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-      last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(errno));
-      continue;
-    }
-    if (Status st = wait_fd(s.fd, POLLOUT, deadline, "connect"); !st.is_ok()) return st;
-    int err = 0;
-    socklen_t len = sizeof err;
-    getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) {
-      last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(err));
-      continue;
-    }
-    int one = 1;
-    setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    return s.release();
-  }
-  return last;
+  return net::recv_all(fd, data, n, deadline, "tcp handshake receive");
 }
 
 // Client side: prove the token (when we have one) and require the target to prove it too.
@@ -236,8 +164,8 @@ class TcpTransport final : public Transport {
     if (!hp) return Status::invalid_argument("malformed tcp peer address");
     std::vector<std::shared_ptr<Stream>> streams;
     for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, options_.streams); ++i) {
-      KVSTASH_ASSIGN_OR_RETURN(int fd, connect_socket(*hp, deadline));
-      Fd guard{fd};
+      KVSTASH_ASSIGN_OR_RETURN(Fd guard, connect_tcp(*hp, deadline));
+      const int fd = guard.get();
       KVSTASH_RETURN_IF_ERROR(client_handshake(fd, options_.cluster_token, deadline));
       tcp::socket sock(runtime_->io());
       boost::system::error_code ec;

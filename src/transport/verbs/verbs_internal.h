@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/net.h"
 #include "kvstash/engine.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_device.h"
@@ -51,19 +52,7 @@ class ImportedKey final : public RemoteKey {
   std::uint32_t rkey = 0;
 };
 
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept;
-  ~Fd();
-  int get() const { return fd_; }
-
- private:
-  int fd_ = -1;
-};
+using net::Fd;
 
 // Length-prefixed frames on the setup socket, bounded by a deadline.
 Status write_frame(int fd, std::string_view bytes, Deadline deadline);

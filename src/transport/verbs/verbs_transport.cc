@@ -30,18 +30,6 @@ namespace kvstash::transport::verbs {
 
 // ---- small pieces shared with the datapath -----------------------------------------------
 
-Fd& Fd::operator=(Fd&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(o.fd_, -1);
-  }
-  return *this;
-}
-
-Fd::~Fd() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 std::string Registration::packed_key() const {
   if (!remote_) return {};
   KeyPart part{guid_, mr_->rkey};
@@ -50,64 +38,25 @@ std::string Registration::packed_key() const {
 
 namespace {
 
-int remaining_ms(Deadline deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left <= 0 ? 0 : static_cast<int>(std::min<long long>(left, 60000));
-}
-
-// Waits for `events` on fd until the deadline. kTimeout at the deadline.
-Status wait_fd(int fd, short events, Deadline deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int n = ::poll(&p, 1, remaining_ms(deadline));
-    if (n > 0) return {};
-    if (n == 0) return Status::timeout("verbs: queue-pair setup timed out");
-    if (errno != EINTR) return Status::from_errno("verbs: poll", errno);
-  }
-}
-
-Status send_all(int fd, const char* p, std::size_t n, Deadline deadline) {
-  while (n > 0) {
-    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLOUT, deadline));
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    if (w <= 0) return Status::unavailable("verbs: setup connection lost while sending");
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-  return {};
-}
-
-Status recv_all(int fd, char* p, std::size_t n, Deadline deadline) {
-  while (n > 0) {
-    KVSTASH_RETURN_IF_ERROR(wait_fd(fd, POLLIN, deadline));
-    ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    if (r <= 0) return Status::unavailable("verbs: setup connection closed by the peer");
-    p += r;
-    n -= static_cast<std::size_t>(r);
-  }
-  return {};
-}
-
 constexpr std::size_t kMaxFrame = 4096;
+constexpr std::string_view kSetup = "verbs queue-pair setup";
 constexpr auto kSetupTimeout = std::chrono::seconds(5);
 
 }  // namespace
 
 Status write_frame(int fd, std::string_view bytes, Deadline deadline) {
   std::uint32_t n = htonl(static_cast<std::uint32_t>(bytes.size()));
-  KVSTASH_RETURN_IF_ERROR(send_all(fd, reinterpret_cast<const char*>(&n), sizeof n, deadline));
-  return send_all(fd, bytes.data(), bytes.size(), deadline);
+  KVSTASH_RETURN_IF_ERROR(net::send_all(fd, &n, sizeof n, deadline, kSetup));
+  return net::send_all(fd, bytes.data(), bytes.size(), deadline, kSetup);
 }
 
 Result<std::string> read_frame(int fd, Deadline deadline) {
   std::uint32_t n = 0;
-  KVSTASH_RETURN_IF_ERROR(recv_all(fd, reinterpret_cast<char*>(&n), sizeof n, deadline));
+  KVSTASH_RETURN_IF_ERROR(net::recv_all(fd, &n, sizeof n, deadline, kSetup));
   n = ntohl(n);
   if (n > kMaxFrame) return Status::invalid_argument("verbs: oversize setup message");
   std::string s(n, '\0');
-  KVSTASH_RETURN_IF_ERROR(recv_all(fd, s.data(), n, deadline));
+  KVSTASH_RETURN_IF_ERROR(net::recv_all(fd, s.data(), n, deadline, kSetup));
   return s;
 }
 
@@ -139,6 +88,8 @@ class VerbsTransport final : public Transport {
   VerbsTransport() = default;
   QpConfig qp_config() const;
   PortAddress port_address() const;
+  // This side's hello for `qp`: a fresh random PSN and nonce, whether we require the token.
+  Hello hello_for(const ibv_qp& qp, std::uint8_t max_rd_atomic) const;
   void serve();                   // the setup listener's thread
   void accept_one(int listener);  // builds the target side of one connection
 
@@ -240,6 +191,15 @@ PortAddress VerbsTransport::port_address() const {
           dev_->gid.gid,     dev_->port.lid,         dev_->port.active_mtu};
 }
 
+Hello VerbsTransport::hello_for(const ibv_qp& qp, std::uint8_t max_rd_atomic) const {
+  Hello h{dev_->device.node_guid,
+          {qp.qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
+          max_rd_atomic};
+  sys::random_bytes(h.nonce.data(), h.nonce.size());
+  h.token_required = !options_.cluster_token.empty();
+  return h;
+}
+
 QpConfig VerbsTransport::qp_config() const {
   QpConfig c;
   c.max_send_wr =
@@ -294,28 +254,10 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
   const PortAddress& theirs = peer.ports[match->second];
 
   KVSTASH_ASSIGN_OR_RETURN(net::HostPort hp, net::parse_host_port(peer.control));
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICHOST;
-  addrinfo* res = nullptr;
-  std::string port = std::to_string(hp.port);
-  if (getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) {
-    return Status::invalid_argument("verbs: peer setup address '" + peer.control + "' is not numeric");
-  }
-  Fd sock(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  int rc = ::connect(sock.get(), res->ai_addr, res->ai_addrlen);
-  freeaddrinfo(res);
-  if (rc != 0 && errno != EINPROGRESS) {
-    return Status::unavailable("verbs: cannot reach " + peer.control + ": " + std::strerror(errno));
-  }
-  KVSTASH_RETURN_IF_ERROR(wait_fd(sock.get(), POLLOUT, deadline));
-  int err = 0;
-  socklen_t len = sizeof err;
-  ::getsockopt(sock.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-  if (err != 0) return Status::unavailable("verbs: cannot reach " + peer.control + ": " + std::strerror(err));
-  int one = 1;
-  ::setsockopt(sock.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  auto connected = net::connect_tcp(hp, deadline);
+  if (!connected.is_ok())
+    return connected.status().with_context("verbs: queue-pair setup with " + peer.control);
+  Fd sock = std::move(connected).value();
 
   ibv_comp_channel* channel = ibv_create_comp_channel(dev_->ctx.get());
   if (channel == nullptr) return Status::from_errno("verbs: create completion channel", errno);
@@ -334,11 +276,7 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
     cleanup();
     return qp.status();
   }
-  Hello mine{dev_->device.node_guid,
-             {(*qp)->qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
-             cfg.max_rd_atomic};
-  sys::random_bytes(mine.nonce.data(), mine.nonce.size());
-  mine.token_required = !options_.cluster_token.empty();
+  const Hello mine = hello_for(**qp, cfg.max_rd_atomic);
   Status s = write_frame(sock.get(), encode_hello(mine), deadline);
   Result<std::string> reply = s.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(s);
   Result<Hello> theirs_hello = reply.is_ok() ? decode_hello(*reply) : Result<Hello>(reply.status());
@@ -409,12 +347,8 @@ void VerbsTransport::accept_one(int listener) {
     KVSTASH_LOG_WARN("verbs: cannot create a QP for a peer: {}", qp.status().to_string());
     return;
   }
-  Hello mine{dev_->device.node_guid,
-             {(*qp)->qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
-             cfg.max_rd_atomic};
+  Hello mine = hello_for(**qp, cfg.max_rd_atomic);
   const std::string& token = options_.cluster_token;
-  sys::random_bytes(mine.nonce.data(), mine.nonce.size());
-  mine.token_required = !token.empty();
   if (!token.empty())
     handshake::mac(token, "server", mine.nonce.data(), hello->nonce.data(), mine.mac.data());
   Status up = write_frame(sock.get(), encode_hello(mine), deadline);

@@ -20,14 +20,21 @@ Status invalid(std::string_view what) {
   return Status::invalid_argument(std::move(m));
 }
 
-void put_gid(wire::Writer& w, const ibv_gid& g) {
-  w.raw({reinterpret_cast<const char*>(g.raw), sizeof g.raw});
+// Fixed-size byte fields (GIDs, nonces, MACs).
+void put_bytes(wire::Writer& w, const std::uint8_t* p, std::size_t n) {
+  w.raw({reinterpret_cast<const char*>(p), n});
 }
+
+void get_bytes(wire::Reader& r, std::uint8_t* p, std::size_t n) {
+  auto s = r.raw(n);
+  if (s.size() == n) std::memcpy(p, s.data(), n);
+}
+
+void put_gid(wire::Writer& w, const ibv_gid& g) { put_bytes(w, g.raw, sizeof g.raw); }
 
 ibv_gid get_gid(wire::Reader& r) {
   ibv_gid g{};
-  auto s = r.raw(sizeof g.raw);
-  if (s.size() == sizeof g.raw) std::memcpy(g.raw, s.data(), sizeof g.raw);
+  get_bytes(r, g.raw, sizeof g.raw);
   return g;
 }
 
@@ -117,9 +124,9 @@ std::string encode_hello(const Hello& h) {
   w.u16(h.qp.lid);
   w.u8(static_cast<std::uint8_t>(h.qp.mtu));
   w.u8(h.max_rd_atomic);
-  w.raw({reinterpret_cast<const char*>(h.nonce.data()), h.nonce.size()});
+  put_bytes(w, h.nonce.data(), h.nonce.size());
   w.u8(h.token_required ? 1 : 0);
-  w.raw({reinterpret_cast<const char*>(h.mac.data()), h.mac.size()});
+  put_bytes(w, h.mac.data(), h.mac.size());
   return w.take();
 }
 
@@ -135,11 +142,9 @@ Result<Hello> decode_hello(std::string_view bytes) {
   h.qp.lid = r.u16();
   std::uint8_t mtu = r.u8();
   h.max_rd_atomic = r.u8();
-  auto nonce = r.raw(h.nonce.size());
+  get_bytes(r, h.nonce.data(), h.nonce.size());
   std::uint8_t token = r.u8();
-  auto mac = r.raw(h.mac.size());
-  if (nonce.size() == h.nonce.size()) std::memcpy(h.nonce.data(), nonce.data(), h.nonce.size());
-  if (mac.size() == h.mac.size()) std::memcpy(h.mac.data(), mac.data(), h.mac.size());
+  get_bytes(r, h.mac.data(), h.mac.size());
   h.token_required = token == 1;
   if (token > 1) return invalid("hello (token flag)");
   // QPNs and PSNs are 24-bit; QPN 0 and 1 are the special QPs, never an RC peer.
