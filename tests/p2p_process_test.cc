@@ -13,6 +13,7 @@
 
 #include "kvstash/engine.h"
 #include "kvstash_config.h"
+#include "rdma_lane.h"
 #include "test_util.h"
 
 namespace kvstash {
@@ -96,12 +97,8 @@ class P2P : public ::testing::TestWithParam<TransportKind> {
       GTEST_SKIP() << "KVSTASH_P2P_PEER not set (run via meson test)";
     kind_ = GetParam();
     if (kind_ == TransportKind::kVerbs) {
-      auto probe = Engine::create({.transports = {TransportKind::kVerbs}});
-      if (!probe.is_ok()) {
-        if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << probe.status().to_string();
-        GTEST_SKIP() << "no RDMA device here (" << probe.status().to_string()
-                     << "); the Soft-RoCE lane runs this (scripts/rdma-vm)";
-      }
+      const Status verbs = test::verbs_available();
+      KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
     }
     start_peer();
     EngineOptions o;
@@ -338,9 +335,9 @@ INSTANTIATE_TEST_SUITE_P(Transports, P2PToken, ::testing::ValuesIn(network_trans
 TEST_P(P2PToken, TargetWithClusterTokenRefusesClientsWithoutIt) {
   if (std::getenv("KVSTASH_P2P_PEER") == nullptr) GTEST_SKIP() << "KVSTASH_P2P_PEER not set";
   const TransportKind kind = GetParam();
-  if (kind == TransportKind::kVerbs && !Engine::create({.transports = {kind}}).is_ok()) {
-    if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << "no verbs device in the Soft-RoCE lane";
-    GTEST_SKIP() << "no RDMA device here; the Soft-RoCE lane runs this (scripts/rdma-vm)";
+  if (kind == TransportKind::kVerbs) {
+    const Status verbs = test::verbs_available();
+    KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
   }
   PeerProcess peer(4096, std::string(to_string(kind)), "cluster-secret");
   ASSERT_TRUE(peer.ok());

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "metadata/catalog.h"
+#include "rdma_lane.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
 
@@ -179,12 +180,8 @@ TEST_F(StoreTest, RoundTripsOverVerbs) {
   o.redis_url = redis_->url();
   o.engine.transports = {TransportKind::kVerbs};
   o.timeout = 30s;
-  auto probe = Engine::create({.transports = {TransportKind::kVerbs}});
-  if (!probe.is_ok()) {
-    if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << probe.status().to_string();
-    GTEST_SKIP() << "no RDMA device here; the Soft-RoCE lane runs this (scripts/rdma-vm)";
-  }
-  probe->reset();
+  const Status verbs = test::verbs_available();
+  KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
   auto n = node("n1", "24MiB");
   ASSERT_TRUE(n);
   auto store = Store::open(o);

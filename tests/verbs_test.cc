@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "rdma_lane.h"
 #include "test_util.h"
 #include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_gpu.h"
@@ -33,16 +34,10 @@ std::optional<std::pair<Device, Port>> active_port() {
   return std::nullopt;
 }
 
-// Skips without RDMA, except in the Soft-RoCE lane (KVSTASH_RDMA_LANE), where a missing
-// device means the lane is broken and must not pass by skipping.
-#define REQUIRE_RDMA()                                                                                 \
-  auto found = active_port();                                                                          \
-  if (!found) {                                                                                        \
-    if (std::getenv("KVSTASH_RDMA_LANE") != nullptr) FAIL() << "the Soft-RoCE lane has no rxe device"; \
-    GTEST_SKIP() << "no RDMA device with an active port here; these tests run in the Soft-RoCE lane "  \
-                    "(scripts/rdma-vm)";                                                               \
-  }                                                                                                    \
-  const Device& device = found->first;                                                                 \
+#define REQUIRE_RDMA()                                                           \
+  auto found = active_port();                                                    \
+  KVSTASH_REQUIRE_RDMA(found.has_value(), "no RDMA device with an active port"); \
+  const Device& device = found->first;                                           \
   const Port& port = found->second
 
 // Two RC QPs on one device connected to each other: a and b stand for two peers.
