@@ -2,8 +2,10 @@
 // commands on stdin.
 //
 //   p2p_peer SIZE [TRANSPORTS] [TOKEN]
-// prints "address HEX" and "key HEX", then reads lines: "dereg" drops the registration
-// (prints "ok"), "fill SEED" fills the region with test::fill_random (prints "ok"), EOF exits.
+// prints "address HEX", "key HEX" (the region registered Access::kRemote) and "leased HEX"
+// (the same memory registered Access::kLeased), then reads lines: "dereg" drops both
+// registrations (prints "ok"), "fill SEED" fills the region with test::fill_random (prints
+// "ok"), EOF exits.
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -41,11 +43,14 @@ int main(int argc, char** argv) {
   auto buffer = Buffer::allocate(std::stoull(argv[1])).value();
   auto handle =
       std::make_unique<MemoryHandle>((*engine)->register_memory(buffer.region(), Access::kRemote).value());
+  auto leased =
+      std::make_unique<MemoryHandle>((*engine)->register_memory(buffer.region(), Access::kLeased).value());
   std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(handle->remote_key())
-            << std::endl;
+            << "\nleased " << to_text(leased->remote_key()) << std::endl;
   for (std::string line; std::getline(std::cin, line);) {
     if (line == "dereg") {
       handle.reset();
+      leased.reset();
     } else if (line.rfind("fill ", 0) == 0) {
       test::fill_random(buffer.bytes(), std::stoull(line.substr(5)));
     }

@@ -236,7 +236,7 @@ TEST_F(ShmTransportTest, NoDescriptorOrSocketFileOutlivesTheTransports) {
     auto initiator = make();
     auto ep = connect(*initiator, *target);
     ASSERT_TRUE(ep);
-    auto reg = target->register_memory(remote.region(), true);
+    auto reg = target->register_memory(remote.region(), Access::kRemote);
     ASSERT_TRUE(reg.is_ok());
     auto key = import(*ep, remote, **reg);
     ASSERT_TRUE(key);
@@ -254,20 +254,20 @@ TEST_F(ShmTransportTest, RegionWithoutFdIsLocalOnly) {
   auto plain = Buffer::allocate(8192, {.shareable = false});
   ASSERT_TRUE(plain.is_ok());
   ASSERT_LT(plain->fd(), 0);
-  auto remote = t->register_memory(plain->region(), true);
+  auto remote = t->register_memory(plain->region(), Access::kRemote);
   EXPECT_EQ(remote.status().code(), StatusCode::kUnsupported);
-  auto local = t->register_memory(plain->region(), false);
+  auto local = t->register_memory(plain->region(), Access::kLocal);
   ASSERT_TRUE(local.is_ok()) << local.status().to_string();
   EXPECT_TRUE((*local)->packed_key().empty());
 
-  EXPECT_EQ(t->register_memory(MemoryRegion{}, false).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_memory(MemoryRegion{}, Access::kLocal).status().code(), StatusCode::kInvalidArgument);
   Buffer shared = alloc(4096);
   MemoryRegion cuda = shared.region();
   cuda.kind = MemoryKind::kCuda;
-  EXPECT_EQ(t->register_memory(cuda, true).status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(t->register_memory(cuda, Access::kRemote).status().code(), StatusCode::kUnsupported);
   MemoryRegion past_end = shared.region();
   past_end.fd_offset = 1 << 20;
-  EXPECT_EQ(t->register_memory(past_end, true).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_memory(past_end, Access::kRemote).status().code(), StatusCode::kInvalidArgument);
 }
 
 // ---- data movement ---------------------------------------------------------------------------
@@ -288,9 +288,9 @@ TEST_F(ShmTransportTest, WriteThenReadIsBitExactAtManySizes) {
       Buffer src = alloc(size + 64);
       Buffer dst = alloc(size + 64);
       fill_random(src.bytes(), size);
-      auto remote_reg = target->register_memory(remote.region(), true);
+      auto remote_reg = target->register_memory(remote.region(), Access::kRemote);
       ASSERT_TRUE(remote_reg.is_ok()) << remote_reg.status().to_string();
-      auto src_reg = initiator->register_memory(src.region(), false);
+      auto src_reg = initiator->register_memory(src.region(), Access::kLocal);
       ASSERT_TRUE(src_reg.is_ok());
       auto key = import(*ep, remote, **remote_reg);
       ASSERT_TRUE(key);
@@ -325,7 +325,7 @@ TEST_F(ShmTransportTest, ManyConcurrentOpsFromSeveralThreads) {
   Buffer src = alloc(kTotal);
   Buffer dst = alloc(kTotal);
   fill_random(src.bytes(), 42);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   auto key = import(*ep, remote, **reg);
   ASSERT_TRUE(key);
@@ -373,7 +373,7 @@ TEST_F(ShmTransportTest, InvalidOpsCompleteWithInvalidArgument) {
   ASSERT_TRUE(ep && ep2);
   Buffer remote = alloc(8192);
   Buffer local = alloc(8192);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   auto key = import(*ep, remote, **reg);
   ASSERT_TRUE(key);
@@ -401,7 +401,7 @@ TEST_F(ShmTransportTest, WrongKeyIsPermissionDenied) {
   auto ep = connect(*initiator, *target);
   ASSERT_TRUE(ep);
   Buffer remote = alloc(1 << 16);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   const std::string packed = (*reg)->packed_key();
   ASSERT_FALSE(packed.empty());
@@ -435,7 +435,7 @@ TEST_F(ShmTransportTest, MalformedKeyIsInvalidArgument) {
   auto ep = connect(*initiator, *target);
   ASSERT_TRUE(ep);
   Buffer remote = alloc(4096);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   const std::string packed = (*reg)->packed_key();
   std::string bad_magic = packed;
@@ -459,7 +459,7 @@ TEST_F(ShmTransportTest, DeregisteredRegionCannotBeReached) {
   Buffer remote = alloc(4096);
   Buffer local = alloc(4096);
   fill_random(local.bytes(), 7);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   const std::string packed = (*reg)->packed_key();
   auto key = import(*ep, remote, **reg);
@@ -478,7 +478,7 @@ TEST_F(ShmTransportTest, DeregisteredRegionCannotBeReached) {
   EXPECT_EQ(again.status().code(), StatusCode::kPermissionDenied);
 
   // The slot is reused by a new registration with a fresh key: the old import stays dead.
-  auto reg2 = target->register_memory(remote.region(), true);
+  auto reg2 = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg2.is_ok());
   EXPECT_NE((*reg2)->packed_key(), packed);
   EXPECT_EQ(run_op(*ep, TransferOp::kWrite, local.data(), *key, base, 4096).code(),
@@ -499,7 +499,7 @@ TEST_F(ShmTransportTest, AbortCompletesQueuedOpsWithTheReason) {
   Buffer remote = alloc(1 << 20);
   Buffer local = alloc(1 << 20);
   fill_random(local.bytes(), 9);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   auto key = import(*ep, remote, **reg);
   ASSERT_TRUE(key);
@@ -555,7 +555,7 @@ TEST_F(ShmTransportTest, OpsFailUnavailableAfterTargetTransportCloses) {
   ASSERT_TRUE(ep);
   Buffer remote = alloc(4096);
   Buffer local = alloc(4096);
-  auto reg = target->register_memory(remote.region(), true);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
   ASSERT_TRUE(reg.is_ok());
   auto key = import(*ep, remote, **reg);
   ASSERT_TRUE(key);
@@ -628,7 +628,7 @@ TEST_F(ShmTransportTest, PeerKilledBySigkillTurnsIntoUnavailable) {
     auto buf = Buffer::allocate(kSize);
     if (!buf.is_ok()) ::_exit(3);
     fill_random(buf->bytes(), 1234);
-    auto reg = (*t)->register_memory(buf->region(), true);
+    auto reg = (*t)->register_memory(buf->region(), Access::kRemote);
     if (!reg.is_ok()) ::_exit(4);
     const std::uint64_t base = addr_of(buf->data());
     if (!write_string(to_parent[1], (*t)->local_address()) ||

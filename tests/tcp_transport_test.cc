@@ -38,7 +38,7 @@ Pair make_pair(std::size_t size, TcpOptions target_opts = {}, TcpOptions init_op
   p.initiator = make_tcp_transport(init_opts).value();
   p.remote = Buffer::allocate(size).value();
   p.local = Buffer::allocate(size).value();
-  p.reg = p.target->register_memory(p.remote.region(), true).value();
+  p.reg = p.target->register_memory(p.remote.region(), Access::kRemote).value();
   auto ep = p.initiator->connect(p.target->local_address(), deadline_after(5s));
   EXPECT_TRUE(ep.is_ok()) << ep.status().to_string();
   if (!ep.is_ok()) return p;
@@ -202,7 +202,7 @@ TEST(TcpTransport, StalledInitiatorCannotHoldDeregistrationHostage) {
   using namespace tcp;
   auto target = make_tcp_transport({.io_timeout = std::chrono::milliseconds(300)}).value();
   auto remote = Buffer::allocate(1u << 20).value();
-  auto reg = target->register_memory(remote.region(), true).value();
+  auto reg = target->register_memory(remote.region(), Access::kRemote).value();
   // A hand-made initiator: handshake, then a WRITE promising 1 MiB that sends 10 bytes.
   const std::string address = target->local_address();
   wire::Reader addr(address);

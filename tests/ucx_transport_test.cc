@@ -61,7 +61,7 @@ struct Pair {
     target = make(true);
     initiator = make(initiator_thread);
     target_buf = make_buffer(kTargetSize);
-    auto reg = target->register_memory(target_buf.region(), true);
+    auto reg = target->register_memory(target_buf.region(), Access::kRemote);
     EXPECT_TRUE(reg.is_ok()) << reg.status().to_string();
     target_reg = std::move(*reg);
     auto ep = initiator->connect(target->local_address(), deadline_after(10s));
@@ -114,8 +114,8 @@ TEST_P(UcxRoundTrip, WriteThenReadBackIsBitExact) {
   ASSERT_NE(p.key, nullptr);
   Buffer src = make_buffer(kTargetSize);
   Buffer dst = make_buffer(kTargetSize);
-  auto src_reg = p.initiator->register_memory(src.region(), false);
-  auto dst_reg = p.initiator->register_memory(dst.region(), false);
+  auto src_reg = p.initiator->register_memory(src.region(), Access::kLocal);
+  auto dst_reg = p.initiator->register_memory(dst.region(), Access::kLocal);
   ASSERT_TRUE(src_reg.is_ok() && dst_reg.is_ok());
   EXPECT_TRUE((*src_reg)->packed_key().empty());
 
@@ -363,21 +363,21 @@ TEST(UcxTransport, UnsupportedAndInvalidRegistrations) {
   Buffer b = make_buffer(4096);
   MemoryRegion cuda = b.region();
   cuda.kind = MemoryKind::kCuda;
-  EXPECT_EQ(t->register_memory(cuda, true).status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(t->register_memory(cuda, Access::kRemote).status().code(), StatusCode::kUnsupported);
   MemoryRegion empty;
-  EXPECT_EQ(t->register_memory(empty, true).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_memory(empty, Access::kRemote).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(UcxTransport, EmulatedRmaExposesNothingUnlessAllowed) {
   auto t = make(true, /*allow_emulated_rma=*/false);
   if (t->capabilities().rdma) GTEST_SKIP() << "UCX has an RDMA device here: keys are enforced";
   Buffer b = make_buffer(4096);
-  auto remote = t->register_memory(b.region(), true);
+  auto remote = t->register_memory(b.region(), Access::kRemote);
   ASSERT_FALSE(remote.is_ok());
   EXPECT_EQ(remote.status().code(), StatusCode::kUnsupported);
   EXPECT_NE(remote.status().message().find("allow_emulated_rma"), std::string::npos);
   // Local use (the initiator's own buffers) stays possible.
-  EXPECT_TRUE(t->register_memory(b.region(), false).is_ok());
+  EXPECT_TRUE(t->register_memory(b.region(), Access::kLocal).is_ok());
 }
 
 TEST(UcxTransport, BadTransportListIsRefused) {

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvstash/engine.h"
 #include "rdma_lane.h"
 #include "test_util.h"
 #include "transport/verbs/verbs_device.h"
@@ -351,6 +352,26 @@ TEST(Verbs, GpuRegistrationTakesAPathOrExplainsWhyOnlyStagingIsLeft) {
   EXPECT_NE(m.find("dma-buf:"), std::string::npos) << m;
   EXPECT_NE(m.find("nvidia-peermem:"), std::string::npos) << m;
   EXPECT_EQ(register_gpu_memory(pd.get(), nullptr, 0, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Verbs, OnDemandPagingRegistersWhereTheDeviceCanAndIsRefusedByNameElsewhere) {
+  REQUIRE_RDMA();
+  (void)port;
+  EngineOptions o;
+  o.transports = {TransportKind::kVerbs};
+  o.verbs.devices = {device.name};
+  o.verbs.on_demand_paging = true;
+  auto engine = Engine::create(o);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  auto buffer = Buffer::allocate(1u << 20, {.shareable = false}).value();
+  auto h = (*engine)->register_memory(buffer.region(), Access::kRemote);
+  if (device.odp_rc) {
+    EXPECT_TRUE(h.is_ok()) << h.status().to_string();
+    return;
+  }
+  ASSERT_FALSE(h.is_ok()) << device.name << " reports no RC on-demand paging, yet registration succeeded";
+  EXPECT_EQ(h.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(h.status().message().find("on_demand_paging"), std::string::npos) << h.status().to_string();
 }
 
 }  // namespace

@@ -88,17 +88,88 @@ TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
 }
 
 TEST(VerbsWire, KeysRoundTripAndMalformedOnesAreRefused) {
-  std::vector<KeyPart> parts{{0x1122, 0xdeadbeef}, {0x3344, 7}};
+  std::vector<KeyPart> parts{{0x1122, 0xdeadbeef, false}, {0x3344, 7, true}};
   std::string bytes = encode_key(parts);
   auto back = decode_key(bytes);
   ASSERT_TRUE(back.is_ok());
   ASSERT_EQ(back->size(), 2u);
   EXPECT_EQ((*back)[0].node_guid, 0x1122u);
   EXPECT_EQ((*back)[0].rkey, 0xdeadbeefu);
+  EXPECT_FALSE((*back)[0].leases_only);
   EXPECT_EQ((*back)[1].rkey, 7u);
+  EXPECT_TRUE((*back)[1].leases_only);
   EXPECT_EQ(decode_key(bytes.substr(0, bytes.size() - 1)).status().code(), StatusCode::kInvalidArgument);
+  std::string bad_flags = bytes;
+  bad_flags.back() = 2;
+  EXPECT_EQ(decode_key(bad_flags).status().code(), StatusCode::kInvalidArgument) << "unknown flag bits";
   EXPECT_EQ(decode_key(encode_key({})).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(decode_key("").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(VerbsWire, LeaseMessagesRoundTripAndMalformedOnesAreRefused) {
+  LeaseRequest q{.id = 42,
+                 .region_rkey = 0xabcd,
+                 .write = true,
+                 .ttl_ms = 1500,
+                 .ranges = {{0x1000, 4096}, {0x8000, 1u << 20}}};
+  auto msg = decode_lease_message(encode_lease_request(q));
+  ASSERT_TRUE(msg.is_ok()) << msg.status().to_string();
+  const auto* back = std::get_if<LeaseRequest>(&*msg);
+  ASSERT_NE(back, nullptr);
+  EXPECT_EQ(back->id, 42u);
+  EXPECT_EQ(back->region_rkey, 0xabcdu);
+  EXPECT_TRUE(back->write);
+  EXPECT_EQ(back->ttl_ms, 1500u);
+  ASSERT_EQ(back->ranges.size(), 2u);
+  EXPECT_EQ(back->ranges[1].addr, 0x8000u);
+  EXPECT_EQ(back->ranges[1].length, 1u << 20);
+
+  auto rel = decode_lease_message(encode_lease_release({7}));
+  ASSERT_TRUE(rel.is_ok());
+  ASSERT_NE(std::get_if<LeaseRelease>(&*rel), nullptr);
+  EXPECT_EQ(std::get<LeaseRelease>(*rel).id, 7u);
+
+  // What a target must refuse: no ranges, an empty or wrapping range, no time, too many
+  // ranges, trailing bytes, truncation.
+  auto refused = [](LeaseRequest r) { return decode_lease_message(encode_lease_request(r)).status().code(); };
+  LeaseRequest none = q;
+  none.ranges.clear();
+  EXPECT_EQ(refused(none), StatusCode::kInvalidArgument);
+  LeaseRequest empty = q;
+  empty.ranges[0].length = 0;
+  EXPECT_EQ(refused(empty), StatusCode::kInvalidArgument);
+  LeaseRequest wrapping = q;
+  wrapping.ranges[0] = {~0ull - 10, 100};
+  EXPECT_EQ(refused(wrapping), StatusCode::kInvalidArgument);
+  LeaseRequest timeless = q;
+  timeless.ttl_ms = 0;
+  EXPECT_EQ(refused(timeless), StatusCode::kInvalidArgument);
+  LeaseRequest many = q;
+  many.ranges.assign(kMaxLeaseRanges + 1, {0x1000, 1});
+  EXPECT_EQ(refused(many), StatusCode::kInvalidArgument);
+  const std::string bytes = encode_lease_request(q);
+  EXPECT_EQ(decode_lease_message(bytes + "x").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_lease_message(bytes.substr(0, bytes.size() - 3)).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_lease_message(encode_key({})).status().code(), StatusCode::kInvalidArgument)
+      << "another magic";
+
+  // Replies: keys, or a refusal with its code and reason (never both).
+  LeaseReply ok{.id = 42, .status = {}, .rkeys = {1, 2}};
+  auto got = decode_lease_reply(encode_lease_reply(ok));
+  ASSERT_TRUE(got.is_ok());
+  EXPECT_EQ(got->id, 42u);
+  EXPECT_TRUE(got->status.is_ok());
+  EXPECT_EQ(got->rkeys, (std::vector<std::uint32_t>{1, 2}));
+  LeaseReply no{.id = 43, .status = Status::no_space("out of windows"), .rkeys = {}};
+  got = decode_lease_reply(encode_lease_reply(no));
+  ASSERT_TRUE(got.is_ok());
+  EXPECT_EQ(got->status.code(), StatusCode::kNoSpace);
+  EXPECT_EQ(got->status.message(), "out of windows");
+  LeaseReply both{.id = 44, .status = Status::no_space("x"), .rkeys = {1}};
+  EXPECT_EQ(decode_lease_reply(encode_lease_reply(both)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_lease_reply(encode_lease_request(q)).status().code(), StatusCode::kInvalidArgument)
+      << "a request is not a reply";
 }
 
 TEST(VerbsWire, PortsMatchByLinkLayerFamilyAndSubnet) {

@@ -108,6 +108,14 @@ struct VerbsOptions {
   // Shared cluster secret checked when queue pairs are set up (HMAC challenge-response, as
   // tcp's). Empty: TcpOptions::cluster_token, so one token covers every network transport.
   std::string cluster_token;
+  // Revocable keys for regions registered Access::kLeased: each lease binds a type-2 memory
+  // window per range, and the region's own key grants nothing remote. Used where the device
+  // has type-2 windows; false (or a device without them) exposes such regions whole through
+  // their key, and the store's generation fencing is the guard.
+  bool memory_windows = true;
+  // Register host memory with on-demand paging (not pinned; the NIC faults pages in). Where
+  // the device cannot do ODP for RC READ and WRITE, registration fails with kUnsupported.
+  bool on_demand_paging = false;
 };
 
 struct EngineOptions {
@@ -127,6 +135,17 @@ struct EngineOptions {
 enum class Access : std::uint8_t {
   kLocal,   // source or destination of this process's own transfers only
   kRemote,  // peers holding the remote key may also READ and WRITE it
+  // Peers reach it only through leases (Peer::lease): where the transport has revocable keys
+  // (verbs with type-2 memory windows) the region's own key grants nothing remote, and each
+  // lease binds windows over exactly its ranges. Elsewhere the same as kRemote. Memory nodes
+  // register their pools this way.
+  kLeased,
+};
+
+// A range of a peer's address space, inside a region it registered.
+struct RemoteRange {
+  std::uint64_t addr = 0;
+  std::uint64_t length = 0;
 };
 
 class Engine;
@@ -170,6 +189,12 @@ class RemoteMemory {
 
   std::uint64_t base() const { return base_; }  // remote address of the region's first byte
   std::uint64_t length() const { return length_; }
+  // For a lease: the ranges it grants (transfers must lie inside one of them), and whether
+  // the peer revokes it by itself (a revocable key: a request after expiry or release fails
+  // with kPermissionDenied at the peer) or it is only checked here. Empty / false for a
+  // region imported by Peer::import_key.
+  std::span<const RemoteRange> ranges() const;
+  bool revocable() const;
 
  private:
   friend class Peer;
@@ -223,6 +248,17 @@ class Peer {
   // Errors: kInvalidArgument (malformed), kPermissionDenied (peer refused the key),
   // kUnsupported (the key has no part for this peer's transport), kUnavailable, kTimeout.
   Result<RemoteMemory> import_key(std::string_view remote_key, std::optional<Deadline> deadline = {});
+
+  // Leases `ranges` of `region` (imported through this peer) for `op` during `ttl`. Where the
+  // peer's transport has revocable keys the peer binds one memory window per range to this
+  // connection: the windows die when `ttl` has passed by the peer's clock, when the returned
+  // RemoteMemory is destroyed, or with the connection (a reconnect leases again for what is
+  // left of `ttl`). Elsewhere the lease is the region's key, with the ranges and the op
+  // checked here. Errors: kInvalidArgument (a range outside the region, empty or too many
+  // ranges, ttl <= 0), kPermissionDenied (the peer refused), kNoSpace (the peer is out of
+  // windows), kUnavailable, kTimeout.
+  Result<RemoteMemory> lease(const RemoteMemory& region, std::span<const RemoteRange> ranges, TransferOp op,
+                             std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
 
   // Starts the entries as one batch with `deadline`. Entries are checked first: a local
   // range outside its handle or a remote range outside its key fails with

@@ -20,6 +20,7 @@ namespace {
 constexpr std::uint32_t kAddressMagic = 0x3145564b;  // "KVE1"
 constexpr std::uint32_t kKeyMagic = 0x314b564b;      // "KVK1"
 constexpr std::size_t kMaxParts = 16;
+constexpr std::size_t kMaxLeaseRanges = 1024;  // what one lease request to a peer may carry
 
 using Parts = std::vector<std::pair<TransportKind, std::string>>;
 
@@ -159,18 +160,18 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
   Status first_error;
   Parts keys;
   for (const auto& t : impl_->transports) {
-    auto reg = t->register_memory(region, access == Access::kRemote);
+    auto reg = t->register_memory(region, access);
     if (!reg.is_ok()) {
       // One transport declining (shm without an fd, tcp with GPU memory) is normal; peers
       // reached through it then cannot use this region.
       if (first_error.is_ok()) first_error = reg.status().with_context(std::string(to_string(t->kind())));
       continue;
     }
-    if (access == Access::kRemote) keys.emplace_back(t->kind(), (*reg)->packed_key());
+    if (access != Access::kLocal) keys.emplace_back(t->kind(), (*reg)->packed_key());
     h.regs_.emplace_back(t->kind(), std::move(reg).value());
   }
   if (h.regs_.empty()) return first_error;
-  if (access == Access::kRemote) {
+  if (access != Access::kLocal) {
     h.remote_key_ =
         encode_parts(kKeyMagic, reinterpret_cast<std::uintptr_t>(region.addr), region.length, keys, true);
   }
@@ -253,15 +254,43 @@ RemoteMemory::RemoteMemory(RemoteMemory&&) noexcept = default;
 RemoteMemory& RemoteMemory::operator=(RemoteMemory&&) noexcept = default;
 RemoteMemory::~RemoteMemory() = default;
 
+std::span<const RemoteRange> RemoteMemory::ranges() const {
+  if (!state_ || !state_->lease) return {};
+  return state_->lease->ranges;
+}
+
+bool RemoteMemory::revocable() const {
+  if (!state_) return false;
+  std::lock_guard lock(state_->mu);
+  return state_->revocable;
+}
+
 Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
     const std::shared_ptr<transport::Endpoint>& ep, std::uint64_t gen, std::uint64_t base,
     std::uint64_t length, Deadline deadline) {
   std::lock_guard lock(mu);
-  if (generation != gen || !key) {
+  if (generation == gen && key) return key;
+  if (!lease) {
     KVSTASH_ASSIGN_OR_RETURN(auto k, ep->import_key(base, length, packed, deadline));
     key = std::move(k);
-    generation = gen;
+  } else {
+    KVSTASH_ASSIGN_OR_RETURN(
+        auto region_key, lease->region->key_for(ep, gen, lease->region_base, lease->region_length, deadline));
+    const auto now = Clock::now();
+    if (now >= lease->until) return Status::stale("lease: its time is up (lease again)");
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(lease->until - now);
+    auto k = ep->lease_key(*region_key, lease->ranges, lease->op, left, deadline);
+    if (k.is_ok()) {
+      key = std::move(k).value();
+      revocable = true;
+    } else if (k.status().code() == StatusCode::kUnsupported) {
+      key = std::move(region_key);  // no revocable keys here: the ranges are checked in submit
+      revocable = false;
+    } else {
+      return k.status();
+    }
   }
+  generation = gen;
   return key;
 }
 
@@ -307,6 +336,62 @@ Result<RemoteMemory> Peer::import_key(std::string_view remote_key, std::optional
   return rm;
 }
 
+Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const RemoteRange> ranges,
+                                 TransferOp op, std::chrono::milliseconds ttl,
+                                 std::optional<Deadline> deadline) {
+  if (!region.state_ || region.state_->peer != state_) {
+    return Status::invalid_argument("lease: the region was not imported through this peer");
+  }
+  if (region.state_->lease) return Status::invalid_argument("lease: a lease cannot be leased again");
+  if (ranges.empty() || ranges.size() > kMaxLeaseRanges) {
+    return Status::invalid_argument("lease: between 1 and " + std::to_string(kMaxLeaseRanges) +
+                                    " ranges, not " + std::to_string(ranges.size()));
+  }
+  if (ttl.count() <= 0) return Status::invalid_argument("lease: ttl must be positive");
+  RemoteMemory::State::Lease l;
+  l.region = region.state_;
+  l.region_base = region.base_;
+  l.region_length = region.length_;
+  l.ranges.assign(ranges.begin(), ranges.end());
+  std::sort(l.ranges.begin(), l.ranges.end(), [](const auto& a, const auto& b) { return a.addr < b.addr; });
+  for (std::size_t i = 0; i < l.ranges.size(); ++i) {
+    const RemoteRange& r = l.ranges[i];
+    if (r.length == 0 || r.addr < region.base_ || r.addr - region.base_ > region.length_ ||
+        r.length > region.length_ - (r.addr - region.base_)) {
+      return Status::invalid_argument("lease: range " + std::to_string(i) +
+                                      " is empty or outside the region");
+    }
+    if (i > 0 && l.ranges[i - 1].addr + l.ranges[i - 1].length > r.addr) {
+      return Status::invalid_argument("lease: ranges overlap");
+    }
+  }
+  l.op = op;
+  l.until = Clock::now() + ttl;
+  const Deadline d = deadline.value_or(deadline_after(state_->control_timeout));
+  RemoteMemory rm;
+  rm.base_ = region.base_;
+  rm.length_ = region.length_;
+  rm.state_ = std::make_shared<RemoteMemory::State>();
+  rm.state_->peer = state_;
+  rm.state_->lease = std::move(l);
+  KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(d));
+  KVSTASH_RETURN_IF_ERROR(rm.state_->key_for(ep.first, ep.second, rm.base_, rm.length_, d).status());
+  return rm;
+}
+
+namespace {
+
+// Whether [addr, addr + length) lies inside one of a lease's sorted ranges.
+bool inside_lease(const std::vector<RemoteRange>& ranges, std::uint64_t addr, std::uint64_t length) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
+                             [](std::uint64_t a, const RemoteRange& r) { return a < r.addr; });
+  if (it == ranges.begin()) return false;
+  --it;
+  return addr - it->addr <= it->length && length <= it->length - (addr - it->addr);
+}
+
+}  // namespace
+
 Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline deadline) {
   if (entries.empty()) return Status::invalid_argument("empty batch");
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -323,6 +408,16 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
     if (e.remote_addr < base || e.remote_addr - base > e.remote->length() ||
         e.length > e.remote->length() - (e.remote_addr - base)) {
       return Status::invalid_argument(where + "remote range is outside the remote key's region");
+    }
+    if (const auto& l = e.remote->state_->lease) {
+      if (Clock::now() >= l->until) return Status::stale(where + "the lease's time is up");
+      if (!inside_lease(l->ranges, e.remote_addr, e.length)) {
+        return Status::permission_denied(where + "remote range is outside the lease's ranges");
+      }
+      if (e.op != l->op) {
+        return Status::permission_denied(where + "the lease grants " + std::string(to_string(l->op)) +
+                                         ", not " + std::string(to_string(e.op)));
+      }
     }
   }
   KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(deadline));

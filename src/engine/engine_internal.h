@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "kvstash/engine.h"
@@ -35,11 +36,23 @@ struct RemoteMemory::State {
   std::shared_ptr<Peer::State> peer;
   std::string packed;  // this transport's part of the key blob
 
+  // A lease (Peer::lease) narrows `region` to `ranges` for `op` until `until`.
+  struct Lease {
+    std::shared_ptr<State> region;
+    std::uint64_t region_base = 0, region_length = 0;
+    std::vector<RemoteRange> ranges;  // sorted by address, disjoint
+    TransferOp op = TransferOp::kRead;
+    Clock::time_point until;
+  };
+  std::optional<Lease> lease;
+  bool revocable = false;  // the current key is the peer's revocable one (guarded by mu)
+
   std::mutex mu;
   std::uint64_t generation = ~0ull;  // endpoint generation `key` was imported through
   std::shared_ptr<transport::RemoteKey> key;
 
-  // The key unpacked for endpoint `generation`, importing it again after a reconnect.
+  // The key unpacked for endpoint `generation`, importing it again after a reconnect (a
+  // lease asks the peer again for what is left of its time).
   Result<std::shared_ptr<transport::RemoteKey>> key_for(const std::shared_ptr<transport::Endpoint>& ep,
                                                         std::uint64_t generation, std::uint64_t base,
                                                         std::uint64_t length, Deadline deadline);

@@ -68,7 +68,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
     return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
   }
   KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
-  KVSTASH_ASSIGN_OR_RETURN(n->handle_, n->engine_->register_memory(n->pool_.region(), Access::kRemote));
+  KVSTASH_ASSIGN_OR_RETURN(n->handle_, n->engine_->register_memory(n->pool_.region(), Access::kLeased));
 
   n->shared_ = std::make_unique<Shared>();
   metadata::RedisOptions ro;

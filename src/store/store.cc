@@ -99,6 +99,8 @@ class MetadataClock {
 };
 
 // A connection to one memory node's pool, shared by every operation touching the node.
+constexpr std::size_t kMaxRangesPerLease = 1024;
+
 struct NodeLink {
   std::string address;
   std::string key;
@@ -220,15 +222,73 @@ struct Store::Impl {
     std::uint64_t end = 0;
   };
 
+  // An object's transfers: the leases over its pages (one or more per node) and the waves.
+  // The leases must outlive the waves' batches: destroying one revokes its windows.
+  struct Transfers {
+    std::vector<RemoteMemory> leases;
+    std::vector<Wave> waves;
+  };
+
+  // One node's pages of an object as leased ranges: [addr, end) -> index into leases.
+  struct NodeLeases {
+    std::vector<std::pair<RemoteRange, std::size_t>> ranges;  // sorted by address
+    const RemoteMemory* find(const std::vector<RemoteMemory>& leases, std::uint64_t addr) const {
+      auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
+                                 [](std::uint64_t a, const auto& r) { return a < r.first.addr; });
+      return it == ranges.begin() ? nullptr : &leases[std::prev(it)->second];
+    }
+  };
+
+  // Leases every node's pages of the object for `op` until `until`. Where a node's transport
+  // has revocable keys (verbs with memory windows) exactly these pages are reachable through
+  // them, and only until then; elsewhere the engine checks the ranges on this side.
+  static Status lease_pages(const Placement& p, const std::vector<std::shared_ptr<NodeLink>>& links,
+                            TransferOp op, Clock::time_point until, Deadline deadline,
+                            std::vector<RemoteMemory>& leases, std::vector<NodeLeases>& by_node) {
+    // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
+    // generations decide whether its bytes are the object's (a revocable key keeps a reader
+    // out of reused pages only from 1 ms on; the checksum and generations cover the rest).
+    const auto ttl = std::max(std::chrono::milliseconds(1),
+                              std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
+    by_node.assign(p.nodes.size(), {});
+    for (std::size_t ni = 0; ni < p.nodes.size(); ++ni) {
+      std::vector<std::uint64_t> pages;
+      for (const auto& e : p.extents) {
+        if (e.node == p.nodes[ni].id) pages.push_back(e.page);
+      }
+      std::sort(pages.begin(), pages.end());
+      pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+      std::vector<RemoteRange> runs;
+      for (std::uint64_t page : pages) {
+        const std::uint64_t addr = links[ni]->remote.base() + page * p.page_size;
+        if (!runs.empty() && runs.back().addr + runs.back().length == addr) {
+          runs.back().length += p.page_size;
+        } else {
+          runs.push_back({addr, p.page_size});
+        }
+      }
+      for (std::size_t at = 0; at < runs.size(); at += kMaxRangesPerLease) {
+        std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxRangesPerLease, runs.size() - at));
+        auto l = links[ni]->peer->lease(links[ni]->remote, chunk, op, ttl, deadline);
+        if (!l.is_ok()) return l.status().with_context("memory node " + p.nodes[ni].id);
+        for (const RemoteRange& r : chunk) by_node[ni].ranges.emplace_back(r, leases.size());
+        leases.push_back(std::move(l).value());
+      }
+    }
+    return Status::ok();
+  }
+
   // Starts the transfers between the object's pages and the caller's slices, in waves of
   // `wave_bytes` of the object (a batch per node each), all submitted at once. A reader can
   // then checksum each wave as it lands while the later ones still move. Adjacent pieces that
   // are contiguous on both sides travel as one entry.
-  Result<std::vector<Wave>> start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
-                                            std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
-                                            Deadline deadline, std::uint64_t wave_bytes) {
-    std::vector<Wave> waves;
-    if (size == 0) return waves;
+  Result<Transfers> start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
+                                    std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
+                                    Clock::time_point lease_until, Deadline deadline,
+                                    std::uint64_t wave_bytes) {
+    Transfers t;
+    auto& waves = t.waves;
+    if (size == 0) return t;
     std::vector<const MemoryHandle*> handles;
     temp.reserve(temp.size() + slices.size());  // handles point into it
     std::uint64_t left = size;
@@ -250,6 +310,8 @@ struct Store::Impl {
       KVSTASH_ASSIGN_OR_RETURN(auto l, link(n, deadline));
       node_links.push_back(std::move(l));
     }
+    std::vector<NodeLeases> leased;
+    KVSTASH_RETURN_IF_ERROR(lease_pages(p, node_links, op, lease_until, deadline, t.leases, leased));
     auto node_index = [&](const std::string& id) {
       for (std::size_t i = 0; i < p.nodes.size(); ++i) {
         if (p.nodes[i].id == id) return i;
@@ -272,13 +334,14 @@ struct Store::Impl {
                       wave_end - offset}));
         auto* local = static_cast<std::byte*>(slices[si].addr) + soff;
         std::uint64_t remote = node_links[ni]->remote.base() + e.page * p.page_size + in_page;
+        const RemoteMemory* lease = leased[ni].find(t.leases, remote);
         auto& list = entries[ni];
-        if (!list.empty() && list.back().local == handles[si] &&
+        if (!list.empty() && list.back().local == handles[si] && list.back().remote == lease &&
             static_cast<std::byte*>(list.back().local_addr) + list.back().length == local &&
             list.back().remote_addr + list.back().length == remote) {
           list.back().length += n;
         } else {
-          list.push_back({op, handles[si], local, remote, &node_links[ni]->remote, n});
+          list.push_back({op, handles[si], local, remote, lease, n});
         }
         offset += n;
         soff += n;
@@ -292,7 +355,7 @@ struct Store::Impl {
         w.batches.push_back(std::move(b).value());
       }
     }
-    return waves;
+    return t;
   }
 
   static Status wait_all(std::vector<Batch>& batches) {
@@ -330,15 +393,16 @@ struct Store::Impl {
     std::vector<MemoryHandle> temp;
     temp.reserve(data.size());
     const auto t0 = Clock::now();
-    auto waves = start_transfers(TransferOp::kWrite, *placement, size, data, temp,
-                                 within_lease(deadline, leased_at, options.put_lease), size);
-    Status moved = waves.status();
+    const Clock::time_point lease_until = within_lease(Deadline::max(), leased_at, options.put_lease);
+    auto transfers = start_transfers(TransferOp::kWrite, *placement, size, data, temp, lease_until,
+                                     std::min(deadline, lease_until), size);
+    Status moved = transfers.status();
     std::uint64_t sum = 0;
     if (moved.is_ok()) {
       const auto c0 = Clock::now();
       sum = checksum(data, size);  // overlaps the writes: both only read the source
       const auto c1 = Clock::now();
-      for (auto& w : *waves) {
+      for (auto& w : transfers->waves) {
         Status s = wait_all(w.batches);
         if (moved.is_ok()) moved = s;
       }
@@ -383,18 +447,24 @@ struct Store::Impl {
       std::vector<MemoryHandle> temp;
       temp.reserve(into.size());
       const auto t0 = Clock::now();
-      // Not capped at the lease: a read that outlives it is caught by end_get's generations.
-      auto waves =
-          start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp, deadline, kWaveBytes);
-      moved = waves.status();
+      // Not capped at the lease: a read that outlives it is caught by end_get's generations,
+      // or fails at the node where its windows were revoked (then reported as kStale).
+      const Clock::time_point lease_until = within_lease(Deadline::max(), leased_at, options.read_lease);
+      auto transfers = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp,
+                                       lease_until, deadline, kWaveBytes);
+      moved = transfers.status();
       std::chrono::nanoseconds hashing{0};
-      for (std::size_t i = 0; moved.is_ok() && i < waves->size(); ++i) {
-        moved = wait_all((*waves)[i].batches);  // on error the later waves are cancelled
+      for (std::size_t i = 0; moved.is_ok() && i < transfers->waves.size(); ++i) {
+        moved = wait_all(transfers->waves[i].batches);  // on error the later waves are cancelled
         if (moved.is_ok() && options.verify_checksum) {
           const auto c0 = Clock::now();
-          hasher.advance_to((*waves)[i].end);
+          hasher.advance_to(transfers->waves[i].end);
           hashing += Clock::now() - c0;
         }
+      }
+      if (moved.code() == StatusCode::kPermissionDenied && Clock::now() >= lease_until) {
+        moved =
+            Status::stale("store: the read outlived its lease and the node revoked it: " + moved.message());
       }
       if (o.timings != nullptr) {
         o.timings->transfer += Clock::now() - t0 - hashing;

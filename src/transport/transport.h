@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "kvstash/engine.h"
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
 #include "kvstash/types.h"
@@ -92,6 +93,18 @@ class Endpoint {
   virtual Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
                                                         std::string_view packed, Deadline deadline) = 0;
 
+  // Asks the peer for a revocable key over exactly `ranges` of the region `region` grants,
+  // for `op`, during `ttl` (by the peer's clock), usable through this endpoint only. The key
+  // stops working when it is destroyed (the peer is told), when ttl passed, or with the
+  // connection. kUnsupported where this transport or the region has no revocable keys (the
+  // engine then narrows the region's key itself). Other errors as import_key, plus kNoSpace.
+  virtual Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region,
+                                                       std::span<const RemoteRange> ranges, TransferOp op,
+                                                       std::chrono::milliseconds ttl, Deadline deadline) {
+    (void)region, (void)ranges, (void)op, (void)ttl, (void)deadline;
+    return Status::unsupported("this transport has no revocable keys");
+  }
+
   // Datapath: starts every op; never blocks on the network. Each op completes exactly once
   // through op.sink, possibly before post() returns. The engine has checked ranges against
   // the keys; the target (where a target takes part) checks them again.
@@ -121,11 +134,13 @@ class Transport {
   // Cheap, no I/O; false for malformed addresses.
   virtual bool can_reach(std::string_view peer_address) const = 0;
 
-  // Registers [region.addr, +length). With remote_access, peers may READ and WRITE it
-  // through the packed key. Errors: kUnsupported (e.g. shm and a region without fd, or a
-  // memory kind this transport cannot reach), kInvalidArgument, kNoSpace.
+  // Registers [region.addr, +length). With Access::kRemote peers may READ and WRITE it
+  // through the packed key; with kLeased only through Endpoint::lease_key where this
+  // transport has revocable keys (elsewhere kLeased is kRemote). Errors: kUnsupported (e.g.
+  // shm and a region without fd, or a memory kind this transport cannot reach),
+  // kInvalidArgument, kNoSpace.
   virtual Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
-                                                                     bool remote_access) = 0;
+                                                                     Access access) = 0;
 
   // Connects to a peer. Errors: kInvalidArgument (malformed address), kUnavailable
   // (unreachable), kPermissionDenied (handshake refused), kTimeout.

@@ -519,7 +519,8 @@ class ShmTransport final : public Transport {
   }
 
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
-                                                             bool remote_access) override {
+                                                             Access access) override {
+    const bool remote_access = access != Access::kLocal;  // no revocable keys: kLeased is kRemote
     if (region.addr == nullptr || region.length == 0) {
       return Status::invalid_argument("shm: null or empty region");
     }

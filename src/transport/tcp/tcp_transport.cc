@@ -151,7 +151,8 @@ class TcpTransport final : public Transport {
   }
 
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
-                                                             bool remote_access) override {
+                                                             Access access) override {
+    const bool remote_access = access != Access::kLocal;  // no revocable keys: kLeased is kRemote
     if (region.kind != MemoryKind::kHost) return Status::unsupported("tcp moves host memory only");
     if (!remote_access) return std::unique_ptr<LocalRegistration>(new Registration(nullptr, 0));
     std::uint64_t key = regions_->add(static_cast<std::byte*>(region.addr), region.length);

@@ -123,7 +123,8 @@ class UcxTransport final : public Transport {
   }
 
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
-                                                             bool remote_access) override {
+                                                             Access access) override {
+    const bool remote_access = access != Access::kLocal;  // no revocable keys: kLeased is kRemote
     if (region.kind != MemoryKind::kHost) {
       return Status::unsupported("ucx: this UCX build cannot register CUDA memory");
     }

@@ -51,7 +51,14 @@ Status query_device(ibv_context* ctx, Device& d) {
   d.max_sge_rd = attr.max_sge_rd;
   d.max_qp_rd_atom = attr.max_qp_rd_atom;
   d.max_mw = attr.max_mw;
+  d.mw_type2 = d.max_mw > 0 && (attr.device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) != 0;
   d.max_mr_size = attr.max_mr_size;
+  ibv_device_attr_ex ex{};
+  if (ibv_query_device_ex(ctx, nullptr, &ex) == 0) {
+    const std::uint32_t rc_odp = ex.odp_caps.per_transport_caps.rc_odp_caps;
+    const std::uint32_t need = IBV_ODP_SUPPORT_READ | IBV_ODP_SUPPORT_WRITE;
+    d.odp_rc = (ex.odp_caps.general_caps & IBV_ODP_SUPPORT) != 0 && (rc_odp & need) == need;
+  }
   for (std::uint8_t p = 1; p <= attr.phys_port_cnt; ++p) {
     ibv_port_attr pa{};
     if (int rc = ibv_query_port(ctx, p, &pa); rc != 0) return Status::from_errno("verbs: query port", rc);

@@ -75,7 +75,9 @@ struct Device {
   int max_sge = 0;
   int max_sge_rd = 0;
   int max_qp_rd_atom = 0;
-  int max_mw = 0;  // memory windows (revocable keys) when > 0
+  int max_mw = 0;         // memory windows
+  bool mw_type2 = false;  // type-2B windows (bound per queue pair): revocable keys per lease
+  bool odp_rc = false;    // on-demand paging for RC READ and WRITE
   std::uint64_t max_mr_size = 0;
   std::uint32_t max_msg_sz = 0;  // of the first active port
   std::vector<Port> ports;

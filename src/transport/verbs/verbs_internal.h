@@ -3,16 +3,20 @@
 //
 // Shape: one device context and protection domain per transport; per connection, on the
 // initiating side, a CQ with a completion channel, an RC QP, the TCP socket that set it up
-// (kept open: its hang-up is the fastest sign of a dead peer) and a poller thread that reaps
-// completions in bulk. The target side holds only QPs: RDMA READ and WRITE need nothing from
-// its CPU.
+// (kept open: it carries lease requests, and its hang-up is the fastest sign of a dead peer)
+// and a poller thread that reaps completions in bulk. The target side holds QPs and the
+// memory windows of leases: RDMA READ and WRITE need nothing from its CPU, a lease one
+// message.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <list>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,9 +26,12 @@
 #include "transport/transport.h"
 #include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_qp.h"
+#include "transport/verbs/verbs_wire.h"
 #include "transport/verbs/verbs_wr.h"
 
 namespace kvstash::transport::verbs {
+
+using net::Fd;
 
 // The device a transport runs on. Shared by the transport and its endpoints.
 struct DeviceState {
@@ -35,9 +42,48 @@ struct DeviceState {
   Pd pd;
 };
 
+// The target side: the connections a transport accepted, the leases bound on them, and the
+// regions leases may be cut from. The listener thread serves it; a Registration that goes
+// away revokes its leases first. Every member is guarded by `mu`.
+struct Target {
+  struct Lease {
+    Clock::time_point until;
+    const ibv_mr* mr = nullptr;
+    std::vector<Mw> windows;
+  };
+  struct Accepted {
+    Fd socket;
+    Qp qp;
+    std::uint32_t max_send_wr = 1;
+    bool broken = false;                    // a bind failed on the QP: drop the connection
+    std::size_t windows = 0;                // bound now, over all leases
+    std::map<std::uint64_t, Lease> leases;  // by the client's lease id; destroyed before the QP
+  };
+
+  std::shared_ptr<DeviceState> dev;
+  Cq cq;  // completions of window binds (the target's queue pairs post nothing else)
+  std::mutex mu;
+  std::map<std::uint32_t, const ibv_mr*> leasable;  // MR rkey -> region registered kLeased
+  std::list<Accepted> accepted;
+  std::uint64_t next_wr_id = 1;
+
+  // Binds one window per range of `q` on `a`'s queue pair; their rkeys in request order.
+  Result<std::vector<std::uint32_t>> bind(Accepted& a, const LeaseRequest& q, Deadline deadline);
+  // Serves one lease message from `a`'s setup socket; false when the connection must go.
+  bool serve(Accepted& a);
+  // Revokes one lease of `a` (a no-op for an unknown id: it may have expired already).
+  void release(Accepted& a, std::uint64_t lease_id);
+  // Revokes leases whose time is up; the next expiry, or nullopt when none is bound.
+  std::optional<Clock::time_point> expire(Clock::time_point now);
+  // A region goes away: its leases are revoked and no new ones are cut from it.
+  void forget(const ibv_mr* mr);
+};
+
 class Registration final : public LocalRegistration {
  public:
-  Registration(Mr mr, std::uint64_t guid, bool remote) : mr_(std::move(mr)), guid_(guid), remote_(remote) {}
+  // `target` is set for a region registered for leases only (its MR grants no remote access).
+  Registration(Mr mr, std::uint64_t guid, bool remote, std::shared_ptr<Target> target = nullptr);
+  ~Registration() override;
   std::string packed_key() const override;
   std::uint32_t lkey() const { return mr_->lkey; }
 
@@ -45,14 +91,29 @@ class Registration final : public LocalRegistration {
   Mr mr_;
   std::uint64_t guid_;
   bool remote_;
+  std::shared_ptr<Target> target_;
 };
 
+class VerbsEndpoint;
+
+// A peer's key as one endpoint uses it: the region's rkey, or for a lease the rkey of the
+// window over each range (a lease tells the peer when it is dropped).
 class ImportedKey final : public RemoteKey {
  public:
-  std::uint32_t rkey = 0;
-};
+  struct Window {
+    std::uint64_t addr = 0, length = 0;
+    std::uint32_t rkey = 0;
+  };
+  ~ImportedKey() override;
+  // The rkey that grants [addr, addr + length), or nullopt when this key grants none.
+  std::optional<std::uint32_t> rkey_for(std::uint64_t addr, std::uint64_t length) const;
 
-using net::Fd;
+  std::uint32_t rkey = 0;
+  bool leases_only = false;     // the region's rkey grants nothing remote by itself
+  std::vector<Window> windows;  // a lease's, sorted by address
+  std::uint64_t lease_id = 0;
+  std::weak_ptr<VerbsEndpoint> owner;
+};
 
 // Length-prefixed frames on the setup socket, bounded by a deadline.
 Status write_frame(int fd, std::string_view bytes, Deadline deadline);
@@ -62,7 +123,7 @@ Result<std::string> read_frame(int fd, Deadline deadline);
 Status from_wc(ibv_wc_status status);
 
 // The initiating side of one connection: posts READ/WRITE, reaps completions.
-class VerbsEndpoint final : public Endpoint {
+class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this<VerbsEndpoint> {
  public:
   // Takes a connected QP (RTS) with its CQ and channel, and the setup socket.
   VerbsEndpoint(std::shared_ptr<DeviceState> dev, ibv_comp_channel* channel, Cq cq, Qp qp, Fd control,
@@ -71,6 +132,11 @@ class VerbsEndpoint final : public Endpoint {
 
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
                                                 std::string_view packed, Deadline deadline) override;
+  Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region, std::span<const RemoteRange> ranges,
+                                               TransferOp op, std::chrono::milliseconds ttl,
+                                               Deadline deadline) override;
+  // Tells the peer a lease is dropped (best effort: its ttl revokes it anyway).
+  void release(std::uint64_t lease_id);
   void post(std::span<const Op> ops) override;
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override;
@@ -103,8 +169,10 @@ class VerbsEndpoint final : public Endpoint {
   ibv_comp_channel* channel_;
   Cq cq_;
   Qp qp_;
-  Fd control_;
-  Fd wake_;  // eventfd that stops the poller
+  Fd control_;                    // the setup socket: lease messages, and its hang-up means the peer is gone
+  Fd wake_;                       // eventfd that stops the poller
+  std::mutex control_mu_;         // one lease exchange at a time on control_
+  std::uint64_t next_lease_ = 1;  // guarded by control_mu_
   const std::uint32_t depth_;
   WrBuilder builder_;
 
@@ -120,6 +188,7 @@ class VerbsEndpoint final : public Endpoint {
   Status broken_;                                            // set once the connection failed
   std::vector<std::pair<CompletionSink*, Status>> aborted_;  // sinks being aborted and why
   bool stopping_ = false;
+  bool peer_closed_ = false;  // control_ hung up: the poller stops watching it
   std::thread poller_;
 };
 

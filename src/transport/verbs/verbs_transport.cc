@@ -30,17 +30,12 @@ namespace kvstash::transport::verbs {
 
 // ---- small pieces shared with the datapath -----------------------------------------------
 
-std::string Registration::packed_key() const {
-  if (!remote_) return {};
-  KeyPart part{guid_, mr_->rkey};
-  return encode_key({&part, 1});
-}
-
 namespace {
 
 constexpr std::size_t kMaxFrame = 4096;
 constexpr std::string_view kSetup = "verbs queue-pair setup";
 constexpr auto kSetupTimeout = std::chrono::seconds(5);
+constexpr int kTargetCqDepth = 256;  // memory-window binds, each waited for as it is posted
 
 }  // namespace
 
@@ -81,7 +76,7 @@ class VerbsTransport final : public Transport {
   std::string local_address() const override { return address_; }
   bool can_reach(std::string_view peer_address) const override;
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
-                                                             bool remote_access) override;
+                                                             Access access) override;
   Result<std::shared_ptr<Endpoint>> connect(std::string_view peer_address, Deadline deadline) override;
 
  private:
@@ -93,18 +88,12 @@ class VerbsTransport final : public Transport {
   void serve();                   // the setup listener's thread
   void accept_one(int listener);  // builds the target side of one connection
 
-  struct Accepted {
-    Fd socket;
-    Qp qp;
-  };
-
   VerbsOptions options_;
   std::shared_ptr<DeviceState> dev_;
-  Cq target_cq_;  // the target side's QPs never complete anything; verbs wants a CQ anyway
+  std::shared_ptr<Target> target_;  // accepted connections and their leases
   Fd listener_;
   Fd wake_;
   std::string address_;
-  std::list<Accepted> accepted_;  // touched by the listener thread only
   std::thread thread_;
 };
 
@@ -129,8 +118,16 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
     if (t->dev_) break;
   }
   if (!t->dev_) return Status::unsupported("verbs: no RDMA device with an active port here");
-  t->target_cq_.reset(ibv_create_cq(t->dev_->ctx.get(), 1, nullptr, nullptr, 0));
-  if (!t->target_cq_) return Status::from_errno("verbs: create CQ", errno);
+  t->target_ = std::make_shared<Target>();
+  t->target_->dev = t->dev_;
+  t->target_->cq.reset(ibv_create_cq(t->dev_->ctx.get(), kTargetCqDepth, nullptr, nullptr, 0));
+  if (!t->target_->cq) return Status::from_errno("verbs: create CQ", errno);
+  if (options.memory_windows && !t->dev_->device.mw_type2) {
+    KVSTASH_LOG_INFO(
+        "verbs: {} has no type-2 memory windows: leased regions are reachable whole through "
+        "their key (generation fencing guards them)",
+        t->dev_->device.name);
+  }
 
   KVSTASH_ASSIGN_OR_RETURN(net::HostPort listen, net::parse_host_port(options.listen));
   addrinfo hints{};
@@ -169,8 +166,8 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
   t->wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   std::string control = options.advertise;
   if (control.empty()) {
-    control = bound.ss_family == AF_INET6 ? "[" + std::string(host) + "]:" + std::to_string(bound_port)
-                                          : std::string(host) + ":" + std::to_string(bound_port);
+    const bool v6 = bound.ss_family == AF_INET6;
+    control.append(v6 ? "[" : "").append(host).append(v6 ? "]:" : ":").append(std::to_string(bound_port));
   }
   t->address_ = encode_address({control, {t->port_address()}});
   t->thread_ = std::thread([p = t.get()] { p->serve(); });
@@ -183,7 +180,9 @@ VerbsTransport::~VerbsTransport() {
   std::uint64_t one = 1;
   if (wake_.get() >= 0) (void)!::write(wake_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
-  accepted_.clear();
+  if (!target_) return;  // create() gave up before it existed
+  std::lock_guard lock(target_->mu);
+  target_->accepted.clear();
 }
 
 PortAddress VerbsTransport::port_address() const {
@@ -220,10 +219,18 @@ bool VerbsTransport::can_reach(std::string_view peer_address) const {
 }
 
 Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const MemoryRegion& region,
-                                                                           bool remote_access) {
+                                                                           Access exposure) {
   if (region.addr == nullptr || region.length == 0) return Status::invalid_argument("verbs: empty region");
+  // A leased region's MR only lets windows be bound over it: its own rkey grants nothing.
+  const bool windows = exposure == Access::kLeased && options_.memory_windows && dev_->device.mw_type2;
   int access = IBV_ACCESS_LOCAL_WRITE;
-  if (remote_access) access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  if (windows) {
+    access |= IBV_ACCESS_MW_BIND;
+  } else if (exposure != Access::kLocal) {
+    access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  }
+  const bool remote = exposure != Access::kLocal;
+  auto target = windows ? target_ : nullptr;
   if (region.kind == MemoryKind::kCuda) {
     // GPUDirect: the NIC reaches GPU memory itself (dma-buf, else nvidia-peermem).
     KVSTASH_ASSIGN_OR_RETURN(GpuRegistration gpu,
@@ -231,7 +238,16 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
     KVSTASH_LOG_INFO("verbs: registered {} bytes of GPU memory through {}", region.length,
                      to_string(gpu.path));
     return std::unique_ptr<LocalRegistration>(
-        std::make_unique<Registration>(std::move(gpu.mr), dev_->device.node_guid, remote_access));
+        std::make_unique<Registration>(std::move(gpu.mr), dev_->device.node_guid, remote, std::move(target)));
+  }
+  if (options_.on_demand_paging) {
+    if (!dev_->device.odp_rc) {
+      std::string why = "verbs: ";
+      why.append(dev_->device.name)
+          .append(" cannot page RC READ/WRITE on demand (VerbsOptions::on_demand_paging)");
+      return Status::unsupported(std::move(why));
+    }
+    access |= IBV_ACCESS_ON_DEMAND;
   }
   Mr mr(ibv_reg_mr(dev_->pd.get(), region.addr, region.length, access));
   if (!mr) {
@@ -243,7 +259,7 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
     return Status::from_errno("verbs: register memory", e);
   }
   return std::unique_ptr<LocalRegistration>(
-      std::make_unique<Registration>(std::move(mr), dev_->device.node_guid, remote_access));
+      std::make_unique<Registration>(std::move(mr), dev_->device.node_guid, remote, std::move(target)));
 }
 
 Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_address, Deadline deadline) {
@@ -342,7 +358,7 @@ void VerbsTransport::accept_one(int listener) {
   }
   QpConfig cfg = qp_config();
   cfg.max_rd_atomic = std::min(cfg.max_rd_atomic, hello->max_rd_atomic);
-  auto qp = create_rc_qp(dev_->pd.get(), target_cq_.get(), cfg);
+  auto qp = create_rc_qp(dev_->pd.get(), target_->cq.get(), cfg);
   if (!qp.is_ok()) {
     KVSTASH_LOG_WARN("verbs: cannot create a QP for a peer: {}", qp.status().to_string());
     return;
@@ -373,31 +389,44 @@ void VerbsTransport::accept_one(int listener) {
     KVSTASH_LOG_WARN("verbs: queue-pair setup failed: {}", up.to_string());
     return;
   }
-  accepted_.push_back({std::move(sock), std::move(qp).value()});
+  std::lock_guard lock(target_->mu);
+  Target::Accepted& a = target_->accepted.emplace_back();
+  a.socket = std::move(sock);
+  a.qp = std::move(qp).value();
+  a.max_send_wr = cfg.max_send_wr;
 }
 
 void VerbsTransport::serve() {
+  std::optional<Clock::time_point> next_expiry;
   for (;;) {
     std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-    for (const auto& a : accepted_) fds.push_back({a.socket.get(), POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
+    {
+      std::lock_guard lock(target_->mu);
+      for (const auto& a : target_->accepted) fds.push_back({a.socket.get(), POLLIN, 0});
     }
+    int timeout = -1;
+    if (next_expiry) {
+      auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next_expiry - Clock::now()).count();
+      timeout = static_cast<int>(std::clamp<std::int64_t>(ms, 0, 60000));
+    }
+    if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) return;
     if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) accept_one(listener_.get());
-    // A peer that closed its setup connection is gone: its QP goes with it.
-    std::size_t i = 2;
-    for (auto it = accepted_.begin(); it != accepted_.end() && i < fds.size(); ++i) {
-      if (fds[i].revents != 0) {
-        char buf[64];
-        if (::recv(it->socket.get(), buf, sizeof buf, 0) <= 0) {
-          it = accepted_.erase(it);
+    {
+      // Only this thread adds or drops connections, so the list still matches `fds`.
+      std::lock_guard lock(target_->mu);
+      std::size_t i = 2;
+      for (auto it = target_->accepted.begin(); it != target_->accepted.end() && i < fds.size(); ++i) {
+        // A message is a lease request or release; a hang-up means the peer is gone, and its
+        // queue pair and windows go with it.
+        if (fds[i].revents != 0 && !target_->serve(*it)) {
+          it = target_->accepted.erase(it);
           continue;
         }
+        ++it;
       }
-      ++it;
+      next_expiry = target_->expire(Clock::now());
     }
+    if (fds[0].revents & POLLIN) accept_one(listener_.get());
   }
 }
 

@@ -100,6 +100,7 @@ Result<std::unique_ptr<RemoteKey>> VerbsEndpoint::import_key(std::uint64_t base,
     key->base = base;
     key->length = length;
     key->rkey = p.rkey;
+    key->leases_only = p.leases_only;
     return std::unique_ptr<RemoteKey>(std::move(key));
   }
   return Status::unsupported("verbs: the peer registered this region on none of the devices we reach it by");
@@ -114,9 +115,18 @@ bool VerbsEndpoint::try_post(const Op& op, std::vector<Done>& done) {
                         "verbs: an op needs memory registered with the engine and an imported key")});
     return true;
   }
+  const std::optional<std::uint32_t> rkey = key->rkey_for(op.remote_addr, op.length);
+  if (!rkey) {
+    done.push_back(
+        {op.sink, op.tag,
+         Status::permission_denied(key->leases_only && key->windows.empty()
+                                       ? "verbs: the peer lets this region be reached only through leases"
+                                       : "verbs: the range lies outside the lease's windows")});
+    return true;
+  }
   if (free_slots_.empty()) return false;
   builder_.reset();
-  Piece piece{reinterpret_cast<std::uint64_t>(op.local), reg->lkey(), op.remote_addr, key->rkey, op.length};
+  Piece piece{reinterpret_cast<std::uint64_t>(op.local), reg->lkey(), op.remote_addr, *rkey, op.length};
   const ibv_wr_opcode opcode = op.op == TransferOp::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
   if (!builder_.add(opcode, piece, 0)) {
     if (in_flight_wrs_ > 0) return false;  // retried as completions free the queue
@@ -262,22 +272,27 @@ void VerbsEndpoint::poll_loop() {
     ibv_req_notify_cq(cq_.get(), 0);
     reap(done);
     if (!done.empty()) continue;
-    pollfd fds[3] = {{channel_->fd, POLLIN, 0}, {wake_.get(), POLLIN, 0}, {control_.get(), POLLIN, 0}};
+    // The setup socket is watched for its hang-up only: lease answers on it are read by the
+    // thread that asked.
+    bool watch_control = false;
+    {
+      std::lock_guard lock(mu_);
+      watch_control = !peer_closed_;
+    }
+    pollfd fds[3] = {{channel_->fd, POLLIN, 0},
+                     {wake_.get(), POLLIN, 0},
+                     {watch_control ? control_.get() : -1, POLLRDHUP, 0}};
     if (::poll(fds, 3, 1000) < 0 && errno != EINTR) continue;
     if (fds[0].revents & POLLIN) {
       ibv_cq* cq = nullptr;
       void* ctx = nullptr;
       if (ibv_get_cq_event(channel_, &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);
     }
-    if (fds[2].revents & (POLLIN | POLLHUP | POLLERR)) {
-      char byte;
-      if (::read(control_.get(), &byte, 1) <= 0) {
-        // The peer closed its end of the setup connection: it is gone (or dropped us).
-        std::lock_guard lock(mu_);
-        fail(Status::unavailable("verbs: the peer closed the connection"));
-        control_ = Fd();
-        control_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));  // a quiet fd from now on
-      }
+    if (fds[2].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+      // The peer closed its end of the setup connection: it is gone (or dropped us).
+      std::lock_guard lock(mu_);
+      fail(Status::unavailable("verbs: the peer closed the connection"));
+      peer_closed_ = true;
     }
   }
 }

@@ -10,6 +10,11 @@ namespace {
 constexpr std::uint32_t kAddressMagic = 0x4256534b;  // "KSVB"
 constexpr std::uint32_t kHelloMagic = 0x4856534b;    // "KSVH"
 constexpr std::uint32_t kKeyMagic = 0x5256534b;      // "KSVR"
+constexpr std::uint32_t kLeaseMagic = 0x4c56534b;    // "KSVL"
+constexpr std::uint8_t kLeaseRequestType = 'L';
+constexpr std::uint8_t kLeaseReplyType = 'A';
+constexpr std::uint8_t kLeaseReleaseType = 'X';
+constexpr std::size_t kMaxMessage = 1024;
 constexpr std::size_t kMaxPorts = 64;
 constexpr std::size_t kMaxName = 64;
 constexpr std::size_t kMaxControl = 262;  // "[" + 255-char host + "]:65535"
@@ -164,6 +169,7 @@ std::string encode_key(std::span<const KeyPart> parts) {
   for (const auto& p : parts) {
     w.u64(p.node_guid);
     w.u32(p.rkey);
+    w.u8(p.leases_only ? 1 : 0);
   }
   return w.take();
 }
@@ -178,9 +184,108 @@ Result<std::vector<KeyPart>> decode_key(std::string_view bytes) {
   for (auto& p : out) {
     p.node_guid = r.u64();
     p.rkey = r.u32();
+    const std::uint8_t flags = r.u8();
+    if (flags > 1) return invalid("remote key (flags)");
+    p.leases_only = flags == 1;
   }
   if (!r.at_end()) return invalid("remote key");
   return out;
+}
+
+namespace {
+
+void lease_header(wire::Writer& w, std::uint8_t type) {
+  w.u32(kLeaseMagic);
+  w.u8(kWireVersion);
+  w.u8(type);
+}
+
+}  // namespace
+
+std::string encode_lease_request(const LeaseRequest& r) {
+  wire::Writer w;
+  lease_header(w, kLeaseRequestType);
+  w.u64(r.id);
+  w.u32(r.region_rkey);
+  w.u8(r.write ? 1 : 0);
+  w.u32(r.ttl_ms);
+  w.u16(static_cast<std::uint16_t>(r.ranges.size()));
+  for (const auto& range : r.ranges) {
+    w.u64(range.addr);
+    w.u64(range.length);
+  }
+  return w.take();
+}
+
+std::string encode_lease_reply(const LeaseReply& r) {
+  wire::Writer w;
+  lease_header(w, kLeaseReplyType);
+  w.u64(r.id);
+  w.u8(static_cast<std::uint8_t>(r.status.code()));
+  w.bytes(r.status.message().substr(0, kMaxMessage));
+  w.u16(static_cast<std::uint16_t>(r.rkeys.size()));
+  for (std::uint32_t k : r.rkeys) w.u32(k);
+  return w.take();
+}
+
+std::string encode_lease_release(const LeaseRelease& r) {
+  wire::Writer w;
+  lease_header(w, kLeaseReleaseType);
+  w.u64(r.id);
+  return w.take();
+}
+
+Result<LeaseMessage> decode_lease_message(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kLeaseMagic, "lease message", &why)) return why;
+  const std::uint8_t type = r.u8();
+  if (type == kLeaseReleaseType) {
+    LeaseRelease rel{r.u64()};
+    if (!r.at_end()) return invalid("lease release");
+    return LeaseMessage(rel);
+  }
+  if (type != kLeaseRequestType) return invalid("lease message (type)");
+  LeaseRequest q;
+  q.id = r.u64();
+  q.region_rkey = r.u32();
+  const std::uint8_t write = r.u8();
+  q.ttl_ms = r.u32();
+  const std::size_t n = r.u16();
+  if (!r.ok() || write > 1 || n == 0 || n > kMaxLeaseRanges || q.ttl_ms == 0) return invalid("lease request");
+  q.write = write == 1;
+  q.ranges.resize(n);
+  for (auto& range : q.ranges) {
+    range.addr = r.u64();
+    range.length = r.u64();
+    if (range.length == 0 || range.addr + range.length < range.addr) return invalid("lease request (range)");
+  }
+  if (!r.at_end()) return invalid("lease request");
+  return LeaseMessage(std::move(q));
+}
+
+Result<LeaseReply> decode_lease_reply(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kLeaseMagic, "lease reply", &why)) return why;
+  if (r.u8() != kLeaseReplyType) return invalid("lease reply (type)");
+  LeaseReply a;
+  a.id = r.u64();
+  const std::uint8_t code = r.u8();
+  const std::string_view message = r.bytes();
+  const std::size_t n = r.u16();
+  if (!r.ok() || code > static_cast<std::uint8_t>(StatusCode::kInternal) || message.size() > kMaxMessage ||
+      n > kMaxLeaseRanges) {
+    return invalid("lease reply");
+  }
+  a.rkeys.resize(n);
+  for (auto& k : a.rkeys) k = r.u32();
+  if (!r.at_end()) return invalid("lease reply");
+  if (code != 0) {
+    a.status = Status(static_cast<StatusCode>(code), std::string(message));
+    if (n != 0) return invalid("lease reply (keys with a refusal)");
+  }
+  return a;
 }
 
 std::optional<std::pair<std::size_t, std::size_t>> match_ports(std::span<const PortAddress> ours,

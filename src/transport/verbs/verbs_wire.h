@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "kvstash/status.h"
@@ -21,7 +22,7 @@
 namespace kvstash::transport::verbs {
 
 // Bumped on any change of the formats below; peers of another version are refused.
-inline constexpr std::uint8_t kWireVersion = 1;
+inline constexpr std::uint8_t kWireVersion = 2;
 
 // One RDMA port a transport serves.
 struct PortAddress {
@@ -59,14 +60,55 @@ struct Hello {
 std::string encode_hello(const Hello& h);
 Result<Hello> decode_hello(std::string_view bytes);
 
-// A region's key: its rkey on each device that registered it.
+// A region's key: its rkey on each device that registered it. With `leases_only` the rkey
+// grants nothing remote by itself (the region was registered for memory windows only); it
+// names the region in lease requests.
 struct KeyPart {
   std::uint64_t node_guid = 0;
   std::uint32_t rkey = 0;
+  bool leases_only = false;
 };
 
 std::string encode_key(std::span<const KeyPart> parts);
 Result<std::vector<KeyPart>> decode_key(std::string_view bytes);
+
+// Lease messages, on the setup connection once the queue pair is up. The client asks for
+// windows over ranges of one region (named by its rkey) for a time; the target binds a type-2
+// memory window per range to this connection's queue pair and answers with their rkeys, in
+// request order; a release revokes them early.
+inline constexpr std::size_t kMaxLeaseRanges = 1024;
+
+struct LeaseRange {
+  std::uint64_t addr = 0;
+  std::uint64_t length = 0;
+};
+
+struct LeaseRequest {
+  std::uint64_t id = 0;
+  std::uint32_t region_rkey = 0;
+  bool write = false;  // RDMA WRITE; otherwise READ
+  std::uint32_t ttl_ms = 0;
+  std::vector<LeaseRange> ranges;
+};
+
+struct LeaseReply {
+  std::uint64_t id = 0;
+  Status status;                     // why the target refused, or OK
+  std::vector<std::uint32_t> rkeys;  // one per range when OK
+};
+
+struct LeaseRelease {
+  std::uint64_t id = 0;
+};
+
+std::string encode_lease_request(const LeaseRequest& r);
+std::string encode_lease_reply(const LeaseReply& r);
+std::string encode_lease_release(const LeaseRelease& r);
+
+// What arrived on the target's side of the setup connection: a request or a release.
+using LeaseMessage = std::variant<LeaseRequest, LeaseRelease>;
+Result<LeaseMessage> decode_lease_message(std::string_view bytes);
+Result<LeaseReply> decode_lease_reply(std::string_view bytes);
 
 // Which of our ports can talk to which of the peer's: the same link layer, and on RoCE the
 // same address family (IPv4-mapped GIDs talk to IPv4-mapped ones), on InfiniBand the same
