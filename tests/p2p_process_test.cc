@@ -350,6 +350,16 @@ TEST_P(P2P, LeaseEndsWithItsTimeAndARevokedWindowFailsAReadInFlight) {
   }
   EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
   EXPECT_GT(took, kTtl / 2);
+  // The transport counted it.
+  auto counted = [&](std::string_view name) {
+    for (const auto& c : engine_->counters()) {
+      if (c.transport == kind_ && c.name == name) return c.value;
+    }
+    return std::uint64_t{0};
+  };
+  EXPECT_GE(counted("remote_access_errors"), 1u);
+  EXPECT_GE(counted("connections_broken"), 1u);
+  EXPECT_GE(counted("ops_posted"), static_cast<std::uint64_t>(landed));
   // The connection broke with the remote access error; the next lease reconnects.
   auto again = peer_conn_->lease(*region, all, TransferOp::kRead, 30s);
   ASSERT_TRUE(again.is_ok()) << again.status().to_string();

@@ -151,6 +151,14 @@ struct RemoteRange {
 class Engine;
 class Peer;
 
+// One monotonic count a transport keeps ("remote_access_errors", "leases_granted", ...).
+struct TransportCounter {
+  TransportKind transport{};
+  std::string name;  // snake_case, unique within the transport
+  std::string help;  // one line, for /metrics
+  std::uint64_t value = 0;
+};
+
 // A registration of one region with every transport of an engine. Move-only; destroying it
 // deregisters (peers can no longer reach the region). Must outlive batches that use it.
 class MemoryHandle {
@@ -291,6 +299,8 @@ class Engine {
   // through address_text().
   const std::string& address() const { return address_; }
   std::vector<TransportKind> transports() const;
+  // Every transport's counters (see Transport::counters), for metrics and diagnostics.
+  std::vector<TransportCounter> counters() const;
 
   // Registers a region with every transport (that can take it). Errors: kInvalidArgument
   // (null or empty region), or the first transport's error when none could register it.

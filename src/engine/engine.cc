@@ -151,6 +151,15 @@ std::vector<TransportKind> Engine::transports() const {
   return out;
 }
 
+std::vector<TransportCounter> Engine::counters() const {
+  std::vector<TransportCounter> out;
+  for (const auto& t : impl_->transports) {
+    auto c = t->counters();
+    out.insert(out.end(), std::make_move_iterator(c.begin()), std::make_move_iterator(c.end()));
+  }
+  return out;
+}
+
 Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access access) {
   if (region.addr == nullptr || region.length == 0) {
     return Status::invalid_argument("cannot register an empty region");

@@ -210,6 +210,10 @@ std::string MemoryNode::metrics() const {
     m.gauge("kvstash_node_transport", "Constant 1 per transport serving the pool", 1,
             {{"transport", to_string(k)}});
   }
+  for (const TransportCounter& c : engine_->counters()) {
+    m.counter("kvstash_transport_events_total", "What the transports counted (see event)",
+              static_cast<double>(c.value), {{"transport", to_string(c.transport)}, {"event", c.name}});
+  }
   m.gauge("kvstash_node_free_pages", "Free pages at the last heartbeat",
           static_cast<double>(s.free_pages.load()));
   m.gauge("kvstash_node_objects", "Objects with a page on this node at the last heartbeat",

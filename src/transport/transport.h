@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvstash/engine.h"
 #include "kvstash/memory.h"
@@ -123,6 +124,10 @@ class Endpoint {
 class Transport {
  public:
   virtual ~Transport() = default;
+
+  // What this transport has counted since it started (connections, errors by kind, leases):
+  // monotonic, for /metrics and `kvstash doctor`. Empty where it counts nothing.
+  virtual std::vector<TransportCounter> counters() const { return {}; }
 
   virtual TransportKind kind() const = 0;
   virtual Capabilities capabilities() const = 0;

@@ -9,6 +9,7 @@
 // message.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -33,6 +34,20 @@ namespace kvstash::transport::verbs {
 
 using net::Fd;
 
+// What a transport counts, updated with relaxed atomics (off the datapath's lock).
+struct Counters {
+  std::atomic<std::uint64_t> connections_opened{0}, connections_accepted{0}, connections_broken{0};
+  std::atomic<std::uint64_t> ops_posted{0}, bytes_read{0}, bytes_written{0};
+  std::atomic<std::uint64_t> remote_access_errors{0}, retries_exhausted{0};
+  std::atomic<std::uint64_t> leases_granted{0}, leases_refused{0}, leases_expired{0}, leases_released{0};
+  std::atomic<std::uint64_t> windows_bound{0};
+
+  static void add(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) {
+    c.fetch_add(n, std::memory_order_relaxed);
+  }
+  std::vector<TransportCounter> snapshot() const;
+};
+
 // The device a transport runs on. Shared by the transport and its endpoints.
 struct DeviceState {
   Device device;
@@ -40,6 +55,7 @@ struct DeviceState {
   Gid gid;
   Context ctx;
   Pd pd;
+  Counters counters;
 };
 
 // The target side: the connections a transport accepted, the leases bound on them, and the

@@ -114,6 +114,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
     at += n;
   }
   a.windows += lease.windows.size();
+  Counters::add(dev->counters.windows_bound, lease.windows.size());
   a.leases.emplace(q.id, std::move(lease));
   return rkeys;
 }
@@ -123,6 +124,7 @@ void Target::release(Accepted& a, std::uint64_t lease_id) {
   if (it == a.leases.end()) return;
   a.windows -= it->second.windows.size();
   a.leases.erase(it);
+  Counters::add(dev->counters.leases_released);
 }
 
 bool Target::serve(Accepted& a) {
@@ -145,8 +147,10 @@ bool Target::serve(Accepted& a) {
   reply.id = q.id;
   if (rkeys.is_ok()) {
     reply.rkeys = std::move(rkeys).value();
+    Counters::add(dev->counters.leases_granted);
   } else {
     reply.status = rkeys.status();
+    Counters::add(dev->counters.leases_refused);
   }
   return write_frame(a.socket.get(), encode_lease_reply(reply), deadline).is_ok() && !a.broken;
 }
@@ -158,6 +162,7 @@ std::optional<Clock::time_point> Target::expire(Clock::time_point now) {
       if (it->second.until <= now) {
         a.windows -= it->second.windows.size();
         it = a.leases.erase(it);  // deallocating a bound window revokes it
+        Counters::add(dev->counters.leases_expired);
         continue;
       }
       if (!next || it->second.until < *next) next = it->second.until;

@@ -30,6 +30,29 @@ namespace kvstash::transport::verbs {
 
 // ---- small pieces shared with the datapath -----------------------------------------------
 
+std::vector<TransportCounter> Counters::snapshot() const {
+  auto c = [](const char* name, const char* help, const std::atomic<std::uint64_t>& v) {
+    return TransportCounter{TransportKind::kVerbs, name, help, v.load(std::memory_order_relaxed)};
+  };
+  return {
+      c("connections_opened", "Queue pairs this side connected to a peer", connections_opened),
+      c("connections_accepted", "Queue pairs peers connected to this side", connections_accepted),
+      c("connections_broken", "Connections torn down by an error, a dead peer or a cancel",
+        connections_broken),
+      c("ops_posted", "READ/WRITE ops posted", ops_posted),
+      c("bytes_read", "Bytes asked for by posted READs", bytes_read),
+      c("bytes_written", "Bytes sent by posted WRITEs", bytes_written),
+      c("remote_access_errors", "Requests the peer's NIC refused (revoked, wrong or foreign key)",
+        remote_access_errors),
+      c("retries_exhausted", "Requests that failed because the peer stopped answering", retries_exhausted),
+      c("leases_granted", "Leases this side bound memory windows for", leases_granted),
+      c("leases_refused", "Lease requests this side refused", leases_refused),
+      c("leases_expired", "Leases revoked because their time was up", leases_expired),
+      c("leases_released", "Leases revoked because the client dropped them", leases_released),
+      c("windows_bound", "Memory windows bound", windows_bound),
+  };
+}
+
 namespace {
 
 constexpr std::size_t kMaxFrame = 4096;
@@ -74,6 +97,7 @@ class VerbsTransport final : public Transport {
             .slice_bytes = 0};
   }
   std::string local_address() const override { return address_; }
+  std::vector<TransportCounter> counters() const override { return dev_->counters.snapshot(); }
   bool can_reach(std::string_view peer_address) const override;
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override;
@@ -342,6 +366,7 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
     cleanup();
     return up;
   }
+  Counters::add(dev_->counters.connections_opened);
   return std::shared_ptr<Endpoint>(std::make_shared<VerbsEndpoint>(
       dev_, channel, std::move(cq), std::move(qp).value(), std::move(sock), options_));
 }
@@ -389,6 +414,7 @@ void VerbsTransport::accept_one(int listener) {
     KVSTASH_LOG_WARN("verbs: queue-pair setup failed: {}", up.to_string());
     return;
   }
+  Counters::add(dev_->counters.connections_accepted);
   std::lock_guard lock(target_->mu);
   Target::Accepted& a = target_->accepted.emplace_back();
   a.socket = std::move(sock);

@@ -147,6 +147,9 @@ bool VerbsEndpoint::try_post(const Op& op, std::vector<Done>& done) {
     return true;
   }
   free_slots_.pop_back();
+  Counters& c = dev_->counters;
+  Counters::add(c.ops_posted);
+  Counters::add(op.op == TransferOp::kWrite ? c.bytes_written : c.bytes_read, op.length);
   slot.sink = op.sink;
   slot.tag = op.tag;
   slot.wrs = n;
@@ -182,6 +185,7 @@ void VerbsEndpoint::post(std::span<const Op> ops) {
 void VerbsEndpoint::fail(const Status& why) {
   if (!broken_.is_ok()) return;
   broken_ = why;
+  Counters::add(dev_->counters.connections_broken);
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_ERR;
   ibv_modify_qp(qp_.get(), &a, IBV_QP_STATE);  // every posted request completes (flushed)
@@ -229,6 +233,10 @@ void VerbsEndpoint::reap(std::vector<Done>& done) {
       // A failed op's later requests flush too: only the first completion counts.
       if (!slot.busy || slot.generation != gen) continue;
       Status st = from_wc(wcs[i].status);
+      if (wcs[i].status == IBV_WC_REM_ACCESS_ERR) Counters::add(dev_->counters.remote_access_errors);
+      if (wcs[i].status == IBV_WC_RETRY_EXC_ERR || wcs[i].status == IBV_WC_RNR_RETRY_EXC_ERR) {
+        Counters::add(dev_->counters.retries_exhausted);
+      }
       if (!st.is_ok()) {
         fail(st);
         for (const auto& [sink, why] : aborted_) {
