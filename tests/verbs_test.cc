@@ -260,6 +260,16 @@ TEST(Verbs, AccessOutsideTheRegionWithAWrongKeyOrAfterDeregistrationIsARemoteAcc
       << "a wrong rkey must fail";
   EXPECT_EQ(attempt([](auto&, auto&, Mr& mr) { mr.reset(); }), IBV_WC_REM_ACCESS_ERR)
       << "a deregistered region must be unreachable";
+  // A region registered for memory windows only (a memory node's pool): its own rkey
+  // grants no remote access at all.
+  EXPECT_EQ(
+      attempt([&](auto&, std::uint32_t& rkey, Mr& mr) {
+        mr.reset(ibv_reg_mr(mr->pd, remote.data(), kRegion, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND));
+        ASSERT_TRUE(mr) << std::strerror(errno);
+        rkey = mr->rkey;
+      }),
+      IBV_WC_REM_ACCESS_ERR)
+      << "an MR for windows only must not be reachable through its own rkey";
 }
 
 TEST(Verbs, AnInvalidatedMemoryWindowRevokesItsKey) {

@@ -1,6 +1,7 @@
 // The verbs transport's wire formats: address, connection hello, remote key, port matching.
 // Pure logic: runs on every machine.
 #include "transport/verbs/verbs_wire.h"
+#include "transport/verbs/verbs_device.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -54,6 +55,7 @@ TEST(VerbsWire, AddressesRoundTripAndMalformedOnesAreRefused) {
 TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
   Hello h;
   h.node_guid = 0xabcdef;
+  h.peer_guid = 0x123456;
   h.qp = {0x123456, 0xfedcba, gid_of("::ffff:192.168.77.1"), 0, IBV_MTU_1024};
   h.max_rd_atomic = 16;
   h.nonce[0] = 7;
@@ -63,6 +65,7 @@ TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
   auto back = decode_hello(encode_hello(h));
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(back->node_guid, h.node_guid);
+  EXPECT_EQ(back->peer_guid, h.peer_guid);
   EXPECT_EQ(back->qp.qpn, h.qp.qpn);
   EXPECT_EQ(back->qp.psn, h.qp.psn);
   EXPECT_EQ(std::memcmp(back->qp.gid.raw, h.qp.gid.raw, 16), 0);
@@ -185,6 +188,37 @@ TEST(VerbsWire, PortsMatchByLinkLayerFamilyAndSubnet) {
   ASSERT_TRUE(m);
   EXPECT_EQ(m->first, 1u);
   EXPECT_EQ(m->second, 0u);
+}
+
+TEST(VerbsWire, RailsPairDevicesByIndexAndFallBackToAnyReachablePort) {
+  using Pairs = std::vector<std::pair<std::size_t, std::size_t>>;
+  std::vector<PortAddress> two{roce("::ffff:10.0.0.1"), roce("::ffff:10.0.1.1")};
+  std::vector<PortAddress> peer_two{roce("::ffff:10.0.0.2"), roce("::ffff:10.0.1.2")};
+  EXPECT_EQ(pair_rails(two, peer_two), (Pairs{{0, 0}, {1, 1}})) << "rail i to rail i";
+  std::vector<PortAddress> peer_one{roce("::ffff:10.0.0.2")};
+  EXPECT_EQ(pair_rails(two, peer_one), (Pairs{{0, 0}, {1, 0}})) << "both lanes to the peer's only port";
+  std::vector<PortAddress> four{roce("::ffff:10.0.0.1"), roce("::ffff:10.0.1.1"), roce("::ffff:10.0.2.1"),
+                                roce("::ffff:10.0.3.1")};
+  EXPECT_EQ(pair_rails(four, peer_two), (Pairs{{0, 0}, {1, 1}, {2, 0}, {3, 1}})) << "modulo the peer's count";
+  // Our InfiniBand port reaches nothing of a RoCE-only peer: left out; the RoCE one goes to
+  // the first port it can reach, not its (unreachable) rail.
+  std::vector<PortAddress> mixed{ib("fe80::9", 9), roce("::ffff:10.0.0.9")};
+  std::vector<PortAddress> peer_mixed{roce("::ffff:10.0.0.2"), ib("fe81::2", 2)};
+  EXPECT_EQ(pair_rails(mixed, peer_mixed), (Pairs{{1, 0}}));
+  EXPECT_TRUE(pair_rails(two, {}).empty());
+}
+
+TEST(VerbsDevices, AllDevicesByDefaultElseTheNumaLocalOnesFirstInListOrder) {
+  std::vector<Device> devs(4);
+  const int nodes[] = {0, 1, 1, 0};
+  for (std::size_t i = 0; i < devs.size(); ++i) devs[i].numa_node = nodes[i];
+  using Idx = std::vector<std::size_t>;
+  EXPECT_EQ(choose_devices(devs, 1, 0), (Idx{0, 1, 2, 3})) << "no limit: every device, rail order";
+  EXPECT_EQ(choose_devices(devs, 1, 2), (Idx{1, 2})) << "the two on node 1";
+  EXPECT_EQ(choose_devices(devs, 1, 3), (Idx{0, 1, 2})) << "node 1's, then the first other";
+  EXPECT_EQ(choose_devices(devs, -1, 2), (Idx{0, 1})) << "unknown node: the first ones";
+  EXPECT_EQ(choose_devices(devs, 0, 9), (Idx{0, 1, 2, 3}));
+  EXPECT_TRUE(choose_devices({}, 0, 2).empty());
 }
 
 }  // namespace

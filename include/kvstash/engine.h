@@ -89,9 +89,16 @@ struct UcxOptions {
 };
 
 struct VerbsOptions {
-  // RDMA devices to use ("mlx5_0"); empty: KVSTASH_RDMA_DEVICES, else the first device with
-  // an active port.
+  // RDMA devices to use ("mlx5_0"); empty: KVSTASH_RDMA_DEVICES, else every device with an
+  // active port. A connection gets one queue pair (lane) per device that reaches the peer,
+  // paired rail by rail (our i-th device with the peer's i-th), and stripes large ops over
+  // them.
   std::vector<std::string> devices;
+  // At most this many devices (0: all), those on the NUMA node of the thread that creates
+  // the engine first.
+  std::size_t max_devices = 0;
+  // With several devices, ops longer than this are cut into slices spread over the lanes.
+  std::size_t stripe_bytes = 1u << 20;
   // host:port of the TCP listener that sets up queue pairs (the bytes themselves go over
   // RDMA). Port 0 picks a free port. Loopback by default, like tcp.
   std::string listen = "127.0.0.1:0";

@@ -1,10 +1,13 @@
 #include "transport/verbs/verbs_device.h"
 
 #include <arpa/inet.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -150,6 +153,36 @@ std::optional<Gid> pick_gid(const Port& port, bool ipv6, std::string_view ip) {
     if (!best) best = g;
   }
   return best;
+}
+
+std::vector<std::size_t> choose_devices(const std::vector<Device>& devices, int numa, std::size_t max) {
+  std::vector<std::size_t> all(devices.size());
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+  if (max == 0 || max >= all.size()) return all;
+  // The local node's devices first (stable), the first `max` of those kept in list order:
+  // the list order is the rail order peers pair devices by.
+  std::vector<std::size_t> ranked = all;
+  std::stable_sort(ranked.begin(), ranked.end(), [&](std::size_t a, std::size_t b) {
+    return (numa >= 0 && devices[a].numa_node == numa) > (numa >= 0 && devices[b].numa_node == numa);
+  });
+  ranked.resize(max);
+  std::sort(ranked.begin(), ranked.end());
+  return ranked;
+}
+
+int numa_node_of_this_thread() {
+  const int cpu = sched_getcpu();
+  if (cpu < 0) return -1;
+  const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 4 && name.compare(0, 4, "node") == 0 &&
+        name.find_first_not_of("0123456789", 4) == std::string::npos) {
+      return std::stoi(name.substr(4));
+    }
+  }
+  return -1;
 }
 
 Result<Context> open_device(std::string_view name) {

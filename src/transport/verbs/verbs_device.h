@@ -94,6 +94,13 @@ Result<std::vector<Device>> discover(const std::vector<std::string>& only = {});
 // nullopt when the port has none that fits.
 std::optional<Gid> pick_gid(const Port& port, bool ipv6 = false, std::string_view ip = {});
 
+// Which devices to use, as indices into `devices` in their own order: all of them, or with
+// `max` > 0 the first `max` preferring those on NUMA node `numa` (-1: unknown, no preference).
+std::vector<std::size_t> choose_devices(const std::vector<Device>& devices, int numa, std::size_t max);
+
+// The NUMA node of the CPU this thread runs on, from sysfs; -1 when unknown.
+int numa_node_of_this_thread();
+
 // Opens a device by name. kNotFound when there is none of that name.
 Result<Context> open_device(std::string_view name);
 

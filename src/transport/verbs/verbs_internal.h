@@ -48,14 +48,15 @@ struct Counters {
   std::vector<TransportCounter> snapshot() const;
 };
 
-// The device a transport runs on. Shared by the transport and its endpoints.
+// One device (and the port) a transport runs on. Shared by the transport and its endpoints.
 struct DeviceState {
+  std::size_t index = 0;  // in the transport's device list, which is its address's port order
   Device device;
   Port port;
   Gid gid;
   Context ctx;
   Pd pd;
-  Counters counters;
+  std::shared_ptr<Counters> counters;  // the transport's, one for all its devices
 };
 
 // The target side: the connections a transport accepted, the leases bound on them, and the
@@ -70,16 +71,18 @@ struct Target {
   struct Accepted {
     Fd socket;
     Qp qp;
+    std::size_t dev = 0;  // index into devs
     std::uint32_t max_send_wr = 1;
     bool broken = false;                    // a bind failed on the QP: drop the connection
     std::size_t windows = 0;                // bound now, over all leases
     std::map<std::uint64_t, Lease> leases;  // by the client's lease id; destroyed before the QP
   };
 
-  std::shared_ptr<DeviceState> dev;
-  Cq cq;  // completions of window binds (the target's queue pairs post nothing else)
+  std::vector<std::shared_ptr<DeviceState>> devs;
+  std::vector<Cq> cqs;  // per device: window binds (the target's queue pairs post nothing else)
   std::mutex mu;
-  std::map<std::uint32_t, const ibv_mr*> leasable;  // MR rkey -> region registered kLeased
+  // (device index, MR rkey) -> a region registered kLeased, on that device.
+  std::map<std::pair<std::size_t, std::uint32_t>, const ibv_mr*> leasable;
   std::list<Accepted> accepted;
   std::uint64_t next_wr_id = 1;
 
@@ -95,17 +98,27 @@ struct Target {
   void forget(const ibv_mr* mr);
 };
 
+// A region registered on every device of a transport: one MR each, in device order.
 class Registration final : public LocalRegistration {
  public:
-  // `target` is set for a region registered for leases only (its MR grants no remote access).
-  Registration(Mr mr, std::uint64_t guid, bool remote, std::shared_ptr<Target> target = nullptr);
+  struct Part {
+    std::uint64_t guid = 0;  // the device's
+    Mr mr;
+  };
+  // `target` is set for a region registered for leases only (its MRs grant no remote access).
+  Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target = nullptr);
   ~Registration() override;
   std::string packed_key() const override;
-  std::uint32_t lkey() const { return mr_->lkey; }
+  // The lkey on the device with `guid`, or nullopt when the region is not registered there.
+  std::optional<std::uint32_t> lkey(std::uint64_t guid) const {
+    for (const Part& p : parts_) {
+      if (p.guid == guid) return p.mr->lkey;
+    }
+    return std::nullopt;
+  }
 
  private:
-  Mr mr_;
-  std::uint64_t guid_;
+  std::vector<Part> parts_;
   bool remote_;
   std::shared_ptr<Target> target_;
 };
@@ -207,5 +220,9 @@ class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this
   bool peer_closed_ = false;  // control_ hung up: the poller stops watching it
   std::thread poller_;
 };
+
+// One endpoint over several lanes (one per device pair): ops go to the lane the engine
+// chose (op.lane, modulo the lanes), keys and leases are made on every lane.
+std::shared_ptr<Endpoint> make_striped_endpoint(std::vector<std::shared_ptr<VerbsEndpoint>> lanes);
 
 }  // namespace kvstash::transport::verbs

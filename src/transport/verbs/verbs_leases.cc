@@ -51,7 +51,7 @@ Status wait_bind(ibv_cq* cq, std::uint64_t wr_id, Deadline deadline) {
 // ---- the target ------------------------------------------------------------------------------
 
 Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest& q, Deadline deadline) {
-  auto region = leasable.find(q.region_rkey);
+  auto region = leasable.find({a.dev, q.region_rkey});
   if (region == leasable.end()) {
     return Status::permission_denied("verbs: no region here is leased under that key");
   }
@@ -75,7 +75,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
   rkeys.reserve(q.ranges.size());
   std::vector<ibv_send_wr> wrs(q.ranges.size());
   for (std::size_t i = 0; i < q.ranges.size(); ++i) {
-    Mw mw(ibv_alloc_mw(dev->pd.get(), IBV_MW_TYPE_2));
+    Mw mw(ibv_alloc_mw(devs[a.dev]->pd.get(), IBV_MW_TYPE_2));
     if (!mw) {
       return Status::no_space(std::string("verbs: cannot allocate a memory window: ") + std::strerror(errno));
     }
@@ -105,7 +105,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
     if (int rc = ibv_post_send(a.qp.get(), &wrs[at], &bad); rc != 0) {
       bound = Status::from_errno("verbs: post memory-window binds", rc);
     } else {
-      bound = wait_bind(cq.get(), id, deadline);
+      bound = wait_bind(cqs[a.dev].get(), id, deadline);
     }
     if (!bound.is_ok()) {
       a.broken = true;  // the QP is in error, or has binds we no longer wait for
@@ -114,7 +114,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
     at += n;
   }
   a.windows += lease.windows.size();
-  Counters::add(dev->counters.windows_bound, lease.windows.size());
+  Counters::add(devs[0]->counters->windows_bound, lease.windows.size());
   a.leases.emplace(q.id, std::move(lease));
   return rkeys;
 }
@@ -124,7 +124,7 @@ void Target::release(Accepted& a, std::uint64_t lease_id) {
   if (it == a.leases.end()) return;
   a.windows -= it->second.windows.size();
   a.leases.erase(it);
-  Counters::add(dev->counters.leases_released);
+  Counters::add(devs[0]->counters->leases_released);
 }
 
 bool Target::serve(Accepted& a) {
@@ -147,10 +147,10 @@ bool Target::serve(Accepted& a) {
   reply.id = q.id;
   if (rkeys.is_ok()) {
     reply.rkeys = std::move(rkeys).value();
-    Counters::add(dev->counters.leases_granted);
+    Counters::add(devs[0]->counters->leases_granted);
   } else {
     reply.status = rkeys.status();
-    Counters::add(dev->counters.leases_refused);
+    Counters::add(devs[0]->counters->leases_refused);
   }
   return write_frame(a.socket.get(), encode_lease_reply(reply), deadline).is_ok() && !a.broken;
 }
@@ -162,7 +162,7 @@ std::optional<Clock::time_point> Target::expire(Clock::time_point now) {
       if (it->second.until <= now) {
         a.windows -= it->second.windows.size();
         it = a.leases.erase(it);  // deallocating a bound window revokes it
-        Counters::add(dev->counters.leases_expired);
+        Counters::add(devs[0]->counters->leases_expired);
         continue;
       }
       if (!next || it->second.until < *next) next = it->second.until;
@@ -189,23 +189,26 @@ void Target::forget(const ibv_mr* mr) {
 
 // ---- registrations ---------------------------------------------------------------------------
 
-Registration::Registration(Mr mr, std::uint64_t guid, bool remote, std::shared_ptr<Target> target)
-    : mr_(std::move(mr)), guid_(guid), remote_(remote), target_(std::move(target)) {
-  if (target_) {
-    std::lock_guard lock(target_->mu);
-    target_->leasable[mr_->rkey] = mr_.get();
-  }
+Registration::Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target)
+    : parts_(std::move(parts)), remote_(remote), target_(std::move(target)) {
+  if (!target_) return;
+  std::lock_guard lock(target_->mu);
+  for (std::size_t i = 0; i < parts_.size(); ++i)
+    target_->leasable[{i, parts_[i].mr->rkey}] = parts_[i].mr.get();
 }
 
 Registration::~Registration() {
-  // Windows bound over the MR must go before it can be deregistered.
-  if (target_) target_->forget(mr_.get());
+  // Windows bound over an MR must go before it can be deregistered.
+  if (target_) {
+    for (const Part& p : parts_) target_->forget(p.mr.get());
+  }
 }
 
 std::string Registration::packed_key() const {
   if (!remote_) return {};
-  KeyPart part{guid_, mr_->rkey, target_ != nullptr};
-  return encode_key({&part, 1});
+  std::vector<KeyPart> parts;
+  for (const Part& p : parts_) parts.push_back({p.guid, p.mr->rkey, target_ != nullptr});
+  return encode_key(parts);
 }
 
 // ---- the client ------------------------------------------------------------------------------

@@ -89,15 +89,17 @@ class VerbsTransport final : public Transport {
 
   TransportKind kind() const override { return TransportKind::kVerbs; }
   Capabilities capabilities() const override {
+    // With several devices, an op is cut into slices spread over them (one lane per device).
+    const auto lanes = static_cast<std::uint32_t>(devs_.size());
     return {.same_host_only = false,
             .one_sided = true,
             .rdma = true,
             .cuda_memory = true,
-            .lanes = 1,
-            .slice_bytes = 0};
+            .lanes = lanes,
+            .slice_bytes = lanes > 1 ? options_.stripe_bytes : 0};
   }
   std::string local_address() const override { return address_; }
-  std::vector<TransportCounter> counters() const override { return dev_->counters.snapshot(); }
+  std::vector<TransportCounter> counters() const override { return counters_->snapshot(); }
   bool can_reach(std::string_view peer_address) const override;
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override;
@@ -105,15 +107,21 @@ class VerbsTransport final : public Transport {
 
  private:
   VerbsTransport() = default;
-  QpConfig qp_config() const;
-  PortAddress port_address() const;
-  // This side's hello for `qp`: a fresh random PSN and nonce, whether we require the token.
-  Hello hello_for(const ibv_qp& qp, std::uint8_t max_rd_atomic) const;
+  QpConfig qp_config(const DeviceState& dev) const;
+  std::vector<PortAddress> port_addresses() const;
+  // This side's hello for `qp` on `dev`: a fresh random PSN and nonce, whether we require
+  // the token.
+  Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic) const;
+  // One lane: a queue pair from our device `dev` to the peer's `port`, set up over `control`.
+  Result<std::shared_ptr<VerbsEndpoint>> connect_lane(const std::shared_ptr<DeviceState>& dev,
+                                                      const std::string& control, const PortAddress& theirs,
+                                                      Deadline deadline);
   void serve();                   // the setup listener's thread
   void accept_one(int listener);  // builds the target side of one connection
 
   VerbsOptions options_;
-  std::shared_ptr<DeviceState> dev_;
+  std::vector<std::shared_ptr<DeviceState>> devs_;  // the devices in use, in address order
+  std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
   std::shared_ptr<Target> target_;  // accepted connections and their leases
   Fd listener_;
   Fd wake_;
@@ -125,33 +133,45 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
   KVSTASH_ASSIGN_OR_RETURN(auto devices, discover(options.devices));
   std::unique_ptr<VerbsTransport> t(new VerbsTransport());
   t->options_ = options;
+  t->target_ = std::make_shared<Target>();
+  // Every device with an active port that has a usable GID (its first such port), the ones
+  // on this thread's NUMA node first when only some are wanted; kept in the order verbs
+  // lists them, which is the rail order peers pair by.
+  std::vector<Device> usable;
   for (auto& d : devices) {
-    for (auto& p : d.ports) {
+    if (std::any_of(d.ports.begin(), d.ports.end(), [](const Port& p) { return p.active && pick_gid(p); })) {
+      usable.push_back(d);
+    }
+  }
+  for (std::size_t i : choose_devices(usable, numa_node_of_this_thread(), options.max_devices)) {
+    const Device& d = usable[i];
+    for (const Port& p : d.ports) {
       auto gid = p.active ? pick_gid(p) : std::nullopt;
       if (!gid) continue;
       auto dev = std::make_shared<DeviceState>();
+      dev->index = t->devs_.size();
       dev->device = d;
       dev->port = p;
       dev->gid = *gid;
+      dev->counters = t->counters_;
       KVSTASH_ASSIGN_OR_RETURN(dev->ctx, open_device(d.name));
       dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
       if (!dev->pd) return Status::from_errno("verbs: allocate a protection domain", errno);
-      t->dev_ = std::move(dev);
+      Cq cq(ibv_create_cq(dev->ctx.get(), kTargetCqDepth, nullptr, nullptr, 0));
+      if (!cq) return Status::from_errno("verbs: create CQ", errno);
+      if (options.memory_windows && !d.mw_type2) {
+        KVSTASH_LOG_INFO(
+            "verbs: {} has no type-2 memory windows: leased regions are reachable whole through "
+            "their key (generation fencing guards them)",
+            d.name);
+      }
+      t->target_->devs.push_back(dev);
+      t->target_->cqs.push_back(std::move(cq));
+      t->devs_.push_back(std::move(dev));
       break;
     }
-    if (t->dev_) break;
   }
-  if (!t->dev_) return Status::unsupported("verbs: no RDMA device with an active port here");
-  t->target_ = std::make_shared<Target>();
-  t->target_->dev = t->dev_;
-  t->target_->cq.reset(ibv_create_cq(t->dev_->ctx.get(), kTargetCqDepth, nullptr, nullptr, 0));
-  if (!t->target_->cq) return Status::from_errno("verbs: create CQ", errno);
-  if (options.memory_windows && !t->dev_->device.mw_type2) {
-    KVSTASH_LOG_INFO(
-        "verbs: {} has no type-2 memory windows: leased regions are reachable whole through "
-        "their key (generation fencing guards them)",
-        t->dev_->device.name);
-  }
+  if (t->devs_.empty()) return Status::unsupported("verbs: no RDMA device with an active port here");
 
   KVSTASH_ASSIGN_OR_RETURN(net::HostPort listen, net::parse_host_port(options.listen));
   addrinfo hints{};
@@ -193,10 +213,12 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
     const bool v6 = bound.ss_family == AF_INET6;
     control.append(v6 ? "[" : "").append(host).append(v6 ? "]:" : ":").append(std::to_string(bound_port));
   }
-  t->address_ = encode_address({control, {t->port_address()}});
+  t->address_ = encode_address({control, t->port_addresses()});
   t->thread_ = std::thread([p = t.get()] { p->serve(); });
-  KVSTASH_LOG_INFO("verbs: serving {} port {} (GID {}) for setup on {}", t->dev_->device.name,
-                   t->dev_->port.number, t->dev_->gid.to_string(), control);
+  for (const auto& dev : t->devs_) {
+    KVSTASH_LOG_INFO("verbs: serving {} port {} (GID {}, NUMA node {}) for setup on {}", dev->device.name,
+                     dev->port.number, dev->gid.to_string(), dev->device.numa_node, control);
+  }
   return t;
 }
 
@@ -209,27 +231,32 @@ VerbsTransport::~VerbsTransport() {
   target_->accepted.clear();
 }
 
-PortAddress VerbsTransport::port_address() const {
-  return {dev_->device.name, dev_->device.node_guid, dev_->port.number,    dev_->port.ethernet,
-          dev_->gid.gid,     dev_->port.lid,         dev_->port.active_mtu};
+std::vector<PortAddress> VerbsTransport::port_addresses() const {
+  std::vector<PortAddress> out;
+  for (const auto& d : devs_) {
+    out.push_back({d->device.name, d->device.node_guid, d->port.number, d->port.ethernet, d->gid.gid,
+                   d->port.lid, d->port.active_mtu});
+  }
+  return out;
 }
 
-Hello VerbsTransport::hello_for(const ibv_qp& qp, std::uint8_t max_rd_atomic) const {
-  Hello h{dev_->device.node_guid,
-          {qp.qp_num, random_psn(), dev_->gid.gid, dev_->port.lid, dev_->port.active_mtu},
-          max_rd_atomic};
+Hello VerbsTransport::hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic) const {
+  Hello h;
+  h.node_guid = dev.device.node_guid;
+  h.qp = {qp.qp_num, random_psn(), dev.gid.gid, dev.port.lid, dev.port.active_mtu};
+  h.max_rd_atomic = max_rd_atomic;
   sys::random_bytes(h.nonce.data(), h.nonce.size());
   h.token_required = !options_.cluster_token.empty();
   return h;
 }
 
-QpConfig VerbsTransport::qp_config() const {
+QpConfig VerbsTransport::qp_config(const DeviceState& dev) const {
   QpConfig c;
   c.max_send_wr =
-      std::min<std::uint32_t>(options_.send_queue_depth, static_cast<std::uint32_t>(dev_->device.max_qp_wr));
-  c.max_send_sge = static_cast<std::uint32_t>(std::max(1, std::min(dev_->device.max_sge, 16)));
+      std::min<std::uint32_t>(options_.send_queue_depth, static_cast<std::uint32_t>(dev.device.max_qp_wr));
+  c.max_send_sge = static_cast<std::uint32_t>(std::max(1, std::min(dev.device.max_sge, 16)));
   c.max_rd_atomic = static_cast<std::uint8_t>(
-      std::clamp<int>(static_cast<int>(options_.max_rd_atomic), 1, std::max(1, dev_->device.max_qp_rd_atom)));
+      std::clamp<int>(static_cast<int>(options_.max_rd_atomic), 1, std::max(1, dev.device.max_qp_rd_atom)));
   c.timeout = static_cast<std::uint8_t>(std::min<std::uint32_t>(options_.retry_timeout, 31));
   c.retry_cnt = static_cast<std::uint8_t>(std::min<std::uint32_t>(options_.retry_count, 7));
   return c;
@@ -238,76 +265,101 @@ QpConfig VerbsTransport::qp_config() const {
 bool VerbsTransport::can_reach(std::string_view peer_address) const {
   auto peer = decode_address(peer_address);
   if (!peer.is_ok()) return false;
-  PortAddress ours = port_address();
-  return match_ports({&ours, 1}, peer->ports).has_value();
+  return !pair_rails(port_addresses(), peer->ports).empty();
 }
 
 Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const MemoryRegion& region,
                                                                            Access exposure) {
   if (region.addr == nullptr || region.length == 0) return Status::invalid_argument("verbs: empty region");
-  // A leased region's MR only lets windows be bound over it: its own rkey grants nothing.
-  const bool windows = exposure == Access::kLeased && options_.memory_windows && dev_->device.mw_type2;
+  // A leased region's MRs only let windows be bound over them: their own rkeys grant nothing.
+  const bool windows =
+      exposure == Access::kLeased && options_.memory_windows &&
+      std::all_of(devs_.begin(), devs_.end(), [](const auto& d) { return d->device.mw_type2; });
   int access = IBV_ACCESS_LOCAL_WRITE;
   if (windows) {
     access |= IBV_ACCESS_MW_BIND;
   } else if (exposure != Access::kLocal) {
     access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
   }
-  const bool remote = exposure != Access::kLocal;
-  auto target = windows ? target_ : nullptr;
-  if (region.kind == MemoryKind::kCuda) {
-    // GPUDirect: the NIC reaches GPU memory itself (dma-buf, else nvidia-peermem).
-    KVSTASH_ASSIGN_OR_RETURN(GpuRegistration gpu,
-                             register_gpu_memory(dev_->pd.get(), region.addr, region.length, access));
-    KVSTASH_LOG_INFO("verbs: registered {} bytes of GPU memory through {}", region.length,
-                     to_string(gpu.path));
-    return std::unique_ptr<LocalRegistration>(
-        std::make_unique<Registration>(std::move(gpu.mr), dev_->device.node_guid, remote, std::move(target)));
-  }
-  if (options_.on_demand_paging) {
-    if (!dev_->device.odp_rc) {
+  if (options_.on_demand_paging && region.kind == MemoryKind::kHost) {
+    for (const auto& d : devs_) {
+      if (d->device.odp_rc) continue;
       std::string why = "verbs: ";
-      why.append(dev_->device.name)
+      why.append(d->device.name)
           .append(" cannot page RC READ/WRITE on demand (VerbsOptions::on_demand_paging)");
       return Status::unsupported(std::move(why));
     }
     access |= IBV_ACCESS_ON_DEMAND;
   }
-  Mr mr(ibv_reg_mr(dev_->pd.get(), region.addr, region.length, access));
-  if (!mr) {
-    int e = errno;
-    if (e == ENOMEM) {
-      return Status::no_space("verbs: cannot register " + std::to_string(region.length) +
-                              " bytes (RLIMIT_MEMLOCK too low?)");
+  // One MR per device: every lane of a connection can reach the region.
+  std::vector<Registration::Part> parts;
+  for (const auto& d : devs_) {
+    Registration::Part part{d->device.node_guid, nullptr};
+    if (region.kind == MemoryKind::kCuda) {
+      // GPUDirect: the NIC reaches GPU memory itself (dma-buf, else nvidia-peermem).
+      KVSTASH_ASSIGN_OR_RETURN(GpuRegistration gpu,
+                               register_gpu_memory(d->pd.get(), region.addr, region.length, access));
+      KVSTASH_LOG_INFO("verbs: registered {} bytes of GPU memory on {} through {}", region.length,
+                       d->device.name, to_string(gpu.path));
+      part.mr = std::move(gpu.mr);
+    } else {
+      part.mr.reset(ibv_reg_mr(d->pd.get(), region.addr, region.length, access));
+      if (!part.mr) {
+        int e = errno;
+        if (e == ENOMEM) {
+          return Status::no_space("verbs: cannot register " + std::to_string(region.length) +
+                                  " bytes (RLIMIT_MEMLOCK too low?)");
+        }
+        return Status::from_errno("verbs: register memory on " + d->device.name, e);
+      }
     }
-    return Status::from_errno("verbs: register memory", e);
+    parts.push_back(std::move(part));
   }
-  return std::unique_ptr<LocalRegistration>(
-      std::make_unique<Registration>(std::move(mr), dev_->device.node_guid, remote, std::move(target)));
+  return std::unique_ptr<LocalRegistration>(std::make_unique<Registration>(
+      std::move(parts), exposure != Access::kLocal, windows ? target_ : nullptr));
 }
 
 Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_address, Deadline deadline) {
   KVSTASH_ASSIGN_OR_RETURN(Address peer, decode_address(peer_address));
-  PortAddress ours = port_address();
-  auto match = match_ports({&ours, 1}, peer.ports);
-  if (!match) return Status::unsupported("verbs: no RDMA port of ours can reach the peer's");
-  const PortAddress& theirs = peer.ports[match->second];
+  const auto rails = pair_rails(port_addresses(), peer.ports);
+  if (rails.empty()) return Status::unsupported("verbs: no RDMA port of ours can reach the peer's");
+  // One lane per device of ours that reaches the peer. A lane that cannot come up is left
+  // out (a device may be down); a refusal (the cluster token) ends it.
+  std::vector<std::shared_ptr<VerbsEndpoint>> lanes;
+  Status first;
+  for (const auto& [ours, theirs] : rails) {
+    auto lane = connect_lane(devs_[ours], peer.control, peer.ports[theirs], deadline);
+    if (lane.is_ok()) {
+      lanes.push_back(std::move(lane).value());
+      continue;
+    }
+    if (lane.status().code() == StatusCode::kPermissionDenied) return lane.status();
+    KVSTASH_LOG_WARN("verbs: no lane from {}: {}", devs_[ours]->device.name, lane.status().to_string());
+    if (first.is_ok()) first = lane.status();
+  }
+  if (lanes.empty()) return first;
+  if (lanes.size() == 1) return std::shared_ptr<Endpoint>(std::move(lanes.front()));
+  return make_striped_endpoint(std::move(lanes));
+}
 
-  KVSTASH_ASSIGN_OR_RETURN(net::HostPort hp, net::parse_host_port(peer.control));
+Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::shared_ptr<DeviceState>& dev,
+                                                                    const std::string& control,
+                                                                    const PortAddress& theirs,
+                                                                    Deadline deadline) {
+  KVSTASH_ASSIGN_OR_RETURN(net::HostPort hp, net::parse_host_port(control));
   auto connected = net::connect_tcp(hp, deadline);
-  if (!connected.is_ok())
-    return connected.status().with_context("verbs: queue-pair setup with " + peer.control);
+  if (!connected.is_ok()) return connected.status().with_context("verbs: queue-pair setup with " + control);
   Fd sock = std::move(connected).value();
 
-  ibv_comp_channel* channel = ibv_create_comp_channel(dev_->ctx.get());
+  ibv_comp_channel* channel = ibv_create_comp_channel(dev->ctx.get());
   if (channel == nullptr) return Status::from_errno("verbs: create completion channel", errno);
-  const QpConfig cfg = qp_config();
-  Cq cq(ibv_create_cq(dev_->ctx.get(), static_cast<int>(cfg.max_send_wr) + 1, nullptr, channel, 0));
+  const QpConfig cfg = qp_config(*dev);
+  Cq cq(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.max_send_wr) + 1, nullptr, channel, 0));
   if (!cq) {
     ibv_destroy_comp_channel(channel);
     return Status::from_errno("verbs: create CQ", errno);
   }
-  auto qp = create_rc_qp(dev_->pd.get(), cq.get(), cfg);
+  auto qp = create_rc_qp(dev->pd.get(), cq.get(), cfg);
   auto cleanup = [&] {
     cq.reset();
     ibv_destroy_comp_channel(channel);
@@ -316,7 +368,8 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
     cleanup();
     return qp.status();
   }
-  const Hello mine = hello_for(**qp, cfg.max_rd_atomic);
+  Hello mine = hello_for(*dev, **qp, cfg.max_rd_atomic);
+  mine.peer_guid = theirs.node_guid;
   Status s = write_frame(sock.get(), encode_hello(mine), deadline);
   Result<std::string> reply = s.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(s);
   Result<Hello> theirs_hello = reply.is_ok() ? decode_hello(*reply) : Result<Hello>(reply.status());
@@ -356,19 +409,19 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
   if (!theirs_hello.is_ok()) {
     qp->reset();
     cleanup();
-    return theirs_hello.status().with_context("verbs setup with " + peer.control);
+    return theirs_hello.status().with_context("verbs setup with " + control);
   }
   QpConfig peer_cfg = cfg;
   peer_cfg.max_rd_atomic = std::min(cfg.max_rd_atomic, theirs_hello->max_rd_atomic);
-  Status up = connect_rc_qp(qp->get(), dev_->port, dev_->gid, mine.qp.psn, theirs_hello->qp, peer_cfg);
+  Status up = connect_rc_qp(qp->get(), dev->port, dev->gid, mine.qp.psn, theirs_hello->qp, peer_cfg);
   if (!up.is_ok()) {
     qp->reset();
     cleanup();
     return up;
   }
-  Counters::add(dev_->counters.connections_opened);
-  return std::shared_ptr<Endpoint>(std::make_shared<VerbsEndpoint>(
-      dev_, channel, std::move(cq), std::move(qp).value(), std::move(sock), options_));
+  Counters::add(counters_->connections_opened);
+  return std::make_shared<VerbsEndpoint>(dev, channel, std::move(cq), std::move(qp).value(), std::move(sock),
+                                         options_);
 }
 
 void VerbsTransport::accept_one(int listener) {
@@ -381,14 +434,20 @@ void VerbsTransport::accept_one(int listener) {
     KVSTASH_LOG_WARN("verbs: refused a queue-pair setup: {}", hello.status().to_string());
     return;
   }
-  QpConfig cfg = qp_config();
+  // The device the client asked for (its rail); the first one for a client that named none.
+  std::size_t di = 0;
+  for (const auto& d : devs_) {
+    if (d->device.node_guid == hello->peer_guid) di = d->index;
+  }
+  const DeviceState& dev = *devs_[di];
+  QpConfig cfg = qp_config(dev);
   cfg.max_rd_atomic = std::min(cfg.max_rd_atomic, hello->max_rd_atomic);
-  auto qp = create_rc_qp(dev_->pd.get(), target_->cq.get(), cfg);
+  auto qp = create_rc_qp(dev.pd.get(), target_->cqs[di].get(), cfg);
   if (!qp.is_ok()) {
     KVSTASH_LOG_WARN("verbs: cannot create a QP for a peer: {}", qp.status().to_string());
     return;
   }
-  Hello mine = hello_for(**qp, cfg.max_rd_atomic);
+  Hello mine = hello_for(dev, **qp, cfg.max_rd_atomic);
   const std::string& token = options_.cluster_token;
   if (!token.empty())
     handshake::mac(token, "server", mine.nonce.data(), hello->nonce.data(), mine.mac.data());
@@ -408,17 +467,18 @@ void VerbsTransport::accept_one(int listener) {
       return;  // closing the socket tells it
     }
   }
-  up = connect_rc_qp(qp->get(), dev_->port, dev_->gid, mine.qp.psn, hello->qp, cfg);
+  up = connect_rc_qp(qp->get(), dev.port, dev.gid, mine.qp.psn, hello->qp, cfg);
   if (up.is_ok()) up = write_frame(sock.get(), "\x01", deadline);
   if (!up.is_ok()) {
     KVSTASH_LOG_WARN("verbs: queue-pair setup failed: {}", up.to_string());
     return;
   }
-  Counters::add(dev_->counters.connections_accepted);
+  Counters::add(counters_->connections_accepted);
   std::lock_guard lock(target_->mu);
   Target::Accepted& a = target_->accepted.emplace_back();
   a.socket = std::move(sock);
   a.qp = std::move(qp).value();
+  a.dev = di;
   a.max_send_wr = cfg.max_send_wr;
 }
 

@@ -124,9 +124,15 @@ bool VerbsEndpoint::try_post(const Op& op, std::vector<Done>& done) {
                                        : "verbs: the range lies outside the lease's windows")});
     return true;
   }
+  const std::optional<std::uint32_t> lkey = reg->lkey(dev_->device.node_guid);
+  if (!lkey) {
+    done.push_back(
+        {op.sink, op.tag, Status::invalid_argument("verbs: local memory not registered on this device")});
+    return true;
+  }
   if (free_slots_.empty()) return false;
   builder_.reset();
-  Piece piece{reinterpret_cast<std::uint64_t>(op.local), reg->lkey(), op.remote_addr, *rkey, op.length};
+  Piece piece{reinterpret_cast<std::uint64_t>(op.local), *lkey, op.remote_addr, *rkey, op.length};
   const ibv_wr_opcode opcode = op.op == TransferOp::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
   if (!builder_.add(opcode, piece, 0)) {
     if (in_flight_wrs_ > 0) return false;  // retried as completions free the queue
@@ -147,7 +153,7 @@ bool VerbsEndpoint::try_post(const Op& op, std::vector<Done>& done) {
     return true;
   }
   free_slots_.pop_back();
-  Counters& c = dev_->counters;
+  Counters& c = *dev_->counters;
   Counters::add(c.ops_posted);
   Counters::add(op.op == TransferOp::kWrite ? c.bytes_written : c.bytes_read, op.length);
   slot.sink = op.sink;
@@ -185,7 +191,7 @@ void VerbsEndpoint::post(std::span<const Op> ops) {
 void VerbsEndpoint::fail(const Status& why) {
   if (!broken_.is_ok()) return;
   broken_ = why;
-  Counters::add(dev_->counters.connections_broken);
+  Counters::add(dev_->counters->connections_broken);
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_ERR;
   ibv_modify_qp(qp_.get(), &a, IBV_QP_STATE);  // every posted request completes (flushed)
@@ -233,9 +239,9 @@ void VerbsEndpoint::reap(std::vector<Done>& done) {
       // A failed op's later requests flush too: only the first completion counts.
       if (!slot.busy || slot.generation != gen) continue;
       Status st = from_wc(wcs[i].status);
-      if (wcs[i].status == IBV_WC_REM_ACCESS_ERR) Counters::add(dev_->counters.remote_access_errors);
+      if (wcs[i].status == IBV_WC_REM_ACCESS_ERR) Counters::add(dev_->counters->remote_access_errors);
       if (wcs[i].status == IBV_WC_RETRY_EXC_ERR || wcs[i].status == IBV_WC_RNR_RETRY_EXC_ERR) {
-        Counters::add(dev_->counters.retries_exhausted);
+        Counters::add(dev_->counters->retries_exhausted);
       }
       if (!st.is_ok()) {
         fail(st);

@@ -123,6 +123,7 @@ std::string encode_hello(const Hello& h) {
   w.u32(kHelloMagic);
   w.u8(kWireVersion);
   w.u64(h.node_guid);
+  w.u64(h.peer_guid);
   w.u32(h.qp.qpn);
   w.u32(h.qp.psn);
   put_gid(w, h.qp.gid);
@@ -141,6 +142,7 @@ Result<Hello> decode_hello(std::string_view bytes) {
   if (!header(r, kHelloMagic, "hello", &why)) return why;
   Hello h;
   h.node_guid = r.u64();
+  h.peer_guid = r.u64();
   h.qp.qpn = r.u32();
   h.qp.psn = r.u32();
   h.qp.gid = get_gid(r);
@@ -288,22 +290,45 @@ Result<LeaseReply> decode_lease_reply(std::string_view bytes) {
   return a;
 }
 
+namespace {
+
+bool can_talk(const PortAddress& a, const PortAddress& b) {
+  if (a.ethernet != b.ethernet) return false;
+  if (a.ethernet) return ipv4_mapped(a.gid) == ipv4_mapped(b.gid);
+  // Another InfiniBand subnet: no route without a router we know nothing of.
+  return std::memcmp(a.gid.raw, b.gid.raw, 8) == 0;
+}
+
+}  // namespace
+
 std::optional<std::pair<std::size_t, std::size_t>> match_ports(std::span<const PortAddress> ours,
                                                                std::span<const PortAddress> theirs) {
   for (std::size_t i = 0; i < ours.size(); ++i) {
     for (std::size_t j = 0; j < theirs.size(); ++j) {
-      const PortAddress& a = ours[i];
-      const PortAddress& b = theirs[j];
-      if (a.ethernet != b.ethernet) continue;
-      if (a.ethernet) {
-        if (ipv4_mapped(a.gid) != ipv4_mapped(b.gid)) continue;
-      } else if (std::memcmp(a.gid.raw, b.gid.raw, 8) != 0) {
-        continue;  // another InfiniBand subnet: no route without a router we know nothing of
-      }
-      return std::make_pair(i, j);
+      if (can_talk(ours[i], theirs[j])) return std::make_pair(i, j);
     }
   }
   return std::nullopt;
+}
+
+std::vector<std::pair<std::size_t, std::size_t>> pair_rails(std::span<const PortAddress> ours,
+                                                            std::span<const PortAddress> theirs) {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  if (theirs.empty()) return out;
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    const std::size_t rail = i % theirs.size();
+    if (can_talk(ours[i], theirs[rail])) {
+      out.emplace_back(i, rail);
+      continue;
+    }
+    for (std::size_t j = 0; j < theirs.size(); ++j) {
+      if (can_talk(ours[i], theirs[j])) {
+        out.emplace_back(i, j);
+        break;
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace kvstash::transport::verbs

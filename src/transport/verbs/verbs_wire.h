@@ -49,7 +49,8 @@ Result<Address> decode_address(std::string_view bytes);
 // server's proves the token when it requires one. The client answers with its own mac, and
 // the server brings its queue pair up only after checking it.
 struct Hello {
-  std::uint64_t node_guid = 0;
+  std::uint64_t node_guid = 0;  // the sender's device
+  std::uint64_t peer_guid = 0;  // the client's: which of the target's devices it connects to
   QpEndpoint qp;
   std::uint8_t max_rd_atomic = 1;  // READs this side accepts in flight
   std::array<std::uint8_t, 16> nonce{};
@@ -115,5 +116,12 @@ Result<LeaseReply> decode_lease_reply(std::string_view bytes);
 // subnet prefix. The first usable pair in our order, or nullopt.
 std::optional<std::pair<std::size_t, std::size_t>> match_ports(std::span<const PortAddress> ours,
                                                                std::span<const PortAddress> theirs);
+
+// The lanes of a connection across several devices: for each of our ports, the peer's port on
+// the same rail (the one at the same index, modulo the peer's count: multi-NIC hosts are
+// cabled rail by rail) when it can be reached, else the first one that can; ports that reach
+// none are left out. Pairs (ours, theirs) in our order; empty when nothing can be reached.
+std::vector<std::pair<std::size_t, std::size_t>> pair_rails(std::span<const PortAddress> ours,
+                                                            std::span<const PortAddress> theirs);
 
 }  // namespace kvstash::transport::verbs
