@@ -1,5 +1,6 @@
 // The Store end to end: a real redis-server and real kvstashd processes on loopback, started
 // per test on free ports, and this process as the client.
+#include "http_get.h"
 #include "kvstash/store.h"
 
 #include <gtest/gtest.h>
@@ -197,6 +198,17 @@ TEST_F(StoreTest, RoundTripsOverVerbs) {
     ASSERT_TRUE(back.is_ok()) << back.status().to_string();
     EXPECT_EQ(test::first_mismatch(back->data(), data.data(), size), -1);
   }
+  // Every put and get went through leases: the node bound windows for each (one lease per
+  // operation and device lane) and revoked them as they were released.
+  const std::string text = test::http_get(n->admin(), "/metrics").second;
+  auto event = [&](const char* name) {
+    return test::metric(text, "kvstash_transport_events_total",
+                        std::string("{transport=\"verbs\",event=\"") + name + "\"}");
+  };
+  EXPECT_GE(event("leases_granted"), 6) << text;
+  EXPECT_GE(event("windows_bound"), 6);
+  EXPECT_EQ(event("leases_refused"), 0);
+  EXPECT_GE(event("leases_released") + event("leases_expired"), 1);
   // The node dies: the next get fails within its deadline instead of hanging.
   n->kill();
   std::vector<std::byte> out(kPage + 4097);
