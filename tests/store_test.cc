@@ -1,6 +1,5 @@
 // The Store end to end: a real redis-server and real kvstashd processes on loopback, started
 // per test on free ports, and this process as the client.
-#include "http_get.h"
 #include "kvstash/store.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "http_get.h"
 #include "metadata/catalog.h"
 #include "rdma_lane.h"
 #include "test_util.h"

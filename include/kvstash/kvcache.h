@@ -1,0 +1,184 @@
+// kvstash/kvcache.h: an inference engine's paged KV cache as kvstash moves it.
+//
+// An engine does not hold a session's KV cache as one buffer: vLLM keeps, per layer, a tensor
+// of shape (2, num_blocks, block_size, num_kv_heads, head_dim) (NHD; HND swaps the last but
+// one axes), and a request owns a list of block ids. KvLayout describes where every (layer,
+// K or V, block) lives; prefix_chunk_keys() names the chunks of a token sequence so that any
+// process, host or restart finds the same objects; KvCache saves and loads a request's
+// chunks through a Store.
+//
+//   KvCacheShape shape{.num_layers = 32, .num_blocks = 4096, .block_size = 16,
+//                      .num_kv_heads = 32, .head_dim = 128, .dtype = KvDType::kFloat16};
+//   auto layout = KvLayout::per_layer(shape, layer_tensors).value();
+//   auto kv = KvCache::open(*store, std::move(layout), {.model = "llama-2-7b"}).value();
+//   std::size_t hit = kv->contains_prefix(tokens).value();    // leading chunks stored
+//   auto st = kv->load(tokens, block_ids, hit);                // one Status per chunk
+//   auto saved = kv->save(tokens, block_ids, hit, n - hit);    // after the forward pass
+//
+// An object holds one chunk of `chunk_tokens` tokens, all layers, in a canonical order:
+// layer by layer, within a layer K then V (or the MLA latent alone), within those the
+// chunk's blocks in token order, each block's bytes as the engine keeps them (NHD or HND:
+// part of the key's salt, so caches of different layouts never share objects).
+//
+// Thread safety: KvLayout is a value; KvCache is safe to use from several threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/memory.h"
+#include "kvstash/status.h"
+#include "kvstash/types.h"
+
+namespace kvstash {
+
+class Store;
+
+enum class KvDType : std::uint8_t { kFloat16, kBFloat16, kFloat32, kFloat8E4M3, kFloat8E5M2, kInt8 };
+
+std::size_t dtype_bytes(KvDType t);
+std::string_view to_string(KvDType t);  // "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8"
+std::optional<KvDType> parse_kv_dtype(std::string_view s);  // the names above, and "fp8" = fp8_e4m3
+
+// Order of one block's elements: NHD (block_size, kv_heads, head_dim) or HND (kv_heads,
+// block_size, head_dim).
+enum class KvBlockOrder : std::uint8_t { kNHD, kHND };
+
+struct KvCacheShape {
+  std::uint32_t num_layers = 0;
+  std::uint32_t num_blocks = 0;    // blocks per layer
+  std::uint32_t block_size = 0;    // tokens per block
+  std::uint32_t num_kv_heads = 0;  // MLA: 1
+  std::uint32_t head_dim = 0;      // MLA: the latent width (kv_lora_rank + rope dims)
+  KvDType dtype = KvDType::kFloat16;
+  KvBlockOrder order = KvBlockOrder::kNHD;
+  bool mla = false;  // one latent tensor per layer, no K/V split
+
+  std::uint32_t parts() const { return mla ? 1 : 2; }
+  // Bytes of one block of one part (K, V or latent) of one layer.
+  std::uint64_t block_bytes() const;
+  // Bytes one token takes over all layers and parts: 2 x layers x kv_heads x head_dim x dtype.
+  std::uint64_t bytes_per_token() const;
+  // kInvalidArgument naming the first zero or overflowing dimension.
+  Status validate() const;
+};
+
+// One contiguous run of a cache's memory: `length` bytes at `addr`, inside region `region`.
+struct KvRun {
+  std::byte* addr = nullptr;
+  std::uint64_t length = 0;
+  std::uint32_t region = 0;
+};
+
+// Where every block of a KV cache is. The byte address of (layer l, part p, block b) is
+//   layer_base[l] + p * part_stride + b * block_stride
+// and `regions` are the memory that holds it all (one per layer, or one for every layer),
+// registered once with the store.
+class KvLayout {
+ public:
+  // vLLM's per-layer tensors: layer l is (2, num_blocks, block_size, kv_heads, head_dim)
+  // (FlashAttention's kv-first shape), or (num_blocks, block_size, head_dim) with MLA.
+  static Result<KvLayout> per_layer(const KvCacheShape& shape, std::span<void* const> layer_tensors,
+                                    MemoryKind kind = MemoryKind::kHost);
+  // Blocks first: layer l is (num_blocks, 2, block_size, kv_heads, head_dim) (FlashInfer).
+  static Result<KvLayout> per_layer_blocks_first(const KvCacheShape& shape,
+                                                 std::span<void* const> layer_tensors,
+                                                 MemoryKind kind = MemoryKind::kHost);
+  // One region for every layer: (num_blocks, num_layers, 2, block_size, kv_heads, head_dim),
+  // vLLM's cross-layer layout, where one block of every layer is contiguous.
+  static Result<KvLayout> cross_layer(const KvCacheShape& shape, void* base,
+                                      MemoryKind kind = MemoryKind::kHost);
+  // Any other arrangement, by strides. Checked: every block of every layer and part must lie
+  // inside one of `regions`, and no two may overlap.
+  static Result<KvLayout> custom(const KvCacheShape& shape, std::vector<std::byte*> layer_base,
+                                 std::uint64_t part_stride, std::uint64_t block_stride,
+                                 std::vector<MemoryRegion> regions);
+
+  const KvCacheShape& shape() const { return shape_; }
+  const std::vector<MemoryRegion>& regions() const { return regions_; }
+
+  // Bytes one layer of `blocks` blocks takes in an object (every part).
+  std::uint64_t layer_bytes(std::size_t blocks) const {
+    return shape_.parts() * blocks * shape_.block_bytes();
+  }
+
+  // Appends the memory of `blocks` of `layer` in object order (part by part, blocks in the
+  // given order), merging blocks that follow each other in memory into one run. Errors:
+  // kInvalidArgument for a layer or block id out of range.
+  Status layer_runs(std::uint32_t layer, std::span<const std::uint32_t> blocks,
+                    std::vector<KvRun>& out) const;
+
+  // What keys must be salted with: the shape, dtype and block order
+  // ("L32.P2.H32.D128.B16.fp16.nhd").
+  std::string tag() const;
+
+ private:
+  KvCacheShape shape_;
+  std::vector<std::byte*> layer_base_;
+  std::uint64_t part_stride_ = 0;
+  std::uint64_t block_stride_ = 0;
+  std::vector<MemoryRegion> regions_;
+  std::vector<std::uint32_t> layer_region_;  // region holding each layer's blocks
+};
+
+// How chunk keys are salted: everything that changes a chunk's bytes besides its tokens.
+struct PrefixKeyOptions {
+  std::string model;       // the model's identity ("meta-llama/Llama-2-7b-hf@<revision>")
+  std::string layout_tag;  // KvLayout::tag(); KvCache fills it in
+  std::uint32_t tp_rank = 0;
+  std::uint32_t tp_size = 1;
+  std::uint32_t chunk_tokens = 256;
+  std::string extra;  // anything else that changes the bytes (a LoRA adapter, ...)
+};
+
+// The keys of the full chunks of `tokens` ("kvp:" + 32 hex digits each): a SHA-256 chain
+// over the token ids, so chunk i's key depends on every earlier token, salted with the
+// options. Deterministic across processes, hosts and restarts; the exact bytes hashed are
+// in docs/integration.md. A trailing partial chunk has no key.
+std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens,
+                                           const PrefixKeyOptions& options);
+
+// A KV cache bound to a store: saves and loads chunks of requests' blocks.
+class KvCache {
+ public:
+  // Registers the layout's regions with the store's engine. `keys.layout_tag` is set from the
+  // layout. Errors: kInvalidArgument (chunk_tokens not a positive multiple of block_size,
+  // empty model), registration errors.
+  static Result<std::unique_ptr<KvCache>> open(Store& store, KvLayout layout, PrefixKeyOptions keys);
+  ~KvCache();
+
+  const KvLayout& layout() const;
+  const PrefixKeyOptions& key_options() const;
+  std::vector<std::string> keys(std::span<const std::uint32_t> tokens) const;
+  // Bytes of one chunk's object.
+  std::uint64_t chunk_bytes() const;
+
+  // How many leading full chunks of `tokens` the store holds.
+  Result<std::size_t> contains_prefix(std::span<const std::uint32_t> tokens,
+                                      std::optional<Deadline> deadline = {});
+
+  // Saves chunks [first, first + count) of a request: `block_ids[i]` holds tokens
+  // [i * block_size, (i + 1) * block_size). One Status per chunk: a chunk that failed can be
+  // saved again (or recomputed) alone. kInvalidArgument for every chunk when the tokens or
+  // blocks do not cover them.
+  std::vector<Status> save(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+                           std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
+
+  // Loads the first `count` chunks into `block_ids`' blocks. One Status per chunk
+  // (kNotFound for one evicted meanwhile: recompute from there).
+  std::vector<Status> load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+                           std::size_t count, std::optional<Deadline> deadline = {});
+
+ private:
+  struct Impl;
+  explicit KvCache(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvstash

@@ -1,0 +1,60 @@
+// Prefix-chunk keys: a SHA-256 chain over token ids, salted with what changes the bytes.
+// The exact bytes hashed are documented in docs/integration.md; keep the two in step.
+#include <openssl/evp.h>
+
+#include <array>
+#include <cstring>
+
+#include "common/wire.h"
+#include "kvstash/kvcache.h"
+
+namespace kvstash {
+namespace {
+
+using Digest = std::array<std::uint8_t, 32>;
+
+Digest sha256(std::string_view bytes) {
+  Digest d{};
+  unsigned int n = 0;
+  EVP_Digest(bytes.data(), bytes.size(), d.data(), &n, EVP_sha256(), nullptr);
+  return d;
+}
+
+// Length-prefixed (u32 little-endian) so that no two option sets serialize alike.
+void put_string(wire::Writer& w, std::string_view s) { w.bytes(s); }
+
+}  // namespace
+
+std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens, const PrefixKeyOptions& o) {
+  std::vector<std::string> keys;
+  if (o.chunk_tokens == 0) return keys;
+  wire::Writer salt;
+  salt.raw(std::string_view("kvstash.prefix.v1\0", 18));
+  salt.u32(o.chunk_tokens);
+  salt.u32(o.tp_rank);
+  salt.u32(o.tp_size);
+  put_string(salt, o.model);
+  put_string(salt, o.layout_tag);
+  put_string(salt, o.extra);
+  Digest h = sha256(salt.take());
+
+  static constexpr char kHex[] = "0123456789abcdef";
+  const std::size_t chunks = tokens.size() / o.chunk_tokens;
+  keys.reserve(chunks);
+  std::string buf;
+  for (std::size_t c = 0; c < chunks; ++c) {
+    wire::Writer w;
+    w.raw({reinterpret_cast<const char*>(h.data()), h.size()});
+    for (std::size_t i = c * o.chunk_tokens; i < (c + 1) * o.chunk_tokens; ++i) w.u32(tokens[i]);
+    h = sha256(w.take());
+    std::string key = "kvp:";
+    for (std::size_t i = 0; i < 16; ++i) {  // 128 bits name a chunk
+      key.push_back(kHex[h[i] >> 4]);
+      key.push_back(kHex[h[i] & 15]);
+    }
+    keys.push_back(std::move(key));
+  }
+  return keys;
+}
+
+}  // namespace kvstash

@@ -1,0 +1,224 @@
+// KvCache end to end: host memory laid out like vLLM's paged cache, saved through a real
+// redis-server and kvstashd and loaded back into other blocks of another cache.
+#include "kvstash/kvcache.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "kvstash/store.h"
+#include "test_util.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+
+// 4 layers, 64 blocks of 16 tokens, 2 heads of 64: 4 KiB blocks; 64-token chunks of 4 blocks.
+KvCacheShape small_shape(KvBlockOrder order = KvBlockOrder::kNHD) {
+  return {.num_layers = 4,
+          .num_blocks = 64,
+          .block_size = 16,
+          .num_kv_heads = 2,
+          .head_dim = 64,
+          .dtype = KvDType::kFloat16,
+          .order = order};
+}
+
+// One engine's cache: per-layer (2, num_blocks, ...) tensors in host memory.
+struct HostCache {
+  HostCache(const KvCacheShape& s, std::uint64_t seed) : shape(s) {
+    for (std::uint32_t l = 0; l < s.num_layers; ++l) {
+      layers.push_back(Buffer::allocate(2 * s.num_blocks * s.block_bytes()).value());
+      test::fill_random(layers.back().bytes(), seed + l);
+      ptrs.push_back(layers.back().data());
+    }
+  }
+  // The bytes of (layer, part, block).
+  std::span<const std::byte> block(std::uint32_t l, std::uint32_t part, std::uint32_t b) const {
+    return {layers[l].data() + (part * shape.num_blocks + b) * shape.block_bytes(), shape.block_bytes()};
+  }
+  KvCacheShape shape;
+  std::vector<Buffer> layers;
+  std::vector<void*> ptrs;
+};
+
+std::vector<std::uint32_t> token_ids(std::size_t n, std::uint32_t seed) {
+  std::vector<std::uint32_t> t(n);
+  std::mt19937 rng(seed);
+  for (auto& x : t) x = rng() % 32000;
+  return t;
+}
+
+// `n` distinct block ids in random order.
+std::vector<std::uint32_t> scattered_blocks(std::size_t n, std::uint32_t num_blocks, std::uint32_t seed) {
+  std::vector<std::uint32_t> all(num_blocks);
+  std::iota(all.begin(), all.end(), 0u);
+  std::shuffle(all.begin(), all.end(), std::mt19937(seed));
+  all.resize(n);
+  return all;
+}
+
+class KvCacheTest : public ::testing::TestWithParam<KvBlockOrder> {
+ protected:
+  void SetUp() override {
+    auto r = tools::LocalRedis::start({});
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    redis_ = std::move(r).value();
+    auto n = tools::LocalNode::start({.redis_url = redis_->url(),
+                                      .redis_password = redis_->password(),
+                                      .capacity = "32MiB",
+                                      .page_size = "1MiB",
+                                      .node_id = "n1",
+                                      .extra_args = {"--huge-pages", "off"}});
+    ASSERT_TRUE(n.is_ok()) << n.status().to_string();
+    node_ = std::move(n).value();
+    StoreOptions o;
+    o.redis_url = redis_->url();
+    o.redis_password = redis_->password();
+    o.engine.prefer = TransportKind::kShm;
+    o.timeout = 10s;
+    auto s = Store::open(o);
+    ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+    store_ = std::move(s).value();
+  }
+
+  std::unique_ptr<KvCache> open(HostCache& c, std::uint32_t chunk_tokens = 64) {
+    auto layout = KvLayout::per_layer(c.shape, c.ptrs);
+    EXPECT_TRUE(layout.is_ok()) << layout.status().to_string();
+    auto kv = KvCache::open(*store_, std::move(layout).value(),
+                            {.model = "test-model", .chunk_tokens = chunk_tokens});
+    EXPECT_TRUE(kv.is_ok()) << kv.status().to_string();
+    return kv.is_ok() ? std::move(kv).value() : nullptr;
+  }
+
+  std::unique_ptr<tools::LocalRedis> redis_;
+  std::unique_ptr<tools::LocalNode> node_;
+  std::unique_ptr<Store> store_;
+};
+
+INSTANTIATE_TEST_SUITE_P(Orders, KvCacheTest, ::testing::Values(KvBlockOrder::kNHD, KvBlockOrder::kHND),
+                         [](const auto& info) { return info.param == KvBlockOrder::kNHD ? "NHD" : "HND"; });
+
+TEST_P(KvCacheTest, ScatteredBlocksSaveAndLoadIntoOtherBlocksBitExact) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 100), b(shape, 200);  // b starts with other random bytes: a poison
+  auto kva = open(a), kvb = open(b);
+  ASSERT_TRUE(kva && kvb);
+  const auto tokens = token_ids(4 * 64 + 10, 1);  // 4 full chunks and a partial one
+  const auto blocks_a = scattered_blocks(17, shape.num_blocks, 2);
+  const auto blocks_b = scattered_blocks(17, shape.num_blocks, 3);
+  EXPECT_EQ(kva->chunk_bytes(), 4u * 2 * 4 * shape.block_bytes());
+
+  EXPECT_EQ(kva->contains_prefix(tokens).value(), 0u);
+  auto saved = kva->save(tokens, blocks_a, 0, 4);
+  ASSERT_EQ(saved.size(), 4u);
+  for (const auto& s : saved) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(kvb->contains_prefix(tokens).value(), 4u)
+      << "another cache of the same model and layout finds them";
+
+  const HostCache before_b = HostCache(shape, 200);  // what b held
+  auto loaded = kvb->load(tokens, blocks_b, 4);
+  for (const auto& s : loaded) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  std::vector<bool> touched(shape.num_blocks, false);
+  for (std::size_t i = 0; i < 16; ++i) {
+    touched[blocks_b[i]] = true;
+    for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        auto want = a.block(l, p, blocks_a[i]);
+        auto got = b.block(l, p, blocks_b[i]);
+        ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size()), 0)
+            << "block " << i << " layer " << l << " part " << p;
+      }
+    }
+  }
+  // Blocks outside the list, the 17th block included (it holds only the partial chunk), are untouched.
+  for (std::uint32_t blk = 0; blk < shape.num_blocks; ++blk) {
+    if (touched[blk]) continue;
+    for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        ASSERT_EQ(
+            std::memcmp(b.block(l, p, blk).data(), before_b.block(l, p, blk).data(), shape.block_bytes()), 0)
+            << "block " << blk << " was written though no chunk maps to it";
+      }
+    }
+  }
+}
+
+TEST_P(KvCacheTest, AChunkGoneMeanwhileFailsAloneAndEndsThePrefix) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 7);
+  auto kv = open(a);
+  ASSERT_TRUE(kv);
+  const auto tokens = token_ids(4 * 64, 9);
+  const auto blocks = scattered_blocks(16, shape.num_blocks, 4);
+  for (const auto& s : kv->save(tokens, blocks, 0, 4)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  ASSERT_TRUE(store_->remove(kv->keys(tokens)[2]).is_ok());  // evicted, say
+  EXPECT_EQ(kv->contains_prefix(tokens).value(), 2u);
+  auto loaded = kv->load(tokens, blocks, 4);
+  EXPECT_TRUE(loaded[0].is_ok());
+  EXPECT_TRUE(loaded[1].is_ok());
+  EXPECT_EQ(loaded[2].code(), StatusCode::kNotFound) << loaded[2].to_string();
+  EXPECT_TRUE(loaded[3].is_ok()) << "per-chunk errors: the others still load";
+  // Saving only the missing chunk mends the prefix.
+  auto again = kv->save(tokens, blocks, 2, 1);
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_TRUE(again[0].is_ok()) << again[0].to_string();
+  EXPECT_EQ(kv->contains_prefix(tokens).value(), 4u);
+}
+
+TEST_P(KvCacheTest, OtherLayoutsAndForeignObjectsNeverLoad) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 11);
+  auto kv = open(a);
+  ASSERT_TRUE(kv);
+  const auto tokens = token_ids(2 * 64, 5);
+  const auto blocks = scattered_blocks(8, shape.num_blocks, 6);
+  for (const auto& s : kv->save(tokens, blocks, 0, 2)) ASSERT_TRUE(s.is_ok());
+  // The other block order, the same model and tokens: other keys, nothing found.
+  HostCache other(small_shape(GetParam() == KvBlockOrder::kNHD ? KvBlockOrder::kHND : KvBlockOrder::kNHD),
+                  12);
+  auto kv_other = open(other);
+  ASSERT_TRUE(kv_other);
+  EXPECT_EQ(kv_other->contains_prefix(tokens).value(), 0u);
+  // Something else stored under a chunk's key: refused, not copied into the cache.
+  std::vector<std::byte> junk(1000);
+  Slice js{junk.data(), junk.size()};
+  ASSERT_TRUE(store_->put(kv->keys(tokens)[1], {&js, 1}).is_ok());
+  auto loaded = kv->load(tokens, blocks, 2);
+  EXPECT_TRUE(loaded[0].is_ok());
+  EXPECT_EQ(loaded[1].code(), StatusCode::kCorrupt) << loaded[1].to_string();
+}
+
+TEST_P(KvCacheTest, BadInputIsRefusedPerChunk) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 13);
+  const auto tokens = token_ids(2 * 64, 5);
+  auto kv = open(a);
+  ASSERT_TRUE(kv);
+  const auto blocks = scattered_blocks(8, shape.num_blocks, 6);
+  auto r = kv->save(tokens, blocks, 1, 2);  // chunk 2 does not exist
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].code(), StatusCode::kInvalidArgument);
+  r = kv->load(tokens, std::span(blocks).first(5), 2);  // 5 blocks cannot hold 2 chunks of 4
+  EXPECT_EQ(r[1].code(), StatusCode::kInvalidArgument);
+  std::vector<std::uint32_t> out_of_range = blocks;
+  out_of_range[6] = shape.num_blocks;
+  r = kv->save(tokens, out_of_range, 0, 2);
+  EXPECT_TRUE(r[0].is_ok()) << "chunk 0 is fine";
+  EXPECT_EQ(r[1].code(), StatusCode::kInvalidArgument);
+  auto layout = KvLayout::per_layer(shape, a.ptrs).value();
+  EXPECT_EQ(KvCache::open(*store_, layout, {.model = "m", .chunk_tokens = 24}).status().code(),
+            StatusCode::kInvalidArgument)
+      << "not a multiple of the block size";
+  EXPECT_EQ(KvCache::open(*store_, layout, {.model = ""}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCache::open(*store_, layout, {.model = "m", .tp_rank = 2, .tp_size = 2}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvstash
