@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <thread>
@@ -176,6 +177,78 @@ TEST_F(StoreTest, RoundTripsAreBitExactAcrossSizesAndTransports) {
 
 // A client that has only the verbs transport: every byte goes over RDMA to the node's pool
 // (in the Soft-RoCE lane, over rxe0). Skips where there is no RDMA device.
+TEST_F(StoreTest, APutStreamWritesInPiecesAndBecomesVisibleAtCommit) {
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kTcp);
+  ASSERT_TRUE(store);
+  const std::uint64_t all_free = free_pages("n1");
+  std::vector<std::byte> old(1000), data(3 * kPage + 5);
+  fill(old);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "k", old).is_ok());
+
+  auto stream = store->begin_put("k", data.size(), {.layout = "layer-wise"});
+  ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+  EXPECT_EQ(stream->size(), data.size());
+  // Three appends, the last of two slices; readers see the old object until the commit.
+  Slice first{data.data(), kPage};
+  ASSERT_TRUE(stream->append({&first, 1}).is_ok());
+  EXPECT_EQ(get_bytes(*store, "k", data.size()).value(), old);
+  Slice second{data.data() + kPage, kPage + 3};
+  ASSERT_TRUE(stream->append({&second, 1}).is_ok());
+  Slice rest[] = {{data.data() + 2 * kPage + 3, 1}, {data.data() + 2 * kPage + 4, kPage + 1}};
+  Slice one_too_many[] = {{data.data(), kPage + 3}};
+  EXPECT_EQ(stream->append(one_too_many).code(), StatusCode::kInvalidArgument) << "past the object's size";
+  ASSERT_TRUE(stream->append(rest).is_ok());
+  EXPECT_EQ(stream->written(), data.size());
+  ASSERT_TRUE(stream->commit().is_ok());
+  EXPECT_EQ(stream->append(rest).code(), StatusCode::kInvalidArgument) << "after commit";
+  auto back = get_bytes(*store, "k", data.size());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(test::first_mismatch(back->data(), data.data(), data.size()), -1)
+      << "checksum verified by the get";
+  EXPECT_EQ(store->stat("k")->layout, "layer-wise");
+
+  // Committed short, or dropped: aborted, pages back, the object unchanged.
+  {
+    auto short_stream = store->begin_put("k", 2 * kPage);
+    ASSERT_TRUE(short_stream.is_ok());
+    Slice part{data.data(), kPage};
+    ASSERT_TRUE(short_stream->append({&part, 1}).is_ok());
+    EXPECT_EQ(short_stream->commit().code(), StatusCode::kInvalidArgument);
+    auto dropped = store->begin_put("other", 2 * kPage);
+    ASSERT_TRUE(dropped.is_ok());
+    ASSERT_TRUE(dropped->append({&part, 1}).is_ok());
+  }  // `dropped` destroyed uncommitted
+  EXPECT_EQ(free_pages("n1"), all_free - 4) << "only the committed object's 4 pages are taken";
+  EXPECT_EQ(store->stat("other").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(get_bytes(*store, "k", data.size())->size(), data.size());
+}
+
+TEST_F(StoreTest, AGetReportsItsProgressInOrder) {
+  auto n = node("n1", "24MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kShm);
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(9 * kPage + 77), into(data.size());
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "p", data, {.layout = "with layout"}).is_ok());
+  std::vector<std::uint64_t> seen;
+  Slice s{into.data(), into.size()};
+  GetOptions o;
+  o.progress = [&](std::uint64_t landed, std::string_view layout) {
+    EXPECT_EQ(layout, "with layout");
+    // What is reported as landed is in place already.
+    EXPECT_EQ(std::memcmp(into.data(), data.data(), landed), 0);
+    seen.push_back(landed);
+  };
+  ASSERT_TRUE(store->get("p", {&s, 1}, o).is_ok());
+  ASSERT_GE(seen.size(), 2u) << "a 9 MiB object lands in more than one step";
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(seen.back(), data.size());
+}
+
 TEST_F(StoreTest, RoundTripsOverVerbs) {
   StoreOptions o;
   o.redis_url = redis_->url();

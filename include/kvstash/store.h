@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>
@@ -97,6 +98,12 @@ struct PutOptions {
 struct GetOptions {
   std::optional<Deadline> deadline;
   OpTimings* timings = nullptr;  // filled when set
+  // Called on the thread running the get each time more of the object has landed, in order:
+  // bytes [0, landed) are in `into`, and `layout` is the object's (what its put stored).
+  // Before the get returns they are not yet checked against the object's checksum nor its
+  // lease: act on them early only where the layout lets you check them (KvCache stores a
+  // checksum per layer there).
+  std::function<void(std::uint64_t landed, std::string_view layout)> progress;
 };
 
 struct ObjectInfo {
@@ -106,6 +113,38 @@ struct ObjectInfo {
   std::uint64_t pages = 0;
   std::vector<std::string> nodes;                // memory nodes holding it
   std::optional<std::chrono::milliseconds> ttl;  // time left; none: no expiry
+};
+
+class Store;
+
+// A put written in pieces, in order (a KV cache saved layer by layer as each layer's
+// attention finishes). Store::begin_put reserves the pages under a put lease; append()
+// starts writing the next bytes and returns once they are submitted; commit() waits for
+// every write and makes the object visible (replacing an older one, as put does). Destroying
+// an uncommitted stream aborts it: its pages return. Not thread-safe: one writer.
+class PutStream {
+ public:
+  PutStream();
+  PutStream(PutStream&&) noexcept;
+  PutStream& operator=(PutStream&&) noexcept;
+  ~PutStream();
+
+  // Starts writing the next total_length(data) bytes; `data` must stay valid and unchanged
+  // until commit() or abort() returned. Errors: kInvalidArgument (past the object's size,
+  // or after commit/abort), the failure of an earlier write (the stream is then dead).
+  Status append(std::span<const Slice> data);
+  std::uint64_t size() const;
+  std::uint64_t written() const;
+  // Waits for the writes, then commits. kInvalidArgument when fewer than size() bytes were
+  // appended (the put is aborted); otherwise as Store::put.
+  Status commit();
+  // Drops the put; its pages return. Waits for writes in flight.
+  void abort();
+
+ private:
+  friend class Store;
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
 class Store {
@@ -132,6 +171,10 @@ class Store {
   // were reused during the read), kCorrupt (checksum mismatch or a malformed record),
   // kTimeout, kUnavailable.
   Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& options = {});
+
+  // Starts a put of `size` bytes written in pieces (PutStream). The deadline and the put
+  // lease count from now and cover every append and the commit. Errors as put's.
+  Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options = {});
 
   // The object's size, layout and placement, without reading it. kNotFound when absent.
   Result<ObjectInfo> stat(std::string_view key, std::optional<Deadline> deadline = {});
@@ -167,6 +210,7 @@ class Store {
   Engine& engine();
 
  private:
+  friend class PutStream;
   struct Impl;
   explicit Store(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <mutex>
 
@@ -278,6 +279,25 @@ struct Store::Impl {
     return Status::ok();
   }
 
+  // An object's nodes connected and its pages leased for one operation. The leases must
+  // outlive the batches: destroying one revokes it.
+  struct Leased {
+    std::vector<std::shared_ptr<NodeLink>> links;
+    std::vector<RemoteMemory> leases;
+    std::vector<NodeLeases> by_node;
+  };
+
+  Result<Leased> connect_and_lease(TransferOp op, const Placement& p, Clock::time_point lease_until,
+                                   Deadline deadline) {
+    Leased l;
+    for (const auto& n : p.nodes) {
+      KVSTASH_ASSIGN_OR_RETURN(auto link_to, link(n, deadline));
+      l.links.push_back(std::move(link_to));
+    }
+    KVSTASH_RETURN_IF_ERROR(lease_pages(p, l.links, op, lease_until, deadline, l.leases, l.by_node));
+    return l;
+  }
+
   // Starts the transfers between the object's pages and the caller's slices, in waves of
   // `wave_bytes` of the object (a batch per node each), all submitted at once. A reader can
   // then checksum each wave as it lands while the later ones still move. Adjacent pieces that
@@ -287,11 +307,25 @@ struct Store::Impl {
                                     Clock::time_point lease_until, Deadline deadline,
                                     std::uint64_t wave_bytes) {
     Transfers t;
-    auto& waves = t.waves;
     if (size == 0) return t;
+    KVSTASH_ASSIGN_OR_RETURN(Leased leased, connect_and_lease(op, p, lease_until, deadline));
+    auto waves = submit_range(leased, op, p, 0, size, slices, temp, deadline, wave_bytes);
+    t.leases = std::move(leased.leases);  // the batches reference them; they move, not their state
+    if (!waves.is_ok()) return waves.status();
+    t.waves = std::move(waves).value();
+    return t;
+  }
+
+  // The transfers of object bytes [begin, end) from or into `slices` (which hold them in
+  // order), in waves as start_transfers.
+  Result<std::vector<Wave>> submit_range(const Leased& leased, TransferOp op, const Placement& p,
+                                         std::uint64_t begin, std::uint64_t end,
+                                         std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
+                                         Deadline deadline, std::uint64_t wave_bytes) {
+    std::vector<Wave> waves;
     std::vector<const MemoryHandle*> handles;
     temp.reserve(temp.size() + slices.size());  // handles point into it
-    std::uint64_t left = size;
+    std::uint64_t left = end - begin;
     for (const Slice& s : slices) {
       if (left == 0) break;
       left -= std::min<std::uint64_t>(left, s.length);
@@ -305,13 +339,7 @@ struct Store::Impl {
       handles.push_back(&temp.back());
     }
 
-    std::vector<std::shared_ptr<NodeLink>> node_links;
-    for (const auto& n : p.nodes) {
-      KVSTASH_ASSIGN_OR_RETURN(auto l, link(n, deadline));
-      node_links.push_back(std::move(l));
-    }
-    std::vector<NodeLeases> leased;
-    KVSTASH_RETURN_IF_ERROR(lease_pages(p, node_links, op, lease_until, deadline, t.leases, leased));
+    const auto& node_links = leased.links;
     auto node_index = [&](const std::string& id) {
       for (std::size_t i = 0; i < p.nodes.size(); ++i) {
         if (p.nodes[i].id == id) return i;
@@ -319,10 +347,10 @@ struct Store::Impl {
       return p.nodes.size();
     };
     std::vector<std::vector<TransferEntry>> entries(p.nodes.size());
-    std::uint64_t offset = 0;
+    std::uint64_t offset = begin;
     std::size_t si = 0, soff = 0;
-    while (offset < size) {
-      const std::uint64_t wave_end = std::min(size, (offset / wave_bytes + 1) * wave_bytes);
+    while (offset < end) {
+      const std::uint64_t wave_end = std::min(end, (offset / wave_bytes + 1) * wave_bytes);
       for (auto& list : entries) list.clear();
       while (offset < wave_end) {
         while (slices[si].length == soff) ++si, soff = 0;
@@ -334,7 +362,7 @@ struct Store::Impl {
                       wave_end - offset}));
         auto* local = static_cast<std::byte*>(slices[si].addr) + soff;
         std::uint64_t remote = node_links[ni]->remote.base() + e.page * p.page_size + in_page;
-        const RemoteMemory* lease = leased[ni].find(t.leases, remote);
+        const RemoteMemory* lease = leased.by_node[ni].find(leased.leases, remote);
         auto& list = entries[ni];
         if (!list.empty() && list.back().local == handles[si] && list.back().remote == lease &&
             static_cast<std::byte*>(list.back().local_addr) + list.back().length == local &&
@@ -355,7 +383,7 @@ struct Store::Impl {
         w.batches.push_back(std::move(b).value());
       }
     }
-    return t;
+    return waves;
   }
 
   static Status wait_all(std::vector<Batch>& batches) {
@@ -372,6 +400,15 @@ struct Store::Impl {
   static Deadline within_lease(Deadline deadline, Clock::time_point leased_at,
                                std::chrono::milliseconds lease) {
     return std::min(deadline, leased_at + lease - lease / 10);
+  }
+
+  // Ends a put whose writes failed or were dropped: its pages return now (else at the lease).
+  void abort_put(const std::string& key, const std::string& token) {
+    auto c = borrow(deadline_after(options.redis_timeout * 2));
+    Status aborted = c.is_ok() ? (*c)->abort_put(token) : c.status();
+    if (!aborted.is_ok()) {
+      KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
+    }
   }
 
   Status put(std::string_view key, std::span<const Slice> data, const PutOptions& o) {
@@ -461,6 +498,7 @@ struct Store::Impl {
           hasher.advance_to(transfers->waves[i].end);
           hashing += Clock::now() - c0;
         }
+        if (moved.is_ok() && o.progress) o.progress(transfers->waves[i].end, lease->layout);
       }
       if (moved.code() == StatusCode::kPermissionDenied && Clock::now() >= lease_until) {
         moved =
@@ -523,6 +561,141 @@ struct Store::Impl {
     return fn(*c.operator->());
   }
 };
+
+// ---- PutStream --------------------------------------------------------------------------------
+
+struct PutStream::State {
+  Store::Impl* impl = nullptr;
+  std::string key;
+  std::string token;
+  PutOptions options;
+  std::uint64_t size = 0;
+  std::uint64_t written = 0;
+  Placement placement;
+  Deadline deadline;  // the caller's, capped inside the put lease
+  Store::Impl::Leased leased;
+  std::deque<std::vector<MemoryHandle>> temps;  // per append: slices registered for it
+  std::vector<Store::Impl::Wave> waves;
+  XXH3_state_t* hash = XXH3_createState();
+  Status failed;
+  bool finished = false;
+
+  ~State() { XXH3_freeState(hash); }
+
+  Status wait_writes() {
+    Status first = failed;
+    for (auto& w : waves) {
+      Status s = Store::Impl::wait_all(w.batches);
+      if (first.is_ok()) first = s;
+    }
+    waves.clear();
+    return first;
+  }
+};
+
+PutStream::PutStream() = default;
+PutStream::PutStream(PutStream&&) noexcept = default;
+PutStream& PutStream::operator=(PutStream&& other) noexcept {
+  if (this != &other) {
+    abort();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+PutStream::~PutStream() { abort(); }
+
+std::uint64_t PutStream::size() const { return state_ ? state_->size : 0; }
+std::uint64_t PutStream::written() const { return state_ ? state_->written : 0; }
+
+Status PutStream::append(std::span<const Slice> data) {
+  if (!state_ || state_->finished) return Status::invalid_argument("store: append to a finished put");
+  State& st = *state_;
+  if (!st.failed.is_ok()) return st.failed;
+  const std::uint64_t n = total_length(data);
+  if (n > st.size - st.written) {
+    return Status::invalid_argument("store: " + std::to_string(n) + " more bytes would pass the object's " +
+                                    std::to_string(st.size));
+  }
+  if (n == 0) return Status::ok();
+  auto& temp = st.temps.emplace_back();
+  auto waves = st.impl->submit_range(st.leased, TransferOp::kWrite, st.placement, st.written, st.written + n,
+                                     data, temp, st.deadline, n);
+  if (!waves.is_ok()) {
+    st.failed = waves.status().with_context(st.key);
+    return st.failed;
+  }
+  for (auto& w : *waves) st.waves.push_back(std::move(w));
+  for (const Slice& s : data) XXH3_64bits_update(st.hash, s.addr, s.length);  // while the writes fly
+  st.written += n;
+  return Status::ok();
+}
+
+Status PutStream::commit() {
+  if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
+  State& st = *state_;
+  Status moved = st.wait_writes();
+  if (moved.is_ok() && st.written != st.size) {
+    moved =
+        Status::invalid_argument("store: put of " + st.key + " committed with " + std::to_string(st.written) +
+                                 " of its " + std::to_string(st.size) + " bytes");
+  }
+  st.finished = true;
+  if (!moved.is_ok()) {
+    st.impl->abort_put(st.key, st.token);
+    return moved.with_context(st.key);
+  }
+  auto c = st.impl->borrow(deadline_after(st.impl->options.redis_timeout * 2));
+  if (!c.is_ok()) return c.status();  // the lease returns the pages
+  return (*c)
+      ->commit_put(st.token, st.key, XXH3_64bits_digest(st.hash), st.options.layout, st.options.ttl)
+      .with_context(st.key);
+}
+
+void PutStream::abort() {
+  if (!state_ || state_->finished) return;
+  state_->finished = true;
+  // Cancel what still moves: the pages are given back and may be reused at once.
+  for (auto& w : state_->waves) {
+    for (auto& b : w.batches) b.cancel();
+  }
+  state_->waves.clear();
+  state_->impl->abort_put(state_->key, state_->token);
+}
+
+Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options) {
+  KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+  if (options.layout.size() > kMaxLayout)
+    return Status::invalid_argument("store: layout is larger than 64 KiB");
+  auto st = std::make_unique<PutStream::State>();
+  st->impl = impl_.get();
+  st->key = std::string(key);
+  st->token = random_token();
+  st->options = options;
+  st->size = size;
+  XXH3_64bits_reset(st->hash);
+  const Deadline deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
+  const auto leased_at = Clock::now();
+  {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(deadline));
+    auto placement = c->begin_put(st->token, key, size, impl_->options.put_lease);
+    if (!placement.is_ok()) return placement.status().with_context(st->key);
+    st->placement = std::move(placement).value();
+  }
+  const Clock::time_point lease_until =
+      Impl::within_lease(Deadline::max(), leased_at, impl_->options.put_lease);
+  st->deadline = std::min(deadline, lease_until);
+  if (size > 0) {
+    auto leased = impl_->connect_and_lease(TransferOp::kWrite, st->placement, lease_until, st->deadline);
+    if (!leased.is_ok()) {
+      impl_->abort_put(st->key, st->token);
+      return leased.status().with_context(st->key);
+    }
+    st->leased = std::move(leased).value();
+  }
+  PutStream stream;
+  stream.state_ = std::move(st);
+  return stream;
+}
 
 Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
