@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -71,7 +72,7 @@ class KvCacheTest : public ::testing::TestWithParam<KvBlockOrder> {
     redis_ = std::move(r).value();
     auto n = tools::LocalNode::start({.redis_url = redis_->url(),
                                       .redis_password = redis_->password(),
-                                      .capacity = "32MiB",
+                                      .capacity = "48MiB",
                                       .page_size = "1MiB",
                                       .node_id = "n1",
                                       .extra_args = {"--huge-pages", "off"}});
@@ -192,6 +193,114 @@ TEST_P(KvCacheTest, OtherLayoutsAndForeignObjectsNeverLoad) {
   auto loaded = kv->load(tokens, blocks, 2);
   EXPECT_TRUE(loaded[0].is_ok());
   EXPECT_EQ(loaded[1].code(), StatusCode::kCorrupt) << loaded[1].to_string();
+}
+
+TEST_P(KvCacheTest, LayerWiseSaveAndLoadCompleteLayerByLayer) {
+  // 8 layers of 1 MiB per 256-token chunk: a chunk's object lands in several steps.
+  KvCacheShape shape{.num_layers = 8,
+                     .num_blocks = 48,
+                     .block_size = 16,
+                     .num_kv_heads = 8,
+                     .head_dim = 128,
+                     .dtype = KvDType::kFloat16,
+                     .order = GetParam()};
+  HostCache a(shape, 21), b(shape, 22);
+  auto kva = open(a, 256), kvb = open(b, 256);
+  ASSERT_TRUE(kva && kvb);
+  ASSERT_EQ(kva->chunk_bytes(), 8u << 20);
+  const auto tokens = token_ids(3 * 256, 4);
+  const auto blocks_a = scattered_blocks(48, shape.num_blocks, 8);
+  const auto blocks_b = scattered_blocks(48, shape.num_blocks, 9);
+
+  auto save = kva->begin_save(tokens, blocks_a, 0, 3);
+  ASSERT_TRUE(save.is_ok()) << save.status().to_string();
+  ASSERT_TRUE(save->save_layer(0).is_ok());
+  EXPECT_EQ(save->save_layer(2).code(), StatusCode::kInvalidArgument) << "layers go in order";
+  for (std::uint32_t l = 1; l < shape.num_layers; ++l) ASSERT_TRUE(save->save_layer(l).is_ok());
+  EXPECT_EQ(kva->contains_prefix(tokens).value(), 0u) << "nothing is visible before wait() commits";
+  for (const auto& st : save->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(kva->contains_prefix(tokens).value(), 3u);
+
+  auto load = kvb->begin_load(tokens, blocks_b, 3);
+  ASSERT_TRUE(load.is_ok()) << load.status().to_string();
+  // Readiness only ever grows layer by layer: a later layer is never ready before an earlier.
+  std::vector<int> ready_at(shape.num_layers, -1);
+  for (int step = 0; std::count(ready_at.begin(), ready_at.end(), -1) > 0 && step < 200000; ++step) {
+    for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+      if (ready_at[l] < 0 && load->layer_ready(l)) ready_at[l] = step;
+    }
+  }
+  for (std::uint32_t l = 1; l < shape.num_layers; ++l) EXPECT_GE(ready_at[l], ready_at[l - 1]) << l;
+  std::printf("[ info ] layers first seen ready at poll steps:");
+  for (int r : ready_at) std::printf(" %d", r);
+  std::printf("\n");
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    ASSERT_TRUE(load->wait_layer(l).is_ok());
+    // Layer l is in place once wait_layer(l) returned, whatever later layers do.
+    for (std::size_t i = 0; i < 48; ++i) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        ASSERT_EQ(std::memcmp(a.block(l, p, blocks_a[i]).data(), b.block(l, p, blocks_b[i]).data(),
+                              shape.block_bytes()),
+                  0);
+      }
+    }
+  }
+  for (const auto& st : load->wait()) EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(load->wait_layer(shape.num_layers).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(KvCacheTest, ALayerThatFailsItsChecksumFailsFromThatLayerOn) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 31), b(shape, 32);
+  auto kva = open(a), kvb = open(b);
+  ASSERT_TRUE(kva && kvb);
+  const auto tokens = token_ids(2 * 64, 6);
+  const auto blocks = scattered_blocks(8, shape.num_blocks, 10);
+  for (const auto& st : kva->save(tokens, blocks, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  // Chunk 1 is put back with its layer-2 checksum altered: the bytes no longer match it.
+  const std::string key = kva->keys(tokens)[1];
+  std::vector<std::byte> bytes(kva->chunk_bytes());
+  Slice whole{bytes.data(), bytes.size()};
+  auto info = store_->get(key, {&whole, 1});
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  std::string layout = info->layout;
+  const std::size_t sums = layout.find(";xxh3=") + 6;
+  ASSERT_NE(sums, std::string::npos + 6) << layout;
+  char& digit = layout[sums + 2 * 17];  // the first hex digit of layer 2's checksum
+  digit = digit == '0' ? '1' : '0';
+  ASSERT_TRUE(store_->put(key, {&whole, 1}, {.layout = layout}).is_ok());
+
+  auto load = kvb->begin_load(tokens, blocks, 2);
+  ASSERT_TRUE(load.is_ok());
+  EXPECT_TRUE(load->wait_layer(0).is_ok());
+  EXPECT_TRUE(load->wait_layer(1).is_ok()) << "layers before the bad one stay usable";
+  EXPECT_EQ(load->wait_layer(2).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(load->wait_layer(3).code(), StatusCode::kCorrupt);
+  auto final = load->wait();
+  EXPECT_TRUE(final[0].is_ok()) << "the other chunk loads whole";
+  EXPECT_EQ(final[1].code(), StatusCode::kCorrupt) << final[1].to_string();
+}
+
+TEST_P(KvCacheTest, AnUnfinishedSaveLeavesNothingBehind) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 41);
+  auto kv = open(a);
+  ASSERT_TRUE(kv);
+  const auto tokens = token_ids(2 * 64, 7);
+  const auto blocks = scattered_blocks(8, shape.num_blocks, 11);
+  {
+    auto save = kv->begin_save(tokens, blocks, 0, 2);
+    ASSERT_TRUE(save.is_ok());
+    ASSERT_TRUE(save->save_layer(0).is_ok());
+    auto st = save->wait();  // 1 of 4 layers
+    EXPECT_EQ(st[0].code(), StatusCode::kInvalidArgument);
+    auto dropped = kv->begin_save(tokens, blocks, 0, 2);
+    ASSERT_TRUE(dropped.is_ok());
+    ASSERT_TRUE(dropped->save_layer(0).is_ok());
+  }  // `dropped` destroyed midway
+  EXPECT_EQ(kv->contains_prefix(tokens).value(), 0u);
+  EXPECT_EQ(kv->begin_save(tokens, blocks, 1, 2).status().code(), StatusCode::kInvalidArgument)
+      << "chunk 2 has no tokens";
 }
 
 TEST_P(KvCacheTest, BadInputIsRefusedPerChunk) {

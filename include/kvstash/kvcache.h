@@ -18,7 +18,9 @@
 // An object holds one chunk of `chunk_tokens` tokens, all layers, in a canonical order:
 // layer by layer, within a layer K then V (or the MLA latent alone), within those the
 // chunk's blocks in token order, each block's bytes as the engine keeps them (NHD or HND:
-// part of the key's salt, so caches of different layouts never share objects).
+// part of the key's salt, so caches of different layouts never share objects). Its layout
+// field holds the layout tag and an xxh3-64 per layer ("<tag>;xxh3=<16 hex>,..."), which a
+// layer-wise load checks as each layer lands.
 //
 // Thread safety: KvLayout is a value; KvCache is safe to use from several threads.
 #pragma once
@@ -144,6 +146,53 @@ struct PrefixKeyOptions {
 std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens,
                                            const PrefixKeyOptions& options);
 
+class KvCache;
+
+// A save in progress, layer by layer: each chunk's object is reserved at begin_save, and
+// save_layer(l) starts writing layer l of every chunk as soon as the engine's attention has
+// written it (layers in order, 0 first). wait() commits each chunk once all its layers went
+// out. Destroying an unfinished save drops it (nothing becomes visible).
+class KvSave {
+ public:
+  KvSave();
+  KvSave(KvSave&&) noexcept;
+  KvSave& operator=(KvSave&&) noexcept;
+  ~KvSave();
+  // Starts writing `layer` (the next one in order) of every chunk still alive; returns once
+  // submitted. kInvalidArgument out of order; a chunk whose write fails is reported by wait().
+  Status save_layer(std::uint32_t layer);
+  // Waits for every write and commits: one Status per chunk (kInvalidArgument for a chunk
+  // whose layers were not all saved).
+  std::vector<Status> wait();
+
+ private:
+  friend class KvCache;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// A load in progress. Every layer of every chunk is checked against the checksum its save
+// recorded as soon as it lands, so an engine may compute layer l while later layers arrive.
+class KvLoad {
+ public:
+  KvLoad();
+  KvLoad(KvLoad&&) noexcept;
+  KvLoad& operator=(KvLoad&&) noexcept;
+  ~KvLoad();  // waits for the transfers (the memory is the engine's)
+  // Blocks until `layer` of every chunk has landed and matched its checksum, or the chunk
+  // failed: OK, or the first failed chunk's status (its later layers cannot be trusted).
+  Status wait_layer(std::uint32_t layer);
+  // Non-blocking form: whether wait_layer(layer) would return at once.
+  bool layer_ready(std::uint32_t layer) const;
+  // Waits for everything: one Status per chunk.
+  std::vector<Status> wait();
+
+ private:
+  friend class KvCache;
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
 // A KV cache bound to a store: saves and loads chunks of requests' blocks.
 class KvCache {
  public:
@@ -175,7 +224,19 @@ class KvCache {
   std::vector<Status> load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
                            std::size_t count, std::optional<Deadline> deadline = {});
 
+  // Layer-wise forms. begin_save reserves chunks [first, first + count) (the tokens and
+  // blocks are copied; the blocks' memory must not change until wait() returned). Errors
+  // for the whole request: kInvalidArgument (tokens or blocks do not cover the chunks);
+  // per chunk (kNoSpace, ...) through wait().
+  Result<KvSave> begin_save(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+                            std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
+  // Starts loading the first `count` chunks; every chunk's transfer runs at once.
+  Result<KvLoad> begin_load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+                            std::size_t count, std::optional<Deadline> deadline = {});
+
  private:
+  friend class KvSave;
+  friend class KvLoad;
   struct Impl;
   explicit KvCache(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

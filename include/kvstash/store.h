@@ -135,6 +135,9 @@ class PutStream {
   Status append(std::span<const Slice> data);
   std::uint64_t size() const;
   std::uint64_t written() const;
+  // Replaces the layout PutOptions gave (what is only known once the bytes are out, such as
+  // per-part checksums); stored at commit. At most 64 KiB.
+  void set_layout(std::string layout);
   // Waits for the writes, then commits. kInvalidArgument when fewer than size() bytes were
   // appended (the put is aborted); otherwise as Store::put.
   Status commit();

@@ -1,11 +1,71 @@
-// KvCache: a request's chunks saved to and loaded from the store, one object per chunk.
-#include <future>
+// KvCache: a request's chunks saved to and loaded from the store, one object per chunk,
+// layer by layer: a save streams each layer into the chunk's object as the engine finishes
+// it; a load checks each layer against the checksum its save recorded as soon as it lands.
+#include <xxhash.h>
 
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+
+#include "common/thread_pool.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 
 namespace kvstash {
+namespace {
+
+// Loads in flight at once per cache (each is one store get, its transfers already parallel).
+constexpr unsigned kLoadThreads = 4;
+
+std::uint64_t hash_runs(const std::vector<KvRun>& runs) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  for (const KvRun& r : runs) XXH3_64bits_update(st, r.addr, r.length);
+  const std::uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return h;
+}
+
+// "<tag>;xxh3=<16 hex>,<16 hex>,..." (one per layer).
+std::string object_layout(const std::string& tag, const std::vector<std::uint64_t>& sums) {
+  std::string s = tag + ";xxh3=";
+  char hex[17];
+  for (std::size_t i = 0; i < sums.size(); ++i) {
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(sums[i]));
+    if (i > 0) s += ',';
+    s += hex;
+  }
+  return s;
+}
+
+// The per-layer checksums of an object's layout, when it is this cache's tag with `layers`.
+std::optional<std::vector<std::uint64_t>> parse_layout(std::string_view layout, std::string_view tag,
+                                                       std::uint32_t layers) {
+  const std::string_view head = ";xxh3=";
+  if (layout.size() < tag.size() + head.size() || layout.substr(0, tag.size()) != tag ||
+      layout.substr(tag.size(), head.size()) != head) {
+    return std::nullopt;
+  }
+  std::string_view rest = layout.substr(tag.size() + head.size());
+  std::vector<std::uint64_t> sums;
+  while (!rest.empty()) {
+    const std::string_view item = rest.substr(0, 16);
+    if (item.size() != 16 || item.find_first_not_of("0123456789abcdef") != std::string_view::npos) {
+      return std::nullopt;
+    }
+    sums.push_back(std::stoull(std::string(item), nullptr, 16));
+    rest.remove_prefix(16);
+    if (!rest.empty()) {
+      if (rest[0] != ',') return std::nullopt;
+      rest.remove_prefix(1);
+    }
+  }
+  if (sums.size() != layers) return std::nullopt;
+  return sums;
+}
+
+}  // namespace
 
 struct KvCache::Impl {
   Store* store = nullptr;
@@ -13,18 +73,25 @@ struct KvCache::Impl {
   PrefixKeyOptions keys;
   std::vector<MemoryHandle> handles;  // one per layout region
   std::uint32_t blocks_per_chunk = 0;
+  std::unique_ptr<ThreadPool> loaders = std::make_unique<ThreadPool>(kLoadThreads);
 
-  // The slices of one chunk's object: every layer of `blocks`, in object order.
-  Result<std::vector<Slice>> chunk_slices(std::span<const std::uint32_t> blocks) const {
+  // Layer `l` of a chunk's blocks, as runs of the cache's memory.
+  Result<std::vector<KvRun>> layer_runs(std::uint32_t l, std::span<const std::uint32_t> blocks) const {
     std::vector<KvRun> runs;
-    for (std::uint32_t l = 0; l < layout.shape().num_layers; ++l) {
-      KVSTASH_RETURN_IF_ERROR(layout.layer_runs(l, blocks, runs));
-    }
-    std::vector<Slice> slices;
-    slices.reserve(runs.size());
+    KVSTASH_RETURN_IF_ERROR(layout.layer_runs(l, blocks, runs));
+    return runs;
+  }
+
+  std::vector<Slice> slices(const std::vector<KvRun>& runs) const {
+    std::vector<Slice> out;
+    out.reserve(runs.size());
     for (const KvRun& r : runs)
-      slices.push_back({r.addr, static_cast<std::size_t>(r.length), &handles[r.region]});
-    return slices;
+      out.push_back({r.addr, static_cast<std::size_t>(r.length), &handles[r.region]});
+    return out;
+  }
+
+  std::uint64_t chunk_bytes() const {
+    return layout.layer_bytes(blocks_per_chunk) * layout.shape().num_layers;
   }
 
   // Checks that `tokens` and `block_ids` cover chunks [first, first + count).
@@ -41,9 +108,133 @@ struct KvCache::Impl {
                                       " block ids do not cover " + std::to_string(end) + " chunks of " +
                                       std::to_string(blocks_per_chunk) + " blocks");
     }
-    return {};
+    return {};  // block ids out of range fail their chunk alone
   }
 };
+
+// ---- KvSave -----------------------------------------------------------------------------------
+
+struct KvSave::State {
+  const KvCache::Impl* kv = nullptr;
+  struct Chunk {
+    std::string key;
+    std::vector<std::uint32_t> blocks;
+    PutStream stream;
+    Status status;  // the first failure
+    std::vector<std::uint64_t> sums;
+  };
+  std::vector<Chunk> chunks;
+  std::uint32_t next_layer = 0;
+  bool waited = false;
+};
+
+KvSave::KvSave() = default;
+KvSave::KvSave(KvSave&&) noexcept = default;
+KvSave& KvSave::operator=(KvSave&&) noexcept = default;
+KvSave::~KvSave() = default;  // an unfinished PutStream aborts itself
+
+Status KvSave::save_layer(std::uint32_t layer) {
+  if (!state_ || state_->waited) return Status::invalid_argument("kvcache: save already finished");
+  State& st = *state_;
+  if (layer != st.next_layer) {
+    return Status::invalid_argument("kvcache: layers are saved in order: expected layer " +
+                                    std::to_string(st.next_layer) + ", got " + std::to_string(layer));
+  }
+  for (auto& c : st.chunks) {
+    if (!c.status.is_ok()) continue;
+    auto runs = st.kv->layer_runs(layer, c.blocks);
+    if (!runs.is_ok()) {
+      c.status = runs.status();
+      continue;
+    }
+    c.sums.push_back(hash_runs(*runs));
+    const auto slices = st.kv->slices(*runs);
+    c.status = c.stream.append(slices);
+  }
+  ++st.next_layer;
+  return Status::ok();
+}
+
+std::vector<Status> KvSave::wait() {
+  if (!state_ || state_->waited) return {};
+  State& st = *state_;
+  st.waited = true;
+  const std::uint32_t layers = st.kv->layout.shape().num_layers;
+  std::vector<Status> out;
+  for (auto& c : st.chunks) {
+    if (c.status.is_ok() && st.next_layer != layers) {
+      c.status = Status::invalid_argument("kvcache: " + std::to_string(st.next_layer) + " of " +
+                                          std::to_string(layers) + " layers were saved");
+    }
+    if (!c.status.is_ok()) {
+      c.stream.abort();
+      out.push_back(c.status);
+      continue;
+    }
+    c.stream.set_layout(object_layout(st.kv->keys.layout_tag, c.sums));
+    out.push_back(c.stream.commit());
+  }
+  return out;
+}
+
+// ---- KvLoad -----------------------------------------------------------------------------------
+
+struct KvLoad::State {
+  std::uint32_t layers = 0;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::uint32_t> verified;      // per chunk: leading layers landed and checked
+  std::vector<std::optional<Status>> done;  // per chunk: the final status
+  std::vector<std::future<void>> tasks;
+
+  bool ready_locked(std::uint32_t layer) const {
+    for (std::size_t c = 0; c < done.size(); ++c) {
+      if (verified[c] <= layer && !done[c]) return false;
+    }
+    return true;
+  }
+};
+
+KvLoad::KvLoad() = default;
+KvLoad::KvLoad(KvLoad&&) noexcept = default;
+KvLoad& KvLoad::operator=(KvLoad&&) noexcept = default;
+KvLoad::~KvLoad() {
+  if (state_) wait();
+}
+
+bool KvLoad::layer_ready(std::uint32_t layer) const {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mu);
+  return state_->ready_locked(layer);
+}
+
+Status KvLoad::wait_layer(std::uint32_t layer) {
+  if (!state_) return Status::invalid_argument("kvcache: no load");
+  if (layer >= state_->layers) return Status::invalid_argument("kvcache: layer out of range");
+  std::unique_lock lock(state_->mu);
+  state_->cv.wait(lock, [&] { return state_->ready_locked(layer); });
+  for (std::size_t c = 0; c < state_->done.size(); ++c) {
+    if (state_->verified[c] <= layer) {
+      return state_->done[c]->is_ok() ? Status::internal("kvcache: a chunk ended without its layers")
+                                      : *state_->done[c];
+    }
+  }
+  return Status::ok();
+}
+
+std::vector<Status> KvLoad::wait() {
+  if (!state_) return {};
+  for (auto& t : state_->tasks) {
+    if (t.valid()) t.get();
+  }
+  std::lock_guard lock(state_->mu);
+  std::vector<Status> out;
+  for (const auto& d : state_->done)
+    out.push_back(d.value_or(Status::internal("kvcache: load not finished")));
+  return out;
+}
+
+// ---- KvCache ----------------------------------------------------------------------------------
 
 KvCache::KvCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KvCache::~KvCache() = default;
@@ -80,9 +271,7 @@ std::vector<std::string> KvCache::keys(std::span<const std::uint32_t> tokens) co
   return prefix_chunk_keys(tokens, impl_->keys);
 }
 
-std::uint64_t KvCache::chunk_bytes() const {
-  return impl_->layout.layer_bytes(impl_->blocks_per_chunk) * impl_->layout.shape().num_layers;
-}
+std::uint64_t KvCache::chunk_bytes() const { return impl_->chunk_bytes(); }
 
 Result<std::size_t> KvCache::contains_prefix(std::span<const std::uint32_t> tokens,
                                              std::optional<Deadline> deadline) {
@@ -91,60 +280,124 @@ Result<std::size_t> KvCache::contains_prefix(std::span<const std::uint32_t> toke
   return impl_->store->contains_prefix(k, deadline);
 }
 
+Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
+                                   std::span<const std::uint32_t> block_ids, std::size_t first,
+                                   std::size_t count, std::optional<Deadline> deadline) {
+  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
+  const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
+  auto st = std::make_unique<KvSave::State>();
+  st->kv = impl_.get();
+  const std::size_t bpc = impl_->blocks_per_chunk;
+  for (std::size_t c = first; c < first + count; ++c) {
+    auto& chunk = st->chunks.emplace_back();
+    chunk.key = k[c];
+    chunk.blocks.assign(block_ids.begin() + static_cast<std::ptrdiff_t>(c * bpc),
+                        block_ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * bpc));
+    auto stream = impl_->store->begin_put(chunk.key, impl_->chunk_bytes(), {.deadline = deadline});
+    if (stream.is_ok()) {
+      chunk.stream = std::move(stream).value();
+    } else {
+      chunk.status = stream.status();
+    }
+  }
+  KvSave save;
+  save.state_ = std::move(st);
+  return save;
+}
+
+Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
+                                   std::span<const std::uint32_t> block_ids, std::size_t count,
+                                   std::optional<Deadline> deadline) {
+  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, 0, count));
+  const auto k = keys(tokens.first(count * impl_->keys.chunk_tokens));
+  auto st = std::make_shared<KvLoad::State>();
+  const std::uint32_t layers = impl_->layout.shape().num_layers;
+  st->layers = layers;
+  st->verified.assign(count, 0);
+  st->done.assign(count, std::nullopt);
+  const std::size_t bpc = impl_->blocks_per_chunk;
+  const std::uint64_t layer_bytes = impl_->layout.layer_bytes(bpc);
+  for (std::size_t c = 0; c < count; ++c) {
+    std::vector<std::uint32_t> blocks(block_ids.begin() + static_cast<std::ptrdiff_t>(c * bpc),
+                                      block_ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * bpc));
+    st->tasks.push_back(impl_->loaders->submit(
+        [this, st, c, key = k[c], blocks = std::move(blocks), deadline, layer_bytes, layers] {
+          const Impl& kv = *impl_;
+          std::vector<std::vector<KvRun>> runs(layers);
+          std::vector<Slice> slices;
+          Status failed;
+          for (std::uint32_t l = 0; l < layers && failed.is_ok(); ++l) {
+            auto r = kv.layer_runs(l, blocks);
+            if (!r.is_ok()) {
+              failed = r.status();
+              break;
+            }
+            runs[l] = std::move(r).value();
+            for (const Slice& s : kv.slices(runs[l])) slices.push_back(s);
+          }
+          // Each layer is checked against its save's checksum as soon as it is whole.
+          std::optional<std::vector<std::uint64_t>> sums;
+          Status bad_layer;
+          std::uint32_t checked = 0;
+          GetOptions o;
+          o.deadline = deadline;
+          o.progress = [&](std::uint64_t landed, std::string_view layout) {
+            if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
+            if (!sums) {
+              bad_layer = Status::corrupt("kvcache: " + key + " was not saved by a cache of layout " +
+                                          kv.keys.layout_tag);
+              return;
+            }
+            while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed) {
+              if (hash_runs(runs[checked]) != (*sums)[checked]) {
+                bad_layer = Status::corrupt("kvcache: layer " + std::to_string(checked) + " of " + key +
+                                            " does not match its checksum");
+                break;
+              }
+              ++checked;
+              std::lock_guard lock(st->mu);
+              st->verified[c] = checked;
+              st->cv.notify_all();
+            }
+          };
+          Status final = failed;
+          if (final.is_ok()) {
+            auto r = kv.store->get(key, slices, o);
+            if (!r.is_ok()) {
+              final = r.status();
+            } else if (!bad_layer.is_ok()) {
+              final = bad_layer;
+            } else if (r->size != kv.chunk_bytes() || checked != layers) {
+              final = Status::corrupt("kvcache: " + key + " holds " + std::to_string(r->size) +
+                                      " bytes, a chunk " + std::to_string(kv.chunk_bytes()));
+            }
+          }
+          std::lock_guard lock(st->mu);
+          if (!final.is_ok()) st->verified[c] = std::min(st->verified[c], checked);
+          st->done[c] = final;
+          st->cv.notify_all();
+        }));
+  }
+  KvLoad load;
+  load.state_ = std::move(st);
+  return load;
+}
+
 std::vector<Status> KvCache::save(std::span<const std::uint32_t> tokens,
                                   std::span<const std::uint32_t> block_ids, std::size_t first,
                                   std::size_t count, std::optional<Deadline> deadline) {
-  if (Status s = impl_->covers(tokens, block_ids, first, count); !s.is_ok())
-    return std::vector<Status>(count, s);
-  const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
-  std::vector<Status> out(count);
-  std::vector<std::pair<std::size_t, std::future<Status>>> pending;
-  const std::string tag = impl_->keys.layout_tag;
-  for (std::size_t i = 0; i < count; ++i) {
-    const std::size_t c = first + i;
-    auto slices =
-        impl_->chunk_slices(block_ids.subspan(c * impl_->blocks_per_chunk, impl_->blocks_per_chunk));
-    if (!slices.is_ok()) {
-      out[i] = slices.status();
-      continue;
-    }
-    PutOptions po;
-    po.layout = tag;
-    po.deadline = deadline;
-    pending.emplace_back(i, impl_->store->put_async(k[c], std::move(slices).value(), std::move(po)));
-  }
-  for (auto& [i, f] : pending) out[i] = f.get();
-  return out;
+  auto s = begin_save(tokens, block_ids, first, count, deadline);
+  if (!s.is_ok()) return std::vector<Status>(count, s.status());
+  for (std::uint32_t l = 0; l < impl_->layout.shape().num_layers; ++l) (void)s->save_layer(l);
+  return s->wait();
 }
 
 std::vector<Status> KvCache::load(std::span<const std::uint32_t> tokens,
                                   std::span<const std::uint32_t> block_ids, std::size_t count,
                                   std::optional<Deadline> deadline) {
-  if (Status s = impl_->covers(tokens, block_ids, 0, count); !s.is_ok()) return std::vector<Status>(count, s);
-  const auto k = keys(tokens.first(count * impl_->keys.chunk_tokens));
-  std::vector<Status> out(count);
-  std::vector<std::pair<std::size_t, std::future<Result<ObjectInfo>>>> pending;
-  for (std::size_t c = 0; c < count; ++c) {
-    auto slices =
-        impl_->chunk_slices(block_ids.subspan(c * impl_->blocks_per_chunk, impl_->blocks_per_chunk));
-    if (!slices.is_ok()) {
-      out[c] = slices.status();
-      continue;
-    }
-    pending.emplace_back(c, impl_->store->get_async(k[c], std::move(slices).value(), {.deadline = deadline}));
-  }
-  for (auto& [c, f] : pending) {
-    auto r = f.get();
-    if (!r.is_ok()) {
-      out[c] = r.status();
-    } else if (r->layout != impl_->keys.layout_tag || r->size != chunk_bytes()) {
-      // Same key, other bytes: a foreign writer, or a bug. Never hand such bytes to a model.
-      out[c] = Status::corrupt("kvcache: chunk " + std::to_string(c) + " was stored with layout '" +
-                               r->layout + "' and " + std::to_string(r->size) + " bytes, expected '" +
-                               impl_->keys.layout_tag + "' and " + std::to_string(chunk_bytes()));
-    }
-  }
-  return out;
+  auto l = begin_load(tokens, block_ids, count, deadline);
+  if (!l.is_ok()) return std::vector<Status>(count, l.status());
+  return l->wait();
 }
 
 }  // namespace kvstash

@@ -607,6 +607,10 @@ PutStream::~PutStream() { abort(); }
 std::uint64_t PutStream::size() const { return state_ ? state_->size : 0; }
 std::uint64_t PutStream::written() const { return state_ ? state_->written : 0; }
 
+void PutStream::set_layout(std::string layout) {
+  if (state_) state_->options.layout = std::move(layout);
+}
+
 Status PutStream::append(std::span<const Slice> data) {
   if (!state_ || state_->finished) return Status::invalid_argument("store: append to a finished put");
   State& st = *state_;
@@ -634,6 +638,9 @@ Status PutStream::commit() {
   if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
   State& st = *state_;
   Status moved = st.wait_writes();
+  if (moved.is_ok() && st.options.layout.size() > kMaxLayout) {
+    moved = Status::invalid_argument("store: layout is larger than 64 KiB");
+  }
   if (moved.is_ok() && st.written != st.size) {
     moved =
         Status::invalid_argument("store: put of " + st.key + " committed with " + std::to_string(st.written) +
