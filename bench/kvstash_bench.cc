@@ -6,6 +6,7 @@
 
 #include "common/transports.h"
 #include "common/units.h"
+#include "kvcache.h"
 #include "p2p.h"
 #include "store.h"
 
@@ -132,10 +133,31 @@ int main(int argc, char** argv) {
       "  kvstash-bench store --object-size 64MiB --backends kvstash-tcp,redis-bytes\n"
       "  kvstash-bench store --redis redis://10.0.0.5:6379/0 --backends kvstash-tcp");
 
+  bench::KvCacheBenchOptions kvc;
+  std::string kvc_transports = "shm,tcp";
+  auto* kc = app.add_subcommand(
+      "kvcache",
+      "Save and load one Llama-2-7B session whose blocks are scattered over a paged KV cache, layer by "
+      "layer through KvCache, against the same bytes as contiguous objects through the Store. Starts a "
+      "private redis-server and kvstashd");
+  kc->add_option("--tokens", kvc.tokens, "Tokens in the session (a multiple of 256)")
+      ->capture_default_str()
+      ->check(CLI::Range(256u, 32768u));
+  kc->add_option("--block-size", kvc.block_size, "Tokens per block of the paged cache")
+      ->capture_default_str()
+      ->check(CLI::IsMember({1u, 2u, 4u, 8u, 16u, 32u, 64u, 128u, 256u}));
+  kc->add_option("--rounds", kvc.rounds, "Rounds (each saves, then loads)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 100u));
+  kc->add_option("--transport", kvc_transports, "Transports to measure: shm,tcp,ucx")->capture_default_str();
+  kc->add_flag("--json", kvc.json, "One JSON object per row");
+  kc->footer("Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json");
+
   std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
     if (t->parsed()) target_kinds = parse_transports(target_transports);
+    if (kc->parsed()) kvc.transports = parse_transports(kvc_transports);
     if (st->parsed()) {
       if (Status s = bench::parse_token_range(tokens, &store); !s.is_ok()) {
         throw CLI::ValidationError("--tokens", s.message());
@@ -193,5 +215,6 @@ int main(int argc, char** argv) {
     return bench::run_p2p_target(*region, target_kinds, target_tcp);
   }
   if (st->parsed()) return bench::run_store(store);
+  if (kc->parsed()) return bench::run_kvcache(kvc);
   return bench::run_p2p(p2p);
 }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -193,6 +194,35 @@ TEST(BenchStore, AnUnreachableCellIsARuntimeFailure) {
 }
 
 // ---- the local-cluster helpers the bench starts its cell with ------------------------------
+
+TEST(BenchKvCache, JsonRowsForEachTransportAndOpVerified) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  const std::string out =
+      run(bench() + " kvcache --tokens 256 --rounds 1 --transport shm,tcp --json", &status);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  const auto rows = json_lines(out);
+  ASSERT_EQ(rows.size(), 4u) << out;
+  std::set<std::string> seen;
+  for (const auto& j : rows) {
+    const std::string line = j.dump();
+    EXPECT_EQ(j["bytes"], 256u * 524288u) << "one 256-token Llama-2-7B session: " << line;
+    EXPECT_EQ(j["verified"], true) << line;
+    EXPECT_GT(j["gbps"].get<double>(), 0) << line;
+    EXPECT_GT(j["contiguous_gbps"].get<double>(), 0) << line;
+    EXPECT_NEAR(j["vs_contiguous"].get<double>(),
+                j["gbps"].get<double>() / j["contiguous_gbps"].get<double>(), 1e-9)
+        << line;
+    seen.insert(j["transport"].get<std::string>() + "/" + j["op"].get<std::string>());
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"shm/save", "shm/load", "tcp/save", "tcp/load"}));
+  // Usage errors exit 2.
+  run(bench() + " kvcache --tokens 100", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2) << "not a multiple of 256";
+  run(bench() + " kvcache --block-size 3", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+}
 
 TEST(LocalCluster, ChildProcessLinesTimeoutsAndExitStatus) {
   auto child = tools::ChildProcess::start({.argv = {"sh", "-c", "echo one; printf two; sleep 1; exit 3"}});

@@ -98,6 +98,9 @@ struct PutOptions {
 struct GetOptions {
   std::optional<Deadline> deadline;
   OpTimings* timings = nullptr;  // filled when set
+  // Overrides StoreOptions::verify_checksum for this get (a caller that checks every byte
+  // itself, as KvCache does per layer, saves the second pass).
+  std::optional<bool> verify_checksum;
   // Called on the thread running the get each time more of the object has landed, in order:
   // bytes [0, landed) are in `into`, and `layout` is the object's (what its put stored).
   // Before the get returns they are not yet checked against the object's checksum nor its
@@ -132,7 +135,8 @@ class PutStream {
   // Starts writing the next total_length(data) bytes; `data` must stay valid and unchanged
   // until commit() or abort() returned. Errors: kInvalidArgument (past the object's size,
   // or after commit/abort), the failure of an earlier write (the stream is then dead).
-  Status append(std::span<const Slice> data);
+  // With `piece_checksum`, also the xxh3-64 of these bytes alone, computed in the same pass.
+  Status append(std::span<const Slice> data, std::uint64_t* piece_checksum = nullptr);
   std::uint64_t size() const;
   std::uint64_t written() const;
   // Replaces the layout PutOptions gave (what is only known once the bytes are out, such as

@@ -17,6 +17,8 @@ namespace {
 
 // Loads in flight at once per cache (each is one store get, its transfers already parallel).
 constexpr unsigned kLoadThreads = 4;
+// Threads submitting saves' layers (and checksumming them while the writes fly).
+constexpr unsigned kSaveThreads = 4;
 
 std::uint64_t hash_runs(const std::vector<KvRun>& runs) {
   XXH3_state_t* st = XXH3_createState();
@@ -74,6 +76,7 @@ struct KvCache::Impl {
   std::vector<MemoryHandle> handles;  // one per layout region
   std::uint32_t blocks_per_chunk = 0;
   std::unique_ptr<ThreadPool> loaders = std::make_unique<ThreadPool>(kLoadThreads);
+  std::unique_ptr<ThreadPool> savers = std::make_unique<ThreadPool>(kSaveThreads);
 
   // Layer `l` of a chunk's blocks, as runs of the cache's memory.
   Result<std::vector<KvRun>> layer_runs(std::uint32_t l, std::span<const std::uint32_t> blocks) const {
@@ -122,10 +125,19 @@ struct KvSave::State {
     PutStream stream;
     Status status;  // the first failure
     std::vector<std::uint64_t> sums;
+    std::shared_future<void> last;  // the chunk's latest layer task: its next one waits for it
   };
   std::vector<Chunk> chunks;
   std::uint32_t next_layer = 0;
   bool waited = false;
+
+  // Waits for every layer task (they touch the chunks).
+  void drain() {
+    for (auto& c : chunks) {
+      if (c.last.valid()) c.last.wait();
+    }
+  }
+  ~State() { drain(); }
 };
 
 KvSave::KvSave() = default;
@@ -140,16 +152,24 @@ Status KvSave::save_layer(std::uint32_t layer) {
     return Status::invalid_argument("kvcache: layers are saved in order: expected layer " +
                                     std::to_string(st.next_layer) + ", got " + std::to_string(layer));
   }
+  // Each chunk's layer goes to a saver thread (submitting it and checksumming it while it
+  // flies), after that chunk's previous layer: appends to one object stay in order. The
+  // pool runs tasks first in, first out, so a task never waits for one queued behind it.
   for (auto& c : st.chunks) {
-    if (!c.status.is_ok()) continue;
-    auto runs = st.kv->layer_runs(layer, c.blocks);
-    if (!runs.is_ok()) {
-      c.status = runs.status();
-      continue;
-    }
-    c.sums.push_back(hash_runs(*runs));
-    const auto slices = st.kv->slices(*runs);
-    c.status = c.stream.append(slices);
+    std::shared_future<void> previous = c.last;
+    auto task = [&st, &c, layer, previous] {
+      if (previous.valid()) previous.wait();
+      if (!c.status.is_ok()) return;
+      auto runs = st.kv->layer_runs(layer, c.blocks);
+      if (!runs.is_ok()) {
+        c.status = runs.status();
+        return;
+      }
+      std::uint64_t sum = 0;
+      c.status = c.stream.append(st.kv->slices(*runs), &sum);
+      c.sums.push_back(sum);
+    };
+    c.last = st.kv->savers->submit(std::move(task)).share();
   }
   ++st.next_layer;
   return Status::ok();
@@ -159,6 +179,7 @@ std::vector<Status> KvSave::wait() {
   if (!state_ || state_->waited) return {};
   State& st = *state_;
   st.waited = true;
+  st.drain();
   const std::uint32_t layers = st.kv->layout.shape().num_layers;
   std::vector<Status> out;
   for (auto& c : st.chunks) {
@@ -341,6 +362,7 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
           std::uint32_t checked = 0;
           GetOptions o;
           o.deadline = deadline;
+          o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
           o.progress = [&](std::uint64_t landed, std::string_view layout) {
             if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
             if (!sums) {

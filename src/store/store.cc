@@ -475,6 +475,7 @@ struct Store::Impl {
     if (!lease.is_ok()) return lease.status().with_context(std::string(key));
 
     Status moved;
+    const bool verify = o.verify_checksum.value_or(options.verify_checksum);
     SliceHasher hasher(into);
     if (total_length(into) < lease->size) {
       moved = Status::invalid_argument("store: buffers hold " + std::to_string(total_length(into)) +
@@ -493,7 +494,7 @@ struct Store::Impl {
       std::chrono::nanoseconds hashing{0};
       for (std::size_t i = 0; moved.is_ok() && i < transfers->waves.size(); ++i) {
         moved = wait_all(transfers->waves[i].batches);  // on error the later waves are cancelled
-        if (moved.is_ok() && options.verify_checksum) {
+        if (moved.is_ok() && verify) {
           const auto c0 = Clock::now();
           hasher.advance_to(transfers->waves[i].end);
           hashing += Clock::now() - c0;
@@ -524,7 +525,7 @@ struct Store::Impl {
       KVSTASH_RETURN_IF_ERROR((*c)->end_get(reader, *lease).with_context(std::string(key)));
     }
 
-    if (options.verify_checksum) {
+    if (verify) {
       const std::uint64_t sum = hasher.digest();
       if (sum != lease->checksum) {
         KVSTASH_LOG_ERROR("get {}: checksum mismatch (record {:016x}, bytes {:016x})", key, lease->checksum,
@@ -611,7 +612,7 @@ void PutStream::set_layout(std::string layout) {
   if (state_) state_->options.layout = std::move(layout);
 }
 
-Status PutStream::append(std::span<const Slice> data) {
+Status PutStream::append(std::span<const Slice> data, std::uint64_t* piece_checksum) {
   if (!state_ || state_->finished) return Status::invalid_argument("store: append to a finished put");
   State& st = *state_;
   if (!st.failed.is_ok()) return st.failed;
@@ -629,7 +630,22 @@ Status PutStream::append(std::span<const Slice> data) {
     return st.failed;
   }
   for (auto& w : *waves) st.waves.push_back(std::move(w));
-  for (const Slice& s : data) XXH3_64bits_update(st.hash, s.addr, s.length);  // while the writes fly
+  // While the writes fly: the object's checksum, and the piece's in the same pass.
+  XXH3_state_t* piece = piece_checksum != nullptr ? XXH3_createState() : nullptr;
+  if (piece != nullptr) XXH3_64bits_reset(piece);
+  constexpr std::size_t kStep = 64u << 10;  // both states see each step while it is in cache
+  for (const Slice& s : data) {
+    for (std::size_t off = 0; off < s.length; off += kStep) {
+      const auto* p = static_cast<const std::byte*>(s.addr) + off;
+      const std::size_t len = std::min(kStep, s.length - off);
+      XXH3_64bits_update(st.hash, p, len);
+      if (piece != nullptr) XXH3_64bits_update(piece, p, len);
+    }
+  }
+  if (piece != nullptr) {
+    *piece_checksum = XXH3_64bits_digest(piece);
+    XXH3_freeState(piece);
+  }
   st.written += n;
   return Status::ok();
 }

@@ -1,0 +1,26 @@
+// `kvstash-bench kvcache`: saves and loads one Llama-2-7B session's KV cache, its blocks
+// scattered over an engine's paged cache, through KvCache (layer by layer, every layer
+// checksummed), against the same bytes put and got as contiguous chunk-sized objects through
+// the Store in the same run. Every loaded block is compared with what was saved.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvstash/types.h"
+
+namespace kvstash::bench {
+
+struct KvCacheBenchOptions {
+  std::uint32_t tokens = 4096;    // one session; whole 256-token chunks
+  std::uint32_t block_size = 16;  // tokens per block
+  std::uint32_t rounds = 3;       // each saves then loads the session
+  std::vector<TransportKind> transports{TransportKind::kShm, TransportKind::kTcp};
+  bool json = false;
+};
+
+// Runs it (a private redis-server and kvstashd on loopback) and prints its rows. Returns the
+// exit code: 0, or 1 on a failed or corrupted operation.
+int run_kvcache(const KvCacheBenchOptions& options);
+
+}  // namespace kvstash::bench
