@@ -1,0 +1,160 @@
+/* kvstash/kvstash.h: the C API, for engines written in other languages.
+ *
+ * Opaque handles over the C++ Store and KvCache (include/kvstash/store.h, kvcache.h): open a
+ * store, register a KV cache, ask how much of a prompt is stored, save and load a request's
+ * chunks layer by layer, close. Every call returns a kvstash_status; on failure
+ * kvstash_last_error() holds the message (per thread, until this thread's next call).
+ *
+ *   kvstash_store* store;
+ *   kvstash_store_options so = {.redis_url = "redis://127.0.0.1:6379/0"};
+ *   if (kvstash_store_open(&so, &store) != KVSTASH_OK) puts(kvstash_last_error());
+ *   kvstash_kv_layout layout = {.num_layers = 32, ..., .layer_tensors = ptrs};
+ *   kvstash_key_options keys = {.model = "llama-2-7b"};
+ *   kvstash_kvcache* kv;
+ *   kvstash_kvcache_open(store, &layout, &keys, &kv);
+ *   size_t hit;
+ *   kvstash_kvcache_contains_prefix(kv, tokens, n_tokens, &hit);
+ *   kvstash_load* load;
+ *   kvstash_kvcache_begin_load(kv, tokens, n_tokens, blocks, n_blocks, hit, 0, &load);
+ *   for (uint32_t l = 0; l < 32; ++l) kvstash_load_wait_layer(load, l);
+ *   kvstash_load_finish(load, per_chunk_status);   // frees the handle
+ *   kvstash_kvcache_close(kv);
+ *   kvstash_store_close(store);
+ *
+ * Thread safety: a store and a KV cache may be used from several threads; a save or load
+ * handle by one thread at a time. Handles must be closed children first (saves and loads,
+ * then KV caches, then the store). Timeouts are in milliseconds; 0 means the store's default.
+ */
+#ifndef KVSTASH_KVSTASH_H
+#define KVSTASH_KVSTASH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Mirrors kvstash::StatusCode. */
+typedef enum kvstash_status {
+  KVSTASH_OK = 0,
+  KVSTASH_NOT_FOUND = 1,
+  KVSTASH_STALE = 2,
+  KVSTASH_TIMEOUT = 3,
+  KVSTASH_UNAVAILABLE = 4,
+  KVSTASH_NO_SPACE = 5,
+  KVSTASH_INVALID_ARGUMENT = 6,
+  KVSTASH_CORRUPT = 7,
+  KVSTASH_PERMISSION_DENIED = 8,
+  KVSTASH_CANCELLED = 9,
+  KVSTASH_UNSUPPORTED = 10,
+  KVSTASH_IO_ERROR = 11,
+  KVSTASH_INTERNAL = 12
+} kvstash_status;
+
+/* "ok", "not_found", ... */
+const char* kvstash_status_name(kvstash_status status);
+/* The message of this thread's last failed call ("" after a success). Valid until this
+ * thread's next kvstash call. */
+const char* kvstash_last_error(void);
+
+typedef struct kvstash_store kvstash_store;
+typedef struct kvstash_kvcache kvstash_kvcache;
+typedef struct kvstash_save kvstash_save;
+typedef struct kvstash_load kvstash_load;
+
+typedef struct kvstash_store_options {
+  const char* redis_url;      /* required: redis://[user@]host:port/db or unix:///path */
+  const char* redis_password; /* NULL: none (or in the URL) */
+  const char* cell;           /* NULL: "default" */
+  const char* transports;     /* NULL: every one built in; else "shm,tcp,ucx,verbs" */
+  uint32_t timeout_ms;        /* per operation; 0: the store's default */
+} kvstash_store_options;
+
+kvstash_status kvstash_store_open(const kvstash_store_options* options, kvstash_store** out);
+void kvstash_store_close(kvstash_store* store);
+
+/* Plain objects (debugging, small blobs): the store's put/get/remove. */
+kvstash_status kvstash_put(kvstash_store* store, const char* key, const void* data, size_t length, uint64_t ttl_ms);
+/* Reads into `out` (capacity bytes); *size gets the object's size. KVSTASH_INVALID_ARGUMENT
+ * when it does not fit (nothing read; *size says how much is needed). */
+kvstash_status kvstash_get(kvstash_store* store, const char* key, void* out, size_t capacity, size_t* size);
+kvstash_status kvstash_remove(kvstash_store* store, const char* key);
+
+typedef enum kvstash_dtype {
+  KVSTASH_FP16 = 0,
+  KVSTASH_BF16 = 1,
+  KVSTASH_FP32 = 2,
+  KVSTASH_FP8_E4M3 = 3,
+  KVSTASH_FP8_E5M2 = 4,
+  KVSTASH_INT8 = 5
+} kvstash_dtype;
+
+typedef enum kvstash_arrangement {
+  KVSTASH_PER_LAYER = 0,       /* vLLM: per layer (2, num_blocks, block_size, heads, head_dim) */
+  KVSTASH_BLOCKS_FIRST = 1,    /* per layer (num_blocks, 2, block_size, heads, head_dim) */
+  KVSTASH_CROSS_LAYER = 2      /* one region (num_blocks, num_layers, 2, block_size, heads, head_dim) */
+} kvstash_arrangement;
+
+typedef struct kvstash_kv_layout {
+  uint32_t num_layers, num_blocks, block_size, num_kv_heads, head_dim;
+  kvstash_dtype dtype;
+  int hnd; /* 0: NHD, 1: HND */
+  int mla; /* 1: one latent tensor per layer (num_kv_heads = 1) */
+  kvstash_arrangement arrangement;
+  void* const* layer_tensors; /* num_layers pointers (per-layer arrangements) */
+  void* base;                 /* the region (cross-layer) */
+} kvstash_kv_layout;
+
+typedef struct kvstash_key_options {
+  const char* model;     /* required */
+  uint32_t tp_rank;      /* default 0 */
+  uint32_t tp_size;      /* 0 means 1 */
+  uint32_t chunk_tokens; /* 0 means 256 */
+  const char* extra;     /* NULL: "" */
+} kvstash_key_options;
+
+kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
+                                    const kvstash_key_options* keys, kvstash_kvcache** out);
+void kvstash_kvcache_close(kvstash_kvcache* kv);
+/* Bytes of one chunk's object; chunk size in tokens. */
+uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv);
+uint32_t kvstash_kvcache_chunk_tokens(const kvstash_kvcache* kv);
+
+/* The key of chunk `index` of `tokens` ("kvp:" + 32 hex, NUL-terminated) into `out` (at least
+ * 37 bytes). KVSTASH_INVALID_ARGUMENT when the tokens hold no such full chunk. */
+kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                   size_t index, char* out, size_t out_size);
+
+/* How many leading full chunks of `tokens` are stored. */
+kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                               size_t* chunks);
+
+/* Layer-wise save of chunks [first, first + count): blocks[i] holds tokens [i * block_size,
+ * (i + 1) * block_size). Then kvstash_save_layer for layers 0, 1, ... in order as each is
+ * written, and kvstash_save_finish (commits; per_chunk gets `count` statuses when not NULL;
+ * returns the first failure; frees the handle). kvstash_save_free drops an unfinished save. */
+kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                          const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
+                                          uint32_t timeout_ms, kvstash_save** out);
+kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer);
+kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk);
+void kvstash_save_free(kvstash_save* save);
+
+/* Layer-wise load of the first `count` chunks into `blocks`. kvstash_load_wait_layer blocks
+ * until that layer of every chunk is in place and checked (or returns the first failed
+ * chunk's status); kvstash_load_layer_ready polls (1 ready, 0 not). kvstash_load_finish waits
+ * for everything, fills per_chunk (count entries) when not NULL, returns the first failure,
+ * and frees the handle. */
+kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                          const uint32_t* blocks, size_t n_blocks, size_t count,
+                                          uint32_t timeout_ms, kvstash_load** out);
+kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
+int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
+kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVSTASH_KVSTASH_H */

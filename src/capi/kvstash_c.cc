@@ -1,0 +1,256 @@
+// The C API (include/kvstash/kvstash.h): opaque handles over Store and KvCache, statuses as
+// codes, messages in a thread-local slot.
+#include "kvstash/kvstash.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/transports.h"
+#include "kvstash/kvcache.h"
+#include "kvstash/store.h"
+
+struct kvstash_store {
+  std::unique_ptr<kvstash::Store> store;
+};
+struct kvstash_kvcache {
+  std::unique_ptr<kvstash::KvCache> kv;
+};
+struct kvstash_save {
+  kvstash::KvSave save;
+  std::size_t chunks = 0;
+};
+struct kvstash_load {
+  kvstash::KvLoad load;
+  std::size_t chunks = 0;
+};
+
+namespace {
+
+thread_local std::string t_error;
+
+kvstash_status report(const kvstash::Status& s) {
+  t_error = s.is_ok() ? std::string() : s.to_string();
+  return static_cast<kvstash_status>(s.code());
+}
+
+kvstash_status invalid(const char* why) { return report(kvstash::Status::invalid_argument(why)); }
+
+std::optional<kvstash::Deadline> deadline_of(std::uint32_t timeout_ms) {
+  if (timeout_ms == 0) return std::nullopt;
+  return kvstash::deadline_after(std::chrono::milliseconds(timeout_ms));
+}
+
+// The first failure of a per-chunk list, and the list copied out when asked for.
+kvstash_status per_chunk_result(const std::vector<kvstash::Status>& all, kvstash_status* per_chunk) {
+  kvstash::Status first;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (per_chunk != nullptr) per_chunk[i] = static_cast<kvstash_status>(all[i].code());
+    if (first.is_ok() && !all[i].is_ok()) first = all[i];
+  }
+  return report(first);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvstash_status_name(kvstash_status status) {
+  static const char* const kNames[] = {
+      "ok",          "not_found",        "stale",   "timeout",           "unavailable",
+      "no_space",    "invalid_argument", "corrupt", "permission_denied", "cancelled",
+      "unsupported", "io_error",         "internal"};
+  const auto i = static_cast<unsigned>(status);
+  return i < sizeof kNames / sizeof kNames[0] ? kNames[i] : "unknown";
+}
+
+const char* kvstash_last_error(void) { return t_error.c_str(); }
+
+kvstash_status kvstash_store_open(const kvstash_store_options* options, kvstash_store** out) {
+  if (options == nullptr || out == nullptr || options->redis_url == nullptr) {
+    return invalid("kvstash_store_open: options, redis_url and out are required");
+  }
+  *out = nullptr;
+  kvstash::StoreOptions so;
+  so.redis_url = options->redis_url;
+  if (options->redis_password != nullptr) so.redis_password = options->redis_password;
+  if (options->cell != nullptr) so.cell = options->cell;
+  if (options->timeout_ms != 0) so.timeout = std::chrono::milliseconds(options->timeout_ms);
+  if (options->transports != nullptr) {
+    auto kinds = kvstash::parse_transport_list(options->transports);
+    if (!kinds.is_ok()) return report(kinds.status());
+    so.engine.transports = std::move(kinds).value();
+  }
+  auto store = kvstash::Store::open(so);
+  if (!store.is_ok()) return report(store.status());
+  *out = new kvstash_store{std::move(store).value()};
+  return report({});
+}
+
+void kvstash_store_close(kvstash_store* store) { delete store; }
+
+kvstash_status kvstash_put(kvstash_store* store, const char* key, const void* data, size_t length,
+                           uint64_t ttl_ms) {
+  if (store == nullptr || key == nullptr || (data == nullptr && length != 0)) {
+    return invalid("kvstash_put: store, key and data are required");
+  }
+  kvstash::Slice s{const_cast<void*>(data), length};
+  return report(store->store->put(key, {&s, 1}, {.ttl = std::chrono::milliseconds(ttl_ms)}));
+}
+
+kvstash_status kvstash_get(kvstash_store* store, const char* key, void* out, size_t capacity, size_t* size) {
+  if (store == nullptr || key == nullptr || size == nullptr || (out == nullptr && capacity != 0)) {
+    return invalid("kvstash_get: store, key, out and size are required");
+  }
+  auto info = store->store->stat(key);
+  if (!info.is_ok()) return report(info.status());
+  *size = info->size;
+  if (info->size > capacity) return invalid("kvstash_get: the object is larger than the buffer (see *size)");
+  kvstash::Slice s{out, capacity};
+  auto r = store->store->get(key, {&s, 1});
+  if (!r.is_ok()) return report(r.status());
+  *size = r->size;
+  return report({});
+}
+
+kvstash_status kvstash_remove(kvstash_store* store, const char* key) {
+  if (store == nullptr || key == nullptr) return invalid("kvstash_remove: store and key are required");
+  return report(store->store->remove(key));
+}
+
+kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
+                                    const kvstash_key_options* keys, kvstash_kvcache** out) {
+  if (store == nullptr || layout == nullptr || keys == nullptr || out == nullptr || keys->model == nullptr) {
+    return invalid("kvstash_kvcache_open: store, layout, keys (with a model) and out are required");
+  }
+  *out = nullptr;
+  if (layout->dtype < KVSTASH_FP16 || layout->dtype > KVSTASH_INT8)
+    return invalid("kvstash_kvcache_open: dtype");
+  kvstash::KvCacheShape shape{
+      .num_layers = layout->num_layers,
+      .num_blocks = layout->num_blocks,
+      .block_size = layout->block_size,
+      .num_kv_heads = layout->num_kv_heads,
+      .head_dim = layout->head_dim,
+      .dtype = static_cast<kvstash::KvDType>(layout->dtype),
+      .order = layout->hnd ? kvstash::KvBlockOrder::kHND : kvstash::KvBlockOrder::kNHD,
+      .mla = layout->mla != 0};
+  kvstash::Result<kvstash::KvLayout> l = kvstash::Status::internal("unset");
+  switch (layout->arrangement) {
+    case KVSTASH_PER_LAYER:
+    case KVSTASH_BLOCKS_FIRST: {
+      if (layout->layer_tensors == nullptr) return invalid("kvstash_kvcache_open: layer_tensors is required");
+      std::span<void* const> tensors(layout->layer_tensors, layout->num_layers);
+      l = layout->arrangement == KVSTASH_PER_LAYER
+              ? kvstash::KvLayout::per_layer(shape, tensors)
+              : kvstash::KvLayout::per_layer_blocks_first(shape, tensors);
+      break;
+    }
+    case KVSTASH_CROSS_LAYER:
+      if (layout->base == nullptr) return invalid("kvstash_kvcache_open: base is required");
+      l = kvstash::KvLayout::cross_layer(shape, layout->base);
+      break;
+    default: return invalid("kvstash_kvcache_open: unknown arrangement");
+  }
+  if (!l.is_ok()) return report(l.status());
+  kvstash::PrefixKeyOptions k;
+  k.model = keys->model;
+  k.tp_rank = keys->tp_rank;
+  k.tp_size = keys->tp_size == 0 ? 1 : keys->tp_size;
+  if (keys->chunk_tokens != 0) k.chunk_tokens = keys->chunk_tokens;
+  if (keys->extra != nullptr) k.extra = keys->extra;
+  auto kv = kvstash::KvCache::open(*store->store, std::move(l).value(), std::move(k));
+  if (!kv.is_ok()) return report(kv.status());
+  *out = new kvstash_kvcache{std::move(kv).value()};
+  return report({});
+}
+
+void kvstash_kvcache_close(kvstash_kvcache* kv) { delete kv; }
+
+uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv) {
+  return kv == nullptr ? 0 : kv->kv->chunk_bytes();
+}
+
+uint32_t kvstash_kvcache_chunk_tokens(const kvstash_kvcache* kv) {
+  return kv == nullptr ? 0 : kv->kv->key_options().chunk_tokens;
+}
+
+kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                   size_t index, char* out, size_t out_size) {
+  if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || out == nullptr) {
+    return invalid("kvstash_kvcache_key: kv, tokens and out are required");
+  }
+  auto keys = kv->kv->keys({tokens, n_tokens});
+  if (index >= keys.size()) return invalid("kvstash_kvcache_key: the tokens hold no such full chunk");
+  if (out_size <= keys[index].size()) return invalid("kvstash_kvcache_key: out is smaller than 37 bytes");
+  keys[index].copy(out, keys[index].size());
+  out[keys[index].size()] = '\0';
+  return report({});
+}
+
+kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                               size_t* chunks) {
+  if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || chunks == nullptr) {
+    return invalid("kvstash_kvcache_contains_prefix: kv, tokens and chunks are required");
+  }
+  auto n = kv->kv->contains_prefix({tokens, n_tokens});
+  if (!n.is_ok()) return report(n.status());
+  *chunks = *n;
+  return report({});
+}
+
+kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                          const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
+                                          uint32_t timeout_ms, kvstash_save** out) {
+  if (kv == nullptr || tokens == nullptr || blocks == nullptr || out == nullptr) {
+    return invalid("kvstash_kvcache_begin_save: kv, tokens, blocks and out are required");
+  }
+  *out = nullptr;
+  auto s = kv->kv->begin_save({tokens, n_tokens}, {blocks, n_blocks}, first, count, deadline_of(timeout_ms));
+  if (!s.is_ok()) return report(s.status());
+  *out = new kvstash_save{std::move(s).value(), count};
+  return report({});
+}
+
+kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer) {
+  if (save == nullptr) return invalid("kvstash_save_layer: save is required");
+  return report(save->save.save_layer(layer));
+}
+
+kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk) {
+  if (save == nullptr) return invalid("kvstash_save_finish: save is required");
+  std::unique_ptr<kvstash_save> owned(save);
+  return per_chunk_result(owned->save.wait(), per_chunk);
+}
+
+void kvstash_save_free(kvstash_save* save) { delete save; }
+
+kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                          const uint32_t* blocks, size_t n_blocks, size_t count,
+                                          uint32_t timeout_ms, kvstash_load** out) {
+  if (kv == nullptr || tokens == nullptr || blocks == nullptr || out == nullptr) {
+    return invalid("kvstash_kvcache_begin_load: kv, tokens, blocks and out are required");
+  }
+  *out = nullptr;
+  auto l = kv->kv->begin_load({tokens, n_tokens}, {blocks, n_blocks}, count, deadline_of(timeout_ms));
+  if (!l.is_ok()) return report(l.status());
+  *out = new kvstash_load{std::move(l).value(), count};
+  return report({});
+}
+
+kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer) {
+  if (load == nullptr) return invalid("kvstash_load_wait_layer: load is required");
+  return report(load->load.wait_layer(layer));
+}
+
+int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer) {
+  return load != nullptr && load->load.layer_ready(layer) ? 1 : 0;
+}
+
+kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk) {
+  if (load == nullptr) return invalid("kvstash_load_finish: load is required");
+  std::unique_ptr<kvstash_load> owned(load);
+  return per_chunk_result(owned->load.wait(), per_chunk);
+}
+
+}  // extern "C"

@@ -1,0 +1,142 @@
+/* A C program over the C API (compiled as C: the header must be plain C). Given a cell's
+ * Redis URL it puts and gets an object, registers a small paged KV cache, saves two chunks
+ * of scattered blocks layer by layer, loads them into other blocks of a second cache layer by
+ * layer, compares every byte, and checks the error paths. Prints "ok" and exits 0, or says
+ * what failed and exits 1. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstash/kvstash.h"
+
+#define CHECK(cond, what)                                                        \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      fprintf(stderr, "capi_client: %s failed: %s\n", what, kvstash_last_error()); \
+      return 1;                                                                  \
+    }                                                                            \
+  } while (0)
+
+enum { LAYERS = 3, BLOCKS = 16, BLOCK_SIZE = 4, HEADS = 2, HEAD_DIM = 16, CHUNK = 8 };
+enum { BLOCK_BYTES = BLOCK_SIZE * HEADS * HEAD_DIM * 2, LAYER_BYTES = 2 * BLOCKS * BLOCK_BYTES };
+
+static unsigned char* block_of(unsigned char* layer, int part, unsigned block) {
+  return layer + (part * BLOCKS + block) * BLOCK_BYTES;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: capi_client REDIS_URL\n");
+    return 2;
+  }
+  /* Errors: a status and a message. */
+  kvstash_store* store = NULL;
+  kvstash_store_options bad = {0};
+  CHECK(kvstash_store_open(&bad, &store) == KVSTASH_INVALID_ARGUMENT, "open without a URL");
+  CHECK(strlen(kvstash_last_error()) > 0, "an error message");
+  CHECK(strcmp(kvstash_status_name(KVSTASH_NOT_FOUND), "not_found") == 0, "status names");
+
+  kvstash_store_options so = {0};
+  so.redis_url = argv[1];
+  so.transports = "shm,tcp";
+  so.timeout_ms = 10000;
+  CHECK(kvstash_store_open(&so, &store) == KVSTASH_OK, "kvstash_store_open");
+  CHECK(strcmp(kvstash_last_error(), "") == 0, "no message after a success");
+
+  /* A plain object. */
+  const char hello[] = "hello from C";
+  char back[64];
+  size_t size = 0;
+  CHECK(kvstash_put(store, "c:hello", hello, sizeof hello, 0) == KVSTASH_OK, "kvstash_put");
+  CHECK(kvstash_get(store, "c:hello", back, sizeof back, &size) == KVSTASH_OK, "kvstash_get");
+  CHECK(size == sizeof hello && memcmp(back, hello, size) == 0, "the object's bytes");
+  CHECK(kvstash_get(store, "c:hello", back, 4, &size) == KVSTASH_INVALID_ARGUMENT && size == sizeof hello,
+        "a buffer too small says how much is needed");
+  CHECK(kvstash_get(store, "c:absent", back, sizeof back, &size) == KVSTASH_NOT_FOUND, "absent key");
+  CHECK(kvstash_remove(store, "c:hello") == KVSTASH_OK, "kvstash_remove");
+
+  /* Two caches laid out like vLLM's per-layer tensors. */
+  unsigned char* a[LAYERS];
+  unsigned char* b[LAYERS];
+  void* pa[LAYERS];
+  void* pb[LAYERS];
+  unsigned seed = 12345;
+  for (int l = 0; l < LAYERS; ++l) {
+    a[l] = malloc(LAYER_BYTES);
+    b[l] = calloc(1, LAYER_BYTES);
+    for (int i = 0; i < LAYER_BYTES; ++i) a[l][i] = (unsigned char)((seed = seed * 1103515245u + 12345u) >> 16);
+    pa[l] = a[l];
+    pb[l] = b[l];
+  }
+  kvstash_kv_layout layout = {0};
+  layout.num_layers = LAYERS;
+  layout.num_blocks = BLOCKS;
+  layout.block_size = BLOCK_SIZE;
+  layout.num_kv_heads = HEADS;
+  layout.head_dim = HEAD_DIM;
+  layout.dtype = KVSTASH_FP16;
+  layout.arrangement = KVSTASH_PER_LAYER;
+  layout.layer_tensors = pa;
+  kvstash_key_options keys = {0};
+  keys.model = "c-model";
+  keys.chunk_tokens = CHUNK;
+  kvstash_kvcache* kva = NULL;
+  kvstash_kvcache* kvb = NULL;
+  CHECK(kvstash_kvcache_open(store, &layout, &keys, &kva) == KVSTASH_OK, "kvstash_kvcache_open a");
+  layout.layer_tensors = pb;
+  CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvb) == KVSTASH_OK, "kvstash_kvcache_open b");
+  CHECK(kvstash_kvcache_chunk_tokens(kva) == CHUNK, "chunk tokens");
+  CHECK(kvstash_kvcache_chunk_bytes(kva) == (uint64_t)LAYERS * 2 * (CHUNK / BLOCK_SIZE) * BLOCK_BYTES, "chunk bytes");
+
+  uint32_t tokens[2 * CHUNK + 3];
+  for (unsigned i = 0; i < sizeof tokens / sizeof tokens[0]; ++i) tokens[i] = 1000 + i * 7;
+  const size_t n_tokens = sizeof tokens / sizeof tokens[0];
+  const uint32_t blocks_a[] = {9, 2, 14, 5};
+  const uint32_t blocks_b[] = {0, 11, 7, 3};
+  char key[40];
+  CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 1, key, sizeof key) == KVSTASH_OK && strncmp(key, "kvp:", 4) == 0 &&
+            strlen(key) == 36,
+        "chunk key");
+  CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 2, key, sizeof key) == KVSTASH_INVALID_ARGUMENT,
+        "no key for a partial chunk");
+  size_t hit = 99;
+  CHECK(kvstash_kvcache_contains_prefix(kva, tokens, n_tokens, &hit) == KVSTASH_OK && hit == 0, "nothing stored");
+
+  kvstash_save* save = NULL;
+  CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 0, 2, 0, &save) == KVSTASH_OK, "begin_save");
+  for (uint32_t l = 0; l < LAYERS; ++l) CHECK(kvstash_save_layer(save, l) == KVSTASH_OK, "save_layer");
+  kvstash_status saved[2];
+  CHECK(kvstash_save_finish(save, saved) == KVSTASH_OK && saved[0] == KVSTASH_OK && saved[1] == KVSTASH_OK,
+        "save_finish");
+  CHECK(kvstash_kvcache_contains_prefix(kvb, tokens, n_tokens, &hit) == KVSTASH_OK && hit == 2, "both stored");
+
+  kvstash_load* load = NULL;
+  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "begin_load");
+  for (uint32_t l = 0; l < LAYERS; ++l) {
+    CHECK(kvstash_load_wait_layer(load, l) == KVSTASH_OK, "load_wait_layer");
+    CHECK(kvstash_load_layer_ready(load, l) == 1, "a waited layer is ready");
+    for (int i = 0; i < 4; ++i) {
+      for (int p = 0; p < 2; ++p) {
+        CHECK(memcmp(block_of(a[l], p, blocks_a[i]), block_of(b[l], p, blocks_b[i]), BLOCK_BYTES) == 0,
+              "loaded bytes equal saved bytes");
+      }
+    }
+  }
+  kvstash_status loaded[2];
+  CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK && loaded[1] == KVSTASH_OK,
+        "load_finish");
+
+  /* A save of chunks the tokens do not hold: refused before anything moves. */
+  CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 1, 2, 0, &save) == KVSTASH_INVALID_ARGUMENT,
+        "a chunk without tokens");
+
+  kvstash_kvcache_close(kva);
+  kvstash_kvcache_close(kvb);
+  kvstash_store_close(store);
+  for (int l = 0; l < LAYERS; ++l) {
+    free(a[l]);
+    free(b[l]);
+  }
+  puts("ok");
+  return 0;
+}
