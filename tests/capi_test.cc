@@ -1,4 +1,5 @@
-// The C API as a C program (tests/capi_client.c) against a real redis-server and kvstashd.
+// The C API as a C program (tests/capi_client.c), and the Python module (tests/python_test.py),
+// against a real redis-server and kvstashd.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -23,6 +24,24 @@ TEST(CApi, ACProgramSavesAndLoadsLayerByLayer) {
   EXPECT_NE(out.find("ok"), std::string::npos) << out;
   test::run(std::string(client), &status);
   EXPECT_EQ(WEXITSTATUS(status), 2) << "usage";
+}
+
+TEST(Python, TheModuleSavesAndLoadsLayerByLayer) {
+  const char* dir = std::getenv("KVSTASH_PYTHON_MODULE_DIR");
+  const char* script = std::getenv("KVSTASH_PYTHON_TEST");
+  if (dir == nullptr || script == nullptr)
+    GTEST_SKIP() << "the Python bindings were not built (pybind11-dev missing)";
+  auto redis = tools::LocalRedis::start({});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  auto node = tools::LocalNode::start(
+      {.redis_url = (*redis)->url(), .capacity = "8MiB", .page_size = "1MiB", .node_id = "p1"});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  int status = -1;
+  const std::string out = test::run(
+      std::string("PYTHONPATH=") + dir + " python3 " + script + " " + (*redis)->url() + " 2>&1", &status);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << out;
+  EXPECT_NE(out.find("OK"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -1,0 +1,249 @@
+// Python bindings (pybind11) over the Store and the KV-cache layer: the same surface as the
+// C API (include/kvstash/kvstash.h), Pythonic. Blocking calls release the GIL. Failures raise
+// kvstash.Error with .code (the status name) and the message.
+//
+//   import kvstash
+//   store = kvstash.Store("redis://127.0.0.1:6379/0", transports="shm,tcp")
+//   kv = kvstash.KvCache(store, tensors=[t.data_ptr() for t in kv_caches], num_blocks=...,
+//                        block_size=16, kv_heads=8, head_dim=128, dtype="bf16", model="...")
+//   load = kv.begin_load(tokens, block_ids, kv.contains_prefix(tokens))
+//   for layer in range(num_layers): load.wait_layer(layer)
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/transports.h"
+#include "kvstash/kvcache.h"
+#include "kvstash/store.h"
+
+namespace py = pybind11;
+using namespace kvstash;
+
+namespace {
+
+PyObject* g_error = nullptr;  // kvstash.Error
+
+[[noreturn]] void raise(const Status& s) {
+  py::object err = py::reinterpret_borrow<py::object>(g_error)(s.to_string());
+  err.attr("code") = std::string(to_string(s.code()));
+  err.attr("message") = std::string(s.message());
+  PyErr_SetObject(g_error, err.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T unwrap(Result<T> r) {
+  if (!r.is_ok()) raise(r.status());
+  return std::move(r).value();
+}
+
+void check(const Status& s) {
+  if (!s.is_ok()) raise(s);
+}
+
+// Runs `f` without the GIL; what it returns is checked (and raised) once the GIL is back.
+template <typename F>
+auto nogil(F f) {
+  py::gil_scoped_release release;
+  return f();
+}
+
+// Per-chunk statuses as (code, message) pairs.
+std::vector<std::pair<std::string, std::string>> statuses(const std::vector<Status>& all) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Status& s : all) out.emplace_back(std::string(to_string(s.code())), std::string(s.message()));
+  return out;
+}
+
+// A memory address from a Python object: an int (torch's data_ptr()) or a writable buffer
+// (bytearray, numpy array, memoryview), whose bytes must stay alive (the owner keeps it).
+void* address_of(const py::handle& h, std::size_t need, std::vector<py::object>& keep) {
+  if (py::isinstance<py::int_>(h)) return reinterpret_cast<void*>(h.cast<std::uintptr_t>());
+  py::buffer_info info = h.cast<py::buffer>().request(true);
+  if (static_cast<std::size_t>(info.size * info.itemsize) < need) {
+    raise(Status::invalid_argument("a tensor buffer holds " + std::to_string(info.size * info.itemsize) +
+                                   " bytes, the layout needs " + std::to_string(need)));
+  }
+  keep.push_back(py::reinterpret_borrow<py::object>(h));
+  return info.ptr;
+}
+
+struct PyStore {
+  std::unique_ptr<Store> store;
+};
+
+struct PyKvCache {
+  std::shared_ptr<PyStore> store;   // outlives the cache
+  std::vector<py::object> tensors;  // buffers whose memory is registered
+  std::unique_ptr<KvCache> kv;
+};
+
+struct PySave {
+  std::shared_ptr<PyKvCache> kv;
+  KvSave save;
+};
+
+struct PyLoad {
+  std::shared_ptr<PyKvCache> kv;
+  KvLoad load;
+};
+
+std::optional<Deadline> deadline_of(double timeout_s) {
+  if (timeout_s <= 0) return std::nullopt;
+  return deadline_after(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_s)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(kvstash, m) {
+  m.doc() = "kvstash: KV-cache offload to remote memory (Store, KvCache, layer-wise save and load)";
+  g_error = PyErr_NewException("kvstash.Error", PyExc_RuntimeError, nullptr);
+  m.attr("Error") = py::handle(g_error);
+
+  py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
+      .def(py::init([](const std::string& redis_url, const std::string& password, const std::string& cell,
+                       const std::string& transports, double timeout) {
+             StoreOptions o;
+             o.redis_url = redis_url;
+             o.redis_password = password;
+             if (!cell.empty()) o.cell = cell;
+             if (!transports.empty()) o.engine.transports = unwrap(parse_transport_list(transports));
+             if (timeout > 0) {
+               o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+                   std::chrono::duration<double>(timeout));
+             }
+             return std::make_shared<PyStore>(PyStore{unwrap(nogil([&] { return Store::open(o); }))});
+           }),
+           py::arg("redis_url"), py::arg("password") = "", py::arg("cell") = "", py::arg("transports") = "",
+           py::arg("timeout") = 0.0)
+      .def(
+          "put",
+          [](PyStore& s, const std::string& key, py::bytes data, double ttl) {
+            std::string bytes = data;
+            Slice slice{bytes.data(), bytes.size()};
+            const auto ttl_ms = std::chrono::milliseconds(static_cast<std::int64_t>(ttl * 1000));
+            check(nogil([&] { return s.store->put(key, {&slice, 1}, {.ttl = ttl_ms}); }));
+          },
+          py::arg("key"), py::arg("data"), py::arg("ttl") = 0.0)
+      .def("get",
+           [](PyStore& s, const std::string& key) {
+             std::string out;
+             check(nogil([&] {
+               auto info = s.store->stat(key);
+               if (!info.is_ok()) return info.status();
+               out.resize(info->size);
+               Slice slice{out.data(), out.size()};
+               return s.store->get(key, {&slice, 1}).status();
+             }));
+             return py::bytes(out);
+           })
+      .def("remove",
+           [](PyStore& s, const std::string& key) { check(nogil([&] { return s.store->remove(key); })); });
+
+  py::class_<PySave, std::shared_ptr<PySave>>(m, "KvSave")
+      .def("save_layer",
+           [](PySave& s, std::uint32_t layer) { check(nogil([&] { return s.save.save_layer(layer); })); })
+      .def("wait", [](PySave& s) { return statuses(nogil([&] { return s.save.wait(); })); });
+
+  py::class_<PyLoad, std::shared_ptr<PyLoad>>(m, "KvLoad")
+      .def("wait_layer",
+           [](PyLoad& l, std::uint32_t layer) { check(nogil([&] { return l.load.wait_layer(layer); })); })
+      .def("layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); })
+      .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); });
+
+  py::class_<PyKvCache, std::shared_ptr<PyKvCache>>(m, "KvCache")
+      .def(py::init([](std::shared_ptr<PyStore> store, py::list tensors, std::uint32_t num_blocks,
+                       std::uint32_t block_size, std::uint32_t kv_heads, std::uint32_t head_dim,
+                       const std::string& dtype, const std::string& order, bool mla,
+                       const std::string& arrangement, const std::string& model, std::uint32_t tp_rank,
+                       std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra) {
+             auto dt = parse_kv_dtype(dtype);
+             if (!dt) raise(Status::invalid_argument("unknown dtype '" + dtype + "'"));
+             if (order != "nhd" && order != "hnd") raise(Status::invalid_argument("order is 'nhd' or 'hnd'"));
+             KvCacheShape shape{.num_layers = static_cast<std::uint32_t>(tensors.size()),
+                                .num_blocks = num_blocks,
+                                .block_size = block_size,
+                                .num_kv_heads = kv_heads,
+                                .head_dim = head_dim,
+                                .dtype = *dt,
+                                .order = order == "hnd" ? KvBlockOrder::kHND : KvBlockOrder::kNHD,
+                                .mla = mla};
+             check(shape.validate());
+             auto out = std::make_shared<PyKvCache>();
+             out->store = store;
+             const std::size_t per_layer = shape.parts() * std::size_t{num_blocks} * shape.block_bytes();
+             std::vector<void*> ptrs;
+             for (const auto& t : tensors) ptrs.push_back(address_of(t, per_layer, out->tensors));
+             Result<KvLayout> layout =
+                 Status::invalid_argument("arrangement is 'per_layer' or 'blocks_first'");
+             if (arrangement == "per_layer") layout = KvLayout::per_layer(shape, ptrs);
+             if (arrangement == "blocks_first") layout = KvLayout::per_layer_blocks_first(shape, ptrs);
+             PrefixKeyOptions keys{.model = model,
+                                   .tp_rank = tp_rank,
+                                   .tp_size = tp_size,
+                                   .chunk_tokens = chunk_tokens,
+                                   .extra = extra};
+             KvLayout l = unwrap(std::move(layout));
+             out->kv =
+                 unwrap(nogil([&] { return KvCache::open(*store->store, std::move(l), std::move(keys)); }));
+             return out;
+           }),
+           py::arg("store"), py::arg("tensors"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype") = "fp16", py::arg("order") = "nhd",
+           py::arg("mla") = false, py::arg("arrangement") = "per_layer", py::arg("model"),
+           py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("chunk_tokens") = 256,
+           py::arg("extra") = "")
+      .def_property_readonly("chunk_tokens",
+                             [](const PyKvCache& k) { return k.kv->key_options().chunk_tokens; })
+      .def_property_readonly("chunk_bytes", [](const PyKvCache& k) { return k.kv->chunk_bytes(); })
+      .def_property_readonly("layout_tag", [](const PyKvCache& k) { return k.kv->key_options().layout_tag; })
+      .def("keys",
+           [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens) { return k.kv->keys(tokens); })
+      .def(
+          "contains_prefix",
+          [](PyKvCache& k, const std::vector<std::uint32_t>& tokens, double timeout) {
+            return unwrap(nogil([&] { return k.kv->contains_prefix(tokens, deadline_of(timeout)); }));
+          },
+          py::arg("tokens"), py::arg("timeout") = 0.0)
+      .def(
+          "begin_save",
+          [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
+             const std::vector<std::uint32_t>& blocks, std::size_t first, std::size_t count, double timeout) {
+            auto s = std::make_shared<PySave>();
+            s->kv = k;
+            s->save = unwrap(
+                nogil([&] { return k->kv->begin_save(tokens, blocks, first, count, deadline_of(timeout)); }));
+            return s;
+          },
+          py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
+          py::arg("timeout") = 0.0)
+      .def(
+          "begin_load",
+          [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
+             const std::vector<std::uint32_t>& blocks, std::size_t count, double timeout) {
+            auto l = std::make_shared<PyLoad>();
+            l->kv = k;
+            l->load =
+                unwrap(nogil([&] { return k->kv->begin_load(tokens, blocks, count, deadline_of(timeout)); }));
+            return l;
+          },
+          py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout") = 0.0);
+
+  m.def(
+      "prefix_chunk_keys",
+      [](const std::vector<std::uint32_t>& tokens, const std::string& model, const std::string& layout_tag,
+         std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra) {
+        return prefix_chunk_keys(tokens, {.model = model,
+                                          .layout_tag = layout_tag,
+                                          .tp_rank = tp_rank,
+                                          .tp_size = tp_size,
+                                          .chunk_tokens = chunk_tokens,
+                                          .extra = extra});
+      },
+      py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = 0,
+      py::arg("tp_size") = 1, py::arg("chunk_tokens") = 256, py::arg("extra") = "");
+}
