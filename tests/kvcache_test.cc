@@ -226,7 +226,9 @@ TEST_P(KvCacheTest, LayerWiseSaveAndLoadCompleteLayerByLayer) {
   // Readiness only ever grows layer by layer: a later layer is never ready before an earlier.
   std::vector<int> ready_at(shape.num_layers, -1);
   for (int step = 0; std::count(ready_at.begin(), ready_at.end(), -1) > 0 && step < 200000; ++step) {
-    for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    // Latest layer first: a layer seen ready before an earlier one in the same sweep is a
+    // real inversion, not the sweep racing the transfer.
+    for (std::uint32_t l = shape.num_layers; l-- > 0;) {
       if (ready_at[l] < 0 && load->layer_ready(l)) ready_at[l] = step;
     }
   }
