@@ -1,0 +1,26 @@
+// The GPU side of the KV-cache layer: one kernel launch copies a list of runs (a request's
+// scattered blocks into a contiguous staging buffer, or back). Compiled by nvcc where the
+// CUDA toolkit is found (-Dcuda=auto); KVSTASH_HAVE_CUDA says whether it was.
+//
+// Thread safety: stateless; a launch is ordered on its stream.
+#pragma once
+
+#include <cstdint>
+
+namespace kvstash::cuda {
+
+// One contiguous copy. Pointers are device pointers or host memory the device can reach
+// (pinned and mapped).
+struct CopyRun {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+// Copies every run in one launch on `stream` (a cudaStream_t; nullptr: the default stream).
+// `runs` is in device-reachable memory (n entries). Runs must not overlap each other's
+// destinations. Returns the cudaError_t of the launch (0: launched; errors of the copy itself
+// surface at the next synchronisation).
+int launch_copy_runs(const CopyRun* runs, std::uint32_t n, void* stream);
+
+}  // namespace kvstash::cuda
