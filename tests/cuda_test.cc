@@ -11,7 +11,10 @@
 #include <vector>
 
 #include "kvcache/cuda/copy_runs.h"
+#include "kvcache/cuda/cuda_copier.h"
 #include "kvstash/kvcache.h"
+#include "kvstash/store.h"
+#include "tools/common/local_cluster.h"
 
 namespace kvstash {
 namespace {
@@ -127,6 +130,82 @@ TEST(Cuda, GatherAndScatterOfScatteredBlocksMatchTheCpuReference) {
   cudaFree(staging);
   cudaFree(other);
   cudaFree(cache);
+}
+
+TEST(Cuda, AKvCacheInGpuMemorySavesAndLoadsThroughPinnedBounceBuffers) {
+  REQUIRE_GPU();
+  auto copier = cuda::cuda_copier();
+  ASSERT_TRUE(copier.is_ok()) << copier.status().to_string();
+  auto redis = tools::LocalRedis::start({});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "64MiB", .node_id = "gpu1"});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  StoreOptions so;
+  so.redis_url = (*redis)->url();
+  auto store = Store::open(so);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+
+  KvCacheShape shape{.num_layers = 4, .num_blocks = 48, .block_size = 16, .num_kv_heads = 8, .head_dim = 128};
+  const std::uint64_t bb = shape.block_bytes(), layer_bytes = 2 * shape.num_blocks * bb;
+  std::vector<std::vector<unsigned char>> host(shape.num_layers, std::vector<unsigned char>(layer_bytes));
+  std::vector<void*> a(shape.num_layers), b(shape.num_layers);
+  std::mt19937_64 rng(5);
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    for (auto& c : host[l]) c = static_cast<unsigned char>(rng());
+    CUDA_OK(cudaMalloc(&a[l], layer_bytes));
+    CUDA_OK(cudaMalloc(&b[l], layer_bytes));
+    CUDA_OK(cudaMemcpy(a[l], host[l].data(), layer_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(b[l], 0x5a, layer_bytes));
+  }
+  auto kva = KvCache::open(**store, KvLayout::per_layer(shape, a, MemoryKind::kCuda).value(),
+                           {.model = "gpu-model", .chunk_tokens = 256}, {.copier = *copier});
+  auto kvb = KvCache::open(**store, KvLayout::per_layer(shape, b, MemoryKind::kCuda).value(),
+                           {.model = "gpu-model", .chunk_tokens = 256}, {.copier = *copier});
+  ASSERT_TRUE(kva.is_ok()) << kva.status().to_string();
+  ASSERT_TRUE(kvb.is_ok()) << kvb.status().to_string();
+  EXPECT_EQ((*kva)->data_path(), "cuda");
+
+  std::vector<std::uint32_t> tokens(512);
+  for (auto& t : tokens) t = static_cast<std::uint32_t>(rng() % 32000);
+  std::vector<std::uint32_t> blocks_a(shape.num_blocks), blocks_b(shape.num_blocks);
+  std::iota(blocks_a.begin(), blocks_a.end(), 0u);
+  std::iota(blocks_b.begin(), blocks_b.end(), 0u);
+  std::shuffle(blocks_a.begin(), blocks_a.end(), std::mt19937(6));
+  std::shuffle(blocks_b.begin(), blocks_b.end(), std::mt19937(7));
+  blocks_a.resize(32);
+  blocks_b.resize(32);
+  auto save = (*kva)->begin_save(tokens, blocks_a, 0, 2);
+  ASSERT_TRUE(save.is_ok());
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) ASSERT_TRUE(save->save_layer(l).is_ok());
+  for (const auto& st : save->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  auto load = (*kvb)->begin_load(tokens, blocks_b, 2);
+  ASSERT_TRUE(load.is_ok());
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) ASSERT_TRUE(load->wait_layer(l).is_ok()) << l;
+  for (const auto& st : load->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+  std::vector<unsigned char> got(layer_bytes);
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    CUDA_OK(cudaMemcpy(got.data(), b[l], layer_bytes, cudaMemcpyDeviceToHost));
+    std::vector<bool> written(shape.num_blocks, false);
+    for (std::size_t i = 0; i < blocks_b.size(); ++i) {
+      written[blocks_b[i]] = true;
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        ASSERT_EQ(std::memcmp(got.data() + (p * shape.num_blocks + blocks_b[i]) * bb,
+                              host[l].data() + (p * shape.num_blocks + blocks_a[i]) * bb, bb),
+                  0)
+            << "layer " << l << " block " << i;
+      }
+    }
+    for (std::uint32_t blk = 0; blk < shape.num_blocks; ++blk) {
+      if (written[blk]) continue;
+      for (std::uint64_t k = 0; k < bb; ++k)
+        ASSERT_EQ(got[blk * bb + k], 0x5a) << "an unlisted block was written";
+    }
+  }
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    cudaFree(a[l]);
+    cudaFree(b[l]);
+  }
 }
 
 }  // namespace

@@ -305,6 +305,68 @@ TEST_P(KvCacheTest, AnUnfinishedSaveLeavesNothingBehind) {
       << "chunk 2 has no tokens";
 }
 
+TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
+  // A cache the transports cannot register (marked GPU memory; it is host memory here, and
+  // the host copier stands in for the CUDA one), 8 layers, 3 bounce slots per chunk.
+  KvCacheShape shape{.num_layers = 8,
+                     .num_blocks = 48,
+                     .block_size = 16,
+                     .num_kv_heads = 8,
+                     .head_dim = 128,
+                     .dtype = KvDType::kFloat16,
+                     .order = GetParam()};
+  HostCache dev_a(shape, 51), dev_b(shape, 52), host_c(shape, 53);
+  auto layout_a = KvLayout::per_layer(shape, dev_a.ptrs, MemoryKind::kCuda).value();
+  auto refused = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256});
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("KvCacheOptions::copier"), std::string::npos)
+      << refused.status().to_string();
+
+  auto kva = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256},
+                           {.copier = host_copier(), .bounce_slots = 3});
+  ASSERT_TRUE(kva.is_ok()) << kva.status().to_string();
+  EXPECT_EQ((*kva)->data_path(), "host");
+  auto kvb = KvCache::open(*store_, KvLayout::per_layer(shape, dev_b.ptrs, MemoryKind::kCuda).value(),
+                           {.model = "test-model", .chunk_tokens = 256},
+                           {.copier = host_copier(), .bounce_slots = 1});
+  ASSERT_TRUE(kvb.is_ok()) << kvb.status().to_string();
+  auto kvc = open(host_c, 256);  // a direct cache reads what a staged one wrote: one object format
+  ASSERT_TRUE(kvc);
+  EXPECT_EQ(kvc->data_path(), "direct");
+
+  const auto tokens = token_ids(2 * 256, 12);
+  const auto blocks_a = scattered_blocks(32, shape.num_blocks, 13);
+  const auto blocks_b = scattered_blocks(32, shape.num_blocks, 14);
+  auto save = (*kva)->begin_save(tokens, blocks_a, 0, 2);
+  ASSERT_TRUE(save.is_ok());
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) ASSERT_TRUE(save->save_layer(l).is_ok());
+  for (const auto& st : save->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+  auto check = [&](const HostCache& into, const std::vector<std::uint32_t>& blocks, const char* who) {
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+        for (std::uint32_t p = 0; p < 2; ++p) {
+          ASSERT_EQ(std::memcmp(dev_a.block(l, p, blocks_a[i]).data(), into.block(l, p, blocks[i]).data(),
+                                shape.block_bytes()),
+                    0)
+              << who << " block " << i << " layer " << l;
+        }
+      }
+    }
+  };
+  auto load = (*kvb)->begin_load(tokens, blocks_b, 2);
+  ASSERT_TRUE(load.is_ok());
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) ASSERT_TRUE(load->wait_layer(l).is_ok()) << l;
+  for (const auto& st : load->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  check(dev_b, blocks_b, "staged load");
+  for (const auto& st : kvc->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  check(host_c, blocks_b, "direct load");
+  // And again: the bounce buffers come back from their pools.
+  for (const auto& st : (*kva)->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const auto& st : (*kvb)->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  check(dev_b, blocks_b, "second staged load");
+}
+
 TEST_P(KvCacheTest, BadInputIsRefusedPerChunk) {
   const KvCacheShape shape = small_shape(GetParam());
   HostCache a(shape, 13);

@@ -148,6 +148,34 @@ std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens
 
 class KvCache;
 
+// Moves bytes between a KV cache's memory and host bounce buffers, for memory the transports
+// cannot reach themselves (GPU memory without GPUDirect). The CUDA one
+// (src/kvcache/cuda/cuda_copier.h, in libkvstash_cuda) packs a layer's scattered blocks in one
+// kernel launch; host_copier() copies with memcpy (tests, and caches in plain host memory).
+class DeviceCopier {
+ public:
+  virtual ~DeviceCopier() = default;
+  virtual std::string_view name() const = 0;
+  // Copies `runs` in order into `dst`, contiguous; returns once the bytes are there.
+  virtual Status gather(std::span<const KvRun> runs, std::byte* dst) = 0;
+  // Copies contiguous `src` into `runs`, in order; returns once the bytes are there.
+  virtual Status scatter(const std::byte* src, std::span<const KvRun> runs) = 0;
+  // Host memory suited to bounce buffers (page-locked for CUDA), freed by the deleter.
+  virtual Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) = 0;
+};
+
+std::shared_ptr<DeviceCopier> host_copier();
+
+struct KvCacheOptions {
+  // Stage through host bounce buffers with this copier instead of registering the cache's
+  // memory with the transports. Required for MemoryKind::kCuda layouts unless every
+  // transport in use can register GPU memory (verbs with GPUDirect).
+  std::shared_ptr<DeviceCopier> copier;
+  // Bounce buffers per chunk being saved, one layer each: a layer's gather overlaps the
+  // network writes of the `bounce_slots - 1` before it.
+  std::uint32_t bounce_slots = 3;
+};
+
 // A save in progress, layer by layer: each chunk's object is reserved at begin_save, and
 // save_layer(l) starts writing layer l of every chunk as soon as the engine's attention has
 // written it (layers in order, 0 first). wait() commits each chunk once all its layers went
@@ -199,11 +227,15 @@ class KvCache {
   // Registers the layout's regions with the store's engine. `keys.layout_tag` is set from the
   // layout. Errors: kInvalidArgument (chunk_tokens not a positive multiple of block_size,
   // empty model), registration errors.
-  static Result<std::unique_ptr<KvCache>> open(Store& store, KvLayout layout, PrefixKeyOptions keys);
+  static Result<std::unique_ptr<KvCache>> open(Store& store, KvLayout layout, PrefixKeyOptions keys,
+                                               KvCacheOptions options = {});
   ~KvCache();
 
   const KvLayout& layout() const;
   const PrefixKeyOptions& key_options() const;
+  // "direct" (the transports reach the cache's memory), or the copier's name ("cuda", "host")
+  // when bytes are staged through host bounce buffers.
+  std::string_view data_path() const;
   std::vector<std::string> keys(std::span<const std::uint32_t> tokens) const;
   // Bytes of one chunk's object.
   std::uint64_t chunk_bytes() const;

@@ -139,6 +139,10 @@ class PutStream {
   Status append(std::span<const Slice> data, std::uint64_t* piece_checksum = nullptr);
   std::uint64_t size() const;
   std::uint64_t written() const;
+  // Waits until the bytes [0, end) appended so far have reached the memory nodes, so that
+  // the memory they came from may be reused (a bounce buffer). Returns the stream's first
+  // write failure, if any.
+  Status wait_written(std::uint64_t end);
   // Replaces the layout PutOptions gave (what is only known once the bytes are out, such as
   // per-part checksums); stored at commit. At most 64 KiB.
   void set_layout(std::string layout);

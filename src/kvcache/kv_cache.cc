@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 
 #include "common/thread_pool.h"
@@ -67,13 +68,89 @@ std::optional<std::vector<std::uint64_t>> parse_layout(std::string_view layout, 
   return sums;
 }
 
+// Host memory bytes long, page-aligned, from operator new (the host copier's bounce buffers).
+std::shared_ptr<std::byte> aligned_host(std::size_t bytes) {
+  auto* p = static_cast<std::byte*>(::operator new (bytes, std::align_val_t{4096}));
+  return std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete (q, std::align_val_t{4096}); });
+}
+
+class HostCopier final : public DeviceCopier {
+ public:
+  std::string_view name() const override { return "host"; }
+  Status gather(std::span<const KvRun> runs, std::byte* dst) override {
+    for (const KvRun& r : runs) {
+      std::memcpy(dst, r.addr, r.length);
+      dst += r.length;
+    }
+    return {};
+  }
+  Status scatter(const std::byte* src, std::span<const KvRun> runs) override {
+    for (const KvRun& r : runs) {
+      std::memcpy(r.addr, src, r.length);
+      src += r.length;
+    }
+    return {};
+  }
+  Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) override { return aligned_host(bytes); }
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceCopier> host_copier() { return std::make_shared<HostCopier>(); }
+
+namespace {
+
+// A host bounce buffer, registered with the store once.
+struct Bounce {
+  std::shared_ptr<std::byte> mem;
+  std::size_t bytes = 0;
+  MemoryHandle handle;
+};
+
+// Bounce buffers of one size, reused across saves or loads.
+class BouncePool {
+ public:
+  BouncePool(Store* store, DeviceCopier* copier, std::size_t bytes)
+      : store_(store), copier_(copier), bytes_(bytes) {}
+  Result<std::unique_ptr<Bounce>> take() {
+    {
+      std::lock_guard lock(mu_);
+      if (!free_.empty()) {
+        auto b = std::move(free_.back());
+        free_.pop_back();
+        return b;
+      }
+    }
+    auto b = std::make_unique<Bounce>();
+    KVSTASH_ASSIGN_OR_RETURN(b->mem, copier_->allocate_host(bytes_));
+    b->bytes = bytes_;
+    KVSTASH_ASSIGN_OR_RETURN(b->handle, store_->register_memory({b->mem.get(), bytes_}));
+    return b;
+  }
+  void give(std::unique_ptr<Bounce> b) {
+    if (!b) return;
+    std::lock_guard lock(mu_);
+    free_.push_back(std::move(b));
+  }
+
+ private:
+  Store* store_;
+  DeviceCopier* copier_;
+  std::size_t bytes_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Bounce>> free_;
+};
+
 }  // namespace
 
 struct KvCache::Impl {
   Store* store = nullptr;
   KvLayout layout;
   PrefixKeyOptions keys;
-  std::vector<MemoryHandle> handles;  // one per layout region
+  KvCacheOptions options;
+  std::vector<MemoryHandle> handles;         // one per layout region (direct data path)
+  std::unique_ptr<BouncePool> save_bounces;  // bounce_slots layers each (staged data path)
+  std::unique_ptr<BouncePool> load_bounces;  // one chunk each
   std::uint32_t blocks_per_chunk = 0;
   std::unique_ptr<ThreadPool> loaders = std::make_unique<ThreadPool>(kLoadThreads);
   std::unique_ptr<ThreadPool> savers = std::make_unique<ThreadPool>(kSaveThreads);
@@ -96,6 +173,7 @@ struct KvCache::Impl {
   std::uint64_t chunk_bytes() const {
     return layout.layer_bytes(blocks_per_chunk) * layout.shape().num_layers;
   }
+  bool staged() const { return options.copier != nullptr; }
 
   // Checks that `tokens` and `block_ids` cover chunks [first, first + count).
   Status covers(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
@@ -125,7 +203,8 @@ struct KvSave::State {
     PutStream stream;
     Status status;  // the first failure
     std::vector<std::uint64_t> sums;
-    std::shared_future<void> last;  // the chunk's latest layer task: its next one waits for it
+    std::shared_future<void> last;   // the chunk's latest layer task: its next one waits for it
+    std::unique_ptr<Bounce> bounce;  // staged: bounce_slots layers
   };
   std::vector<Chunk> chunks;
   std::uint32_t next_layer = 0;
@@ -137,7 +216,13 @@ struct KvSave::State {
       if (c.last.valid()) c.last.wait();
     }
   }
-  ~State() { drain(); }
+  ~State() {
+    drain();
+    for (auto& c : chunks) {
+      c.stream.abort();  // no write may still read a bounce buffer that goes back to the pool
+      if (kv != nullptr && kv->save_bounces) kv->save_bounces->give(std::move(c.bounce));
+    }
+  }
 };
 
 KvSave::KvSave() = default;
@@ -166,7 +251,19 @@ Status KvSave::save_layer(std::uint32_t layer) {
         return;
       }
       std::uint64_t sum = 0;
-      c.status = c.stream.append(st.kv->slices(*runs), &sum);
+      if (!st.kv->staged()) {
+        c.status = c.stream.append(st.kv->slices(*runs), &sum);
+      } else {
+        // Through a bounce slot: the one this layer reuses must have reached the nodes.
+        const KvCache::Impl& kv = *st.kv;
+        const std::uint64_t lb = kv.layout.layer_bytes(kv.blocks_per_chunk);
+        const std::uint32_t slots = kv.options.bounce_slots;
+        if (layer >= slots) c.status = c.stream.wait_written(lb * (layer - slots + 1));
+        std::byte* slot = c.bounce->mem.get() + (layer % slots) * lb;
+        if (c.status.is_ok()) c.status = kv.options.copier->gather(*runs, slot);
+        Slice s{slot, static_cast<std::size_t>(lb), &c.bounce->handle};
+        if (c.status.is_ok()) c.status = c.stream.append({&s, 1}, &sum);
+      }
       c.sums.push_back(sum);
     };
     c.last = st.kv->savers->submit(std::move(task)).share();
@@ -260,7 +357,8 @@ std::vector<Status> KvLoad::wait() {
 KvCache::KvCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KvCache::~KvCache() = default;
 
-Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, PrefixKeyOptions keys) {
+Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, PrefixKeyOptions keys,
+                                               KvCacheOptions options) {
   const std::uint32_t bs = layout.shape().block_size;
   if (keys.chunk_tokens == 0 || keys.chunk_tokens % bs != 0) {
     return Status::invalid_argument("kvcache: chunk_tokens (" + std::to_string(keys.chunk_tokens) +
@@ -276,16 +374,35 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   keys.layout_tag = layout.tag();
   impl->keys = std::move(keys);
   impl->blocks_per_chunk = impl->keys.chunk_tokens / bs;
-  for (const MemoryRegion& r : layout.regions()) {
-    auto h = store.register_memory(r);
-    if (!h.is_ok()) return h.status().with_context("kvcache: registering the KV cache");
-    impl->handles.push_back(std::move(h).value());
+  if (options.bounce_slots == 0) return Status::invalid_argument("kvcache: bounce_slots must be at least 1");
+  impl->options = std::move(options);
+  if (impl->staged()) {
+    const std::uint64_t lb = layout.layer_bytes(impl->blocks_per_chunk);
+    impl->save_bounces = std::make_unique<BouncePool>(
+        &store, impl->options.copier.get(), static_cast<std::size_t>(lb * impl->options.bounce_slots));
+    impl->load_bounces = std::make_unique<BouncePool>(
+        &store, impl->options.copier.get(), static_cast<std::size_t>(lb * layout.shape().num_layers));
+  } else {
+    for (const MemoryRegion& r : layout.regions()) {
+      auto h = store.register_memory(r);
+      if (!h.is_ok()) {
+        Status s = h.status().with_context("kvcache: registering the KV cache");
+        if (r.kind == MemoryKind::kCuda) {
+          s = s.with_context("no transport reaches this GPU memory: stage it (KvCacheOptions::copier)");
+        }
+        return s;
+      }
+      impl->handles.push_back(std::move(h).value());
+    }
   }
   impl->layout = std::move(layout);
   return std::unique_ptr<KvCache>(new KvCache(std::move(impl)));
 }
 
 const KvLayout& KvCache::layout() const { return impl_->layout; }
+std::string_view KvCache::data_path() const {
+  return impl_->staged() ? impl_->options.copier->name() : "direct";
+}
 const PrefixKeyOptions& KvCache::key_options() const { return impl_->keys; }
 
 std::vector<std::string> KvCache::keys(std::span<const std::uint32_t> tokens) const {
@@ -314,6 +431,14 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
     chunk.key = k[c];
     chunk.blocks.assign(block_ids.begin() + static_cast<std::ptrdiff_t>(c * bpc),
                         block_ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * bpc));
+    if (impl_->staged()) {
+      auto b = impl_->save_bounces->take();
+      if (!b.is_ok()) {
+        chunk.status = b.status().with_context("kvcache: bounce buffer");
+        continue;
+      }
+      chunk.bounce = std::move(b).value();
+    }
     auto stream = impl_->store->begin_put(chunk.key, impl_->chunk_bytes(), {.deadline = deadline});
     if (stream.is_ok()) {
       chunk.stream = std::move(stream).value();
@@ -341,64 +466,86 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   for (std::size_t c = 0; c < count; ++c) {
     std::vector<std::uint32_t> blocks(block_ids.begin() + static_cast<std::ptrdiff_t>(c * bpc),
                                       block_ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * bpc));
-    st->tasks.push_back(impl_->loaders->submit(
-        [this, st, c, key = k[c], blocks = std::move(blocks), deadline, layer_bytes, layers] {
-          const Impl& kv = *impl_;
-          std::vector<std::vector<KvRun>> runs(layers);
-          std::vector<Slice> slices;
-          Status failed;
-          for (std::uint32_t l = 0; l < layers && failed.is_ok(); ++l) {
-            auto r = kv.layer_runs(l, blocks);
-            if (!r.is_ok()) {
-              failed = r.status();
-              break;
-            }
-            runs[l] = std::move(r).value();
-            for (const Slice& s : kv.slices(runs[l])) slices.push_back(s);
+    st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[c], blocks = std::move(blocks), deadline,
+                                                layer_bytes, layers] {
+      const Impl& kv = *impl_;
+      std::vector<std::vector<KvRun>> runs(layers);
+      std::vector<Slice> slices;
+      Status failed;
+      for (std::uint32_t l = 0; l < layers && failed.is_ok(); ++l) {
+        auto r = kv.layer_runs(l, blocks);
+        if (!r.is_ok()) {
+          failed = r.status();
+          break;
+        }
+        runs[l] = std::move(r).value();
+        if (!kv.staged()) {
+          for (const Slice& s : kv.slices(runs[l])) slices.push_back(s);
+        }
+      }
+      // Staged: the chunk lands in a bounce buffer, and each layer is checked there and
+      // then scattered into the cache.
+      std::unique_ptr<Bounce> bounce;
+      if (kv.staged() && failed.is_ok()) {
+        auto b = kv.load_bounces->take();
+        if (b.is_ok()) {
+          bounce = std::move(b).value();
+          slices.push_back({bounce->mem.get(), bounce->bytes, &bounce->handle});
+        } else {
+          failed = b.status().with_context("kvcache: bounce buffer");
+        }
+      }
+      // Each layer is checked against its save's checksum as soon as it is whole.
+      std::optional<std::vector<std::uint64_t>> sums;
+      Status bad_layer;
+      std::uint32_t checked = 0;
+      GetOptions o;
+      o.deadline = deadline;
+      o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
+      o.progress = [&](std::uint64_t landed, std::string_view layout) {
+        if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
+        if (!sums) {
+          bad_layer = Status::corrupt("kvcache: " + key + " was not saved by a cache of layout " +
+                                      kv.keys.layout_tag);
+          return;
+        }
+        while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed) {
+          const std::uint64_t sum = bounce
+                                        ? XXH3_64bits(bounce->mem.get() + checked * layer_bytes, layer_bytes)
+                                        : hash_runs(runs[checked]);
+          if (sum != (*sums)[checked]) {
+            bad_layer = Status::corrupt("kvcache: layer " + std::to_string(checked) + " of " + key +
+                                        " does not match its checksum");
+            break;
           }
-          // Each layer is checked against its save's checksum as soon as it is whole.
-          std::optional<std::vector<std::uint64_t>> sums;
-          Status bad_layer;
-          std::uint32_t checked = 0;
-          GetOptions o;
-          o.deadline = deadline;
-          o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
-          o.progress = [&](std::uint64_t landed, std::string_view layout) {
-            if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
-            if (!sums) {
-              bad_layer = Status::corrupt("kvcache: " + key + " was not saved by a cache of layout " +
-                                          kv.keys.layout_tag);
-              return;
-            }
-            while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed) {
-              if (hash_runs(runs[checked]) != (*sums)[checked]) {
-                bad_layer = Status::corrupt("kvcache: layer " + std::to_string(checked) + " of " + key +
-                                            " does not match its checksum");
-                break;
-              }
-              ++checked;
-              std::lock_guard lock(st->mu);
-              st->verified[c] = checked;
-              st->cv.notify_all();
-            }
-          };
-          Status final = failed;
-          if (final.is_ok()) {
-            auto r = kv.store->get(key, slices, o);
-            if (!r.is_ok()) {
-              final = r.status();
-            } else if (!bad_layer.is_ok()) {
-              final = bad_layer;
-            } else if (r->size != kv.chunk_bytes() || checked != layers) {
-              final = Status::corrupt("kvcache: " + key + " holds " + std::to_string(r->size) +
-                                      " bytes, a chunk " + std::to_string(kv.chunk_bytes()));
-            }
+          if (bounce) {
+            bad_layer = kv.options.copier->scatter(bounce->mem.get() + checked * layer_bytes, runs[checked]);
+            if (!bad_layer.is_ok()) break;
           }
+          ++checked;
           std::lock_guard lock(st->mu);
-          if (!final.is_ok()) st->verified[c] = std::min(st->verified[c], checked);
-          st->done[c] = final;
+          st->verified[c] = checked;
           st->cv.notify_all();
-        }));
+        }
+      };
+      Status final = failed;
+      if (final.is_ok()) {
+        auto r = kv.store->get(key, slices, o);
+        if (!r.is_ok()) {
+          final = r.status();
+        } else if (!bad_layer.is_ok()) {
+          final = bad_layer;
+        } else if (r->size != kv.chunk_bytes() || checked != layers) {
+          final = Status::corrupt("kvcache: " + key + " holds " + std::to_string(r->size) +
+                                  " bytes, a chunk " + std::to_string(kv.chunk_bytes()));
+        }
+      }
+      if (bounce) kv.load_bounces->give(std::move(bounce));  // the get has returned: no write is left
+      std::lock_guard lock(st->mu);
+      if (!final.is_ok()) st->verified[c] = std::min(st->verified[c], checked);
+      st->done[c] = final;
+      st->cv.notify_all();
+    }));
   }
   KvLoad load;
   load.state_ = std::move(st);

@@ -583,15 +583,21 @@ struct PutStream::State {
 
   ~State() { XXH3_freeState(hash); }
 
-  Status wait_writes() {
-    Status first = failed;
-    for (auto& w : waves) {
-      Status s = Store::Impl::wait_all(w.batches);
-      if (first.is_ok()) first = s;
+  // Waits for the writes of the object's bytes [0, end) (all of them by default); a failure
+  // is kept, and the stream is dead from then on.
+  Status wait_writes(std::uint64_t end = ~0ull) {
+    std::size_t i = 0;
+    // A wave holds the bytes from the previous one's end to its own: wait while it starts
+    // before `end`.
+    for (; i < waves.size() && (i == 0 ? waited_end : waves[i - 1].end) < end; ++i) {
+      Status s = Store::Impl::wait_all(waves[i].batches);
+      if (failed.is_ok() && !s.is_ok()) failed = s.with_context(key);
     }
-    waves.clear();
-    return first;
+    if (i > 0) waited_end = waves[i - 1].end;
+    waves.erase(waves.begin(), waves.begin() + static_cast<std::ptrdiff_t>(i));
+    return failed;
   }
+  std::uint64_t waited_end = 0;  // the writes of [0, waited_end) are done
 };
 
 PutStream::PutStream() = default;
@@ -607,6 +613,11 @@ PutStream::~PutStream() { abort(); }
 
 std::uint64_t PutStream::size() const { return state_ ? state_->size : 0; }
 std::uint64_t PutStream::written() const { return state_ ? state_->written : 0; }
+
+Status PutStream::wait_written(std::uint64_t end) {
+  if (!state_) return Status::invalid_argument("store: wait on an empty put stream");
+  return state_->wait_writes(end);
+}
 
 void PutStream::set_layout(std::string layout) {
   if (state_) state_->options.layout = std::move(layout);
