@@ -17,10 +17,16 @@ struct KvCacheBenchOptions {
   std::uint32_t rounds = 3;       // each saves then loads the session
   std::vector<TransportKind> transports{TransportKind::kShm, TransportKind::kTcp};
   bool json = false;
+  bool gpu = false;  // the caches in GPU memory, staged (run_kvcache_gpu)
 };
 
 // Runs it (a private redis-server and kvstashd on loopback) and prints its rows. Returns the
 // exit code: 0, or 1 on a failed or corrupted operation.
 int run_kvcache(const KvCacheBenchOptions& options);
+
+// The same with both caches in GPU memory, staged through pinned bounce buffers by the CUDA
+// copier, against cudaMemcpy device-to-host and host-to-device of the same bytes. Built only
+// with CUDA (KVSTASH_BENCH_GPU).
+int run_kvcache_gpu(const KvCacheBenchOptions& options);
 
 }  // namespace kvstash::bench

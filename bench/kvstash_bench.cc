@@ -151,7 +151,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 100u));
   kc->add_option("--transport", kvc_transports, "Transports to measure: shm,tcp,ucx")->capture_default_str();
   kc->add_flag("--json", kvc.json, "One JSON object per row");
-  kc->footer("Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json");
+  kc->add_flag("--gpu", kvc.gpu,
+               "Both caches in GPU memory, staged through pinned bounce buffers, against cudaMemcpy "
+               "(builds with CUDA; needs a GPU)");
+  kc->footer(
+      "Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json");
 
   std::vector<TransportKind> target_kinds;
   try {
@@ -215,6 +219,14 @@ int main(int argc, char** argv) {
     return bench::run_p2p_target(*region, target_kinds, target_tcp);
   }
   if (st->parsed()) return bench::run_store(store);
+  if (kc->parsed() && kvc.gpu) {
+#if KVSTASH_BENCH_GPU
+    return bench::run_kvcache_gpu(kvc);
+#else
+    std::cerr << "kvstash-bench kvcache --gpu: this build has no CUDA (meson -Dcuda=enabled with nvcc)\n";
+    return 2;
+#endif
+  }
   if (kc->parsed()) return bench::run_kvcache(kvc);
   return bench::run_p2p(p2p);
 }
