@@ -126,6 +126,28 @@ int main(int argc, char** argv) {
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK && loaded[1] == KVSTASH_OK,
         "load_finish");
 
+  /* The same through host bounce buffers: a staged cache reads what a direct one wrote. */
+  kvstash_kvcache* kvs = NULL;
+  layout.layer_tensors = pb;
+  layout.staging = KVSTASH_STAGING_HOST;
+  for (int l = 0; l < LAYERS; ++l) memset(b[l], 0, LAYER_BYTES);
+  CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_OK, "kvstash_kvcache_open staged");
+  CHECK(strcmp(kvstash_kvcache_data_path(kvs), "host") == 0 && strcmp(kvstash_kvcache_data_path(kva), "direct") == 0,
+        "data paths");
+  CHECK(kvstash_kvcache_begin_load(kvs, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "staged load");
+  CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK, "staged load_finish");
+  for (uint32_t l = 0; l < LAYERS; ++l) {
+    for (int i = 0; i < 4; ++i) {
+      for (int p = 0; p < 2; ++p) {
+        CHECK(memcmp(block_of(a[l], p, blocks_a[i]), block_of(b[l], p, blocks_b[i]), BLOCK_BYTES) == 0,
+              "staged bytes equal saved bytes");
+      }
+    }
+  }
+  kvstash_kvcache_close(kvs);
+  layout.staging = (kvstash_staging)7;
+  CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_INVALID_ARGUMENT, "unknown staging");
+
   /* A save of chunks the tokens do not hold: refused before anything moves. */
   CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 1, 2, 0, &save) == KVSTASH_INVALID_ARGUMENT,
         "a chunk without tokens");

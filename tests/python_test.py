@@ -61,6 +61,17 @@ class KvstashPython(unittest.TestCase):
                     self.assertEqual(a[layer][src:src + block_bytes], b[layer][dst:dst + block_bytes])
         self.assertEqual([code for code, _ in load.wait()], ["ok", "ok"])
 
+        # Through host bounce buffers: the same bytes.
+        c = [bytearray(2 * blocks * block_bytes) for _ in range(layers)]
+        kvc = kvstash.KvCache(self.store, c, staging="host", **common)
+        self.assertEqual(kvc.data_path, "host")
+        self.assertEqual(kva.data_path, "direct")
+        self.assertEqual([code for code, _ in kvc.begin_load(tokens, blocks_b, 2).wait()], ["ok", "ok"])
+        for layer in range(layers):
+            self.assertEqual(c[layer], b[layer])
+        with self.assertRaises(kvstash.Error):
+            kvstash.KvCache(self.store, c, staging="floppy", **common)
+
         # A chunk gone meanwhile fails alone.
         self.store.remove(kva.keys(tokens)[1])
         load = kvb.begin_load(tokens, blocks_b, 2)

@@ -96,6 +96,14 @@ typedef enum kvstash_arrangement {
   KVSTASH_CROSS_LAYER = 2      /* one region (num_blocks, num_layers, 2, block_size, heads, head_dim) */
 } kvstash_arrangement;
 
+/* How the bytes reach the cache's memory. */
+typedef enum kvstash_staging {
+  KVSTASH_STAGING_NONE = 0, /* the transports register it (host memory; GPU memory with GPUDirect) */
+  KVSTASH_STAGING_HOST = 1, /* through host bounce buffers, memcpy */
+  KVSTASH_STAGING_CUDA = 2  /* through pinned bounce buffers, a CUDA kernel per layer
+                               (KVSTASH_UNSUPPORTED where the build has no CUDA kernels) */
+} kvstash_staging;
+
 typedef struct kvstash_kv_layout {
   uint32_t num_layers, num_blocks, block_size, num_kv_heads, head_dim;
   kvstash_dtype dtype;
@@ -104,6 +112,8 @@ typedef struct kvstash_kv_layout {
   kvstash_arrangement arrangement;
   void* const* layer_tensors; /* num_layers pointers (per-layer arrangements) */
   void* base;                 /* the region (cross-layer) */
+  int gpu_memory;             /* 1: the tensors are CUDA device memory */
+  kvstash_staging staging;
 } kvstash_kv_layout;
 
 typedef struct kvstash_key_options {
@@ -116,6 +126,8 @@ typedef struct kvstash_key_options {
 
 kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
                                     const kvstash_key_options* keys, kvstash_kvcache** out);
+/* "direct", "host" or "cuda": how this cache's bytes move (see kvstash_staging). */
+const char* kvstash_kvcache_data_path(const kvstash_kvcache* kv);
 void kvstash_kvcache_close(kvstash_kvcache* kv);
 /* Bytes of one chunk's object; chunk size in tokens. */
 uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv);

@@ -9,6 +9,9 @@
 #include "common/transports.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#if KVSTASH_HAVE_CUDA_KERNELS
+#include "kvcache/cuda/cuda_copier.h"
+#endif
 
 struct kvstash_store {
   std::unique_ptr<kvstash::Store> store;
@@ -135,6 +138,8 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
       .dtype = static_cast<kvstash::KvDType>(layout->dtype),
       .order = layout->hnd ? kvstash::KvBlockOrder::kHND : kvstash::KvBlockOrder::kNHD,
       .mla = layout->mla != 0};
+  const kvstash::MemoryKind kind =
+      layout->gpu_memory ? kvstash::MemoryKind::kCuda : kvstash::MemoryKind::kHost;
   kvstash::Result<kvstash::KvLayout> l = kvstash::Status::internal("unset");
   switch (layout->arrangement) {
     case KVSTASH_PER_LAYER:
@@ -142,13 +147,13 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
       if (layout->layer_tensors == nullptr) return invalid("kvstash_kvcache_open: layer_tensors is required");
       std::span<void* const> tensors(layout->layer_tensors, layout->num_layers);
       l = layout->arrangement == KVSTASH_PER_LAYER
-              ? kvstash::KvLayout::per_layer(shape, tensors)
-              : kvstash::KvLayout::per_layer_blocks_first(shape, tensors);
+              ? kvstash::KvLayout::per_layer(shape, tensors, kind)
+              : kvstash::KvLayout::per_layer_blocks_first(shape, tensors, kind);
       break;
     }
     case KVSTASH_CROSS_LAYER:
       if (layout->base == nullptr) return invalid("kvstash_kvcache_open: base is required");
-      l = kvstash::KvLayout::cross_layer(shape, layout->base);
+      l = kvstash::KvLayout::cross_layer(shape, layout->base, kind);
       break;
     default: return invalid("kvstash_kvcache_open: unknown arrangement");
   }
@@ -159,13 +164,33 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
   k.tp_size = keys->tp_size == 0 ? 1 : keys->tp_size;
   if (keys->chunk_tokens != 0) k.chunk_tokens = keys->chunk_tokens;
   if (keys->extra != nullptr) k.extra = keys->extra;
-  auto kv = kvstash::KvCache::open(*store->store, std::move(l).value(), std::move(k));
+  kvstash::KvCacheOptions options;
+  switch (layout->staging) {
+    case KVSTASH_STAGING_NONE: break;
+    case KVSTASH_STAGING_HOST: options.copier = kvstash::host_copier(); break;
+    case KVSTASH_STAGING_CUDA: {
+#if KVSTASH_HAVE_CUDA_KERNELS
+      auto c = kvstash::cuda::cuda_copier();
+      if (!c.is_ok()) return report(c.status());
+      options.copier = std::move(c).value();
+      break;
+#else
+      return report(kvstash::Status::unsupported("kvstash_kvcache_open: this build has no CUDA kernels"));
+#endif
+    }
+    default: return invalid("kvstash_kvcache_open: unknown staging");
+  }
+  auto kv = kvstash::KvCache::open(*store->store, std::move(l).value(), std::move(k), std::move(options));
   if (!kv.is_ok()) return report(kv.status());
   *out = new kvstash_kvcache{std::move(kv).value()};
   return report({});
 }
 
 void kvstash_kvcache_close(kvstash_kvcache* kv) { delete kv; }
+
+const char* kvstash_kvcache_data_path(const kvstash_kvcache* kv) {
+  return kv == nullptr ? "" : kv->kv->data_path().data();  // names of static storage
+}
 
 uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv) {
   return kv == nullptr ? 0 : kv->kv->chunk_bytes();

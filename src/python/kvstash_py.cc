@@ -18,6 +18,9 @@
 #include "common/transports.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#if KVSTASH_HAVE_CUDA_KERNELS
+#include "kvcache/cuda/cuda_copier.h"
+#endif
 
 namespace py = pybind11;
 using namespace kvstash;
@@ -160,7 +163,8 @@ PYBIND11_MODULE(kvstash, m) {
                        std::uint32_t block_size, std::uint32_t kv_heads, std::uint32_t head_dim,
                        const std::string& dtype, const std::string& order, bool mla,
                        const std::string& arrangement, const std::string& model, std::uint32_t tp_rank,
-                       std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra) {
+                       std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra, bool gpu,
+                       const std::string& staging) {
              auto dt = parse_kv_dtype(dtype);
              if (!dt) raise(Status::invalid_argument("unknown dtype '" + dtype + "'"));
              if (order != "nhd" && order != "hnd") raise(Status::invalid_argument("order is 'nhd' or 'hnd'"));
@@ -178,29 +182,44 @@ PYBIND11_MODULE(kvstash, m) {
              const std::size_t per_layer = shape.parts() * std::size_t{num_blocks} * shape.block_bytes();
              std::vector<void*> ptrs;
              for (const auto& t : tensors) ptrs.push_back(address_of(t, per_layer, out->tensors));
+             const MemoryKind kind = gpu ? MemoryKind::kCuda : MemoryKind::kHost;
              Result<KvLayout> layout =
                  Status::invalid_argument("arrangement is 'per_layer' or 'blocks_first'");
-             if (arrangement == "per_layer") layout = KvLayout::per_layer(shape, ptrs);
-             if (arrangement == "blocks_first") layout = KvLayout::per_layer_blocks_first(shape, ptrs);
+             if (arrangement == "per_layer") layout = KvLayout::per_layer(shape, ptrs, kind);
+             if (arrangement == "blocks_first") layout = KvLayout::per_layer_blocks_first(shape, ptrs, kind);
+             KvCacheOptions options;
+             if (staging == "host") {
+               options.copier = host_copier();
+             } else if (staging == "cuda") {
+#if KVSTASH_HAVE_CUDA_KERNELS
+               options.copier = unwrap(cuda::cuda_copier());
+#else
+               raise(Status::unsupported("this build has no CUDA kernels"));
+#endif
+             } else if (!staging.empty()) {
+               raise(Status::invalid_argument("staging is '', 'host' or 'cuda'"));
+             }
              PrefixKeyOptions keys{.model = model,
                                    .tp_rank = tp_rank,
                                    .tp_size = tp_size,
                                    .chunk_tokens = chunk_tokens,
                                    .extra = extra};
              KvLayout l = unwrap(std::move(layout));
-             out->kv =
-                 unwrap(nogil([&] { return KvCache::open(*store->store, std::move(l), std::move(keys)); }));
+             out->kv = unwrap(nogil([&] {
+               return KvCache::open(*store->store, std::move(l), std::move(keys), std::move(options));
+             }));
              return out;
            }),
            py::arg("store"), py::arg("tensors"), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype") = "fp16", py::arg("order") = "nhd",
            py::arg("mla") = false, py::arg("arrangement") = "per_layer", py::arg("model"),
            py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("chunk_tokens") = 256,
-           py::arg("extra") = "")
+           py::arg("extra") = "", py::arg("gpu") = false, py::arg("staging") = "")
       .def_property_readonly("chunk_tokens",
                              [](const PyKvCache& k) { return k.kv->key_options().chunk_tokens; })
       .def_property_readonly("chunk_bytes", [](const PyKvCache& k) { return k.kv->chunk_bytes(); })
       .def_property_readonly("layout_tag", [](const PyKvCache& k) { return k.kv->key_options().layout_tag; })
+      .def_property_readonly("data_path", [](const PyKvCache& k) { return std::string(k.kv->data_path()); })
       .def("keys",
            [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens) { return k.kv->keys(tokens); })
       .def(
