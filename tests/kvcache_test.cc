@@ -30,6 +30,18 @@ KvCacheShape small_shape(KvBlockOrder order = KvBlockOrder::kNHD) {
           .order = order};
 }
 
+// 8 layers, 48 blocks of 16 tokens, 8 heads of 128: with 256-token chunks, 1 MiB per layer
+// and 8 MiB per chunk, which lands in several steps.
+KvCacheShape chunked_shape(KvBlockOrder order) {
+  return {.num_layers = 8,
+          .num_blocks = 48,
+          .block_size = 16,
+          .num_kv_heads = 8,
+          .head_dim = 128,
+          .dtype = KvDType::kFloat16,
+          .order = order};
+}
+
 // One engine's cache: per-layer (2, num_blocks, ...) tensors in host memory.
 struct HostCache {
   HostCache(const KvCacheShape& s, std::uint64_t seed) : shape(s) {
@@ -197,13 +209,7 @@ TEST_P(KvCacheTest, OtherLayoutsAndForeignObjectsNeverLoad) {
 
 TEST_P(KvCacheTest, LayerWiseSaveAndLoadCompleteLayerByLayer) {
   // 8 layers of 1 MiB per 256-token chunk: a chunk's object lands in several steps.
-  KvCacheShape shape{.num_layers = 8,
-                     .num_blocks = 48,
-                     .block_size = 16,
-                     .num_kv_heads = 8,
-                     .head_dim = 128,
-                     .dtype = KvDType::kFloat16,
-                     .order = GetParam()};
+  const KvCacheShape shape = chunked_shape(GetParam());
   HostCache a(shape, 21), b(shape, 22);
   auto kva = open(a, 256), kvb = open(b, 256);
   ASSERT_TRUE(kva && kvb);
@@ -308,13 +314,7 @@ TEST_P(KvCacheTest, AnUnfinishedSaveLeavesNothingBehind) {
 TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   // A cache the transports cannot register (marked GPU memory; it is host memory here, and
   // the host copier stands in for the CUDA one), 8 layers, 3 bounce slots per chunk.
-  KvCacheShape shape{.num_layers = 8,
-                     .num_blocks = 48,
-                     .block_size = 16,
-                     .num_kv_heads = 8,
-                     .head_dim = 128,
-                     .dtype = KvDType::kFloat16,
-                     .order = GetParam()};
+  const KvCacheShape shape = chunked_shape(GetParam());
   HostCache dev_a(shape, 51), dev_b(shape, 52), host_c(shape, 53);
   auto layout_a = KvLayout::per_layer(shape, dev_a.ptrs, MemoryKind::kCuda).value();
   auto refused = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256});

@@ -79,38 +79,40 @@ Status KvCacheShape::validate() const {
   return {};
 }
 
-Result<KvLayout> KvLayout::per_layer(const KvCacheShape& shape, std::span<void* const> layer_tensors,
-                                     MemoryKind kind) {
+namespace {
+
+// One tensor per layer, each holding every part of every block: `part_stride` and
+// `block_stride` say how (kv-first or blocks-first).
+Result<KvLayout> one_tensor_per_layer(const KvCacheShape& shape, std::span<void* const> layer_tensors,
+                                      MemoryKind kind, std::uint64_t part_stride,
+                                      std::uint64_t block_stride) {
   KVSTASH_RETURN_IF_ERROR(shape.validate());
   if (layer_tensors.size() != shape.num_layers) {
     return invalid(std::to_string(layer_tensors.size()) + " layer tensors for " +
                    std::to_string(shape.num_layers) + " layers");
   }
-  const std::uint64_t bb = shape.block_bytes();
+  const auto tensor_bytes = static_cast<std::size_t>(shape.parts() * shape.num_blocks * shape.block_bytes());
   std::vector<std::byte*> bases;
   std::vector<MemoryRegion> regions;
   for (void* t : layer_tensors) {
     bases.push_back(static_cast<std::byte*>(t));
-    regions.push_back({t, static_cast<std::size_t>(shape.parts() * shape.num_blocks * bb), kind});
+    regions.push_back({t, tensor_bytes, kind});
   }
-  return custom(shape, std::move(bases), shape.num_blocks * bb, bb, std::move(regions));
+  return KvLayout::custom(shape, std::move(bases), part_stride, block_stride, std::move(regions));
+}
+
+}  // namespace
+
+Result<KvLayout> KvLayout::per_layer(const KvCacheShape& shape, std::span<void* const> layer_tensors,
+                                     MemoryKind kind) {
+  const std::uint64_t bb = shape.block_bytes();
+  return one_tensor_per_layer(shape, layer_tensors, kind, shape.num_blocks * bb, bb);
 }
 
 Result<KvLayout> KvLayout::per_layer_blocks_first(const KvCacheShape& shape,
                                                   std::span<void* const> layer_tensors, MemoryKind kind) {
-  KVSTASH_RETURN_IF_ERROR(shape.validate());
-  if (layer_tensors.size() != shape.num_layers) {
-    return invalid(std::to_string(layer_tensors.size()) + " layer tensors for " +
-                   std::to_string(shape.num_layers) + " layers");
-  }
   const std::uint64_t bb = shape.block_bytes();
-  std::vector<std::byte*> bases;
-  std::vector<MemoryRegion> regions;
-  for (void* t : layer_tensors) {
-    bases.push_back(static_cast<std::byte*>(t));
-    regions.push_back({t, static_cast<std::size_t>(shape.parts() * shape.num_blocks * bb), kind});
-  }
-  return custom(shape, std::move(bases), bb, shape.parts() * bb, std::move(regions));
+  return one_tensor_per_layer(shape, layer_tensors, kind, bb, shape.parts() * bb);
 }
 
 Result<KvLayout> KvLayout::cross_layer(const KvCacheShape& shape, void* base, MemoryKind kind) {
