@@ -403,9 +403,13 @@ struct Store::Impl {
   }
 
   // Ends a put whose writes failed or were dropped: its pages return now (else at the lease).
-  void abort_put(const std::string& key, const std::string& token) {
+  void abort_put(const std::string& key, const std::string& token, OpTimings* timings = nullptr) {
     auto c = borrow(deadline_after(options.redis_timeout * 2));
-    Status aborted = c.is_ok() ? (*c)->abort_put(token) : c.status();
+    Status aborted = c.status();
+    if (c.is_ok()) {
+      MetadataClock mc(timings);
+      aborted = (*c)->abort_put(token);
+    }
     if (!aborted.is_ok()) {
       KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
     }
@@ -448,16 +452,14 @@ struct Store::Impl {
         o.timings->checksum += c1 - c0;
       }
     }
-    auto c = borrow(deadline_after(options.redis_timeout * 2));
-    if (!c.is_ok()) return moved.is_ok() ? c.status() : moved;  // the lease returns the pages
-    MetadataClock mc(o.timings);
     if (!moved.is_ok()) {
-      Status aborted = (*c)->abort_put(token);
-      if (!aborted.is_ok())
-        KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
+      abort_put(std::string(key), token, o.timings);
       KVSTASH_LOG_DEBUG("put {} failed: {}", key, moved.to_string());
       return moved.with_context(std::string(key));
     }
+    auto c = borrow(deadline_after(options.redis_timeout * 2));
+    if (!c.is_ok()) return c.status();  // the lease returns the pages
+    MetadataClock mc(o.timings);
     return (*c)->commit_put(token, key, sum, o.layout, o.ttl).with_context(std::string(key));
   }
 
