@@ -68,14 +68,15 @@ struct Target {
     const ibv_mr* mr = nullptr;
     std::vector<Mw> windows;
   };
+  using LeaseMap = std::map<std::uint64_t, Lease>;  // by the client's lease id
   struct Accepted {
     Fd socket;
     Qp qp;
     std::size_t dev = 0;  // index into devs
     std::uint32_t max_send_wr = 1;
-    bool broken = false;                    // a bind failed on the QP: drop the connection
-    std::size_t windows = 0;                // bound now, over all leases
-    std::map<std::uint64_t, Lease> leases;  // by the client's lease id; destroyed before the QP
+    bool broken = false;      // a bind failed on the QP: drop the connection
+    std::size_t windows = 0;  // bound now, over all leases
+    LeaseMap leases;          // destroyed before the QP
   };
 
   std::vector<std::shared_ptr<DeviceState>> devs;
@@ -90,6 +91,8 @@ struct Target {
   Result<std::vector<std::uint32_t>> bind(Accepted& a, const LeaseRequest& q, Deadline deadline);
   // Serves one lease message from `a`'s setup socket; false when the connection must go.
   bool serve(Accepted& a);
+  // Revokes the lease at `it` (its windows are deallocated); the lease after it.
+  LeaseMap::iterator revoke(Accepted& a, LeaseMap::iterator it);
   // Revokes one lease of `a` (a no-op for an unknown id: it may have expired already).
   void release(Accepted& a, std::uint64_t lease_id);
   // Revokes leases whose time is up; the next expiry, or nullopt when none is bound.

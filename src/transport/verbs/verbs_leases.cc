@@ -119,11 +119,15 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
   return rkeys;
 }
 
+Target::LeaseMap::iterator Target::revoke(Accepted& a, LeaseMap::iterator it) {
+  a.windows -= it->second.windows.size();
+  return a.leases.erase(it);  // deallocating a bound window revokes it
+}
+
 void Target::release(Accepted& a, std::uint64_t lease_id) {
   auto it = a.leases.find(lease_id);
   if (it == a.leases.end()) return;
-  a.windows -= it->second.windows.size();
-  a.leases.erase(it);
+  revoke(a, it);
   Counters::add(devs[0]->counters->leases_released);
 }
 
@@ -160,8 +164,7 @@ std::optional<Clock::time_point> Target::expire(Clock::time_point now) {
   for (auto& a : accepted) {
     for (auto it = a.leases.begin(); it != a.leases.end();) {
       if (it->second.until <= now) {
-        a.windows -= it->second.windows.size();
-        it = a.leases.erase(it);  // deallocating a bound window revokes it
+        it = revoke(a, it);
         Counters::add(devs[0]->counters->leases_expired);
         continue;
       }
@@ -178,8 +181,7 @@ void Target::forget(const ibv_mr* mr) {
   for (auto& a : accepted) {
     for (auto it = a.leases.begin(); it != a.leases.end();) {
       if (it->second.mr == mr) {
-        a.windows -= it->second.windows.size();
-        it = a.leases.erase(it);
+        it = revoke(a, it);
       } else {
         ++it;
       }
