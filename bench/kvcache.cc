@@ -21,17 +21,6 @@ namespace {
 
 constexpr std::uint32_t kChunkTokens = 256;
 
-// Llama-2-7B in fp16, vLLM's per-layer tensors, twice the blocks the session needs (so that
-// its blocks can be scattered).
-KvCacheShape llama(const KvCacheBenchOptions& o) {
-  return {.num_layers = 32,
-          .num_blocks = 2 * o.tokens / o.block_size,
-          .block_size = o.block_size,
-          .num_kv_heads = 32,
-          .head_dim = 128,
-          .dtype = KvDType::kFloat16};
-}
-
 struct Cache {
   std::vector<Buffer> layers;
   std::vector<void*> ptrs;
@@ -80,15 +69,48 @@ void print(const Row& r, bool json) {
 
 }  // namespace
 
+Result<BenchSession> plan_session(const KvCacheBenchOptions& o) {
+  if (o.tokens == 0 || o.tokens % kChunkTokens != 0 || o.block_size == 0 ||
+      kChunkTokens % o.block_size != 0) {
+    return Status::invalid_argument("--tokens must be a positive multiple of 256 and --block-size divide it");
+  }
+  BenchSession s;
+  s.shape = {.num_layers = 32,
+             .num_blocks = 2 * o.tokens / o.block_size,
+             .block_size = o.block_size,
+             .num_kv_heads = 32,
+             .head_dim = 128,
+             .dtype = KvDType::kFloat16};
+  s.bytes = std::uint64_t{o.tokens} * s.shape.bytes_per_token();
+  s.chunks = o.tokens / kChunkTokens;
+  s.tokens.resize(o.tokens);
+  std::mt19937 rng(7);
+  for (auto& t : s.tokens) t = rng() % 32000;
+  auto scattered = [&](std::uint32_t seed) {
+    std::vector<std::uint32_t> b(s.shape.num_blocks);
+    std::iota(b.begin(), b.end(), 0u);
+    std::shuffle(b.begin(), b.end(), std::mt19937(seed));
+    b.resize(o.tokens / o.block_size);
+    return b;
+  };
+  s.blocks_src = scattered(8);
+  s.blocks_dst = scattered(9);
+  return s;
+}
+
 int run_kvcache(const KvCacheBenchOptions& o) {
-  if (o.tokens == 0 || o.tokens % kChunkTokens != 0 || kChunkTokens % o.block_size != 0) {
-    std::cerr << "kvstash-bench kvcache: --tokens must be a positive multiple of " << kChunkTokens
-              << " and --block-size divide it\n";
+  auto planned = plan_session(o);
+  if (!planned.is_ok()) {
+    std::cerr << "kvstash-bench kvcache: " << planned.status().message() << "\n";
     return 2;
   }
-  const KvCacheShape shape = llama(o);
-  const std::uint64_t session = std::uint64_t{o.tokens} * shape.bytes_per_token();
-  const std::size_t chunks = o.tokens / kChunkTokens;
+  const KvCacheShape& shape = planned->shape;
+  const std::uint64_t session = planned->bytes;
+  const std::size_t chunks = planned->chunks;
+  const auto& tokens = planned->tokens;
+  const auto& blocks_src = planned->blocks_src;
+  const auto& blocks_dst = planned->blocks_dst;
+  const std::size_t used = blocks_src.size();
 
   auto redis = tools::LocalRedis::start({});
   if (!redis.is_ok()) {
@@ -111,18 +133,6 @@ int run_kvcache(const KvCacheBenchOptions& o) {
               << " in all): use fewer --tokens\n";
     return 1;
   }
-  std::vector<std::uint32_t> tokens(o.tokens);
-  std::mt19937 rng(7);
-  for (auto& t : tokens) t = rng() % 32000;
-  std::vector<std::uint32_t> blocks_src(shape.num_blocks), blocks_dst(shape.num_blocks);
-  std::iota(blocks_src.begin(), blocks_src.end(), 0u);
-  std::iota(blocks_dst.begin(), blocks_dst.end(), 0u);
-  std::shuffle(blocks_src.begin(), blocks_src.end(), std::mt19937(8));
-  std::shuffle(blocks_dst.begin(), blocks_dst.end(), std::mt19937(9));
-  const std::size_t used = o.tokens / o.block_size;
-  blocks_src.resize(used);
-  blocks_dst.resize(used);
-
   if (!o.json) {
     std::printf(
         "one Llama-2-7B session of %u tokens (%s), %zu chunks of %u tokens, blocks of %u tokens "

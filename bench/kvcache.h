@@ -4,9 +4,11 @@
 // the Store in the same run. Every loaded block is compared with what was saved.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "kvstash/kvcache.h"
 #include "kvstash/types.h"
 
 namespace kvstash::bench {
@@ -19,6 +21,20 @@ struct KvCacheBenchOptions {
   bool json = false;
   bool gpu = false;  // the caches in GPU memory, staged (run_kvcache_gpu)
 };
+
+// What both forms measure: one Llama-2-7B session (fp16, vLLM's per-layer tensors with twice
+// the blocks it needs), its tokens, and the scattered blocks it takes in the source cache and
+// in the destination one.
+struct BenchSession {
+  KvCacheShape shape;
+  std::uint64_t bytes = 0;
+  std::size_t chunks = 0;  // of 256 tokens
+  std::vector<std::uint32_t> tokens, blocks_src, blocks_dst;
+};
+
+// kInvalidArgument (say so, exit 2) unless the tokens are a positive multiple of 256 and the
+// block size divides 256.
+Result<BenchSession> plan_session(const KvCacheBenchOptions& options);
 
 // Runs it (a private redis-server and kvstashd on loopback) and prints its rows. Returns the
 // exit code: 0, or 1 on a failed or corrupted operation.

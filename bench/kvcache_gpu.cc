@@ -4,11 +4,9 @@
 // device-to-host and host-to-device (pinned) in the same run. Every loaded block verified.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
-#include <numeric>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -23,8 +21,6 @@
 namespace kvstash::bench {
 namespace {
 
-constexpr std::uint32_t kChunkTokens = 256;
-
 bool cuda_ok(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return true;
   std::cerr << "kvstash-bench kvcache --gpu: " << what << ": " << cudaGetErrorString(e) << "\n";
@@ -36,21 +32,24 @@ double seconds(Clock::time_point t0) { return std::chrono::duration<double>(Cloc
 }  // namespace
 
 int run_kvcache_gpu(const KvCacheBenchOptions& o) {
-  if (o.tokens == 0 || o.tokens % kChunkTokens != 0 || kChunkTokens % o.block_size != 0) return 2;
+  auto planned = plan_session(o);
+  if (!planned.is_ok()) {
+    std::cerr << "kvstash-bench kvcache --gpu: " << planned.status().message() << "\n";
+    return 2;
+  }
+  const KvCacheShape& shape = planned->shape;
+  const std::uint64_t session = planned->bytes;
+  const std::size_t chunks = planned->chunks;
+  const auto& tokens = planned->tokens;
+  const auto& blocks_src = planned->blocks_src;
+  const auto& blocks_dst = planned->blocks_dst;
+  const std::size_t used = blocks_src.size();
   auto copier = cuda::cuda_copier();
   if (!copier.is_ok()) {
     std::cerr << "kvstash-bench kvcache --gpu: " << copier.status().to_string() << "\n";
     return 1;
   }
-  const KvCacheShape shape{.num_layers = 32,
-                           .num_blocks = 2 * o.tokens / o.block_size,
-                           .block_size = o.block_size,
-                           .num_kv_heads = 32,
-                           .head_dim = 128,
-                           .dtype = KvDType::kFloat16};
   const std::uint64_t bb = shape.block_bytes(), layer_bytes = 2ull * shape.num_blocks * bb;
-  const std::uint64_t session = std::uint64_t{o.tokens} * shape.bytes_per_token();
-  const std::size_t chunks = o.tokens / kChunkTokens;
 
   // Two caches on the GPU, the source random, the destination poisoned; a contiguous device
   // buffer and a pinned host one of the session's size for the cudaMemcpy reference.
@@ -97,17 +96,6 @@ int run_kvcache_gpu(const KvCacheBenchOptions& o) {
               << (kv_src.is_ok() ? kv_dst.status() : kv_src.status()).to_string() << "\n";
     return 1;
   }
-
-  std::vector<std::uint32_t> tokens(o.tokens);
-  for (auto& t : tokens) t = static_cast<std::uint32_t>(rng() % 32000);
-  const std::size_t used = o.tokens / o.block_size;
-  std::vector<std::uint32_t> blocks_src(shape.num_blocks), blocks_dst(shape.num_blocks);
-  std::iota(blocks_src.begin(), blocks_src.end(), 0u);
-  std::iota(blocks_dst.begin(), blocks_dst.end(), 0u);
-  std::shuffle(blocks_src.begin(), blocks_src.end(), std::mt19937(8));
-  std::shuffle(blocks_dst.begin(), blocks_dst.end(), std::mt19937(9));
-  blocks_src.resize(used);
-  blocks_dst.resize(used);
 
   double d2h_s = 0, h2d_s = 0, save_s = 0, load_s = 0;
   int rc = 0;
