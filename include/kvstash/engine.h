@@ -155,6 +155,9 @@ struct RemoteRange {
   std::uint64_t length = 0;
 };
 
+// The most ranges one Peer::lease may carry (one message to the peer).
+inline constexpr std::size_t kMaxLeaseRanges = 1024;
+
 class Engine;
 class Peer;
 

@@ -20,7 +20,6 @@ namespace {
 constexpr std::uint32_t kAddressMagic = 0x3145564b;  // "KVE1"
 constexpr std::uint32_t kKeyMagic = 0x314b564b;      // "KVK1"
 constexpr std::size_t kMaxParts = 16;
-constexpr std::size_t kMaxLeaseRanges = 1024;  // what one lease request to a peer may carry
 
 using Parts = std::vector<std::pair<TransportKind, std::string>>;
 

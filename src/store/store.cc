@@ -100,8 +100,6 @@ class MetadataClock {
 };
 
 // A connection to one memory node's pool, shared by every operation touching the node.
-constexpr std::size_t kMaxRangesPerLease = 1024;
-
 struct NodeLink {
   std::string address;
   std::string key;
@@ -268,8 +266,8 @@ struct Store::Impl {
           runs.push_back({addr, p.page_size});
         }
       }
-      for (std::size_t at = 0; at < runs.size(); at += kMaxRangesPerLease) {
-        std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxRangesPerLease, runs.size() - at));
+      for (std::size_t at = 0; at < runs.size(); at += kMaxLeaseRanges) {
+        std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxLeaseRanges, runs.size() - at));
         auto l = links[ni]->peer->lease(links[ni]->remote, chunk, op, ttl, deadline);
         if (!l.is_ok()) return l.status().with_context("memory node " + p.nodes[ni].id);
         for (const RemoteRange& r : chunk) by_node[ni].ranges.emplace_back(r, leases.size());

@@ -22,6 +22,8 @@
 namespace kvstash::transport::verbs {
 namespace {
 
+static_assert(kMaxLeaseRanges >= kvstash::kMaxLeaseRanges, "a lease the engine allows must fit one message");
+
 // A lease longer than this is cut to it: a client cannot pin windows for good.
 constexpr std::chrono::minutes kMaxLeaseTtl{10};
 // Windows one connection may hold at once: bounds what one client can take of max_mw.
