@@ -317,10 +317,21 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   const KvCacheShape shape = chunked_shape(GetParam());
   HostCache dev_a(shape, 51), dev_b(shape, 52), host_c(shape, 53);
   auto layout_a = KvLayout::per_layer(shape, dev_a.ptrs, MemoryKind::kCuda).value();
+  // No transport registers it and no GPU owns it, so the automatic CUDA staging is refused too,
+  // and the error says both; asked for the direct path only, the error is the transports'.
   auto refused = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256});
   ASSERT_FALSE(refused.is_ok());
-  EXPECT_NE(refused.status().message().find("KvCacheOptions::copier"), std::string::npos)
-      << refused.status().to_string();
+  const std::string why = refused.status().message();
+  EXPECT_NE(why.find("no transport reaches this GPU memory"), std::string::npos) << why;
+  EXPECT_NE(why.find("KvCacheOptions::copier"), std::string::npos) << why;
+  EXPECT_NE(why.find("host memory"), std::string::npos) << "the transport's reason: " << why;
+  auto direct_only = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256},
+                                   {.stage_when_unreachable = false});
+  ASSERT_FALSE(direct_only.is_ok());
+  EXPECT_EQ(direct_only.status().message().find("no transport reaches"), std::string::npos)
+      << direct_only.status().to_string();
+  EXPECT_NE(direct_only.status().message().find("registering the KV cache"), std::string::npos)
+      << direct_only.status().to_string();
 
   auto kva = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256},
                            {.copier = host_copier(), .bounce_slots = 3});

@@ -71,6 +71,10 @@ class KvstashPython(unittest.TestCase):
             self.assertEqual(c[layer], b[layer])
         with self.assertRaises(kvstash.Error):
             kvstash.KvCache(self.store, c, staging="floppy", **common)
+        # Host memory marked as GPU memory: no transport registers it, and direct-only says so.
+        with self.assertRaises(kvstash.Error) as e:
+            kvstash.KvCache(self.store, c, gpu=True, staging="none", **common)
+        self.assertIn("registering the KV cache", str(e.exception))
 
         # A chunk gone meanwhile fails alone.
         self.store.remove(kva.keys(tokens)[1])

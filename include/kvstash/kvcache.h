@@ -150,7 +150,7 @@ class KvCache;
 
 // Moves bytes between a KV cache's memory and host bounce buffers, for memory the transports
 // cannot reach themselves (GPU memory without GPUDirect). The CUDA one
-// (src/kvcache/cuda/cuda_copier.h, in libkvstash_cuda) packs a layer's scattered blocks in one
+// (src/kvcache/cuda/cuda_copier.h, built where the CUDA toolkit is found) packs a layer's scattered blocks in one
 // kernel launch; host_copier() copies with memcpy (tests, and caches in plain host memory).
 class DeviceCopier {
  public:
@@ -168,9 +168,13 @@ std::shared_ptr<DeviceCopier> host_copier();
 
 struct KvCacheOptions {
   // Stage through host bounce buffers with this copier instead of registering the cache's
-  // memory with the transports. Required for MemoryKind::kCuda layouts unless every
-  // transport in use can register GPU memory (verbs with GPUDirect).
+  // memory with the transports.
   std::shared_ptr<DeviceCopier> copier;
+  // Without a copier, MemoryKind::kCuda memory that a transport in use cannot register
+  // (GPUDirect needs verbs with dma-buf or nvidia-peermem, or UCX built with CUDA) is staged
+  // through the CUDA copier on the memory's GPU, where this build has the CUDA kernels,
+  // instead of failing open(). data_path() says which path was taken; the log says why.
+  bool stage_when_unreachable = true;
   // Bounce buffers per chunk being saved, one layer each: a layer's gather overlaps the
   // network writes of the `bounce_slots - 1` before it.
   std::uint32_t bounce_slots = 3;

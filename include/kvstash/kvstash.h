@@ -98,10 +98,12 @@ typedef enum kvstash_arrangement {
 
 /* How the bytes reach the cache's memory. */
 typedef enum kvstash_staging {
-  KVSTASH_STAGING_NONE = 0, /* the transports register it (host memory; GPU memory with GPUDirect) */
+  KVSTASH_STAGING_AUTO = 0, /* the transports register it (host memory; GPU memory with GPUDirect);
+                               GPU memory none of them reaches goes through CUDA staging */
   KVSTASH_STAGING_HOST = 1, /* through host bounce buffers, memcpy */
-  KVSTASH_STAGING_CUDA = 2  /* through pinned bounce buffers, a CUDA kernel per layer
+  KVSTASH_STAGING_CUDA = 2, /* through pinned bounce buffers, a CUDA kernel per layer
                                (KVSTASH_UNSUPPORTED where the build has no CUDA kernels) */
+  KVSTASH_STAGING_NONE = 3  /* the transports register it, or kvstash_kvcache_open fails */
 } kvstash_staging;
 
 typedef struct kvstash_kv_layout {

@@ -166,7 +166,8 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
   if (keys->extra != nullptr) k.extra = keys->extra;
   kvstash::KvCacheOptions options;
   switch (layout->staging) {
-    case KVSTASH_STAGING_NONE: break;
+    case KVSTASH_STAGING_AUTO: break;
+    case KVSTASH_STAGING_NONE: options.stage_when_unreachable = false; break;
     case KVSTASH_STAGING_HOST: options.copier = kvstash::host_copier(); break;
     case KVSTASH_STAGING_CUDA: {
 #if KVSTASH_HAVE_CUDA_KERNELS

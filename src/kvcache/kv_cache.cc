@@ -3,15 +3,21 @@
 // it; a load checks each layer against the checksum its save recorded as soon as it lands.
 #include <xxhash.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 
+#include "common/log.h"
 #include "common/thread_pool.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+
+#if KVSTASH_HAVE_CUDA_KERNELS
+#include "kvcache/cuda/cuda_copier.h"
+#endif
 
 namespace kvstash {
 namespace {
@@ -141,6 +147,21 @@ class BouncePool {
   std::vector<std::unique_ptr<Bounce>> free_;
 };
 
+bool on_gpu(const KvLayout& layout) {
+  return std::ranges::any_of(layout.regions(), [](const MemoryRegion& r) { return r.kind == MemoryKind::kCuda; });
+}
+
+// The CUDA copier for a GPU layout no transport reaches, on the GPU that owns its memory.
+Result<std::shared_ptr<DeviceCopier>> gpu_staging_copier(const KvLayout& layout) {
+#if KVSTASH_HAVE_CUDA_KERNELS
+  KVSTASH_ASSIGN_OR_RETURN(const int device, cuda::device_of(layout.regions().front().addr));
+  return cuda::cuda_copier(device);
+#else
+  (void)layout;
+  return Status::unsupported("this build has no CUDA kernels to stage it");
+#endif
+}
+
 }  // namespace
 
 struct KvCache::Impl {
@@ -174,6 +195,15 @@ struct KvCache::Impl {
     return layout.layer_bytes(blocks_per_chunk) * layout.shape().num_layers;
   }
   bool staged() const { return options.copier != nullptr; }
+
+  // Registers every region of `l` with the store's transports (the direct data path).
+  Status register_direct(const KvLayout& l) {
+    for (const MemoryRegion& r : l.regions()) {
+      KVSTASH_ASSIGN_OR_RETURN(MemoryHandle h, store->register_memory(r));
+      handles.push_back(std::move(h));
+    }
+    return {};
+  }
 
   // Checks that `tokens` and `block_ids` cover chunks [first, first + count).
   Status covers(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
@@ -376,24 +406,28 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   impl->blocks_per_chunk = impl->keys.chunk_tokens / bs;
   if (options.bounce_slots == 0) return Status::invalid_argument("kvcache: bounce_slots must be at least 1");
   impl->options = std::move(options);
+  if (!impl->staged()) {
+    Status direct = impl->register_direct(layout);
+    if (!direct.is_ok()) {
+      direct = direct.with_context("kvcache: registering the KV cache");
+      if (!on_gpu(layout) || !impl->options.stage_when_unreachable) return direct;
+      auto copier = gpu_staging_copier(layout);
+      if (!copier.is_ok()) {
+        return direct.with_context("no transport reaches this GPU memory, and " +
+                                   copier.status().message() + ": stage it (KvCacheOptions::copier)");
+      }
+      KVSTASH_LOG_INFO("kvcache: staging GPU memory through pinned host buffers (the {} copier): {}",
+                       (*copier)->name(), direct.message());
+      impl->handles.clear();
+      impl->options.copier = std::move(copier).value();
+    }
+  }
   if (impl->staged()) {
     const std::uint64_t lb = layout.layer_bytes(impl->blocks_per_chunk);
     impl->save_bounces = std::make_unique<BouncePool>(
         &store, impl->options.copier.get(), static_cast<std::size_t>(lb * impl->options.bounce_slots));
     impl->load_bounces = std::make_unique<BouncePool>(
         &store, impl->options.copier.get(), static_cast<std::size_t>(lb * layout.shape().num_layers));
-  } else {
-    for (const MemoryRegion& r : layout.regions()) {
-      auto h = store.register_memory(r);
-      if (!h.is_ok()) {
-        Status s = h.status().with_context("kvcache: registering the KV cache");
-        if (r.kind == MemoryKind::kCuda) {
-          s = s.with_context("no transport reaches this GPU memory: stage it (KvCacheOptions::copier)");
-        }
-        return s;
-      }
-      impl->handles.push_back(std::move(h).value());
-    }
   }
   impl->layout = std::move(layout);
   return std::unique_ptr<KvCache>(new KvCache(std::move(impl)));

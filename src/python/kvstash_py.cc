@@ -188,7 +188,9 @@ PYBIND11_MODULE(kvstash, m) {
              if (arrangement == "per_layer") layout = KvLayout::per_layer(shape, ptrs, kind);
              if (arrangement == "blocks_first") layout = KvLayout::per_layer_blocks_first(shape, ptrs, kind);
              KvCacheOptions options;
-             if (staging == "host") {
+             if (staging == "none") {
+               options.stage_when_unreachable = false;
+             } else if (staging == "host") {
                options.copier = host_copier();
              } else if (staging == "cuda") {
 #if KVSTASH_HAVE_CUDA_KERNELS
@@ -196,8 +198,8 @@ PYBIND11_MODULE(kvstash, m) {
 #else
                raise(Status::unsupported("this build has no CUDA kernels"));
 #endif
-             } else if (!staging.empty()) {
-               raise(Status::invalid_argument("staging is '', 'host' or 'cuda'"));
+             } else if (staging != "auto") {
+               raise(Status::invalid_argument("staging is 'auto', 'none', 'host' or 'cuda'"));
              }
              PrefixKeyOptions keys{.model = model,
                                    .tp_rank = tp_rank,
@@ -214,7 +216,7 @@ PYBIND11_MODULE(kvstash, m) {
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype") = "fp16", py::arg("order") = "nhd",
            py::arg("mla") = false, py::arg("arrangement") = "per_layer", py::arg("model"),
            py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("chunk_tokens") = 256,
-           py::arg("extra") = "", py::arg("gpu") = false, py::arg("staging") = "")
+           py::arg("extra") = "", py::arg("gpu") = false, py::arg("staging") = "auto")
       .def_property_readonly("chunk_tokens",
                              [](const PyKvCache& k) { return k.kv->key_options().chunk_tokens; })
       .def_property_readonly("chunk_bytes", [](const PyKvCache& k) { return k.kv->chunk_bytes(); })

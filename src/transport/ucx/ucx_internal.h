@@ -87,6 +87,8 @@ class Core : public std::enable_shared_from_this<Core> {
   ucp_worker_h worker() const { return worker_; }
   const std::string& worker_address() const { return worker_address_; }
   bool rdma_device() const { return rdma_device_; }
+  // Whether this UCX registers and moves CUDA memory (its cuda module is loaded).
+  bool cuda_memory() const { return cuda_memory_; }
   bool threaded() const { return threaded_; }
   bool is_owner() const;
   // Owner only: an endpoint was closed by force; see ~Core.
@@ -124,6 +126,7 @@ class Core : public std::enable_shared_from_this<Core> {
   ucp_worker_h worker_ = nullptr;
   std::string worker_address_;
   bool rdma_device_ = false;
+  bool cuda_memory_ = false;
   bool threaded_ = true;
 
   std::mutex queue_mu_;

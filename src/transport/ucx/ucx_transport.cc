@@ -110,7 +110,7 @@ class UcxTransport final : public Transport {
     // active messages over tcp for caller-owned memory (see README.md).
     c.one_sided = core_->rdma_device();
     c.rdma = core_->rdma_device();
-    c.cuda_memory = false;  // Debian's UCX 1.13 is built without CUDA
+    c.cuda_memory = core_->cuda_memory();  // Debian's UCX 1.13 has no CUDA module
     c.lanes = 1;
     c.slice_bytes = 0;  // UCX fragments (and stripes over its own lanes) by itself
     return c;
@@ -125,8 +125,12 @@ class UcxTransport final : public Transport {
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override {
     const bool remote_access = access != Access::kLocal;  // no revocable keys: kLeased is kRemote
-    if (region.kind != MemoryKind::kHost) {
-      return Status::unsupported("ucx: this UCX build cannot register CUDA memory");
+    // GPU memory only where this UCX was built with its CUDA module (Debian's is not); then
+    // UCX moves it zero-copy (GPUDirect RDMA where the NIC reaches the GPU, else its own
+    // pipelined staging).
+    const bool cuda = region.kind == MemoryKind::kCuda;
+    if (cuda && !core_->cuda_memory()) {
+      return Status::unsupported("ucx: this UCX build has no CUDA memory type (built without --with-cuda)");
     }
     if (region.addr == nullptr || region.length == 0) {
       return Status::invalid_argument("ucx: empty memory region");
@@ -147,6 +151,10 @@ class UcxTransport final : public Transport {
       params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
       params.address = region.addr;  // no ALLOCATE: the caller owns the memory
       params.length = region.length;
+      if (cuda) {
+        params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        params.memory_type = UCS_MEMORY_TYPE_CUDA;
+      }
       ucs_status_t s = ucp_mem_map(core_->context(), &params, &memh);
       if (s != UCS_OK) {
         status = from_ucs(s, "ucp_mem_map");
@@ -304,6 +312,10 @@ Status Core::init(const UcxOptions& options) {
   s = ucp_init(&params, config, &context_);
   if (s != UCS_OK) return from_ucs(s, "ucp_init").with_context("ucx");
   rdma_device_ = has_rdma_resource(context_);
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  cuda_memory_ = ucp_context_query(context_, &attr) == UCS_OK &&
+                 (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
