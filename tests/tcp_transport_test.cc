@@ -2,6 +2,7 @@
 // over loopback sockets.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -107,6 +108,87 @@ TEST(TcpTransport, ManyOpsAcrossLanesFromSeveralThreads) {
   ASSERT_TRUE(sink.wait(kThreads * kPerThread));
   for (std::uint32_t i = 0; i < kThreads * kPerThread; ++i) ASSERT_TRUE(sink.status(i).is_ok());
   EXPECT_EQ(test::first_mismatch(p.local.data(), p.remote.data(), p.local.size()), -1);
+}
+
+TEST(TcpTransport, ScatteredPiecesOfOneRemoteRangeMoveIntact) {
+  // One post of pieces that continue each other remotely but sit anywhere locally (a KV-cache
+  // layer into one object): the stream sends runs of them as one request, up to 64 pieces or
+  // 4 MiB; more pieces than one request holds, pieces of several sizes, then a read back
+  // into yet another scatter.
+  constexpr std::size_t kPieces = 300;
+  std::vector<std::size_t> len(kPieces), remote_off(kPieces), local_off(kPieces);
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    len[i] = i % 7 == 0 ? (1u << 20) + i : 4096 + i * 13;
+    remote_off[i] = total;
+    total += len[i];
+  }
+  Pair p = make_pair(2 * total, {}, {.streams = 2});
+  ASSERT_TRUE(p.ep);
+  std::vector<std::size_t> order(kPieces);
+  for (std::size_t i = 0; i < kPieces; ++i) order[i] = (i * 113) % kPieces;  // 113 is coprime to 300
+  std::size_t at = 0;
+  for (std::size_t i : order) {
+    local_off[i] = at;
+    at += len[i];
+  }
+  test::fill_random(p.local.bytes(), 41);
+  auto post_all = [&](TransferOp op, Sink& sink) {
+    std::vector<Op> ops;
+    for (std::size_t i = 0; i < kPieces; ++i) {
+      ops.push_back(make_op(p, op, local_off[i], remote_off[i], len[i], sink, static_cast<std::uint32_t>(i),
+                            static_cast<std::uint32_t>(i / 100)));  // lanes 0, 1, 2 (stream 0 twice)
+    }
+    p.ep->post(ops);
+    ASSERT_TRUE(sink.wait(kPieces));
+    for (std::uint32_t i = 0; i < kPieces; ++i) ASSERT_TRUE(sink.status(i).is_ok()) << i;
+  };
+  Sink w;
+  post_all(TransferOp::kWrite, w);
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    ASSERT_EQ(test::first_mismatch(p.local.data() + local_off[i], p.remote.data() + remote_off[i], len[i]),
+              -1)
+        << "piece " << i;
+  }
+  std::ranges::sort(order, [&](std::size_t a, std::size_t b) { return remote_off[a] > remote_off[b]; });
+  at = total;
+  for (std::size_t i : order) {  // the read lands in reverse order of the write's scatter
+    local_off[i] = at;
+    at += len[i];
+  }
+  std::memset(p.local.data() + total, 0, total);
+  Sink r;
+  post_all(TransferOp::kRead, r);
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    ASSERT_EQ(test::first_mismatch(p.local.data() + local_off[i], p.remote.data() + remote_off[i], len[i]),
+              -1)
+        << "piece " << i;
+  }
+  EXPECT_TRUE(p.ep->healthy());
+}
+
+TEST(TcpTransport, RefusedRunOfPiecesFailsEveryPieceAndTheStreamStaysInSync) {
+  // Four writes that continue each other go out as one request; the last passes the region
+  // (a forged key length), so the target refuses the request and every piece of it fails.
+  Pair p = make_pair(1u << 20);
+  ASSERT_TRUE(p.ep);
+  auto* key = static_cast<RemoteKey*>(p.key.get());
+  key->length = 2u << 20;
+  Sink sink;
+  std::vector<Op> ops;
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    ops.push_back(make_op(p, TransferOp::kWrite, i * 8192, (1u << 20) - 3 * 4096 + i * 4096, 4096, sink, i));
+  }
+  p.ep->post(ops);
+  Op good = make_op(p, TransferOp::kRead, 0, 0, 4096, sink, 4);
+  p.ep->post({&good, 1});
+  ASSERT_TRUE(sink.wait(5));
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(sink.status(i).code(), StatusCode::kPermissionDenied) << i;
+    EXPECT_NE(sink.status(i).message().find("outside the registered region"), std::string::npos) << i;
+  }
+  EXPECT_TRUE(sink.status(4).is_ok()) << sink.status(4).to_string();
+  EXPECT_TRUE(p.ep->healthy());
 }
 
 TEST(TcpTransport, TargetRefusesWrongKeyAndOutOfRangeAndKeepsServing) {

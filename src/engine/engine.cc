@@ -437,7 +437,12 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
   const TransportKind kind = state_->transport->kind();
   std::vector<transport::Op> ops;
   ops.reserve(entries.size());
+  // Lanes take slices in turn; pieces smaller than a slice that continue the previous one on
+  // the remote side (a scattered local layer into one object) share its lane up to a slice's
+  // worth, so the transport can send them as one request (tcp, verbs SGE lists).
   std::uint32_t lane = 0;
+  std::size_t on_lane = 0;
+  std::optional<transport::Op> prev;
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const TransferEntry& e = entries[i];
     auto key = e.remote->state_->key_for(ep.first, ep.second, e.remote->base(), e.remote->length(), deadline);
@@ -453,10 +458,18 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
       op.remote_addr = e.remote_addr + off;
       op.remote_key = key->get();
       op.length = std::min(slice, e.length - off);
-      op.lane = lane++ % std::max<std::uint32_t>(1, caps.lanes);
+      const bool continues = prev && prev->op == op.op && prev->remote_key == op.remote_key &&
+                             prev->remote_addr + prev->length == op.remote_addr;
+      if (on_lane > 0 && (!continues || on_lane + op.length > slice)) {
+        ++lane;
+        on_lane = 0;
+      }
+      op.lane = lane % std::max<std::uint32_t>(1, caps.lanes);
+      on_lane += op.length;
       op.sink = batch_state.get();
       op.tag = static_cast<std::uint32_t>(i);
       ops.push_back(op);
+      prev = op;
     }
   }
   ep.first->post(ops);

@@ -148,7 +148,8 @@ class BouncePool {
 };
 
 bool on_gpu(const KvLayout& layout) {
-  return std::ranges::any_of(layout.regions(), [](const MemoryRegion& r) { return r.kind == MemoryKind::kCuda; });
+  return std::ranges::any_of(layout.regions(),
+                             [](const MemoryRegion& r) { return r.kind == MemoryKind::kCuda; });
 }
 
 // The CUDA copier for a GPU layout no transport reaches, on the GPU that owns its memory.
@@ -413,8 +414,8 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
       if (!on_gpu(layout) || !impl->options.stage_when_unreachable) return direct;
       auto copier = gpu_staging_copier(layout);
       if (!copier.is_ok()) {
-        return direct.with_context("no transport reaches this GPU memory, and " +
-                                   copier.status().message() + ": stage it (KvCacheOptions::copier)");
+        return direct.with_context("no transport reaches this GPU memory, and " + copier.status().message() +
+                                   ": stage it (KvCacheOptions::copier)");
       }
       KVSTASH_LOG_INFO("kvcache: staging GPU memory through pinned host buffers (the {} copier): {}",
                        (*copier)->name(), direct.message());

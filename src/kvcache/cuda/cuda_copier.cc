@@ -128,9 +128,9 @@ class CudaCopier final : public DeviceCopier {
 
   Status run(Lane& lane, std::size_t n, const char* what) {
     KVSTASH_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "select the GPU"));
-    KVSTASH_RETURN_IF_ERROR(cuda_status(
-        static_cast<cudaError_t>(launch_copy_runs(lane.descriptors, static_cast<std::uint32_t>(n), lane.stream)),
-        what));
+    KVSTASH_RETURN_IF_ERROR(cuda_status(static_cast<cudaError_t>(launch_copy_runs(
+                                            lane.descriptors, static_cast<std::uint32_t>(n), lane.stream)),
+                                        what));
     return cuda_status(cudaStreamSynchronize(lane.stream), what);
   }
 

@@ -10,6 +10,7 @@
 // Payloads move straight between the socket and the registered memory on both sides.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <bit>
 #include <condition_variable>
@@ -127,8 +128,24 @@ class RegionTable {
 // One op in flight on a client stream.
 struct Pending {
   Op op{};
+  // Ops that continue each other on the remote side go out as one request: the first carries
+  // how many it stands for, the others 0.
+  std::uint32_t group = 1;
   bool aborted = false;
   Status abort_reason{};
+};
+
+// At most this many ops, and this many bytes, in one request.
+inline constexpr std::size_t kMaxGroupOps = 64;
+inline constexpr std::uint64_t kMaxGroupBytes = 4u << 20;
+
+// A request on its way out: the header, a WRITE's payload pieces, and how much has been sent.
+struct OutRequest {
+  RequestHeader header{};
+  std::array<std::pair<const std::byte*, std::size_t>, kMaxGroupOps> pieces{};
+  std::size_t count = 0;  // payload pieces (0 for a READ)
+  std::size_t sent = 0;   // bytes of header + payload already sent
+  std::size_t total() const { return sizeof header + (count > 0 ? header.length : 0); }
 };
 
 // The io_context and its threads, shared by the transport, its endpoints and streams so that
@@ -155,7 +172,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
  public:
   Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket);
   void start();
-  void enqueue(const Op& op);
+  // Queues `ops` (in order) and sends what the socket takes at once from this thread.
+  void enqueue(std::span<const Op> ops);
   // Completes queued ops of `sink` with `reason`; returns the number still on the wire.
   std::size_t abort_queued(CompletionSink* sink, const Status& reason);
   // Closes the socket so every op on the wire fails; ops of `sink` end with `reason`.
@@ -167,8 +185,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
 
  private:
   static asio::awaitable<void> write_loop(std::shared_ptr<Stream> self);
-  // Moves the next queued op on the wire and fills its header; false when none. Needs mu_.
-  bool next_request(RequestHeader& h, std::byte*& payload);
+  // Moves the next queued op on the wire, with the queued ops that continue it remotely
+  // (same sink, key and direction), and fills the request; false when none. Needs mu_.
+  bool next_request(OutRequest& r);
   // Sends queued requests from the calling thread while the socket takes them whole.
   // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
   bool send_inline();
@@ -189,12 +208,8 @@ class Stream : public std::enable_shared_from_this<Stream> {
   std::size_t completing_ = 0;
   bool writing_ = false;
   // A request send_inline() could not finish: the writer sends its remaining bytes first.
-  struct Resume {
-    RequestHeader header{};
-    std::byte* payload = nullptr;
-    std::size_t sent = 0;  // bytes of header + payload already sent
-    bool pending = false;
-  } resume_;
+  OutRequest resume_;
+  bool resume_pending_ = false;
   bool failed_ = false;
   Status failure_;
   std::atomic<bool> healthy_{true};

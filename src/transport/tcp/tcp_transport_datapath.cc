@@ -51,15 +51,15 @@ Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket)
 
 void Stream::start() { asio::co_spawn(strand_, read_loop(shared_from_this()), asio::detached); }
 
-void Stream::enqueue(const Op& op) {
+void Stream::enqueue(std::span<const Op> ops) {
   std::unique_lock lock(mu_);
   if (failed_) {
     Status s = failure_;
     lock.unlock();
-    op.sink->complete(op.tag, std::move(s));
+    for (const Op& op : ops) op.sink->complete(op.tag, s);
     return;
   }
-  queued_.push_back({op});
+  for (const Op& op : ops) queued_.push_back({op});
   if (writing_) return;
   writing_ = true;
   // Send from this thread while the socket takes requests whole: no hop to an io thread.
@@ -71,18 +71,36 @@ void Stream::enqueue(const Op& op) {
   asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
 }
 
-bool Stream::next_request(RequestHeader& h, std::byte*& payload) {
+bool Stream::next_request(OutRequest& r) {
   if (queued_.empty() || failed_) return false;
   // On the wire before the header is sent, so the response always finds it.
   on_wire_.push_back(std::move(queued_.front()));
   queued_.pop_front();
-  const Op& op = on_wire_.back().op;
-  h = RequestHeader{};
-  h.op = static_cast<std::uint8_t>(op.op);
-  h.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
-  h.addr = op.remote_addr;
-  h.length = op.length;
-  payload = op.op == TransferOp::kWrite ? op.local : nullptr;
+  Pending& first = on_wire_.back();
+  const Op& op = first.op;
+  const bool write = op.op == TransferOp::kWrite;
+  r = OutRequest{};
+  r.header.op = static_cast<std::uint8_t>(op.op);
+  r.header.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
+  r.header.addr = op.remote_addr;
+  r.header.length = op.length;
+  if (write) r.pieces[r.count++] = {op.local, op.length};
+  std::uint32_t group = 1;
+  while (group < kMaxGroupOps && !queued_.empty()) {
+    const Op& next = queued_.front().op;
+    if (next.sink != op.sink || next.op != op.op || next.remote_key != op.remote_key ||
+        next.remote_addr != r.header.addr + r.header.length ||
+        r.header.length + next.length > kMaxGroupBytes) {
+      break;
+    }
+    r.header.length += next.length;
+    if (write) r.pieces[r.count++] = {next.local, next.length};
+    on_wire_.push_back(std::move(queued_.front()));
+    queued_.pop_front();
+    on_wire_.back().group = 0;
+    ++group;
+  }
+  on_wire_[on_wire_.size() - group].group = group;
   return true;
 }
 
@@ -90,55 +108,60 @@ bool Stream::send_inline() {
   // MSG_DONTWAIT (and the socket is non-blocking anyway): sendmsg never waits here. Holding mu_
   // keeps fail_all() from closing the descriptor under us.
   const int fd = socket_.native_handle();
-  RequestHeader h;
-  std::byte* payload = nullptr;
-  while (next_request(h, payload)) {
-    iovec iov[2] = {{&h, sizeof h}, {payload, payload != nullptr ? h.length : 0}};
-    const std::size_t total = sizeof h + iov[1].iov_len;
+  OutRequest& r = resume_;
+  while (next_request(r)) {
+    std::array<iovec, kMaxGroupOps + 1> iov;
+    iov[0] = {&r.header, sizeof r.header};
+    for (std::size_t i = 0; i < r.count; ++i) {
+      iov[i + 1] = {const_cast<std::byte*>(r.pieces[i].first), r.pieces[i].second};
+    }
     msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = payload != nullptr ? 2 : 1;
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = r.count + 1;
     // MSG_NOSIGNAL: a peer that died must turn into an error, not a SIGPIPE for the process.
     ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n == static_cast<ssize_t>(total)) continue;
+    if (n == static_cast<ssize_t>(r.total())) continue;
     // Partly sent, would block, or failed: the writer coroutine finishes the job (and meets
     // the error itself, closing the stream on its strand).
-    resume_ = {h, payload, n > 0 ? static_cast<std::size_t>(n) : 0, true};
+    r.sent = n > 0 ? static_cast<std::size_t>(n) : 0;
+    resume_pending_ = true;
     return false;
   }
   return true;
 }
 
 asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
+  OutRequest r;
+  std::vector<asio::const_buffer> bufs;
   for (;;) {
-    RequestHeader h{};
-    std::byte* payload = nullptr;
-    std::size_t sent = 0;
     {
       std::lock_guard lock(self->mu_);
       if (self->failed_) {
         self->writing_ = false;
         co_return;
       }
-      if (self->resume_.pending) {
-        h = self->resume_.header;
-        payload = self->resume_.payload;
-        sent = self->resume_.sent;
-        self->resume_.pending = false;
-      } else if (!self->next_request(h, payload)) {
+      if (self->resume_pending_) {
+        r = self->resume_;
+        self->resume_pending_ = false;
+      } else if (!self->next_request(r)) {
         self->writing_ = false;
         co_return;
       }
     }
-    // Only locals from here on: a failure on the read side may complete the op meanwhile.
-    const std::size_t payload_len = payload != nullptr ? h.length : 0;
-    std::array<asio::const_buffer, 2> bufs{asio::buffer(&h, sizeof h), asio::buffer(payload, payload_len)};
-    if (sent >= sizeof h) {
-      bufs[0] = asio::const_buffer();
-      bufs[1] = asio::buffer(payload + (sent - sizeof h), payload_len - (sent - sizeof h));
-    } else {
-      bufs[0] = asio::buffer(reinterpret_cast<const std::byte*>(&h) + sent, sizeof h - sent);
-    }
+    // Only locals from here on: a failure on the read side may complete the ops meanwhile.
+    // The bytes not sent yet: the rest of the header, then the rest of the payload.
+    bufs.clear();
+    std::size_t skip = r.sent;
+    auto add = [&](const void* p, std::size_t len) {
+      if (skip >= len) {
+        skip -= len;
+        return;
+      }
+      bufs.push_back(asio::buffer(static_cast<const std::byte*>(p) + skip, len - skip));
+      skip = 0;
+    };
+    add(&r.header, sizeof r.header);
+    for (std::size_t i = 0; i < r.count; ++i) add(r.pieces[i].first, r.pieces[i].second);
     error_code ec;
     co_await asio::async_write(self->socket_, bufs, kWhole, redirect_error(use_awaitable, ec));
     if (ec) {
@@ -151,6 +174,7 @@ asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
 }
 
 asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
+  std::vector<asio::mutable_buffer> bufs;
   for (;;) {
     ResponseHeader r{};
     error_code ec;
@@ -161,39 +185,49 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
                                                                 : "tcp receive failed: " + ec.message()));
       co_return;
     }
-    Op op;
+    // The request this answers: the group of ops at the front of the wire.
+    std::uint32_t group = 0;
+    TransferOp op = TransferOp::kRead;
+    std::uint64_t length = 0;
+    bufs.clear();
     {
       std::lock_guard lock(self->mu_);
       if (self->failed_) co_return;  // reset meanwhile; its ops are already completed
-      if (self->on_wire_.empty()) {
-        op.sink = nullptr;
-      } else {
-        op = self->on_wire_.front().op;
+      if (!self->on_wire_.empty() && self->on_wire_.front().group <= self->on_wire_.size()) {
+        group = self->on_wire_.front().group;
+        op = self->on_wire_.front().op.op;
+        for (std::uint32_t i = 0; i < group; ++i) {
+          const Op& o = self->on_wire_[i].op;
+          length += o.length;
+          bufs.push_back(asio::buffer(o.local, o.length));
+        }
       }
     }
     const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
-    const std::uint64_t expect = ok && op.op == TransferOp::kRead ? op.length : 0;
-    if (op.sink == nullptr || r.length != expect) {
+    const std::uint64_t expect = ok && op == TransferOp::kRead ? length : 0;
+    if (group == 0 || r.length != expect) {
       self->fail_all(Status::corrupt("tcp protocol error: unexpected response from peer"));
       co_return;
     }
     if (expect > 0) {
-      co_await asio::async_read(self->socket_, asio::buffer(op.local, expect), kWhole,
-                                redirect_error(use_awaitable, ec));
+      co_await asio::async_read(self->socket_, bufs, kWhole, redirect_error(use_awaitable, ec));
       if (ec) {
         self->fail_all(Status::unavailable("tcp receive failed mid-payload: " + ec.message()));
         co_return;
       }
     }
-    Pending done;
+    std::vector<Pending> done;
     {
       std::lock_guard lock(self->mu_);
       if (self->failed_) co_return;
-      done = std::move(self->on_wire_.front());
-      self->on_wire_.pop_front();
-      ++self->completing_;
+      for (std::uint32_t i = 0; i < group; ++i) {
+        done.push_back(std::move(self->on_wire_.front()));
+        self->on_wire_.pop_front();
+      }
+      self->completing_ += group;
     }
-    self->finish(done, ok ? Status() : refusal(r.status, r.reason));
+    const Status status = ok ? Status() : refusal(r.status, r.reason);
+    for (Pending& p : done) self->finish(p, status);
   }
 }
 
@@ -290,7 +324,19 @@ void Stream::close() {
 }
 
 void Endpoint::post(std::span<const Op> ops) {
-  for (const Op& op : ops) streams_[op.lane % streams_.size()]->enqueue(op);
+  if (streams_.size() == 1) {
+    streams_[0]->enqueue(ops);
+    return;
+  }
+  // Each stream gets its ops in one go, so it can send runs of them as one request.
+  std::vector<Op> mine;
+  for (std::size_t s = 0; s < streams_.size(); ++s) {
+    mine.clear();
+    for (const Op& op : ops) {
+      if (op.lane % streams_.size() == s) mine.push_back(op);
+    }
+    if (!mine.empty()) streams_[s]->enqueue(mine);
+  }
 }
 
 void Endpoint::abort(CompletionSink* sink, const Status& reason) {
