@@ -145,7 +145,14 @@ PYBIND11_MODULE(kvstash, m) {
              return py::bytes(out);
            })
       .def("remove",
-           [](PyStore& s, const std::string& key) { check(nogil([&] { return s.store->remove(key); })); });
+           [](PyStore& s, const std::string& key) { check(nogil([&] { return s.store->remove(key); })); })
+      .def(
+          "contains_prefix",
+          [](PyStore& s, const std::vector<std::string>& keys, double timeout) {
+            return unwrap(nogil([&] { return s.store->contains_prefix(keys, deadline_of(timeout)); }));
+          },
+          py::arg("keys"), py::arg("timeout") = 0.0,
+          "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).");
 
   py::class_<PySave, std::shared_ptr<PySave>>(m, "KvSave")
       .def("save_layer",
