@@ -243,6 +243,7 @@ Result<ObjectRecord> Catalog::stat(std::string_view key) {
   o.checksum = *sum;
   o.layout = std::string(text_of(r.element(2)));
   o.pages = ext->size();
+  o.extents = std::move(ext).value();
   std::string_view nodes = text_of(r.element(4));
   while (!nodes.empty()) {
     std::size_t sp = nodes.find(' ');
@@ -290,6 +291,138 @@ Result<ReclaimCounts> Catalog::reclaim(std::uint32_t limit) {
   if (r.type() != Reply::Type::kArray || r.size() != 5) return corrupt("unexpected reply to reclaim");
   auto at = [&](std::size_t i) { return static_cast<std::uint64_t>(integer_of(r.element(i)).value_or(0)); };
   return ReclaimCounts{at(0), at(1), at(2), at(3), at(4)};
+}
+
+Result<std::uint64_t> Catalog::cordon_node(std::string_view id) {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::cordon_node(), {prefix_}, {id}));
+  if (r.type() != Reply::Type::kArray || r.size() != 2) return corrupt("unexpected reply to cordon_node");
+  return static_cast<std::uint64_t>(integer_of(r.element(1)).value_or(0));
+}
+
+Result<std::vector<std::string>> Catalog::known_nodes() {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::known_nodes(), {prefix_}, {}));
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < r.size(); ++i) out.emplace_back(text_of(r.element(i)));
+  return out;
+}
+
+Result<std::uint64_t> Catalog::forget_node(std::string_view id) {
+  auto r = redis_.eval(scripts::forget_node(), {prefix_}, {id});
+  if (!r.is_ok()) return r.status();
+  return static_cast<std::uint64_t>(integer_of(r->raw()).value_or(0));
+}
+
+Result<CellSummary> Catalog::summary() {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::cell_summary(), {prefix_}, {}));
+  if (r.type() != Reply::Type::kArray || r.size() < 3 || r.size() % 2 != 1) {
+    return corrupt("unexpected reply to cell_summary");
+  }
+  CellSummary c;
+  c.page_size = static_cast<std::uint64_t>(integer_of(r.element(0)).value_or(0));
+  c.objects = static_cast<std::uint64_t>(integer_of(r.element(1)).value_or(0));
+  c.now_ms = integer_of(r.element(2)).value_or(0);
+  for (std::size_t i = 3; i + 1 < r.size(); i += 2) {
+    const std::string_view field = text_of(r.element(i));
+    const auto v = static_cast<std::uint64_t>(
+        std::max<std::int64_t>(0, number<std::int64_t>(text_of(r.element(i + 1))).value_or(0)));
+    if (field == "bytes") c.bytes = v;
+    if (field == "hits") c.hits = v;
+    if (field == "misses") c.misses = v;
+    if (field == "evicted") c.evicted = v;
+    if (field == "expired") c.expired = v;
+  }
+  return c;
+}
+
+namespace {
+
+// `text` with SCAN's glob characters escaped, so that it matches itself only.
+std::string glob_literal(std::string_view text) {
+  std::string out;
+  for (char ch : text) {
+    if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out;
+}
+
+std::vector<std::string> split_nodes(std::string_view nodes) {
+  std::vector<std::string> out;
+  while (!nodes.empty()) {
+    const std::size_t sp = nodes.find(' ');
+    if (sp != 0) out.emplace_back(nodes.substr(0, sp));
+    nodes = sp == std::string_view::npos ? std::string_view{} : nodes.substr(sp + 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<ObjectScan> Catalog::scan_objects(std::string_view pattern, std::string_view cursor,
+                                         std::uint32_t count) {
+  const std::string head = prefix_ + ":obj:";
+  const std::string match = glob_literal(head) + std::string(pattern.empty() ? "*" : pattern);
+  const std::string n = std::to_string(count == 0 ? 100 : count);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"SCAN", cursor, "MATCH", match, "COUNT", n}));
+  if (r.type() != Reply::Type::kArray || r.size() != 2 || r.element(1)->type != REDIS_REPLY_ARRAY) {
+    return corrupt("unexpected reply to SCAN");
+  }
+  ObjectScan out;
+  out.cursor = std::string(text_of(r.element(0)));
+  const redisReply* keys = r.element(1);
+  for (std::size_t i = 0; i < keys->elements; ++i) {
+    std::string_view k = text_of(keys->element[i]);
+    if (k.size() > head.size() && k.substr(0, head.size()) == head)
+      out.keys.emplace_back(k.substr(head.size()));
+  }
+  return out;
+}
+
+Result<std::vector<ObjectInfo>> Catalog::describe(std::span<const std::string> keys, std::int64_t* now_ms) {
+  std::vector<std::string_view> args(keys.begin(), keys.end());
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::describe_objects(), {prefix_}, args));
+  constexpr std::size_t kFields = 7;
+  if (r.type() != Reply::Type::kArray || r.size() != 1 + kFields * keys.size()) {
+    return corrupt("unexpected reply to describe_objects");
+  }
+  if (now_ms != nullptr) *now_ms = integer_of(r.element(0)).value_or(0);
+  std::vector<ObjectInfo> out;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    auto at = [&](std::size_t f) { return text_of(r.element(1 + i * kFields + f)); };
+    ObjectInfo o;
+    o.key = keys[i];
+    o.exists = !at(0).empty();
+    if (o.exists) {
+      auto size = number<std::uint64_t>(at(0));
+      if (!size) return corrupt("object " + keys[i] + " has a malformed record");
+      o.size = *size;
+      o.created_ms = number<std::int64_t>(at(1)).value_or(0);
+      o.expires_ms = number<std::int64_t>(at(2)).value_or(0);
+      o.last_access_ms = number<std::int64_t>(at(3)).value_or(0);
+      o.nodes = split_nodes(at(4));
+      o.checksum = number<std::uint64_t>(at(5), 16).value_or(0);
+      o.readers = static_cast<std::uint64_t>(integer_of(r.element(1 + i * kFields + 6)).value_or(0));
+    }
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+Result<std::vector<EvictedObject>> Catalog::evict_lru(std::chrono::milliseconds idle, std::uint64_t max_bytes,
+                                                      bool dry_run, std::uint32_t limit,
+                                                      std::int64_t* now_ms) {
+  const std::string i = ms(idle), b = std::to_string(max_bytes), l = std::to_string(limit == 0 ? 1 : limit);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                           redis_.eval(scripts::evict_lru(), {prefix_}, {i, b, dry_run ? "1" : "0", l}));
+  if (r.type() != Reply::Type::kArray || r.size() % 3 != 1) return corrupt("unexpected reply to evict_lru");
+  if (now_ms != nullptr) *now_ms = integer_of(r.element(0)).value_or(0);
+  std::vector<EvictedObject> out;
+  for (std::size_t k = 1; k + 2 < r.size(); k += 3) {
+    out.push_back({std::string(text_of(r.element(k))),
+                   number<std::uint64_t>(text_of(r.element(k + 1))).value_or(0),
+                   integer_of(r.element(k + 2)).value_or(0)});
+  }
+  return out;
 }
 
 }  // namespace kvstash::metadata

@@ -70,7 +70,8 @@ struct ObjectRecord {
   std::string layout;
   std::uint64_t pages = 0;
   std::vector<std::string> nodes;
-  std::int64_t ttl_ms = -1;  // time left; -1: no expiry
+  std::int64_t ttl_ms = -1;     // time left; -1: no expiry
+  std::vector<Extent> extents;  // in object order
 };
 
 struct NodeStatus {
@@ -94,6 +95,43 @@ struct ReclaimCounts {
 struct EvictCounts {
   std::uint64_t objects = 0;
   std::uint64_t pages = 0;
+};
+
+// The cell at a glance (the counters count since the cell's Redis was created).
+struct CellSummary {
+  std::uint64_t page_size = 0;
+  std::uint64_t objects = 0;
+  std::uint64_t bytes = 0;    // sum of the objects' sizes
+  std::uint64_t hits = 0;     // gets that found their object
+  std::uint64_t misses = 0;   // gets that did not
+  std::uint64_t evicted = 0;  // objects evicted (for room, or by an operator)
+  std::uint64_t expired = 0;  // objects released at their TTL
+  std::int64_t now_ms = 0;    // Redis's clock
+};
+
+// One object as an operator sees it (read-only: looking does not touch it).
+struct ObjectInfo {
+  std::string key;
+  bool exists = false;
+  std::uint64_t size = 0;
+  std::int64_t created_ms = 0;
+  std::int64_t expires_ms = 0;  // 0: never
+  std::int64_t last_access_ms = 0;
+  std::vector<std::string> nodes;
+  std::uint64_t checksum = 0;
+  std::uint64_t readers = 0;  // live read leases
+};
+
+// A page of SCAN over object keys.
+struct ObjectScan {
+  std::vector<std::string> keys;
+  std::string cursor;  // "0" when the scan is complete
+};
+
+struct EvictedObject {
+  std::string key;
+  std::uint64_t size = 0;
+  std::int64_t last_access_ms = 0;
 };
 
 class Catalog {
@@ -146,6 +184,27 @@ class Catalog {
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
 
   Result<EvictCounts> evict(std::uint64_t bytes);
+
+  // Administration (the kvstash CLI).
+  // An operator's drain: no new pages on the node, its objects stay until they leave on
+  // their own. Returns the node's object count; kNotFound for an unknown node.
+  Result<std::uint64_t> cordon_node(std::string_view id);
+  // Every node the cell knows (live, draining, dead, not yet forgotten), sorted.
+  Result<std::vector<std::string>> known_nodes();
+  // Drops what a dead node left behind (its objects are released). Returns how many objects;
+  // kNotFound for an unknown node, kInvalidArgument while it is alive.
+  Result<std::uint64_t> forget_node(std::string_view id);
+  Result<CellSummary> summary();
+  // One SCAN step over object keys matching the glob `pattern` ("*" for all), from `cursor`
+  // ("0" to start); `count` is SCAN's hint.
+  Result<ObjectScan> scan_objects(std::string_view pattern, std::string_view cursor, std::uint32_t count);
+  // Objects by key, in order; a key without an object has exists = false.
+  Result<std::vector<ObjectInfo>> describe(std::span<const std::string> keys, std::int64_t* now_ms = nullptr);
+  // Least recently used objects no reader leases, idle for at least `idle` (0: any), until
+  // `max_bytes` (0: no bound) or `limit` objects are chosen; released unless `dry_run`.
+  Result<std::vector<EvictedObject>> evict_lru(std::chrono::milliseconds idle, std::uint64_t max_bytes,
+                                               bool dry_run, std::uint32_t limit,
+                                               std::int64_t* now_ms = nullptr);
   Result<ReclaimCounts> reclaim(std::uint32_t limit = 256);
 
  private:

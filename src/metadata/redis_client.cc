@@ -266,8 +266,9 @@ Result<std::unique_ptr<RedisClient>> RedisClient::connect(const RedisOptions& op
   if (!options.password.empty()) url.password = options.password;
   if (!url.user.empty() && url.password.empty()) {
     // Connecting as `default` instead would be a silent change of identity.
-    return Status::invalid_argument("redis user '" + url.user +
-                                    "' needs a password (in the URL, or KVSTASH_REDIS_PASSWORD / a password file)");
+    return Status::invalid_argument(
+        "redis user '" + url.user +
+        "' needs a password (in the URL, or KVSTASH_REDIS_PASSWORD / a password file)");
   }
   std::unique_ptr<RedisClient> c(new RedisClient(options, std::move(url)));
   KVSTASH_RETURN_IF_ERROR(c->open());

@@ -101,8 +101,10 @@ end
 -- the last read lease on them ends. Returns the pages freed now.
 local function release(key)
   local ok = P .. ':obj:' .. key
-  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes')
+  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size')
   redis.call('DEL', ok)
+  -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
+  if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
   redis.call('ZREM', P .. ':lru', key)
   redis.call('ZREM', P .. ':expiry', key)
   for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('SREM', P .. ':objs:' .. id, key) end
@@ -162,6 +164,7 @@ end
 local function sweep_expired(limit)
   local keys = redis.call('ZRANGEBYSCORE', P .. ':expiry', '-inf', now, 'LIMIT', 0, limit)
   for _, key in ipairs(keys) do release(key) end
+  if #keys > 0 then redis.call('HINCRBY', P .. ':stats', 'expired', #keys) end
   return #keys
 end
 
@@ -190,6 +193,7 @@ local function evict(need)
   if pages < need then return 0, 0 end
   local freed = 0
   for _, key in ipairs(victims) do freed = freed + release(key) end
+  if #victims > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #victims) end
   return #victims, freed
 end
 
@@ -248,6 +252,7 @@ if held[1] ~= epoch then
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
+redis.call('SADD', P .. ':known', id)
 return 'OK'
 )lua");
   return s;
@@ -319,6 +324,127 @@ return {n[1], n[2] or '', tonumber(n[3]) or 0, tonumber(n[4]) or 0, free,
 const Script& list_nodes() {
   static const Script s = make(R"lua(
 return redis.call('ZRANGE', P .. ':nodes', 0, -1)
+)lua");
+  return s;
+}
+
+// ARGV id. An operator's drain: the node takes no new pages; its objects stay readable until
+// they expire, are evicted or removed. Returns the state before and the node's objects.
+const Script& cordon_node() {
+  static const Script s = make(R"lua(
+local nk = P .. ':node:' .. ARGV[1]
+local st = redis.call('HGET', nk, 'state')
+if not st then return redis.error_reply('NOT_FOUND no node ' .. ARGV[1]) end
+if st == 'up' then redis.call('HSET', nk, 'state', 'draining') end
+return {st, redis.call('SCARD', P .. ':objs:' .. ARGV[1])}
+)lua");
+  return s;
+}
+
+// Every node the cell knows, live or not, until an operator forgets it: sorted ids.
+const Script& known_nodes() {
+  static const Script s = make(R"lua(
+local ids = redis.call('SMEMBERS', P .. ':known')
+for _, id in ipairs(redis.call('ZRANGE', P .. ':nodes', 0, -1)) do ids[#ids + 1] = id end
+table.sort(ids)
+local out, last = {}, nil
+for _, id in ipairs(ids) do
+  if id ~= last then out[#out + 1] = id end
+  last = id
+end
+return out
+)lua");
+  return s;
+}
+
+// ARGV id. Removes what a dead node left: its objects (released), free list and generations,
+// its place in the cell. The node's record keeps its incarnation count, so a later node with
+// this id still starts above every old generation. IN_USE while its heartbeat is current.
+const Script& forget_node() {
+  static const Script s = make(R"lua(
+local id = ARGV[1]
+local nk = P .. ':node:' .. id
+if redis.call('EXISTS', nk) == 0 then return redis.error_reply('NOT_FOUND no node ' .. id) end
+if live(id) then
+  return redis.error_reply('IN_USE node ' .. id .. ' is alive (its heartbeat is current): stop its kvstashd first')
+end
+local keys = redis.call('SMEMBERS', P .. ':objs:' .. id)
+for _, key in ipairs(keys) do release(key) end
+redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id, P .. ':gen:' .. id)
+redis.call('ZREM', P .. ':nodes', id)
+redis.call('SREM', P .. ':known', id)
+redis.call('HDEL', nk, 'address', 'key')
+redis.call('HSET', nk, 'state', 'gone')
+return #keys
+)lua");
+  return s;
+}
+
+// The cell at a glance: page size, objects, now, then the counters of P:stats as field, value.
+const Script& cell_summary() {
+  static const Script s = make(R"lua(
+local out = {page_size(), redis.call('ZCARD', P .. ':lru'), now}
+for _, v in ipairs(redis.call('HGETALL', P .. ':stats')) do out[#out + 1] = v end
+return out
+)lua");
+  return s;
+}
+
+// ARGV keys. Read-only. Returns now, then per key: size ('' when absent), created, expires,
+// last access, nodes, checksum, live read leases.
+const Script& describe_objects() {
+  static const Script s = make(R"lua(
+local out = {now}
+for _, key in ipairs(ARGV) do
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'size', 'created', 'expires', 'nodes', 'checksum', 'token')
+  local last = redis.call('ZSCORE', P .. ':lru', key)
+  local readers = 0
+  if o[6] then readers = redis.call('ZCOUNT', P .. ':readers:' .. o[6], now, '+inf') end
+  out[#out + 1] = o[1] or ''
+  out[#out + 1] = o[2] or '0'
+  out[#out + 1] = o[3] or '0'
+  out[#out + 1] = last or '0'
+  out[#out + 1] = o[4] or ''
+  out[#out + 1] = o[5] or ''
+  out[#out + 1] = readers
+end
+return out
+)lua");
+  return s;
+}
+
+// ARGV idle_ms (0: any), max_bytes (0: no bound), dry_run (1/0), limit. Least recently used
+// unleased objects first: those idle for at least idle_ms, until max_bytes of them are chosen
+// (the one that crosses it included). Released unless dry_run. Returns now, then key, size,
+// last access per object chosen.
+const Script& evict_lru() {
+  static const Script s = make(R"lua(
+local idle, max_bytes, dry, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local out, chosen, bytes, offset = {now}, {}, 0, 0
+local done = false
+while not done and #chosen < limit do
+  local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63, 'WITHSCORES')
+  if #batch == 0 then break end
+  offset = offset + #batch / 2
+  for i = 1, #batch, 2 do
+    local key, last = batch[i], tonumber(batch[i + 1])
+    if idle > 0 and last > now - idle then done = true break end
+    local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'size')
+    if o[1] and redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
+      chosen[#chosen + 1] = key
+      bytes = bytes + (tonumber(o[2]) or 0)
+      out[#out + 1] = key
+      out[#out + 1] = o[2] or '0'
+      out[#out + 1] = last
+      if (max_bytes > 0 and bytes >= max_bytes) or #chosen >= limit then done = true break end
+    end
+  end
+end
+if not dry then
+  for _, key in ipairs(chosen) do release(key) end
+  if #chosen > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #chosen) end
+end
+return out
 )lua");
   return s;
 }
@@ -423,6 +549,7 @@ if ttl > 0 then expires = now + ttl end
 redis.call('HSET', ok, 'size', p[4], 'token', token, 'extents', p[2], 'nodes', p[3], 'checksum', ARGV[3],
            'layout', ARGV[4], 'created', now, 'expires', expires)
 for id in string.gmatch(p[3] or '', '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
+if (tonumber(p[4]) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', p[4]) end
 redis.call('ZADD', P .. ':lru', now, key)
 if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 redis.call('DEL', pk)
@@ -450,7 +577,11 @@ const Script& begin_get() {
   static const Script s = make(R"lua(
 local key = ARGV[1]
 local o = lookup(key)
-if not o then return redis.error_reply('NOT_FOUND no object ' .. key) end
+if not o then
+  redis.call('HINCRBY', P .. ':stats', 'misses', 1)
+  return redis.error_reply('NOT_FOUND no object ' .. key)
+end
+redis.call('HINCRBY', P .. ':stats', 'hits', 1)
 redis.call('ZADD', P .. ':readers:' .. o[1], now + tonumber(ARGV[3]), ARGV[2])
 redis.call('ZADD', P .. ':lru', now, key)
 return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or ''}, o[6])
@@ -580,6 +711,21 @@ end
 return {expired, #puts, #zombies, #dead, orphans}
 )lua");
   return s;
+}
+
+std::vector<const Script*> all() {
+  return {&register_node(),   &heartbeat(),
+          &drain_node(),      &deregister_node(),
+          &node_status(),     &list_nodes(),
+          &begin_put(),       &commit_put(),
+          &abort_put(),       &begin_get(),
+          &end_get(),         &stat(),
+          &remove(),          &touch(),
+          &contains_prefix(), &evict(),
+          &reclaim(),         &cordon_node(),
+          &known_nodes(),     &forget_node(),
+          &cell_summary(),    &describe_objects(),
+          &evict_lru()};
 }
 
 }  // namespace kvstash::metadata::scripts

@@ -3,6 +3,8 @@
 // with that prefix, so all of them share one hash tag.
 #pragma once
 
+#include <vector>
+
 #include "metadata/redis_client.h"
 
 namespace kvstash::metadata::scripts {
@@ -27,5 +29,16 @@ const Script& touch();
 const Script& contains_prefix();
 const Script& evict();
 const Script& reclaim();
+
+// Administration (the kvstash CLI).
+const Script& cordon_node();
+const Script& known_nodes();
+const Script& forget_node();
+const Script& cell_summary();
+const Script& describe_objects();
+const Script& evict_lru();
+
+// Every script above (kvstash doctor checks which ones Redis has cached).
+std::vector<const Script*> all();
 
 }  // namespace kvstash::metadata::scripts

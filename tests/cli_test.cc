@@ -1,0 +1,367 @@
+// The kvstash CLI as a real process against a real redis-server and kvstashd: output parsed
+// from --json and checked against the cell's state; plan against the published figures; usage
+// errors exit 2, missing objects 3; destructive commands without --yes change nothing.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "command.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+struct Outcome {
+  int code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+  json j() const { return json::parse(out); }
+};
+
+class Cli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const char* exe = std::getenv("KVSTASH_CLI");
+    if (exe != nullptr) cli_ = exe;
+  }
+
+  void SetUp() override {
+    if (cli_.empty()) GTEST_SKIP() << "KVSTASH_CLI not set (run via meson test)";
+    dir_ = std::filesystem::temp_directory_path() / ("kvstash-cli-" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    node_.reset();
+    redis_.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  void start_cell(const std::string& capacity = "16MiB", tools::LocalRedisOptions ro = {}) {
+    auto redis = tools::LocalRedis::start(ro);
+    ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+    redis_ = std::move(redis).value();
+    auto node = tools::LocalNode::start({.redis_url = redis_->url(),
+                                         .redis_password = ro.password,
+                                         .capacity = capacity,
+                                         .page_size = "1MiB",
+                                         .node_id = "n1",
+                                         .extra_args = {"--heartbeat-ttl", "1s"}});
+    ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+    node_ = std::move(node).value();
+  }
+
+  // Runs `kvstash ARGS` against the cell (its URL in KVSTASH_REDIS_URL, as an operator would).
+  Outcome kv(const std::string& args, const std::string& env = {}) {
+    const std::string err_file = (dir_ / "stderr").string();
+    std::string cmd = env;
+    if (redis_) cmd += " KVSTASH_REDIS_URL=" + redis_->url();
+    cmd += " " + cli_ + " " + args + " 2>" + err_file;
+    Outcome r;
+    int status = -1;
+    r.out = test::run(cmd, &status);
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::ifstream e(err_file);
+    r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+    return r;
+  }
+
+  std::string file_of(std::size_t bytes, std::uint32_t seed) {
+    std::string data(bytes, '\0');
+    std::mt19937 rng(seed);
+    for (auto& c : data) c = static_cast<char>(rng());
+    const auto path = dir_ / ("blob" + std::to_string(seed));
+    std::ofstream(path, std::ios::binary).write(data.data(), static_cast<std::streamsize>(data.size()));
+    return path.string();
+  }
+
+  static std::string slurp(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+
+  static inline std::string cli_;
+  std::filesystem::path dir_;
+  std::unique_ptr<tools::LocalRedis> redis_;
+  std::unique_ptr<tools::LocalNode> node_;
+};
+
+TEST_F(Cli, PlanReproducesTheKvCacheArithmetic) {
+  // Llama-2-7B fp16: 524,288 bytes per token, 2.1 GB per 4,096-token sequence, about 30 of them
+  // in the 66.5 GB an 80 GB card has left by 13.5 GB of weights; 123 with 8 KV heads; 247 in int8.
+  Outcome r = kv("plan --model llama-2-7b --context 4096 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.j()["bytes_per_token"], 524288);
+  EXPECT_EQ(r.j()["bytes_per_sequence"], 524288ull * 4096);
+  EXPECT_NEAR(r.j()["bytes_per_sequence"].get<double>() / 1e9, 2.1, 0.05);
+  EXPECT_NEAR(r.j()["kv_budget_bytes"].get<double>() / 1e9, 66.5, 0.1);
+  EXPECT_EQ(r.j()["max_sequences"], 30);
+  EXPECT_EQ(kv("plan --model llama-2-7b --context 4096 --kv-heads 8 --json").j()["max_sequences"], 123);
+  EXPECT_EQ(
+      kv("plan --model llama-2-7b --context 4096 --kv-heads 8 --kv-dtype int8 --json").j()["max_sequences"],
+      247);
+  // Remote memory: how many more sequences stay warm.
+  Outcome remote = kv("plan --model llama-2-7b --remote-mem 1TiB --batch 64 --json");
+  EXPECT_EQ(remote.j()["remote_sequences"], 512);
+  EXPECT_EQ(remote.j()["batch_waiting_sequences"], 64 - 30);
+  // Human output shows the arithmetic.
+  Outcome human = kv("plan --model llama-2-7b");
+  EXPECT_NE(human.out.find("524,288 bytes"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("30 sequences"), std::string::npos) << human.out;
+  // Custom shapes and presets.
+  Outcome custom = kv("plan --model custom --layers 10 --kv-heads 2 --head-dim 64 --params 1 --json");
+  EXPECT_EQ(custom.j()["bytes_per_token"], 2 * 10 * 2 * 64 * 2);
+  EXPECT_GE(kv("plan --list-models --json").j().size(), 8u);
+  Outcome unknown = kv("plan --model gpt-17");
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_NE(unknown.err.find("--list-models"), std::string::npos) << unknown.err;
+}
+
+TEST_F(Cli, BadArgumentsAreUsageErrorsAndHelpHasExamples) {
+  EXPECT_EQ(kv("").code, 2);
+  EXPECT_EQ(kv("frobnicate").code, 2);
+  EXPECT_EQ(kv("plan --kv-dtype fp7").code, 2);
+  EXPECT_EQ(kv("ls --limit 0").code, 2);
+  EXPECT_EQ(kv("touch some-key").code, 2) << "--ttl is required";
+  EXPECT_EQ(kv("evict").code, 2) << "nothing says what to evict";
+  EXPECT_EQ(kv("evict --older-than yesterday").code, 2);
+  for (const char* sub :
+       {"status", "ls", "show", "evict", "drain", "doctor", "plan", "get", "put", "node rm"}) {
+    Outcome h = kv(std::string(sub) + " --help");
+    EXPECT_EQ(h.code, 0) << sub;
+    EXPECT_NE(h.out.find("Examples:"), std::string::npos) << sub << ": " << h.out;
+  }
+}
+
+TEST_F(Cli, UnreachableRedisIsAnErrorThatSaysHowToFixIt) {
+  Outcome r = kv("status --redis redis://127.0.0.1:1/0 --timeout 1s");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("fix:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--redis"), std::string::npos) << r.err;
+}
+
+TEST_F(Cli, StatusAndNodesDescribeTheCell) {
+  start_cell("16MiB");
+  const std::string a = file_of(1536 * 1024, 1), b = file_of(100, 2);
+  ASSERT_EQ(kv("put obj:a " + a).code, 0);
+  ASSERT_EQ(kv("put obj:b " + b + " --ttl 10m").code, 0);
+  ASSERT_EQ(kv("get obj:a -o " + (dir_ / "a.out").string()).code, 0);
+  EXPECT_EQ(kv("get obj:none -o " + (dir_ / "none.out").string()).code, 3);
+
+  Outcome st = kv("status --json");
+  ASSERT_EQ(st.code, 0) << st.err;
+  const json j = st.j();
+  EXPECT_EQ(j["objects"], 2);
+  EXPECT_EQ(j["stored_bytes"], 1536 * 1024 + 100);
+  EXPECT_EQ(j["capacity_bytes"], 16u << 20);
+  EXPECT_EQ(j["used_bytes"], 3u << 20) << "2 pages for obj:a, 1 for obj:b";
+  EXPECT_EQ(j["hits"], 1) << "the get of obj:a (the CLI's get of a missing key stops at its stat)";
+  EXPECT_EQ(j["misses"], 0);
+  ASSERT_EQ(j["nodes"].size(), 1u);
+  EXPECT_EQ(j["nodes"][0]["id"], "n1");
+  EXPECT_EQ(j["nodes"][0]["state"], "up");
+  EXPECT_FALSE(j["redis"]["version"].get<std::string>().empty());
+
+  Outcome nodes = kv("nodes --json");
+  ASSERT_EQ(nodes.code, 0);
+  EXPECT_EQ(nodes.j()[0]["objects"], 2);
+  EXPECT_EQ(nodes.j()[0]["free_bytes"], 13u << 20);
+  EXPECT_EQ(kv("node show n1 --json").j()["pages"], 16);
+  EXPECT_EQ(kv("node show nope").code, 3);
+  Outcome human = kv("status");
+  EXPECT_NE(human.out.find("n1"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("objects   2,"), std::string::npos) << human.out;
+}
+
+TEST_F(Cli, ObjectsCanBeListedShownTouchedReadAndRemoved) {
+  start_cell("16MiB");
+  const std::string a = file_of(3 << 20, 3);
+  ASSERT_EQ(kv("put kvp:one " + a + " --layout L1.test").code, 0);
+  ASSERT_EQ(kv("put kvp:two " + file_of(10, 4)).code, 0);
+  ASSERT_EQ(kv("put other " + file_of(10, 5)).code, 0);
+
+  Outcome ls = kv("ls 'kvp:*' --sort size --json");
+  ASSERT_EQ(ls.code, 0) << ls.err;
+  ASSERT_EQ(ls.j().size(), 2u);
+  EXPECT_EQ(ls.j()[0]["key"], "kvp:one") << "largest first";
+  EXPECT_EQ(ls.j()[0]["size"], 3 << 20);
+  EXPECT_EQ(ls.j()[0]["ttl_ms"], -1);
+  EXPECT_EQ(kv("ls --json").j().size(), 3u);
+  EXPECT_EQ(kv("ls --limit 1 --json").j().size(), 1u);
+  EXPECT_EQ(kv("ls 'nothing*' --json").j().size(), 0u);
+
+  Outcome show = kv("show kvp:one --json");
+  ASSERT_EQ(show.code, 0) << show.err;
+  EXPECT_EQ(show.j()["pages"], 3);
+  EXPECT_EQ(show.j()["extents"].size(), 3u);
+  EXPECT_EQ(show.j()["extents"][0]["node"], "n1");
+  EXPECT_EQ(show.j()["layout"], "L1.test");
+  EXPECT_EQ(show.j()["checksum"].get<std::string>().size(), 16u);
+  EXPECT_EQ(kv("show kvp:none").code, 3);
+
+  ASSERT_EQ(kv("touch kvp:one --ttl 30m").code, 0);
+  const auto ttl = kv("show kvp:one --json").j()["ttl_ms"].get<std::int64_t>();
+  EXPECT_GT(ttl, 29 * 60 * 1000);
+  EXPECT_LE(ttl, 30 * 60 * 1000);
+  EXPECT_EQ(kv("touch kvp:none --ttl 30m").code, 3);
+
+  const std::string out = (dir_ / "one.out").string();
+  ASSERT_EQ(kv("get kvp:one -o " + out).code, 0);
+  EXPECT_EQ(slurp(out), slurp(a)) << "the bytes went through the data path and back";
+
+  Outcome dry = kv("rm kvp:one kvp:two");
+  EXPECT_EQ(dry.code, 0);
+  EXPECT_NE(dry.out.find("--yes"), std::string::npos);
+  EXPECT_EQ(kv("ls --json").j().size(), 3u) << "rm without --yes changes nothing";
+  Outcome rm = kv("rm kvp:one kvp:two --yes --json");
+  ASSERT_EQ(rm.code, 0) << rm.err;
+  EXPECT_EQ(kv("ls --json").j().size(), 1u);
+  EXPECT_EQ(kv("rm kvp:one --yes").code, 3);
+  EXPECT_EQ(kv("status --json").j()["stored_bytes"], 10);
+}
+
+TEST_F(Cli, EvictIsADryRunUntilYesAndGoesInLruOrder) {
+  start_cell("16MiB");
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(kv("put e:" + std::to_string(i) + " " + file_of(1 << 20, 10 + i)).code, 0);
+    std::this_thread::sleep_for(20ms);  // distinct last-access times
+  }
+  ASSERT_EQ(kv("get e:0 -o /dev/null").code, 0);  // e:0 is now the most recently used
+  Outcome dry = kv("evict --bytes 1MiB --json");
+  ASSERT_EQ(dry.code, 0) << dry.err;
+  EXPECT_TRUE(dry.j()["dry_run"].get<bool>());
+  ASSERT_EQ(dry.j()["objects"].size(), 1u);
+  EXPECT_EQ(dry.j()["objects"][0]["key"], "e:1") << "least recently used first";
+  EXPECT_EQ(kv("ls --json").j().size(), 3u) << "a dry run changes nothing";
+
+  Outcome act = kv("evict --bytes 1500KiB --yes --json");
+  ASSERT_EQ(act.code, 0) << act.err;
+  EXPECT_FALSE(act.j()["dry_run"].get<bool>());
+  ASSERT_EQ(act.j()["count"], 2) << "e:1 then e:2 reach 1500 KiB";
+  EXPECT_EQ(kv("show e:1").code, 3);
+  EXPECT_EQ(kv("show e:2").code, 3);
+  EXPECT_EQ(kv("show e:0").code, 0);
+  EXPECT_EQ(kv("status --json").j()["evicted"], 2);
+  // Nothing has been idle for an hour.
+  EXPECT_EQ(kv("evict --older-than 1h --yes --json").j()["count"], 0);
+}
+
+TEST_F(Cli, DrainStopsPlacementsAndNodeRmForgetsADeadNode) {
+  start_cell("8MiB");
+  ASSERT_EQ(kv("put d:1 " + file_of(1000, 20)).code, 0);
+  Outcome dry = kv("drain n1");
+  EXPECT_EQ(dry.code, 0);
+  EXPECT_EQ(kv("node show n1 --json").j()["state"], "up") << "drain without --yes changes nothing";
+
+  Outcome drain = kv("drain n1 --yes --json");
+  ASSERT_EQ(drain.code, 0) << drain.err;
+  EXPECT_EQ(drain.j()["objects_left"], 1);
+  EXPECT_EQ(kv("node show n1 --json").j()["state"], "draining");
+  EXPECT_EQ(kv("get d:1 -o /dev/null").code, 0) << "a draining node's objects stay readable";
+  Outcome put = kv("put d:2 " + file_of(1000, 21));
+  EXPECT_EQ(put.code, 1) << "no node takes new objects";
+  EXPECT_NE(put.err.find("no_space"), std::string::npos) << put.err;
+  // --wait gives up at its timeout while the object stays; rm lets the drain finish.
+  EXPECT_EQ(kv("drain n1 --yes --wait --wait-timeout 1s").code, 1);
+  ASSERT_EQ(kv("rm d:1 --yes").code, 0);
+  Outcome waited = kv("drain n1 --yes --wait --wait-timeout 10s --json");
+  EXPECT_EQ(waited.code, 0) << waited.err;
+  EXPECT_EQ(waited.j()["objects_left"], 0);
+
+  Outcome alive = kv("node rm n1 --yes");
+  EXPECT_EQ(alive.code, 2) << "a live node is not removed";
+  EXPECT_EQ(kv("nodes --json").j().size(), 1u);
+  node_->kill();  // SIGKILL: its heartbeat (1 s) runs out
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (kv("node show n1 --json").j()["state"] != "dead" && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(200ms);
+  }
+  EXPECT_EQ(kv("node show n1 --json").j()["state"], "dead");
+  EXPECT_EQ(kv("node rm n1").code, 0);
+  EXPECT_EQ(kv("nodes --json").j().size(), 1u) << "node rm without --yes changes nothing";
+  ASSERT_EQ(kv("node rm n1 --yes").code, 0);
+  EXPECT_EQ(kv("nodes --json").j().size(), 0u);
+}
+
+TEST_F(Cli, DoctorExplainsWhatThisHostHasAndLacks) {
+  start_cell("8MiB");
+  Outcome d = kv("doctor --json");
+  ASSERT_EQ(d.code, 0) << d.out << d.err;
+  const json report = d.j();
+  std::map<std::string, json> checks;
+  for (const auto& c : report["checks"]) checks[c["check"].get<std::string>()] = c;
+  EXPECT_EQ(checks["redis"]["status"], "ok");
+  EXPECT_EQ(checks["lua scripts"]["status"], "ok");
+  EXPECT_EQ(checks["node n1"]["status"], "ok");
+  EXPECT_EQ(checks["transport tcp"]["status"], "ok");
+  // This host's RDMA: a device is listed per port; none is a warning with an explanation.
+  const bool rdma =
+      std::filesystem::exists("/sys/class/infiniband") && !std::filesystem::is_empty("/sys/class/infiniband");
+  if (!rdma) {
+    ASSERT_TRUE(checks.count("rdma"));
+    EXPECT_EQ(checks["rdma"]["status"], "warn");
+    EXPECT_FALSE(checks["rdma"]["fix"].get<std::string>().empty());
+  }
+  for (const char* name : {"memlock", "hugepages", "cuda", "gpudirect", "clock skew", "transport shm"}) {
+    EXPECT_TRUE(checks.count(name)) << name;
+  }
+  // With the node gone, doctor fails and says how to fix it.
+  node_->kill();
+  std::this_thread::sleep_for(1500ms);
+  Outcome sick = kv("doctor");
+  EXPECT_EQ(sick.code, 1) << sick.out;
+  EXPECT_NE(sick.out.find("How to fix"), std::string::npos) << sick.out;
+  EXPECT_NE(sick.out.find("node rm n1"), std::string::npos) << sick.out;
+}
+
+TEST_F(Cli, PasswordsComeFromAFileOrTheEnvironmentAndAreNeverEchoed) {
+  start_cell("8MiB", {.password = "s3cret-pw"});
+  Outcome none = kv("status --json");
+  EXPECT_EQ(none.code, 1) << "no password";
+  const std::string pw = (dir_ / "pw").string();
+  std::ofstream(pw) << "s3cret-pw\n";
+  Outcome file = kv("status --json --redis-password-file " + pw);
+  ASSERT_EQ(file.code, 0) << file.err;
+  EXPECT_EQ(file.j()["nodes"].size(), 1u);
+  Outcome env = kv("status", "KVSTASH_REDIS_PASSWORD=s3cret-pw");
+  ASSERT_EQ(env.code, 0) << env.err;
+  Outcome url = kv("status --redis redis://:s3cret-pw@127.0.0.1:" + std::to_string(redis_->port()) + "/0");
+  ASSERT_EQ(url.code, 0) << url.err;
+  for (const Outcome* r : {&file, &env, &url}) {
+    EXPECT_EQ(r->out.find("s3cret"), std::string::npos) << r->out;
+    EXPECT_EQ(r->err.find("s3cret"), std::string::npos) << r->err;
+  }
+  Outcome wrong = kv("doctor", "KVSTASH_REDIS_PASSWORD=wrong");
+  EXPECT_EQ(wrong.code, 1);
+  EXPECT_NE(wrong.out.find("fail"), std::string::npos) << wrong.out;
+}
+
+TEST_F(Cli, BashCompletionCoversTheCommandTree) {
+  Outcome c = kv("completion bash");
+  ASSERT_EQ(c.code, 0);
+  for (const char* w : {"drain", "evict", "--older-than", "--json", "show", "rm", "completion"}) {
+    EXPECT_NE(c.out.find(w), std::string::npos) << w;
+  }
+  const std::string script = (dir_ / "completion.bash").string();
+  std::ofstream(script) << c.out;
+  int status = -1;
+  test::run("bash -n " + script, &status);
+  EXPECT_EQ(status, 0) << "the script parses";
+  // Completing `kvstash dr` offers drain.
+  test::run("bash -c 'source " + script +
+                "; COMP_WORDS=(kvstash dr); COMP_CWORD=1; _kvstash; echo ${COMPREPLY[*]}' > " +
+                (dir_ / "reply").string(),
+            &status);
+  EXPECT_NE(slurp((dir_ / "reply").string()).find("drain"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvstash

@@ -1,0 +1,117 @@
+// The kvstash CLI's shared pieces: the options every subcommand takes (which cell, how to
+// reach its Redis), the lazily opened connections, exit codes, errors that say how to fix
+// them, and output (aligned tables for people, JSON for scripts).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/status.h"
+
+namespace CLI {
+class App;
+}
+namespace kvstash {
+class Store;
+namespace metadata {
+class Catalog;
+class RedisClient;
+}  // namespace metadata
+}  // namespace kvstash
+
+namespace kvstash::cli {
+
+// Exit codes (docs/cli.md).
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitNotFound = 3;
+
+struct Globals {
+  std::string redis_url = "redis://127.0.0.1:6379/0";  // --redis, KVSTASH_REDIS_URL
+  std::string password_file;                           // --redis-password-file
+  std::string cell = "default";
+  bool json = false;
+  std::string timeout = "10s";
+};
+
+// What the command line asked for; the connections open on first use.
+class Session {
+ public:
+  explicit Session(const Globals& g);
+  ~Session();
+  const Globals& globals() const { return g_; }
+  bool json() const { return g_.json; }
+  Result<metadata::RedisClient*> redis();
+  Result<metadata::Catalog*> catalog();
+  Result<Store*> store();
+  // The Redis URL with any password replaced by "***".
+  std::string redis_display() const;
+  std::chrono::milliseconds timeout() const;
+
+ private:
+  Status credentials();
+  const Globals& g_;
+  std::string password_;
+  bool have_credentials_ = false;
+  std::unique_ptr<metadata::RedisClient> redis_;
+  std::unique_ptr<metadata::Catalog> catalog_;
+  std::unique_ptr<Store> store_;
+};
+
+// A subcommand's work, run after the command line parsed; returns the exit code.
+using Action = std::function<int()>;
+// Each file of the CLI adds its subcommands; the one chosen sets `action`.
+struct Registry {
+  CLI::App& app;
+  Session& session;
+  Action& action;
+};
+void add_cluster_commands(Registry& r);  // status, nodes, node show/rm, drain
+void add_object_commands(Registry& r);   // ls, show, rm, touch, evict, get, put
+void add_doctor_command(Registry& r);
+void add_plan_command(Registry& r);
+
+// Prints "kvstash: <doing>: <what went wrong>" and a line on how to fix it to stderr;
+// returns the exit code for the status (3 not found, 2 invalid argument, else 1).
+int fail(const Status& s, std::string_view doing, const Session* session = nullptr);
+
+// Aligned columns for people: numbers right-aligned, the rest left.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header);
+  void row(std::vector<std::string> cells);
+  bool empty() const { return rows_.empty(); }
+  std::string str() const;
+
+ private:
+  std::vector<std::string> header_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// "12s", "29m 58s", "3h 4m", "2d 1h"; "-" for a negative duration.
+std::string format_duration(std::chrono::milliseconds d);
+// A wall-clock time in ms since the epoch, as "2026-11-29 17:45:02 UTC".
+std::string format_time(std::int64_t ms_since_epoch);
+// "1.50 GB" (decimal), for capacity planning figures.
+std::string format_gb(double bytes);
+
+// A progress bar on stderr, drawn only when stderr is a terminal.
+class Progress {
+ public:
+  Progress(std::string label, std::uint64_t total);
+  ~Progress();
+  void update(std::uint64_t done, std::string_view note = {});
+
+ private:
+  std::string label_;
+  std::uint64_t total_;
+  bool tty_;
+};
+
+}  // namespace kvstash::cli

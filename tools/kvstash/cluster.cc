@@ -1,0 +1,332 @@
+// kvstash status, nodes, node show, node rm, drain: the cell and its memory nodes.
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli.h"
+#include "common/units.h"
+#include "metadata/catalog.h"
+#include "metadata/redis_client.h"
+
+namespace kvstash::cli {
+namespace {
+
+using metadata::NodeStatus;
+using nlohmann::json;
+
+struct Node {
+  std::string id;
+  NodeStatus s;
+  // up, draining, dead (heartbeat past, or declared dead), gone.
+  std::string state() const {
+    if (s.state == "gone" || s.state == "dead") return s.state;
+    return s.heartbeat_in_ms < 0 ? "dead" : s.state;
+  }
+  std::uint64_t capacity() const { return s.page_size * s.page_count; }
+  std::uint64_t free() const { return s.page_size * std::min(s.free_pages, s.page_count); }
+  std::uint64_t used() const { return capacity() - free(); }
+};
+
+Result<std::vector<Node>> load_nodes(metadata::Catalog& c) {
+  KVSTASH_ASSIGN_OR_RETURN(auto ids, c.known_nodes());
+  std::vector<Node> out;
+  for (const auto& id : ids) {
+    auto s = c.node_status(id);
+    if (s.status().code() == StatusCode::kNotFound) continue;  // forgotten meanwhile
+    if (!s.is_ok()) return s.status();
+    out.push_back({id, *s});
+  }
+  return out;
+}
+
+json node_json(const Node& n) {
+  return {{"id", n.id},
+          {"state", n.state()},
+          {"epoch", n.s.epoch},
+          {"page_size", n.s.page_size},
+          {"pages", n.s.page_count},
+          {"free_pages", n.s.free_pages},
+          {"capacity_bytes", n.capacity()},
+          {"used_bytes", n.used()},
+          {"free_bytes", n.free()},
+          {"objects", n.s.objects},
+          {"heartbeat_in_ms", n.s.heartbeat_in_ms}};
+}
+
+std::string percent(std::uint64_t part, std::uint64_t whole) {
+  if (whole == 0) return "-";
+  char b[16];
+  std::snprintf(b, sizeof b, "%.1f%%", 100.0 * static_cast<double>(part) / static_cast<double>(whole));
+  return b;
+}
+
+std::string heartbeat(const Node& n) {
+  if (n.state() == "gone") return "-";
+  if (n.s.heartbeat_in_ms < 0) return "missed";
+  return "in " + format_duration(std::chrono::milliseconds(n.s.heartbeat_in_ms));
+}
+
+Table nodes_table(const std::vector<Node>& nodes) {
+  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "HEARTBEAT"});
+  for (const auto& n : nodes) {
+    t.row({n.id, n.state(), units::format_size(n.capacity()), units::format_size(n.used()),
+           units::format_size(n.free()), percent(n.used(), n.capacity()), std::to_string(n.s.objects),
+           heartbeat(n)});
+  }
+  return t;
+}
+
+// "7.2.4" from INFO server.
+std::string redis_version(metadata::RedisClient& r) {
+  auto info = r.command({"INFO", "server"});
+  if (!info.is_ok()) return "?";
+  const std::string_view text = info->str();
+  const std::string_view tag = "redis_version:";
+  const auto at = text.find(tag);
+  if (at == std::string_view::npos) return "?";
+  const auto end = text.find_first_of("\r\n", at);
+  return std::string(text.substr(at + tag.size(), end - at - tag.size()));
+}
+
+int status(Session& s) {
+  auto redis = s.redis();
+  if (!redis.is_ok()) return fail(redis.status(), "connecting to Redis", &s);
+  auto cat = s.catalog();
+  auto nodes = load_nodes(**cat);
+  if (!nodes.is_ok()) return fail(nodes.status(), "reading the nodes", &s);
+  auto sum = (*cat)->summary();
+  if (!sum.is_ok()) return fail(sum.status(), "reading the cell", &s);
+  std::uint64_t cap = 0, used = 0, free = 0;
+  std::map<std::string, int> states;
+  for (const auto& n : *nodes) {
+    ++states[n.state()];
+    if (n.state() == "gone") continue;
+    cap += n.capacity();
+    used += n.used();
+    free += n.state() == "up" ? n.free() : 0;  // draining and dead nodes take no new pages
+  }
+  const std::string version = redis_version(**redis);
+  if (s.json()) {
+    json j{{"redis", {{"url", s.redis_display()}, {"version", version}}},
+           {"cell", s.globals().cell},
+           {"page_size", sum->page_size},
+           {"nodes", json::array()},
+           {"capacity_bytes", cap},
+           {"used_bytes", used},
+           {"free_bytes", free},
+           {"objects", sum->objects},
+           {"stored_bytes", sum->bytes},
+           {"hits", sum->hits},
+           {"misses", sum->misses},
+           {"evicted", sum->evicted},
+           {"expired", sum->expired}};
+    for (const auto& n : *nodes) j["nodes"].push_back(node_json(n));
+    std::cout << j.dump(2) << "\n";
+    return kExitOk;
+  }
+  std::cout << "redis     " << s.redis_display() << " (Redis " << version << "), cell " << s.globals().cell
+            << "\n";
+  std::cout << "nodes     " << nodes->size() << ":";
+  for (const char* st : {"up", "draining", "dead", "gone"}) {
+    if (states.count(st) > 0) std::cout << " " << states[st] << " " << st;
+  }
+  std::cout << "\n";
+  std::cout << "capacity  " << units::format_size(cap) << ", used " << units::format_size(used) << " ("
+            << percent(used, cap) << "), free for new objects " << units::format_size(free) << "\n";
+  std::cout << "objects   " << sum->objects << ", " << units::format_size(sum->bytes) << " stored";
+  if (sum->page_size > 0) std::cout << " in pages of " << units::format_size(sum->page_size);
+  std::cout << "\n";
+  std::cout << "gets      " << sum->hits << " hits, " << sum->misses << " misses (hit ratio "
+            << percent(sum->hits, sum->hits + sum->misses) << "); " << sum->evicted << " evicted, "
+            << sum->expired << " expired\n";
+  if (!nodes->empty()) std::cout << "\n" << nodes_table(*nodes).str();
+  return kExitOk;
+}
+
+int list_nodes(Session& s) {
+  auto cat = s.catalog();
+  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
+  auto nodes = load_nodes(**cat);
+  if (!nodes.is_ok()) return fail(nodes.status(), "reading the nodes", &s);
+  if (s.json()) {
+    json j = json::array();
+    for (const auto& n : *nodes) j.push_back(node_json(n));
+    std::cout << j.dump(2) << "\n";
+  } else if (nodes->empty()) {
+    std::cout << "no memory nodes in cell " << s.globals().cell << " (start kvstashd --redis "
+              << s.redis_display() << ")\n";
+  } else {
+    std::cout << nodes_table(*nodes).str();
+  }
+  return kExitOk;
+}
+
+Result<Node> one_node(Session& s, const std::string& id) {
+  KVSTASH_ASSIGN_OR_RETURN(metadata::Catalog * c, s.catalog());
+  auto st = c->node_status(id);
+  if (st.status().code() == StatusCode::kNotFound) {
+    return Status::not_found("no memory node '" + id + "' in cell " + s.globals().cell);
+  }
+  KVSTASH_RETURN_IF_ERROR(st.status());
+  return Node{id, *st};
+}
+
+int show_node(Session& s, const std::string& id) {
+  auto n = one_node(s, id);
+  if (!n.is_ok()) return fail(n.status(), "node show", &s);
+  if (s.json()) {
+    std::cout << node_json(*n).dump(2) << "\n";
+    return kExitOk;
+  }
+  Table t({"FIELD", "VALUE"});
+  t.row({"node", n->id});
+  t.row({"state", n->state()});
+  t.row({"epoch", n->s.epoch});
+  t.row({"capacity", units::format_size(n->capacity()) + " (" + std::to_string(n->s.page_count) +
+                         " pages of " + units::format_size(n->s.page_size) + ")"});
+  t.row({"used", units::format_size(n->used()) + " (" + percent(n->used(), n->capacity()) + ")"});
+  t.row({"free", units::format_size(n->free()) + " (" + std::to_string(n->s.free_pages) + " pages)"});
+  t.row({"objects", std::to_string(n->s.objects)});
+  t.row({"heartbeat", heartbeat(*n)});
+  std::cout << t.str();
+  return kExitOk;
+}
+
+int remove_node(Session& s, const std::string& id, bool yes) {
+  auto n = one_node(s, id);
+  if (!n.is_ok()) return fail(n.status(), "node rm", &s);
+  if (n->state() != "dead" && n->state() != "gone") {
+    return fail(Status::invalid_argument("node " + id + " is " + n->state() +
+                                         ": only a dead node's leftovers can be removed (stop its kvstashd, "
+                                         "or `kvstash drain " +
+                                         id + "` first)"),
+                "node rm", &s);
+  }
+  if (!yes) {
+    std::cout << "would forget node " << id << " (" << n->state() << ") and release its " << n->s.objects
+              << " objects; run again with --yes to do it\n";
+    return kExitOk;
+  }
+  auto released = (*s.catalog())->forget_node(id);
+  if (!released.is_ok()) return fail(released.status(), "node rm", &s);
+  if (s.json()) {
+    std::cout << json{{"node", id}, {"released_objects", *released}}.dump(2) << "\n";
+  } else {
+    std::cout << "forgot node " << id << ", released " << *released << " objects\n";
+  }
+  return kExitOk;
+}
+
+int drain(Session& s, const std::string& id, bool wait, bool release_now, bool yes,
+          const std::string& wait_for) {
+  auto n = one_node(s, id);
+  if (!n.is_ok()) return fail(n.status(), "drain", &s);
+  if (n->state() == "dead" || n->state() == "gone") {
+    return fail(
+        Status::invalid_argument("node " + id + " is " + n->state() + ": use `kvstash node rm " + id + "`"),
+        "drain", &s);
+  }
+  if (!yes) {
+    std::cout << "would drain node " << id << ": no new objects on it"
+              << (release_now ? ", and its " + std::to_string(n->s.objects) + " objects released now"
+                              : "; its " + std::to_string(n->s.objects) +
+                                    " objects stay readable until they "
+                                    "expire or are evicted")
+              << "; run again with --yes to do it\n";
+    return kExitOk;
+  }
+  metadata::Catalog& c = **s.catalog();
+  auto before = c.cordon_node(id);
+  if (!before.is_ok()) return fail(before.status(), "drain", &s);
+  std::uint64_t released = 0;
+  if (release_now) {
+    auto r = c.drain_node(id, n->s.epoch);
+    if (!r.is_ok()) return fail(r.status(), "drain", &s);
+    released = *r;
+  }
+  std::uint64_t left = release_now ? 0 : *before;
+  if (wait && left > 0) {
+    auto limit = units::parse_duration(wait_for);
+    if (!limit.is_ok()) return fail(limit.status(), "drain --wait-timeout", &s);
+    const auto deadline = std::chrono::steady_clock::now() + *limit;
+    Progress bar("draining " + id, *before);
+    while (left > 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      auto st = c.node_status(id);
+      if (!st.is_ok()) return fail(st.status(), "drain", &s);
+      left = st->objects;
+      bar.update(*before - std::min(left, *before), std::to_string(left) + " objects left");
+    }
+  }
+  if (s.json()) {
+    std::cout << json{{"node", id},
+                      {"state", "draining"},
+                      {"released_objects", released},
+                      {"objects_left", left}}
+                     .dump(2)
+              << "\n";
+  } else {
+    std::cout << "node " << id << " is draining: no new objects";
+    if (release_now) std::cout << "; released " << released << " objects";
+    std::cout << "; " << left << " objects left\n";
+  }
+  return wait && left > 0 ? fail(Status::timeout(std::to_string(left) + " objects still on node " + id +
+                                                 " after --wait-timeout " + wait_for),
+                                 "drain", &s)
+                          : kExitOk;
+}
+
+}  // namespace
+
+void add_cluster_commands(Registry& r) {
+  Session& s = r.session;
+  struct Options {
+    std::string show_id, rm_id, drain_id, wait_for = "1h";
+    bool rm_yes = false, drain_wait = false, drain_release = false, drain_yes = false;
+  };
+  auto o = std::make_shared<Options>();  // outlives parsing: the callbacks hold it
+
+  auto* st =
+      r.app.add_subcommand("status", "The cell at a glance: Redis, nodes, capacity, objects, hit ratio");
+  st->footer("Examples:\n  kvstash status\n  kvstash status --json | jq .free_bytes");
+  st->final_callback([&r, &s] { r.action = [&s] { return status(s); }; });
+
+  auto* nodes =
+      r.app.add_subcommand("nodes", "List memory nodes: state, capacity, used, free, objects, heartbeat");
+  nodes->footer("Examples:\n  kvstash nodes\n  kvstash nodes --json");
+  nodes->final_callback([&r, &s] { r.action = [&s] { return list_nodes(s); }; });
+
+  auto* node = r.app.add_subcommand("node", "One memory node: show, rm");
+  node->require_subcommand(1);
+  auto* show = node->add_subcommand("show", "One node in detail");
+  show->add_option("ID", o->show_id, "Node id")->required();
+  show->footer("Examples:\n  kvstash node show node-7");
+  show->final_callback([&r, &s, o] { r.action = [&s, o] { return show_node(s, o->show_id); }; });
+  auto* rm =
+      node->add_subcommand("rm", "Forget a dead node: release its objects, drop its record from the cell");
+  rm->add_option("ID", o->rm_id, "Node id")->required();
+  rm->add_flag("--yes,-y", o->rm_yes, "Do it (without: say what would be done)");
+  rm->footer("Examples:\n  kvstash node rm node-7          # dry run\n  kvstash node rm node-7 --yes");
+  rm->final_callback([&r, &s, o] { r.action = [&s, o] { return remove_node(s, o->rm_id, o->rm_yes); }; });
+
+  auto* dr = r.app.add_subcommand("drain",
+                                  "Stop new placements on a node; optionally wait for its objects to leave");
+  dr->add_option("ID", o->drain_id, "Node id")->required();
+  dr->add_flag("--wait", o->drain_wait,
+               "Wait (with a progress bar on a terminal) until its objects expired, were evicted or removed");
+  dr->add_option("--wait-timeout", o->wait_for, "Give up waiting after this long")->capture_default_str();
+  dr->add_flag("--release", o->drain_release,
+               "Release its objects now (readers get not found and recompute)");
+  dr->add_flag("--yes,-y", o->drain_yes, "Do it (without: say what would be done)");
+  dr->footer(
+      "Examples:\n  kvstash drain node-7 --yes\n  kvstash drain node-7 --yes --wait --wait-timeout 30m\n"
+      "  kvstash drain node-7 --yes --release");
+  dr->final_callback([&r, &s, o] {
+    r.action = [&s, o] {
+      return drain(s, o->drain_id, o->drain_wait, o->drain_release, o->drain_yes, o->wait_for);
+    };
+  });
+}
+
+}  // namespace kvstash::cli

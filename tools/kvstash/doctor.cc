@@ -1,0 +1,363 @@
+// kvstash doctor: checks the cell and this host, explains every finding and says how to fix
+// what is wrong. Exit 1 when a check failed; warnings (a missing RDMA device on a host that
+// has none) do not fail it.
+#include <dlfcn.h>
+#include <hiredis/hiredis.h>
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli.h"
+#include "common/units.h"
+#include "kvstash_config.h"
+#include "metadata/catalog.h"
+#include "metadata/redis_client.h"
+#include "metadata/scripts.h"
+
+#if KVSTASH_HAVE_UCX
+#include <ucp/api/ucp.h>
+#endif
+#if KVSTASH_HAVE_VERBS
+#include "transport/verbs/verbs_device.h"
+#endif
+
+namespace kvstash::cli {
+namespace {
+
+using nlohmann::json;
+
+struct Check {
+  std::string name;
+  std::string status;  // ok, warn, fail, info
+  std::string detail;
+  std::string fix;
+};
+
+class Doctor {
+ public:
+  explicit Doctor(Session& s) : s_(s) {}
+
+  std::vector<Check> run() {
+    redis_checks();
+    host_checks();
+    return std::move(checks_);
+  }
+
+ private:
+  void add(std::string name, std::string status, std::string detail, std::string fix = {}) {
+    checks_.push_back({std::move(name), std::move(status), std::move(detail), std::move(fix)});
+  }
+
+  void redis_checks() {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto redis = s_.redis();
+    if (!redis.is_ok()) {
+      const bool auth = redis.status().code() == StatusCode::kPermissionDenied;
+      add("redis", "fail", s_.redis_display() + ": " + redis.status().message(),
+          auth ? "give the ACL user and password in the URL (redis://user:password@host:port/db), "
+                 "KVSTASH_REDIS_PASSWORD or --redis-password-file"
+               : "start redis-server there, or point --redis / KVSTASH_REDIS_URL at the cell's Redis");
+      return;
+    }
+    auto pong = (*redis)->command({"PING"});
+    const auto rtt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (!pong.is_ok()) {
+      add("redis", "fail", "connected but PING failed: " + pong.status().message(),
+          "check the ACL user's permissions");
+      return;
+    }
+    std::string version = "?", policy = "?";
+    if (auto info = (*redis)->command({"INFO", "server"}); info.is_ok())
+      version = field(info->str(), "redis_version");
+    if (auto mem = (*redis)->command({"CONFIG", "GET", "maxmemory-policy"});
+        mem.is_ok() && mem->size() == 2) {
+      policy = mem->raw()->element[1]->str;
+    }
+    char ms[32];
+    std::snprintf(ms, sizeof ms, "%.1f ms", rtt);
+    add("redis", "ok", s_.redis_display() + ", Redis " + version + ", connected and authenticated in " + ms);
+    if (policy != "?" && policy != "noeviction") {
+      add("redis eviction policy", "fail",
+          "maxmemory-policy is " + policy +
+              ": Redis may drop kvstash records on its own, leaking their pages",
+          "redis-cli CONFIG SET maxmemory-policy noeviction (and in redis.conf)");
+    }
+
+    metadata::Catalog& c = **s_.catalog();
+    if (Status st = c.check_schema(); !st.is_ok()) {
+      add("cell schema", "fail", st.message(), "run the same kvstash release everywhere in the cell");
+    }
+    auto sum = c.summary();  // also proves that scripting works for this user
+    if (!sum.is_ok()) {
+      add("lua scripts", "fail", "running a kvstash script failed: " + sum.status().message(),
+          "the ACL user needs EVALSHA, EVAL and SCRIPT (e.g. +@scripting) on the cell's keys");
+      return;
+    }
+    std::vector<std::string> args{"SCRIPT", "EXISTS"};
+    const auto all = metadata::scripts::all();
+    for (const auto* sc : all) args.push_back(sc->sha);
+    std::vector<std::string_view> views(args.begin(), args.end());
+    std::size_t cached = 0;
+    if (auto ex = (*redis)->command(views); ex.is_ok()) {
+      for (std::size_t i = 0; i < ex->size(); ++i) cached += ex->raw()->element[i]->integer == 1;
+    }
+    add("lua scripts", "ok",
+        std::to_string(cached) + " of " + std::to_string(all.size()) +
+            " kvstash scripts cached in Redis (the others load on first use)");
+
+    if (auto t = (*redis)->command({"TIME"}); t.is_ok() && t->size() == 2) {
+      const double redis_ms =
+          std::stod(t->raw()->element[0]->str) * 1000 + std::stod(t->raw()->element[1]->str) / 1000;
+      const double local_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch())
+              .count();
+      const double skew = local_ms - redis_ms;
+      char d[64];
+      std::snprintf(d, sizeof d, "this host is %+.0f ms from Redis's clock", skew);
+      const bool bad = std::abs(skew) > 1000;
+      add("clock skew", bad ? "warn" : "ok",
+          std::string(d) + " (leases and TTLs use Redis's clock; only the display of ages uses this one)",
+          bad ? "run NTP (chrony, systemd-timesyncd) on this host and the Redis host" : "");
+    }
+
+    auto ids = c.known_nodes();
+    if (!ids.is_ok()) return;
+    int up = 0;
+    for (const auto& id : *ids) {
+      auto st = c.node_status(id);
+      if (!st.is_ok()) continue;
+      if (st->state == "gone") continue;
+      if (st->heartbeat_in_ms < 0 || st->state == "dead") {
+        add("node " + id, "warn", "missed its heartbeat: dead (its objects are released)",
+            "restart its kvstashd, or forget it: kvstash node rm " + id + " --yes");
+      } else if (st->state == "draining") {
+        add("node " + id, "ok", "draining (takes no new objects), heartbeat current");
+      } else {
+        ++up;
+        add("node " + id, "ok",
+            "up, " + units::format_size(st->page_size * std::min(st->free_pages, st->page_count)) +
+                " free of " + units::format_size(st->page_size * st->page_count));
+      }
+    }
+    if (up == 0) {
+      add("memory nodes", "fail",
+          "no memory node is up in cell " + s_.globals().cell + ": puts fail with no_space",
+          "start kvstashd --redis " + s_.redis_display() + " --capacity 8GiB on the memory hosts");
+    }
+  }
+
+  void host_checks() {
+    struct statvfs vfs {};
+    if (statvfs("/dev/shm", &vfs) == 0 && access("/dev/shm", W_OK) == 0) {
+      add("transport shm", "ok",
+          "/dev/shm writable, " + units::format_size(std::uint64_t{vfs.f_bavail} * vfs.f_frsize) +
+              " free (same-host nodes are reached by memory copy)");
+    } else {
+      add("transport shm", "warn", "/dev/shm is missing or not writable: same-host nodes use tcp",
+          "mount tmpfs on /dev/shm (containers: --shm-size or --ipc=host)");
+    }
+    add("transport tcp", "ok", "built in (Boost.Asio); kvstashd --listen sets where a node serves it");
+#if KVSTASH_HAVE_UCX
+    unsigned major = 0, minor = 0, release = 0;
+    ucp_get_version(&major, &minor, &release);
+    add("transport ucx", "ok",
+        "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) +
+            " (UCX_TLS chooses its transports; without an RDMA device it emulates RMA over tcp)");
+#else
+    add("transport ucx", "info", "this build has no UCX (libucx-dev was missing at build time)");
+#endif
+    rdma_checks();
+    gpu_checks();
+    hugepage_check();
+    memlock_check();
+  }
+
+  void rdma_checks() {
+#if KVSTASH_HAVE_VERBS
+    auto devices = transport::verbs::discover();
+    if (!devices.is_ok()) {
+      add("rdma", "warn", "cannot query RDMA devices: " + devices.status().message(),
+          "check permissions on /dev/infiniband (group rdma) and the rdma-core providers");
+      return;
+    }
+    if (devices->empty()) {
+      add("rdma", "warn",
+          "no RDMA device: this host reaches memory nodes over shm and tcp only (no one-sided transfers, no "
+          "GPUDirect)",
+          std::filesystem::exists("/sys/class/infiniband")
+              ? "load the NIC's RDMA driver (mlx5_ib, irdma, bnxt_re) or Soft-RoCE: rdma link add rxe0 type "
+                "rxe "
+                "netdev eth0"
+              : "this kernel has no InfiniBand/RDMA support loaded (modprobe ib_core); without RDMA hardware "
+                "tcp is the transport to use");
+      return;
+    }
+    for (const auto& d : *devices) {
+      for (const auto& p : d.ports) {
+        std::string detail = std::string(p.ethernet ? "RoCE" : "InfiniBand") + ", " +
+                             (p.active ? "active" : "down") + ", NUMA " + std::to_string(d.numa_node);
+        if (auto g = transport::verbs::pick_gid(p); g) {
+          detail += ", GID " + std::to_string(g->index) + " " + g->to_string();
+        } else if (p.ethernet) {
+          detail += ", no RoCE v2 IPv4 GID";
+        }
+        detail += d.mw_type2 ? ", type-2 memory windows (per-lease keys)" : ", no type-2 memory windows";
+        add("rdma " + d.name + " port " + std::to_string(p.number), p.active ? "ok" : "warn", detail,
+            p.active ? "" : "bring the link up (ip link set <netdev> up; check the cable and switch port)");
+      }
+    }
+#else
+    add("rdma", "info", "this build has no verbs transport (libibverbs-dev was missing at build time)");
+#endif
+  }
+
+  void gpu_checks() {
+    const bool peermem = std::filesystem::exists("/sys/module/nvidia_peermem");
+    void* cuda = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (cuda == nullptr) {
+      add("cuda", "info", "no CUDA driver (libcuda.so.1) on this host: KV caches here live in host memory");
+      add("gpudirect", "info", "not applicable without a GPU");
+      return;
+    }
+    using InitFn = int (*)(unsigned);
+    using CountFn = int (*)(int*);
+    using VersionFn = int (*)(int*);
+    auto init = reinterpret_cast<InitFn>(::dlsym(cuda, "cuInit"));
+    auto count = reinterpret_cast<CountFn>(::dlsym(cuda, "cuDeviceGetCount"));
+    auto version = reinterpret_cast<VersionFn>(::dlsym(cuda, "cuDriverGetVersion"));
+    int n = 0, v = 0;
+    const bool ok = init != nullptr && count != nullptr && init(0) == 0 && count(&n) == 0;
+    if (version != nullptr) version(&v);
+    const bool dmabuf_api = ::dlsym(cuda, "cuMemGetHandleForAddressRange") != nullptr;
+    ::dlclose(cuda);
+    if (!ok || n == 0) {
+      add("cuda", "warn", "the CUDA driver is installed but no GPU answers",
+          "check nvidia-smi and the driver");
+      return;
+    }
+    add("cuda", "ok",
+        std::to_string(n) + " GPU(s), driver API " + std::to_string(v / 1000) + "." +
+            std::to_string(v % 1000 / 10));
+    utsname u{};
+    uname(&u);
+    const bool kernel_dmabuf =
+        std::stoi(u.release) > 5 ||
+        (std::stoi(u.release) == 5 && std::stoi(std::string(u.release).substr(2)) >= 12);
+    std::string detail =
+        std::string("nvidia-peermem ") + (peermem ? "loaded" : "not loaded") + "; dma-buf " +
+        (dmabuf_api && kernel_dmabuf ? "possible (driver and kernel " + std::string(u.release) + ")"
+                                     : "not available");
+#if KVSTASH_HAVE_CUDA_KERNELS
+    const std::string staged = "else staged through pinned host buffers by the CUDA copier";
+#else
+    const std::string staged = "else no path: this build has no CUDA kernels to stage it";
+#endif
+    const bool direct = peermem || (dmabuf_api && kernel_dmabuf);
+    add("gpudirect", direct ? "ok" : "warn",
+        detail + ". KV caches in GPU memory move " +
+            (direct ? "zero-copy over verbs where the NIC reaches the GPU, " : "") + staged,
+        direct ? ""
+               : "modprobe nvidia-peermem (or a kernel >= 5.12 with CUDA >= 11.7 for dma-buf) for zero-copy");
+  }
+
+  void hugepage_check() {
+    std::ifstream in("/proc/meminfo");
+    std::string line;
+    std::uint64_t total = 0, free = 0, size_kb = 0;
+    while (std::getline(in, line)) {
+      std::istringstream is(line);
+      std::string key;
+      std::uint64_t v = 0;
+      is >> key >> v;
+      if (key == "HugePages_Total:") total = v;
+      if (key == "HugePages_Free:") free = v;
+      if (key == "Hugepagesize:") size_kb = v;
+    }
+    if (total == 0) {
+      add("hugepages", "warn",
+          "none reserved: kvstashd --huge-pages auto backs its pool with 4 KiB pages (more TLB misses, "
+          "more NIC translation entries)",
+          "reserve them on memory nodes: sysctl vm.nr_hugepages=<capacity / 2 MiB>");
+    } else {
+      add("hugepages", "ok",
+          std::to_string(free) + " of " + std::to_string(total) + " free, " +
+              units::format_size(size_kb * 1024) + " each");
+    }
+  }
+
+  void memlock_check() {
+    rlimit rl{};
+    getrlimit(RLIMIT_MEMLOCK, &rl);
+    if (geteuid() == 0 || rl.rlim_cur == RLIM_INFINITY) {
+      add("memlock", "ok",
+          geteuid() == 0 ? "root (CAP_IPC_LOCK): RDMA registrations are not limited"
+                         : "unlimited: RDMA registrations are not limited");
+      return;
+    }
+    const bool low = rl.rlim_cur < (64u << 20);
+    add("memlock", low ? "warn" : "ok",
+        "ulimit -l is " + units::format_size(rl.rlim_cur) + ": RDMA can register at most that much memory",
+        low ? "raise it: ulimit -l unlimited, LimitMEMLOCK=infinity (systemd), or /etc/security/limits.conf"
+            : "");
+  }
+
+  static std::string field(std::string_view info, std::string_view name) {
+    const std::string tag = std::string(name) + ":";
+    const auto at = info.find(tag);
+    if (at == std::string_view::npos) return "?";
+    const auto end = info.find_first_of("\r\n", at);
+    return std::string(info.substr(at + tag.size(), end - at - tag.size()));
+  }
+
+  Session& s_;
+  std::vector<Check> checks_;
+};
+
+int doctor(Session& s) {
+  const std::vector<Check> checks = Doctor(s).run();
+  bool failed = false;
+  for (const auto& c : checks) failed |= c.status == "fail";
+  if (s.json()) {
+    json j{{"ok", !failed}, {"checks", json::array()}};
+    for (const auto& c : checks) {
+      j["checks"].push_back({{"check", c.name}, {"status", c.status}, {"detail", c.detail}, {"fix", c.fix}});
+    }
+    std::cout << j.dump(2) << "\n";
+  } else {
+    Table t({"STATUS", "CHECK", "DETAIL"});
+    for (const auto& c : checks) t.row({c.status, c.name, c.detail});
+    std::cout << t.str();
+    bool header = false;
+    for (const auto& c : checks) {
+      if (c.fix.empty()) continue;
+      if (!header) std::cout << "\nHow to fix:\n";
+      header = true;
+      std::cout << "  " << c.name << ": " << c.fix << "\n";
+    }
+  }
+  return failed ? kExitError : kExitOk;
+}
+
+}  // namespace
+
+void add_doctor_command(Registry& r) {
+  auto* d =
+      r.app.add_subcommand("doctor", "Check the cell and this host; explain each finding and how to fix it");
+  d->footer(
+      "Checks: Redis reachable and authenticated, eviction policy, schema, Lua scripts, clock skew, memory "
+      "nodes' heartbeats, transports (shm, tcp, UCX, RDMA devices and ports), CUDA and GPUDirect, "
+      "hugepages, memlock.\n\nExamples:\n  kvstash doctor\n  kvstash doctor --json | jq '.checks[] | "
+      "select(.status != \"ok\")'");
+  Session& s = r.session;
+  d->final_callback([&r, &s] { r.action = [&s] { return doctor(s); }; });
+}
+
+}  // namespace kvstash::cli

@@ -1,0 +1,158 @@
+// kvstash: the operator's command line for a kvstash cell (docs/cli.md). Every subcommand is
+// built on the store and metadata classes; this file holds the global options, `bench`
+// (forwarded to kvstash-bench), `completion`, and the exit codes.
+#include <limits.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <iostream>
+#include <map>
+
+#include "cli.h"
+#include "kvstash/store.h"
+
+namespace {
+
+using namespace kvstash;
+using namespace kvstash::cli;
+
+// kvstash-bench: $KVSTASH_BENCH, next to this binary (installed), in the build tree
+// (build/tools/kvstash -> build/bench), else on PATH.
+std::string find_bench() {
+  if (const char* env = std::getenv("KVSTASH_BENCH"); env != nullptr) return env;
+  char self[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    const std::filesystem::path dir = std::filesystem::path(self).parent_path();
+    for (const auto& p : {dir / "kvstash-bench", dir / ".." / ".." / "bench" / "kvstash-bench"}) {
+      if (access(p.c_str(), X_OK) == 0) return p.string();
+    }
+  }
+  return "kvstash-bench";
+}
+
+// Options of `app` as words, for completion.
+std::string option_words(const CLI::App* app) {
+  std::string words;
+  for (const CLI::Option* o : app->get_options()) {
+    for (const auto& l : o->get_lnames()) words += " --" + l;
+    for (const auto& s : o->get_snames()) words += " -" + s;
+  }
+  return words;
+}
+
+// A bash completion script generated from the command tree, so it never falls behind it.
+std::string bash_completion(const CLI::App& app) {
+  std::map<std::string, std::string> words;  // "sub path" -> candidate words
+  std::function<void(const CLI::App*, const std::string&)> walk = [&](const CLI::App* a,
+                                                                      const std::string& path) {
+    std::string w = option_words(a);
+    for (const CLI::App* sub : a->get_subcommands([](const CLI::App*) { return true; })) {
+      w += " " + sub->get_name();
+      walk(sub, path.empty() ? sub->get_name() : path + " " + sub->get_name());
+    }
+    words[path] = w;
+  };
+  walk(&app, "");
+  std::string s =
+      "# bash completion for kvstash: source <(kvstash completion bash)\n"
+      "_kvstash() {\n"
+      "  local cur=${COMP_WORDS[COMP_CWORD]} path= w i\n"
+      "  for ((i = 1; i < COMP_CWORD; i++)); do\n"
+      "    w=${COMP_WORDS[i]}\n"
+      "    [[ $w == -* ]] && continue\n"
+      "    case \"${path:+$path }$w\" in\n";
+  for (const auto& [path, _] : words) {
+    if (!path.empty()) s += "      \"" + path + "\") path=\"" + path + "\" ;;\n";
+  }
+  s += "    esac\n  done\n  case \"$path\" in\n";
+  for (const auto& [path, w] : words) s += "    \"" + path + "\") w=\"" + w + "\" ;;\n";
+  s += "  esac\n"
+       "  COMPREPLY=($(compgen -W \"$w\" -- \"$cur\"))\n"
+       "  [[ $cur != -* && ${#COMPREPLY[@]} -eq 0 ]] && COMPREPLY=($(compgen -f -- \"$cur\"))\n"
+       "}\n"
+       "complete -F _kvstash kvstash\n";
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "kvstash: run a kvstash cell (memory nodes holding KV cache, metadata in Redis): its status, "
+      "nodes and objects, eviction and drains, checks of this host, and KV-cache capacity planning."};
+  app.footer(
+      "Examples:\n"
+      "  kvstash status\n"
+      "  kvstash ls 'kvp:*' --sort size --limit 20\n"
+      "  kvstash drain node-7 --wait --timeout 10m\n"
+      "  kvstash plan --model llama-2-7b --context 4096 --remote-mem 1TiB\n"
+      "  kvstash doctor\n\n"
+      "Exit codes: 0 ok, 1 error, 2 usage (bad arguments), 3 not found. docs/cli.md has the details.");
+  app.require_subcommand(1);
+  app.fallthrough();  // global options also after the subcommand
+
+  Globals g;
+  app.add_option("--redis", g.redis_url,
+                 "The cell's Redis: redis://[user:password@]host:port/db or unix://[user:password@]/path")
+      ->envname("KVSTASH_REDIS_URL")
+      ->capture_default_str();
+  app.add_option("--redis-password-file", g.password_file,
+                 "File holding the Redis password (else KVSTASH_REDIS_PASSWORD, else the URL's)");
+  app.add_option("--cell", g.cell, "Cell name (key prefix kvs:{kvs:<cell>})")
+      ->envname("KVSTASH_CELL")
+      ->capture_default_str();
+  app.add_flag("--json", g.json, "Machine-readable output: one JSON document on stdout");
+  app.add_option("--timeout", g.timeout, "Deadline of each operation (e.g. 500ms, 10s, 2m)")
+      ->capture_default_str();
+
+  Session session(g);
+  Action action;
+  Registry reg{app, session, action};
+  add_cluster_commands(reg);
+  add_object_commands(reg);
+  add_doctor_command(reg);
+  add_plan_command(reg);
+
+  auto* bench = app.add_subcommand(
+      "bench", "Run kvstash-bench with the arguments that follow (see kvstash bench --help)");
+  bench->prefix_command();
+  bench->set_help_flag();  // --help goes to kvstash-bench
+  bench->footer("Examples:\n  kvstash bench store --object-size 64MiB\n  kvstash bench p2p --transport tcp");
+  bench->final_callback([&] {
+    action = [bench] {
+      std::vector<std::string> args = bench->remaining();
+      const std::string exe = find_bench();
+      std::vector<char*> argv2{const_cast<char*>(exe.c_str())};
+      for (auto& a : args) argv2.push_back(a.data());
+      argv2.push_back(nullptr);
+      execvp(exe.c_str(), argv2.data());
+      return fail(Status::from_errno("cannot run " + exe + " (set KVSTASH_BENCH to its path)", errno),
+                  "bench");
+    };
+  });
+
+  auto* completion = app.add_subcommand("completion", "Print a shell completion script");
+  std::string shell;
+  completion->add_option("shell", shell, "bash")->required()->check(CLI::IsMember({"bash"}));
+  completion->footer(
+      "Examples:\n  source <(kvstash completion bash)\n"
+      "  kvstash completion bash > /etc/bash_completion.d/kvstash");
+  completion->final_callback([&] {
+    action = [&] {
+      std::cout << bash_completion(app);
+      return kExitOk;
+    };
+  });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  if (!action) return kExitUsage;
+  return action();
+}

@@ -1,0 +1,212 @@
+// kvstash plan: the KV-cache arithmetic. Bytes per token = 2 (K and V) x layers x KV heads x
+// head dim x bytes per element; what fits next to the weights on a GPU; how many more
+// sequences remote memory keeps warm.
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "common/units.h"
+
+namespace kvstash::cli {
+namespace {
+
+using nlohmann::json;
+
+struct Model {
+  const char* name;
+  std::uint32_t layers, kv_heads, head_dim;
+  double params_billion;
+  const char* note;
+};
+
+// Published configurations (config.json of each model): layers, KV heads (GQA), head dim.
+constexpr Model kModels[] = {
+    {"llama-2-7b", 32, 32, 128, 6.74, "MHA"},        {"llama-2-13b", 40, 40, 128, 13.02, "MHA"},
+    {"llama-2-70b", 80, 8, 128, 68.98, "GQA"},       {"llama-3-8b", 32, 8, 128, 8.03, "GQA"},
+    {"llama-3-70b", 80, 8, 128, 70.55, "GQA"},       {"mistral-7b", 32, 8, 128, 7.24, "GQA"},
+    {"mixtral-8x7b", 32, 8, 128, 46.70, "GQA, MoE"}, {"qwen2-7b", 28, 4, 128, 7.62, "GQA"},
+    {"qwen2.5-14b", 48, 8, 128, 14.77, "GQA"},       {"qwen2.5-72b", 80, 8, 128, 72.71, "GQA"},
+};
+
+struct PlanOptions {
+  std::string model = "llama-2-7b";
+  std::uint32_t context = 4096, batch = 0, layers = 0, kv_heads = 0, head_dim = 0;
+  double params_billion = 0;
+  std::string gpu_mem = "80GB", kv_dtype = "fp16", weight_dtype = "fp16", remote_mem = "0";
+  bool list = false;
+};
+
+double dtype_bytes(const std::string& d) {
+  if (d == "fp32") return 4;
+  if (d == "fp16" || d == "bf16") return 2;
+  if (d == "fp8" || d == "int8") return 1;
+  if (d == "int4") return 0.5;
+  return 0;
+}
+
+std::string grouped(std::uint64_t v) {  // 524288 -> "524,288"
+  const std::string digits = std::to_string(v);
+  std::string out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return out;
+}
+
+int list_models(Session& s) {
+  if (s.json()) {
+    json j = json::array();
+    for (const Model& m : kModels) {
+      j.push_back({{"model", m.name},
+                   {"layers", m.layers},
+                   {"kv_heads", m.kv_heads},
+                   {"head_dim", m.head_dim},
+                   {"params_billion", m.params_billion}});
+    }
+    std::cout << j.dump(2) << "\n";
+    return kExitOk;
+  }
+  Table t({"MODEL", "LAYERS", "KV HEADS", "HEAD DIM", "PARAMS", "ATTENTION", "FP16 KV/TOKEN"});
+  for (const Model& m : kModels) {
+    char p[16];
+    std::snprintf(p, sizeof p, "%.2fB", m.params_billion);
+    t.row({m.name, std::to_string(m.layers), std::to_string(m.kv_heads), std::to_string(m.head_dim), p,
+           m.note, units::format_size(2ull * m.layers * m.kv_heads * m.head_dim * 2)});
+  }
+  std::cout << t.str();
+  return kExitOk;
+}
+
+int plan(Session& s, const PlanOptions& o) {
+  if (o.list) return list_models(s);
+  Model m{"custom", o.layers, o.kv_heads, o.head_dim, o.params_billion, ""};
+  if (o.model != "custom") {
+    const Model* preset = nullptr;
+    for (const Model& p : kModels) {
+      if (o.model == p.name) preset = &p;
+    }
+    if (preset == nullptr) {
+      return fail(
+          Status::invalid_argument("unknown model '" + o.model +
+                                   "': `kvstash plan --list-models` lists the presets; --model custom "
+                                   "with --layers, --kv-heads, --head-dim and --params for others"),
+          "plan", &s);
+    }
+    m = *preset;
+    if (o.layers > 0) m.layers = o.layers;
+    if (o.kv_heads > 0) m.kv_heads = o.kv_heads;
+    if (o.head_dim > 0) m.head_dim = o.head_dim;
+    if (o.params_billion > 0) m.params_billion = o.params_billion;
+  }
+  if (m.layers == 0 || m.kv_heads == 0 || m.head_dim == 0) {
+    return fail(Status::invalid_argument("--model custom needs --layers, --kv-heads and --head-dim"), "plan",
+                &s);
+  }
+  const double kv_bytes = dtype_bytes(o.kv_dtype), w_bytes = dtype_bytes(o.weight_dtype);
+  auto gpu = units::parse_size(o.gpu_mem);
+  auto remote = units::parse_size(o.remote_mem);
+  if (!gpu.is_ok()) return fail(gpu.status(), "plan --gpu-mem", &s);
+  if (!remote.is_ok()) return fail(remote.status(), "plan --remote-mem", &s);
+
+  const auto bytes_per_token =
+      static_cast<std::uint64_t>(2.0 * m.layers * m.kv_heads * m.head_dim * kv_bytes);
+  const std::uint64_t bytes_per_sequence = bytes_per_token * o.context;
+  const double weights = m.params_billion * 1e9 * w_bytes;
+  const double budget = std::max(0.0, static_cast<double>(*gpu) - weights);
+  const auto max_sequences =
+      static_cast<std::uint64_t>(std::floor(budget / static_cast<double>(bytes_per_sequence)));
+  const std::uint64_t remote_sequences = *remote / bytes_per_sequence;
+  const std::uint64_t waiting = o.batch > max_sequences ? o.batch - max_sequences : 0;
+
+  if (s.json()) {
+    json j{{"model", m.name},
+           {"layers", m.layers},
+           {"kv_heads", m.kv_heads},
+           {"head_dim", m.head_dim},
+           {"kv_dtype", o.kv_dtype},
+           {"context_tokens", o.context},
+           {"bytes_per_token", bytes_per_token},
+           {"bytes_per_sequence", bytes_per_sequence},
+           {"gpu_bytes", *gpu},
+           {"weights_bytes", static_cast<std::uint64_t>(weights)},
+           {"kv_budget_bytes", static_cast<std::uint64_t>(budget)},
+           {"max_sequences", max_sequences},
+           {"remote_bytes", *remote},
+           {"remote_sequences", remote_sequences}};
+    if (o.batch > 0) {
+      j["batch"] = o.batch;
+      j["batch_fits"] = waiting == 0;
+      j["batch_waiting_sequences"] = waiting;
+    }
+    std::cout << j.dump(2) << "\n";
+    return kExitOk;
+  }
+  char params[32];
+  std::snprintf(params, sizeof params, "%.2fB", m.params_billion);
+  std::cout << "model          " << m.name << ": " << m.layers << " layers, " << m.kv_heads << " KV heads x "
+            << m.head_dim << ", " << params << " parameters (" << format_gb(weights) << " in "
+            << o.weight_dtype << ")\n";
+  std::cout << "per token      2 x " << m.layers << " layers x " << m.kv_heads << " KV heads x " << m.head_dim
+            << " x " << kv_bytes << " bytes (" << o.kv_dtype << ") = " << grouped(bytes_per_token)
+            << " bytes (" << units::format_size(bytes_per_token) << ")\n";
+  std::cout << "per sequence   " << grouped(o.context)
+            << " tokens = " << format_gb(static_cast<double>(bytes_per_sequence)) << " ("
+            << units::format_size(bytes_per_sequence) << ")\n";
+  std::cout << "GPU            " << format_gb(static_cast<double>(*gpu)) << " - " << format_gb(weights)
+            << " of weights = " << format_gb(budget) << " for KV cache: " << max_sequences << " sequences of "
+            << grouped(o.context) << " tokens\n";
+  if (o.batch > 0) {
+    std::cout << "batch " << o.batch << (waiting == 0 ? " fits" : "");
+    if (waiting > 0) {
+      std::cout << ": " << waiting << " sequences wait off the GPU ("
+                << format_gb(static_cast<double>(waiting * bytes_per_sequence)) << " of KV cache to offload)";
+    }
+    std::cout << "\n";
+  }
+  if (*remote > 0) {
+    std::cout << "remote memory  " << units::format_size(*remote) << " keeps " << remote_sequences
+              << " more sequences warm (restored instead of recomputed)\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void add_plan_command(Registry& r) {
+  Session& s = r.session;
+  auto o = std::make_shared<PlanOptions>();
+  auto* p = r.app.add_subcommand(
+      "plan",
+      "KV-cache capacity planning: bytes per token and sequence, what fits on a GPU and in remote memory");
+  p->add_option("--model", o->model, "A preset (--list-models) or custom")->capture_default_str();
+  p->add_option("--context", o->context, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  p->add_option("--batch", o->batch, "Sequences you want resident at once");
+  p->add_option("--gpu-mem", o->gpu_mem, "GPU memory (80GB, 141GB, 80GiB)")->capture_default_str();
+  p->add_option("--kv-dtype", o->kv_dtype, "KV-cache element type")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16", "fp8", "int8"}));
+  p->add_option("--weight-dtype", o->weight_dtype, "Weight element type")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16", "fp8", "int8", "int4"}));
+  p->add_option("--kv-heads", o->kv_heads, "Override the model's KV heads (GQA)");
+  p->add_option("--layers", o->layers, "Layers (custom models, or an override)");
+  p->add_option("--head-dim", o->head_dim, "Head dimension (custom models, or an override)");
+  p->add_option("--params", o->params_billion, "Parameters in billions (custom models, or an override)");
+  p->add_option("--remote-mem", o->remote_mem, "Remote memory for offloaded sequences (1TiB)")
+      ->capture_default_str();
+  p->add_flag("--list-models", o->list, "List the presets");
+  p->footer(
+      "Examples:\n"
+      "  kvstash plan --model llama-2-7b --context 4096\n"
+      "  kvstash plan --model llama-2-7b --kv-heads 8 --kv-dtype int8\n"
+      "  kvstash plan --model llama-3-70b --gpu-mem 141GB --batch 64 --remote-mem 2TiB\n"
+      "  kvstash plan --model custom --layers 40 --kv-heads 8 --head-dim 128 --params 20 --json");
+  p->final_callback([&r, &s, o] { r.action = [&s, o] { return plan(s, *o); }; });
+}
+
+}  // namespace kvstash::cli
