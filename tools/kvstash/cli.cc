@@ -100,9 +100,9 @@ std::string_view fix_for(const Status& s) {
 
 }  // namespace
 
-int fail(const Status& s, std::string_view doing, const Session* session) {
+int fail(const Status& s, std::string_view doing, const Session* session, std::string_view fix_text) {
   std::cerr << "kvstash: " << doing << ": " << s.message() << " (" << to_string(s.code()) << ")\n";
-  if (auto fix = fix_for(s); !fix.empty()) {
+  if (auto fix = fix_text.empty() ? fix_for(s) : fix_text; !fix.empty()) {
     std::cerr << "  fix: " << fix;
     if (session != nullptr &&
         (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kPermissionDenied)) {

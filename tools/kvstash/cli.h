@@ -77,9 +77,11 @@ void add_object_commands(Registry& r);   // ls, show, rm, touch, evict, get, put
 void add_doctor_command(Registry& r);
 void add_plan_command(Registry& r);
 
-// Prints "kvstash: <doing>: <what went wrong>" and a line on how to fix it to stderr;
-// returns the exit code for the status (3 not found, 2 invalid argument, else 1).
-int fail(const Status& s, std::string_view doing, const Session* session = nullptr);
+// Prints "kvstash: <doing>: <what went wrong>" and a line on how to fix it to stderr (`fix`,
+// else one chosen by the status code); returns the exit code for the status (3 not found,
+// 2 invalid argument, else 1).
+int fail(const Status& s, std::string_view doing, const Session* session = nullptr,
+         std::string_view fix = {});
 
 // Aligned columns for people: numbers right-aligned, the rest left.
 class Table {

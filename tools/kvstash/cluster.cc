@@ -273,7 +273,10 @@ int drain(Session& s, const std::string& id, bool wait, bool release_now, bool y
   }
   return wait && left > 0 ? fail(Status::timeout(std::to_string(left) + " objects still on node " + id +
                                                  " after --wait-timeout " + wait_for),
-                                 "drain", &s)
+                                 "drain", &s,
+                                 "objects leave as they expire, are evicted or removed: wait longer, "
+                                 "`kvstash evict`, or `kvstash drain " +
+                                     id + " --yes --release` to drop them now")
                           : kExitOk;
 }
 

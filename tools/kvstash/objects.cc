@@ -39,6 +39,13 @@ std::string ago(std::int64_t then, std::int64_t now) {
   return then <= 0 ? "-" : format_duration(milliseconds(std::max<std::int64_t>(0, now - then))) + " ago";
 }
 
+// kNotFound from the metadata plane carries Redis's reply text; say it in the operator's words.
+Status plain(const Status& st, const std::string& key, const Session& s) {
+  if (st.code() != StatusCode::kNotFound) return st;
+  return Status::not_found("no object '" + key + "' in cell " + s.globals().cell +
+                           " (never stored, removed, expired, evicted, or its node died)");
+}
+
 json object_json(const metadata::ObjectInfo& o, std::int64_t now) {
   return {{"key", o.key},
           {"size", o.size},
@@ -128,7 +135,7 @@ int show(Session& s, const std::string& key) {
   auto cat = s.catalog();
   if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
   auto rec = (*cat)->stat(key);
-  if (!rec.is_ok()) return fail(rec.status(), "show " + key, &s);
+  if (!rec.is_ok()) return fail(plain(rec.status(), key, s), "show", &s);
   std::int64_t now = 0;
   const std::vector<std::string> keys{key};
   auto info = (*cat)->describe(keys, &now);
@@ -177,7 +184,7 @@ int rm(Session& s, const std::vector<std::string>& keys, bool yes) {
     Status st = (*cat)->remove(k);
     j.push_back({{"key", k}, {"status", to_string(st.code())}});
     if (!st.is_ok()) {
-      rc = std::max(rc, fail(st, "rm " + k, &s));
+      rc = std::max(rc, fail(plain(st, k, s), "rm", &s));
     } else if (!s.json()) {
       std::cout << "removed " << k << "\n";
     }
@@ -199,7 +206,7 @@ int touch(Session& s, const std::vector<std::string>& keys, const std::string& t
   for (const auto& k : keys) {
     Status st = (*cat)->touch(k, t);
     if (!st.is_ok()) {
-      rc = std::max(rc, fail(st, "touch " + k, &s));
+      rc = std::max(rc, fail(plain(st, k, s), "touch", &s));
     } else if (!s.json()) {
       std::cout << k << ": " << (t.count() == 0 ? "never expires" : "expires in " + format_duration(t))
                 << "\n";
@@ -266,11 +273,11 @@ int get(Session& s, const std::string& key, const std::string& out) {
   auto store = s.store();
   if (!store.is_ok()) return fail(store.status(), "opening the store", &s);
   auto info = (*store)->stat(key);
-  if (!info.is_ok()) return fail(info.status(), "get " + key, &s);
+  if (!info.is_ok()) return fail(plain(info.status(), key, s), "get", &s);
   std::string buf(info->size, '\0');
   Slice slice{buf.data(), buf.size()};
   auto got = (*store)->get(key, {&slice, 1});
-  if (!got.is_ok()) return fail(got.status(), "get " + key, &s);
+  if (!got.is_ok()) return fail(plain(got.status(), key, s), "get", &s);
   buf.resize(got->size);
   if (out == "-") {
     std::cout.write(buf.data(), static_cast<std::streamsize>(buf.size()));
