@@ -126,6 +126,23 @@ int main(int argc, char** argv) {
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK && loaded[1] == KVSTASH_OK,
         "load_finish");
 
+  /* Cancelled: a save leaves nothing (chunk 0 again, under other tokens), a load ends each
+   * chunk landed or cancelled. */
+  uint32_t other[CHUNK];
+  for (size_t i = 0; i < CHUNK; ++i) other[i] = tokens[i] + 1;
+  CHECK(kvstash_kvcache_begin_save(kva, other, CHUNK, blocks_a, 4, 0, 1, 0, &save) == KVSTASH_OK, "begin_save 2");
+  CHECK(kvstash_save_layer(save, 0) == KVSTASH_OK, "save_layer 0");
+  kvstash_save_cancel(save);
+  CHECK(kvstash_save_layer(save, 1) == KVSTASH_CANCELLED, "no layer after cancel");
+  CHECK(kvstash_save_finish(save, saved) == KVSTASH_CANCELLED && saved[0] == KVSTASH_CANCELLED, "cancelled save");
+  CHECK(kvstash_kvcache_contains_prefix(kva, other, CHUNK, &hit) == KVSTASH_OK && hit == 0, "nothing visible");
+  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "begin_load 2");
+  kvstash_load_cancel(load);
+  kvstash_load_finish(load, loaded);
+  CHECK((loaded[0] == KVSTASH_OK || loaded[0] == KVSTASH_CANCELLED) &&
+            (loaded[1] == KVSTASH_OK || loaded[1] == KVSTASH_CANCELLED),
+        "a cancelled load's chunks landed or were cancelled");
+
   /* The same through host bounce buffers: a staged cache reads what a direct one wrote. */
   kvstash_kvcache* kvs = NULL;
   layout.layer_tensors = pb;

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -376,6 +378,99 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   for (const auto& st : (*kva)->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   for (const auto& st : (*kvb)->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   check(dev_b, blocks_b, "second staged load");
+}
+
+TEST_P(KvCacheTest, ACancelledLoadStopsWritingAndReportsWhatDidNotLand) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 61), b(shape, 62);
+  auto kva = open(a), kvb = open(b);
+  ASSERT_TRUE(kva && kvb);
+  const auto tokens = token_ids(16 * 64, 63);  // 16 chunks of 4 blocks: every block of the cache
+  const auto blocks_a = scattered_blocks(64, shape.num_blocks, 64);
+  const auto blocks_b = scattered_blocks(64, shape.num_blocks, 65);
+  for (const auto& st : kva->save(tokens, blocks_a, 0, 16)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+  auto load = kvb->begin_load(tokens, blocks_b, 16);
+  ASSERT_TRUE(load.is_ok());
+  load->cancel();  // 4 loader threads: most chunks are still queued
+  std::vector<std::vector<std::byte>> after;
+  for (const auto& l : b.layers) after.emplace_back(l.data(), l.data() + l.size());
+  std::this_thread::sleep_for(100ms);
+  for (std::size_t l = 0; l < b.layers.size(); ++l) {
+    ASSERT_EQ(std::memcmp(after[l].data(), b.layers[l].data(), after[l].size()), 0)
+        << "layer " << l << " changed after cancel() returned";
+  }
+  const auto statuses = load->wait();
+  std::size_t cancelled = 0;
+  for (std::size_t c = 0; c < statuses.size(); ++c) {
+    if (statuses[c].code() == StatusCode::kCancelled) {
+      ++cancelled;
+      continue;
+    }
+    ASSERT_TRUE(statuses[c].is_ok()) << statuses[c].to_string();
+    for (std::size_t i = c * 4; i < c * 4 + 4; ++i) {  // a chunk reported landed is whole
+      for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+        ASSERT_EQ(std::memcmp(a.block(l, 0, blocks_a[i]).data(), b.block(l, 0, blocks_b[i]).data(),
+                              shape.block_bytes()),
+                  0);
+      }
+    }
+  }
+  EXPECT_GT(cancelled, 0u) << "queued chunks never start once cancelled";
+  if (cancelled > 0) {
+    EXPECT_EQ(load->wait_layer(0).code(), StatusCode::kCancelled);
+  }
+  // The store still serves: a fresh load lands everything.
+  for (const auto& st : kvb->load(tokens, blocks_b, 16)) EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST_P(KvCacheTest, ACancelledSaveLeavesNothingAndFreesItsPages) {
+  const KvCacheShape shape = chunked_shape(GetParam());
+  HostCache a(shape, 71);
+  auto kva = open(a, 256);
+  ASSERT_TRUE(kva);
+  const auto tokens = token_ids(2 * 256, 72);
+  const auto blocks = scattered_blocks(32, shape.num_blocks, 73);
+  for (int round = 0; round < 3; ++round) {  // 16 MiB reserved each round, 48 MiB in the node
+    auto save = kva->begin_save(tokens, blocks, 0, 2);
+    ASSERT_TRUE(save.is_ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(save->save_layer(l).is_ok());
+    save->cancel();
+    EXPECT_EQ(save->save_layer(4).code(), StatusCode::kCancelled);
+    for (const auto& st : save->wait()) EXPECT_EQ(st.code(), StatusCode::kCancelled) << st.to_string();
+    EXPECT_EQ(kva->contains_prefix(tokens).value(), 0u);
+  }
+  for (const auto& st : kva->save(tokens, blocks, 0, 2)) EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(kva->contains_prefix(tokens).value(), 2u);
+}
+
+TEST_P(KvCacheTest, ACancelTokenStopsAStoreGet) {
+  std::vector<std::byte> data(8u << 20), into(8u << 20, std::byte{0x5a});
+  test::fill_random(data, 81);
+  Slice in{data.data(), data.size()}, out{into.data(), into.size()};
+  ASSERT_TRUE(store_->put("cancel/obj", {&in, 1}).is_ok());
+  auto token = CancelToken::make();
+  token.cancel();
+  auto got = store_->get("cancel/obj", {&out, 1}, {.cancel = token});
+  EXPECT_EQ(got.status().code(), StatusCode::kCancelled);
+  EXPECT_TRUE(std::all_of(into.begin(), into.end(), [](std::byte x) { return x == std::byte{0x5a}; }))
+      << "a get cancelled before it started touches nothing";
+  // Cancelled from another thread while it runs: it ends cancelled or whole, never torn.
+  for (int i = 0; i < 5; ++i) {
+    auto live = CancelToken::make();
+    std::thread canceller([&] {
+      std::this_thread::sleep_for(std::chrono::microseconds(300 * i));
+      live.cancel();
+    });
+    auto r = store_->get("cancel/obj", {&out, 1}, {.cancel = live});
+    canceller.join();
+    if (r.is_ok()) {
+      EXPECT_EQ(std::memcmp(into.data(), data.data(), data.size()), 0);
+    } else {
+      EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status().to_string();
+    }
+  }
+  EXPECT_FALSE(CancelToken{}.cancelled()) << "a default token cancels nothing";
 }
 
 TEST_P(KvCacheTest, BadInputIsRefusedPerChunk) {

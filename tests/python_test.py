@@ -78,6 +78,17 @@ class KvstashPython(unittest.TestCase):
             kvstash.KvCache(self.store, c, gpu=True, staging="none", **common)
         self.assertIn("registering the KV cache", str(e.exception))
 
+        # Cancelled: a load's chunks landed or were cancelled; a save leaves nothing.
+        load = kvb.begin_load(tokens, blocks_b, 2)
+        load.cancel()
+        self.assertTrue(all(code in ("ok", "cancelled") for code, _ in load.wait()))
+        other = [t + 1 for t in tokens]
+        save = kva.begin_save(other, blocks_a, 0, 2)
+        save.save_layer(0)
+        save.cancel()
+        self.assertEqual([code for code, _ in save.wait()], ["cancelled", "cancelled"])
+        self.assertEqual(kva.contains_prefix(other), 0)
+
         # A chunk gone meanwhile fails alone.
         self.store.remove(kva.keys(tokens)[1])
         load = kvb.begin_load(tokens, blocks_b, 2)

@@ -150,8 +150,8 @@ class KvCache;
 
 // Moves bytes between a KV cache's memory and host bounce buffers, for memory the transports
 // cannot reach themselves (GPU memory without GPUDirect). The CUDA one
-// (src/kvcache/cuda/cuda_copier.h, built where the CUDA toolkit is found) packs a layer's scattered blocks in one
-// kernel launch; host_copier() copies with memcpy (tests, and caches in plain host memory).
+// (src/kvcache/cuda/cuda_copier.h, built where the CUDA toolkit is found) packs a layer's scattered blocks in
+// one kernel launch; host_copier() copies with memcpy (tests, and caches in plain host memory).
 class DeviceCopier {
  public:
   virtual ~DeviceCopier() = default;
@@ -194,8 +194,11 @@ class KvSave {
   // submitted. kInvalidArgument out of order; a chunk whose write fails is reported by wait().
   Status save_layer(std::uint32_t layer);
   // Waits for every write and commits: one Status per chunk (kInvalidArgument for a chunk
-  // whose layers were not all saved).
+  // whose layers were not all saved; kCancelled after cancel()).
   std::vector<Status> wait();
+  // Drops the save: returns once no transfer reads the cache's memory any more; nothing
+  // becomes visible, the reserved pages go back. save_layer fails afterwards.
+  void cancel();
 
  private:
   friend class KvCache;
@@ -218,6 +221,10 @@ class KvLoad {
   bool layer_ready(std::uint32_t layer) const;
   // Waits for everything: one Status per chunk.
   std::vector<Status> wait();
+  // Stops the load: returns once nothing writes into the cache's memory any more. Chunks
+  // that had landed keep their status; the rest end kCancelled (their blocks hold partial
+  // data: recompute them), and so does wait_layer for a layer they had not reached.
+  void cancel();
 
  private:
   friend class KvCache;

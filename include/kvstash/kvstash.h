@@ -166,6 +166,12 @@ kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* t
 kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);
+/* Stops a load: returns once nothing writes into the cache any more. Chunks not landed by then
+ * end KVSTASH_CANCELLED (recompute their blocks); kvstash_load_finish still frees the handle. */
+void kvstash_load_cancel(kvstash_load* load);
+/* Drops a save: returns once nothing reads the cache any more; nothing becomes visible.
+ * kvstash_save_finish then reports KVSTASH_CANCELLED per chunk (or kvstash_save_free it). */
+void kvstash_save_cancel(kvstash_save* save);
 
 #ifdef __cplusplus
 }

@@ -95,6 +95,25 @@ struct PutOptions {
   OpTimings* timings = nullptr;  // filled when set
 };
 
+// Cancels gets from another thread (GetOptions::cancel). A default token cancels nothing;
+// CancelToken::make() makes a live one, and its copies share it. cancel() returns once no
+// transfer of a get holding the token can touch that get's memory any more; those gets end
+// kCancelled (one that already finished keeps its result), and later ones end kCancelled at
+// once: a cancelled token stays cancelled. Thread-safe.
+class CancelToken {
+ public:
+  static CancelToken make();
+  void cancel() const;
+  bool cancelled() const;
+  explicit operator bool() const { return state_ != nullptr; }
+
+  struct State;  // the store's
+  State* state() const { return state_.get(); }
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
 struct GetOptions {
   std::optional<Deadline> deadline;
   OpTimings* timings = nullptr;  // filled when set
@@ -107,6 +126,8 @@ struct GetOptions {
   // lease: act on them early only where the layout lets you check them (KvCache stores a
   // checksum per layer there).
   std::function<void(std::uint64_t landed, std::string_view layout)> progress;
+  // Lets another thread stop this get (CancelToken::cancel).
+  CancelToken cancel;
 };
 
 struct ObjectInfo {

@@ -279,4 +279,12 @@ kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk
   return per_chunk_result(owned->load.wait(), per_chunk);
 }
 
+void kvstash_load_cancel(kvstash_load* load) {
+  if (load != nullptr) load->load.cancel();
+}
+
+void kvstash_save_cancel(kvstash_save* save) {
+  if (save != nullptr) save->save.cancel();
+}
+
 }  // extern "C"

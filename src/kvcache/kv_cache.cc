@@ -240,6 +240,7 @@ struct KvSave::State {
   std::vector<Chunk> chunks;
   std::uint32_t next_layer = 0;
   bool waited = false;
+  bool cancelled = false;
 
   // Waits for every layer task (they touch the chunks).
   void drain() {
@@ -263,6 +264,7 @@ KvSave::~KvSave() = default;  // an unfinished PutStream aborts itself
 
 Status KvSave::save_layer(std::uint32_t layer) {
   if (!state_ || state_->waited) return Status::invalid_argument("kvcache: save already finished");
+  if (state_->cancelled) return Status::cancelled("kvcache: save cancelled");
   State& st = *state_;
   if (layer != st.next_layer) {
     return Status::invalid_argument("kvcache: layers are saved in order: expected layer " +
@@ -303,11 +305,27 @@ Status KvSave::save_layer(std::uint32_t layer) {
   return Status::ok();
 }
 
+void KvSave::cancel() {
+  if (!state_ || state_->waited || state_->cancelled) return;
+  State& st = *state_;
+  st.cancelled = true;
+  st.drain();  // the layer tasks in flight have submitted (or failed) their writes
+  for (auto& c : st.chunks) {
+    c.stream.abort();  // cancels the writes still moving; the pages go back
+    if (c.status.is_ok()) c.status = Status::cancelled("kvcache: save cancelled");
+  }
+}
+
 std::vector<Status> KvSave::wait() {
   if (!state_ || state_->waited) return {};
   State& st = *state_;
   st.waited = true;
   st.drain();
+  if (st.cancelled) {
+    std::vector<Status> out;
+    for (const auto& c : st.chunks) out.push_back(c.status);
+    return out;
+  }
   const std::uint32_t layers = st.kv->layout.shape().num_layers;
   std::vector<Status> out;
   for (auto& c : st.chunks) {
@@ -335,6 +353,7 @@ struct KvLoad::State {
   std::vector<std::uint32_t> verified;      // per chunk: leading layers landed and checked
   std::vector<std::optional<Status>> done;  // per chunk: the final status
   std::vector<std::future<void>> tasks;
+  CancelToken cancel = CancelToken::make();  // every chunk's get holds it
 
   bool ready_locked(std::uint32_t layer) const {
     for (std::size_t c = 0; c < done.size(); ++c) {
@@ -369,6 +388,14 @@ Status KvLoad::wait_layer(std::uint32_t layer) {
     }
   }
   return Status::ok();
+}
+
+void KvLoad::cancel() {
+  if (!state_) return;
+  state_->cancel.cancel();  // the gets in flight stop moving bytes; the queued ones never start
+  for (auto& t : state_->tasks) {
+    if (t.valid()) t.wait();  // and their tasks have stopped scattering into the cache
+  }
 }
 
 std::vector<Status> KvLoad::wait() {
@@ -537,6 +564,7 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
       GetOptions o;
       o.deadline = deadline;
       o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
+      o.cancel = st->cancel;
       o.progress = [&](std::uint64_t landed, std::string_view layout) {
         if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
         if (!sums) {
@@ -544,7 +572,8 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
                                       kv.keys.layout_tag);
           return;
         }
-        while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed) {
+        while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed &&
+               !o.cancel.cancelled()) {
           const std::uint64_t sum = bounce
                                         ? XXH3_64bits(bounce->mem.get() + checked * layer_bytes, layer_bytes)
                                         : hash_runs(runs[checked]);
@@ -570,6 +599,8 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
           final = r.status();
         } else if (!bad_layer.is_ok()) {
           final = bad_layer;
+        } else if (checked != layers && o.cancel.cancelled()) {
+          final = Status::cancelled("kvcache: load of " + key + " cancelled");
         } else if (r->size != kv.chunk_bytes() || checked != layers) {
           final = Status::corrupt("kvcache: " + key + " holds " + std::to_string(r->size) +
                                   " bytes, a chunk " + std::to_string(kv.chunk_bytes()));

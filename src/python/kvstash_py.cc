@@ -157,13 +157,15 @@ PYBIND11_MODULE(kvstash, m) {
   py::class_<PySave, std::shared_ptr<PySave>>(m, "KvSave")
       .def("save_layer",
            [](PySave& s, std::uint32_t layer) { check(nogil([&] { return s.save.save_layer(layer); })); })
-      .def("wait", [](PySave& s) { return statuses(nogil([&] { return s.save.wait(); })); });
+      .def("wait", [](PySave& s) { return statuses(nogil([&] { return s.save.wait(); })); })
+      .def("cancel", [](PySave& s) { nogil([&] { s.save.cancel(); }); });
 
   py::class_<PyLoad, std::shared_ptr<PyLoad>>(m, "KvLoad")
       .def("wait_layer",
            [](PyLoad& l, std::uint32_t layer) { check(nogil([&] { return l.load.wait_layer(layer); })); })
       .def("layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); })
-      .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); });
+      .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); })
+      .def("cancel", [](PyLoad& l) { nogil([&] { l.load.cancel(); }); });
 
   py::class_<PyKvCache, std::shared_ptr<PyKvCache>>(m, "KvCache")
       .def(py::init([](std::shared_ptr<PyStore> store, py::list tensors, std::uint32_t num_blocks,

@@ -18,6 +18,13 @@
 #include "metadata/catalog.h"
 
 namespace kvstash {
+
+struct CancelToken::State {
+  std::mutex mu;
+  bool cancelled = false;
+  std::vector<Batch*> waiting;  // batches of gets holding the token, while they may run
+};
+
 namespace {
 
 using metadata::Catalog;
@@ -219,6 +226,38 @@ struct Store::Impl {
   struct Wave {
     std::vector<Batch> batches;
     std::uint64_t end = 0;
+  };
+
+  // Registers a get's batches with its cancel token while they may run, so that
+  // CancelToken::cancel can stop them from another thread; a token cancelled already
+  // cancels them at once.
+  class CancelScope {
+   public:
+    CancelScope(const CancelToken& token, std::vector<Wave>& waves) : token_(token.state()) {
+      if (token_ == nullptr) return;
+      std::lock_guard lock(token_->mu);
+      for (auto& w : waves) {
+        for (auto& b : w.batches) {
+          if (token_->cancelled) {
+            b.cancel();
+          } else {
+            token_->waiting.push_back(&b);
+            mine_.push_back(&b);
+          }
+        }
+      }
+    }
+    ~CancelScope() {
+      if (token_ == nullptr || mine_.empty()) return;
+      std::lock_guard lock(token_->mu);
+      std::erase_if(token_->waiting, [&](Batch* b) { return std::ranges::find(mine_, b) != mine_.end(); });
+    }
+    CancelScope(const CancelScope&) = delete;
+    CancelScope& operator=(const CancelScope&) = delete;
+
+   private:
+    CancelToken::State* token_;
+    std::vector<Batch*> mine_;
   };
 
   // An object's transfers: the leases over its pages (one or more per node) and the waves.
@@ -463,6 +502,7 @@ struct Store::Impl {
 
   Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& o) {
     KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+    if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
     const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
     const std::string reader = random_token();
     const auto leased_at = Clock::now();
@@ -491,6 +531,8 @@ struct Store::Impl {
       auto transfers = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp,
                                        lease_until, deadline, kWaveBytes);
       moved = transfers.status();
+      std::optional<CancelScope> cancellable;
+      if (moved.is_ok()) cancellable.emplace(o.cancel, transfers->waves);
       std::chrono::nanoseconds hashing{0};
       for (std::size_t i = 0; moved.is_ok() && i < transfers->waves.size(); ++i) {
         moved = wait_all(transfers->waves[i].batches);  // on error the later waves are cancelled
@@ -822,5 +864,26 @@ Result<MemoryHandle> Store::register_memory(const MemoryRegion& region) {
 }
 
 Engine& Store::engine() { return *impl_->engine; }
+
+// ---- CancelToken ------------------------------------------------------------------------------
+
+CancelToken CancelToken::make() {
+  CancelToken t;
+  t.state_ = std::make_shared<State>();
+  return t;
+}
+
+void CancelToken::cancel() const {
+  if (!state_) return;
+  std::lock_guard lock(state_->mu);
+  state_->cancelled = true;
+  for (Batch* b : state_->waiting) b->cancel();  // each returns once its ops stopped
+}
+
+bool CancelToken::cancelled() const {
+  if (!state_) return false;
+  std::lock_guard lock(state_->mu);
+  return state_->cancelled;
+}
 
 }  // namespace kvstash
