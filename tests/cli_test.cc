@@ -344,6 +344,17 @@ TEST_F(Cli, PasswordsComeFromAFileOrTheEnvironmentAndAreNeverEchoed) {
   EXPECT_NE(wrong.out.find("fail"), std::string::npos) << wrong.out;
 }
 
+TEST_F(Cli, BenchIsForwardedToKvstashBench) {
+  // Found in the build tree next to the CLI (build/tools/kvstash -> build/bench).
+  Outcome help = kv("bench store --help");
+  EXPECT_EQ(help.code, 0) << help.err;
+  EXPECT_NE(help.out.find("kvstash-bench store"), std::string::npos) << help.out;
+  EXPECT_EQ(kv("bench store --object-size banana").code, 2) << "its usage errors come back";
+  Outcome missing = kv("bench store", "KVSTASH_BENCH=/nonexistent/kvstash-bench");
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.err.find("KVSTASH_BENCH"), std::string::npos) << missing.err;
+}
+
 TEST_F(Cli, BashCompletionCoversTheCommandTree) {
   Outcome c = kv("completion bash");
   ASSERT_EQ(c.code, 0);

@@ -168,9 +168,14 @@ class Doctor {
 #if KVSTASH_HAVE_UCX
     unsigned major = 0, minor = 0, release = 0;
     ucp_get_version(&major, &minor, &release);
+    const std::string resources = ucx_resources();
+    const bool rdma = resources.find("rc_") != std::string::npos ||
+                      resources.find("dc_") != std::string::npos ||
+                      resources.find("ud_") != std::string::npos;
     add("transport ucx", "ok",
-        "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) +
-            " (UCX_TLS chooses its transports; without an RDMA device it emulates RMA over tcp)");
+        "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) + ": " +
+            (resources.empty() ? "no transport resources" : resources) +
+            (rdma ? "" : " (no RDMA transport: UCX emulates RMA over tcp here)"));
 #else
     add("transport ucx", "info", "this build has no UCX (libucx-dev was missing at build time)");
 #endif
@@ -308,6 +313,43 @@ class Doctor {
         low ? "raise it: ulimit -l unlimited, LimitMEMLOCK=infinity (systemd), or /etc/security/limits.conf"
             : "");
   }
+
+#if KVSTASH_HAVE_UCX
+  // UCX's transport resources as "tl/device" (tcp/eth0, rc_mlx5/mlx5_0:1...), from its own
+  // context report: what UCX_TLS may choose from on this host.
+  static std::string ucx_resources() {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return {};
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_RMA;
+    ucp_context_h ctx = nullptr;
+    const ucs_status_t st = ucp_init(&params, config, &ctx);
+    ucp_config_release(config);
+    if (st != UCS_OK) return {};
+    char* buf = nullptr;
+    std::size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    if (f != nullptr) {
+      ucp_context_print_info(ctx, f);
+      std::fclose(f);
+    }
+    ucp_cleanup(ctx);
+    std::string out;
+    std::istringstream in(buf != nullptr ? std::string(buf, len) : std::string());
+    std::free(buf);
+    for (std::string line; std::getline(in, line);) {
+      const auto at = line.find("flags -- ");
+      if (line.find("resource") == std::string::npos || at == std::string::npos) continue;
+      std::string tl = line.substr(at + 9);
+      while (!tl.empty() && (tl.back() == ' ' || tl.back() == '\r')) tl.pop_back();
+      if (tl.rfind("self/", 0) == 0) continue;  // loopback within one process
+      if (!out.empty()) out += ", ";
+      out += tl;
+    }
+    return out;
+  }
+#endif
 
   static std::string field(std::string_view info, std::string_view name) {
     const std::string tag = std::string(name) + ":";

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -31,6 +32,34 @@ std::string find_bench() {
     }
   }
   return "kvstash-bench";
+}
+
+// Where `bench` stands on the command line (after global options only), or 0.
+int bench_word(int argc, char** argv) {
+  static const std::vector<std::string_view> with_value{"--redis", "--redis-password-file", "--cell",
+                                                        "--timeout"};
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "bench") return i;
+    if (a == "--json") continue;
+    if (std::ranges::find(with_value, a) != with_value.end()) {
+      ++i;
+      continue;
+    }
+    if (a.starts_with("--") && a.find('=') != std::string_view::npos) continue;
+    return 0;
+  }
+  return 0;
+}
+
+// Replaces this process with kvstash-bench and `args`; returns only when it cannot.
+int forward_bench(int argc, char** args) {
+  const std::string exe = find_bench();
+  std::vector<char*> argv2{const_cast<char*>(exe.c_str())};
+  for (int i = 0; i < argc; ++i) argv2.push_back(args[i]);
+  argv2.push_back(nullptr);
+  execvp(exe.c_str(), argv2.data());
+  return fail(Status::from_errno("cannot run " + exe + " (set KVSTASH_BENCH to its path)", errno), "bench");
 }
 
 // Options of `app` as words, for completion.
@@ -116,23 +145,13 @@ int main(int argc, char** argv) {
   add_doctor_command(reg);
   add_plan_command(reg);
 
-  auto* bench = app.add_subcommand(
-      "bench", "Run kvstash-bench with the arguments that follow (see kvstash bench --help)");
-  bench->prefix_command();
-  bench->set_help_flag();  // --help goes to kvstash-bench
-  bench->footer("Examples:\n  kvstash bench store --object-size 64MiB\n  kvstash bench p2p --transport tcp");
-  bench->final_callback([&] {
-    action = [bench] {
-      std::vector<std::string> args = bench->remaining();
-      const std::string exe = find_bench();
-      std::vector<char*> argv2{const_cast<char*>(exe.c_str())};
-      for (auto& a : args) argv2.push_back(a.data());
-      argv2.push_back(nullptr);
-      execvp(exe.c_str(), argv2.data());
-      return fail(Status::from_errno("cannot run " + exe + " (set KVSTASH_BENCH to its path)", errno),
-                  "bench");
-    };
-  });
+  // `bench` hands everything after it to kvstash-bench untouched (see forward_bench); it is
+  // declared here for --help and completion.
+  auto* bench =
+      app.add_subcommand("bench", "Run kvstash-bench with the arguments that follow (kvstash bench --help)");
+  bench->footer(
+      "Examples:\n  kvstash bench store --object-size 64MiB\n  kvstash bench kvcache\n"
+      "  kvstash bench p2p --transport tcp");
 
   auto* completion = app.add_subcommand("completion", "Print a shell completion script");
   std::string shell;
@@ -147,6 +166,7 @@ int main(int argc, char** argv) {
     };
   });
 
+  if (int at = bench_word(argc, argv); at > 0) return forward_bench(argc - at - 1, argv + at + 1);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
