@@ -291,6 +291,41 @@ TEST_F(Cli, DrainStopsPlacementsAndNodeRmForgetsADeadNode) {
   EXPECT_EQ(kv("nodes --json").j().size(), 0u);
 }
 
+TEST_F(Cli, DrainMoveTakesTheObjectsToTheOtherNodesIntact) {
+  start_cell("8MiB");
+  std::vector<std::string> files;
+  for (int i = 0; i < 3; ++i) {
+    files.push_back(file_of(1536 * 1024 + i, 30 + i));
+    ASSERT_EQ(kv("put m:" + std::to_string(i) + " " + files.back() + " --ttl 1h --layout L" + std::to_string(i)).code,
+              0);
+  }
+  auto second = tools::LocalNode::start({.redis_url = redis_->url(),
+                                         .capacity = "16MiB",
+                                         .page_size = "1MiB",
+                                         .node_id = "n2",
+                                         .extra_args = {"--heartbeat-ttl", "1s"}});
+  ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+  EXPECT_EQ(kv("drain n1 --move").code, 0);
+  EXPECT_EQ(kv("node show n1 --json").j()["objects"], 3) << "without --yes nothing moves";
+  Outcome moved = kv("drain n1 --yes --move --json");
+  ASSERT_EQ(moved.code, 0) << moved.err;
+  EXPECT_EQ(moved.j()["moved_objects"], 3);
+  EXPECT_EQ(moved.j()["objects_left"], 0);
+  EXPECT_EQ(kv("node show n1 --json").j()["objects"], 0);
+  for (int i = 0; i < 3; ++i) {
+    const std::string key = "m:" + std::to_string(i);
+    const json shown = kv("show " + key + " --json").j();
+    EXPECT_EQ(shown["nodes"], json::array({"n2"})) << key;
+    EXPECT_EQ(shown["layout"], "L" + std::to_string(i)) << "the layout moves with it";
+    EXPECT_GT(shown["ttl_ms"].get<std::int64_t>(), 59 * 60 * 1000) << "and its time to live";
+    const std::string out = (dir_ / ("m" + std::to_string(i))).string();
+    ASSERT_EQ(kv("get " + key + " -o " + out).code, 0);
+    EXPECT_EQ(slurp(out), slurp(files[i])) << key;
+  }
+  EXPECT_EQ(kv("drain n1 --yes --move --release").code, 2) << "move or release, not both";
+  (*second)->stop();
+}
+
 TEST_F(Cli, DoctorExplainsWhatThisHostHasAndLacks) {
   start_cell("8MiB");
   Outcome d = kv("doctor --json");

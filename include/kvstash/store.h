@@ -93,6 +93,10 @@ struct PutOptions {
   std::string layout;
   std::optional<Deadline> deadline;
   OpTimings* timings = nullptr;  // filled when set
+  // Compare-and-set: commit only if the key still holds this version of an object
+  // (ObjectInfo::version, from a get or stat), or with "" only if it holds none. Otherwise
+  // the put ends kStale and changes nothing. Unset: replace whatever is there.
+  std::optional<std::string> if_version;
 };
 
 // Cancels gets from another thread (GetOptions::cancel). A default token cancels nothing;
@@ -136,7 +140,9 @@ struct ObjectInfo {
   std::uint64_t checksum = 0;  // xxh3-64 of the bytes
   std::uint64_t pages = 0;
   std::vector<std::string> nodes;                // memory nodes holding it
-  std::optional<std::chrono::milliseconds> ttl;  // time left; none: no expiry
+  std::optional<std::chrono::milliseconds> ttl;  // time left; none: no expiry (stat only)
+  // Which put wrote these bytes: changes whenever the object is replaced (PutOptions::if_version).
+  std::string version;
 };
 
 class Store;

@@ -188,9 +188,12 @@ Result<Placement> Catalog::begin_put(std::string_view token, std::string_view ke
 }
 
 Status Catalog::commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
-                           std::string_view layout, std::chrono::milliseconds ttl) {
+                           std::string_view layout, std::chrono::milliseconds ttl,
+                           const std::optional<std::string>& if_version) {
   std::string sum = hex64(checksum), t = ms(ttl);
-  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t}).status();
+  // "" unconditional, "!" no object, "=<token>" that object.
+  const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
+  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond}).status();
 }
 
 Status Catalog::abort_put(std::string_view token) {
@@ -233,7 +236,7 @@ Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {
 Result<ObjectRecord> Catalog::stat(std::string_view key) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::stat(), {prefix_}, {key}));
-  if (r.type() != Reply::Type::kArray || r.size() != 6) return corrupt("unexpected reply to stat");
+  if (r.type() != Reply::Type::kArray || r.size() != 7) return corrupt("unexpected reply to stat");
   ObjectRecord o;
   auto size = number<std::uint64_t>(text_of(r.element(0)));
   auto sum = number<std::uint64_t>(text_of(r.element(1)), 16);
@@ -251,6 +254,7 @@ Result<ObjectRecord> Catalog::stat(std::string_view key) {
     nodes = sp == std::string_view::npos ? std::string_view{} : nodes.substr(sp + 1);
   }
   o.ttl_ms = integer_of(r.element(5)).value_or(-1);
+  o.version = std::string(text_of(r.element(6)));
   return o;
 }
 
@@ -375,6 +379,20 @@ Result<ObjectScan> Catalog::scan_objects(std::string_view pattern, std::string_v
     if (k.size() > head.size() && k.substr(0, head.size()) == head)
       out.keys.emplace_back(k.substr(head.size()));
   }
+  return out;
+}
+
+Result<ObjectScan> Catalog::scan_node_objects(std::string_view id, std::string_view cursor,
+                                              std::uint32_t count) {
+  const std::string set = prefix_ + ":objs:" + std::string(id), n = std::to_string(count == 0 ? 100 : count);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"SSCAN", set, cursor, "COUNT", n}));
+  if (r.type() != Reply::Type::kArray || r.size() != 2 || r.element(1)->type != REDIS_REPLY_ARRAY) {
+    return corrupt("unexpected reply to SSCAN");
+  }
+  ObjectScan out;
+  out.cursor = std::string(text_of(r.element(0)));
+  const redisReply* keys = r.element(1);
+  for (std::size_t i = 0; i < keys->elements; ++i) out.keys.emplace_back(text_of(keys->element[i]));
   return out;
 }
 

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -71,6 +72,7 @@ struct ObjectRecord {
   std::uint64_t pages = 0;
   std::vector<std::string> nodes;
   std::int64_t ttl_ms = -1;     // time left; -1: no expiry
+  std::string version;          // the token of the put that wrote it
   std::vector<Extent> extents;  // in object order
 };
 
@@ -167,9 +169,12 @@ class Catalog {
   Result<Placement> begin_put(std::string_view token, std::string_view key, std::uint64_t size,
                               std::chrono::milliseconds lease);
   // Makes the put visible (with its TTL; 0 = none), releasing an object it replaces.
-  // kStale when the lease ran out and the pages were reclaimed, or a node of the put died.
+  // kStale when the lease ran out and the pages were reclaimed, or a node of the put died,
+  // or `if_version` is set and the key holds another object than the put token it names
+  // ("": none at all); the put's pages are freed then.
   Status commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
-                    std::string_view layout, std::chrono::milliseconds ttl);
+                    std::string_view layout, std::chrono::milliseconds ttl,
+                    const std::optional<std::string>& if_version = std::nullopt);
   Status abort_put(std::string_view token);
 
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
@@ -198,6 +203,8 @@ class Catalog {
   // One SCAN step over object keys matching the glob `pattern` ("*" for all), from `cursor`
   // ("0" to start); `count` is SCAN's hint.
   Result<ObjectScan> scan_objects(std::string_view pattern, std::string_view cursor, std::uint32_t count);
+  // One SSCAN step over the keys of the objects with a page on node `id`.
+  Result<ObjectScan> scan_node_objects(std::string_view id, std::string_view cursor, std::uint32_t count);
   // Objects by key, in order; a key without an object has exists = false.
   Result<std::vector<ObjectInfo>> describe(std::span<const std::string> keys, std::int64_t* now_ms = nullptr);
   // Least recently used objects no reader leases, idle for at least `idle` (0: any), until

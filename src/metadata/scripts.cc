@@ -521,8 +521,10 @@ return endpoints({ps, extents}, node_list)
   return s;
 }
 
-// ARGV token, key, checksum, layout, ttl_ms. The pending put becomes the object; an object
-// it replaces is released. Repeating a commit that succeeded is OK.
+// ARGV token, key, checksum, layout, ttl_ms, condition ('' none; '!' only if the key holds no
+// object; '=<token>' only if it holds the object that put wrote, else STALE and the put's
+// pages are freed). The pending put becomes the object; an object it replaces is released.
+// Repeating a commit that succeeded is OK.
 const Script& commit_put() {
   static const Script s = make(R"lua(
 local token, key, ttl = ARGV[1], ARGV[2], tonumber(ARGV[5])
@@ -542,6 +544,16 @@ if gone then
   redis.call('DEL', pk)
   redis.call('ZREM', P .. ':pending', token)
   return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
+end
+local cond = ARGV[6] or ''
+if cond ~= '' then
+  local cur = redis.call('HGET', ok, 'token')
+  if (cond == '!' and cur) or (cond ~= '!' and '=' .. (cur or '') ~= cond) then
+    free_extents(p[2])
+    redis.call('DEL', pk)
+    redis.call('ZREM', P .. ':pending', token)
+    return redis.error_reply('STALE ' .. key .. ' changed since the version this put was based on')
+  end
 end
 if redis.call('EXISTS', ok) == 1 then release(key) end
 local expires = 0
@@ -621,7 +633,7 @@ if not o then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end
 local exp = tonumber(o[7] or '0') or 0
 local left = -1
 if exp > 0 then left = exp - now end
-return {o[2] or '', o[4] or '', o[5] or '', o[3] or '', o[6] or '', left}
+return {o[2] or '', o[4] or '', o[5] or '', o[3] or '', o[6] or '', left, o[1]}
 )lua");
   return s;
 }

@@ -497,7 +497,7 @@ struct Store::Impl {
     auto c = borrow(deadline_after(options.redis_timeout * 2));
     if (!c.is_ok()) return c.status();  // the lease returns the pages
     MetadataClock mc(o.timings);
-    return (*c)->commit_put(token, key, sum, o.layout, o.ttl).with_context(std::string(key));
+    return (*c)->commit_put(token, key, sum, o.layout, o.ttl, o.if_version).with_context(std::string(key));
   }
 
   Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& o) {
@@ -581,6 +581,7 @@ struct Store::Impl {
     info.checksum = lease->checksum;
     info.pages = lease->placement.extents.size();
     for (auto& n : lease->placement.nodes) info.nodes.push_back(std::move(n.id));
+    info.version = lease->object_token;
     return info;
   }
 
@@ -723,7 +724,8 @@ Status PutStream::commit() {
   auto c = st.impl->borrow(deadline_after(st.impl->options.redis_timeout * 2));
   if (!c.is_ok()) return c.status();  // the lease returns the pages
   return (*c)
-      ->commit_put(st.token, st.key, XXH3_64bits_digest(st.hash), st.options.layout, st.options.ttl)
+      ->commit_put(st.token, st.key, XXH3_64bits_digest(st.hash), st.options.layout, st.options.ttl,
+                   st.options.if_version)
       .with_context(st.key);
 }
 
@@ -815,6 +817,7 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
     info.pages = r.pages;
     info.nodes = std::move(r.nodes);
     if (r.ttl_ms >= 0) info.ttl = std::chrono::milliseconds(r.ttl_ms);
+    info.version = std::move(r.version);
     return info;
   });
 }

@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "common/units.h"
+#include "kvstash/store.h"
 #include "metadata/catalog.h"
 #include "metadata/redis_client.h"
 
@@ -218,8 +219,28 @@ int remove_node(Session& s, const std::string& id, bool yes) {
   return kExitOk;
 }
 
-int drain(Session& s, const std::string& id, bool wait, bool release_now, bool yes,
-          const std::string& wait_for) {
+struct DrainOptions {
+  std::string id, wait_for = "1h";
+  bool wait = false, release = false, move = false, yes = false;
+};
+
+// Moves one object off a draining node: read it through the data path, write it again (only
+// `up` nodes take new pages) unless somebody replaced it meanwhile (kStale then: the newer
+// object stays wherever its writer put it). kNotFound when it left on its own.
+Status move_object(Store& store, const std::string& key) {
+  KVSTASH_ASSIGN_OR_RETURN(ObjectInfo st, store.stat(key));
+  std::string buf(st.size, '\0');
+  Slice slice{buf.data(), buf.size()};
+  KVSTASH_ASSIGN_OR_RETURN(ObjectInfo got, store.get(key, {&slice, 1}));
+  PutOptions po;
+  po.layout = got.layout;
+  po.if_version = got.version;
+  if (st.ttl) po.ttl = std::max(*st.ttl, std::chrono::milliseconds(1));
+  return store.put(key, {&slice, 1}, po);
+}
+
+int drain(Session& s, const DrainOptions& o) {
+  const std::string& id = o.id;
   auto n = one_node(s, id);
   if (!n.is_ok()) return fail(n.status(), "drain", &s);
   if (n->state() == "dead" || n->state() == "gone") {
@@ -227,57 +248,98 @@ int drain(Session& s, const std::string& id, bool wait, bool release_now, bool y
         Status::invalid_argument("node " + id + " is " + n->state() + ": use `kvstash node rm " + id + "`"),
         "drain", &s);
   }
-  if (!yes) {
-    std::cout << "would drain node " << id << ": no new objects on it"
-              << (release_now ? ", and its " + std::to_string(n->s.objects) + " objects released now"
-                              : "; its " + std::to_string(n->s.objects) +
-                                    " objects stay readable until they "
-                                    "expire or are evicted")
+  if (o.release && o.move) {
+    return fail(Status::invalid_argument("--release drops the objects, --move keeps them: choose one"),
+                "drain", &s);
+  }
+  const std::string objects = std::to_string(n->s.objects) + " objects";
+  if (!o.yes) {
+    std::cout << "would drain node " << id << ": no new objects on it; its " << objects
+              << (o.release ? " released now"
+                  : o.move  ? " moved to the other nodes"
+                            : " stay readable until they expire or are evicted")
               << "; run again with --yes to do it\n";
     return kExitOk;
   }
   metadata::Catalog& c = **s.catalog();
   auto before = c.cordon_node(id);
   if (!before.is_ok()) return fail(before.status(), "drain", &s);
-  std::uint64_t released = 0;
-  if (release_now) {
+  std::uint64_t released = 0, moved = 0, changed = 0, gone = 0;
+  if (o.release) {
     auto r = c.drain_node(id, n->s.epoch);
     if (!r.is_ok()) return fail(r.status(), "drain", &s);
     released = *r;
   }
-  std::uint64_t left = release_now ? 0 : *before;
-  if (wait && left > 0) {
-    auto limit = units::parse_duration(wait_for);
+  if (o.move && *before > 0) {
+    auto store = s.store();
+    if (!store.is_ok()) return fail(store.status(), "opening the store", &s);
+    Progress bar("moving off " + id, *before);
+    std::string cursor = "0";
+    do {
+      auto page = c.scan_node_objects(id, cursor, 256);
+      if (!page.is_ok()) return fail(page.status(), "drain --move", &s);
+      cursor = page->cursor;
+      for (const auto& key : page->keys) {
+        Status st = move_object(**store, key);
+        if (st.is_ok()) {
+          ++moved;
+        } else if (st.code() == StatusCode::kStale) {
+          ++changed;
+        } else if (st.code() == StatusCode::kNotFound) {
+          ++gone;
+        } else {
+          return fail(st.with_context("moving " + key), "drain --move", &s,
+                      st.code() == StatusCode::kNoSpace
+                          ? "the other nodes are full: add a node, `kvstash evict`, or finish with --release"
+                          : std::string_view{});
+        }
+        bar.update(moved + changed + gone, std::to_string(moved) + " moved");
+      }
+    } while (cursor != "0");
+  }
+  auto now = c.node_status(id);
+  if (!now.is_ok()) return fail(now.status(), "drain", &s);
+  std::uint64_t left = now->objects;
+  if (o.wait && left > 0) {
+    auto limit = units::parse_duration(o.wait_for);
     if (!limit.is_ok()) return fail(limit.status(), "drain --wait-timeout", &s);
     const auto deadline = std::chrono::steady_clock::now() + *limit;
-    Progress bar("draining " + id, *before);
+    Progress bar("draining " + id, left);
+    const std::uint64_t start = left;
     while (left > 0 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
       auto st = c.node_status(id);
       if (!st.is_ok()) return fail(st.status(), "drain", &s);
       left = st->objects;
-      bar.update(*before - std::min(left, *before), std::to_string(left) + " objects left");
+      bar.update(start - std::min(left, start), std::to_string(left) + " objects left");
     }
   }
   if (s.json()) {
     std::cout << json{{"node", id},
                       {"state", "draining"},
                       {"released_objects", released},
+                      {"moved_objects", moved},
+                      {"changed_objects", changed},
                       {"objects_left", left}}
                      .dump(2)
               << "\n";
   } else {
     std::cout << "node " << id << " is draining: no new objects";
-    if (release_now) std::cout << "; released " << released << " objects";
+    if (o.release) std::cout << "; released " << released << " objects";
+    if (o.move) {
+      std::cout << "; moved " << moved << " objects";
+      if (changed > 0) std::cout << " (" << changed << " were rewritten meanwhile and left to their writers)";
+    }
     std::cout << "; " << left << " objects left\n";
   }
-  return wait && left > 0 ? fail(Status::timeout(std::to_string(left) + " objects still on node " + id +
-                                                 " after --wait-timeout " + wait_for),
-                                 "drain", &s,
-                                 "objects leave as they expire, are evicted or removed: wait longer, "
-                                 "`kvstash evict`, or `kvstash drain " +
-                                     id + " --yes --release` to drop them now")
-                          : kExitOk;
+  if (o.wait && left > 0) {
+    return fail(Status::timeout(std::to_string(left) + " objects still on node " + id +
+                                " after --wait-timeout " + o.wait_for),
+                "drain", &s,
+                "objects leave as they expire, are evicted or removed: wait longer, `kvstash drain " + id +
+                    " --yes --move` to move them, or --release to drop them now");
+  }
+  return kExitOk;
 }
 
 }  // namespace
@@ -285,8 +347,9 @@ int drain(Session& s, const std::string& id, bool wait, bool release_now, bool y
 void add_cluster_commands(Registry& r) {
   Session& s = r.session;
   struct Options {
-    std::string show_id, rm_id, drain_id, wait_for = "1h";
-    bool rm_yes = false, drain_wait = false, drain_release = false, drain_yes = false;
+    std::string show_id, rm_id;
+    bool rm_yes = false;
+    DrainOptions drain;
   };
   auto o = std::make_shared<Options>();  // outlives parsing: the callbacks hold it
 
@@ -315,21 +378,20 @@ void add_cluster_commands(Registry& r) {
 
   auto* dr = r.app.add_subcommand("drain",
                                   "Stop new placements on a node; optionally wait for its objects to leave");
-  dr->add_option("ID", o->drain_id, "Node id")->required();
-  dr->add_flag("--wait", o->drain_wait,
+  dr->add_option("ID", o->drain.id, "Node id")->required();
+  dr->add_flag("--wait", o->drain.wait,
                "Wait (with a progress bar on a terminal) until its objects expired, were evicted or removed");
-  dr->add_option("--wait-timeout", o->wait_for, "Give up waiting after this long")->capture_default_str();
-  dr->add_flag("--release", o->drain_release,
+  dr->add_option("--wait-timeout", o->drain.wait_for, "Give up waiting after this long")
+      ->capture_default_str();
+  dr->add_flag("--release", o->drain.release,
                "Release its objects now (readers get not found and recompute)");
-  dr->add_flag("--yes,-y", o->drain_yes, "Do it (without: say what would be done)");
+  dr->add_flag("--move", o->drain.move,
+               "Move its objects to the other nodes now (read, rewrite unless replaced meanwhile)");
+  dr->add_flag("--yes,-y", o->drain.yes, "Do it (without: say what would be done)");
   dr->footer(
       "Examples:\n  kvstash drain node-7 --yes\n  kvstash drain node-7 --yes --wait --wait-timeout 30m\n"
-      "  kvstash drain node-7 --yes --release");
-  dr->final_callback([&r, &s, o] {
-    r.action = [&s, o] {
-      return drain(s, o->drain_id, o->drain_wait, o->drain_release, o->drain_yes, o->wait_for);
-    };
-  });
+      "  kvstash drain node-7 --yes --move\n  kvstash drain node-7 --yes --release");
+  dr->final_callback([&r, &s, o] { r.action = [&s, o] { return drain(s, o->drain); }; });
 }
 
 }  // namespace kvstash::cli
