@@ -126,6 +126,14 @@ int main(int argc, char** argv) {
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK && loaded[1] == KVSTASH_OK,
         "load_finish");
 
+  /* Chunk 1 alone (the engine holds chunk 0): one status, counted from chunk 1. */
+  CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 1, 1, 0, &load) == KVSTASH_OK,
+        "begin_load_range");
+  CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK, "range load_finish");
+  CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 2, 1, 0, &load) ==
+            KVSTASH_INVALID_ARGUMENT,
+        "no chunk 2");
+
   /* Cancelled: a save leaves nothing (chunk 0 again, under other tokens), a load ends each
    * chunk landed or cancelled. */
   uint32_t other[CHUNK];

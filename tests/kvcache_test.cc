@@ -380,6 +380,34 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   check(dev_b, blocks_b, "second staged load");
 }
 
+TEST_P(KvCacheTest, ALoadCanStartAfterTheChunksTheEngineHolds) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 91), b(shape, 92);
+  auto kva = open(a), kvb = open(b);
+  ASSERT_TRUE(kva && kvb);
+  const auto tokens = token_ids(3 * 64, 93);
+  const auto blocks_a = scattered_blocks(12, shape.num_blocks, 94);
+  const auto blocks_b = scattered_blocks(12, shape.num_blocks, 95);
+  for (const auto& st : kva->save(tokens, blocks_a, 0, 3)) ASSERT_TRUE(st.is_ok());
+  const HostCache before(shape, 92);  // what b held: the same seed
+  auto load = kvb->begin_load(tokens, blocks_b, 1, 2);  // chunks 1 and 2
+  ASSERT_TRUE(load.is_ok());
+  const auto statuses = load->wait();
+  ASSERT_EQ(statuses.size(), 2u);
+  for (const auto& st : statuses) EXPECT_TRUE(st.is_ok()) << st.to_string();
+  for (std::size_t i = 0; i < 12; ++i) {
+    for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        const auto& want = i < 4 ? before.block(l, p, blocks_b[i]) : a.block(l, p, blocks_a[i]);
+        ASSERT_EQ(std::memcmp(want.data(), b.block(l, p, blocks_b[i]).data(), shape.block_bytes()), 0)
+            << (i < 4 ? "chunk 0 is not loaded" : "chunks 1-2 land") << ": block " << i;
+      }
+    }
+  }
+  EXPECT_EQ(kvb->begin_load(tokens, blocks_b, 2, 2).status().code(), StatusCode::kInvalidArgument)
+      << "chunk 3 has no tokens";
+}
+
 TEST_P(KvCacheTest, ACancelledLoadStopsWritingAndReportsWhatDidNotLand) {
   const KvCacheShape shape = small_shape(GetParam());
   HostCache a(shape, 61), b(shape, 62);

@@ -128,7 +128,7 @@ class KvstashPython(unittest.TestCase):
             new = SimpleNamespace(req_id=req_id, prompt_token_ids=tokens, block_ids=(block_ids,),
                                   num_computed_tokens=computed_locally + matched)
             meta = scheduler.build_connector_meta(SimpleNamespace(
-                scheduled_new_reqs=[new], num_scheduled_tokens={req_id: len(tokens) - matched}))
+                scheduled_new_reqs=[new], num_scheduled_tokens={req_id: len(tokens) - computed_locally - matched}))
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             for name in names:  # the model's forward pass
@@ -155,6 +155,18 @@ class KvstashPython(unittest.TestCase):
                     self.assertEqual(caches_a[name][src:src + block_bytes], caches_b[name][dst:dst + block_bytes],
                                      f"{name} block {i} part {part}")
         self.assertEqual(worker_b.get_block_ids_with_load_errors(), set())
+
+        # vLLM's own prefix cache holds chunk 0: only chunks 1 and 2 load, chunk 0's blocks stay.
+        sched_c, worker_c, caches_c = engine(False)
+        self.assertEqual(step(sched_c, worker_c, "r2b", prompt, blocks_b, computed_locally=chunk), 2 * chunk)
+        for name in names:
+            for i in range(3 * chunk // block_size):
+                dst = blocks_b[i] * block_bytes
+                src = blocks_a[i] * block_bytes
+                if i < chunk // block_size:
+                    self.assertEqual(caches_c[name][dst:dst + block_bytes], bytes(block_bytes), f"{name} block {i}")
+                else:
+                    self.assertEqual(caches_c[name][dst:dst + block_bytes], caches_a[name][src:src + block_bytes])
 
         # A prompt that is exactly two chunks loads only one: vLLM computes its last token.
         self.assertEqual(step(sched_b, worker_b, "r3", prompt[:2 * chunk], blocks_b), chunk)

@@ -42,7 +42,8 @@ class RequestPlan:
     req_id: str
     tokens: list
     block_ids: list
-    load_chunks: int = 0  # leading chunks to load into block_ids
+    load_first: int = 0  # chunks [load_first, load_first + load_chunks) to load into block_ids
+    load_chunks: int = 0
     save_first: int = 0  # chunks [save_first, save_first + save_count) to save
     save_count: int = 0
 
@@ -73,8 +74,8 @@ class KvstashConnector(_Base):
         self.tag = layout_tag(layers, kv_heads, head_dim, block_size, dtype, order)
         self.gpu = gpu
         # Scheduler side.
-        self._hits = {}  # req_id -> chunks stored remotely
-        self._to_load = {}  # req_id -> chunks to load this step
+        self._hits = {}  # req_id -> (chunks vLLM holds locally, chunks stored remotely)
+        self._to_load = {}  # req_id -> (first, count) of the chunks to load this step
         self._saved = {}  # req_id -> chunks already saved
         # Worker side.
         self.kv = None
@@ -97,12 +98,16 @@ class KvstashConnector(_Base):
         chunks = self.store.contains_prefix(self._keys(tokens))
         while chunks > 0 and chunks * self.chunk_tokens >= len(tokens):
             chunks -= 1
-        self._hits[request.request_id] = chunks
+        # Chunks vLLM's own prefix cache holds whole are not loaded again; a chunk it holds in
+        # part is (its blocks get the bytes they already have).
+        local = num_computed_tokens // self.chunk_tokens
+        self._hits[request.request_id] = (local, chunks)
         return max(0, chunks * self.chunk_tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens > 0:
-            self._to_load[request.request_id] = self._hits.get(request.request_id, 0)
+            local, chunks = self._hits.get(request.request_id, (0, 0))
+            self._to_load[request.request_id] = (local, chunks - local)
 
     def build_connector_meta(self, scheduler_output):
         meta = KvstashMetadata()
@@ -112,10 +117,11 @@ class KvstashConnector(_Base):
             tokens = list(new.prompt_token_ids)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             full = min(done, len(tokens)) // self.chunk_tokens
-            first = max(self._saved.get(new.req_id, 0), self._to_load.get(new.req_id, 0))
-            plan = RequestPlan(new.req_id, tokens, block_ids,
-                               load_chunks=self._to_load.pop(new.req_id, 0),
-                               save_first=first, save_count=max(0, full - first))
+            load_first, load_count = self._to_load.pop(new.req_id, (0, 0))
+            first = max(self._saved.get(new.req_id, 0), load_first + load_count)
+            plan = RequestPlan(new.req_id, tokens, block_ids, load_first=load_first,
+                               load_chunks=load_count, save_first=first,
+                               save_count=max(0, full - first))
             self._saved[new.req_id] = max(first, full)
             if plan.load_chunks or plan.save_count:
                 meta.requests.append(plan)
@@ -152,7 +158,8 @@ class KvstashConnector(_Base):
     def start_load_kv(self, forward_context=None, **kwargs):
         for plan in self._meta.requests:
             if plan.load_chunks:
-                load = self.kv.begin_load(plan.tokens, plan.block_ids, plan.load_chunks)
+                load = self.kv.begin_load(plan.tokens, plan.block_ids, plan.load_chunks,
+                                          first=plan.load_first)
                 self._loads[plan.req_id] = (load, plan)
 
     def wait_for_layer_load(self, layer_name):
@@ -199,8 +206,8 @@ class KvstashConnector(_Base):
             statuses = load.wait()
             bad = next((i for i, (code, _) in enumerate(statuses) if code != "ok"), None)
             if bad is not None:
-                first = bad * self.blocks_per_chunk
-                last = plan.load_chunks * self.blocks_per_chunk
+                first = (plan.load_first + bad) * self.blocks_per_chunk
+                last = (plan.load_first + plan.load_chunks) * self.blocks_per_chunk
                 self._failed_blocks.update(plan.block_ids[first:last])
         self._loads.clear()
 

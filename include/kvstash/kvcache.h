@@ -276,6 +276,10 @@ class KvCache {
   // Starts loading the first `count` chunks; every chunk's transfer runs at once.
   Result<KvLoad> begin_load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
                             std::size_t count, std::optional<Deadline> deadline = {});
+  // Chunks [first, first + count) only (the engine already holds the ones before, e.g. in
+  // its own prefix cache); the KvLoad's statuses count from chunk `first`.
+  Result<KvLoad> begin_load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+                            std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
 
  private:
   friend class KvSave;

@@ -163,6 +163,11 @@ void kvstash_save_free(kvstash_save* save);
 kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* blocks, size_t n_blocks, size_t count,
                                           uint32_t timeout_ms, kvstash_load** out);
+/* Chunks [first, first + count) only (the engine holds the ones before); per_chunk then counts
+ * from chunk `first`. */
+kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                                const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
+                                                uint32_t timeout_ms, kvstash_load** out);
 kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);

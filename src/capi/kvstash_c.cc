@@ -254,11 +254,17 @@ void kvstash_save_free(kvstash_save* save) { delete save; }
 kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* blocks, size_t n_blocks, size_t count,
                                           uint32_t timeout_ms, kvstash_load** out) {
+  return kvstash_kvcache_begin_load_range(kv, tokens, n_tokens, blocks, n_blocks, 0, count, timeout_ms, out);
+}
+
+kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                                const uint32_t* blocks, size_t n_blocks, size_t first,
+                                                size_t count, uint32_t timeout_ms, kvstash_load** out) {
   if (kv == nullptr || tokens == nullptr || blocks == nullptr || out == nullptr) {
     return invalid("kvstash_kvcache_begin_load: kv, tokens, blocks and out are required");
   }
   *out = nullptr;
-  auto l = kv->kv->begin_load({tokens, n_tokens}, {blocks, n_blocks}, count, deadline_of(timeout_ms));
+  auto l = kv->kv->begin_load({tokens, n_tokens}, {blocks, n_blocks}, first, count, deadline_of(timeout_ms));
   if (!l.is_ok()) return report(l.status());
   *out = new kvstash_load{std::move(l).value(), count};
   return report({});

@@ -516,8 +516,14 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
 Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
                                    std::span<const std::uint32_t> block_ids, std::size_t count,
                                    std::optional<Deadline> deadline) {
-  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, 0, count));
-  const auto k = keys(tokens.first(count * impl_->keys.chunk_tokens));
+  return begin_load(tokens, block_ids, 0, count, deadline);
+}
+
+Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
+                                   std::span<const std::uint32_t> block_ids, std::size_t first,
+                                   std::size_t count, std::optional<Deadline> deadline) {
+  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
+  const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
   const std::uint32_t layers = impl_->layout.shape().num_layers;
   st->layers = layers;
@@ -525,11 +531,11 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   st->done.assign(count, std::nullopt);
   const std::size_t bpc = impl_->blocks_per_chunk;
   const std::uint64_t layer_bytes = impl_->layout.layer_bytes(bpc);
-  for (std::size_t c = 0; c < count; ++c) {
-    std::vector<std::uint32_t> blocks(block_ids.begin() + static_cast<std::ptrdiff_t>(c * bpc),
-                                      block_ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * bpc));
-    st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[c], blocks = std::move(blocks), deadline,
-                                                layer_bytes, layers] {
+  for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
+    std::vector<std::uint32_t> blocks(block_ids.begin() + static_cast<std::ptrdiff_t>((first + c) * bpc),
+                                      block_ids.begin() + static_cast<std::ptrdiff_t>((first + c + 1) * bpc));
+    st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[first + c], blocks = std::move(blocks),
+                                                deadline, layer_bytes, layers] {
       const Impl& kv = *impl_;
       std::vector<std::vector<KvRun>> runs(layers);
       std::vector<Slice> slices;

@@ -254,14 +254,15 @@ PYBIND11_MODULE(kvstash, m) {
       .def(
           "begin_load",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
-             const std::vector<std::uint32_t>& blocks, std::size_t count, double timeout) {
+             const std::vector<std::uint32_t>& blocks, std::size_t count, double timeout, std::size_t first) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
-            l->load =
-                unwrap(nogil([&] { return k->kv->begin_load(tokens, blocks, count, deadline_of(timeout)); }));
+            l->load = unwrap(
+                nogil([&] { return k->kv->begin_load(tokens, blocks, first, count, deadline_of(timeout)); }));
             return l;
           },
-          py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout") = 0.0);
+          py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout") = 0.0,
+          py::arg("first") = 0, "Loads chunks [first, first + count); statuses count from `first`.");
 
   m.def(
       "prefix_chunk_keys",
