@@ -174,7 +174,9 @@ asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
 }
 
 asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
+  // Reused across responses: after the first few, a response allocates nothing.
   std::vector<asio::mutable_buffer> bufs;
+  std::vector<Pending> done;
   for (;;) {
     ResponseHeader r{};
     error_code ec;
@@ -216,7 +218,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
         co_return;
       }
     }
-    std::vector<Pending> done;
+    done.clear();
     {
       std::lock_guard lock(self->mu_);
       if (self->failed_) co_return;
@@ -324,18 +326,13 @@ void Stream::close() {
 }
 
 void Endpoint::post(std::span<const Op> ops) {
-  if (streams_.size() == 1) {
-    streams_[0]->enqueue(ops);
-    return;
-  }
-  // Each stream gets its ops in one go, so it can send runs of them as one request.
-  std::vector<Op> mine;
-  for (std::size_t s = 0; s < streams_.size(); ++s) {
-    mine.clear();
-    for (const Op& op : ops) {
-      if (op.lane % streams_.size() == s) mine.push_back(op);
-    }
-    if (!mine.empty()) streams_[s]->enqueue(mine);
+  // Runs of consecutive ops on one lane (the engine keeps pieces that continue each other
+  // together) go to their stream in one go, so it can send them as one request.
+  for (std::size_t i = 0; i < ops.size();) {
+    std::size_t j = i + 1;
+    while (j < ops.size() && ops[j].lane == ops[i].lane) ++j;
+    streams_[ops[i].lane % streams_.size()]->enqueue(ops.subspan(i, j - i));
+    i = j;
   }
 }
 
