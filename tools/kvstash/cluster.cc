@@ -128,9 +128,12 @@ int status(Session& s) {
   }
   std::cout << "redis     " << s.redis_display() << " (Redis " << version << "), cell " << s.globals().cell
             << "\n";
-  std::cout << "nodes     " << nodes->size() << ":";
+  std::cout << "nodes     " << nodes->size();
+  const char* sep = ": ";
   for (const char* st : {"up", "draining", "dead", "gone"}) {
-    if (states.count(st) > 0) std::cout << " " << states[st] << " " << st;
+    if (states.count(st) == 0) continue;
+    std::cout << sep << states[st] << " " << st;
+    sep = ", ";
   }
   std::cout << "\n";
   std::cout << "capacity  " << units::format_size(cap) << ", used " << units::format_size(used) << " ("

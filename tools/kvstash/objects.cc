@@ -342,7 +342,7 @@ void add_object_commands(Registry& r) {
   ls_cmd->add_option("PATTERN", o->ls.pattern, "Glob over object keys")->capture_default_str();
   ls_cmd->add_option("--limit", o->ls.limit, "Print at most N objects")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1u, 100'000'000u));
   ls_cmd
       ->add_option("--sort", o->ls.sort,
                    "none (SCAN order), access (least recently used first), size (largest first), key")
@@ -381,7 +381,7 @@ void add_object_commands(Registry& r) {
   ev->add_option("--bytes", o->evict.bytes, "Stop once this much is chosen (10GiB)");
   ev->add_option("--limit", o->evict.limit, "At most N objects per run")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1u, 1'000'000u));
   ev->add_flag("--yes,-y", o->evict.yes, "Do it (without: list what would be evicted)");
   ev->footer(
       "Examples:\n  kvstash evict --older-than 1h\n  kvstash evict --bytes 10GiB --yes\n"

@@ -184,7 +184,7 @@ void add_plan_command(Registry& r) {
   p->add_option("--model", o->model, "A preset (--list-models) or custom")->capture_default_str();
   p->add_option("--context", o->context, "Tokens per sequence")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1u, 100'000'000u));
   p->add_option("--batch", o->batch, "Sequences you want resident at once");
   p->add_option("--gpu-mem", o->gpu_mem, "GPU memory (80GB, 141GB, 80GiB)")->capture_default_str();
   p->add_option("--kv-dtype", o->kv_dtype, "KV-cache element type")
