@@ -129,6 +129,9 @@ int main(int argc, char** argv) {
   /* Chunk 1 alone (the engine holds chunk 0): one status, counted from chunk 1. */
   CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 1, 1, 0, &load) == KVSTASH_OK,
         "begin_load_range");
+  size_t n_failed = 99;
+  uint32_t failed[8];
+  CHECK(kvstash_load_failed_blocks(load, failed, 8, &n_failed) == KVSTASH_OK && n_failed == 0, "nothing failed");
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK, "range load_finish");
   CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 2, 1, 0, &load) ==
             KVSTASH_INVALID_ARGUMENT,

@@ -179,6 +179,10 @@ TEST_P(KvCacheTest, AChunkGoneMeanwhileFailsAloneAndEndsThePrefix) {
   EXPECT_TRUE(loaded[1].is_ok());
   EXPECT_EQ(loaded[2].code(), StatusCode::kNotFound) << loaded[2].to_string();
   EXPECT_TRUE(loaded[3].is_ok()) << "per-chunk errors: the others still load";
+  auto load = kv->begin_load(tokens, blocks, 4);
+  ASSERT_TRUE(load.is_ok());
+  EXPECT_EQ(load->failed_blocks(), std::vector<std::uint32_t>(blocks.begin() + 8, blocks.begin() + 12))
+      << "the blocks to recompute are chunk 2's";
   // Saving only the missing chunk mends the prefix.
   auto again = kv->save(tokens, blocks, 2, 1);
   ASSERT_EQ(again.size(), 1u);
@@ -389,7 +393,7 @@ TEST_P(KvCacheTest, ALoadCanStartAfterTheChunksTheEngineHolds) {
   const auto blocks_a = scattered_blocks(12, shape.num_blocks, 94);
   const auto blocks_b = scattered_blocks(12, shape.num_blocks, 95);
   for (const auto& st : kva->save(tokens, blocks_a, 0, 3)) ASSERT_TRUE(st.is_ok());
-  const HostCache before(shape, 92);  // what b held: the same seed
+  const HostCache before(shape, 92);                    // what b held: the same seed
   auto load = kvb->begin_load(tokens, blocks_b, 1, 2);  // chunks 1 and 2
   ASSERT_TRUE(load.is_ok());
   const auto statuses = load->wait();

@@ -93,6 +93,7 @@ class KvstashPython(unittest.TestCase):
         self.store.remove(kva.keys(tokens)[1])
         load = kvb.begin_load(tokens, blocks_b, 2)
         self.assertEqual([code for code, _ in load.wait()], ["ok", "not_found"])
+        self.assertEqual(load.failed_blocks(), blocks_b[2:4])  # chunk 1's blocks: recompute them
         with self.assertRaises(kvstash.Error) as e:
             kvb.begin_load(tokens, blocks_b, 3)  # there is no third full chunk
         self.assertEqual(e.exception.code, "invalid_argument")

@@ -203,10 +203,10 @@ class KvstashConnector(_Base):
 
     def _finish_loads(self):
         for load, plan in self._loads.values():
-            statuses = load.wait()
-            bad = next((i for i, (code, _) in enumerate(statuses) if code != "ok"), None)
-            if bad is not None:
-                first = (plan.load_first + bad) * self.blocks_per_chunk
+            failed = load.failed_blocks()  # the blocks of the chunks that did not load whole
+            if failed:
+                # vLLM recomputes from the first failed token on: report every later block too.
+                first = plan.block_ids.index(failed[0])
                 last = (plan.load_first + plan.load_chunks) * self.blocks_per_chunk
                 self._failed_blocks.update(plan.block_ids[first:last])
         self._loads.clear()

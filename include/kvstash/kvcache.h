@@ -221,6 +221,10 @@ class KvLoad {
   bool layer_ready(std::uint32_t layer) const;
   // Waits for everything: one Status per chunk.
   std::vector<Status> wait();
+  // Waits for everything, then the ids of the blocks whose chunk did not load whole (evicted,
+  // corrupt, cancelled, timed out), in chunk order: what the engine must recompute. Empty
+  // when every chunk landed.
+  std::vector<std::uint32_t> failed_blocks();
   // Stops the load: returns once nothing writes into the cache's memory any more. Chunks
   // that had landed keep their status; the rest end kCancelled (their blocks hold partial
   // data: recompute them), and so does wait_layer for a layer they had not reached.

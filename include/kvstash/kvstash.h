@@ -174,6 +174,10 @@ kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk
 /* Stops a load: returns once nothing writes into the cache any more. Chunks not landed by then
  * end KVSTASH_CANCELLED (recompute their blocks); kvstash_load_finish still frees the handle. */
 void kvstash_load_cancel(kvstash_load* load);
+/* Waits for the load, then writes the ids of the blocks whose chunk did not load whole (what to
+ * recompute) to `out` (room for `capacity`) and their number to `*n`; KVSTASH_INVALID_ARGUMENT
+ * (and the number needed in *n) when they do not fit. Call before kvstash_load_finish. */
+kvstash_status kvstash_load_failed_blocks(kvstash_load* load, uint32_t* out, size_t capacity, size_t* n);
 /* Drops a save: returns once nothing reads the cache any more; nothing becomes visible.
  * kvstash_save_finish then reports KVSTASH_CANCELLED per chunk (or kvstash_save_free it). */
 void kvstash_save_cancel(kvstash_save* save);

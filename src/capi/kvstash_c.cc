@@ -2,6 +2,7 @@
 // codes, messages in a thread-local slot.
 #include "kvstash/kvstash.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -283,6 +284,21 @@ kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk
   if (load == nullptr) return invalid("kvstash_load_finish: load is required");
   std::unique_ptr<kvstash_load> owned(load);
   return per_chunk_result(owned->load.wait(), per_chunk);
+}
+
+kvstash_status kvstash_load_failed_blocks(kvstash_load* load, uint32_t* out, size_t capacity, size_t* n) {
+  if (load == nullptr || n == nullptr || (out == nullptr && capacity > 0)) {
+    return invalid("kvstash_load_failed_blocks: load and n are required, out when capacity > 0");
+  }
+  const std::vector<std::uint32_t> failed = load->load.failed_blocks();
+  *n = failed.size();
+  if (failed.size() > capacity) {
+    return report(
+        kvstash::Status::invalid_argument("kvstash_load_failed_blocks: " + std::to_string(failed.size()) +
+                                          " blocks do not fit in " + std::to_string(capacity)));
+  }
+  std::copy(failed.begin(), failed.end(), out);
+  return report({});
 }
 
 void kvstash_load_cancel(kvstash_load* load) {

@@ -350,8 +350,9 @@ struct KvLoad::State {
   std::uint32_t layers = 0;
   mutable std::mutex mu;
   std::condition_variable cv;
-  std::vector<std::uint32_t> verified;      // per chunk: leading layers landed and checked
-  std::vector<std::optional<Status>> done;  // per chunk: the final status
+  std::vector<std::uint32_t> verified;             // per chunk: leading layers landed and checked
+  std::vector<std::optional<Status>> done;         // per chunk: the final status
+  std::vector<std::vector<std::uint32_t>> blocks;  // per chunk: where it loads
   std::vector<std::future<void>> tasks;
   CancelToken cancel = CancelToken::make();  // every chunk's get holds it
 
@@ -396,6 +397,15 @@ void KvLoad::cancel() {
   for (auto& t : state_->tasks) {
     if (t.valid()) t.wait();  // and their tasks have stopped scattering into the cache
   }
+}
+
+std::vector<std::uint32_t> KvLoad::failed_blocks() {
+  const std::vector<Status> statuses = wait();
+  std::vector<std::uint32_t> out;
+  for (std::size_t c = 0; c < statuses.size(); ++c) {
+    if (!statuses[c].is_ok()) out.insert(out.end(), state_->blocks[c].begin(), state_->blocks[c].end());
+  }
+  return out;
 }
 
 std::vector<Status> KvLoad::wait() {
@@ -534,6 +544,7 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
     std::vector<std::uint32_t> blocks(block_ids.begin() + static_cast<std::ptrdiff_t>((first + c) * bpc),
                                       block_ids.begin() + static_cast<std::ptrdiff_t>((first + c + 1) * bpc));
+    st->blocks.push_back(blocks);
     st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[first + c], blocks = std::move(blocks),
                                                 deadline, layer_bytes, layers] {
       const Impl& kv = *impl_;

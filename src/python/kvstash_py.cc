@@ -165,7 +165,10 @@ PYBIND11_MODULE(kvstash, m) {
            [](PyLoad& l, std::uint32_t layer) { check(nogil([&] { return l.load.wait_layer(layer); })); })
       .def("layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); })
       .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); })
-      .def("cancel", [](PyLoad& l) { nogil([&] { l.load.cancel(); }); });
+      .def("cancel", [](PyLoad& l) { nogil([&] { l.load.cancel(); }); })
+      .def(
+          "failed_blocks", [](PyLoad& l) { return nogil([&] { return l.load.failed_blocks(); }); },
+          "Waits, then the block ids whose chunk did not load whole: what to recompute.");
 
   py::class_<PyKvCache, std::shared_ptr<PyKvCache>>(m, "KvCache")
       .def(py::init([](std::shared_ptr<PyStore> store, py::list tensors, std::uint32_t num_blocks,
