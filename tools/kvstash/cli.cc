@@ -143,26 +143,21 @@ std::string Table::str() const {
       if (!r[c].empty() && r[c] != "-" && !numeric(r[c])) right[c] = false;
     }
   }
+  // Numeric columns (and their headers) right-aligned, the rest left; no trailing blanks.
   std::string out;
   auto line = [&](const std::vector<std::string>& cells) {
     std::string l;
     for (std::size_t c = 0; c < cells.size(); ++c) {
       const std::size_t pad = width[c] - cells[c].size();
-      if (right[c] && &cells != &header_) l.append(pad, ' ');
+      if (right[c]) l.append(pad, ' ');
       l += cells[c];
-      if (c + 1 < cells.size() && !(right[c] && &cells != &header_)) l.append(pad, ' ');
-      if (c + 1 < cells.size()) l += "  ";
+      if (c + 1 < cells.size()) l.append(right[c] ? 2 : pad + 2, ' ');
     }
     while (!l.empty() && l.back() == ' ') l.pop_back();
     out += l;
     out += '\n';
   };
-  // Headers of right-aligned columns are right-aligned too.
-  std::vector<std::string> head = header_;
-  for (std::size_t c = 0; c < head.size(); ++c) {
-    if (right[c] && !rows_.empty()) head[c] = std::string(width[c] - head[c].size(), ' ') + head[c];
-  }
-  line(head);
+  line(header_);
   for (const auto& r : rows_) line(r);
   return out;
 }
