@@ -40,10 +40,6 @@ Result<Cache> allocate(const KvCacheShape& s, std::uint64_t seed) {
   return c;
 }
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 struct Row {
   std::string transport, op;
   std::uint64_t bytes = 0;
@@ -68,6 +64,25 @@ void print(const Row& r, bool json) {
 }
 
 }  // namespace
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s) {
+  int rc = 0;
+  auto t0 = Clock::now();
+  for (const Status& st : src.save(s.tokens, s.blocks_src, 0, s.chunks)) {
+    if (!st.is_ok()) std::cerr << "save: " << st.to_string() << "\n", rc = 1;
+  }
+  *save_s += seconds_since(t0);
+  t0 = Clock::now();
+  for (const Status& st : dst.load(s.tokens, s.blocks_dst, s.chunks)) {
+    if (!st.is_ok()) std::cerr << "load: " << st.to_string() << "\n", rc = 1;
+  }
+  *load_s += seconds_since(t0);
+  return rc;
+}
 
 Result<BenchSession> plan_session(const KvCacheBenchOptions& o) {
   if (o.tokens == 0 || o.tokens % kChunkTokens != 0 || o.block_size == 0 ||
@@ -107,7 +122,6 @@ int run_kvcache(const KvCacheBenchOptions& o) {
   const KvCacheShape& shape = planned->shape;
   const std::uint64_t session = planned->bytes;
   const std::size_t chunks = planned->chunks;
-  const auto& tokens = planned->tokens;
   const auto& blocks_src = planned->blocks_src;
   const auto& blocks_dst = planned->blocks_dst;
   const std::size_t used = blocks_src.size();
@@ -186,16 +200,7 @@ int run_kvcache(const KvCacheBenchOptions& o) {
       get_s += seconds_since(t0);
 
       // KvCache: scattered blocks, layer by layer.
-      t0 = Clock::now();
-      for (const Status& s : (*kv_src)->save(tokens, blocks_src, 0, chunks)) {
-        if (!s.is_ok()) std::cerr << "save: " << s.to_string() << "\n", rc = 1;
-      }
-      save_s += seconds_since(t0);
-      t0 = Clock::now();
-      for (const Status& s : (*kv_dst)->load(tokens, blocks_dst, chunks)) {
-        if (!s.is_ok()) std::cerr << "load: " << s.to_string() << "\n", rc = 1;
-      }
-      load_s += seconds_since(t0);
+      rc |= time_save_and_load(**kv_src, **kv_dst, *planned, &save_s, &load_s);
     }
     // Every block of every layer, K and V.
     const std::uint64_t bb = shape.block_bytes();

@@ -36,6 +36,14 @@ struct BenchSession {
 // block size divides 256.
 Result<BenchSession> plan_session(const KvCacheBenchOptions& options);
 
+// Seconds from `t0` to now.
+double seconds_since(Clock::time_point t0);
+
+// One timed round of the KvCache side, the same for host and GPU caches: `src` saves the
+// session's blocks, `dst` loads them into its own; the seconds of each are added to *save_s
+// and *load_s. Returns 1 when a chunk failed (said on stderr), else 0.
+int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s);
+
 // Runs it (a private redis-server and kvstashd on loopback) and prints its rows. Returns the
 // exit code: 0, or 1 on a failed or corrupted operation.
 int run_kvcache(const KvCacheBenchOptions& options);

@@ -27,8 +27,6 @@ bool cuda_ok(cudaError_t e, const char* what) {
   return false;
 }
 
-double seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
 }  // namespace
 
 int run_kvcache_gpu(const KvCacheBenchOptions& o) {
@@ -39,8 +37,6 @@ int run_kvcache_gpu(const KvCacheBenchOptions& o) {
   }
   const KvCacheShape& shape = planned->shape;
   const std::uint64_t session = planned->bytes;
-  const std::size_t chunks = planned->chunks;
-  const auto& tokens = planned->tokens;
   const auto& blocks_src = planned->blocks_src;
   const auto& blocks_dst = planned->blocks_dst;
   const std::size_t used = blocks_src.size();
@@ -102,20 +98,11 @@ int run_kvcache_gpu(const KvCacheBenchOptions& o) {
   for (std::uint32_t round = 0; round < o.rounds && rc == 0; ++round) {
     auto t0 = Clock::now();
     if (!cuda_ok(cudaMemcpy(flat_host, flat_dev, session, cudaMemcpyDeviceToHost), "D2H")) return 1;
-    d2h_s += seconds(t0);
+    d2h_s += seconds_since(t0);
     t0 = Clock::now();
     if (!cuda_ok(cudaMemcpy(flat_dev, flat_host, session, cudaMemcpyHostToDevice), "H2D")) return 1;
-    h2d_s += seconds(t0);
-    t0 = Clock::now();
-    for (const Status& s : (*kv_src)->save(tokens, blocks_src, 0, chunks)) {
-      if (!s.is_ok()) std::cerr << "save: " << s.to_string() << "\n", rc = 1;
-    }
-    save_s += seconds(t0);
-    t0 = Clock::now();
-    for (const Status& s : (*kv_dst)->load(tokens, blocks_dst, chunks)) {
-      if (!s.is_ok()) std::cerr << "load: " << s.to_string() << "\n", rc = 1;
-    }
-    load_s += seconds(t0);
+    h2d_s += seconds_since(t0);
+    rc |= time_save_and_load(**kv_src, **kv_dst, *planned, &save_s, &load_s);
   }
   std::vector<unsigned char> got(layer_bytes);
   for (std::uint32_t l = 0; l < shape.num_layers && rc == 0; ++l) {
