@@ -168,33 +168,50 @@ local function sweep_expired(limit)
   return #keys
 end
 
+-- Walks the LRU order, least recently used first, calling visit(key, last_access, extents,
+-- size) for each object no reader leases: leased objects are never evicted. visit returns true
+-- to stop. Returns the LRU entries whose record is gone (deleted by hand).
+local function walk_unleased_lru(visit)
+  local orphans, offset = {}, 0
+  while true do
+    local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63, 'WITHSCORES')
+    if #batch == 0 then return orphans end
+    offset = offset + #batch / 2
+    for i = 1, #batch, 2 do
+      local key = batch[i]
+      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents', 'size')
+      if not o[1] then
+        orphans[#orphans + 1] = key
+      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
+        if visit(key, tonumber(batch[i + 1]), o[2], o[3]) then return orphans end
+      end
+    end
+  end
+end
+
+-- Releases `victims` as evicted (counted in P:stats). Returns the pages freed now.
+local function evict_keys(victims)
+  local freed = 0
+  for _, key in ipairs(victims) do freed = freed + release(key) end
+  if #victims > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #victims) end
+  return freed
+end
+
 -- Evicts least recently used objects that no reader leases until `need` pages came free.
 -- All or nothing: when the unleased objects cannot free enough, nothing is evicted (a put
 -- that fails anyway must not empty the cache). Returns objects evicted and pages freed.
 local function evict(need)
-  local victims, orphans, pages, offset = {}, {}, 0, 0
-  while pages < need do
-    local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63)
-    if #batch == 0 then break end
-    offset = offset + #batch
-    for _, key in ipairs(batch) do
-      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents')
-      if not o[1] then
-        orphans[#orphans + 1] = key  -- a record deleted by hand: drop its LRU entry
-      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
-        victims[#victims + 1] = key
-        local _, n = string.gsub(o[2] or '', ',%d+,%d+', '')
-        pages = pages + n
-        if pages >= need then break end
-      end
-    end
-  end
+  if need <= 0 then return 0, 0 end
+  local victims, pages = {}, 0
+  local orphans = walk_unleased_lru(function(key, _, extents)
+    victims[#victims + 1] = key
+    local _, n = string.gsub(extents or '', ',%d+,%d+', '')
+    pages = pages + n
+    return pages >= need
+  end)
   if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
   if pages < need then return 0, 0 end
-  local freed = 0
-  for _, key in ipairs(victims) do freed = freed + release(key) end
-  if #victims > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #victims) end
-  return #victims, freed
+  return #victims, evict_keys(victims)
 end
 
 -- The endpoints of nodes (space-separated ids) appended to `out`: id, address, key.
@@ -420,30 +437,17 @@ return out
 const Script& evict_lru() {
   static const Script s = make(R"lua(
 local idle, max_bytes, dry, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
-local out, chosen, bytes, offset = {now}, {}, 0, 0
-local done = false
-while not done and #chosen < limit do
-  local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63, 'WITHSCORES')
-  if #batch == 0 then break end
-  offset = offset + #batch / 2
-  for i = 1, #batch, 2 do
-    local key, last = batch[i], tonumber(batch[i + 1])
-    if idle > 0 and last > now - idle then done = true break end
-    local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'size')
-    if o[1] and redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
-      chosen[#chosen + 1] = key
-      bytes = bytes + (tonumber(o[2]) or 0)
-      out[#out + 1] = key
-      out[#out + 1] = o[2] or '0'
-      out[#out + 1] = last
-      if (max_bytes > 0 and bytes >= max_bytes) or #chosen >= limit then done = true break end
-    end
-  end
-end
-if not dry then
-  for _, key in ipairs(chosen) do release(key) end
-  if #chosen > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #chosen) end
-end
+local out, chosen, bytes = {now}, {}, 0
+walk_unleased_lru(function(key, last, _, size)
+  if idle > 0 and last > now - idle then return true end  -- everything after is newer
+  chosen[#chosen + 1] = key
+  bytes = bytes + (tonumber(size) or 0)
+  out[#out + 1] = key
+  out[#out + 1] = size or '0'
+  out[#out + 1] = last
+  return (max_bytes > 0 and bytes >= max_bytes) or #chosen >= limit
+end)
+if not dry then evict_keys(chosen) end
 return out
 )lua");
   return s;
