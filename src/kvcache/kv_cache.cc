@@ -197,6 +197,12 @@ struct KvCache::Impl {
   }
   bool staged() const { return options.copier != nullptr; }
 
+  // The blocks of chunk `c` of a request (covers() checked that there are that many).
+  std::vector<std::uint32_t> chunk_blocks(std::span<const std::uint32_t> block_ids, std::size_t c) const {
+    const auto first = block_ids.begin() + static_cast<std::ptrdiff_t>(c * blocks_per_chunk);
+    return {first, first + static_cast<std::ptrdiff_t>(blocks_per_chunk)};
+  }
+
   // Registers every region of `l` with the store's transports (the direct data path).
   Status register_direct(const KvLayout& l) {
     for (const MemoryRegion& r : l.regions()) {
@@ -497,12 +503,10 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_unique<KvSave::State>();
   st->kv = impl_.get();
-  const std::size_t bpc = impl_->blocks_per_chunk;
   for (std::size_t c = first; c < first + count; ++c) {
     auto& chunk = st->chunks.emplace_back();
     chunk.key = k[c];
-    chunk.blocks.assign(block_ids.begin() + static_cast<std::ptrdiff_t>(c * bpc),
-                        block_ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * bpc));
+    chunk.blocks = impl_->chunk_blocks(block_ids, c);
     if (impl_->staged()) {
       auto b = impl_->save_bounces->take();
       if (!b.is_ok()) {
@@ -539,11 +543,9 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   st->layers = layers;
   st->verified.assign(count, 0);
   st->done.assign(count, std::nullopt);
-  const std::size_t bpc = impl_->blocks_per_chunk;
-  const std::uint64_t layer_bytes = impl_->layout.layer_bytes(bpc);
+  const std::uint64_t layer_bytes = impl_->layout.layer_bytes(impl_->blocks_per_chunk);
   for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
-    std::vector<std::uint32_t> blocks(block_ids.begin() + static_cast<std::ptrdiff_t>((first + c) * bpc),
-                                      block_ids.begin() + static_cast<std::ptrdiff_t>((first + c + 1) * bpc));
+    std::vector<std::uint32_t> blocks = impl_->chunk_blocks(block_ids, first + c);
     st->blocks.push_back(blocks);
     st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[first + c], blocks = std::move(blocks),
                                                 deadline, layer_bytes, layers] {
