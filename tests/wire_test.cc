@@ -50,6 +50,8 @@ TEST(Wire, TruncatedInputFailsSoftly) {
 
 TEST(Wire, Hex) {
   EXPECT_EQ(to_hex(std::string("\x00\xff\x10", 3)), "00ff10");
+  EXPECT_EQ(to_hex64(0x0123456789abcdefull), "0123456789abcdef");
+  EXPECT_EQ(to_hex64(0), "0000000000000000");
   EXPECT_EQ(from_hex("00FF10"), std::string("\x00\xff\x10", 3));
   EXPECT_FALSE(from_hex("abc").has_value());
   EXPECT_FALSE(from_hex("zz").has_value());

@@ -21,6 +21,14 @@ void random_bytes(void* out, std::size_t n) {
   }
 }
 
+Result<std::string> read_secret_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::invalid_argument("cannot read " + path);
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
 std::uint64_t random_u64() {
   std::uint64_t v = 0;
   random_bytes(&v, sizeof v);

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kvstash/status.h"
+
 namespace kvstash::sys {
 
 // 64 random bits from the kernel's CSPRNG (getrandom); used for remote keys and nonces.
@@ -14,5 +16,10 @@ void random_bytes(void* out, std::size_t n);
 // This boot of this kernel (/proc/sys/kernel/random/boot_id): two processes that see the same
 // id share a kernel, so shared memory between them is possible.
 const std::string& boot_id();
+
+// A secret kept in a file (a Redis password, a cluster token): its contents without the
+// trailing newline. kInvalidArgument naming the path when it cannot be read (it came from
+// the command line or a configuration).
+Result<std::string> read_secret_file(const std::string& path);
 
 }  // namespace kvstash::sys

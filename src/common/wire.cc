@@ -23,6 +23,13 @@ std::string to_hex(std::string_view bytes) {
   return out;
 }
 
+std::string to_hex64(std::uint64_t v) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = kDigits[v & 0xf];
+  return s;
+}
+
 std::optional<std::string> from_hex(std::string_view text) {
   if (text.size() % 2 != 0) return std::nullopt;
   std::string out;

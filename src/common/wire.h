@@ -74,6 +74,8 @@ class Reader {
 };
 
 std::string to_hex(std::string_view bytes);
+// `v` as 16 lower-case hex digits, most significant first (checksums in records and output).
+std::string to_hex64(std::uint64_t v);
 // nullopt unless `text` is an even number of hex digits.
 std::optional<std::string> from_hex(std::string_view text);
 

@@ -5,12 +5,12 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
 #include <mutex>
 
 #include "common/log.h"
 #include "common/thread_pool.h"
+#include "common/wire.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
@@ -39,11 +39,9 @@ std::uint64_t hash_runs(const std::vector<KvRun>& runs) {
 // "<tag>;xxh3=<16 hex>,<16 hex>,..." (one per layer).
 std::string object_layout(const std::string& tag, const std::vector<std::uint64_t>& sums) {
   std::string s = tag + ";xxh3=";
-  char hex[17];
   for (std::size_t i = 0; i < sums.size(); ++i) {
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(sums[i]));
     if (i > 0) s += ',';
-    s += hex;
+    s += wire::to_hex64(sums[i]);
   }
   return s;
 }

@@ -6,19 +6,13 @@
 #include <charconv>
 #include <optional>
 
+#include "common/wire.h"
 #include "metadata/scripts.h"
 
 namespace kvstash::metadata {
 namespace {
 
 std::string ms(std::chrono::milliseconds d) { return std::to_string(d.count()); }
-
-std::string hex64(std::uint64_t v) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = kDigits[v & 0xf];
-  return s;
-}
 
 // A reply element read as a string or an integer, strictly.
 std::string_view text_of(const redisReply* r) {
@@ -190,7 +184,7 @@ Result<Placement> Catalog::begin_put(std::string_view token, std::string_view ke
 Status Catalog::commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
                            std::string_view layout, std::chrono::milliseconds ttl,
                            const std::optional<std::string>& if_version) {
-  std::string sum = hex64(checksum), t = ms(ttl);
+  std::string sum = wire::to_hex64(checksum), t = ms(ttl);
   // "" unconditional, "!" no object, "=<token>" that object.
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
   return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond}).status();

@@ -6,9 +6,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <fstream>
 #include <iostream>
 
+#include "common/system.h"
 #include "common/units.h"
 #include "kvstash/store.h"
 #include "metadata/catalog.h"
@@ -27,11 +27,7 @@ std::chrono::milliseconds Session::timeout() const {
 Status Session::credentials() {
   if (have_credentials_) return {};
   if (!g_.password_file.empty()) {
-    std::ifstream in(g_.password_file);
-    if (!in) return Status::invalid_argument("cannot read --redis-password-file " + g_.password_file);
-    std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-    password_ = std::move(s);
+    KVSTASH_ASSIGN_OR_RETURN(password_, sys::read_secret_file(g_.password_file));
   } else if (const char* env = std::getenv("KVSTASH_REDIS_PASSWORD"); env != nullptr) {
     password_ = env;
   }

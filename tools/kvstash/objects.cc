@@ -7,6 +7,7 @@
 
 #include "cli.h"
 #include "common/units.h"
+#include "common/wire.h"
 #include "kvstash/store.h"
 #include "metadata/catalog.h"
 
@@ -23,12 +24,6 @@ std::string join(const std::vector<std::string>& v, std::string_view sep = ",") 
     out += s;
   }
   return out;
-}
-
-std::string hex64(std::uint64_t v) {
-  char b[17];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
 }
 
 std::string ttl_text(const metadata::ObjectInfo& o, std::int64_t now) {
@@ -54,7 +49,7 @@ json object_json(const metadata::ObjectInfo& o, std::int64_t now) {
           {"last_access_ms", o.last_access_ms},
           {"idle_ms", std::max<std::int64_t>(0, now - o.last_access_ms)},
           {"nodes", o.nodes},
-          {"checksum", hex64(o.checksum)},
+          {"checksum", wire::to_hex64(o.checksum)},
           {"readers", o.readers}};
 }
 
@@ -144,7 +139,7 @@ int show(Session& s, const std::string& key) {
   if (s.json()) {
     json j = object_json(i, now);
     j["size"] = rec->size;
-    j["checksum"] = hex64(rec->checksum);
+    j["checksum"] = wire::to_hex64(rec->checksum);
     j["layout"] = rec->layout;
     j["pages"] = rec->pages;
     j["extents"] = json::array();
@@ -156,7 +151,7 @@ int show(Session& s, const std::string& key) {
   Table t({"FIELD", "VALUE"});
   t.row({"key", key});
   t.row({"size", units::format_size(rec->size) + " (" + std::to_string(rec->size) + " bytes)"});
-  t.row({"checksum", "xxh3-64 " + hex64(rec->checksum)});
+  t.row({"checksum", "xxh3-64 " + wire::to_hex64(rec->checksum)});
   t.row({"ttl", rec->ttl_ms < 0 ? "never expires" : format_duration(milliseconds(rec->ttl_ms))});
   t.row({"created", format_time(i.created_ms)});
   t.row({"last access", format_time(i.last_access_ms) + " (" + ago(i.last_access_ms, now) + ")"});
@@ -288,9 +283,12 @@ int get(Session& s, const std::string& key, const std::string& out) {
     return fail(Status::from_errno("cannot write " + out, errno), "get " + key, &s);
   }
   if (s.json()) {
-    std::cout
-        << json{{"key", key}, {"file", out}, {"size", buf.size()}, {"checksum", hex64(got->checksum)}}.dump(2)
-        << "\n";
+    std::cout << json{{"key", key},
+                      {"file", out},
+                      {"size", buf.size()},
+                      {"checksum", wire::to_hex64(got->checksum)}}
+                     .dump(2)
+              << "\n";
   } else {
     std::cout << "wrote " << buf.size() << " bytes of " << key << " to " << out << " (checksum verified)\n";
   }

@@ -3,11 +3,11 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
-#include <fstream>
 #include <iostream>
 
 #include "common/log.h"
 #include "common/net.h"
+#include "common/system.h"
 #include "common/transports.h"
 #include "common/units.h"
 #include "node/admin_server.h"
@@ -18,11 +18,9 @@ namespace {
 using namespace kvstash;
 
 std::string read_secret(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw CLI::ValidationError(path, "cannot read the file");
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-  return s;
+  auto secret = sys::read_secret_file(path);
+  if (!secret.is_ok()) throw CLI::ValidationError(path, "cannot read the file");
+  return std::move(secret).value();
 }
 
 // 2: the command line or configuration is wrong; 1: the node could not start or run.
