@@ -35,10 +35,47 @@ std::optional<std::int64_t> integer_of(const redisReply* r) {
   return number<std::int64_t>(text_of(r));
 }
 
+std::vector<std::string> split_nodes(std::string_view nodes) {
+  std::vector<std::string> out;
+  while (!nodes.empty()) {
+    const std::size_t sp = nodes.find(' ');
+    if (sp != 0) out.emplace_back(nodes.substr(0, sp));
+    nodes = sp == std::string_view::npos ? std::string_view{} : nodes.substr(sp + 1);
+  }
+  return out;
+}
+
 Status corrupt(std::string_view what) {
   std::string msg = "metadata: ";
   msg.append(what);
   return Status::corrupt(std::move(msg));
+}
+
+// `text` with SCAN's glob characters escaped, so that it matches itself only.
+std::string glob_literal(std::string_view text) {
+  std::string out;
+  for (char ch : text) {
+    if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out;
+}
+
+// A SCAN or SSCAN reply: the next cursor and the members, each with `strip` removed from its
+// front (members without it are skipped).
+Result<ObjectScan> parse_scan(const Reply& r, std::string_view strip = {}) {
+  if (r.type() != Reply::Type::kArray || r.size() != 2 || r.element(1)->type != REDIS_REPLY_ARRAY) {
+    return corrupt("unexpected reply to a SCAN");
+  }
+  ObjectScan out;
+  out.cursor = std::string(text_of(r.element(0)));
+  const redisReply* members = r.element(1);
+  for (std::size_t i = 0; i < members->elements; ++i) {
+    const std::string_view m = text_of(members->element[i]);
+    if (m.size() > strip.size() && m.substr(0, strip.size()) == strip)
+      out.keys.emplace_back(m.substr(strip.size()));
+  }
+  return out;
 }
 
 bool valid_node_id(std::string_view id) {
@@ -241,12 +278,7 @@ Result<ObjectRecord> Catalog::stat(std::string_view key) {
   o.layout = std::string(text_of(r.element(2)));
   o.pages = ext->size();
   o.extents = std::move(ext).value();
-  std::string_view nodes = text_of(r.element(4));
-  while (!nodes.empty()) {
-    std::size_t sp = nodes.find(' ');
-    if (sp != 0) o.nodes.emplace_back(nodes.substr(0, sp));
-    nodes = sp == std::string_view::npos ? std::string_view{} : nodes.substr(sp + 1);
-  }
+  o.nodes = split_nodes(text_of(r.element(4)));
   o.ttl_ms = integer_of(r.element(5)).value_or(-1);
   o.version = std::string(text_of(r.element(6)));
   return o;
@@ -332,62 +364,20 @@ Result<CellSummary> Catalog::summary() {
   return c;
 }
 
-namespace {
-
-// `text` with SCAN's glob characters escaped, so that it matches itself only.
-std::string glob_literal(std::string_view text) {
-  std::string out;
-  for (char ch : text) {
-    if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\') out += '\\';
-    out += ch;
-  }
-  return out;
-}
-
-std::vector<std::string> split_nodes(std::string_view nodes) {
-  std::vector<std::string> out;
-  while (!nodes.empty()) {
-    const std::size_t sp = nodes.find(' ');
-    if (sp != 0) out.emplace_back(nodes.substr(0, sp));
-    nodes = sp == std::string_view::npos ? std::string_view{} : nodes.substr(sp + 1);
-  }
-  return out;
-}
-
-}  // namespace
-
 Result<ObjectScan> Catalog::scan_objects(std::string_view pattern, std::string_view cursor,
                                          std::uint32_t count) {
   const std::string head = prefix_ + ":obj:";
   const std::string match = glob_literal(head) + std::string(pattern.empty() ? "*" : pattern);
   const std::string n = std::to_string(count == 0 ? 100 : count);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"SCAN", cursor, "MATCH", match, "COUNT", n}));
-  if (r.type() != Reply::Type::kArray || r.size() != 2 || r.element(1)->type != REDIS_REPLY_ARRAY) {
-    return corrupt("unexpected reply to SCAN");
-  }
-  ObjectScan out;
-  out.cursor = std::string(text_of(r.element(0)));
-  const redisReply* keys = r.element(1);
-  for (std::size_t i = 0; i < keys->elements; ++i) {
-    std::string_view k = text_of(keys->element[i]);
-    if (k.size() > head.size() && k.substr(0, head.size()) == head)
-      out.keys.emplace_back(k.substr(head.size()));
-  }
-  return out;
+  return parse_scan(r, head);
 }
 
 Result<ObjectScan> Catalog::scan_node_objects(std::string_view id, std::string_view cursor,
                                               std::uint32_t count) {
   const std::string set = prefix_ + ":objs:" + std::string(id), n = std::to_string(count == 0 ? 100 : count);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"SSCAN", set, cursor, "COUNT", n}));
-  if (r.type() != Reply::Type::kArray || r.size() != 2 || r.element(1)->type != REDIS_REPLY_ARRAY) {
-    return corrupt("unexpected reply to SSCAN");
-  }
-  ObjectScan out;
-  out.cursor = std::string(text_of(r.element(0)));
-  const redisReply* keys = r.element(1);
-  for (std::size_t i = 0; i < keys->elements; ++i) out.keys.emplace_back(text_of(keys->element[i]));
-  return out;
+  return parse_scan(r);
 }
 
 Result<std::vector<ObjectInfo>> Catalog::describe(std::span<const std::string> keys, std::int64_t* now_ms) {
