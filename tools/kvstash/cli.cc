@@ -74,6 +74,17 @@ std::string Session::redis_display() const {
   return u.is_ok() ? u->redacted() : g_.redis_url;
 }
 
+std::string redis_version(metadata::RedisClient& r) {
+  auto info = r.command({"INFO", "server"});
+  if (!info.is_ok()) return "?";
+  const std::string_view text = info->str();
+  const std::string_view tag = "redis_version:";
+  const auto at = text.find(tag);
+  if (at == std::string_view::npos) return "?";
+  const auto end = text.find_first_of("\r\n", at);
+  return std::string(text.substr(at + tag.size(), end - at - tag.size()));
+}
+
 namespace {
 
 std::string_view fix_for(const Status& s) {

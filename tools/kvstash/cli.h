@@ -77,6 +77,9 @@ void add_object_commands(Registry& r);   // ls, show, rm, touch, evict, get, put
 void add_doctor_command(Registry& r);
 void add_plan_command(Registry& r);
 
+// The server's version ("7.2.4", from INFO server); "?" when it does not say.
+std::string redis_version(metadata::RedisClient& r);
+
 // Prints "kvstash: <doing>: <what went wrong>" and a line on how to fix it to stderr (`fix`,
 // else one chosen by the status code); returns the exit code for the status (3 not found,
 // 2 invalid argument, else 1).

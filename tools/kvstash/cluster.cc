@@ -78,18 +78,6 @@ Table nodes_table(const std::vector<Node>& nodes) {
   return t;
 }
 
-// "7.2.4" from INFO server.
-std::string redis_version(metadata::RedisClient& r) {
-  auto info = r.command({"INFO", "server"});
-  if (!info.is_ok()) return "?";
-  const std::string_view text = info->str();
-  const std::string_view tag = "redis_version:";
-  const auto at = text.find(tag);
-  if (at == std::string_view::npos) return "?";
-  const auto end = text.find_first_of("\r\n", at);
-  return std::string(text.substr(at + tag.size(), end - at - tag.size()));
-}
-
 int status(Session& s) {
   auto redis = s.redis();
   if (!redis.is_ok()) return fail(redis.status(), "connecting to Redis", &s);

@@ -74,9 +74,8 @@ class Doctor {
           "check the ACL user's permissions");
       return;
     }
-    std::string version = "?", policy = "?";
-    if (auto info = (*redis)->command({"INFO", "server"}); info.is_ok())
-      version = field(info->str(), "redis_version");
+    const std::string version = redis_version(**redis);
+    std::string policy = "?";
     if (auto mem = (*redis)->command({"CONFIG", "GET", "maxmemory-policy"});
         mem.is_ok() && mem->size() == 2) {
       policy = mem->raw()->element[1]->str;
@@ -350,14 +349,6 @@ class Doctor {
     return out;
   }
 #endif
-
-  static std::string field(std::string_view info, std::string_view name) {
-    const std::string tag = std::string(name) + ":";
-    const auto at = info.find(tag);
-    if (at == std::string_view::npos) return "?";
-    const auto end = info.find_first_of("\r\n", at);
-    return std::string(info.substr(at + tag.size(), end - at - tag.size()));
-  }
 
   Session& s_;
   std::vector<Check> checks_;
