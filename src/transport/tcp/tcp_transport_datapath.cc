@@ -79,7 +79,10 @@ bool Stream::next_request(OutRequest& r) {
   Pending& first = on_wire_.back();
   const Op& op = first.op;
   const bool write = op.op == TransferOp::kWrite;
-  r = OutRequest{};
+  // Only what this request uses is reset: pieces past `count` are never read.
+  r.header = RequestHeader{};
+  r.count = 0;
+  r.sent = 0;
   r.header.op = static_cast<std::uint8_t>(op.op);
   r.header.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
   r.header.addr = op.remote_addr;
