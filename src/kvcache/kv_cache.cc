@@ -542,12 +542,13 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   st->verified.assign(count, 0);
   st->done.assign(count, std::nullopt);
   const std::uint64_t layer_bytes = impl_->layout.layer_bytes(impl_->blocks_per_chunk);
+  // Every chunk's blocks are in place before any task runs (the tasks read them from `st`).
+  for (std::size_t c = 0; c < count; ++c) st->blocks.push_back(impl_->chunk_blocks(block_ids, first + c));
   for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
-    std::vector<std::uint32_t> blocks = impl_->chunk_blocks(block_ids, first + c);
-    st->blocks.push_back(blocks);
-    st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[first + c], blocks = std::move(blocks),
-                                                deadline, layer_bytes, layers] {
+    st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[first + c], deadline, layer_bytes,
+                                                layers] {
       const Impl& kv = *impl_;
+      const std::vector<std::uint32_t>& blocks = st->blocks[c];
       std::vector<std::vector<KvRun>> runs(layers);
       std::vector<Slice> slices;
       Status failed;
