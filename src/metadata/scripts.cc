@@ -120,6 +120,15 @@ local function release(key)
   return free_extents(o[2])
 end
 
+-- Releases every object with a page on node `id` and empties its object set. Returns how
+-- many objects that was.
+local function release_node_objects(id)
+  local keys = redis.call('SMEMBERS', P .. ':objs:' .. id)
+  for _, key in ipairs(keys) do release(key) end
+  redis.call('DEL', P .. ':objs:' .. id)
+  return #keys
+end
+
 -- The fields of a readable object (present, unexpired, every node alive), or nil. An
 -- expired object or one on a dead node is released on the spot.
 local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires'}
@@ -258,8 +267,8 @@ if held[1] and held[1] ~= epoch and (held[2] == 'up' or held[2] == 'draining') a
   return redis.error_reply('IN_USE node id ' .. id .. ' is held by a live node (another kvstashd with the same id?)')
 end
 if held[1] ~= epoch then
-  for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do release(key) end
-  redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id)
+  release_node_objects(id)
+  redis.call('DEL', P .. ':free:' .. id)
   -- Every generation of the new incarnation starts above every generation of the old ones
   -- (the floor), so an old extent can never match a page again, without touching each page.
   redis.call('DEL', P .. ':gen:' .. id)
@@ -299,9 +308,7 @@ if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then
   return redis.error_reply('STALE node ' .. id .. ' is not registered with this epoch')
 end
 redis.call('HSET', nk, 'state', 'draining')
-local keys = redis.call('SMEMBERS', P .. ':objs:' .. id)
-for _, key in ipairs(keys) do release(key) end
-return #keys
+return release_node_objects(id)
 )lua");
   return s;
 }
@@ -313,8 +320,8 @@ const Script& deregister_node() {
 local id = ARGV[1]
 local nk = P .. ':node:' .. id
 if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then return 'OK' end
-for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do release(key) end
-redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id)
+release_node_objects(id)
+redis.call('DEL', P .. ':free:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('HSET', nk, 'state', 'gone')
 return 'OK'
@@ -385,14 +392,13 @@ if redis.call('EXISTS', nk) == 0 then return redis.error_reply('NOT_FOUND no nod
 if live(id) then
   return redis.error_reply('IN_USE node ' .. id .. ' is alive (its heartbeat is current): stop its kvstashd first')
 end
-local keys = redis.call('SMEMBERS', P .. ':objs:' .. id)
-for _, key in ipairs(keys) do release(key) end
-redis.call('DEL', P .. ':objs:' .. id, P .. ':free:' .. id, P .. ':gen:' .. id)
+local released = release_node_objects(id)
+redis.call('DEL', P .. ':free:' .. id, P .. ':gen:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('SREM', P .. ':known', id)
 redis.call('HDEL', nk, 'address', 'key')
 redis.call('HSET', nk, 'state', 'gone')
-return #keys
+return released
 )lua");
   return s;
 }
@@ -716,11 +722,7 @@ end
 local dead = redis.call('ZRANGEBYSCORE', P .. ':nodes', '-inf', '(' .. now, 'LIMIT', 0, limit)
 local orphans = 0
 for _, id in ipairs(dead) do
-  for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do
-    release(key)
-    orphans = orphans + 1
-  end
-  redis.call('DEL', P .. ':objs:' .. id)
+  orphans = orphans + release_node_objects(id)
   redis.call('HSET', P .. ':node:' .. id, 'state', 'dead')
   redis.call('ZREM', P .. ':nodes', id)
 end
