@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
 
   std::string region_text = "1GiB", target_transports = "all";
   TcpOptions target_tcp;
+  std::string target_token;
   auto* t = app.add_subcommand(
       "p2p-target",
       "The target side of `p2p`, for runs across hosts (p2p spawns one itself on loopback). "
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   t->add_option("--transports", target_transports, "Transports to serve: all, or a list")
       ->capture_default_str();
-  t->add_option("--token", target_tcp.cluster_token, "Cluster token required from initiators");
+  t->add_option("--token", target_token, "Cluster token required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
 
   bench::StoreBenchOptions store;
@@ -216,7 +217,7 @@ int main(int argc, char** argv) {
       std::cerr << "--region: " << region.status().message() << "\n";
       return 2;
     }
-    return bench::run_p2p_target(*region, target_kinds, target_tcp);
+    return bench::run_p2p_target(*region, target_kinds, target_tcp, target_token);
   }
   if (st->parsed()) return bench::run_store(store);
   if (kc->parsed() && kvc.gpu) {

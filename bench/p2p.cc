@@ -164,10 +164,11 @@ Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemo
 }  // namespace
 
 int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports,
-                   const TcpOptions& tcp) {
+                   const TcpOptions& tcp, const std::string& cluster_token) {
   EngineOptions eo;
   eo.transports = transports;
   eo.tcp = tcp;
+  eo.cluster_token = cluster_token;
   // The verbs queue-pair setup listens on the same host as tcp (any free port).
   eo.verbs.listen = net::same_host_any_port(tcp.listen);
   eo.ucx.allow_emulated_rma = true;  // a benchmark target on loopback: see UcxOptions
@@ -279,7 +280,7 @@ int run_p2p(const P2POptions& o) {
     EngineOptions eo;
     eo.transports = {kind};
     eo.tcp = o.tcp;
-    eo.tcp.cluster_token = o.token;
+    eo.cluster_token = o.token;
     eo.shm = o.shm;
     auto engine = Engine::create(eo);
     auto fail = [&](const Status& s) {

@@ -28,8 +28,8 @@ int run_p2p(const P2POptions& options);
 
 // The target: serves one region over every transport plus the raw socket sink, prints
 // "address HEX", "key HEX", "socket HOST:PORT", and exits when stdin closes. The sink binds
-// the host of tcp.listen.
+// the host of tcp.listen. A non-empty cluster_token is required from initiators.
 int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports,
-                   const TcpOptions& tcp);
+                   const TcpOptions& tcp, const std::string& cluster_token);
 
 }  // namespace kvstash::bench

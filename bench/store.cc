@@ -796,7 +796,7 @@ int run_store(const StoreBenchOptions& options) {
     so.redis_url = url;
     so.redis_password = o.redis_password;
     so.engine.prefer = kind;
-    so.engine.tcp.cluster_token = o.token;
+    so.engine.cluster_token = o.token;
     so.engine.ucx.allow_emulated_rma = kind == TransportKind::kUcx;
     // Long enough for the largest session at 100 MB/s (UCX emulating RMA over TCP is slow),
     // and never below the defaults.

@@ -1,8 +1,9 @@
 /* A C program over the C API (compiled as C: the header must be plain C). Given a cell's
  * Redis URL it puts and gets an object, registers a small paged KV cache, saves two chunks
  * of scattered blocks layer by layer, loads them into other blocks of a second cache layer by
- * layer, compares every byte, and checks the error paths. Prints "ok" and exits 0, or says
- * what failed and exits 1. */
+ * layer, compares every byte, and checks the error paths. Given the cluster token of the cell
+ * "secured" on the same Redis (its node requires one), it checks that the data path needs it.
+ * Prints "ok" and exits 0, or says what failed and exits 1. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,11 +25,62 @@ static unsigned char* block_of(unsigned char* layer, int part, unsigned block) {
   return layer + (part * BLOCKS + block) * BLOCK_BYTES;
 }
 
+/* The cell "secured", served over tcp only by a node that requires `token`: without the token
+ * the data path is refused, with it an object goes and comes back; an empty or blank token is
+ * refused outright instead of being taken as none. */
+static int check_cluster_token(const char* url, const char* token) {
+  kvstash_store* store = NULL;
+  kvstash_store_options so = {0};
+  so.redis_url = url;
+  so.cell = "secured";
+  so.transports = "tcp";
+  so.timeout_ms = 10000;
+  so.cluster_token = "";
+  CHECK(kvstash_store_open(&so, &store) == KVSTASH_INVALID_ARGUMENT && store == NULL,
+        "an empty cluster token is refused");
+  CHECK(strstr(kvstash_last_error(), "cluster_token") != NULL, "the message names the field");
+  so.cluster_token = " \n";
+  CHECK(kvstash_store_open(&so, &store) == KVSTASH_INVALID_ARGUMENT && store == NULL,
+        "a blank cluster token is refused");
+
+  const char secret[] = "bytes behind the cluster token";
+  char back[64];
+  size_t size = 0;
+  so.cluster_token = NULL;
+  CHECK(kvstash_store_open(&so, &store) == KVSTASH_OK, "open without a token (Redis needs none)");
+  CHECK(kvstash_put(store, "c:guarded", secret, sizeof secret, 0) == KVSTASH_PERMISSION_DENIED,
+        "a put without the token is refused");
+  CHECK(strstr(kvstash_last_error(), "cluster token") != NULL, "the message says why");
+
+  kvstash_store* wrong = NULL;
+  so.cluster_token = "guess";
+  CHECK(kvstash_store_open(&so, &wrong) == KVSTASH_OK, "open with a wrong token");
+  CHECK(kvstash_put(wrong, "c:guarded", secret, sizeof secret, 0) == KVSTASH_PERMISSION_DENIED,
+        "a put with a wrong token is refused");
+
+  kvstash_store* right = NULL;
+  so.cluster_token = token;
+  CHECK(kvstash_store_open(&so, &right) == KVSTASH_OK, "open with the token");
+  CHECK(kvstash_put(right, "c:guarded", secret, sizeof secret, 0) == KVSTASH_OK, "a put with the token");
+  CHECK(kvstash_get(right, "c:guarded", back, sizeof back, &size) == KVSTASH_OK && size == sizeof secret &&
+            memcmp(back, secret, size) == 0,
+        "a get with the token");
+  CHECK(kvstash_get(store, "c:guarded", back, sizeof back, &size) == KVSTASH_PERMISSION_DENIED,
+        "a get without the token is refused");
+  CHECK(kvstash_get(wrong, "c:guarded", back, sizeof back, &size) == KVSTASH_PERMISSION_DENIED,
+        "a get with a wrong token is refused");
+  kvstash_store_close(right);
+  kvstash_store_close(wrong);
+  kvstash_store_close(store);
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: capi_client REDIS_URL\n");
+  if (argc != 3) {
+    fprintf(stderr, "usage: capi_client REDIS_URL CLUSTER_TOKEN_OF_CELL_SECURED\n");
     return 2;
   }
+  if (check_cluster_token(argv[1], argv[2]) != 0) return 1;
   /* Errors: a status and a message. */
   kvstash_store* store = NULL;
   kvstash_store_options bad = {0};

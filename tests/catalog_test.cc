@@ -15,6 +15,8 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr std::uint64_t kPage = 1u << 20;
+// The nodes these tests register: an abort that every node confirmed.
+const std::vector<std::string> kEveryNode{"a", "b", "c"};
 
 class CatalogTest : public ::testing::Test {
  protected:
@@ -25,7 +27,7 @@ class CatalogTest : public ::testing::Test {
   }
   Status add_node(std::string id, std::uint64_t pages, std::chrono::milliseconds ttl = 30s,
                   std::string epoch = "e1") {
-    return cat_->register_node({id, epoch, kPage, pages, "addr-" + id, "key-" + id}, ttl);
+    return cat_->register_node({id, epoch, kPage, pages, "addr-" + id, "key-" + id}, ttl).status();
   }
   std::uint64_t free_of(std::string_view id) { return cat_->free_pages(id).value(); }
   // A committed object of `pages` pages.
@@ -100,8 +102,8 @@ TEST_F(CatalogTest, RetriedBeginPutReturnsTheSamePages) {
   auto again = cat_->begin_put("tok", "k", 3 * kPage, 30s).value();
   EXPECT_EQ(first.extents, again.extents);
   EXPECT_EQ(free_of("a"), 5u);
-  ASSERT_TRUE(cat_->abort_put("tok").is_ok());
-  EXPECT_TRUE(cat_->abort_put("tok").is_ok()) << "abort is idempotent";
+  ASSERT_TRUE(cat_->abort_put("tok", kEveryNode).is_ok());
+  EXPECT_TRUE(cat_->abort_put("tok", kEveryNode).is_ok()) << "abort is idempotent";
   EXPECT_EQ(free_of("a"), 8u);
   EXPECT_EQ(cat_->commit_put("tok", "k", 1, "", 0ms).code(), StatusCode::kStale);
 }
@@ -199,16 +201,90 @@ TEST_F(CatalogTest, TouchSetsANewTimeToLive) {
   EXPECT_EQ(cat_->touch("absent", 1s).code(), StatusCode::kNotFound);
 }
 
-TEST_F(CatalogTest, AbandonedPutsAreReclaimedAfterTheirLease) {
+TEST_F(CatalogTest, AbandonedPutsAreReclaimedOnceTheirNodeFencedThroughTheirLease) {
   ASSERT_TRUE(add_node("a", 4).is_ok());
-  ASSERT_TRUE(cat_->begin_put("dead-client", "k", 3 * kPage, 100ms).is_ok());
+  auto p = cat_->begin_put("dead-client", "k", 3 * kPage, 100ms);
+  ASSERT_TRUE(p.is_ok());
+  EXPECT_GT(p->lease_deadline_ms, 0);
   EXPECT_EQ(free_of("a"), 1u);
   std::this_thread::sleep_for(200ms);
+  // Past its lease, but the node has not fenced it: a write of it may still be queued there.
   auto counts = cat_->reclaim().value();
+  EXPECT_EQ(counts.abandoned_puts, 0u);
+  EXPECT_EQ(counts.fencing_puts, 1u);
+  EXPECT_EQ(free_of("a"), 1u) << "pages returned before the node fenced the put";
+  ASSERT_TRUE(cat_->heartbeat("a", "e1", 30s, p->lease_deadline_ms - 1).is_ok());
+  EXPECT_EQ(cat_->reclaim()->abandoned_puts, 0u) << "a fence short of the deadline does not cover it";
+  ASSERT_TRUE(cat_->heartbeat("a", "e1", 30s, p->lease_deadline_ms).is_ok());
+  counts = cat_->reclaim().value();
   EXPECT_EQ(counts.abandoned_puts, 1u);
+  EXPECT_EQ(counts.fencing_puts, 0u);
   EXPECT_EQ(free_of("a"), 4u);
   EXPECT_EQ(cat_->commit_put("dead-client", "k", 1, "", 0ms).code(), StatusCode::kStale);
   EXPECT_EQ(get_code("k"), StatusCode::kNotFound);
+}
+
+// A failed put whose nodes did not all confirm its fence: the confirmed node's pages return
+// at once, the other's once that node has fenced through the put's lease.
+TEST_F(CatalogTest, AnAbortFreesThePagesOfTheNodesThatConfirmedItsFence) {
+  ASSERT_TRUE(add_node("a", 3).is_ok());
+  ASSERT_TRUE(add_node("b", 3).is_ok());
+  auto p = cat_->begin_put("t", "k", 6 * kPage, 100ms);
+  ASSERT_TRUE(p.is_ok());
+  EXPECT_EQ(free_of("a") + free_of("b"), 0u);
+  const std::vector<std::string> only_a{"a"};
+  EXPECT_EQ(cat_->abort_put("t", only_a).value(), 3u) << "b's three pages wait";
+  EXPECT_EQ(free_of("a"), 3u);
+  EXPECT_EQ(free_of("b"), 0u);
+  EXPECT_EQ(cat_->commit_put("t", "k", 1, "", 0ms).code(), StatusCode::kStale) << "an aborted put commits";
+  std::this_thread::sleep_for(150ms);
+  EXPECT_EQ(cat_->reclaim()->abandoned_puts, 0u) << "b has not fenced the put";
+  ASSERT_TRUE(cat_->heartbeat("b", "e1", 30s, p->lease_deadline_ms).is_ok());
+  EXPECT_EQ(cat_->reclaim()->abandoned_puts, 1u);
+  EXPECT_EQ(free_of("b"), 3u);
+  EXPECT_EQ(cat_->abort_put("t", only_a).value(), 0u) << "abort is idempotent";
+}
+
+// A node past its heartbeat deadline cannot take it up again: pages may have been freed
+// without its fence, so it must register again, after fencing its whole pool.
+TEST_F(CatalogTest, ANodePastItsDeadlineMustRegisterAgainEvenBeforeItIsSwept) {
+  ASSERT_TRUE(add_node("a", 2, 200ms).is_ok());
+  EXPECT_TRUE(cat_->heartbeat("a", "e1", 200ms, 0).is_ok());
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
+}
+
+// Dropping a dead or restarted node's objects is unbounded work: they become unreadable at
+// once and each reclaim releases a bounded batch of them.
+TEST_F(CatalogTest, ADeadNodesObjectsAreSweptInBatches) {
+  ASSERT_TRUE(add_node("a", 40, 200ms).is_ok());
+  for (int i = 0; i < 25; ++i) put("o" + std::to_string(i), 1);
+  std::this_thread::sleep_for(300ms);
+  auto first = cat_->reclaim(10).value();
+  EXPECT_EQ(first.dead_nodes, 1u);
+  EXPECT_EQ(first.orphaned_objects, 25u);
+  auto lru = [&] { return redis_->command({"ZCARD", cat_->prefix() + ":lru"})->integer(); };
+  EXPECT_EQ(lru(), 15) << "one reclaim released a batch of 10";
+  ASSERT_TRUE(cat_->reclaim(10).is_ok());
+  EXPECT_EQ(lru(), 5);
+  ASSERT_TRUE(cat_->reclaim(10).is_ok());
+  EXPECT_EQ(lru(), 0);
+  EXPECT_EQ(redis_->command({"EXISTS", cat_->prefix() + ":sweep"})->integer(), 0) << "the sweep list emptied";
+}
+
+// Eviction makes room only where a put can use it: objects on a cordoned node stay.
+TEST_F(CatalogTest, EvictionOnlyCountsPagesOnNodesThatTakeAllocations) {
+  ASSERT_TRUE(add_node("a", 2).is_ok());
+  ASSERT_TRUE(add_node("b", 2).is_ok());
+  put("x", 2);  // the most free node first: a or b
+  const std::string x_node = cat_->stat("x")->nodes.at(0);
+  put("y", 2);
+  ASSERT_TRUE(cat_->cordon_node(x_node).is_ok());  // x, the least recently used, sits there
+  auto p = cat_->begin_put("t", "z", 2 * kPage, 30s);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_TRUE(cat_->stat("x").is_ok()) << "evicting x frees nothing the put can use";
+  EXPECT_EQ(get_code("y"), StatusCode::kNotFound);
+  for (const Extent& e : p->extents) EXPECT_NE(e.node, x_node);
 }
 
 TEST_F(CatalogTest, ADeadNodesObjectsVanishAndItMustRegisterAgain) {
@@ -222,16 +298,16 @@ TEST_F(CatalogTest, ADeadNodesObjectsVanishAndItMustRegisterAgain) {
   EXPECT_EQ(free_of("b"), 3u) << "its pages on live nodes come back";
   auto p = cat_->begin_put("t", "fresh", 2 * kPage, 30s).value();
   for (const Extent& e : p.extents) EXPECT_EQ(e.node, "b") << "a dead node got pages";
-  ASSERT_TRUE(cat_->abort_put("t").is_ok());
+  ASSERT_TRUE(cat_->abort_put("t", kEveryNode).is_ok());
 
   auto counts = cat_->reclaim().value();
   EXPECT_EQ(counts.dead_nodes, 1u);
-  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s).code(), StatusCode::kStale);
+  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
   EXPECT_EQ(cat_->node_status("a")->state, "dead");
   EXPECT_EQ(cat_->list_nodes().value(), std::vector<std::string>{"b"});
   ASSERT_TRUE(add_node("a", 4, 30s, "e2").is_ok());
   EXPECT_EQ(free_of("a"), 4u);
-  EXPECT_TRUE(cat_->heartbeat("a", "e2", 30s).is_ok());
+  EXPECT_TRUE(cat_->heartbeat("a", "e2", 30s, 0).is_ok());
   EXPECT_TRUE(cat_->stat("on-b").is_ok());
 }
 
@@ -251,7 +327,7 @@ TEST_F(CatalogTest, ARestartedNodeDropsTheObjectsOfItsPreviousLife) {
   for (const Extent& e : fresh.extents) {
     EXPECT_GT(e.generation, pending.extents[0].generation) << "generations must rise across incarnations";
   }
-  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s).code(), StatusCode::kStale);
+  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
 }
 
 TEST_F(CatalogTest, DrainingNodeTakesNoPagesAndDropsItsObjects) {
@@ -263,7 +339,7 @@ TEST_F(CatalogTest, DrainingNodeTakesNoPagesAndDropsItsObjects) {
   EXPECT_EQ(get_code("k1"), StatusCode::kNotFound);
   auto p = cat_->begin_put("t", "k2", 4 * kPage, 30s).value();
   for (const Extent& e : p.extents) EXPECT_NE(e.node, where);
-  EXPECT_TRUE(cat_->heartbeat(where, "e1", 30s).is_ok()) << "a draining node still heartbeats";
+  EXPECT_TRUE(cat_->heartbeat(where, "e1", 30s, 0).is_ok()) << "a draining node still heartbeats";
   ASSERT_TRUE(cat_->deregister_node(where, "e1").is_ok());
   EXPECT_EQ(cat_->node_status(where)->state, "gone");
   EXPECT_EQ(cat_->drain_node(where, "other-epoch").status().code(), StatusCode::kStale);
@@ -299,8 +375,13 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
   EXPECT_EQ(cat_->stat("foreign").status().code(), StatusCode::kCorrupt);
   cmd({"HSET", cat_->prefix() + ":cell", "schema", "7"});
   EXPECT_EQ(cat_->check_schema().code(), StatusCode::kCorrupt);
-  // The cell keeps working for well-formed objects.
+  // Schema 1 freed failed puts' pages without the nodes' fences: refused, by name.
   cmd({"HSET", cat_->prefix() + ":cell", "schema", "1"});
+  Status old = cat_->check_schema();
+  EXPECT_EQ(old.code(), StatusCode::kCorrupt);
+  EXPECT_NE(old.message().find("schema '1'"), std::string::npos) << old.to_string();
+  // The cell keeps working for well-formed objects.
+  cmd({"HSET", cat_->prefix() + ":cell", "schema", "2"});
   EXPECT_TRUE(cat_->check_schema().is_ok());
   put("fine", 1);
   EXPECT_TRUE(cat_->stat("fine").is_ok());
@@ -309,7 +390,7 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
 TEST_F(CatalogTest, RegistrationAndKeysAreValidated) {
   ASSERT_TRUE(add_node("a", 4).is_ok());
   NodeRecord other{"b", "e1", 4096, 4, "addr", "key"};
-  EXPECT_EQ(cat_->register_node(other, 10s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cat_->register_node(other, 10s).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(add_node("c", 0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(add_node("", 4).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(add_node("bad id;", 4).code(), StatusCode::kInvalidArgument);

@@ -2,6 +2,7 @@
 // from --json and checked against the cell's state; plan against the published figures; usage
 // errors exit 2, missing objects 3; destructive commands without --yes change nothing.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <filesystem>
@@ -45,16 +46,19 @@ class Cli : public ::testing::Test {
     std::filesystem::remove_all(dir_, ignored);
   }
 
-  void start_cell(const std::string& capacity = "16MiB", tools::LocalRedisOptions ro = {}) {
+  void start_cell(const std::string& capacity = "16MiB", tools::LocalRedisOptions ro = {},
+                  const std::vector<std::string>& node_args = {}) {
     auto redis = tools::LocalRedis::start(ro);
     ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
     redis_ = std::move(redis).value();
+    std::vector<std::string> args = {"--heartbeat-ttl", "1s"};
+    args.insert(args.end(), node_args.begin(), node_args.end());
     auto node = tools::LocalNode::start({.redis_url = redis_->url(),
                                          .redis_password = ro.password,
                                          .capacity = capacity,
                                          .page_size = "1MiB",
                                          .node_id = "n1",
-                                         .extra_args = {"--heartbeat-ttl", "1s"}});
+                                         .extra_args = args});
     ASSERT_TRUE(node.is_ok()) << node.status().to_string();
     node_ = std::move(node).value();
   }
@@ -296,8 +300,10 @@ TEST_F(Cli, DrainMoveTakesTheObjectsToTheOtherNodesIntact) {
   std::vector<std::string> files;
   for (int i = 0; i < 3; ++i) {
     files.push_back(file_of(1536 * 1024 + i, 30 + i));
-    ASSERT_EQ(kv("put m:" + std::to_string(i) + " " + files.back() + " --ttl 1h --layout L" + std::to_string(i)).code,
-              0);
+    ASSERT_EQ(
+        kv("put m:" + std::to_string(i) + " " + files.back() + " --ttl 1h --layout L" + std::to_string(i))
+            .code,
+        0);
   }
   auto second = tools::LocalNode::start({.redis_url = redis_->url(),
                                          .capacity = "16MiB",
@@ -377,6 +383,65 @@ TEST_F(Cli, PasswordsComeFromAFileOrTheEnvironmentAndAreNeverEchoed) {
   Outcome wrong = kv("doctor", "KVSTASH_REDIS_PASSWORD=wrong");
   EXPECT_EQ(wrong.code, 1);
   EXPECT_NE(wrong.out.find("fail"), std::string::npos) << wrong.out;
+}
+
+TEST_F(Cli, TheClusterTokenComesFromAPrivateFileOrTheEnvironmentAndIsNeverEmpty) {
+  ::unsetenv("KVSTASH_CLUSTER_TOKEN");
+  const std::string token = (dir_ / "token").string();
+  std::ofstream(token) << "cell-t0ken\n";
+  ASSERT_EQ(::chmod(token.c_str(), 0600), 0);
+  // The node serves tcp only: shm (same host, same user) needs no token.
+  start_cell("8MiB", {}, {"--transports", "tcp", "--cluster-token-file", token});
+  const std::string blob = file_of(3 << 20, 7), out = (dir_ / "out").string();
+
+  Outcome none = kv("put guarded " + blob);
+  EXPECT_EQ(none.code, 1) << none.err;
+  EXPECT_NE(none.err.find("permission_denied"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("--cluster-token-file"), std::string::npos)
+      << "the fix names the option: " << none.err;
+  Outcome wrong = kv("put guarded " + blob, "KVSTASH_CLUSTER_TOKEN=guess");
+  EXPECT_EQ(wrong.code, 1) << wrong.err;
+  EXPECT_NE(wrong.err.find("permission_denied"), std::string::npos) << wrong.err;
+
+  Outcome put = kv("--cluster-token-file " + token + " put guarded " + blob);
+  ASSERT_EQ(put.code, 0) << put.err;
+  Outcome get = kv("get guarded -o " + out + " --cluster-token-file " + token);
+  ASSERT_EQ(get.code, 0) << get.err;
+  EXPECT_EQ(slurp(out), slurp(blob));
+  std::filesystem::remove(out);
+  Outcome env = kv("get guarded -o " + out, "KVSTASH_CLUSTER_TOKEN=cell-t0ken");
+  ASSERT_EQ(env.code, 0) << env.err;
+  EXPECT_EQ(slurp(out), slurp(blob));
+  Outcome refused = kv("get guarded -o " + out);
+  EXPECT_EQ(refused.code, 1) << refused.err;
+  EXPECT_NE(refused.err.find("permission_denied"), std::string::npos) << refused.err;
+  for (const Outcome* r : {&none, &wrong, &put, &get, &env, &refused}) {
+    EXPECT_EQ(r->out.find("t0ken"), std::string::npos) << r->out;
+    EXPECT_EQ(r->err.find("t0ken"), std::string::npos) << r->err;
+  }
+
+  // Set but empty, an empty or blank file, a file others may read or write: usage errors,
+  // before anything reaches the cell.
+  for (const char* empty : {"KVSTASH_CLUSTER_TOKEN=", "KVSTASH_CLUSTER_TOKEN=' '"}) {
+    Outcome e = kv("get guarded -o " + out, empty);
+    EXPECT_EQ(e.code, 2) << empty << ": " << e.err;
+    EXPECT_NE(e.err.find("KVSTASH_CLUSTER_TOKEN"), std::string::npos) << e.err;
+    EXPECT_EQ(kv("status", empty).code, 2) << empty;
+  }
+  const std::string blank = (dir_ / "blank").string();
+  std::ofstream(blank) << " \n";
+  ASSERT_EQ(::chmod(blank.c_str(), 0600), 0);
+  Outcome b = kv("--cluster-token-file " + blank + " get guarded -o " + out);
+  EXPECT_EQ(b.code, 2) << b.err;
+  EXPECT_NE(b.err.find("empty"), std::string::npos) << b.err;
+  EXPECT_EQ(kv("--cluster-token-file '' get guarded -o " + out).code, 2);
+  ASSERT_EQ(::chmod(token.c_str(), 0640), 0);
+  Outcome open = kv("get guarded -o " + out + " --cluster-token-file " + token);
+  EXPECT_EQ(open.code, 2) << open.err;
+  EXPECT_NE(open.err.find(token), std::string::npos) << open.err;
+  EXPECT_NE(open.err.find("mode 0640"), std::string::npos) << open.err;
+  EXPECT_NE(open.err.find("chmod 600"), std::string::npos) << open.err;
+  EXPECT_EQ(kv("--cluster-token-file " + token + " status").code, 2);
 }
 
 TEST_F(Cli, BenchIsForwardedToKvstashBench) {

@@ -1,5 +1,7 @@
-// kvstashd as a process: its command line, config file, admin endpoint and exit codes.
+// kvstashd as a process: its command line, config file, admin endpoint, cluster token and exit
+// codes.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -19,11 +21,13 @@ using namespace std::chrono_literals;
 
 std::string kvstashd() { return tools::find_tool("kvstashd"); }
 
-// Runs kvstashd with `args` to completion; returns its exit status and stderr+stdout.
-std::pair<int, std::string> run(std::vector<std::string> args, std::chrono::seconds limit = 20s) {
+// Runs kvstashd with `args` to completion; returns its exit status and stderr+stdout. `env`
+// runs in the shell first ("export NAME=value; ").
+std::pair<int, std::string> run(std::vector<std::string> args, std::chrono::seconds limit = 20s,
+                                const std::string& env = {}) {
   std::string out = "/tmp/kvstashd-test-" + std::to_string(getpid()) + ".out";
   args.insert(args.begin(), kvstashd());
-  std::string cmd = "exec ";
+  std::string cmd = env + "exec ";
   for (auto& a : args) cmd += "'" + a + "' ";
   auto sh = tools::ChildProcess::start({.argv = {"/bin/sh", "-c", cmd + ">" + out + " 2>&1"}});
   EXPECT_TRUE(sh.is_ok());
@@ -37,8 +41,9 @@ std::pair<int, std::string> run(std::vector<std::string> args, std::chrono::seco
 TEST(Kvstashd, HelpExplainsEveryOptionAndBadInputExitsTwo) {
   auto [rc, out] = run({"--help"});
   EXPECT_EQ(rc, 0);
-  for (const char* flag : {"--capacity", "--page-size", "--redis", "--admin", "--heartbeat-ttl", "--config",
-                           "--listen", "--huge-pages", "SIGTERM"}) {
+  for (const char* flag :
+       {"--capacity", "--page-size", "--redis", "--admin", "--heartbeat-ttl", "--config", "--listen",
+        "--huge-pages", "--cluster-token-file", "KVSTASH_CLUSTER_TOKEN", "SIGTERM"}) {
     EXPECT_NE(out.find(flag), std::string::npos) << flag;
   }
   EXPECT_EQ(run({"--capacity", "lots"}).first, 2);
@@ -132,6 +137,96 @@ TEST(Kvstashd, ASecondDaemonWithTheSameIdIsRefusedAndAMisspeltConfigKeyIsAnError
   ::unlink(conf.c_str());
   EXPECT_EQ(rc2, 2);
   EXPECT_NE(out2.find("page_sise"), std::string::npos) << out2;
+}
+
+// Writes `content` to `path` with exactly `mode` (whatever the umask).
+void write_file(const std::string& path, const std::string& content, mode_t mode) {
+  std::ofstream(path, std::ios::trunc) << content;
+  ASSERT_EQ(::chmod(path.c_str(), mode), 0) << path;
+}
+
+Status put_and_get(Store& store, const std::string& key) {
+  std::string data = "bytes of " + key, back(data.size(), '\0');
+  Slice in{data.data(), data.size()}, out{back.data(), back.size()};
+  KVSTASH_RETURN_IF_ERROR(store.put(key, {&in, 1}));
+  KVSTASH_RETURN_IF_ERROR(store.get(key, {&out, 1}).status());
+  return back == data ? Status{} : Status::corrupt("other bytes came back");
+}
+
+Result<std::unique_ptr<Store>> open_tcp_store(const std::string& url, const std::string& token) {
+  StoreOptions o;
+  o.redis_url = url;
+  o.engine.transports = {TransportKind::kTcp};
+  o.engine.cluster_token = token;
+  o.timeout = 10s;
+  return Store::open(o);
+}
+
+TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool) {
+  ::unsetenv("KVSTASH_CLUSTER_TOKEN");
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  const std::string url = (*redis)->url();
+  const std::string token = "/tmp/kvstashd-test-token-" + std::to_string(getpid());
+  const std::vector<std::string> base = {"--redis", url,   "--capacity",   "4MiB", "--page-size",  "1MiB",
+                                         "--admin", "off", "--huge-pages", "off",  "--transports", "tcp"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+
+  // Readable or writable by anyone but the owner: refused, naming the file, its mode and the fix.
+  for (mode_t mode : {0644, 0640, 0604, 0620, 0602}) {
+    write_file(token, "s3cret-token\n", mode);
+    auto [rc, out] = run(with({"--cluster-token-file", token}), 10s);
+    char octal[8];
+    std::snprintf(octal, sizeof octal, "%04o", static_cast<unsigned>(mode));
+    EXPECT_EQ(rc, 2) << octal << ": " << out;
+    EXPECT_NE(out.find(token), std::string::npos) << out;
+    EXPECT_NE(out.find(std::string("mode ") + octal), std::string::npos) << out;
+    EXPECT_NE(out.find("chmod 600"), std::string::npos) << out;
+    EXPECT_EQ(out.find("s3cret"), std::string::npos) << "the token is never echoed: " << out;
+  }
+  // Empty, only a newline, only whitespace: refused instead of serving without a token.
+  for (const char* empty : {"", "\n", " \t\n", "\r\n\n"}) {
+    write_file(token, empty, 0600);
+    auto [rc, out] = run(with({"--cluster-token-file", token}), 10s);
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_NE(out.find("empty"), std::string::npos) << out;
+  }
+  auto [rc_env, out_env] = run(with({}), 10s, "export KVSTASH_CLUSTER_TOKEN=; ");
+  EXPECT_EQ(rc_env, 2) << "set but empty: " << out_env;
+  EXPECT_NE(out_env.find("KVSTASH_CLUSTER_TOKEN"), std::string::npos) << out_env;
+  auto [rc_path, out_path] = run(with({"--cluster-token-file", ""}), 10s);
+  EXPECT_EQ(rc_path, 2) << out_path;
+  auto [rc_missing, out_missing] = run(with({"--cluster-token-file", token + ".absent"}), 10s);
+  EXPECT_EQ(rc_missing, 2) << out_missing;
+  EXPECT_NE(out_missing.find(token + ".absent"), std::string::npos) << out_missing;
+
+  // 0600 (and 0400) with a trailing newline: served, the newline not part of the token.
+  write_file(token, "s3cret-token\n", 0400);
+  auto node = tools::LocalNode::start({.redis_url = url,
+                                       .capacity = "4MiB",
+                                       .page_size = "1MiB",
+                                       .node_id = "guarded",
+                                       .extra_args = {"--transports", "tcp", "--cluster-token-file", token}});
+  ::unlink(token.c_str());
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+
+  auto right = open_tcp_store(url, "s3cret-token");
+  ASSERT_TRUE(right.is_ok()) << right.status().to_string();
+  Status ok = put_and_get(**right, "with-token");
+  EXPECT_TRUE(ok.is_ok()) << ok.to_string();
+  for (const char* other : {"", "s3cret-token\n", "guess"}) {
+    auto store = open_tcp_store(url, other);
+    ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+    Status s = put_and_get(**store, std::string("token-") + other);
+    EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << "'" << other << "': " << s.to_string();
+    std::string back(32, '\0');
+    Slice out{back.data(), back.size()};
+    EXPECT_EQ((*store)->get("with-token", {&out, 1}).status().code(), StatusCode::kPermissionDenied) << other;
+  }
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 // prints "address HEX", "key HEX" (the region registered Access::kRemote) and "leased HEX"
 // (the same memory registered Access::kLeased), then reads lines: "dereg" drops both
 // registrations (prints "ok"), "fill SEED" fills the region with test::fill_random (prints
-// "ok"), EOF exits.
+// "ok"), "fence N" fences leases with tags up to N (Engine::fence; prints "ok"), EOF exits.
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
       options.transports.push_back(*kind);
     }
   }
-  if (argc > 3) options.tcp.cluster_token = argv[3];
+  if (argc > 3) options.cluster_token = argv[3];
   options.ucx.allow_emulated_rma = true;  // a test target on loopback: see UcxOptions
   auto engine = Engine::create(options);
   if (!engine.is_ok()) {
@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
       leased.reset();
     } else if (line.rfind("fill ", 0) == 0) {
       test::fill_random(buffer.bytes(), std::stoull(line.substr(5)));
+    } else if (line.rfind("fence ", 0) == 0) {
+      (*engine)->fence(std::stoull(line.substr(6)));
     }
     std::cout << "ok" << std::endl;
   }

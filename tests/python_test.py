@@ -1,5 +1,8 @@
 """The kvstash Python module against a real cell (started by capi_test): plain objects,
-a paged KV cache saved and loaded layer by layer, keys, errors. Usage: python_test.py URL"""
+a paged KV cache saved and loaded layer by layer, keys, errors, registered buffers held in
+place, and the cluster token of the cell "secured" (whose node requires it).
+Usage: python_test.py URL CLUSTER_TOKEN"""
+import gc
 import os
 import random
 import sys
@@ -9,6 +12,7 @@ from types import SimpleNamespace
 import kvstash
 
 URL = None
+TOKEN = None
 
 
 class KvstashPython(unittest.TestCase):
@@ -188,6 +192,39 @@ class KvstashPython(unittest.TestCase):
         per_chunk = chunk // block_size
         self.assertEqual(worker_b.get_block_ids_with_load_errors(), set(blocks_b[per_chunk:3 * per_chunk]))
 
+    def test_a_registered_buffer_stays_in_place_until_the_cache_is_gone(self):
+        # A load writes into the registered bytes: a bytearray that could grow or shrink meanwhile
+        # would move them, and the load would write into freed memory.
+        layers, blocks, block_size, heads, head_dim = 2, 4, 4, 1, 8
+        size = 2 * blocks * block_size * heads * head_dim * 2
+        bufs = [bytearray(size) for _ in range(layers)]
+        kv = kvstash.KvCache(self.store, bufs, num_blocks=blocks, block_size=block_size, kv_heads=heads,
+                             head_dim=head_dim, model="py-resize", chunk_tokens=block_size)
+        for b in bufs:
+            with self.assertRaises(BufferError):
+                b.extend(b"more")
+            with self.assertRaises(BufferError):
+                del b[:1]
+        self.assertEqual([len(b) for b in bufs], [size] * layers)
+
+        tokens = [7, 8, 9, 10]
+        save = kv.begin_save(tokens, [1], 0, 1)
+        for layer in range(layers):
+            save.save_layer(layer)
+        self.assertEqual(save.wait(), [("ok", "")])
+        load = kv.begin_load(tokens, [2], 1)
+        del kv, save
+        gc.collect()
+        with self.assertRaises(BufferError):
+            bufs[0].extend(b"more")  # the load still writes into it
+        self.assertEqual([code for code, _ in load.wait()], ["ok"])
+        del load
+        gc.collect()
+        for b in bufs:
+            b.extend(b"more")  # the cache is gone: the bytes are the bytearray's again
+            del b[:4]
+            self.assertEqual(len(b), size)
+
     def test_bad_layouts_are_refused(self):
         with self.assertRaises(kvstash.Error) as e:
             kvstash.KvCache(self.store, [bytearray(10)], num_blocks=4, block_size=4, kv_heads=1, head_dim=8,
@@ -198,6 +235,36 @@ class KvstashPython(unittest.TestCase):
                             head_dim=8, dtype="fp12", model="m")
 
 
+class ClusterToken(unittest.TestCase):
+    """The cell "secured" is served over tcp only, by a node that requires TOKEN."""
+
+    def open(self, **kw):
+        return kvstash.Store(URL, cell="secured", transports="tcp", timeout=10.0, **kw)
+
+    def test_the_data_path_needs_the_token(self):
+        plain, wrong = self.open(), self.open(cluster_token="guess")
+        for store in (plain, wrong):
+            with self.assertRaises(kvstash.Error) as e:
+                store.put("py:guarded", b"x")
+            self.assertEqual(e.exception.code, "permission_denied")
+            self.assertIn("cluster token", e.exception.message)
+        store = self.open(cluster_token=TOKEN)
+        store.put("py:guarded", b"bytes behind the token", ttl=60)
+        self.assertEqual(store.get("py:guarded"), b"bytes behind the token")
+        for other in (plain, wrong):
+            with self.assertRaises(kvstash.Error) as e:
+                other.get("py:guarded")
+            self.assertEqual(e.exception.code, "permission_denied")
+
+    def test_an_empty_token_is_refused_not_taken_as_none(self):
+        for empty in ("", " \n"):
+            with self.assertRaises(kvstash.Error) as e:
+                self.open(cluster_token=empty)
+            self.assertEqual(e.exception.code, "invalid_argument")
+            self.assertIn("cluster_token", e.exception.message)
+
+
 if __name__ == "__main__":
     URL = sys.argv.pop(1)
+    TOKEN = sys.argv.pop(1)
     unittest.main(verbosity=2)

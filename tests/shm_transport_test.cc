@@ -415,7 +415,7 @@ TEST_F(ShmTransportTest, WrongKeyIsPermissionDenied) {
     EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
   }
   shm::PackedKey other_slot = *decoded;
-  other_slot.slot = other_slot.slot == 1 ? 2 : 1;
+  other_slot.slot = other_slot.slot == shm::kFirstKeySlot ? shm::kFirstKeySlot + 1 : shm::kFirstKeySlot;
   auto r = ep->import_key(addr_of(remote.data()), remote.size(), shm::encode_key(other_slot), soon());
   EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
   // The right key, but a range beyond what it grants.

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <future>
 #include <thread>
 
 #include "http_get.h"
@@ -41,9 +42,9 @@ class StoreTest : public ::testing::Test {
   }
 
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
-                                  std::vector<std::string> extra = {}) {
+                                  std::vector<std::string> extra = {}, const std::string& heartbeat_ttl = "1s") {
     std::vector<std::string> args{
-        "--heartbeat-ttl", "1s", "--reclaim-interval", "100ms", "--ucx-allow-emulated-rma",
+        "--heartbeat-ttl", heartbeat_ttl, "--reclaim-interval", "100ms", "--ucx-allow-emulated-rma",
         "--huge-pages",    "off"};
     args.insert(args.end(), extra.begin(), extra.end());
     auto n = LocalNode::start({.redis_url = redis_->url(),
@@ -602,6 +603,139 @@ TEST_F(StoreTest, NodeKilledMidPutFailsWithinTheDeadlineAndLeaksNothingOnTheSurv
   // Once the victim is declared dead, every page on the survivor is free again: the failed
   // put's and those of the objects that spanned the victim.
   EXPECT_TRUE(eventually([&] { return free_pages("survivor") == 40u; })) << "pages leaked on the survivor";
+}
+
+// Issue 12, first hole, as it was reproduced from outside the project: a put over tcp to a
+// stopped node times out while its writes sit in the sockets; the pool is exactly full, so
+// another client's put (over shm, which needs nothing from the node) can only get the first
+// put's pages. Those pages must not be handed out before the node has confirmed that the
+// first put's writes can no longer land (its revoke or its fence), so whatever the second
+// put stores reads back exactly, with the checksum off.
+TEST_F(StoreTest, ATimedOutTcpPutNeverWritesIntoPagesAnotherPutWasGiven) {
+  auto n = node("n1", "12MiB", {}, "30s");  // not declared dead while stopped
+  ASSERT_TRUE(n);
+  auto late = open(TransportKind::kTcp, /*put_lease=*/1500ms);
+  auto other = open(TransportKind::kShm);
+  ASSERT_TRUE(late && other);
+  std::vector<std::byte> first(12 * kPage), second(12 * kPage);
+  fill(first);
+  // Both clients are connected before the node stops (a connect would need it).
+  ASSERT_TRUE(put_bytes(*late, "warm", first).is_ok());
+  ASSERT_TRUE(get_bytes(*other, "warm", first.size()).is_ok());
+  ASSERT_TRUE(late->remove("warm").is_ok());
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    fill(second);
+    ASSERT_EQ(::kill(n->pid(), SIGSTOP), 0);
+    Status s = put_bytes(*late, "first", first, {.deadline = deadline_after(300ms)});
+    EXPECT_FALSE(s.is_ok()) << "a put to a stopped node over tcp cannot finish";
+    Status taken = put_bytes(*other, "second", second);
+    EXPECT_TRUE(taken.is_ok() || taken.code() == StatusCode::kNoSpace) << taken.to_string();
+    std::this_thread::sleep_for(200ms);
+    ASSERT_EQ(::kill(n->pid(), SIGCONT), 0);
+    // Once the node confirmed (or fenced) the timed-out put, its pages come back.
+    if (!taken.is_ok()) {
+      EXPECT_TRUE(eventually([&] { return put_bytes(*other, "second", second).is_ok(); }, 10s))
+          << "the timed-out put's pages never came back";
+    }
+    std::this_thread::sleep_for(300ms);  // anything still queued at the node has landed by now
+    std::vector<std::byte> back(second.size());
+    Slice into{back.data(), back.size()};
+    auto got = other->get("second", {&into, 1}, {.verify_checksum = false});
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    EXPECT_EQ(test::first_mismatch(back.data(), second.data(), second.size()), -1)
+        << "the object holds bytes of a put that timed out";
+    ASSERT_TRUE(other->remove("second").is_ok());
+  }
+}
+
+// Issue 12, second hole: a node declared dead that rejoins from the same process (a pause
+// past its heartbeat deadline) must not hand out pages that a put of its earlier life may
+// still write. Here the put is still running, within its deadline, when the node rejoins
+// and another put is given the same pages: its next writes must fail, not land.
+TEST_F(StoreTest, ANodeThatRejoinsFencesThePutsOfItsEarlierLife) {
+  auto n = node("n1", "8MiB");  // heartbeat ttl 1s
+  ASSERT_TRUE(n);
+  auto writer = open(TransportKind::kTcp);
+  auto other = open(TransportKind::kShm);
+  ASSERT_TRUE(writer && other);
+  std::vector<std::byte> first(8 * kPage), second(8 * kPage);
+  fill(first);
+  fill(second);
+  ASSERT_TRUE(put_bytes(*other, "warm", second).is_ok());  // connected before the node stops
+  ASSERT_TRUE(other->remove("warm").is_ok());
+  auto stream = writer->begin_put("first", first.size());
+  ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+  Slice head{first.data(), 4 * kPage}, tail{first.data() + 4 * kPage, 4 * kPage};
+  ASSERT_TRUE(stream->append({&head, 1}).is_ok());
+  ASSERT_TRUE(stream->wait_written(4 * kPage).is_ok());
+  const std::string epoch = catalog_->node_status("n1")->epoch;
+
+  ASSERT_EQ(::kill(n->pid(), SIGSTOP), 0);
+  std::this_thread::sleep_for(1500ms);  // past the heartbeat deadline
+  ASSERT_TRUE(catalog_->reclaim().is_ok());  // what any other node's sweep does: declared dead
+  ASSERT_EQ(::kill(n->pid(), SIGCONT), 0);
+  ASSERT_TRUE(eventually([&] {
+    auto st = catalog_->node_status("n1");
+    return st.is_ok() && st->epoch != epoch && st->state == "up";
+  })) << "the node did not register again";
+  // The rejoined node's pool is whole again: the other put gets every page, the first put's too.
+  ASSERT_TRUE(eventually([&] { return put_bytes(*other, "second", second).is_ok(); }));
+
+  // The first put's writer still holds its lease; its next writes reach the rejoined node.
+  Status more = stream->append({&tail, 1});
+  if (more.is_ok()) more = stream->wait_written(first.size());
+  EXPECT_FALSE(more.is_ok()) << "a write of the node's earlier life was accepted";
+  EXPECT_FALSE(stream->commit().is_ok());
+
+  std::vector<std::byte> back(second.size());
+  Slice into{back.data(), back.size()};
+  auto got = other->get("second", {&into, 1}, {.verify_checksum = false});
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_EQ(test::first_mismatch(back.data(), second.data(), second.size()), -1)
+      << "the object holds bytes of a put from the node's earlier life";
+}
+
+// Every operation has a deadline, and it holds for each caller even when another one is
+// stuck on the same peer: a caller with 100 ms returns in about 100 ms while another one
+// waits on a black-holed node (connecting to it), and while Redis is black-holed too.
+TEST_F(StoreTest, ACallerWithAShortDeadlineIsNotHeldBehindAnotherOnABlackHoledPeer) {
+  auto n = node("n1", "8MiB", {}, "30s");
+  ASSERT_TRUE(n);
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  {
+    auto writer = open(TransportKind::kTcp);
+    ASSERT_TRUE(writer && put_bytes(*writer, "k", data).is_ok());
+  }
+  auto store = open(TransportKind::kTcp);  // not connected to the node yet
+  ASSERT_TRUE(store);
+  ASSERT_TRUE(store->stat("k").is_ok());  // its Redis connection is up
+  ASSERT_EQ(::kill(n->pid(), SIGSTOP), 0);
+  std::vector<std::byte> a(kPage), b(kPage);
+  auto slow = std::async(std::launch::async, [&] {
+    Slice s{a.data(), a.size()};
+    return store->get("k", {&s, 1}, {.deadline = deadline_after(5s)}).status();
+  });
+  std::this_thread::sleep_for(200ms);  // the slow caller is connecting to the stopped node
+  Slice s{b.data(), b.size()};
+  auto start = Clock::now();
+  Status quick = store->get("k", {&s, 1}, {.deadline = deadline_after(100ms)}).status();
+  auto took = Clock::now() - start;
+  EXPECT_EQ(quick.code(), StatusCode::kTimeout) << quick.to_string();
+  EXPECT_LT(took, 600ms) << "a 100 ms get waited for another caller's connect";
+
+  // Redis black-holed as well: the metadata call is bounded by what is left of the deadline.
+  ASSERT_EQ(::kill(redis_->pid(), SIGSTOP), 0);
+  start = Clock::now();
+  Status meta = store->stat("k", deadline_after(100ms)).status();
+  took = Clock::now() - start;
+  ASSERT_EQ(::kill(redis_->pid(), SIGCONT), 0);
+  EXPECT_FALSE(meta.is_ok());
+  EXPECT_LT(took, 600ms) << "a 100 ms stat waited on Redis past its deadline: " << meta.to_string();
+
+  ASSERT_EQ(::kill(n->pid(), SIGCONT), 0);
+  (void)slow.get();  // it ends by its own deadline, whichever way
 }
 
 TEST_F(StoreTest, StopSignalsDrainTheNodeAndItsObjectsLeaveAtOnce) {

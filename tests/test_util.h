@@ -1,11 +1,13 @@
 // Helpers shared by the test suites.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
 #include <string>
+#include <thread>
 
 namespace kvstash::test {
 
@@ -34,6 +36,17 @@ inline long long first_mismatch(const void* a, const void* b, std::size_t n) {
     if (x[i] != y[i]) return static_cast<long long>(i);
   }
   return -1;
+}
+
+// Whether `pred` holds within `limit` (polled every few milliseconds).
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return pred();
 }
 
 }  // namespace kvstash::test

@@ -1,8 +1,12 @@
 // The verbs building blocks on a real verbs stack: device discovery, RC queue pairs, one-sided
-// WRITE and READ, remote access errors, memory windows. Without an RDMA device (every machine
-// here) the tests skip; the Soft-RoCE lane (scripts/rdma-vm) runs them against rxe0 in a qemu
-// guest.
+// WRITE and READ, remote access errors, memory windows; then the transport itself, a target
+// and a client in this process: leases of the most ranges, fences, revocation on every
+// connection, and the setup service under idle sockets and connection caps. Without an RDMA
+// device (every machine here) the tests skip; the Soft-RoCE lane (scripts/rdma-vm) runs them
+// against rxe0 and rxe1 in a qemu guest.
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -10,12 +14,16 @@
 #include <thread>
 #include <vector>
 
+#include "common/net.h"
 #include "kvstash/engine.h"
 #include "rdma_lane.h"
+#include "recording_sink.h"
 #include "test_util.h"
 #include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_gpu.h"
 #include "transport/verbs/verbs_qp.h"
+#include "transport/verbs/verbs_transport.h"
+#include "transport/verbs/verbs_wire.h"
 #include "transport/verbs/verbs_wr.h"
 
 namespace kvstash::transport::verbs {
@@ -382,6 +390,283 @@ TEST(Verbs, OnDemandPagingRegistersWhereTheDeviceCanAndIsRefusedByNameElsewhere)
   ASSERT_FALSE(h.is_ok()) << device.name << " reports no RC on-demand paging, yet registration succeeded";
   EXPECT_EQ(h.status().code(), StatusCode::kUnsupported);
   EXPECT_NE(h.status().message().find("on_demand_paging"), std::string::npos) << h.status().to_string();
+}
+
+// ---- the transport: a target and a client in this process ------------------------------------
+
+// A verbs transport, or a skip (a failure in the lane) where none can start.
+#define START_VERBS(var, ...)                                                \
+  auto var##_made = make_verbs_transport(__VA_ARGS__);                       \
+  KVSTASH_REQUIRE_RDMA(var##_made.is_ok(), var##_made.status().to_string()); \
+  std::unique_ptr<Transport> var = std::move(var##_made).value()
+
+std::uint64_t counter(const Transport& t, std::string_view name) {
+  for (const auto& c : t.counters()) {
+    if (c.name == name) return c.value;
+  }
+  ADD_FAILURE() << "no counter " << name;
+  return 0;
+}
+
+// Waits (bounded) until `pred` holds; whether it did.
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = 5s) {
+  for (auto end = std::chrono::steady_clock::now() + limit; std::chrono::steady_clock::now() < end;) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return pred();
+}
+
+std::string control_of(const Transport& t) { return decode_address(t.local_address()).value().control; }
+
+// A TCP connection to `t`'s setup listener that sends `bytes` (maybe none) and then nothing.
+net::Fd raw_setup_socket(const Transport& t, std::string_view bytes = {}) {
+  auto fd = net::connect_tcp(net::parse_host_port(control_of(t)).value(), deadline_after(5s));
+  EXPECT_TRUE(fd.is_ok()) << fd.status().to_string();
+  if (!fd.is_ok()) return net::Fd();
+  if (!bytes.empty()) {
+    EXPECT_TRUE(net::send_all(fd->get(), bytes.data(), bytes.size(), deadline_after(5s), "raw").is_ok());
+  }
+  return std::move(fd).value();
+}
+
+// Whether the peer closed `fd` within `limit` (it sends nothing, so readable means closed).
+bool closed_within(int fd, std::chrono::milliseconds limit) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(limit.count())) <= 0) return false;
+  char c;
+  return ::recv(fd, &c, 1, MSG_DONTWAIT) <= 0;
+}
+
+// A target region registered for leases (filled with a pattern), and a client's local region.
+struct Leased {
+  static constexpr std::size_t kRegion = 16u << 20;
+  Buffer remote = Buffer::allocate(kRegion).value();
+  Buffer local = Buffer::allocate(kRegion).value();
+  std::unique_ptr<LocalRegistration> remote_reg, local_reg;
+
+  Leased(Transport& target, Transport& client) {
+    test::fill_random(remote.bytes(), 42);
+    remote_reg = target.register_memory(remote.region(), Access::kLeased).value();
+    local_reg = client.register_memory(local.region(), Access::kLocal).value();
+  }
+  std::uint64_t base() const { return reinterpret_cast<std::uint64_t>(remote.data()); }
+  std::unique_ptr<RemoteKey> region_key(Endpoint& ep) {
+    auto k = ep.import_key(base(), kRegion, remote_reg->packed_key(), deadline_after(5s));
+    EXPECT_TRUE(k.is_ok()) << k.status().to_string();
+    return k.is_ok() ? std::move(k).value() : nullptr;
+  }
+  // READs `len` bytes at `offset` of the region through `key` on `lane`; its status, and on
+  // success whether the bytes are the region's.
+  Status read(Endpoint& ep, const RemoteKey& key, std::size_t offset, std::size_t len,
+              std::uint32_t lane = 0) {
+    test::RecordingSink sink;
+    std::memset(local.data(), 0, len);
+    Op op{TransferOp::kRead, local.data(), local_reg.get(), base() + offset, &key, len, lane, &sink, 7};
+    ep.post({&op, 1});
+    if (!sink.wait(1, 30s)) return Status::internal("the READ never completed");
+    Status s = sink.status(7);
+    if (s.is_ok() && std::memcmp(local.data(), remote.data() + offset, len) != 0) {
+      return Status::corrupt("the READ returned other bytes than the region's");
+    }
+    return s;
+  }
+};
+
+Result<std::unique_ptr<RemoteKey>> lease(Endpoint& ep, const RemoteKey& region,
+                                         std::span<const RemoteRange> ranges, std::uint64_t id,
+                                         std::uint64_t fence = 0) {
+  return ep.lease_key(region, ranges, {.id = id, .op = TransferOp::kRead, .ttl = 60s, .fence = fence},
+                      deadline_after(10s));
+}
+
+// Issue 12: a lease of more than 254 ranges overflowed the 4,096-byte setup frame and the
+// target dropped the connection. The largest lease the engine allows (kMaxLeaseRanges, what the
+// store chunks at) binds a real window per range on every lane.
+TEST(VerbsTransport, ALeaseOfTheMostRangesBindsAWindowPerRangeOnEveryLane) {
+  START_VERBS(target, {});
+  START_VERBS(client, {});
+  Leased m(*target, *client);
+  auto ep = client->connect(target->local_address(), deadline_after(10s)).value();
+  auto region = m.region_key(*ep);
+  ASSERT_TRUE(region);
+  const std::uint32_t lanes = client->capabilities().lanes;
+  constexpr std::size_t kStep = 8192, kLen = 4096;  // fragmented: a range every other page
+  std::vector<RemoteRange> ranges;
+  for (std::size_t i = 0; i < kMaxLeaseRanges; ++i) ranges.push_back({m.base() + i * kStep, kLen});
+  const std::uint64_t bound = counter(*target, "windows_bound");
+  auto key = lease(*ep, *region, ranges, 0x1234'5678'9abc'def1);
+  ASSERT_TRUE(key.is_ok()) << key.status().to_string();
+  EXPECT_EQ(counter(*target, "windows_bound") - bound, kMaxLeaseRanges * lanes);
+  EXPECT_TRUE(ep->healthy());
+  for (std::uint32_t lane = 0; lane < lanes; ++lane) {
+    for (std::size_t i : {std::size_t{0}, std::size_t{511}, kMaxLeaseRanges - 1}) {
+      Status s = m.read(*ep, **key, i * kStep, kLen, lane);
+      EXPECT_TRUE(s.is_ok()) << "range " << i << " lane " << lane << ": " << s.to_string();
+    }
+  }
+  // Dropping the key releases every window.
+  const std::uint64_t revoked = counter(*target, "windows_revoked");
+  key->reset();
+  EXPECT_TRUE(
+      eventually([&] { return counter(*target, "windows_revoked") - revoked == kMaxLeaseRanges * lanes; }));
+}
+
+TEST(VerbsTransport, FenceRevokesTaggedLeasesOnEveryConnectionAndRefusesThemFromThenOn) {
+  START_VERBS(target, {});
+  START_VERBS(client, {});
+  Leased m(*target, *client);
+  auto e1 = client->connect(target->local_address(), deadline_after(10s)).value();
+  auto e2 = client->connect(target->local_address(), deadline_after(10s)).value();
+  auto r1 = m.region_key(*e1), r2 = m.region_key(*e2);
+  ASSERT_TRUE(r1 && r2);
+  const std::uint32_t lanes = client->capabilities().lanes;
+  const RemoteRange at0[] = {{m.base(), 4096}}, at1[] = {{m.base() + (1u << 20), 4096}},
+                    at2[] = {{m.base() + (2u << 20), 4096}};
+  // Lease A (tag 100) through both connections under one id, B (tag 200), C (no tag).
+  auto a1 = lease(*e1, *r1, at0, 0xa, 100), a2 = lease(*e2, *r2, at0, 0xa, 100);
+  auto b = lease(*e2, *r2, at1, 0xb, 200), c = lease(*e2, *r2, at2, 0xc, 0);
+  ASSERT_TRUE(a1.is_ok() && a2.is_ok() && b.is_ok() && c.is_ok());
+
+  const std::uint64_t fenced = counter(*target, "leases_fenced");
+  target->fence(150);  // returns once A's windows are gone, on every connection and lane
+  EXPECT_EQ(counter(*target, "leases_fenced") - fenced, 2u * lanes);
+  EXPECT_TRUE(m.read(*e2, **b, 1u << 20, 4096).is_ok()) << "tag 200 is past the fence";
+  EXPECT_TRUE(m.read(*e2, **c, 2u << 20, 4096).is_ok()) << "an untagged lease is never fenced";
+
+  // Tags up to the fence are refused from now on, with a clear reason; later ones are not.
+  auto late = lease(*e1, *r1, at1, 0xd, 150);
+  ASSERT_EQ(late.status().code(), StatusCode::kStale) << late.status().to_string();
+  EXPECT_NE(late.status().message().find("fenced"), std::string::npos) << late.status().to_string();
+  EXPECT_TRUE(lease(*e1, *r1, at1, 0xe, 151).is_ok());
+  EXPECT_TRUE(lease(*e1, *r1, at1, 0xf, 0).is_ok());
+  target->fence(120);  // lower: fences nothing new, and unfences nothing
+  EXPECT_EQ(lease(*e1, *r1, at1, 0x10, 140).status().code(), StatusCode::kStale);
+  EXPECT_TRUE(m.read(*e2, **b, 1u << 20, 4096).is_ok());
+
+  // A's windows are gone on both connections: the target's NIC refuses the READ.
+  EXPECT_EQ(m.read(*e2, **a2, 0, 4096).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(m.read(*e1, **a1, 0, 4096).code(), StatusCode::kPermissionDenied);
+}
+
+TEST(VerbsTransport, RevokeEndsALeaseOnEveryConnectionAndLaneBeforeItIsConfirmed) {
+  START_VERBS(target, {});
+  START_VERBS(client, {});
+  Leased m(*target, *client);
+  const std::uint32_t lanes = client->capabilities().lanes;
+  std::vector<std::shared_ptr<Endpoint>> eps;
+  std::vector<std::unique_ptr<RemoteKey>> regions, keys;
+  const RemoteRange ranges[] = {{m.base(), 64u << 10}, {m.base() + (4u << 20), 64u << 10}};
+  constexpr std::uint64_t kId = 0x5eed'0000'0000'0001;
+  for (int i = 0; i < 3; ++i) {
+    eps.push_back(client->connect(target->local_address(), deadline_after(10s)).value());
+    regions.push_back(m.region_key(*eps.back()));
+    ASSERT_TRUE(regions.back());
+    auto k = lease(*eps.back(), *regions.back(), ranges, kId);
+    ASSERT_TRUE(k.is_ok()) << k.status().to_string();
+    keys.push_back(std::move(k).value());
+  }
+  // The third connection breaks (a window of another connection's queue pair is no key on
+  // its own: the target's NIC refuses it) but its socket, and so its windows at the target,
+  // stay.
+  EXPECT_EQ(m.read(*eps[2], *keys[0], 0, 4096).code(), StatusCode::kPermissionDenied);
+  EXPECT_FALSE(eps[2]->healthy());
+
+  const std::uint64_t revoked = counter(*target, "windows_revoked");
+  // Through the first connection, with the second's key: the id names the lease.
+  Status s = eps[0]->revoke(*keys[1], {.id = kId, .op = TransferOp::kRead, .ttl = 60s, .fence = 0},
+                            deadline_after(5s));
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  // Confirmed means done: every window of the lease, on all three connections and every lane.
+  EXPECT_EQ(counter(*target, "windows_revoked") - revoked, 3u * lanes * 2u);
+  EXPECT_EQ(counter(*target, "leases_revoked"), 1u);
+  for (std::uint32_t lane = 0; lane < lanes; ++lane) {
+    auto fresh = client->connect(target->local_address(), deadline_after(10s)).value();
+    auto region = m.region_key(*fresh);
+    auto k = lease(*fresh, *region, ranges, kId + 2 + lane);
+    ASSERT_TRUE(k.is_ok());
+    EXPECT_TRUE(m.read(*fresh, **k, 0, 4096, lane).is_ok()) << "another lease is untouched";
+  }
+  EXPECT_EQ(m.read(*eps[1], *keys[1], 0, 4096, lanes - 1).code(), StatusCode::kPermissionDenied);
+  // A late request under the revoked id is refused, on any connection.
+  auto again = lease(*eps[0], *regions[0], ranges, kId);
+  EXPECT_EQ(again.status().code(), StatusCode::kStale) << again.status().to_string();
+  EXPECT_NE(again.status().message().find("revoked"), std::string::npos) << again.status().to_string();
+  // Revoking an id the target does not hold is confirmed too (it may have expired).
+  EXPECT_TRUE(
+      eps[0]
+          ->revoke(*keys[0], {.id = 0x77, .op = TransferOp::kRead, .ttl = 1s, .fence = 5}, deadline_after(5s))
+          .is_ok());
+  // A target that is gone cannot confirm: kUnavailable, within the deadline.
+  target.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  s = eps[0]->revoke(*keys[0], {.id = 0x78, .op = TransferOp::kRead, .ttl = 1s, .fence = 0},
+                     deadline_after(2s));
+  EXPECT_TRUE(s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kTimeout) << s.to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+}
+
+// Issue 12: the setup service was one thread that waited up to 5 s on each silent connection,
+// so ten idle sockets stalled every connect and lease. Now they delay nothing, and are closed at
+// the handshake timeout (an oversize hello at once).
+TEST(VerbsTransport, IdleSetupSocketsDelayNoConnectAndAreClosedAtTheHandshakeTimeout) {
+  VerbsOptions o;
+  o.handshake_timeout = 3s;
+  START_VERBS(target, o);
+  START_VERBS(client, {});
+  Leased m(*target, *client);
+  std::vector<net::Fd> idle;
+  for (int i = 0; i < 10; ++i)
+    idle.push_back(raw_setup_socket(*target, i % 2 == 0 ? "" : std::string_view("\0\0", 2)));
+  net::Fd oversize = raw_setup_socket(*target, std::string_view("\x00\x10\x00\x00", 4));  // a 1 MiB "hello"
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ep = client->connect(target->local_address(), deadline_after(10s));
+  ASSERT_TRUE(ep.is_ok()) << ep.status().to_string();
+  auto region = m.region_key(**ep);
+  const RemoteRange r[] = {{m.base() + 8192, 4096}};
+  auto key = lease(**ep, *region, r, 99);
+  ASSERT_TRUE(key.is_ok()) << key.status().to_string();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, 1500ms) << "ten idle setup sockets delayed a connect and a lease";
+  EXPECT_TRUE(m.read(**ep, **key, 8192, 4096).is_ok());
+  EXPECT_TRUE(closed_within(oversize.get(), 1s)) << "an oversize hello must be refused at once";
+  for (auto& fd : idle)
+    EXPECT_TRUE(closed_within(fd.get(), 5s)) << "an idle socket outlived the handshake timeout";
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 2s) << "closed before the handshake timeout";
+  EXPECT_GE(counter(*target, "handshakes_failed"), 11u);
+  EXPECT_TRUE(m.read(**ep, **key, 8192, 4096).is_ok()) << "the connection that is up stays up";
+}
+
+TEST(VerbsTransport, ConnectionsOverTheCapsAreRefusedAtAccept) {
+  VerbsOptions per_peer;
+  per_peer.max_connections_per_peer = 3;
+  START_VERBS(target, per_peer);
+  START_VERBS(client, {});
+  std::vector<net::Fd> held;
+  for (int i = 0; i < 3; ++i) held.push_back(raw_setup_socket(*target));
+  net::Fd over = raw_setup_socket(*target);
+  EXPECT_TRUE(closed_within(over.get(), 2s))
+      << "a fourth connection from one address must be closed at accept";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto refused = client->connect(target->local_address(), deadline_after(5s));
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  EXPECT_GE(counter(*target, "connections_refused"), 2u);
+  held.clear();  // the slots free as the target sees them close
+  EXPECT_TRUE(
+      eventually([&] { return client->connect(target->local_address(), deadline_after(5s)).is_ok(); }));
+
+  VerbsOptions total;
+  total.max_connections = 2;
+  START_VERBS(small, total);
+  held.push_back(raw_setup_socket(*small));
+  held.push_back(raw_setup_socket(*small));
+  over = raw_setup_socket(*small);
+  EXPECT_TRUE(closed_within(over.get(), 2s)) << "a third connection in all must be closed at accept";
+  EXPECT_FALSE(client->connect(small->local_address(), deadline_after(5s)).is_ok());
+  EXPECT_GE(counter(*small, "connections_refused"), 2u);
 }
 
 }  // namespace

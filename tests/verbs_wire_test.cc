@@ -1,12 +1,16 @@
-// The verbs transport's wire formats: address, connection hello, remote key, port matching.
-// Pure logic: runs on every machine.
+// The verbs transport's wire formats: address, connection hello, remote key, lease messages
+// and their framing, port matching. Pure logic (and a socket pair): runs on every machine.
 #include "transport/verbs/verbs_wire.h"
 #include "transport/verbs/verbs_device.h"
+#include "transport/verbs/verbs_internal.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 namespace kvstash::transport::verbs {
 namespace {
@@ -114,6 +118,7 @@ TEST(VerbsWire, LeaseMessagesRoundTripAndMalformedOnesAreRefused) {
                  .region_rkey = 0xabcd,
                  .write = true,
                  .ttl_ms = 1500,
+                 .fence = 1'790'000'000'123,
                  .ranges = {{0x1000, 4096}, {0x8000, 1u << 20}}};
   auto msg = decode_lease_message(encode_lease_request(q));
   ASSERT_TRUE(msg.is_ok()) << msg.status().to_string();
@@ -123,6 +128,7 @@ TEST(VerbsWire, LeaseMessagesRoundTripAndMalformedOnesAreRefused) {
   EXPECT_EQ(back->region_rkey, 0xabcdu);
   EXPECT_TRUE(back->write);
   EXPECT_EQ(back->ttl_ms, 1500u);
+  EXPECT_EQ(back->fence, 1'790'000'000'123u);
   ASSERT_EQ(back->ranges.size(), 2u);
   EXPECT_EQ(back->ranges[1].addr, 0x8000u);
   EXPECT_EQ(back->ranges[1].length, 1u << 20);
@@ -132,9 +138,36 @@ TEST(VerbsWire, LeaseMessagesRoundTripAndMalformedOnesAreRefused) {
   ASSERT_NE(std::get_if<LeaseRelease>(&*rel), nullptr);
   EXPECT_EQ(std::get<LeaseRelease>(*rel).id, 7u);
 
-  // What a target must refuse: no ranges, an empty or wrapping range, no time, too many
+  // A revoke names the id and its tag; its answer names the id.
+  auto rev = decode_lease_message(encode_lease_revoke({.id = 9, .fence = 77}));
+  ASSERT_TRUE(rev.is_ok()) << rev.status().to_string();
+  ASSERT_NE(std::get_if<LeaseRevoke>(&*rev), nullptr);
+  EXPECT_EQ(std::get<LeaseRevoke>(*rev).id, 9u);
+  EXPECT_EQ(std::get<LeaseRevoke>(*rev).fence, 77u);
+  EXPECT_EQ(decode_lease_message(encode_lease_revoke({.id = 0, .fence = 1})).status().code(),
+            StatusCode::kInvalidArgument)
+      << "lease id 0 is no lease";
+  const std::string revoke_bytes = encode_lease_revoke({.id = 9, .fence = 77});
+  for (std::size_t cut = 0; cut < revoke_bytes.size(); ++cut) {
+    EXPECT_EQ(decode_lease_message(revoke_bytes.substr(0, cut)).status().code(),
+              StatusCode::kInvalidArgument);
+  }
+  auto ack = decode_lease_revoked(encode_lease_revoked({9}));
+  ASSERT_TRUE(ack.is_ok()) << ack.status().to_string();
+  EXPECT_EQ(ack->id, 9u);
+  EXPECT_EQ(decode_lease_revoked(encode_lease_revoked({9}) + "x").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode_lease_revoked(encode_lease_release({9})).status().code(), StatusCode::kInvalidArgument)
+      << "a release is not a revoke's answer";
+  EXPECT_EQ(decode_lease_reply(encode_lease_revoked({9})).status().code(), StatusCode::kInvalidArgument)
+      << "a revoke's answer is not a lease reply";
+
+  // What a target must refuse: no id, no ranges, an empty or wrapping range, no time, too many
   // ranges, trailing bytes, truncation.
   auto refused = [](LeaseRequest r) { return decode_lease_message(encode_lease_request(r)).status().code(); };
+  LeaseRequest anonymous = q;
+  anonymous.id = 0;
+  EXPECT_EQ(refused(anonymous), StatusCode::kInvalidArgument);
   LeaseRequest none = q;
   none.ranges.clear();
   EXPECT_EQ(refused(none), StatusCode::kInvalidArgument);
@@ -173,6 +206,72 @@ TEST(VerbsWire, LeaseMessagesRoundTripAndMalformedOnesAreRefused) {
   EXPECT_EQ(decode_lease_reply(encode_lease_reply(both)).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(decode_lease_reply(encode_lease_request(q)).status().code(), StatusCode::kInvalidArgument)
       << "a request is not a reply";
+}
+
+// A lease of kMaxLeaseRanges ranges, and the longest answer, fit one lease frame; a hello
+// frame stays small. (Before kMaxLeaseFrame the setup frame was 4,096 bytes: 254 ranges.)
+TEST(VerbsWire, TheLargestLeaseMessagesFitALeaseFrame) {
+  LeaseRequest q{.id = ~0ull, .region_rkey = ~0u, .write = true, .ttl_ms = ~0u, .fence = ~0ull, .ranges = {}};
+  for (std::size_t i = 0; i < kMaxLeaseRanges; ++i) q.ranges.push_back({(i + 1) << 20, 4096});
+  const std::string request = encode_lease_request(q);
+  EXPECT_LE(request.size(), kMaxLeaseFrame);
+  EXPECT_GT(request.size(), 4096u) << "the size that used to drop the connection";
+  auto back = decode_lease_message(request);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(std::get<LeaseRequest>(*back).ranges.size(), kMaxLeaseRanges);
+  LeaseReply keys{.id = 1, .status = {}, .rkeys = std::vector<std::uint32_t>(kMaxLeaseRanges, ~0u)};
+  EXPECT_LE(encode_lease_reply(keys).size(), kMaxLeaseFrame);
+  LeaseReply refusal{.id = 1, .status = Status::no_space(std::string(5000, 'x')), .rkeys = {}};
+  EXPECT_LE(encode_lease_reply(refusal).size(), kMaxLeaseFrame);
+  Hello h;
+  h.qp.qpn = 0xffffff;
+  EXPECT_LE(encode_hello(h).size(), kMaxSetupFrame);
+}
+
+// The frames themselves, through a socket pair: a 1,024-range request crosses whole where a
+// lease frame is expected, and is refused (kInvalidArgument, not a hang) where only a hello may
+// come.
+TEST(VerbsWire, SetupFramesCarryTheLargestLeaseAndRefuseOversizeOnes) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv), 0);
+  net::Fd a(sv[0]), b(sv[1]);
+  LeaseRequest q{.id = 5, .region_rkey = 1, .write = false, .ttl_ms = 1000, .fence = 3, .ranges = {}};
+  for (std::size_t i = 0; i < kMaxLeaseRanges; ++i) q.ranges.push_back({(i + 1) << 16, 512});
+  const std::string request = encode_lease_request(q);
+  const auto deadline = deadline_after(std::chrono::seconds(5));
+  std::thread writer([&] { EXPECT_TRUE(write_frame(a.get(), request, deadline).is_ok()); });
+  auto got = read_frame(b.get(), kMaxLeaseFrame, deadline);
+  writer.join();
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_EQ(*got, request);
+
+  ASSERT_TRUE(write_frame(a.get(), "hi", deadline).is_ok());
+  got = read_frame(b.get(), kMaxSetupFrame, deadline);
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_EQ(*got, "hi");
+  std::thread again([&] { (void)write_frame(a.get(), request, deadline); });
+  got = read_frame(b.get(), kMaxSetupFrame, deadline);
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument) << got.status().to_string();
+  b = net::Fd();  // unblocks the writer
+  again.join();
+}
+
+TEST(VerbsLeases, RevokedIdsAreForgottenOnceFencedAndBoundedInNumber) {
+  RevokedLeases r;
+  r.add(1, 0);
+  r.add(2, 100);
+  r.add(3, 200);
+  r.add(2, 100);  // twice: once
+  EXPECT_EQ(r.size(), 3u);
+  r.fence(150);
+  EXPECT_TRUE(r.contains(1)) << "an untagged lease is never fenced";
+  EXPECT_FALSE(r.contains(2)) << "the fence refuses its tag from now on";
+  EXPECT_TRUE(r.contains(3));
+  for (std::uint64_t id = 10; id < 10 + RevokedLeases::kMaxRevokedLeases; ++id) r.add(id, 0);
+  EXPECT_EQ(r.size(), RevokedLeases::kMaxRevokedLeases);
+  EXPECT_FALSE(r.contains(1)) << "the oldest go first";
+  EXPECT_FALSE(r.contains(3));
+  EXPECT_TRUE(r.contains(10 + RevokedLeases::kMaxRevokedLeases - 1));
 }
 
 TEST(VerbsWire, PortsMatchByLinkLayerFamilyAndSubnet) {

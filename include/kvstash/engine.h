@@ -59,9 +59,14 @@ struct TcpOptions {
   // A target drops a connection whose request payload does not move for this long, so a
   // stalled initiator cannot hold a region (and its deregistration) hostage.
   std::chrono::milliseconds io_timeout{30000};
-  // Shared cluster secret. When set, both sides of every connection prove they know it
-  // (HMAC-SHA256 challenge-response; the token itself never crosses the wire).
-  std::string cluster_token;
+  // A target drops a connection that sent no request for this long; initiators connect again
+  // when they next need one.
+  std::chrono::milliseconds idle_timeout{300000};
+  // A target serves at most this many connections in all, and this many from one peer
+  // address; more are closed as soon as they are accepted, so neither an unauthenticated
+  // flood nor one client can take every file descriptor. Each initiator opens `streams`.
+  std::uint32_t max_connections = 1024;
+  std::uint32_t max_connections_per_peer = 256;
 };
 
 struct ShmOptions {
@@ -104,6 +109,18 @@ struct VerbsOptions {
   std::string listen = "127.0.0.1:0";
   // Address peers should connect to for queue-pair setup, when it differs from `listen`.
   std::string advertise;
+  // The setup listener serves every connection at once. A connection that has not finished
+  // the handshake (hellos and the cluster token) this long after it was accepted is closed,
+  // so silent or slow clients cost a socket for at most this long and delay no one else.
+  std::chrono::milliseconds handshake_timeout{2000};
+  // Once a queue pair is up, a lease message must arrive whole, and its answer be taken,
+  // within this from its first byte; else the connection (and its leases) is dropped.
+  std::chrono::milliseconds message_timeout{2000};
+  // The listener keeps at most this many setup connections in all, and this many from one
+  // peer address, handshakes included; more are closed as soon as they are accepted. Each
+  // connection that is up holds a queue pair; an engine opens one per device pair to a peer.
+  std::uint32_t max_connections = 1024;
+  std::uint32_t max_connections_per_peer = 256;
   // Work requests in flight per connection; more wait in a queue inside the transport.
   std::uint32_t send_queue_depth = 256;
   // RDMA READs in flight per connection (bounded by the device's max_qp_rd_atom).
@@ -112,9 +129,6 @@ struct VerbsOptions {
   // ~0.5 s); closing the setup connection fails them at once.
   std::uint32_t retry_timeout = 14;
   std::uint32_t retry_count = 7;
-  // Shared cluster secret checked when queue pairs are set up (HMAC challenge-response, as
-  // tcp's). Empty: TcpOptions::cluster_token, so one token covers every network transport.
-  std::string cluster_token;
   // Revocable keys for regions registered Access::kLeased: each lease binds a type-2 memory
   // window per range, and the region's own key grants nothing remote. Used where the device
   // has type-2 windows; false (or a device without them) exposes such regions whole through
@@ -133,6 +147,11 @@ struct EngineOptions {
   std::optional<TransportKind> prefer;
   // Deadline for connect() and import_key() when the caller gives none.
   std::chrono::milliseconds control_timeout{5000};
+  // Shared cluster secret. When set, both sides of every tcp connection and every verbs
+  // queue-pair setup prove they know it (HMAC-SHA256 challenge-response; the token itself
+  // never crosses the wire). UCX cannot prove it, so UCX does not start while one is set.
+  // shm needs none: its peers are processes of this user on this host.
+  std::string cluster_token;
   TcpOptions tcp;
   ShmOptions shm;
   UcxOptions ucx;
@@ -142,11 +161,28 @@ struct EngineOptions {
 enum class Access : std::uint8_t {
   kLocal,   // source or destination of this process's own transfers only
   kRemote,  // peers holding the remote key may also READ and WRITE it
-  // Peers reach it only through leases (Peer::lease): where the transport has revocable keys
-  // (verbs with type-2 memory windows) the region's own key grants nothing remote, and each
-  // lease binds windows over exactly its ranges. Elsewhere the same as kRemote. Memory nodes
-  // register their pools this way.
+  // Peers reach it only through leases (Peer::lease), which this process can fence
+  // (Engine::fence) and peers can revoke with confirmation (Peer::revoke): tcp checks the
+  // lease on every request, verbs binds a memory window per leased range (the region's own
+  // rkey grants nothing remote), shm checks it before every copy. UCX has no leases and
+  // serves such a region only with UcxOptions::allow_emulated_rma (tests), unfenced. Memory
+  // nodes register their pools this way.
   kLeased,
+};
+
+// What Peer::lease asks of the peer.
+struct LeaseOptions {
+  TransferOp op = TransferOp::kRead;
+  // The lease ends after this long by the peer's clock (at most 10 minutes).
+  std::chrono::milliseconds ttl{1000};
+  // The owner's fence tag: the lease dies once the owner has fenced through a value at least
+  // this large (Engine::fence), and the owner refuses to grant one it has fenced already. A
+  // memory node's leases carry the Redis deadline (ms) of the put or read lease they serve,
+  // so that a node fenced past it has no write of that put left to land. 0: never fenced by
+  // tag (only by ttl, revoke or deregistration).
+  std::uint64_t fence = 0;
+  // For asking the peer (verbs binds windows); default EngineOptions::control_timeout.
+  std::optional<Deadline> deadline;
 };
 
 // A range of a peer's address space, inside a region it registered.
@@ -261,22 +297,39 @@ class Peer {
  public:
   ~Peer();
   TransportKind transport() const;
+  // Whether the peer holds this connection's leases itself (tcp, shm, verbs with memory
+  // windows): it refuses their ops once fenced or revoked, so a writer can be stopped at the
+  // peer. False for UCX, whose leases are checked on this side only.
+  bool leases() const;
 
   // Imports a remote key the peer's MemoryHandle::remote_key() produced.
   // Errors: kInvalidArgument (malformed), kPermissionDenied (peer refused the key),
   // kUnsupported (the key has no part for this peer's transport), kUnavailable, kTimeout.
   Result<RemoteMemory> import_key(std::string_view remote_key, std::optional<Deadline> deadline = {});
 
-  // Leases `ranges` of `region` (imported through this peer) for `op` during `ttl`. Where the
-  // peer's transport has revocable keys the peer binds one memory window per range to this
-  // connection: the windows die when `ttl` has passed by the peer's clock, when the returned
-  // RemoteMemory is destroyed, or with the connection (a reconnect leases again for what is
-  // left of `ttl`). Elsewhere the lease is the region's key, with the ranges and the op
-  // checked here. Errors: kInvalidArgument (a range outside the region, empty or too many
-  // ranges, ttl <= 0), kPermissionDenied (the peer refused), kNoSpace (the peer is out of
+  // Leases `ranges` of `region` (imported through this peer) for `options.op` during
+  // `options.ttl`. The ranges and the op are checked here before anything moves, and again
+  // by the peer where it takes part: tcp checks the lease on every request, verbs binds one
+  // memory window per range to this connection, shm checks it before every copy. The lease
+  // dies when the ttl has passed by the peer's clock, when the peer fenced through
+  // `options.fence`, when it is revoked, or when the returned RemoteMemory is destroyed (a
+  // reconnect leases again for what is left of the ttl). A transport without leases (UCX)
+  // narrows the region's key here only (revocable() false). Errors: kInvalidArgument (a
+  // range outside the region, empty or too many ranges, ttl <= 0), kPermissionDenied (the
+  // peer refused), kStale (the peer fenced the tag already), kNoSpace (the peer is out of
   // windows), kUnavailable, kTimeout.
-  Result<RemoteMemory> lease(const RemoteMemory& region, std::span<const RemoteRange> ranges, TransferOp op,
-                             std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
+  Result<RemoteMemory> lease(const RemoteMemory& region, std::span<const RemoteRange> ranges,
+                             const LeaseOptions& options);
+
+  // Ends `lease` (made by this peer's lease()) at the peer, and returns OK only once the peer
+  // has confirmed that no op under it can touch the peer's memory any more: ops still queued
+  // or in flight, on this connection or on one that broke, are refused from then on. Call it
+  // after the batches using the lease were cancelled or finished. Blocks up to `deadline`.
+  // Errors: kUnavailable or kTimeout when the peer could not confirm (dead, stopped,
+  // unreachable): ops under the lease may then still land until the peer fences through its
+  // tag; kUnsupported when the transport has no leases (UCX); kInvalidArgument for a
+  // RemoteMemory that is not a lease of this peer.
+  Status revoke(const RemoteMemory& lease, Deadline deadline);
 
   // Starts the entries as one batch with `deadline`. Entries are checked first: a local
   // range outside its handle or a remote range outside its key fails with
@@ -312,15 +365,24 @@ class Engine {
   // Every transport's counters (see Transport::counters), for metrics and diagnostics.
   std::vector<TransportCounter> counters() const;
 
+  // Ends every lease peers hold on this process's memory with a fence tag <= `through`, and
+  // refuses such leases from now on (tags only move up: a lower value than before fences
+  // nothing new). Returns once no op under them can touch this process's memory, except on
+  // shm, whose copies peers run themselves: they check the fence before each copy, so one
+  // that began before this call may still be finishing (a copy takes milliseconds; a memory
+  // node reports a fence to the cell one heartbeat after making it). Thread-safe.
+  void fence(std::uint64_t through);
+
   // Registers a region with every transport (that can take it). Errors: kInvalidArgument
   // (null or empty region), or the first transport's error when none could register it.
   Result<MemoryHandle> register_memory(const MemoryRegion& region, Access access);
 
-  // Connects to a peer by its address blob. With `force`, only that transport is tried.
+  // Connects to a peer by its address blob. With `force`, only that transport is tried; with
+  // `require_leases`, only transports whose leases the peer holds and fences (Peer::leases).
   // Errors: kInvalidArgument (malformed blob), kUnsupported (no transport in common),
   // kUnavailable, kPermissionDenied, kTimeout.
   Result<std::unique_ptr<Peer>> connect(std::string_view peer_address, std::optional<Deadline> deadline = {},
-                                        std::optional<TransportKind> force = {});
+                                        std::optional<TransportKind> force = {}, bool require_leases = false);
 
  private:
   struct Impl;

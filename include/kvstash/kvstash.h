@@ -63,12 +63,19 @@ typedef struct kvstash_kvcache kvstash_kvcache;
 typedef struct kvstash_save kvstash_save;
 typedef struct kvstash_load kvstash_load;
 
+/* Fields are only ever added at the end: a caller that zero-fills the struct (= {0}, or
+ * designated initializers) gets every later field's default. */
 typedef struct kvstash_store_options {
   const char* redis_url;      /* required: redis://[user@]host:port/db or unix:///path */
   const char* redis_password; /* NULL: none (or in the URL) */
   const char* cell;           /* NULL: "default" */
   const char* transports;     /* NULL: every one built in; else "shm,tcp,ucx,verbs" */
   uint32_t timeout_ms;        /* per operation; 0: the store's default */
+  /* NULL: none. The cell's shared secret (kvstashd --cluster-token-file), proved on every tcp
+   * connection and verbs queue-pair setup; without it, nodes that require one refuse the data
+   * path with KVSTASH_PERMISSION_DENIED. An empty (or all-whitespace) string is refused with
+   * KVSTASH_INVALID_ARGUMENT: it would turn authentication off. UCX does not start with one. */
+  const char* cluster_token;
 } kvstash_store_options;
 
 kvstash_status kvstash_store_open(const kvstash_store_options* options, kvstash_store** out);

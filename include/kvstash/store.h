@@ -48,12 +48,13 @@ struct StoreOptions {
   std::string redis_password;
   // The cell: one Redis can hold several independent cells (key prefix kvs:{kvs:<cell>}).
   std::string cell = "default";
-  // The data path: transports, preferred transport, tcp cluster token.
+  // The data path: transports, preferred transport, the cluster token.
   EngineOptions engine;
   // Deadline of an operation when the caller gives none.
   std::chrono::milliseconds timeout{30000};
-  // A put not committed within this lease is abandoned: its pages go back to the pool and
-  // the commit fails with kStale. A put stops writing at its lease, whatever its deadline.
+  // A put not committed within this lease is abandoned: its pages go back to the pool once
+  // its memory nodes have fenced it (no write of it can land any more), and the commit fails
+  // with kStale. A put stops writing at its lease, whatever its deadline.
   std::chrono::milliseconds put_lease{60000};
   // A get holds a read lease this long: eviction, removal and overwrite keep the pages out
   // of reuse meanwhile. A get outliving it ends kStale if the pages were reused.

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/system.h"
 #include "common/transports.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
@@ -80,6 +81,12 @@ kvstash_status kvstash_store_open(const kvstash_store_options* options, kvstash_
   if (options->redis_password != nullptr) so.redis_password = options->redis_password;
   if (options->cell != nullptr) so.cell = options->cell;
   if (options->timeout_ms != 0) so.timeout = std::chrono::milliseconds(options->timeout_ms);
+  if (options->cluster_token != nullptr) {
+    kvstash::Status token =
+        kvstash::sys::check_cluster_token(options->cluster_token, "kvstash_store_open: cluster_token");
+    if (!token.is_ok()) return report(token);
+    so.engine.cluster_token = options->cluster_token;
+  }
   if (options->transports != nullptr) {
     auto kinds = kvstash::parse_transport_list(options->transports);
     if (!kinds.is_ok()) return report(kinds.status());

@@ -1,5 +1,6 @@
 #include "common/net.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -9,8 +10,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 namespace kvstash::net {
 
@@ -111,18 +115,87 @@ Status recv_all(int fd, void* data, std::size_t n, Deadline deadline, std::strin
   return {};
 }
 
-Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline) {
+namespace {
+
+using AddrInfo = std::unique_ptr<addrinfo, decltype(&freeaddrinfo)>;
+
+// getaddrinfo on a thread of its own, waited for up to the deadline: a name server that does
+// not answer must not hold the caller past it (getaddrinfo has no timeout of its own). A
+// lookup that outlives its caller finishes, and frees its result, on its thread.
+Result<AddrInfo> lookup(const std::string& host, const std::string& port, int flags, Deadline deadline) {
+  struct Query {
+    std::mutex mu;
+    std::condition_variable done_cv;
+    bool done = false;
+    int rc = 0;
+    addrinfo* res = nullptr;
+    ~Query() {
+      if (res != nullptr) freeaddrinfo(res);
+    }
+  };
+  auto q = std::make_shared<Query>();
+  std::thread([q, host, port, flags] {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = flags;
+    addrinfo* res = nullptr;
+    const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+    std::lock_guard lock(q->mu);
+    q->rc = rc;
+    q->res = res;
+    q->done = true;
+    q->done_cv.notify_all();
+  }).detach();
+  std::unique_lock lock(q->mu);
+  if (!q->done_cv.wait_until(lock, deadline, [&] { return q->done; })) {
+    return Status::timeout("resolving '" + host + "' timed out");
+  }
+  if (q->rc != 0) return Status::unavailable("cannot resolve '" + host + "': " + gai_strerror(q->rc));
+  return AddrInfo(std::exchange(q->res, nullptr), freeaddrinfo);
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadline) {
+  // Numeric addresses need no name server: answered here, without a thread.
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
   addrinfo* res = nullptr;
-  std::string port = std::to_string(hp.port);
-  if (int rc = getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res); rc != 0) {
-    return Status::unavailable("cannot resolve '" + hp.host + "': " + gai_strerror(rc));
+  AddrInfo found(nullptr, freeaddrinfo);
+  if (getaddrinfo(host.c_str(), "0", &hints, &res) == 0) {
+    found.reset(res);
+  } else {
+    KVSTASH_ASSIGN_OR_RETURN(found, lookup(host, "0", AI_NUMERICSERV, deadline));
   }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  std::vector<std::string> out;
+  for (addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* a = ai->ai_family == AF_INET6 ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr)
+                                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr);
+    if (inet_ntop(ai->ai_family, a, text, sizeof text) != nullptr &&
+        std::find(out.begin(), out.end(), text) == out.end()) {
+      out.emplace_back(text);
+    }
+  }
+  if (out.empty()) return Status::unavailable("no address for '" + host + "'");
+  return out;
+}
+
+Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline) {
+  std::string port = std::to_string(hp.port);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* numeric = nullptr;
+  AddrInfo found(nullptr, freeaddrinfo);
+  if (getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &numeric) == 0) {
+    found.reset(numeric);
+  } else {
+    KVSTASH_ASSIGN_OR_RETURN(found, lookup(hp.host, port, AI_NUMERICSERV, deadline));
+  }
   Status last = Status::unavailable("no address for '" + hp.host + "'");
-  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+  for (addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
     Fd s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (s.get() < 0) return Status::from_errno("socket", errno);
     if (::connect(s.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {

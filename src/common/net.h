@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "kvstash/status.h"
 #include "kvstash/types.h"
@@ -45,7 +46,12 @@ Status send_all(int fd, const void* data, std::size_t n, Deadline deadline, std:
 Status recv_all(int fd, void* data, std::size_t n, Deadline deadline, std::string_view what);
 
 // A non-blocking TCP connection (TCP_NODELAY) to the first address of `hp` that answers.
-// Errors: kUnavailable (unresolvable, refused), kTimeout.
+// Name resolution counts against the deadline too. Errors: kUnavailable (unresolvable,
+// refused), kTimeout.
 Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline);
+
+// The numeric addresses of `host` (itself when it is one), resolved within the deadline.
+// Errors: kUnavailable (unresolvable), kTimeout.
+Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadline);
 
 }  // namespace kvstash::net

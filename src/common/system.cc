@@ -1,10 +1,15 @@
 #include "common/system.h"
 
+#include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <system_error>
 
 namespace kvstash::sys {
 
@@ -21,12 +26,66 @@ void random_bytes(void* out, std::size_t n) {
   }
 }
 
-Result<std::string> read_secret_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::invalid_argument("cannot read " + path);
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+namespace {
+
+constexpr std::size_t kMaxSecret = 64 * 1024;  // a token or a password, not a data file
+
+bool blank(std::string_view s) { return s.find_first_not_of(" \t\r\n\f\v") == std::string_view::npos; }
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+// The file's contents without trailing newlines; with `private_only`, refused unless only its
+// owner may read or write it, checked on the descriptor read.
+Result<std::string> read_secret(const std::string& path, bool private_only) {
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  };
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) return Status::invalid_argument("cannot read " + path + ": " + errno_text(errno));
+  Closer closer{fd};
+  if (private_only) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0)
+      return Status::invalid_argument("cannot stat " + path + ": " + errno_text(errno));
+    if ((st.st_mode & 077) != 0) {
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+      return Status::invalid_argument(path + " may be read or written by group or others (mode " + mode +
+                                      "): a secret file must be private to its owner; run chmod 600 " + path);
+    }
+  }
+  std::string s;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::invalid_argument("cannot read " + path + ": " + errno_text(errno));
+    if (n == 0) break;
+    s.append(buf, static_cast<std::size_t>(n));
+    if (s.size() > kMaxSecret) return Status::invalid_argument(path + " is larger than 64 KiB: not a secret");
+  }
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  if (private_only && blank(s)) {
+    return Status::invalid_argument(path +
+                                    " is empty (or only whitespace): an empty secret would turn "
+                                    "authentication off; write the secret into it");
+  }
   return s;
+}
+
+}  // namespace
+
+Result<std::string> read_secret_file(const std::string& path) { return read_secret(path, false); }
+
+Result<std::string> read_private_secret_file(const std::string& path) { return read_secret(path, true); }
+
+Status check_cluster_token(std::string_view token, std::string_view source) {
+  if (!blank(token)) return {};
+  std::string m(source);
+  m += token.empty() ? " is empty" : " is only whitespace";
+  m += ": an empty cluster token would turn authentication off; give the cell's token, or none at all";
+  return Status::invalid_argument(std::move(m));
 }
 
 std::uint64_t random_u64() {

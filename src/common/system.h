@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "kvstash/status.h"
 
@@ -17,9 +18,21 @@ void random_bytes(void* out, std::size_t n);
 // id share a kernel, so shared memory between them is possible.
 const std::string& boot_id();
 
-// A secret kept in a file (a Redis password, a cluster token): its contents without the
-// trailing newline. kInvalidArgument naming the path when it cannot be read (it came from
-// the command line or a configuration).
+// A secret kept in a file (a Redis password): its contents without the trailing newlines.
+// kInvalidArgument naming the path when it cannot be read (it came from the command line or a
+// configuration).
 Result<std::string> read_secret_file(const std::string& path);
+
+// A secret that must stay private to its owner (the cluster token), checked as ssh checks a
+// private key: read_secret_file's contents, or kInvalidArgument naming the path, its mode and
+// the fix (chmod 600) when group or others may read or write it (mode & 077), and naming the
+// path when it holds nothing but whitespace (which would turn authentication off unseen).
+// The mode is that of the file opened, so a rename in between cannot slip past the check.
+Result<std::string> read_private_secret_file(const std::string& path);
+
+// A cluster token supplied explicitly (KVSTASH_CLUSTER_TOKEN, an API argument): OK, or
+// kInvalidArgument naming `source` when it is empty or only whitespace. An empty token means
+// "no token" to EngineOptions, so accepting one would turn authentication off without a word.
+Status check_cluster_token(std::string_view token, std::string_view source);
 
 }  // namespace kvstash::sys

@@ -2,7 +2,9 @@
 #include <algorithm>
 
 #include "common/log.h"
+#include "common/system.h"
 #include "common/wire.h"
+#include "engine/blobs.h"
 #include "engine/engine_internal.h"
 #include "kvstash_config.h"
 #include "transport/shm/shm_transport.h"
@@ -17,53 +19,11 @@
 namespace kvstash {
 namespace {
 
-constexpr std::uint32_t kAddressMagic = 0x3145564b;  // "KVE1"
-constexpr std::uint32_t kKeyMagic = 0x314b564b;      // "KVK1"
-constexpr std::size_t kMaxParts = 16;
-
-using Parts = std::vector<std::pair<TransportKind, std::string>>;
-
-std::string encode_parts(std::uint32_t magic, std::uint64_t base, std::uint64_t length, const Parts& parts,
-                         bool with_range) {
-  wire::Writer w;
-  w.u32(magic);
-  if (with_range) {
-    w.u64(base);
-    w.u64(length);
-  }
-  w.u8(static_cast<std::uint8_t>(parts.size()));
-  for (const auto& [kind, bytes] : parts) {
-    w.u8(static_cast<std::uint8_t>(kind));
-    w.bytes(bytes);
-  }
-  return w.take();
-}
-
-struct Decoded {
-  std::uint64_t base = 0;
-  std::uint64_t length = 0;
-  Parts parts;
-};
-
-std::optional<Decoded> decode_parts(std::string_view blob, std::uint32_t magic, bool with_range) {
-  wire::Reader r(blob);
-  Decoded d;
-  if (r.u32() != magic) return std::nullopt;
-  if (with_range) {
-    d.base = r.u64();
-    d.length = r.u64();
-  }
-  std::size_t n = r.u8();
-  if (n > kMaxParts) return std::nullopt;
-  for (std::size_t i = 0; i < n && r.ok(); ++i) {
-    auto kind = r.u8();
-    auto bytes = r.bytes();
-    if (kind > static_cast<std::uint8_t>(TransportKind::kTcp)) continue;  // a newer peer's transport
-    d.parts.emplace_back(static_cast<TransportKind>(kind), std::string(bytes));
-  }
-  if (!r.at_end()) return std::nullopt;
-  return d;
-}
+using blobs::decode_parts;
+using blobs::encode_parts;
+using blobs::kAddressMagic;
+using blobs::kKeyMagic;
+using blobs::Parts;
 
 // Lower is better: shared memory, then RDMA, then our TCP, then UCX emulating RMA over TCP.
 int rank(const transport::Transport& t) {
@@ -80,20 +40,16 @@ int rank(const transport::Transport& t) {
 Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind, const EngineOptions& o) {
   switch (kind) {
     case TransportKind::kShm: return transport::make_shm_transport(o.shm);
-    case TransportKind::kTcp: return transport::make_tcp_transport(o.tcp);
+    case TransportKind::kTcp: return transport::make_tcp_transport(o.tcp, o.cluster_token);
     case TransportKind::kUcx:
 #if KVSTASH_HAVE_UCX
-      return transport::make_ucx_transport(o.ucx);
+      return transport::make_ucx_transport(o.ucx, o.cluster_token);
 #else
       return Status::unsupported("this build has no UCX transport (meson -Ducx=enabled)");
 #endif
     case TransportKind::kVerbs:
 #if KVSTASH_HAVE_VERBS
-    {
-      VerbsOptions v = o.verbs;
-      if (v.cluster_token.empty()) v.cluster_token = o.tcp.cluster_token;
-      return transport::make_verbs_transport(v);
-    }
+      return transport::make_verbs_transport(o.verbs, o.cluster_token);
 #else
       return Status::unsupported("this build has no verbs transport (meson -Dverbs=enabled)");
 #endif
@@ -150,6 +106,10 @@ std::vector<TransportKind> Engine::transports() const {
   return out;
 }
 
+void Engine::fence(std::uint64_t through) {
+  for (const auto& t : impl_->transports) t->fence(through);
+}
+
 std::vector<TransportCounter> Engine::counters() const {
   std::vector<TransportCounter> out;
   for (const auto& t : impl_->transports) {
@@ -187,7 +147,7 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
 }
 
 Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std::optional<Deadline> deadline,
-                                              std::optional<TransportKind> force) {
+                                              std::optional<TransportKind> force, bool require_leases) {
   auto decoded = decode_parts(peer_address, kAddressMagic, false);
   if (!decoded) return Status::invalid_argument("malformed peer address");
   const Deadline d = deadline.value_or(deadline_after(impl_->options.control_timeout));
@@ -195,6 +155,7 @@ Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std
   std::vector<std::pair<transport::Transport*, std::string>> candidates;
   for (const auto& t : impl_->transports) {
     if (force && t->kind() != *force) continue;
+    if (require_leases && !t->capabilities().leases) continue;
     for (const auto& [kind, addr] : decoded->parts) {
       if (kind == t->kind() && t->can_reach(addr)) candidates.emplace_back(t.get(), addr);
     }
@@ -207,9 +168,9 @@ Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std
     return rank(*a.first) < rank(*b.first);
   });
   if (candidates.empty()) {
-    return Status::unsupported(force ? std::string("peer cannot be reached over ") +
-                                           std::string(to_string(*force))
-                                     : std::string("no transport in common with the peer"));
+    if (force) return Status::unsupported("peer cannot be reached over " + std::string(to_string(*force)));
+    return Status::unsupported(require_leases ? "no transport in common with the peer that holds leases there"
+                                              : "no transport in common with the peer");
   }
   Status last;
   for (auto& [t, addr] : candidates) {
@@ -276,28 +237,56 @@ bool RemoteMemory::revocable() const {
 Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
     const std::shared_ptr<transport::Endpoint>& ep, std::uint64_t gen, std::uint64_t base,
     std::uint64_t length, Deadline deadline) {
-  std::lock_guard lock(mu);
-  if (generation == gen && key) return key;
+  {
+    std::unique_lock lock(mu);
+    for (;;) {
+      if (generation == gen && key) return key;
+      if (!busy) break;
+      if (changed.wait_until(lock, deadline) == std::cv_status::timeout) {
+        return Status::timeout("remote key: another caller's import or lease did not finish before the deadline");
+      }
+    }
+    busy = true;
+  }
+  // The peer is asked without the lock held, so a caller with a shorter deadline is never
+  // stuck behind this one.
+  std::shared_ptr<transport::RemoteKey> made;
+  bool made_revocable = false;
+  Status failed;
   if (!lease) {
-    KVSTASH_ASSIGN_OR_RETURN(auto k, ep->import_key(base, length, packed, deadline));
-    key = std::move(k);
-  } else {
-    KVSTASH_ASSIGN_OR_RETURN(
-        auto region_key, lease->region->key_for(ep, gen, lease->region_base, lease->region_length, deadline));
-    const auto now = Clock::now();
-    if (now >= lease->until) return Status::stale("lease: its time is up (lease again)");
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(lease->until - now);
-    auto k = ep->lease_key(*region_key, lease->ranges, lease->op, left, deadline);
+    auto k = ep->import_key(base, length, packed, deadline);
     if (k.is_ok()) {
-      key = std::move(k).value();
-      revocable = true;
-    } else if (k.status().code() == StatusCode::kUnsupported) {
-      key = std::move(region_key);  // no revocable keys here: the ranges are checked in submit
-      revocable = false;
+      made = std::move(k).value();
     } else {
-      return k.status();
+      failed = k.status();
+    }
+  } else {
+    auto region_key = lease->region->key_for(ep, gen, lease->region_base, lease->region_length, deadline);
+    const auto now = Clock::now();
+    if (!region_key.is_ok()) {
+      failed = region_key.status();
+    } else if (now >= lease->until) {
+      failed = Status::stale("lease: its time is up (lease again)");
+    } else {
+      transport::LeaseTerms terms = lease->terms;
+      terms.ttl = std::chrono::ceil<std::chrono::milliseconds>(lease->until - now);
+      auto k = ep->lease_key(**region_key, lease->ranges, terms, deadline);
+      if (k.is_ok()) {
+        made = std::move(k).value();
+        made_revocable = true;
+      } else if (k.status().code() == StatusCode::kUnsupported) {
+        made = std::move(region_key).value();  // no leases here: the ranges are checked in submit
+      } else {
+        failed = k.status();
+      }
     }
   }
+  std::lock_guard lock(mu);
+  busy = false;
+  changed.notify_all();
+  if (!failed.is_ok()) return failed;
+  key = std::move(made);
+  revocable = made_revocable;
   generation = gen;
   return key;
 }
@@ -309,16 +298,30 @@ Peer::~Peer() = default;
 
 TransportKind Peer::transport() const { return state_->transport->kind(); }
 
+bool Peer::leases() const { return state_->caps.leases; }
+
 Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(
     Deadline deadline) {
-  std::lock_guard lock(mu);
-  if (!endpoint || !endpoint->healthy()) {
-    endpoint.reset();
-    auto d = std::min(deadline, deadline_after(control_timeout));
-    KVSTASH_ASSIGN_OR_RETURN(endpoint, transport->connect(peer_address, d));
-    ++generation;
-    KVSTASH_LOG_INFO("reconnected to peer over {}", to_string(transport->kind()));
+  std::unique_lock lock(mu);
+  for (;;) {
+    if (endpoint && endpoint->healthy()) return std::make_pair(endpoint, generation);
+    if (!connecting) break;
+    if (changed.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return Status::timeout("peer: another caller's reconnect did not finish before the deadline");
+    }
   }
+  connecting = true;
+  endpoint.reset();
+  lock.unlock();
+  // Connecting without the lock: a caller with a shorter deadline waits only up to its own.
+  auto ep = transport->connect(peer_address, std::min(deadline, deadline_after(control_timeout)));
+  lock.lock();
+  connecting = false;
+  changed.notify_all();
+  if (!ep.is_ok()) return ep.status();
+  endpoint = std::move(ep).value();
+  ++generation;
+  KVSTASH_LOG_INFO("reconnected to peer over {}", to_string(transport->kind()));
   return std::make_pair(endpoint, generation);
 }
 
@@ -345,8 +348,7 @@ Result<RemoteMemory> Peer::import_key(std::string_view remote_key, std::optional
 }
 
 Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const RemoteRange> ranges,
-                                 TransferOp op, std::chrono::milliseconds ttl,
-                                 std::optional<Deadline> deadline) {
+                                 const LeaseOptions& options) {
   if (!region.state_ || region.state_->peer != state_) {
     return Status::invalid_argument("lease: the region was not imported through this peer");
   }
@@ -355,7 +357,7 @@ Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const Rem
     return Status::invalid_argument("lease: between 1 and " + std::to_string(kMaxLeaseRanges) +
                                     " ranges, not " + std::to_string(ranges.size()));
   }
-  if (ttl.count() <= 0) return Status::invalid_argument("lease: ttl must be positive");
+  if (options.ttl.count() <= 0) return Status::invalid_argument("lease: ttl must be positive");
   RemoteMemory::State::Lease l;
   l.region = region.state_;
   l.region_base = region.base_;
@@ -373,9 +375,12 @@ Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const Rem
       return Status::invalid_argument("lease: ranges overlap");
     }
   }
-  l.op = op;
-  l.until = Clock::now() + ttl;
-  const Deadline d = deadline.value_or(deadline_after(state_->control_timeout));
+  l.terms.id = sys::random_u64() | 1;  // never 0: on the wire 0 means "no lease"
+  l.terms.op = options.op;
+  l.terms.ttl = options.ttl;
+  l.terms.fence = options.fence;
+  l.until = Clock::now() + options.ttl;
+  const Deadline d = options.deadline.value_or(deadline_after(state_->control_timeout));
   RemoteMemory rm;
   rm.base_ = region.base_;
   rm.length_ = region.length_;
@@ -385,6 +390,26 @@ Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const Rem
   KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(d));
   KVSTASH_RETURN_IF_ERROR(rm.state_->key_for(ep.first, ep.second, rm.base_, rm.length_, d).status());
   return rm;
+}
+
+Status Peer::revoke(const RemoteMemory& lease, Deadline deadline) {
+  const auto& st = lease.state_;
+  if (!st || !st->lease || st->peer != state_) {
+    return Status::invalid_argument("revoke: not a lease made through this peer");
+  }
+  std::shared_ptr<transport::RemoteKey> key;
+  {
+    std::lock_guard lock(st->mu);
+    if (!st->revocable) {
+      return Status::unsupported(std::string("revoke: ") + std::string(to_string(state_->transport->kind())) +
+                                 " has no leases; the lease was only checked on this side");
+    }
+    key = st->key;
+  }
+  // Through the current connection, also when the lease was used on one that broke since:
+  // the peer revokes the lease id on every connection.
+  KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(deadline));
+  return ep.first->revoke(*key, st->lease->terms, deadline);
 }
 
 namespace {
@@ -422,8 +447,8 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
       if (!inside_lease(l->ranges, e.remote_addr, e.length)) {
         return Status::permission_denied(where + "remote range is outside the lease's ranges");
       }
-      if (e.op != l->op) {
-        return Status::permission_denied(where + "the lease grants " + std::string(to_string(l->op)) +
+      if (e.op != l->terms.op) {
+        return Status::permission_denied(where + "the lease grants " + std::string(to_string(l->terms.op)) +
                                          ", not " + std::string(to_string(e.op)));
       }
     }

@@ -24,11 +24,16 @@ struct Peer::State {
   std::string peer_address;  // the chosen transport's part of the peer's blob
   std::chrono::milliseconds control_timeout{};
 
+  // Guards the fields below. Never held across network I/O: a caller that finds another one
+  // connecting waits on `changed` up to its own deadline.
   std::mutex mu;
+  std::condition_variable changed;
+  bool connecting = false;
   std::shared_ptr<transport::Endpoint> endpoint;  // replaced after the connection broke
   std::uint64_t generation = 0;                   // bumps with every new endpoint
 
-  // The current endpoint, connecting anew when there is none or it broke.
+  // The current endpoint, connecting anew when there is none or it broke. kTimeout when
+  // another caller's connect is still running at `deadline`.
   Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> current(Deadline deadline);
 };
 
@@ -36,18 +41,22 @@ struct RemoteMemory::State {
   std::shared_ptr<Peer::State> peer;
   std::string packed;  // this transport's part of the key blob
 
-  // A lease (Peer::lease) narrows `region` to `ranges` for `op` until `until`.
+  // A lease (Peer::lease) narrows `region` to `ranges` for `terms.op` until `until`.
   struct Lease {
     std::shared_ptr<State> region;
     std::uint64_t region_base = 0, region_length = 0;
     std::vector<RemoteRange> ranges;  // sorted by address, disjoint
-    TransferOp op = TransferOp::kRead;
+    transport::LeaseTerms terms;      // ttl as asked; each (re)lease asks for what is left
     Clock::time_point until;
   };
   std::optional<Lease> lease;
-  bool revocable = false;  // the current key is the peer's revocable one (guarded by mu)
 
+  // Guards the fields below. Never held across network I/O (importing or leasing asks the
+  // peer): a caller that finds another one busy waits on `changed` up to its own deadline.
   std::mutex mu;
+  std::condition_variable changed;
+  bool busy = false;
+  bool revocable = false;            // the current key is the peer's lease
   std::uint64_t generation = ~0ull;  // endpoint generation `key` was imported through
   std::shared_ptr<transport::RemoteKey> key;
 

@@ -10,7 +10,7 @@
 
 #include "common/log.h"
 #include "common/thread_pool.h"
-#include "common/wire.h"
+#include "kvcache/object_layout.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
@@ -36,41 +36,8 @@ std::uint64_t hash_runs(const std::vector<KvRun>& runs) {
   return h;
 }
 
-// "<tag>;xxh3=<16 hex>,<16 hex>,..." (one per layer).
-std::string object_layout(const std::string& tag, const std::vector<std::uint64_t>& sums) {
-  std::string s = tag + ";xxh3=";
-  for (std::size_t i = 0; i < sums.size(); ++i) {
-    if (i > 0) s += ',';
-    s += wire::to_hex64(sums[i]);
-  }
-  return s;
-}
-
-// The per-layer checksums of an object's layout, when it is this cache's tag with `layers`.
-std::optional<std::vector<std::uint64_t>> parse_layout(std::string_view layout, std::string_view tag,
-                                                       std::uint32_t layers) {
-  const std::string_view head = ";xxh3=";
-  if (layout.size() < tag.size() + head.size() || layout.substr(0, tag.size()) != tag ||
-      layout.substr(tag.size(), head.size()) != head) {
-    return std::nullopt;
-  }
-  std::string_view rest = layout.substr(tag.size() + head.size());
-  std::vector<std::uint64_t> sums;
-  while (!rest.empty()) {
-    const std::string_view item = rest.substr(0, 16);
-    if (item.size() != 16 || item.find_first_not_of("0123456789abcdef") != std::string_view::npos) {
-      return std::nullopt;
-    }
-    sums.push_back(std::stoull(std::string(item), nullptr, 16));
-    rest.remove_prefix(16);
-    if (!rest.empty()) {
-      if (rest[0] != ',') return std::nullopt;
-      rest.remove_prefix(1);
-    }
-  }
-  if (sums.size() != layers) return std::nullopt;
-  return sums;
-}
+using kvcache::object_layout;
+using kvcache::parse_layout;
 
 // Host memory bytes long, page-aligned, from operator new (the host copier's bounce buffers).
 std::shared_ptr<std::byte> aligned_host(std::size_t bytes) {

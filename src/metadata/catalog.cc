@@ -88,14 +88,17 @@ bool valid_node_id(std::string_view id) {
   return true;
 }
 
-// Reads a placement from a script's reply: the page size, extents and nodes (id, address,
-// key, ...) at the given elements.
+// Reads a placement from a script's reply: the page size, extents, lease deadline and nodes
+// (id, address, key, ...) at the given elements.
 Result<Placement> parse_placement(const Reply& r, std::size_t first, std::size_t extents_at,
-                                  std::size_t nodes_at) {
+                                  std::size_t deadline_at, std::size_t nodes_at) {
   Placement p;
   auto ps = integer_of(r.element(first));
   if (!ps || *ps <= 0) return corrupt("the cell has no valid page size");
   p.page_size = static_cast<std::uint64_t>(*ps);
+  auto deadline = integer_of(r.element(deadline_at));
+  if (!deadline || *deadline <= 0) return corrupt("a lease without a valid deadline");
+  p.lease_deadline_ms = *deadline;
   p.extents_text = std::string(text_of(r.element(extents_at)));
   KVSTASH_ASSIGN_OR_RETURN(p.extents, parse_extents(p.extents_text));
   if ((r.size() - nodes_at) % 3 != 0) return corrupt("malformed node list in a placement");
@@ -154,19 +157,26 @@ Status Catalog::check_schema() {
   return {};
 }
 
-Status Catalog::register_node(const NodeRecord& n, std::chrono::milliseconds ttl) {
+Result<std::int64_t> Catalog::register_node(const NodeRecord& n, std::chrono::milliseconds ttl) {
   if (!valid_node_id(n.id)) {
     return Status::invalid_argument("node id must be 1-64 characters of [A-Za-z0-9._-]");
   }
   if (n.epoch.empty()) return Status::invalid_argument("node epoch must be set");
   std::string size = std::to_string(n.page_size), count = std::to_string(n.page_count), t = ms(ttl);
-  return redis_.eval(scripts::register_node(), {prefix_}, {n.id, n.epoch, size, count, n.address, n.key, t})
-      .status();
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::register_node(), {prefix_}, {n.id, n.epoch, size, count, n.address, n.key, t}));
+  auto now = integer_of(r.raw());
+  if (!now) return corrupt("unexpected reply to register_node");
+  return *now;
 }
 
-Status Catalog::heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl) {
-  std::string t = ms(ttl);
-  return redis_.eval(scripts::heartbeat(), {prefix_}, {id, epoch, t}).status();
+Result<std::int64_t> Catalog::heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl,
+                                        std::int64_t fenced_ms) {
+  std::string t = ms(ttl), f = std::to_string(std::max<std::int64_t>(0, fenced_ms));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::heartbeat(), {prefix_}, {id, epoch, t, f}));
+  auto now = integer_of(r.raw());
+  if (!now) return corrupt("unexpected reply to heartbeat");
+  return *now;
 }
 
 Result<std::uint64_t> Catalog::drain_node(std::string_view id, std::string_view epoch) {
@@ -210,8 +220,9 @@ Result<Placement> Catalog::begin_put(std::string_view token, std::string_view ke
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string n = std::to_string(size), l = ms(lease);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_put(), {prefix_}, {token, key, n, l}));
-  if (r.type() != Reply::Type::kArray || r.size() < 2) return corrupt("unexpected reply to begin_put");
-  KVSTASH_ASSIGN_OR_RETURN(Placement p, parse_placement(r, 0, 1, 2));
+  if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to begin_put");
+  // page_size, extents, deadline, nodes...
+  KVSTASH_ASSIGN_OR_RETURN(Placement p, parse_placement(r, 0, 1, 2, 3));
   if (p.extents.size() != (size + p.page_size - 1) / p.page_size) {
     return corrupt("begin_put returned the wrong number of pages");
   }
@@ -227,8 +238,11 @@ Status Catalog::commit_put(std::string_view token, std::string_view key, std::ui
   return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond}).status();
 }
 
-Status Catalog::abort_put(std::string_view token) {
-  return redis_.eval(scripts::abort_put(), {prefix_}, {token}).status();
+Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const std::string> fenced) {
+  std::vector<std::string_view> args{token};
+  for (const auto& id : fenced) args.push_back(id);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::abort_put(), {prefix_}, args));
+  return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
 }
 
 Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view reader,
@@ -236,8 +250,8 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string l = ms(lease);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l}));
-  if (r.type() != Reply::Type::kArray || r.size() < 6) return corrupt("unexpected reply to begin_get");
-  // page_size, token, size, extents, checksum, layout, nodes...
+  if (r.type() != Reply::Type::kArray || r.size() < 7) return corrupt("unexpected reply to begin_get");
+  // page_size, token, size, extents, checksum, layout, deadline, nodes...
   ReadLease g;
   g.object_token = std::string(text_of(r.element(1)));
   auto size = number<std::uint64_t>(text_of(r.element(2)));
@@ -248,7 +262,7 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
   g.size = *size;
   g.checksum = *sum;
   g.layout = std::string(text_of(r.element(5)));
-  auto p = parse_placement(r, 0, 3, 6);
+  auto p = parse_placement(r, 0, 3, 6, 7);
   if (!p.is_ok()) return corrupt("object " + std::string(key) + ": " + p.status().message());
   g.placement = std::move(p).value();
   if (g.placement.extents.size() != (g.size + g.placement.page_size - 1) / g.placement.page_size) {
@@ -318,9 +332,9 @@ Result<EvictCounts> Catalog::evict(std::uint64_t bytes) {
 Result<ReclaimCounts> Catalog::reclaim(std::uint32_t limit) {
   std::string l = std::to_string(limit == 0 ? 1 : limit);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::reclaim(), {prefix_}, {l}));
-  if (r.type() != Reply::Type::kArray || r.size() != 5) return corrupt("unexpected reply to reclaim");
+  if (r.type() != Reply::Type::kArray || r.size() != 6) return corrupt("unexpected reply to reclaim");
   auto at = [&](std::size_t i) { return static_cast<std::uint64_t>(integer_of(r.element(i)).value_or(0)); };
-  return ReclaimCounts{at(0), at(1), at(2), at(3), at(4)};
+  return ReclaimCounts{at(0), at(1), at(2), at(3), at(4), at(5)};
 }
 
 Result<std::uint64_t> Catalog::cordon_node(std::string_view id) {

@@ -21,7 +21,9 @@
 namespace kvstash::metadata {
 
 // The schema this build reads and writes (the cell's `schema` field).
-inline constexpr int kSchemaVersion = 1;
+// 2: puts' pages return only through their memory nodes' fences (`fenced`), and a restarted
+// or dead node's objects are swept in batches.
+inline constexpr int kSchemaVersion = 2;
 
 struct NodeRecord {
   std::string id;     // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
@@ -54,6 +56,9 @@ struct Placement {
   std::vector<Extent> extents;
   std::vector<NodeEndpoint> nodes;
   std::string extents_text;  // the record's own form, handed back to end_get
+  // The put's or read's lease deadline, in ms of Redis's clock: the fence tag its transfers
+  // carry to the nodes (LeaseOptions::fence).
+  std::int64_t lease_deadline_ms = 0;
 };
 
 // A leased read: what the object is and where its pages are.
@@ -92,6 +97,7 @@ struct ReclaimCounts {
   std::uint64_t zombies = 0;           // released pages whose last read lease ran out
   std::uint64_t dead_nodes = 0;        // nodes past their heartbeat deadline
   std::uint64_t orphaned_objects = 0;  // objects dropped with them
+  std::uint64_t fencing_puts = 0;      // puts past their lease, waiting for a node's fence
 };
 
 struct EvictCounts {
@@ -147,12 +153,16 @@ class Catalog {
 
   // --- Nodes ---------------------------------------------------------------------------
   // Creates or refreshes a node. A new epoch drops the objects of the previous incarnation
-  // and resets its pool. Errors: kInvalidArgument (bad id, page size differs from the
-  // cell's, zero pages), Redis errors.
-  Status register_node(const NodeRecord& node, std::chrono::milliseconds heartbeat_ttl);
-  // Keeps a node alive for `ttl` more. kStale when it must register again (another epoch,
-  // or declared dead after missing its deadline).
-  Status heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl);
+  // and resets its pool: the caller guarantees that nothing granted under an earlier epoch
+  // can still write into the pool (a new process, or the pool deregistered from every
+  // transport first). Returns Redis's clock (ms). Errors: kInvalidArgument (bad id, page size
+  // differs from the cell's, zero pages), Redis errors.
+  Result<std::int64_t> register_node(const NodeRecord& node, std::chrono::milliseconds heartbeat_ttl);
+  // Keeps a node alive for `ttl` more and records that it has fenced every lease whose tag
+  // (a put's or read's Redis deadline) is at most `fenced_ms`. Returns Redis's clock (ms).
+  // kStale when it must register again (another epoch, or its deadline passed).
+  Result<std::int64_t> heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl,
+                                 std::int64_t fenced_ms);
   // The node takes no new pages and its objects are dropped. Returns how many.
   Result<std::uint64_t> drain_node(std::string_view id, std::string_view epoch);
   // The node leaves the cell (after drain_node).
@@ -175,7 +185,11 @@ class Catalog {
   Status commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
                     std::string_view layout, std::chrono::milliseconds ttl,
                     const std::optional<std::string>& if_version = std::nullopt);
-  Status abort_put(std::string_view token);
+  // Ends a put that will not commit. Its pages on the nodes in `fenced` (those that confirmed
+  // that none of its writes can land any more: Peer::revoke) and on dead nodes are freed now;
+  // the others return once the lease has passed and their nodes have fenced through it
+  // (reclaim). Returns how many pages wait for a fence.
+  Result<std::uint64_t> abort_put(std::string_view token, std::span<const std::string> fenced);
 
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
   // absent, expired or on a dead node; kCorrupt for a malformed record.

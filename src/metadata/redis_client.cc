@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "common/net.h"
 #include "common/wire.h"
 
 namespace kvstash::metadata {
@@ -275,11 +276,25 @@ Result<std::unique_ptr<RedisClient>> RedisClient::connect(const RedisOptions& op
   return c;
 }
 
+std::chrono::milliseconds RedisClient::within_deadline(std::chrono::milliseconds limit) const {
+  if (!deadline_) return limit;
+  return std::min(limit, std::chrono::ceil<std::chrono::milliseconds>(*deadline_ - Clock::now()));
+}
+
 Status RedisClient::open() {
   ctx_.reset();
-  const timeval tv = to_timeval(options_.connect_timeout);
+  const auto connect_timeout = within_deadline(options_.connect_timeout);
+  if (connect_timeout.count() <= 0) return Status::timeout("redis " + url_.redacted() + ": the deadline passed");
+  const timeval tv = to_timeval(connect_timeout);
+  std::string host = url_.host;
+  if (!url_.unix_socket) {
+    // hiredis resolves names without a timeout: resolve first, within the connect's time.
+    auto addresses = net::resolve(url_.host, Clock::now() + connect_timeout);
+    if (!addresses.is_ok()) return addresses.status().with_context("redis " + url_.redacted());
+    host = addresses->front();
+  }
   redisContext* c = url_.unix_socket ? redisConnectUnixWithTimeout(url_.path.c_str(), tv)
-                                     : redisConnectWithTimeout(url_.host.c_str(), url_.port, tv);
+                                     : redisConnectWithTimeout(host.c_str(), url_.port, tv);
   if (c == nullptr) return Status::no_space("redis: cannot allocate a connection");
   ctx_.reset(c);
   if (c->err != 0) {
@@ -288,7 +303,8 @@ Status RedisClient::open() {
     if (what.find("timed out") != std::string::npos) return Status::timeout(std::move(what));
     return Status::unavailable(std::move(what));
   }
-  redisSetTimeout(c, to_timeval(options_.command_timeout));
+  socket_timeout_ = within_deadline(options_.command_timeout);
+  redisSetTimeout(c, to_timeval(socket_timeout_));
   if (!url_.password.empty()) {
     std::vector<std::string_view> auth{"AUTH"};
     if (!url_.user.empty()) auth.push_back(url_.user);
@@ -316,6 +332,15 @@ Status RedisClient::open() {
 
 Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
   if (!ctx_) return Status::unavailable("redis: not connected");
+  // The socket's timeout is what is left of the deadline, when that is the shorter.
+  const auto timeout = within_deadline(options_.command_timeout);
+  if (timeout.count() <= 0) {
+    return Status::timeout("redis " + url_.redacted() + ": the operation's deadline passed before the command");
+  }
+  if (timeout != socket_timeout_) {
+    redisSetTimeout(ctx_.get(), to_timeval(timeout));
+    socket_timeout_ = timeout;
+  }
   std::vector<const char*> argv;
   std::vector<std::size_t> lens;
   argv.reserve(args.size());
@@ -343,7 +368,8 @@ Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
 }
 
 Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
-  const auto give_up = Clock::now() + options_.reconnect_budget;
+  auto give_up = Clock::now() + options_.reconnect_budget;
+  if (deadline_) give_up = std::min(give_up, *deadline_);
   auto backoff = options_.backoff_initial;
   for (;;) {
     if (ctx_) {
@@ -353,6 +379,9 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
       KVSTASH_LOG_INFO("{}", r.status().to_string());
     }
     if (Clock::now() + backoff > give_up) {
+      if (deadline_ && give_up == *deadline_) {
+        return Status::timeout("redis " + url_.redacted() + " unreachable until the operation's deadline");
+      }
       return Status::unavailable("redis " + url_.redacted() + " unreachable for " +
                                  std::to_string(options_.reconnect_budget.count()) + " ms");
     }

@@ -8,11 +8,13 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "kvstash/status.h"
+#include "kvstash/types.h"
 
 struct redisContext;
 struct redisReply;
@@ -100,6 +102,11 @@ class RedisClient {
   Result<Reply> eval(const Script& script, const std::vector<std::string_view>& keys,
                      const std::vector<std::string_view>& args);
 
+  // Bounds every later command, its reconnects included, by `deadline` as well as by the
+  // options' timeouts (an operation's deadline, for as long as it borrows this client);
+  // nullopt lifts it. A command whose deadline has passed fails with kTimeout unsent.
+  void set_deadline(std::optional<Deadline> deadline) { deadline_ = deadline; }
+
   const RedisUrl& url() const { return url_; }
   // How many times the connection was re-established.
   std::uint64_t reconnects() const { return reconnects_; }
@@ -108,11 +115,15 @@ class RedisClient {
   RedisClient(RedisOptions options, RedisUrl url);
   Status open();  // connect + AUTH + SELECT
   Result<Reply> run_once(const std::vector<std::string_view>& args);
+  // `limit`, shortened to what is left of the deadline; zero or less once it has passed.
+  std::chrono::milliseconds within_deadline(std::chrono::milliseconds limit) const;
 
   RedisOptions options_;
   RedisUrl url_;
   std::unique_ptr<redisContext, void (*)(redisContext*)> ctx_;
   std::uint64_t reconnects_ = 0;
+  std::optional<Deadline> deadline_;
+  std::chrono::milliseconds socket_timeout_{0};  // what the socket's timeout is set to now
 };
 
 }  // namespace kvstash::metadata

@@ -120,37 +120,88 @@ local function release(key)
   return free_extents(o[2])
 end
 
--- Releases every object with a page on node `id` and empties its object set. Returns how
--- many objects that was.
-local function release_node_objects(id)
-  local keys = redis.call('SMEMBERS', P .. ':objs:' .. id)
-  for _, key in ipairs(keys) do release(key) end
-  redis.call('DEL', P .. ':objs:' .. id)
-  return #keys
+-- Whether the pages an object names on its nodes are still there: every node alive and
+-- serving (not leaving the cell), and still the incarnation that allocated them (a node that
+-- registered again started its generations above every earlier one, so one extent per node
+-- tells).
+local function on_live_pages(extents, nodes)
+  local floors, left = {}, 0
+  for id in string.gmatch(nodes or '', '[^ ]+') do
+    if not live(id) then return false end
+    if not floors[id] then
+      local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'gen_floor')
+      if n[1] ~= 'up' and n[1] ~= 'draining' then return false end
+      floors[id] = tonumber(n[2] or '0') or 0
+      left = left + 1
+    end
+  end
+  for id, gen in string.gmatch(extents or '', '([^,;]+),%d+,(%d+)') do
+    if left == 0 then break end
+    local floor = floors[id]
+    if floor then
+      if tonumber(gen) <= floor then return false end
+      floors[id] = nil
+      left = left - 1
+    end
+  end
+  return true
 end
 
--- The fields of a readable object (present, unexpired, every node alive), or nil. An
--- expired object or one on a dead node is released on the spot.
+-- The fields of a readable object (present, unexpired, its pages on live nodes), or nil. An
+-- expired object or one on a dead or restarted node is released on the spot.
 local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires'}
 local function lookup(key)
   local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
   if not o[1] then return nil end
   local exp = tonumber(o[7] or '0') or 0
-  if exp > 0 and exp <= now then
+  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) then
     release(key)
     return nil
-  end
-  for id in string.gmatch(o[6] or '', '[^ ]+') do
-    if not live(id) then
-      release(key)
-      return nil
-    end
   end
   return o
 end
 
+-- Hands node `id`'s objects to the sweep: they are unreadable already (the node is gone or
+-- registered again, which lookup sees), and reclaim releases them in bounded batches, so no
+-- script walks a million objects at once. Returns how many objects that was.
+local function sweep_node_objects(id)
+  local ok = P .. ':objs:' .. id
+  local n = redis.call('SCARD', ok)
+  if n > 0 then
+    local batch = P .. ':sweep:' .. redis.call('INCR', P .. ':sweep_seq')
+    redis.call('RENAME', ok, batch)
+    redis.call('RPUSH', P .. ':sweep', batch)
+  end
+  return n
+end
+
+-- Releases up to `limit` objects from the sweep batches (each through lookup, which releases
+-- only what is unreadable: a key written again since keeps its new object). Returns how many
+-- keys were looked at.
+local function sweep(limit)
+  local done = 0
+  while done < limit do
+    local batch = redis.call('LINDEX', P .. ':sweep', 0)
+    if not batch then break end
+    local keys = redis.call('SPOP', batch, limit - done)
+    for _, key in ipairs(keys) do lookup(key) end
+    done = done + #keys
+    if redis.call('EXISTS', batch) == 0 then redis.call('LPOP', P .. ':sweep') end
+  end
+  return done
+end
+
 local function present(key)
   return lookup(key) ~= nil
+end
+
+-- The live nodes that take allocations (state up), as a set of ids.
+local function usable_nodes()
+  local s = {}
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+    if redis.call('HGET', P .. ':node:' .. id, 'state') == 'up' then s[id] = true end
+  end
+  return s
 end
 
 -- Free pages per live node that takes allocations, and their sum.
@@ -179,11 +230,13 @@ end
 
 -- Walks the LRU order, least recently used first, calling visit(key, last_access, extents,
 -- size) for each object no reader leases: leased objects are never evicted. visit returns true
--- to stop. Returns the LRU entries whose record is gone (deleted by hand).
-local function walk_unleased_lru(visit)
+-- to stop. At most `max_visits` LRU entries are looked at, so the work is bounded by what
+-- the caller needs, never by the cell's size. Returns the LRU entries whose record is gone
+-- (deleted by hand).
+local function walk_unleased_lru(visit, max_visits)
   local orphans, offset = {}, 0
-  while true do
-    local batch = redis.call('ZRANGE', P .. ':lru', offset, offset + 63, 'WITHSCORES')
+  while offset < max_visits do
+    local batch = redis.call('ZRANGE', P .. ':lru', offset, math.min(offset + 63, max_visits - 1), 'WITHSCORES')
     if #batch == 0 then return orphans end
     offset = offset + #batch / 2
     for i = 1, #batch, 2 do
@@ -196,6 +249,7 @@ local function walk_unleased_lru(visit)
       end
     end
   end
+  return orphans
 end
 
 -- Releases `victims` as evicted (counted in P:stats). Returns the pages freed now.
@@ -206,18 +260,26 @@ local function evict_keys(victims)
   return freed
 end
 
--- Evicts least recently used objects that no reader leases until `need` pages came free.
--- All or nothing: when the unleased objects cannot free enough, nothing is evicted (a put
--- that fails anyway must not empty the cache). Returns objects evicted and pages freed.
-local function evict(need)
+-- Evicts least recently used objects that no reader leases until `need` pages came free on
+-- the nodes in `usable` (id -> true: those that take allocations; pages on a draining or
+-- dead node free nothing a put can use). All or nothing: when the unleased objects cannot
+-- free enough, nothing is evicted (a put that fails anyway must not empty the cache). Looks
+-- at most `need` + 256 objects: leased ones in front are skipped, a longer search fails.
+-- Returns objects evicted and pages freed.
+local function evict(need, usable)
   if need <= 0 then return 0, 0 end
   local victims, pages = {}, 0
   local orphans = walk_unleased_lru(function(key, _, extents)
-    victims[#victims + 1] = key
-    local _, n = string.gsub(extents or '', ',%d+,%d+', '')
-    pages = pages + n
+    local n = 0
+    for id in string.gmatch(extents or '', '([^,;]+),%d+,%d+') do
+      if usable[id] then n = n + 1 end
+    end
+    if n > 0 then
+      victims[#victims + 1] = key
+      pages = pages + n
+    end
     return pages >= need
-  end)
+  end, need + 256)
   if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
   if pages < need then return 0, 0 end
   return #victims, evict_keys(victims)
@@ -247,8 +309,12 @@ Script make(const char* body) { return Script(std::string(kPrelude) + body); }
 // Nodes
 
 // ARGV id, epoch, page_size, page_count, address, key, ttl_ms. A new epoch means the old
-// incarnation's memory is gone: its objects are dropped and its pool starts over. IN_USE while
+// incarnation's pages can no longer be written by anyone: a new process has new memory, and a
+// node that registers again from the same process has first deregistered its pool from every
+// transport (which fences every lease and request of the old keys). So its objects are
+// dropped (swept in batches; unreadable at once) and its pool starts over. IN_USE while
 // another epoch of the id is alive: two daemons sharing an id would drop each other's objects.
+// Returns Redis's clock (ms).
 const Script& register_node() {
   static const Script s = make(R"lua(
 local id, epoch = ARGV[1], ARGV[2]
@@ -260,46 +326,58 @@ local cell = page_size()
 if cell > 0 and cell ~= ps then
   return redis.error_reply('INVALID page size ' .. ps .. ' differs from the cell page size ' .. cell)
 end
-redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 1)
+redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 2)
 local nk = P .. ':node:' .. id
 local held = redis.call('HMGET', nk, 'epoch', 'state')
 if held[1] and held[1] ~= epoch and (held[2] == 'up' or held[2] == 'draining') and live(id) then
   return redis.error_reply('IN_USE node id ' .. id .. ' is held by a live node (another kvstashd with the same id?)')
 end
 if held[1] ~= epoch then
-  release_node_objects(id)
+  sweep_node_objects(id)
   redis.call('DEL', P .. ':free:' .. id)
   -- Every generation of the new incarnation starts above every generation of the old ones
   -- (the floor), so an old extent can never match a page again, without touching each page.
   redis.call('DEL', P .. ':gen:' .. id)
   -- 2^32 allocations of a page per incarnation, 2^21 incarnations within Lua's exact integers.
   local floor = (redis.call('HINCRBY', nk, 'epochs', 1) - 1) * 4294967296
-  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now, 'gen_floor', floor)
+  -- Nothing granted before now can still write here: the pool was fenced as a whole.
+  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now, 'gen_floor', floor, 'fenced', now)
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
 redis.call('SADD', P .. ':known', id)
-return 'OK'
+return now
 )lua");
   return s;
 }
 
-// ARGV id, epoch, ttl_ms. STALE when the node must register again: another epoch holds the
-// id, or it was declared dead (its objects are gone).
+// ARGV id, epoch, ttl_ms, fenced (ms of Redis time: the node has fenced every lease whose tag,
+// the deadline of the put or read it serves, is at most this; it only moves up). STALE when
+// the node must register again: another epoch holds the id, or its deadline passed (readers
+// have been told its objects are gone, and puts' pages may have been freed without its
+// fence: only a new registration, after fencing the whole pool, may serve again). Returns
+// Redis's clock (ms), from which the node estimates how far it may fence.
 const Script& heartbeat() {
   static const Script s = make(R"lua(
 local id = ARGV[1]
-local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
-if n[1] ~= ARGV[2] or (n[2] ~= 'up' and n[2] ~= 'draining') then
+local nk = P .. ':node:' .. id
+local n = redis.call('HMGET', nk, 'epoch', 'state', 'fenced')
+if n[1] ~= ARGV[2] or (n[2] ~= 'up' and n[2] ~= 'draining' and n[2] ~= 'leaving') then
   return redis.error_reply('STALE node ' .. id .. ' is not registered with this epoch')
 end
+if not live(id) then
+  return redis.error_reply('STALE node ' .. id .. ' missed its heartbeat deadline')
+end
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[3]), id)
-return 'OK'
+local fenced = tonumber(ARGV[4]) or 0
+if fenced > (tonumber(n[3] or '0') or 0) then redis.call('HSET', nk, 'fenced', fenced) end
+return now
 )lua");
   return s;
 }
 
-// ARGV id, epoch. The node takes no new pages and its objects are dropped. Returns how many.
+// ARGV id, epoch. The node is leaving (kvstashd stopping): it takes no new pages and its
+// objects are dropped (unreadable at once, swept in batches). Returns how many.
 const Script& drain_node() {
   static const Script s = make(R"lua(
 local id = ARGV[1]
@@ -307,8 +385,8 @@ local nk = P .. ':node:' .. id
 if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then
   return redis.error_reply('STALE node ' .. id .. ' is not registered with this epoch')
 end
-redis.call('HSET', nk, 'state', 'draining')
-return release_node_objects(id)
+redis.call('HSET', nk, 'state', 'leaving')
+return sweep_node_objects(id)
 )lua");
   return s;
 }
@@ -320,7 +398,7 @@ const Script& deregister_node() {
 local id = ARGV[1]
 local nk = P .. ':node:' .. id
 if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then return 'OK' end
-release_node_objects(id)
+sweep_node_objects(id)
 redis.call('DEL', P .. ':free:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('HSET', nk, 'state', 'gone')
@@ -392,7 +470,7 @@ if redis.call('EXISTS', nk) == 0 then return redis.error_reply('NOT_FOUND no nod
 if live(id) then
   return redis.error_reply('IN_USE node ' .. id .. ' is alive (its heartbeat is current): stop its kvstashd first')
 end
-local released = release_node_objects(id)
+local released = sweep_node_objects(id)
 redis.call('DEL', P .. ':free:' .. id, P .. ':gen:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('SREM', P .. ':known', id)
@@ -452,7 +530,7 @@ walk_unleased_lru(function(key, last, _, size)
   out[#out + 1] = size or '0'
   out[#out + 1] = last
   return (max_bytes > 0 and bytes >= max_bytes) or #chosen >= limit
-end)
+end, 2 * limit + 256)
 if not dry then evict_keys(chosen) end
 return out
 )lua");
@@ -465,13 +543,17 @@ return out
 // ARGV token, key, size, lease_ms. Allocates the pages of a new object, most free node
 // first, spilling over nodes; expired then least recently used unleased objects make room.
 // Repeating a begin_put with the same token returns the same pages (a retry after a lost
-// reply). Returns page_size, extents, then id, address, key per node.
+// reply). Returns page_size, extents, the lease's deadline (ms of Redis time: the fence tag
+// of the put's writes at the nodes), then id, address, key per node.
 const Script& begin_put() {
   static const Script s = make(R"lua(
 local token, key, size, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local pk = P .. ':put:' .. token
 local prev = redis.call('HMGET', pk, 'extents', 'nodes')
-if prev[1] then return endpoints({page_size(), prev[1]}, prev[2]) end
+if prev[1] then
+  local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
+  return endpoints({page_size(), prev[1], deadline}, prev[2])
+end
 local ps = page_size()
 if ps <= 0 then return redis.error_reply('NO_SPACE no memory node has joined this cell') end
 local need = math.ceil(size / ps)
@@ -488,12 +570,13 @@ if total < need then
   sweep_expired(256)
   cands, total = candidates()
   if total < need then
-    evict(need - total)
+    evict(need - total, usable_nodes())
     cands, total = candidates()
   end
   if total < need then
     return redis.error_reply('NO_SPACE object needs ' .. need .. ' pages, ' .. total ..
-                             ' are free and every other page is leased by a reader or a put')
+                             ' are free and every other page is leased by a reader or a put, or waits' ..
+                             ' for its memory node to fence a failed put')
   end
 end
 table.sort(cands, function(a, b) return a[2] > b[2] end)
@@ -526,7 +609,7 @@ end
 local extents, node_list = table.concat(ext, ';'), table.concat(nodes, ' ')
 redis.call('HSET', pk, 'key', key, 'size', size, 'extents', extents, 'nodes', node_list)
 redis.call('ZADD', P .. ':pending', now + lease, token)
-return endpoints({ps, extents}, node_list)
+return endpoints({ps, extents, now + lease}, node_list)
 )lua");
   return s;
 }
@@ -539,11 +622,12 @@ const Script& commit_put() {
   static const Script s = make(R"lua(
 local token, key, ttl = ARGV[1], ARGV[2], tonumber(ARGV[5])
 local pk, ok = P .. ':put:' .. token, P .. ':obj:' .. key
-local p = redis.call('HMGET', pk, 'key', 'extents', 'nodes', 'size')
+local p = redis.call('HMGET', pk, 'key', 'extents', 'nodes', 'size', 'aborted')
 if not p[1] then
   if redis.call('HGET', ok, 'token') == token then return 'OK' end
   return redis.error_reply('STALE the put lost its lease before the commit; its pages were reclaimed')
 end
+if p[5] then return redis.error_reply('STALE the put was aborted') end
 if p[1] ~= key then return redis.error_reply('INVALID put token belongs to another key') end
 local gone = not current(p[2])
 for id in string.gmatch(p[3] or '', '[^ ]+') do
@@ -581,20 +665,47 @@ return 'OK'
   return s;
 }
 
-// ARGV token. Frees a pending put's pages. Idempotent.
+// ARGV token, then the nodes that confirmed that none of the put's writes can land on them any
+// more (Peer::revoke). The put's pages on those nodes, and on nodes that are not alive, are
+// freed now; the rest stay with the pending put, and reclaim frees them once its lease has
+// passed and their nodes have fenced through it (a write still queued at a stalled node must
+// never land in a page another put was given). Idempotent. Returns the pages left waiting.
 const Script& abort_put() {
   static const Script s = make(R"lua(
-local pk = P .. ':put:' .. ARGV[1]
-free_extents(redis.call('HGET', pk, 'extents'))
-redis.call('DEL', pk)
-redis.call('ZREM', P .. ':pending', ARGV[1])
-return 'OK'
+local tok = ARGV[1]
+local pk = P .. ':put:' .. tok
+local p = redis.call('HMGET', pk, 'extents', 'nodes')
+if not p[1] then return 0 end
+local confirmed = {}
+for i = 2, #ARGV do confirmed[ARGV[i]] = true end
+local free, keep, kept_nodes, seen = {}, {}, {}, {}
+for id, page, gen in string.gmatch(p[1], '([^,;]+),(%d+),(%d+)') do
+  local e = id .. ',' .. page .. ',' .. gen
+  if confirmed[id] or not live(id) then
+    free[#free + 1] = e
+  else
+    keep[#keep + 1] = e
+    if not seen[id] then
+      seen[id] = true
+      kept_nodes[#kept_nodes + 1] = id
+    end
+  end
+end
+free_extents(table.concat(free, ';'))
+if #keep == 0 then
+  redis.call('DEL', pk)
+  redis.call('ZREM', P .. ':pending', tok)
+else
+  redis.call('HSET', pk, 'extents', table.concat(keep, ';'), 'nodes', table.concat(kept_nodes, ' '), 'aborted', now)
+end
+return #keep
 )lua");
   return s;
 }
 
 // ARGV key, reader, lease_ms. Looks the object up and leases it for reading. Returns
-// page_size, token, size, extents, checksum, layout, then id, address, key per node.
+// page_size, token, size, extents, checksum, layout, the lease's deadline (ms of Redis time),
+// then id, address, key per node.
 const Script& begin_get() {
   static const Script s = make(R"lua(
 local key = ARGV[1]
@@ -604,9 +715,10 @@ if not o then
   return redis.error_reply('NOT_FOUND no object ' .. key)
 end
 redis.call('HINCRBY', P .. ':stats', 'hits', 1)
-redis.call('ZADD', P .. ':readers:' .. o[1], now + tonumber(ARGV[3]), ARGV[2])
+local deadline = now + tonumber(ARGV[3])
+redis.call('ZADD', P .. ':readers:' .. o[1], deadline, ARGV[2])
 redis.call('ZADD', P .. ':lru', now, key)
-return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or ''}, o[6])
+return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or '', deadline}, o[6])
 )lua");
   return s;
 }
@@ -694,24 +806,43 @@ const Script& evict() {
   static const Script s = make(R"lua(
 local ps = page_size()
 if ps <= 0 then return {0, 0} end
-local objects, pages = evict(math.ceil(tonumber(ARGV[1]) / ps))
+local objects, pages = evict(math.ceil(tonumber(ARGV[1]) / ps), usable_nodes())
 return {objects, pages}
 )lua");
   return s;
 }
 
-// ARGV limit. Sweeps expired objects, puts past their lease, zombies past their last read
-// lease, and nodes past their heartbeat (their objects are dropped). Returns the four counts
-// and the objects of dead nodes.
+// ARGV limit. Sweeps, at most `limit` of each: expired objects; puts past their lease whose
+// live nodes have all fenced through it (their writes can no longer land; a dead node's pages
+// start over when it registers again); zombies past their last read lease; nodes past their
+// heartbeat deadline (`state = dead`; their objects go to the sweep); and objects of the
+// sweep (dead or restarted nodes'). Returns expired, puts, zombies, dead nodes, the objects
+// the dead nodes held, and the puts still waiting for a node's fence.
 const Script& reclaim() {
   static const Script s = make(R"lua(
 local limit = tonumber(ARGV[1])
 local expired = sweep_expired(limit)
-local puts = redis.call('ZRANGEBYSCORE', P .. ':pending', '-inf', '(' .. now, 'LIMIT', 0, limit)
-for _, tok in ipairs(puts) do
-  free_extents(redis.call('HGET', P .. ':put:' .. tok, 'extents'))
-  redis.call('DEL', P .. ':put:' .. tok)
-  redis.call('ZREM', P .. ':pending', tok)
+local puts = redis.call('ZRANGEBYSCORE', P .. ':pending', '-inf', '(' .. now, 'WITHSCORES', 'LIMIT', 0, limit)
+local freed, waiting, fenced = 0, 0, {}
+for i = 1, #puts, 2 do
+  local tok, deadline = puts[i], tonumber(puts[i + 1])
+  local pk = P .. ':put:' .. tok
+  local p = redis.call('HMGET', pk, 'extents', 'nodes')
+  local ready = true
+  for id in string.gmatch(p[2] or '', '[^ ]+') do
+    if fenced[id] == nil then
+      fenced[id] = tonumber(redis.call('HGET', P .. ':node:' .. id, 'fenced') or '0') or 0
+    end
+    if live(id) and fenced[id] < deadline then ready = false end
+  end
+  if ready then
+    free_extents(p[1])
+    redis.call('DEL', pk)
+    redis.call('ZREM', P .. ':pending', tok)
+    freed = freed + 1
+  else
+    waiting = waiting + 1
+  end
 end
 local zombies = redis.call('ZRANGEBYSCORE', P .. ':zombies', '-inf', '(' .. now, 'LIMIT', 0, limit)
 for _, tok in ipairs(zombies) do
@@ -722,11 +853,12 @@ end
 local dead = redis.call('ZRANGEBYSCORE', P .. ':nodes', '-inf', '(' .. now, 'LIMIT', 0, limit)
 local orphans = 0
 for _, id in ipairs(dead) do
-  orphans = orphans + release_node_objects(id)
+  orphans = orphans + sweep_node_objects(id)
   redis.call('HSET', P .. ':node:' .. id, 'state', 'dead')
   redis.call('ZREM', P .. ':nodes', id)
 end
-return {expired, #puts, #zombies, #dead, orphans}
+sweep(limit)
+return {expired, freed, #zombies, #dead, orphans, waiting}
 )lua");
   return s;
 }

@@ -25,6 +25,7 @@ struct MemoryNode::Shared {
   std::atomic<std::uint64_t> heartbeats{0}, heartbeat_failures{0}, registrations{0};
   std::atomic<std::uint64_t> free_pages{0}, objects{0};
   std::atomic<std::uint64_t> expired{0}, abandoned_puts{0}, zombies{0}, dead_nodes{0}, orphaned{0};
+  std::atomic<std::uint64_t> fencing_puts{0};  // at the last reclaim
 };
 
 namespace {
@@ -43,6 +44,16 @@ std::string default_node_id() {
 }
 
 std::string new_epoch() { return std::to_string(sys::random_u64()); }
+
+// Peers copy to and from the pool over shm themselves: a copy that checked the fence (or the
+// key) just before it moved runs on for the length of one memcpy (an op is at most a few MiB:
+// about a millisecond). A fence is reported, and a fenced pool registered again, only this
+// long after it was made.
+constexpr auto kCopyGrace = std::chrono::milliseconds(100);
+
+// How far the node's steady clock and Redis's clock may drift apart per ms between two
+// readings (NTP slews at most 500 ppm): the fence stays behind Redis's clock by this much more.
+constexpr double kClockDrift = 1e-3;
 
 }  // namespace
 
@@ -69,6 +80,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   }
   KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
   KVSTASH_ASSIGN_OR_RETURN(n->handle_, n->engine_->register_memory(n->pool_.region(), Access::kLeased));
+  n->transports_ = n->handle_.transports();
 
   n->shared_ = std::make_unique<Shared>();
   metadata::RedisOptions ro;
@@ -116,12 +128,51 @@ Status MemoryNode::join() {
   s.epoch = new_epoch();
   metadata::NodeRecord rec{
       id_, s.epoch, options_.page_size, page_count_, engine_->address(), handle_.remote_key()};
-  KVSTASH_RETURN_IF_ERROR(s.catalog->register_node(rec, options_.heartbeat_ttl));
+  KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
+  sample_redis_clock(now, Clock::now());
   ++s.registrations;
   s.free_pages = page_count_;
   s.objects = 0;
   s.state = "up";
   return {};
+}
+
+// Caller holds shared_->mu.
+Status MemoryNode::rejoin() {
+  // Every lease and request under the old keys ends with the registration: tcp waits for
+  // the syscall a request may be in, verbs deallocates the windows and the MR, shm zeroes the
+  // key peers check before each copy (copies already moving get kCopyGrace to finish).
+  handle_ = MemoryHandle();
+  std::this_thread::sleep_for(kCopyGrace);
+  auto handle = engine_->register_memory(pool_.region(), Access::kLeased);
+  if (!handle.is_ok()) return handle.status().with_context("registering the pool again");
+  handle_ = std::move(handle).value();
+  return join();
+}
+
+void MemoryNode::sample_redis_clock(std::int64_t redis_ms, Clock::time_point at) {
+  redis_clock_ = std::make_pair(redis_ms, at);
+}
+
+std::int64_t MemoryNode::fence() {
+  const auto now = Clock::now();
+  if (redis_clock_) {
+    // Redis's clock read `ms` at some moment before `at`, so now it reads at least
+    // ms + (now - at), less the drift: every lease with a deadline at or below that is over.
+    const auto [ms, at] = *redis_clock_;
+    const double elapsed = std::chrono::duration<double, std::milli>(now - at).count();
+    const auto through = static_cast<std::int64_t>(static_cast<double>(ms) + elapsed * (1 - kClockDrift)) - 1;
+    if (through > 0) {
+      engine_->fence(static_cast<std::uint64_t>(through));
+      fences_made_.emplace_back(through, now);
+    }
+  }
+  std::erase_if(fences_made_, [&](const auto& f) {
+    if (now - f.second < kCopyGrace) return false;
+    fenced_ready_ = std::max(fenced_ready_, f.first);
+    return true;
+  });
+  return fenced_ready_;
 }
 
 void MemoryNode::loop() {
@@ -130,12 +181,20 @@ void MemoryNode::loop() {
   auto next_reclaim = Clock::now();
   std::unique_lock lock(s.mu);
   while (!s.stopping) {
-    Status st = s.catalog->heartbeat(id_, s.epoch, options_.heartbeat_ttl);
+    const std::int64_t fenced = fence();
+    auto beat_reply = s.catalog->heartbeat(id_, s.epoch, options_.heartbeat_ttl, fenced);
+    Status st = beat_reply.status();
+    if (st.is_ok()) {
+      sample_redis_clock(*beat_reply, Clock::now());
+      fenced_reported_ = fenced;
+    }
     if (st.code() == StatusCode::kStale && s.state != "gone") {
       // Declared dead (a long pause, Redis restarted empty) or displaced: the cell dropped
-      // our objects already, so the pool starts over under a new epoch.
-      KVSTASH_LOG_WARN("node {}: heartbeat refused ({}); registering again", id_, st.to_string());
-      st = join();
+      // our objects, and may have freed pages of puts we never fenced; the pool starts over
+      // under a new epoch once nothing granted before can reach it.
+      KVSTASH_LOG_WARN("node {}: heartbeat refused ({}); fencing the pool and registering again", id_,
+                       st.to_string());
+      st = rejoin();
     }
     if (st.is_ok()) {
       ++s.heartbeats;
@@ -149,6 +208,7 @@ void MemoryNode::loop() {
           s.zombies += r->zombies;
           s.dead_nodes += r->dead_nodes;
           s.orphaned += r->orphaned_objects;
+          s.fencing_puts = r->fencing_puts;
           if (r->dead_nodes > 0) {
             KVSTASH_LOG_WARN("node {}: reclaimed {} dead node(s) and {} of their objects", id_, r->dead_nodes,
                              r->orphaned_objects);
@@ -181,7 +241,7 @@ Result<std::uint64_t> MemoryNode::drain() {
 
 std::string MemoryNode::transports() const {
   std::string out;
-  for (TransportKind k : handle_.transports()) {
+  for (TransportKind k : transports_) {
     if (!out.empty()) out += ',';
     out += to_string(k);
   }
@@ -206,7 +266,7 @@ std::string MemoryNode::metrics() const {
   m.gauge("kvstash_node_capacity_bytes", "Bytes donated to the cell",
           static_cast<double>(page_count_ * options_.page_size));
   m.gauge("kvstash_node_huge_pages", "1 when the pool is backed by huge pages", pool_.huge_pages() ? 1 : 0);
-  for (TransportKind k : handle_.transports()) {
+  for (TransportKind k : transports_) {
     m.gauge("kvstash_node_transport", "Constant 1 per transport serving the pool", 1,
             {{"transport", to_string(k)}});
   }
@@ -232,6 +292,10 @@ std::string MemoryNode::metrics() const {
   m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.dead_nodes.load()), {{"kind", "dead_node"}});
   m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.orphaned.load()),
             {{"kind", "orphaned_object"}});
+  m.gauge("kvstash_node_fenced_ms", "How far (ms of Redis time) the node has fenced its leases and told the cell",
+          static_cast<double>(fenced_reported_.load()));
+  m.gauge("kvstash_cell_fencing_puts", "Failed puts past their lease waiting for a node's fence (last reclaim)",
+          static_cast<double>(s.fencing_puts.load()));
   m.gauge("kvstash_node_uptime_seconds", "Seconds since the node started", secs);
   return m.str();
 }

@@ -4,6 +4,15 @@
 // background loop also runs the cell's reclaim (expired objects, abandoned puts, zombies,
 // dead nodes), so pages come back even when no client is active.
 //
+// The write fence: every client lease on the pool carries the Redis deadline of the put or
+// read it serves. Each heartbeat, the node fences (Engine::fence) every lease whose deadline
+// has surely passed by Redis's clock, and reports how far it fenced; Redis frees a failed
+// put's pages only once its nodes have fenced through its deadline, so a write still queued
+// at this node (stopped, slow, or behind a broken connection) can never land in a page
+// another put was given. A node whose deadline passed registers again only after fencing the
+// whole pool: it deregisters the pool from every transport (no old key reaches it any more)
+// and registers it afresh.
+//
 // Thread safety: start/drain from one thread; metrics() and health() from any thread.
 #pragma once
 
@@ -11,8 +20,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "kvstash/engine.h"
 #include "kvstash/memory.h"
@@ -59,6 +71,8 @@ class MemoryNode {
   std::uint64_t page_size() const { return options_.page_size; }
   bool huge_pages() const { return pool_.huge_pages(); }
   const Engine& engine() const { return *engine_; }
+  // How far the node has fenced (ms of Redis time) and reported to the cell.
+  std::int64_t fenced_ms() const { return fenced_reported_.load(); }
   // The transports serving the pool ("shm,tcp").
   std::string transports() const;
 
@@ -71,6 +85,14 @@ class MemoryNode {
   MemoryNode() = default;
   void loop();
   Status join();  // (re)registers under a fresh epoch
+  // After the cell declared this node dead: fences the whole pool (deregisters it from every
+  // transport, waits out copies peers began) and registers it again. Caller holds the lock.
+  Status rejoin();
+  // Fences what Redis's clock has surely put behind every lease, and returns the fence to
+  // report: the largest one made at least kCopyGrace ago (peers' shm copies that began
+  // before it have ended).
+  std::int64_t fence();
+  void sample_redis_clock(std::int64_t redis_ms, Clock::time_point at);
 
   struct Shared;  // Redis state, touched by the loop and drain
   MemoryNodeOptions options_;
@@ -78,10 +100,16 @@ class MemoryNode {
   std::uint64_t page_count_ = 0;
   Buffer pool_;
   std::unique_ptr<Engine> engine_;
-  MemoryHandle handle_;
+  MemoryHandle handle_;  // replaced on rejoin (under the lock)
+  std::vector<TransportKind> transports_;  // serving the pool, fixed at start
   std::unique_ptr<Shared> shared_;
   std::thread thread_;
   Clock::time_point started_ = Clock::now();
+  // The loop's view of Redis's clock: a reading, and when it arrived here.
+  std::optional<std::pair<std::int64_t, Clock::time_point>> redis_clock_;
+  std::vector<std::pair<std::int64_t, Clock::time_point>> fences_made_;  // not yet reportable
+  std::int64_t fenced_ready_ = 0;                                         // reportable now
+  std::atomic<std::int64_t> fenced_reported_{0};
 };
 
 }  // namespace kvstash::node

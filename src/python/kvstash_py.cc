@@ -3,7 +3,7 @@
 // kvstash.Error with .code (the status name) and the message.
 //
 //   import kvstash
-//   store = kvstash.Store("redis://127.0.0.1:6379/0", transports="shm,tcp")
+//   store = kvstash.Store("redis://127.0.0.1:6379/0", transports="shm,tcp", cluster_token=token)
 //   kv = kvstash.KvCache(store, tensors=[t.data_ptr() for t in kv_caches], num_blocks=...,
 //                        block_size=16, kv_heads=8, head_dim=128, dtype="bf16", model="...")
 //   load = kv.begin_load(tokens, block_ids, kv.contains_prefix(tokens))
@@ -12,9 +12,11 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "common/system.h"
 #include "common/transports.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
@@ -61,26 +63,33 @@ std::vector<std::pair<std::string, std::string>> statuses(const std::vector<Stat
   return out;
 }
 
-// A memory address from a Python object: an int (torch's data_ptr()) or a writable buffer
-// (bytearray, numpy array, memoryview), whose bytes must stay alive (the owner keeps it).
-void* address_of(const py::handle& h, std::size_t need, std::vector<py::object>& keep) {
+// A memory address from a Python object: an int (torch's data_ptr(): the caller keeps that
+// memory alive and in place) or a writable buffer (bytearray, numpy array, memoryview). A
+// buffer's export is held in `exports` for as long as its address is in use: while it is
+// held the exporter may not move or free the bytes (a bytearray refuses to resize with
+// BufferError), and it keeps the object alive. Releasing an export needs the GIL.
+void* address_of(const py::handle& h, std::size_t need, std::vector<py::buffer_info>& exports) {
   if (py::isinstance<py::int_>(h)) return reinterpret_cast<void*>(h.cast<std::uintptr_t>());
   py::buffer_info info = h.cast<py::buffer>().request(true);
   if (static_cast<std::size_t>(info.size * info.itemsize) < need) {
     raise(Status::invalid_argument("a tensor buffer holds " + std::to_string(info.size * info.itemsize) +
                                    " bytes, the layout needs " + std::to_string(need)));
   }
-  keep.push_back(py::reinterpret_borrow<py::object>(h));
-  return info.ptr;
+  void* addr = info.ptr;
+  exports.push_back(std::move(info));
+  return addr;
 }
 
 struct PyStore {
   std::unique_ptr<Store> store;
 };
 
+// Destroyed by Python (the last KvCache, KvSave or KvLoad object referring to it goes), so
+// with the GIL held. Members go in reverse order: the cache deregisters its memory before the
+// buffer exports are released, and the store goes last.
 struct PyKvCache {
-  std::shared_ptr<PyStore> store;   // outlives the cache
-  std::vector<py::object> tensors;  // buffers whose memory is registered
+  std::shared_ptr<PyStore> store;        // outlives the cache
+  std::vector<py::buffer_info> buffers;  // exports of the buffers whose memory is registered
   std::unique_ptr<KvCache> kv;
 };
 
@@ -109,10 +118,15 @@ PYBIND11_MODULE(kvstash, m) {
 
   py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
       .def(py::init([](const std::string& redis_url, const std::string& password, const std::string& cell,
-                       const std::string& transports, double timeout) {
+                       const std::string& transports, double timeout,
+                       const std::optional<std::string>& cluster_token) {
              StoreOptions o;
              o.redis_url = redis_url;
              o.redis_password = password;
+             if (cluster_token) {
+               check(sys::check_cluster_token(*cluster_token, "cluster_token"));
+               o.engine.cluster_token = *cluster_token;
+             }
              if (!cell.empty()) o.cell = cell;
              if (!transports.empty()) o.engine.transports = unwrap(parse_transport_list(transports));
              if (timeout > 0) {
@@ -122,7 +136,10 @@ PYBIND11_MODULE(kvstash, m) {
              return std::make_shared<PyStore>(PyStore{unwrap(nogil([&] { return Store::open(o); }))});
            }),
            py::arg("redis_url"), py::arg("password") = "", py::arg("cell") = "", py::arg("transports") = "",
-           py::arg("timeout") = 0.0)
+           py::arg("timeout") = 0.0, py::arg("cluster_token") = py::none(),
+           "Opens the cell's store. cluster_token: the cell's shared secret (kvstashd --cluster-token-file); "
+           "None: none, and nodes that require one refuse the data path (Error code 'permission_denied'); "
+           "an empty string is refused ('invalid_argument').")
       .def(
           "put",
           [](PyStore& s, const std::string& key, py::bytes data, double ttl) {
@@ -193,7 +210,7 @@ PYBIND11_MODULE(kvstash, m) {
              out->store = store;
              const std::size_t per_layer = shape.parts() * std::size_t{num_blocks} * shape.block_bytes();
              std::vector<void*> ptrs;
-             for (const auto& t : tensors) ptrs.push_back(address_of(t, per_layer, out->tensors));
+             for (const auto& t : tensors) ptrs.push_back(address_of(t, per_layer, out->buffers));
              const MemoryKind kind = gpu ? MemoryKind::kCuda : MemoryKind::kHost;
              Result<KvLayout> layout =
                  Status::invalid_argument("arrangement is 'per_layer' or 'blocks_first'");

@@ -108,12 +108,40 @@ class MetadataClock {
 
 // A connection to one memory node's pool, shared by every operation touching the node.
 struct NodeLink {
+  struct Path {
+    std::unique_ptr<Peer> peer;
+    RemoteMemory remote;  // the pool, imported through `peer`
+  };
+
+  std::string id;
   std::string address;
   std::string key;
-  std::mutex mu;  // held while connecting
-  std::unique_ptr<Peer> peer;
-  RemoteMemory remote;
+  // Guards the fields below; never held while connecting, so a caller that finds another
+  // one connecting waits only up to its own deadline. Once connected they do not change.
+  std::mutex mu;
+  std::condition_variable changed;
+  bool connecting = false;
+  bool connected = false;
+  // The best transport to the node; and for writes, when that one cannot be fenced at the
+  // node (UCX), the best one that can: a put's writes must be stoppable at the node.
+  Path main;
+  Path fenced_writes;
+
+  // How `op` reaches the pool. kUnsupported for a write when no transport to the node can
+  // fence it.
+  Result<const Path*> path(TransferOp op) const {
+    if (op == TransferOp::kRead || main.peer->leases()) return &main;
+    if (fenced_writes.peer) return &fenced_writes;
+    return Status::unsupported("memory node " + id + ": no transport to it can fence a put's writes at the node (" +
+                               std::string(to_string(main.peer->transport())) +
+                               " cannot); puts need tcp, shm or verbs");
+  }
 };
+
+// How long a failed put may spend confirming at its nodes that none of its writes can land
+// any more (Peer::revoke), off the caller's path. Unconfirmed, the pages wait for the nodes'
+// fences instead.
+constexpr auto kRevokeTimeout = std::chrono::seconds(2);
 
 }  // namespace
 
@@ -151,6 +179,7 @@ struct Store::Impl {
 
   std::unique_ptr<ThreadPool> workers;
   std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
+  std::unique_ptr<ThreadPool> aborter;   // confirms failed puts' fences off the callers' path
 
   Result<std::unique_ptr<Conn>> connect() {
     metadata::RedisOptions ro;
@@ -165,12 +194,14 @@ struct Store::Impl {
     return c;
   }
 
+  // A Redis connection for one operation, its commands bounded by the operation's deadline.
   Result<Borrowed> borrow(Deadline deadline) {
     std::unique_lock lock(pool_mu);
     for (;;) {
       if (!idle.empty()) {
         auto c = std::move(idle.back());
         idle.pop_back();
+        c->redis->set_deadline(deadline);
         return Borrowed(this, std::move(c));
       }
       if (open_conns < std::max<std::uint32_t>(1, options.redis_connections)) break;
@@ -187,10 +218,12 @@ struct Store::Impl {
       pool_cv.notify_one();
       return c.status();
     }
+    (*c)->redis->set_deadline(deadline);
     return Borrowed(this, std::move(c).value());
   }
 
   void give_back(std::unique_ptr<Conn> c) {
+    c->redis->set_deadline(std::nullopt);
     {
       std::lock_guard lock(pool_mu);
       idle.push_back(std::move(c));
@@ -206,20 +239,44 @@ struct Store::Impl {
       auto& slot = links[n.id];
       if (!slot || slot->address != n.address || slot->key != n.key) {
         slot = std::make_shared<NodeLink>();
+        slot->id = n.id;
         slot->address = n.address;
         slot->key = n.key;
       }
       l = slot;
     }
+    {
+      std::unique_lock lock(l->mu);
+      for (;;) {
+        if (l->connected) return l;
+        if (!l->connecting) break;
+        if (l->changed.wait_until(lock, deadline) == std::cv_status::timeout) {
+          return Status::timeout("memory node " + n.id + ": another caller's connect did not finish in time");
+        }
+      }
+      l->connecting = true;
+    }
+    // Connecting without the lock: a caller with a shorter deadline is never held behind it.
+    NodeLink::Path main, fenced;
+    Status made = connect_path(*l, false, deadline, main);
+    if (made.is_ok() && !main.peer->leases()) {
+      Status second = connect_path(*l, true, deadline, fenced);
+      if (!second.is_ok()) KVSTASH_LOG_INFO("memory node {}: puts cannot reach it: {}", n.id, second.to_string());
+    }
     std::lock_guard lock(l->mu);
-    if (l->peer) return l;
-    auto peer = engine->connect(l->address, deadline);
-    if (!peer.is_ok()) return peer.status().with_context("memory node " + n.id);
-    auto remote = (*peer)->import_key(l->key, deadline);
-    if (!remote.is_ok()) return remote.status().with_context("memory node " + n.id);
-    l->remote = std::move(remote).value();
-    l->peer = std::move(peer).value();
+    l->connecting = false;
+    l->changed.notify_all();
+    if (!made.is_ok()) return made.with_context("memory node " + n.id);
+    l->main = std::move(main);
+    l->fenced_writes = std::move(fenced);
+    l->connected = true;
     return l;
+  }
+
+  Status connect_path(const NodeLink& l, bool require_leases, Deadline deadline, NodeLink::Path& out) {
+    KVSTASH_ASSIGN_OR_RETURN(out.peer, engine->connect(l.address, deadline, std::nullopt, require_leases));
+    KVSTASH_ASSIGN_OR_RETURN(out.remote, out.peer->import_key(l.key, deadline));
+    return Status::ok();
   }
 
   // The transfers of one stretch of the object: a batch per node, and where the stretch ends.
@@ -263,7 +320,9 @@ struct Store::Impl {
   // An object's transfers: the leases over its pages (one or more per node) and the waves.
   // The leases must outlive the waves' batches: destroying one revokes its windows.
   struct Transfers {
+    Status status;  // how starting them went: on an error, the waves submitted before it
     std::vector<RemoteMemory> leases;
+    std::vector<std::shared_ptr<NodeLink>> lease_links;  // the node link each lease was made through
     std::vector<Wave> waves;
   };
 
@@ -277,12 +336,15 @@ struct Store::Impl {
     }
   };
 
-  // Leases every node's pages of the object for `op` until `until`. Where a node's transport
-  // has revocable keys (verbs with memory windows) exactly these pages are reachable through
-  // them, and only until then; elsewhere the engine checks the ranges on this side.
+  // Leases every node's pages of the object for `op` until `until`, with the Redis lease's
+  // deadline as the fence tag: a node that has fenced through it refuses the lease's requests
+  // (tcp, verbs) or its copies (shm), so a put whose pages went back to the pool can no
+  // longer write into them. verbs binds windows over exactly these pages; elsewhere the node
+  // checks the lease and the engine the ranges.
   static Status lease_pages(const Placement& p, const std::vector<std::shared_ptr<NodeLink>>& links,
                             TransferOp op, Clock::time_point until, Deadline deadline,
-                            std::vector<RemoteMemory>& leases, std::vector<NodeLeases>& by_node) {
+                            std::vector<RemoteMemory>& leases,
+                            std::vector<std::shared_ptr<NodeLink>>& lease_links, std::vector<NodeLeases>& by_node) {
     // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
     // generations decide whether its bytes are the object's (a revocable key keeps a reader
     // out of reused pages only from 1 ms on; the checksum and generations cover the rest).
@@ -290,6 +352,7 @@ struct Store::Impl {
                               std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
     by_node.assign(p.nodes.size(), {});
     for (std::size_t ni = 0; ni < p.nodes.size(); ++ni) {
+      KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, links[ni]->path(op));
       std::vector<std::uint64_t> pages;
       for (const auto& e : p.extents) {
         if (e.node == p.nodes[ni].id) pages.push_back(e.page);
@@ -298,7 +361,7 @@ struct Store::Impl {
       pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
       std::vector<RemoteRange> runs;
       for (std::uint64_t page : pages) {
-        const std::uint64_t addr = links[ni]->remote.base() + page * p.page_size;
+        const std::uint64_t addr = path->remote.base() + page * p.page_size;
         if (!runs.empty() && runs.back().addr + runs.back().length == addr) {
           runs.back().length += p.page_size;
         } else {
@@ -307,10 +370,20 @@ struct Store::Impl {
       }
       for (std::size_t at = 0; at < runs.size(); at += kMaxLeaseRanges) {
         std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxLeaseRanges, runs.size() - at));
-        auto l = links[ni]->peer->lease(links[ni]->remote, chunk, op, ttl, deadline);
+        auto l = path->peer->lease(
+            path->remote, chunk,
+            {.op = op, .ttl = ttl, .fence = static_cast<std::uint64_t>(p.lease_deadline_ms), .deadline = deadline});
         if (!l.is_ok()) return l.status().with_context("memory node " + p.nodes[ni].id);
+        if (op == TransferOp::kWrite && !l->revocable()) {
+          // The node serves its pool without leases on this transport (verbs without memory
+          // windows): a write of a failed put could land after its pages were reused.
+          return Status::unsupported("memory node " + p.nodes[ni].id + " cannot fence writes over " +
+                                     std::string(to_string(path->peer->transport())) +
+                                     " (its pool has no leases there): puts need tcp, shm or verbs with memory windows");
+        }
         for (const RemoteRange& r : chunk) by_node[ni].ranges.emplace_back(r, leases.size());
         leases.push_back(std::move(l).value());
+        lease_links.push_back(links[ni]);
       }
     }
     return Status::ok();
@@ -321,6 +394,7 @@ struct Store::Impl {
   struct Leased {
     std::vector<std::shared_ptr<NodeLink>> links;
     std::vector<RemoteMemory> leases;
+    std::vector<std::shared_ptr<NodeLink>> lease_links;  // parallel to leases
     std::vector<NodeLeases> by_node;
   };
 
@@ -331,7 +405,7 @@ struct Store::Impl {
       KVSTASH_ASSIGN_OR_RETURN(auto link_to, link(n, deadline));
       l.links.push_back(std::move(link_to));
     }
-    KVSTASH_RETURN_IF_ERROR(lease_pages(p, l.links, op, lease_until, deadline, l.leases, l.by_node));
+    KVSTASH_RETURN_IF_ERROR(lease_pages(p, l.links, op, lease_until, deadline, l.leases, l.lease_links, l.by_node));
     return l;
   }
 
@@ -339,27 +413,28 @@ struct Store::Impl {
   // `wave_bytes` of the object (a batch per node each), all submitted at once. A reader can
   // then checksum each wave as it lands while the later ones still move. Adjacent pieces that
   // are contiguous on both sides travel as one entry.
-  Result<Transfers> start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
-                                    std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
-                                    Clock::time_point lease_until, Deadline deadline,
-                                    std::uint64_t wave_bytes) {
+  Transfers start_transfers(TransferOp op, const Placement& p, std::uint64_t size, std::span<const Slice> slices,
+                            std::vector<MemoryHandle>& temp, Clock::time_point lease_until, Deadline deadline,
+                            std::uint64_t wave_bytes) {
     Transfers t;
     if (size == 0) return t;
-    KVSTASH_ASSIGN_OR_RETURN(Leased leased, connect_and_lease(op, p, lease_until, deadline));
-    auto waves = submit_range(leased, op, p, 0, size, slices, temp, deadline, wave_bytes);
-    t.leases = std::move(leased.leases);  // the batches reference them; they move, not their state
-    if (!waves.is_ok()) return waves.status();
-    t.waves = std::move(waves).value();
+    auto leased = connect_and_lease(op, p, lease_until, deadline);
+    if (!leased.is_ok()) {
+      t.status = leased.status();
+      return t;
+    }
+    t.status = submit_range(*leased, op, p, 0, size, slices, temp, deadline, wave_bytes, t.waves);
+    t.leases = std::move(leased->leases);  // the batches reference them; they move, not their state
+    t.lease_links = std::move(leased->lease_links);
     return t;
   }
 
-  // The transfers of object bytes [begin, end) from or into `slices` (which hold them in
-  // order), in waves as start_transfers.
-  Result<std::vector<Wave>> submit_range(const Leased& leased, TransferOp op, const Placement& p,
-                                         std::uint64_t begin, std::uint64_t end,
-                                         std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
-                                         Deadline deadline, std::uint64_t wave_bytes) {
-    std::vector<Wave> waves;
+  // Submits the transfers of object bytes [begin, end) from or into `slices` (which hold
+  // them in order), in waves as start_transfers, appended to `waves`. On an error the waves
+  // submitted before it stay there (their batches may be moving).
+  Status submit_range(const Leased& leased, TransferOp op, const Placement& p, std::uint64_t begin,
+                      std::uint64_t end, std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
+                      Deadline deadline, std::uint64_t wave_bytes, std::vector<Wave>& waves) {
     std::vector<const MemoryHandle*> handles;
     temp.reserve(temp.size() + slices.size());  // handles point into it
     std::uint64_t left = end - begin;
@@ -376,7 +451,11 @@ struct Store::Impl {
       handles.push_back(&temp.back());
     }
 
-    const auto& node_links = leased.links;
+    std::vector<const NodeLink::Path*> paths;
+    for (const auto& l : leased.links) {
+      KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, l->path(op));
+      paths.push_back(path);
+    }
     auto node_index = [&](const std::string& id) {
       for (std::size_t i = 0; i < p.nodes.size(); ++i) {
         if (p.nodes[i].id == id) return i;
@@ -398,7 +477,7 @@ struct Store::Impl {
             std::min({p.page_size - in_page, static_cast<std::uint64_t>(slices[si].length - soff),
                       wave_end - offset}));
         auto* local = static_cast<std::byte*>(slices[si].addr) + soff;
-        std::uint64_t remote = node_links[ni]->remote.base() + e.page * p.page_size + in_page;
+        std::uint64_t remote = paths[ni]->remote.base() + e.page * p.page_size + in_page;
         const RemoteMemory* lease = leased.by_node[ni].find(leased.leases, remote);
         auto& list = entries[ni];
         if (!list.empty() && list.back().local == handles[si] && list.back().remote == lease &&
@@ -415,12 +494,21 @@ struct Store::Impl {
       w.end = wave_end;
       for (std::size_t i = 0; i < entries.size(); ++i) {
         if (entries[i].empty()) continue;
-        auto b = node_links[i]->peer->submit(entries[i], deadline);
+        auto b = paths[i]->peer->submit(entries[i], deadline);
         if (!b.is_ok()) return b.status().with_context("memory node " + p.nodes[i].id);
         w.batches.push_back(std::move(b).value());
       }
     }
-    return waves;
+    return Status::ok();
+  }
+
+  // A memory node refuses a transfer on its pool only when the transfer's lease has ended
+  // there (fenced past its deadline, revoked) or the pool was registered again (the node
+  // rejoined the cell): for the caller the object changed under it.
+  static Status fenced_is_stale(const Status& s) {
+    if (s.code() != StatusCode::kPermissionDenied) return s;
+    return Status::stale("store: the memory node ended this transfer's lease (past its deadline, or the node "
+                         "rejoined the cell): " + s.message());
   }
 
   static Status wait_all(std::vector<Batch>& batches) {
@@ -439,14 +527,69 @@ struct Store::Impl {
     return std::min(deadline, leased_at + lease - lease / 10);
   }
 
-  // Ends a put whose writes failed or were dropped: its pages return now (else at the lease).
-  void abort_put(const std::string& key, const std::string& token, OpTimings* timings = nullptr) {
-    auto c = borrow(deadline_after(options.redis_timeout * 2));
-    Status aborted = c.status();
-    if (c.is_ok()) {
-      MetadataClock mc(timings);
-      aborted = (*c)->abort_put(token);
+  // Asks every node of a failed put to confirm that none of its writes can land any more
+  // (Peer::revoke of each of its leases), up to `by`. Returns the put's nodes that confirmed,
+  // or that were never leased (no write of the put can have gone there).
+  static std::vector<std::string> revoke_all(const std::string& key, const std::vector<std::string>& nodes,
+                                             const std::vector<RemoteMemory>& leases,
+                                             const std::vector<std::shared_ptr<NodeLink>>& lease_links,
+                                             Deadline by) {
+    std::vector<std::string> failed;
+    for (std::size_t i = 0; i < leases.size(); ++i) {
+      const std::string& id = lease_links[i]->id;
+      if (std::ranges::find(failed, id) != failed.end()) continue;
+      auto path = lease_links[i]->path(TransferOp::kWrite);
+      Status s = !path.is_ok()          ? path.status()
+                 : Clock::now() < by ? (*path)->peer->revoke(leases[i], by)
+                                   : Status::timeout("no time left to confirm");
+      if (!s.is_ok()) {
+        KVSTASH_LOG_DEBUG("put {}: node {} did not confirm its fence: {}", key, id, s.to_string());
+        failed.push_back(id);
+      }
     }
+    std::vector<std::string> confirmed;
+    for (const auto& id : nodes) {
+      if (std::ranges::find(failed, id) == failed.end()) confirmed.push_back(id);
+    }
+    return confirmed;
+  }
+
+  // Ends a put that will not commit; its batches have ended (finished, failed or cancelled),
+  // so only writes already on their way to a node can still land. Each node is asked to
+  // confirm that none can (Peer::revoke of the put's leases), within the caller's deadline
+  // and then, if one did not answer in time, off the caller's path: when all confirm, the
+  // pages return at once; otherwise they wait in Redis until the put's lease has passed and
+  // its nodes have fenced through it, so a late write never lands in a page another put was
+  // given.
+  void abort_put(const std::string& key, const std::string& token, const Placement& placement,
+                 std::vector<RemoteMemory> leases, std::vector<std::shared_ptr<NodeLink>> lease_links,
+                 Deadline deadline) {
+    std::vector<std::string> nodes;
+    for (const auto& n : placement.nodes) nodes.push_back(n.id);
+    if (Clock::now() < deadline) {
+      auto confirmed = revoke_all(key, nodes, leases, lease_links, deadline);
+      if (confirmed.size() == nodes.size()) {
+        end_put(key, token, confirmed, deadline);
+        return;
+      }
+    }
+    const Deadline confirm_by = deadline_after(kRevokeTimeout);
+    aborter->submit([this, key, token, confirm_by, nodes, leases = std::move(leases),
+                     lease_links = std::move(lease_links)] {
+      // A queue that fell behind a stalled node does not wait again for each put.
+      auto confirmed = revoke_all(key, nodes, leases, lease_links, confirm_by);
+      if (confirmed.size() < nodes.size()) {
+        KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
+      }
+      end_put(key, token, confirmed, deadline_after(options.redis_timeout * 2));
+    });
+  }
+
+  // abort_put in Redis (errors only logged: the lease and the nodes' fences reclaim).
+  void end_put(const std::string& key, const std::string& token, const std::vector<std::string>& fenced,
+               Deadline deadline) {
+    auto c = borrow(deadline);
+    Status aborted = c.is_ok() ? (*c)->abort_put(token, fenced).status() : c.status();
     if (!aborted.is_ok()) {
       KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
     }
@@ -472,17 +615,17 @@ struct Store::Impl {
     temp.reserve(data.size());
     const auto t0 = Clock::now();
     const Clock::time_point lease_until = within_lease(Deadline::max(), leased_at, options.put_lease);
-    auto transfers = start_transfers(TransferOp::kWrite, *placement, size, data, temp, lease_until,
-                                     std::min(deadline, lease_until), size);
-    Status moved = transfers.status();
+    Transfers transfers = start_transfers(TransferOp::kWrite, *placement, size, data, temp, lease_until,
+                                          std::min(deadline, lease_until), size);
+    Status moved = transfers.status;
     std::uint64_t sum = 0;
     if (moved.is_ok()) {
       const auto c0 = Clock::now();
       sum = checksum(data, size);  // overlaps the writes: both only read the source
       const auto c1 = Clock::now();
-      for (auto& w : transfers->waves) {
+      for (auto& w : transfers.waves) {
         Status s = wait_all(w.batches);
-        if (moved.is_ok()) moved = s;
+        if (moved.is_ok()) moved = fenced_is_stale(s);
       }
       if (o.timings != nullptr) {
         o.timings->transfer += Clock::now() - t0;
@@ -490,12 +633,14 @@ struct Store::Impl {
       }
     }
     if (!moved.is_ok()) {
-      abort_put(std::string(key), token, o.timings);
+      transfers.waves.clear();  // cancels what still moves: returns once nothing reads `data`
+      abort_put(std::string(key), token, *placement, std::move(transfers.leases), std::move(transfers.lease_links),
+                deadline);
       KVSTASH_LOG_DEBUG("put {} failed: {}", key, moved.to_string());
       return moved.with_context(std::string(key));
     }
-    auto c = borrow(deadline_after(options.redis_timeout * 2));
-    if (!c.is_ok()) return c.status();  // the lease returns the pages
+    auto c = borrow(deadline);
+    if (!c.is_ok()) return c.status().with_context(std::string(key));  // the fence returns the pages
     MetadataClock mc(o.timings);
     return (*c)->commit_put(token, key, sum, o.layout, o.ttl, o.if_version).with_context(std::string(key));
   }
@@ -528,24 +673,21 @@ struct Store::Impl {
       // Not capped at the lease: a read that outlives it is caught by end_get's generations,
       // or fails at the node where its windows were revoked (then reported as kStale).
       const Clock::time_point lease_until = within_lease(Deadline::max(), leased_at, options.read_lease);
-      auto transfers = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp,
-                                       lease_until, deadline, kWaveBytes);
-      moved = transfers.status();
+      Transfers transfers = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp,
+                                            lease_until, deadline, kWaveBytes);
+      moved = transfers.status;
       std::optional<CancelScope> cancellable;
-      if (moved.is_ok()) cancellable.emplace(o.cancel, transfers->waves);
+      if (moved.is_ok()) cancellable.emplace(o.cancel, transfers.waves);
       std::chrono::nanoseconds hashing{0};
-      for (std::size_t i = 0; moved.is_ok() && i < transfers->waves.size(); ++i) {
-        moved = wait_all(transfers->waves[i].batches);  // on error the later waves are cancelled
+      for (std::size_t i = 0; moved.is_ok() && i < transfers.waves.size(); ++i) {
+        // On an error the later waves are cancelled (their batches' destructors).
+        moved = fenced_is_stale(wait_all(transfers.waves[i].batches));
         if (moved.is_ok() && verify) {
           const auto c0 = Clock::now();
-          hasher.advance_to(transfers->waves[i].end);
+          hasher.advance_to(transfers.waves[i].end);
           hashing += Clock::now() - c0;
         }
-        if (moved.is_ok() && o.progress) o.progress(transfers->waves[i].end, lease->layout);
-      }
-      if (moved.code() == StatusCode::kPermissionDenied && Clock::now() >= lease_until) {
-        moved =
-            Status::stale("store: the read outlived its lease and the node revoked it: " + moved.message());
+        if (moved.is_ok() && o.progress) o.progress(transfers.waves[i].end, lease->layout);
       }
       if (o.timings != nullptr) {
         o.timings->transfer += Clock::now() - t0 - hashing;
@@ -561,7 +703,7 @@ struct Store::Impl {
       release_later(reader, *lease);
       if (!moved.is_ok()) return moved.with_context(std::string(key));
     } else {
-      auto c = borrow(deadline_after(options.redis_timeout * 2));
+      auto c = borrow(deadline);
       if (!c.is_ok()) return c.status().with_context(std::string(key));
       MetadataClock mc(o.timings);
       KVSTASH_RETURN_IF_ERROR((*c)->end_get(reader, *lease).with_context(std::string(key)));
@@ -626,6 +768,13 @@ struct PutStream::State {
 
   ~State() { XXH3_freeState(hash); }
 
+  // Cancels what still moves (returning once nothing reads the caller's buffers), then ends
+  // the put at the nodes and in Redis (Store::Impl::abort_put).
+  void abort_put() {
+    waves.clear();
+    impl->abort_put(key, token, placement, std::move(leased.leases), std::move(leased.lease_links), deadline);
+  }
+
   // Waits for the writes of the object's bytes [0, end) (all of them by default); a failure
   // is kept, and the stream is dead from then on.
   Status wait_writes(std::uint64_t end = ~0ull) {
@@ -634,7 +783,7 @@ struct PutStream::State {
     // before `end`.
     for (; i < waves.size() && (i == 0 ? waited_end : waves[i - 1].end) < end; ++i) {
       Status s = Store::Impl::wait_all(waves[i].batches);
-      if (failed.is_ok() && !s.is_ok()) failed = s.with_context(key);
+      if (failed.is_ok() && !s.is_ok()) failed = Store::Impl::fenced_is_stale(s).with_context(key);
     }
     if (i > 0) waited_end = waves[i - 1].end;
     waves.erase(waves.begin(), waves.begin() + static_cast<std::ptrdiff_t>(i));
@@ -677,13 +826,12 @@ Status PutStream::append(std::span<const Slice> data, std::uint64_t* piece_check
   }
   if (n == 0) return Status::ok();
   auto& temp = st.temps.emplace_back();
-  auto waves = st.impl->submit_range(st.leased, TransferOp::kWrite, st.placement, st.written, st.written + n,
-                                     data, temp, st.deadline, n);
-  if (!waves.is_ok()) {
-    st.failed = waves.status().with_context(st.key);
+  Status submitted = st.impl->submit_range(st.leased, TransferOp::kWrite, st.placement, st.written,
+                                           st.written + n, data, temp, st.deadline, n, st.waves);
+  if (!submitted.is_ok()) {
+    st.failed = submitted.with_context(st.key);
     return st.failed;
   }
-  for (auto& w : *waves) st.waves.push_back(std::move(w));
   // While the writes fly: the object's checksum, and the piece's in the same pass.
   XXH3_state_t* piece = piece_checksum != nullptr ? XXH3_createState() : nullptr;
   if (piece != nullptr) XXH3_64bits_reset(piece);
@@ -718,11 +866,11 @@ Status PutStream::commit() {
   }
   st.finished = true;
   if (!moved.is_ok()) {
-    st.impl->abort_put(st.key, st.token);
+    st.abort_put();
     return moved.with_context(st.key);
   }
-  auto c = st.impl->borrow(deadline_after(st.impl->options.redis_timeout * 2));
-  if (!c.is_ok()) return c.status();  // the lease returns the pages
+  auto c = st.impl->borrow(st.deadline);
+  if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   return (*c)
       ->commit_put(st.token, st.key, XXH3_64bits_digest(st.hash), st.options.layout, st.options.ttl,
                    st.options.if_version)
@@ -732,12 +880,7 @@ Status PutStream::commit() {
 void PutStream::abort() {
   if (!state_ || state_->finished) return;
   state_->finished = true;
-  // Cancel what still moves: the pages are given back and may be reused at once.
-  for (auto& w : state_->waves) {
-    for (auto& b : w.batches) b.cancel();
-  }
-  state_->waves.clear();
-  state_->impl->abort_put(state_->key, state_->token);
+  state_->abort_put();
 }
 
 Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options) {
@@ -765,7 +908,7 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   if (size > 0) {
     auto leased = impl_->connect_and_lease(TransferOp::kWrite, st->placement, lease_until, st->deadline);
     if (!leased.is_ok()) {
-      impl_->abort_put(st->key, st->token);
+      impl_->abort_put(st->key, st->token, st->placement, {}, {}, st->deadline);  // nothing was written
       return leased.status().with_context(st->key);
     }
     st->leased = std::move(leased).value();
@@ -778,9 +921,11 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
 Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Store::~Store() {
-  // Async operations, then lease releases, finish before the engine and connections go away.
+  // Async operations, then lease releases and aborts, finish before the engine and
+  // connections go away.
   impl_->workers.reset();
   impl_->releaser.reset();
+  impl_->aborter.reset();
 }
 
 Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
@@ -796,6 +941,7 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));
   impl->workers = std::make_unique<ThreadPool>(std::max<std::uint32_t>(1, options.async_threads));
   impl->releaser = std::make_unique<ThreadPool>(1);
+  impl->aborter = std::make_unique<ThreadPool>(1);
   return std::unique_ptr<Store>(new Store(std::move(impl)));
 }
 

@@ -33,6 +33,9 @@ struct Capabilities {
   bool rdma = false;
   // Can register MemoryKind::kCuda regions.
   bool cuda_memory = false;
+  // Holds leases at the target (Endpoint::lease_key, revoke, Transport::fence), so that a
+  // writer can be stopped there. False where leases are only checked by the initiator.
+  bool leases = false;
   // Independent lanes (streams, copy threads, QPs) the engine may stripe a large op across.
   std::uint32_t lanes = 1;
   // The engine splits an op longer than this into slices spread over the lanes (0: never).
@@ -70,6 +73,16 @@ class RemoteKey {
   std::uint64_t length = 0;
 };
 
+// A lease's terms as the engine hands them to a transport (Peer::lease).
+struct LeaseTerms {
+  // Chosen by the engine at random, and the same on every connection the lease is used
+  // through (a reconnect leases again under it), so the peer can revoke it everywhere.
+  std::uint64_t id = 0;
+  TransferOp op = TransferOp::kRead;
+  std::chrono::milliseconds ttl{0};
+  std::uint64_t fence = 0;  // the owner's fence tag; 0: none
+};
+
 struct Op {
   TransferOp op = TransferOp::kRead;
   std::byte* local = nullptr;                    // source of a write, destination of a read
@@ -94,16 +107,26 @@ class Endpoint {
   virtual Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
                                                         std::string_view packed, Deadline deadline) = 0;
 
-  // Asks the peer for a revocable key over exactly `ranges` of the region `region` grants,
-  // for `op`, during `ttl` (by the peer's clock), usable through this endpoint only. The key
-  // stops working when it is destroyed (the peer is told), when ttl passed, or with the
-  // connection. kUnsupported where this transport or the region has no revocable keys (the
-  // engine then narrows the region's key itself). Other errors as import_key, plus kNoSpace.
+  // A key over exactly `ranges` of the region `region` grants, on `terms` (op, ttl by the
+  // peer's clock, the peer's fence tag), usable through this endpoint only, that the peer
+  // checks and can fence (Transport::fence) and revoke (revoke()). It also stops working when destroyed and with the connection. kUnsupported
+  // where this transport has no leases (the engine then narrows the region's key itself).
+  // Other errors as import_key, plus kNoSpace and kStale (the peer fenced `fence` already).
   virtual Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region,
-                                                       std::span<const RemoteRange> ranges, TransferOp op,
-                                                       std::chrono::milliseconds ttl, Deadline deadline) {
-    (void)region, (void)ranges, (void)op, (void)ttl, (void)deadline;
-    return Status::unsupported("this transport has no revocable keys");
+                                                       std::span<const RemoteRange> ranges,
+                                                       const LeaseTerms& terms, Deadline deadline) {
+    (void)region, (void)ranges, (void)terms, (void)deadline;
+    return Status::unsupported("this transport has no leases");
+  }
+
+  // Ends lease `terms.id` at the peer (`key` is the one lease_key() made for it through this
+  // endpoint) and returns OK once the peer confirmed that no op under it can touch the
+  // peer's memory any more, including ops of it still in flight on a connection that broke.
+  // The caller has ended the batches that used it. Blocks up to the deadline.
+  // kUnavailable/kTimeout when the peer cannot confirm; kUnsupported without leases.
+  virtual Status revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline deadline) {
+    (void)key, (void)terms, (void)deadline;
+    return Status::unsupported("this transport has no leases");
   }
 
   // Datapath: starts every op; never blocks on the network. Each op completes exactly once
@@ -128,6 +151,12 @@ class Transport {
   // What this transport has counted since it started (connections, errors by kind, leases):
   // monotonic, for /metrics and `kvstash doctor`. Empty where it counts nothing.
   virtual std::vector<TransportCounter> counters() const { return {}; }
+
+  // The target side of Engine::fence: ends every lease of this process's regions whose
+  // fence tag is <= `through` and refuses such leases from now on; returns once no op under
+  // them can touch our memory (shm: once peers' copies that start from now on see it).
+  // Nothing to do where the transport has no leases.
+  virtual void fence(std::uint64_t through) { (void)through; }
 
   virtual TransportKind kind() const = 0;
   virtual Capabilities capabilities() const = 0;

@@ -31,6 +31,13 @@ Status Session::credentials() {
   } else if (const char* env = std::getenv("KVSTASH_REDIS_PASSWORD"); env != nullptr) {
     password_ = env;
   }
+  if (g_.token_file_given) {
+    if (g_.token_file.empty()) return Status::invalid_argument("--cluster-token-file names no file");
+    KVSTASH_ASSIGN_OR_RETURN(token_, sys::read_private_secret_file(g_.token_file));
+  } else if (const char* env = std::getenv("KVSTASH_CLUSTER_TOKEN"); env != nullptr) {
+    KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(env, "KVSTASH_CLUSTER_TOKEN"));
+    token_ = env;
+  }
   have_credentials_ = true;
   return {};
 }
@@ -61,6 +68,7 @@ Result<Store*> Session::store() {
   StoreOptions o;
   o.redis_url = g_.redis_url;
   o.redis_password = password_;
+  o.engine.cluster_token = token_;
   o.cell = g_.cell;
   o.timeout = timeout();
   o.redis_connections = 1;
@@ -87,7 +95,16 @@ std::string redis_version(metadata::RedisClient& r) {
 
 namespace {
 
+// A memory node refused the data path: the cluster tokens differ (every transport says so).
+bool cluster_token_refused(const Status& s) {
+  return s.code() == StatusCode::kPermissionDenied && s.message().find("cluster token") != std::string::npos;
+}
+
 std::string_view fix_for(const Status& s) {
+  if (cluster_token_refused(s)) {
+    return "the memory nodes and this client must hold the same cluster token: --cluster-token-file FILE or "
+           "KVSTASH_CLUSTER_TOKEN";
+  }
   switch (s.code()) {
     case StatusCode::kUnavailable:
       return "is redis-server running there? Point --redis (or KVSTASH_REDIS_URL) at the cell's Redis";
@@ -111,7 +128,7 @@ int fail(const Status& s, std::string_view doing, const Session* session, std::s
   std::cerr << "kvstash: " << doing << ": " << s.message() << " (" << to_string(s.code()) << ")\n";
   if (auto fix = fix_text.empty() ? fix_for(s) : fix_text; !fix.empty()) {
     std::cerr << "  fix: " << fix;
-    if (session != nullptr &&
+    if (session != nullptr && !cluster_token_refused(s) &&
         (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kPermissionDenied)) {
       std::cerr << " (now " << session->redis_display() << ")";
     }

@@ -35,6 +35,8 @@ inline constexpr int kExitNotFound = 3;
 struct Globals {
   std::string redis_url = "redis://127.0.0.1:6379/0";  // --redis, KVSTASH_REDIS_URL
   std::string password_file;                           // --redis-password-file
+  std::string token_file;                              // --cluster-token-file
+  bool token_file_given = false;                       // even as an empty path: refused
   std::string cell = "default";
   bool json = false;
   std::string timeout = "10s";
@@ -55,9 +57,13 @@ class Session {
   std::chrono::milliseconds timeout() const;
 
  private:
+  // The Redis password and the cluster token, read once, when the cell is first needed.
+  // kInvalidArgument for a token file that is unreadable, empty or not private (mode & 077),
+  // and for KVSTASH_CLUSTER_TOKEN set but empty.
   Status credentials();
   const Globals& g_;
   std::string password_;
+  std::string token_;
   bool have_credentials_ = false;
   std::unique_ptr<metadata::RedisClient> redis_;
   std::unique_ptr<metadata::Catalog> catalog_;

@@ -118,7 +118,7 @@ int status(Session& s) {
             << "\n";
   std::cout << "nodes     " << nodes->size();
   const char* sep = ": ";
-  for (const char* st : {"up", "draining", "dead", "gone"}) {
+  for (const char* st : {"up", "draining", "leaving", "dead", "gone"}) {
     if (states.count(st) == 0) continue;
     std::cout << sep << states[st] << " " << st;
     sep = ", ";

@@ -36,8 +36,8 @@ std::string find_bench() {
 
 // Where `bench` stands on the command line (after global options only), or 0.
 int bench_word(int argc, char** argv) {
-  static const std::vector<std::string_view> with_value{"--redis", "--redis-password-file", "--cell",
-                                                        "--timeout"};
+  static const std::vector<std::string_view> with_value{"--redis", "--redis-password-file",
+                                                        "--cluster-token-file", "--cell", "--timeout"};
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     if (a == "bench") return i;
@@ -119,6 +119,8 @@ int main(int argc, char** argv) {
       "  kvstash drain node-7 --wait --timeout 10m\n"
       "  kvstash plan --model llama-2-7b --context 4096 --remote-mem 1TiB\n"
       "  kvstash doctor\n\n"
+      "Environment: KVSTASH_REDIS_URL, KVSTASH_REDIS_PASSWORD, KVSTASH_CLUSTER_TOKEN, KVSTASH_CELL, "
+      "KVSTASH_LOG.\n"
       "Exit codes: 0 ok, 1 error, 2 usage (bad arguments), 3 not found. docs/cli.md has the details.");
   app.require_subcommand(1);
   app.fallthrough();  // global options also after the subcommand
@@ -130,6 +132,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--redis-password-file", g.password_file,
                  "File holding the Redis password (else KVSTASH_REDIS_PASSWORD, else the URL's)");
+  app.add_option("--cluster-token-file", g.token_file,
+                 "File holding the cell's cluster token, which get, put and drain --move prove to the memory "
+                 "nodes (else KVSTASH_CLUSTER_TOKEN); refused when group or others may read or write it "
+                 "(chmod 600) or when it is empty")
+      ->each([&g](const std::string&) { g.token_file_given = true; });
   app.add_option("--cell", g.cell, "Cell name (key prefix kvs:{kvs:<cell>})")
       ->envname("KVSTASH_CELL")
       ->capture_default_str();

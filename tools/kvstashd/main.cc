@@ -17,9 +17,9 @@ namespace {
 
 using namespace kvstash;
 
-std::string read_secret(const std::string& path) {
-  auto secret = sys::read_secret_file(path);
-  if (!secret.is_ok()) throw CLI::ValidationError(path, "cannot read the file");
+// A secret from the file an option names, or a usage error saying what is wrong with it.
+std::string read_secret(const std::string& option, Result<std::string> secret) {
+  if (!secret.is_ok()) throw CLI::ValidationError(option, secret.status().message());
   return std::move(secret).value();
 }
 
@@ -82,9 +82,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   app.add_option("--shm-socket-dir", opts.engine.shm.socket_dir,
                  "shm transport: directory of the UNIX socket (default $XDG_RUNTIME_DIR/kvstash)");
-  app.add_option(
+  CLI::Option* token_option = app.add_option(
       "--cluster-token-file", token_file,
-      "File holding the cluster secret every tcp peer must prove it knows (or KVSTASH_CLUSTER_TOKEN)");
+      "File holding the cluster token every tcp and verbs peer must prove it knows (else "
+      "KVSTASH_CLUSTER_TOKEN). Refused when group or others may read or write it (chmod 600), or when it "
+      "is empty. Clients need the same token");
   app.add_flag("--ucx-allow-emulated-rma", emulated_rma,
                "Serve the pool through UCX even without RDMA hardware, where UCX cannot enforce remote keys "
                "(tests and benchmarks only)");
@@ -129,14 +131,19 @@ int main(int argc, char** argv) {
     // The verbs queue-pair setup listens on the --listen host too (any free port).
     opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
     if (!password_file.empty()) {
-      opts.redis_password = read_secret(password_file);
+      opts.redis_password = read_secret("--redis-password-file", sys::read_secret_file(password_file));
     } else if (const char* pw = std::getenv("KVSTASH_REDIS_PASSWORD")) {
       opts.redis_password = pw;
     }
-    if (!token_file.empty()) {
-      opts.engine.tcp.cluster_token = read_secret(token_file);
+    // A token asked for but empty would serve the pool to anyone: refused, never ignored.
+    if (token_option->count() > 0) {
+      if (token_file.empty()) throw CLI::ValidationError("--cluster-token-file", "names no file");
+      opts.engine.cluster_token =
+          read_secret("--cluster-token-file", sys::read_private_secret_file(token_file));
     } else if (const char* tok = std::getenv("KVSTASH_CLUSTER_TOKEN")) {
-      opts.engine.tcp.cluster_token = tok;
+      Status ok = sys::check_cluster_token(tok, "KVSTASH_CLUSTER_TOKEN");
+      if (!ok.is_ok()) throw CLI::ValidationError(ok.message());
+      opts.engine.cluster_token = tok;
     }
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;

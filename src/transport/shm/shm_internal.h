@@ -10,6 +10,13 @@
 // server for the region's file descriptor (SCM_RIGHTS) and maps it MAP_SHARED. From then on
 // a READ or WRITE is a memcpy on the initiator's own copy thread, preceded by an acquire load
 // of the slot (revocation) and a zero-timeout poll of the socket (peer death).
+//
+// Leases: a region registered Access::kLeased is reached only through lease keys (made on
+// this side, no round trip) that carry the owner's fence tag; slot 1 of the table holds what
+// the owner has fenced through (Transport::fence), and each copy under a lease first checks
+// that its tag lies above it. Copies are the initiator's own, so the owner cannot wait for
+// one in progress: a copy takes milliseconds, and a memory node reports a fence to the cell
+// one heartbeat after making it.
 #pragma once
 
 #include <sys/types.h>
@@ -39,12 +46,15 @@ namespace kvstash::transport::shm {
 inline constexpr std::uint32_t kAddressMagic = 0x4d53564b;  // "KVSM"
 inline constexpr std::uint32_t kKeyMagic = 0x4b53564b;      // "KVSK"
 inline constexpr std::uint32_t kMessageMagic = 0x5053564b;  // "KVSP"
-inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::uint16_t kVersion = 2;
 
 // Slot 0 of the key table holds this magic (it includes the version), so a peer that maps
-// something else notices. Slots 1..kKeySlots-1 hold keys; 0 means free or revoked.
-inline constexpr std::uint64_t kKeyTableMagic = 0x3130594b4853564bull;  // "KVSHKY01"
-inline constexpr std::uint32_t kKeySlots = 8192;                        // 64 KiB memfd
+// something else notices. Slot 1 holds the fence (leases with a tag at or below it are
+// over). Slots 2..kKeySlots-1 hold keys; 0 means free or revoked.
+inline constexpr std::uint64_t kKeyTableMagic = 0x3230594b4853564bull;  // "KVSHKY02"
+inline constexpr std::uint32_t kFenceSlot = 1;
+inline constexpr std::uint32_t kFirstKeySlot = 2;
+inline constexpr std::uint32_t kKeySlots = 8192;  // 64 KiB memfd
 
 struct Address {
   std::string boot_id;
@@ -58,6 +68,7 @@ Result<Address> decode_address(std::string_view bytes);
 struct PackedKey {
   std::uint32_t slot = 0;
   std::uint64_t key = 0;
+  bool leased = false;  // reachable through leases only
 };
 std::string encode_key(const PackedKey& key);
 Result<PackedKey> decode_key(std::string_view bytes);
@@ -153,18 +164,30 @@ struct RemoteRegion {
   std::uint64_t length = 0;
   std::uint32_t slot = 0;
   std::uint64_t key = 0;
+  bool leased = false;  // the owner registered it Access::kLeased
 };
 
+// A region's key, or a lease over it (lease != 0) with the owner's fence tag.
 class ShmRemoteKey final : public RemoteKey {
  public:
-  explicit ShmRemoteKey(std::shared_ptr<const RemoteRegion> region) : region_(std::move(region)) {
+  explicit ShmRemoteKey(std::shared_ptr<const RemoteRegion> region, std::uint64_t lease = 0,
+                        std::uint64_t fence = 0)
+      : region_(std::move(region)), lease_(lease), fence_(fence) {
     base = region_->base;
     length = region_->length;
   }
   const std::shared_ptr<const RemoteRegion>& region() const { return region_; }
+  std::uint64_t lease() const { return lease_; }
+  std::uint64_t fence() const { return fence_; }
+  // Copies that have not started are refused from now on (Endpoint::revoke).
+  void revoke() const { revoked_.store(true, std::memory_order_seq_cst); }
+  bool revoked() const { return revoked_.load(std::memory_order_seq_cst); }
 
  private:
   std::shared_ptr<const RemoteRegion> region_;
+  std::uint64_t lease_;
+  std::uint64_t fence_;
+  mutable std::atomic<bool> revoked_{false};
 };
 
 // ---- datapath: copy lanes ------------------------------------------------------------------
@@ -225,6 +248,9 @@ class ShmEndpoint final : public Endpoint {
 
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
                                                 std::string_view packed, Deadline deadline) override;
+  Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region, std::span<const RemoteRange> ranges,
+                                               const LeaseTerms& terms, Deadline deadline) override;
+  Status revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline deadline) override;
   void post(std::span<const Op> ops) override;
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override;

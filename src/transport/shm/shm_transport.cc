@@ -83,6 +83,7 @@ std::string encode_key(const PackedKey& key) {
   w.u16(kVersion);
   w.u32(key.slot);
   w.u64(key.key);
+  w.u8(key.leased ? 1 : 0);
   return w.take();
 }
 
@@ -93,10 +94,12 @@ Result<PackedKey> decode_key(std::string_view bytes) {
   PackedKey k;
   k.slot = r.u32();
   k.key = r.u64();
-  if (!r.at_end() || magic != kKeyMagic || version != kVersion) {
+  const std::uint8_t leased = r.u8();
+  if (!r.at_end() || magic != kKeyMagic || version != kVersion || leased > 1) {
     return Status::invalid_argument("malformed shm remote key");
   }
-  if (k.slot == 0 || k.slot >= kKeySlots || k.key == 0) {
+  k.leased = leased == 1;
+  if (k.slot < kFirstKeySlot || k.slot >= kKeySlots || k.key == 0) {
     return Status::invalid_argument("malformed shm remote key (slot or key out of range)");
   }
   return k;
@@ -383,23 +386,31 @@ class Registry {
       }
     std::atomic_ref<std::uint64_t>(reg->slot(0)).store(kKeyTableMagic, std::memory_order_release);
     reg->entries_.resize(kKeySlots);
-    reg->free_.reserve(kKeySlots - 1);
-    for (std::uint32_t s = kKeySlots - 1; s >= 1; --s) reg->free_.push_back(s);
+    reg->free_.reserve(kKeySlots - kFirstKeySlot);
+    for (std::uint32_t s = kKeySlots - 1; s >= kFirstKeySlot; --s) reg->free_.push_back(s);
     return reg;
   }
 
   int fd() const { return fd_.get(); }
 
+  // Raises the fence peers check before each copy under a lease (never lowers it).
+  void fence(std::uint64_t through) {
+    std::atomic_ref<std::uint64_t> f(slot(kFenceSlot));
+    std::uint64_t cur = f.load(std::memory_order_seq_cst);
+    while (cur < through && !f.compare_exchange_weak(cur, through, std::memory_order_seq_cst)) {
+    }
+  }
+
   // Publishes a region under a fresh slot and key. `fd` is duplicated: the registry's copy
   // stays valid for as long as the registration, whatever the caller does with its own.
-  Result<PackedKey> add(const MemoryRegion& region) {
+  Result<PackedKey> add(const MemoryRegion& region, bool leased) {
     UniqueFd dup(::fcntl(region.fd, F_DUPFD_CLOEXEC, 3));
     if (!dup.valid()) return Status::from_errno("shm: dup region fd", errno);
     std::uint64_t key = 0;
     while (key == 0) key = sys::random_u64();  // 0 marks a free slot
     std::lock_guard lock(mu_);
     if (free_.empty()) {
-      return Status::no_space("shm: all " + std::to_string(kKeySlots - 1) + " key slots are in use");
+      return Status::no_space("shm: all " + std::to_string(kKeySlots - kFirstKeySlot) + " key slots are in use");
     }
     const std::uint32_t s = free_.back();
     free_.pop_back();
@@ -410,7 +421,7 @@ class Registry {
     e.addr = reinterpret_cast<std::uint64_t>(region.addr);
     e.length = region.length;
     std::atomic_ref<std::uint64_t>(slot(s)).store(key, std::memory_order_release);
-    return PackedKey{s, key};
+    return PackedKey{s, key, leased};
   }
 
   // Revokes: from the release store on, copies that check the slot are refused.
@@ -425,7 +436,7 @@ class Registry {
   // descriptor is only valid under the lock, hence sending from here (never blocks).
   Status reply_import(int sock, std::uint64_t id, std::uint32_t s, std::uint64_t key) {
     std::lock_guard lock(mu_);
-    if (s == 0 || s >= kKeySlots || entries_[s].key == 0 || entries_[s].key != key) {
+    if (s < kFirstKeySlot || s >= kKeySlots || entries_[s].key == 0 || entries_[s].key != key) {
       return send_message(sock,
                           encode_reply(MsgType::kImport, id, Status::permission_denied("unknown remote key")),
                           -1, Clock::now());
@@ -506,6 +517,7 @@ class ShmTransport final : public Transport {
     Capabilities c;
     c.same_host_only = true;
     c.one_sided = true;
+    c.leases = true;
     c.lanes = datapath_->lanes();
     c.slice_bytes = options_.slice_bytes;
     return c;
@@ -518,9 +530,11 @@ class ShmTransport final : public Transport {
     return a.is_ok() && a->boot_id == sys::boot_id() && a->uid == ::geteuid();
   }
 
+  void fence(std::uint64_t through) override { registry_->fence(through); }
+
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override {
-    const bool remote_access = access != Access::kLocal;  // no revocable keys: kLeased is kRemote
+    const bool remote_access = access != Access::kLocal;
     if (region.addr == nullptr || region.length == 0) {
       return Status::invalid_argument("shm: null or empty region");
     }
@@ -539,7 +553,7 @@ class ShmTransport final : public Transport {
     if (region.fd_offset > size || region.length > size - region.fd_offset) {
       return Status::invalid_argument("shm: region runs past the end of its file");
     }
-    KVSTASH_ASSIGN_OR_RETURN(PackedKey key, registry_->add(region));
+    KVSTASH_ASSIGN_OR_RETURN(PackedKey key, registry_->add(region, access == Access::kLeased));
     return std::unique_ptr<LocalRegistration>(new ShmRegistration(registry_, key));
   }
 
@@ -760,7 +774,24 @@ Result<std::unique_ptr<RemoteKey>> ShmEndpoint::import_key(std::uint64_t base, s
   region->length = length;
   region->slot = key.slot;
   region->key = key.key;
+  region->leased = key.leased;
   return std::unique_ptr<RemoteKey>(std::make_unique<ShmRemoteKey>(std::move(region)));
+}
+
+Result<std::unique_ptr<RemoteKey>> ShmEndpoint::lease_key(const RemoteKey& region, std::span<const RemoteRange>,
+                                                          const LeaseTerms& terms, Deadline) {
+  // Made here, no round trip: the copies are ours, and each checks the lease first.
+  const auto& k = static_cast<const ShmRemoteKey&>(region);
+  return std::unique_ptr<RemoteKey>(std::make_unique<ShmRemoteKey>(k.region(), terms.id, terms.fence));
+}
+
+Status ShmEndpoint::revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline) {
+  const auto& k = static_cast<const ShmRemoteKey&>(key);
+  if (k.lease() != terms.id) return Status::invalid_argument("shm: revoke of another lease than the key's");
+  // Only this process copies under the lease, and the caller has ended its batches (abort
+  // waits for a copy in progress): refusing copies that have not started is the whole fence.
+  k.revoke();
+  return Status::ok();
 }
 
 }  // namespace shm

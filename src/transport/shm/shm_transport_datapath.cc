@@ -161,6 +161,14 @@ Status Datapath::execute(const Job& job) {
   if (load_slot(conn.slot(r.slot)) != r.key) {
     return Status::permission_denied("shm: remote key revoked");
   }
+  if (r.leased) {
+    const auto* key = static_cast<const ShmRemoteKey*>(op.remote_key);
+    if (key->lease() == 0) return Status::permission_denied("shm: the region is reachable through leases only");
+    if (key->revoked()) return Status::permission_denied("shm: the lease was revoked");
+    if (key->fence() != 0 && key->fence() <= load_slot(conn.slot(kFenceSlot))) {
+      return Status::permission_denied("shm: the lease was fenced by the region's owner");
+    }
+  }
   std::byte* remote = r.data + (op.remote_addr - r.base);
   if (op.op == TransferOp::kWrite) {
     std::memcpy(remote, op.local, op.length);

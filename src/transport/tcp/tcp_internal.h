@@ -8,6 +8,14 @@
 //              server -> client  ResponseHeader [+ payload for a successful READ]
 // Responses come back in request order on each stream, so no request ids are needed.
 // Payloads move straight between the socket and the registered memory on both sides.
+//
+// Leases: a region registered Access::kLeased is reached only by requests that name a lease
+// (id and fence tag, chosen by the initiator's engine; no round trip makes one). The target
+// moves a payload one non-blocking syscall at a time, each under a Guard that checks the
+// lease is neither revoked nor fenced and the region still registered; a fence, a revoke
+// request or a deregistration waits for the one syscall that may be running, so once it
+// returns no byte of those requests reaches the region, including bytes still queued in a
+// socket that an initiator abandoned.
 #pragma once
 
 #include <array>
@@ -40,7 +48,7 @@ static_assert(std::endian::native == std::endian::little, "the tcp protocol is l
 
 inline constexpr std::uint32_t kServerMagic = 0x5354564b;  // "KVTS"
 inline constexpr std::uint32_t kClientMagic = 0x4354564b;  // "KVTC"
-inline constexpr std::uint8_t kProtocolVersion = 1;
+inline constexpr std::uint8_t kProtocolVersion = 2;
 inline constexpr std::size_t kNonceBytes = handshake::kNonceBytes;
 inline constexpr std::size_t kMacBytes = handshake::kMacBytes;
 
@@ -63,20 +71,33 @@ struct ServerVerdict {
   std::uint8_t mac[kMacBytes];
 };
 
+// RequestHeader::op: a TransferOp, or a revoke of the lease the header names (answered once no
+// request under it can touch the region any more).
+inline constexpr std::uint8_t kRevokeOp = 2;
+
 struct RequestHeader {
-  std::uint8_t op;  // TransferOp
+  std::uint8_t op;  // TransferOp, or kRevokeOp
   std::uint8_t reserved[7];
   std::uint64_t key;
   std::uint64_t addr;
   std::uint64_t length;
+  std::uint64_t lease;  // 0: none
+  std::uint64_t fence;  // the lease's fence tag; 0: none
 };
 struct ResponseHeader {
   std::uint32_t status;  // a StatusCode
   std::uint32_t reason;  // a RefusalReason when status is not OK
   std::uint64_t length;  // payload bytes that follow
 };
-enum class RefusalReason : std::uint32_t { kNone = 0, kUnknownKey, kOutOfRange, kBadOp };
-static_assert(sizeof(RequestHeader) == 32 && sizeof(ResponseHeader) == 16);
+enum class RefusalReason : std::uint32_t {
+  kNone = 0,
+  kUnknownKey,
+  kOutOfRange,
+  kBadOp,
+  kLeaseRequired,  // the region is reachable through leases only
+  kLeaseEnded,     // the lease was revoked or fenced, or the region deregistered meanwhile
+};
+static_assert(sizeof(RequestHeader) == 48 && sizeof(ResponseHeader) == 16);
 
 // HMAC-SHA256(token, role || nonce_s || nonce_c) (common/handshake.h).
 inline void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
@@ -84,50 +105,79 @@ inline void handshake_mac(const std::string& token, std::string_view role, const
   handshake::mac(token, role, nonce_s, nonce_c, mac_out);
 }
 
-// Regions this process serves. Lookups take a reference that holds off deregistration until
-// the request that uses it is done, so memory is never touched after deregister returns.
+// Regions this process serves. A request holds its Region while it runs, but touches the
+// memory only inside a Guard: removal marks the region dead and waits for the syscall a Guard
+// may be running, so memory is never touched after deregistration returns.
 class RegionTable {
  public:
   struct Region {
-    std::byte* base;
-    std::uint64_t length;
-    std::atomic<std::uint32_t> users{0};
-  };
-  class Lease {
-   public:
-    Lease() = default;
-    explicit Lease(std::shared_ptr<Region> r) : r_(std::move(r)) {}
-    Lease(Lease&&) = default;
-    Lease& operator=(Lease&& o) noexcept {
-      release();
-      r_ = std::move(o.r_);
-      return *this;
-    }
-    ~Lease() { release(); }
-    Region* get() const { return r_.get(); }
-
-   private:
-    void release() {
-      if (r_) r_->users.fetch_sub(1, std::memory_order_release);
-      r_.reset();
-    }
-    std::shared_ptr<Region> r_;
+    std::byte* base = nullptr;
+    std::uint64_t length = 0;
+    bool leased = false;  // reachable through leases only (Access::kLeased)
+    std::atomic<bool> dead{false};
+    std::atomic<std::uint32_t> users{0};  // Guards inside a syscall on it
   };
 
-  std::uint64_t add(std::byte* base, std::uint64_t length);
-  // Removes the key; returns once no request uses the region any more.
+  std::uint64_t add(std::byte* base, std::uint64_t length, bool leased);
+  // Removes the key; returns once no request can touch the region any more.
   void remove(std::uint64_t key);
-  // An empty lease when the key is unknown.
-  Lease find(std::uint64_t key) const;
+  // Null when the key is unknown.
+  std::shared_ptr<Region> find(std::uint64_t key) const;
 
  private:
   mutable std::shared_mutex mu_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Region>> regions_;
 };
 
+// The target's lease fence (Transport::fence) and revocations (kRevokeOp). Each served
+// connection publishes, in its Mark, the lease of the syscall it is about to run; a fence or
+// revoke first publishes itself, then waits for marks naming what it ended. Either the
+// connection sees the fence (and refuses) or the fence sees the connection (and waits): the
+// stores and loads on both sides are sequentially consistent.
+class Fences {
+ public:
+  struct Mark {
+    std::atomic<std::uint64_t> lease{0};
+    std::atomic<std::uint64_t> fence{0};
+  };
+  // A mark for one connection, watched until the connection drops it.
+  std::shared_ptr<Mark> attach();
+  // Whether a request under lease (`lease`, `fence`) may still move bytes. Call it after
+  // storing them in the connection's mark.
+  bool allowed(std::uint64_t lease, std::uint64_t fence) const;
+  // Ends every lease with a fence tag <= through (tags only move up); returns once no
+  // connection is inside a syscall under one.
+  void fence(std::uint64_t through);
+  // Ends lease `lease` (fence tag `fence`) on every connection; returns once no connection is
+  // inside a syscall under it. Remembered until a fence passes its tag.
+  void revoke(std::uint64_t lease, std::uint64_t fence);
+
+ private:
+  template <typename Busy>
+  void wait_marks(Busy busy);
+
+  std::atomic<std::uint64_t> fenced_{0};
+  std::atomic<std::size_t> revoked_count_{0};
+  mutable std::mutex mu_;  // revoked_, marks_
+  std::unordered_map<std::uint64_t, std::uint64_t> revoked_;  // lease -> fence tag
+  std::vector<std::weak_ptr<Mark>> marks_;
+};
+
+// What a transport serves: its regions, their fences, and the rules for connections.
+struct Target {
+  RegionTable regions;
+  Fences fences;
+  std::string token;  // cluster token; empty: none required
+  TcpOptions options;
+  std::atomic<std::uint32_t> connections{0};
+  std::mutex peers_mu;
+  std::unordered_map<std::string, std::uint32_t> per_peer;  // address -> connections (peers_mu)
+};
+
 // One op in flight on a client stream.
 struct Pending {
   Op op{};
+  bool revoke = false;  // a kRevokeOp request for the lease op.remote_key names
   // Ops that continue each other on the remote side go out as one request: the first carries
   // how many it stands for, the others 0.
   std::uint32_t group = 1;
@@ -174,6 +224,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void start();
   // Queues `ops` (in order) and sends what the socket takes at once from this thread.
   void enqueue(std::span<const Op> ops);
+  // Queues a revoke of the lease `op.remote_key` names (op.length 0); completes through op.sink
+  // once the target answered it.
+  void enqueue_revoke(const Op& op);
   // Completes queued ops of `sink` with `reason`; returns the number still on the wire.
   std::size_t abort_queued(CompletionSink* sink, const Status& reason);
   // Closes the socket so every op on the wire fails; ops of `sink` end with `reason`.
@@ -221,6 +274,9 @@ class Endpoint final : public transport::Endpoint {
   ~Endpoint() override;
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
                                                 std::string_view packed, Deadline deadline) override;
+  Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region, std::span<const RemoteRange> ranges,
+                                               const LeaseTerms& terms, Deadline deadline) override;
+  Status revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline deadline) override;
   void post(std::span<const Op> ops) override;
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override;
@@ -231,11 +287,12 @@ class Endpoint final : public transport::Endpoint {
 
 struct TcpRemoteKey final : RemoteKey {
   std::uint64_t key = 0;
+  std::uint64_t lease = 0;  // a lease's id and fence tag, sent with every request; 0: none
+  std::uint64_t fence = 0;
 };
 
-// Serves one accepted connection: handshake, then requests against the region table.
+// Serves one accepted connection: handshake, then requests against the target's regions.
 // Runs on the socket's strand.
-asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const RegionTable> regions,
-                                       std::string token, std::chrono::milliseconds io_timeout);
+asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Target> target, std::string peer);
 
 }  // namespace kvstash::transport::tcp

@@ -22,8 +22,7 @@
 
 namespace kvstash::transport::tcp {
 
-asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions,
-                                     std::chrono::milliseconds io_timeout);
+asio::awaitable<void> serve_requests(tcp::socket& socket, Target& target);
 
 namespace {
 
@@ -102,6 +101,8 @@ Status client_handshake(int fd, const std::string& token, Deadline deadline) {
 class Registration final : public LocalRegistration {
  public:
   Registration(std::shared_ptr<RegionTable> table, std::uint64_t key) : table_(std::move(table)), key_(key) {}
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
   ~Registration() override {
     if (table_) table_->remove(key_);
   }
@@ -120,13 +121,16 @@ class Registration final : public LocalRegistration {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(const TcpOptions& options, std::shared_ptr<IoRuntime> runtime, tcp::acceptor acceptor,
-               std::string address)
+  TcpTransport(const TcpOptions& options, std::string cluster_token, std::shared_ptr<IoRuntime> runtime,
+               tcp::acceptor acceptor, std::string address)
       : options_(options),
+        cluster_token_(cluster_token),
         runtime_(std::move(runtime)),
         acceptor_(std::move(acceptor)),
         address_(std::move(address)),
-        regions_(std::make_shared<RegionTable>()) {
+        target_(std::make_shared<Target>()) {
+    target_->token = std::move(cluster_token);
+    target_->options = options;
     asio::co_spawn(acceptor_.get_executor(), accept_loop(), asio::detached);
   }
   ~TcpTransport() override {
@@ -141,6 +145,7 @@ class TcpTransport final : public Transport {
   TransportKind kind() const override { return TransportKind::kTcp; }
   Capabilities capabilities() const override {
     Capabilities c;
+    c.leases = true;
     c.lanes = std::max<std::uint32_t>(1, options_.streams);
     c.slice_bytes = options_.slice_bytes;
     return c;
@@ -149,14 +154,17 @@ class TcpTransport final : public Transport {
   bool can_reach(std::string_view peer_address) const override {
     return decode_address(peer_address).has_value();
   }
+  void fence(std::uint64_t through) override { target_->fences.fence(through); }
 
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override {
-    const bool remote_access = access != Access::kLocal;  // no revocable keys: kLeased is kRemote
     if (region.kind != MemoryKind::kHost) return Status::unsupported("tcp moves host memory only");
-    if (!remote_access) return std::unique_ptr<LocalRegistration>(new Registration(nullptr, 0));
-    std::uint64_t key = regions_->add(static_cast<std::byte*>(region.addr), region.length);
-    return std::unique_ptr<LocalRegistration>(new Registration(regions_, key));
+    if (access == Access::kLocal) return std::unique_ptr<LocalRegistration>(new Registration(nullptr, 0));
+    std::uint64_t key =
+        target_->regions.add(static_cast<std::byte*>(region.addr), region.length, access == Access::kLeased);
+    // The registration keeps the whole target alive through the table it points into.
+    return std::unique_ptr<LocalRegistration>(
+        new Registration(std::shared_ptr<RegionTable>(target_, &target_->regions), key));
   }
 
   Result<std::shared_ptr<transport::Endpoint>> connect(std::string_view peer_address,
@@ -167,7 +175,7 @@ class TcpTransport final : public Transport {
     for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, options_.streams); ++i) {
       KVSTASH_ASSIGN_OR_RETURN(Fd guard, connect_tcp(*hp, deadline));
       const int fd = guard.get();
-      KVSTASH_RETURN_IF_ERROR(client_handshake(fd, options_.cluster_token, deadline));
+      KVSTASH_RETURN_IF_ERROR(client_handshake(fd, cluster_token_, deadline));
       tcp::socket sock(runtime_->io());
       boost::system::error_code ec;
       sock.assign(hp->host.find(':') == std::string::npos ? tcp::v4() : tcp::v6(), guard.release(), ec);
@@ -184,20 +192,29 @@ class TcpTransport final : public Transport {
       std::lock_guard lock(mu_);
       accepting_ = true;
     }
+    asio::steady_timer backoff(acceptor_.get_executor());
+    Clock::time_point last_warning{};
     for (;;) {
       boost::system::error_code ec;
       tcp::socket sock(asio::make_strand(runtime_->io()));
       co_await acceptor_.async_accept(sock, asio::redirect_error(use_awaitable, ec));
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) break;
       if (ec) {
-        KVSTASH_LOG_WARN("tcp accept failed: {}", ec.message());
+        if (Clock::now() - last_warning > std::chrono::seconds(10)) {
+          KVSTASH_LOG_WARN("tcp accept failed: {}", ec.message());
+          last_warning = Clock::now();
+        }
+        // Out of descriptors or memory: the pending connection stays queued and would fail
+        // again at once, so pause instead of spinning (closing connections frees some).
+        backoff.expires_after(std::chrono::milliseconds(100));
+        co_await backoff.async_wait(asio::redirect_error(use_awaitable, ec));
         continue;
       }
+      auto peer = admit(sock);
+      if (!peer) continue;
       sock.set_option(tcp::no_delay(true), ec);
       auto ex = sock.get_executor();
-      asio::co_spawn(ex,
-                     serve_connection(std::move(sock), regions_, options_.cluster_token, options_.io_timeout),
-                     asio::detached);
+      asio::co_spawn(ex, serve_connection(std::move(sock), target_, std::move(*peer)), asio::detached);
     }
     std::lock_guard lock(mu_);
     accepting_ = false;
@@ -205,11 +222,40 @@ class TcpTransport final : public Transport {
     co_return;
   }
 
+  // Counts the connection against the caps and returns the peer's address, or closes it when
+  // a cap is reached.
+  std::optional<std::string> admit(tcp::socket& sock) {
+    boost::system::error_code ec;
+    auto remote = sock.remote_endpoint(ec);
+    std::string peer = ec ? std::string("?") : remote.address().to_string();
+    const char* refused = nullptr;
+    {
+      std::lock_guard lock(target_->peers_mu);
+      auto& mine = target_->per_peer[peer];
+      if (target_->connections.load() >= std::max<std::uint32_t>(1, options_.max_connections)) {
+        refused = "the target's connection limit (TcpOptions::max_connections)";
+      } else if (mine >= std::max<std::uint32_t>(1, options_.max_connections_per_peer)) {
+        refused = "its per-peer connection limit (TcpOptions::max_connections_per_peer)";
+      } else {
+        ++mine;
+        ++target_->connections;
+      }
+      if (refused != nullptr && mine == 0) target_->per_peer.erase(peer);
+    }
+    if (refused != nullptr) {
+      KVSTASH_LOG_WARN("tcp: refused a connection from {}: {} is reached", peer, refused);
+      sock.close(ec);
+      return std::nullopt;
+    }
+    return peer;
+  }
+
   TcpOptions options_;
+  std::string cluster_token_;
   std::shared_ptr<IoRuntime> runtime_;
   tcp::acceptor acceptor_;
   std::string address_;
-  std::shared_ptr<RegionTable> regions_;
+  std::shared_ptr<Target> target_;
   std::mutex mu_;
   std::condition_variable stopped_;
   bool accepting_ = true;
@@ -239,10 +285,11 @@ IoRuntime::~IoRuntime() {
   for (auto& t : threads_) t.join();
 }
 
-std::uint64_t RegionTable::add(std::byte* base, std::uint64_t length) {
+std::uint64_t RegionTable::add(std::byte* base, std::uint64_t length, bool leased) {
   auto region = std::make_shared<Region>();
   region->base = base;
   region->length = length;
+  region->leased = leased;
   std::unique_lock lock(mu_);
   std::uint64_t key;
   do {
@@ -261,18 +308,90 @@ void RegionTable::remove(std::uint64_t key) {
     region = std::move(it->second);
     regions_.erase(it);
   }
-  // Requests that found the region before it left the table finish first.
-  while (region->users.load(std::memory_order_acquire) != 0) {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  // Requests that found the region before it left the table may be inside a syscall on it:
+  // from `dead` on, they start none, and the running one ends in microseconds (non-blocking).
+  region->dead.store(true, std::memory_order_seq_cst);
+  while (region->users.load(std::memory_order_seq_cst) != 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 
-RegionTable::Lease RegionTable::find(std::uint64_t key) const {
+std::shared_ptr<RegionTable::Region> RegionTable::find(std::uint64_t key) const {
   std::shared_lock lock(mu_);
   auto it = regions_.find(key);
-  if (it == regions_.end()) return {};
-  it->second->users.fetch_add(1, std::memory_order_acquire);
-  return Lease(it->second);
+  if (it == regions_.end()) return nullptr;
+  return it->second;
+}
+
+std::shared_ptr<Fences::Mark> Fences::attach() {
+  auto mark = std::make_shared<Mark>();
+  std::lock_guard lock(mu_);
+  std::erase_if(marks_, [](const std::weak_ptr<Mark>& m) { return m.expired(); });
+  marks_.push_back(mark);
+  return mark;
+}
+
+bool Fences::allowed(std::uint64_t lease, std::uint64_t fence) const {
+  if (fence != 0 && fence <= fenced_.load(std::memory_order_seq_cst)) return false;
+  if (revoked_count_.load(std::memory_order_seq_cst) == 0) return true;
+  std::lock_guard lock(mu_);
+  return revoked_.count(lease) == 0;
+}
+
+template <typename Busy>
+void Fences::wait_marks(Busy busy) {
+  std::vector<std::shared_ptr<Mark>> marks;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& w : marks_) {
+      if (auto m = w.lock()) marks.push_back(std::move(m));
+    }
+  }
+  // A connection inside a syscall leaves it in microseconds: the syscall never blocks.
+  for (const auto& m : marks) {
+    while (busy(*m)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void Fences::fence(std::uint64_t through) {
+  {
+    std::lock_guard lock(mu_);
+    if (through <= fenced_.load()) return;
+    fenced_.store(through, std::memory_order_seq_cst);
+    // Revocations the fence now covers need no remembering.
+    std::erase_if(revoked_, [&](const auto& e) { return e.second != 0 && e.second <= through; });
+    revoked_count_.store(revoked_.size(), std::memory_order_seq_cst);
+  }
+  wait_marks([&](const Mark& m) {
+    const std::uint64_t f = m.fence.load(std::memory_order_seq_cst);
+    return f != 0 && f <= through;
+  });
+}
+
+void Fences::revoke(std::uint64_t lease, std::uint64_t fence) {
+  {
+    std::lock_guard lock(mu_);
+    if (fence == 0 || fence > fenced_.load()) {
+      // Without a fence tag the entry stays until the transport goes; such leases are the
+      // engine's point-to-point users', revoked rarely.
+      revoked_.emplace(lease, fence);
+      revoked_count_.store(revoked_.size(), std::memory_order_seq_cst);
+    }
+  }
+  wait_marks([&](const Mark& m) { return m.lease.load(std::memory_order_seq_cst) == lease; });
+}
+
+Result<std::unique_ptr<RemoteKey>> Endpoint::lease_key(const RemoteKey& region, std::span<const RemoteRange>,
+                                                       const LeaseTerms& terms, Deadline) {
+  // No round trip: the lease travels with every request, and the target checks it there.
+  const auto& r = static_cast<const TcpRemoteKey&>(region);
+  auto k = std::make_unique<TcpRemoteKey>();
+  k->base = r.base;
+  k->length = r.length;
+  k->key = r.key;
+  k->lease = terms.id;
+  k->fence = terms.fence;
+  return std::unique_ptr<RemoteKey>(std::move(k));
 }
 
 Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std::uint64_t length,
@@ -288,8 +407,19 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std:
   return std::unique_ptr<RemoteKey>(std::move(k));
 }
 
-asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const RegionTable> regions,
-                                       std::string token, std::chrono::milliseconds io_timeout) {
+asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Target> target, std::string peer) {
+  // The connection counts against the caps until it ends (admitted by the accept loop).
+  struct Uncount {
+    Target& t;
+    const std::string& peer;
+    ~Uncount() {
+      std::lock_guard lock(t.peers_mu);
+      --t.connections;
+      auto it = t.per_peer.find(peer);
+      if (it != t.per_peer.end() && --it->second == 0) t.per_peer.erase(it);
+    }
+  } uncount{*target, peer};
+  const std::string& token = target->token;
   // A client that connects and says nothing is dropped after kHandshakeTimeout.
   auto done = std::make_shared<bool>(false);
   asio::steady_timer timer(socket.get_executor(), kHandshakeTimeout);
@@ -324,7 +454,7 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const
       KVSTASH_LOG_WARN("tcp: refused a client that failed the cluster-token handshake");
       co_return;
     }
-    co_await serve_requests(socket, *regions, io_timeout);
+    co_await serve_requests(socket, *target);
   } catch (const boost::system::system_error& e) {
     *done = true;
     // The initiator went away or broke protocol; its requests are its own to retry.
@@ -332,7 +462,7 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<const
   }
 }
 
-Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options) {
+Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std::string cluster_token) {
   KVSTASH_ASSIGN_OR_RETURN(HostPort listen, parse_host_port(options.listen));
   auto runtime = IoRuntime::create(options.io_threads);
   boost::system::error_code ec;
@@ -351,13 +481,14 @@ Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options) {
   }
   if (advertised.port == 0 || options.advertise.empty()) advertised.port = acceptor.local_endpoint().port();
   return std::unique_ptr<Transport>(
-      new TcpTransport(options, std::move(runtime), std::move(acceptor), encode_address(advertised)));
+      new TcpTransport(options, std::move(cluster_token), std::move(runtime), std::move(acceptor),
+                       encode_address(advertised)));
 }
 
 }  // namespace kvstash::transport::tcp
 
 namespace kvstash::transport {
-Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options) {
-  return tcp::make_transport(options);
+Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options, std::string cluster_token) {
+  return tcp::make_transport(options, std::move(cluster_token));
 }
 }  // namespace kvstash::transport

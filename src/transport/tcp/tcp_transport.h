@@ -8,7 +8,10 @@
 
 namespace kvstash::transport {
 
-// Starts a tcp transport. Errors: kUnavailable when it cannot run on this host, kIoError.
-Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options);
+// Starts a tcp transport. With a `cluster_token` both sides of every connection prove they
+// know it (EngineOptions::cluster_token). Errors: kUnavailable when it cannot run on this
+// host, kIoError.
+Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options,
+                                                      std::string cluster_token = {});
 
 }  // namespace kvstash::transport

@@ -28,6 +28,10 @@ Status refusal(std::uint32_t code, std::uint32_t reason) {
     case RefusalReason::kOutOfRange:
       return {c, "target refused the request: range outside the registered region"};
     case RefusalReason::kBadOp: return {c, "target refused the request: unknown operation"};
+    case RefusalReason::kLeaseRequired:
+      return {c, "target refused the request: the region is reachable through leases only"};
+    case RefusalReason::kLeaseEnded:
+      return {c, "target refused the request: its lease was revoked or fenced, or the region deregistered"};
     case RefusalReason::kNone: break;
   }
   return {c, "target refused the request"};
@@ -71,6 +75,25 @@ void Stream::enqueue(std::span<const Op> ops) {
   asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
 }
 
+void Stream::enqueue_revoke(const Op& op) {
+  std::unique_lock lock(mu_);
+  if (failed_) {
+    Status s = failure_;
+    lock.unlock();
+    op.sink->complete(op.tag, s);
+    return;
+  }
+  queued_.push_back({op, /*group=*/1, /*revoke=*/true});
+  if (writing_) return;
+  writing_ = true;
+  if (send_inline()) {
+    writing_ = false;
+    return;
+  }
+  lock.unlock();
+  asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
+}
+
 bool Stream::next_request(OutRequest& r) {
   if (queued_.empty() || failed_) return false;
   // On the wire before the header is sent, so the response always finds it.
@@ -78,20 +101,24 @@ bool Stream::next_request(OutRequest& r) {
   queued_.pop_front();
   Pending& first = on_wire_.back();
   const Op& op = first.op;
-  const bool write = op.op == TransferOp::kWrite;
+  const bool write = op.op == TransferOp::kWrite && !first.revoke;
+  const auto* key = static_cast<const TcpRemoteKey*>(op.remote_key);
   // Only what this request uses is reset: pieces past `count` are never read.
   r.header = RequestHeader{};
   r.count = 0;
   r.sent = 0;
-  r.header.op = static_cast<std::uint8_t>(op.op);
-  r.header.key = static_cast<const TcpRemoteKey*>(op.remote_key)->key;
+  r.header.op = first.revoke ? kRevokeOp : static_cast<std::uint8_t>(op.op);
+  r.header.key = key->key;
+  r.header.lease = key->lease;
+  r.header.fence = key->fence;
+  if (first.revoke) return true;
   r.header.addr = op.remote_addr;
   r.header.length = op.length;
   if (write) r.pieces[r.count++] = {op.local, op.length};
   std::uint32_t group = 1;
   while (group < kMaxGroupOps && !queued_.empty()) {
     const Op& next = queued_.front().op;
-    if (next.sink != op.sink || next.op != op.op || next.remote_key != op.remote_key ||
+    if (queued_.front().revoke || next.sink != op.sink || next.op != op.op || next.remote_key != op.remote_key ||
         next.remote_addr != r.header.addr + r.header.length ||
         r.header.length + next.length > kMaxGroupBytes) {
       break;
@@ -194,6 +221,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
     std::uint32_t group = 0;
     TransferOp op = TransferOp::kRead;
     std::uint64_t length = 0;
+    bool revoke = false;
     bufs.clear();
     {
       std::lock_guard lock(self->mu_);
@@ -201,6 +229,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
       if (!self->on_wire_.empty() && self->on_wire_.front().group <= self->on_wire_.size()) {
         group = self->on_wire_.front().group;
         op = self->on_wire_.front().op.op;
+        revoke = self->on_wire_.front().revoke;
         for (std::uint32_t i = 0; i < group; ++i) {
           const Op& o = self->on_wire_[i].op;
           length += o.length;
@@ -209,7 +238,7 @@ asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
       }
     }
     const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
-    const std::uint64_t expect = ok && op == TransferOp::kRead ? length : 0;
+    const std::uint64_t expect = ok && op == TransferOp::kRead && !revoke ? length : 0;
     if (group == 0 || r.length != expect) {
       self->fail_all(Status::corrupt("tcp protocol error: unexpected response from peer"));
       co_return;
@@ -339,6 +368,47 @@ void Endpoint::post(std::span<const Op> ops) {
   }
 }
 
+namespace {
+
+// Waits for one op's completion (a revoke's answer).
+class OneShot final : public CompletionSink {
+ public:
+  void complete(std::uint32_t, Status status) override {
+    std::lock_guard lock(mu_);
+    status_ = std::move(status);
+    done_ = true;
+    cv_.notify_all();
+  }
+  // The op's status, or nullopt at the deadline.
+  std::optional<Status> wait(Deadline deadline) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_until(lock, deadline, [&] { return done_; })) return std::nullopt;
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+};
+
+}  // namespace
+
+Status Endpoint::revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline deadline) {
+  const auto& k = static_cast<const TcpRemoteKey&>(key);
+  if (k.lease != terms.id) return Status::invalid_argument("tcp: revoke of another lease than the key's");
+  OneShot sink;
+  Op op;
+  op.remote_key = &key;
+  op.sink = &sink;
+  // Any stream will do: the target ends the lease on every connection before it answers.
+  streams_[0]->enqueue_revoke(op);
+  if (auto s = sink.wait(deadline)) return s->with_context("tcp: revoke");
+  abort(&sink, Status::timeout("tcp: revoke"));  // returns once the sink is no longer used
+  return Status::timeout("tcp: the target did not confirm the revoke before the deadline");
+}
+
 void Endpoint::abort(CompletionSink* sink, const Status& reason) {
   for (auto& s : streams_) {
     if (s->abort_queued(sink, reason) > 0) s->reset(sink, reason);
@@ -361,107 +431,211 @@ Endpoint::~Endpoint() {
 
 namespace {
 
-ResponseHeader check(const RequestHeader& h, const RegionTable::Lease& lease, std::byte** where) {
+ResponseHeader refuse(StatusCode code, RefusalReason reason) {
   ResponseHeader r{};
-  r.status = static_cast<std::uint32_t>(StatusCode::kPermissionDenied);
-  if (h.op != static_cast<std::uint8_t>(TransferOp::kRead) &&
-      h.op != static_cast<std::uint8_t>(TransferOp::kWrite)) {
-    r.status = static_cast<std::uint32_t>(StatusCode::kInvalidArgument);
-    r.reason = static_cast<std::uint32_t>(RefusalReason::kBadOp);
-    return r;
-  }
-  const RegionTable::Region* region = lease.get();
-  if (region == nullptr) {
-    r.reason = static_cast<std::uint32_t>(RefusalReason::kUnknownKey);
-    return r;
-  }
-  const auto base = reinterpret_cast<std::uintptr_t>(region->base);
-  if (h.addr < base || h.addr - base > region->length || h.length > region->length - (h.addr - base)) {
-    r.reason = static_cast<std::uint32_t>(RefusalReason::kOutOfRange);
-    return r;
-  }
-  *where = region->base + (h.addr - base);
-  r.status = static_cast<std::uint32_t>(StatusCode::kOk);
+  r.status = static_cast<std::uint32_t>(code);
+  r.reason = static_cast<std::uint32_t>(reason);
   return r;
 }
 
-}  // namespace
+// Checks a request against its region: OK with `where` set, or the refusal to answer.
+ResponseHeader check(const RequestHeader& h, const RegionTable::Region* region, std::byte** where) {
+  if (h.op != static_cast<std::uint8_t>(TransferOp::kRead) && h.op != static_cast<std::uint8_t>(TransferOp::kWrite) &&
+      h.op != kRevokeOp) {
+    return refuse(StatusCode::kInvalidArgument, RefusalReason::kBadOp);
+  }
+  if (region == nullptr) return refuse(StatusCode::kPermissionDenied, RefusalReason::kUnknownKey);
+  if (region->leased && h.lease == 0) return refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseRequired);
+  if (h.op == kRevokeOp) return ResponseHeader{};
+  const auto base = reinterpret_cast<std::uintptr_t>(region->base);
+  if (h.addr < base || h.addr - base > region->length || h.length > region->length - (h.addr - base)) {
+    return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutOfRange);
+  }
+  *where = region->base + (h.addr - base);
+  return ResponseHeader{};
+}
 
-namespace {
+// One syscall on a served region's memory, made only while the request may still touch it:
+// the region registered and, for a leased region, its lease neither revoked nor fenced. The
+// connection's mark and the region's user count say, while it runs, that a syscall is in
+// progress: a fence, revoke or deregistration waits for it (never long: every syscall here is
+// non-blocking), and every later one sees what they ended.
+class Guard {
+ public:
+  Guard(Target& target, Fences::Mark& mark, RegionTable::Region& region, const RequestHeader& h)
+      : mark_(mark), region_(region) {
+    region_.users.fetch_add(1, std::memory_order_seq_cst);
+    mark_.lease.store(h.lease, std::memory_order_seq_cst);
+    mark_.fence.store(h.fence, std::memory_order_seq_cst);
+    allowed_ = !region_.dead.load(std::memory_order_seq_cst) &&
+               (!region_.leased || target.fences.allowed(h.lease, h.fence));
+  }
+  ~Guard() {
+    mark_.fence.store(0, std::memory_order_seq_cst);
+    mark_.lease.store(0, std::memory_order_seq_cst);
+    region_.users.fetch_sub(1, std::memory_order_seq_cst);
+  }
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+  bool allowed() const { return allowed_; }
 
-// Closes the connection when a request's payload stops moving for `timeout`: a stalled
-// initiator must not hold a region lease, and so its deregistration, forever. Runs on the
-// connection's strand, like the request loop that arms it.
+ private:
+  Fences::Mark& mark_;
+  RegionTable::Region& region_;
+  bool allowed_ = false;
+};
+
+[[noreturn]] void throw_errno(int err) {
+  throw boost::system::system_error(error_code(err, boost::system::system_category()));
+}
+
+// Closes the connection when a request's payload stops moving for `timeout`, or when no
+// request arrives for the idle timeout: a stalled initiator must not hold a connection slot,
+// a region (and so its deregistration) hostage. Runs on the connection's strand, like the
+// request loop that arms it.
 class Watchdog {
  public:
-  Watchdog(tcp::socket& socket, std::chrono::milliseconds timeout)
-      : socket_(socket), timer_(socket.get_executor()), timeout_(timeout) {}
+  explicit Watchdog(tcp::socket& socket) : socket_(socket), timer_(socket.get_executor()) {}
   ~Watchdog() { *alive_ = false; }
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  void arm() {
+  void arm(std::chrono::milliseconds timeout, const char* what) {
     const std::uint64_t generation = ++generation_;
-    timer_.expires_after(timeout_);
-    timer_.async_wait([this, generation, alive = alive_](error_code ec) {
+    timer_.expires_after(timeout);
+    timer_.async_wait([this, generation, timeout, what, alive = alive_](error_code ec) {
       if (ec || !*alive || generation != generation_) return;
-      KVSTASH_LOG_WARN("tcp: request payload stalled for {} ms, dropping the connection", timeout_.count());
+      KVSTASH_LOG_INFO("tcp: {} for {} ms, dropping the connection", what, timeout.count());
       error_code ignored;
       socket_.close(ignored);
     });
-  }
-  void disarm() {
-    ++generation_;
-    timer_.cancel();
   }
 
  private:
   tcp::socket& socket_;
   asio::steady_timer timer_;
-  std::chrono::milliseconds timeout_;
   std::uint64_t generation_ = 0;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 
+// Reads and drops `n` payload bytes (a refused WRITE's), keeping the stream in sync.
+asio::awaitable<void> discard(tcp::socket& socket, std::uint64_t n, std::vector<std::byte>& scratch) {
+  scratch.resize(64u << 10);
+  for (std::uint64_t left = n; left > 0;) {
+    std::size_t step = std::min<std::uint64_t>(left, scratch.size());
+    co_await asio::async_read(socket, asio::buffer(scratch.data(), step), kWhole, use_awaitable);
+    left -= step;
+  }
+}
+
+// Receives a WRITE's payload into `where`, one non-blocking recv at a time, each under a
+// Guard. Returns how many bytes landed: fewer than h.length when the lease or region ended
+// on the way (the caller drops the rest).
+asio::awaitable<std::uint64_t> receive_payload(tcp::socket& socket, Target& target, Fences::Mark& mark,
+                                               RegionTable::Region& region, const RequestHeader& h,
+                                               std::byte* where) {
+  const int fd = socket.native_handle();
+  std::uint64_t got = 0;
+  while (got < h.length) {
+    ssize_t n;
+    {
+      Guard g(target, mark, region, h);
+      if (!g.allowed()) co_return got;
+      n = ::recv(fd, where + got, h.length - got, MSG_DONTWAIT);
+    }
+    if (n > 0) {
+      got += static_cast<std::uint64_t>(n);
+    } else if (n == 0) {
+      throw boost::system::system_error(asio::error::eof);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      co_await socket.async_wait(tcp::socket::wait_read, use_awaitable);
+    } else if (errno != EINTR) {
+      throw_errno(errno);
+    }
+  }
+  co_return got;
+}
+
+// Sends a READ's response header and payload from `where`, one non-blocking sendmsg at a
+// time, each under a Guard. Returns false when the lease or region ended on the way: before
+// the first byte the caller answers with a refusal; after it the connection must close.
+asio::awaitable<std::pair<bool, std::uint64_t>> send_payload(tcp::socket& socket, Target& target,
+                                                             Fences::Mark& mark, RegionTable::Region& region,
+                                                             const RequestHeader& h, const std::byte* where) {
+  ResponseHeader r{};
+  r.length = h.length;
+  const int fd = socket.native_handle();
+  const std::uint64_t total = sizeof r + h.length;
+  std::uint64_t sent = 0;
+  while (sent < total) {
+    std::array<iovec, 2> iov;
+    int count = 0;
+    if (sent < sizeof r) iov[count++] = {reinterpret_cast<std::byte*>(&r) + sent, sizeof r - sent};
+    const std::uint64_t off = sent < sizeof r ? 0 : sent - sizeof r;
+    iov[count++] = {const_cast<std::byte*>(where) + off, h.length - off};
+    msghdr msg{};
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = count;
+    ssize_t n;
+    {
+      Guard g(target, mark, region, h);
+      if (!g.allowed()) co_return std::pair{false, sent};
+      n = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+    if (n >= 0) {
+      sent += static_cast<std::uint64_t>(n);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      co_await socket.async_wait(tcp::socket::wait_write, use_awaitable);
+    } else if (errno != EINTR) {
+      throw_errno(errno);
+    }
+  }
+  co_return std::pair{true, sent};
+}
+
 }  // namespace
 
-asio::awaitable<void> serve_requests(tcp::socket& socket, const RegionTable& regions,
-                                     std::chrono::milliseconds io_timeout) {
+asio::awaitable<void> serve_requests(tcp::socket& socket, Target& target) {
   std::vector<std::byte> scratch;
-  Watchdog watchdog(socket, io_timeout);
+  Watchdog watchdog(socket);
+  const auto mark = target.fences.attach();
+  const auto& o = target.options;
   for (;;) {
     RequestHeader h;
+    watchdog.arm(o.idle_timeout, "no request");
     co_await asio::async_read(socket, asio::buffer(&h, sizeof h), kWhole, use_awaitable);
+    watchdog.arm(o.io_timeout, "a request stalled");
+    const std::shared_ptr<RegionTable::Region> region = target.regions.find(h.key);
     std::byte* where = nullptr;
-    RegionTable::Lease lease = regions.find(h.key);
-    ResponseHeader r = check(h, lease, &where);
+    ResponseHeader r = check(h, region.get(), &where);
     const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
-    watchdog.arm();
-    if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
-      if (ok) {
-        co_await asio::async_read(socket, asio::buffer(where, h.length), kWhole, use_awaitable);
-      } else {
-        if (h.length > kMaxDiscard) {
+    const auto ended = refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseEnded);
+    if (h.op == kRevokeOp) {
+      // Answered once no request under the lease can move bytes, on any connection.
+      if (ok) target.fences.revoke(h.lease, h.fence);
+      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
+    } else if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
+      std::uint64_t landed = 0;
+      if (ok) landed = co_await receive_payload(socket, target, *mark, *region, h, where);
+      if (ok && landed < h.length) r = ended;
+      if (landed < h.length) {
+        if (h.length - landed > kMaxDiscard) {
           co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
           co_return;
         }
-        scratch.resize(64u << 10);
-        for (std::uint64_t left = h.length; left > 0;) {
-          std::size_t n = std::min<std::uint64_t>(left, scratch.size());
-          co_await asio::async_read(socket, asio::buffer(scratch.data(), n), kWhole, use_awaitable);
-          left -= n;
-        }
+        co_await discard(socket, h.length - landed, scratch);
       }
       co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
     } else if (ok) {
-      r.length = h.length;
-      std::array<asio::const_buffer, 2> bufs{asio::buffer(&r, sizeof r), asio::buffer(where, h.length)};
-      co_await asio::async_write(socket, bufs, kWhole, use_awaitable);
+      auto [whole, sent] = co_await send_payload(socket, target, *mark, *region, h, where);
+      if (!whole) {
+        if (sent > 0) co_return;  // mid-payload: only closing tells the initiator
+        co_await asio::async_write(socket, asio::buffer(&ended, sizeof ended), kWhole, use_awaitable);
+      }
     } else {
       co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
       if (r.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp)) co_return;
     }
-    watchdog.disarm();
   }
 }
 

@@ -439,7 +439,12 @@ Result<std::unique_ptr<RemoteKey>> UcxEndpoint::import_key(std::uint64_t base, s
 
 namespace kvstash::transport {
 
-Result<std::unique_ptr<Transport>> make_ucx_transport(const UcxOptions& options) {
+Result<std::unique_ptr<Transport>> make_ucx_transport(const UcxOptions& options, std::string_view cluster_token) {
+  if (!cluster_token.empty()) {
+    return Status::unsupported(
+        "ucx cannot prove a cluster token (UCX connects peers without a handshake of ours): not started "
+        "while one is set; tcp and verbs carry the token");
+  }
   auto core = ucx::Core::create(options);
   if (!core.is_ok()) {
     Status s = core.status();

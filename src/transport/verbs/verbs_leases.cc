@@ -6,9 +6,15 @@
 // one type-2B window per range to that connection's queue pair (no other queue pair can use
 // its rkey) and answers with their rkeys. The windows are revoked (deallocated) when the
 // client releases the lease, when its time is up by the target's clock, when the connection
-// closes, or when the region is deregistered. A READ or WRITE through a revoked window fails
-// at the target's NIC with a remote access error: a reader that outlived its lease gets an
-// error, never the bytes of whatever object reuses the pages.
+// closes, when the region is deregistered, when the owner fences past the lease's tag
+// (Transport::fence), or when the client revokes the lease id (Endpoint::revoke: on every
+// connection, confirmed). A READ or WRITE through a revoked window fails at the target's NIC
+// with a remote access error: a reader that outlived its lease gets an error, never the bytes
+// of whatever object reuses the pages.
+//
+// A lease id is the client's, the same on every connection (lane, reconnect) it uses the
+// lease through; the target refuses a request under an id it saw revoked, or under a fence
+// tag it has fenced already (kStale), so a late request cannot bring a lease back.
 #include <poll.h>
 
 #include <algorithm>
@@ -29,8 +35,7 @@ constexpr std::chrono::minutes kMaxLeaseTtl{10};
 // Windows one connection may hold at once: bounds what one client can take of max_mw.
 constexpr std::size_t kMaxWindowsPerConnection = 4096;
 constexpr auto kReleaseTimeout = std::chrono::milliseconds(200);
-// A lease message must arrive whole, and its answer leave, within this.
-constexpr auto kMessageTimeout = std::chrono::seconds(2);
+constexpr std::string_view kLeaseExchange = "verbs lease exchange";
 
 // Waits for the completion with `wr_id` on the bind CQ (binds take microseconds).
 Status wait_bind(ibv_cq* cq, std::uint64_t wr_id, Deadline deadline) {
@@ -52,7 +57,29 @@ Status wait_bind(ibv_cq* cq, std::uint64_t wr_id, Deadline deadline) {
 
 // ---- the target ------------------------------------------------------------------------------
 
+void RevokedLeases::add(std::uint64_t id, std::uint64_t fence) {
+  if (!tags_.emplace(id, fence).second) return;
+  order_.push_back(id);
+  while (tags_.size() > kMaxRevokedLeases) {
+    tags_.erase(order_.front());  // a no-op for an id a fence forgot already
+    order_.pop_front();
+  }
+}
+
+void RevokedLeases::fence(std::uint64_t through) {
+  const std::size_t before = tags_.size();
+  std::erase_if(tags_, [&](const auto& e) { return e.second != 0 && e.second <= through; });
+  if (tags_.size() != before) std::erase_if(order_, [&](std::uint64_t id) { return tags_.count(id) == 0; });
+}
+
 Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest& q, Deadline deadline) {
+  if (q.fence != 0 && q.fence <= fenced_through) {
+    return Status::stale("verbs: lease fence tag " + std::to_string(q.fence) +
+                         " is fenced already (the owner " + "fenced through " +
+                         std::to_string(fenced_through) + ")");
+  }
+  if (revoked.contains(q.id))
+    return Status::stale("verbs: the lease was revoked (its id cannot be leased again)");
   auto region = leasable.find({a.dev, q.region_rkey});
   if (region == leasable.end()) {
     return Status::permission_denied("verbs: no region here is leased under that key");
@@ -71,6 +98,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
 
   Lease lease;
   lease.mr = mr;
+  lease.fence = q.fence;
   lease.until =
       Clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(q.ttl_ms), kMaxLeaseTtl);
   std::vector<std::uint32_t> rkeys;
@@ -116,13 +144,14 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
     at += n;
   }
   a.windows += lease.windows.size();
-  Counters::add(devs[0]->counters->windows_bound, lease.windows.size());
+  Counters::add(counters().windows_bound, lease.windows.size());
   a.leases.emplace(q.id, std::move(lease));
   return rkeys;
 }
 
 Target::LeaseMap::iterator Target::revoke(Accepted& a, LeaseMap::iterator it) {
   a.windows -= it->second.windows.size();
+  Counters::add(counters().windows_revoked, it->second.windows.size());
   return a.leases.erase(it);  // deallocating a bound window revokes it
 }
 
@@ -130,22 +159,47 @@ void Target::release(Accepted& a, std::uint64_t lease_id) {
   auto it = a.leases.find(lease_id);
   if (it == a.leases.end()) return;
   revoke(a, it);
-  Counters::add(devs[0]->counters->leases_released);
+  Counters::add(counters().leases_released);
 }
 
-bool Target::serve(Accepted& a) {
-  const Deadline deadline = deadline_after(kMessageTimeout);
-  auto frame = read_frame(a.socket.get(), deadline);
-  if (!frame.is_ok()) return false;  // the peer closed (or stalled mid-message)
-  auto msg = decode_lease_message(*frame);
-  if (!msg.is_ok()) {
-    KVSTASH_LOG_WARN("verbs: dropped a connection that sent a malformed lease message: {}",
-                     msg.status().to_string());
-    return false;
+void Target::revoke_everywhere(std::uint64_t id, std::uint64_t fence) {
+  // Remembered first: nothing after this can lease the id again (every lease message is
+  // served under `mu`). A tag that is fenced already refuses the id by itself.
+  if (fence == 0 || fence > fenced_through) revoked.add(id, fence);
+  for (Accepted& a : accepted) {
+    auto it = a.leases.find(id);
+    if (it != a.leases.end()) revoke(a, it);
   }
+  Counters::add(counters().leases_revoked);
+}
+
+void Target::fence(std::uint64_t through) {
+  std::lock_guard lock(mu);
+  if (through <= fenced_through) return;  // tags up to it are revoked and refused already
+  fenced_through = through;
+  for (Accepted& a : accepted) {
+    for (auto it = a.leases.begin(); it != a.leases.end();) {
+      if (it->second.fence != 0 && it->second.fence <= through) {
+        it = revoke(a, it);
+        Counters::add(counters().leases_fenced);
+      } else {
+        ++it;
+      }
+    }
+  }
+  revoked.fence(through);
+}
+
+Result<std::string> Target::serve(Accepted& a, std::string_view frame, Deadline deadline) {
+  auto msg = decode_lease_message(frame);
+  if (!msg.is_ok()) return msg.status().with_context("a malformed lease message");
   if (const auto* rel = std::get_if<LeaseRelease>(&*msg)) {
     release(a, rel->id);
-    return true;
+    return std::string();
+  }
+  if (const auto* rev = std::get_if<LeaseRevoke>(&*msg)) {
+    revoke_everywhere(rev->id, rev->fence);
+    return encode_lease_revoked({rev->id});
   }
   const auto& q = std::get<LeaseRequest>(*msg);
   auto rkeys = bind(a, q, deadline);
@@ -153,12 +207,12 @@ bool Target::serve(Accepted& a) {
   reply.id = q.id;
   if (rkeys.is_ok()) {
     reply.rkeys = std::move(rkeys).value();
-    Counters::add(devs[0]->counters->leases_granted);
+    Counters::add(counters().leases_granted);
   } else {
     reply.status = rkeys.status();
-    Counters::add(devs[0]->counters->leases_refused);
+    Counters::add(counters().leases_refused);
   }
-  return write_frame(a.socket.get(), encode_lease_reply(reply), deadline).is_ok() && !a.broken;
+  return encode_lease_reply(reply);
 }
 
 std::optional<Clock::time_point> Target::expire(Clock::time_point now) {
@@ -167,7 +221,7 @@ std::optional<Clock::time_point> Target::expire(Clock::time_point now) {
     for (auto it = a.leases.begin(); it != a.leases.end();) {
       if (it->second.until <= now) {
         it = revoke(a, it);
-        Counters::add(devs[0]->counters->leases_expired);
+        Counters::add(counters().leases_expired);
         continue;
       }
       if (!next || it->second.until < *next) next = it->second.until;
@@ -191,10 +245,15 @@ void Target::forget(const ibv_mr* mr) {
   }
 }
 
+void Target::drop(std::list<Accepted>::iterator it) {
+  Counters::add(counters().windows_revoked, it->windows);
+  accepted.erase(it);  // the windows, then the queue pair
+}
+
 // ---- registrations ---------------------------------------------------------------------------
 
 Registration::Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target)
-    : parts_(std::move(parts)), remote_(remote), target_(std::move(target)) {
+    : target_(std::move(target)), parts_(std::move(parts)), remote_(remote) {
   if (!target_) return;
   std::lock_guard lock(target_->mu);
   for (std::size_t i = 0; i < parts_.size(); ++i)
@@ -235,44 +294,78 @@ std::optional<std::uint32_t> ImportedKey::rkey_for(std::uint64_t addr, std::uint
   return it->rkey;
 }
 
+Result<std::string> VerbsEndpoint::exchange(std::string_view message, Deadline deadline) {
+  std::string out;
+  {
+    std::unique_lock lock(control_mu_);
+    if (!control_cv_.wait_until(lock, deadline, [&] { return !control_busy_; })) {
+      return Status::timeout("verbs: another lease exchange held the connection past this caller's deadline");
+    }
+    if (control_broken_) return Status::unavailable("verbs: the connection's setup stream broke");
+    if (Clock::now() >= deadline)
+      return Status::timeout("verbs: the deadline passed before the lease exchange");
+    control_busy_ = true;
+    for (std::uint64_t id : pending_releases_) append_frame(out, encode_lease_release({id}));
+    pending_releases_.clear();
+  }
+  append_frame(out, message);
+  Status sent = net::send_all(control_.get(), out.data(), out.size(), deadline, kLeaseExchange);
+  Result<std::string> answer =
+      sent.is_ok() ? read_frame(control_.get(), kMaxLeaseFrame, deadline) : Result<std::string>(sent);
+  {
+    std::lock_guard lock(control_mu_);
+    control_busy_ = false;
+    control_cv_.notify_all();
+  }
+  if (!answer.is_ok()) break_control(answer.status());
+  return answer;
+}
+
+void VerbsEndpoint::break_control(const Status& why) {
+  {
+    std::lock_guard lock(control_mu_);
+    control_broken_ = true;
+    pending_releases_.clear();
+  }
+  // The setup stream is out of step (a half-sent message or a half-read answer): this
+  // connection is done, and the engine reconnects.
+  std::lock_guard lock(mu_);
+  fail(Status::unavailable("verbs: the lease exchange broke: " + why.to_string()));
+}
+
 Result<std::unique_ptr<RemoteKey>> VerbsEndpoint::lease_key(const RemoteKey& region,
                                                             std::span<const RemoteRange> ranges,
-                                                            TransferOp op, std::chrono::milliseconds ttl,
-                                                            Deadline deadline) {
+                                                            const LeaseTerms& terms, Deadline deadline) {
   const auto& rk = static_cast<const ImportedKey&>(region);
   if (!rk.leases_only) return Status::unsupported("verbs: the region was not registered for leases");
   if (ranges.empty() || ranges.size() > kMaxLeaseRanges) {
     return Status::invalid_argument("verbs: a lease carries 1 to " + std::to_string(kMaxLeaseRanges) +
                                     " ranges");
   }
+  if (terms.id == 0) return Status::invalid_argument("verbs: lease id 0");
   {
     std::lock_guard lock(mu_);
     if (!broken_.is_ok()) return broken_;
   }
   LeaseRequest q;
   q.region_rkey = rk.rkey;
-  q.write = op == TransferOp::kWrite;
+  q.id = terms.id;
+  q.write = terms.op == TransferOp::kWrite;
   q.ttl_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(
-      ttl.count(), 1, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxLeaseTtl).count()));
+      terms.ttl.count(), 1, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxLeaseTtl).count()));
+  q.fence = terms.fence;
+  q.ranges.reserve(ranges.size());
   for (const RemoteRange& r : ranges) q.ranges.push_back({r.addr, r.length});
 
-  Result<LeaseReply> reply = Status::internal("unset");
-  {
-    std::lock_guard lock(control_mu_);
-    q.id = next_lease_++;
-    Status sent = write_frame(control_.get(), encode_lease_request(q), deadline);
-    auto frame = sent.is_ok() ? read_frame(control_.get(), deadline) : Result<std::string>(sent);
-    reply = frame.is_ok() ? decode_lease_reply(*frame) : Result<LeaseReply>(frame.status());
-    if (reply.is_ok() &&
-        (reply->id != q.id || (reply->status.is_ok() && reply->rkeys.size() != q.ranges.size()))) {
-      reply = Status::corrupt("verbs: the peer answered another lease request than ours");
-    }
-  }
-  if (!reply.is_ok()) {
-    // The setup stream is out of step now (a half-read answer): this connection is done.
-    std::lock_guard lock(mu_);
-    fail(Status::unavailable("verbs: the lease exchange broke: " + reply.status().to_string()));
-    return reply.status().with_context("verbs: lease");
+  auto frame = exchange(encode_lease_request(q), deadline);
+  if (!frame.is_ok()) return frame.status().with_context("verbs: lease");
+  auto reply = decode_lease_reply(*frame);
+  if (!reply.is_ok() ||
+      (reply->id != q.id || (reply->status.is_ok() && reply->rkeys.size() != q.ranges.size()))) {
+    Status why = reply.is_ok() ? Status::corrupt("verbs: the peer answered another lease request than ours")
+                               : reply.status();
+    break_control(why);
+    return why.with_context("verbs: lease");
   }
   if (!reply->status.is_ok()) return reply->status;
 
@@ -290,17 +383,49 @@ Result<std::unique_ptr<RemoteKey>> VerbsEndpoint::lease_key(const RemoteKey& reg
   return std::unique_ptr<RemoteKey>(std::move(key));
 }
 
+Status VerbsEndpoint::revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline deadline) {
+  (void)key;  // the id names the lease on every connection, this one's key or not
+  if (terms.id == 0) return Status::invalid_argument("verbs: revoke: lease id 0");
+  auto frame = exchange(encode_lease_revoke({terms.id, terms.fence}), deadline);
+  if (!frame.is_ok()) {
+    const Status& s = frame.status();
+    std::string why = "verbs: the peer did not confirm the revocation: " + s.to_string();
+    return s.code() == StatusCode::kTimeout ? Status::timeout(std::move(why))
+                                            : Status::unavailable(std::move(why));
+  }
+  auto ack = decode_lease_revoked(*frame);
+  if (!ack.is_ok() || ack->id != terms.id) {
+    Status why = ack.is_ok() ? Status::corrupt("verbs: the peer confirmed another revocation than ours")
+                             : ack.status();
+    break_control(why);
+    return Status::unavailable("verbs: the peer did not confirm the revocation: " + why.to_string());
+  }
+  return Status::ok();
+}
+
 void VerbsEndpoint::release(std::uint64_t lease_id) {
+  std::string out;
   {
-    std::lock_guard lock(mu_);
-    if (!broken_.is_ok()) return;  // the connection's windows went with it
+    std::unique_lock lock(control_mu_);
+    if (control_broken_) return;  // the connection's windows go with it
+    pending_releases_.push_back(lease_id);
+    // Another caller's exchange sends it first thing otherwise: never wait long here (a key
+    // is destroyed on the engine's threads).
+    if (!control_cv_.wait_until(lock, deadline_after(kReleaseTimeout), [&] { return !control_busy_; }))
+      return;
+    if (control_broken_ || pending_releases_.empty()) return;
+    control_busy_ = true;
+    for (std::uint64_t id : pending_releases_) append_frame(out, encode_lease_release({id}));
+    pending_releases_.clear();
   }
-  std::lock_guard lock(control_mu_);
-  Status s = write_frame(control_.get(), encode_lease_release({lease_id}), deadline_after(kReleaseTimeout));
-  if (!s.is_ok()) {
-    std::lock_guard fail_lock(mu_);
-    fail(Status::unavailable("verbs: could not release a lease: " + s.to_string()));
+  Status s =
+      net::send_all(control_.get(), out.data(), out.size(), deadline_after(kReleaseTimeout), kLeaseExchange);
+  {
+    std::lock_guard lock(control_mu_);
+    control_busy_ = false;
+    control_cv_.notify_all();
   }
+  if (!s.is_ok()) break_control(Status::unavailable("could not release a lease: " + s.to_string()));
 }
 
 }  // namespace kvstash::transport::verbs

@@ -1,7 +1,8 @@
 // Several devices: one connection to a peer is a lane (queue pair, CQ, poller) per device
 // pair, and the engine's slices of a large op go round-robin over the lanes. This endpoint
 // only routes: each lane is a whole VerbsEndpoint, keys and leases are made on every lane
-// (a type-2B window is bound to one queue pair, so a lease is one window set per lane).
+// (a type-2B window is bound to one queue pair, so a lease is one window set per lane, all
+// under the same lease id), and a revoke goes through one lane.
 #include <algorithm>
 
 #include "transport/verbs/verbs_internal.h"
@@ -32,17 +33,29 @@ class StripedEndpoint final : public Endpoint {
   }
 
   Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region, std::span<const RemoteRange> ranges,
-                                               TransferOp op, std::chrono::milliseconds ttl,
-                                               Deadline deadline) override {
+                                               const LeaseTerms& terms, Deadline deadline) override {
     const auto& striped = static_cast<const StripedKey&>(region);
     auto key = std::make_unique<StripedKey>();
     key->base = region.base;
     key->length = region.length;
     for (std::size_t i = 0; i < lanes_.size(); ++i) {
-      KVSTASH_ASSIGN_OR_RETURN(auto k, lanes_[i]->lease_key(*striped.lanes[i], ranges, op, ttl, deadline));
+      KVSTASH_ASSIGN_OR_RETURN(auto k, lanes_[i]->lease_key(*striped.lanes[i], ranges, terms, deadline));
       key->lanes.push_back(std::move(k));
     }
     return std::unique_ptr<RemoteKey>(std::move(key));
+  }
+
+  // Every lane leads to the same target, which ends the lease id on every connection it
+  // accepted (all lanes, and any that broke) before it confirms: one lane's confirmation covers
+  // them all. Another lane is asked only when one cannot confirm. `key` may be the key of an
+  // earlier connection (the engine revokes through the current one): only the id counts.
+  Status revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline deadline) override {
+    Status last = Status::unavailable("verbs: no lane to revoke the lease through");
+    for (const auto& lane : lanes_) {
+      last = lane->revoke(key, terms, deadline);
+      if (last.is_ok() || Clock::now() >= deadline) return last;
+    }
+    return last;
   }
 
   void post(std::span<const Op> ops) override {

@@ -1,5 +1,5 @@
 // The verbs transport's control path: device and port selection, memory registration, the
-// setup listener that builds a queue pair per incoming connection, and connect().
+// setup listener (served by verbs_service.cc), and connect().
 #include "transport/verbs/verbs_transport.h"
 
 #include <arpa/inet.h>
@@ -7,8 +7,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -39,6 +37,11 @@ std::vector<TransportCounter> Counters::snapshot() const {
       c("connections_accepted", "Queue pairs peers connected to this side", connections_accepted),
       c("connections_broken", "Connections torn down by an error, a dead peer or a cancel",
         connections_broken),
+      c("connections_refused", "Setup connections closed at accept: a connection cap was reached",
+        connections_refused),
+      c("handshakes_failed",
+        "Setup connections dropped before their queue pair came up (timeout, malformed hello, wrong token)",
+        handshakes_failed),
       c("ops_posted", "READ/WRITE ops posted", ops_posted),
       c("bytes_read", "Bytes asked for by posted READs", bytes_read),
       c("bytes_written", "Bytes sent by posted WRITEs", bytes_written),
@@ -49,33 +52,65 @@ std::vector<TransportCounter> Counters::snapshot() const {
       c("leases_refused", "Lease requests this side refused", leases_refused),
       c("leases_expired", "Leases revoked because their time was up", leases_expired),
       c("leases_released", "Leases revoked because the client dropped them", leases_released),
+      c("leases_revoked", "Leases revoked on every connection at a client's request, and confirmed",
+        leases_revoked),
+      c("leases_fenced", "Leases revoked because a fence passed their tag", leases_fenced),
       c("windows_bound", "Memory windows bound", windows_bound),
+      c("windows_revoked", "Memory windows deallocated (their lease or connection ended)", windows_revoked),
   };
 }
 
 namespace {
 
-constexpr std::size_t kMaxFrame = 4096;
-constexpr std::string_view kSetup = "verbs queue-pair setup";
-constexpr auto kSetupTimeout = std::chrono::seconds(5);
+constexpr std::string_view kSetup = "verbs setup connection";
 constexpr int kTargetCqDepth = 256;  // memory-window binds, each waited for as it is posted
 
 }  // namespace
 
-Status write_frame(int fd, std::string_view bytes, Deadline deadline) {
-  std::uint32_t n = htonl(static_cast<std::uint32_t>(bytes.size()));
-  KVSTASH_RETURN_IF_ERROR(net::send_all(fd, &n, sizeof n, deadline, kSetup));
-  return net::send_all(fd, bytes.data(), bytes.size(), deadline, kSetup);
+void append_frame(std::string& out, std::string_view message) {
+  const std::uint32_t n = htonl(static_cast<std::uint32_t>(message.size()));
+  out.append(reinterpret_cast<const char*>(&n), sizeof n).append(message);
 }
 
-Result<std::string> read_frame(int fd, Deadline deadline) {
+Status write_frame(int fd, std::string_view message, Deadline deadline) {
+  std::string out;
+  append_frame(out, message);
+  return net::send_all(fd, out.data(), out.size(), deadline, kSetup);
+}
+
+Result<std::string> read_frame(int fd, std::size_t max, Deadline deadline) {
   std::uint32_t n = 0;
   KVSTASH_RETURN_IF_ERROR(net::recv_all(fd, &n, sizeof n, deadline, kSetup));
   n = ntohl(n);
-  if (n > kMaxFrame) return Status::invalid_argument("verbs: oversize setup message");
+  if (n > max) {
+    return Status::invalid_argument("verbs: oversize setup message (" + std::to_string(n) +
+                                    " bytes, at most " + std::to_string(max) + ")");
+  }
   std::string s(n, '\0');
   KVSTASH_RETURN_IF_ERROR(net::recv_all(fd, s.data(), n, deadline, kSetup));
   return s;
+}
+
+QpConfig qp_config(const VerbsOptions& options, const DeviceState& dev) {
+  QpConfig c;
+  c.max_send_wr =
+      std::min<std::uint32_t>(options.send_queue_depth, static_cast<std::uint32_t>(dev.device.max_qp_wr));
+  c.max_send_sge = static_cast<std::uint32_t>(std::max(1, std::min(dev.device.max_sge, 16)));
+  c.max_rd_atomic = static_cast<std::uint8_t>(
+      std::clamp<int>(static_cast<int>(options.max_rd_atomic), 1, std::max(1, dev.device.max_qp_rd_atom)));
+  c.timeout = static_cast<std::uint8_t>(std::min<std::uint32_t>(options.retry_timeout, 31));
+  c.retry_cnt = static_cast<std::uint8_t>(std::min<std::uint32_t>(options.retry_count, 7));
+  return c;
+}
+
+Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic, bool token_required) {
+  Hello h;
+  h.node_guid = dev.device.node_guid;
+  h.qp = {qp.qp_num, random_psn(), dev.gid.gid, dev.port.lid, dev.port.active_mtu};
+  h.max_rd_atomic = max_rd_atomic;
+  sys::random_bytes(h.nonce.data(), h.nonce.size());
+  h.token_required = token_required;
+  return h;
 }
 
 namespace {
@@ -84,7 +119,8 @@ namespace {
 
 class VerbsTransport final : public Transport {
  public:
-  static Result<std::unique_ptr<VerbsTransport>> create(const VerbsOptions& options);
+  static Result<std::unique_ptr<VerbsTransport>> create(const VerbsOptions& options,
+                                                        std::string cluster_token);
   ~VerbsTransport() override;
 
   TransportKind kind() const override { return TransportKind::kVerbs; }
@@ -95,11 +131,13 @@ class VerbsTransport final : public Transport {
             .one_sided = true,
             .rdma = true,
             .cuda_memory = true,
+            .leases = windows(),
             .lanes = lanes,
             .slice_bytes = lanes > 1 ? options_.stripe_bytes : 0};
   }
   std::string local_address() const override { return address_; }
   std::vector<TransportCounter> counters() const override { return counters_->snapshot(); }
+  void fence(std::uint64_t through) override { target_->fence(through); }
   bool can_reach(std::string_view peer_address) const override;
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override;
@@ -107,32 +145,33 @@ class VerbsTransport final : public Transport {
 
  private:
   VerbsTransport() = default;
-  QpConfig qp_config(const DeviceState& dev) const;
   std::vector<PortAddress> port_addresses() const;
-  // This side's hello for `qp` on `dev`: a fresh random PSN and nonce, whether we require
-  // the token.
-  Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic) const;
+  // Whether leased regions get memory windows (every device has type-2 windows, and the
+  // options want them): then leases are held, fenced and revoked here, at the target.
+  bool windows() const {
+    return options_.memory_windows &&
+           std::all_of(devs_.begin(), devs_.end(), [](const auto& d) { return d->device.mw_type2; });
+  }
   // One lane: a queue pair from our device `dev` to the peer's `port`, set up over `control`.
   Result<std::shared_ptr<VerbsEndpoint>> connect_lane(const std::shared_ptr<DeviceState>& dev,
                                                       const std::string& control, const PortAddress& theirs,
                                                       Deadline deadline);
-  void serve();                   // the setup listener's thread
-  void accept_one(int listener);  // builds the target side of one connection
 
   VerbsOptions options_;
+  std::string cluster_token_;
   std::vector<std::shared_ptr<DeviceState>> devs_;  // the devices in use, in address order
   std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
   std::shared_ptr<Target> target_;  // accepted connections and their leases
-  Fd listener_;
-  Fd wake_;
   std::string address_;
-  std::thread thread_;
+  std::unique_ptr<SetupService> service_;  // serves the setup listener
 };
 
-Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOptions& options) {
+Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOptions& options,
+                                                               std::string cluster_token) {
   KVSTASH_ASSIGN_OR_RETURN(auto devices, discover(options.devices));
   std::unique_ptr<VerbsTransport> t(new VerbsTransport());
   t->options_ = options;
+  t->cluster_token_ = std::move(cluster_token);
   t->target_ = std::make_shared<Target>();
   // Every device with an active port that has a usable GID (its first such port), the ones
   // on this thread's NUMA node first when only some are wanted; kept in the order verbs
@@ -184,12 +223,12 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
     return Status::invalid_argument("verbs: listen address '" + options.listen +
                                     "' is not a numeric host:port");
   }
-  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   int rc = ::bind(fd.get(), res->ai_addr, res->ai_addrlen);
   freeaddrinfo(res);
-  if (rc != 0 || ::listen(fd.get(), 64) != 0) {
+  if (rc != 0 || ::listen(fd.get(), SOMAXCONN) != 0) {
     return Status::unavailable("verbs: cannot listen on " + options.listen + ": " + std::strerror(errno));
   }
   sockaddr_storage bound{};
@@ -206,15 +245,13 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
     inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
     bound_port = ntohs(a->sin_port);
   }
-  t->listener_ = std::move(fd);
-  t->wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   std::string control = options.advertise;
   if (control.empty()) {
     const bool v6 = bound.ss_family == AF_INET6;
     control.append(v6 ? "[" : "").append(host).append(v6 ? "]:" : ":").append(std::to_string(bound_port));
   }
   t->address_ = encode_address({control, t->port_addresses()});
-  t->thread_ = std::thread([p = t.get()] { p->serve(); });
+  t->service_ = std::make_unique<SetupService>(std::move(fd), t->target_, options, t->cluster_token_);
   for (const auto& dev : t->devs_) {
     KVSTASH_LOG_INFO("verbs: serving {} port {} (GID {}, NUMA node {}) for setup on {}", dev->device.name,
                      dev->port.number, dev->gid.to_string(), dev->device.numa_node, control);
@@ -223,9 +260,7 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
 }
 
 VerbsTransport::~VerbsTransport() {
-  std::uint64_t one = 1;
-  if (wake_.get() >= 0) (void)!::write(wake_.get(), &one, sizeof one);
-  if (thread_.joinable()) thread_.join();
+  service_.reset();      // every accepted connection goes with it
   if (!target_) return;  // create() gave up before it existed
   std::lock_guard lock(target_->mu);
   target_->accepted.clear();
@@ -240,28 +275,6 @@ std::vector<PortAddress> VerbsTransport::port_addresses() const {
   return out;
 }
 
-Hello VerbsTransport::hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic) const {
-  Hello h;
-  h.node_guid = dev.device.node_guid;
-  h.qp = {qp.qp_num, random_psn(), dev.gid.gid, dev.port.lid, dev.port.active_mtu};
-  h.max_rd_atomic = max_rd_atomic;
-  sys::random_bytes(h.nonce.data(), h.nonce.size());
-  h.token_required = !options_.cluster_token.empty();
-  return h;
-}
-
-QpConfig VerbsTransport::qp_config(const DeviceState& dev) const {
-  QpConfig c;
-  c.max_send_wr =
-      std::min<std::uint32_t>(options_.send_queue_depth, static_cast<std::uint32_t>(dev.device.max_qp_wr));
-  c.max_send_sge = static_cast<std::uint32_t>(std::max(1, std::min(dev.device.max_sge, 16)));
-  c.max_rd_atomic = static_cast<std::uint8_t>(
-      std::clamp<int>(static_cast<int>(options_.max_rd_atomic), 1, std::max(1, dev.device.max_qp_rd_atom)));
-  c.timeout = static_cast<std::uint8_t>(std::min<std::uint32_t>(options_.retry_timeout, 31));
-  c.retry_cnt = static_cast<std::uint8_t>(std::min<std::uint32_t>(options_.retry_count, 7));
-  return c;
-}
-
 bool VerbsTransport::can_reach(std::string_view peer_address) const {
   auto peer = decode_address(peer_address);
   if (!peer.is_ok()) return false;
@@ -272,11 +285,9 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
                                                                            Access exposure) {
   if (region.addr == nullptr || region.length == 0) return Status::invalid_argument("verbs: empty region");
   // A leased region's MRs only let windows be bound over them: their own rkeys grant nothing.
-  const bool windows =
-      exposure == Access::kLeased && options_.memory_windows &&
-      std::all_of(devs_.begin(), devs_.end(), [](const auto& d) { return d->device.mw_type2; });
+  const bool leased = exposure == Access::kLeased && windows();
   int access = IBV_ACCESS_LOCAL_WRITE;
-  if (windows) {
+  if (leased) {
     access |= IBV_ACCESS_MW_BIND;
   } else if (exposure != Access::kLocal) {
     access |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
@@ -294,7 +305,7 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
   // One MR per device: every lane of a connection can reach the region.
   std::vector<Registration::Part> parts;
   for (const auto& d : devs_) {
-    Registration::Part part{d->device.node_guid, nullptr};
+    Registration::Part part{d, d->device.node_guid, nullptr};
     if (region.kind == MemoryKind::kCuda) {
       // GPUDirect: the NIC reaches GPU memory itself (dma-buf, else nvidia-peermem).
       KVSTASH_ASSIGN_OR_RETURN(GpuRegistration gpu,
@@ -316,7 +327,7 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
     parts.push_back(std::move(part));
   }
   return std::unique_ptr<LocalRegistration>(std::make_unique<Registration>(
-      std::move(parts), exposure != Access::kLocal, windows ? target_ : nullptr));
+      std::move(parts), exposure != Access::kLocal, leased ? target_ : nullptr));
 }
 
 Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_address, Deadline deadline) {
@@ -353,7 +364,7 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
 
   ibv_comp_channel* channel = ibv_create_comp_channel(dev->ctx.get());
   if (channel == nullptr) return Status::from_errno("verbs: create completion channel", errno);
-  const QpConfig cfg = qp_config(*dev);
+  const QpConfig cfg = qp_config(options_, *dev);
   Cq cq(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.max_send_wr) + 1, nullptr, channel, 0));
   if (!cq) {
     ibv_destroy_comp_channel(channel);
@@ -368,10 +379,11 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
     cleanup();
     return qp.status();
   }
-  Hello mine = hello_for(*dev, **qp, cfg.max_rd_atomic);
+  Hello mine = hello_for(*dev, **qp, cfg.max_rd_atomic, !cluster_token_.empty());
   mine.peer_guid = theirs.node_guid;
   Status s = write_frame(sock.get(), encode_hello(mine), deadline);
-  Result<std::string> reply = s.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(s);
+  Result<std::string> reply =
+      s.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(s);
   Result<Hello> theirs_hello = reply.is_ok() ? decode_hello(*reply) : Result<Hello>(reply.status());
   if (theirs_hello.is_ok() && theirs_hello->node_guid != theirs.node_guid) {
     theirs_hello =
@@ -380,7 +392,7 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
   if (theirs_hello.is_ok()) {
     // The cluster token, both ways: the target proves it first, then we do; the target brings
     // its queue pair up only after our proof, and says so with one byte.
-    const std::string& token = options_.cluster_token;
+    const std::string& token = cluster_token_;
     std::array<std::uint8_t, handshake::kMacBytes> proof{};
     if (theirs_hello->token_required && token.empty()) {
       theirs_hello =
@@ -397,7 +409,8 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
     if (theirs_hello.is_ok()) {
       Status sent =
           write_frame(sock.get(), {reinterpret_cast<const char*>(proof.data()), proof.size()}, deadline);
-      auto verdict = sent.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(sent);
+      auto verdict =
+          sent.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(sent);
       if (!verdict.is_ok() || *verdict != "\x01") {
         theirs_hello =
             verdict.is_ok() || verdict.status().code() == StatusCode::kUnavailable
@@ -424,105 +437,14 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
                                          options_);
 }
 
-void VerbsTransport::accept_one(int listener) {
-  Fd sock(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-  if (sock.get() < 0) return;
-  const Deadline deadline = deadline_after(kSetupTimeout);
-  auto frame = read_frame(sock.get(), deadline);
-  auto hello = frame.is_ok() ? decode_hello(*frame) : Result<Hello>(frame.status());
-  if (!hello.is_ok()) {
-    KVSTASH_LOG_WARN("verbs: refused a queue-pair setup: {}", hello.status().to_string());
-    return;
-  }
-  // The device the client asked for (its rail); the first one for a client that named none.
-  std::size_t di = 0;
-  for (const auto& d : devs_) {
-    if (d->device.node_guid == hello->peer_guid) di = d->index;
-  }
-  const DeviceState& dev = *devs_[di];
-  QpConfig cfg = qp_config(dev);
-  cfg.max_rd_atomic = std::min(cfg.max_rd_atomic, hello->max_rd_atomic);
-  auto qp = create_rc_qp(dev.pd.get(), target_->cqs[di].get(), cfg);
-  if (!qp.is_ok()) {
-    KVSTASH_LOG_WARN("verbs: cannot create a QP for a peer: {}", qp.status().to_string());
-    return;
-  }
-  Hello mine = hello_for(dev, **qp, cfg.max_rd_atomic);
-  const std::string& token = options_.cluster_token;
-  if (!token.empty())
-    handshake::mac(token, "server", mine.nonce.data(), hello->nonce.data(), mine.mac.data());
-  Status up = write_frame(sock.get(), encode_hello(mine), deadline);
-  // The queue pair comes up only for a client that proved the token: until then it is in
-  // RESET and drops every request addressed to it.
-  auto proof = up.is_ok() ? read_frame(sock.get(), deadline) : Result<std::string>(up);
-  if (!proof.is_ok() || proof->size() != handshake::kMacBytes) {
-    KVSTASH_LOG_WARN("verbs: queue-pair setup abandoned by the peer");
-    return;
-  }
-  if (!token.empty()) {
-    std::array<std::uint8_t, handshake::kMacBytes> expect{};
-    handshake::mac(token, "client", mine.nonce.data(), hello->nonce.data(), expect.data());
-    if (!handshake::equal(expect.data(), reinterpret_cast<const std::uint8_t*>(proof->data()))) {
-      KVSTASH_LOG_WARN("verbs: refused a client that failed the cluster-token handshake");
-      return;  // closing the socket tells it
-    }
-  }
-  up = connect_rc_qp(qp->get(), dev.port, dev.gid, mine.qp.psn, hello->qp, cfg);
-  if (up.is_ok()) up = write_frame(sock.get(), "\x01", deadline);
-  if (!up.is_ok()) {
-    KVSTASH_LOG_WARN("verbs: queue-pair setup failed: {}", up.to_string());
-    return;
-  }
-  Counters::add(counters_->connections_accepted);
-  std::lock_guard lock(target_->mu);
-  Target::Accepted& a = target_->accepted.emplace_back();
-  a.socket = std::move(sock);
-  a.qp = std::move(qp).value();
-  a.dev = di;
-  a.max_send_wr = cfg.max_send_wr;
-}
-
-void VerbsTransport::serve() {
-  std::optional<Clock::time_point> next_expiry;
-  for (;;) {
-    std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-    {
-      std::lock_guard lock(target_->mu);
-      for (const auto& a : target_->accepted) fds.push_back({a.socket.get(), POLLIN, 0});
-    }
-    int timeout = -1;
-    if (next_expiry) {
-      auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next_expiry - Clock::now()).count();
-      timeout = static_cast<int>(std::clamp<std::int64_t>(ms, 0, 60000));
-    }
-    if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) return;
-    if (fds[1].revents != 0) return;
-    {
-      // Only this thread adds or drops connections, so the list still matches `fds`.
-      std::lock_guard lock(target_->mu);
-      std::size_t i = 2;
-      for (auto it = target_->accepted.begin(); it != target_->accepted.end() && i < fds.size(); ++i) {
-        // A message is a lease request or release; a hang-up means the peer is gone, and its
-        // queue pair and windows go with it.
-        if (fds[i].revents != 0 && !target_->serve(*it)) {
-          it = target_->accepted.erase(it);
-          continue;
-        }
-        ++it;
-      }
-      next_expiry = target_->expire(Clock::now());
-    }
-    if (fds[0].revents & POLLIN) accept_one(listener_.get());
-  }
-}
-
 }  // namespace
 }  // namespace kvstash::transport::verbs
 
 namespace kvstash::transport {
 
-Result<std::unique_ptr<Transport>> make_verbs_transport(const VerbsOptions& options) {
-  KVSTASH_ASSIGN_OR_RETURN(auto t, verbs::VerbsTransport::create(options));
+Result<std::unique_ptr<Transport>> make_verbs_transport(const VerbsOptions& options,
+                                                        std::string cluster_token) {
+  KVSTASH_ASSIGN_OR_RETURN(auto t, verbs::VerbsTransport::create(options, std::move(cluster_token)));
   return std::unique_ptr<Transport>(std::move(t));
 }
 

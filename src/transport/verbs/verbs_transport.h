@@ -8,9 +8,11 @@
 
 namespace kvstash::transport {
 
-// Starts a verbs transport on the first usable RDMA port. Errors: kUnsupported when this
-// host has no RDMA device with an active port (the engine then leaves verbs out quietly),
-// kUnavailable (the setup listener cannot bind), kIoError.
-Result<std::unique_ptr<Transport>> make_verbs_transport(const VerbsOptions& options);
+// Starts a verbs transport on the first usable RDMA port. With a `cluster_token` every
+// queue-pair setup proves it both ways (EngineOptions::cluster_token). Errors: kUnsupported
+// when this host has no RDMA device with an active port (the engine then leaves verbs out
+// quietly), kUnavailable (the setup listener cannot bind), kIoError.
+Result<std::unique_ptr<Transport>> make_verbs_transport(const VerbsOptions& options,
+                                                        std::string cluster_token = {});
 
 }  // namespace kvstash::transport

@@ -14,6 +14,8 @@ constexpr std::uint32_t kLeaseMagic = 0x4c56534b;    // "KSVL"
 constexpr std::uint8_t kLeaseRequestType = 'L';
 constexpr std::uint8_t kLeaseReplyType = 'A';
 constexpr std::uint8_t kLeaseReleaseType = 'X';
+constexpr std::uint8_t kLeaseRevokeType = 'R';
+constexpr std::uint8_t kLeaseRevokedType = 'K';
 constexpr std::size_t kMaxMessage = 1024;
 constexpr std::size_t kMaxPorts = 64;
 constexpr std::size_t kMaxName = 64;
@@ -211,6 +213,7 @@ std::string encode_lease_request(const LeaseRequest& r) {
   w.u32(r.region_rkey);
   w.u8(r.write ? 1 : 0);
   w.u32(r.ttl_ms);
+  w.u64(r.fence);
   w.u16(static_cast<std::uint16_t>(r.ranges.size()));
   for (const auto& range : r.ranges) {
     w.u64(range.addr);
@@ -237,6 +240,21 @@ std::string encode_lease_release(const LeaseRelease& r) {
   return w.take();
 }
 
+std::string encode_lease_revoke(const LeaseRevoke& r) {
+  wire::Writer w;
+  lease_header(w, kLeaseRevokeType);
+  w.u64(r.id);
+  w.u64(r.fence);
+  return w.take();
+}
+
+std::string encode_lease_revoked(const LeaseRevoked& r) {
+  wire::Writer w;
+  lease_header(w, kLeaseRevokedType);
+  w.u64(r.id);
+  return w.take();
+}
+
 Result<LeaseMessage> decode_lease_message(std::string_view bytes) {
   wire::Reader r(bytes);
   Status why;
@@ -247,14 +265,24 @@ Result<LeaseMessage> decode_lease_message(std::string_view bytes) {
     if (!r.at_end()) return invalid("lease release");
     return LeaseMessage(rel);
   }
+  if (type == kLeaseRevokeType) {
+    LeaseRevoke rev;
+    rev.id = r.u64();
+    rev.fence = r.u64();
+    if (!r.at_end() || rev.id == 0) return invalid("lease revoke");
+    return LeaseMessage(rev);
+  }
   if (type != kLeaseRequestType) return invalid("lease message (type)");
   LeaseRequest q;
   q.id = r.u64();
   q.region_rkey = r.u32();
   const std::uint8_t write = r.u8();
   q.ttl_ms = r.u32();
+  q.fence = r.u64();
   const std::size_t n = r.u16();
-  if (!r.ok() || write > 1 || n == 0 || n > kMaxLeaseRanges || q.ttl_ms == 0) return invalid("lease request");
+  if (!r.ok() || q.id == 0 || write > 1 || n == 0 || n > kMaxLeaseRanges || q.ttl_ms == 0) {
+    return invalid("lease request");
+  }
   q.write = write == 1;
   q.ranges.resize(n);
   for (auto& range : q.ranges) {
@@ -287,6 +315,16 @@ Result<LeaseReply> decode_lease_reply(std::string_view bytes) {
     a.status = Status(static_cast<StatusCode>(code), std::string(message));
     if (n != 0) return invalid("lease reply (keys with a refusal)");
   }
+  return a;
+}
+
+Result<LeaseRevoked> decode_lease_revoked(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kLeaseMagic, "lease revoke answer", &why)) return why;
+  if (r.u8() != kLeaseRevokedType) return invalid("lease revoke answer (type)");
+  LeaseRevoked a{r.u64()};
+  if (!r.at_end()) return invalid("lease revoke answer");
   return a;
 }
 

@@ -22,7 +22,7 @@
 namespace kvstash::transport::verbs {
 
 // Bumped on any change of the formats below; peers of another version are refused.
-inline constexpr std::uint8_t kWireVersion = 2;
+inline constexpr std::uint8_t kWireVersion = 3;
 
 // One RDMA port a transport serves.
 struct PortAddress {
@@ -74,10 +74,20 @@ std::string encode_key(std::span<const KeyPart> parts);
 Result<std::vector<KeyPart>> decode_key(std::string_view bytes);
 
 // Lease messages, on the setup connection once the queue pair is up. The client asks for
-// windows over ranges of one region (named by its rkey) for a time; the target binds a type-2
-// memory window per range to this connection's queue pair and answers with their rkeys, in
-// request order; a release revokes them early.
+// windows over ranges of one region (named by its rkey) for a time, under a lease id of its
+// choosing (the same on every connection it uses the lease through) and the owner's fence
+// tag; the target binds a type-2 memory window per range to this connection's queue pair and
+// answers with their rkeys, in request order. A release revokes them early on this connection
+// and is not answered; a revoke ends the lease id on every connection of the target and is
+// answered once it did.
 inline constexpr std::size_t kMaxLeaseRanges = 1024;
+
+// Setup frames are a u32 length (network order) and the message. Before the queue pair is up
+// only hellos and the token proof travel (small); afterwards lease messages, the largest a
+// request of kMaxLeaseRanges ranges (header 33 bytes, 16 per range) or its reply (at most
+// 1,045 bytes of header and message, 4 per range).
+inline constexpr std::size_t kMaxSetupFrame = 512;
+inline constexpr std::size_t kMaxLeaseFrame = 64 + 16 * kMaxLeaseRanges;
 
 struct LeaseRange {
   std::uint64_t addr = 0;
@@ -85,10 +95,11 @@ struct LeaseRange {
 };
 
 struct LeaseRequest {
-  std::uint64_t id = 0;
+  std::uint64_t id = 0;  // never 0
   std::uint32_t region_rkey = 0;
   bool write = false;  // RDMA WRITE; otherwise READ
   std::uint32_t ttl_ms = 0;
+  std::uint64_t fence = 0;  // the owner's fence tag (0: none)
   std::vector<LeaseRange> ranges;
 };
 
@@ -102,14 +113,29 @@ struct LeaseRelease {
   std::uint64_t id = 0;
 };
 
+// Asks the target to end lease `id` on every connection and to refuse it from now on.
+struct LeaseRevoke {
+  std::uint64_t id = 0;     // never 0
+  std::uint64_t fence = 0;  // the lease's fence tag: the target forgets the id once fenced past it
+};
+
+// The target's answer to a revoke: no window of the lease is left.
+struct LeaseRevoked {
+  std::uint64_t id = 0;
+};
+
 std::string encode_lease_request(const LeaseRequest& r);
 std::string encode_lease_reply(const LeaseReply& r);
 std::string encode_lease_release(const LeaseRelease& r);
+std::string encode_lease_revoke(const LeaseRevoke& r);
+std::string encode_lease_revoked(const LeaseRevoked& r);
 
-// What arrived on the target's side of the setup connection: a request or a release.
-using LeaseMessage = std::variant<LeaseRequest, LeaseRelease>;
+// What arrived on the target's side of the setup connection: a request, a release or a
+// revoke.
+using LeaseMessage = std::variant<LeaseRequest, LeaseRelease, LeaseRevoke>;
 Result<LeaseMessage> decode_lease_message(std::string_view bytes);
 Result<LeaseReply> decode_lease_reply(std::string_view bytes);
+Result<LeaseRevoked> decode_lease_revoked(std::string_view bytes);
 
 // Which of our ports can talk to which of the peer's: the same link layer, and on RoCE the
 // same address family (IPv4-mapped GIDs talk to IPv4-mapped ones), on InfiniBand the same

@@ -1,0 +1,657 @@
+// kvstash-history: a Jepsen-style history checker for the store's first promise, "a get
+// returns exactly the bytes its put wrote, or an error", with the checksum off.
+//
+// The orchestrator starts a private redis-server and several kvstashd with small pools (so
+// eviction is routine), then client processes of its own binary (`--client`), each with a
+// Store over its own transport (shm, tcp, ucx: clients mix them) and several threads running
+// random puts (some with short TTLs), overwrites, gets (some cancelled from another thread),
+// removes, touches, contains_prefix and put streams dropped half-way, every one with a random
+// deadline. Meanwhile a nemesis stops nodes (SIGSTOP, some past the heartbeat TTL, so the cell
+// declares them dead and they rejoin from the same process), kills and restarts them
+// (SIGKILL) and restarts Redis empty. Every put's bytes encode (key, put id, offset), so a
+// get's bytes say whose they are. Clients log each operation with its invocation and return
+// times (CLOCK_MONOTONIC, shared by the processes of one host); at the end the orchestrator
+// checks every get that returned OK:
+//
+//   - its bytes are exactly the whole bytes of one put P of the same key, of the size it
+//     reported, and P was not a put stream its client dropped (those never commit);
+//   - P was invoked before the get returned;
+//   - P was not definitely replaced before the get began: no put or remove of the key that
+//     returned OK was invoked after P returned and returned before the get was invoked.
+//
+// A put that failed may or may not have committed (a lost reply), within its own call: it
+// counts as a possible P. Anything else is wrong bytes. The run fails on wrong bytes, on an
+// operation that outlived its deadline by more than a second, on a client that crashed or
+// hung, and on a setup failure.
+//
+//   kvstash-history --seconds 120              the bounded run scripts/test makes
+//   kvstash-history --minutes 30 --json r.json what scripts/chaos runs
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "kvstash/status.h"
+#include "kvstash/store.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash::history {
+namespace {
+
+using namespace std::chrono_literals;
+using nlohmann::json;
+
+constexpr std::uint64_t kMagic = 0x6b76737461736821ull;  // "!hsatsvk"
+constexpr std::size_t kBlock = 512;                      // one header per block
+constexpr int kKeys = 24;
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+std::string key_name(int k) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "h/k%02d", k);
+  return buf;
+}
+
+std::uint64_t key_hash(std::string_view key) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (char c : key) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// The bytes put `put_id` writes for `key`: each 512-byte block starts with (magic, key hash,
+// put id, offset) and continues with bytes only that put and offset produce.
+void encode(std::string_view key, std::uint64_t put_id, std::span<std::byte> out) {
+  const std::uint64_t kh = key_hash(key);
+  for (std::size_t off = 0; off < out.size(); off += kBlock) {
+    const std::size_t n = std::min(kBlock, out.size() - off);
+    std::uint64_t words[kBlock / 8];
+    words[0] = kMagic;
+    words[1] = kh;
+    words[2] = put_id;
+    words[3] = off;
+    std::uint64_t x = put_id * 0x9e3779b97f4a7c15ull ^ (off + 1) * 0xbf58476d1ce4e5b9ull;
+    for (std::size_t i = 4; i < kBlock / 8; ++i) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      words[i] = x;
+    }
+    std::memcpy(out.data() + off, words, n);
+  }
+}
+
+// What a get's bytes hold: one whole put (its id), or a description of what is wrong.
+struct Decoded {
+  bool whole = false;
+  std::uint64_t put_id = 0;
+  std::string problem;
+};
+
+Decoded decode(std::string_view key, std::span<const std::byte> bytes, std::vector<std::byte>& scratch) {
+  Decoded d;
+  if (bytes.size() < 32) {
+    d.problem = "object of " + std::to_string(bytes.size()) + " bytes is too short to hold a header";
+    return d;
+  }
+  std::uint64_t h[4];
+  std::memcpy(h, bytes.data(), sizeof h);
+  if (h[0] != kMagic || h[1] != key_hash(key) || h[3] != 0) {
+    d.problem = "first block is not this key's (foreign or garbage bytes)";
+    return d;
+  }
+  d.put_id = h[2];
+  scratch.resize(bytes.size());
+  encode(key, d.put_id, scratch);
+  if (std::memcmp(scratch.data(), bytes.data(), bytes.size()) == 0) {
+    d.whole = true;
+    return d;
+  }
+  for (std::size_t off = 0; off < bytes.size(); off += kBlock) {
+    const std::size_t n = std::min(kBlock, bytes.size() - off);
+    if (std::memcmp(scratch.data() + off, bytes.data() + off, n) == 0) continue;
+    std::ostringstream m;
+    m << "torn: put " << d.put_id << "'s bytes, but the block at offset " << off;
+    if (n >= 32) {
+      std::memcpy(h, bytes.data() + off, sizeof h);
+      if (h[0] == kMagic) {
+        m << " holds put " << h[2] << " of " << (h[1] == key_hash(key) ? "this key" : "another key") << " at offset "
+          << h[3];
+      } else {
+        m << " holds no header";
+      }
+    } else {
+      m << " differs";
+    }
+    d.problem = m.str();
+    break;
+  }
+  return d;
+}
+
+// ---- the client process ---------------------------------------------------------------------
+
+struct ClientConfig {
+  std::string redis_url;
+  std::string transport = "tcp";
+  int id = 0;
+  int threads = 2;
+  double seconds = 10;
+  std::uint64_t seed = 1;
+  std::string log;
+};
+
+// One line per operation, written when it returned:
+//   P key put_id size t_inv t_ret code deadline_ms        a put (code 0: OK)
+//   A key put_id size t_inv t_ret                         a put stream dropped before commit
+//   G key t_inv t_ret code deadline_ms size put_id|-1 problem-or-"-"
+//   R key t_inv t_ret code deadline_ms                    a remove
+//   O kind t_inv t_ret code deadline_ms                   touch (T), contains_prefix (C)
+class Log {
+ public:
+  explicit Log(const std::string& path) : f_(std::fopen(path.c_str(), "w")) {}
+  ~Log() {
+    if (f_ != nullptr) std::fclose(f_);
+  }
+  bool ok() const { return f_ != nullptr; }
+  void line(const std::string& s) {
+    std::lock_guard lock(mu_);
+    std::fputs(s.c_str(), f_);
+    std::fputc('\n', f_);
+  }
+
+ private:
+  std::mutex mu_;
+  std::FILE* f_;
+};
+
+int code_of(const Status& s) { return static_cast<int>(s.code()); }
+
+void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, Deadline stop) {
+  std::mt19937_64 rng(c.seed * 1000003 + static_cast<std::uint64_t>(thread));
+  auto uniform = [&](std::uint64_t lo, std::uint64_t hi) { return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng); };
+  std::uint64_t next_put = (static_cast<std::uint64_t>(c.id) << 40) | (static_cast<std::uint64_t>(thread) << 32);
+  std::vector<std::byte> data(4u << 20), got(4u << 20), scratch;
+  // Sizes from a KiB to a few pages (pages are 1 MiB), so objects span pages and nodes.
+  auto random_size = [&] {
+    const std::uint64_t r = uniform(0, 9);
+    if (r < 4) return uniform(1024, 64u << 10);
+    if (r < 8) return uniform(64u << 10, 1u << 20);
+    return uniform(1u << 20, 3u << 20);
+  };
+  auto random_deadline = [&] { return std::chrono::milliseconds(uniform(50, 3000)); };
+  char buf[512];
+  while (Clock::now() < stop) {
+    const std::string key = key_name(static_cast<int>(uniform(0, kKeys - 1)));
+    const std::uint64_t dice = uniform(0, 99);
+    const auto budget = random_deadline();
+    if (dice < 35) {  // put, a third of them expiring soon
+      const std::uint64_t id = ++next_put;
+      const std::size_t size = random_size();
+      encode(key, id, {data.data(), size});
+      PutOptions o;
+      o.deadline = deadline_after(budget);
+      if (uniform(0, 2) == 0) o.ttl = std::chrono::milliseconds(uniform(200, 3000));
+      Slice s{data.data(), size};
+      const std::int64_t t0 = now_ns();
+      Status st = store.put(key, {&s, 1}, o);
+      const std::int64_t t1 = now_ns();
+      std::snprintf(buf, sizeof buf, "P %s %" PRIu64 " %zu %" PRId64 " %" PRId64 " %d %lld", key.c_str(), id, size, t0,
+                    t1, code_of(st), static_cast<long long>(budget.count()));
+      log.line(buf);
+    } else if (dice < 40) {  // a put stream dropped half-way: it never commits
+      const std::uint64_t id = ++next_put;
+      const std::size_t size = random_size() + 2048;
+      encode(key, id, {data.data(), size});
+      const std::int64_t t0 = now_ns();
+      {
+        auto stream = store.begin_put(key, size, {.deadline = deadline_after(budget)});
+        if (stream.is_ok()) {
+          Slice half{data.data(), size / 2};
+          (void)stream->append({&half, 1});
+          if (uniform(0, 1) == 0) (void)stream->wait_written(size / 2);
+        }
+      }  // dropped: aborted
+      const std::int64_t t1 = now_ns();
+      std::snprintf(buf, sizeof buf, "A %s %" PRIu64 " %zu %" PRId64 " %" PRId64, key.c_str(), id, size, t0, t1);
+      log.line(buf);
+    } else if (dice < 80) {  // get, checksum off, some cancelled from another thread
+      GetOptions o;
+      o.deadline = deadline_after(budget);
+      o.verify_checksum = false;
+      std::future<void> canceller;
+      if (uniform(0, 9) == 0) {
+        o.cancel = CancelToken::make();
+        const auto delay = std::chrono::microseconds(uniform(0, 30000));
+        canceller = std::async(std::launch::async, [token = o.cancel, delay] {
+          std::this_thread::sleep_for(delay);
+          token.cancel();
+        });
+      }
+      Slice s{got.data(), got.size()};
+      const std::int64_t t0 = now_ns();
+      auto r = store.get(key, {&s, 1}, o);
+      const std::int64_t t1 = now_ns();
+      if (canceller.valid()) canceller.wait();
+      if (r.is_ok()) {
+        Decoded d = decode(key, {got.data(), r->size}, scratch);
+        std::snprintf(buf, sizeof buf, "G %s %" PRId64 " %" PRId64 " 0 %lld %" PRIu64 " %lld %s", key.c_str(), t0, t1,
+                      static_cast<long long>(budget.count()), r->size,
+                      d.whole || d.problem.rfind("torn", 0) == 0 ? static_cast<long long>(d.put_id) : -1LL,
+                      d.whole ? "-" : d.problem.c_str());
+      } else {
+        std::snprintf(buf, sizeof buf, "G %s %" PRId64 " %" PRId64 " %d %lld 0 -1 -", key.c_str(), t0, t1,
+                      code_of(r.status()), static_cast<long long>(budget.count()));
+      }
+      log.line(buf);
+    } else if (dice < 88) {  // remove
+      const std::int64_t t0 = now_ns();
+      Status st = store.remove(key, deadline_after(budget));
+      const std::int64_t t1 = now_ns();
+      std::snprintf(buf, sizeof buf, "R %s %" PRId64 " %" PRId64 " %d %lld", key.c_str(), t0, t1, code_of(st),
+                    static_cast<long long>(budget.count()));
+      log.line(buf);
+    } else if (dice < 95) {  // touch with a new TTL (or none)
+      const std::int64_t t0 = now_ns();
+      Status st = store.touch(key, std::chrono::milliseconds(uniform(0, 1) ? uniform(200, 3000) : 0),
+                              deadline_after(budget));
+      const std::int64_t t1 = now_ns();
+      std::snprintf(buf, sizeof buf, "O T %" PRId64 " %" PRId64 " %d %lld", t0, t1, code_of(st),
+                    static_cast<long long>(budget.count()));
+      log.line(buf);
+    } else {  // contains_prefix over a chain of keys
+      std::vector<std::string> chain;
+      const int first = static_cast<int>(uniform(0, kKeys - 4));
+      for (int i = 0; i < 4; ++i) chain.push_back(key_name(first + i));
+      const std::int64_t t0 = now_ns();
+      auto r = store.contains_prefix(chain, deadline_after(budget));
+      const std::int64_t t1 = now_ns();
+      std::snprintf(buf, sizeof buf, "O C %" PRId64 " %" PRId64 " %d %lld", t0, t1, code_of(r.status()),
+                    static_cast<long long>(budget.count()));
+      log.line(buf);
+    }
+  }
+}
+
+int run_client(const ClientConfig& c) {
+  Log log(c.log);
+  if (!log.ok()) {
+    std::cerr << "history client: cannot write " << c.log << "\n";
+    return 2;
+  }
+  StoreOptions o;
+  o.redis_url = c.redis_url;
+  o.timeout = 3s;
+  o.put_lease = 3s;
+  o.read_lease = 2s;
+  o.verify_checksum = false;
+  o.redis_timeout = 1s;
+  auto kind = parse_transport_kind(c.transport);
+  if (!kind) {
+    std::cerr << "history client: unknown transport " << c.transport << "\n";
+    return 2;
+  }
+  o.engine.prefer = *kind;
+  o.engine.ucx.allow_emulated_rma = true;
+  Result<std::unique_ptr<Store>> store = Status::unavailable("not opened");
+  // Redis may be down for a moment (the nemesis restarts it): keep trying for a while.
+  for (auto give_up = Clock::now() + 20s; Clock::now() < give_up; std::this_thread::sleep_for(200ms)) {
+    store = Store::open(o);
+    if (store.is_ok()) break;
+  }
+  if (!store.is_ok()) {
+    std::cerr << "history client " << c.id << ": " << store.status().to_string() << "\n";
+    return 2;
+  }
+  const Deadline stop = Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(c.seconds * 1000));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < c.threads; ++t) {
+    threads.emplace_back([&, t] { client_thread(**store, c, t, log, stop); });
+  }
+  for (auto& t : threads) t.join();
+  return 0;
+}
+
+// ---- the checker ------------------------------------------------------------------------------
+
+struct Put {
+  std::string key;
+  std::size_t size = 0;
+  std::int64_t t_inv = 0, t_ret = 0;
+  int code = 0;
+  bool dropped = false;  // a stream never committed
+};
+struct Change {  // a put or remove of a key that returned OK
+  std::int64_t t_inv = 0, t_ret = 0;
+};
+struct Get {
+  std::string key;
+  std::int64_t t_inv = 0, t_ret = 0;
+  std::size_t size = 0;
+  long long put_id = -1;
+  std::string problem;
+  std::string client;
+};
+
+struct Report {
+  std::map<std::string, std::uint64_t> ops;     // by kind and outcome
+  std::uint64_t gets_checked = 0;               // gets that returned bytes
+  std::vector<std::string> overdue;             // returned more than 1 s after their deadline
+  std::vector<std::string> wrong;               // wrong bytes, described
+  std::map<std::string, std::uint64_t> faults;  // the nemesis's actions
+  std::vector<std::string> failures;            // clients that crashed or hung, setup errors
+};
+
+std::string code_name(int code) { return std::string(to_string(static_cast<StatusCode>(code))); }
+
+void check(const std::vector<std::string>& logs, Report& report) {
+  std::unordered_map<std::uint64_t, Put> puts;
+  std::map<std::string, std::vector<Change>> changes;
+  std::vector<Get> gets;
+  for (const auto& path : logs) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      char kind = 0;
+      f >> kind;
+      long long deadline_ms = 0;
+      std::int64_t t0 = 0, t1 = 0;
+      int code = 0;
+      if (kind == 'P' || kind == 'A') {
+        Put p;
+        std::uint64_t id = 0;
+        f >> p.key >> id >> p.size >> p.t_inv >> p.t_ret;
+        if (kind == 'P') f >> p.code >> deadline_ms;
+        p.dropped = kind == 'A';
+        t0 = p.t_inv, t1 = p.t_ret, code = p.code;
+        if (kind == 'P' && p.code == 0) changes[p.key].push_back({p.t_inv, p.t_ret});
+        report.ops[kind == 'P' ? "put " + code_name(p.code) : std::string("put stream dropped")]++;
+        puts.emplace(id, std::move(p));
+      } else if (kind == 'G') {
+        Get g;
+        f >> g.key >> g.t_inv >> g.t_ret >> code >> deadline_ms >> g.size >> g.put_id;
+        std::getline(f >> std::ws, g.problem);
+        if (g.problem == "-") g.problem.clear();
+        g.client = path;
+        t0 = g.t_inv, t1 = g.t_ret;
+        report.ops[std::string("get ") + code_name(code)]++;
+        if (code == 0) gets.push_back(std::move(g));
+      } else if (kind == 'R') {
+        std::string key;
+        f >> key >> t0 >> t1 >> code >> deadline_ms;
+        if (code == 0) changes[key].push_back({t0, t1});
+        report.ops[std::string("remove ") + code_name(code)]++;
+      } else if (kind == 'O') {
+        char what = 0;
+        f >> what >> t0 >> t1 >> code >> deadline_ms;
+        report.ops[std::string(what == 'T' ? "touch " : "contains_prefix ") + code_name(code)]++;
+      } else {
+        continue;
+      }
+      if (deadline_ms > 0 && t1 - t0 > (deadline_ms + 1000) * 1000000) {
+        report.overdue.push_back("`" + line + "` took " + std::to_string((t1 - t0) / 1000000) +
+                                 " ms with a deadline of " + std::to_string(deadline_ms) + " ms");
+      }
+    }
+  }
+  for (auto& [key, list] : changes) {
+    std::sort(list.begin(), list.end(), [](const Change& a, const Change& b) { return a.t_ret < b.t_ret; });
+  }
+  for (const Get& g : gets) {
+    ++report.gets_checked;
+    auto fail = [&](const std::string& why) {
+      if (report.wrong.size() < 200) report.wrong.push_back("get of " + g.key + " (" + g.client + "): " + why);
+    };
+    if (!g.problem.empty()) {
+      fail(g.problem);
+      continue;
+    }
+    auto it = puts.find(static_cast<std::uint64_t>(g.put_id));
+    if (it == puts.end()) {
+      fail("bytes of put " + std::to_string(g.put_id) + ", which no client made");
+      continue;
+    }
+    const Put& p = it->second;
+    if (p.key != g.key) {
+      fail("bytes of a put of " + p.key);
+    } else if (p.dropped) {
+      fail("bytes of put " + std::to_string(g.put_id) + ", a stream its client dropped before commit");
+    } else if (p.size != g.size) {
+      fail("size " + std::to_string(g.size) + ", but put " + std::to_string(g.put_id) + " wrote " +
+           std::to_string(p.size));
+    } else if (p.t_inv >= g.t_ret) {
+      fail("bytes of put " + std::to_string(g.put_id) + ", invoked after the get returned");
+    } else {
+      // Replaced for sure before the get began: a change invoked after P returned that
+      // returned before the get was invoked.
+      for (const Change& c : changes[g.key]) {
+        if (c.t_ret >= g.t_inv) break;
+        if (c.t_inv > p.t_ret) {
+          fail("bytes of put " + std::to_string(g.put_id) + ", replaced or removed " +
+               std::to_string((g.t_inv - c.t_ret) / 1000000) + " ms before the get began");
+          break;
+        }
+      }
+    }
+  }
+}
+
+// ---- the orchestrator -----------------------------------------------------------------------
+
+struct RunConfig {
+  double seconds = 60;
+  int nodes = 2;
+  std::string capacity = "16MiB";
+  std::vector<std::string> transports{"shm", "tcp", "ucx"};
+  int threads = 2;
+  std::uint64_t seed = 0;
+  bool nemesis = true;
+  std::string json_path;
+  std::string dir;
+};
+
+int run(const RunConfig& rc, const std::string& self) {
+  Report report;
+  auto redis = tools::LocalRedis::start({});
+  if (!redis.is_ok()) {
+    std::cerr << "history: " << redis.status().to_string() << "\n";
+    return 2;
+  }
+  const std::string url = (*redis)->url();
+  auto start_node = [&](int i) -> std::unique_ptr<tools::LocalNode> {
+    auto n = tools::LocalNode::start({.redis_url = url,
+                                      .capacity = rc.capacity,
+                                      .page_size = "1MiB",
+                                      .node_id = "h" + std::to_string(i),
+                                      .extra_args = {"--heartbeat-ttl", "2s", "--reclaim-interval", "200ms",
+                                                     "--ucx-allow-emulated-rma", "--huge-pages", "off"}});
+    if (!n.is_ok()) {
+      report.failures.push_back("node h" + std::to_string(i) + ": " + n.status().to_string());
+      return nullptr;
+    }
+    return std::move(n).value();
+  };
+  std::vector<std::unique_ptr<tools::LocalNode>> nodes;
+  for (int i = 0; i < rc.nodes; ++i) {
+    nodes.push_back(start_node(i));
+    if (!nodes.back()) {
+      std::cerr << "history: " << report.failures.back() << "\n";
+      return 2;
+    }
+  }
+
+  std::mt19937_64 rng(rc.seed);
+  std::vector<tools::ChildProcess> clients;
+  std::vector<std::string> logs;
+  for (std::size_t i = 0; i < rc.transports.size(); ++i) {
+    const std::string log = rc.dir + "/client-" + std::to_string(i) + "-" + rc.transports[i] + ".log";
+    logs.push_back(log);
+    auto child = tools::ChildProcess::start(
+        {.argv = {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id", std::to_string(i + 1),
+                  "--threads", std::to_string(rc.threads), "--seconds", std::to_string(rc.seconds), "--seed",
+                  std::to_string(rc.seed + i + 1), "--log", log},
+         .capture_stdout = false});
+    if (!child.is_ok()) {
+      std::cerr << "history: client: " << child.status().to_string() << "\n";
+      return 2;
+    }
+    clients.push_back(std::move(child).value());
+  }
+
+  // The nemesis, on this thread (children die with the thread that started them).
+  const auto end = Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(rc.seconds * 1000));
+  auto pick = [&](int n) { return static_cast<int>(std::uniform_int_distribution<int>(0, n - 1)(rng)); };
+  auto ms = [&](int lo, int hi) { return std::chrono::milliseconds(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  auto last_redis_restart = Clock::now();
+  while (rc.nemesis && Clock::now() + 5s < end) {
+    std::this_thread::sleep_for(ms(500, 2500));
+    const int victim = pick(rc.nodes);
+    const int action = pick(10);
+    if (!nodes[victim]) {
+      nodes[victim] = start_node(victim);
+      ++report.faults["node restarted"];
+      continue;
+    }
+    if (action < 6) {  // a pause: half of them past the 2 s heartbeat TTL
+      const auto pause = action < 3 ? ms(500, 1800) : ms(2200, 4000);
+      ::kill(nodes[victim]->pid(), SIGSTOP);
+      std::this_thread::sleep_for(pause);
+      ::kill(nodes[victim]->pid(), SIGCONT);
+      ++report.faults[pause > 2s ? "node paused past its heartbeat TTL" : "node paused"];
+    } else if (action < 9) {  // a crash, and a restart of the same id a little later
+      nodes[victim]->kill();
+      nodes[victim].reset();
+      ++report.faults["node killed (SIGKILL)"];
+      std::this_thread::sleep_for(ms(200, 1500));
+      nodes[victim] = start_node(victim);
+      if (nodes[victim]) ++report.faults["node restarted"];
+    } else if (Clock::now() - last_redis_restart > 15s) {  // Redis restarts empty, now and then
+      Status s = (*redis)->restart();
+      if (!s.is_ok()) report.failures.push_back("redis restart: " + s.to_string());
+      ++report.faults["redis restarted empty"];
+      last_redis_restart = Clock::now();
+    }
+  }
+  for (auto& n : nodes) {
+    if (n) ::kill(n->pid(), SIGCONT);
+  }
+  for (std::size_t i = 0; i < clients.size(); ++i) {
+    auto status = clients[i].wait(end + 60s);
+    if (!status) {
+      clients[i].kill();
+      report.failures.push_back("client " + rc.transports[i] + " hung past the run's end (killed)");
+    } else if (*status != 0) {
+      report.failures.push_back("client " + rc.transports[i] + " exited with status " + std::to_string(*status));
+    }
+  }
+  nodes.clear();
+  check(logs, report);
+
+  std::uint64_t total = 0;
+  for (const auto& [k, v] : report.ops) total += v;
+  std::uint64_t faults = 0;
+  for (const auto& [k, v] : report.faults) faults += v;
+  json j;
+  j["seconds"] = rc.seconds;
+  j["seed"] = rc.seed;
+  j["transports"] = rc.transports;
+  j["nodes"] = rc.nodes;
+  j["ops"] = total;
+  j["ops_by_kind"] = report.ops;
+  j["gets_checked"] = report.gets_checked;
+  j["faults"] = faults;
+  j["faults_by_kind"] = report.faults;
+  j["wrong_bytes"] = report.wrong.size();
+  j["overdue"] = report.overdue.size();
+  j["violations"] = report.wrong;
+  j["overdue_ops"] = report.overdue;
+  j["failures"] = report.failures;
+  std::cout << "history: " << total << " ops, " << report.gets_checked << " gets checked, " << faults
+            << " faults injected, " << report.wrong.size() << " wrong bytes, " << report.overdue.size()
+            << " past their deadline, " << report.failures.size() << " failures\n";
+  for (const auto& [k, v] : report.ops) std::cout << "  " << k << ": " << v << "\n";
+  for (const auto& [k, v] : report.faults) std::cout << "  fault " << k << ": " << v << "\n";
+  for (const auto& w : report.wrong) std::cout << "  WRONG BYTES " << w << "\n";
+  for (std::size_t i = 0; i < std::min<std::size_t>(report.overdue.size(), 20); ++i) {
+    std::cout << "  OVERDUE " << report.overdue[i] << "\n";
+  }
+  for (const auto& f : report.failures) std::cout << "  FAILURE " << f << "\n";
+  if (!rc.json_path.empty()) std::ofstream(rc.json_path) << j.dump(2) << "\n";
+  const bool clean = report.wrong.empty() && report.overdue.empty() && report.failures.empty();
+  return clean && report.gets_checked > 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace kvstash::history
+
+int main(int argc, char** argv) {
+  using namespace kvstash::history;
+  CLI::App app{"kvstash-history: a history checker for the store's first promise (see the file's opening comment)"};
+  bool client = false;
+  ClientConfig cc;
+  RunConfig rc;
+  double minutes = 0;
+  std::string transports = "shm,tcp,ucx";
+  bool no_nemesis = false, keep_logs = false;
+  app.add_flag("--client", client, "Run as one client process (the orchestrator starts these)");
+  app.add_option("--redis", cc.redis_url, "client: the cell's Redis");
+  app.add_option("--transport", cc.transport, "client: shm, tcp or ucx");
+  app.add_option("--id", cc.id, "client: its number (put ids carry it)");
+  app.add_option("--log", cc.log, "client: its history file");
+  app.add_option("--threads", rc.threads, "Threads per client process")->capture_default_str();
+  app.add_option("--seconds", rc.seconds, "How long the run lasts")->capture_default_str();
+  app.add_option("--minutes", minutes, "How long the run lasts, in minutes (overrides --seconds)");
+  app.add_option("--seed", rc.seed, "Seed of the nemesis and the clients (default: random)");
+  app.add_option("--nodes", rc.nodes, "Memory nodes")->capture_default_str();
+  app.add_option("--capacity", rc.capacity, "Pool of each node (small: eviction is routine)")->capture_default_str();
+  app.add_option("--transports", transports, "One client process per transport listed")->capture_default_str();
+  app.add_option("--json", rc.json_path, "Write the report as JSON here");
+  app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
+  app.add_flag("--keep-logs", keep_logs, "Keep the clients' histories even when the run is clean");
+  CLI11_PARSE(app, argc, argv);
+  if (client) {
+    cc.threads = rc.threads;
+    cc.seconds = rc.seconds;
+    cc.seed = rc.seed;
+    return run_client(cc);
+  }
+  if (minutes > 0) rc.seconds = minutes * 60;
+  if (rc.seed == 0) rc.seed = std::random_device{}();
+  rc.nemesis = !no_nemesis;
+  rc.transports.clear();
+  std::stringstream ts(transports);
+  for (std::string t; std::getline(ts, t, ',');) {
+    if (!t.empty()) rc.transports.push_back(t);
+  }
+  char dir[] = "/tmp/kvstash-history-XXXXXX";
+  if (::mkdtemp(dir) == nullptr) {
+    std::perror("mkdtemp");
+    return 2;
+  }
+  rc.dir = dir;
+  std::cout << "history: " << rc.seconds << " s, seed " << rc.seed << ", logs in " << rc.dir << "\n";
+  int rcode = run(rc, std::filesystem::read_symlink("/proc/self/exe").string());
+  if (rcode == 0 && !keep_logs) std::filesystem::remove_all(rc.dir);
+  return rcode;
+}
