@@ -7,6 +7,7 @@
 #include "common/transports.h"
 #include "common/units.h"
 #include "kvcache.h"
+#include "metadata.h"
 #include "p2p.h"
 #include "store.h"
 
@@ -158,6 +159,18 @@ int main(int argc, char** argv) {
   kc->footer(
       "Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json");
 
+  bench::MetadataBenchOptions meta;
+  auto* md = app.add_subcommand(
+      "metadata",
+      "How long each metadata script holds Redis (server time, from SLOWLOG) in a cell of many objects: "
+      "get, put, eviction, a blocked put, contains_prefix, sweeping a dead node, re-registration. Starts a "
+      "private redis-server");
+  md->add_option("--objects", meta.objects, "One-page objects in the cell")
+      ->capture_default_str()
+      ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
+  md->add_flag("--json", meta.json, "The table as one JSON object too");
+  md->footer("Example:\n  kvstash-bench metadata --objects 1000000");
+
   std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
@@ -229,5 +242,6 @@ int main(int argc, char** argv) {
 #endif
   }
   if (kc->parsed()) return bench::run_kvcache(kvc);
+  if (md->parsed()) return bench::run_metadata(meta);
   return bench::run_p2p(p2p);
 }

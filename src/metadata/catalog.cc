@@ -332,9 +332,9 @@ Result<EvictCounts> Catalog::evict(std::uint64_t bytes) {
 Result<ReclaimCounts> Catalog::reclaim(std::uint32_t limit) {
   std::string l = std::to_string(limit == 0 ? 1 : limit);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::reclaim(), {prefix_}, {l}));
-  if (r.type() != Reply::Type::kArray || r.size() != 6) return corrupt("unexpected reply to reclaim");
+  if (r.type() != Reply::Type::kArray || r.size() != 8) return corrupt("unexpected reply to reclaim");
   auto at = [&](std::size_t i) { return static_cast<std::uint64_t>(integer_of(r.element(i)).value_or(0)); };
-  return ReclaimCounts{at(0), at(1), at(2), at(3), at(4), at(5)};
+  return ReclaimCounts{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7) != 0};
 }
 
 Result<std::uint64_t> Catalog::cordon_node(std::string_view id) {

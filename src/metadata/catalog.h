@@ -98,6 +98,8 @@ struct ReclaimCounts {
   std::uint64_t dead_nodes = 0;        // nodes past their heartbeat deadline
   std::uint64_t orphaned_objects = 0;  // objects dropped with them
   std::uint64_t fencing_puts = 0;      // puts past their lease, waiting for a node's fence
+  std::uint64_t swept = 0;             // objects of dead or restarted nodes released
+  bool more = false;                   // a limit was reached: run reclaim again
 };
 
 struct EvictCounts {
@@ -226,7 +228,9 @@ class Catalog {
   Result<std::vector<EvictedObject>> evict_lru(std::chrono::milliseconds idle, std::uint64_t max_bytes,
                                                bool dry_run, std::uint32_t limit,
                                                std::int64_t* now_ms = nullptr);
-  Result<ReclaimCounts> reclaim(std::uint32_t limit = 256);
+  // One bounded sweep (at most `limit` items of each kind, so that Redis is held about a
+  // millisecond); run it again while the result says `more`.
+  Result<ReclaimCounts> reclaim(std::uint32_t limit = 32);
 
  private:
   RedisClient& redis_;

@@ -816,8 +816,10 @@ return {objects, pages}
 // live nodes have all fenced through it (their writes can no longer land; a dead node's pages
 // start over when it registers again); zombies past their last read lease; nodes past their
 // heartbeat deadline (`state = dead`; their objects go to the sweep); and objects of the
-// sweep (dead or restarted nodes'). Returns expired, puts, zombies, dead nodes, the objects
-// the dead nodes held, and the puts still waiting for a node's fence.
+// sweep (dead or restarted nodes'). Each item costs a few dozen microseconds: a small limit
+// keeps one run near a millisecond, and the caller runs it again while `more` says work is
+// left. Returns expired, puts, zombies, dead nodes, the objects the dead nodes held, the puts
+// still waiting for a node's fence, the objects swept, and more (1: a limit was reached).
 const Script& reclaim() {
   static const Script s = make(R"lua(
 local limit = tonumber(ARGV[1])
@@ -857,8 +859,10 @@ for _, id in ipairs(dead) do
   redis.call('HSET', P .. ':node:' .. id, 'state', 'dead')
   redis.call('ZREM', P .. ':nodes', id)
 end
-sweep(limit)
-return {expired, freed, #zombies, #dead, orphans, waiting}
+local swept = sweep(limit)
+local more = 0
+if expired == limit or #puts / 2 == limit or #zombies == limit or #dead == limit or swept == limit then more = 1 end
+return {expired, freed, #zombies, #dead, orphans, waiting, swept, more}
 )lua");
   return s;
 }

@@ -201,8 +201,13 @@ void MemoryNode::loop() {
       s.last_error.clear();
       if (Clock::now() >= next_reclaim) {
         next_reclaim = Clock::now() + options_.reclaim_interval;
-        auto r = s.catalog->reclaim();
-        if (r.is_ok()) {
+        // Each reclaim holds Redis about a millisecond; while it says work is left (a dead
+        // node's million objects), run it again, with a pause for other clients between, for
+        // up to half a beat.
+        const auto budget = Clock::now() + beat / 2;
+        for (bool more = true; more && !s.stopping;) {
+          auto r = s.catalog->reclaim();
+          if (!r.is_ok()) break;
           s.expired += r->expired;
           s.abandoned_puts += r->abandoned_puts;
           s.zombies += r->zombies;
@@ -210,9 +215,11 @@ void MemoryNode::loop() {
           s.orphaned += r->orphaned_objects;
           s.fencing_puts = r->fencing_puts;
           if (r->dead_nodes > 0) {
-            KVSTASH_LOG_WARN("node {}: reclaimed {} dead node(s) and {} of their objects", id_, r->dead_nodes,
-                             r->orphaned_objects);
+            KVSTASH_LOG_WARN("node {}: declared {} node(s) dead; {} of their objects are being swept", id_,
+                             r->dead_nodes, r->orphaned_objects);
           }
+          more = r->more && Clock::now() < budget;
+          if (more) std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
       }
       if (auto ns = s.catalog->node_status(id_); ns.is_ok()) {

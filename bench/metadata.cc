@@ -1,0 +1,213 @@
+// `kvstash-bench metadata`: how long each metadata script holds Redis in a big cell.
+//
+// Starts a private redis-server, fills a cell with N one-page objects on two (fake) memory
+// nodes through the real scripts, then measures, with Redis's own SLOWLOG (the time the
+// server spent in one EVALSHA, so the client and the loopback do not count), the scripts that
+// could scale with the cell: a get and a put, a put that must evict, a put that cannot get
+// room because leased objects block the LRU's head, contains_prefix, the sweep of a dead node
+// holding half the objects, a node registering again over its earlier life, and the CLI's
+// LRU eviction. Redis runs one script at a time: what one holds, every client waits.
+#include "metadata.h"
+
+#include <algorithm>
+#include <atomic>
+#include <iomanip>
+#include <iostream>
+#include <thread>
+#include <vector>
+
+#include <hiredis/hiredis.h>
+
+#include <nlohmann/json.hpp>
+
+#include "metadata/catalog.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash::bench {
+namespace {
+
+using namespace std::chrono_literals;
+using metadata::Catalog;
+using metadata::RedisClient;
+
+constexpr std::uint64_t kPage = 4096;
+
+struct Sample {
+  std::string what;
+  std::vector<double> us;  // server time of each run
+};
+
+// The server time of the last command (SLOWLOG with a threshold of 0 logs every command).
+class ServerClock {
+ public:
+  explicit ServerClock(RedisClient& r) : r_(r) {
+    (void)r_.command({"CONFIG", "SET", "slowlog-log-slower-than", "0"});
+    (void)r_.command({"CONFIG", "SET", "slowlog-max-len", "128"});
+  }
+  void reset() { (void)r_.command({"SLOWLOG", "RESET"}); }
+  // The longest EVALSHA since reset(), in microseconds.
+  double longest_eval() {
+    auto r = r_.command({"SLOWLOG", "GET", "128"});
+    double best = 0;
+    if (!r.is_ok()) return best;
+    for (std::size_t i = 0; i < r->size(); ++i) {
+      const redisReply* e = r->element(i);
+      if (e->elements < 4 || e->element[3]->elements == 0) continue;
+      const redisReply* cmd = e->element[3]->element[0];
+      if (std::string_view(cmd->str, cmd->len) != "EVALSHA") continue;
+      best = std::max(best, static_cast<double>(e->element[2]->integer));
+    }
+    return best;
+  }
+
+ private:
+  RedisClient& r_;
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(p * static_cast<double>(v.size())))];
+}
+
+}  // namespace
+
+int run_metadata(const MetadataBenchOptions& o) {
+  auto redis = tools::LocalRedis::start({});
+  if (!redis.is_ok()) {
+    std::cerr << "metadata: " << redis.status().to_string() << "\n";
+    return 1;
+  }
+  auto connect = [&] { return RedisClient::connect({.url = (*redis)->url(), .command_timeout = 60s}); };
+  auto admin = connect();
+  if (!admin.is_ok()) {
+    std::cerr << "metadata: " << admin.status().to_string() << "\n";
+    return 1;
+  }
+  Catalog cat(**admin);
+  const std::uint64_t per_node = o.objects / 2 + 4096;
+  for (const char* id : {"n1", "n2"}) {
+    if (auto s = cat.register_node({id, "e1", kPage, per_node, "addr", "key"}, 3600s); !s.is_ok()) {
+      std::cerr << "metadata: " << s.status().to_string() << "\n";
+      return 1;
+    }
+  }
+
+  // Fill: N one-page objects through begin_put + commit_put, on a few connections at once.
+  std::cout << "filling the cell with " << o.objects << " objects..." << std::flush;
+  const auto fill_start = Clock::now();
+  std::atomic<std::uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> fillers;
+  for (int t = 0; t < 4; ++t) {
+    fillers.emplace_back([&] {
+      auto r = connect();
+      if (!r.is_ok()) {
+        failed = true;
+        return;
+      }
+      Catalog c(**r);
+      for (std::uint64_t i; (i = next++) < o.objects;) {
+        const std::string key = "obj/" + std::to_string(i), token = "fill-" + std::to_string(i);
+        if (!c.begin_put(token, key, kPage, 3600s).is_ok() || !c.commit_put(token, key, 1, "", 0ms).is_ok()) {
+          failed = true;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& t : fillers) t.join();
+  if (failed) {
+    std::cerr << "\nmetadata: filling the cell failed\n";
+    return 1;
+  }
+  std::cout << " " << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - fill_start).count() << " s\n";
+
+  ServerClock clock(**admin);
+  std::vector<Sample> samples;
+  auto measure = [&](const std::string& what, int runs, auto op) {
+    Sample s{what, {}};
+    for (int i = 0; i < runs; ++i) {
+      clock.reset();
+      op(i);
+      s.us.push_back(clock.longest_eval());
+    }
+    samples.push_back(std::move(s));
+  };
+
+  measure("begin_get + end_get", 200, [&](int i) {
+    auto g = cat.begin_get("obj/" + std::to_string(i * 7919 % o.objects), "reader", 30s);
+    if (g.is_ok()) (void)cat.end_get("reader", *g);
+  });
+  measure("begin_put + commit_put (room free)", 200, [&](int i) {
+    const std::string token = "m-" + std::to_string(i);
+    if (cat.begin_put(token, "fresh/" + std::to_string(i), kPage, 30s).is_ok()) {
+      (void)cat.commit_put(token, "fresh/" + std::to_string(i), 1, "", 0ms);
+    }
+  });
+  std::vector<std::string> chain;
+  for (int i = 0; i < 64; ++i) chain.push_back("obj/" + std::to_string(i));
+  measure("contains_prefix (64 keys)", 200, [&](int) { (void)cat.contains_prefix(chain); });
+
+  // The pool full: every further put evicts the least recently used object.
+  {
+    std::uint64_t left = 0;
+    for (const char* id : {"n1", "n2"}) {
+      auto f = cat.free_pages(id);
+      if (f.is_ok()) left += *f;
+    }
+    (void)cat.begin_put("hog", "hog", left * kPage, 3600s);
+  }
+  measure("begin_put evicting one object", 100, [&](int i) {
+    (void)cat.begin_put("e-" + std::to_string(i), "evicting/" + std::to_string(i), kPage, 30s);
+  });
+  // The LRU's head leased by readers: a put that cannot find room within its bounded walk.
+  {
+    auto r = (*admin)->command({"ZRANGE", cat.prefix() + ":lru", "0", "2999"});
+    for (std::size_t i = 0; r.is_ok() && i < r->size(); ++i) {
+      (void)cat.begin_get(std::string(r->element(i)->str, r->element(i)->len), "blocker", 3600s);
+    }
+  }
+  measure("begin_put blocked by 3,000 leased objects (no space)", 50, [&](int i) {
+    (void)cat.begin_put("b-" + std::to_string(i), "blocked/" + std::to_string(i), 16 * kPage, 30s);
+  });
+  measure("evict_lru (CLI, 100 objects)", 20, [&](int) { (void)cat.evict_lru(0ms, 0, true, 100); });
+
+  // A node dies holding half the cell: each reclaim sweeps a bounded batch.
+  std::uint64_t sweeps = 0;
+  {
+    (void)cat.register_node({"n3", "e1", kPage, 16, "addr", "key"}, 3600s);  // keeps reclaim busy elsewhere
+    (void)(*admin)->command({"ZADD", cat.prefix() + ":nodes", "1", "n1"});   // n1's deadline long passed
+    Sample s{"reclaim (limit 32) sweeping a dead node's objects", {}};
+    for (;;) {
+      clock.reset();
+      auto r = cat.reclaim();
+      s.us.push_back(clock.longest_eval());
+      ++sweeps;
+      auto left = (*admin)->command({"LLEN", cat.prefix() + ":sweep"});
+      if (!r.is_ok() || !left.is_ok() || left->integer() == 0 || sweeps > o.objects) break;
+    }
+    samples.push_back(std::move(s));
+  }
+  measure("register_node over an earlier life (new epoch)", 5, [&](int i) {
+    (void)cat.register_node({"n2", "e" + std::to_string(i + 2), kPage, per_node, "addr", "key"}, 3600s);
+  });
+
+  nlohmann::json rows = nlohmann::json::array();
+  std::cout << "\n" << std::left << std::setw(58) << "script (server time per run)" << std::right << std::setw(10)
+            << "p50 us" << std::setw(10) << "p99 us" << std::setw(10) << "max us" << std::setw(8) << "runs"
+            << "\n";
+  for (const auto& s : samples) {
+    const double p50 = percentile(s.us, 0.5), p99 = percentile(s.us, 0.99),
+                 max = s.us.empty() ? 0 : *std::max_element(s.us.begin(), s.us.end());
+    std::cout << std::left << std::setw(58) << s.what << std::right << std::fixed << std::setprecision(0)
+              << std::setw(10) << p50 << std::setw(10) << p99 << std::setw(10) << max << std::setw(8) << s.us.size()
+              << "\n";
+    rows.push_back({{"script", s.what}, {"p50_us", p50}, {"p99_us", p99}, {"max_us", max}, {"runs", s.us.size()}});
+  }
+  std::cout << "(cell of " << o.objects << " objects; the dead node's were swept in " << sweeps << " reclaims)\n";
+  if (o.json) std::cout << nlohmann::json{{"objects", o.objects}, {"rows", rows}}.dump() << "\n";
+  return 0;
+}
+
+}  // namespace kvstash::bench
