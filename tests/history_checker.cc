@@ -169,7 +169,10 @@ struct ClientConfig {
 //   O kind t_inv t_ret code deadline_ms                   touch (T), contains_prefix (C)
 class Log {
  public:
-  explicit Log(const std::string& path) : f_(std::fopen(path.c_str(), "w")) {}
+  // Line-buffered: a client that crashes loses at most the operation it was in.
+  explicit Log(const std::string& path) : f_(std::fopen(path.c_str(), "w")) {
+    if (f_ != nullptr) std::setvbuf(f_, nullptr, _IOLBF, 1 << 16);
+  }
   ~Log() {
     if (f_ != nullptr) std::fclose(f_);
   }
@@ -185,7 +188,22 @@ class Log {
   std::FILE* f_;
 };
 
-int code_of(const Status& s) { return static_cast<int>(s.code()); }
+// The status code for the log. Codes no fault should cause (a malformed record, a bug, a
+// refused credential, a bad argument) are also told on stderr with their message, which the
+// orchestrator's output then carries.
+int code_of(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kCorrupt:
+    case StatusCode::kInternal:
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kPermissionDenied:
+    case StatusCode::kIoError:
+      std::fprintf(stderr, "history client: unexpected %s\n", s.to_string().c_str());
+      break;
+    default: break;
+  }
+  return static_cast<int>(s.code());
+}
 
 void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, Deadline stop) {
   std::mt19937_64 rng(c.seed * 1000003 + static_cast<std::uint64_t>(thread));
@@ -311,6 +329,11 @@ int run_client(const ClientConfig& c) {
     std::cerr << "history client: unknown transport " << c.transport << "\n";
     return 2;
   }
+  // Only the transport under test (a connect that times out on a stopped node would otherwise
+  // fall back to the next one), and for UCX, which holds no leases at the node, tcp for the
+  // puts (the store writes only over a transport the node can fence).
+  o.engine.transports = {*kind};
+  if (*kind == TransportKind::kUcx) o.engine.transports.push_back(TransportKind::kTcp);
   o.engine.prefer = *kind;
   o.engine.ucx.allow_emulated_rma = true;
   Result<std::unique_ptr<Store>> store = Status::unavailable("not opened");

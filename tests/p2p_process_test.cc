@@ -211,11 +211,12 @@ TEST_P(P2P, OutOfRegionWrongKeyAndMalformedInputAreRefused) {
   EXPECT_EQ(peer_conn_->import_key("junk").status().code(), StatusCode::kInvalidArgument);
   if (kind_ == TransportKind::kUcx)
     return;  // UCX trusts rkey bytes: a forged rkey is undefined behaviour there
-  // A key the target never issued (the last byte of the key flipped; verbs and shm keys end
-  // with a flags byte after it, and a verbs key holds an rkey per device: the last device's is
-  // forged, and 4 MiB are read so that every lane of a striped connection takes part).
+  // A key the target never issued (the last byte of the key flipped; verbs, shm and tcp keys
+  // end with a flags byte after it, and a verbs key holds an rkey per device: the last
+  // device's is forged, and 4 MiB are read so that every lane of a striped connection takes
+  // part).
   std::string forged = peer_->key();
-  const bool flags_byte = kind_ == TransportKind::kVerbs || kind_ == TransportKind::kShm;
+  const bool flags_byte = kind_ != TransportKind::kUcx;
   forged[forged.size() - (flags_byte ? 2 : 1)] ^= 0x41;
   auto rm = peer_conn_->import_key(forged);
   Status s = rm.status();

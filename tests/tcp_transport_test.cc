@@ -206,7 +206,7 @@ TEST(TcpTransport, TargetRefusesWrongKeyAndOutOfRangeAndKeepsServing) {
   p.ep->post({&op, 1});
   // Wrong key: the same region under a key the target never issued.
   std::string packed = p.reg->packed_key();
-  packed.back() ^= 0x5a;
+  packed[packed.size() - 2] ^= 0x5a;  // the key's last byte (a flags byte follows)
   auto wrong = p.ep->import_key(key->base, 1u << 20, packed, deadline_after(5s)).value();
   op = make_op(p, TransferOp::kRead, 0, 0, 4096, sink, 3);
   op.remote_key = wrong.get();
@@ -408,6 +408,14 @@ TEST(TcpTransport, ALeasedRegionIsReachedThroughLiveLeasesOnly) {
   EXPECT_EQ(run(*lease_b).code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(ep->revoke(*lease_b, a, deadline_after(5s)).code(), StatusCode::kInvalidArgument)
       << "a revoke names the key's own lease";
+
+  // A region registered kRemote holds no leases: none is made for it (the engine then checks
+  // the lease on its side only, and says so).
+  auto plain_reg = target->register_memory(local.region(), Access::kRemote).value();
+  const auto lbase = reinterpret_cast<std::uintptr_t>(local.data());
+  auto plain = ep->import_key(lbase, kSize, plain_reg->packed_key(), deadline_after(5s)).value();
+  const RemoteRange some{lbase, 4096};
+  EXPECT_EQ(ep->lease_key(*plain, {&some, 1}, a, deadline_after(5s)).status().code(), StatusCode::kUnsupported);
 }
 
 // The hole a timed-out put left open: bytes already in a socket reach the target after the

@@ -30,7 +30,8 @@ std::optional<std::vector<std::uint64_t>> parse_layout(std::string_view layout, 
     sums.push_back(std::stoull(std::string(item), nullptr, 16));
     rest.remove_prefix(16);
     if (!rest.empty()) {
-      if (rest[0] != ',') return std::nullopt;
+      // A comma separates two checksums; one at the end is not what object_layout() writes.
+      if (rest[0] != ',' || rest.size() == 1) return std::nullopt;
       rest.remove_prefix(1);
     }
   }

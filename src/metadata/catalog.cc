@@ -78,6 +78,12 @@ Result<ObjectScan> parse_scan(const Reply& r, std::string_view strip = {}) {
   return out;
 }
 
+// Pages a `size`-byte object spans; `size + page_size - 1` would wrap for a size near 2^64
+// (a corrupt record's) and make zero extents look right.
+std::uint64_t pages_for(std::uint64_t size, std::uint64_t page_size) {
+  return size / page_size + (size % page_size != 0 ? 1 : 0);
+}
+
 bool valid_node_id(std::string_view id) {
   if (id.empty() || id.size() > 64) return false;
   for (char c : id) {
@@ -199,6 +205,8 @@ Result<NodeStatus> Catalog::node_status(std::string_view id) {
   s.free_pages = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(4)).value_or(0)));
   s.objects = static_cast<std::uint64_t>(integer_of(r.element(5)).value_or(0));
   std::int64_t deadline = integer_of(r.element(6)).value_or(-1), now = integer_of(r.element(7)).value_or(0);
+  // Redis's clock is never negative; with both at least 0 the difference cannot overflow.
+  if (now < 0) return corrupt("unexpected reply to node_status (clock)");
   s.heartbeat_in_ms = deadline < 0 ? -1 : deadline - now;
   return s;
 }
@@ -223,7 +231,7 @@ Result<Placement> Catalog::begin_put(std::string_view token, std::string_view ke
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to begin_put");
   // page_size, extents, deadline, nodes...
   KVSTASH_ASSIGN_OR_RETURN(Placement p, parse_placement(r, 0, 1, 2, 3));
-  if (p.extents.size() != (size + p.page_size - 1) / p.page_size) {
+  if (p.extents.size() != pages_for(size, p.page_size)) {
     return corrupt("begin_put returned the wrong number of pages");
   }
   return p;
@@ -265,7 +273,7 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
   auto p = parse_placement(r, 0, 3, 6, 7);
   if (!p.is_ok()) return corrupt("object " + std::string(key) + ": " + p.status().message());
   g.placement = std::move(p).value();
-  if (g.placement.extents.size() != (g.size + g.placement.page_size - 1) / g.placement.page_size) {
+  if (g.placement.extents.size() != pages_for(g.size, g.placement.page_size)) {
     return corrupt("object " + std::string(key) + " has " + std::to_string(g.placement.extents.size()) +
                    " extents for " + std::to_string(g.size) + " bytes");
   }
@@ -318,6 +326,11 @@ Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) 
     args.push_back(k);
   }
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
+  // Callers index their chunks with it: a count past the keys asked about is a foreign reply.
+  if (r.type() != Reply::Type::kInteger || r.integer() < 0 ||
+      static_cast<std::uint64_t>(r.integer()) > keys.size()) {
+    return corrupt("unexpected reply to contains_prefix");
+  }
   return static_cast<std::size_t>(r.integer());
 }
 

@@ -275,7 +275,13 @@ struct Store::Impl {
 
   Status connect_path(const NodeLink& l, bool require_leases, Deadline deadline, NodeLink::Path& out) {
     KVSTASH_ASSIGN_OR_RETURN(out.peer, engine->connect(l.address, deadline, std::nullopt, require_leases));
-    KVSTASH_ASSIGN_OR_RETURN(out.remote, out.peer->import_key(l.key, deadline));
+    auto remote = out.peer->import_key(l.key, deadline);
+    if (remote.status().code() == StatusCode::kPermissionDenied) {
+      // Connected, but the node no longer knows the pool key Redis named a moment ago: it
+      // registered its pool again (it rejoined the cell) since.
+      return Status::stale("the node's pool changed (it rejoined the cell): " + remote.status().message());
+    }
+    KVSTASH_ASSIGN_OR_RETURN(out.remote, std::move(remote));
     return Status::ok();
   }
 
@@ -373,7 +379,15 @@ struct Store::Impl {
         auto l = path->peer->lease(
             path->remote, chunk,
             {.op = op, .ttl = ttl, .fence = static_cast<std::uint64_t>(p.lease_deadline_ms), .deadline = deadline});
-        if (!l.is_ok()) return l.status().with_context("memory node " + p.nodes[ni].id);
+        if (!l.is_ok()) {
+          // The node no longer knows the pool key this placement named: it registered its
+          // pool again (it rejoined the cell) since the placement was read.
+          Status s = l.status().code() == StatusCode::kPermissionDenied
+                         ? Status::stale("store: the node's pool changed (it rejoined the cell): " +
+                                         l.status().message())
+                         : l.status();
+          return s.with_context("memory node " + p.nodes[ni].id);
+        }
         if (op == TransferOp::kWrite && !l->revocable()) {
           // The node serves its pool without leases on this transport (verbs without memory
           // windows): a write of a failed put could land after its pages were reused.

@@ -36,18 +36,19 @@ World& world() {
   static World* w = [] {
     fuzz::quiet_logs();
     auto* w = new World;
-    w->tcp = transport::make_tcp_transport({}).value();
-    const auto dir = std::filesystem::temp_directory_path() / ("kvstash-fuzz-blobs-" + std::to_string(::getpid()));
-    w->shm = transport::make_shm_transport({.socket_dir = dir.string()}).value();
+    w->tcp = fuzz::must(transport::make_tcp_transport({}), "tcp transport");
+    const auto dir = fuzz::scratch_dir("blobs");
+    w->shm =
+        fuzz::must(transport::make_shm_transport({.socket_dir = (dir / "shm").string()}), "shm transport");
     EngineOptions o;
     o.transports = {TransportKind::kTcp};
     o.tcp.streams = 1;
     o.tcp.io_threads = 1;
-    w->target = Engine::create(o).value();
-    w->initiator = Engine::create(o).value();
-    w->buffer = Buffer::allocate(4096).value();
-    w->handle = w->target->register_memory(w->buffer.region(), Access::kRemote).value();
-    w->peer = w->initiator->connect(w->target->address()).value();
+    w->target = fuzz::must(Engine::create(o), "target engine");
+    w->initiator = fuzz::must(Engine::create(o), "initiator engine");
+    w->buffer = fuzz::must(Buffer::allocate(4096), "buffer");
+    w->handle = fuzz::must(w->target->register_memory(w->buffer.region(), Access::kRemote), "register");
+    w->peer = fuzz::must(w->initiator->connect(w->target->address()), "connect");
     return w;
   }();
   return *w;

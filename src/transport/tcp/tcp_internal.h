@@ -96,6 +96,8 @@ enum class RefusalReason : std::uint32_t {
   kBadOp,
   kLeaseRequired,  // the region is reachable through leases only
   kLeaseEnded,     // the lease was revoked or fenced, or the region deregistered meanwhile
+  kNotLeased,      // a revoke for a region that holds no leases
+  kTooManyRevoked,  // a revoke the target cannot remember: it has too many pending already
 };
 static_assert(sizeof(RequestHeader) == 48 && sizeof(ResponseHeader) == 16);
 
@@ -149,8 +151,11 @@ class Fences {
   // connection is inside a syscall under one.
   void fence(std::uint64_t through);
   // Ends lease `lease` (fence tag `fence`) on every connection; returns once no connection is
-  // inside a syscall under it. Remembered until a fence passes its tag.
-  void revoke(std::uint64_t lease, std::uint64_t fence);
+  // inside a syscall under it. Remembered until a fence passes its tag. False, having changed
+  // nothing, when kMaxRevoked leases are remembered already (the caller's put then waits for
+  // the fence instead): a client cannot grow the target's memory without bound.
+  bool revoke(std::uint64_t lease, std::uint64_t fence);
+  static constexpr std::size_t kMaxRevoked = 65536;
 
  private:
   template <typename Busy>
@@ -287,6 +292,7 @@ class Endpoint final : public transport::Endpoint {
 
 struct TcpRemoteKey final : RemoteKey {
   std::uint64_t key = 0;
+  bool leased = false;      // the region is reachable through leases only (Access::kLeased)
   std::uint64_t lease = 0;  // a lease's id and fence tag, sent with every request; 0: none
   std::uint64_t fence = 0;
 };

@@ -32,7 +32,8 @@ using net::parse_host_port;
 using asio::use_awaitable;
 
 constexpr std::uint32_t kAddressMagic = 0x3154564b;  // "KVT1"
-constexpr std::uint8_t kKeyVersion = 1;
+// 2: a flags byte follows the key (1: the region is reachable through leases only).
+constexpr std::uint8_t kKeyVersion = 2;
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 
 std::string encode_address(const HostPort& hp) {
@@ -100,7 +101,8 @@ Status client_handshake(int fd, const std::string& token, Deadline deadline) {
 
 class Registration final : public LocalRegistration {
  public:
-  Registration(std::shared_ptr<RegionTable> table, std::uint64_t key) : table_(std::move(table)), key_(key) {}
+  Registration(std::shared_ptr<RegionTable> table, std::uint64_t key, bool leased = false)
+      : table_(std::move(table)), key_(key), leased_(leased) {}
   Registration(const Registration&) = delete;
   Registration& operator=(const Registration&) = delete;
   ~Registration() override {
@@ -111,12 +113,14 @@ class Registration final : public LocalRegistration {
     wire::Writer w;
     w.u8(kKeyVersion);
     w.u64(key_);
+    w.u8(leased_ ? 1 : 0);
     return w.take();
   }
 
  private:
   std::shared_ptr<RegionTable> table_;  // null: local use only
   std::uint64_t key_;
+  bool leased_;
 };
 
 class TcpTransport final : public Transport {
@@ -163,8 +167,8 @@ class TcpTransport final : public Transport {
     std::uint64_t key =
         target_->regions.add(static_cast<std::byte*>(region.addr), region.length, access == Access::kLeased);
     // The registration keeps the whole target alive through the table it points into.
-    return std::unique_ptr<LocalRegistration>(
-        new Registration(std::shared_ptr<RegionTable>(target_, &target_->regions), key));
+    return std::unique_ptr<LocalRegistration>(new Registration(
+        std::shared_ptr<RegionTable>(target_, &target_->regions), key, access == Access::kLeased));
   }
 
   Result<std::shared_ptr<transport::Endpoint>> connect(std::string_view peer_address,
@@ -368,23 +372,26 @@ void Fences::fence(std::uint64_t through) {
   });
 }
 
-void Fences::revoke(std::uint64_t lease, std::uint64_t fence) {
+bool Fences::revoke(std::uint64_t lease, std::uint64_t fence) {
   {
     std::lock_guard lock(mu_);
     if (fence == 0 || fence > fenced_.load()) {
       // Without a fence tag the entry stays until the transport goes; such leases are the
       // engine's point-to-point users', revoked rarely.
+      if (revoked_.size() >= kMaxRevoked && revoked_.count(lease) == 0) return false;
       revoked_.emplace(lease, fence);
       revoked_count_.store(revoked_.size(), std::memory_order_seq_cst);
     }
   }
   wait_marks([&](const Mark& m) { return m.lease.load(std::memory_order_seq_cst) == lease; });
+  return true;
 }
 
 Result<std::unique_ptr<RemoteKey>> Endpoint::lease_key(const RemoteKey& region, std::span<const RemoteRange>,
                                                        const LeaseTerms& terms, Deadline) {
   // No round trip: the lease travels with every request, and the target checks it there.
   const auto& r = static_cast<const TcpRemoteKey&>(region);
+  if (!r.leased) return Status::unsupported("tcp: the region was not registered for leases");
   auto k = std::make_unique<TcpRemoteKey>();
   k->base = r.base;
   k->length = r.length;
@@ -399,11 +406,13 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std:
   wire::Reader r(packed);
   std::uint8_t version = r.u8();
   std::uint64_t key = r.u64();
-  if (!r.at_end() || version != kKeyVersion) return Status::invalid_argument("malformed tcp remote key");
+  std::uint8_t flags = r.u8();
+  if (!r.at_end() || version != kKeyVersion || flags > 1) return Status::invalid_argument("malformed tcp remote key");
   auto k = std::make_unique<TcpRemoteKey>();
   k->base = base;
   k->length = length;
   k->key = key;
+  k->leased = flags == 1;
   return std::unique_ptr<RemoteKey>(std::move(k));
 }
 

@@ -22,6 +22,11 @@ using boost::system::error_code;
 constexpr std::uint64_t kMaxDiscard = 64u << 20;
 
 Status refusal(std::uint32_t code, std::uint32_t reason) {
+  // Narrowed to StatusCode's byte, a foreign code such as 256 would read as OK: an op the
+  // target refused would complete as done, a read with its buffer never filled.
+  if (code == 0 || code > static_cast<std::uint32_t>(StatusCode::kInternal)) {
+    return Status::corrupt("tcp protocol error: unknown status " + std::to_string(code) + " from peer");
+  }
   auto c = static_cast<StatusCode>(code);
   switch (static_cast<RefusalReason>(reason)) {
     case RefusalReason::kUnknownKey: return {c, "target refused the request: unknown or revoked remote key"};
@@ -32,6 +37,9 @@ Status refusal(std::uint32_t code, std::uint32_t reason) {
       return {c, "target refused the request: the region is reachable through leases only"};
     case RefusalReason::kLeaseEnded:
       return {c, "target refused the request: its lease was revoked or fenced, or the region deregistered"};
+    case RefusalReason::kNotLeased: return {c, "target refused the revoke: the region holds no leases"};
+    case RefusalReason::kTooManyRevoked:
+      return {c, "target refused the revoke: it remembers too many revoked leases (the fence will end it)"};
     case RefusalReason::kNone: break;
   }
   return {c, "target refused the request"};
@@ -446,7 +454,14 @@ ResponseHeader check(const RequestHeader& h, const RegionTable::Region* region, 
   }
   if (region == nullptr) return refuse(StatusCode::kPermissionDenied, RefusalReason::kUnknownKey);
   if (region->leased && h.lease == 0) return refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseRequired);
-  if (h.op == kRevokeOp) return ResponseHeader{};
+  if (h.op == kRevokeOp) {
+    // A revoke names a lease. Lease 0 (none) is what every idle connection's mark holds, so
+    // Fences::revoke would wait for all of them forever, on the io thread.
+    if (h.lease == 0) return refuse(StatusCode::kInvalidArgument, RefusalReason::kBadOp);
+    // Only a leased region's requests are checked against leases: nothing to revoke elsewhere.
+    if (!region->leased) return refuse(StatusCode::kUnsupported, RefusalReason::kNotLeased);
+    return ResponseHeader{};
+  }
   const auto base = reinterpret_cast<std::uintptr_t>(region->base);
   if (h.addr < base || h.addr - base > region->length || h.length > region->length - (h.addr - base)) {
     return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutOfRange);
@@ -612,7 +627,9 @@ asio::awaitable<void> serve_requests(tcp::socket& socket, Target& target) {
     const auto ended = refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseEnded);
     if (h.op == kRevokeOp) {
       // Answered once no request under the lease can move bytes, on any connection.
-      if (ok) target.fences.revoke(h.lease, h.fence);
+      if (ok && !target.fences.revoke(h.lease, h.fence)) {
+        r = refuse(StatusCode::kNoSpace, RefusalReason::kTooManyRevoked);
+      }
       co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
     } else if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
       std::uint64_t landed = 0;
