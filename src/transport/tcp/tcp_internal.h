@@ -246,6 +246,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Moves the next queued op on the wire, with the queued ops that continue it remotely
   // (same sink, key and direction), and fills the request; false when none. Needs mu_.
   bool next_request(OutRequest& r);
+  // With the ops queued (under `lock`, on mu_): sends from this thread what the socket takes
+  // whole, and hands the rest to the writer coroutine, unless a writer is busy already.
+  void start_writing(std::unique_lock<std::mutex> lock);
   // Sends queued requests from the calling thread while the socket takes them whole.
   // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
   bool send_inline();

@@ -72,15 +72,7 @@ void Stream::enqueue(std::span<const Op> ops) {
     return;
   }
   for (const Op& op : ops) queued_.push_back({op});
-  if (writing_) return;
-  writing_ = true;
-  // Send from this thread while the socket takes requests whole: no hop to an io thread.
-  if (send_inline()) {
-    writing_ = false;
-    return;
-  }
-  lock.unlock();
-  asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
+  start_writing(std::move(lock));
 }
 
 void Stream::enqueue_revoke(const Op& op) {
@@ -92,8 +84,13 @@ void Stream::enqueue_revoke(const Op& op) {
     return;
   }
   queued_.push_back({op, /*group=*/1, /*revoke=*/true});
+  start_writing(std::move(lock));
+}
+
+void Stream::start_writing(std::unique_lock<std::mutex> lock) {
   if (writing_) return;
   writing_ = true;
+  // Send from this thread while the socket takes requests whole: no hop to an io thread.
   if (send_inline()) {
     writing_ = false;
     return;
