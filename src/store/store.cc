@@ -261,7 +261,12 @@ struct Store::Impl {
     Status made = connect_path(*l, false, deadline, main);
     if (made.is_ok() && !main.peer->leases()) {
       Status second = connect_path(*l, true, deadline, fenced);
-      if (!second.is_ok()) KVSTASH_LOG_INFO("memory node {}: puts cannot reach it: {}", n.id, second.to_string());
+      if (second.code() == StatusCode::kUnsupported) {
+        // No transport in common that holds leases: reads only (path() says why to puts).
+        KVSTASH_LOG_INFO("memory node {}: puts cannot reach it: {}", n.id, second.to_string());
+      } else if (!second.is_ok()) {
+        made = second;  // a passing failure: the next operation connects both again
+      }
     }
     std::lock_guard lock(l->mu);
     l->connecting = false;
@@ -273,15 +278,18 @@ struct Store::Impl {
     return l;
   }
 
+  // Connects to the node and imports its pool key into `out`; on an error `out` stays empty.
   Status connect_path(const NodeLink& l, bool require_leases, Deadline deadline, NodeLink::Path& out) {
-    KVSTASH_ASSIGN_OR_RETURN(out.peer, engine->connect(l.address, deadline, std::nullopt, require_leases));
-    auto remote = out.peer->import_key(l.key, deadline);
+    KVSTASH_ASSIGN_OR_RETURN(auto peer, engine->connect(l.address, deadline, std::nullopt, require_leases));
+    auto remote = peer->import_key(l.key, deadline);
     if (remote.status().code() == StatusCode::kPermissionDenied) {
       // Connected, but the node no longer knows the pool key Redis named a moment ago: it
       // registered its pool again (it rejoined the cell) since.
       return Status::stale("the node's pool changed (it rejoined the cell): " + remote.status().message());
     }
-    KVSTASH_ASSIGN_OR_RETURN(out.remote, std::move(remote));
+    KVSTASH_RETURN_IF_ERROR(remote.status());
+    out.peer = std::move(peer);
+    out.remote = std::move(remote).value();
     return Status::ok();
   }
 
