@@ -287,6 +287,26 @@ TEST_F(CatalogTest, EvictionOnlyCountsPagesOnNodesThatTakeAllocations) {
   for (const Extent& e : p->extents) EXPECT_NE(e.node, x_node);
 }
 
+// A put short of room looks at a bounded part of the LRU for objects to evict (what it needs
+// plus 256 entries), never the whole cell: behind 300 leased objects it finds no room and says
+// so, instead of holding Redis while it walks a million.
+TEST_F(CatalogTest, EvictionWalksABoundedPartOfTheLru) {
+  ASSERT_TRUE(add_node("a", 301).is_ok());
+  for (int i = 0; i < 301; ++i) put("o" + std::to_string(i), 1);
+  for (int i = 0; i < 300; ++i) ASSERT_TRUE(cat_->begin_get("o" + std::to_string(i), "r", 30s).is_ok());
+  ASSERT_TRUE(cat_->touch("o300", 0ms).is_ok());
+  // o300, the only unleased object, stands 301st in the LRU: past the walk's bound.
+  EXPECT_EQ(cat_->begin_put("t", "new", kPage, 30s).status().code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(cat_->stat("o300").is_ok());
+  // Read 100 of the leased ones again (to the LRU's tail, with leases that end at once): o300
+  // now stands within the bound, and the same put evicts it.
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(cat_->begin_get("o" + std::to_string(i), "r", 1ms).is_ok());
+  std::this_thread::sleep_for(50ms);
+  auto p = cat_->begin_put("t2", "new", kPage, 30s);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(get_code("o300"), StatusCode::kNotFound);
+}
+
 TEST_F(CatalogTest, ADeadNodesObjectsVanishAndItMustRegisterAgain) {
   ASSERT_TRUE(add_node("a", 4, 200ms).is_ok());
   ASSERT_TRUE(add_node("b", 4).is_ok());
