@@ -305,7 +305,9 @@ TEST_P(P2P, LeasesEndAtThePeerWithAFenceOrARevoke) {
   // A lease the peer has fenced already is not granted again (verbs asks the peer; tcp and
   // shm find out at the first request).
   auto late = peer_conn_->lease(*region, ranges, {.op = TransferOp::kWrite, .ttl = 30s, .fence = 900});
-  if (late.is_ok()) EXPECT_EQ(write_through(*late, 0).code(), StatusCode::kPermissionDenied);
+  if (late.is_ok()) {
+    EXPECT_EQ(write_through(*late, 0).code(), StatusCode::kPermissionDenied);
+  }
 }
 
 TEST_P(P2P, LeaseGrantsItsRangesForItsOpOnly) {
