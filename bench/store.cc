@@ -814,7 +814,8 @@ int run_store(const StoreBenchOptions& options) {
            "redis-bytes' for the same op. p50/p99: latency of one session's put or get; meta: the part\n"
            "spent in Redis (metadata), redis/op: Redis round trips per op. redis-bytes is the tutorial's\n"
            "approach, HSET/HGET of the bytes through Redis itself; kvstash moves them one-sided and keeps\n"
-           "only metadata in Redis.\n";
+           "only metadata in Redis. kvstash-ucx's puts travel over the best transport the memory node can\n"
+           "fence (shm on one host): UCX holds no leases at the node, so the store never writes over it.\n";
   }
   if (failures != 0) std::cerr << "kvstash-bench: " << failures << " backend(s) failed\n";
   return failures == 0 ? 0 : 1;
