@@ -154,20 +154,21 @@ Result<AddrInfo> lookup(const std::string& host, const std::string& port, int fl
   return AddrInfo(std::exchange(q->res, nullptr), freeaddrinfo);
 }
 
-}  // namespace
-
-Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadline) {
-  // Numeric addresses need no name server: answered here, without a thread.
+// `host`'s addresses for `port`. A numeric host needs no name server: answered here, without
+// a thread; a name goes through lookup(), within the deadline.
+Result<AddrInfo> addresses(const std::string& host, const std::string& port, Deadline deadline) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
   addrinfo* res = nullptr;
-  AddrInfo found(nullptr, freeaddrinfo);
-  if (getaddrinfo(host.c_str(), "0", &hints, &res) == 0) {
-    found.reset(res);
-  } else {
-    KVSTASH_ASSIGN_OR_RETURN(found, lookup(host, "0", AI_NUMERICSERV, deadline));
-  }
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) == 0) return AddrInfo(res, freeaddrinfo);
+  return lookup(host, port, AI_NUMERICSERV, deadline);
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadline) {
+  KVSTASH_ASSIGN_OR_RETURN(AddrInfo found, addresses(host, "0", deadline));
   std::vector<std::string> out;
   for (addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
     char text[INET6_ADDRSTRLEN] = {};
@@ -183,17 +184,8 @@ Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadl
 }
 
 Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline) {
-  std::string port = std::to_string(hp.port);
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
-  addrinfo* numeric = nullptr;
-  AddrInfo found(nullptr, freeaddrinfo);
-  if (getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &numeric) == 0) {
-    found.reset(numeric);
-  } else {
-    KVSTASH_ASSIGN_OR_RETURN(found, lookup(hp.host, port, AI_NUMERICSERV, deadline));
-  }
+  const std::string port = std::to_string(hp.port);
+  KVSTASH_ASSIGN_OR_RETURN(AddrInfo found, addresses(hp.host, port, deadline));
   Status last = Status::unavailable("no address for '" + hp.host + "'");
   for (addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
     Fd s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));

@@ -239,14 +239,9 @@ Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
     std::uint64_t length, Deadline deadline) {
   {
     std::unique_lock lock(mu);
-    for (;;) {
-      if (generation == gen && key) return key;
-      if (!busy) break;
-      if (changed.wait_until(lock, deadline) == std::cv_status::timeout) {
-        return Status::timeout("remote key: another caller's import or lease did not finish before the deadline");
-      }
-    }
-    busy = true;
+    KVSTASH_ASSIGN_OR_RETURN(bool ready, making.take(lock, deadline, [&] { return generation == gen && key; },
+                                                     "remote key: import or lease"));
+    if (ready) return key;
   }
   // The peer is asked without the lock held, so a caller with a shorter deadline is never
   // stuck behind this one.
@@ -282,8 +277,7 @@ Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
     }
   }
   std::lock_guard lock(mu);
-  busy = false;
-  changed.notify_all();
+  making.end();
   if (!failed.is_ok()) return failed;
   key = std::move(made);
   revocable = made_revocable;
@@ -303,21 +297,15 @@ bool Peer::leases() const { return state_->caps.leases; }
 Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(
     Deadline deadline) {
   std::unique_lock lock(mu);
-  for (;;) {
-    if (endpoint && endpoint->healthy()) return std::make_pair(endpoint, generation);
-    if (!connecting) break;
-    if (changed.wait_until(lock, deadline) == std::cv_status::timeout) {
-      return Status::timeout("peer: another caller's reconnect did not finish before the deadline");
-    }
-  }
-  connecting = true;
+  KVSTASH_ASSIGN_OR_RETURN(bool ready, connecting.take(lock, deadline, [&] { return endpoint && endpoint->healthy(); },
+                                                       "peer: reconnect"));
+  if (ready) return std::make_pair(endpoint, generation);
   endpoint.reset();
   lock.unlock();
   // Connecting without the lock: a caller with a shorter deadline waits only up to its own.
   auto ep = transport->connect(peer_address, std::min(deadline, deadline_after(control_timeout)));
   lock.lock();
-  connecting = false;
-  changed.notify_all();
+  connecting.end();
   if (!ep.is_ok()) return ep.status();
   endpoint = std::move(ep).value();
   ++generation;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/turn.h"
 #include "kvstash/engine.h"
 #include "transport/transport.h"
 
@@ -24,11 +25,10 @@ struct Peer::State {
   std::string peer_address;  // the chosen transport's part of the peer's blob
   std::chrono::milliseconds control_timeout{};
 
-  // Guards the fields below. Never held across network I/O: a caller that finds another one
-  // connecting waits on `changed` up to its own deadline.
+  // Guards the fields below. Never held across network I/O: a reconnect is one caller's
+  // turn, and the others wait for it up to their own deadlines.
   std::mutex mu;
-  std::condition_variable changed;
-  bool connecting = false;
+  Turn connecting;
   std::shared_ptr<transport::Endpoint> endpoint;  // replaced after the connection broke
   std::uint64_t generation = 0;                   // bumps with every new endpoint
 
@@ -52,10 +52,9 @@ struct RemoteMemory::State {
   std::optional<Lease> lease;
 
   // Guards the fields below. Never held across network I/O (importing or leasing asks the
-  // peer): a caller that finds another one busy waits on `changed` up to its own deadline.
+  // peer): that is one caller's turn, and the others wait for it up to their own deadlines.
   std::mutex mu;
-  std::condition_variable changed;
-  bool busy = false;
+  Turn making;
   bool revocable = false;            // the current key is the peer's lease
   std::uint64_t generation = ~0ull;  // endpoint generation `key` was imported through
   std::shared_ptr<transport::RemoteKey> key;

@@ -97,6 +97,14 @@ local function free_extents(list)
   return n
 end
 
+-- Ends pending put `token`: its record goes, and the pages of `extents` (the put's, or what is
+-- left of them) return to the pool.
+local function drop_put(token, extents)
+  free_extents(extents)
+  redis.call('DEL', P .. ':put:' .. token)
+  redis.call('ZREM', P .. ':pending', token)
+end
+
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
 -- the last read lease on them ends. Returns the pages freed now.
 local function release(key)
@@ -634,18 +642,14 @@ for id in string.gmatch(p[3] or '', '[^ ]+') do
   if not live(id) then gone = true end
 end
 if gone then
-  free_extents(p[2])
-  redis.call('DEL', pk)
-  redis.call('ZREM', P .. ':pending', token)
+  drop_put(token, p[2])
   return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
 end
 local cond = ARGV[6] or ''
 if cond ~= '' then
   local cur = redis.call('HGET', ok, 'token')
   if (cond == '!' and cur) or (cond ~= '!' and '=' .. (cur or '') ~= cond) then
-    free_extents(p[2])
-    redis.call('DEL', pk)
-    redis.call('ZREM', P .. ':pending', token)
+    drop_put(token, p[2])
     return redis.error_reply('STALE ' .. key .. ' changed since the version this put was based on')
   end
 end
@@ -691,11 +695,10 @@ for id, page, gen in string.gmatch(p[1], '([^,;]+),(%d+),(%d+)') do
     end
   end
 end
-free_extents(table.concat(free, ';'))
 if #keep == 0 then
-  redis.call('DEL', pk)
-  redis.call('ZREM', P .. ':pending', tok)
+  drop_put(tok, p[1])
 else
+  free_extents(table.concat(free, ';'))
   redis.call('HSET', pk, 'extents', table.concat(keep, ';'), 'nodes', table.concat(kept_nodes, ' '), 'aborted', now)
 end
 return #keep
@@ -838,9 +841,7 @@ for i = 1, #puts, 2 do
     if live(id) and fenced[id] < deadline then ready = false end
   end
   if ready then
-    free_extents(p[1])
-    redis.call('DEL', pk)
-    redis.call('ZREM', P .. ':pending', tok)
+    drop_put(tok, p[1])
     freed = freed + 1
   else
     waiting = waiting + 1

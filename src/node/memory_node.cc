@@ -129,7 +129,7 @@ Status MemoryNode::join() {
   metadata::NodeRecord rec{
       id_, s.epoch, options_.page_size, page_count_, engine_->address(), handle_.remote_key()};
   KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
-  sample_redis_clock(now, Clock::now());
+  redis_clock_ = std::make_pair(now, Clock::now());
   ++s.registrations;
   s.free_pages = page_count_;
   s.objects = 0;
@@ -148,10 +148,6 @@ Status MemoryNode::rejoin() {
   if (!handle.is_ok()) return handle.status().with_context("registering the pool again");
   handle_ = std::move(handle).value();
   return join();
-}
-
-void MemoryNode::sample_redis_clock(std::int64_t redis_ms, Clock::time_point at) {
-  redis_clock_ = std::make_pair(redis_ms, at);
 }
 
 std::int64_t MemoryNode::fence() {
@@ -185,7 +181,7 @@ void MemoryNode::loop() {
     auto beat_reply = s.catalog->heartbeat(id_, s.epoch, options_.heartbeat_ttl, fenced);
     Status st = beat_reply.status();
     if (st.is_ok()) {
-      sample_redis_clock(*beat_reply, Clock::now());
+      redis_clock_ = std::make_pair(*beat_reply, Clock::now());
       fenced_reported_ = fenced;
     }
     if (st.code() == StatusCode::kStale && s.state != "gone") {

@@ -92,7 +92,6 @@ class MemoryNode {
   // report: the largest one made at least kCopyGrace ago (peers' shm copies that began
   // before it have ended).
   std::int64_t fence();
-  void sample_redis_clock(std::int64_t redis_ms, Clock::time_point at);
 
   struct Shared;  // Redis state, touched by the loop and drain
   MemoryNodeOptions options_;
@@ -105,7 +104,8 @@ class MemoryNode {
   std::unique_ptr<Shared> shared_;
   std::thread thread_;
   Clock::time_point started_ = Clock::now();
-  // The loop's view of Redis's clock: a reading, and when it arrived here.
+  // The loop's view of Redis's clock: a reading (from register_node or heartbeat), and when it
+  // arrived here.
   std::optional<std::pair<std::int64_t, Clock::time_point>> redis_clock_;
   std::vector<std::pair<std::int64_t, Clock::time_point>> fences_made_;  // not yet reportable
   std::int64_t fenced_ready_ = 0;                                         // reportable now

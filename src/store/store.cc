@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/system.h"
 #include "common/thread_pool.h"
+#include "common/turn.h"
 #include "metadata/catalog.h"
 
 namespace kvstash {
@@ -116,11 +117,11 @@ struct NodeLink {
   std::string id;
   std::string address;
   std::string key;
-  // Guards the fields below; never held while connecting, so a caller that finds another
-  // one connecting waits only up to its own deadline. Once connected they do not change.
+  // Guards the fields below; never held while connecting: connecting is one caller's turn,
+  // and the others wait for it only up to their own deadlines. Once connected they do not
+  // change.
   std::mutex mu;
-  std::condition_variable changed;
-  bool connecting = false;
+  Turn connecting;
   bool connected = false;
   // The best transport to the node; and for writes, when that one cannot be fenced at the
   // node (UCX), the best one that can: a put's writes must be stoppable at the node.
@@ -247,14 +248,9 @@ struct Store::Impl {
     }
     {
       std::unique_lock lock(l->mu);
-      for (;;) {
-        if (l->connected) return l;
-        if (!l->connecting) break;
-        if (l->changed.wait_until(lock, deadline) == std::cv_status::timeout) {
-          return Status::timeout("memory node " + n.id + ": another caller's connect did not finish in time");
-        }
-      }
-      l->connecting = true;
+      auto ready = l->connecting.take(lock, deadline, [&] { return l->connected; }, "connect");
+      if (!ready.is_ok()) return ready.status().with_context("memory node " + n.id);
+      if (*ready) return l;
     }
     // Connecting without the lock: a caller with a shorter deadline is never held behind it.
     NodeLink::Path main, fenced;
@@ -269,8 +265,7 @@ struct Store::Impl {
       }
     }
     std::lock_guard lock(l->mu);
-    l->connecting = false;
-    l->changed.notify_all();
+    l->connecting.end();
     if (!made.is_ok()) return made.with_context("memory node " + n.id);
     l->main = std::move(main);
     l->fenced_writes = std::move(fenced);
@@ -278,16 +273,19 @@ struct Store::Impl {
     return l;
   }
 
+  // A node that refuses, once connected, the pool key Redis named (importing it, leasing
+  // under it) no longer knows it: it registered its pool again (it rejoined the cell) since the
+  // key was read. For the caller the object changed under it.
+  static Status pool_changed_is_stale(const Status& s) {
+    if (s.code() != StatusCode::kPermissionDenied) return s;
+    return Status::stale("store: the node's pool changed (it rejoined the cell): " + s.message());
+  }
+
   // Connects to the node and imports its pool key into `out`; on an error `out` stays empty.
   Status connect_path(const NodeLink& l, bool require_leases, Deadline deadline, NodeLink::Path& out) {
     KVSTASH_ASSIGN_OR_RETURN(auto peer, engine->connect(l.address, deadline, std::nullopt, require_leases));
     auto remote = peer->import_key(l.key, deadline);
-    if (remote.status().code() == StatusCode::kPermissionDenied) {
-      // Connected, but the node no longer knows the pool key Redis named a moment ago: it
-      // registered its pool again (it rejoined the cell) since.
-      return Status::stale("the node's pool changed (it rejoined the cell): " + remote.status().message());
-    }
-    KVSTASH_RETURN_IF_ERROR(remote.status());
+    KVSTASH_RETURN_IF_ERROR(pool_changed_is_stale(remote.status()));
     out.peer = std::move(peer);
     out.remote = std::move(remote).value();
     return Status::ok();
@@ -356,8 +354,8 @@ struct Store::Impl {
   // longer write into them. verbs binds windows over exactly these pages; elsewhere the node
   // checks the lease and the engine the ranges.
   static Status lease_pages(const Placement& p, const std::vector<std::shared_ptr<NodeLink>>& links,
-                            TransferOp op, Clock::time_point until, Deadline deadline,
-                            std::vector<RemoteMemory>& leases,
+                            const std::vector<const NodeLink::Path*>& paths, TransferOp op,
+                            Clock::time_point until, Deadline deadline, std::vector<RemoteMemory>& leases,
                             std::vector<std::shared_ptr<NodeLink>>& lease_links, std::vector<NodeLeases>& by_node) {
     // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
     // generations decide whether its bytes are the object's (a revocable key keeps a reader
@@ -366,7 +364,7 @@ struct Store::Impl {
                               std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
     by_node.assign(p.nodes.size(), {});
     for (std::size_t ni = 0; ni < p.nodes.size(); ++ni) {
-      KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, links[ni]->path(op));
+      const NodeLink::Path* path = paths[ni];
       std::vector<std::uint64_t> pages;
       for (const auto& e : p.extents) {
         if (e.node == p.nodes[ni].id) pages.push_back(e.page);
@@ -387,15 +385,7 @@ struct Store::Impl {
         auto l = path->peer->lease(
             path->remote, chunk,
             {.op = op, .ttl = ttl, .fence = static_cast<std::uint64_t>(p.lease_deadline_ms), .deadline = deadline});
-        if (!l.is_ok()) {
-          // The node no longer knows the pool key this placement named: it registered its
-          // pool again (it rejoined the cell) since the placement was read.
-          Status s = l.status().code() == StatusCode::kPermissionDenied
-                         ? Status::stale("store: the node's pool changed (it rejoined the cell): " +
-                                         l.status().message())
-                         : l.status();
-          return s.with_context("memory node " + p.nodes[ni].id);
-        }
+        if (!l.is_ok()) return pool_changed_is_stale(l.status()).with_context("memory node " + p.nodes[ni].id);
         if (op == TransferOp::kWrite && !l->revocable()) {
           // The node serves its pool without leases on this transport (verbs without memory
           // windows): a write of a failed put could land after its pages were reused.
@@ -415,6 +405,7 @@ struct Store::Impl {
   // outlive the batches: destroying one revokes it.
   struct Leased {
     std::vector<std::shared_ptr<NodeLink>> links;
+    std::vector<const NodeLink::Path*> paths;  // how the operation reaches each link's pool
     std::vector<RemoteMemory> leases;
     std::vector<std::shared_ptr<NodeLink>> lease_links;  // parallel to leases
     std::vector<NodeLeases> by_node;
@@ -425,9 +416,12 @@ struct Store::Impl {
     Leased l;
     for (const auto& n : p.nodes) {
       KVSTASH_ASSIGN_OR_RETURN(auto link_to, link(n, deadline));
+      KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, link_to->path(op));
       l.links.push_back(std::move(link_to));
+      l.paths.push_back(path);
     }
-    KVSTASH_RETURN_IF_ERROR(lease_pages(p, l.links, op, lease_until, deadline, l.leases, l.lease_links, l.by_node));
+    KVSTASH_RETURN_IF_ERROR(
+        lease_pages(p, l.links, l.paths, op, lease_until, deadline, l.leases, l.lease_links, l.by_node));
     return l;
   }
 
@@ -473,11 +467,7 @@ struct Store::Impl {
       handles.push_back(&temp.back());
     }
 
-    std::vector<const NodeLink::Path*> paths;
-    for (const auto& l : leased.links) {
-      KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, l->path(op));
-      paths.push_back(path);
-    }
+    const auto& paths = leased.paths;
     auto node_index = [&](const std::string& id) {
       for (std::size_t i = 0; i < p.nodes.size(); ++i) {
         if (p.nodes[i].id == id) return i;

@@ -137,22 +137,8 @@ bool takes(std::string_view m, std::uint64_t id, std::uint8_t type) {
 }
 
 void send_reply(int fd, const Reply& reply, const World& w) {
-  iovec iov{const_cast<char*>(reply.bytes.data()), reply.bytes.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  const int attach = fd_of(w, reply.fd_kind);
-  if (attach >= 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &attach, sizeof(int));
-  }
-  (void)::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  // Without waiting (a deadline already passed): a client that stopped reading loses it.
+  (void)shm::send_message(fd, reply.bytes, fd_of(w, reply.fd_kind), Clock::now());
 }
 
 // The fake peer: one connection, one batch of replies per request, hung up as soon as the

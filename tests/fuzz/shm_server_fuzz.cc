@@ -92,27 +92,6 @@ int connect_server(const std::string& path) {
   return fd;
 }
 
-bool send_message(int fd, std::string_view bytes, int attach) {
-  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  if (attach >= 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &attach, sizeof(int));
-  }
-  ssize_t n;
-  while ((n = ::sendmsg(fd, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
-  }
-  return n >= 0;
-}
-
 // Waits for the server's answer to one message: a reply (its descriptors closed) or the
 // connection's end. False when it hung up.
 bool answered(int fd) {
@@ -186,7 +165,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         std::memcpy(msg.data() + kSlotAt + 4, &w.keys[which].key, 8);
       }
     }
-    if (!send_message(fd, msg, (flags & 1) != 0 ? w.devnull : -1)) break;
+    if (!shm::send_message(fd, msg, (flags & 1) != 0 ? w.devnull : -1, deadline_after(std::chrono::seconds(5))).is_ok()) {
+      break;
+    }
     if (!answered(fd)) break;
   }
   ::close(fd);

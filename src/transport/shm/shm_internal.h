@@ -73,6 +73,11 @@ struct PackedKey {
 std::string encode_key(const PackedKey& key);
 Result<PackedKey> decode_key(std::string_view bytes);
 
+// Sends one message on a SOCK_SEQPACKET socket, with `fd_to_send` attached (SCM_RIGHTS) when
+// >= 0. Never blocks past the deadline; a deadline already passed still lets a send that needs
+// no waiting go through. kUnavailable once the peer closed the connection.
+Status send_message(int sock, std::string_view bytes, int fd_to_send, Deadline deadline);
+
 // ---- RAII for OS handles -------------------------------------------------------------------
 
 class UniqueFd {

@@ -186,8 +186,8 @@ Status wait_fd(int fd, short events, Deadline deadline, std::string_view what) {
   }
 }
 
-// Sends one message, with `fd_to_send` attached when >= 0. Never blocks past the deadline;
-// a deadline already passed still lets a send that needs no waiting go through.
+}  // namespace
+
 Status send_message(int sock, std::string_view bytes, int fd_to_send, Deadline deadline) {
   for (;;) {
     iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
@@ -217,6 +217,8 @@ Status send_message(int sock, std::string_view bytes, int fd_to_send, Deadline d
     return Status::from_errno("shm sendmsg", errno);
   }
 }
+
+namespace {
 
 // Receives one message and at most one descriptor (extra ones are closed at once, so a
 // misbehaving peer cannot make us leak descriptors). With `wait` false, returns kTimeout
