@@ -121,7 +121,8 @@ int run_metadata(const MetadataBenchOptions& o) {
     std::cerr << "\nmetadata: filling the cell failed\n";
     return 1;
   }
-  std::cout << " " << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - fill_start).count() << " s\n";
+  std::cout << " " << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - fill_start).count()
+            << " s\n";
 
   ServerClock clock(**admin);
   std::vector<Sample> samples;
@@ -194,18 +195,21 @@ int run_metadata(const MetadataBenchOptions& o) {
   });
 
   nlohmann::json rows = nlohmann::json::array();
-  std::cout << "\n" << std::left << std::setw(58) << "script (server time per run)" << std::right << std::setw(10)
+  std::cout << "\n"
+            << std::left << std::setw(58) << "script (server time per run)" << std::right << std::setw(10)
             << "p50 us" << std::setw(10) << "p99 us" << std::setw(10) << "max us" << std::setw(8) << "runs"
             << "\n";
   for (const auto& s : samples) {
     const double p50 = percentile(s.us, 0.5), p99 = percentile(s.us, 0.99),
                  max = s.us.empty() ? 0 : *std::max_element(s.us.begin(), s.us.end());
     std::cout << std::left << std::setw(58) << s.what << std::right << std::fixed << std::setprecision(0)
-              << std::setw(10) << p50 << std::setw(10) << p99 << std::setw(10) << max << std::setw(8) << s.us.size()
-              << "\n";
-    rows.push_back({{"script", s.what}, {"p50_us", p50}, {"p99_us", p99}, {"max_us", max}, {"runs", s.us.size()}});
+              << std::setw(10) << p50 << std::setw(10) << p99 << std::setw(10) << max << std::setw(8)
+              << s.us.size() << "\n";
+    rows.push_back(
+        {{"script", s.what}, {"p50_us", p50}, {"p99_us", p99}, {"max_us", max}, {"runs", s.us.size()}});
   }
-  std::cout << "(cell of " << o.objects << " objects; the dead node's were swept in " << sweeps << " reclaims)\n";
+  std::cout << "(cell of " << o.objects << " objects; the dead node's were swept in " << sweeps
+            << " reclaims)\n";
   if (o.json) std::cout << nlohmann::json{{"objects", o.objects}, {"rows", rows}}.dump() << "\n";
   return 0;
 }

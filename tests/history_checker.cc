@@ -135,8 +135,8 @@ Decoded decode(std::string_view key, std::span<const std::byte> bytes, std::vect
     if (n >= 32) {
       std::memcpy(h, bytes.data() + off, sizeof h);
       if (h[0] == kMagic) {
-        m << " holds put " << h[2] << " of " << (h[1] == key_hash(key) ? "this key" : "another key") << " at offset "
-          << h[3];
+        m << " holds put " << h[2] << " of " << (h[1] == key_hash(key) ? "this key" : "another key")
+          << " at offset " << h[3];
       } else {
         m << " holds no header";
       }
@@ -207,8 +207,11 @@ int code_of(const Status& s) {
 
 void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, Deadline stop) {
   std::mt19937_64 rng(c.seed * 1000003 + static_cast<std::uint64_t>(thread));
-  auto uniform = [&](std::uint64_t lo, std::uint64_t hi) { return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng); };
-  std::uint64_t next_put = (static_cast<std::uint64_t>(c.id) << 40) | (static_cast<std::uint64_t>(thread) << 32);
+  auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
+    return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
+  };
+  std::uint64_t next_put =
+      (static_cast<std::uint64_t>(c.id) << 40) | (static_cast<std::uint64_t>(thread) << 32);
   std::vector<std::byte> data(4u << 20), got(4u << 20), scratch;
   // Sizes from a KiB to a few pages (pages are 1 MiB), so objects span pages and nodes.
   auto random_size = [&] {
@@ -234,8 +237,8 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       const std::int64_t t0 = now_ns();
       Status st = store.put(key, {&s, 1}, o);
       const std::int64_t t1 = now_ns();
-      std::snprintf(buf, sizeof buf, "P %s %" PRIu64 " %zu %" PRId64 " %" PRId64 " %d %lld", key.c_str(), id, size, t0,
-                    t1, code_of(st), static_cast<long long>(budget.count()));
+      std::snprintf(buf, sizeof buf, "P %s %" PRIu64 " %zu %" PRId64 " %" PRId64 " %d %lld", key.c_str(), id,
+                    size, t0, t1, code_of(st), static_cast<long long>(budget.count()));
       log.line(buf);
     } else if (dice < 40) {  // a put stream dropped half-way: it never commits
       const std::uint64_t id = ++next_put;
@@ -251,7 +254,8 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
         }
       }  // dropped: aborted
       const std::int64_t t1 = now_ns();
-      std::snprintf(buf, sizeof buf, "A %s %" PRIu64 " %zu %" PRId64 " %" PRId64, key.c_str(), id, size, t0, t1);
+      std::snprintf(buf, sizeof buf, "A %s %" PRIu64 " %zu %" PRId64 " %" PRId64, key.c_str(), id, size, t0,
+                    t1);
       log.line(buf);
     } else if (dice < 80) {  // get, checksum off, some cancelled from another thread
       GetOptions o;
@@ -273,8 +277,8 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       if (canceller.valid()) canceller.wait();
       if (r.is_ok()) {
         Decoded d = decode(key, {got.data(), r->size}, scratch);
-        std::snprintf(buf, sizeof buf, "G %s %" PRId64 " %" PRId64 " 0 %lld %" PRIu64 " %lld %s", key.c_str(), t0, t1,
-                      static_cast<long long>(budget.count()), r->size,
+        std::snprintf(buf, sizeof buf, "G %s %" PRId64 " %" PRId64 " 0 %lld %" PRIu64 " %lld %s", key.c_str(),
+                      t0, t1, static_cast<long long>(budget.count()), r->size,
                       d.whole || d.problem.rfind("torn", 0) == 0 ? static_cast<long long>(d.put_id) : -1LL,
                       d.whole ? "-" : d.problem.c_str());
       } else {
@@ -444,7 +448,8 @@ void check(const std::vector<std::string>& logs, Report& report) {
   for (const Get& g : gets) {
     ++report.gets_checked;
     auto fail = [&](const std::string& why) {
-      if (report.wrong.size() < 200) report.wrong.push_back("get of " + g.key + " (" + g.client + "): " + why);
+      if (report.wrong.size() < 200)
+        report.wrong.push_back("get of " + g.key + " (" + g.client + "): " + why);
     };
     if (!g.problem.empty()) {
       fail(g.problem);
@@ -531,9 +536,9 @@ int run(const RunConfig& rc, const std::string& self) {
     const std::string log = rc.dir + "/client-" + std::to_string(i) + "-" + rc.transports[i] + ".log";
     logs.push_back(log);
     auto child = tools::ChildProcess::start(
-        {.argv = {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id", std::to_string(i + 1),
-                  "--threads", std::to_string(rc.threads), "--seconds", std::to_string(rc.seconds), "--seed",
-                  std::to_string(rc.seed + i + 1), "--log", log},
+        {.argv = {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id",
+                  std::to_string(i + 1), "--threads", std::to_string(rc.threads), "--seconds",
+                  std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log},
          .capture_stdout = false});
     if (!child.is_ok()) {
       std::cerr << "history: client: " << child.status().to_string() << "\n";
@@ -545,7 +550,9 @@ int run(const RunConfig& rc, const std::string& self) {
   // The nemesis, on this thread (children die with the thread that started them).
   const auto end = Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(rc.seconds * 1000));
   auto pick = [&](int n) { return static_cast<int>(std::uniform_int_distribution<int>(0, n - 1)(rng)); };
-  auto ms = [&](int lo, int hi) { return std::chrono::milliseconds(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  auto ms = [&](int lo, int hi) {
+    return std::chrono::milliseconds(std::uniform_int_distribution<int>(lo, hi)(rng));
+  };
   auto last_redis_restart = Clock::now();
   while (rc.nemesis && Clock::now() + 5s < end) {
     std::this_thread::sleep_for(ms(500, 2500));
@@ -585,7 +592,8 @@ int run(const RunConfig& rc, const std::string& self) {
       clients[i].kill();
       report.failures.push_back("client " + rc.transports[i] + " hung past the run's end (killed)");
     } else if (*status != 0) {
-      report.failures.push_back("client " + rc.transports[i] + " exited with status " + std::to_string(*status));
+      report.failures.push_back("client " + rc.transports[i] + " exited with status " +
+                                std::to_string(*status));
     }
   }
   nodes.clear();
@@ -630,7 +638,8 @@ int run(const RunConfig& rc, const std::string& self) {
 
 int main(int argc, char** argv) {
   using namespace kvstash::history;
-  CLI::App app{"kvstash-history: a history checker for the store's first promise (see the file's opening comment)"};
+  CLI::App app{
+      "kvstash-history: a history checker for the store's first promise (see the file's opening comment)"};
   bool client = false;
   ClientConfig cc;
   RunConfig rc;
@@ -647,8 +656,10 @@ int main(int argc, char** argv) {
   app.add_option("--minutes", minutes, "How long the run lasts, in minutes (overrides --seconds)");
   app.add_option("--seed", rc.seed, "Seed of the nemesis and the clients (default: random)");
   app.add_option("--nodes", rc.nodes, "Memory nodes")->capture_default_str();
-  app.add_option("--capacity", rc.capacity, "Pool of each node (small: eviction is routine)")->capture_default_str();
-  app.add_option("--transports", transports, "One client process per transport listed")->capture_default_str();
+  app.add_option("--capacity", rc.capacity, "Pool of each node (small: eviction is routine)")
+      ->capture_default_str();
+  app.add_option("--transports", transports, "One client process per transport listed")
+      ->capture_default_str();
   app.add_option("--json", rc.json_path, "Write the report as JSON here");
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
   app.add_flag("--keep-logs", keep_logs, "Keep the clients' histories even when the run is clean");

@@ -42,7 +42,8 @@ class StoreTest : public ::testing::Test {
   }
 
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
-                                  std::vector<std::string> extra = {}, const std::string& heartbeat_ttl = "1s") {
+                                  std::vector<std::string> extra = {},
+                                  const std::string& heartbeat_ttl = "1s") {
     std::vector<std::string> args{
         "--heartbeat-ttl", heartbeat_ttl, "--reclaim-interval", "100ms", "--ucx-allow-emulated-rma",
         "--huge-pages",    "off"};
@@ -680,7 +681,7 @@ TEST_F(StoreTest, ANodeThatRejoinsFencesThePutsOfItsEarlierLife) {
   const std::string epoch = catalog_->node_status("n1")->epoch;
 
   ASSERT_EQ(::kill(n->pid(), SIGSTOP), 0);
-  std::this_thread::sleep_for(1500ms);  // past the heartbeat deadline
+  std::this_thread::sleep_for(1500ms);       // past the heartbeat deadline
   ASSERT_TRUE(catalog_->reclaim().is_ok());  // what any other node's sweep does: declared dead
   ASSERT_EQ(::kill(n->pid(), SIGCONT), 0);
   ASSERT_TRUE(eventually([&] {

@@ -415,7 +415,8 @@ TEST(TcpTransport, ALeasedRegionIsReachedThroughLiveLeasesOnly) {
   const auto lbase = reinterpret_cast<std::uintptr_t>(local.data());
   auto plain = ep->import_key(lbase, kSize, plain_reg->packed_key(), deadline_after(5s)).value();
   const RemoteRange some{lbase, 4096};
-  EXPECT_EQ(ep->lease_key(*plain, {&some, 1}, a, deadline_after(5s)).status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(ep->lease_key(*plain, {&some, 1}, a, deadline_after(5s)).status().code(),
+            StatusCode::kUnsupported);
 }
 
 // The hole a timed-out put left open: bytes already in a socket reach the target after the

@@ -172,8 +172,9 @@ Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadl
   std::vector<std::string> out;
   for (addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
     char text[INET6_ADDRSTRLEN] = {};
-    const void* a = ai->ai_family == AF_INET6 ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr)
-                                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr);
+    const void* a = ai->ai_family == AF_INET6
+                        ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr)
+                        : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr);
     if (inet_ntop(ai->ai_family, a, text, sizeof text) != nullptr &&
         std::find(out.begin(), out.end(), text) == out.end()) {
       out.emplace_back(text);

@@ -25,7 +25,8 @@ class Turn {
   // took the turn (it works without the lock, then calls end() under it). kTimeout naming
   // `what` when another caller's turn is still under way at the deadline.
   template <typename Ready>
-  Result<bool> take(std::unique_lock<std::mutex>& lock, Deadline deadline, Ready ready, std::string_view what) {
+  Result<bool> take(std::unique_lock<std::mutex>& lock, Deadline deadline, Ready ready,
+                    std::string_view what) {
     for (;;) {
       if (ready()) return true;
       if (!busy_) {
@@ -33,7 +34,8 @@ class Turn {
         return false;
       }
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        return Status::timeout(std::string(what) + ": another caller's attempt did not finish before the deadline");
+        return Status::timeout(std::string(what) +
+                               ": another caller's attempt did not finish before the deadline");
       }
     }
   }

@@ -239,8 +239,9 @@ Result<std::shared_ptr<transport::RemoteKey>> RemoteMemory::State::key_for(
     std::uint64_t length, Deadline deadline) {
   {
     std::unique_lock lock(mu);
-    KVSTASH_ASSIGN_OR_RETURN(bool ready, making.take(lock, deadline, [&] { return generation == gen && key; },
-                                                     "remote key: import or lease"));
+    KVSTASH_ASSIGN_OR_RETURN(bool ready, making.take(
+                                             lock, deadline, [&] { return generation == gen && key; },
+                                             "remote key: import or lease"));
     if (ready) return key;
   }
   // The peer is asked without the lock held, so a caller with a shorter deadline is never
@@ -297,8 +298,9 @@ bool Peer::leases() const { return state_->caps.leases; }
 Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(
     Deadline deadline) {
   std::unique_lock lock(mu);
-  KVSTASH_ASSIGN_OR_RETURN(bool ready, connecting.take(lock, deadline, [&] { return endpoint && endpoint->healthy(); },
-                                                       "peer: reconnect"));
+  KVSTASH_ASSIGN_OR_RETURN(
+      bool ready, connecting.take(
+                      lock, deadline, [&] { return endpoint && endpoint->healthy(); }, "peer: reconnect"));
   if (ready) return std::make_pair(endpoint, generation);
   endpoint.reset();
   lock.unlock();

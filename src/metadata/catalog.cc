@@ -169,15 +169,15 @@ Result<std::int64_t> Catalog::register_node(const NodeRecord& n, std::chrono::mi
   }
   if (n.epoch.empty()) return Status::invalid_argument("node epoch must be set");
   std::string size = std::to_string(n.page_size), count = std::to_string(n.page_count), t = ms(ttl);
-  KVSTASH_ASSIGN_OR_RETURN(
-      Reply r, redis_.eval(scripts::register_node(), {prefix_}, {n.id, n.epoch, size, count, n.address, n.key, t}));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::register_node(), {prefix_},
+                                                {n.id, n.epoch, size, count, n.address, n.key, t}));
   auto now = integer_of(r.raw());
   if (!now) return corrupt("unexpected reply to register_node");
   return *now;
 }
 
-Result<std::int64_t> Catalog::heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl,
-                                        std::int64_t fenced_ms) {
+Result<std::int64_t> Catalog::heartbeat(std::string_view id, std::string_view epoch,
+                                        std::chrono::milliseconds ttl, std::int64_t fenced_ms) {
   std::string t = ms(ttl), f = std::to_string(std::max<std::int64_t>(0, fenced_ms));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::heartbeat(), {prefix_}, {id, epoch, t, f}));
   auto now = integer_of(r.raw());

@@ -284,7 +284,8 @@ std::chrono::milliseconds RedisClient::within_deadline(std::chrono::milliseconds
 Status RedisClient::open() {
   ctx_.reset();
   const auto connect_timeout = within_deadline(options_.connect_timeout);
-  if (connect_timeout.count() <= 0) return Status::timeout("redis " + url_.redacted() + ": the deadline passed");
+  if (connect_timeout.count() <= 0)
+    return Status::timeout("redis " + url_.redacted() + ": the deadline passed");
   const timeval tv = to_timeval(connect_timeout);
   std::string host = url_.host;
   if (!url_.unix_socket) {
@@ -335,7 +336,8 @@ Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
   // The socket's timeout is what is left of the deadline, when that is the shorter.
   const auto timeout = within_deadline(options_.command_timeout);
   if (timeout.count() <= 0) {
-    return Status::timeout("redis " + url_.redacted() + ": the operation's deadline passed before the command");
+    return Status::timeout("redis " + url_.redacted() +
+                           ": the operation's deadline passed before the command");
   }
   if (timeout != socket_timeout_) {
     redisSetTimeout(ctx_.get(), to_timeval(timeout));

@@ -295,9 +295,11 @@ std::string MemoryNode::metrics() const {
   m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.dead_nodes.load()), {{"kind", "dead_node"}});
   m.counter("kvstash_reclaimed_total", "", static_cast<double>(s.orphaned.load()),
             {{"kind", "orphaned_object"}});
-  m.gauge("kvstash_node_fenced_ms", "How far (ms of Redis time) the node has fenced its leases and told the cell",
+  m.gauge("kvstash_node_fenced_ms",
+          "How far (ms of Redis time) the node has fenced its leases and told the cell",
           static_cast<double>(fenced_reported_.load()));
-  m.gauge("kvstash_cell_fencing_puts", "Failed puts past their lease waiting for a node's fence (last reclaim)",
+  m.gauge("kvstash_cell_fencing_puts",
+          "Failed puts past their lease waiting for a node's fence (last reclaim)",
           static_cast<double>(s.fencing_puts.load()));
   m.gauge("kvstash_node_uptime_seconds", "Seconds since the node started", secs);
   return m.str();

@@ -99,7 +99,7 @@ class MemoryNode {
   std::uint64_t page_count_ = 0;
   Buffer pool_;
   std::unique_ptr<Engine> engine_;
-  MemoryHandle handle_;  // replaced on rejoin (under the lock)
+  MemoryHandle handle_;                    // replaced on rejoin (under the lock)
   std::vector<TransportKind> transports_;  // serving the pool, fixed at start
   std::unique_ptr<Shared> shared_;
   std::thread thread_;
@@ -108,7 +108,7 @@ class MemoryNode {
   // arrived here.
   std::optional<std::pair<std::int64_t, Clock::time_point>> redis_clock_;
   std::vector<std::pair<std::int64_t, Clock::time_point>> fences_made_;  // not yet reportable
-  std::int64_t fenced_ready_ = 0;                                         // reportable now
+  std::int64_t fenced_ready_ = 0;                                        // reportable now
   std::atomic<std::int64_t> fenced_reported_{0};
 };
 

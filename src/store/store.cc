@@ -133,9 +133,9 @@ struct NodeLink {
   Result<const Path*> path(TransferOp op) const {
     if (op == TransferOp::kRead || main.peer->leases()) return &main;
     if (fenced_writes.peer) return &fenced_writes;
-    return Status::unsupported("memory node " + id + ": no transport to it can fence a put's writes at the node (" +
-                               std::string(to_string(main.peer->transport())) +
-                               " cannot); puts need tcp, shm or verbs");
+    return Status::unsupported(
+        "memory node " + id + ": no transport to it can fence a put's writes at the node (" +
+        std::string(to_string(main.peer->transport())) + " cannot); puts need tcp, shm or verbs");
   }
 };
 
@@ -248,7 +248,8 @@ struct Store::Impl {
     }
     {
       std::unique_lock lock(l->mu);
-      auto ready = l->connecting.take(lock, deadline, [&] { return l->connected; }, "connect");
+      auto ready = l->connecting.take(
+          lock, deadline, [&] { return l->connected; }, "connect");
       if (!ready.is_ok()) return ready.status().with_context("memory node " + n.id);
       if (*ready) return l;
     }
@@ -356,7 +357,8 @@ struct Store::Impl {
   static Status lease_pages(const Placement& p, const std::vector<std::shared_ptr<NodeLink>>& links,
                             const std::vector<const NodeLink::Path*>& paths, TransferOp op,
                             Clock::time_point until, Deadline deadline, std::vector<RemoteMemory>& leases,
-                            std::vector<std::shared_ptr<NodeLink>>& lease_links, std::vector<NodeLeases>& by_node) {
+                            std::vector<std::shared_ptr<NodeLink>>& lease_links,
+                            std::vector<NodeLeases>& by_node) {
     // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
     // generations decide whether its bytes are the object's (a revocable key keeps a reader
     // out of reused pages only from 1 ms on; the checksum and generations cover the rest).
@@ -382,16 +384,20 @@ struct Store::Impl {
       }
       for (std::size_t at = 0; at < runs.size(); at += kMaxLeaseRanges) {
         std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxLeaseRanges, runs.size() - at));
-        auto l = path->peer->lease(
-            path->remote, chunk,
-            {.op = op, .ttl = ttl, .fence = static_cast<std::uint64_t>(p.lease_deadline_ms), .deadline = deadline});
-        if (!l.is_ok()) return pool_changed_is_stale(l.status()).with_context("memory node " + p.nodes[ni].id);
+        auto l = path->peer->lease(path->remote, chunk,
+                                   {.op = op,
+                                    .ttl = ttl,
+                                    .fence = static_cast<std::uint64_t>(p.lease_deadline_ms),
+                                    .deadline = deadline});
+        if (!l.is_ok())
+          return pool_changed_is_stale(l.status()).with_context("memory node " + p.nodes[ni].id);
         if (op == TransferOp::kWrite && !l->revocable()) {
           // The node serves its pool without leases on this transport (verbs without memory
           // windows): a write of a failed put could land after its pages were reused.
-          return Status::unsupported("memory node " + p.nodes[ni].id + " cannot fence writes over " +
-                                     std::string(to_string(path->peer->transport())) +
-                                     " (its pool has no leases there): puts need tcp, shm or verbs with memory windows");
+          return Status::unsupported(
+              "memory node " + p.nodes[ni].id + " cannot fence writes over " +
+              std::string(to_string(path->peer->transport())) +
+              " (its pool has no leases there): puts need tcp, shm or verbs with memory windows");
         }
         for (const RemoteRange& r : chunk) by_node[ni].ranges.emplace_back(r, leases.size());
         leases.push_back(std::move(l).value());
@@ -429,9 +435,9 @@ struct Store::Impl {
   // `wave_bytes` of the object (a batch per node each), all submitted at once. A reader can
   // then checksum each wave as it lands while the later ones still move. Adjacent pieces that
   // are contiguous on both sides travel as one entry.
-  Transfers start_transfers(TransferOp op, const Placement& p, std::uint64_t size, std::span<const Slice> slices,
-                            std::vector<MemoryHandle>& temp, Clock::time_point lease_until, Deadline deadline,
-                            std::uint64_t wave_bytes) {
+  Transfers start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
+                            std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
+                            Clock::time_point lease_until, Deadline deadline, std::uint64_t wave_bytes) {
     Transfers t;
     if (size == 0) return t;
     auto leased = connect_and_lease(op, p, lease_until, deadline);
@@ -519,8 +525,10 @@ struct Store::Impl {
   // rejoined the cell): for the caller the object changed under it.
   static Status fenced_is_stale(const Status& s) {
     if (s.code() != StatusCode::kPermissionDenied) return s;
-    return Status::stale("store: the memory node ended this transfer's lease (past its deadline, or the node "
-                         "rejoined the cell): " + s.message());
+    return Status::stale(
+        "store: the memory node ended this transfer's lease (past its deadline, or the node "
+        "rejoined the cell): " +
+        s.message());
   }
 
   static Status wait_all(std::vector<Batch>& batches) {
@@ -551,9 +559,9 @@ struct Store::Impl {
       const std::string& id = lease_links[i]->id;
       if (std::ranges::find(failed, id) != failed.end()) continue;
       auto path = lease_links[i]->path(TransferOp::kWrite);
-      Status s = !path.is_ok()          ? path.status()
+      Status s = !path.is_ok()       ? path.status()
                  : Clock::now() < by ? (*path)->peer->revoke(leases[i], by)
-                                   : Status::timeout("no time left to confirm");
+                                     : Status::timeout("no time left to confirm");
       if (!s.is_ok()) {
         KVSTASH_LOG_DEBUG("put {}: node {} did not confirm its fence: {}", key, id, s.to_string());
         failed.push_back(id);
@@ -591,7 +599,8 @@ struct Store::Impl {
       // A queue that fell behind a stalled node does not wait again for each put.
       auto confirmed = revoke_all(key, nodes, leases, lease_links, confirm_by);
       if (confirmed.size() < nodes.size()) {
-        KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
+        KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease",
+                         key);
       }
       end_put(key, token, confirmed, deadline_after(options.redis_timeout * 2));
     });
@@ -646,8 +655,8 @@ struct Store::Impl {
     }
     if (!moved.is_ok()) {
       transfers.waves.clear();  // cancels what still moves: returns once nothing reads `data`
-      abort_put(std::string(key), token, *placement, std::move(transfers.leases), std::move(transfers.lease_links),
-                deadline);
+      abort_put(std::string(key), token, *placement, std::move(transfers.leases),
+                std::move(transfers.lease_links), deadline);
       KVSTASH_LOG_DEBUG("put {} failed: {}", key, moved.to_string());
       return moved.with_context(std::string(key));
     }

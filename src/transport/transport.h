@@ -109,9 +109,10 @@ class Endpoint {
 
   // A key over exactly `ranges` of the region `region` grants, on `terms` (op, ttl by the
   // peer's clock, the peer's fence tag), usable through this endpoint only, that the peer
-  // checks and can fence (Transport::fence) and revoke (revoke()). It also stops working when destroyed and with the connection. kUnsupported
-  // where this transport has no leases (the engine then narrows the region's key itself).
-  // Other errors as import_key, plus kNoSpace and kStale (the peer fenced `fence` already).
+  // checks and can fence (Transport::fence) and revoke (revoke()). It also stops working when destroyed and
+  // with the connection. kUnsupported where this transport has no leases (the engine then narrows the
+  // region's key itself). Other errors as import_key, plus kNoSpace and kStale (the peer fenced `fence`
+  // already).
   virtual Result<std::unique_ptr<RemoteKey>> lease_key(const RemoteKey& region,
                                                        std::span<const RemoteRange> ranges,
                                                        const LeaseTerms& terms, Deadline deadline) {

@@ -165,7 +165,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         std::memcpy(msg.data() + kSlotAt + 4, &w.keys[which].key, 8);
       }
     }
-    if (!shm::send_message(fd, msg, (flags & 1) != 0 ? w.devnull : -1, deadline_after(std::chrono::seconds(5))).is_ok()) {
+    if (!shm::send_message(fd, msg, (flags & 1) != 0 ? w.devnull : -1,
+                           deadline_after(std::chrono::seconds(5)))
+             .is_ok()) {
       break;
     }
     if (!answered(fd)) break;

@@ -198,9 +198,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   {
     auto ep = w.initiator->connect(w.address, deadline_after(std::chrono::seconds(2)));
     if (ep.is_ok()) {
-      auto key = fuzz::must((*ep)->import_key(kRemoteBase, 1 << 20, std::string("\x02") + std::string(8, 'k') + std::string(1, '\0'),
-                                              deadline_after(std::chrono::seconds(1))),
-                            "import_key");
+      auto key =
+          fuzz::must((*ep)->import_key(kRemoteBase, 1 << 20,
+                                       std::string("\x02") + std::string(8, 'k') + std::string(1, '\0'),
+                                       deadline_after(std::chrono::seconds(1))),
+                     "import_key");
       std::array<fuzz::WaitSink, 4> sinks;
       std::array<transport::Op, 4> ops;
       for (std::size_t i = 0; i < kOps.size(); ++i) {

@@ -412,7 +412,8 @@ class Registry {
     while (key == 0) key = sys::random_u64();  // 0 marks a free slot
     std::lock_guard lock(mu_);
     if (free_.empty()) {
-      return Status::no_space("shm: all " + std::to_string(kKeySlots - kFirstKeySlot) + " key slots are in use");
+      return Status::no_space("shm: all " + std::to_string(kKeySlots - kFirstKeySlot) +
+                              " key slots are in use");
     }
     const std::uint32_t s = free_.back();
     free_.pop_back();
@@ -780,7 +781,8 @@ Result<std::unique_ptr<RemoteKey>> ShmEndpoint::import_key(std::uint64_t base, s
   return std::unique_ptr<RemoteKey>(std::make_unique<ShmRemoteKey>(std::move(region)));
 }
 
-Result<std::unique_ptr<RemoteKey>> ShmEndpoint::lease_key(const RemoteKey& region, std::span<const RemoteRange>,
+Result<std::unique_ptr<RemoteKey>> ShmEndpoint::lease_key(const RemoteKey& region,
+                                                          std::span<const RemoteRange>,
                                                           const LeaseTerms& terms, Deadline) {
   // Made here, no round trip: the copies are ours, and each checks the lease first.
   const auto& k = static_cast<const ShmRemoteKey&>(region);

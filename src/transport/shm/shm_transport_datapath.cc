@@ -163,7 +163,8 @@ Status Datapath::execute(const Job& job) {
   }
   if (r.leased) {
     const auto* key = static_cast<const ShmRemoteKey*>(op.remote_key);
-    if (key->lease() == 0) return Status::permission_denied("shm: the region is reachable through leases only");
+    if (key->lease() == 0)
+      return Status::permission_denied("shm: the region is reachable through leases only");
     if (key->revoked()) return Status::permission_denied("shm: the lease was revoked");
     if (key->fence() != 0 && key->fence() <= load_slot(conn.slot(kFenceSlot))) {
       return Status::permission_denied("shm: the lease was fenced by the region's owner");

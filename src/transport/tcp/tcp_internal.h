@@ -94,9 +94,9 @@ enum class RefusalReason : std::uint32_t {
   kUnknownKey,
   kOutOfRange,
   kBadOp,
-  kLeaseRequired,  // the region is reachable through leases only
-  kLeaseEnded,     // the lease was revoked or fenced, or the region deregistered meanwhile
-  kNotLeased,      // a revoke for a region that holds no leases
+  kLeaseRequired,   // the region is reachable through leases only
+  kLeaseEnded,      // the lease was revoked or fenced, or the region deregistered meanwhile
+  kNotLeased,       // a revoke for a region that holds no leases
   kTooManyRevoked,  // a revoke the target cannot remember: it has too many pending already
 };
 static_assert(sizeof(RequestHeader) == 48 && sizeof(ResponseHeader) == 16);
@@ -163,7 +163,7 @@ class Fences {
 
   std::atomic<std::uint64_t> fenced_{0};
   std::atomic<std::size_t> revoked_count_{0};
-  mutable std::mutex mu_;  // revoked_, marks_
+  mutable std::mutex mu_;                                     // revoked_, marks_
   std::unordered_map<std::uint64_t, std::uint64_t> revoked_;  // lease -> fence tag
   std::vector<std::weak_ptr<Mark>> marks_;
 };

@@ -407,7 +407,8 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std:
   std::uint8_t version = r.u8();
   std::uint64_t key = r.u64();
   std::uint8_t flags = r.u8();
-  if (!r.at_end() || version != kKeyVersion || flags > 1) return Status::invalid_argument("malformed tcp remote key");
+  if (!r.at_end() || version != kKeyVersion || flags > 1)
+    return Status::invalid_argument("malformed tcp remote key");
   auto k = std::make_unique<TcpRemoteKey>();
   k->base = base;
   k->length = length;
@@ -489,9 +490,8 @@ Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std
     KVSTASH_ASSIGN_OR_RETURN(advertised, parse_host_port(options.advertise));
   }
   if (advertised.port == 0 || options.advertise.empty()) advertised.port = acceptor.local_endpoint().port();
-  return std::unique_ptr<Transport>(
-      new TcpTransport(options, std::move(cluster_token), std::move(runtime), std::move(acceptor),
-                       encode_address(advertised)));
+  return std::unique_ptr<Transport>(new TcpTransport(options, std::move(cluster_token), std::move(runtime),
+                                                     std::move(acceptor), encode_address(advertised)));
 }
 
 }  // namespace kvstash::transport::tcp

@@ -123,8 +123,8 @@ bool Stream::next_request(OutRequest& r) {
   std::uint32_t group = 1;
   while (group < kMaxGroupOps && !queued_.empty()) {
     const Op& next = queued_.front().op;
-    if (queued_.front().revoke || next.sink != op.sink || next.op != op.op || next.remote_key != op.remote_key ||
-        next.remote_addr != r.header.addr + r.header.length ||
+    if (queued_.front().revoke || next.sink != op.sink || next.op != op.op ||
+        next.remote_key != op.remote_key || next.remote_addr != r.header.addr + r.header.length ||
         r.header.length + next.length > kMaxGroupBytes) {
       break;
     }
@@ -445,12 +445,13 @@ ResponseHeader refuse(StatusCode code, RefusalReason reason) {
 
 // Checks a request against its region: OK with `where` set, or the refusal to answer.
 ResponseHeader check(const RequestHeader& h, const RegionTable::Region* region, std::byte** where) {
-  if (h.op != static_cast<std::uint8_t>(TransferOp::kRead) && h.op != static_cast<std::uint8_t>(TransferOp::kWrite) &&
-      h.op != kRevokeOp) {
+  if (h.op != static_cast<std::uint8_t>(TransferOp::kRead) &&
+      h.op != static_cast<std::uint8_t>(TransferOp::kWrite) && h.op != kRevokeOp) {
     return refuse(StatusCode::kInvalidArgument, RefusalReason::kBadOp);
   }
   if (region == nullptr) return refuse(StatusCode::kPermissionDenied, RefusalReason::kUnknownKey);
-  if (region->leased && h.lease == 0) return refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseRequired);
+  if (region->leased && h.lease == 0)
+    return refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseRequired);
   if (h.op == kRevokeOp) {
     // A revoke names a lease. Lease 0 (none) is what every idle connection's mark holds, so
     // Fences::revoke would wait for all of them forever, on the io thread.

@@ -439,7 +439,8 @@ Result<std::unique_ptr<RemoteKey>> UcxEndpoint::import_key(std::uint64_t base, s
 
 namespace kvstash::transport {
 
-Result<std::unique_ptr<Transport>> make_ucx_transport(const UcxOptions& options, std::string_view cluster_token) {
+Result<std::unique_ptr<Transport>> make_ucx_transport(const UcxOptions& options,
+                                                      std::string_view cluster_token) {
   if (!cluster_token.empty()) {
     return Status::unsupported(
         "ucx cannot prove a cluster token (UCX connects peers without a handshake of ours): not started "
