@@ -109,7 +109,8 @@ int run_metadata(const MetadataBenchOptions& o) {
       Catalog c(**r);
       for (std::uint64_t i; (i = next++) < o.objects;) {
         const std::string key = "obj/" + std::to_string(i), token = "fill-" + std::to_string(i);
-        if (!c.begin_put(token, key, kPage, 3600s).is_ok() || !c.commit_put(token, key, 1, "", 0ms).is_ok()) {
+        if (!c.begin_put(token, key, kPage, 3600s).is_ok() ||
+            !c.commit_put(token, key, {1}, "", 0ms).is_ok()) {
           failed = true;
           return;
         }
@@ -143,7 +144,7 @@ int run_metadata(const MetadataBenchOptions& o) {
   measure("begin_put + commit_put (room free)", 200, [&](int i) {
     const std::string token = "m-" + std::to_string(i);
     if (cat.begin_put(token, "fresh/" + std::to_string(i), kPage, 30s).is_ok()) {
-      (void)cat.commit_put(token, "fresh/" + std::to_string(i), 1, "", 0ms);
+      (void)cat.commit_put(token, "fresh/" + std::to_string(i), {1}, "", 0ms);
     }
   });
   std::vector<std::string> chain;

@@ -43,7 +43,7 @@ class CatalogTest : public ::testing::Test {
     auto p = cat_->begin_put(token, key, pages * kPage, 30s);
     EXPECT_TRUE(p.is_ok()) << p.status().to_string();
     if (!p.is_ok()) return {};
-    Status s = cat_->commit_put(token, key, 0x1234, "layout-" + key, ttl);
+    Status s = cat_->commit_put(token, key, {0x1234}, "layout-" + key, ttl);
     EXPECT_TRUE(s.is_ok()) << s.to_string();
     return std::move(p).value();
   }
@@ -78,14 +78,14 @@ TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {
   EXPECT_EQ(free_of("b"), 3u);
 
   EXPECT_EQ(get_code("obj"), StatusCode::kNotFound) << "a pending put is not visible";
-  ASSERT_TRUE(cat_->commit_put("tok", "obj", 0xfeedface, "L", 0ms).is_ok());
+  ASSERT_TRUE(cat_->commit_put("tok", "obj", {0xfeedface}, "L", 0ms).is_ok());
   // A retried commit (reply lost) is fine; so is a retried begin_put of the same token.
-  EXPECT_TRUE(cat_->commit_put("tok", "obj", 0xfeedface, "L", 0ms).is_ok());
+  EXPECT_TRUE(cat_->commit_put("tok", "obj", {0xfeedface}, "L", 0ms).is_ok());
 
   auto g = cat_->begin_get("obj", "r1", 30s);
   ASSERT_TRUE(g.is_ok()) << g.status().to_string();
   EXPECT_EQ(g->size, 13 * kPage - 5);
-  EXPECT_EQ(g->checksum, 0xfeedfaceu);
+  EXPECT_EQ(g->checksum.value, 0xfeedfaceu);
   EXPECT_EQ(g->layout, "L");
   EXPECT_EQ(g->placement.extents, p->extents);
   EXPECT_TRUE(cat_->end_get("r1", *g).is_ok());
@@ -112,7 +112,7 @@ TEST_F(CatalogTest, RetriedBeginPutReturnsTheSamePages) {
   ASSERT_TRUE(cat_->abort_put("tok", kEveryNode).is_ok());
   EXPECT_TRUE(cat_->abort_put("tok", kEveryNode).is_ok()) << "abort is idempotent";
   EXPECT_EQ(free_of("a"), 8u);
-  EXPECT_EQ(cat_->commit_put("tok", "k", 1, "", 0ms).code(), StatusCode::kStale);
+  EXPECT_EQ(cat_->commit_put("tok", "k", {1}, "", 0ms).code(), StatusCode::kStale);
 }
 
 TEST_F(CatalogTest, OverwriteFreesTheOldPagesUnlessAReaderHoldsThem) {
@@ -227,7 +227,7 @@ TEST_F(CatalogTest, AbandonedPutsAreReclaimedOnceTheirNodeFencedThroughTheirLeas
   EXPECT_EQ(counts.abandoned_puts, 1u);
   EXPECT_EQ(counts.fencing_puts, 0u);
   EXPECT_EQ(free_of("a"), 4u);
-  EXPECT_EQ(cat_->commit_put("dead-client", "k", 1, "", 0ms).code(), StatusCode::kStale);
+  EXPECT_EQ(cat_->commit_put("dead-client", "k", {1}, "", 0ms).code(), StatusCode::kStale);
   EXPECT_EQ(get_code("k"), StatusCode::kNotFound);
 }
 
@@ -243,7 +243,7 @@ TEST_F(CatalogTest, AnAbortFreesThePagesOfTheNodesThatConfirmedItsFence) {
   EXPECT_EQ(cat_->abort_put("t", only_a).value(), 3u) << "b's three pages wait";
   EXPECT_EQ(free_of("a"), 3u);
   EXPECT_EQ(free_of("b"), 0u);
-  EXPECT_EQ(cat_->commit_put("t", "k", 1, "", 0ms).code(), StatusCode::kStale) << "an aborted put commits";
+  EXPECT_EQ(cat_->commit_put("t", "k", {1}, "", 0ms).code(), StatusCode::kStale) << "an aborted put commits";
   std::this_thread::sleep_for(150ms);
   EXPECT_EQ(cat_->reclaim()->abandoned_puts, 0u) << "b has not fenced the put";
   ASSERT_TRUE(cat_->heartbeat("b", "e1", 30s, p->lease_deadline_ms).is_ok());
@@ -348,7 +348,7 @@ TEST_F(CatalogTest, ARestartedNodeDropsTheObjectsOfItsPreviousLife) {
   ASSERT_TRUE(add_node("a", 4, 30s, "e2").is_ok());
   EXPECT_EQ(get_code("k"), StatusCode::kNotFound);
   EXPECT_EQ(free_of("a"), 4u);
-  EXPECT_EQ(cat_->commit_put("inflight", "p", 1, "", 0ms).code(), StatusCode::kStale)
+  EXPECT_EQ(cat_->commit_put("inflight", "p", {1}, "", 0ms).code(), StatusCode::kStale)
       << "a put into the old incarnation's memory must not commit";
   auto fresh = cat_->begin_put("t-new", "n", 4 * kPage, 30s).value();
   for (const Extent& e : fresh.extents) {
@@ -407,8 +407,19 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
   Status old = cat_->check_schema();
   EXPECT_EQ(old.code(), StatusCode::kCorrupt);
   EXPECT_NE(old.message().find("schema '1'"), std::string::npos) << old.to_string();
-  // The cell keeps working for well-formed objects.
+  // Schema 2 checksummed objects with one xxh3 stream: refused, saying what changed; and an
+  // object whose checksum is of that form is refused by name.
   cmd({"HSET", cat_->prefix() + ":cell", "schema", "2"});
+  Status two = cat_->check_schema();
+  EXPECT_EQ(two.code(), StatusCode::kCorrupt);
+  EXPECT_NE(two.message().find("checksummed"), std::string::npos) << two.to_string();
+  cmd({"HSET", obj + "k", "extents", "a,0,1", "checksum", "0123456789abcdef"});
+  auto old_sum = cat_->begin_get("k", "r", 1000ms);
+  EXPECT_EQ(old_sum.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(old_sum.status().message().find("<hex>/<segment>"), std::string::npos)
+      << old_sum.status().to_string();
+  // The cell keeps working for well-formed objects.
+  cmd({"HSET", cat_->prefix() + ":cell", "schema", "3"});
   EXPECT_TRUE(cat_->check_schema().is_ok());
   put("fine", 1);
   EXPECT_TRUE(cat_->stat("fine").is_ok());

@@ -12,6 +12,7 @@
 #include <future>
 #include <thread>
 
+#include "common/checksum.h"
 #include "http_get.h"
 #include "metadata/catalog.h"
 #include "rdma_lane.h"
@@ -234,6 +235,50 @@ TEST_F(StoreTest, APutStreamWritesInPiecesAndBecomesVisibleAtCommit) {
   EXPECT_EQ(free_pages("n1"), all_free - 4) << "only the committed object's 4 pages are taken";
   EXPECT_EQ(store->stat("other").status().code(), StatusCode::kNotFound);
   EXPECT_EQ(get_bytes(*store, "k", data.size())->size(), data.size());
+}
+
+TEST_F(StoreTest, PiecesSummedWhereTheyAreMakeTheSameChecksumAsTheHostsAndAreChecked) {
+  // A device sums each segment (here the host stands in for it through the same core);
+  // the object's checksum equals a host-summed put of the same bytes, and a get checks it.
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kTcp);
+  ASSERT_TRUE(store);
+  const std::uint64_t segment = 10000;
+  std::vector<std::byte> data(3 * segment + 123);
+  fill(data);
+  auto stream = store->begin_put("summed", data.size(), {.checksum_segment = segment});
+  ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+  Slice half{data.data(), segment / 2};
+  EXPECT_EQ(stream->append_summed({&half, 1}, 1).code(), StatusCode::kInvalidArgument) << "half a segment";
+  std::uint64_t host_sum = 0;
+  Slice first{data.data(), segment};
+  ASSERT_TRUE(stream->append({&first, 1}, &host_sum).is_ok()) << "hashed here, its sum returned";
+  EXPECT_EQ(host_sum, sum::segment_sum(data.data(), segment));
+  for (std::uint64_t off = segment; off < data.size(); off += segment) {
+    Slice s{data.data() + off, std::min<std::size_t>(segment, data.size() - off)};
+    ASSERT_TRUE(stream->append_summed({&s, 1}, sum::segment_sum(s.addr, s.length)).is_ok()) << off;
+  }
+  ASSERT_TRUE(stream->commit().is_ok());
+  auto info = store->stat("summed");
+  ASSERT_TRUE(info.is_ok());
+  EXPECT_EQ(info->checksum_segment, segment);
+  sum::ObjectHasher host(segment);
+  host.update(data.data(), data.size());
+  EXPECT_EQ(info->checksum, host.finish().value);
+  auto back = get_bytes(*store, "summed", data.size());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(*back, data);
+
+  // A wrong sum from the device is caught by the get.
+  auto lying = store->begin_put("lying", 2 * segment, {.checksum_segment = segment});
+  ASSERT_TRUE(lying.is_ok());
+  for (std::uint64_t off = 0; off < 2 * segment; off += segment) {
+    Slice s{data.data() + off, segment};
+    ASSERT_TRUE(lying->append_summed({&s, 1}, sum::segment_sum(s.addr, s.length) + off).is_ok());
+  }
+  ASSERT_TRUE(lying->commit().is_ok());
+  EXPECT_EQ(get_bytes(*store, "lying", 2 * segment).status().code(), StatusCode::kCorrupt);
 }
 
 TEST_F(StoreTest, AGetReportsItsProgressInOrder) {
@@ -811,7 +856,7 @@ TEST_F(StoreTest, CorruptRecordsAndChecksumMismatchesAreErrorsNotBytes) {
   fill(data);
   ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
   const std::string obj = catalog_->prefix() + ":obj:k";
-  ASSERT_TRUE(admin_redis_->command({"HSET", obj, "checksum", "0123456789abcdef"}).is_ok());
+  ASSERT_TRUE(admin_redis_->command({"HSET", obj, "checksum", "0123456789abcdef/4194304"}).is_ok());
   EXPECT_EQ(get_bytes(*store, "k", data.size()).status().code(), StatusCode::kCorrupt);
   ASSERT_TRUE(admin_redis_->command({"HSET", obj, "extents", "n1,0,1;garbage"}).is_ok());
   EXPECT_EQ(get_bytes(*store, "k", data.size()).status().code(), StatusCode::kCorrupt);

@@ -65,7 +65,9 @@ struct StoreOptions {
   std::uint32_t redis_connections = 4;
   // Threads running the *_async operations.
   std::uint32_t async_threads = 2;
-  // Verify the xxh3 checksum of every object read (a mismatch is kCorrupt).
+  // Verify the checksum of every object read into host memory (a mismatch is kCorrupt; a
+  // get into device memory with the check on is kInvalidArgument: the host reads no byte of
+  // it, so such a caller checks on its device, as KvCache does).
   bool verify_checksum = true;
 };
 
@@ -98,6 +100,9 @@ struct PutOptions {
   // (ObjectInfo::version, from a get or stat), or with "" only if it holds none. Otherwise
   // the put ends kStale and changes nothing. Unset: replace whatever is there.
   std::optional<std::string> if_version;
+  // Bytes per checksum segment (docs/metadata.md); 0: 4 MiB. A PutStream whose pieces are
+  // summed where they are (append_summed: one per segment) sets it to its piece size.
+  std::uint64_t checksum_segment = 0;
 };
 
 // Cancels gets from another thread (GetOptions::cancel). A default token cancels nothing;
@@ -138,7 +143,10 @@ struct GetOptions {
 struct ObjectInfo {
   std::uint64_t size = 0;
   std::string layout;
-  std::uint64_t checksum = 0;  // xxh3-64 of the bytes
+  // The bytes' checksum: the xxh3 tree (docs/metadata.md) over segments of
+  // `checksum_segment` bytes.
+  std::uint64_t checksum = 0;
+  std::uint64_t checksum_segment = 0;
   std::uint64_t pages = 0;
   std::vector<std::string> nodes;                // memory nodes holding it
   std::optional<std::chrono::milliseconds> ttl;  // time left; none: no expiry (stat only)
@@ -160,11 +168,18 @@ class PutStream {
   PutStream& operator=(PutStream&&) noexcept;
   ~PutStream();
 
-  // Starts writing the next total_length(data) bytes; `data` must stay valid and unchanged
-  // until commit() or abort() returned. Errors: kInvalidArgument (past the object's size,
-  // or after commit/abort), the failure of an earlier write (the stream is then dead).
-  // With `piece_checksum`, also the xxh3-64 of these bytes alone, computed in the same pass.
-  Status append(std::span<const Slice> data, std::uint64_t* piece_checksum = nullptr);
+  // Starts writing the next total_length(data) bytes of host memory, and sums them (the
+  // object's checksum) while the writes fly; `data` must stay valid and unchanged until
+  // commit() or abort() returned. With `segment_sum`, the piece must be exactly the object's
+  // next checksum segment (PutOptions::checksum_segment; the last may be shorter), and its
+  // sum is returned there. Errors: kInvalidArgument (past the object's size, after
+  // commit/abort, device memory, not a segment), the failure of an earlier write (the stream
+  // is then dead).
+  Status append(std::span<const Slice> data, std::uint64_t* segment_sum = nullptr);
+  // As append, for bytes the host must not read (GPU memory): `segment_sum` is their sum,
+  // computed where they are (common/checksum_core.h on the device), and the piece must be
+  // exactly the object's next checksum segment. The store touches none of the bytes.
+  Status append_summed(std::span<const Slice> data, std::uint64_t segment_sum);
   std::uint64_t size() const;
   std::uint64_t written() const;
   // Waits until the bytes [0, end) appended so far have reached the memory nodes, so that
@@ -183,6 +198,8 @@ class PutStream {
  private:
   friend class Store;
   struct State;
+  Status check_append(std::uint64_t n, bool whole_segment) const;
+  Status submit(std::span<const Slice> data, std::uint64_t n);
   std::unique_ptr<State> state_;
 };
 

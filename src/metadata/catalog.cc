@@ -157,8 +157,10 @@ Status Catalog::check_schema() {
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"HGET", key, "schema"}));
   if (r.is_nil()) return {};
   if (r.type() != Reply::Type::kString || number<int>(r.str()) != kSchemaVersion) {
-    return corrupt("cell " + prefix_ + " has schema '" + std::string(r.str()) + "', this build reads " +
-                   std::to_string(kSchemaVersion));
+    return corrupt(
+        "cell " + prefix_ + " has schema '" + std::string(r.str()) + "', this build reads " +
+        std::to_string(kSchemaVersion) +
+        " (schema 3 changed how objects are checksummed: empty the cell, or use the build that wrote it)");
   }
   return {};
 }
@@ -237,10 +239,10 @@ Result<Placement> Catalog::begin_put(std::string_view token, std::string_view ke
   return p;
 }
 
-Status Catalog::commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
+Status Catalog::commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                            std::string_view layout, std::chrono::milliseconds ttl,
                            const std::optional<std::string>& if_version) {
-  std::string sum = wire::to_hex64(checksum), t = ms(ttl);
+  std::string sum = sum::to_text(checksum), t = ms(ttl);
   // "" unconditional, "!" no object, "=<token>" that object.
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
   return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond}).status();
@@ -263,9 +265,14 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
   ReadLease g;
   g.object_token = std::string(text_of(r.element(1)));
   auto size = number<std::uint64_t>(text_of(r.element(2)));
-  auto sum = number<std::uint64_t>(text_of(r.element(4)), 16);
-  if (g.object_token.empty() || !size || !sum || text_of(r.element(4)).size() != 16) {
-    return corrupt("object " + std::string(key) + " has a malformed record (size, checksum or token)");
+  auto sum = sum::parse_object_sum(text_of(r.element(4)));
+  if (g.object_token.empty() || !size) {
+    return corrupt("object " + std::string(key) + " has a malformed record (size or token)");
+  }
+  if (!sum) {
+    return corrupt("object " + std::string(key) + " has checksum '" + std::string(text_of(r.element(4))) +
+                   "', not the \"<hex>/<segment>\" of schema " + std::to_string(kSchemaVersion) +
+                   " (written by an older build?)");
   }
   g.size = *size;
   g.checksum = *sum;
@@ -292,7 +299,7 @@ Result<ObjectRecord> Catalog::stat(std::string_view key) {
   if (r.type() != Reply::Type::kArray || r.size() != 7) return corrupt("unexpected reply to stat");
   ObjectRecord o;
   auto size = number<std::uint64_t>(text_of(r.element(0)));
-  auto sum = number<std::uint64_t>(text_of(r.element(1)), 16);
+  auto sum = sum::parse_object_sum(text_of(r.element(1)));
   auto ext = parse_extents(text_of(r.element(3)));
   if (!size || !sum || !ext.is_ok()) return corrupt("object " + std::string(key) + " has a malformed record");
   o.size = *size;
@@ -429,7 +436,7 @@ Result<std::vector<ObjectInfo>> Catalog::describe(std::span<const std::string> k
       o.expires_ms = number<std::int64_t>(at(2)).value_or(0);
       o.last_access_ms = number<std::int64_t>(at(3)).value_or(0);
       o.nodes = split_nodes(at(4));
-      o.checksum = number<std::uint64_t>(at(5), 16).value_or(0);
+      o.checksum = sum::parse_object_sum(at(5));
       o.readers = static_cast<std::uint64_t>(integer_of(r.element(1 + i * kFields + 6)).value_or(0));
     }
     out.push_back(std::move(o));

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/checksum.h"
 #include "metadata/redis_client.h"
 
 namespace kvstash::metadata {
@@ -23,7 +24,8 @@ namespace kvstash::metadata {
 // The schema this build reads and writes (the cell's `schema` field).
 // 2: puts' pages return only through their memory nodes' fences (`fenced`), and a restarted
 // or dead node's objects are swept in batches.
-inline constexpr int kSchemaVersion = 2;
+// 3: an object's checksum is the xxh3 tree (common/checksum.h), stored as "<hex>/<segment>".
+inline constexpr int kSchemaVersion = 3;
 
 struct NodeRecord {
   std::string id;     // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
@@ -65,14 +67,14 @@ struct Placement {
 struct ReadLease {
   std::string object_token;  // the put that wrote it
   std::uint64_t size = 0;
-  std::uint64_t checksum = 0;
+  sum::ObjectSum checksum;
   std::string layout;
   Placement placement;
 };
 
 struct ObjectRecord {
   std::uint64_t size = 0;
-  std::uint64_t checksum = 0;
+  sum::ObjectSum checksum;
   std::string layout;
   std::uint64_t pages = 0;
   std::vector<std::string> nodes;
@@ -128,8 +130,8 @@ struct ObjectInfo {
   std::int64_t expires_ms = 0;  // 0: never
   std::int64_t last_access_ms = 0;
   std::vector<std::string> nodes;
-  std::uint64_t checksum = 0;
-  std::uint64_t readers = 0;  // live read leases
+  std::optional<sum::ObjectSum> checksum;  // none when the record's is malformed
+  std::uint64_t readers = 0;               // live read leases
 };
 
 // A page of SCAN over object keys.
@@ -184,7 +186,7 @@ class Catalog {
   // kStale when the lease ran out and the pages were reclaimed, or a node of the put died,
   // or `if_version` is set and the key holds another object than the put token it names
   // ("": none at all); the put's pages are freed then.
-  Status commit_put(std::string_view token, std::string_view key, std::uint64_t checksum,
+  Status commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                     std::string_view layout, std::chrono::milliseconds ttl,
                     const std::optional<std::string>& if_version = std::nullopt);
   // Ends a put that will not commit. Its pages on the nodes in `fenced` (those that confirmed

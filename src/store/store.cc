@@ -4,14 +4,13 @@
 // transfer never holds one.
 #include "kvstash/store.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
 
+#include "common/checksum.h"
 #include "common/log.h"
 #include "common/system.h"
 #include "common/thread_pool.h"
@@ -52,40 +51,41 @@ std::uint64_t total_length(std::span<const Slice> slices) {
   return n;
 }
 
-// xxh3-64 of an object's bytes, fed in order as they become available.
+// An object's checksum (common/checksum.h) over host slices, fed in order as the bytes
+// become available.
 class SliceHasher {
  public:
-  explicit SliceHasher(std::span<const Slice> slices) : slices_(slices), state_(XXH3_createState()) {
-    XXH3_64bits_reset(state_);
-  }
-  ~SliceHasher() { XXH3_freeState(state_); }
-  SliceHasher(const SliceHasher&) = delete;
-  SliceHasher& operator=(const SliceHasher&) = delete;
+  SliceHasher(std::span<const Slice> slices, std::uint64_t segment) : slices_(slices), hash_(segment) {}
 
   // Hashes the object's bytes up to `end` (from where the last call stopped).
   void advance_to(std::uint64_t end) {
-    while (done_ < end && si_ < slices_.size()) {
+    while (hash_.bytes() < end && si_ < slices_.size()) {
       const Slice& s = slices_[si_];
-      std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(s.length - soff_, end - done_));
-      XXH3_64bits_update(state_, static_cast<const std::byte*>(s.addr) + soff_, n);
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(s.length - soff_, end - hash_.bytes()));
+      hash_.update(static_cast<const std::byte*>(s.addr) + soff_, n);
       soff_ += n;
-      done_ += n;
       if (soff_ == s.length) ++si_, soff_ = 0;
     }
   }
-  std::uint64_t digest() const { return XXH3_64bits_digest(state_); }
+  sum::ObjectSum digest() { return hash_.finish(); }
 
  private:
   std::span<const Slice> slices_;
-  XXH3_state_t* state_;
+  sum::ObjectHasher hash_;
   std::size_t si_ = 0, soff_ = 0;
-  std::uint64_t done_ = 0;
 };
 
-std::uint64_t checksum(std::span<const Slice> slices, std::uint64_t size) {
-  SliceHasher h(slices);
-  h.advance_to(size);
-  return h.digest();
+// kInvalidArgument when a slice lies in device memory: the store reads no byte of it (a
+// device sums it where it is: PutStream::append_summed, KvCache).
+Status host_only(std::span<const Slice> slices, std::string_view what) {
+  for (const Slice& s : slices) {
+    if (s.memory != nullptr && s.memory->region().kind != MemoryKind::kHost) {
+      return Status::invalid_argument("store: " + std::string(what) +
+                                      " reads device memory, which the host must not touch: sum it on the "
+                                      "device (PutStream::append_summed, KvCache) or turn the check off");
+    }
+  }
+  return {};
 }
 
 // A get's reads go in waves of this many bytes so that each wave is checksummed while the
@@ -618,6 +618,7 @@ struct Store::Impl {
 
   Status put(std::string_view key, std::span<const Slice> data, const PutOptions& o) {
     KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+    KVSTASH_RETURN_IF_ERROR(host_only(data, "put"));
     if (o.layout.size() > kMaxLayout) return Status::invalid_argument("store: layout is larger than 64 KiB");
     const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
     const std::uint64_t size = total_length(data);
@@ -639,10 +640,12 @@ struct Store::Impl {
     Transfers transfers = start_transfers(TransferOp::kWrite, *placement, size, data, temp, lease_until,
                                           std::min(deadline, lease_until), size);
     Status moved = transfers.status;
-    std::uint64_t sum = 0;
+    sum::ObjectSum sum;
     if (moved.is_ok()) {
       const auto c0 = Clock::now();
-      sum = checksum(data, size);  // overlaps the writes: both only read the source
+      SliceHasher hasher(data, sum::kDefaultSegmentBytes);
+      hasher.advance_to(size);  // overlaps the writes: both only read the source
+      sum = hasher.digest();
       const auto c1 = Clock::now();
       for (auto& w : transfers.waves) {
         Status s = wait_all(w.batches);
@@ -682,8 +685,11 @@ struct Store::Impl {
 
     Status moved;
     const bool verify = o.verify_checksum.value_or(options.verify_checksum);
-    SliceHasher hasher(into);
-    if (total_length(into) < lease->size) {
+    SliceHasher hasher(into, lease->checksum.segment);
+    if (verify) moved = host_only(into, "a get that verifies its checksum");
+    if (!moved.is_ok()) {
+      // into device memory with the check on: nothing is read
+    } else if (total_length(into) < lease->size) {
       moved = Status::invalid_argument("store: buffers hold " + std::to_string(total_length(into)) +
                                        " bytes, object " + std::string(key) + " has " +
                                        std::to_string(lease->size));
@@ -731,17 +737,18 @@ struct Store::Impl {
     }
 
     if (verify) {
-      const std::uint64_t sum = hasher.digest();
+      const sum::ObjectSum sum = hasher.digest();
       if (sum != lease->checksum) {
-        KVSTASH_LOG_ERROR("get {}: checksum mismatch (record {:016x}, bytes {:016x})", key, lease->checksum,
-                          sum);
+        KVSTASH_LOG_ERROR("get {}: checksum mismatch (record {}, bytes {})", key,
+                          sum::to_text(lease->checksum), sum::to_text(sum));
         return Status::corrupt("store: object " + std::string(key) + " failed its checksum");
       }
     }
     ObjectInfo info;
     info.size = lease->size;
     info.layout = std::move(lease->layout);
-    info.checksum = lease->checksum;
+    info.checksum = lease->checksum.value;
+    info.checksum_segment = lease->checksum.segment;
     info.pages = lease->placement.extents.size();
     for (auto& n : lease->placement.nodes) info.nodes.push_back(std::move(n.id));
     info.version = lease->object_token;
@@ -783,11 +790,11 @@ struct PutStream::State {
   Store::Impl::Leased leased;
   std::deque<std::vector<MemoryHandle>> temps;  // per append: slices registered for it
   std::vector<Store::Impl::Wave> waves;
-  XXH3_state_t* hash = XXH3_createState();
+  sum::ObjectHasher hash;
   Status failed;
   bool finished = false;
 
-  ~State() { XXH3_freeState(hash); }
+  explicit State(std::uint64_t segment) : hash(segment) {}
 
   // Cancels what still moves (returning once nothing reads the caller's buffers), then ends
   // the put at the nodes and in Redis (Store::Impl::abort_put).
@@ -836,16 +843,29 @@ void PutStream::set_layout(std::string layout) {
   if (state_) state_->options.layout = std::move(layout);
 }
 
-Status PutStream::append(std::span<const Slice> data, std::uint64_t* piece_checksum) {
+// Checks an append of `n` bytes against the stream's state; with `whole_segment`, also that
+// the piece is exactly the object's next checksum segment.
+Status PutStream::check_append(std::uint64_t n, bool whole_segment) const {
   if (!state_ || state_->finished) return Status::invalid_argument("store: append to a finished put");
-  State& st = *state_;
+  const State& st = *state_;
   if (!st.failed.is_ok()) return st.failed;
-  const std::uint64_t n = total_length(data);
   if (n > st.size - st.written) {
     return Status::invalid_argument("store: " + std::to_string(n) + " more bytes would pass the object's " +
                                     std::to_string(st.size));
   }
-  if (n == 0) return Status::ok();
+  if (whole_segment) {
+    const std::uint64_t segment = st.hash.segment_bytes();
+    if (!st.hash.at_segment_boundary() || (n != segment && st.written + n != st.size) || n > segment) {
+      return Status::invalid_argument(
+          "store: a summed piece must be the object's next checksum segment (" + std::to_string(segment) +
+          " bytes at offset " + std::to_string(st.hash.bytes()) + "), not " + std::to_string(n) + " bytes");
+    }
+  }
+  return {};
+}
+
+Status PutStream::submit(std::span<const Slice> data, std::uint64_t n) {
+  State& st = *state_;
   auto& temp = st.temps.emplace_back();
   Status submitted = st.impl->submit_range(st.leased, TransferOp::kWrite, st.placement, st.written,
                                            st.written + n, data, temp, st.deadline, n, st.waves);
@@ -853,23 +873,27 @@ Status PutStream::append(std::span<const Slice> data, std::uint64_t* piece_check
     st.failed = submitted.with_context(st.key);
     return st.failed;
   }
-  // While the writes fly: the object's checksum, and the piece's in the same pass.
-  XXH3_state_t* piece = piece_checksum != nullptr ? XXH3_createState() : nullptr;
-  if (piece != nullptr) XXH3_64bits_reset(piece);
-  constexpr std::size_t kStep = 64u << 10;  // both states see each step while it is in cache
-  for (const Slice& s : data) {
-    for (std::size_t off = 0; off < s.length; off += kStep) {
-      const auto* p = static_cast<const std::byte*>(s.addr) + off;
-      const std::size_t len = std::min(kStep, s.length - off);
-      XXH3_64bits_update(st.hash, p, len);
-      if (piece != nullptr) XXH3_64bits_update(piece, p, len);
-    }
-  }
-  if (piece != nullptr) {
-    *piece_checksum = XXH3_64bits_digest(piece);
-    XXH3_freeState(piece);
-  }
   st.written += n;
+  return Status::ok();
+}
+
+Status PutStream::append(std::span<const Slice> data, std::uint64_t* segment_sum) {
+  const std::uint64_t n = total_length(data);
+  KVSTASH_RETURN_IF_ERROR(check_append(n, segment_sum != nullptr));
+  KVSTASH_RETURN_IF_ERROR(host_only(data, "append"));
+  if (n == 0) return Status::ok();
+  KVSTASH_RETURN_IF_ERROR(submit(data, n));
+  for (const Slice& s : data) state_->hash.update(s.addr, s.length);  // while the writes fly
+  if (segment_sum != nullptr) *segment_sum = *state_->hash.last_segment_sum();
+  return Status::ok();
+}
+
+Status PutStream::append_summed(std::span<const Slice> data, std::uint64_t segment_sum) {
+  const std::uint64_t n = total_length(data);
+  if (n == 0) return Status::invalid_argument("store: a summed piece must not be empty");
+  KVSTASH_RETURN_IF_ERROR(check_append(n, true));
+  KVSTASH_RETURN_IF_ERROR(submit(data, n));
+  state_->hash.add_segment(segment_sum, n);  // check_append made it the next segment
   return Status::ok();
 }
 
@@ -893,7 +917,7 @@ Status PutStream::commit() {
   auto c = st.impl->borrow(st.deadline);
   if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   return (*c)
-      ->commit_put(st.token, st.key, XXH3_64bits_digest(st.hash), st.options.layout, st.options.ttl,
+      ->commit_put(st.token, st.key, st.hash.finish(), st.options.layout, st.options.ttl,
                    st.options.if_version)
       .with_context(st.key);
 }
@@ -908,13 +932,12 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
   if (options.layout.size() > kMaxLayout)
     return Status::invalid_argument("store: layout is larger than 64 KiB");
-  auto st = std::make_unique<PutStream::State>();
+  auto st = std::make_unique<PutStream::State>(options.checksum_segment);
   st->impl = impl_.get();
   st->key = std::string(key);
   st->token = random_token();
   st->options = options;
   st->size = size;
-  XXH3_64bits_reset(st->hash);
   const Deadline deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
   const auto leased_at = Clock::now();
   {
@@ -979,7 +1002,8 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
     KVSTASH_ASSIGN_OR_RETURN(auto r, c.stat(key));
     ObjectInfo info;
     info.size = r.size;
-    info.checksum = r.checksum;
+    info.checksum = r.checksum.value;
+    info.checksum_segment = r.checksum.segment;
     info.layout = std::move(r.layout);
     info.pages = r.pages;
     info.nodes = std::move(r.nodes);

@@ -49,7 +49,7 @@ json object_json(const metadata::ObjectInfo& o, std::int64_t now) {
           {"last_access_ms", o.last_access_ms},
           {"idle_ms", std::max<std::int64_t>(0, now - o.last_access_ms)},
           {"nodes", o.nodes},
-          {"checksum", wire::to_hex64(o.checksum)},
+          {"checksum", o.checksum ? wire::to_hex64(o.checksum->value) : "malformed"},
           {"readers", o.readers}};
 }
 
@@ -139,7 +139,8 @@ int show(Session& s, const std::string& key) {
   if (s.json()) {
     json j = object_json(i, now);
     j["size"] = rec->size;
-    j["checksum"] = wire::to_hex64(rec->checksum);
+    j["checksum"] = wire::to_hex64(rec->checksum.value);
+    j["checksum_segment"] = rec->checksum.segment;
     j["layout"] = rec->layout;
     j["pages"] = rec->pages;
     j["extents"] = json::array();
@@ -151,7 +152,8 @@ int show(Session& s, const std::string& key) {
   Table t({"FIELD", "VALUE"});
   t.row({"key", key});
   t.row({"size", units::format_size(rec->size) + " (" + std::to_string(rec->size) + " bytes)"});
-  t.row({"checksum", "xxh3-64 " + wire::to_hex64(rec->checksum)});
+  t.row({"checksum", "xxh3 tree " + wire::to_hex64(rec->checksum.value) + " (segments of " +
+                         units::format_size(rec->checksum.segment) + ")"});
   t.row({"ttl", rec->ttl_ms < 0 ? "never expires" : format_duration(milliseconds(rec->ttl_ms))});
   t.row({"created", format_time(i.created_ms)});
   t.row({"last access", format_time(i.last_access_ms) + " (" + ago(i.last_access_ms, now) + ")"});
