@@ -13,7 +13,7 @@
 
 #include "common/units.h"
 #include "kvcache.h"
-#include "kvcache/cuda/cuda_copier.h"
+#include "kvcache/cuda/cuda_device.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #include "tools/common/local_cluster.h"
@@ -40,9 +40,9 @@ int run_kvcache_gpu(const KvCacheBenchOptions& o) {
   const auto& blocks_src = planned->blocks_src;
   const auto& blocks_dst = planned->blocks_dst;
   const std::size_t used = blocks_src.size();
-  auto copier = cuda::cuda_copier();
-  if (!copier.is_ok()) {
-    std::cerr << "kvstash-bench kvcache --gpu: " << copier.status().to_string() << "\n";
+  auto gpu = cuda::cuda_device(0);
+  if (!gpu.is_ok()) {
+    std::cerr << "kvstash-bench kvcache --gpu: " << gpu.status().to_string() << "\n";
     return 1;
   }
   const std::uint64_t bb = shape.block_bytes(), layer_bytes = 2ull * shape.num_blocks * bb;
@@ -84,9 +84,9 @@ int run_kvcache_gpu(const KvCacheBenchOptions& o) {
   auto store = Store::open(so);
   if (!store.is_ok()) return std::cerr << store.status().to_string() << "\n", 1;
   auto kv_src = KvCache::open(**store, KvLayout::per_layer(shape, src, MemoryKind::kCuda).value(),
-                              {.model = "llama-2-7b"}, {.copier = *copier});
+                              {.model = "llama-2-7b"}, {.device = *gpu, .path = KvPath::kStaged});
   auto kv_dst = KvCache::open(**store, KvLayout::per_layer(shape, dst, MemoryKind::kCuda).value(),
-                              {.model = "llama-2-7b"}, {.copier = *copier});
+                              {.model = "llama-2-7b"}, {.device = *gpu, .path = KvPath::kStaged});
   if (!kv_src.is_ok() || !kv_dst.is_ok()) {
     std::cerr << "kvstash-bench kvcache --gpu: "
               << (kv_src.is_ok() ? kv_dst.status() : kv_src.status()).to_string() << "\n";

@@ -10,8 +10,8 @@
 #include <random>
 #include <vector>
 
-#include "kvcache/cuda/copy_runs.h"
-#include "kvcache/cuda/cuda_copier.h"
+#include "kvcache/cuda/cuda_device.h"
+#include "kvcache/cuda/kernels.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #include "tools/common/local_cluster.h"
@@ -134,8 +134,8 @@ TEST(Cuda, GatherAndScatterOfScatteredBlocksMatchTheCpuReference) {
 
 TEST(Cuda, AKvCacheInGpuMemorySavesAndLoadsThroughPinnedBounceBuffers) {
   REQUIRE_GPU();
-  auto copier = cuda::cuda_copier();
-  ASSERT_TRUE(copier.is_ok()) << copier.status().to_string();
+  auto gpu = cuda::cuda_device(0);
+  ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
   auto redis = tools::LocalRedis::start({});
   ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
   auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "64MiB", .node_id = "gpu1"});
@@ -157,16 +157,17 @@ TEST(Cuda, AKvCacheInGpuMemorySavesAndLoadsThroughPinnedBounceBuffers) {
     CUDA_OK(cudaMemcpy(a[l], host[l].data(), layer_bytes, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(b[l], 0x5a, layer_bytes));
   }
-  auto kva = KvCache::open(**store, KvLayout::per_layer(shape, a, MemoryKind::kCuda).value(),
-                           {.model = "gpu-model", .chunk_tokens = 256}, {.copier = *copier});
+  auto kva =
+      KvCache::open(**store, KvLayout::per_layer(shape, a, MemoryKind::kCuda).value(),
+                    {.model = "gpu-model", .chunk_tokens = 256}, {.device = *gpu, .path = KvPath::kStaged});
   // The loading cache chooses its own path: GPUDirect where a transport registers GPU
-  // memory, else the CUDA copier on the tensors' GPU.
+  // memory, else staging by the CUDA device of the tensors' GPU.
   auto kvb = KvCache::open(**store, KvLayout::per_layer(shape, b, MemoryKind::kCuda).value(),
                            {.model = "gpu-model", .chunk_tokens = 256});
   ASSERT_TRUE(kva.is_ok()) << kva.status().to_string();
   ASSERT_TRUE(kvb.is_ok()) << kvb.status().to_string();
-  EXPECT_EQ((*kva)->data_path(), "cuda");
-  EXPECT_TRUE((*kvb)->data_path() == "cuda" || (*kvb)->data_path() == "direct") << (*kvb)->data_path();
+  EXPECT_EQ((*kva)->data_path(), "staged");
+  EXPECT_EQ((*kvb)->device().name(), "cuda");
 
   std::vector<std::uint32_t> tokens(512);
   for (auto& t : tokens) t = static_cast<std::uint32_t>(rng() % 32000);

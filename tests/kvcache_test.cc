@@ -319,20 +319,21 @@ TEST_P(KvCacheTest, AnUnfinishedSaveLeavesNothingBehind) {
 
 TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   // A cache the transports cannot register (marked GPU memory; it is host memory here, and
-  // the host copier stands in for the CUDA one), 8 layers, 3 bounce slots per chunk.
+  // the host device copies it), 8 layers, 3 bounce slots per chunk. tests/kvcache_device_test.cc
+  // runs the same through a device whose memory the host cannot touch.
   const KvCacheShape shape = chunked_shape(GetParam());
   HostCache dev_a(shape, 51), dev_b(shape, 52), host_c(shape, 53);
   auto layout_a = KvLayout::per_layer(shape, dev_a.ptrs, MemoryKind::kCuda).value();
-  // No transport registers it and no GPU owns it, so the automatic CUDA staging is refused too,
-  // and the error says both; asked for the direct path only, the error is the transports'.
+  // No transport registers it and no GPU owns it, so staging on its GPU is refused too, and
+  // the error says both; asked for the direct path only, the error is the transports'.
   auto refused = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256});
   ASSERT_FALSE(refused.is_ok());
   const std::string why = refused.status().message();
   EXPECT_NE(why.find("no transport reaches this GPU memory"), std::string::npos) << why;
-  EXPECT_NE(why.find("KvCacheOptions::copier"), std::string::npos) << why;
+  EXPECT_NE(why.find("KvCacheOptions::device"), std::string::npos) << why;
   EXPECT_NE(why.find("host memory"), std::string::npos) << "the transport's reason: " << why;
   auto direct_only = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256},
-                                   {.stage_when_unreachable = false});
+                                   {.path = KvPath::kDirect});
   ASSERT_FALSE(direct_only.is_ok());
   EXPECT_EQ(direct_only.status().message().find("no transport reaches"), std::string::npos)
       << direct_only.status().to_string();
@@ -340,12 +341,13 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
       << direct_only.status().to_string();
 
   auto kva = KvCache::open(*store_, layout_a, {.model = "test-model", .chunk_tokens = 256},
-                           {.copier = host_copier(), .bounce_slots = 3});
+                           {.device = host_device(), .bounce_slots = 3});
   ASSERT_TRUE(kva.is_ok()) << kva.status().to_string();
-  EXPECT_EQ((*kva)->data_path(), "host");
+  EXPECT_EQ((*kva)->data_path(), "staged");
+  EXPECT_EQ((*kva)->device().name(), "host");
   auto kvb = KvCache::open(*store_, KvLayout::per_layer(shape, dev_b.ptrs, MemoryKind::kCuda).value(),
                            {.model = "test-model", .chunk_tokens = 256},
-                           {.copier = host_copier(), .bounce_slots = 1});
+                           {.device = host_device(), .bounce_slots = 1});
   ASSERT_TRUE(kvb.is_ok()) << kvb.status().to_string();
   auto kvc = open(host_c, 256);  // a direct cache reads what a staged one wrote: one object format
   ASSERT_TRUE(kvc);

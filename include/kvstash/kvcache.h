@@ -19,8 +19,9 @@
 // layer by layer, within a layer K then V (or the MLA latent alone), within those the
 // chunk's blocks in token order, each block's bytes as the engine keeps them (NHD or HND:
 // part of the key's salt, so caches of different layouts never share objects). Its layout
-// field holds the layout tag and an xxh3-64 per layer ("<tag>;xxh3=<16 hex>,..."), which a
-// layer-wise load checks as each layer lands.
+// field holds the layout tag and each layer's checksum ("<tag>;xxh3=<16 hex>,...": the sum of
+// the layer as one checksum segment, computed by the device where the bytes are), which a
+// layer-wise load checks as each layer lands, on the device.
 //
 // Thread safety: KvLayout is a value; KvCache is safe to use from several threads.
 #pragma once
@@ -148,33 +149,80 @@ std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens
 
 class KvCache;
 
-// Moves bytes between a KV cache's memory and host bounce buffers, for memory the transports
-// cannot reach themselves (GPU memory without GPUDirect). The CUDA one
-// (src/kvcache/cuda/cuda_copier.h, built where the CUDA toolkit is found) packs a layer's scattered blocks in
-// one kernel launch; host_copier() copies with memcpy (tests, and caches in plain host memory).
-class DeviceCopier {
+// A point in an inference engine's GPU work, as the engine holds it (not owned): a CUDA stream
+// (cudaStream_t; torch.cuda.Stream.cuda_stream) meaning "everything queued on it so far", or
+// an event (cudaEvent_t; torch.cuda.Event.cuda_event) the engine recorded. A device stand-in
+// (tests/device_standin.h) takes its own. Both null: nothing to wait for.
+struct KvSync {
+  void* stream = nullptr;
+  void* event = nullptr;
+};
+
+// A point in a device's work the host can wait for (an event recorded on a stream).
+class KvDeviceMark {
  public:
-  virtual ~DeviceCopier() = default;
+  virtual ~KvDeviceMark() = default;
+  // Blocks until the device passed the mark: OK, kTimeout at the deadline, or the device's error.
+  virtual Status wait(Deadline deadline) = 0;
+};
+
+// Events the host completes in order, which device streams can wait on: a load hands
+// event(l) to the engine (cudaStreamWaitEvent), and completes it once layer l landed.
+class KvDeviceSignals {
+ public:
+  virtual ~KvDeviceSignals() = default;  // completes every event first: no stream waits forever
+  virtual void* event(std::size_t i) const = 0;
+  // Completes events [0, n) (n only grows; a smaller n changes nothing).
+  virtual void complete_through(std::size_t n) = 0;
+};
+
+// The device that owns a KV cache's memory, as the KV-cache layer drives it. Its memory may
+// be out of the host's reach (GPU memory): the host never reads or writes it. The device
+// copies it to and from host bounce buffers (the staged data path), computes its checksums
+// where it is (both paths), and orders the cache's work after the engine's streams.
+//
+// The CUDA device (src/kvcache/cuda/cuda_device.h, built where the CUDA toolkit is found)
+// does each with kernels and events; host_device() serves memory the host may touch;
+// tests/device_standin.h is a device made of memory the test process cannot touch.
+// Implementations are thread-safe: saver and loader threads call them at once.
+class KvDevice {
+ public:
+  virtual ~KvDevice() = default;
   virtual std::string_view name() const = 0;
-  // Copies `runs` in order into `dst`, contiguous; returns once the bytes are there.
+  // Copies `runs` in order into host memory `dst`, contiguous; returns once the bytes are there.
   virtual Status gather(std::span<const KvRun> runs, std::byte* dst) = 0;
-  // Copies contiguous `src` into `runs`, in order; returns once the bytes are there.
+  // Copies contiguous host `src` into `runs`, in order; returns once the bytes are there.
   virtual Status scatter(const std::byte* src, std::span<const KvRun> runs) = 0;
   // Host memory suited to bounce buffers (page-locked for CUDA), freed by the deleter.
   virtual Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) = 0;
+  // The checksum of the bytes of `runs`, in order, as one segment (docs/metadata.md: the
+  // xxh3 tree, common/checksum_core.h), computed by the device where the bytes are. Bytes a
+  // NIC wrote are made visible to the device first. Returns once known.
+  virtual Result<std::uint64_t> segment_sum(std::span<const KvRun> runs) = 0;
+  // The engine's work up to `after`, as a mark the cache's threads wait for. Does not block
+  // (called on the engine's thread). kInvalidArgument for a handle the device cannot use.
+  virtual Result<std::unique_ptr<KvDeviceMark>> mark(const KvSync& after) = 0;
+  // `n` events the host completes in order (KvLoad::layer_event). kUnsupported where the
+  // device has no streams to wait (the host).
+  virtual Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t n) = 0;
 };
 
-std::shared_ptr<DeviceCopier> host_copier();
+// Memory the host may touch: memcpy, checksums on the CPU, no streams (mark() accepts only
+// an empty KvSync).
+std::shared_ptr<KvDevice> host_device();
+
+// How a cache's bytes travel.
+enum class KvPath : std::uint8_t {
+  kAuto,    // direct where every transport in use registers the cache's memory, else staged
+  kDirect,  // the transports move the cache's memory themselves (GPUDirect for GPU memory)
+  kStaged,  // the device copies through host bounce buffers, which the transports move
+};
 
 struct KvCacheOptions {
-  // Stage through host bounce buffers with this copier instead of registering the cache's
-  // memory with the transports.
-  std::shared_ptr<DeviceCopier> copier;
-  // Without a copier, MemoryKind::kCuda memory that a transport in use cannot register
-  // (GPUDirect needs verbs with dma-buf or nvidia-peermem, or UCX built with CUDA) is staged
-  // through the CUDA copier on the memory's GPU, where this build has the CUDA kernels,
-  // instead of failing open(). data_path() says which path was taken; the log says why.
-  bool stage_when_unreachable = true;
+  // The device that owns the cache's memory. Unset: host_device() for host memory; for GPU
+  // memory, the CUDA device of the GPU that owns it (where this build has the CUDA kernels).
+  std::shared_ptr<KvDevice> device;
+  KvPath path = KvPath::kAuto;
   // Bounce buffers per chunk being saved, one layer each: a layer's gather overlaps the
   // network writes of the `bounce_slots - 1` before it.
   std::uint32_t bounce_slots = 3;
@@ -190,9 +238,12 @@ class KvSave {
   KvSave(KvSave&&) noexcept;
   KvSave& operator=(KvSave&&) noexcept;
   ~KvSave();
-  // Starts writing `layer` (the next one in order) of every chunk still alive; returns once
-  // submitted. kInvalidArgument out of order; a chunk whose write fails is reported by wait().
-  Status save_layer(std::uint32_t layer);
+  // Starts writing `layer` (the next one in order) of every chunk still alive, once the
+  // engine's work up to `after` is done (the attention kernel that wrote the layer): the
+  // cache's threads wait for it, the caller does not. Returns once queued. kInvalidArgument
+  // out of order or for a handle the device cannot use; a chunk whose write fails (or whose
+  // `after` never completes before the save's deadline) is reported by wait().
+  Status save_layer(std::uint32_t layer, const KvSync& after = {});
   // Waits for every write and commits: one Status per chunk (kInvalidArgument for a chunk
   // whose layers were not all saved; kCancelled after cancel()).
   std::vector<Status> wait();
@@ -219,6 +270,12 @@ class KvLoad {
   Status wait_layer(std::uint32_t layer);
   // Non-blocking form: whether wait_layer(layer) would return at once.
   bool layer_ready(std::uint32_t layer) const;
+  // The layer's readiness for the engine's GPU streams: an event (cudaEvent_t on the CUDA
+  // device) that completes once wait_layer(layer) would return, to pass to
+  // cudaStreamWaitEvent so the engine's thread never blocks. It completes for a failed chunk
+  // too: failed_blocks() says what to recompute. Owned by the load; valid until it is
+  // destroyed. kUnsupported on the host device, kInvalidArgument out of range.
+  Result<void*> layer_event(std::uint32_t layer);
   // Waits for everything: one Status per chunk.
   std::vector<Status> wait();
   // Waits for everything, then the ids of the blocks whose chunk did not load whole (evicted,
@@ -248,9 +305,11 @@ class KvCache {
 
   const KvLayout& layout() const;
   const PrefixKeyOptions& key_options() const;
-  // "direct" (the transports reach the cache's memory), or the copier's name ("cuda", "host")
-  // when bytes are staged through host bounce buffers.
+  // "direct" (the transports reach the cache's memory), or "staged" (through host bounce
+  // buffers, by the device).
   std::string_view data_path() const;
+  // The device that owns the cache's memory ("host", "cuda", ...).
+  const KvDevice& device() const;
   std::vector<std::string> keys(std::span<const std::uint32_t> tokens) const;
   // Bytes of one chunk's object.
   std::uint64_t chunk_bytes() const;

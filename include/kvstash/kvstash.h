@@ -106,10 +106,12 @@ typedef enum kvstash_arrangement {
 /* How the bytes reach the cache's memory. */
 typedef enum kvstash_staging {
   KVSTASH_STAGING_AUTO = 0, /* the transports register it (host memory; GPU memory with GPUDirect);
-                               GPU memory none of them reaches goes through CUDA staging */
-  KVSTASH_STAGING_HOST = 1, /* through host bounce buffers, memcpy */
-  KVSTASH_STAGING_CUDA = 2, /* through pinned bounce buffers, a CUDA kernel per layer
-                               (KVSTASH_UNSUPPORTED where the build has no CUDA kernels) */
+                               GPU memory none of them reaches is staged by the CUDA device of
+                               the GPU that owns the tensors */
+  KVSTASH_STAGING_HOST = 1, /* through host bounce buffers, memcpy (host memory only) */
+  KVSTASH_STAGING_CUDA = 2, /* through pinned bounce buffers, a CUDA kernel per layer on the GPU
+                               that owns the tensors (KVSTASH_UNSUPPORTED where the build has no
+                               CUDA kernels) */
   KVSTASH_STAGING_NONE = 3  /* the transports register it, or kvstash_kvcache_open fails */
 } kvstash_staging;
 
@@ -135,8 +137,10 @@ typedef struct kvstash_key_options {
 
 kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
                                     const kvstash_key_options* keys, kvstash_kvcache** out);
-/* "direct", "host" or "cuda": how this cache's bytes move (see kvstash_staging). */
+/* "direct" or "staged": how this cache's bytes move (see kvstash_staging). */
 const char* kvstash_kvcache_data_path(const kvstash_kvcache* kv);
+/* "host" or "cuda": the device that copies and checksums the cache's memory. */
+const char* kvstash_kvcache_device(const kvstash_kvcache* kv);
 void kvstash_kvcache_close(kvstash_kvcache* kv);
 /* Bytes of one chunk's object; chunk size in tokens. */
 uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv);
@@ -159,6 +163,10 @@ kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* t
                                           const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
                                           uint32_t timeout_ms, kvstash_save** out);
 kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer);
+/* Stream-ordered form: the layer is written once the engine's GPU work queued on `stream` (a
+ * cudaStream_t) up to this call, or `event` (a cudaEvent_t it recorded), is done. The cache's
+ * threads wait for it; this call does not block. Pass one of them (the other NULL). */
+kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, void* stream, void* event);
 kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk);
 void kvstash_save_free(kvstash_save* save);
 
@@ -177,6 +185,11 @@ kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint3
                                                 uint32_t timeout_ms, kvstash_load** out);
 kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
+/* The layer's readiness as a cudaEvent_t, for cudaStreamWaitEvent on the engine's compute
+ * stream (the host does not block). It completes for failed chunks too (see
+ * kvstash_load_failed_blocks). Owned by the load: valid until kvstash_load_finish.
+ * KVSTASH_UNSUPPORTED for a cache in host memory. */
+kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void** event);
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);
 /* Stops a load: returns once nothing writes into the cache any more. Chunks not landed by then
  * end KVSTASH_CANCELLED (recompute their blocks); kvstash_load_finish still frees the handle. */

@@ -12,7 +12,7 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #if KVSTASH_HAVE_CUDA_KERNELS
-#include "kvcache/cuda/cuda_copier.h"
+#include "kvcache/cuda/cuda_device.h"
 #endif
 
 struct kvstash_store {
@@ -175,13 +175,20 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
   kvstash::KvCacheOptions options;
   switch (layout->staging) {
     case KVSTASH_STAGING_AUTO: break;
-    case KVSTASH_STAGING_NONE: options.stage_when_unreachable = false; break;
-    case KVSTASH_STAGING_HOST: options.copier = kvstash::host_copier(); break;
+    case KVSTASH_STAGING_NONE: options.path = kvstash::KvPath::kDirect; break;
+    case KVSTASH_STAGING_HOST:
+      options.device = kvstash::host_device();
+      options.path = kvstash::KvPath::kStaged;
+      break;
     case KVSTASH_STAGING_CUDA: {
 #if KVSTASH_HAVE_CUDA_KERNELS
-      auto c = kvstash::cuda::cuda_copier();
+      // On the GPU that owns the tensors, not GPU 0.
+      auto gpu = kvstash::cuda::device_of(l->regions().front().addr);
+      if (!gpu.is_ok()) return report(gpu.status());
+      auto c = kvstash::cuda::cuda_device(*gpu);
       if (!c.is_ok()) return report(c.status());
-      options.copier = std::move(c).value();
+      options.device = std::move(c).value();
+      options.path = kvstash::KvPath::kStaged;
       break;
 #else
       return report(kvstash::Status::unsupported("kvstash_kvcache_open: this build has no CUDA kernels"));
@@ -199,6 +206,10 @@ void kvstash_kvcache_close(kvstash_kvcache* kv) { delete kv; }
 
 const char* kvstash_kvcache_data_path(const kvstash_kvcache* kv) {
   return kv == nullptr ? "" : kv->kv->data_path().data();  // names of static storage
+}
+
+const char* kvstash_kvcache_device(const kvstash_kvcache* kv) {
+  return kv == nullptr ? "" : kv->kv->device().name().data();  // names of static storage
 }
 
 uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv) {
@@ -251,6 +262,11 @@ kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer) {
   return report(save->save.save_layer(layer));
 }
 
+kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, void* stream, void* event) {
+  if (save == nullptr) return invalid("kvstash_save_layer_after: save is required");
+  return report(save->save.save_layer(layer, {.stream = stream, .event = event}));
+}
+
 kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk) {
   if (save == nullptr) return invalid("kvstash_save_finish: save is required");
   std::unique_ptr<kvstash_save> owned(save);
@@ -285,6 +301,16 @@ kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer) {
 
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer) {
   return load != nullptr && load->load.layer_ready(layer) ? 1 : 0;
+}
+
+kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void** event) {
+  if (load == nullptr || event == nullptr)
+    return invalid("kvstash_load_layer_event: load and event are required");
+  *event = nullptr;
+  auto e = load->load.layer_event(layer);
+  if (!e.is_ok()) return report(e.status());
+  *event = *e;
+  return report({});
 }
 
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk) {

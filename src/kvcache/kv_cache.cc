@@ -1,13 +1,13 @@
 // KvCache: a request's chunks saved to and loaded from the store, one object per chunk,
 // layer by layer: a save streams each layer into the chunk's object as the engine finishes
 // it; a load checks each layer against the checksum its save recorded as soon as it lands.
-#include <xxhash.h>
-
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 
+#include "common/checksum.h"
 #include "common/log.h"
 #include "common/thread_pool.h"
 #include "kvcache/object_layout.h"
@@ -16,7 +16,7 @@
 #include "kvstash/store.h"
 
 #if KVSTASH_HAVE_CUDA_KERNELS
-#include "kvcache/cuda/cuda_copier.h"
+#include "kvcache/cuda/cuda_device.h"
 #endif
 
 namespace kvstash {
@@ -27,25 +27,30 @@ constexpr unsigned kLoadThreads = 4;
 // Threads submitting saves' layers (and checksumming them while the writes fly).
 constexpr unsigned kSaveThreads = 4;
 
-std::uint64_t hash_runs(const std::vector<KvRun>& runs) {
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
-  for (const KvRun& r : runs) XXH3_64bits_update(st, r.addr, r.length);
-  const std::uint64_t h = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  return h;
-}
-
 using kvcache::object_layout;
 using kvcache::parse_layout;
 
-// Host memory bytes long, page-aligned, from operator new (the host copier's bounce buffers).
+// Host memory bytes long, page-aligned, from operator new (the host device's bounce buffers).
 std::shared_ptr<std::byte> aligned_host(std::size_t bytes) {
   auto* p = static_cast<std::byte*>(::operator new (bytes, std::align_val_t{4096}));
   return std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete (q, std::align_val_t{4096}); });
 }
 
-class HostCopier final : public DeviceCopier {
+// The sum of runs of host memory as one segment.
+std::uint64_t host_segment_sum(std::span<const KvRun> runs) {
+  std::uint64_t total = 0;
+  for (const KvRun& r : runs) total += r.length;
+  sum::ObjectHasher h(total);
+  for (const KvRun& r : runs) h.update(r.addr, r.length);
+  return total == 0 ? sum::segment_sum(nullptr, 0) : *h.last_segment_sum();
+}
+
+class PassedMark final : public KvDeviceMark {
+ public:
+  Status wait(Deadline) override { return {}; }
+};
+
+class HostDevice final : public KvDevice {
  public:
   std::string_view name() const override { return "host"; }
   Status gather(std::span<const KvRun> runs, std::byte* dst) override {
@@ -63,11 +68,21 @@ class HostCopier final : public DeviceCopier {
     return {};
   }
   Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) override { return aligned_host(bytes); }
+  Result<std::uint64_t> segment_sum(std::span<const KvRun> runs) override { return host_segment_sum(runs); }
+  Result<std::unique_ptr<KvDeviceMark>> mark(const KvSync& after) override {
+    if (after.stream != nullptr || after.event != nullptr) {
+      return Status::invalid_argument("kvcache: the host device has no streams or events to wait for");
+    }
+    return std::unique_ptr<KvDeviceMark>(std::make_unique<PassedMark>());
+  }
+  Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t) override {
+    return Status::unsupported("kvcache: the host device has no streams to signal (use wait_layer)");
+  }
 };
 
 }  // namespace
 
-std::shared_ptr<DeviceCopier> host_copier() { return std::make_shared<HostCopier>(); }
+std::shared_ptr<KvDevice> host_device() { return std::make_shared<HostDevice>(); }
 
 namespace {
 
@@ -81,8 +96,8 @@ struct Bounce {
 // Bounce buffers of one size, reused across saves or loads.
 class BouncePool {
  public:
-  BouncePool(Store* store, DeviceCopier* copier, std::size_t bytes)
-      : store_(store), copier_(copier), bytes_(bytes) {}
+  BouncePool(Store* store, KvDevice* device, std::size_t bytes)
+      : store_(store), device_(device), bytes_(bytes) {}
   Result<std::unique_ptr<Bounce>> take() {
     {
       std::lock_guard lock(mu_);
@@ -93,7 +108,7 @@ class BouncePool {
       }
     }
     auto b = std::make_unique<Bounce>();
-    KVSTASH_ASSIGN_OR_RETURN(b->mem, copier_->allocate_host(bytes_));
+    KVSTASH_ASSIGN_OR_RETURN(b->mem, device_->allocate_host(bytes_));
     b->bytes = bytes_;
     KVSTASH_ASSIGN_OR_RETURN(b->handle, store_->register_memory({b->mem.get(), bytes_}));
     return b;
@@ -106,7 +121,7 @@ class BouncePool {
 
  private:
   Store* store_;
-  DeviceCopier* copier_;
+  KvDevice* device_;
   std::size_t bytes_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Bounce>> free_;
@@ -117,14 +132,14 @@ bool on_gpu(const KvLayout& layout) {
                              [](const MemoryRegion& r) { return r.kind == MemoryKind::kCuda; });
 }
 
-// The CUDA copier for a GPU layout no transport reaches, on the GPU that owns its memory.
-Result<std::shared_ptr<DeviceCopier>> gpu_staging_copier(const KvLayout& layout) {
+// The CUDA device of the GPU that owns a GPU layout's memory.
+Result<std::shared_ptr<KvDevice>> gpu_device(const KvLayout& layout) {
 #if KVSTASH_HAVE_CUDA_KERNELS
-  KVSTASH_ASSIGN_OR_RETURN(const int device, cuda::device_of(layout.regions().front().addr));
-  return cuda::cuda_copier(device);
+  KVSTASH_ASSIGN_OR_RETURN(const int gpu, cuda::device_of(layout.regions().front().addr));
+  return cuda::cuda_device(gpu);
 #else
   (void)layout;
-  return Status::unsupported("this build has no CUDA kernels to stage it");
+  return Status::unsupported("this build has no CUDA kernels");
 #endif
 }
 
@@ -134,7 +149,7 @@ struct KvCache::Impl {
   Store* store = nullptr;
   KvLayout layout;
   PrefixKeyOptions keys;
-  KvCacheOptions options;
+  KvCacheOptions options;                    // .device: see `device`
   std::vector<MemoryHandle> handles;         // one per layout region (direct data path)
   std::unique_ptr<BouncePool> save_bounces;  // bounce_slots layers each (staged data path)
   std::unique_ptr<BouncePool> load_bounces;  // one chunk each
@@ -160,7 +175,14 @@ struct KvCache::Impl {
   std::uint64_t chunk_bytes() const {
     return layout.layer_bytes(blocks_per_chunk) * layout.shape().num_layers;
   }
-  bool staged() const { return options.copier != nullptr; }
+  bool staged() const { return staged_path; }
+  // The cache's bytes, on the direct path, are summed by the device (the host must not read
+  // them); host memory is summed by the store while its writes fly.
+  bool device_sums() const { return !staged_path && device_memory; }
+
+  std::shared_ptr<KvDevice> device;
+  bool staged_path = false;
+  bool device_memory = false;  // some region is not host memory
 
   // The blocks of chunk `c` of a request (covers() checked that there are that many).
   std::vector<std::uint32_t> chunk_blocks(std::span<const std::uint32_t> block_ids, std::size_t c) const {
@@ -209,9 +231,21 @@ struct KvSave::State {
     std::unique_ptr<Bounce> bounce;  // staged: bounce_slots layers
   };
   std::vector<Chunk> chunks;
+  Deadline deadline;  // the save's: a layer whose engine work is not done by then fails
   std::uint32_t next_layer = 0;
   bool waited = false;
-  bool cancelled = false;
+  std::atomic<bool> cancelled = false;
+
+  // Waits for the engine's mark in short steps, so that cancel() is not held up by engine
+  // work that never finishes.
+  Status wait_for(KvDeviceMark& mark) const {
+    for (;;) {
+      const Deadline step = std::min(deadline, Clock::now() + std::chrono::milliseconds(5));
+      Status s = mark.wait(step);
+      if (s.code() != StatusCode::kTimeout || step == deadline) return s;
+      if (cancelled) return Status::cancelled("kvcache: save cancelled");
+    }
+  }
 
   // Waits for every layer task (they touch the chunks).
   void drain() {
@@ -233,7 +267,7 @@ KvSave::KvSave(KvSave&&) noexcept = default;
 KvSave& KvSave::operator=(KvSave&&) noexcept = default;
 KvSave::~KvSave() = default;  // an unfinished PutStream aborts itself
 
-Status KvSave::save_layer(std::uint32_t layer) {
+Status KvSave::save_layer(std::uint32_t layer, const KvSync& after) {
   if (!state_ || state_->waited) return Status::invalid_argument("kvcache: save already finished");
   if (state_->cancelled) return Status::cancelled("kvcache: save cancelled");
   State& st = *state_;
@@ -241,21 +275,35 @@ Status KvSave::save_layer(std::uint32_t layer) {
     return Status::invalid_argument("kvcache: layers are saved in order: expected layer " +
                                     std::to_string(st.next_layer) + ", got " + std::to_string(layer));
   }
+  // The engine's work that writes the layer, as a mark the saver threads wait for: the
+  // engine's thread never blocks on its own GPU.
+  KVSTASH_ASSIGN_OR_RETURN(std::shared_ptr<KvDeviceMark> written, st.kv->device->mark(after));
   // Each chunk's layer goes to a saver thread (submitting it and checksumming it while it
   // flies), after that chunk's previous layer: appends to one object stay in order. The
   // pool runs tasks first in, first out, so a task never waits for one queued behind it.
   for (auto& c : st.chunks) {
     std::shared_future<void> previous = c.last;
-    auto task = [&st, &c, layer, previous] {
+    auto task = [&st, &c, layer, previous, written] {
       if (previous.valid()) previous.wait();
       if (!c.status.is_ok()) return;
+      c.status = st.wait_for(*written);
+      if (!c.status.is_ok()) {
+        c.status =
+            c.status.with_context("kvcache: waiting for the engine to write layer " + std::to_string(layer));
+        return;
+      }
       auto runs = st.kv->layer_runs(layer, c.blocks);
       if (!runs.is_ok()) {
         c.status = runs.status();
         return;
       }
       std::uint64_t sum = 0;
-      if (!st.kv->staged()) {
+      if (st.kv->device_sums()) {
+        // Summed on the device, where the bytes are; the store reads none of them.
+        auto summed = st.kv->device->segment_sum(*runs);
+        c.status =
+            summed.is_ok() ? c.stream.append_summed(st.kv->slices(*runs), sum = *summed) : summed.status();
+      } else if (!st.kv->staged()) {
         c.status = c.stream.append(st.kv->slices(*runs), &sum);
       } else {
         // Through a bounce slot: the one this layer reuses must have reached the nodes.
@@ -264,7 +312,7 @@ Status KvSave::save_layer(std::uint32_t layer) {
         const std::uint32_t slots = kv.options.bounce_slots;
         if (layer >= slots) c.status = c.stream.wait_written(lb * (layer - slots + 1));
         std::byte* slot = c.bounce->mem.get() + (layer % slots) * lb;
-        if (c.status.is_ok()) c.status = kv.options.copier->gather(*runs, slot);
+        if (c.status.is_ok()) c.status = kv.device->gather(*runs, slot);
         Slice s{slot, static_cast<std::size_t>(lb), &c.bounce->handle};
         if (c.status.is_ok()) c.status = c.stream.append({&s, 1}, &sum);
       }
@@ -326,12 +374,25 @@ struct KvLoad::State {
   std::vector<std::vector<std::uint32_t>> blocks;  // per chunk: where it loads
   std::vector<std::future<void>> tasks;
   CancelToken cancel = CancelToken::make();  // every chunk's get holds it
+  std::shared_ptr<KvDevice> device;
+  std::unique_ptr<KvDeviceSignals> signals;  // made at the first layer_event()
 
   bool ready_locked(std::uint32_t layer) const {
     for (std::size_t c = 0; c < done.size(); ++c) {
       if (verified[c] <= layer && !done[c]) return false;
     }
     return true;
+  }
+  // Wakes wait_layer and completes the device events of every layer now ready.
+  void progress_locked() {
+    cv.notify_all();
+    if (!signals) return;
+    std::uint32_t ready = 0;
+    while (ready < layers && ready_locked(ready)) ++ready;
+    signals->complete_through(ready);
+  }
+  ~State() {
+    if (signals) signals->complete_through(layers);  // no engine stream waits forever
   }
 };
 
@@ -340,6 +401,17 @@ KvLoad::KvLoad(KvLoad&&) noexcept = default;
 KvLoad& KvLoad::operator=(KvLoad&&) noexcept = default;
 KvLoad::~KvLoad() {
   if (state_) wait();
+}
+
+Result<void*> KvLoad::layer_event(std::uint32_t layer) {
+  if (!state_) return Status::invalid_argument("kvcache: no load");
+  if (layer >= state_->layers) return Status::invalid_argument("kvcache: layer out of range");
+  std::lock_guard lock(state_->mu);
+  if (!state_->signals) {
+    KVSTASH_ASSIGN_OR_RETURN(state_->signals, state_->device->signals(state_->layers));
+    state_->progress_locked();  // the layers that landed already
+  }
+  return state_->signals->event(layer);
 }
 
 bool KvLoad::layer_ready(std::uint32_t layer) const {
@@ -415,37 +487,58 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   impl->blocks_per_chunk = impl->keys.chunk_tokens / bs;
   if (options.bounce_slots == 0) return Status::invalid_argument("kvcache: bounce_slots must be at least 1");
   impl->options = std::move(options);
-  if (!impl->staged()) {
+  impl->device_memory = on_gpu(layout);
+  // The device: the caller's, the host for host memory, else the GPU's own.
+  impl->device = impl->options.device;
+  Status no_device;
+  if (!impl->device && !impl->device_memory) impl->device = host_device();
+  if (!impl->device) {
+    auto gpu = gpu_device(layout);
+    if (gpu.is_ok()) {
+      impl->device = std::move(gpu).value();
+    } else {
+      no_device = gpu.status();
+    }
+  }
+  const KvPath path = impl->options.path;
+  if (path != KvPath::kStaged) {
     Status direct = impl->register_direct(layout);
+    if (direct.is_ok() && !impl->device) {
+      // The transports reach the memory, but its checksums must be computed on its device.
+      return Status::unsupported("kvcache: GPU memory on the direct path is checksummed by its GPU, and " +
+                                 no_device.message() + ": pass KvCacheOptions::device");
+    }
     if (!direct.is_ok()) {
       direct = direct.with_context("kvcache: registering the KV cache");
-      if (!on_gpu(layout) || !impl->options.stage_when_unreachable) return direct;
-      auto copier = gpu_staging_copier(layout);
-      if (!copier.is_ok()) {
-        return direct.with_context("no transport reaches this GPU memory, and " + copier.status().message() +
-                                   ": stage it (KvCacheOptions::copier)");
+      if (!impl->device_memory || path == KvPath::kDirect) return direct;
+      if (!impl->device) {
+        return direct.with_context("no transport reaches this GPU memory, and " + no_device.message() +
+                                   " to stage it: pass KvCacheOptions::device");
       }
-      KVSTASH_LOG_INFO("kvcache: staging GPU memory through pinned host buffers (the {} copier): {}",
-                       (*copier)->name(), direct.message());
+      KVSTASH_LOG_INFO("kvcache: staging GPU memory through host bounce buffers (the {} device): {}",
+                       impl->device->name(), direct.message());
       impl->handles.clear();
-      impl->options.copier = std::move(copier).value();
+      impl->staged_path = true;
     }
+  } else if (!impl->device) {
+    return no_device.with_context("kvcache: staging needs the memory's device: pass KvCacheOptions::device");
+  } else {
+    impl->staged_path = true;
   }
   if (impl->staged()) {
     const std::uint64_t lb = layout.layer_bytes(impl->blocks_per_chunk);
     impl->save_bounces = std::make_unique<BouncePool>(
-        &store, impl->options.copier.get(), static_cast<std::size_t>(lb * impl->options.bounce_slots));
+        &store, impl->device.get(), static_cast<std::size_t>(lb * impl->options.bounce_slots));
     impl->load_bounces = std::make_unique<BouncePool>(
-        &store, impl->options.copier.get(), static_cast<std::size_t>(lb * layout.shape().num_layers));
+        &store, impl->device.get(), static_cast<std::size_t>(lb * layout.shape().num_layers));
   }
   impl->layout = std::move(layout);
   return std::unique_ptr<KvCache>(new KvCache(std::move(impl)));
 }
 
 const KvLayout& KvCache::layout() const { return impl_->layout; }
-std::string_view KvCache::data_path() const {
-  return impl_->staged() ? impl_->options.copier->name() : "direct";
-}
+std::string_view KvCache::data_path() const { return impl_->staged() ? "staged" : "direct"; }
+const KvDevice& KvCache::device() const { return *impl_->device; }
 const PrefixKeyOptions& KvCache::key_options() const { return impl_->keys; }
 
 std::vector<std::string> KvCache::keys(std::span<const std::uint32_t> tokens) const {
@@ -468,6 +561,7 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_unique<KvSave::State>();
   st->kv = impl_.get();
+  st->deadline = deadline.value_or(deadline_after(std::chrono::seconds(30)));
   for (std::size_t c = first; c < first + count; ++c) {
     auto& chunk = st->chunks.emplace_back();
     chunk.key = k[c];
@@ -480,7 +574,10 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
       }
       chunk.bounce = std::move(b).value();
     }
-    auto stream = impl_->store->begin_put(chunk.key, impl_->chunk_bytes(), {.deadline = deadline});
+    // One checksum segment per layer: each layer's sum is the one its device computed.
+    auto stream = impl_->store->begin_put(
+        chunk.key, impl_->chunk_bytes(),
+        {.deadline = deadline, .checksum_segment = impl_->layout.layer_bytes(impl_->blocks_per_chunk)});
     if (stream.is_ok()) {
       chunk.stream = std::move(stream).value();
     } else {
@@ -504,6 +601,7 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
+  st->device = impl_->device;
   const std::uint32_t layers = impl_->layout.shape().num_layers;
   st->layers = layers;
   st->verified.assign(count, 0);
@@ -512,91 +610,97 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
   // Every chunk's blocks are in place before any task runs (the tasks read them from `st`).
   for (std::size_t c = 0; c < count; ++c) st->blocks.push_back(impl_->chunk_blocks(block_ids, first + c));
   for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
-    st->tasks.push_back(impl_->loaders->submit([this, st, c, key = k[first + c], deadline, layer_bytes,
-                                                layers] {
-      const Impl& kv = *impl_;
-      const std::vector<std::uint32_t>& blocks = st->blocks[c];
-      std::vector<std::vector<KvRun>> runs(layers);
-      std::vector<Slice> slices;
-      Status failed;
-      for (std::uint32_t l = 0; l < layers && failed.is_ok(); ++l) {
-        auto r = kv.layer_runs(l, blocks);
-        if (!r.is_ok()) {
-          failed = r.status();
-          break;
-        }
-        runs[l] = std::move(r).value();
-        if (!kv.staged()) {
-          for (const Slice& s : kv.slices(runs[l])) slices.push_back(s);
-        }
-      }
-      // Staged: the chunk lands in a bounce buffer, and each layer is checked there and
-      // then scattered into the cache.
-      std::unique_ptr<Bounce> bounce;
-      if (kv.staged() && failed.is_ok()) {
-        auto b = kv.load_bounces->take();
-        if (b.is_ok()) {
-          bounce = std::move(b).value();
-          slices.push_back({bounce->mem.get(), bounce->bytes, &bounce->handle});
-        } else {
-          failed = b.status().with_context("kvcache: bounce buffer");
-        }
-      }
-      // Each layer is checked against its save's checksum as soon as it is whole.
-      std::optional<std::vector<std::uint64_t>> sums;
-      Status bad_layer;
-      std::uint32_t checked = 0;
-      GetOptions o;
-      o.deadline = deadline;
-      o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
-      o.cancel = st->cancel;
-      o.progress = [&](std::uint64_t landed, std::string_view layout) {
-        if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
-        if (!sums) {
-          bad_layer = Status::corrupt("kvcache: " + key + " was not saved by a cache of layout " +
-                                      kv.keys.layout_tag);
-          return;
-        }
-        while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed &&
-               !o.cancel.cancelled()) {
-          const std::uint64_t sum = bounce
-                                        ? XXH3_64bits(bounce->mem.get() + checked * layer_bytes, layer_bytes)
-                                        : hash_runs(runs[checked]);
-          if (sum != (*sums)[checked]) {
-            bad_layer = Status::corrupt("kvcache: layer " + std::to_string(checked) + " of " + key +
-                                        " does not match its checksum");
-            break;
+    st->tasks.push_back(
+        impl_->loaders->submit([this, st, c, key = k[first + c], deadline, layer_bytes, layers] {
+          const Impl& kv = *impl_;
+          const std::vector<std::uint32_t>& blocks = st->blocks[c];
+          std::vector<std::vector<KvRun>> runs(layers);
+          std::vector<Slice> slices;
+          Status failed;
+          for (std::uint32_t l = 0; l < layers && failed.is_ok(); ++l) {
+            auto r = kv.layer_runs(l, blocks);
+            if (!r.is_ok()) {
+              failed = r.status();
+              break;
+            }
+            runs[l] = std::move(r).value();
+            if (!kv.staged()) {
+              for (const Slice& s : kv.slices(runs[l])) slices.push_back(s);
+            }
           }
-          if (bounce) {
-            bad_layer = kv.options.copier->scatter(bounce->mem.get() + checked * layer_bytes, runs[checked]);
-            if (!bad_layer.is_ok()) break;
+          // Staged: the chunk lands in a bounce buffer, and each layer is checked there and
+          // then scattered into the cache.
+          std::unique_ptr<Bounce> bounce;
+          if (kv.staged() && failed.is_ok()) {
+            auto b = kv.load_bounces->take();
+            if (b.is_ok()) {
+              bounce = std::move(b).value();
+              slices.push_back({bounce->mem.get(), bounce->bytes, &bounce->handle});
+            } else {
+              failed = b.status().with_context("kvcache: bounce buffer");
+            }
           }
-          ++checked;
+          // Each layer is checked against its save's checksum as soon as it is whole.
+          std::optional<std::vector<std::uint64_t>> sums;
+          Status bad_layer;
+          std::uint32_t checked = 0;
+          GetOptions o;
+          o.deadline = deadline;
+          o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
+          o.cancel = st->cancel;
+          o.progress = [&](std::uint64_t landed, std::string_view layout) {
+            if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
+            if (!sums) {
+              bad_layer = Status::corrupt("kvcache: " + key + " was not saved by a cache of layout " +
+                                          kv.keys.layout_tag);
+              return;
+            }
+            while (bad_layer.is_ok() && checked < layers && (checked + 1) * layer_bytes <= landed &&
+                   !o.cancel.cancelled()) {
+              // In the bounce buffer (host memory) on the host; in the cache's memory by its device.
+              Result<std::uint64_t> sum =
+                  bounce ? sum::segment_sum(bounce->mem.get() + checked * layer_bytes, layer_bytes)
+                         : kv.device->segment_sum(runs[checked]);
+              if (!sum.is_ok()) {
+                bad_layer = sum.status().with_context("kvcache: checking layer " + std::to_string(checked) +
+                                                      " of " + key);
+                break;
+              }
+              if (*sum != (*sums)[checked]) {
+                bad_layer = Status::corrupt("kvcache: layer " + std::to_string(checked) + " of " + key +
+                                            " does not match its checksum");
+                break;
+              }
+              if (bounce) {
+                bad_layer = kv.device->scatter(bounce->mem.get() + checked * layer_bytes, runs[checked]);
+                if (!bad_layer.is_ok()) break;
+              }
+              ++checked;
+              std::lock_guard lock(st->mu);
+              st->verified[c] = checked;
+              st->progress_locked();
+            }
+          };
+          Status final = failed;
+          if (final.is_ok()) {
+            auto r = kv.store->get(key, slices, o);
+            if (!r.is_ok()) {
+              final = r.status();
+            } else if (!bad_layer.is_ok()) {
+              final = bad_layer;
+            } else if (checked != layers && o.cancel.cancelled()) {
+              final = Status::cancelled("kvcache: load of " + key + " cancelled");
+            } else if (r->size != kv.chunk_bytes() || checked != layers) {
+              final = Status::corrupt("kvcache: " + key + " holds " + std::to_string(r->size) +
+                                      " bytes, a chunk " + std::to_string(kv.chunk_bytes()));
+            }
+          }
+          if (bounce) kv.load_bounces->give(std::move(bounce));  // the get has returned: no write is left
           std::lock_guard lock(st->mu);
-          st->verified[c] = checked;
-          st->cv.notify_all();
-        }
-      };
-      Status final = failed;
-      if (final.is_ok()) {
-        auto r = kv.store->get(key, slices, o);
-        if (!r.is_ok()) {
-          final = r.status();
-        } else if (!bad_layer.is_ok()) {
-          final = bad_layer;
-        } else if (checked != layers && o.cancel.cancelled()) {
-          final = Status::cancelled("kvcache: load of " + key + " cancelled");
-        } else if (r->size != kv.chunk_bytes() || checked != layers) {
-          final = Status::corrupt("kvcache: " + key + " holds " + std::to_string(r->size) +
-                                  " bytes, a chunk " + std::to_string(kv.chunk_bytes()));
-        }
-      }
-      if (bounce) kv.load_bounces->give(std::move(bounce));  // the get has returned: no write is left
-      std::lock_guard lock(st->mu);
-      if (!final.is_ok()) st->verified[c] = std::min(st->verified[c], checked);
-      st->done[c] = final;
-      st->cv.notify_all();
-    }));
+          if (!final.is_ok()) st->verified[c] = std::min(st->verified[c], checked);
+          st->done[c] = final;
+          st->progress_locked();
+        }));
   }
   KvLoad load;
   load.state_ = std::move(st);

@@ -21,7 +21,7 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #if KVSTASH_HAVE_CUDA_KERNELS
-#include "kvcache/cuda/cuda_copier.h"
+#include "kvcache/cuda/cuda_device.h"
 #endif
 
 namespace py = pybind11;
@@ -172,8 +172,15 @@ PYBIND11_MODULE(kvstash, m) {
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).");
 
   py::class_<PySave, std::shared_ptr<PySave>>(m, "KvSave")
-      .def("save_layer",
-           [](PySave& s, std::uint32_t layer) { check(nogil([&] { return s.save.save_layer(layer); })); })
+      // stream / event: raw handles (torch.cuda.Stream.cuda_stream, torch.cuda.Event.cuda_event).
+      .def(
+          "save_layer",
+          [](PySave& s, std::uint32_t layer, std::uintptr_t stream, std::uintptr_t event) {
+            const KvSync after{.stream = reinterpret_cast<void*>(stream),
+                               .event = reinterpret_cast<void*>(event)};
+            check(nogil([&] { return s.save.save_layer(layer, after); }));
+          },
+          py::arg("layer"), py::arg("stream") = 0, py::arg("event") = 0)
       .def("wait", [](PySave& s) { return statuses(nogil([&] { return s.save.wait(); })); })
       .def("cancel", [](PySave& s) { nogil([&] { s.save.cancel(); }); });
 
@@ -181,6 +188,12 @@ PYBIND11_MODULE(kvstash, m) {
       .def("wait_layer",
            [](PyLoad& l, std::uint32_t layer) { check(nogil([&] { return l.load.wait_layer(layer); })); })
       .def("layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); })
+      // The layer's readiness as a raw cudaEvent_t (an int) for cudaStreamWaitEvent on the
+      // engine's stream (kvstash/torch_streams.py wraps it for torch); owned by the load.
+      .def("layer_event",
+           [](PyLoad& l, std::uint32_t layer) {
+             return reinterpret_cast<std::uintptr_t>(unwrap(l.load.layer_event(layer)));
+           })
       .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); })
       .def("cancel", [](PyLoad& l) { nogil([&] { l.load.cancel(); }); })
       .def(
@@ -218,12 +231,15 @@ PYBIND11_MODULE(kvstash, m) {
              if (arrangement == "blocks_first") layout = KvLayout::per_layer_blocks_first(shape, ptrs, kind);
              KvCacheOptions options;
              if (staging == "none") {
-               options.stage_when_unreachable = false;
+               options.path = KvPath::kDirect;
              } else if (staging == "host") {
-               options.copier = host_copier();
+               options.device = host_device();
+               options.path = KvPath::kStaged;
              } else if (staging == "cuda") {
 #if KVSTASH_HAVE_CUDA_KERNELS
-               options.copier = unwrap(cuda::cuda_copier());
+               // On the GPU that owns the tensors, not GPU 0.
+               options.device = unwrap(cuda::cuda_device(unwrap(cuda::device_of(ptrs.front()))));
+               options.path = KvPath::kStaged;
 #else
                raise(Status::unsupported("this build has no CUDA kernels"));
 #endif
@@ -251,6 +267,7 @@ PYBIND11_MODULE(kvstash, m) {
       .def_property_readonly("chunk_bytes", [](const PyKvCache& k) { return k.kv->chunk_bytes(); })
       .def_property_readonly("layout_tag", [](const PyKvCache& k) { return k.kv->key_options().layout_tag; })
       .def_property_readonly("data_path", [](const PyKvCache& k) { return std::string(k.kv->data_path()); })
+      .def_property_readonly("device", [](const PyKvCache& k) { return std::string(k.kv->device().name()); })
       .def("keys",
            [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens) { return k.kv->keys(tokens); })
       .def(

@@ -1,6 +1,7 @@
 // The GPU side of the KV-cache layer: one kernel launch copies a list of runs (a request's
-// scattered blocks into a contiguous staging buffer, or back). Compiled by nvcc where the
-// CUDA toolkit is found (-Dcuda=auto); KVSTASH_HAVE_CUDA says whether it was.
+// scattered blocks into a contiguous staging buffer, or back), and one digests the 4 KiB
+// blocks of a segment with the host's own checksum core (common/checksum_core.h). Compiled
+// by nvcc where the CUDA toolkit is found (KVSTASH_HAVE_CUDA_KERNELS says whether it was).
 //
 // Thread safety: stateless; a launch is ordered on its stream.
 #pragma once
@@ -22,5 +23,10 @@ struct CopyRun {
 // destinations. Returns the cudaError_t of the launch (0: launched; errors of the copy itself
 // surface at the next synchronisation).
 int launch_copy_runs(const CopyRun* runs, std::uint32_t n, void* stream);
+
+// Writes the XXH3-64 of each 4 KiB block of the `length` bytes at device address `segment`
+// into `digests` (device-reachable, sum::block_count(length) entries), one thread per block.
+// Returns the launch's cudaError_t.
+int launch_block_digests(const void* segment, std::uint64_t length, std::uint64_t* digests, void* stream);
 
 }  // namespace kvstash::cuda
