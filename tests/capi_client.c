@@ -156,7 +156,12 @@ int main(int argc, char** argv) {
 
   kvstash_save* save = NULL;
   CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 0, 2, 0, &save) == KVSTASH_OK, "begin_save");
-  for (uint32_t l = 0; l < LAYERS; ++l) CHECK(kvstash_save_layer(save, l) == KVSTASH_OK, "save_layer");
+  /* Layer 0 plainly, the rest in the stream-ordered form with nothing to wait for (a host
+   * cache has no streams: a stream handle is refused). */
+  CHECK(kvstash_save_layer(save, 0) == KVSTASH_OK, "save_layer");
+  CHECK(kvstash_save_layer_after(save, 1, (void*)0x1, NULL) == KVSTASH_INVALID_ARGUMENT,
+        "a host cache has no streams to wait for");
+  for (uint32_t l = 1; l < LAYERS; ++l) CHECK(kvstash_save_layer_after(save, l, NULL, NULL) == KVSTASH_OK, "save_layer_after");
   kvstash_status saved[2];
   CHECK(kvstash_save_finish(save, saved) == KVSTASH_OK && saved[0] == KVSTASH_OK && saved[1] == KVSTASH_OK,
         "save_finish");
@@ -167,6 +172,9 @@ int main(int argc, char** argv) {
   for (uint32_t l = 0; l < LAYERS; ++l) {
     CHECK(kvstash_load_wait_layer(load, l) == KVSTASH_OK, "load_wait_layer");
     CHECK(kvstash_load_layer_ready(load, l) == 1, "a waited layer is ready");
+    void* event = (void*)0x1;
+    CHECK(kvstash_load_layer_event(load, l, &event) == KVSTASH_UNSUPPORTED && event == NULL,
+          "a host cache has no device events");
     for (int i = 0; i < 4; ++i) {
       for (int p = 0; p < 2; ++p) {
         CHECK(memcmp(block_of(a[l], p, blocks_a[i]), block_of(b[l], p, blocks_b[i]), BLOCK_BYTES) == 0,
@@ -212,8 +220,9 @@ int main(int argc, char** argv) {
   layout.staging = KVSTASH_STAGING_HOST;
   for (int l = 0; l < LAYERS; ++l) memset(b[l], 0, LAYER_BYTES);
   CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_OK, "kvstash_kvcache_open staged");
-  CHECK(strcmp(kvstash_kvcache_data_path(kvs), "host") == 0 && strcmp(kvstash_kvcache_data_path(kva), "direct") == 0,
+  CHECK(strcmp(kvstash_kvcache_data_path(kvs), "staged") == 0 && strcmp(kvstash_kvcache_data_path(kva), "direct") == 0,
         "data paths");
+  CHECK(strcmp(kvstash_kvcache_device(kvs), "host") == 0, "the host device stages it");
   CHECK(kvstash_kvcache_begin_load(kvs, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "staged load");
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK, "staged load_finish");
   for (uint32_t l = 0; l < LAYERS; ++l) {

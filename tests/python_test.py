@@ -51,8 +51,11 @@ class KvstashPython(unittest.TestCase):
 
         blocks_a, blocks_b = [9, 2, 14, 5], [0, 11, 7, 3]
         save = kva.begin_save(tokens, blocks_a, 0, 2)
+        with self.assertRaises(kvstash.Error) as e:
+            save.save_layer(0, stream=1)  # a host cache has no streams to wait for
+        self.assertEqual(e.exception.code, "invalid_argument")
         for layer in range(layers):
-            save.save_layer(layer)
+            save.save_layer(layer, stream=0, event=0)
         self.assertEqual(save.wait(), [("ok", ""), ("ok", "")])
         self.assertEqual(kvb.contains_prefix(tokens), 2)
 
@@ -60,6 +63,9 @@ class KvstashPython(unittest.TestCase):
         for layer in range(layers):
             load.wait_layer(layer)
             self.assertTrue(load.layer_ready(layer))
+            with self.assertRaises(kvstash.Error) as e:
+                load.layer_event(layer)  # a host cache has no device events
+            self.assertEqual(e.exception.code, "unsupported")
             for i in range(4):
                 for part in range(2):
                     src = (part * blocks + blocks_a[i]) * block_bytes
@@ -70,7 +76,8 @@ class KvstashPython(unittest.TestCase):
         # Through host bounce buffers: the same bytes.
         c = [bytearray(2 * blocks * block_bytes) for _ in range(layers)]
         kvc = kvstash.KvCache(self.store, c, staging="host", **common)
-        self.assertEqual(kvc.data_path, "host")
+        self.assertEqual(kvc.data_path, "staged")
+        self.assertEqual(kvc.device, "host")
         self.assertEqual(kva.data_path, "direct")
         self.assertEqual([code for code, _ in kvc.begin_load(tokens, blocks_b, 2).wait()], ["ok", "ok"])
         for layer in range(layers):
