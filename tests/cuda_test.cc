@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "common/checksum.h"
 #include "kvcache/cuda/cuda_device.h"
 #include "kvcache/cuda/kernels.h"
 #include "kvstash/kvcache.h"
@@ -206,6 +209,137 @@ TEST(Cuda, AKvCacheInGpuMemorySavesAndLoadsThroughPinnedBounceBuffers) {
         ASSERT_EQ(got[blk * bb + k], 0x5a) << "an unlisted block was written";
     }
   }
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    cudaFree(a[l]);
+    cudaFree(b[l]);
+  }
+}
+
+TEST(Cuda, TheChecksumKernelEqualsTheHostsCoreOnRandomData) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(11);
+  std::vector<unsigned char> host(3u << 20);
+  for (auto& c : host) c = static_cast<unsigned char>(rng());
+  void* dev = nullptr;
+  std::uint64_t* digests = nullptr;
+  CUDA_OK(cudaMalloc(&dev, host.size()));
+  CUDA_OK(cudaMallocManaged(&digests, (host.size() / 4096 + 1) * sizeof(std::uint64_t)));
+  CUDA_OK(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice));
+  // Every XXH3 path at once: lengths below one block, around it, and many blocks with a tail;
+  // offsets 0 and 3 (unaligned loads).
+  for (std::uint64_t length : {0ull, 1ull, 7ull, 16ull, 100ull, 240ull, 241ull, 4095ull, 4096ull, 4097ull,
+                               1000003ull, (3ull << 20) - 3}) {
+    for (std::uint64_t offset : {0ull, 3ull}) {
+      if (offset + length > host.size()) continue;
+      ASSERT_EQ(
+          cuda::launch_block_digests(static_cast<unsigned char*>(dev) + offset, length, digests, nullptr), 0);
+      CUDA_OK(cudaDeviceSynchronize());
+      for (std::uint64_t i = 0; i < sum::block_count(length); ++i) {
+        const std::uint64_t at = offset + i * 4096;
+        ASSERT_EQ(digests[i],
+                  sum::xxh3_64(host.data() + at, std::min<std::uint64_t>(4096, offset + length - at)))
+            << "length " << length << " offset " << offset << " block " << i;
+      }
+    }
+  }
+  // The device's segment sum of scattered runs equals the host's over the same bytes.
+  auto gpu = cuda::cuda_device(0);
+  ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+  auto* d = static_cast<std::byte*>(dev);
+  const KvRun runs[] = {{d + 5, 70000, 0}, {d + 200000, 4096, 0}, {d + 300001, 123457, 0}};
+  std::vector<std::byte> packed;
+  for (const KvRun& r : runs) {
+    const auto* from = reinterpret_cast<const std::byte*>(host.data()) + (r.addr - d);
+    packed.insert(packed.end(), from, from + r.length);
+  }
+  auto on_gpu = (*gpu)->segment_sum(runs);
+  ASSERT_TRUE(on_gpu.is_ok()) << on_gpu.status().to_string();
+  EXPECT_EQ(*on_gpu, sum::segment_sum(packed.data(), packed.size()));
+  cudaFree(digests);
+  cudaFree(dev);
+}
+
+// A real kernel writes each layer 20 ms after save_layer was called with its stream (odd
+// layers: an event recorded after it); the stored bytes are the kernel's. A load hands each
+// layer to another stream as an event, and what that stream copies out after waiting is the
+// layer's final bytes.
+TEST(Cuda, StreamOrderedSavesStoreTheKernelsBytesAndLoadsSignalTheEnginesStream) {
+  REQUIRE_GPU();
+  auto redis = tools::LocalRedis::start({});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "64MiB", .node_id = "gpu2"});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  StoreOptions so;
+  so.redis_url = (*redis)->url();
+  auto store = Store::open(so);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  KvCacheShape shape{.num_layers = 4, .num_blocks = 32, .block_size = 16, .num_kv_heads = 8, .head_dim = 128};
+  const std::uint64_t layer_bytes = 2ull * shape.num_blocks * shape.block_bytes();
+  std::vector<void*> a(shape.num_layers), b(shape.num_layers);
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    CUDA_OK(cudaMalloc(&a[l], layer_bytes));
+    CUDA_OK(cudaMalloc(&b[l], layer_bytes));
+    CUDA_OK(cudaMemset(a[l], 0x11, layer_bytes));  // what an unordered save would store
+    CUDA_OK(cudaMemset(b[l], 0x5a, layer_bytes));
+  }
+  // KVSTASH_GPU_PATH=direct|staged (scripts/gpu-check runs both where a NIC reaches the GPU).
+  const char* want_path = std::getenv("KVSTASH_GPU_PATH");
+  const KvPath path = want_path == nullptr                 ? KvPath::kAuto
+                      : std::string(want_path) == "direct" ? KvPath::kDirect
+                                                           : KvPath::kStaged;
+  auto kva = KvCache::open(**store, KvLayout::per_layer(shape, a, MemoryKind::kCuda).value(),
+                           {.model = "gpu-model", .chunk_tokens = 256}, {.path = path});
+  auto kvb = KvCache::open(**store, KvLayout::per_layer(shape, b, MemoryKind::kCuda).value(),
+                           {.model = "gpu-model", .chunk_tokens = 256}, {.path = path});
+  ASSERT_TRUE(kva.is_ok() && kvb.is_ok()) << kva.status().to_string() << kvb.status().to_string();
+  std::cout << "data path: " << (*kva)->data_path() << " (" << (*kva)->device().name() << " device)\n";
+  cudaStream_t attention = nullptr, compute = nullptr;
+  cudaEvent_t written = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&attention, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+  CUDA_OK(cudaEventCreateWithFlags(&written, cudaEventDisableTiming));
+  std::vector<std::uint32_t> tokens(256), blocks(16);
+  std::iota(tokens.begin(), tokens.end(), 7u);
+  std::iota(blocks.begin(), blocks.end(), 3u);
+  auto save = (*kva)->begin_save(tokens, blocks, 0, 1);
+  ASSERT_TRUE(save.is_ok()) << save.status().to_string();
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    ASSERT_EQ(cuda::launch_fill_words(a[l], layer_bytes / 8, 100 + l, 20'000'000, attention), 0);
+    if (l % 2 == 0) {
+      ASSERT_TRUE(save->save_layer(l, {.stream = attention}).is_ok());
+    } else {
+      CUDA_OK(cudaEventRecord(written, attention));
+      ASSERT_TRUE(save->save_layer(l, {.event = written}).is_ok());
+    }
+  }
+  for (const auto& st : save->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+  auto load = (*kvb)->begin_load(tokens, blocks, 1);
+  ASSERT_TRUE(load.is_ok()) << load.status().to_string();
+  std::vector<std::vector<unsigned char>> got(shape.num_layers, std::vector<unsigned char>(layer_bytes));
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    auto event = load->layer_event(l);
+    ASSERT_TRUE(event.is_ok()) << event.status().to_string();
+    CUDA_OK(cudaStreamWaitEvent(compute, static_cast<cudaEvent_t>(*event), 0));
+    CUDA_OK(cudaMemcpyAsync(got[l].data(), b[l], layer_bytes, cudaMemcpyDeviceToHost, compute));
+  }
+  CUDA_OK(cudaStreamSynchronize(compute));
+  std::vector<unsigned char> want(layer_bytes);
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+    CUDA_OK(cudaMemcpy(want.data(), a[l], layer_bytes, cudaMemcpyDeviceToHost));
+    for (std::uint32_t blk : blocks) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        const std::uint64_t at = (p * shape.num_blocks + blk) * shape.block_bytes();
+        ASSERT_EQ(std::memcmp(got[l].data() + at, want.data() + at, shape.block_bytes()), 0)
+            << "layer " << l << " block " << blk;
+        ASSERT_NE(want[at], 0x11) << "the kernel's bytes, not the ones before it";
+      }
+    }
+  }
+  for (const auto& st : load->wait()) EXPECT_TRUE(st.is_ok()) << st.to_string();
+  cudaEventDestroy(written);
+  cudaStreamDestroy(attention);
+  cudaStreamDestroy(compute);
   for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
     cudaFree(a[l]);
     cudaFree(b[l]);

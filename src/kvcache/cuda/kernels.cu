@@ -42,7 +42,32 @@ __global__ void block_digests_kernel(const unsigned char* segment, std::uint64_t
   }
 }
 
+// Writes splitmix64(seed + i) as word i, after thread 0 of each block slept `delay_ns`: an
+// "attention kernel" that finishes late, for stream-ordering checks and synthetic caches.
+__global__ void fill_words_kernel(std::uint64_t* dst, std::uint64_t words, std::uint64_t seed, std::uint64_t delay_ns) {
+  if (delay_ns > 0 && threadIdx.x == 0) {
+    for (std::uint64_t slept = 0; slept < delay_ns; slept += 1000000) __nanosleep(1000000);
+  }
+  __syncthreads();
+  for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x; i < words;
+       i += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    dst[i] = z ^ (z >> 31);
+  }
+}
+
 }  // namespace
+
+int launch_fill_words(void* dst, std::uint64_t words, std::uint64_t seed, std::uint64_t delay_ns, void* stream) {
+  if (words == 0) return cudaSuccess;
+  const std::uint64_t want = (words + kThreads - 1) / kThreads;
+  const unsigned blocks = want < 1024u ? static_cast<unsigned>(want) : 1024u;
+  fill_words_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<std::uint64_t*>(dst),
+                                                                               words, seed, delay_ns);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int launch_copy_runs(const CopyRun* runs, std::uint32_t n, void* stream) {
   if (n == 0) return cudaSuccess;

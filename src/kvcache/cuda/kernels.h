@@ -29,4 +29,10 @@ int launch_copy_runs(const CopyRun* runs, std::uint32_t n, void* stream);
 // Returns the launch's cudaError_t.
 int launch_block_digests(const void* segment, std::uint64_t length, std::uint64_t* digests, void* stream);
 
+// Fills `words` 64-bit words at device address `dst` with splitmix64(seed + i), each block
+// of threads starting `delay_ns` late: synthetic KV written by a kernel that finishes after
+// its caller moved on (tests/cuda_test.cc, kvstash-bench kvcache --gpu).
+int launch_fill_words(void* dst, std::uint64_t words, std::uint64_t seed, std::uint64_t delay_ns,
+                      void* stream);
+
 }  // namespace kvstash::cuda
