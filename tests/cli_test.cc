@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "command.h"
+#include "fake_sysfs.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -361,6 +362,54 @@ TEST_F(Cli, DoctorExplainsWhatThisHostHasAndLacks) {
   EXPECT_EQ(sick.code, 1) << sick.out;
   EXPECT_NE(sick.out.find("How to fix"), std::string::npos) << sick.out;
   EXPECT_NE(sick.out.find("node rm n1"), std::string::npos) << sick.out;
+}
+
+TEST_F(Cli, DoctorPrintsTheGpuNicMatrixOfTheSysfsTreeAndSaysSoWhenThereIsNone) {
+  // A fake sysfs tree (KVSTASH_SYSFS_ROOT): two sockets, each with a PCIe switch holding a GPU
+  // and a NIC, and one more NIC on a root port of socket 0. No cell: doctor fails on Redis,
+  // but still reports this host.
+  using test::FakeSysfs;
+  FakeSysfs sys(dir_ / "sys");
+  sys.pci("pci0000:17", {"0000:17:00.0", "0000:18:00.0", "0000:19:00.0", "0000:1a:00.0"},
+          FakeSysfs::k3dController, FakeSysfs::kNvidia, 0);
+  sys.rdma("mlx5_0", sys.pci("pci0000:17", {"0000:17:00.0", "0000:18:00.0", "0000:19:04.0", "0000:1b:00.0"},
+                             FakeSysfs::kInfiniband, FakeSysfs::kMellanox, 0));
+  sys.pci("pci0000:ae", {"0000:ae:00.0", "0000:af:00.0", "0000:b0:00.0", "0000:b1:00.0"},
+          FakeSysfs::k3dController, FakeSysfs::kNvidia, 1);
+  sys.rdma("mlx5_1", sys.pci("pci0000:ae", {"0000:ae:00.0", "0000:af:00.0", "0000:b0:04.0", "0000:b2:00.0"},
+                             FakeSysfs::kInfiniband, FakeSysfs::kMellanox, 1));
+  sys.rdma("mlx5_2", sys.pci("pci0000:17", {"0000:17:02.0", "0000:1c:00.0"}, FakeSysfs::kEthernet,
+                             FakeSysfs::kMellanox, 0));
+  const std::string env = "KVSTASH_REDIS_URL=redis://127.0.0.1:1 KVSTASH_SYSFS_ROOT=" + sys.root().string();
+
+  Outcome d = kv("doctor --json", env);
+  EXPECT_EQ(d.code, 1) << "no Redis" << d.err;
+  const json m = d.j()["gpu_nic"];
+  EXPECT_EQ(m["gpus"], json({"0000:1a:00.0", "0000:b1:00.0"}));
+  EXPECT_EQ(m["nics"], json({"mlx5_0", "mlx5_1", "mlx5_2"}));
+  EXPECT_EQ(m["distance"], json({{"PIX", "SYS", "PHB"}, {"SYS", "PIX", "SYS"}}));
+  EXPECT_EQ(m["chosen"], json({{"mlx5_0"}, {"mlx5_1"}})) << "each GPU its own NIC";
+
+  Outcome text = kv("doctor", env);
+  EXPECT_NE(text.out.find("GPU x NIC"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("0000:1a:00.0  PIX*    SYS     PHB"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("0000:b1:00.0  SYS     PIX*    SYS"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("0000:1a:00.0 -> mlx5_0 (PIX); 0000:b1:00.0 -> mlx5_1 (PIX)"), std::string::npos)
+      << text.out;
+
+  // Neither GPUs nor RDMA devices: one line says so, and the matrix is empty.
+  FakeSysfs none(dir_ / "none");
+  Outcome empty =
+      kv("doctor --json", "KVSTASH_REDIS_URL=redis://127.0.0.1:1 KVSTASH_SYSFS_ROOT=" + none.root().string());
+  const json report = empty.j();
+  EXPECT_TRUE(report["gpu_nic"]["gpus"].empty());
+  EXPECT_TRUE(report["gpu_nic"]["nics"].empty());
+  bool said = false;
+  for (const auto& c : report["checks"]) {
+    if (c["check"] != "gpu-nic affinity") continue;
+    said = c["detail"].get<std::string>().find("no NVIDIA GPU and no RDMA device") != std::string::npos;
+  }
+  EXPECT_TRUE(said) << empty.out;
 }
 
 TEST_F(Cli, PasswordsComeFromAFileOrTheEnvironmentAndAreNeverEchoed) {

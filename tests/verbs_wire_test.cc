@@ -320,5 +320,31 @@ TEST(VerbsDevices, AllDevicesByDefaultElseTheNumaLocalOnesFirstInListOrder) {
   EXPECT_TRUE(choose_devices({}, 0, 2).empty());
 }
 
+TEST(VerbsDevices, MemoryThatPrefersDevicesGoesThroughTheirLanesElseAnyLane) {
+  const std::vector<std::size_t> four{0, 1, 2, 3};  // lane i on device i
+  for (std::uint32_t lane = 0; lane < 8; ++lane) {
+    EXPECT_EQ(pick_lane(four, 0, lane), lane % 4) << "host memory: the engine's lane";
+    EXPECT_EQ(pick_lane(four, 0b0100, lane), 2u) << "GPU memory with one nearest NIC: its lane only";
+  }
+  // Two nearest NICs (devices 1 and 3) take the engine's lanes in turn.
+  EXPECT_EQ(pick_lane(four, 0b1010, 0), 1u);
+  EXPECT_EQ(pick_lane(four, 0b1010, 1), 3u);
+  EXPECT_EQ(pick_lane(four, 0b1010, 2), 1u);
+  EXPECT_EQ(pick_lane(four, 0b1010, 3), 3u);
+  // Two GPUs of one process, each with its own NIC, over the same connection.
+  EXPECT_EQ(pick_lane(four, 0b0001, 5), 0u);
+  EXPECT_EQ(pick_lane(four, 0b1000, 5), 3u);
+  // The lanes run on devices 0 and 2 (device 1's lane did not come up): memory that prefers
+  // device 1 goes over every lane rather than nowhere; device 2's maps to lane 1.
+  const std::vector<std::size_t> two{0, 2};
+  EXPECT_EQ(pick_lane(two, 0b0010, 0), 0u);
+  EXPECT_EQ(pick_lane(two, 0b0010, 1), 1u);
+  EXPECT_EQ(pick_lane(two, 0b0100, 0), 1u);
+  EXPECT_EQ(pick_lane(two, 0b0100, 7), 1u);
+  // A device index past the mask's 64 bits is never preferred.
+  const std::vector<std::size_t> wide{63, 64};
+  EXPECT_EQ(pick_lane(wide, ~std::uint64_t{0}, 1), 0u);
+}
+
 }  // namespace
 }  // namespace kvstash::transport::verbs

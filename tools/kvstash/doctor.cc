@@ -1,6 +1,7 @@
 // kvstash doctor: checks the cell and this host, explains every finding and says how to fix
 // what is wrong. Exit 1 when a check failed; warnings (a missing RDMA device on a host that
-// has none) do not fail it.
+// has none) do not fail it. It also prints the GPU x NIC matrix (PCIe distance from each GPU to
+// each RDMA device) that the verbs transport chooses the NICs for each GPU's memory by.
 #include <dlfcn.h>
 #include <hiredis/hiredis.h>
 #include <sys/resource.h>
@@ -9,6 +10,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -16,6 +19,7 @@
 #include <sstream>
 
 #include "cli.h"
+#include "common/pci_topology.h"
 #include "common/units.h"
 #include "kvstash_config.h"
 #include "metadata/catalog.h"
@@ -41,6 +45,43 @@ struct Check {
   std::string fix;
 };
 
+// The PCIe distance from each GPU to each RDMA device, from sysfs (common/pci_topology.h), and
+// the devices the verbs transport moves each GPU's memory through (pci::nearest; all of them
+// when none is nearer than another).
+struct Affinity {
+  std::string sysfs;
+  std::vector<pci::Address> gpus;  // by PCI address: CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID
+  std::vector<std::string> nics;
+  std::vector<std::vector<pci::Distance>> distance;  // [gpu][nic]
+  std::vector<std::vector<bool>> chosen;             // [gpu][nic]
+};
+
+// The sysfs root: /sys, or KVSTASH_SYSFS_ROOT (for tests, which pass a synthetic tree).
+std::string sysfs_root() {
+  const char* env = std::getenv("KVSTASH_SYSFS_ROOT");
+  return env != nullptr && *env != '\0' ? env : std::string(pci::kSysfs);
+}
+
+Affinity read_affinity() {
+  Affinity a;
+  a.sysfs = sysfs_root();
+  a.gpus = pci::gpus(a.sysfs);
+  a.nics = pci::rdma_devices(a.sysfs);
+  for (const auto& g : a.gpus) {
+    a.distance.push_back(pci::distances(g, a.nics, a.sysfs));
+    const std::vector<std::size_t> near = pci::nearest(a.distance.back());
+    std::vector<bool> chosen(a.nics.size(), near.empty());
+    for (std::size_t i : near) chosen[i] = true;
+    a.chosen.push_back(std::move(chosen));
+  }
+  return a;
+}
+
+// "PIX*" for a chosen NIC, "SYS" for another.
+std::string cell(const Affinity& a, std::size_t g, std::size_t n) {
+  return std::string(pci::to_string(a.distance[g][n])) + (a.chosen[g][n] ? "*" : "");
+}
+
 class Doctor {
  public:
   explicit Doctor(Session& s) : s_(s) {}
@@ -50,6 +91,7 @@ class Doctor {
     host_checks();
     return std::move(checks_);
   }
+  const Affinity& affinity() const { return affinity_; }
 
  private:
   void add(std::string name, std::string status, std::string detail, std::string fix = {}) {
@@ -180,6 +222,7 @@ class Doctor {
 #endif
     rdma_checks();
     gpu_checks();
+    affinity_check();
     hugepage_check();
     memlock_check();
   }
@@ -272,6 +315,35 @@ class Doctor {
                : "modprobe nvidia-peermem (or a kernel >= 5.12 with CUDA >= 11.7 for dma-buf) for zero-copy");
   }
 
+  void affinity_check() {
+    affinity_ = read_affinity();
+    const Affinity& a = affinity_;
+    if (a.gpus.empty() && a.nics.empty()) {
+      add("gpu-nic affinity", "info",
+          "no NVIDIA GPU and no RDMA device in " + a.sysfs + ": no GPU x NIC matrix");
+    } else if (a.nics.empty()) {
+      add("gpu-nic affinity", "info",
+          std::to_string(a.gpus.size()) + " GPU(s) and no RDMA device: no GPU x NIC matrix");
+    } else if (a.gpus.empty()) {
+      add("gpu-nic affinity", "info",
+          "no NVIDIA GPU; " + std::to_string(a.nics.size()) + " RDMA device(s): no GPU x NIC matrix");
+    } else {
+      std::string detail;
+      for (std::size_t g = 0; g < a.gpus.size(); ++g) {
+        detail.append(g == 0 ? "" : "; ").append(pci::to_string(a.gpus[g])).append(" -> ");
+        bool first = true;
+        for (std::size_t n = 0; n < a.nics.size(); ++n) {
+          if (!a.chosen[g][n]) continue;
+          detail.append(first ? "" : ", ").append(a.nics[n]);
+          first = false;
+        }
+        const auto best = std::min_element(a.distance[g].begin(), a.distance[g].end());
+        detail.append(" (").append(pci::to_string(*best)).append(")");
+      }
+      add("gpu-nic affinity", "ok", detail);
+    }
+  }
+
   void hugepage_check() {
     std::ifstream in("/proc/meminfo");
     std::string line;
@@ -352,14 +424,53 @@ class Doctor {
 
   Session& s_;
   std::vector<Check> checks_;
+  Affinity affinity_;
 };
 
+json affinity_json(const Affinity& a) {
+  json j{{"sysfs", a.sysfs},
+         {"gpus", json::array()},
+         {"nics", a.nics},
+         {"distance", json::array()},
+         {"chosen", json::array()}};
+  for (std::size_t g = 0; g < a.gpus.size(); ++g) {
+    j["gpus"].push_back(pci::to_string(a.gpus[g]));
+    json row = json::array(), chosen = json::array();
+    for (std::size_t n = 0; n < a.nics.size(); ++n) {
+      row.push_back(std::string(pci::to_string(a.distance[g][n])));
+      if (a.chosen[g][n]) chosen.push_back(a.nics[n]);
+    }
+    j["distance"].push_back(std::move(row));
+    j["chosen"].push_back(std::move(chosen));
+  }
+  return j;
+}
+
+// The matrix, when there are GPUs and NICs both; nothing otherwise (the check said why).
+std::string affinity_table(const Affinity& a) {
+  if (a.gpus.empty() || a.nics.empty()) return {};
+  std::vector<std::string> header{"GPU"};
+  header.insert(header.end(), a.nics.begin(), a.nics.end());
+  Table t(std::move(header));
+  for (std::size_t g = 0; g < a.gpus.size(); ++g) {
+    std::vector<std::string> row{pci::to_string(a.gpus[g])};
+    for (std::size_t n = 0; n < a.nics.size(); ++n) row.push_back(cell(a, g, n));
+    t.row(std::move(row));
+  }
+  return "\nGPU x NIC, PCIe distance (* marks the NICs that move that GPU's memory over verbs; GPUs in "
+         "CUDA_DEVICE_ORDER=PCI_BUS_ID order):\n" +
+         t.str() +
+         "X same device, PIX one PCIe switch, PXB several switches, PHB one host bridge, NODE one NUMA "
+         "node, SYS across NUMA nodes, ? not in the PCI tree\n";
+}
+
 int doctor(Session& s) {
-  const std::vector<Check> checks = Doctor(s).run();
+  Doctor doc(s);
+  const std::vector<Check> checks = doc.run();
   bool failed = false;
   for (const auto& c : checks) failed |= c.status == "fail";
   if (s.json()) {
-    json j{{"ok", !failed}, {"checks", json::array()}};
+    json j{{"ok", !failed}, {"checks", json::array()}, {"gpu_nic", affinity_json(doc.affinity())}};
     for (const auto& c : checks) {
       j["checks"].push_back({{"check", c.name}, {"status", c.status}, {"detail", c.detail}, {"fix", c.fix}});
     }
@@ -367,7 +478,7 @@ int doctor(Session& s) {
   } else {
     Table t({"STATUS", "CHECK", "DETAIL"});
     for (const auto& c : checks) t.row({c.status, c.name, c.detail});
-    std::cout << t.str();
+    std::cout << t.str() << affinity_table(doc.affinity());
     bool header = false;
     for (const auto& c : checks) {
       if (c.fix.empty()) continue;
@@ -386,8 +497,9 @@ void add_doctor_command(Registry& r) {
       r.app.add_subcommand("doctor", "Check the cell and this host; explain each finding and how to fix it");
   d->footer(
       "Checks: Redis reachable and authenticated, eviction policy, schema, Lua scripts, clock skew, memory "
-      "nodes' heartbeats, transports (shm, tcp, UCX, RDMA devices and ports), CUDA and GPUDirect, "
-      "hugepages, memlock.\n\nExamples:\n  kvstash doctor\n  kvstash doctor --json | jq '.checks[] | "
+      "nodes' heartbeats, transports (shm, tcp, UCX, RDMA devices and ports), CUDA and GPUDirect, the GPU x "
+      "NIC matrix (PCIe distance, the NICs each GPU's memory moves through), hugepages, "
+      "memlock.\n\nExamples:\n  kvstash doctor\n  kvstash doctor --json | jq '.checks[] | "
       "select(.status != \"ok\")'");
   Session& s = r.session;
   d->final_callback([&r, &s] { r.action = [&s] { return doctor(s); }; });

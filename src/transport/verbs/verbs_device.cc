@@ -170,6 +170,19 @@ std::vector<std::size_t> choose_devices(const std::vector<Device>& devices, int 
   return ranked;
 }
 
+std::size_t pick_lane(std::span<const std::size_t> lane_devices, std::uint64_t preferred,
+                      std::uint32_t lane) {
+  auto is_preferred = [&](std::size_t dev) { return dev < 64 && (preferred >> dev & 1) != 0; };
+  std::size_t n = 0;
+  for (std::size_t d : lane_devices) n += is_preferred(d);
+  if (n == 0) return lane % lane_devices.size();
+  std::size_t k = lane % n;
+  for (std::size_t i = 0; i < lane_devices.size(); ++i) {
+    if (is_preferred(lane_devices[i]) && k-- == 0) return i;
+  }
+  return lane % lane_devices.size();  // not reached
+}
+
 int numa_node_of_this_thread() {
   const int cpu = sched_getcpu();
   if (cpu < 0) return -1;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -97,6 +98,14 @@ std::optional<Gid> pick_gid(const Port& port, bool ipv6 = false, std::string_vie
 // Which devices to use, as indices into `devices` in their own order: all of them, or with
 // `max` > 0 the first `max` preferring those on NUMA node `numa` (-1: unknown, no preference).
 std::vector<std::size_t> choose_devices(const std::vector<Device>& devices, int numa, std::size_t max);
+
+// Which lane of a striped connection carries an op the engine dealt to lane `lane`.
+// `lane_devices[i]` is the index (in the transport's device list) of lane i's device;
+// `preferred` has bit d set for each device d the op's local memory prefers (the NICs nearest
+// the GPU that owns it; 0: none). Without a preference, or when no lane runs on a preferred
+// device, lane `lane` modulo the lanes; otherwise the preferred lanes take the engine's lanes
+// in turn. Allocates nothing: called on the datapath. Precondition: lane_devices is not empty.
+std::size_t pick_lane(std::span<const std::size_t> lane_devices, std::uint64_t preferred, std::uint32_t lane);
 
 // The NUMA node of the CPU this thread runs on, from sysfs; -1 when unknown.
 int numa_node_of_this_thread();

@@ -12,20 +12,32 @@
 namespace kvstash::transport::verbs {
 namespace {
 
-// The two CUDA driver entry points used, declared here so the build needs no CUDA headers.
-// CUresult is an int; CUdeviceptr an unsigned long long.
+// The CUDA driver entry points used, declared here so the build needs no CUDA headers.
+// CUresult is an int; CUdeviceptr an unsigned long long; CUdevice an int.
 using GetHandleFn = int (*)(void* handle, unsigned long long dptr, std::size_t size, int type,
                             unsigned long long flags);
-constexpr int kCuMemRangeHandleTypeDmaBufFd = 1;  // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+using PointerGetAttributeFn = int (*)(void* data, int attribute, unsigned long long ptr);
+using DeviceGetFn = int (*)(int* device, int ordinal);
+using DeviceGetPciBusIdFn = int (*)(char* bus_id, int len, int device);
+constexpr int kCuMemRangeHandleTypeDmaBufFd = 1;     // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+constexpr int kCuPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 constexpr int kCudaSuccess = 0;
 
-// The driver's export function, or nullptr (no driver, or older than 11.7). Loaded once.
+// libcuda.so.1, or nullptr without a driver. Loaded once, never unloaded.
+void* libcuda() {
+  static void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  return lib;
+}
+
+template <typename Fn>
+Fn driver_fn(const char* name) {
+  void* lib = libcuda();
+  return lib == nullptr ? nullptr : reinterpret_cast<Fn>(::dlsym(lib, name));
+}
+
+// The driver's export function, or nullptr (no driver, or older than 11.7). Looked up once.
 GetHandleFn get_handle_fn() {
-  static GetHandleFn fn = [] {
-    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    return lib == nullptr ? nullptr
-                          : reinterpret_cast<GetHandleFn>(::dlsym(lib, "cuMemGetHandleForAddressRange"));
-  }();
+  static GetHandleFn fn = driver_fn<GetHandleFn>("cuMemGetHandleForAddressRange");
   return fn;
 }
 
@@ -43,6 +55,24 @@ std::string_view to_string(GpuPath path) {
     case GpuPath::kStaging: return "staging";
   }
   return "?";
+}
+
+std::optional<std::string> gpu_pci_bus_id(const void* dptr) {
+  static const auto attribute = driver_fn<PointerGetAttributeFn>("cuPointerGetAttribute");
+  static const auto device_get = driver_fn<DeviceGetFn>("cuDeviceGet");
+  static const auto bus_id = driver_fn<DeviceGetPciBusIdFn>("cuDeviceGetPCIBusId");
+  if (dptr == nullptr || attribute == nullptr || device_get == nullptr || bus_id == nullptr)
+    return std::nullopt;
+  int ordinal = -1;
+  int device = -1;
+  char buf[32] = {};  // "00000000:3B:00.0" and its NUL fit
+  if (attribute(&ordinal, kCuPointerAttributeDeviceOrdinal, reinterpret_cast<std::uintptr_t>(dptr)) !=
+          kCudaSuccess ||
+      ordinal < 0 || device_get(&device, ordinal) != kCudaSuccess ||
+      bus_id(buf, static_cast<int>(sizeof buf), device) != kCudaSuccess) {
+    return std::nullopt;
+  }
+  return std::string(buf);
 }
 
 Result<GpuRegistration> register_gpu_memory(ibv_pd* pd, void* dptr, std::size_t length, int access) {

@@ -193,9 +193,14 @@ class Registration final : public LocalRegistration {
     Mr mr;                             // deregistered before `dev` can close
   };
   // `target` is set for a region registered for leases only (its MRs grant no remote access).
-  Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target = nullptr);
+  // `preferred`: bit d set for each device d (DeviceState::index, below 64) that should move
+  // this memory (GPU memory: the NICs nearest its GPU); 0: any.
+  Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target = nullptr,
+               std::uint64_t preferred = 0);
   ~Registration() override;
   std::string packed_key() const override;
+  // The devices ops on this memory go through when a connection has lanes on them (pick_lane).
+  std::uint64_t preferred_devices() const { return preferred_; }
   // The lkey on the device with `guid`, or nullopt when the region is not registered there.
   std::optional<std::uint32_t> lkey(std::uint64_t guid) const {
     for (const Part& p : parts_) {
@@ -209,6 +214,7 @@ class Registration final : public LocalRegistration {
   std::shared_ptr<Target> target_;
   std::vector<Part> parts_;
   bool remote_;
+  std::uint64_t preferred_;
 };
 
 class VerbsEndpoint;
@@ -263,6 +269,8 @@ class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this
   void post(std::span<const Op> ops) override;
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override;
+  // The index of this lane's device in the transport's device list.
+  std::size_t device_index() const { return dev_->index; }
 
  private:
   struct Slot {
@@ -328,7 +336,8 @@ class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this
 };
 
 // One endpoint over several lanes (one per device pair): ops go to the lane the engine
-// chose (op.lane, modulo the lanes), keys and leases are made on every lane.
+// chose (op.lane, modulo the lanes) or, for memory that prefers some devices (GPU memory),
+// to the lanes on those devices (pick_lane); keys and leases are made on every lane.
 std::shared_ptr<Endpoint> make_striped_endpoint(std::vector<std::shared_ptr<VerbsEndpoint>> lanes);
 
 }  // namespace kvstash::transport::verbs

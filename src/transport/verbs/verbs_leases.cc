@@ -252,8 +252,9 @@ void Target::drop(std::list<Accepted>::iterator it) {
 
 // ---- registrations ---------------------------------------------------------------------------
 
-Registration::Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target)
-    : target_(std::move(target)), parts_(std::move(parts)), remote_(remote) {
+Registration::Registration(std::vector<Part> parts, bool remote, std::shared_ptr<Target> target,
+                           std::uint64_t preferred)
+    : target_(std::move(target)), parts_(std::move(parts)), remote_(remote), preferred_(preferred) {
   if (!target_) return;
   std::lock_guard lock(target_->mu);
   for (std::size_t i = 0; i < parts_.size(); ++i)

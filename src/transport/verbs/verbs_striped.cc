@@ -2,7 +2,8 @@
 // pair, and the engine's slices of a large op go round-robin over the lanes. This endpoint
 // only routes: each lane is a whole VerbsEndpoint, keys and leases are made on every lane
 // (a type-2B window is bound to one queue pair, so a lease is one window set per lane, all
-// under the same lease id), and a revoke goes through one lane.
+// under the same lease id), and a revoke goes through one lane. An op whose local memory
+// prefers some devices (GPU memory: the NICs nearest its GPU) goes to the lanes on those.
 #include <algorithm>
 
 #include "transport/verbs/verbs_internal.h"
@@ -18,7 +19,9 @@ class StripedKey final : public RemoteKey {
 
 class StripedEndpoint final : public Endpoint {
  public:
-  explicit StripedEndpoint(std::vector<std::shared_ptr<VerbsEndpoint>> lanes) : lanes_(std::move(lanes)) {}
+  explicit StripedEndpoint(std::vector<std::shared_ptr<VerbsEndpoint>> lanes) : lanes_(std::move(lanes)) {
+    for (const auto& lane : lanes_) lane_devices_.push_back(lane->device_index());
+  }
 
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
                                                 std::string_view packed, Deadline deadline) override {
@@ -63,7 +66,9 @@ class StripedEndpoint final : public Endpoint {
     thread_local std::vector<std::vector<Op>> by_lane;
     if (by_lane.size() < lanes_.size()) by_lane.resize(lanes_.size());
     for (const Op& op : ops) {
-      const std::size_t lane = op.lane % lanes_.size();
+      const auto* reg = dynamic_cast<const Registration*>(op.local_reg);
+      const std::size_t lane =
+          pick_lane(lane_devices_, reg != nullptr ? reg->preferred_devices() : 0, op.lane);
       Op o = op;
       if (o.remote_key != nullptr)
         o.remote_key = static_cast<const StripedKey*>(op.remote_key)->lanes[lane].get();
@@ -87,6 +92,7 @@ class StripedEndpoint final : public Endpoint {
 
  private:
   std::vector<std::shared_ptr<VerbsEndpoint>> lanes_;
+  std::vector<std::size_t> lane_devices_;  // lane i runs on the transport's device lane_devices_[i]
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <list>
@@ -19,6 +20,7 @@
 #include "common/handshake.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "common/pci_topology.h"
 #include "common/system.h"
 #include "transport/verbs/verbs_gpu.h"
 #include "transport/verbs/verbs_internal.h"
@@ -152,6 +154,9 @@ class VerbsTransport final : public Transport {
     return options_.memory_windows &&
            std::all_of(devs_.begin(), devs_.end(), [](const auto& d) { return d->device.mw_type2; });
   }
+  // The devices nearest (on PCIe) the GPU that owns `dptr`, bit i for devs_[i]; 0 when none is
+  // nearer than another (one device, no CUDA driver, the GPU or the NICs not in sysfs).
+  std::uint64_t nearest_devices(const void* dptr) const;
   // One lane: a queue pair from our device `dev` to the peer's `port`, set up over `control`.
   Result<std::shared_ptr<VerbsEndpoint>> connect_lane(const std::shared_ptr<DeviceState>& dev,
                                                       const std::string& control, const PortAddress& theirs,
@@ -326,8 +331,38 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
     }
     parts.push_back(std::move(part));
   }
+  // Every device can reach GPU memory, but the lanes on the NICs nearest its GPU move it.
+  const std::uint64_t preferred = region.kind == MemoryKind::kCuda ? nearest_devices(region.addr) : 0;
   return std::unique_ptr<LocalRegistration>(std::make_unique<Registration>(
-      std::move(parts), exposure != Access::kLocal, leased ? target_ : nullptr));
+      std::move(parts), exposure != Access::kLocal, leased ? target_ : nullptr, preferred));
+}
+
+std::uint64_t VerbsTransport::nearest_devices(const void* dptr) const {
+  if (devs_.size() < 2) return 0;
+  const std::optional<std::string> bus_id = gpu_pci_bus_id(dptr);
+  const std::optional<pci::Address> gpu = bus_id ? pci::parse_address(*bus_id) : std::nullopt;
+  if (!gpu) {
+    KVSTASH_LOG_INFO("verbs: the CUDA driver does not say which GPU owns {}: every device moves it", dptr);
+    return 0;
+  }
+  std::vector<std::string> names;
+  for (const auto& d : devs_) names.push_back(d->device.name);
+  const std::vector<pci::Distance> distance = pci::distances(*gpu, names);
+  std::uint64_t preferred = 0;
+  std::string chosen;
+  for (std::size_t i : pci::nearest(distance)) {
+    if (i >= 64) break;  // the mask's width; such a device moves it only without a preference
+    preferred |= std::uint64_t{1} << i;
+    chosen.append(chosen.empty() ? "" : ", ").append(names[i]);
+  }
+  if (preferred == 0) {
+    KVSTASH_LOG_INFO("verbs: no device is nearer GPU {} than another ({}): every device moves its memory",
+                     pci::to_string(*gpu), pci::to_string(distance.front()));
+  } else {
+    KVSTASH_LOG_INFO("verbs: GPU {}'s memory moves through {} ({} on PCIe)", pci::to_string(*gpu), chosen,
+                     pci::to_string(distance[static_cast<std::size_t>(std::countr_zero(preferred))]));
+  }
+  return preferred;
 }
 
 Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_address, Deadline deadline) {
