@@ -175,6 +175,7 @@ int main(int argc, char** argv) {
     void* event = (void*)0x1;
     CHECK(kvstash_load_layer_event(load, l, &event) == KVSTASH_UNSUPPORTED && event == NULL,
           "a host cache has no device events");
+    CHECK(kvstash_load_wait_layer_on(load, l, (void*)0x1) == KVSTASH_UNSUPPORTED, "nor streams to wait");
     for (int i = 0; i < 4; ++i) {
       for (int p = 0; p < 2; ++p) {
         CHECK(memcmp(block_of(a[l], p, blocks_a[i]), block_of(b[l], p, blocks_b[i]), BLOCK_BYTES) == 0,

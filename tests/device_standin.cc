@@ -372,4 +372,12 @@ Result<std::unique_ptr<KvDeviceSignals>> DeviceStandin::signals(std::size_t n) {
   return std::unique_ptr<KvDeviceSignals>(std::make_unique<StandinSignals>(std::move(events)));
 }
 
+Status DeviceStandin::stream_wait(void* stream, void* event) {
+  if (stream_of(stream) == nullptr || event_of(event) == nullptr) {
+    return Status::invalid_argument("standin: not a stream or event of this device");
+  }
+  wait_event(stream, event);
+  return {};
+}
+
 }  // namespace kvstash::test

@@ -68,6 +68,7 @@ class DeviceStandin final : public KvDevice, public std::enable_shared_from_this
   Result<std::uint64_t> segment_sum(std::span<const KvRun> runs) override;
   Result<std::unique_ptr<KvDeviceMark>> mark(const KvSync& after) override;
   Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t n) override;
+  Status stream_wait(void* stream, void* event) override;
 
   struct Event;
   struct Stream;

@@ -66,6 +66,9 @@ class KvstashPython(unittest.TestCase):
             with self.assertRaises(kvstash.Error) as e:
                 load.layer_event(layer)  # a host cache has no device events
             self.assertEqual(e.exception.code, "unsupported")
+            with self.assertRaises(kvstash.Error) as e:
+                load.wait_layer_on(layer, stream=1)
+            self.assertEqual(e.exception.code, "unsupported")
             for i in range(4):
                 for part in range(2):
                     src = (part * blocks + blocks_a[i]) * block_bytes

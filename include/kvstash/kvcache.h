@@ -205,6 +205,9 @@ class KvDevice {
   // `n` events the host completes in order (KvLoad::layer_event). kUnsupported where the
   // device has no streams to wait (the host).
   virtual Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t n) = 0;
+  // Makes the engine's `stream` wait for `event` (cudaStreamWaitEvent) without blocking.
+  // kUnsupported on the host, kInvalidArgument for a handle the device cannot use.
+  virtual Status stream_wait(void* stream, void* event) = 0;
 };
 
 // Memory the host may touch: memcpy, checksums on the CPU, no streams (mark() accepts only
@@ -276,6 +279,9 @@ class KvLoad {
   // too: failed_blocks() says what to recompute. Owned by the load; valid until it is
   // destroyed. kUnsupported on the host device, kInvalidArgument out of range.
   Result<void*> layer_event(std::uint32_t layer);
+  // The same, queued for the engine: `stream` (a cudaStream_t) waits for layer_event(layer)
+  // before its later work. Does not block. For callers that hold no CUDA runtime (Python).
+  Status wait_layer_on(std::uint32_t layer, void* stream);
   // Waits for everything: one Status per chunk.
   std::vector<Status> wait();
   // Waits for everything, then the ids of the blocks whose chunk did not load whole (evicted,

@@ -190,6 +190,8 @@ int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
  * kvstash_load_failed_blocks). Owned by the load: valid until kvstash_load_finish.
  * KVSTASH_UNSUPPORTED for a cache in host memory. */
 kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void** event);
+/* The same, queued: `stream` (a cudaStream_t) waits for the layer's event. Does not block. */
+kvstash_status kvstash_load_wait_layer_on(kvstash_load* load, uint32_t layer, void* stream);
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);
 /* Stops a load: returns once nothing writes into the cache any more. Chunks not landed by then
  * end KVSTASH_CANCELLED (recompute their blocks); kvstash_load_finish still frees the handle. */

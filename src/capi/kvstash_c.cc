@@ -313,6 +313,11 @@ kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void
   return report({});
 }
 
+kvstash_status kvstash_load_wait_layer_on(kvstash_load* load, uint32_t layer, void* stream) {
+  if (load == nullptr) return invalid("kvstash_load_wait_layer_on: load is required");
+  return report(load->load.wait_layer_on(layer, stream));
+}
+
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk) {
   if (load == nullptr) return invalid("kvstash_load_finish: load is required");
   std::unique_ptr<kvstash_load> owned(load);

@@ -78,6 +78,9 @@ class HostDevice final : public KvDevice {
   Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t) override {
     return Status::unsupported("kvcache: the host device has no streams to signal (use wait_layer)");
   }
+  Status stream_wait(void*, void*) override {
+    return Status::unsupported("kvcache: the host device has no streams (use wait_layer)");
+  }
 };
 
 }  // namespace
@@ -412,6 +415,11 @@ Result<void*> KvLoad::layer_event(std::uint32_t layer) {
     state_->progress_locked();  // the layers that landed already
   }
   return state_->signals->event(layer);
+}
+
+Status KvLoad::wait_layer_on(std::uint32_t layer, void* stream) {
+  KVSTASH_ASSIGN_OR_RETURN(void* event, layer_event(layer));
+  return state_->device->stream_wait(stream, event);
 }
 
 bool KvLoad::layer_ready(std::uint32_t layer) const {

@@ -190,6 +190,12 @@ PYBIND11_MODULE(kvstash, m) {
       .def("layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); })
       // The layer's readiness as a raw cudaEvent_t (an int) for cudaStreamWaitEvent on the
       // engine's stream (kvstash/torch_streams.py wraps it for torch); owned by the load.
+      .def(
+          "wait_layer_on",
+          [](PyLoad& l, std::uint32_t layer, std::uintptr_t stream) {
+            check(l.load.wait_layer_on(layer, reinterpret_cast<void*>(stream)));
+          },
+          py::arg("layer"), py::arg("stream"))
       .def("layer_event",
            [](PyLoad& l, std::uint32_t layer) {
              return reinterpret_cast<std::uintptr_t>(unwrap(l.load.layer_event(layer)));

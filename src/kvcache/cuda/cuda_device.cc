@@ -244,6 +244,12 @@ class CudaDevice final : public KvDevice {
     return CudaSignals::create(gpu_, n);
   }
 
+  Status stream_wait(void* stream, void* event) override {
+    return cuda_status(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
+        "make the engine's stream wait");
+  }
+
  private:
   struct Lane {
     cudaStream_t stream = nullptr;
