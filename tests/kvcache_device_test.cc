@@ -81,6 +81,8 @@ std::vector<std::uint32_t> scattered(std::size_t n, std::uint32_t seed) {
   return all;
 }
 
+void PrintTo(const Lane& l, std::ostream* os) { *os << l.name; }
+
 class KvCacheDeviceTest : public ::testing::TestWithParam<Lane> {
  protected:
   void SetUp() override {
@@ -103,6 +105,7 @@ class KvCacheDeviceTest : public ::testing::TestWithParam<Lane> {
     o.redis_url = redis_->url();
     o.engine.transports = GetParam().transports;
     o.engine.ucx.allow_emulated_rma = true;
+    o.engine.verbs.device_memory_by_address = true;  // the NIC reaches the stand-in (GPUDirect-style)
     o.timeout = 10s;
     auto s = Store::open(o);
     ASSERT_TRUE(s.is_ok()) << s.status().to_string();
@@ -116,13 +119,13 @@ class KvCacheDeviceTest : public ::testing::TestWithParam<Lane> {
 
   // Opens a cache over `c` with the stand-in as its device (then seals the memory: every
   // registration a path needs is made).
-  std::unique_ptr<KvCache> open(DeviceCache& c, KvPath path = KvPath::kAuto) {
+  std::unique_ptr<KvCache> open(DeviceCache& c, KvPath path = KvPath::kAuto, bool seal = true) {
     auto layout = KvLayout::per_layer(kShape, c.ptrs, MemoryKind::kCuda);
     EXPECT_TRUE(layout.is_ok()) << layout.status().to_string();
     auto kv = KvCache::open(*store_, std::move(layout).value(), {.model = "m", .chunk_tokens = kChunkTokens},
                             {.device = dev_, .path = path});
     EXPECT_TRUE(kv.is_ok()) << kv.status().to_string();
-    EXPECT_TRUE(dev_->seal().is_ok());
+    if (seal) EXPECT_TRUE(dev_->seal().is_ok());
     return kv.is_ok() ? std::move(kv).value() : nullptr;
   }
 
@@ -325,9 +328,56 @@ TEST_P(KvCacheDeviceTest, ALoadHandsEachLayerToTheEnginesStreamAsAnEvent) {
   EXPECT_EQ(partial->failed_blocks(), std::vector<std::uint32_t>(to.begin() + 4, to.end()));
 }
 
+// (a) GPUDirect-style: verbs registers the stand-in before it is sealed, rxe reads and writes
+// it, and the only code that reads it is the device's checksum kernel.
+TEST_P(KvCacheDeviceTest, OverVerbsTheNicMovesDeviceMemoryAndTheDeviceChecksIt) {
+  if (GetParam().transports.front() != TransportKind::kVerbs) {
+    GTEST_SKIP() << "only verbs reaches device memory (here: the stand-in); tcp, shm and ucx stage it";
+  }
+  // Both caches registered before the memory is sealed (registering PROT_NONE memory is EFAULT).
+  auto kva = open(*a_, KvPath::kDirect, /*seal=*/false);
+  auto kvb = open(*b_, KvPath::kDirect);
+  ASSERT_TRUE(kva && kvb);
+  EXPECT_EQ(kva->data_path(), "direct");
+  const auto t = tokens(2 * kChunkTokens, 21);
+  const auto from = scattered(8, 22), to = scattered(8, 23);
+  void* compute = dev_->create_stream();
+  auto save = kva->begin_save(t, from, 0, 2);
+  ASSERT_TRUE(save.is_ok()) << save.status().to_string();
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l)
+    ASSERT_TRUE(save->save_layer(l, {.stream = compute}).is_ok());
+  for (const Status& s : save->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(dev_->summed_bytes(), 2 * kva->chunk_bytes()) << "every layer saved was summed on the device";
+  auto load = kvb->begin_load(t, to, 2);
+  ASSERT_TRUE(load.is_ok());
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) ASSERT_TRUE(load->wait_layer_on(l, compute).is_ok());
+  dev_->synchronize(compute);
+  for (const Status& s : load->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(dev_->summed_bytes(), 4 * kva->chunk_bytes()) << "and every layer loaded checked there";
+  EXPECT_EQ(dev_->copied_bytes(), 0u) << "no staging: the NIC moved the bytes";
+  EXPECT_TRUE(same_blocks(*a_, from, *b_, to));
+
+  // A layer that does not match its checksum fails its chunk, caught on the device: the object
+  // is rewritten with layer 2 changed under its old layout (per-layer sums).
+  const std::string key = kva->keys(t)[0];
+  auto info = store_->stat(key);
+  ASSERT_TRUE(info.is_ok());
+  std::vector<std::byte> bytes(info->size);
+  Slice into{bytes.data(), bytes.size()};
+  ASSERT_TRUE(store_->get(key, {&into, 1}).is_ok());
+  bytes[2 * (info->size / kShape.num_layers) + 5] ^= std::byte{1};
+  Slice from_host{bytes.data(), bytes.size()};
+  ASSERT_TRUE(store_->put(key, {&from_host, 1}, {.layout = info->layout}).is_ok());
+  auto bad = kvb->begin_load(t, to, 1);
+  ASSERT_TRUE(bad.is_ok());
+  EXPECT_TRUE(bad->wait_layer(1).is_ok());
+  EXPECT_EQ(bad->wait_layer(2).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(bad->wait()[0].code(), StatusCode::kCorrupt);
+}
+
 TEST_P(KvCacheDeviceTest, TheDirectPathIsRefusedWhereNoTransportReachesTheDevice) {
   if (GetParam().transports.front() == TransportKind::kVerbs) {
-    GTEST_SKIP() << "verbs reaches the stand-in (KvCacheDeviceTest.DirectOverVerbs...)";
+    GTEST_SKIP() << "verbs reaches the stand-in (OverVerbsTheNicMovesDeviceMemoryAndTheDeviceChecksIt)";
   }
   auto layout = KvLayout::per_layer(kShape, a_->ptrs, MemoryKind::kCuda).value();
   auto kv = KvCache::open(*store_, layout, {.model = "m", .chunk_tokens = kChunkTokens},

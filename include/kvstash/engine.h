@@ -134,6 +134,11 @@ struct VerbsOptions {
   // has type-2 windows; false (or a device without them) exposes such regions whole through
   // their key, and the store's generation fencing is the guard.
   bool memory_windows = true;
+  // Registers MemoryKind::kCuda regions with ibv_reg_mr on their address where neither
+  // dma-buf nor nvidia-peermem can (as nvidia-peermem would): only for device memory mapped
+  // into this process, the tests' device stand-in (tests/device_standin.h). Off, GPU memory
+  // the driver cannot export is refused, and the KV-cache layer stages it.
+  bool device_memory_by_address = false;
   // Register host memory with on-demand paging (not pinned; the NIC faults pages in). Where
   // the device cannot do ODP for RC READ and WRITE, registration fails with kUnsupported.
   bool on_demand_paging = false;

@@ -311,13 +311,16 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
   std::vector<Registration::Part> parts;
   for (const auto& d : devs_) {
     Registration::Part part{d, d->device.node_guid, nullptr};
+    Result<GpuRegistration> gpu = Status::unsupported("host memory");
     if (region.kind == MemoryKind::kCuda) {
       // GPUDirect: the NIC reaches GPU memory itself (dma-buf, else nvidia-peermem).
-      KVSTASH_ASSIGN_OR_RETURN(GpuRegistration gpu,
-                               register_gpu_memory(d->pd.get(), region.addr, region.length, access));
+      gpu = register_gpu_memory(d->pd.get(), region.addr, region.length, access);
+      if (!gpu.is_ok() && !options_.device_memory_by_address) return gpu.status();
+    }
+    if (gpu.is_ok()) {
       KVSTASH_LOG_INFO("verbs: registered {} bytes of GPU memory on {} through {}", region.length,
-                       d->device.name, to_string(gpu.path));
-      part.mr = std::move(gpu.mr);
+                       d->device.name, to_string(gpu->path));
+      part.mr = std::move(gpu->mr);
     } else {
       part.mr.reset(ibv_reg_mr(d->pd.get(), region.addr, region.length, access));
       if (!part.mr) {
