@@ -128,6 +128,10 @@ int main(int argc, char** argv) {
   st->add_option("--page-size", page_size, "Page size of the private kvstashd (default: kvstashd's)")
       ->excludes(redis_opt);
   st->add_flag("--json", store.json, "One JSON object per row");
+  st->add_option("--rkey-scope", store.rkey_scope,
+                 "verbs: key the pool per connection or per lease (default: the cell's); JSON rows give the "
+                 "lease round trips to the node per operation and the time they took")
+      ->check(CLI::IsMember({"connection", "lease"}));
   st->add_option("--token", store.token, "Cluster token for the tcp transport")
       ->envname("KVSTASH_CLUSTER_TOKEN");
   st->footer(

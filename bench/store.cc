@@ -19,6 +19,8 @@
 
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
+#include <numeric>
+
 #include <nlohmann/json.hpp>
 
 #include "common/units.h"
@@ -113,9 +115,11 @@ std::vector<std::uint64_t> session_sizes(const StoreBenchOptions& o) {
 // ---- measurements -------------------------------------------------------------------------
 
 struct OpStats {
-  std::vector<double> latency_us;   // one per operation
-  std::vector<double> metadata_us;  // kvstash: time in Redis round trips, per operation
-  std::uint64_t round_trips = 0;    // kvstash: Redis round trips, summed
+  std::vector<double> latency_us;      // one per operation
+  std::vector<double> metadata_us;     // kvstash: time in Redis round trips, per operation
+  std::uint64_t round_trips = 0;       // kvstash: Redis round trips, summed
+  std::uint64_t node_round_trips = 0;  // kvstash: lease exchanges with memory nodes, summed
+  std::vector<double> node_us;         // kvstash: time in them, per operation
   std::uint64_t bytes = 0;
   double seconds = 0;  // summed over the operations: the ops run one after another
 };
@@ -269,6 +273,8 @@ std::pair<Row, Row> StoreBench::measure_store(const std::string& backend, Transp
       put.stats.latency_us.push_back(us);
       put.stats.metadata_us.push_back(std::chrono::duration<double, std::micro>(t.metadata).count());
       put.stats.round_trips += t.redis_round_trips;
+      put.stats.node_round_trips += t.node_round_trips;
+      put.stats.node_us.push_back(std::chrono::duration<double, std::micro>(t.node).count());
       put.stats.bytes += s_.sizes[i];
       put.stats.seconds += us / 1e6;
     }
@@ -297,6 +303,8 @@ std::pair<Row, Row> StoreBench::measure_store(const std::string& backend, Transp
       get.stats.latency_us.push_back(us);
       get.stats.metadata_us.push_back(std::chrono::duration<double, std::micro>(t.metadata).count());
       get.stats.round_trips += t.redis_round_trips;
+      get.stats.node_round_trips += t.node_round_trips;
+      get.stats.node_us.push_back(std::chrono::duration<double, std::micro>(t.node).count());
       get.stats.bytes += size;
       get.stats.seconds += us / 1e6;
     }
@@ -451,6 +459,10 @@ void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
         j["metadata_p99_us"] = percentile(r.stats.metadata_us, 0.99);
         j["redis_round_trips"] =
             static_cast<double>(r.stats.round_trips) / static_cast<double>(r.stats.latency_us.size());
+        j["node_round_trips"] =
+            static_cast<double>(r.stats.node_round_trips) / static_cast<double>(r.stats.latency_us.size());
+        j["node_us_mean"] = std::accumulate(r.stats.node_us.begin(), r.stats.node_us.end(), 0.0) /
+                            static_cast<double>(r.stats.node_us.size());
       }
     }
     std::cout << j.dump() << std::endl;
@@ -798,6 +810,7 @@ int run_store(const StoreBenchOptions& options) {
     so.engine.prefer = kind;
     so.engine.cluster_token = o.token;
     so.engine.ucx.allow_emulated_rma = kind == TransportKind::kUcx;
+    so.rkey_scope = parse_rkey_scope(o.rkey_scope);
     // Long enough for the largest session at 100 MB/s (UCX emulating RMA over TCP is slow),
     // and never below the defaults.
     const auto slow = std::chrono::milliseconds(s.largest / 100'000 + 1);

@@ -45,6 +45,8 @@ struct StoreBenchOptions {
   bool json = false;
   // Cluster token for the tcp transport (the private kvstashd gets it in a 0600 file).
   std::string token;
+  // "connection" or "lease": overrides the cell's rkey scope; empty: the cell's.
+  std::string rkey_scope;
 };
 
 // "256" or "256-4096" into min_tokens/max_tokens. kInvalidArgument (naming the text) unless

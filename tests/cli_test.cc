@@ -184,6 +184,18 @@ TEST_F(Cli, StatusAndNodesDescribeTheCell) {
   Outcome human = kv("status");
   EXPECT_NE(human.out.find("n1"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("objects   2,"), std::string::npos) << human.out;
+
+  // The rkey scope: connection unless set; a dry run until --yes; status shows it.
+  EXPECT_EQ(j["rkey_scope"], "connection");
+  EXPECT_EQ(kv("rkey-scope --json").j()["rkey_scope"], "connection");
+  Outcome dry = kv("rkey-scope lease");
+  EXPECT_NE(dry.out.find("--yes"), std::string::npos) << dry.out;
+  EXPECT_EQ(kv("rkey-scope --json").j()["rkey_scope"], "connection") << "unchanged by a dry run";
+  Outcome set = kv("rkey-scope lease --yes --json");
+  ASSERT_EQ(set.code, 0) << set.err;
+  EXPECT_EQ(set.j()["changed"], true);
+  EXPECT_EQ(kv("status --json").j()["rkey_scope"], "lease");
+  EXPECT_EQ(kv("rkey-scope window").code, 2) << "not a scope";
 }
 
 TEST_F(Cli, ObjectsCanBeListedShownTouchedReadAndRemoved) {

@@ -309,6 +309,7 @@ TEST_F(StoreTest, RoundTripsOverVerbs) {
   o.redis_url = redis_->url();
   o.engine.transports = {TransportKind::kVerbs};
   o.timeout = 30s;
+  o.rkey_scope = RkeyScope::kLease;  // a window per operation (the next test: per connection)
   const Status verbs = test::verbs_available();
   KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
   auto n = node("n1", "24MiB");
@@ -347,6 +348,98 @@ TEST_F(StoreTest, RoundTripsOverVerbs) {
   auto r = (*store)->get(key, {&s, 1}, {.deadline = deadline_after(5s)});
   EXPECT_LT(Clock::now() - start, 7s);
   EXPECT_FALSE(r.is_ok());
+}
+
+// The node's CPU off the hot path: with rkey_scope connection a client takes one window over
+// the pool for reads and one for writes, then every get and put goes without a round trip to
+// the node or any of its CPU; with lease, each costs a round trip and window binds. Counted
+// on both sides: the client's OpTimings and the node's own counters.
+TEST_F(StoreTest, OverVerbsConnectionScopedWindowsTakeTheNodesCpuOffEachOperation) {
+  const Status verbs = test::verbs_available();
+  KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
+  auto n = node("n1", "24MiB");
+  ASSERT_TRUE(n);
+  auto granted = [&] {
+    return test::metric(test::http_get(n->admin(), "/metrics").second, "kvstash_transport_events_total",
+                        "{transport=\"verbs\",event=\"leases_granted\"}");
+  };
+  // The cell's policy is connection unless set: this client reads it at open.
+  ASSERT_EQ(catalog_->rkey_scope().value(), RkeyScope::kConnection);
+  constexpr int kOps = 10;
+  for (RkeyScope scope : {RkeyScope::kConnection, RkeyScope::kLease}) {
+    SCOPED_TRACE(to_string(scope));
+    ASSERT_TRUE(catalog_->set_rkey_scope(scope).is_ok());
+    StoreOptions o;
+    o.redis_url = redis_->url();
+    o.engine.transports = {TransportKind::kVerbs};
+    o.timeout = 30s;
+    auto store = Store::open(o);
+    ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+    const double before = granted();
+    std::uint32_t put_trips = 0, get_trips = 0, first_put = 0, first_get = 0;
+    for (int i = 0; i < kOps; ++i) {
+      std::vector<std::byte> data(kPage + 100 * i);
+      fill(data);
+      const std::string key = std::string(to_string(scope)) + std::to_string(i);
+      OpTimings pt, gt;
+      Slice s{data.data(), data.size()};
+      ASSERT_TRUE((*store)->put(key, {&s, 1}, {.timings = &pt}).is_ok());
+      std::vector<std::byte> back(data.size());
+      Slice into{back.data(), back.size()};
+      ASSERT_TRUE((*store)->get(key, {&into, 1}, {.timings = &gt}).is_ok());
+      EXPECT_EQ(back, data);
+      put_trips += pt.node_round_trips;
+      get_trips += gt.node_round_trips;
+      if (i == 0) first_put = pt.node_round_trips, first_get = gt.node_round_trips;
+    }
+    const double grants = granted() - before;
+    if (scope == RkeyScope::kConnection) {
+      EXPECT_EQ(first_put, 1u) << "the first put takes the pool's write window";
+      EXPECT_EQ(first_get, 1u) << "the first get the read window";
+      EXPECT_EQ(put_trips, 1u) << "no other put asked the node";
+      EXPECT_EQ(get_trips, 1u) << "no other get asked the node";
+      EXPECT_LE(grants, 2 * 2) << "two windows per lane (the lane has two rxe devices at most)";
+    } else {
+      EXPECT_EQ(put_trips, static_cast<std::uint32_t>(kOps));
+      EXPECT_EQ(get_trips, static_cast<std::uint32_t>(kOps));
+      EXPECT_GE(grants, 2 * kOps) << "the node bound windows for every operation";
+    }
+  }
+  ASSERT_TRUE(catalog_->set_rkey_scope(RkeyScope::kConnection).is_ok());
+}
+
+// A put that fails mid-way with a shared window cannot have it revoked (other puts use it),
+// so its pages return only once the node fenced past the put's deadline, never while a late
+// write could land; a fresh put meanwhile gets other pages, and reads what it wrote.
+TEST_F(StoreTest, OverVerbsAPutThatFailsWithASharedWindowLeavesItsPagesToTheFence) {
+  const Status verbs = test::verbs_available();
+  KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
+  auto n = node("n1", "8MiB");
+  ASSERT_TRUE(n);
+  StoreOptions o;
+  o.redis_url = redis_->url();
+  o.engine.transports = {TransportKind::kVerbs};
+  o.timeout = 30s;
+  o.put_lease = 3s;
+  o.rkey_scope = RkeyScope::kConnection;
+  auto store = Store::open(o);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  const std::uint64_t all_free = free_pages("n1");
+  std::vector<std::byte> data(2 * kPage);
+  fill(data);
+  {
+    auto stream = (*store)->begin_put("dropped", data.size());
+    ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+    Slice half{data.data(), kPage};
+    ASSERT_TRUE(stream->append({&half, 1}).is_ok());
+    ASSERT_TRUE(stream->wait_written(kPage).is_ok());
+  }  // dropped: aborted while holding the shared write window
+  EXPECT_EQ(free_pages("n1"), all_free - 2) << "not freed at once: the window was not revoked";
+  Slice whole{data.data(), data.size()};
+  ASSERT_TRUE((*store)->put("kept", {&whole, 1}).is_ok());
+  EXPECT_EQ(get_bytes(**store, "kept", data.size()).value(), data);
+  EXPECT_TRUE(test::eventually([&] { return free_pages("n1") == all_free - 2; }, 20s))
+      << "the fence past the dropped put's deadline returned its pages";
 }
 
 TEST_F(StoreTest, ObjectsSpanPagesAndTwoNodes) {

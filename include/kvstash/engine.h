@@ -306,6 +306,9 @@ class Peer {
   // windows): it refuses their ops once fenced or revoked, so a writer can be stopped at the
   // peer. False for UCX, whose leases are checked on this side only.
   bool leases() const;
+  // Whether lease() and revoke() ask the peer (verbs binds memory windows there): a round
+  // trip and the peer's CPU each. False where a lease is made here (tcp, shm, UCX).
+  bool lease_asks_peer() const;
 
   // Imports a remote key the peer's MemoryHandle::remote_key() produced.
   // Errors: kInvalidArgument (malformed), kPermissionDenied (peer refused the key),

@@ -40,6 +40,23 @@
 
 namespace kvstash {
 
+// How a client keys a memory node's pool where leasing asks the node (verbs binds a memory
+// window per lease): per operation, or once per connection (docs/architecture.md, "The
+// node's CPU and the rkey scope"). A cell's policy (its `rkey_scope`; `kvstash rkey-scope`).
+enum class RkeyScope : std::uint8_t {
+  // Windows over the whole pool, one for reads and one for writes per connection, taken
+  // again off the hot path: no round trip to the node and none of its CPU per operation. A
+  // write window carries the Redis deadline of the put that took it as its fence tag and
+  // serves only puts whose own deadline is at least that, so a node fenced past a failed
+  // put's deadline has no window left that could write into its pages.
+  kConnection,
+  // A window per operation over exactly the object's pages, bound by the node on request: a
+  // key confines its holder to the pages it leased, for the operation's time.
+  kLease,
+};
+std::string_view to_string(RkeyScope s);  // "connection", "lease"
+std::optional<RkeyScope> parse_rkey_scope(std::string_view s);
+
 struct StoreOptions {
   // The cell's Redis: redis://[user:password@]host[:port][/db] or
   // unix://[user:password@]/path/to/socket[?db=N].
@@ -69,6 +86,9 @@ struct StoreOptions {
   // get into device memory with the check on is kInvalidArgument: the host reads no byte of
   // it, so such a caller checks on its device, as KvCache does).
   bool verify_checksum = true;
+  // Overrides the cell's rkey scope for this client (benchmarks, tests); unset: the cell's,
+  // read when the store opens.
+  std::optional<RkeyScope> rkey_scope;
 };
 
 // A piece of the caller's memory. An object is the concatenation of its slices. `memory`
@@ -86,6 +106,9 @@ struct OpTimings {
   std::chrono::nanoseconds transfer{0};  // bytes on the data path
   std::chrono::nanoseconds checksum{0};  // xxh3 (a put's runs while its writes are in flight)
   std::uint32_t redis_round_trips = 0;
+  // Lease exchanges with memory nodes (verbs: the node binds windows), and the time in them.
+  std::uint32_t node_round_trips = 0;
+  std::chrono::nanoseconds node{0};
 };
 
 struct PutOptions {

@@ -294,6 +294,7 @@ Peer::~Peer() = default;
 TransportKind Peer::transport() const { return state_->transport->kind(); }
 
 bool Peer::leases() const { return state_->caps.leases; }
+bool Peer::lease_asks_peer() const { return state_->caps.lease_asks_target; }
 
 Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(
     Deadline deadline) {

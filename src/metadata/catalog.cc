@@ -165,6 +165,18 @@ Status Catalog::check_schema() {
   return {};
 }
 
+Result<RkeyScope> Catalog::rkey_scope() {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"HGET", prefix_ + ":cell", "rkey_scope"}));
+  if (r.is_nil()) return RkeyScope::kConnection;
+  auto s = r.type() == Reply::Type::kString ? parse_rkey_scope(r.str()) : std::nullopt;
+  if (!s) return corrupt("cell " + prefix_ + " has rkey_scope '" + std::string(r.str()) + "'");
+  return *s;
+}
+
+Status Catalog::set_rkey_scope(RkeyScope scope) {
+  return redis_.command({"HSET", prefix_ + ":cell", "rkey_scope", to_string(scope)}).status();
+}
+
 Result<std::int64_t> Catalog::register_node(const NodeRecord& n, std::chrono::milliseconds ttl) {
   if (!valid_node_id(n.id)) {
     return Status::invalid_argument("node id must be 1-64 characters of [A-Za-z0-9._-]");

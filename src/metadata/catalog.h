@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/checksum.h"
+#include "kvstash/store.h"
 #include "metadata/redis_client.h"
 
 namespace kvstash::metadata {
@@ -154,6 +155,10 @@ class Catalog {
 
   // kCorrupt when the cell was written by a schema this build does not know.
   Status check_schema();
+  // The cell's rkey scope (kConnection when unset); kCorrupt for a value this build does not
+  // know. set_rkey_scope changes it for clients that open their store from then on.
+  Result<RkeyScope> rkey_scope();
+  Status set_rkey_scope(RkeyScope scope);
 
   // --- Nodes ---------------------------------------------------------------------------
   // Creates or refreshes a node. A new epoch drops the objects of the previous incarnation

@@ -19,6 +19,14 @@
 
 namespace kvstash {
 
+std::string_view to_string(RkeyScope s) { return s == RkeyScope::kLease ? "lease" : "connection"; }
+
+std::optional<RkeyScope> parse_rkey_scope(std::string_view s) {
+  if (s == "connection") return RkeyScope::kConnection;
+  if (s == "lease") return RkeyScope::kLease;
+  return std::nullopt;
+}
+
 struct CancelToken::State {
   std::mutex mu;
   bool cancelled = false;
@@ -128,6 +136,27 @@ struct NodeLink {
   Path main;
   Path fenced_writes;
 
+  // rkey_scope connection: per path and op, a lease over the whole pool that operations share
+  // (Store::Impl::pooled_lease says which it suits). Guarded by pool_mu; swapping one in
+  // leaves the old one to the operations still holding it (the last releases it).
+  struct PoolLease {
+    std::shared_ptr<const RemoteMemory> lease;
+    std::int64_t fence = 0;   // its fence tag: writes, the Redis deadline of the put that took it
+    Clock::time_point until;  // when it ends by our clock, less a margin
+  };
+  std::mutex pool_mu;
+  PoolLease pool[2][2];  // [&main, &fenced_writes][op]
+
+  // Drops `lease` from the pool (the node refused it: it rejoined, or fenced it).
+  void forget(const RemoteMemory* lease) {
+    std::lock_guard lock(pool_mu);
+    for (auto& by_path : pool) {
+      for (PoolLease& p : by_path) {
+        if (p.lease.get() == lease) p = {};
+      }
+    }
+  }
+
   // How `op` reaches the pool. kUnsupported for a write when no transport to the node can
   // fence it.
   Result<const Path*> path(TransferOp op) const {
@@ -143,6 +172,10 @@ struct NodeLink {
 // any more (Peer::revoke), off the caller's path. Unconfirmed, the pages wait for the nodes'
 // fences instead.
 constexpr auto kRevokeTimeout = std::chrono::seconds(2);
+
+// How long a shared pool lease for reads lives (rkey_scope connection): taken again this
+// often per node link, at most.
+constexpr std::chrono::milliseconds kPoolReadLease = std::chrono::minutes(5);
 
 }  // namespace
 
@@ -168,6 +201,7 @@ struct Store::Impl {
   };
 
   StoreOptions options;
+  RkeyScope scope = RkeyScope::kConnection;  // the cell's, or options.rkey_scope
   std::unique_ptr<Engine> engine;
 
   std::mutex pool_mu;
@@ -330,35 +364,94 @@ struct Store::Impl {
     std::vector<Batch*> mine_;
   };
 
+  // A lease an operation's transfers go through: the operation's own, or the node link's pool
+  // lease that it shares with others (rkey_scope connection), which it must never revoke.
+  struct HeldLease {
+    std::shared_ptr<const RemoteMemory> lease;
+    std::shared_ptr<NodeLink> link;  // the node link it was made through
+    bool shared = false;
+    Clock::time_point until = Clock::time_point::max();  // a shared write lease: transfers end by then
+  };
+
   // An object's transfers: the leases over its pages (one or more per node) and the waves.
   // The leases must outlive the waves' batches: destroying one revokes its windows.
   struct Transfers {
     Status status;  // how starting them went: on an error, the waves submitted before it
-    std::vector<RemoteMemory> leases;
-    std::vector<std::shared_ptr<NodeLink>> lease_links;  // the node link each lease was made through
+    std::vector<HeldLease> leases;
     std::vector<Wave> waves;
   };
 
   // One node's pages of an object as leased ranges: [addr, end) -> index into leases.
   struct NodeLeases {
     std::vector<std::pair<RemoteRange, std::size_t>> ranges;  // sorted by address
-    const RemoteMemory* find(const std::vector<RemoteMemory>& leases, std::uint64_t addr) const {
+    const RemoteMemory* find(const std::vector<HeldLease>& leases, std::uint64_t addr) const {
       auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
                                  [](std::uint64_t a, const auto& r) { return a < r.first.addr; });
-      return it == ranges.begin() ? nullptr : &leases[std::prev(it)->second];
+      return it == ranges.begin() ? nullptr : leases[std::prev(it)->second].lease.get();
     }
   };
+
+  // The link's pool lease for `op` through `path` when the operation may share it, else a
+  // new one taken for the pool's whole range (a round trip to the node), kept for the
+  // operations after it. Reads: a lease of five minutes without a fence tag, shared while it
+  // outlives the operation's deadline. Writes: a lease whose fence tag is the Redis deadline
+  // of the put that took it, shared by puts whose own deadline is at least that tag and at
+  // most half a put lease past it, so that no window outlives a put it serves by more than
+  // that put's own lease: a node fenced past a failed put's deadline has fenced every window
+  // that could write into its pages.
+  Result<std::shared_ptr<const RemoteMemory>> pooled_lease(NodeLink& link, const NodeLink::Path* path,
+                                                           TransferOp op, const Placement& p,
+                                                           Clock::time_point until, Deadline deadline,
+                                                           OpTimings* timings) {
+    const int pi = path == &link.main ? 0 : 1;
+    const int oi = op == TransferOp::kRead ? 0 : 1;
+    const auto half_put_lease = std::chrono::milliseconds(options.put_lease).count() / 2;
+    auto suits = [&](const NodeLink::PoolLease& pl) {
+      if (!pl.lease) return false;
+      if (op == TransferOp::kRead) return pl.until >= deadline;
+      return pl.fence <= p.lease_deadline_ms && p.lease_deadline_ms - pl.fence <= half_put_lease &&
+             pl.until > Clock::now();
+    };
+    {
+      std::lock_guard lock(link.pool_mu);
+      if (suits(link.pool[pi][oi])) return link.pool[pi][oi].lease;
+    }
+    NodeLink::PoolLease fresh;
+    LeaseOptions lo{.op = op, .deadline = deadline};
+    if (op == TransferOp::kRead) {
+      lo.ttl = kPoolReadLease;
+      fresh.until = Clock::now() + kPoolReadLease - kPoolReadLease / 10;
+    } else {
+      lo.ttl = std::max(std::chrono::milliseconds(1),
+                        std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
+      lo.fence = static_cast<std::uint64_t>(p.lease_deadline_ms);
+      fresh.fence = p.lease_deadline_ms;
+      fresh.until = until;
+    }
+    const RemoteRange whole{path->remote.base(), path->remote.length()};
+    const auto t0 = Clock::now();
+    auto l = path->peer->lease(path->remote, {&whole, 1}, lo);
+    if (timings != nullptr) {
+      ++timings->node_round_trips;
+      timings->node += Clock::now() - t0;
+    }
+    if (!l.is_ok()) return l.status();
+    fresh.lease = std::make_shared<const RemoteMemory>(std::move(l).value());
+    std::lock_guard lock(link.pool_mu);
+    link.pool[pi][oi] = fresh;
+    return fresh.lease;
+  }
 
   // Leases every node's pages of the object for `op` until `until`, with the Redis lease's
   // deadline as the fence tag: a node that has fenced through it refuses the lease's requests
   // (tcp, verbs) or its copies (shm), so a put whose pages went back to the pool can no
-  // longer write into them. verbs binds windows over exactly these pages; elsewhere the node
-  // checks the lease and the engine the ranges.
-  static Status lease_pages(const Placement& p, const std::vector<std::shared_ptr<NodeLink>>& links,
-                            const std::vector<const NodeLink::Path*>& paths, TransferOp op,
-                            Clock::time_point until, Deadline deadline, std::vector<RemoteMemory>& leases,
-                            std::vector<std::shared_ptr<NodeLink>>& lease_links,
-                            std::vector<NodeLeases>& by_node) {
+  // longer write into them. verbs binds windows over exactly these pages, or with
+  // rkey_scope connection shares a window over the whole pool (pooled_lease); elsewhere the
+  // node checks the lease and the engine the ranges.
+  Status lease_pages(const Placement& p, const std::vector<std::shared_ptr<NodeLink>>& links,
+                     const std::vector<const NodeLink::Path*>& paths, TransferOp op, Clock::time_point until,
+                     Deadline deadline, OpTimings* timings, std::vector<HeldLease>& leases,
+                     std::vector<NodeLeases>& by_node) {
     // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
     // generations decide whether its bytes are the object's (a revocable key keeps a reader
     // out of reused pages only from 1 ms on; the checksum and generations cover the rest).
@@ -367,6 +460,20 @@ struct Store::Impl {
     by_node.assign(p.nodes.size(), {});
     for (std::size_t ni = 0; ni < p.nodes.size(); ++ni) {
       const NodeLink::Path* path = paths[ni];
+      if (scope == RkeyScope::kConnection && path->peer->lease_asks_peer()) {
+        auto shared = pooled_lease(*links[ni], path, op, p, until, deadline, timings);
+        if (!shared.is_ok())
+          return pool_changed_is_stale(shared.status()).with_context("memory node " + p.nodes[ni].id);
+        by_node[ni].ranges.emplace_back(RemoteRange{path->remote.base(), path->remote.length()},
+                                        leases.size());
+        Clock::time_point shared_until = Clock::time_point::max();
+        if (op == TransferOp::kWrite) {
+          std::lock_guard lock(links[ni]->pool_mu);
+          shared_until = links[ni]->pool[path == &links[ni]->main ? 0 : 1][1].until;
+        }
+        leases.push_back({std::move(shared).value(), links[ni], true, shared_until});
+        continue;
+      }
       std::vector<std::uint64_t> pages;
       for (const auto& e : p.extents) {
         if (e.node == p.nodes[ni].id) pages.push_back(e.page);
@@ -384,11 +491,16 @@ struct Store::Impl {
       }
       for (std::size_t at = 0; at < runs.size(); at += kMaxLeaseRanges) {
         std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxLeaseRanges, runs.size() - at));
+        const auto t0 = Clock::now();
         auto l = path->peer->lease(path->remote, chunk,
                                    {.op = op,
                                     .ttl = ttl,
                                     .fence = static_cast<std::uint64_t>(p.lease_deadline_ms),
                                     .deadline = deadline});
+        if (timings != nullptr && path->peer->lease_asks_peer()) {
+          ++timings->node_round_trips;
+          timings->node += Clock::now() - t0;
+        }
         if (!l.is_ok())
           return pool_changed_is_stale(l.status()).with_context("memory node " + p.nodes[ni].id);
         if (op == TransferOp::kWrite && !l->revocable()) {
@@ -400,8 +512,7 @@ struct Store::Impl {
               " (its pool has no leases there): puts need tcp, shm or verbs with memory windows");
         }
         for (const RemoteRange& r : chunk) by_node[ni].ranges.emplace_back(r, leases.size());
-        leases.push_back(std::move(l).value());
-        lease_links.push_back(links[ni]);
+        leases.push_back({std::make_shared<const RemoteMemory>(std::move(l).value()), links[ni], false});
       }
     }
     return Status::ok();
@@ -412,13 +523,12 @@ struct Store::Impl {
   struct Leased {
     std::vector<std::shared_ptr<NodeLink>> links;
     std::vector<const NodeLink::Path*> paths;  // how the operation reaches each link's pool
-    std::vector<RemoteMemory> leases;
-    std::vector<std::shared_ptr<NodeLink>> lease_links;  // parallel to leases
+    std::vector<HeldLease> leases;
     std::vector<NodeLeases> by_node;
   };
 
   Result<Leased> connect_and_lease(TransferOp op, const Placement& p, Clock::time_point lease_until,
-                                   Deadline deadline) {
+                                   Deadline deadline, OpTimings* timings) {
     Leased l;
     for (const auto& n : p.nodes) {
       KVSTASH_ASSIGN_OR_RETURN(auto link_to, link(n, deadline));
@@ -427,8 +537,17 @@ struct Store::Impl {
       l.paths.push_back(path);
     }
     KVSTASH_RETURN_IF_ERROR(
-        lease_pages(p, l.links, l.paths, op, lease_until, deadline, l.leases, l.lease_links, l.by_node));
+        lease_pages(p, l.links, l.paths, op, lease_until, deadline, timings, l.leases, l.by_node));
     return l;
+  }
+
+  // Drops the pool leases a failed operation went through when the node refused them (it
+  // fenced them, or it rejoined the cell): the next operation takes fresh ones.
+  static void forget_refused(const std::vector<HeldLease>& leases, const Status& failure) {
+    if (failure.code() != StatusCode::kStale && failure.code() != StatusCode::kPermissionDenied) return;
+    for (const HeldLease& h : leases) {
+      if (h.shared) h.link->forget(h.lease.get());
+    }
   }
 
   // Starts the transfers between the object's pages and the caller's slices, in waves of
@@ -437,17 +556,17 @@ struct Store::Impl {
   // are contiguous on both sides travel as one entry.
   Transfers start_transfers(TransferOp op, const Placement& p, std::uint64_t size,
                             std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
-                            Clock::time_point lease_until, Deadline deadline, std::uint64_t wave_bytes) {
+                            Clock::time_point lease_until, Deadline deadline, std::uint64_t wave_bytes,
+                            OpTimings* timings) {
     Transfers t;
     if (size == 0) return t;
-    auto leased = connect_and_lease(op, p, lease_until, deadline);
+    auto leased = connect_and_lease(op, p, lease_until, deadline, timings);
     if (!leased.is_ok()) {
       t.status = leased.status();
       return t;
     }
     t.status = submit_range(*leased, op, p, 0, size, slices, temp, deadline, wave_bytes, t.waves);
     t.leases = std::move(leased->leases);  // the batches reference them; they move, not their state
-    t.lease_links = std::move(leased->lease_links);
     return t;
   }
 
@@ -457,6 +576,8 @@ struct Store::Impl {
   Status submit_range(const Leased& leased, TransferOp op, const Placement& p, std::uint64_t begin,
                       std::uint64_t end, std::span<const Slice> slices, std::vector<MemoryHandle>& temp,
                       Deadline deadline, std::uint64_t wave_bytes, std::vector<Wave>& waves) {
+    for (const HeldLease& h : leased.leases)
+      deadline = std::min(deadline, h.until);  // a shared write window's end
     std::vector<const MemoryHandle*> handles;
     temp.reserve(temp.size() + slices.size());  // handles point into it
     std::uint64_t left = end - begin;
@@ -549,18 +670,19 @@ struct Store::Impl {
 
   // Asks every node of a failed put to confirm that none of its writes can land any more
   // (Peer::revoke of each of its leases), up to `by`. Returns the put's nodes that confirmed,
-  // or that were never leased (no write of the put can have gone there).
+  // or that were never leased (no write of the put can have gone there). A pool lease other
+  // puts share is not revoked (that would fail them too): its node stays unconfirmed, and the
+  // put's pages wait for the node's fence.
   static std::vector<std::string> revoke_all(const std::string& key, const std::vector<std::string>& nodes,
-                                             const std::vector<RemoteMemory>& leases,
-                                             const std::vector<std::shared_ptr<NodeLink>>& lease_links,
-                                             Deadline by) {
+                                             const std::vector<HeldLease>& leases, Deadline by) {
     std::vector<std::string> failed;
-    for (std::size_t i = 0; i < leases.size(); ++i) {
-      const std::string& id = lease_links[i]->id;
+    for (const HeldLease& h : leases) {
+      const std::string& id = h.link->id;
       if (std::ranges::find(failed, id) != failed.end()) continue;
-      auto path = lease_links[i]->path(TransferOp::kWrite);
+      auto path = h.link->path(TransferOp::kWrite);
       Status s = !path.is_ok()       ? path.status()
-                 : Clock::now() < by ? (*path)->peer->revoke(leases[i], by)
+                 : h.shared          ? Status::unsupported("a pool lease other puts share")
+                 : Clock::now() < by ? (*path)->peer->revoke(*h.lease, by)
                                      : Status::timeout("no time left to confirm");
       if (!s.is_ok()) {
         KVSTASH_LOG_DEBUG("put {}: node {} did not confirm its fence: {}", key, id, s.to_string());
@@ -582,22 +704,24 @@ struct Store::Impl {
   // its nodes have fenced through it, so a late write never lands in a page another put was
   // given.
   void abort_put(const std::string& key, const std::string& token, const Placement& placement,
-                 std::vector<RemoteMemory> leases, std::vector<std::shared_ptr<NodeLink>> lease_links,
-                 Deadline deadline) {
+                 std::vector<HeldLease> leases, Deadline deadline) {
     std::vector<std::string> nodes;
     for (const auto& n : placement.nodes) nodes.push_back(n.id);
     if (Clock::now() < deadline) {
-      auto confirmed = revoke_all(key, nodes, leases, lease_links, deadline);
+      auto confirmed = revoke_all(key, nodes, leases, deadline);
       if (confirmed.size() == nodes.size()) {
         end_put(key, token, confirmed, deadline);
         return;
       }
+      if (std::ranges::all_of(leases, [](const HeldLease& h) { return h.shared; })) {
+        end_put(key, token, confirmed, deadline);  // no node can confirm more later
+        return;
+      }
     }
     const Deadline confirm_by = deadline_after(kRevokeTimeout);
-    aborter->submit([this, key, token, confirm_by, nodes, leases = std::move(leases),
-                     lease_links = std::move(lease_links)] {
+    aborter->submit([this, key, token, confirm_by, nodes, leases = std::move(leases)] {
       // A queue that fell behind a stalled node does not wait again for each put.
-      auto confirmed = revoke_all(key, nodes, leases, lease_links, confirm_by);
+      auto confirmed = revoke_all(key, nodes, leases, confirm_by);
       if (confirmed.size() < nodes.size()) {
         KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease",
                          key);
@@ -638,7 +762,7 @@ struct Store::Impl {
     const auto t0 = Clock::now();
     const Clock::time_point lease_until = within_lease(Deadline::max(), leased_at, options.put_lease);
     Transfers transfers = start_transfers(TransferOp::kWrite, *placement, size, data, temp, lease_until,
-                                          std::min(deadline, lease_until), size);
+                                          std::min(deadline, lease_until), size, o.timings);
     Status moved = transfers.status;
     sum::ObjectSum sum;
     if (moved.is_ok()) {
@@ -658,8 +782,8 @@ struct Store::Impl {
     }
     if (!moved.is_ok()) {
       transfers.waves.clear();  // cancels what still moves: returns once nothing reads `data`
-      abort_put(std::string(key), token, *placement, std::move(transfers.leases),
-                std::move(transfers.lease_links), deadline);
+      forget_refused(transfers.leases, moved);
+      abort_put(std::string(key), token, *placement, std::move(transfers.leases), deadline);
       KVSTASH_LOG_DEBUG("put {} failed: {}", key, moved.to_string());
       return moved.with_context(std::string(key));
     }
@@ -701,7 +825,7 @@ struct Store::Impl {
       // or fails at the node where its windows were revoked (then reported as kStale).
       const Clock::time_point lease_until = within_lease(Deadline::max(), leased_at, options.read_lease);
       Transfers transfers = start_transfers(TransferOp::kRead, lease->placement, lease->size, into, temp,
-                                            lease_until, deadline, kWaveBytes);
+                                            lease_until, deadline, kWaveBytes, o.timings);
       moved = transfers.status;
       std::optional<CancelScope> cancellable;
       if (moved.is_ok()) cancellable.emplace(o.cancel, transfers.waves);
@@ -800,7 +924,8 @@ struct PutStream::State {
   // the put at the nodes and in Redis (Store::Impl::abort_put).
   void abort_put() {
     waves.clear();
-    impl->abort_put(key, token, placement, std::move(leased.leases), std::move(leased.lease_links), deadline);
+    Store::Impl::forget_refused(leased.leases, failed);
+    impl->abort_put(key, token, placement, std::move(leased.leases), deadline);
   }
 
   // Waits for the writes of the object's bytes [0, end) (all of them by default); a failure
@@ -950,9 +1075,10 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
       Impl::within_lease(Deadline::max(), leased_at, impl_->options.put_lease);
   st->deadline = std::min(deadline, lease_until);
   if (size > 0) {
-    auto leased = impl_->connect_and_lease(TransferOp::kWrite, st->placement, lease_until, st->deadline);
+    auto leased = impl_->connect_and_lease(TransferOp::kWrite, st->placement, lease_until, st->deadline,
+                                           options.timings);
     if (!leased.is_ok()) {
-      impl_->abort_put(st->key, st->token, st->placement, {}, {}, st->deadline);  // nothing was written
+      impl_->abort_put(st->key, st->token, st->placement, {}, st->deadline);  // nothing was written
       return leased.status().with_context(st->key);
     }
     st->leased = std::move(leased).value();
@@ -980,6 +1106,11 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   impl->options = options;
   KVSTASH_ASSIGN_OR_RETURN(auto first, impl->connect());
   KVSTASH_RETURN_IF_ERROR(first->catalog->check_schema());
+  if (options.rkey_scope) {
+    impl->scope = *options.rkey_scope;
+  } else {
+    KVSTASH_ASSIGN_OR_RETURN(impl->scope, first->catalog->rkey_scope());
+  }
   impl->open_conns = 1;
   impl->idle.push_back(std::move(first));
   KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));

@@ -36,6 +36,9 @@ struct Capabilities {
   // Holds leases at the target (Endpoint::lease_key, revoke, Transport::fence), so that a
   // writer can be stopped there. False where leases are only checked by the initiator.
   bool leases = false;
+  // Leasing and revoking ask the target (verbs binds memory windows): a round trip and the
+  // target's CPU. False where a lease is made here and travels with the requests (tcp, shm).
+  bool lease_asks_target = false;
   // Independent lanes (streams, copy threads, QPs) the engine may stripe a large op across.
   std::uint32_t lanes = 1;
   // The engine splits an op longer than this into slices spread over the lanes (0: never).

@@ -96,6 +96,8 @@ int status(Session& s) {
     free += n.state() == "up" ? n.free() : 0;  // draining and dead nodes take no new pages
   }
   const std::string version = redis_version(**redis);
+  auto scope = (*cat)->rkey_scope();
+  if (!scope.is_ok()) return fail(scope.status(), "reading the cell", &s);
   if (s.json()) {
     json j{{"redis", {{"url", s.redis_display()}, {"version", version}}},
            {"cell", s.globals().cell},
@@ -109,7 +111,8 @@ int status(Session& s) {
            {"hits", sum->hits},
            {"misses", sum->misses},
            {"evicted", sum->evicted},
-           {"expired", sum->expired}};
+           {"expired", sum->expired},
+           {"rkey_scope", to_string(*scope)}};
     for (const auto& n : *nodes) j["nodes"].push_back(node_json(n));
     std::cout << j.dump(2) << "\n";
     return kExitOk;
@@ -132,6 +135,7 @@ int status(Session& s) {
   std::cout << "gets      " << sum->hits << " hits, " << sum->misses << " misses (hit ratio "
             << percent(sum->hits, sum->hits + sum->misses) << "); " << sum->evicted << " evicted, "
             << sum->expired << " expired\n";
+  std::cout << "rkey      " << to_string(*scope) << " scope (kvstash rkey-scope)\n";
   if (!nodes->empty()) std::cout << "\n" << nodes_table(*nodes).str();
   return kExitOk;
 }
@@ -333,6 +337,40 @@ int drain(Session& s, const DrainOptions& o) {
   return kExitOk;
 }
 
+// Shows the cell's rkey scope, or sets it (clients read it when they open their store).
+int rkey_scope(Session& s, const std::string& want, bool yes) {
+  auto cat = s.catalog();
+  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
+  auto now = (*cat)->rkey_scope();
+  if (!now.is_ok()) return fail(now.status(), "reading the cell", &s);
+  std::optional<RkeyScope> next;
+  if (!want.empty()) next = parse_rkey_scope(want);
+  if (next && *next != *now && yes) {
+    Status set = (*cat)->set_rkey_scope(*next);
+    if (!set.is_ok()) return fail(set, "setting the rkey scope", &s);
+  }
+  const bool changed = next && *next != *now && yes;
+  if (s.json()) {
+    std::cout << json{{"rkey_scope", to_string(changed ? *next : *now)}, {"changed", changed}}.dump(2)
+              << "\n";
+    return kExitOk;
+  }
+  if (!next || *next == *now) {
+    std::cout << "rkey scope: " << to_string(*now)
+              << (*now == RkeyScope::kConnection
+                      ? " (verbs: one window per connection over each pool; no round trip to a node per "
+                        "operation)\n"
+                      : " (verbs: a window per operation over its pages; a round trip to the node each)\n");
+  } else if (!yes) {
+    std::cout << "would set the rkey scope from " << to_string(*now) << " to " << to_string(*next)
+              << " (clients opening their store from then on follow it); --yes to do it\n";
+  } else {
+    std::cout << "rkey scope set to " << to_string(*next)
+              << ": clients that open their store from now on use it\n";
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
 void add_cluster_commands(Registry& r) {
@@ -341,6 +379,8 @@ void add_cluster_commands(Registry& r) {
     std::string show_id, rm_id;
     bool rm_yes = false;
     DrainOptions drain;
+    std::string scope;
+    bool scope_yes = false;
   };
   auto o = std::make_shared<Options>();  // outlives parsing: the callbacks hold it
 
@@ -383,6 +423,18 @@ void add_cluster_commands(Registry& r) {
       "Examples:\n  kvstash drain node-7 --yes\n  kvstash drain node-7 --yes --wait --wait-timeout 30m\n"
       "  kvstash drain node-7 --yes --move\n  kvstash drain node-7 --yes --release");
   dr->final_callback([&r, &s, o] { r.action = [&s, o] { return drain(s, o->drain); }; });
+
+  auto* rk = r.app.add_subcommand(
+      "rkey-scope",
+      "Show or set how clients key the pools over verbs: per connection (no round trip to a node per "
+      "operation; the default) or per lease (a window over each operation's pages)");
+  rk->add_option("SCOPE", o->scope, "connection or lease")->check(CLI::IsMember({"connection", "lease"}));
+  rk->add_flag("--yes,-y", o->scope_yes, "Do it (without: say what would change)");
+  rk->footer(
+      "docs/architecture.md explains the trade.\n\nExamples:\n  kvstash rkey-scope\n  kvstash rkey-scope "
+      "lease "
+      "--yes");
+  rk->final_callback([&r, &s, o] { r.action = [&s, o] { return rkey_scope(s, o->scope, o->scope_yes); }; });
 }
 
 }  // namespace kvstash::cli

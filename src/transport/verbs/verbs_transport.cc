@@ -134,6 +134,7 @@ class VerbsTransport final : public Transport {
             .rdma = true,
             .cuda_memory = true,
             .leases = windows(),
+            .lease_asks_target = windows(),
             .lanes = lanes,
             .slice_bytes = lanes > 1 ? options_.stripe_bytes : 0};
   }
