@@ -357,6 +357,33 @@ TEST_P(KvCacheDeviceTest, OverVerbsTheNicMovesDeviceMemoryAndTheDeviceChecksIt) 
   EXPECT_EQ(dev_->copied_bytes(), 0u) << "no staging: the NIC moved the bytes";
   EXPECT_TRUE(same_blocks(*a_, from, *b_, to));
 
+  // One object format: a cache in host memory loads what the device summed (its host checks
+  // the device's layer sums), and the device checks what a host cache saved.
+  std::vector<Buffer> host_layers;
+  std::vector<void*> host_ptrs;
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+    host_layers.push_back(Buffer::allocate(2ull * kShape.num_blocks * kShape.block_bytes()).value());
+    host_ptrs.push_back(host_layers.back().data());
+  }
+  auto host = KvCache::open(*store_, KvLayout::per_layer(kShape, host_ptrs).value(),
+                            {.model = "m", .chunk_tokens = kChunkTokens});
+  ASSERT_TRUE(host.is_ok()) << host.status().to_string();
+  for (const Status& s : (*host)->load(t, to, 2)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        const std::byte* got = host_layers[l].data() + (p * kShape.num_blocks + to[i]) * kShape.block_bytes();
+        ASSERT_EQ(std::memcmp(got, dev_->view(a_->block(l, p, from[i])), kShape.block_bytes()), 0)
+            << "host load of block " << i << " layer " << l;
+      }
+    }
+  }
+  const auto t2 = tokens(kChunkTokens, 24);
+  for (const Status& s : (*host)->save(t2, to, 0, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const std::uint64_t summed = dev_->summed_bytes();
+  for (const Status& s : kva->load(t2, from, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(dev_->summed_bytes() - summed, kva->chunk_bytes()) << "the device checked the host's sums";
+
   // A layer that does not match its checksum fails its chunk, caught on the device: the object
   // is rewritten with layer 2 changed under its old layout (per-layer sums).
   const std::string key = kva->keys(t)[0];
