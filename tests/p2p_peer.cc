@@ -7,6 +7,7 @@
 // registrations (prints "ok"), "fill SEED" fills the region with test::fill_random (prints
 // "ok"), "fence N" fences leases with tags up to N (Engine::fence; prints "ok"), EOF exits.
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -34,7 +35,9 @@ int main(int argc, char** argv) {
     }
   }
   if (argc > 3) options.cluster_token = argv[3];
-  options.ucx.allow_emulated_rma = true;  // a test target on loopback: see UcxOptions
+  // A test target on loopback may accept UCX's emulated RMA (see UcxOptions), except in the
+  // Soft-RoCE lane, where its UCX has RDMA and must serve keys only its NIC checks.
+  options.ucx.allow_emulated_rma = std::getenv("KVSTASH_RDMA_LANE") == nullptr;
   auto engine = Engine::create(options);
   if (!engine.is_ok()) {
     std::fprintf(stderr, "%s\n", engine.status().to_string().c_str());

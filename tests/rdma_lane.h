@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
 
 #include "kvstash/engine.h"
 
@@ -13,6 +14,16 @@ namespace kvstash::test {
 
 // OK when this host can start the verbs transport, else why not.
 inline Status verbs_available() { return Engine::create({.transports = {TransportKind::kVerbs}}).status(); }
+
+// Whether the kernel lists an RDMA device, which UCX's rc transports use where it has them
+// (independent of whether this build has the verbs transport).
+inline bool rdma_device_listed() {
+  std::error_code ec;
+  return std::filesystem::directory_iterator("/sys/class/infiniband", ec) !=
+         std::filesystem::directory_iterator();
+}
+
+inline bool in_rdma_lane() { return std::getenv("KVSTASH_RDMA_LANE") != nullptr; }
 
 }  // namespace kvstash::test
 

@@ -14,6 +14,7 @@
 
 #include "common/checksum.h"
 #include "http_get.h"
+#include "kvstash_config.h"
 #include "metadata/catalog.h"
 #include "rdma_lane.h"
 #include "test_util.h"
@@ -45,9 +46,11 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
                                   std::vector<std::string> extra = {},
                                   const std::string& heartbeat_ttl = "1s") {
-    std::vector<std::string> args{
-        "--heartbeat-ttl", heartbeat_ttl, "--reclaim-interval", "100ms", "--ucx-allow-emulated-rma",
-        "--huge-pages",    "off"};
+    std::vector<std::string> args{"--heartbeat-ttl", heartbeat_ttl,  "--reclaim-interval",
+                                  "100ms",           "--huge-pages", "off"};
+    // Loopback test nodes accept UCX's emulated RMA, except in the Soft-RoCE lane, where UCX
+    // has RDMA and serves the pool only under keys the NIC checks.
+    if (!test::in_rdma_lane()) args.emplace_back("--ucx-allow-emulated-rma");
     args.insert(args.end(), extra.begin(), extra.end());
     auto n = LocalNode::start({.redis_url = redis_->url(),
                                .redis_password = redis_->password(),
@@ -66,7 +69,7 @@ class StoreTest : public ::testing::Test {
     o.redis_url = redis_->url();
     o.redis_password = redis_->password();
     o.engine.prefer = prefer;
-    o.engine.ucx.allow_emulated_rma = true;
+    o.engine.ucx.allow_emulated_rma = !test::in_rdma_lane();
     o.timeout = 10s;
     o.put_lease = put_lease;
     o.read_lease = read_lease;
@@ -440,6 +443,56 @@ TEST_F(StoreTest, OverVerbsAPutThatFailsWithASharedWindowLeavesItsPagesToTheFenc
   EXPECT_EQ(get_bytes(**store, "kept", data.size()).value(), data);
   EXPECT_TRUE(test::eventually([&] { return free_pages("n1") == all_free - 2; }, 20s))
       << "the fence past the dropped put's deadline returned its pages";
+}
+
+// A client whose reads go over UCX. With RDMA (the Soft-RoCE lane: rc_verbs on rxe) the
+// node's NIC serves them from its pool, under keys it checks, and the node's CPU takes no
+// part: they complete while the node is stopped. Puts go over tcp, which can fence them at
+// the node (UCX holds no leases there). Skips where there is no RDMA device.
+TEST_F(StoreTest, ReadsOverUcxWithRdmaNeedNoNodeCpu) {
+#if !KVSTASH_HAVE_UCX
+  GTEST_SKIP() << "built without UCX";
+#else
+  KVSTASH_REQUIRE_RDMA(test::rdma_device_listed(), "/sys/class/infiniband lists no device");
+  auto n = node("n1", "24MiB", {}, "30s");  // a heartbeat that outlives the stop below
+  ASSERT_TRUE(n);
+  StoreOptions o;
+  o.redis_url = redis_->url();
+  o.redis_password = redis_->password();
+  o.engine.transports = {TransportKind::kUcx, TransportKind::kTcp};
+  o.engine.prefer = TransportKind::kUcx;
+  o.timeout = 30s;
+  auto opened = Store::open(o);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  Store& store = **opened;
+  std::vector<std::vector<std::byte>> objects;
+  for (std::size_t size : {std::size_t{1}, std::size_t{kPage + 4097}, std::size_t{5 * kPage}}) {
+    SCOPED_TRACE(size);
+    auto& data = objects.emplace_back(size);
+    fill(data);
+    const std::string key = numbered('u', size);
+    ASSERT_TRUE(put_bytes(store, key, data).is_ok());
+    auto back = get_bytes(store, key, size);
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(test::first_mismatch(back->data(), data.data(), size), -1);
+  }
+  auto ucx_counter = [&](std::string_view name) {
+    for (const auto& c : store.engine().counters()) {
+      if (c.transport == TransportKind::kUcx && c.name == name) return c.value;
+    }
+    return std::uint64_t{0};
+  };
+  EXPECT_GE(ucx_counter("connections_one_sided"), 1u) << "no UCX connection over RDMA lanes";
+  EXPECT_EQ(ucx_counter("connections_emulated"), 0u);
+
+  // The node stopped: a get still lands, bit-exact (over tcp it would time out).
+  ASSERT_EQ(kill(n->pid(), SIGSTOP), 0);
+  const std::string key = numbered('u', 5 * kPage);
+  auto back = get_bytes(store, key, 5 * kPage);
+  kill(n->pid(), SIGCONT);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(test::first_mismatch(back->data(), objects.back().data(), 5 * kPage), -1);
+#endif
 }
 
 TEST_F(StoreTest, ObjectsSpanPagesAndTwoNodes) {

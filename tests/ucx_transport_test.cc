@@ -1,6 +1,8 @@
 // The ucx transport, in one process: two transports (two UCP contexts and workers) act as
-// target and initiator. On this host UCX 1.13 runs RMA over tcp on loopback (emulated with
-// active messages; see src/transport/ucx/README.md), which is what these tests exercise.
+// target and initiator. Where there is no RDMA device UCX 1.13 runs RMA over tcp on loopback,
+// emulated with active messages (see src/transport/ucx/README.md). In the Soft-RoCE lane
+// (scripts/rdma-vm, KVSTASH_RDMA_LANE) it runs true RMA over rc_verbs on rxe: no target opts
+// into emulated RMA there, every connection must have RDMA lanes, and keys are enforced.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -9,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "kvstash/memory.h"
+#include "rdma_lane.h"
 #include "recording_sink.h"
 #include "transport/ucx/ucx_internal.h"
 #include "transport/ucx/ucx_transport.h"
@@ -28,7 +32,20 @@ using namespace std::chrono_literals;
 
 using TestSink = test::RecordingSink;
 
-std::unique_ptr<Transport> make(bool progress_thread, bool allow_emulated_rma = true) {
+using test::in_rdma_lane;
+using test::rdma_device_listed;
+
+std::uint64_t counter(const Transport& t, std::string_view name) {
+  for (const TransportCounter& c : t.counters()) {
+    if (c.name == name) return c.value;
+  }
+  ADD_FAILURE() << "no counter " << name;
+  return 0;
+}
+
+// In the lane no target accepts emulated RMA: its regions are reachable only through keys
+// the NIC checks.
+std::unique_ptr<Transport> make(bool progress_thread, bool allow_emulated_rma = !in_rdma_lane()) {
   UcxOptions options;
   options.progress_thread = progress_thread;
   options.allow_emulated_rma = allow_emulated_rma;
@@ -69,6 +86,9 @@ struct Pair {
     endpoint = std::move(*ep);
     ucx_ep = dynamic_cast<ucx::UcxEndpoint*>(endpoint.get());
     key = import(*target_reg);
+    if (in_rdma_lane()) {
+      EXPECT_TRUE(ucx_ep->one_sided()) << "the lane's UCX emulates RMA instead of using rc_verbs";
+    }
   }
   std::unique_ptr<RemoteKey> import(const LocalRegistration& reg) {
     auto k = endpoint->import_key(base(), kTargetSize, reg.packed_key(), deadline_after(5s));
@@ -248,15 +268,75 @@ TEST(UcxTransport, MalformedKeysAreRefused) {
 }
 
 TEST(UcxTransport, CapabilitiesOnThisHost) {
+  const bool rdma = rdma_device_listed();
+  if (in_rdma_lane()) {
+    ASSERT_TRUE(rdma) << "the Soft-RoCE lane has no RDMA device";
+  }
   Pair p;
   Capabilities c = p.initiator->capabilities();
   EXPECT_EQ(c.lanes, 1u);
   EXPECT_FALSE(c.cuda_memory);
   EXPECT_FALSE(c.same_host_only);
-  // No RDMA device here; with error-handling mode PEER UCX 1.13 uses tcp, emulating RMA.
-  EXPECT_FALSE(c.rdma);
-  EXPECT_FALSE(c.one_sided);
-  EXPECT_FALSE(p.ucx_ep->one_sided());
+  EXPECT_FALSE(c.leases);
+  // Without an RDMA device UCX 1.13 (error-handling mode PEER) uses tcp, emulating RMA with
+  // active messages; with one (the lane's rxe) it puts and gets over rc_verbs.
+  EXPECT_EQ(c.rdma, rdma);
+  EXPECT_EQ(c.one_sided, rdma);
+  EXPECT_EQ(p.ucx_ep->one_sided(), rdma);
+  if (rdma) {
+    EXPECT_TRUE(p.ucx_ep->rdma_lanes().starts_with("rc_")) << p.ucx_ep->rdma_lanes();
+  } else {
+    EXPECT_EQ(p.ucx_ep->rdma_lanes(), "");
+  }
+  EXPECT_EQ(counter(*p.initiator, "connections_one_sided"), rdma ? 1u : 0u);
+  EXPECT_EQ(counter(*p.initiator, "connections_emulated"), rdma ? 0u : 1u);
+}
+
+// What UCX 1.13's ucp_ep_print_info says, as measured: the RMA lanes on RDMA transports are
+// the one-sided ones; tcp, ud and shared memory lanes are not.
+TEST(UcxTransport, RdmaLanesAreReadFromTheEndpointInfo) {
+  using ucx::rdma_lanes_from_ep_info;
+  // The Soft-RoCE guest (rxe0, rxe1), error mode PEER.
+  constexpr const char* kSoftRoce = R"(#
+# UCP endpoint
+#
+#               peer: <no debug data>
+#                 lane[0]:  6:rc_verbs/rxe0:1.0 md[4]       -> md[4]/ib/sysdev[255] am am_bw#0
+#                 lane[1]:  7:ud_verbs/rxe0:1.0 md[4]       -> md[4]/ib/sysdev[255] keepalive wireup
+#
+#                  put[0]: 0..<short>..81..<bcopy>..16384..<zcopy>..(inf)
+#                  get[0]: 0..<bcopy>..945..<zcopy>..(inf)
+#
+#                  rma_bw: mds #
+)";
+  EXPECT_EQ(rdma_lanes_from_ep_info(kSoftRoce), "rc_verbs/rxe0:1");
+  // A host without RDMA: one tcp lane, RMA emulated.
+  constexpr const char* kTcp = R"(#
+#                 lane[0]:  1:tcp/lo.0 md[1]                -> md[1]/tcp/sysdev[255] am am_bw#0 keepalive wireup
+#
+#
+#                  rma_bw: mds #
+)";
+  EXPECT_EQ(rdma_lanes_from_ep_info(kTcp), "");
+  // Shared-memory RMA lanes, which serve only memory UCX allocated itself.
+  constexpr const char* kSharedMemory = R"(#
+#                 lane[0]:  2:sysv/memory.0 md[1]           -> md[1]/sysv/sysdev[255] am am_bw#0
+#                 lane[1]:  3:posix/memory.0 md[2]          -> md[2]/posix/sysdev[255]
+#
+#                  put[0]: 0..<short>..4294967296..<bcopy>..(inf)
+#                  put[1]: 0..<short>..4294967296..<bcopy>..(inf)
+)";
+  EXPECT_EQ(rdma_lanes_from_ep_info(kSharedMemory), "");
+  // Two rails, large RMA tagged rma_bw, a proxy lane (written from UCX's print format, not
+  // measured: no mlx5 here).
+  constexpr const char* kTwoRails = R"(#
+#                 lane[0]:  4:rc_mlx5/mlx5_0:1.0 md[2]      -> md[2]/ib/sysdev[0] rma_bw#0 am am_bw#0
+#                 lane[1]:  5:rc_mlx5/mlx5_1:1.0 md[3]      -> md[3]/ib/sysdev[1] rma_bw#1
+#                 lane[2]: proxy to lane[0]              -> md[2]/ib/sysdev[0] wireup
+#                  put[0]: 0..<short>..2048..<bcopy>..(inf)
+)";
+  EXPECT_EQ(rdma_lanes_from_ep_info(kTwoRails), "rc_mlx5/mlx5_0:1,rc_mlx5/mlx5_1:1");
+  EXPECT_EQ(rdma_lanes_from_ep_info(""), "");
 }
 
 TEST(UcxTransport, AbortEndsEveryOpOfTheSink) {
@@ -307,7 +387,9 @@ TEST(UcxTransport, PeerDeathFailsOpsWithUnavailable) {
   TestSink sink;
   Op w = p.op(TransferOp::kWrite, local.data(), nullptr, 0, 1 << 20, &sink, 1);
   p.endpoint->post({&w, 1});
-  ASSERT_TRUE(sink.wait(1));  // an error within the bound, not a hang
+  // An error within the bound, not a hang (in the lane UCX notices through its keepalive
+  // over ud: about 50 s).
+  ASSERT_TRUE(sink.wait(1, 180s));
   Status st = sink.statuses().at(1);
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
   Deadline deadline = deadline_after(60s);
@@ -316,6 +398,14 @@ TEST(UcxTransport, PeerDeathFailsOpsWithUnavailable) {
 }
 
 TEST(UcxTransport, ConnectToADeadPeerFailsWithinTheDeadline) {
+  if (rdma_device_listed()) {
+    // Wireup then runs over a ud_verbs lane whose request to the dead peer stays queued;
+    // UCX 1.13 (Debian builds it with assertions on) aborts the process when that endpoint
+    // is closed or times out ("ucp_request.c:684 ... got REQ message"; the assertion was
+    // dropped upstream in openucx/ucx#8175). Nothing the transport does avoids it: see
+    // src/transport/ucx/README.md.
+    GTEST_SKIP() << "UCX 1.13 aborts on a failed wireup over ud_verbs (openucx/ucx#8175)";
+  }
   auto a = make(true);
   std::string addr;
   {
@@ -344,6 +434,13 @@ TEST(UcxTransport, AccessAfterTargetDeregisters) {
   Pair p;
   Buffer local = make_buffer(4096);
   fill_random(local.bytes(), 7);
+  // The key works until the target deregisters.
+  TestSink before;
+  Op first = p.op(TransferOp::kWrite, local.data(), nullptr, 0, 4096, &before, 1);
+  p.endpoint->post({&first, 1});
+  ASSERT_TRUE(before.wait(1));
+  ASSERT_TRUE(before.statuses().at(1).is_ok()) << before.statuses().at(1).to_string();
+  std::memset(p.target_buf.data() + 128, 0, 4096);
   p.target_reg.reset();  // deregister (ucp_mem_unmap); the buffer itself stays mapped
   TestSink sink;
   Op w = p.op(TransferOp::kWrite, local.data(), nullptr, 128, 4096, &sink, 1);
@@ -351,7 +448,12 @@ TEST(UcxTransport, AccessAfterTargetDeregisters) {
   ASSERT_TRUE(sink.wait(1));
   Status st = sink.statuses().at(1);
   if (p.ucx_ep->one_sided()) {
-    EXPECT_FALSE(st.is_ok());
+    // The target's NIC refuses the old rkey: the connection fails (UCX reports a remote
+    // access error as a reset) and nothing lands. This holds only because the transport
+    // turns off UCX's registration cache, which would keep the region registered.
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+    EXPECT_EQ(std::count(p.target_buf.data() + 128, p.target_buf.data() + 128 + 4096, std::byte{0}), 4096);
+    EXPECT_FALSE(p.endpoint->healthy());
   } else {
     EXPECT_TRUE(st.is_ok()) << st.to_string();
     EXPECT_EQ(std::memcmp(p.target_buf.data() + 128, local.data(), 4096), 0);

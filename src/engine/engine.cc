@@ -25,16 +25,13 @@ using blobs::kAddressMagic;
 using blobs::kKeyMagic;
 using blobs::Parts;
 
-// Lower is better: shared memory, then RDMA, then our TCP, then UCX emulating RMA over TCP.
+// Lower is better, from capabilities alone: bytes that move without the peer's CPU first,
+// among those a same-host-only transport (the cheapest path there is), and then one that
+// holds leases at the peer ahead of one that does not. Today that orders shm, verbs, UCX over
+// RDMA, tcp, UCX emulating RMA over TCP. Ties keep the order of EngineOptions::transports.
 int rank(const transport::Transport& t) {
-  auto caps = t.capabilities();
-  switch (t.kind()) {
-    case TransportKind::kShm: return 0;
-    case TransportKind::kVerbs: return 1;
-    case TransportKind::kUcx: return caps.rdma ? 2 : 4;
-    case TransportKind::kTcp: return 3;
-  }
-  return 5;
+  const transport::Capabilities c = t.capabilities();
+  return (c.one_sided ? 0 : 4) + (c.same_host_only ? 0 : 2) + (c.leases ? 0 : 1);
 }
 
 Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind, const EngineOptions& o) {

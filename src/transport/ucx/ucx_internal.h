@@ -55,6 +55,10 @@ std::optional<KeyRecord> decode_key(std::string_view record);
 // UCX status -> kvstash status (peer/connection failures become kUnavailable).
 Status from_ucs(ucs_status_t status, std::string_view what);
 
+// The RMA lanes on RDMA transports in a ucp_ep_print_info dump ("rc_verbs/rxe0:1", several
+// joined by ','), or "" when UCX emulates put/get for the endpoint (UCX 1.13 has no query).
+std::string rdma_lanes_from_ep_info(std::string_view info);
+
 // ---- core ---------------------------------------------------------------------------------
 class Core;
 // Marks the calling thread as `core`'s worker owner (nullptr: none); for ~Core's final passes.
@@ -183,8 +187,8 @@ class EpState : public std::enable_shared_from_this<EpState> {
   void begin_close(bool force);
   // Owner only: after the close completed, tells sinks of records UCX never completed.
   void sweep();
-  // Owner only: the lanes UCX chose include true RMA (rma_bw) lanes.
-  bool detect_rma_lanes();
+  // Owner only, once connected: fills one_sided and rdma_lanes from the lanes UCX chose.
+  void detect_rma_lanes();
 
   void on_op_callback(OpRecord* rec, ucs_status_t status);
   void on_peer_failure(ucs_status_t status);
@@ -194,7 +198,11 @@ class EpState : public std::enable_shared_from_this<EpState> {
   std::atomic<bool> connected{false};  // the connect flush completed
   std::atomic<int> connect_status{0};  // its ucs_status_t
   std::atomic<bool> closed{false};     // no UCP endpoint left (never created, or closed)
-  bool one_sided = false;
+  // Set once at connect: the RMA lanes on RDMA transports ("rc_verbs/rxe0:1"), which move
+  // bytes without the peer's CPU and with keys its NIC checks; empty when UCX emulates
+  // put/get with active messages that the peer's worker serves.
+  std::string rdma_lanes;
+  bool one_sided = false;  // !rdma_lanes.empty()
 
  private:
   OpRecord* alloc_record();
@@ -237,9 +245,12 @@ class UcxEndpoint final : public Endpoint {
   void abort(CompletionSink* sink, const Status& reason) override;
   bool healthy() const override { return state_->healthy.load(); }
 
-  // Whether UCX moves bytes to this peer without its CPU (true RMA lanes). Not part of the
-  // Transport interface, whose capabilities() cannot vary by peer.
+  // Whether UCX moves bytes to this peer without its CPU, over RDMA lanes whose keys the
+  // peer's NIC checks, and which lanes ("rc_verbs/rxe0:1"; empty when put/get are emulated
+  // with active messages). Not part of the Transport interface, whose capabilities() cannot
+  // vary by peer; the transport counts connections of each kind (counters()).
   bool one_sided() const { return state_->one_sided; }
+  const std::string& rdma_lanes() const { return state_->rdma_lanes; }
   // Without a progress thread: one progress pass from the calling thread (tests, waiters).
   void progress();
 

@@ -10,6 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include "common/log.h"
 #include "common/wire.h"
@@ -60,17 +64,25 @@ std::string capture(Fn&& print) {
   return out;
 }
 
-// Whether the context has a resource on RDMA hardware: UCX names those transports rc_*,
-// dc_*, ud_* (verbs/mlx5); "resource N : md M dev D flags -- rc_verbs/mlx5_0:1".
+// Whether the context has a resource that does RMA on RDMA hardware: UCX names those
+// transports rc_* and dc_* (verbs/mlx5); "resource N : md M dev D flags -- rc_verbs/mlx5_0:1".
+// ud_* reaches the same NICs but has no RMA: over it put/get are emulated like over tcp.
 bool has_rdma_resource(ucp_context_h context) {
   std::string info = capture([&](FILE* f) { ucp_context_print_info(context, f); });
   std::size_t pos = 0;
   while ((pos = info.find("flags -- ", pos)) != std::string::npos) {
     pos += 9;
     std::string_view tl(info.data() + pos, info.find('/', pos) - pos);
-    if (tl.starts_with("rc") || tl.starts_with("dc") || tl.starts_with("ud")) return true;
+    if (tl.starts_with("rc") || tl.starts_with("dc")) return true;
   }
   return false;
+}
+
+// Whether the kernel lists an RDMA device (what UCX's ib component opens).
+bool host_has_rdma_device() {
+  std::error_code ec;
+  return std::filesystem::directory_iterator("/sys/class/infiniband", ec) !=
+         std::filesystem::directory_iterator();
 }
 
 // ---- registration --------------------------------------------------------------------------
@@ -80,7 +92,8 @@ class UcxRegistration final : public LocalRegistration {
   UcxRegistration(std::shared_ptr<Core> core, ucp_mem_h memh, std::string packed)
       : core_(std::move(core)), memh_(memh), packed_(std::move(packed)) {}
   ~UcxRegistration() override {
-    // Unmapping drops UCX's registration; with true RMA the peer's key stops working.
+    // Unmapping drops UCX's registration; with true RMA the peer's key stops working (the
+    // NIC's registration goes with it because Core::init turns UCX's cache off).
     core_->run([this] {
       ucs_status_t s = ucp_mem_unmap(core_->context(), memh_);
       if (s != UCS_OK) KVSTASH_LOG_WARN("ucx: ucp_mem_unmap: {}", ucs_status_string(s));
@@ -102,6 +115,15 @@ class UcxTransport final : public Transport {
       : core_(std::move(core)), allow_emulated_rma_(allow_emulated_rma) {}
 
   TransportKind kind() const override { return TransportKind::kUcx; }
+
+  std::vector<TransportCounter> counters() const override {
+    return {{TransportKind::kUcx, "connections_one_sided",
+             "connections whose put/get UCX runs over RDMA lanes (one-sided, keys checked by the peer's NIC)",
+             connections_one_sided_.load(std::memory_order_relaxed)},
+            {TransportKind::kUcx, "connections_emulated",
+             "connections whose put/get UCX emulates with active messages served by the peer's CPU",
+             connections_emulated_.load(std::memory_order_relaxed)}};
+  }
 
   Capabilities capabilities() const override {
     Capabilities c;
@@ -189,8 +211,11 @@ class UcxTransport final : public Transport {
     // The ep flush started by create() completes once wireup with the peer is done.
     bool done = core_->wait_until([&] { return state->connected.load(); }, deadline);
     if (done && state->connect_status.load() == UCS_OK) {
-      core_->run([&] { state->one_sided = state->detect_rma_lanes(); });
-      KVSTASH_LOG_DEBUG("ucx: connected, {} RMA", state->one_sided ? "true" : "emulated");
+      core_->run([&] { state->detect_rma_lanes(); });
+      (state->one_sided ? connections_one_sided_ : connections_emulated_)
+          .fetch_add(1, std::memory_order_relaxed);
+      KVSTASH_LOG_DEBUG("ucx: connected, {}",
+                        state->one_sided ? "RMA over " + state->rdma_lanes : std::string("RMA emulated"));
       return std::shared_ptr<Endpoint>(std::make_shared<UcxEndpoint>(core_, state));
     }
     // Give up: the UcxEndpoint destructor force-closes, which also ends the pending flush.
@@ -204,6 +229,8 @@ class UcxTransport final : public Transport {
  private:
   std::shared_ptr<Core> core_;
   bool allow_emulated_rma_;
+  std::atomic<std::uint64_t> connections_one_sided_{0};
+  std::atomic<std::uint64_t> connections_emulated_{0};
 };
 
 }  // namespace
@@ -306,6 +333,15 @@ Status Core::init(const UcxOptions& options) {
       return Status::invalid_argument("ucx: bad transport list '" + options.transports + "'");
     }
   }
+  // UCX caches RDMA registrations (IB_REG_METHODS=rcache,...) and keeps a region registered
+  // after ucp_mem_unmap until the memory itself is unmapped: a peer's old rkey would go on
+  // reaching a region we deregistered. Registering directly makes ucp_mem_unmap deregister
+  // at the NIC. (An operator who sets UCX_IB_REG_METHODS chooses otherwise knowingly. Only
+  // where there is an RDMA device: elsewhere UCX warns that no component took the setting.)
+  if (std::getenv("UCX_IB_REG_METHODS") == nullptr && host_has_rdma_device() &&
+      ucp_config_modify(config, "REG_METHODS", "direct") != UCS_OK) {
+    return Status::io_error("ucx: cannot turn off UCX's registration cache (REG_METHODS=direct)");
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | (threaded_ ? UCP_FEATURE_WAKEUP : 0);
@@ -395,13 +431,49 @@ UcxEndpoint::~UcxEndpoint() {
   core->run([&] { state->sweep(); });
 }
 
-bool EpState::detect_rma_lanes() {
-  if (ep_ == nullptr) return false;
-  // "lane[1]: 4:posix/memory.0 md[3] -> md[3]/posix/sysdev[255] rma_bw#0": a lane tagged
-  // rma_bw moves registered memory one-sidedly; without one UCX emulates RMA with active
-  // messages served by the peer's worker.
-  std::string info = capture([&](FILE* f) { ucp_ep_print_info(ep_, f); });
-  return info.find("rma_bw#") != std::string::npos;
+void EpState::detect_rma_lanes() {
+  rdma_lanes.clear();
+  if (ep_ != nullptr)
+    rdma_lanes = rdma_lanes_from_ep_info(capture([&](FILE* f) { ucp_ep_print_info(ep_, f); }));
+  one_sided = !rdma_lanes.empty();
+}
+
+std::string rdma_lanes_from_ep_info(std::string_view info) {
+  // UCX 1.13 prints one line per lane, then a put[N]/get[N] line per RMA lane N:
+  //   lane[0]:  6:rc_verbs/rxe0:1.0 md[4]  -> md[4]/ib/sysdev[255] am am_bw#0
+  //   lane[1]:  7:ud_verbs/rxe0:1.0 md[4]  -> md[4]/ib/sysdev[255] keepalive wireup
+  //   put[0]: 0..<short>..81..<bcopy>..16384..<zcopy>..(inf)
+  // (lanes tagged rma_bw#N carry large RMA too). Without an RMA lane UCX emulates put/get
+  // with active messages. Only RMA lanes on RDMA transports (rc, dc) count: posix/sysv RMA
+  // lanes serve only memory UCX allocated itself, never the caller-owned regions used here.
+  std::map<int, std::string> resource;  // lane -> "tl/device"
+  std::set<int> rma;
+  std::istringstream lines{std::string(info)};
+  for (std::string line; std::getline(lines, line);) {
+    int lane = 0, index = 0;
+    char name[128] = {};
+    if (std::sscanf(line.c_str(), " # lane[%d]: %d:%127s", &lane, &index, name) == 3) {
+      std::string tl(name);
+      const std::size_t dot = tl.find_last_of('.');  // "rxe0:1.0": the path index
+      if (dot != std::string::npos && tl.find_first_not_of("0123456789", dot + 1) == std::string::npos) {
+        tl.resize(dot);
+      }
+      resource[lane] = tl;
+      if (line.find("rma_bw#") != std::string::npos) rma.insert(lane);
+    } else if (std::sscanf(line.c_str(), " # put[%d]", &lane) == 1) {
+      rma.insert(lane);
+    }
+  }
+  std::string out;
+  std::set<std::string> listed;
+  for (int lane : rma) {
+    auto it = resource.find(lane);
+    if (it == resource.end() || !(it->second.starts_with("rc") || it->second.starts_with("dc"))) continue;
+    if (!listed.insert(it->second).second) continue;
+    if (!out.empty()) out += ',';
+    out += it->second;
+  }
+  return out;
 }
 
 Result<std::unique_ptr<RemoteKey>> UcxEndpoint::import_key(std::uint64_t base, std::uint64_t length,
