@@ -353,13 +353,21 @@ TEST(UcxTransport, AbortEndsEveryOpOfTheSink) {
   p.endpoint->abort(&victim, Status::cancelled("test abort"));
   // abort() returned: every op of the victim has completed (exactly once, checked by the sink).
   EXPECT_EQ(victim.count(), 16u);
+  bool cancelled = false;
   for (auto& [tag, st] : victim.statuses()) {
     // An op that finished before the abort reached it may report OK; none reports anything else.
     EXPECT_TRUE(st.is_ok() || st.code() == StatusCode::kCancelled) << st.to_string();
+    cancelled = cancelled || st.code() == StatusCode::kCancelled;
   }
   ASSERT_TRUE(bystander.wait(1));
   auto b = bystander.statuses().at(99);
   EXPECT_TRUE(b.is_ok() || b.code() == StatusCode::kUnavailable) << b.to_string();
+  // With real RMA (the Soft-RoCE lane) all 16 may have finished before the abort reached
+  // them: then nothing was torn down, and there is nothing more to check.
+  if (std::getenv("KVSTASH_RDMA_LANE") == nullptr) {
+    EXPECT_TRUE(cancelled) << "over emulated RMA the abort catches ops of the victim in flight";
+  }
+  if (!cancelled) return;
   EXPECT_FALSE(p.endpoint->healthy());
   // The endpoint is broken now: further ops fail fast instead of hanging.
   TestSink late;

@@ -131,7 +131,8 @@ const std::vector<std::function<void(Catalog&)>>& calls() {
           check_placement(*p, kSize, "begin_put");
       },
       [](Catalog& c) {
-        (void)c.commit_put("put-token", "object", 0x0123456789abcdefull, "layout", 0ms, std::string("old"));
+        (void)c.commit_put("put-token", "object", {0x0123456789abcdefull, 4096}, "layout", 0ms,
+                           std::string("old"));
       },
       [](Catalog& c) {
         const std::vector<std::string> fenced = {"node-1"};
