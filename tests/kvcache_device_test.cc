@@ -125,7 +125,9 @@ class KvCacheDeviceTest : public ::testing::TestWithParam<Lane> {
     auto kv = KvCache::open(*store_, std::move(layout).value(), {.model = "m", .chunk_tokens = kChunkTokens},
                             {.device = dev_, .path = path});
     EXPECT_TRUE(kv.is_ok()) << kv.status().to_string();
-    if (seal) EXPECT_TRUE(dev_->seal().is_ok());
+    if (seal) {
+      EXPECT_TRUE(dev_->seal().is_ok());
+    }
     return kv.is_ok() ? std::move(kv).value() : nullptr;
   }
 
