@@ -4,6 +4,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "checksum.h"
 #include "common/transports.h"
 #include "common/units.h"
 #include "kvcache.h"
@@ -175,10 +176,31 @@ int main(int argc, char** argv) {
   md->add_flag("--json", meta.json, "The table as one JSON object too");
   md->footer("Example:\n  kvstash-bench metadata --objects 1000000");
 
+  bench::ChecksumBenchOptions sums;
+  std::string sum_bytes = "64MiB";
+  auto* cs = app.add_subcommand(
+      "checksum",
+      "The object checksum (the xxh3 tree) on this host's CPU, on 1..N threads, against memcpy and "
+      "libxxhash's streaming XXH3-64 of the same bytes");
+  cs->add_option("--bytes", sum_bytes, "Bytes hashed per round")->capture_default_str();
+  cs->add_option("--rounds", sums.rounds, "Rounds per row")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1000u));
+  cs->add_option("--threads", sums.threads, "Rows for 1..N threads")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 64u));
+  cs->add_flag("--json", sums.json, "One JSON object per row");
+  cs->footer("Example:\n  kvstash-bench checksum --bytes 256MiB --threads 2");
+
   std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
     if (t->parsed()) target_kinds = parse_transports(target_transports);
+    if (cs->parsed()) {
+      auto v = units::parse_size(sum_bytes);
+      if (!v.is_ok() || *v == 0) throw CLI::ValidationError("--bytes", "a size of at least one byte");
+      sums.bytes = *v;
+    }
     if (kc->parsed()) kvc.transports = parse_transports(kvc_transports);
     if (st->parsed()) {
       if (Status s = bench::parse_token_range(tokens, &store); !s.is_ok()) {
@@ -247,5 +269,6 @@ int main(int argc, char** argv) {
   }
   if (kc->parsed()) return bench::run_kvcache(kvc);
   if (md->parsed()) return bench::run_metadata(meta);
+  if (cs->parsed()) return bench::run_checksum(sums);
   return bench::run_p2p(p2p);
 }

@@ -21,6 +21,10 @@ namespace kvstash::sum {
 // checked as it lands).
 inline constexpr std::uint64_t kDefaultSegmentBytes = 4u << 20;
 
+// One block's digest on the host: XXH3-64 (libxxhash's SIMD code; equal to the core's
+// portable xxh3_64, which a device runs).
+std::uint64_t block_digest(const void* data, std::uint64_t length);
+
 // The sum of one segment in host memory.
 std::uint64_t segment_sum(const void* data, std::uint64_t length);
 

@@ -9,12 +9,12 @@
 // An object is cut into segments (a KV-cache object: one per layer), and its checksum folds
 // the segments' sums the same way: XXH3-64(le64 s_0 .. s_{m-1}, le64 object size).
 //
-// Every function is `static inline`: each translation unit keeps its own copy, so the -O3 one
-// that src/common/checksum.cc compiles is the one the host's hashing runs.
-//
 // XXH3-64 (seed 0, the default secret) is written here from its specification, because the
-// xxhash library cannot run on a GPU; tests/checksum_test.cc holds it equal to libxxhash for
-// every length class. Little-endian machines only (x86-64, arm64, NVIDIA GPUs).
+// xxhash library cannot run on a GPU: the digest kernel and the tests' device stand-in run it.
+// The host's own block digests come from libxxhash (common/checksum.cc: the same function,
+// with SIMD code), and tests/checksum_test.cc holds the two equal for every length class and
+// alignment. The tree and its folds are this header's on both. Little-endian machines only
+// (x86-64, arm64, NVIDIA GPUs).
 #pragma once
 
 #include <cstdint>

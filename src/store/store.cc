@@ -5,10 +5,12 @@
 #include "kvstash/store.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "common/checksum.h"
 #include "common/log.h"
@@ -213,6 +215,8 @@ struct Store::Impl {
   std::map<std::string, std::shared_ptr<NodeLink>, std::less<>> links;
 
   std::unique_ptr<ThreadPool> workers;
+  std::unique_ptr<ThreadPool> hashers;  // help hash a large put's segments (checksum_of)
+  unsigned hasher_count = 0;
   std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
   std::unique_ptr<ThreadPool> aborter;   // confirms failed puts' fences off the callers' path
 
@@ -730,6 +734,46 @@ struct Store::Impl {
     });
   }
 
+  // The checksum of the first `size` bytes of host slices, in segments of `segment`: the
+  // tree's segments are independent, so the calling thread and the store's hashing threads
+  // take them in turn, and the sums are folded in order.
+  sum::ObjectSum checksum_of(std::span<const Slice> slices, std::uint64_t size, std::uint64_t segment) {
+    const std::uint64_t n = (size + segment - 1) / segment;
+    if (n < 2) {
+      SliceHasher h(slices, segment);
+      h.advance_to(size);
+      return h.digest();
+    }
+    std::vector<std::uint64_t> sums(n);
+    std::atomic<std::uint64_t> next{0};
+    auto work = [&] {
+      for (std::uint64_t i = next++; i < n; i = next++) {
+        sums[i] = segment_sum_at(slices, i * segment, std::min(size, (i + 1) * segment));
+      }
+    };
+    std::vector<std::future<void>> helpers;
+    for (unsigned t = 0; t < hasher_count && t + 1 < n; ++t) helpers.push_back(hashers->submit(work));
+    work();
+    for (auto& h : helpers) h.wait();  // `work` and `sums` are this frame's
+    sum::ObjectHasher object(segment);
+    for (std::uint64_t i = 0; i < n; ++i)
+      object.add_segment(sums[i], std::min(size, (i + 1) * segment) - i * segment);
+    return object.finish();
+  }
+
+  // The sum of object bytes [begin, end) of `slices` as one segment.
+  static std::uint64_t segment_sum_at(std::span<const Slice> slices, std::uint64_t begin, std::uint64_t end) {
+    sum::ObjectHasher h(end - begin);
+    std::uint64_t at = 0;
+    for (const Slice& s : slices) {
+      const std::uint64_t from = std::max(begin, at), to = std::min(end, at + s.length);
+      if (from < to) h.update(static_cast<const std::byte*>(s.addr) + (from - at), to - from);
+      at += s.length;
+      if (at >= end) break;
+    }
+    return *h.last_segment_sum();
+  }
+
   // abort_put in Redis (errors only logged: the lease and the nodes' fences reclaim).
   void end_put(const std::string& key, const std::string& token, const std::vector<std::string>& fenced,
                Deadline deadline) {
@@ -767,9 +811,7 @@ struct Store::Impl {
     sum::ObjectSum sum;
     if (moved.is_ok()) {
       const auto c0 = Clock::now();
-      SliceHasher hasher(data, sum::kDefaultSegmentBytes);
-      hasher.advance_to(size);  // overlaps the writes: both only read the source
-      sum = hasher.digest();
+      sum = checksum_of(data, size, sum::kDefaultSegmentBytes);  // overlaps the writes: both only read
       const auto c1 = Clock::now();
       for (auto& w : transfers.waves) {
         Status s = wait_all(w.batches);
@@ -1115,6 +1157,9 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   impl->idle.push_back(std::move(first));
   KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));
   impl->workers = std::make_unique<ThreadPool>(std::max<std::uint32_t>(1, options.async_threads));
+  // With the caller, one thread per core up to four: a put hashes while its writes fly.
+  impl->hasher_count = std::clamp(std::thread::hardware_concurrency(), 2u, 4u) - 1;
+  impl->hashers = std::make_unique<ThreadPool>(impl->hasher_count);
   impl->releaser = std::make_unique<ThreadPool>(1);
   impl->aborter = std::make_unique<ThreadPool>(1);
   return std::unique_ptr<Store>(new Store(std::move(impl)));
