@@ -33,7 +33,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -205,7 +207,18 @@ int code_of(const Status& s) {
   return static_cast<int>(s.code());
 }
 
-void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, Deadline stop) {
+// What each client thread is doing, for the watchdog that names a hang (a thread that never
+// returns from an operation leaves no line in the history).
+struct Doing {
+  std::atomic<const char*> what{"starting"};
+  std::atomic<std::int64_t> since_ns{0};
+  void set(const char* w) {
+    since_ns = now_ns();
+    what = w;
+  }
+};
+
+void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, Deadline stop, Doing& doing) {
   std::mt19937_64 rng(c.seed * 1000003 + static_cast<std::uint64_t>(thread));
   auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
     return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
@@ -234,6 +247,7 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       o.deadline = deadline_after(budget);
       if (uniform(0, 2) == 0) o.ttl = std::chrono::milliseconds(uniform(200, 3000));
       Slice s{data.data(), size};
+      doing.set("put");
       const std::int64_t t0 = now_ns();
       Status st = store.put(key, {&s, 1}, o);
       const std::int64_t t1 = now_ns();
@@ -244,6 +258,7 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       const std::uint64_t id = ++next_put;
       const std::size_t size = random_size() + 2048;
       encode(key, id, {data.data(), size});
+      doing.set("a dropped put stream");
       const std::int64_t t0 = now_ns();
       {
         auto stream = store.begin_put(key, size, {.deadline = deadline_after(budget)});
@@ -271,6 +286,7 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
         });
       }
       Slice s{got.data(), got.size()};
+      doing.set(o.cancel ? "a get a canceller races" : "get");
       const std::int64_t t0 = now_ns();
       auto r = store.get(key, {&s, 1}, o);
       const std::int64_t t1 = now_ns();
@@ -287,6 +303,7 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       }
       log.line(buf);
     } else if (dice < 88) {  // remove
+      doing.set("remove");
       const std::int64_t t0 = now_ns();
       Status st = store.remove(key, deadline_after(budget));
       const std::int64_t t1 = now_ns();
@@ -294,6 +311,7 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
                     static_cast<long long>(budget.count()));
       log.line(buf);
     } else if (dice < 95) {  // touch with a new TTL (or none)
+      doing.set("touch");
       const std::int64_t t0 = now_ns();
       Status st = store.touch(key, std::chrono::milliseconds(uniform(0, 1) ? uniform(200, 3000) : 0),
                               deadline_after(budget));
@@ -305,6 +323,7 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       std::vector<std::string> chain;
       const int first = static_cast<int>(uniform(0, kKeys - 4));
       for (int i = 0; i < 4; ++i) chain.push_back(key_name(first + i));
+      doing.set("contains_prefix");
       const std::int64_t t0 = now_ns();
       auto r = store.contains_prefix(chain, deadline_after(budget));
       const std::int64_t t1 = now_ns();
@@ -313,7 +332,41 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       log.line(buf);
     }
   }
+  doing.set("done");
 }
+
+// Aborts the client, saying what each thread was doing and for how long, when it has not
+// finished `grace` after the run's end: a hang becomes a diagnosis (the orchestrator kills a
+// silent one a minute later and can say only that it hung).
+class Watchdog {
+ public:
+  Watchdog(const ClientConfig& c, std::vector<Doing>& doing, Deadline fire_at)
+      : thread_([&c, &doing, fire_at, this] {
+          std::unique_lock lock(mu_);
+          if (cv_.wait_until(lock, fire_at, [&] { return done_; })) return;
+          std::fprintf(stderr, "history client %d (%s) hung:", c.id, c.transport.c_str());
+          for (std::size_t t = 0; t < doing.size(); ++t) {
+            std::fprintf(stderr, " thread %zu in %s for %.1f s;", t, doing[t].what.load(),
+                         static_cast<double>(now_ns() - doing[t].since_ns.load()) / 1e9);
+          }
+          std::fprintf(stderr, "\n");
+          std::abort();
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
 
 int run_client(const ClientConfig& c) {
   Log log(c.log);
@@ -351,11 +404,17 @@ int run_client(const ClientConfig& c) {
     return 2;
   }
   const Deadline stop = Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(c.seconds * 1000));
+  std::vector<Doing> doing(static_cast<std::size_t>(c.threads) + 1);  // the last: the main thread
+  Watchdog watchdog(c, doing, stop + 30s);
   std::vector<std::thread> threads;
   for (int t = 0; t < c.threads; ++t) {
-    threads.emplace_back([&, t] { client_thread(**store, c, t, log, stop); });
+    threads.emplace_back(
+        [&, t] { client_thread(**store, c, t, log, stop, doing[static_cast<std::size_t>(t)]); });
   }
   for (auto& t : threads) t.join();
+  doing.back().set("closing the store");
+  store->reset();
+  doing.back().set("done");
   return 0;
 }
 
