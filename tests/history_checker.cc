@@ -161,6 +161,7 @@ struct ClientConfig {
   double seconds = 10;
   std::uint64_t seed = 1;
   std::string log;
+  std::string rkey_scope;  // "connection", "lease"; empty: the cell's
 };
 
 // One line per operation, written when it returned:
@@ -381,6 +382,7 @@ int run_client(const ClientConfig& c) {
   o.read_lease = 2s;
   o.verify_checksum = false;
   o.redis_timeout = 1s;
+  o.rkey_scope = parse_rkey_scope(c.rkey_scope);
   auto kind = parse_transport_kind(c.transport);
   if (!kind) {
     std::cerr << "history client: unknown transport " << c.transport << "\n";
@@ -556,6 +558,7 @@ struct RunConfig {
   bool nemesis = true;
   std::string json_path;
   std::string dir;
+  std::string rkey_scope;
 };
 
 int run(const RunConfig& rc, const std::string& self) {
@@ -597,7 +600,8 @@ int run(const RunConfig& rc, const std::string& self) {
     auto child = tools::ChildProcess::start(
         {.argv = {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id",
                   std::to_string(i + 1), "--threads", std::to_string(rc.threads), "--seconds",
-                  std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log},
+                  std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log,
+                  "--rkey-scope", rc.rkey_scope},
          .capture_stdout = false});
     if (!child.is_ok()) {
       std::cerr << "history: client: " << child.status().to_string() << "\n";
@@ -720,6 +724,8 @@ int main(int argc, char** argv) {
   app.add_option("--transports", transports, "One client process per transport listed")
       ->capture_default_str();
   app.add_option("--json", rc.json_path, "Write the report as JSON here");
+  app.add_option("--rkey-scope", rc.rkey_scope, "verbs clients: connection or lease (default: the cell's)")
+      ->check(CLI::IsMember({"", "connection", "lease"}));
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
   app.add_flag("--keep-logs", keep_logs, "Keep the clients' histories even when the run is clean");
   CLI11_PARSE(app, argc, argv);
@@ -727,6 +733,7 @@ int main(int argc, char** argv) {
     cc.threads = rc.threads;
     cc.seconds = rc.seconds;
     cc.seed = rc.seed;
+    cc.rkey_scope = rc.rkey_scope;
     return run_client(cc);
   }
   if (minutes > 0) rc.seconds = minutes * 60;

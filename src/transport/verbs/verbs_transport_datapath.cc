@@ -215,12 +215,16 @@ void VerbsEndpoint::abort(CompletionSink* sink, const Status& reason) {
     // these ops can no longer be touched, and the engine reconnects.
     aborted_.emplace_back(sink, reason);
     fail(Status::unavailable("verbs: connection torn down to cancel an op"));
-    idle_.wait(lock, [&] {
-      return undelivered_ == 0 && std::none_of(slots_.begin(), slots_.end(),
-                                               [&](const Slot& s) { return s.busy && s.sink == sink; });
-    });
-    std::erase_if(aborted_, [&](const auto& a) { return a.first == sink; });
   }
+  // The poller may hold completions of this sink it reaped but has not delivered yet (their
+  // slots are free already): the sink may be destroyed once this returns, so those must be
+  // delivered first. Found by ASan in the Soft-RoCE history run (a put stream dropped while
+  // its writes completed).
+  idle_.wait(lock, [&] {
+    return undelivered_ == 0 && std::none_of(slots_.begin(), slots_.end(),
+                                             [&](const Slot& s) { return s.busy && s.sink == sink; });
+  });
+  if (posted) std::erase_if(aborted_, [&](const auto& a) { return a.first == sink; });
   lock.unlock();
   for (auto& d : done) d.sink->complete(d.tag, std::move(d.status));
 }
