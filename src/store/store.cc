@@ -403,10 +403,9 @@ struct Store::Impl {
   // most half a put lease past it, so that no window outlives a put it serves by more than
   // that put's own lease: a node fenced past a failed put's deadline has fenced every window
   // that could write into its pages.
-  Result<std::shared_ptr<const RemoteMemory>> pooled_lease(NodeLink& link, const NodeLink::Path* path,
-                                                           TransferOp op, const Placement& p,
-                                                           Clock::time_point until, Deadline deadline,
-                                                           OpTimings* timings) {
+  Result<NodeLink::PoolLease> pooled_lease(NodeLink& link, const NodeLink::Path* path, TransferOp op,
+                                           const Placement& p, Clock::time_point until, Deadline deadline,
+                                           OpTimings* timings) {
     const int pi = path == &link.main ? 0 : 1;
     const int oi = op == TransferOp::kRead ? 0 : 1;
     const auto half_put_lease = std::chrono::milliseconds(options.put_lease).count() / 2;
@@ -418,7 +417,7 @@ struct Store::Impl {
     };
     {
       std::lock_guard lock(link.pool_mu);
-      if (suits(link.pool[pi][oi])) return link.pool[pi][oi].lease;
+      if (suits(link.pool[pi][oi])) return link.pool[pi][oi];
     }
     NodeLink::PoolLease fresh;
     LeaseOptions lo{.op = op, .deadline = deadline};
@@ -443,7 +442,7 @@ struct Store::Impl {
     fresh.lease = std::make_shared<const RemoteMemory>(std::move(l).value());
     std::lock_guard lock(link.pool_mu);
     link.pool[pi][oi] = fresh;
-    return fresh.lease;
+    return fresh;
   }
 
   // Leases every node's pages of the object for `op` until `until`, with the Redis lease's
@@ -470,12 +469,10 @@ struct Store::Impl {
           return pool_changed_is_stale(shared.status()).with_context("memory node " + p.nodes[ni].id);
         by_node[ni].ranges.emplace_back(RemoteRange{path->remote.base(), path->remote.length()},
                                         leases.size());
-        Clock::time_point shared_until = Clock::time_point::max();
-        if (op == TransferOp::kWrite) {
-          std::lock_guard lock(links[ni]->pool_mu);
-          shared_until = links[ni]->pool[path == &links[ni]->main ? 0 : 1][1].until;
-        }
-        leases.push_back({std::move(shared).value(), links[ni], true, shared_until});
+        // A write window's end caps the transfers (a read window outlives the operation).
+        const Clock::time_point shared_until =
+            op == TransferOp::kWrite ? shared->until : Clock::time_point::max();
+        leases.push_back({std::move(shared->lease), links[ni], true, shared_until});
         continue;
       }
       std::vector<std::uint64_t> pages;
