@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "common/checksum.h"
+#include "common/thread_pool.h"
 
 namespace kvstash::test {
 
@@ -84,43 +85,10 @@ struct DeviceStandin::Event {
   bool done() const { return completed == recorded; }
 };
 
+// A stream is one worker running what was queued on it in order: a pool of one thread.
 struct DeviceStandin::Stream {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> queue;
-  bool stopping = false;
-  std::thread worker;
-
-  Stream() {
-    worker = std::thread([this] {
-      for (;;) {
-        std::function<void()> op;
-        {
-          std::unique_lock lock(mu);
-          cv.wait(lock, [&] { return stopping || !queue.empty(); });
-          if (queue.empty()) return;
-          op = std::move(queue.front());
-          queue.pop_front();
-        }
-        op();
-      }
-    });
-  }
-  ~Stream() {
-    {
-      std::lock_guard lock(mu);
-      stopping = true;
-    }
-    cv.notify_all();
-    worker.join();
-  }
-  void push(std::function<void()> op) {
-    {
-      std::lock_guard lock(mu);
-      queue.push_back(std::move(op));
-    }
-    cv.notify_all();
-  }
+  ThreadPool worker{1};
+  void push(std::function<void()> op) { (void)worker.submit(std::move(op)); }
 };
 
 namespace {
