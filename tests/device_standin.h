@@ -16,13 +16,11 @@
 // those threads set. Thread-safe.
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
 #include <cstddef>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "kvstash/kvcache.h"
