@@ -5,9 +5,9 @@
 #include <sstream>
 
 #include "checksum.h"
-#include "common/transports.h"
 #include "common/units.h"
 #include "kvcache.h"
+#include "kvstash/types.h"
 #include "metadata.h"
 #include "p2p.h"
 #include "store.h"

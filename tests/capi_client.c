@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvstash/kvstash.h"
+#include "kvstash/c_api.h"
 
 #define CHECK(cond, what)                                                        \
   do {                                                                           \
@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
   CHECK(kvstash_get(store, "c:hello", back, 4, &size) == KVSTASH_INVALID_ARGUMENT && size == sizeof hello,
         "a buffer too small says how much is needed");
   CHECK(kvstash_get(store, "c:absent", back, sizeof back, &size) == KVSTASH_NOT_FOUND, "absent key");
-  CHECK(kvstash_remove(store, "c:hello") == KVSTASH_OK, "kvstash_remove");
+  CHECK(kvstash_remove(store, "c:hello", 0) == KVSTASH_OK, "kvstash_remove");
 
   /* Two caches laid out like vLLM's per-layer tensors. */
   unsigned char* a[LAYERS];
@@ -127,7 +127,9 @@ int main(int argc, char** argv) {
   layout.num_kv_heads = HEADS;
   layout.head_dim = HEAD_DIM;
   layout.dtype = KVSTASH_FP16;
+  layout.order = KVSTASH_NHD;
   layout.arrangement = KVSTASH_PER_LAYER;
+  layout.memory_kind = KVSTASH_MEMORY_HOST;
   layout.layer_tensors = pa;
   kvstash_key_options keys = {0};
   keys.model = "c-model";
@@ -149,10 +151,21 @@ int main(int argc, char** argv) {
   CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 1, key, sizeof key) == KVSTASH_OK && strncmp(key, "kvp:", 4) == 0 &&
             strlen(key) == 36,
         "chunk key");
+  /* A scheduler computes the same key without a cache, from the key options and the tag. */
+  CHECK(strcmp(kvstash_kvcache_layout_tag(kva), "L3.P2.H2.D16.B4.fp16.nhd") == 0, "layout tag");
+  kvstash_key_options scheduler = keys;
+  scheduler.layout_tag = kvstash_kvcache_layout_tag(kva);
+  char sk[40];
+  CHECK(kvstash_prefix_chunk_key(tokens, n_tokens, 1, &scheduler, sk, sizeof sk) == KVSTASH_OK &&
+            strcmp(sk, key) == 0,
+        "kvstash_prefix_chunk_key");
+  CHECK(kvstash_prefix_chunk_key(tokens, n_tokens, 2, &scheduler, sk, sizeof sk) == KVSTASH_INVALID_ARGUMENT,
+        "no scheduler key for a partial chunk");
   CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 2, key, sizeof key) == KVSTASH_INVALID_ARGUMENT,
         "no key for a partial chunk");
   size_t hit = 99;
-  CHECK(kvstash_kvcache_contains_prefix(kva, tokens, n_tokens, &hit) == KVSTASH_OK && hit == 0, "nothing stored");
+  CHECK(kvstash_kvcache_contains_prefix(kva, tokens, n_tokens, 0, &hit) == KVSTASH_OK && hit == 0,
+        "nothing stored");
 
   kvstash_save* save = NULL;
   CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 0, 2, 0, &save) == KVSTASH_OK, "begin_save");
@@ -165,7 +178,17 @@ int main(int argc, char** argv) {
   kvstash_status saved[2];
   CHECK(kvstash_save_finish(save, saved) == KVSTASH_OK && saved[0] == KVSTASH_OK && saved[1] == KVSTASH_OK,
         "save_finish");
-  CHECK(kvstash_kvcache_contains_prefix(kvb, tokens, n_tokens, &hit) == KVSTASH_OK && hit == 2, "both stored");
+  CHECK(kvstash_kvcache_contains_prefix(kvb, tokens, n_tokens, 0, &hit) == KVSTASH_OK && hit == 2,
+        "both stored");
+  /* The scheduler's form: the store alone, over the chunks' keys. */
+  char key0[40], key1[40];
+  const char* chunk_keys[] = {key0, key1, "kvp:absent"};
+  CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 0, key0, sizeof key0) == KVSTASH_OK &&
+            kvstash_kvcache_key(kva, tokens, n_tokens, 1, key1, sizeof key1) == KVSTASH_OK,
+        "chunk keys");
+  hit = 99;
+  CHECK(kvstash_contains_prefix(store, chunk_keys, 3, 0, &hit) == KVSTASH_OK && hit == 2,
+        "the store's prefix check");
 
   kvstash_load* load = NULL;
   CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "begin_load");
@@ -207,13 +230,21 @@ int main(int argc, char** argv) {
   kvstash_save_cancel(save);
   CHECK(kvstash_save_layer(save, 1) == KVSTASH_CANCELLED, "no layer after cancel");
   CHECK(kvstash_save_finish(save, saved) == KVSTASH_CANCELLED && saved[0] == KVSTASH_CANCELLED, "cancelled save");
-  CHECK(kvstash_kvcache_contains_prefix(kva, other, CHUNK, &hit) == KVSTASH_OK && hit == 0, "nothing visible");
+  CHECK(kvstash_kvcache_contains_prefix(kva, other, CHUNK, 0, &hit) == KVSTASH_OK && hit == 0,
+        "nothing visible");
   CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "begin_load 2");
   kvstash_load_cancel(load);
   kvstash_load_finish(load, loaded);
   CHECK((loaded[0] == KVSTASH_OK || loaded[0] == KVSTASH_CANCELLED) &&
             (loaded[1] == KVSTASH_OK || loaded[1] == KVSTASH_CANCELLED),
         "a cancelled load's chunks landed or were cancelled");
+  /* Dropped unfinished, as a save can be: the handle is freed once nothing writes any more. */
+  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK,
+        "begin_load 3");
+  kvstash_load_free(load);
+  CHECK(kvstash_kvcache_begin_save(kva, other, CHUNK, blocks_a, 4, 0, 1, 0, &save) == KVSTASH_OK,
+        "begin_save 3");
+  kvstash_save_free(save);
 
   /* The same through host bounce buffers: a staged cache reads what a direct one wrote. */
   kvstash_kvcache* kvs = NULL;
@@ -237,6 +268,13 @@ int main(int argc, char** argv) {
   kvstash_kvcache_close(kvs);
   layout.staging = (kvstash_staging)7;
   CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_INVALID_ARGUMENT, "unknown staging");
+  layout.staging = KVSTASH_STAGING_AUTO;
+  layout.order = (kvstash_block_order)5;
+  CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_INVALID_ARGUMENT, "unknown order");
+  layout.order = KVSTASH_NHD;
+  layout.memory_kind = (kvstash_memory_kind)5;
+  CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_INVALID_ARGUMENT, "unknown memory kind");
+  layout.memory_kind = KVSTASH_MEMORY_HOST;
 
   /* A save of chunks the tokens do not hold: refused before anything moves. */
   CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 1, 2, 0, &save) == KVSTASH_INVALID_ARGUMENT,

@@ -396,7 +396,7 @@ TEST_P(KvCacheDeviceTest, OverVerbsTheNicMovesDeviceMemoryAndTheDeviceChecksIt) 
   ASSERT_TRUE(store_->get(key, {&into, 1}).is_ok());
   bytes[2 * (info->size / kShape.num_layers) + 5] ^= std::byte{1};
   Slice from_host{bytes.data(), bytes.size()};
-  ASSERT_TRUE(store_->put(key, {&from_host, 1}, {.layout = info->layout}).is_ok());
+  ASSERT_TRUE(store_->put(key, {&from_host, 1}, {.object_layout = info->object_layout}).is_ok());
   auto bad = kvb->begin_load(t, to, 1);
   ASSERT_TRUE(bad.is_ok());
   EXPECT_TRUE(bad->wait_layer(1).is_ok());

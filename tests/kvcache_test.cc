@@ -277,12 +277,12 @@ TEST_P(KvCacheTest, ALayerThatFailsItsChecksumFailsFromThatLayerOn) {
   Slice whole{bytes.data(), bytes.size()};
   auto info = store_->get(key, {&whole, 1});
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
-  std::string layout = info->layout;
+  std::string layout = info->object_layout;
   const std::size_t sums = layout.find(";xxh3=") + 6;
   ASSERT_NE(sums, std::string::npos + 6) << layout;
   char& digit = layout[sums + 2 * 17];  // the first hex digit of layer 2's checksum
   digit = digit == '0' ? '1' : '0';
-  ASSERT_TRUE(store_->put(key, {&whole, 1}, {.layout = layout}).is_ok());
+  ASSERT_TRUE(store_->put(key, {&whole, 1}, {.object_layout = layout}).is_ok());
 
   auto load = kvb->begin_load(tokens, blocks, 2);
   ASSERT_TRUE(load.is_ok());
@@ -395,8 +395,8 @@ TEST_P(KvCacheTest, ALoadCanStartAfterTheChunksTheEngineHolds) {
   const auto blocks_a = scattered_blocks(12, shape.num_blocks, 94);
   const auto blocks_b = scattered_blocks(12, shape.num_blocks, 95);
   for (const auto& st : kva->save(tokens, blocks_a, 0, 3)) ASSERT_TRUE(st.is_ok());
-  const HostCache before(shape, 92);                    // what b held: the same seed
-  auto load = kvb->begin_load(tokens, blocks_b, 1, 2);  // chunks 1 and 2
+  const HostCache before(shape, 92);                          // what b held: the same seed
+  auto load = kvb->begin_load_range(tokens, blocks_b, 1, 2);  // chunks 1 and 2
   ASSERT_TRUE(load.is_ok());
   const auto statuses = load->wait();
   ASSERT_EQ(statuses.size(), 2u);
@@ -410,7 +410,7 @@ TEST_P(KvCacheTest, ALoadCanStartAfterTheChunksTheEngineHolds) {
       }
     }
   }
-  EXPECT_EQ(kvb->begin_load(tokens, blocks_b, 2, 2).status().code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ(kvb->begin_load_range(tokens, blocks_b, 2, 2).status().code(), StatusCode::kInvalidArgument)
       << "chunk 3 has no tokens";
 }
 

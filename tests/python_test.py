@@ -18,10 +18,10 @@ TOKEN = None
 class KvstashPython(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.store = kvstash.Store(URL, transports="shm,tcp", timeout=10.0)
+        cls.store = kvstash.Store(URL, transports="shm,tcp", timeout_ms=10000)
 
     def test_objects_round_trip_and_errors_carry_their_code(self):
-        self.store.put("py:k", b"\x00\x01hello", ttl=60)
+        self.store.put("py:k", b"\x00\x01hello", ttl_ms=60000)
         self.assertEqual(self.store.get("py:k"), b"\x00\x01hello")
         self.store.remove("py:k")
         with self.assertRaises(kvstash.Error) as e:
@@ -37,7 +37,7 @@ class KvstashPython(unittest.TestCase):
         rng = random.Random(5)
         a = [bytearray(rng.getrandbits(8) for _ in range(2 * blocks * block_bytes)) for _ in range(layers)]
         b = [bytearray(2 * blocks * block_bytes) for _ in range(layers)]
-        common = dict(num_blocks=blocks, block_size=block_size, kv_heads=heads, head_dim=head_dim,
+        common = dict(num_blocks=blocks, block_size=block_size, num_kv_heads=heads, head_dim=head_dim,
                       dtype="fp16", model="py-model", chunk_tokens=8)
         kva = kvstash.KvCache(self.store, a, **common)
         kvb = kvstash.KvCache(self.store, b, **common)
@@ -89,7 +89,7 @@ class KvstashPython(unittest.TestCase):
             kvstash.KvCache(self.store, c, staging="floppy", **common)
         # Host memory marked as GPU memory: no transport registers it, and direct-only says so.
         with self.assertRaises(kvstash.Error) as e:
-            kvstash.KvCache(self.store, c, gpu=True, staging="none", **common)
+            kvstash.KvCache(self.store, c, memory_kind="cuda", staging="none", **common)
         self.assertIn("registering the KV cache", str(e.exception))
 
         # Cancelled: a load's chunks landed or were cancelled; a save leaves nothing.
@@ -122,7 +122,7 @@ class KvstashPython(unittest.TestCase):
 
         layers, blocks, block_size, heads, head_dim, chunk = 4, 64, 16, 2, 8, 64
         block_bytes = block_size * heads * head_dim * 2
-        shape = dict(model="py-vllm", layers=layers, kv_heads=heads, head_dim=head_dim,
+        shape = dict(model="py-vllm", layers=layers, num_kv_heads=heads, head_dim=head_dim,
                      block_size=block_size, chunk_tokens=chunk)
         rng = random.Random(11)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
@@ -208,7 +208,7 @@ class KvstashPython(unittest.TestCase):
         layers, blocks, block_size, heads, head_dim = 2, 4, 4, 1, 8
         size = 2 * blocks * block_size * heads * head_dim * 2
         bufs = [bytearray(size) for _ in range(layers)]
-        kv = kvstash.KvCache(self.store, bufs, num_blocks=blocks, block_size=block_size, kv_heads=heads,
+        kv = kvstash.KvCache(self.store, bufs, num_blocks=blocks, block_size=block_size, num_kv_heads=heads,
                              head_dim=head_dim, model="py-resize", chunk_tokens=block_size)
         for b in bufs:
             with self.assertRaises(BufferError):
@@ -235,13 +235,48 @@ class KvstashPython(unittest.TestCase):
             del b[:4]
             self.assertEqual(len(b), size)
 
+    def test_a_cross_layer_cache_loads_a_range_of_chunks(self):
+        # A per-layer cache saves two chunks; a cross-layer cache over one region (block b of
+        # layer l, part p at ((b * layers + l) * 2 + p) * block_bytes) loads chunk 1 alone.
+        layers, blocks, block_size, heads, head_dim = 3, 8, 4, 2, 16
+        bb = block_size * heads * head_dim * 2
+        rng = random.Random(17)
+        a = [bytearray(rng.getrandbits(8) for _ in range(2 * blocks * bb)) for _ in range(layers)]
+        region = bytearray(blocks * layers * 2 * bb)
+        common = dict(num_blocks=blocks, block_size=block_size, num_kv_heads=heads, head_dim=head_dim,
+                      model="py-cross", chunk_tokens=8)
+        kva = kvstash.KvCache(self.store, a, **common)
+        kvx = kvstash.KvCache(self.store, arrangement="cross_layer", base=region, num_layers=layers, **common)
+        self.assertEqual(kvx.layout_tag, kva.layout_tag)  # the same objects
+        tokens = [rng.randrange(32000) for _ in range(2 * 8)]
+        blocks_a, blocks_x = [1, 6, 3, 0], [7, 2, 5, 4]
+        save = kva.begin_save(tokens, blocks_a, 0, 2)
+        for layer in range(layers):
+            save.save_layer(layer)
+        self.assertEqual(save.wait(), [("ok", ""), ("ok", "")])
+        load = kvx.begin_load_range(tokens, blocks_x, 1, 1)  # chunk 1: blocks 2 and 3
+        self.assertEqual(load.wait(), [("ok", "")])
+        for i in range(4):
+            for layer in range(layers):
+                for part in range(2):
+                    src = (part * blocks + blocks_a[i]) * bb
+                    dst = ((blocks_x[i] * layers + layer) * 2 + part) * bb
+                    want = a[layer][src:src + bb] if i >= 2 else bytes(bb)  # chunk 0 is not loaded
+                    self.assertEqual(region[dst:dst + bb], want, f"block {i} layer {layer} part {part}")
+        for bad in (dict(layer_tensors=a, arrangement="cross_layer", base=region),  # both
+                    dict(arrangement="cross_layer", num_layers=layers),  # no region
+                    dict(layer_tensors=a, arrangement="diagonal")):
+            with self.assertRaises(kvstash.Error) as e:
+                kvstash.KvCache(self.store, **bad, **common)
+            self.assertEqual(e.exception.code, "invalid_argument", bad.keys())
+
     def test_bad_layouts_are_refused(self):
         with self.assertRaises(kvstash.Error) as e:
-            kvstash.KvCache(self.store, [bytearray(10)], num_blocks=4, block_size=4, kv_heads=1, head_dim=8,
+            kvstash.KvCache(self.store, [bytearray(10)], num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8,
                             model="m")
         self.assertEqual(e.exception.code, "invalid_argument")  # the buffer is too small
         with self.assertRaises(kvstash.Error):
-            kvstash.KvCache(self.store, [bytearray(1 << 12)], num_blocks=4, block_size=4, kv_heads=1,
+            kvstash.KvCache(self.store, [bytearray(1 << 12)], num_blocks=4, block_size=4, num_kv_heads=1,
                             head_dim=8, dtype="fp12", model="m")
 
 
@@ -249,7 +284,7 @@ class ClusterToken(unittest.TestCase):
     """The cell "secured" is served over tcp only, by a node that requires TOKEN."""
 
     def open(self, **kw):
-        return kvstash.Store(URL, cell="secured", transports="tcp", timeout=10.0, **kw)
+        return kvstash.Store(URL, cell="secured", transports="tcp", timeout_ms=10000, **kw)
 
     def test_the_data_path_needs_the_token(self):
         plain, wrong = self.open(), self.open(cluster_token="guess")
@@ -259,7 +294,7 @@ class ClusterToken(unittest.TestCase):
             self.assertEqual(e.exception.code, "permission_denied")
             self.assertIn("cluster token", e.exception.message)
         store = self.open(cluster_token=TOKEN)
-        store.put("py:guarded", b"bytes behind the token", ttl=60)
+        store.put("py:guarded", b"bytes behind the token", ttl_ms=60000)
         self.assertEqual(store.get("py:guarded"), b"bytes behind the token")
         for other in (plain, wrong):
             with self.assertRaises(kvstash.Error) as e:

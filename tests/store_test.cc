@@ -153,14 +153,14 @@ TEST_F(StoreTest, RoundTripsAreBitExactAcrossSizesAndTransports) {
       std::vector<std::byte> data(size);
       fill(data);
       std::string key = "obj/" + std::to_string(size);
-      ASSERT_TRUE(put_bytes(*store, key, data, {.layout = "L" + key}).is_ok());
+      ASSERT_TRUE(put_bytes(*store, key, data, {.object_layout = "L" + key}).is_ok());
       auto back = get_bytes(*store, key, size + 100);
       ASSERT_TRUE(back.is_ok()) << back.status().to_string();
       ASSERT_EQ(back->size(), size);
       EXPECT_EQ(test::first_mismatch(back->data(), data.data(), size), -1);
       auto st = store->stat(key);
       ASSERT_TRUE(st.is_ok());
-      EXPECT_EQ(st->layout, "L" + key);
+      EXPECT_EQ(st->object_layout, "L" + key);
       EXPECT_EQ(st->pages, (size + kPage - 1) / kPage);
     }
 
@@ -202,7 +202,7 @@ TEST_F(StoreTest, APutStreamWritesInPiecesAndBecomesVisibleAtCommit) {
   fill(data);
   ASSERT_TRUE(put_bytes(*store, "k", old).is_ok());
 
-  auto stream = store->begin_put("k", data.size(), {.layout = "layer-wise"});
+  auto stream = store->begin_put("k", data.size(), {.object_layout = "layer-wise"});
   ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
   EXPECT_EQ(stream->size(), data.size());
   // Three appends, the last of two slices; readers see the old object until the commit.
@@ -222,7 +222,7 @@ TEST_F(StoreTest, APutStreamWritesInPiecesAndBecomesVisibleAtCommit) {
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(test::first_mismatch(back->data(), data.data(), data.size()), -1)
       << "checksum verified by the get";
-  EXPECT_EQ(store->stat("k")->layout, "layer-wise");
+  EXPECT_EQ(store->stat("k")->object_layout, "layer-wise");
 
   // Committed short, or dropped: aborted, pages back, the object unchanged.
   {
@@ -291,12 +291,12 @@ TEST_F(StoreTest, AGetReportsItsProgressInOrder) {
   ASSERT_TRUE(store);
   std::vector<std::byte> data(9 * kPage + 77), into(data.size());
   fill(data);
-  ASSERT_TRUE(put_bytes(*store, "p", data, {.layout = "with layout"}).is_ok());
+  ASSERT_TRUE(put_bytes(*store, "p", data, {.object_layout = "with layout"}).is_ok());
   std::vector<std::uint64_t> seen;
   Slice s{into.data(), into.size()};
   GetOptions o;
-  o.progress = [&](std::uint64_t landed, std::string_view layout) {
-    EXPECT_EQ(layout, "with layout");
+  o.progress = [&](std::uint64_t landed, std::string_view object_layout) {
+    EXPECT_EQ(object_layout, "with layout");
     // What is reported as landed is in place already.
     EXPECT_EQ(std::memcmp(into.data(), data.data(), landed), 0);
     seen.push_back(landed);
@@ -305,6 +305,45 @@ TEST_F(StoreTest, AGetReportsItsProgressInOrder) {
   ASSERT_GE(seen.size(), 2u) << "a 9 MiB object lands in more than one step";
   EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
   EXPECT_EQ(seen.back(), data.size());
+}
+
+TEST_F(StoreTest, AGetOfUnknownSizeLearnsItInTheScriptThatReadsIt) {
+  auto n = node("n1", "24MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kShm);
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(3 * kPage + 5);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "u", data, {.object_layout = "u-layout"}).is_ok());
+  std::vector<std::byte> into;
+  std::vector<std::uint64_t> asked;
+  const GetInto place = [&](std::uint64_t size) -> Result<std::vector<Slice>> {
+    asked.push_back(size);
+    into.resize(size);
+    return std::vector<Slice>{{into.data(), into.size()}};
+  };
+  OpTimings t;
+  auto got = store->get_unsized("u", place, {.timings = &t});
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_EQ(asked, std::vector<std::uint64_t>{data.size()});
+  EXPECT_EQ(got->size, data.size());
+  EXPECT_EQ(got->object_layout, "u-layout");
+  EXPECT_EQ(into, data);
+  EXPECT_EQ(t.redis_round_trips, 1u) << "no stat before the get";
+
+  // `into` refusing: its error; offering too little: get's; an absent object: never asked.
+  auto refused = store->get_unsized(
+      "u", [](std::uint64_t) -> Result<std::vector<Slice>> { return Status::no_space("not that much"); });
+  EXPECT_EQ(refused.status().code(), StatusCode::kNoSpace);
+  auto short_of_it = store->get_unsized("u", [&](std::uint64_t size) -> Result<std::vector<Slice>> {
+    into.assign(size - 1, std::byte{0});
+    return std::vector<Slice>{{into.data(), into.size()}};
+  });
+  EXPECT_EQ(short_of_it.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->get_unsized("absent", place).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(asked.size(), 1u);
+  ASSERT_TRUE(store->get_unsized("u", place).is_ok()) << "the failed gets changed nothing";
+  EXPECT_EQ(into, data);
 }
 
 TEST_F(StoreTest, RoundTripsOverVerbs) {
@@ -1019,7 +1058,7 @@ TEST_F(StoreTest, BadInputGetsClearErrors) {
   EXPECT_EQ(get_bytes(*store, "k", data.size() - 1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(put_bytes(*store, "", data).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(put_bytes(*store, std::string(2000, 'k'), data).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(put_bytes(*store, "k", data, {.layout = std::string(70000, 'x')}).code(),
+  EXPECT_EQ(put_bytes(*store, "k", data, {.object_layout = std::string(70000, 'x')}).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(get_bytes(*store, "absent", 10).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(Store::open({.redis_url = "redis://127.0.0.1:1/0", .redis_timeout = 300ms}).status().code(),

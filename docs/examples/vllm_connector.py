@@ -53,26 +53,26 @@ class KvstashMetadata(_Metadata):
     requests: list = field(default_factory=list)
 
 
-def layout_tag(layers, kv_heads, head_dim, block_size, dtype="fp16", order="nhd", mla=False):
+def layout_tag(layers, num_kv_heads, head_dim, block_size, dtype="fp16", order="nhd", mla=False):
     """The layout tag a KvCache of this shape salts its keys with (docs/integration.md,
     section 2), so that the scheduler computes the same keys without any tensor."""
     parts = 1 if mla else 2
-    return f"L{layers}.P{parts}.H{kv_heads}.D{head_dim}.B{block_size}.{dtype}.{order}"
+    return f"L{layers}.P{parts}.H{num_kv_heads}.D{head_dim}.B{block_size}.{dtype}.{order}"
 
 
 class KvstashConnector(_Base):
-    def __init__(self, store, *, model, layers, kv_heads, head_dim, block_size, dtype="fp16",
-                 order="nhd", chunk_tokens=256, tp_rank=0, tp_size=1, gpu=False):
+    def __init__(self, store, *, model, layers, num_kv_heads, head_dim, block_size, dtype="fp16",
+                 order="nhd", chunk_tokens=256, tp_rank=0, tp_size=1, memory_kind="host"):
         self.store = store
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.shape = dict(kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        self.shape = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                           dtype=dtype, order=order)
-        self.tag = layout_tag(layers, kv_heads, head_dim, block_size, dtype, order)
-        self.gpu = gpu
+        self.tag = layout_tag(layers, num_kv_heads, head_dim, block_size, dtype, order)
+        self.memory_kind = memory_kind  # "cuda" for torch tensors on a GPU
         # Scheduler side.
         self._hits = {}  # req_id -> (chunks vLLM holds locally, chunks stored remotely)
         self._to_load = {}  # req_id -> (first, count) of the chunks to load this step
@@ -142,11 +142,12 @@ class KvstashConnector(_Base):
         tensors = [t.data_ptr() if hasattr(t, "data_ptr") else t for t in kv_caches.values()]
         first = kv_caches[names[0]]
         num_blocks = first.shape[1] if hasattr(first, "shape") else (
-            len(first) // (2 * self.block_size * self.shape["kv_heads"] * self.shape["head_dim"]
+            len(first) // (2 * self.block_size * self.shape["num_kv_heads"] * self.shape["head_dim"]
                            * _dtype_bytes(self.shape["dtype"])))
         self.kv = kvstash.KvCache(self.store, tensors, num_blocks, model=self.model,
                                   tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                  chunk_tokens=self.chunk_tokens, gpu=self.gpu, **self.shape)
+                                  chunk_tokens=self.chunk_tokens, memory_kind=self.memory_kind,
+                                  **self.shape)
         assert self.kv.layout_tag == self.tag, "the scheduler's keys would not match the worker's"
 
     def bind_connector_metadata(self, meta):
@@ -158,8 +159,8 @@ class KvstashConnector(_Base):
     def start_load_kv(self, forward_context=None, **kwargs):
         for plan in self._meta.requests:
             if plan.load_chunks:
-                load = self.kv.begin_load(plan.tokens, plan.block_ids, plan.load_chunks,
-                                          first=plan.load_first)
+                load = self.kv.begin_load_range(plan.tokens, plan.block_ids, plan.load_first,
+                                                plan.load_chunks)
                 self._loads[plan.req_id] = (load, plan)
 
     def wait_for_layer_load(self, layer_name):

@@ -18,8 +18,8 @@
 // An object holds one chunk of `chunk_tokens` tokens, all layers, in a canonical order:
 // layer by layer, within a layer K then V (or the MLA latent alone), within those the
 // chunk's blocks in token order, each block's bytes as the engine keeps them (NHD or HND:
-// part of the key's salt, so caches of different layouts never share objects). Its layout
-// field holds the layout tag and each layer's checksum ("<tag>;xxh3=<16 hex>,...": the sum of
+// part of the key's salt, so caches of different layouts never share objects). Its object
+// layout (PutOptions::object_layout) holds the layout tag and each layer's checksum ("<tag>;xxh3=<16 hex>,...": the sum of
 // the layer as one checksum segment, computed by the device where the bytes are), which a
 // layer-wise load checks as each layer lands, on the device.
 //
@@ -88,15 +88,15 @@ class KvLayout {
   // vLLM's per-layer tensors: layer l is (2, num_blocks, block_size, kv_heads, head_dim)
   // (FlashAttention's kv-first shape), or (num_blocks, block_size, head_dim) with MLA.
   static Result<KvLayout> per_layer(const KvCacheShape& shape, std::span<void* const> layer_tensors,
-                                    MemoryKind kind = MemoryKind::kHost);
+                                    MemoryKind memory_kind = MemoryKind::kHost);
   // Blocks first: layer l is (num_blocks, 2, block_size, kv_heads, head_dim) (FlashInfer).
   static Result<KvLayout> per_layer_blocks_first(const KvCacheShape& shape,
                                                  std::span<void* const> layer_tensors,
-                                                 MemoryKind kind = MemoryKind::kHost);
+                                                 MemoryKind memory_kind = MemoryKind::kHost);
   // One region for every layer: (num_blocks, num_layers, 2, block_size, kv_heads, head_dim),
   // vLLM's cross-layer layout, where one block of every layer is contiguous.
   static Result<KvLayout> cross_layer(const KvCacheShape& shape, void* base,
-                                      MemoryKind kind = MemoryKind::kHost);
+                                      MemoryKind memory_kind = MemoryKind::kHost);
   // Any other arrangement, by strides. Checked: every block of every layer and part must lie
   // inside one of `regions`, and no two may overlap.
   static Result<KvLayout> custom(const KvCacheShape& shape, std::vector<std::byte*> layer_base,
@@ -214,6 +214,16 @@ class KvDevice {
 // an empty KvSync).
 std::shared_ptr<KvDevice> host_device();
 
+// The CUDA device of GPU `gpu` (a CUDA ordinal): the cache's copies and checksums run as
+// kernels on that GPU. kUnsupported where this build has no CUDA kernels, kUnavailable when
+// there is no usable GPU or driver (the message says which), kInternal for other CUDA errors.
+Result<std::shared_ptr<KvDevice>> cuda_device(int gpu);
+
+// The CUDA device of the GPU that owns `layout`'s memory (not GPU 0): what KvCache uses for
+// GPU memory when KvCacheOptions::device is unset. Errors as cuda_device's, and
+// kInvalidArgument when the memory is not CUDA device memory.
+Result<std::shared_ptr<KvDevice>> cuda_device_of(const KvLayout& layout);
+
 // How a cache's bytes travel.
 enum class KvPath : std::uint8_t {
   kAuto,    // direct where every transport in use registers the cache's memory, else staged
@@ -223,7 +233,7 @@ enum class KvPath : std::uint8_t {
 
 struct KvCacheOptions {
   // The device that owns the cache's memory. Unset: host_device() for host memory; for GPU
-  // memory, the CUDA device of the GPU that owns it (where this build has the CUDA kernels).
+  // memory, cuda_device_of(layout) (where this build has the CUDA kernels).
   std::shared_ptr<KvDevice> device;
   KvPath path = KvPath::kAuto;
   // Bounce buffers per chunk being saved, one layer each: a layer's gather overlaps the
@@ -347,8 +357,9 @@ class KvCache {
                             std::size_t count, std::optional<Deadline> deadline = {});
   // Chunks [first, first + count) only (the engine already holds the ones before, e.g. in
   // its own prefix cache); the KvLoad's statuses count from chunk `first`.
-  Result<KvLoad> begin_load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
-                            std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
+  Result<KvLoad> begin_load_range(std::span<const std::uint32_t> tokens,
+                                  std::span<const std::uint32_t> block_ids, std::size_t first,
+                                  std::size_t count, std::optional<Deadline> deadline = {});
 
  private:
   friend class KvSave;

@@ -114,9 +114,10 @@ struct OpTimings {
 struct PutOptions {
   // The object expires this long after the put; 0: never (until removed or evicted).
   std::chrono::milliseconds ttl{0};
-  // Opaque bytes stored with the object and returned by get and stat (at most 64 KiB):
-  // the KV layout, dtype, token count...
-  std::string layout;
+  // Opaque bytes stored with the object and returned by get and stat (at most 64 KiB): how
+  // to read its bytes (KvCache stores its layout tag and a checksum per layer), a token
+  // count... (Redis field `layout`; the CLI's --layout).
+  std::string object_layout;
   std::optional<Deadline> deadline;
   OpTimings* timings = nullptr;  // filled when set
   // Compare-and-set: commit only if the key still holds this version of an object
@@ -140,10 +141,10 @@ class CancelToken {
   bool cancelled() const;
   explicit operator bool() const { return state_ != nullptr; }
 
-  struct State;  // the store's
-  State* state() const { return state_.get(); }
-
  private:
+  friend class Store;
+  struct State;
+  State* state() const { return state_.get(); }
   std::shared_ptr<State> state_;
 };
 
@@ -154,18 +155,23 @@ struct GetOptions {
   // itself, as KvCache does per layer, saves the second pass).
   std::optional<bool> verify_checksum;
   // Called on the thread running the get each time more of the object has landed, in order:
-  // bytes [0, landed) are in `into`, and `layout` is the object's (what its put stored).
+  // bytes [0, landed) are in `into`, and `object_layout` is the object's (what its put stored).
   // Before the get returns they are not yet checked against the object's checksum nor its
-  // lease: act on them early only where the layout lets you check them (KvCache stores a
+  // lease: act on them early only where the object layout lets you check them (KvCache stores a
   // checksum per layer there).
-  std::function<void(std::uint64_t landed, std::string_view layout)> progress;
+  std::function<void(std::uint64_t landed, std::string_view object_layout)> progress;
   // Lets another thread stop this get (CancelToken::cancel).
   CancelToken cancel;
 };
 
+// Where Store::get_unsized puts an object the caller did not know the size of: called once
+// with the object's size, before any byte moves; returns slices holding at least `size`
+// bytes, or an error, which the get then returns (nothing is read).
+using GetInto = std::function<Result<std::vector<Slice>>(std::uint64_t size)>;
+
 struct ObjectInfo {
   std::uint64_t size = 0;
-  std::string layout;
+  std::string object_layout;  // PutOptions::object_layout
   // The bytes' checksum: the xxh3 tree (docs/metadata.md) over segments of
   // `checksum_segment` bytes.
   std::uint64_t checksum = 0;
@@ -209,9 +215,9 @@ class PutStream {
   // the memory they came from may be reused (a bounce buffer). Returns the stream's first
   // write failure, if any.
   Status wait_written(std::uint64_t end);
-  // Replaces the layout PutOptions gave (what is only known once the bytes are out, such as
+  // Replaces the object layout PutOptions gave (what is only known once the bytes are out, such as
   // per-part checksums); stored at commit. At most 64 KiB.
-  void set_layout(std::string layout);
+  void set_object_layout(std::string object_layout);
   // Waits for the writes, then commits. kInvalidArgument when fewer than size() bytes were
   // appended (the put is aborted); otherwise as Store::put.
   Status commit();
@@ -238,7 +244,7 @@ class Store {
 
   // Writes `data` as object `key`, replacing any previous object of that key once the new
   // one is complete (readers see the old or the new object, never a mix). Blocks until
-  // committed or failed. Errors: kInvalidArgument (empty or oversize key, layout over
+  // committed or failed. Errors: kInvalidArgument (empty or oversize key, object layout over
   // 64 KiB), kNoSpace (the live nodes cannot hold it even after evicting every unleased
   // object), kTimeout, kUnavailable (a node or Redis unreachable), kStale (the put's lease
   // ran out before the commit), kPermissionDenied.
@@ -251,11 +257,17 @@ class Store {
   // kTimeout, kUnavailable.
   Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& options = {});
 
+  // Reads object `key` into the memory `into` returns once the object's size is known: for an
+  // object of unknown size (small blobs; the C and Python get), in the same single Redis
+  // script as get (a stat first would be a second one, and the object could be replaced in
+  // between). Errors as get's, and `into`'s own.
+  Result<ObjectInfo> get_unsized(std::string_view key, const GetInto& into, const GetOptions& options = {});
+
   // Starts a put of `size` bytes written in pieces (PutStream). The deadline and the put
   // lease count from now and cover every append and the commit. Errors as put's.
   Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options = {});
 
-  // The object's size, layout and placement, without reading it. kNotFound when absent.
+  // The object's size, object layout and placement, without reading it. kNotFound when absent.
   Result<ObjectInfo> stat(std::string_view key, std::optional<Deadline> deadline = {});
 
   // How many of `keys`, from the first, are present: the length of the longest cached

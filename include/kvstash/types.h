@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <vector>
+
+#include "kvstash/status.h"
 
 namespace kvstash {
 
@@ -22,5 +25,9 @@ enum class TransportKind : std::uint8_t { kShm = 0, kVerbs = 1, kUcx = 2, kTcp =
 std::string_view to_string(TransferOp op);
 std::string_view to_string(TransportKind kind);  // "shm", "verbs", "ucx", "tcp"
 std::optional<TransportKind> parse_transport_kind(std::string_view name);
+// A transport list as command lines, config files and the C and Python StoreOptions spell it:
+// "shm,tcp,verbs", or "all" / "" for an empty list (every transport built in).
+// kInvalidArgument naming an unknown name and the known ones.
+Result<std::vector<TransportKind>> parse_transport_list(std::string_view list);
 
 }  // namespace kvstash

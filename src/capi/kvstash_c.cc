@@ -1,6 +1,6 @@
-// The C API (include/kvstash/kvstash.h): opaque handles over Store and KvCache, statuses as
-// codes, messages in a thread-local slot.
-#include "kvstash/kvstash.h"
+// The C API (include/kvstash/c_api.h): opaque handles over Store and KvCache, statuses as
+// codes, messages in a thread-local slot. Through the public C++ API only.
+#include "kvstash/c_api.h"
 
 #include <algorithm>
 #include <memory>
@@ -8,12 +8,9 @@
 #include <vector>
 
 #include "common/system.h"
-#include "common/transports.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
-#if KVSTASH_HAVE_CUDA_KERNELS
-#include "kvcache/cuda/cuda_device.h"
-#endif
+#include "kvstash/types.h"
 
 struct kvstash_store {
   std::unique_ptr<kvstash::Store> store;
@@ -30,6 +27,14 @@ struct kvstash_load {
   std::size_t chunks = 0;
 };
 
+// The C enums mirror the C++ ones value for value (tests/parity_test.py checks the names).
+static_assert(KVSTASH_INTERNAL == static_cast<int>(kvstash::StatusCode::kInternal));
+static_assert(KVSTASH_CANCELLED == static_cast<int>(kvstash::StatusCode::kCancelled));
+static_assert(KVSTASH_INT8 == static_cast<int>(kvstash::KvDType::kInt8));
+static_assert(KVSTASH_FP8_E4M3 == static_cast<int>(kvstash::KvDType::kFloat8E4M3));
+static_assert(KVSTASH_HND == static_cast<int>(kvstash::KvBlockOrder::kHND));
+static_assert(KVSTASH_MEMORY_CUDA == static_cast<int>(kvstash::MemoryKind::kCuda));
+
 namespace {
 
 thread_local std::string t_error;
@@ -44,6 +49,18 @@ kvstash_status invalid(const char* why) { return report(kvstash::Status::invalid
 std::optional<kvstash::Deadline> deadline_of(std::uint32_t timeout_ms) {
   if (timeout_ms == 0) return std::nullopt;
   return kvstash::deadline_after(std::chrono::milliseconds(timeout_ms));
+}
+
+// Zero (NULL) fields are the C++ defaults. Precondition: keys.model is set.
+kvstash::PrefixKeyOptions key_options_of(const kvstash_key_options& keys) {
+  kvstash::PrefixKeyOptions k;
+  k.model = keys.model;
+  if (keys.layout_tag != nullptr) k.layout_tag = keys.layout_tag;
+  k.tp_rank = keys.tp_rank;
+  if (keys.tp_size != 0) k.tp_size = keys.tp_size;
+  if (keys.chunk_tokens != 0) k.chunk_tokens = keys.chunk_tokens;
+  if (keys.extra != nullptr) k.extra = keys.extra;
+  return k;
 }
 
 // The first failure of a per-chunk list, and the list copied out when asked for.
@@ -113,20 +130,40 @@ kvstash_status kvstash_get(kvstash_store* store, const char* key, void* out, siz
   if (store == nullptr || key == nullptr || size == nullptr || (out == nullptr && capacity != 0)) {
     return invalid("kvstash_get: store, key, out and size are required");
   }
-  auto info = store->store->stat(key);
-  if (!info.is_ok()) return report(info.status());
-  *size = info->size;
-  if (info->size > capacity) return invalid("kvstash_get: the object is larger than the buffer (see *size)");
-  kvstash::Slice s{out, capacity};
-  auto r = store->store->get(key, {&s, 1});
+  auto r = store->store->get_unsized(
+      key, [&](std::uint64_t object_size) -> kvstash::Result<std::vector<kvstash::Slice>> {
+        *size = object_size;
+        if (object_size > capacity) {
+          return kvstash::Status::invalid_argument(
+              "kvstash_get: the object is larger than the buffer (see *size)");
+        }
+        return std::vector<kvstash::Slice>{{out, capacity}};
+      });
   if (!r.is_ok()) return report(r.status());
   *size = r->size;
   return report({});
 }
 
-kvstash_status kvstash_remove(kvstash_store* store, const char* key) {
+kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t timeout_ms) {
   if (store == nullptr || key == nullptr) return invalid("kvstash_remove: store and key are required");
-  return report(store->store->remove(key));
+  return report(store->store->remove(key, deadline_of(timeout_ms)));
+}
+
+kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                       uint32_t timeout_ms, size_t* count) {
+  if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr) {
+    return invalid("kvstash_contains_prefix: store, keys and count are required");
+  }
+  std::vector<std::string> k;
+  k.reserve(n_keys);
+  for (size_t i = 0; i < n_keys; ++i) {
+    if (keys[i] == nullptr) return invalid("kvstash_contains_prefix: a key is NULL");
+    k.emplace_back(keys[i]);
+  }
+  auto n = store->store->contains_prefix(k, deadline_of(timeout_ms));
+  if (!n.is_ok()) return report(n.status());
+  *count = *n;
+  return report({});
 }
 
 kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
@@ -136,22 +173,24 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
   }
   *out = nullptr;
   if (layout->dtype < KVSTASH_FP16 || layout->dtype > KVSTASH_INT8)
-    return invalid("kvstash_kvcache_open: dtype");
-  kvstash::KvCacheShape shape{
-      .num_layers = layout->num_layers,
-      .num_blocks = layout->num_blocks,
-      .block_size = layout->block_size,
-      .num_kv_heads = layout->num_kv_heads,
-      .head_dim = layout->head_dim,
-      .dtype = static_cast<kvstash::KvDType>(layout->dtype),
-      .order = layout->hnd ? kvstash::KvBlockOrder::kHND : kvstash::KvBlockOrder::kNHD,
-      .mla = layout->mla != 0};
-  const kvstash::MemoryKind kind =
-      layout->gpu_memory ? kvstash::MemoryKind::kCuda : kvstash::MemoryKind::kHost;
+    return invalid("kvstash_kvcache_open: unknown dtype");
+  if (layout->order != KVSTASH_NHD && layout->order != KVSTASH_HND)
+    return invalid("kvstash_kvcache_open: unknown order");
+  if (layout->memory_kind != KVSTASH_MEMORY_HOST && layout->memory_kind != KVSTASH_MEMORY_CUDA)
+    return invalid("kvstash_kvcache_open: unknown memory_kind");
+  kvstash::KvCacheShape shape{.num_layers = layout->num_layers,
+                              .num_blocks = layout->num_blocks,
+                              .block_size = layout->block_size,
+                              .num_kv_heads = layout->num_kv_heads,
+                              .head_dim = layout->head_dim,
+                              .dtype = static_cast<kvstash::KvDType>(layout->dtype),
+                              .order = static_cast<kvstash::KvBlockOrder>(layout->order),
+                              .mla = layout->mla != 0};
+  const auto kind = static_cast<kvstash::MemoryKind>(layout->memory_kind);
   kvstash::Result<kvstash::KvLayout> l = kvstash::Status::internal("unset");
   switch (layout->arrangement) {
     case KVSTASH_PER_LAYER:
-    case KVSTASH_BLOCKS_FIRST: {
+    case KVSTASH_PER_LAYER_BLOCKS_FIRST: {
       if (layout->layer_tensors == nullptr) return invalid("kvstash_kvcache_open: layer_tensors is required");
       std::span<void* const> tensors(layout->layer_tensors, layout->num_layers);
       l = layout->arrangement == KVSTASH_PER_LAYER
@@ -166,12 +205,7 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
     default: return invalid("kvstash_kvcache_open: unknown arrangement");
   }
   if (!l.is_ok()) return report(l.status());
-  kvstash::PrefixKeyOptions k;
-  k.model = keys->model;
-  k.tp_rank = keys->tp_rank;
-  k.tp_size = keys->tp_size == 0 ? 1 : keys->tp_size;
-  if (keys->chunk_tokens != 0) k.chunk_tokens = keys->chunk_tokens;
-  if (keys->extra != nullptr) k.extra = keys->extra;
+  kvstash::PrefixKeyOptions k = key_options_of(*keys);
   kvstash::KvCacheOptions options;
   switch (layout->staging) {
     case KVSTASH_STAGING_AUTO: break;
@@ -181,18 +215,11 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
       options.path = kvstash::KvPath::kStaged;
       break;
     case KVSTASH_STAGING_CUDA: {
-#if KVSTASH_HAVE_CUDA_KERNELS
-      // On the GPU that owns the tensors, not GPU 0.
-      auto gpu = kvstash::cuda::device_of(l->regions().front().addr);
-      if (!gpu.is_ok()) return report(gpu.status());
-      auto c = kvstash::cuda::cuda_device(*gpu);
-      if (!c.is_ok()) return report(c.status());
+      auto c = kvstash::cuda_device_of(*l);  // on the GPU that owns the tensors, not GPU 0
+      if (!c.is_ok()) return report(c.status().with_context("kvstash_kvcache_open"));
       options.device = std::move(c).value();
       options.path = kvstash::KvPath::kStaged;
       break;
-#else
-      return report(kvstash::Status::unsupported("kvstash_kvcache_open: this build has no CUDA kernels"));
-#endif
     }
     default: return invalid("kvstash_kvcache_open: unknown staging");
   }
@@ -220,6 +247,25 @@ uint32_t kvstash_kvcache_chunk_tokens(const kvstash_kvcache* kv) {
   return kv == nullptr ? 0 : kv->kv->key_options().chunk_tokens;
 }
 
+const char* kvstash_kvcache_layout_tag(const kvstash_kvcache* kv) {
+  return kv == nullptr ? "" : kv->kv->key_options().layout_tag.c_str();
+}
+
+kvstash_status kvstash_prefix_chunk_key(const uint32_t* tokens, size_t n_tokens, size_t index,
+                                        const kvstash_key_options* options, char* out, size_t out_size) {
+  if ((tokens == nullptr && n_tokens != 0) || options == nullptr || options->model == nullptr ||
+      out == nullptr) {
+    return invalid("kvstash_prefix_chunk_key: tokens, options (with a model) and out are required");
+  }
+  const std::vector<std::string> all =
+      kvstash::prefix_chunk_keys({tokens, n_tokens}, key_options_of(*options));
+  if (index >= all.size()) return invalid("kvstash_prefix_chunk_key: the tokens hold no such full chunk");
+  if (out_size <= all[index].size()) return invalid("kvstash_prefix_chunk_key: out is smaller than 37 bytes");
+  all[index].copy(out, all[index].size());
+  out[all[index].size()] = '\0';
+  return report({});
+}
+
 kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                    size_t index, char* out, size_t out_size) {
   if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || out == nullptr) {
@@ -234,24 +280,25 @@ kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* to
 }
 
 kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                               size_t* chunks) {
+                                               uint32_t timeout_ms, size_t* chunks) {
   if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || chunks == nullptr) {
     return invalid("kvstash_kvcache_contains_prefix: kv, tokens and chunks are required");
   }
-  auto n = kv->kv->contains_prefix({tokens, n_tokens});
+  auto n = kv->kv->contains_prefix({tokens, n_tokens}, deadline_of(timeout_ms));
   if (!n.is_ok()) return report(n.status());
   *chunks = *n;
   return report({});
 }
 
 kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                          const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
-                                          uint32_t timeout_ms, kvstash_save** out) {
-  if (kv == nullptr || tokens == nullptr || blocks == nullptr || out == nullptr) {
-    return invalid("kvstash_kvcache_begin_save: kv, tokens, blocks and out are required");
+                                          const uint32_t* block_ids, size_t n_block_ids, size_t first,
+                                          size_t count, uint32_t timeout_ms, kvstash_save** out) {
+  if (kv == nullptr || tokens == nullptr || block_ids == nullptr || out == nullptr) {
+    return invalid("kvstash_kvcache_begin_save: kv, tokens, block_ids and out are required");
   }
   *out = nullptr;
-  auto s = kv->kv->begin_save({tokens, n_tokens}, {blocks, n_blocks}, first, count, deadline_of(timeout_ms));
+  auto s =
+      kv->kv->begin_save({tokens, n_tokens}, {block_ids, n_block_ids}, first, count, deadline_of(timeout_ms));
   if (!s.is_ok()) return report(s.status());
   *out = new kvstash_save{std::move(s).value(), count};
   return report({});
@@ -276,19 +323,21 @@ kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk
 void kvstash_save_free(kvstash_save* save) { delete save; }
 
 kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                          const uint32_t* blocks, size_t n_blocks, size_t count,
+                                          const uint32_t* block_ids, size_t n_block_ids, size_t count,
                                           uint32_t timeout_ms, kvstash_load** out) {
-  return kvstash_kvcache_begin_load_range(kv, tokens, n_tokens, blocks, n_blocks, 0, count, timeout_ms, out);
+  return kvstash_kvcache_begin_load_range(kv, tokens, n_tokens, block_ids, n_block_ids, 0, count, timeout_ms,
+                                          out);
 }
 
 kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                                const uint32_t* blocks, size_t n_blocks, size_t first,
+                                                const uint32_t* block_ids, size_t n_block_ids, size_t first,
                                                 size_t count, uint32_t timeout_ms, kvstash_load** out) {
-  if (kv == nullptr || tokens == nullptr || blocks == nullptr || out == nullptr) {
-    return invalid("kvstash_kvcache_begin_load: kv, tokens, blocks and out are required");
+  if (kv == nullptr || tokens == nullptr || block_ids == nullptr || out == nullptr) {
+    return invalid("kvstash_kvcache_begin_load: kv, tokens, block_ids and out are required");
   }
   *out = nullptr;
-  auto l = kv->kv->begin_load({tokens, n_tokens}, {blocks, n_blocks}, first, count, deadline_of(timeout_ms));
+  auto l = kv->kv->begin_load_range({tokens, n_tokens}, {block_ids, n_block_ids}, first, count,
+                                    deadline_of(timeout_ms));
   if (!l.is_ok()) return report(l.status());
   *out = new kvstash_load{std::move(l).value(), count};
   return report({});
@@ -323,6 +372,8 @@ kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk
   std::unique_ptr<kvstash_load> owned(load);
   return per_chunk_result(owned->load.wait(), per_chunk);
 }
+
+void kvstash_load_free(kvstash_load* load) { delete load; }  // ~KvLoad waits for the transfers
 
 kvstash_status kvstash_load_failed_blocks(kvstash_load* load, uint32_t* out, size_t capacity, size_t* n) {
   if (load == nullptr || n == nullptr || (out == nullptr && capacity > 0)) {

@@ -2,8 +2,6 @@
 
 #include <string>
 
-#include "common/transports.h"
-
 namespace kvstash {
 
 std::string_view to_string(TransferOp op) { return op == TransferOp::kRead ? "read" : "write"; }

@@ -135,18 +135,27 @@ bool on_gpu(const KvLayout& layout) {
                              [](const MemoryRegion& r) { return r.kind == MemoryKind::kCuda; });
 }
 
-// The CUDA device of the GPU that owns a GPU layout's memory.
-Result<std::shared_ptr<KvDevice>> gpu_device(const KvLayout& layout) {
+}  // namespace
+
+Result<std::shared_ptr<KvDevice>> cuda_device(int gpu) {
 #if KVSTASH_HAVE_CUDA_KERNELS
-  KVSTASH_ASSIGN_OR_RETURN(const int gpu, cuda::device_of(layout.regions().front().addr));
   return cuda::cuda_device(gpu);
 #else
-  (void)layout;
-  return Status::unsupported("this build has no CUDA kernels");
+  (void)gpu;
+  return Status::unsupported("kvcache: this build has no CUDA kernels");
 #endif
 }
 
-}  // namespace
+Result<std::shared_ptr<KvDevice>> cuda_device_of(const KvLayout& layout) {
+#if KVSTASH_HAVE_CUDA_KERNELS
+  if (layout.regions().empty()) return Status::invalid_argument("kvcache: the layout has no memory");
+  KVSTASH_ASSIGN_OR_RETURN(const int gpu, cuda::device_of(layout.regions().front().addr));
+  return cuda_device(gpu);
+#else
+  (void)layout;
+  return Status::unsupported("kvcache: this build has no CUDA kernels");
+#endif
+}
 
 struct KvCache::Impl {
   Store* store = nullptr;
@@ -360,7 +369,7 @@ std::vector<Status> KvSave::wait() {
       out.push_back(c.status);
       continue;
     }
-    c.stream.set_layout(object_layout(st.kv->keys.layout_tag, c.sums));
+    c.stream.set_object_layout(object_layout(st.kv->keys.layout_tag, c.sums));
     out.push_back(c.stream.commit());
   }
   return out;
@@ -501,7 +510,7 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   Status no_device;
   if (!impl->device && !impl->device_memory) impl->device = host_device();
   if (!impl->device) {
-    auto gpu = gpu_device(layout);
+    auto gpu = cuda_device_of(layout);
     if (gpu.is_ok()) {
       impl->device = std::move(gpu).value();
     } else {
@@ -600,12 +609,12 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
 Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
                                    std::span<const std::uint32_t> block_ids, std::size_t count,
                                    std::optional<Deadline> deadline) {
-  return begin_load(tokens, block_ids, 0, count, deadline);
+  return begin_load_range(tokens, block_ids, 0, count, deadline);
 }
 
-Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
-                                   std::span<const std::uint32_t> block_ids, std::size_t first,
-                                   std::size_t count, std::optional<Deadline> deadline) {
+Result<KvLoad> KvCache::begin_load_range(std::span<const std::uint32_t> tokens,
+                                         std::span<const std::uint32_t> block_ids, std::size_t first,
+                                         std::size_t count, std::optional<Deadline> deadline) {
   KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
@@ -656,8 +665,8 @@ Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
           o.deadline = deadline;
           o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
           o.cancel = st->cancel;
-          o.progress = [&](std::uint64_t landed, std::string_view layout) {
-            if (!sums) sums = parse_layout(layout, kv.keys.layout_tag, layers);
+          o.progress = [&](std::uint64_t landed, std::string_view stored_layout) {
+            if (!sums) sums = parse_layout(stored_layout, kv.keys.layout_tag, layers);
             if (!sums) {
               bad_layer = Status::corrupt("kvcache: " + key + " was not saved by a cache of layout " +
                                           kv.keys.layout_tag);

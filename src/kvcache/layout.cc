@@ -104,18 +104,19 @@ Result<KvLayout> one_tensor_per_layer(const KvCacheShape& shape, std::span<void*
 }  // namespace
 
 Result<KvLayout> KvLayout::per_layer(const KvCacheShape& shape, std::span<void* const> layer_tensors,
-                                     MemoryKind kind) {
+                                     MemoryKind memory_kind) {
   const std::uint64_t bb = shape.block_bytes();
-  return one_tensor_per_layer(shape, layer_tensors, kind, shape.num_blocks * bb, bb);
+  return one_tensor_per_layer(shape, layer_tensors, memory_kind, shape.num_blocks * bb, bb);
 }
 
 Result<KvLayout> KvLayout::per_layer_blocks_first(const KvCacheShape& shape,
-                                                  std::span<void* const> layer_tensors, MemoryKind kind) {
+                                                  std::span<void* const> layer_tensors,
+                                                  MemoryKind memory_kind) {
   const std::uint64_t bb = shape.block_bytes();
-  return one_tensor_per_layer(shape, layer_tensors, kind, bb, shape.parts() * bb);
+  return one_tensor_per_layer(shape, layer_tensors, memory_kind, bb, shape.parts() * bb);
 }
 
-Result<KvLayout> KvLayout::cross_layer(const KvCacheShape& shape, void* base, MemoryKind kind) {
+Result<KvLayout> KvLayout::cross_layer(const KvCacheShape& shape, void* base, MemoryKind memory_kind) {
   KVSTASH_RETURN_IF_ERROR(shape.validate());
   const std::uint64_t bb = shape.block_bytes();
   const std::uint64_t per_layer = shape.parts() * bb;  // one block of one layer, every part
@@ -123,7 +124,8 @@ Result<KvLayout> KvLayout::cross_layer(const KvCacheShape& shape, void* base, Me
   std::vector<std::byte*> bases;
   for (std::uint32_t l = 0; l < shape.num_layers; ++l)
     bases.push_back(static_cast<std::byte*>(base) + l * per_layer);
-  std::vector<MemoryRegion> regions{{base, static_cast<std::size_t>(block_stride * shape.num_blocks), kind}};
+  std::vector<MemoryRegion> regions{
+      {base, static_cast<std::size_t>(block_stride * shape.num_blocks), memory_kind}};
   return custom(shape, std::move(bases), bb, block_stride, std::move(regions));
 }
 

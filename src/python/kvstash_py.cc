@@ -1,11 +1,14 @@
-// Python bindings (pybind11) over the Store and the KV-cache layer: the same surface as the
-// C API (include/kvstash/kvstash.h), Pythonic. Blocking calls release the GIL. Failures raise
-// kvstash.Error with .code (the status name) and the message.
+// Python bindings (pybind11) over the Store and the KV-cache layer: a translation of the C++
+// API (include/kvstash/store.h, kvcache.h) name for name, as the C API (include/kvstash/c_api.h)
+// is: keywords are the C++ fields and parameters (a std::chrono::milliseconds `x` is `x_ms`, a
+// deadline is `timeout_ms` from now), defaults are read from the C++ structs, enums are their
+// text forms ("fp16", "nhd", "host"). tests/parity_test.py checks it. Blocking calls release
+// the GIL. Failures raise kvstash.Error with .code (the status name) and the message.
 //
 //   import kvstash
 //   store = kvstash.Store("redis://127.0.0.1:6379/0", transports="shm,tcp", cluster_token=token)
-//   kv = kvstash.KvCache(store, tensors=[t.data_ptr() for t in kv_caches], num_blocks=...,
-//                        block_size=16, kv_heads=8, head_dim=128, dtype="bf16", model="...")
+//   kv = kvstash.KvCache(store, [t.data_ptr() for t in kv_caches], num_blocks=..., block_size=16,
+//                        num_kv_heads=8, head_dim=128, dtype="bf16", model="...")
 //   load = kv.begin_load(tokens, block_ids, kv.contains_prefix(tokens))
 //   for layer in range(num_layers): load.wait_layer(layer)
 #include <pybind11/pybind11.h>
@@ -17,12 +20,9 @@
 #include <vector>
 
 #include "common/system.h"
-#include "common/transports.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
-#if KVSTASH_HAVE_CUDA_KERNELS
-#include "kvcache/cuda/cuda_device.h"
-#endif
+#include "kvstash/types.h"
 
 namespace py = pybind11;
 using namespace kvstash;
@@ -103,11 +103,21 @@ struct PyLoad {
   KvLoad load;
 };
 
-std::optional<Deadline> deadline_of(double timeout_s) {
-  if (timeout_s <= 0) return std::nullopt;
-  return deadline_after(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_s)));
+// A call's timeout_ms, as the C API takes it: 0 is the store's default.
+std::optional<Deadline> deadline_of(std::uint32_t timeout_ms) {
+  if (timeout_ms == 0) return std::nullopt;
+  return deadline_after(std::chrono::milliseconds(timeout_ms));
 }
+
+// Text forms of the enums the C++ API has no to_string for (the C enum names, lower case).
+std::string_view order_name(KvBlockOrder o) { return o == KvBlockOrder::kHND ? "hnd" : "nhd"; }
+std::string_view memory_kind_name(MemoryKind k) { return k == MemoryKind::kCuda ? "cuda" : "host"; }
+
+// The defaults of the C++ option structs, so that a keyword left out means what the C++ field
+// left out means.
+const StoreOptions kStoreDefaults;
+const KvCacheShape kShapeDefaults;
+const PrefixKeyOptions kKeyDefaults;
 
 }  // namespace
 
@@ -117,62 +127,74 @@ PYBIND11_MODULE(kvstash, m) {
   m.attr("Error") = py::handle(g_error);
 
   py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
-      .def(py::init([](const std::string& redis_url, const std::string& password, const std::string& cell,
-                       const std::string& transports, double timeout,
+      .def(py::init([](const std::string& redis_url, const std::string& redis_password,
+                       const std::string& cell, const std::string& transports, std::uint32_t timeout_ms,
                        const std::optional<std::string>& cluster_token) {
              StoreOptions o;
              o.redis_url = redis_url;
-             o.redis_password = password;
+             o.redis_password = redis_password;
              if (cluster_token) {
                check(sys::check_cluster_token(*cluster_token, "cluster_token"));
                o.engine.cluster_token = *cluster_token;
              }
-             if (!cell.empty()) o.cell = cell;
-             if (!transports.empty()) o.engine.transports = unwrap(parse_transport_list(transports));
-             if (timeout > 0) {
-               o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
-                   std::chrono::duration<double>(timeout));
-             }
+             o.cell = cell;
+             o.engine.transports = unwrap(parse_transport_list(transports));
+             o.timeout = std::chrono::milliseconds(timeout_ms);
              return std::make_shared<PyStore>(PyStore{unwrap(nogil([&] { return Store::open(o); }))});
            }),
-           py::arg("redis_url"), py::arg("password") = "", py::arg("cell") = "", py::arg("transports") = "",
-           py::arg("timeout") = 0.0, py::arg("cluster_token") = py::none(),
-           "Opens the cell's store. cluster_token: the cell's shared secret (kvstashd --cluster-token-file); "
-           "None: none, and nodes that require one refuse the data path (Error code 'permission_denied'); "
-           "an empty string is refused ('invalid_argument').")
+           py::arg("redis_url") = kStoreDefaults.redis_url,
+           py::arg("redis_password") = kStoreDefaults.redis_password, py::arg("cell") = kStoreDefaults.cell,
+           py::arg("transports") = "",
+           py::arg("timeout_ms") = static_cast<std::uint32_t>(kStoreDefaults.timeout.count()),
+           py::arg("cluster_token") = py::none(),
+           "Opens the cell's store (StoreOptions). transports: \"shm,tcp,verbs\", \"\" for every one built "
+           "in. "
+           "cluster_token: the cell's shared secret (kvstashd --cluster-token-file); None: none, and nodes "
+           "that require one refuse the data path (Error code 'permission_denied'); an empty string is "
+           "refused ('invalid_argument').")
       .def(
           "put",
-          [](PyStore& s, const std::string& key, py::bytes data, double ttl) {
+          [](PyStore& s, const std::string& key, py::bytes data, std::uint64_t ttl_ms) {
             std::string bytes = data;
             Slice slice{bytes.data(), bytes.size()};
-            const auto ttl_ms = std::chrono::milliseconds(static_cast<std::int64_t>(ttl * 1000));
-            check(nogil([&] { return s.store->put(key, {&slice, 1}, {.ttl = ttl_ms}); }));
+            const auto ttl = std::chrono::milliseconds(ttl_ms);
+            check(nogil([&] { return s.store->put(key, {&slice, 1}, {.ttl = ttl}); }));
           },
-          py::arg("key"), py::arg("data"), py::arg("ttl") = 0.0)
-      .def("get",
-           [](PyStore& s, const std::string& key) {
-             std::string out;
-             check(nogil([&] {
-               auto info = s.store->stat(key);
-               if (!info.is_ok()) return info.status();
-               out.resize(info->size);
-               Slice slice{out.data(), out.size()};
-               return s.store->get(key, {&slice, 1}).status();
-             }));
-             return py::bytes(out);
-           })
-      .def("remove",
-           [](PyStore& s, const std::string& key) { check(nogil([&] { return s.store->remove(key); })); })
+          py::arg("key"), py::arg("data"), py::arg("ttl_ms") = 0, "ttl_ms: 0 never expires.")
+      .def(
+          "get",
+          [](PyStore& s, const std::string& key) {
+            std::string out;
+            check(nogil([&] {
+              // One Redis script: the size and the bytes are the same object's.
+              return s.store
+                  ->get_unsized(key,
+                                [&](std::uint64_t size) -> Result<std::vector<Slice>> {
+                                  out.resize(size);
+                                  return std::vector<Slice>{{out.data(), out.size()}};
+                                })
+                  .status();
+            }));
+            return py::bytes(out);
+          },
+          py::arg("key"))
+      .def(
+          "remove",
+          [](PyStore& s, const std::string& key, std::uint32_t timeout_ms) {
+            check(nogil([&] { return s.store->remove(key, deadline_of(timeout_ms)); }));
+          },
+          py::arg("key"), py::arg("timeout_ms") = 0)
       .def(
           "contains_prefix",
-          [](PyStore& s, const std::vector<std::string>& keys, double timeout) {
-            return unwrap(nogil([&] { return s.store->contains_prefix(keys, deadline_of(timeout)); }));
+          [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return s.store->contains_prefix(keys, deadline_of(timeout_ms)); }));
           },
-          py::arg("keys"), py::arg("timeout") = 0.0,
+          py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).");
 
   py::class_<PySave, std::shared_ptr<PySave>>(m, "KvSave")
-      // stream / event: raw handles (torch.cuda.Stream.cuda_stream, torch.cuda.Event.cuda_event).
+      // stream / event: raw handles (torch.cuda.Stream.cuda_stream, torch.cuda.Event.cuda_event):
+      // KvSync's fields.
       .def(
           "save_layer",
           [](PySave& s, std::uint32_t layer, std::uintptr_t stream, std::uintptr_t event) {
@@ -185,9 +207,13 @@ PYBIND11_MODULE(kvstash, m) {
       .def("cancel", [](PySave& s) { nogil([&] { s.save.cancel(); }); });
 
   py::class_<PyLoad, std::shared_ptr<PyLoad>>(m, "KvLoad")
-      .def("wait_layer",
-           [](PyLoad& l, std::uint32_t layer) { check(nogil([&] { return l.load.wait_layer(layer); })); })
-      .def("layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); })
+      .def(
+          "wait_layer",
+          [](PyLoad& l, std::uint32_t layer) { check(nogil([&] { return l.load.wait_layer(layer); })); },
+          py::arg("layer"))
+      .def(
+          "layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); },
+          py::arg("layer"))
       // The layer's readiness as a raw cudaEvent_t (an int) for cudaStreamWaitEvent on the
       // engine's stream (kvstash/torch_streams.py wraps it for torch); owned by the load.
       .def(
@@ -196,10 +222,12 @@ PYBIND11_MODULE(kvstash, m) {
             check(l.load.wait_layer_on(layer, reinterpret_cast<void*>(stream)));
           },
           py::arg("layer"), py::arg("stream"))
-      .def("layer_event",
-           [](PyLoad& l, std::uint32_t layer) {
-             return reinterpret_cast<std::uintptr_t>(unwrap(l.load.layer_event(layer)));
-           })
+      .def(
+          "layer_event",
+          [](PyLoad& l, std::uint32_t layer) {
+            return reinterpret_cast<std::uintptr_t>(unwrap(l.load.layer_event(layer)));
+          },
+          py::arg("layer"))
       .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); })
       .def("cancel", [](PyLoad& l) { nogil([&] { l.load.cancel(); }); })
       .def(
@@ -207,19 +235,36 @@ PYBIND11_MODULE(kvstash, m) {
           "Waits, then the block ids whose chunk did not load whole: what to recompute.");
 
   py::class_<PyKvCache, std::shared_ptr<PyKvCache>>(m, "KvCache")
-      .def(py::init([](std::shared_ptr<PyStore> store, py::list tensors, std::uint32_t num_blocks,
-                       std::uint32_t block_size, std::uint32_t kv_heads, std::uint32_t head_dim,
-                       const std::string& dtype, const std::string& order, bool mla,
+      .def(py::init([](std::shared_ptr<PyStore> store, const py::object& layer_tensors,
+                       std::uint32_t num_blocks, std::uint32_t block_size, std::uint32_t num_kv_heads,
+                       std::uint32_t head_dim, const std::string& dtype, const std::string& order, bool mla,
                        const std::string& arrangement, const std::string& model, std::uint32_t tp_rank,
-                       std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra, bool gpu,
-                       const std::string& staging) {
+                       std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
+                       const std::string& memory_kind, const std::string& staging, const py::object& base,
+                       std::uint32_t num_layers) {
              auto dt = parse_kv_dtype(dtype);
              if (!dt) raise(Status::invalid_argument("unknown dtype '" + dtype + "'"));
              if (order != "nhd" && order != "hnd") raise(Status::invalid_argument("order is 'nhd' or 'hnd'"));
-             KvCacheShape shape{.num_layers = static_cast<std::uint32_t>(tensors.size()),
+             if (memory_kind != "host" && memory_kind != "cuda") {
+               raise(Status::invalid_argument("memory_kind is 'host' or 'cuda'"));
+             }
+             const bool cross = arrangement == "cross_layer";
+             if (!cross && arrangement != "per_layer" && arrangement != "per_layer_blocks_first") {
+               raise(Status::invalid_argument(
+                   "arrangement is 'per_layer', 'per_layer_blocks_first' or 'cross_layer'"));
+             }
+             if (cross != !base.is_none()) {
+               raise(Status::invalid_argument("base is the region of the cross_layer arrangement (only)"));
+             }
+             if (cross == !layer_tensors.is_none()) {
+               raise(Status::invalid_argument("layer_tensors are the per-layer arrangements' (only)"));
+             }
+             py::list tensors = cross ? py::list() : py::list(layer_tensors);
+             if (num_layers == 0) num_layers = static_cast<std::uint32_t>(tensors.size());
+             KvCacheShape shape{.num_layers = num_layers,
                                 .num_blocks = num_blocks,
                                 .block_size = block_size,
-                                .num_kv_heads = kv_heads,
+                                .num_kv_heads = num_kv_heads,
                                 .head_dim = head_dim,
                                 .dtype = *dt,
                                 .order = order == "hnd" ? KvBlockOrder::kHND : KvBlockOrder::kNHD,
@@ -228,13 +273,22 @@ PYBIND11_MODULE(kvstash, m) {
              auto out = std::make_shared<PyKvCache>();
              out->store = store;
              const std::size_t per_layer = shape.parts() * std::size_t{num_blocks} * shape.block_bytes();
-             std::vector<void*> ptrs;
-             for (const auto& t : tensors) ptrs.push_back(address_of(t, per_layer, out->buffers));
-             const MemoryKind kind = gpu ? MemoryKind::kCuda : MemoryKind::kHost;
-             Result<KvLayout> layout =
-                 Status::invalid_argument("arrangement is 'per_layer' or 'blocks_first'");
-             if (arrangement == "per_layer") layout = KvLayout::per_layer(shape, ptrs, kind);
-             if (arrangement == "blocks_first") layout = KvLayout::per_layer_blocks_first(shape, ptrs, kind);
+             const MemoryKind kind = memory_kind == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost;
+             Result<KvLayout> layout = Status::internal("unset");
+             if (cross) {
+               layout =
+                   KvLayout::cross_layer(shape, address_of(base, per_layer * num_layers, out->buffers), kind);
+             } else {
+               if (tensors.size() != num_layers) {
+                 raise(Status::invalid_argument("num_layers is " + std::to_string(num_layers) +
+                                                ", layer_tensors has " + std::to_string(tensors.size())));
+               }
+               std::vector<void*> ptrs;
+               for (const auto& t : tensors) ptrs.push_back(address_of(t, per_layer, out->buffers));
+               layout = arrangement == "per_layer" ? KvLayout::per_layer(shape, ptrs, kind)
+                                                   : KvLayout::per_layer_blocks_first(shape, ptrs, kind);
+             }
+             KvLayout l = unwrap(std::move(layout));
              KvCacheOptions options;
              if (staging == "none") {
                options.path = KvPath::kDirect;
@@ -242,13 +296,8 @@ PYBIND11_MODULE(kvstash, m) {
                options.device = host_device();
                options.path = KvPath::kStaged;
              } else if (staging == "cuda") {
-#if KVSTASH_HAVE_CUDA_KERNELS
-               // On the GPU that owns the tensors, not GPU 0.
-               options.device = unwrap(cuda::cuda_device(unwrap(cuda::device_of(ptrs.front()))));
+               options.device = unwrap(cuda_device_of(l));  // on the GPU that owns the tensors, not GPU 0
                options.path = KvPath::kStaged;
-#else
-               raise(Status::unsupported("this build has no CUDA kernels"));
-#endif
              } else if (staging != "auto") {
                raise(Status::invalid_argument("staging is 'auto', 'none', 'host' or 'cuda'"));
              }
@@ -257,55 +306,82 @@ PYBIND11_MODULE(kvstash, m) {
                                    .tp_size = tp_size,
                                    .chunk_tokens = chunk_tokens,
                                    .extra = extra};
-             KvLayout l = unwrap(std::move(layout));
              out->kv = unwrap(nogil([&] {
                return KvCache::open(*store->store, std::move(l), std::move(keys), std::move(options));
              }));
              return out;
            }),
-           py::arg("store"), py::arg("tensors"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype") = "fp16", py::arg("order") = "nhd",
-           py::arg("mla") = false, py::arg("arrangement") = "per_layer", py::arg("model"),
-           py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("chunk_tokens") = 256,
-           py::arg("extra") = "", py::arg("gpu") = false, py::arg("staging") = "auto")
+           py::arg("store"), py::arg("layer_tensors") = py::none(), py::arg("num_blocks"),
+           py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("dtype") = std::string(to_string(kShapeDefaults.dtype)),
+           py::arg("order") = std::string(order_name(kShapeDefaults.order)),
+           py::arg("mla") = kShapeDefaults.mla, py::arg("arrangement") = "per_layer", py::arg("model"),
+           py::arg("tp_rank") = kKeyDefaults.tp_rank, py::arg("tp_size") = kKeyDefaults.tp_size,
+           py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens, py::arg("extra") = kKeyDefaults.extra,
+           py::arg("memory_kind") = std::string(memory_kind_name(MemoryKind::kHost)),
+           py::arg("staging") = "auto", py::arg("base") = py::none(),
+           py::arg("num_layers") = kShapeDefaults.num_layers,
+           "A KV cache over the engine's tensors: KvCacheShape's fields, the KvLayout constructor's "
+           "(arrangement 'per_layer', 'per_layer_blocks_first': layer_tensors, one per layer, as ints "
+           "(data_ptr()) or writable buffers; 'cross_layer': base, the one region, and num_layers; "
+           "memory_kind 'host' or 'cuda'), PrefixKeyOptions' fields, and staging ('auto', 'none', 'host', "
+           "'cuda': KvCacheOptions' path and device). num_layers 0: len(layer_tensors).")
       .def_property_readonly("chunk_tokens",
                              [](const PyKvCache& k) { return k.kv->key_options().chunk_tokens; })
       .def_property_readonly("chunk_bytes", [](const PyKvCache& k) { return k.kv->chunk_bytes(); })
       .def_property_readonly("layout_tag", [](const PyKvCache& k) { return k.kv->key_options().layout_tag; })
       .def_property_readonly("data_path", [](const PyKvCache& k) { return std::string(k.kv->data_path()); })
       .def_property_readonly("device", [](const PyKvCache& k) { return std::string(k.kv->device().name()); })
-      .def("keys",
-           [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens) { return k.kv->keys(tokens); })
+      .def(
+          "keys",
+          [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens) { return k.kv->keys(tokens); },
+          py::arg("tokens"))
       .def(
           "contains_prefix",
-          [](PyKvCache& k, const std::vector<std::uint32_t>& tokens, double timeout) {
-            return unwrap(nogil([&] { return k.kv->contains_prefix(tokens, deadline_of(timeout)); }));
+          [](PyKvCache& k, const std::vector<std::uint32_t>& tokens, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return k.kv->contains_prefix(tokens, deadline_of(timeout_ms)); }));
           },
-          py::arg("tokens"), py::arg("timeout") = 0.0)
+          py::arg("tokens"), py::arg("timeout_ms") = 0)
       .def(
           "begin_save",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
-             const std::vector<std::uint32_t>& blocks, std::size_t first, std::size_t count, double timeout) {
+             const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
+             std::uint32_t timeout_ms) {
             auto s = std::make_shared<PySave>();
             s->kv = k;
-            s->save = unwrap(
-                nogil([&] { return k->kv->begin_save(tokens, blocks, first, count, deadline_of(timeout)); }));
+            s->save = unwrap(nogil(
+                [&] { return k->kv->begin_save(tokens, block_ids, first, count, deadline_of(timeout_ms)); }));
             return s;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
-          py::arg("timeout") = 0.0)
+          py::arg("timeout_ms") = 0)
       .def(
           "begin_load",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
-             const std::vector<std::uint32_t>& blocks, std::size_t count, double timeout, std::size_t first) {
+             const std::vector<std::uint32_t>& block_ids, std::size_t count, std::uint32_t timeout_ms) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
             l->load = unwrap(
-                nogil([&] { return k->kv->begin_load(tokens, blocks, first, count, deadline_of(timeout)); }));
+                nogil([&] { return k->kv->begin_load(tokens, block_ids, count, deadline_of(timeout_ms)); }));
             return l;
           },
-          py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout") = 0.0,
-          py::arg("first") = 0, "Loads chunks [first, first + count); statuses count from `first`.");
+          py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout_ms") = 0,
+          "Loads the first `count` chunks.")
+      .def(
+          "begin_load_range",
+          [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
+             const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
+             std::uint32_t timeout_ms) {
+            auto l = std::make_shared<PyLoad>();
+            l->kv = k;
+            l->load = unwrap(nogil([&] {
+              return k->kv->begin_load_range(tokens, block_ids, first, count, deadline_of(timeout_ms));
+            }));
+            return l;
+          },
+          py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
+          py::arg("timeout_ms") = 0,
+          "Loads chunks [first, first + count) only; statuses count from `first`.");
 
   m.def(
       "prefix_chunk_keys",
@@ -318,6 +394,7 @@ PYBIND11_MODULE(kvstash, m) {
                                           .chunk_tokens = chunk_tokens,
                                           .extra = extra});
       },
-      py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = 0,
-      py::arg("tp_size") = 1, py::arg("chunk_tokens") = 256, py::arg("extra") = "");
+      py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = kKeyDefaults.tp_rank,
+      py::arg("tp_size") = kKeyDefaults.tp_size, py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens,
+      py::arg("extra") = kKeyDefaults.extra);
 }

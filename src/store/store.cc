@@ -784,7 +784,9 @@ struct Store::Impl {
   Status put(std::string_view key, std::span<const Slice> data, const PutOptions& o) {
     KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
     KVSTASH_RETURN_IF_ERROR(host_only(data, "put"));
-    if (o.layout.size() > kMaxLayout) return Status::invalid_argument("store: layout is larger than 64 KiB");
+    if (o.object_layout.size() > kMaxLayout) {
+      return Status::invalid_argument("store: object_layout is larger than 64 KiB");
+    }
     const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
     const std::uint64_t size = total_length(data);
     const std::string token = random_token();
@@ -829,10 +831,15 @@ struct Store::Impl {
     auto c = borrow(deadline);
     if (!c.is_ok()) return c.status().with_context(std::string(key));  // the fence returns the pages
     MetadataClock mc(o.timings);
-    return (*c)->commit_put(token, key, sum, o.layout, o.ttl, o.if_version).with_context(std::string(key));
+    return (*c)
+        ->commit_put(token, key, sum, o.object_layout, o.ttl, o.if_version)
+        .with_context(std::string(key));
   }
 
-  Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetOptions& o) {
+  // Reads into `into`, or (when `into_for` is set) into the slices it returns once the object's
+  // size is known.
+  Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetInto* into_for,
+                         const GetOptions& o) {
     KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
     if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
     const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
@@ -847,9 +854,19 @@ struct Store::Impl {
     if (!lease.is_ok()) return lease.status().with_context(std::string(key));
 
     Status moved;
+    std::vector<Slice> placed;
+    if (into_for != nullptr) {
+      auto p = (*into_for)(lease->size);
+      if (p.is_ok()) {
+        placed = std::move(p).value();
+        into = placed;
+      } else {
+        moved = p.status();
+      }
+    }
     const bool verify = o.verify_checksum.value_or(options.verify_checksum);
     SliceHasher hasher(into, lease->checksum.segment);
-    if (verify) moved = host_only(into, "a get that verifies its checksum");
+    if (moved.is_ok() && verify) moved = host_only(into, "a get that verifies its checksum");
     if (!moved.is_ok()) {
       // into device memory with the check on: nothing is read
     } else if (total_length(into) < lease->size) {
@@ -909,7 +926,7 @@ struct Store::Impl {
     }
     ObjectInfo info;
     info.size = lease->size;
-    info.layout = std::move(lease->layout);
+    info.object_layout = std::move(lease->layout);
     info.checksum = lease->checksum.value;
     info.checksum_segment = lease->checksum.segment;
     info.pages = lease->placement.extents.size();
@@ -1003,8 +1020,8 @@ Status PutStream::wait_written(std::uint64_t end) {
   return state_->wait_writes(end);
 }
 
-void PutStream::set_layout(std::string layout) {
-  if (state_) state_->options.layout = std::move(layout);
+void PutStream::set_object_layout(std::string object_layout) {
+  if (state_) state_->options.object_layout = std::move(object_layout);
 }
 
 // Checks an append of `n` bytes against the stream's state; with `whole_segment`, also that
@@ -1065,8 +1082,8 @@ Status PutStream::commit() {
   if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
   State& st = *state_;
   Status moved = st.wait_writes();
-  if (moved.is_ok() && st.options.layout.size() > kMaxLayout) {
-    moved = Status::invalid_argument("store: layout is larger than 64 KiB");
+  if (moved.is_ok() && st.options.object_layout.size() > kMaxLayout) {
+    moved = Status::invalid_argument("store: object_layout is larger than 64 KiB");
   }
   if (moved.is_ok() && st.written != st.size) {
     moved =
@@ -1081,7 +1098,7 @@ Status PutStream::commit() {
   auto c = st.impl->borrow(st.deadline);
   if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   return (*c)
-      ->commit_put(st.token, st.key, st.hash.finish(), st.options.layout, st.options.ttl,
+      ->commit_put(st.token, st.key, st.hash.finish(), st.options.object_layout, st.options.ttl,
                    st.options.if_version)
       .with_context(st.key);
 }
@@ -1094,8 +1111,8 @@ void PutStream::abort() {
 
 Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options) {
   KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
-  if (options.layout.size() > kMaxLayout)
-    return Status::invalid_argument("store: layout is larger than 64 KiB");
+  if (options.object_layout.size() > kMaxLayout)
+    return Status::invalid_argument("store: object_layout is larger than 64 KiB");
   auto st = std::make_unique<PutStream::State>(options.checksum_segment);
   st->impl = impl_.get();
   st->key = std::string(key);
@@ -1167,7 +1184,11 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
 }
 
 Result<ObjectInfo> Store::get(std::string_view key, std::span<const Slice> into, const GetOptions& options) {
-  return impl_->get(key, into, options);
+  return impl_->get(key, into, nullptr, options);
+}
+
+Result<ObjectInfo> Store::get_unsized(std::string_view key, const GetInto& into, const GetOptions& options) {
+  return impl_->get(key, {}, &into, options);
 }
 
 Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> deadline) {
@@ -1177,7 +1198,7 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
     info.size = r.size;
     info.checksum = r.checksum.value;
     info.checksum_segment = r.checksum.segment;
-    info.layout = std::move(r.layout);
+    info.object_layout = std::move(r.layout);
     info.pages = r.pages;
     info.nodes = std::move(r.nodes);
     if (r.ttl_ms >= 0) info.ttl = std::chrono::milliseconds(r.ttl_ms);

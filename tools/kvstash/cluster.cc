@@ -228,7 +228,7 @@ Status move_object(Store& store, const std::string& key) {
   Slice slice{buf.data(), buf.size()};
   KVSTASH_ASSIGN_OR_RETURN(ObjectInfo got, store.get(key, {&slice, 1}));
   PutOptions po;
-  po.layout = got.layout;
+  po.object_layout = got.object_layout;
   po.if_version = got.version;
   if (st.ttl) po.ttl = std::max(*st.ttl, std::chrono::milliseconds(1));
   return store.put(key, {&slice, 1}, po);

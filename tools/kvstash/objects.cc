@@ -300,7 +300,7 @@ int get(Session& s, const std::string& key, const std::string& out) {
 int put(Session& s, const std::string& key, const std::string& file, const std::string& ttl,
         const std::string& layout) {
   PutOptions po;
-  po.layout = layout;
+  po.object_layout = layout;
   if (!ttl.empty() && ttl != "never") {
     auto d = units::parse_duration(ttl);
     if (!d.is_ok()) return fail(d.status(), "put --ttl", &s);

@@ -8,8 +8,8 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "common/system.h"
-#include "common/transports.h"
 #include "common/units.h"
+#include "kvstash/types.h"
 #include "node/admin_server.h"
 #include "node/memory_node.h"
 

@@ -1,8 +1,13 @@
-/* kvstash/kvstash.h: the C API, for engines written in other languages.
+/* kvstash/c_api.h: the C API, for engines written in other languages.
  *
- * Opaque handles over the C++ Store and KvCache (include/kvstash/store.h, kvcache.h): open a
- * store, register a KV cache, ask how much of a prompt is stored, save and load a request's
- * chunks layer by layer, close. Every call returns a kvstash_status; on failure
+ * A translation of the C++ API (include/kvstash/store.h, kvcache.h), name for name: opaque
+ * handles over Store and KvCache; kvstash_<type>_<method> for Type::method; option structs
+ * whose fields are the C++ fields (a std::chrono::milliseconds `x` is `x_ms`; a deadline is a
+ * `timeout_ms` from now); enums that mirror the C++ ones value for value. tests/parity_test.py
+ * checks this header and the Python module against the C++ headers.
+ *
+ * Open a store, register a KV cache, ask how much of a prompt is stored, save and load a
+ * request's chunks layer by layer, close. Every call returns a kvstash_status; on failure
  * kvstash_last_error() holds the message (per thread, until this thread's next call).
  *
  *   kvstash_store* store;
@@ -13,9 +18,9 @@
  *   kvstash_kvcache* kv;
  *   kvstash_kvcache_open(store, &layout, &keys, &kv);
  *   size_t hit;
- *   kvstash_kvcache_contains_prefix(kv, tokens, n_tokens, &hit);
+ *   kvstash_kvcache_contains_prefix(kv, tokens, n_tokens, 0, &hit);
  *   kvstash_load* load;
- *   kvstash_kvcache_begin_load(kv, tokens, n_tokens, blocks, n_blocks, hit, 0, &load);
+ *   kvstash_kvcache_begin_load(kv, tokens, n_tokens, block_ids, n_block_ids, hit, 0, &load);
  *   for (uint32_t l = 0; l < 32; ++l) kvstash_load_wait_layer(load, l);
  *   kvstash_load_finish(load, per_chunk_status);   // frees the handle
  *   kvstash_kvcache_close(kv);
@@ -25,8 +30,8 @@
  * handle by one thread at a time. Handles must be closed children first (saves and loads,
  * then KV caches, then the store). Timeouts are in milliseconds; 0 means the store's default.
  */
-#ifndef KVSTASH_KVSTASH_H
-#define KVSTASH_KVSTASH_H
+#ifndef KVSTASH_C_API_H
+#define KVSTASH_C_API_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -63,31 +68,40 @@ typedef struct kvstash_kvcache kvstash_kvcache;
 typedef struct kvstash_save kvstash_save;
 typedef struct kvstash_load kvstash_load;
 
-/* Fields are only ever added at the end: a caller that zero-fills the struct (= {0}, or
- * designated initializers) gets every later field's default. */
+/* StoreOptions. Fields are only ever added at the end: a caller that zero-fills the struct
+ * (= {0}, or designated initializers) gets every later field's default, the C++ one. */
 typedef struct kvstash_store_options {
   const char* redis_url;      /* required: redis://[user@]host:port/db or unix:///path */
   const char* redis_password; /* NULL: none (or in the URL) */
   const char* cell;           /* NULL: "default" */
-  const char* transports;     /* NULL: every one built in; else "shm,tcp,ucx,verbs" */
-  uint32_t timeout_ms;        /* per operation; 0: the store's default */
-  /* NULL: none. The cell's shared secret (kvstashd --cluster-token-file), proved on every tcp
-   * connection and verbs queue-pair setup; without it, nodes that require one refuse the data
-   * path with KVSTASH_PERMISSION_DENIED. An empty (or all-whitespace) string is refused with
-   * KVSTASH_INVALID_ARGUMENT: it would turn authentication off. UCX does not start with one. */
+  const char* transports;     /* engine.transports: NULL: every one built in; else "shm,tcp,verbs" */
+  uint32_t timeout_ms;        /* timeout, per operation; 0: the default (30000) */
+  /* engine.cluster_token. NULL: none. The cell's shared secret (kvstashd --cluster-token-file),
+   * proved on every tcp connection and verbs queue-pair setup; without it, nodes that require
+   * one refuse the data path with KVSTASH_PERMISSION_DENIED. An empty (or all-whitespace)
+   * string is refused with KVSTASH_INVALID_ARGUMENT: it would turn authentication off. UCX
+   * does not start with one. */
   const char* cluster_token;
 } kvstash_store_options;
 
 kvstash_status kvstash_store_open(const kvstash_store_options* options, kvstash_store** out);
 void kvstash_store_close(kvstash_store* store);
 
-/* Plain objects (debugging, small blobs): the store's put/get/remove. */
-kvstash_status kvstash_put(kvstash_store* store, const char* key, const void* data, size_t length, uint64_t ttl_ms);
+/* Plain objects (debugging, small blobs): Store::put, get, remove and contains_prefix, named
+ * kvstash_<method> (the store is the root handle). */
+kvstash_status kvstash_put(kvstash_store* store, const char* key, const void* data, size_t length,
+                           uint64_t ttl_ms);
 /* Reads into `out` (capacity bytes); *size gets the object's size. KVSTASH_INVALID_ARGUMENT
- * when it does not fit (nothing read; *size says how much is needed). */
+ * when it does not fit (nothing read; *size says how much is needed). One Redis script
+ * (Store::get_unsized): the size and the bytes are the same object's. */
 kvstash_status kvstash_get(kvstash_store* store, const char* key, void* out, size_t capacity, size_t* size);
-kvstash_status kvstash_remove(kvstash_store* store, const char* key);
+kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t timeout_ms);
+/* How many of `keys`, from the first, are stored (*count): a scheduler's prefix check, with
+ * the keys of kvstash_kvcache_key. */
+kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                       uint32_t timeout_ms, size_t* count);
 
+/* KvDType; the names are the dtype's text form ("fp16", ...), as Python spells it. */
 typedef enum kvstash_dtype {
   KVSTASH_FP16 = 0,
   KVSTASH_BF16 = 1,
@@ -97,43 +111,71 @@ typedef enum kvstash_dtype {
   KVSTASH_INT8 = 5
 } kvstash_dtype;
 
+/* KvBlockOrder: one block's elements. */
+typedef enum kvstash_block_order {
+  KVSTASH_NHD = 0, /* (block_size, num_kv_heads, head_dim) */
+  KVSTASH_HND = 1  /* (num_kv_heads, block_size, head_dim) */
+} kvstash_block_order;
+
+/* MemoryKind: where the cache's tensors are. */
+typedef enum kvstash_memory_kind {
+  KVSTASH_MEMORY_HOST = 0,
+  KVSTASH_MEMORY_CUDA = 1 /* CUDA device memory */
+} kvstash_memory_kind;
+
+/* Which KvLayout constructor describes the tensors (KvLayout::per_layer, ...). */
 typedef enum kvstash_arrangement {
-  KVSTASH_PER_LAYER = 0,       /* vLLM: per layer (2, num_blocks, block_size, heads, head_dim) */
-  KVSTASH_BLOCKS_FIRST = 1,    /* per layer (num_blocks, 2, block_size, heads, head_dim) */
-  KVSTASH_CROSS_LAYER = 2      /* one region (num_blocks, num_layers, 2, block_size, heads, head_dim) */
+  KVSTASH_PER_LAYER = 0,              /* vLLM: per layer (2, num_blocks, block_size, heads, head_dim) */
+  KVSTASH_PER_LAYER_BLOCKS_FIRST = 1, /* per layer (num_blocks, 2, block_size, heads, head_dim) */
+  KVSTASH_CROSS_LAYER = 2             /* one region (num_blocks, num_layers, 2, block_size, heads,
+                                         head_dim) */
 } kvstash_arrangement;
 
-/* How the bytes reach the cache's memory. */
+/* How the bytes reach the cache's memory: KvCacheOptions::path and ::device in one (C cannot
+ * pass a KvDevice). */
 typedef enum kvstash_staging {
   KVSTASH_STAGING_AUTO = 0, /* the transports register it (host memory; GPU memory with GPUDirect);
                                GPU memory none of them reaches is staged by the CUDA device of
                                the GPU that owns the tensors */
-  KVSTASH_STAGING_HOST = 1, /* through host bounce buffers, memcpy (host memory only) */
+  KVSTASH_STAGING_HOST = 1, /* through host bounce buffers, memcpy (host memory only): host_device() */
   KVSTASH_STAGING_CUDA = 2, /* through pinned bounce buffers, a CUDA kernel per layer on the GPU
-                               that owns the tensors (KVSTASH_UNSUPPORTED where the build has no
-                               CUDA kernels) */
-  KVSTASH_STAGING_NONE = 3  /* the transports register it, or kvstash_kvcache_open fails */
+                               that owns the tensors: cuda_device_of() (KVSTASH_UNSUPPORTED where
+                               the build has no CUDA kernels) */
+  KVSTASH_STAGING_NONE = 3  /* KvPath::kDirect: the transports register it, or
+                               kvstash_kvcache_open fails */
 } kvstash_staging;
 
+/* KvCacheShape's fields, then the KvLayout constructor's arguments, then how bytes travel.
+ * Zero-filled: fp16, NHD, per-layer tensors in host memory, KvPath::kAuto. */
 typedef struct kvstash_kv_layout {
   uint32_t num_layers, num_blocks, block_size, num_kv_heads, head_dim;
   kvstash_dtype dtype;
-  int hnd; /* 0: NHD, 1: HND */
+  kvstash_block_order order;
   int mla; /* 1: one latent tensor per layer (num_kv_heads = 1) */
   kvstash_arrangement arrangement;
   void* const* layer_tensors; /* num_layers pointers (per-layer arrangements) */
   void* base;                 /* the region (cross-layer) */
-  int gpu_memory;             /* 1: the tensors are CUDA device memory */
+  kvstash_memory_kind memory_kind;
   kvstash_staging staging;
 } kvstash_kv_layout;
 
+/* PrefixKeyOptions. */
 typedef struct kvstash_key_options {
   const char* model;     /* required */
   uint32_t tp_rank;      /* default 0 */
   uint32_t tp_size;      /* 0 means 1 */
   uint32_t chunk_tokens; /* 0 means 256 */
   const char* extra;     /* NULL: "" */
+  /* KvLayout::tag() of the cache ("L32.P2.H32.D128.B16.fp16.nhd"), for kvstash_prefix_chunk_key;
+   * kvstash_kvcache_open sets it from the layout (as KvCache::open does). NULL: "". */
+  const char* layout_tag;
 } kvstash_key_options;
+
+/* The key of chunk `index` of `tokens` salted with `options` (prefix_chunk_keys: what a
+ * scheduler computes without a cache) into `out` ("kvp:" + 32 hex, NUL-terminated; at least 37
+ * bytes). KVSTASH_INVALID_ARGUMENT when the tokens hold no such full chunk. */
+kvstash_status kvstash_prefix_chunk_key(const uint32_t* tokens, size_t n_tokens, size_t index,
+                                        const kvstash_key_options* options, char* out, size_t out_size);
 
 kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
                                     const kvstash_key_options* keys, kvstash_kvcache** out);
@@ -142,9 +184,12 @@ const char* kvstash_kvcache_data_path(const kvstash_kvcache* kv);
 /* "host" or "cuda": the device that copies and checksums the cache's memory. */
 const char* kvstash_kvcache_device(const kvstash_kvcache* kv);
 void kvstash_kvcache_close(kvstash_kvcache* kv);
-/* Bytes of one chunk's object; chunk size in tokens. */
+/* Bytes of one chunk's object. */
 uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv);
+/* KvCache::key_options(): chunk size in tokens; the layout tag keys are salted with (valid
+ * while the cache is open). */
 uint32_t kvstash_kvcache_chunk_tokens(const kvstash_kvcache* kv);
+const char* kvstash_kvcache_layout_tag(const kvstash_kvcache* kv);
 
 /* The key of chunk `index` of `tokens` ("kvp:" + 32 hex, NUL-terminated) into `out` (at least
  * 37 bytes). KVSTASH_INVALID_ARGUMENT when the tokens hold no such full chunk. */
@@ -153,15 +198,16 @@ kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* to
 
 /* How many leading full chunks of `tokens` are stored. */
 kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                               size_t* chunks);
+                                               uint32_t timeout_ms, size_t* chunks);
 
-/* Layer-wise save of chunks [first, first + count): blocks[i] holds tokens [i * block_size,
+/* Layer-wise save of chunks [first, first + count): block_ids[i] holds tokens [i * block_size,
  * (i + 1) * block_size). Then kvstash_save_layer for layers 0, 1, ... in order as each is
- * written, and kvstash_save_finish (commits; per_chunk gets `count` statuses when not NULL;
- * returns the first failure; frees the handle). kvstash_save_free drops an unfinished save. */
+ * written, and kvstash_save_finish (KvSave::wait: commits; per_chunk gets `count` statuses
+ * when not NULL; returns the first failure; frees the handle). kvstash_save_free drops an
+ * unfinished save (nothing becomes visible) and frees the handle. */
 kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                          const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
-                                          uint32_t timeout_ms, kvstash_save** out);
+                                          const uint32_t* block_ids, size_t n_block_ids, size_t first,
+                                          size_t count, uint32_t timeout_ms, kvstash_save** out);
 kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer);
 /* Stream-ordered form: the layer is written once the engine's GPU work queued on `stream` (a
  * cudaStream_t) up to this call, or `event` (a cudaEvent_t it recorded), is done. The cache's
@@ -170,19 +216,19 @@ kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, void
 kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk);
 void kvstash_save_free(kvstash_save* save);
 
-/* Layer-wise load of the first `count` chunks into `blocks`. kvstash_load_wait_layer blocks
+/* Layer-wise load of the first `count` chunks into `block_ids`. kvstash_load_wait_layer blocks
  * until that layer of every chunk is in place and checked (or returns the first failed
- * chunk's status); kvstash_load_layer_ready polls (1 ready, 0 not). kvstash_load_finish waits
- * for everything, fills per_chunk (count entries) when not NULL, returns the first failure,
- * and frees the handle. */
+ * chunk's status); kvstash_load_layer_ready polls (1 ready, 0 not). kvstash_load_finish
+ * (KvLoad::wait) waits for everything, fills per_chunk (count entries) when not NULL, returns
+ * the first failure, and frees the handle; kvstash_load_free frees it without the statuses. */
 kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                          const uint32_t* blocks, size_t n_blocks, size_t count,
+                                          const uint32_t* block_ids, size_t n_block_ids, size_t count,
                                           uint32_t timeout_ms, kvstash_load** out);
 /* Chunks [first, first + count) only (the engine holds the ones before); per_chunk then counts
  * from chunk `first`. */
 kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
-                                                const uint32_t* blocks, size_t n_blocks, size_t first, size_t count,
-                                                uint32_t timeout_ms, kvstash_load** out);
+                                                const uint32_t* block_ids, size_t n_block_ids, size_t first,
+                                                size_t count, uint32_t timeout_ms, kvstash_load** out);
 kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
 /* The layer's readiness as a cudaEvent_t, for cudaStreamWaitEvent on the engine's compute
@@ -193,6 +239,9 @@ kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void
 /* The same, queued: `stream` (a cudaStream_t) waits for the layer's event. Does not block. */
 kvstash_status kvstash_load_wait_layer_on(kvstash_load* load, uint32_t layer, void* stream);
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);
+/* Drops a load: waits until nothing writes into the cache any more (kvstash_load_cancel first
+ * to stop it sooner), then frees the handle. What landed stays; nothing says what. */
+void kvstash_load_free(kvstash_load* load);
 /* Stops a load: returns once nothing writes into the cache any more. Chunks not landed by then
  * end KVSTASH_CANCELLED (recompute their blocks); kvstash_load_finish still frees the handle. */
 void kvstash_load_cancel(kvstash_load* load);
@@ -208,4 +257,4 @@ void kvstash_save_cancel(kvstash_save* save);
 }
 #endif
 
-#endif /* KVSTASH_KVSTASH_H */
+#endif /* KVSTASH_C_API_H */
