@@ -1,6 +1,9 @@
 // The engine in one process: two engines, transport choice, validation, batches.
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
+#include "engine/blobs.h"
 #include "kvstash/engine.h"
 #include "test_util.h"
 
@@ -157,6 +160,58 @@ TEST(Engine, TextFormRoundTrips) {
   ASSERT_TRUE(back.is_ok());
   EXPECT_EQ(*back, e->address());
   EXPECT_EQ(from_text("xyz").status().code(), StatusCode::kInvalidArgument);
+}
+
+// A newer peer may publish parts of transports this build does not know: they are kept, no
+// transport claims them, and the peer is reached over the ones both sides have.
+TEST(Engine, PartsOfUnknownTransportsArePassedOver) {
+  Two t = make_two({TransportKind::kTcp}, 4096);
+  constexpr auto kFuture = static_cast<TransportKind>(200);
+  auto address = blobs::decode_parts(t.b->address(), blobs::kAddressMagic, false).value();
+  address.parts.insert(address.parts.begin(), {kFuture, "a transport from the future"});
+  auto key = blobs::decode_parts(t.remote_mem.remote_key(), blobs::kKeyMagic, true).value();
+  key.parts.insert(key.parts.begin(), {kFuture, "its key"});
+
+  auto p = t.a->connect(blobs::encode_parts(blobs::kAddressMagic, 0, 0, address.parts, false));
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ((*p)->transport(), TransportKind::kTcp);
+  auto remote = (*p)->import_key(blobs::encode_parts(blobs::kKeyMagic, key.base, key.length, key.parts, true));
+  ASSERT_TRUE(remote.is_ok()) << remote.status().to_string();
+  std::memset(t.local.data(), 0x5a, 4096);
+  TransferEntry e{TransferOp::kWrite, &t.local_mem, t.local.data(), remote->base(), &*remote, 4096};
+  ASSERT_TRUE((*p)->transfer({&e, 1}, deadline_after(5s)).is_ok());
+  EXPECT_EQ(std::memcmp(t.local.data(), t.remote.data(), 4096), 0);
+
+  // Only the unknown kind in common: nothing to connect over.
+  blobs::Parts only_future{{kFuture, "a transport from the future"}};
+  auto none = t.a->connect(blobs::encode_parts(blobs::kAddressMagic, 0, 0, only_future, false));
+  EXPECT_EQ(none.status().code(), StatusCode::kUnsupported);
+}
+
+// Each transport built in looks at the host itself; a kind the build lacks says so.
+TEST(Engine, ProbeReportsEveryTransport) {
+  const std::vector<TransportFinding> found = probe_transports();
+  auto named = [&](const std::string& check) {
+    return std::find_if(found.begin(), found.end(), [&](const auto& f) { return f.check == check; });
+  };
+  ASSERT_NE(named("transport tcp"), found.end());
+  EXPECT_EQ(named("transport tcp")->level, TransportFinding::Level::kOk);
+  ASSERT_NE(named("transport shm"), found.end());
+  for (TransportKind kind : kTransportKinds) {
+    auto started = Engine::create({.transports = {kind}});
+    const bool built = started.is_ok() || started.status().message().find("this build has no") == std::string::npos;
+    const auto missing = named("transport " + std::string(to_string(kind)));
+    if (!built) {
+      ASSERT_NE(missing, found.end()) << to_string(kind);
+      EXPECT_EQ(missing->level, TransportFinding::Level::kInfo);
+    }
+  }
+  for (const auto& f : found) {
+    EXPECT_FALSE(f.detail.empty()) << f.check;
+    if (f.level == TransportFinding::Level::kWarn || f.level == TransportFinding::Level::kFail) {
+      EXPECT_FALSE(f.fix.empty()) << f.check << " says what is wrong but not how to fix it";
+    }
+  }
 }
 
 }  // namespace

@@ -21,6 +21,10 @@ enum class TransferOp : std::uint8_t { kRead = 0, kWrite = 1 };
 
 // Listed in the engine's order of preference for a peer that both sides can reach by several.
 enum class TransportKind : std::uint8_t { kShm = 0, kVerbs = 1, kUcx = 2, kTcp = 3 };
+// Every kind this version knows, built into this binary or not (Engine::transports() says
+// which are running).
+inline constexpr TransportKind kTransportKinds[] = {TransportKind::kShm, TransportKind::kVerbs,
+                                                    TransportKind::kUcx, TransportKind::kTcp};
 
 std::string_view to_string(TransferOp op);
 std::string_view to_string(TransportKind kind);  // "shm", "verbs", "ucx", "tcp"

@@ -17,7 +17,7 @@ std::string_view to_string(TransportKind kind) {
 }
 
 std::optional<TransportKind> parse_transport_kind(std::string_view name) {
-  for (auto k : {TransportKind::kShm, TransportKind::kVerbs, TransportKind::kUcx, TransportKind::kTcp}) {
+  for (TransportKind k : kTransportKinds) {
     if (to_string(k) == name) return k;
   }
   return std::nullopt;

@@ -33,7 +33,8 @@ std::optional<Decoded> decode_parts(std::string_view blob, std::uint32_t magic, 
   for (std::size_t i = 0; i < n && r.ok(); ++i) {
     auto kind = r.u8();
     auto bytes = r.bytes();
-    if (kind > static_cast<std::uint8_t>(TransportKind::kTcp)) continue;  // a newer peer's transport
+    // A kind this build lacks or does not know (a newer peer's) is kept: no transport here
+    // claims it, so connect and import_key pass over it.
     d.parts.emplace_back(static_cast<TransportKind>(kind), std::string(bytes));
   }
   if (!r.at_end()) return std::nullopt;

@@ -35,7 +35,8 @@ struct Decoded {
 };
 
 // nullopt unless `blob` is exactly one record with `magic` and at most kMaxParts parts. Parts
-// of transports this build does not know (a newer peer's) are left out.
+// of transports this build does not have or know (a newer peer's) are kept as they came:
+// no transport here claims their kind.
 std::optional<Decoded> decode_parts(std::string_view blob, std::uint32_t magic, bool with_range);
 
 }  // namespace kvstash::blobs

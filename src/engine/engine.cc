@@ -6,15 +6,7 @@
 #include "common/wire.h"
 #include "engine/blobs.h"
 #include "engine/engine_internal.h"
-#include "kvstash_config.h"
-#include "transport/shm/shm_transport.h"
-#include "transport/tcp/tcp_transport.h"
-#if KVSTASH_HAVE_UCX
-#include "transport/ucx/ucx_transport.h"
-#endif
-#if KVSTASH_HAVE_VERBS
-#include "transport/verbs/verbs_transport.h"
-#endif
+#include "transport/registry.h"
 
 namespace kvstash {
 namespace {
@@ -34,27 +26,32 @@ int rank(const transport::Transport& t) {
   return (c.one_sided ? 0 : 4) + (c.same_host_only ? 0 : 2) + (c.leases ? 0 : 1);
 }
 
-Result<std::unique_ptr<transport::Transport>> make_transport(TransportKind kind, const EngineOptions& o) {
-  switch (kind) {
-    case TransportKind::kShm: return transport::make_shm_transport(o.shm);
-    case TransportKind::kTcp: return transport::make_tcp_transport(o.tcp, o.cluster_token);
-    case TransportKind::kUcx:
-#if KVSTASH_HAVE_UCX
-      return transport::make_ucx_transport(o.ucx, o.cluster_token);
-#else
-      return Status::unsupported("this build has no UCX transport (meson -Ducx=enabled)");
-#endif
-    case TransportKind::kVerbs:
-#if KVSTASH_HAVE_VERBS
-      return transport::make_verbs_transport(o.verbs, o.cluster_token);
-#else
-      return Status::unsupported("this build has no verbs transport (meson -Dverbs=enabled)");
-#endif
+Result<std::unique_ptr<transport::Transport>> start_transport(TransportKind kind, const EngineOptions& options) {
+  const transport::Plugin* plugin = transport::find_plugin(kind);
+  if (plugin == nullptr) {
+    return Status::unsupported("this build has no " + std::string(to_string(kind)) +
+                               " transport (its library was missing when it was built)");
   }
-  return Status::invalid_argument("unknown transport");
+  return plugin->start(options);
 }
 
 }  // namespace
+
+std::vector<TransportFinding> probe_transports() {
+  std::vector<TransportFinding> out;
+  for (const transport::Plugin* p : transport::plugins()) {
+    auto found = p->probe();
+    out.insert(out.end(), std::make_move_iterator(found.begin()), std::make_move_iterator(found.end()));
+  }
+  for (TransportKind kind : kTransportKinds) {
+    if (transport::find_plugin(kind) != nullptr) continue;
+    out.push_back({"transport " + std::string(to_string(kind)), TransportFinding::Level::kInfo,
+                   "this build has no " + std::string(to_string(kind)) +
+                       " transport (its library was missing when it was built)",
+                   ""});
+  }
+  return out;
+}
 
 std::string to_text(std::string_view blob) { return wire::to_hex(blob); }
 
@@ -80,10 +77,11 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
   impl->options = options;
   std::vector<TransportKind> kinds = options.transports;
   const bool explicit_list = !kinds.empty();
-  if (!explicit_list)
-    kinds = {TransportKind::kShm, TransportKind::kVerbs, TransportKind::kUcx, TransportKind::kTcp};
+  if (!explicit_list) {
+    for (const transport::Plugin* p : transport::plugins()) kinds.push_back(p->kind);
+  }
   for (TransportKind kind : kinds) {
-    auto t = make_transport(kind, options);
+    auto t = start_transport(kind, options);
     if (!t.is_ok()) {
       if (explicit_list) return t.status().with_context(std::string("start ") + std::string(to_string(kind)));
       if (t.status().code() != StatusCode::kUnsupported) {
@@ -122,6 +120,7 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
   }
   MemoryHandle h;
   h.region_ = region;
+  h.regs_ = std::make_unique<MemoryHandle::Registrations>();
   Status first_error;
   Parts keys;
   for (const auto& t : impl_->transports) {
@@ -133,9 +132,9 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
       continue;
     }
     if (access != Access::kLocal) keys.emplace_back(t->kind(), (*reg)->packed_key());
-    h.regs_.emplace_back(t->kind(), std::move(reg).value());
+    h.regs_->by_kind.emplace_back(t->kind(), std::move(reg).value());
   }
-  if (h.regs_.empty()) return first_error;
+  if (h.regs_->by_kind.empty()) return first_error;
   if (access != Access::kLocal) {
     h.remote_key_ =
         encode_parts(kKeyMagic, reinterpret_cast<std::uintptr_t>(region.addr), region.length, keys, true);
@@ -204,15 +203,10 @@ bool MemoryHandle::covers(const void* addr, std::size_t len) const {
 
 std::vector<TransportKind> MemoryHandle::transports() const {
   std::vector<TransportKind> out;
-  for (const auto& r : regs_) out.push_back(r.first);
-  return out;
-}
-
-const transport::LocalRegistration* MemoryHandle::registration(TransportKind kind) const {
-  for (const auto& [k, reg] : regs_) {
-    if (k == kind) return reg.get();
+  if (regs_) {
+    for (const auto& r : regs_->by_kind) out.push_back(r.first);
   }
-  return nullptr;
+  return out;
 }
 
 RemoteMemory::RemoteMemory() = default;
@@ -417,26 +411,27 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
   if (entries.empty()) return Status::invalid_argument("empty batch");
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const TransferEntry& e = entries[i];
-    auto where = "entry " + std::to_string(i) + ": ";
-    if (e.length == 0) return Status::invalid_argument(where + "length is 0");
+    // The prefix is built only for an error: this loop runs on every submit.
+    const auto where = [i] { return "entry " + std::to_string(i) + ": "; };
+    if (e.length == 0) return Status::invalid_argument(where() + "length is 0");
     if (e.local == nullptr || !e.local->covers(e.local_addr, e.length)) {
-      return Status::invalid_argument(where + "local range is not inside its registered memory");
+      return Status::invalid_argument(where() + "local range is not inside its registered memory");
     }
     if (e.remote == nullptr || !e.remote->state_ || e.remote->state_->peer != state_) {
-      return Status::invalid_argument(where + "remote memory was not imported through this peer");
+      return Status::invalid_argument(where() + "remote memory was not imported through this peer");
     }
     const std::uint64_t base = e.remote->base();
     if (e.remote_addr < base || e.remote_addr - base > e.remote->length() ||
         e.length > e.remote->length() - (e.remote_addr - base)) {
-      return Status::invalid_argument(where + "remote range is outside the remote key's region");
+      return Status::invalid_argument(where() + "remote range is outside the remote key's region");
     }
     if (const auto& l = e.remote->state_->lease) {
-      if (Clock::now() >= l->until) return Status::stale(where + "the lease's time is up");
+      if (Clock::now() >= l->until) return Status::stale(where() + "the lease's time is up");
       if (!inside_lease(l->ranges, e.remote_addr, e.length)) {
-        return Status::permission_denied(where + "remote range is outside the lease's ranges");
+        return Status::permission_denied(where() + "remote range is outside the lease's ranges");
       }
       if (e.op != l->terms.op) {
-        return Status::permission_denied(where + "the lease grants " + std::string(to_string(l->terms.op)) +
+        return Status::permission_denied(where() + "the lease grants " + std::string(to_string(l->terms.op)) +
                                          ", not " + std::string(to_string(e.op)));
       }
     }
@@ -456,20 +451,34 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
   std::uint32_t lane = 0;
   std::size_t on_lane = 0;
   std::optional<transport::Op> prev;
+  // Entries of one batch mostly share their remote region and local handle (a KV layer's
+  // blocks): each is looked up once per run of equal ones, not once per entry.
+  const RemoteMemory* key_of = nullptr;
+  std::shared_ptr<transport::RemoteKey> key;
+  const MemoryHandle* reg_of = nullptr;
+  const transport::LocalRegistration* local_reg = nullptr;
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const TransferEntry& e = entries[i];
-    auto key = e.remote->state_->key_for(ep.first, ep.second, e.remote->base(), e.remote->length(), deadline);
-    if (!key.is_ok()) return key.status();
-    if (batch_state->keys.empty() || batch_state->keys.back() != *key) batch_state->keys.push_back(*key);
+    if (e.remote != key_of) {
+      auto k = e.remote->state_->key_for(ep.first, ep.second, e.remote->base(), e.remote->length(), deadline);
+      if (!k.is_ok()) return k.status();
+      key = std::move(k).value();
+      key_of = e.remote;
+      if (batch_state->keys.empty() || batch_state->keys.back() != key) batch_state->keys.push_back(key);
+    }
+    if (e.local != reg_of) {
+      local_reg = e.local->regs_->find(kind);
+      reg_of = e.local;
+    }
     const std::size_t parts = (e.length - 1) / slice + 1;  // e.length > 0; no overflow at SIZE_MAX
     batch_state->parts_left[i].store(static_cast<std::uint32_t>(parts), std::memory_order_relaxed);
     for (std::size_t off = 0; off < e.length; off += slice) {
       transport::Op op;
       op.op = e.op;
       op.local = static_cast<std::byte*>(e.local_addr) + off;
-      op.local_reg = e.local->registration(kind);
+      op.local_reg = local_reg;
       op.remote_addr = e.remote_addr + off;
-      op.remote_key = key->get();
+      op.remote_key = key.get();
       op.length = std::min(slice, e.length - off);
       const bool continues = prev && prev->op == op.op && prev->remote_key == op.remote_key &&
                              prev->remote_addr + prev->length == op.remote_addr;

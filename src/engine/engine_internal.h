@@ -19,6 +19,18 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<transport::Transport>> transports;
 };
 
+struct MemoryHandle::Registrations {
+  std::vector<std::pair<TransportKind, std::unique_ptr<transport::LocalRegistration>>> by_kind;
+
+  // The registration of transport `kind`, or nullptr when it declined the region.
+  const transport::LocalRegistration* find(TransportKind kind) const {
+    for (const auto& [k, reg] : by_kind) {
+      if (k == kind) return reg.get();
+    }
+    return nullptr;
+  }
+};
+
 struct Peer::State {
   transport::Transport* transport = nullptr;
   transport::Capabilities caps;

@@ -10,7 +10,7 @@
 #include <unordered_set>
 
 #include "common/log.h"
-#include "transport/tcp/asio.h"
+#include "common/asio.h"
 
 namespace kvstash::node {
 namespace {

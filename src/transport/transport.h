@@ -16,9 +16,9 @@
 #include <string_view>
 #include <vector>
 
-#include "kvstash/engine.h"
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
+#include "kvstash/transfer.h"
 #include "kvstash/types.h"
 
 namespace kvstash::transport {

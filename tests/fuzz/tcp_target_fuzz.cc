@@ -156,11 +156,13 @@ void client_handshake(const Served& s, int fd, fuzz::Clock::time_point deadline)
   FUZZ_CHECK(fuzz::recv_exact(fd, &hello, sizeof hello, deadline), "no ServerHello within 5 s");
   FUZZ_CHECK(hello.magic == tcpi::kServerMagic && hello.token_required == (s.token.empty() ? 0 : 1),
              "malformed ServerHello");
+  handshake::Handshake proof(handshake::Role::kClient, s.token);
+  FUZZ_CHECK(proof.on_peer_hello(hello.nonce, hello.token_required != 0).is_ok(), "the handshake refused");
   tcpi::ClientHello mine{};
   mine.magic = tcpi::kClientMagic;
   mine.version = tcpi::kProtocolVersion;
-  sys::random_bytes(mine.nonce, sizeof mine.nonce);
-  if (!s.token.empty()) handshake::mac(s.token, "client", hello.nonce, mine.nonce, mine.mac);
+  mine.nonce = proof.nonce();
+  mine.mac = proof.proof();
   FUZZ_CHECK(fuzz::send_all(fd, {reinterpret_cast<const char*>(&mine), sizeof mine}, deadline),
              "target did not take a ClientHello");
   tcpi::ServerVerdict verdict;

@@ -5,7 +5,6 @@
 #include <dlfcn.h>
 #include <hiredis/hiredis.h>
 #include <sys/resource.h>
-#include <sys/statvfs.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -21,17 +20,12 @@
 #include "cli.h"
 #include "common/pci_topology.h"
 #include "common/units.h"
+#include "kvstash/engine.h"
 #include "kvstash_config.h"
 #include "metadata/catalog.h"
 #include "metadata/redis_client.h"
 #include "metadata/scripts.h"
 
-#if KVSTASH_HAVE_UCX
-#include <ucp/api/ucp.h>
-#endif
-#if KVSTASH_HAVE_VERBS
-#include "transport/verbs/verbs_device.h"
-#endif
 
 namespace kvstash::cli {
 namespace {
@@ -196,74 +190,25 @@ class Doctor {
   }
 
   void host_checks() {
-    struct statvfs vfs {};
-    if (statvfs("/dev/shm", &vfs) == 0 && access("/dev/shm", W_OK) == 0) {
-      add("transport shm", "ok",
-          "/dev/shm writable, " + units::format_size(std::uint64_t{vfs.f_bavail} * vfs.f_frsize) +
-              " free (same-host nodes are reached by memory copy)");
-    } else {
-      add("transport shm", "warn", "/dev/shm is missing or not writable: same-host nodes use tcp",
-          "mount tmpfs on /dev/shm (containers: --shm-size or --ipc=host)");
+    // Each transport looks at this host itself (its library, devices and ports); doctor
+    // only words the levels.
+    for (TransportFinding& f : probe_transports()) {
+      add(std::move(f.check), std::string(level_name(f.level)), std::move(f.detail), std::move(f.fix));
     }
-    add("transport tcp", "ok", "built in (Boost.Asio); kvstashd --listen sets where a node serves it");
-#if KVSTASH_HAVE_UCX
-    unsigned major = 0, minor = 0, release = 0;
-    ucp_get_version(&major, &minor, &release);
-    const std::string resources = ucx_resources();
-    const bool rdma = resources.find("rc_") != std::string::npos ||
-                      resources.find("dc_") != std::string::npos ||
-                      resources.find("ud_") != std::string::npos;
-    add("transport ucx", "ok",
-        "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) + ": " +
-            (resources.empty() ? "no transport resources" : resources) +
-            (rdma ? "" : " (no RDMA transport: UCX emulates RMA over tcp here)"));
-#else
-    add("transport ucx", "info", "this build has no UCX (libucx-dev was missing at build time)");
-#endif
-    rdma_checks();
     gpu_checks();
     affinity_check();
     hugepage_check();
     memlock_check();
   }
 
-  void rdma_checks() {
-#if KVSTASH_HAVE_VERBS
-    auto devices = transport::verbs::discover();
-    if (!devices.is_ok()) {
-      add("rdma", "warn", "cannot query RDMA devices: " + devices.status().message(),
-          "check permissions on /dev/infiniband (group rdma) and the rdma-core providers");
-      return;
+  static std::string_view level_name(TransportFinding::Level level) {
+    switch (level) {
+      case TransportFinding::Level::kOk: return "ok";
+      case TransportFinding::Level::kInfo: return "info";
+      case TransportFinding::Level::kWarn: return "warn";
+      case TransportFinding::Level::kFail: return "fail";
     }
-    if (devices->empty()) {
-      add("rdma", "warn",
-          "no RDMA device: this host reaches memory nodes over shm and tcp only (no one-sided transfers, no "
-          "GPUDirect)",
-          std::filesystem::exists("/sys/class/infiniband")
-              ? "load the NIC's RDMA driver (mlx5_ib, irdma, bnxt_re) or Soft-RoCE: rdma link add rxe0 type "
-                "rxe "
-                "netdev eth0"
-              : "this kernel has no InfiniBand/RDMA support loaded (modprobe ib_core); without RDMA hardware "
-                "tcp is the transport to use");
-      return;
-    }
-    for (const auto& d : *devices) {
-      for (const auto& p : d.ports) {
-        std::string detail = std::string(p.ethernet ? "RoCE" : "InfiniBand") + ", " +
-                             (p.active ? "active" : "down") + ", NUMA " + std::to_string(d.numa_node);
-        if (auto g = transport::verbs::pick_gid(p); g) {
-          detail += ", GID " + std::to_string(g->index) + " " + g->to_string();
-        } else if (p.ethernet) {
-          detail += ", no RoCE v2 IPv4 GID";
-        }
-        detail += d.mw_type2 ? ", type-2 memory windows (per-lease keys)" : ", no type-2 memory windows";
-        add("rdma " + d.name + " port " + std::to_string(p.number), p.active ? "ok" : "warn", detail,
-            p.active ? "" : "bring the link up (ip link set <netdev> up; check the cable and switch port)");
-      }
-    }
-#else
-    add("rdma", "info", "this build has no verbs transport (libibverbs-dev was missing at build time)");
-#endif
+    return "info";
   }
 
   void gpu_checks() {
@@ -385,42 +330,6 @@ class Doctor {
             : "");
   }
 
-#if KVSTASH_HAVE_UCX
-  // UCX's transport resources as "tl/device" (tcp/eth0, rc_mlx5/mlx5_0:1...), from its own
-  // context report: what UCX_TLS may choose from on this host.
-  static std::string ucx_resources() {
-    ucp_config_t* config = nullptr;
-    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return {};
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_RMA;
-    ucp_context_h ctx = nullptr;
-    const ucs_status_t st = ucp_init(&params, config, &ctx);
-    ucp_config_release(config);
-    if (st != UCS_OK) return {};
-    char* buf = nullptr;
-    std::size_t len = 0;
-    FILE* f = open_memstream(&buf, &len);
-    if (f != nullptr) {
-      ucp_context_print_info(ctx, f);
-      std::fclose(f);
-    }
-    ucp_cleanup(ctx);
-    std::string out;
-    std::istringstream in(buf != nullptr ? std::string(buf, len) : std::string());
-    std::free(buf);
-    for (std::string line; std::getline(in, line);) {
-      const auto at = line.find("flags -- ");
-      if (line.find("resource") == std::string::npos || at == std::string::npos) continue;
-      std::string tl = line.substr(at + 9);
-      while (!tl.empty() && (tl.back() == ' ' || tl.back() == '\r')) tl.pop_back();
-      if (tl.rfind("self/", 0) == 0) continue;  // loopback within one process
-      if (!out.empty()) out += ", ";
-      out += tl;
-    }
-    return out;
-  }
-#endif
 
   Session& s_;
   std::vector<Check> checks_;

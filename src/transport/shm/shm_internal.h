@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include "kvstash/engine.h"
+#include "kvstash/transfer.h"
 #include "kvstash/status.h"
 #include "transport/transport.h"
 

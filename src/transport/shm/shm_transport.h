@@ -3,7 +3,7 @@
 
 #include <memory>
 
-#include "kvstash/engine.h"
+#include "kvstash/transfer.h"
 #include "transport/transport.h"
 
 namespace kvstash::transport {

@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -33,10 +34,10 @@
 #include <utility>
 #include <vector>
 
-#include "transport/tcp/asio.h"
+#include "common/asio.h"
 
 #include "common/handshake.h"
-#include "kvstash/engine.h"
+#include "kvstash/transfer.h"
 #include "transport/transport.h"
 
 namespace kvstash::transport::tcp {
@@ -46,29 +47,36 @@ using asio::ip::tcp;
 
 static_assert(std::endian::native == std::endian::little, "the tcp protocol is little-endian");
 
+// asio's transfer_all() moves at most 64 KiB per read/write syscall; a 1 MiB payload then
+// costs 16 trips through the reactor. Let each syscall take all that is left.
+struct WholeBuffers {
+  std::size_t operator()(const boost::system::error_code& ec, std::size_t) const {
+    return ec ? 0 : std::numeric_limits<std::size_t>::max();
+  }
+};
+constexpr WholeBuffers kWhole{};
+
 inline constexpr std::uint32_t kServerMagic = 0x5354564b;  // "KVTS"
 inline constexpr std::uint32_t kClientMagic = 0x4354564b;  // "KVTC"
 inline constexpr std::uint8_t kProtocolVersion = 2;
-inline constexpr std::size_t kNonceBytes = handshake::kNonceBytes;
-inline constexpr std::size_t kMacBytes = handshake::kMacBytes;
 
 struct ServerHello {
   std::uint32_t magic;
   std::uint8_t version;
   std::uint8_t token_required;
   std::uint8_t reserved[2];
-  std::uint8_t nonce[kNonceBytes];
+  handshake::Nonce nonce;
 };
 struct ClientHello {
   std::uint32_t magic;
   std::uint8_t version;
   std::uint8_t reserved[3];
-  std::uint8_t nonce[kNonceBytes];
-  std::uint8_t mac[kMacBytes];
+  handshake::Nonce nonce;
+  handshake::Mac mac;
 };
 struct ServerVerdict {
   std::uint32_t status;  // a StatusCode
-  std::uint8_t mac[kMacBytes];
+  handshake::Mac mac;
 };
 
 // RequestHeader::op: a TransferOp, or a revoke of the lease the header names (answered once no
@@ -100,12 +108,6 @@ enum class RefusalReason : std::uint32_t {
   kTooManyRevoked,  // a revoke the target cannot remember: it has too many pending already
 };
 static_assert(sizeof(RequestHeader) == 48 && sizeof(ResponseHeader) == 16);
-
-// HMAC-SHA256(token, role || nonce_s || nonce_c) (common/handshake.h).
-inline void handshake_mac(const std::string& token, std::string_view role, const std::uint8_t* nonce_s,
-                          const std::uint8_t* nonce_c, std::uint8_t* mac_out) {
-  handshake::mac(token, role, nonce_s, nonce_c, mac_out);
-}
 
 // Regions this process serves. A request holds its Region while it runs, but touches the
 // memory only inside a Guard: removal marks the region dead and waits for the syscall a Guard

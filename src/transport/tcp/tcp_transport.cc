@@ -3,9 +3,6 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/tcp.h>
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -75,28 +72,20 @@ Status client_handshake(int fd, const std::string& token, Deadline deadline) {
     return Status::unsupported("peer speaks tcp protocol version " + std::to_string(hello.version) +
                                ", this build speaks " + std::to_string(kProtocolVersion));
   }
-  if (hello.token_required && token.empty()) {
-    return Status::permission_denied("target requires a cluster token and none is configured");
-  }
+  handshake::Handshake proof(handshake::Role::kClient, token);
+  KVSTASH_RETURN_IF_ERROR(proof.on_peer_hello(hello.nonce, hello.token_required != 0));
   ClientHello mine{};
   mine.magic = kClientMagic;
   mine.version = kProtocolVersion;
-  sys::random_bytes(mine.nonce, sizeof mine.nonce);
-  if (!token.empty()) handshake_mac(token, "client", hello.nonce, mine.nonce, mine.mac);
+  mine.nonce = proof.nonce();
+  mine.mac = proof.proof();
   KVSTASH_RETURN_IF_ERROR(send_all(fd, &mine, sizeof mine, deadline));
   ServerVerdict verdict;
   KVSTASH_RETURN_IF_ERROR(recv_all(fd, &verdict, sizeof verdict, deadline));
   if (verdict.status != static_cast<std::uint32_t>(StatusCode::kOk)) {
     return Status::permission_denied("target refused this client's cluster token");
   }
-  if (!token.empty()) {
-    std::uint8_t expect[kMacBytes];
-    handshake_mac(token, "server", hello.nonce, mine.nonce, expect);
-    if (CRYPTO_memcmp(expect, verdict.mac, kMacBytes) != 0) {
-      return Status::permission_denied("target could not prove the cluster token");
-    }
-  }
-  return {};
+  return proof.check_proof(verdict.mac);
 }
 
 class Registration final : public LocalRegistration {
@@ -429,7 +418,7 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Targe
       if (it != t.per_peer.end() && --it->second == 0) t.per_peer.erase(it);
     }
   } uncount{*target, peer};
-  const std::string& token = target->token;
+  handshake::Handshake proof(handshake::Role::kServer, target->token);
   // A client that connects and says nothing is dropped after kHandshakeTimeout.
   auto done = std::make_shared<bool>(false);
   asio::steady_timer timer(socket.get_executor(), kHandshakeTimeout);
@@ -443,19 +432,15 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Targe
     ServerHello hello{};
     hello.magic = kServerMagic;
     hello.version = kProtocolVersion;
-    hello.token_required = token.empty() ? 0 : 1;
-    sys::random_bytes(hello.nonce, sizeof hello.nonce);
+    hello.token_required = proof.token_required() ? 1 : 0;
+    hello.nonce = proof.nonce();
     co_await asio::async_write(socket, asio::buffer(&hello, sizeof hello), use_awaitable);
     ClientHello client;
     co_await asio::async_read(socket, asio::buffer(&client, sizeof client), use_awaitable);
     ServerVerdict verdict{};
-    bool ok = client.magic == kClientMagic && client.version == kProtocolVersion;
-    if (ok && !token.empty()) {
-      std::uint8_t expect[kMacBytes];
-      handshake_mac(token, "client", hello.nonce, client.nonce, expect);
-      ok = CRYPTO_memcmp(expect, client.mac, kMacBytes) == 0;
-      if (ok) handshake_mac(token, "server", hello.nonce, client.nonce, verdict.mac);
-    }
+    const bool ok = client.magic == kClientMagic && client.version == kProtocolVersion &&
+                    proof.on_peer_hello(client.nonce, false).is_ok() && proof.check_proof(client.mac).is_ok();
+    if (ok) verdict.mac = proof.proof();
     verdict.status = static_cast<std::uint32_t>(ok ? StatusCode::kOk : StatusCode::kPermissionDenied);
     co_await asio::async_write(socket, asio::buffer(&verdict, sizeof verdict), use_awaitable);
     *done = true;

@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "kvstash/engine.h"
+#include "kvstash/transfer.h"
 #include "transport/transport.h"
 
 namespace kvstash::transport::ucx {

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "common/net.h"
-#include "kvstash/engine.h"
+#include "kvstash/transfer.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_device.h"
 #include "transport/verbs/verbs_qp.h"
@@ -182,7 +182,9 @@ class SetupService {
 QpConfig qp_config(const VerbsOptions& options, const DeviceState& dev);
 // This side's hello for `qp` on `dev`: a fresh random PSN and nonce; whether we require the
 // cluster token.
-Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic, bool token_required);
+// This side's hello for a queue pair of `dev`, with the handshake's nonce and token requirement.
+Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic,
+                const handshake::Handshake& handshake);
 
 // A region registered on every device of a transport: one MR each, in device order.
 class Registration final : public LocalRegistration {

@@ -51,6 +51,7 @@ struct SetupService::Conn {
   QpConfig cfg;
   Qp qp;
   Hello mine, theirs;
+  std::optional<handshake::Handshake> proof;  // the cluster-token exchange
   // Once up: the connection's entry in the target (its queue pair and leases).
   std::optional<std::list<Target::Accepted>::iterator> accepted;
 };
@@ -310,10 +311,13 @@ bool SetupService::on_hello(Conn& c, std::string_view frame) {
     return false;
   }
   c.qp = std::move(qp).value();
-  c.mine = hello_for(dev, *c.qp, c.cfg.max_rd_atomic, !token_.empty());
-  if (!token_.empty()) {
-    handshake::mac(token_, "server", c.mine.nonce.data(), c.theirs.nonce.data(), c.mine.mac.data());
+  c.proof.emplace(handshake::Role::kServer, token_);
+  c.mine = hello_for(dev, *c.qp, c.cfg.max_rd_atomic, *c.proof);
+  if (Status heard = c.proof->on_peer_hello(c.theirs.nonce, false); !heard.is_ok()) {
+    warn("verbs: queue-pair setup from " + c.peer + " abandoned: " + heard.to_string());
+    return false;
   }
+  c.mine.mac = c.proof->proof();
   append_frame(c.out, encode_hello(c.mine));
   c.phase = Conn::Phase::kProof;
   return true;
@@ -325,14 +329,10 @@ bool SetupService::on_proof(Conn& c, std::string_view frame) {
     warn("verbs: queue-pair setup from " + c.peer + " abandoned: no token proof");
     return false;
   }
-  if (!token_.empty()) {
-    std::array<std::uint8_t, handshake::kMacBytes> expect{};
-    handshake::mac(token_, "client", c.mine.nonce.data(), c.theirs.nonce.data(), expect.data());
-    if (!handshake::equal(expect.data(), reinterpret_cast<const std::uint8_t*>(frame.data()))) {
-      Counters::add(target_->counters().handshakes_failed);
-      warn("verbs: refused " + c.peer + ": it failed the cluster-token handshake");
-      return false;  // closing the socket tells it
-    }
+  if (!c.proof->check_proof(reinterpret_cast<const std::uint8_t*>(frame.data()), frame.size()).is_ok()) {
+    Counters::add(target_->counters().handshakes_failed);
+    warn("verbs: refused " + c.peer + ": it failed the cluster-token handshake");
+    return false;  // closing the socket tells it
   }
   const DeviceState& dev = *target_->devs[c.dev];
   Status up = connect_rc_qp(c.qp.get(), dev.port, dev.gid, c.mine.qp.psn, c.theirs.qp, c.cfg);

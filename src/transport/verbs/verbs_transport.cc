@@ -105,13 +105,14 @@ QpConfig qp_config(const VerbsOptions& options, const DeviceState& dev) {
   return c;
 }
 
-Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic, bool token_required) {
+Hello hello_for(const DeviceState& dev, const ibv_qp& qp, std::uint8_t max_rd_atomic,
+                const handshake::Handshake& handshake) {
   Hello h;
   h.node_guid = dev.device.node_guid;
   h.qp = {qp.qp_num, random_psn(), dev.gid.gid, dev.port.lid, dev.port.active_mtu};
   h.max_rd_atomic = max_rd_atomic;
-  sys::random_bytes(h.nonce.data(), h.nonce.size());
-  h.token_required = token_required;
+  h.nonce = handshake.nonce();
+  h.token_required = handshake.token_required();
   return h;
 }
 
@@ -418,7 +419,8 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
     cleanup();
     return qp.status();
   }
-  Hello mine = hello_for(*dev, **qp, cfg.max_rd_atomic, !cluster_token_.empty());
+  handshake::Handshake proof(handshake::Role::kClient, cluster_token_);
+  Hello mine = hello_for(*dev, **qp, cfg.max_rd_atomic, proof);
   mine.peer_guid = theirs.node_guid;
   Status s = write_frame(sock.get(), encode_hello(mine), deadline);
   Result<std::string> reply =
@@ -431,23 +433,13 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
   if (theirs_hello.is_ok()) {
     // The cluster token, both ways: the target proves it first, then we do; the target brings
     // its queue pair up only after our proof, and says so with one byte.
-    const std::string& token = cluster_token_;
-    std::array<std::uint8_t, handshake::kMacBytes> proof{};
-    if (theirs_hello->token_required && token.empty()) {
-      theirs_hello =
-          Status::permission_denied("verbs: the target requires a cluster token and none is configured");
-    } else if (!token.empty()) {
-      std::array<std::uint8_t, handshake::kMacBytes> expect{};
-      handshake::mac(token, "server", theirs_hello->nonce.data(), mine.nonce.data(), expect.data());
-      if (!theirs_hello->token_required || !handshake::equal(expect.data(), theirs_hello->mac.data())) {
-        theirs_hello = Status::permission_denied("verbs: the target could not prove the cluster token");
-      } else {
-        handshake::mac(token, "client", theirs_hello->nonce.data(), mine.nonce.data(), proof.data());
-      }
-    }
+    Status proven = proof.on_peer_hello(theirs_hello->nonce, theirs_hello->token_required);
+    if (proven.is_ok()) proven = proof.check_proof(theirs_hello->mac);
+    if (!proven.is_ok()) theirs_hello = proven.with_context("verbs");
     if (theirs_hello.is_ok()) {
-      Status sent =
-          write_frame(sock.get(), {reinterpret_cast<const char*>(proof.data()), proof.size()}, deadline);
+      const handshake::Mac mine_proof = proof.proof();
+      Status sent = write_frame(sock.get(), {reinterpret_cast<const char*>(mine_proof.data()), mine_proof.size()},
+                                deadline);
       auto verdict =
           sent.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(sent);
       if (!verdict.is_ok() || *verdict != "\x01") {

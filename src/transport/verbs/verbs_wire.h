@@ -16,6 +16,7 @@
 #include <variant>
 #include <vector>
 
+#include "common/handshake.h"
 #include "kvstash/status.h"
 #include "transport/verbs/verbs_qp.h"
 
@@ -53,9 +54,9 @@ struct Hello {
   std::uint64_t peer_guid = 0;  // the client's: which of the target's devices it connects to
   QpEndpoint qp;
   std::uint8_t max_rd_atomic = 1;  // READs this side accepts in flight
-  std::array<std::uint8_t, 16> nonce{};
+  handshake::Nonce nonce{};
   bool token_required = false;
-  std::array<std::uint8_t, 32> mac{};
+  handshake::Mac mac{};
 };
 
 std::string encode_hello(const Hello& h);

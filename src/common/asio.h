@@ -1,5 +1,6 @@
-// The Boost.Asio pieces the tcp transport uses, in one place: Boost 1.74's awaitable.hpp
-// uses std::exchange without including <utility>, which GCC 12 no longer pulls in for it.
+// The Boost.Asio pieces kvstash uses (the tcp transport, the node's admin endpoint), in one
+// place: Boost 1.74's awaitable.hpp uses std::exchange without including <utility>, which
+// GCC 12 no longer pulls in for it.
 #pragma once
 
 #include <utility>

@@ -1,0 +1,24 @@
+// The tcp transport in the registry: its start and its look at this host.
+#include "transport/registry.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace kvstash::transport::tcp {
+namespace {
+
+Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
+  return make_tcp_transport(options.tcp, options.cluster_token);
+}
+
+std::vector<TransportFinding> probe() {
+  return {{"transport tcp", TransportFinding::Level::kOk,
+           "built in (Boost.Asio); kvstashd --listen sets where a node serves it", ""}};
+}
+
+}  // namespace
+
+const Plugin& plugin() {
+  static const Plugin p{TransportKind::kTcp, &start, &probe};
+  return p;
+}
+
+}  // namespace kvstash::transport::tcp
