@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
+#include "common/fd.h"
 #include "kvstash/status.h"
 #include "kvstash/types.h"
 
@@ -24,20 +24,8 @@ Result<HostPort> parse_host_port(std::string_view s);
 // "host:0" for "host:port" (also "[v6]:port"): another listener on the same host, any port.
 std::string same_host_any_port(std::string_view host_port);
 
-// An owned file descriptor (-1: none).
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept;
-  ~Fd();
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_ = -1;
-};
+// An owned file descriptor: UniqueFd (common/fd.h), under the name the socket code uses.
+using Fd = UniqueFd;
 
 // Blocking socket helpers for connection setup (handshakes), each bounded by a deadline.
 // `what` names the step in errors: kTimeout "<what> timed out", kUnavailable "<what>: ...".

@@ -21,6 +21,8 @@
 #include <sstream>
 #include <thread>
 
+#include "common/fd.h"
+
 extern char** environ;
 
 namespace kvstash::tools {
@@ -28,33 +30,6 @@ namespace {
 
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
-
-// Owns one file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset() {
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-  }
-
- private:
-  int fd_ = -1;
-};
 
 int decode_wait_status(int st) {
   if (WIFEXITED(st)) return WEXITSTATUS(st);
@@ -105,18 +80,18 @@ Result<ChildProcess> ChildProcess::start(const ChildOptions& options) {
   for (auto& e : env_store) envp.push_back(e.data());
   envp.push_back(nullptr);
 
-  Fd devnull(::open("/dev/null", O_RDWR | O_CLOEXEC));
+  UniqueFd devnull(::open("/dev/null", O_RDWR | O_CLOEXEC));
   if (devnull.get() < 0) return Status::from_errno("open /dev/null", errno);
   int p[2];
-  Fd out_read, out_write;
+  UniqueFd out_read, out_write;
   if (options.capture_stdout) {
     if (::pipe2(p, O_CLOEXEC) != 0) return Status::from_errno("pipe", errno);
-    out_read = Fd(p[0]);
-    out_write = Fd(p[1]);
+    out_read = UniqueFd(p[0]);
+    out_write = UniqueFd(p[1]);
   }
   // The child reports a failed exec through this pipe; a successful exec closes it.
   if (::pipe2(p, O_CLOEXEC) != 0) return Status::from_errno("pipe", errno);
-  Fd err_read(p[0]), err_write(p[1]);
+  UniqueFd err_read(p[0]), err_write(p[1]);
 
   const long open_max = std::clamp(::sysconf(_SC_OPEN_MAX), 1024L, 65536L);
   const pid_t parent = ::getpid();
@@ -287,7 +262,7 @@ namespace {
 // A free TCP port on 127.0.0.1 right now (someone may take it before we bind it; callers
 // retry). 0 on failure.
 int free_port() {
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return 0;
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -319,7 +294,7 @@ enum class Probe {
 // Asks the server on `port` who it is and whether it is done loading: AUTH when we have a
 // password, then INFO server persistence. Each exchange is bounded by a 1 s socket timeout.
 Probe probe_redis(int port, const std::string& password, pid_t pid) {
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return Probe::kNoAnswer;
   timeval tv{1, 0};
   ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -400,7 +375,7 @@ Result<std::unique_ptr<LocalRedis>> LocalRedis::start(LocalRedisOptions options)
     // requirepass in a 0600 file of the private (0700) directory: off the command line,
     // where any local user's `ps` would show it.
     const std::string conf = redis->dir_ + "/redis.conf";
-    Fd fd(::open(conf.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    UniqueFd fd(::open(conf.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     if (fd.get() < 0) return Status::from_errno("create " + conf, errno);
     std::string line = "requirepass \"";
     for (char c : redis->options_.password) {

@@ -1,6 +1,9 @@
-// Internals of the shm transport, shared by its control path (shm_transport.cc) and its
-// datapath (shm_transport_datapath.cc). Nothing outside src/transport/shm/ includes this,
-// except shm_transport_test.cc, which crafts foreign addresses with encode_address().
+// Internals of the shm transport, shared by its control path (shm_transport.cc, with the
+// server in shm_server.cc and the key registry in shm_registry.cc) and its datapath
+// (shm_transport_datapath.cc); the codecs (shm_wire.h) and the socket helpers (shm_socket.h)
+// come with it. Nothing outside src/transport/shm/ includes this, except
+// shm_transport_test.cc, which crafts foreign addresses with encode_address(), and the shm
+// fuzz targets.
 //
 // How it works, in one paragraph: every transport runs a server thread on a UNIX
 // SOCK_SEQPACKET socket in a private directory. A peer connects (both sides check the other's
@@ -35,71 +38,16 @@
 #include <utility>
 #include <vector>
 
-#include "kvstash/transfer.h"
+#include "common/fd.h"
 #include "kvstash/status.h"
+#include "kvstash/transfer.h"
+#include "transport/shm/shm_socket.h"
+#include "transport/shm/shm_wire.h"
 #include "transport/transport.h"
 
 namespace kvstash::transport::shm {
 
-// ---- records -------------------------------------------------------------------------------
-
-inline constexpr std::uint32_t kAddressMagic = 0x4d53564b;  // "KVSM"
-inline constexpr std::uint32_t kKeyMagic = 0x4b53564b;      // "KVSK"
-inline constexpr std::uint32_t kMessageMagic = 0x5053564b;  // "KVSP"
-inline constexpr std::uint16_t kVersion = 2;
-
-// Slot 0 of the key table holds this magic (it includes the version), so a peer that maps
-// something else notices. Slot 1 holds the fence (leases with a tag at or below it are
-// over). Slots 2..kKeySlots-1 hold keys; 0 means free or revoked.
-inline constexpr std::uint64_t kKeyTableMagic = 0x3230594b4853564bull;  // "KVSHKY02"
-inline constexpr std::uint32_t kFenceSlot = 1;
-inline constexpr std::uint32_t kFirstKeySlot = 2;
-inline constexpr std::uint32_t kKeySlots = 8192;  // 64 KiB memfd
-
-struct Address {
-  std::string boot_id;
-  std::uint32_t uid = 0;
-  std::string socket_path;
-};
-std::string encode_address(const Address& address);
-// kInvalidArgument unless `bytes` is exactly one well-formed record of this version.
-Result<Address> decode_address(std::string_view bytes);
-
-struct PackedKey {
-  std::uint32_t slot = 0;
-  std::uint64_t key = 0;
-  bool leased = false;  // reachable through leases only
-};
-std::string encode_key(const PackedKey& key);
-Result<PackedKey> decode_key(std::string_view bytes);
-
-// Sends one message on a SOCK_SEQPACKET socket, with `fd_to_send` attached (SCM_RIGHTS) when
-// >= 0. Never blocks past the deadline; a deadline already passed still lets a send that needs
-// no waiting go through. kUnavailable once the peer closed the connection.
-Status send_message(int sock, std::string_view bytes, int fd_to_send, Deadline deadline);
-
-// ---- RAII for OS handles -------------------------------------------------------------------
-
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  void reset(int fd = -1);
-
- private:
-  int fd_ = -1;
-};
+// ---- RAII for mappings (descriptors are UniqueFd, common/fd.h) ----------------------------------
 
 class Mapping {
  public:

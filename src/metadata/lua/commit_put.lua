@@ -1,0 +1,48 @@
+-- commit_put.lua: the pending put becomes the object.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     token, key, checksum, layout, ttl_ms, condition ('' none; '!' only if the key holds no
+--          object; '=<token>' only if it holds the object that put wrote, else STALE and the
+--          put's pages are freed)
+-- Returns  OK, also for a commit repeated after it succeeded; STALE when the put lost its lease,
+--          was aborted, or a node of it died or restarted
+--
+-- An object it replaces is released.
+
+local token, key, ttl = ARGV[1], ARGV[2], tonumber(ARGV[5])
+local pk, ok = P .. ':put:' .. token, P .. ':obj:' .. key
+local p = redis.call('HMGET', pk, 'key', 'extents', 'nodes', 'size', 'aborted')
+if not p[1] then
+  if redis.call('HGET', ok, 'token') == token then return 'OK' end
+  return redis.error_reply('STALE the put lost its lease before the commit; its pages were reclaimed')
+end
+if p[5] then return redis.error_reply('STALE the put was aborted') end
+if p[1] ~= key then return redis.error_reply('INVALID put token belongs to another key') end
+local gone = not current(p[2])
+for id in string.gmatch(p[3] or '', '[^ ]+') do
+  if not live(id) then gone = true end
+end
+if gone then
+  drop_put(token, p[2])
+  return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
+end
+local cond = ARGV[6] or ''
+if cond ~= '' then
+  local cur = redis.call('HGET', ok, 'token')
+  if (cond == '!' and cur) or (cond ~= '!' and '=' .. (cur or '') ~= cond) then
+    drop_put(token, p[2])
+    return redis.error_reply('STALE ' .. key .. ' changed since the version this put was based on')
+  end
+end
+if redis.call('EXISTS', ok) == 1 then release(key) end
+local expires = 0
+if ttl > 0 then expires = now + ttl end
+redis.call('HSET', ok, 'size', p[4], 'token', token, 'extents', p[2], 'nodes', p[3], 'checksum', ARGV[3],
+           'layout', ARGV[4], 'created', now, 'expires', expires)
+for id in string.gmatch(p[3] or '', '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
+if (tonumber(p[4]) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', p[4]) end
+redis.call('ZADD', P .. ':lru', now, key)
+if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
+redis.call('DEL', pk)
+redis.call('ZREM', P .. ':pending', token)
+return 'OK'

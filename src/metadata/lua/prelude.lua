@@ -1,0 +1,306 @@
+-- prelude.lua: the start of every script (scripts.cc puts it in front of each body, so Redis
+-- runs one text per script): the prefix, the time from Redis itself (client clocks never
+-- matter), and the helpers that keep the invariants in one place.
+--
+-- KEYS[1]  the cell's key prefix, bound to P here
+-- Defines  P, now (ms of Redis time), and the helpers the scripts call
+--
+-- Extent lists are text, "node,page,generation;..." in object order. A free page's
+-- generation is stored negated, so freeing twice, or freeing with an outdated extent, is a
+-- no-op: only the holder of the current generation can free a page.
+
+local P = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+-- Commands in one script cost a few microseconds each: the helpers below touch a node's
+-- pages with one command per node (chunked under Lua's unpack limit), never one per page.
+local CHUNK = 1000
+
+local function call_chunked(cmd, key, items, step)
+  local n = #items
+  local i = 1
+  while i <= n do
+    local j = math.min(n, i + CHUNK * (step or 1) - 1)
+    redis.call(cmd, key, unpack(items, i, j))
+    i = j + 1
+  end
+end
+
+local function hmget_chunked(key, fields)
+  local out = {}
+  for i = 1, #fields, CHUNK do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(#fields, i + CHUNK - 1)))
+    for _, v in ipairs(part) do out[#out + 1] = v end
+  end
+  return out
+end
+
+local function live(id)
+  local d = redis.call('ZSCORE', P .. ':nodes', id)
+  return d ~= false and d ~= nil and tonumber(d) >= now
+end
+
+-- An extent list grouped by node, in order of first appearance.
+local function by_node(list)
+  local groups, order = {}, {}
+  for id, page, gen in string.gmatch(list or '', '([^,;]+),(%d+),(%d+)') do
+    local g = groups[id]
+    if not g then
+      g = {pages = {}, gens = {}}
+      groups[id] = g
+      order[#order + 1] = id
+    end
+    g.pages[#g.pages + 1] = page
+    g.gens[#g.gens + 1] = tonumber(gen)
+  end
+  return groups, order
+end
+
+-- Whether every page of `list` still carries the generation it names.
+local function current(list)
+  local groups, order = by_node(list)
+  for _, id in ipairs(order) do
+    local g = groups[id]
+    local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
+    for i = 1, #g.pages do
+      if tonumber(cur[i] or '0') ~= g.gens[i] then return false end
+    end
+  end
+  return true
+end
+
+local function free_extents(list)
+  local n = 0
+  local groups, order = by_node(list)
+  for _, id in ipairs(order) do
+    local g, gk = groups[id], P .. ':gen:' .. id
+    local cur = hmget_chunked(gk, g.pages)
+    local sets, frees = {}, {}
+    for i, page in ipairs(g.pages) do
+      local gen = g.gens[i]
+      if gen > 0 and tonumber(cur[i] or '0') == gen then
+        sets[#sets + 1] = page
+        sets[#sets + 1] = -gen
+        frees[#frees + 1] = page
+      end
+    end
+    if #frees > 0 then
+      call_chunked('HSET', gk, sets, 2)
+      call_chunked('LPUSH', P .. ':free:' .. id, frees)
+      n = n + #frees
+    end
+  end
+  return n
+end
+
+-- Ends pending put `token`: its record goes, and the pages of `extents` (the put's, or what is
+-- left of them) return to the pool.
+local function drop_put(token, extents)
+  free_extents(extents)
+  redis.call('DEL', P .. ':put:' .. token)
+  redis.call('ZREM', P .. ':pending', token)
+end
+
+-- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
+-- the last read lease on them ends. Returns the pages freed now.
+local function release(key)
+  local ok = P .. ':obj:' .. key
+  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size')
+  redis.call('DEL', ok)
+  -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
+  if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
+  redis.call('ZREM', P .. ':lru', key)
+  redis.call('ZREM', P .. ':expiry', key)
+  for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('SREM', P .. ':objs:' .. id, key) end
+  if not o[1] then return 0 end
+  local rk = P .. ':readers:' .. o[1]
+  local last = redis.call('ZREVRANGEBYSCORE', rk, '+inf', now, 'WITHSCORES', 'LIMIT', 0, 1)
+  if last[2] then
+    redis.call('SET', P .. ':zombie:' .. o[1], o[2] or '')
+    redis.call('ZADD', P .. ':zombies', last[2], o[1])
+    return 0
+  end
+  redis.call('DEL', rk)
+  return free_extents(o[2])
+end
+
+-- Whether the pages an object names on its nodes are still there: every node alive and
+-- serving (not leaving the cell), and still the incarnation that allocated them (a node that
+-- registered again started its generations above every earlier one, so one extent per node
+-- tells).
+local function on_live_pages(extents, nodes)
+  local floors, left = {}, 0
+  for id in string.gmatch(nodes or '', '[^ ]+') do
+    if not live(id) then return false end
+    if not floors[id] then
+      local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'gen_floor')
+      if n[1] ~= 'up' and n[1] ~= 'draining' then return false end
+      floors[id] = tonumber(n[2] or '0') or 0
+      left = left + 1
+    end
+  end
+  for id, gen in string.gmatch(extents or '', '([^,;]+),%d+,(%d+)') do
+    if left == 0 then break end
+    local floor = floors[id]
+    if floor then
+      if tonumber(gen) <= floor then return false end
+      floors[id] = nil
+      left = left - 1
+    end
+  end
+  return true
+end
+
+-- The fields of a readable object (present, unexpired, its pages on live nodes), or nil. An
+-- expired object or one on a dead or restarted node is released on the spot.
+local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires'}
+local function lookup(key)
+  local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
+  if not o[1] then return nil end
+  local exp = tonumber(o[7] or '0') or 0
+  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) then
+    release(key)
+    return nil
+  end
+  return o
+end
+
+-- Hands node `id`'s objects to the sweep: they are unreadable already (the node is gone or
+-- registered again, which lookup sees), and reclaim releases them in bounded batches, so no
+-- script walks a million objects at once. Returns how many objects that was.
+local function sweep_node_objects(id)
+  local ok = P .. ':objs:' .. id
+  local n = redis.call('SCARD', ok)
+  if n > 0 then
+    local batch = P .. ':sweep:' .. redis.call('INCR', P .. ':sweep_seq')
+    redis.call('RENAME', ok, batch)
+    redis.call('RPUSH', P .. ':sweep', batch)
+  end
+  return n
+end
+
+-- Releases up to `limit` objects from the sweep batches (each through lookup, which releases
+-- only what is unreadable: a key written again since keeps its new object). Returns how many
+-- keys were looked at.
+local function sweep(limit)
+  local done = 0
+  while done < limit do
+    local batch = redis.call('LINDEX', P .. ':sweep', 0)
+    if not batch then break end
+    local keys = redis.call('SPOP', batch, limit - done)
+    for _, key in ipairs(keys) do lookup(key) end
+    done = done + #keys
+    if redis.call('EXISTS', batch) == 0 then redis.call('LPOP', P .. ':sweep') end
+  end
+  return done
+end
+
+local function present(key)
+  return lookup(key) ~= nil
+end
+
+-- The live nodes that take allocations (state up), as a set of ids.
+local function usable_nodes()
+  local s = {}
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+    if redis.call('HGET', P .. ':node:' .. id, 'state') == 'up' then s[id] = true end
+  end
+  return s
+end
+
+-- Free pages per live node that takes allocations, and their sum.
+local function candidates()
+  local c, total = {}, 0
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page', 'gen_floor')
+    if st[1] == 'up' then
+      local free = (tonumber(st[2]) or 0) - (tonumber(st[3]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
+      if free > 0 then
+        c[#c + 1] = {id, free, tonumber(st[4] or '0') or 0}
+        total = total + free
+      end
+    end
+  end
+  return c, total
+end
+
+-- Releases expired objects, oldest deadline first, at most `limit`.
+local function sweep_expired(limit)
+  local keys = redis.call('ZRANGEBYSCORE', P .. ':expiry', '-inf', now, 'LIMIT', 0, limit)
+  for _, key in ipairs(keys) do release(key) end
+  if #keys > 0 then redis.call('HINCRBY', P .. ':stats', 'expired', #keys) end
+  return #keys
+end
+
+-- Walks the LRU order, least recently used first, calling visit(key, last_access, extents,
+-- size) for each object no reader leases: leased objects are never evicted. visit returns true
+-- to stop. At most `max_visits` LRU entries are looked at, so the work is bounded by what
+-- the caller needs, never by the cell's size. Returns the LRU entries whose record is gone
+-- (deleted by hand).
+local function walk_unleased_lru(visit, max_visits)
+  local orphans, offset = {}, 0
+  while offset < max_visits do
+    local batch = redis.call('ZRANGE', P .. ':lru', offset, math.min(offset + 63, max_visits - 1), 'WITHSCORES')
+    if #batch == 0 then return orphans end
+    offset = offset + #batch / 2
+    for i = 1, #batch, 2 do
+      local key = batch[i]
+      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents', 'size')
+      if not o[1] then
+        orphans[#orphans + 1] = key
+      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
+        if visit(key, tonumber(batch[i + 1]), o[2], o[3]) then return orphans end
+      end
+    end
+  end
+  return orphans
+end
+
+-- Releases `victims` as evicted (counted in P:stats). Returns the pages freed now.
+local function evict_keys(victims)
+  local freed = 0
+  for _, key in ipairs(victims) do freed = freed + release(key) end
+  if #victims > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #victims) end
+  return freed
+end
+
+-- Evicts least recently used objects that no reader leases until `need` pages came free on
+-- the nodes in `usable` (id -> true: those that take allocations; pages on a draining or
+-- dead node free nothing a put can use). All or nothing: when the unleased objects cannot
+-- free enough, nothing is evicted (a put that fails anyway must not empty the cache). Looks
+-- at most `need` + 256 objects: leased ones in front are skipped, a longer search fails.
+-- Returns objects evicted and pages freed.
+local function evict(need, usable)
+  if need <= 0 then return 0, 0 end
+  local victims, pages = {}, 0
+  local orphans = walk_unleased_lru(function(key, _, extents)
+    local n = 0
+    for id in string.gmatch(extents or '', '([^,;]+),%d+,%d+') do
+      if usable[id] then n = n + 1 end
+    end
+    if n > 0 then
+      victims[#victims + 1] = key
+      pages = pages + n
+    end
+    return pages >= need
+  end, need + 256)
+  if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
+  if pages < need then return 0, 0 end
+  return #victims, evict_keys(victims)
+end
+
+-- The endpoints of nodes (space-separated ids) appended to `out`: id, address, key.
+local function endpoints(out, nodes)
+  for id in string.gmatch(nodes or '', '[^ ]+') do
+    local n = redis.call('HMGET', P .. ':node:' .. id, 'address', 'key')
+    out[#out + 1] = id
+    out[#out + 1] = n[1] or ''
+    out[#out + 1] = n[2] or ''
+  end
+  return out
+end
+
+local function page_size()
+  return tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0
+end

@@ -1,0 +1,43 @@
+-- register_node.lua: a memory node joins the cell, or registers again.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms
+-- Returns  Redis's clock (ms); IN_USE while another epoch of the id is alive (two daemons sharing
+--          an id would drop each other's objects)
+--
+-- A new epoch means the old incarnation's pages can no longer be written by anyone: a new
+-- process has new memory, and a node that registers again from the same process has first
+-- deregistered its pool from every transport (which fences every lease and request of the old
+-- keys). So its objects are dropped (swept in batches; unreadable at once) and its pool starts
+-- over.
+
+local id, epoch = ARGV[1], ARGV[2]
+local ps, count = tonumber(ARGV[3]), tonumber(ARGV[4])
+if not count or count < 1 or not ps or ps < 1 then
+  return redis.error_reply('INVALID page size and count must be positive')
+end
+local cell = page_size()
+if cell > 0 and cell ~= ps then
+  return redis.error_reply('INVALID page size ' .. ps .. ' differs from the cell page size ' .. cell)
+end
+redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 3)
+local nk = P .. ':node:' .. id
+local held = redis.call('HMGET', nk, 'epoch', 'state')
+if held[1] and held[1] ~= epoch and (held[2] == 'up' or held[2] == 'draining') and live(id) then
+  return redis.error_reply('IN_USE node id ' .. id .. ' is held by a live node (another kvstashd with the same id?)')
+end
+if held[1] ~= epoch then
+  sweep_node_objects(id)
+  redis.call('DEL', P .. ':free:' .. id)
+  -- Every generation of the new incarnation starts above every generation of the old ones
+  -- (the floor), so an old extent can never match a page again, without touching each page.
+  redis.call('DEL', P .. ':gen:' .. id)
+  -- 2^32 allocations of a page per incarnation, 2^21 incarnations within Lua's exact integers.
+  local floor = (redis.call('HINCRBY', nk, 'epochs', 1) - 1) * 4294967296
+  -- Nothing granted before now can still write here: the pool was fenced as a whole.
+  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now, 'gen_floor', floor, 'fenced', now)
+end
+redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
+redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
+redis.call('SADD', P .. ':known', id)
+return now

@@ -1,0 +1,18 @@
+-- touch.lua: sets an object's expiry and marks it used.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     key, ttl_ms (0: no expiry)
+-- Returns  OK; NOT_FOUND
+
+local key, ttl = ARGV[1], tonumber(ARGV[2])
+if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
+local expires = 0
+if ttl > 0 then expires = now + ttl end
+redis.call('HSET', P .. ':obj:' .. key, 'expires', expires)
+if expires > 0 then
+  redis.call('ZADD', P .. ':expiry', expires, key)
+else
+  redis.call('ZREM', P .. ':expiry', key)
+end
+redis.call('ZADD', P .. ':lru', now, key)
+return 'OK'
