@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "measure.h"
 #include "metadata/catalog.h"
 #include "tools/common/local_cluster.h"
 
@@ -63,12 +64,6 @@ class ServerClock {
  private:
   RedisClient& r_;
 };
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<std::size_t>(p * static_cast<double>(v.size())))];
-}
 
 }  // namespace
 

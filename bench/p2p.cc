@@ -17,6 +17,7 @@
 #include "common/net.h"
 #include "common/units.h"
 #include "kvstash/engine.h"
+#include "measure.h"
 #include "references.h"
 
 namespace kvstash::bench {
@@ -34,13 +35,6 @@ struct Row {
   bool verified = false;
   std::string error;
 };
-
-double percentile(std::vector<double>& v, double p) {
-  if (v.empty()) return 0;
-  std::size_t i = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1));
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
-  return v[i];
-}
 
 void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
   std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;

@@ -1,25 +1,21 @@
+// `kvstash-bench store`: the Store measured per backend against the Redis-bytes baseline
+// (store_redis.cc), on the synthetic sessions (sessions.h), and the run that starts a private
+// cell when it is given none.
 #include "store.h"
 
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <charconv>
-#include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
-#include <hiredis/hiredis.h>
-#include <numeric>
 
 #include <nlohmann/json.hpp>
 
@@ -28,184 +24,20 @@
 #include "kvstash/store.h"
 #include "kvstash_config.h"
 #include "metadata/redis_client.h"
+#include "store_internal.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
-namespace {
 
 using namespace std::chrono_literals;
 
-// ---- interruption ---------------------------------------------------------------------------
-
-// Ctrl-C or SIGTERM: the operation under way finishes, then the run stops and unwinds, so the
-// private kvstashd drains before its Redis goes and their temporary files are removed. (They
-// run in process groups of their own: the terminal's SIGINT reaches only us.) A second
-// signal ends the process at once.
-std::atomic<bool> g_interrupted{false};
-
-extern "C" void on_interrupt(int) { g_interrupted.store(true); }
-
-bool interrupted() { return g_interrupted.load(std::memory_order_relaxed); }
-
-class InterruptHandler {
- public:
-  InterruptHandler() {
-    struct sigaction sa {};
-    sa.sa_handler = on_interrupt;
-    sa.sa_flags = SA_RESETHAND | SA_RESTART;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGINT, &sa, &old_int_);
-    ::sigaction(SIGTERM, &sa, &old_term_);
-  }
-  ~InterruptHandler() {
-    ::sigaction(SIGINT, &old_int_, nullptr);
-    ::sigaction(SIGTERM, &old_term_, nullptr);
-  }
-  InterruptHandler(const InterruptHandler&) = delete;
-  InterruptHandler& operator=(const InterruptHandler&) = delete;
-
- private:
-  struct sigaction old_int_ {};
-  struct sigaction old_term_ {};
-};
-
-// ---- the synthetic KV cache ---------------------------------------------------------------
-
-std::uint64_t splitmix64(std::uint64_t& state) {
-  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Bytes that differ per backend, round and session, so a get that returned another session's
-// object, or last round's, fails the comparison. A word at a time: generating a GiB must not
-// take longer than moving it.
-void fill_pattern(std::byte* p, std::size_t n, std::uint64_t backend, std::uint64_t round,
-                  std::uint64_t session) {
-  std::uint64_t state = (backend << 48) ^ (round << 32) ^ session;
-  state = splitmix64(state);
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const std::uint64_t w = splitmix64(state);
-    std::memcpy(p + i, &w, 8);
-  }
-  if (i < n) {
-    const std::uint64_t w = splitmix64(state);
-    std::memcpy(p + i, &w, n - i);
-  }
-}
-
-// Session sizes: every one `object_size`, or a token count drawn with a fixed seed (the same
-// sessions in every run and on every machine) times the KV bytes of a token.
-std::vector<std::uint64_t> session_sizes(const StoreBenchOptions& o) {
-  std::vector<std::uint64_t> sizes;
-  std::uint64_t state = 0x6b7673746173682dull;  // fixed: runs compare
-  for (std::uint32_t s = 0; s < o.sessions; ++s) {
-    if (o.object_size != 0) {
-      sizes.push_back(o.object_size);
-      continue;
-    }
-    const std::uint64_t span = o.max_tokens - o.min_tokens + 1ull;
-    sizes.push_back((o.min_tokens + splitmix64(state) % span) * kKvBytesPerToken);
-  }
-  return sizes;
-}
-
-// ---- measurements -------------------------------------------------------------------------
-
-struct OpStats {
-  std::vector<double> latency_us;      // one per operation
-  std::vector<double> metadata_us;     // kvstash: time in Redis round trips, per operation
-  std::uint64_t round_trips = 0;       // kvstash: Redis round trips, summed
-  std::uint64_t node_round_trips = 0;  // kvstash: lease exchanges with memory nodes, summed
-  std::vector<double> node_us;         // kvstash: time in them, per operation
-  std::uint64_t bytes = 0;
-  double seconds = 0;  // summed over the operations: the ops run one after another
-};
-
-struct Row {
-  std::string backend;
-  std::string op;  // "put", "get"
-  bool kvstash = false;
-  OpStats stats;
-  bool verified = false;
-  std::string error;    // the run failed (exit code 1)
-  std::string skipped;  // not measured, and why (not a failure)
-};
-
-// Nearest rank: with few samples p99 is the slowest one, not an interpolation below it.
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  auto rank = static_cast<std::size_t>(std::ceil(p * static_cast<double>(v.size())));
-  return v[std::clamp<std::size_t>(rank, 1, v.size()) - 1];
-}
-
-double gbps(const OpStats& s) { return s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0; }
-
-double us_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-}
-
-// Where in [a, a+n) the two first differ, for the error message.
-std::size_t first_difference(const std::byte* a, const std::byte* b, std::size_t n) {
-  std::size_t i = 0;
-  while (i < n && a[i] == b[i]) ++i;
-  return i;
-}
-
-// A progress line on a terminal (stderr), overwritten in place; nothing when redirected.
-class Progress {
- public:
-  explicit Progress(bool enabled) : enabled_(enabled && ::isatty(2) == 1) {}
-  ~Progress() { clear(); }
-  void show(const std::string& text) {
-    if (!enabled_) return;
-    std::fprintf(stderr, "\r\033[K  %s", text.c_str());
-    std::fflush(stderr);
-    shown_ = true;
-  }
-  void clear() {
-    if (!shown_) return;
-    std::fprintf(stderr, "\r\033[K");
-    std::fflush(stderr);
-    shown_ = false;
-  }
-
- private:
-  bool enabled_;
-  bool shown_ = false;
-};
-
-// ---- the run ------------------------------------------------------------------------------
-
-struct Sessions {
-  std::vector<std::uint64_t> sizes;
-  std::vector<Buffer> source;  // one per session: what is put, and the truth a get is compared with
-  Buffer restore;              // every get lands here (zeroed first), as into a GPU's free blocks
-  std::uint64_t total = 0;
-  std::uint64_t largest = 0;
-};
-
-class StoreBench {
- public:
-  StoreBench(const StoreBenchOptions& o, Sessions& sessions) : o_(o), s_(sessions), progress_(!o.json) {}
-
-  std::pair<Row, Row> measure_redis(const std::string& url, std::uint64_t backend_index);
-  std::pair<Row, Row> measure_store(const std::string& backend, TransportKind kind, const StoreOptions& so,
-                                    std::uint64_t backend_index);
-  void print(const Row& r, const std::optional<double>& redis_gbps);
-
- private:
-  const StoreBenchOptions& o_;
-  Sessions& s_;
-  Progress progress_;
-};
+namespace {
 
 std::string key_of(const std::string& backend, std::uint32_t round, std::uint32_t session) {
   return "bench/" + backend + "/" + std::to_string(round) + "/" + std::to_string(session);
 }
+
+}  // namespace
 
 // The Store: register every session's buffer once (as an inference engine registers its KV
 // cache), then per round put every session and get every one back.
@@ -321,118 +153,6 @@ std::pair<Row, Row> StoreBench::measure_store(const std::string& backend, Transp
   return {put, get};
 }
 
-// The tutorial's approach: the bytes themselves through Redis, HSET and HGET, landing in the
-// same buffers. The copy out of hiredis' reply into the restore buffer is part of a get: an
-// engine needs the bytes in its KV cache, not in a reply object.
-std::pair<Row, Row> StoreBench::measure_redis(const std::string& url, std::uint64_t backend_index) {
-  Row put{.backend = std::string(kRedisBytes), .op = "put"};
-  Row get{.backend = std::string(kRedisBytes), .op = "get"};
-  metadata::RedisOptions ro;
-  ro.url = url;
-  ro.password = o_.redis_password;
-  // A 512 MB value takes seconds through Redis; the default 2 s per command is for metadata.
-  ro.command_timeout = 120s;
-  auto client = metadata::RedisClient::connect(ro);
-  auto fail = [&](const std::string& what) {
-    progress_.clear();
-    put.error = get.error = what;
-    return std::pair{put, get};
-  };
-  if (!client.is_ok()) return fail("cannot connect: " + client.status().to_string());
-  auto& redis = **client;
-  auto key_of = [](std::uint32_t session) { return "bench:redis-bytes:" + std::to_string(session); };
-  auto cleanup = [&] {
-    std::vector<std::string> keys;
-    for (std::uint32_t i = 0; i < o_.sessions; ++i) keys.push_back(key_of(i));
-    std::vector<std::string_view> del{"DEL"};
-    del.insert(del.end(), keys.begin(), keys.end());
-    return redis.command(del).status();
-  };
-
-  // Redis refuses bulk values over proto-max-bulk-len (512 MB unless configured otherwise).
-  std::uint64_t limit = 512ull << 20;
-  if (auto cfg = redis.command({"CONFIG", "GET", "proto-max-bulk-len"}); cfg.is_ok() && cfg->size() == 2) {
-    const redisReply* v = cfg->element(1);
-    if (v != nullptr && v->str != nullptr) {
-      const std::uint64_t n = std::strtoull(std::string(v->str, v->len).c_str(), nullptr, 10);
-      if (n > 0) limit = n;
-    }
-  }
-  if (s_.largest > limit) {
-    put.skipped = get.skipped = "a session of " + units::format_size(s_.largest) +
-                                " exceeds Redis's proto-max-bulk-len (" + units::format_size(limit) +
-                                "): Redis cannot hold a value that large";
-    return {put, get};
-  }
-
-  for (std::uint32_t round = 0; round < o_.rounds; ++round) {
-    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
-      fill_pattern(s_.source[i].data(), s_.sizes[i], backend_index, round, i);
-    }
-    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
-      if (interrupted()) {
-        (void)cleanup();
-        return fail("interrupted");
-      }
-      progress_.show(
-          fmt::format("{}: round {}/{}, HSET {}/{}", kRedisBytes, round + 1, o_.rounds, i + 1, o_.sessions));
-      const std::string key = key_of(i);
-      const std::string_view bytes(reinterpret_cast<const char*>(s_.source[i].data()), s_.sizes[i]);
-      const auto t0 = Clock::now();
-      auto r = redis.command({"HSET", key, "kv", bytes});
-      const double us = us_since(t0);
-      if (!r.is_ok()) {
-        (void)cleanup();
-        return fail("HSET " + key + ": " + r.status().to_string());
-      }
-      put.stats.latency_us.push_back(us);
-      put.stats.bytes += s_.sizes[i];
-      put.stats.seconds += us / 1e6;
-    }
-    for (std::uint32_t i = 0; i < o_.sessions; ++i) {
-      if (interrupted()) {
-        (void)cleanup();
-        return fail("interrupted");
-      }
-      progress_.show(
-          fmt::format("{}: round {}/{}, HGET {}/{}", kRedisBytes, round + 1, o_.rounds, i + 1, o_.sessions));
-      const std::string key = key_of(i);
-      const std::size_t size = s_.sizes[i];
-      std::memset(s_.restore.data(), 0, size);
-      const auto t0 = Clock::now();
-      auto r = redis.command({"HGET", key, "kv"});
-      if (r.is_ok() && r->type() == metadata::Reply::Type::kString && r->str().size() == size) {
-        std::memcpy(s_.restore.data(), r->str().data(), size);
-      }
-      const double us = us_since(t0);
-      if (!r.is_ok()) {
-        (void)cleanup();
-        return fail("HGET " + key + ": " + r.status().to_string());
-      }
-      if (r->type() != metadata::Reply::Type::kString || r->str().size() != size) {
-        (void)cleanup();
-        return fail("HGET " + key + ": " +
-                    (r->type() == metadata::Reply::Type::kString ? std::to_string(r->str().size()) + " bytes"
-                                                                 : std::string("no value")) +
-                    ", " + std::to_string(size) + " were put");
-      }
-      if (std::memcmp(s_.restore.data(), s_.source[i].data(), size) != 0) {
-        (void)cleanup();
-        const std::size_t at = first_difference(s_.restore.data(), s_.source[i].data(), size);
-        return fail("HGET " + key + ": wrong bytes (byte " + std::to_string(at) + " of " +
-                    std::to_string(size) + " differs from what was put)");
-      }
-      get.stats.latency_us.push_back(us);
-      get.stats.bytes += size;
-      get.stats.seconds += us / 1e6;
-    }
-    if (Status st = cleanup(); !st.is_ok()) return fail("DEL: " + st.to_string());
-  }
-  progress_.clear();
-  put.verified = get.verified = true;
-  return {put, get};
-}
-
 void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
   const double rate = gbps(r.stats);
   std::optional<double> ratio;
@@ -489,39 +209,7 @@ void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
   std::cout.flush();
 }
 
-std::uint64_t round_up(std::uint64_t n, std::uint64_t unit) { return (n + unit - 1) / unit * unit; }
-
-// Whole pages an object of each size takes.
-std::uint64_t pages_for(const std::vector<std::uint64_t>& sizes, std::uint64_t page) {
-  std::uint64_t n = 0;
-  for (auto size : sizes) n += (size + page - 1) / page;
-  return n;
-}
-
-// MemAvailable from /proc/meminfo, in bytes; 0 when unknown.
-std::uint64_t mem_available() {
-  std::ifstream f("/proc/meminfo");
-  for (std::string name; f >> name;) {
-    std::uint64_t kib = 0;
-    f >> kib;
-    if (name == "MemAvailable:") return kib << 10;
-    f.ignore(1 << 10, '\n');
-  }
-  return 0;
-}
-
-// The sessions' buffers and the restore buffer.
-Status allocate_sessions(Sessions& s) {
-  for (auto size : s.sizes) {
-    auto b = Buffer::allocate(size);
-    if (!b.is_ok()) return b.status().with_context("allocate a session of " + units::format_size(size));
-    s.source.push_back(std::move(*b));
-  }
-  auto r = Buffer::allocate(s.largest);
-  if (!r.is_ok()) return r.status().with_context("allocate the restore buffer");
-  s.restore = std::move(*r);
-  return {};
-}
+namespace {
 
 // A 0600 temporary file holding a secret (the cluster token for kvstashd), removed when this
 // goes. Never on a command line: `ps` shows those to every local user.
