@@ -154,6 +154,19 @@ TEST(Engine, RegisterRefusesEmptyRegionsAndLocalHandlesHaveNoKey) {
   EXPECT_FALSE(local.covers(b.data() + 4000, 100));
 }
 
+// Memory used once through peers of one transport is registered with that transport only.
+TEST(Engine, RegistersWithTheTransportsAskedForOnly) {
+  auto e = Engine::create({.transports = {TransportKind::kTcp, TransportKind::kShm}}).value();
+  auto b = Buffer::allocate(4096).value();
+  const TransportKind tcp[] = {TransportKind::kTcp};
+  auto only_tcp = e->register_memory(b.region(), Access::kLocal, tcp);
+  ASSERT_TRUE(only_tcp.is_ok()) << only_tcp.status().to_string();
+  EXPECT_EQ(only_tcp->transports(), std::vector<TransportKind>{TransportKind::kTcp});
+  EXPECT_EQ(e->register_memory(b.region(), Access::kLocal, {})->transports().size(), 2u);
+  const TransportKind absent[] = {TransportKind::kVerbs};
+  EXPECT_EQ(e->register_memory(b.region(), Access::kLocal, absent).status().code(), StatusCode::kUnsupported);
+}
+
 TEST(Engine, TextFormRoundTrips) {
   auto e = Engine::create({.transports = {TransportKind::kTcp}}).value();
   auto back = from_text(to_text(e->address()) + "\n");

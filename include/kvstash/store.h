@@ -144,7 +144,7 @@ class CancelToken {
  private:
   friend class Store;
   struct State;
-  State* state() const { return state_.get(); }
+  class Scope;  // a get's batches, registered with the token while they may run
   std::shared_ptr<State> state_;
 };
 

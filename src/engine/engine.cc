@@ -115,6 +115,11 @@ std::vector<TransportCounter> Engine::counters() const {
 }
 
 Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access access) {
+  return register_memory(region, access, {});
+}
+
+Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access access,
+                                             std::span<const TransportKind> only) {
   if (region.addr == nullptr || region.length == 0) {
     return Status::invalid_argument("cannot register an empty region");
   }
@@ -124,6 +129,7 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
   Status first_error;
   Parts keys;
   for (const auto& t : impl_->transports) {
+    if (!only.empty() && std::find(only.begin(), only.end(), t->kind()) == only.end()) continue;
     auto reg = t->register_memory(region, access);
     if (!reg.is_ok()) {
       // One transport declining (shm without an fd, tcp with GPU memory) is normal; peers
@@ -134,7 +140,10 @@ Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access 
     if (access != Access::kLocal) keys.emplace_back(t->kind(), (*reg)->packed_key());
     h.regs_->by_kind.emplace_back(t->kind(), std::move(reg).value());
   }
-  if (h.regs_->by_kind.empty()) return first_error;
+  if (h.regs_->by_kind.empty()) {
+    return first_error.is_ok() ? Status::unsupported("register: none of the transports asked for runs here")
+                               : first_error;
+  }
   if (access != Access::kLocal) {
     h.remote_key_ =
         encode_parts(kKeyMagic, reinterpret_cast<std::uintptr_t>(region.addr), region.length, keys, true);

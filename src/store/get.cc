@@ -1,0 +1,171 @@
+// Gets: begin_get (a read lease on the record), the reads in waves of 4 MiB with the checksum
+// of each wave as it lands, and end_get, off the critical path while the lease held.
+#include <algorithm>
+#include <deque>
+#include <optional>
+
+#include "common/log.h"
+#include "store/slices.h"
+#include "store/store_internal.h"
+#include "store/transfers.h"
+
+namespace kvstash {
+
+using store::MetadataClock;
+
+namespace {
+
+// A get's reads go in waves of this many bytes so that each wave is checksummed while the
+// next ones still move (and while its bytes are still in cache).
+constexpr std::uint64_t kWaveBytes = 4u << 20;
+
+}  // namespace
+
+// Registers a get's batches with its cancel token while they may run, so that
+// CancelToken::cancel can stop them from another thread; a token cancelled already cancels
+// them at once.
+class CancelToken::Scope {
+ public:
+  Scope(const CancelToken& token, std::vector<store::Wave>& waves) : token_(token.state_.get()) {
+    if (token_ == nullptr) return;
+    std::lock_guard lock(token_->mu);
+    for (auto& w : waves) {
+      for (auto& b : w.batches) {
+        if (token_->cancelled) {
+          b.cancel();
+        } else {
+          token_->waiting.push_back(&b);
+          mine_.push_back(&b);
+        }
+      }
+    }
+  }
+  ~Scope() {
+    if (token_ == nullptr || mine_.empty()) return;
+    std::lock_guard lock(token_->mu);
+    std::erase_if(token_->waiting, [&](Batch* b) { return std::ranges::find(mine_, b) != mine_.end(); });
+  }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  State* token_;
+  std::vector<Batch*> mine_;
+};
+
+Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice> into, const GetInto* into_for,
+                                    const GetOptions& o) {
+  KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+  if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
+  const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
+  const std::string reader = store::random_token();
+  const auto leased_at = Clock::now();
+  Result<metadata::ReadLease> lease = Status::internal("unset");
+  {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
+    MetadataClock mc(o.timings);
+    lease = c->begin_get(key, reader, options.read_lease);
+  }
+  if (!lease.is_ok()) return lease.status().with_context(std::string(key));
+
+  Status moved;
+  std::vector<Slice> placed;
+  if (into_for != nullptr) {
+    auto p = (*into_for)(lease->size);
+    if (p.is_ok()) {
+      placed = std::move(p).value();
+      into = placed;
+    } else {
+      moved = p.status();
+    }
+  }
+  const bool verify = o.verify_checksum.value_or(options.verify_checksum);
+  store::SliceHasher hasher(into, lease->checksum.segment);
+  if (moved.is_ok() && verify) moved = store::host_only(into, "a get that verifies its checksum");
+  if (!moved.is_ok()) {
+    // into device memory with the check on: nothing is read
+  } else if (store::total_length(into) < lease->size) {
+    moved = Status::invalid_argument("store: buffers hold " + std::to_string(store::total_length(into)) +
+                                     " bytes, object " + std::string(key) + " has " + std::to_string(lease->size));
+  } else if (lease->size > 0) {
+    std::deque<MemoryHandle> temp;
+    const auto t0 = Clock::now();
+    // Not capped at the lease: a read that outlives it is caught by end_get's generations, or
+    // fails at the node where its windows were revoked (then reported as kStale).
+    const Clock::time_point lease_until = store::within_lease(Deadline::max(), leased_at, options.read_lease);
+    std::vector<store::Wave> waves;
+    auto leased = store::connect_and_lease(*links, lease_policy(), TransferOp::kRead, lease->placement,
+                                           lease_until, deadline, o.timings);
+    moved = leased.status();
+    if (moved.is_ok()) {
+      moved = store::submit_range(*engine, *leased, TransferOp::kRead, lease->placement, 0, lease->size, into,
+                                  temp, deadline, kWaveBytes, waves);
+    }
+    std::optional<CancelToken::Scope> cancellable;
+    if (moved.is_ok()) cancellable.emplace(o.cancel, waves);
+    std::chrono::nanoseconds hashing{0};
+    for (std::size_t i = 0; moved.is_ok() && i < waves.size(); ++i) {
+      // On an error the later waves are cancelled (their batches' destructors).
+      moved = store::fenced_is_stale(store::wait_all(waves[i].batches));
+      if (moved.is_ok() && verify) {
+        const auto c0 = Clock::now();
+        hasher.advance_to(waves[i].end);
+        hashing += Clock::now() - c0;
+      }
+      if (moved.is_ok() && o.progress) o.progress(waves[i].end, lease->layout);
+    }
+    if (o.timings != nullptr) {
+      o.timings->transfer += Clock::now() - t0 - hashing;
+      o.timings->checksum += hashing;
+    }
+    cancellable.reset();
+    waves.clear();  // cancels what still moves before the leases go
+  }
+
+  // While the read lease held, no page of the object could be freed, so no generation could
+  // move: the lease is ended off the critical path. A read that outlived its lease (less a
+  // margin for clock drift) asks Redis whether its pages were reused meanwhile.
+  const bool lease_held = Clock::now() < leased_at + options.read_lease - options.read_lease / 10;
+  if (!moved.is_ok() || lease_held) {
+    release_later(reader, *lease);
+    if (!moved.is_ok()) return moved.with_context(std::string(key));
+  } else {
+    auto c = borrow(deadline);
+    if (!c.is_ok()) return c.status().with_context(std::string(key));
+    MetadataClock mc(o.timings);
+    KVSTASH_RETURN_IF_ERROR((*c)->end_get(reader, *lease).with_context(std::string(key)));
+  }
+
+  if (verify) {
+    const sum::ObjectSum sum = hasher.digest();
+    if (sum != lease->checksum) {
+      KVSTASH_LOG_ERROR("get {}: checksum mismatch (record {}, bytes {})", key, sum::to_text(lease->checksum),
+                        sum::to_text(sum));
+      return Status::corrupt("store: object " + std::string(key) + " failed its checksum");
+    }
+  }
+  ObjectInfo info;
+  info.size = lease->size;
+  info.object_layout = std::move(lease->layout);
+  info.checksum = lease->checksum.value;
+  info.checksum_segment = lease->checksum.segment;
+  info.pages = lease->placement.extents.size();
+  for (auto& n : lease->placement.nodes) info.nodes.push_back(std::move(n.id));
+  info.version = lease->object_token;
+  return info;
+}
+
+void Store::Impl::release_later(const std::string& reader, const metadata::ReadLease& lease) {
+  releaser->submit([this, reader, token = lease.object_token, extents = lease.placement.extents_text] {
+    metadata::ReadLease l;
+    l.object_token = token;
+    l.placement.extents_text = extents;
+    auto c = borrow(deadline_after(options.redis_timeout * 2));
+    Status s = c.is_ok() ? (*c)->end_get(reader, l) : c.status();
+    if (!s.is_ok() && s.code() != StatusCode::kStale) {
+      KVSTASH_LOG_DEBUG("ending read lease {} failed, it will expire: {}", reader, s.to_string());
+    }
+  });
+}
+
+}  // namespace kvstash

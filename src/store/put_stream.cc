@@ -1,0 +1,313 @@
+// Puts. Every put is a PutStream: begin_put (pages in Redis, the nodes leased), appends (the
+// writes, and the checksum while they fly), commit (commit_put) or abort. Store::put is one
+// begin, one append of everything, one commit.
+#include <algorithm>
+#include <atomic>
+#include <deque>
+#include <future>
+
+#include "common/log.h"
+#include "store/slices.h"
+#include "store/store_internal.h"
+#include "store/transfers.h"
+
+namespace kvstash {
+
+using store::MetadataClock;
+
+namespace {
+
+// How long a failed put may spend confirming at its nodes that none of its writes can land
+// any more (Peer::revoke), off the caller's path. Unconfirmed, the pages wait for the nodes'
+// fences instead.
+constexpr auto kRevokeTimeout = std::chrono::seconds(2);
+
+Status object_layout_fits(const std::string& object_layout) {
+  if (object_layout.size() <= store::kMaxObjectLayout) return {};
+  return Status::invalid_argument("store: object_layout is larger than 64 KiB");
+}
+
+}  // namespace
+
+struct PutStream::State {
+  Store::Impl* impl = nullptr;
+  std::string key;
+  std::string token;
+  PutOptions options;
+  std::uint64_t size = 0;
+  std::uint64_t written = 0;
+  metadata::Placement placement;
+  Deadline deadline;            // the caller's: metadata calls and the abort
+  Deadline transfer_deadline;   // the caller's, capped inside the put lease
+  Clock::time_point began;      // for OpTimings::transfer
+  store::Leased leased;
+  std::deque<MemoryHandle> temp;  // slices registered for the writes (the batches use them)
+  std::vector<store::Wave> waves;
+  sum::ObjectHasher hash;
+  Status failed;  // with the key as context
+  bool finished = false;
+  std::uint64_t waited_end = 0;  // the writes of [0, waited_end) are done
+  bool timed = false;            // OpTimings::transfer counted
+
+  explicit State(std::uint64_t segment) : hash(segment) {}
+
+  // Cancels what still moves (returning once nothing reads the caller's buffers), then ends
+  // the put at the nodes and in Redis (Store::Impl::abort_put).
+  void abort_put() {
+    waves.clear();
+    store::forget_refused(leased.leases, failed);
+    impl->abort_put(key, token, placement, std::move(leased.leases), deadline);
+  }
+
+  // Waits for the writes of the object's bytes [0, end) (all of them by default); a failure
+  // is kept, and the stream is dead from then on.
+  Status wait_writes(std::uint64_t end = ~0ull) {
+    std::size_t i = 0;
+    // A wave holds the bytes from the previous one's end to its own: wait while it starts
+    // before `end`.
+    for (; i < waves.size() && (i == 0 ? waited_end : waves[i - 1].end) < end; ++i) {
+      Status s = store::wait_all(waves[i].batches);
+      if (failed.is_ok() && !s.is_ok()) failed = store::fenced_is_stale(s).with_context(key);
+    }
+    if (i > 0) waited_end = waves[i - 1].end;
+    waves.erase(waves.begin(), waves.begin() + static_cast<std::ptrdiff_t>(i));
+    if (waves.empty() && written == size && options.timings != nullptr && failed.is_ok() && !timed) {
+      options.timings->transfer += Clock::now() - began;  // the checksum overlaps it
+      timed = true;
+    }
+    return failed;
+  }
+
+  // Hashes appended host bytes. From a segment boundary, whole segments are independent: the
+  // caller and the store's hashing threads take them in turn. What is left continues the
+  // stream's current segment on this thread.
+  void hash_appended(std::span<const Slice> data, std::uint64_t n) {
+    const auto t0 = Clock::now();
+    const std::uint64_t segment = hash.segment_bytes();
+    const bool ends_object = written == size;  // `written` already counts this append
+    std::uint64_t whole = hash.at_segment_boundary() ? (ends_object ? n : n / segment * segment) : 0;
+    if (whole < 2 * segment) whole = 0;  // one segment: no one to share it with
+    if (whole > 0) {
+      const std::vector<std::uint64_t> sums = impl->sum_segments(data, whole, segment);
+      for (std::size_t i = 0; i < sums.size(); ++i) {
+        hash.add_segment(sums[i], std::min(whole, (i + 1) * segment) - i * segment);
+      }
+    }
+    std::uint64_t at = 0;
+    for (const Slice& s : data) {  // the rest, in order
+      const std::uint64_t from = std::max(whole, at), to = at + s.length;
+      if (from < to) hash.update(static_cast<const std::byte*>(s.addr) + (from - at), to - from);
+      at = to;
+    }
+    if (options.timings != nullptr) options.timings->checksum += Clock::now() - t0;
+  }
+};
+
+PutStream::PutStream() = default;
+PutStream::PutStream(PutStream&&) noexcept = default;
+PutStream& PutStream::operator=(PutStream&& other) noexcept {
+  if (this != &other) {
+    abort();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+PutStream::~PutStream() { abort(); }
+
+std::uint64_t PutStream::size() const { return state_ ? state_->size : 0; }
+std::uint64_t PutStream::written() const { return state_ ? state_->written : 0; }
+
+Status PutStream::wait_written(std::uint64_t end) {
+  if (!state_) return Status::invalid_argument("store: wait on an empty put stream");
+  return state_->wait_writes(end);
+}
+
+void PutStream::set_object_layout(std::string object_layout) {
+  if (state_) state_->options.object_layout = std::move(object_layout);
+}
+
+// Checks an append of `n` bytes against the stream's state; with `whole_segment`, also that
+// the piece is exactly the object's next checksum segment.
+Status PutStream::check_append(std::uint64_t n, bool whole_segment) const {
+  if (!state_ || state_->finished) return Status::invalid_argument("store: append to a finished put");
+  const State& st = *state_;
+  if (!st.failed.is_ok()) return st.failed;
+  if (n > st.size - st.written) {
+    return Status::invalid_argument("store: " + std::to_string(n) + " more bytes would pass the object's " +
+                                    std::to_string(st.size));
+  }
+  if (whole_segment) {
+    const std::uint64_t segment = st.hash.segment_bytes();
+    if (!st.hash.at_segment_boundary() || (n != segment && st.written + n != st.size) || n > segment) {
+      return Status::invalid_argument(
+          "store: a summed piece must be the object's next checksum segment (" + std::to_string(segment) +
+          " bytes at offset " + std::to_string(st.hash.bytes()) + "), not " + std::to_string(n) + " bytes");
+    }
+  }
+  return {};
+}
+
+Status PutStream::submit(std::span<const Slice> data, std::uint64_t n) {
+  State& st = *state_;
+  Status submitted = store::submit_range(*st.impl->engine, st.leased, TransferOp::kWrite, st.placement, st.written,
+                                         st.written + n, data, st.temp, st.transfer_deadline, n, st.waves);
+  if (!submitted.is_ok()) {
+    st.failed = submitted.with_context(st.key);
+    return st.failed;
+  }
+  st.written += n;
+  return Status::ok();
+}
+
+Status PutStream::append(std::span<const Slice> data, std::uint64_t* segment_sum) {
+  const std::uint64_t n = store::total_length(data);
+  KVSTASH_RETURN_IF_ERROR(check_append(n, segment_sum != nullptr));
+  KVSTASH_RETURN_IF_ERROR(store::host_only(data, "append"));
+  if (n == 0) return Status::ok();
+  KVSTASH_RETURN_IF_ERROR(submit(data, n));
+  state_->hash_appended(data, n);  // while the writes fly
+  if (segment_sum != nullptr) *segment_sum = *state_->hash.last_segment_sum();
+  return Status::ok();
+}
+
+Status PutStream::append_summed(std::span<const Slice> data, std::uint64_t segment_sum) {
+  const std::uint64_t n = store::total_length(data);
+  if (n == 0) return Status::invalid_argument("store: a summed piece must not be empty");
+  KVSTASH_RETURN_IF_ERROR(check_append(n, true));
+  KVSTASH_RETURN_IF_ERROR(submit(data, n));
+  state_->hash.add_segment(segment_sum, n);  // check_append made it the next segment
+  return Status::ok();
+}
+
+Status PutStream::commit() {
+  if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
+  State& st = *state_;
+  Status moved = st.wait_writes();  // its failure names the key already
+  if (moved.is_ok()) moved = object_layout_fits(st.options.object_layout).with_context(st.key);
+  if (moved.is_ok() && st.written != st.size) {
+    moved = Status::invalid_argument("store: put of " + st.key + " committed with " + std::to_string(st.written) +
+                                     " of its " + std::to_string(st.size) + " bytes");
+  }
+  st.finished = true;
+  if (!moved.is_ok()) {
+    if (st.failed.is_ok()) st.failed = moved;
+    st.abort_put();
+    KVSTASH_LOG_DEBUG("put {} failed: {}", st.key, moved.to_string());
+    return moved;
+  }
+  auto c = st.impl->borrow(st.deadline);
+  if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
+  MetadataClock mc(st.options.timings);
+  return (*c)
+      ->commit_put(st.token, st.key, st.hash.finish(), st.options.object_layout, st.options.ttl,
+                   st.options.if_version)
+      .with_context(st.key);
+}
+
+void PutStream::abort() {
+  if (!state_ || state_->finished) return;
+  state_->finished = true;
+  state_->abort_put();
+}
+
+Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options) {
+  KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
+  KVSTASH_RETURN_IF_ERROR(object_layout_fits(options.object_layout));
+  auto st = std::make_unique<PutStream::State>(options.checksum_segment);
+  st->impl = impl_.get();
+  st->key = std::string(key);
+  st->token = store::random_token();
+  st->options = options;
+  st->size = size;
+  st->deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
+  const auto leased_at = Clock::now();
+  {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(st->deadline));
+    MetadataClock mc(options.timings);
+    auto placement = c->begin_put(st->token, key, size, impl_->options.put_lease);
+    if (!placement.is_ok()) return placement.status().with_context(st->key);
+    st->placement = std::move(placement).value();
+  }
+  st->began = Clock::now();
+  const Clock::time_point lease_until = store::within_lease(Deadline::max(), leased_at, impl_->options.put_lease);
+  st->transfer_deadline = std::min(st->deadline, lease_until);
+  if (size > 0) {
+    auto leased = store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite, st->placement,
+                                           lease_until, st->transfer_deadline, options.timings);
+    if (!leased.is_ok()) {
+      impl_->abort_put(st->key, st->token, st->placement, {}, st->deadline);  // nothing was written
+      return leased.status().with_context(st->key);
+    }
+    st->leased = std::move(leased).value();
+  }
+  PutStream stream;
+  stream.state_ = std::move(st);
+  return stream;
+}
+
+Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
+  KVSTASH_RETURN_IF_ERROR(store::host_only(data, "put"));
+  KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), options));
+  KVSTASH_RETURN_IF_ERROR(stream.append(data));  // on an error the stream's end aborts the put
+  return stream.commit();
+}
+
+// Ends a put that will not commit; its batches have ended (finished, failed or cancelled),
+// so only writes already on their way to a node can still land. Each node is asked to confirm
+// that none can (Peer::revoke of the put's leases), within the caller's deadline and then, if
+// one did not answer in time, off the caller's path: when all confirm, the pages return at
+// once; otherwise they wait in Redis until the put's lease has passed and its nodes have
+// fenced through it, so a late write never lands in a page another put was given.
+void Store::Impl::abort_put(const std::string& key, const std::string& token, const metadata::Placement& placement,
+                            std::vector<store::HeldLease> leases, Deadline deadline) {
+  std::vector<std::string> nodes;
+  for (const auto& n : placement.nodes) nodes.push_back(n.id);
+  if (Clock::now() < deadline) {
+    auto confirmed = store::revoke_all(key, nodes, leases, deadline);
+    if (confirmed.size() == nodes.size()) {
+      end_put(key, token, confirmed, deadline);
+      return;
+    }
+    if (std::ranges::all_of(leases, [](const store::HeldLease& h) { return h.shared; })) {
+      end_put(key, token, confirmed, deadline);  // no node can confirm more later
+      return;
+    }
+  }
+  const Deadline confirm_by = deadline_after(kRevokeTimeout);
+  aborter->submit([this, key, token, confirm_by, nodes, leases = std::move(leases)] {
+    // A queue that fell behind a stalled node does not wait again for each put.
+    auto confirmed = store::revoke_all(key, nodes, leases, confirm_by);
+    if (confirmed.size() < nodes.size()) {
+      KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
+    }
+    end_put(key, token, confirmed, deadline_after(options.redis_timeout * 2));
+  });
+}
+
+void Store::Impl::end_put(const std::string& key, const std::string& token, const std::vector<std::string>& fenced,
+                          Deadline deadline) {
+  auto c = borrow(deadline);
+  Status aborted = c.is_ok() ? (*c)->abort_put(token, fenced).status() : c.status();
+  if (!aborted.is_ok()) {
+    KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
+  }
+}
+
+std::vector<std::uint64_t> Store::Impl::sum_segments(std::span<const Slice> slices, std::uint64_t size,
+                                                     std::uint64_t segment) {
+  const std::uint64_t n = (size + segment - 1) / segment;
+  std::vector<std::uint64_t> sums(n);
+  std::atomic<std::uint64_t> next{0};
+  auto work = [&] {
+    for (std::uint64_t i = next++; i < n; i = next++) {
+      sums[i] = store::segment_sum_at(slices, i * segment, std::min(size, (i + 1) * segment));
+    }
+  };
+  std::vector<std::future<void>> helpers;
+  for (unsigned t = 0; t < hasher_count && t + 1 < n; ++t) helpers.push_back(hashers->submit(work));
+  work();
+  for (auto& h : helpers) h.wait();  // `work` and `sums` are this frame's
+  return sums;
+}
+
+}  // namespace kvstash

@@ -1,0 +1,133 @@
+// Private to src/store: the state a Store shares between its files.
+//
+//   store.cc          open, the small operations (stat, remove, touch, contains_prefix), async
+//   put_stream.cc     puts: begin_put, PutStream (append, commit, abort); Store::put is one
+//   get.cc            gets: begin_get, the reads in waves, checksum, end_get
+//   node_links.*      connections to the memory nodes          leases.*    leases over pages
+//   transfer_plan.*   what moves where (pure)                  transfers.*  submit and wait
+//   slices.*          the caller's slices: length, host check, checksums
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "kvstash/store.h"
+#include "metadata/catalog.h"
+#include "metadata/redis_client.h"
+#include "store/leases.h"
+#include "store/node_links.h"
+
+namespace kvstash {
+
+namespace store {
+
+// A put's or a reader's token in Redis: 128 random bits as hex.
+std::string random_token();
+
+// The largest object_layout a record takes.
+inline constexpr std::size_t kMaxObjectLayout = 64u << 10;
+
+// Time spent in the metadata plane, when the caller asked for timings.
+class MetadataClock {
+ public:
+  explicit MetadataClock(OpTimings* t) : t_(t), start_(Clock::now()) {}
+  ~MetadataClock() {
+    if (t_ == nullptr) return;
+    t_->metadata += Clock::now() - start_;
+    ++t_->redis_round_trips;
+  }
+  MetadataClock(const MetadataClock&) = delete;
+  MetadataClock& operator=(const MetadataClock&) = delete;
+
+ private:
+  OpTimings* t_;
+  Clock::time_point start_;
+};
+
+}  // namespace store
+
+struct CancelToken::State {
+  std::mutex mu;
+  bool cancelled = false;
+  std::vector<Batch*> waiting;  // batches of gets holding the token, while they may run
+};
+
+struct Store::Impl {
+  struct Conn {
+    std::unique_ptr<metadata::RedisClient> redis;
+    std::unique_ptr<metadata::Catalog> catalog;
+  };
+
+  // A Redis connection borrowed from the pool for one metadata call.
+  class Borrowed {
+   public:
+    Borrowed(Impl* impl, std::unique_ptr<Conn> c) : impl_(impl), c_(std::move(c)) {}
+    Borrowed(Borrowed&&) = default;
+    ~Borrowed() {
+      if (c_) impl_->give_back(std::move(c_));
+    }
+    metadata::Catalog* operator->() { return c_->catalog.get(); }
+
+   private:
+    Impl* impl_;
+    std::unique_ptr<Conn> c_;
+  };
+
+  StoreOptions options;
+  RkeyScope scope = RkeyScope::kConnection;  // the cell's, or options.rkey_scope
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<store::NodeLinks> links;
+
+  std::mutex pool_mu;
+  std::condition_variable pool_cv;
+  std::vector<std::unique_ptr<Conn>> idle;
+  std::uint32_t open_conns = 0;
+
+  std::unique_ptr<ThreadPool> workers;
+  std::unique_ptr<ThreadPool> hashers;  // help hash a large put's segments (sum_segments)
+  unsigned hasher_count = 0;
+  std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
+  std::unique_ptr<ThreadPool> aborter;   // confirms failed puts' fences off the callers' path
+
+  // ---- the Redis connections (store.cc)
+  Result<std::unique_ptr<Conn>> connect();
+  // A Redis connection for one operation, its commands bounded by the operation's deadline.
+  Result<Borrowed> borrow(Deadline deadline);
+  void give_back(std::unique_ptr<Conn> c);
+
+  template <typename Fn>
+  auto with_catalog(std::optional<Deadline> deadline, Fn fn) -> decltype(fn(std::declval<metadata::Catalog&>())) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline.value_or(deadline_after(options.timeout))));
+    return fn(*c.operator->());
+  }
+
+  store::LeasePolicy lease_policy() const { return {scope, options.put_lease}; }
+
+  // ---- puts (put_stream.cc)
+  // Ends a put that will not commit, once its batches have ended (see put_stream.cc).
+  void abort_put(const std::string& key, const std::string& token, const metadata::Placement& placement,
+                 std::vector<store::HeldLease> leases, Deadline deadline);
+  // abort_put in Redis (errors only logged: the lease and the nodes' fences reclaim).
+  void end_put(const std::string& key, const std::string& token, const std::vector<std::string>& fenced,
+               Deadline deadline);
+  // The sums of the `count` consecutive segments of `segment` bytes that the slices hold from
+  // their start (the last one may be shorter, ending at `size`), computed by the calling
+  // thread and the store's hashing threads in turn.
+  std::vector<std::uint64_t> sum_segments(std::span<const Slice> slices, std::uint64_t size, std::uint64_t segment);
+
+  // ---- gets (get.cc)
+  // Reads into `into`, or (when `into_for` is set) into the slices it returns once the
+  // object's size is known.
+  Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetInto* into_for,
+                         const GetOptions& o);
+  // Ends a read lease on the releaser thread (errors only logged: the lease expires anyway).
+  void release_later(const std::string& reader, const metadata::ReadLease& lease);
+};
+
+}  // namespace kvstash
