@@ -21,14 +21,14 @@
 #include <nlohmann/json.hpp>
 
 #include "measure.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
 
 using namespace std::chrono_literals;
-using metadata::Catalog;
+using metadata::Cell;
 using metadata::RedisClient;
 
 constexpr std::uint64_t kPage = 4096;
@@ -73,16 +73,21 @@ int run_metadata(const MetadataBenchOptions& o) {
     std::cerr << "metadata: " << redis.status().to_string() << "\n";
     return 1;
   }
-  auto connect = [&] { return RedisClient::connect({.url = (*redis)->url(), .command_timeout = 60s}); };
-  auto admin = connect();
-  if (!admin.is_ok()) {
-    std::cerr << "metadata: " << admin.status().to_string() << "\n";
+  auto connect = [&] { return Cell::open({.redis = {.url = (*redis)->url(), .command_timeout = 60s}}); };
+  auto opened = connect();
+  if (!opened.is_ok()) {
+    std::cerr << "metadata: " << opened.status().to_string() << "\n";
     return 1;
   }
-  Catalog cat(**admin);
+  // The scripts of every audience, as their callers run them: the client's (cat), the memory
+  // node's (node) and the operator's (op).
+  Cell& cell = **opened;
+  metadata::Catalog& cat = cell.catalog();
+  metadata::NodeCatalog& node = cell.node_catalog();
+  metadata::CellAdmin& op = cell.admin();
   const std::uint64_t per_node = o.objects / 2 + 4096;
   for (const char* id : {"n1", "n2"}) {
-    if (auto s = cat.register_node({id, "e1", kPage, per_node, "addr", "key"}, 3600s); !s.is_ok()) {
+    if (auto s = node.register_node({id, "e1", kPage, per_node, "addr", "key"}, 3600s); !s.is_ok()) {
       std::cerr << "metadata: " << s.status().to_string() << "\n";
       return 1;
     }
@@ -101,7 +106,7 @@ int run_metadata(const MetadataBenchOptions& o) {
         failed = true;
         return;
       }
-      Catalog c(**r);
+      metadata::Catalog& c = (*r)->catalog();
       for (std::uint64_t i; (i = next++) < o.objects;) {
         const std::string key = "obj/" + std::to_string(i), token = "fill-" + std::to_string(i);
         if (!c.begin_put(token, key, kPage, 3600s).is_ok() ||
@@ -120,7 +125,7 @@ int run_metadata(const MetadataBenchOptions& o) {
   std::cout << " " << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - fill_start).count()
             << " s\n";
 
-  ServerClock clock(**admin);
+  ServerClock clock(cell.redis());
   std::vector<Sample> samples;
   auto measure = [&](const std::string& what, int runs, auto op) {
     Sample s{what, {}};
@@ -150,7 +155,7 @@ int run_metadata(const MetadataBenchOptions& o) {
   {
     std::uint64_t left = 0;
     for (const char* id : {"n1", "n2"}) {
-      auto f = cat.free_pages(id);
+      auto f = op.free_pages(id);
       if (f.is_ok()) left += *f;
     }
     (void)cat.begin_put("hog", "hog", left * kPage, 3600s);
@@ -160,7 +165,7 @@ int run_metadata(const MetadataBenchOptions& o) {
   });
   // The LRU's head leased by readers: a put that cannot find room within its bounded walk.
   {
-    auto r = (*admin)->command({"ZRANGE", cat.prefix() + ":lru", "0", "2999"});
+    auto r = cell.redis().command({"ZRANGE", cell.prefix() + ":lru", "0", "2999"});
     for (std::size_t i = 0; r.is_ok() && i < r->size(); ++i) {
       (void)cat.begin_get(std::string(r->element(i)->str, r->element(i)->len), "blocker", 3600s);
     }
@@ -168,26 +173,26 @@ int run_metadata(const MetadataBenchOptions& o) {
   measure("begin_put blocked by 3,000 leased objects (no space)", 50, [&](int i) {
     (void)cat.begin_put("b-" + std::to_string(i), "blocked/" + std::to_string(i), 16 * kPage, 30s);
   });
-  measure("evict_lru (CLI, 100 objects)", 20, [&](int) { (void)cat.evict_lru(0ms, 0, true, 100); });
+  measure("evict_lru (CLI, 100 objects)", 20, [&](int) { (void)op.evict_lru(0ms, 0, true, 100); });
 
   // A node dies holding half the cell: each reclaim sweeps a bounded batch.
   std::uint64_t sweeps = 0;
   {
-    (void)cat.register_node({"n3", "e1", kPage, 16, "addr", "key"}, 3600s);  // keeps reclaim busy elsewhere
-    (void)(*admin)->command({"ZADD", cat.prefix() + ":nodes", "1", "n1"});   // n1's deadline long passed
+    (void)node.register_node({"n3", "e1", kPage, 16, "addr", "key"}, 3600s);  // keeps reclaim busy elsewhere
+    (void)cell.redis().command({"ZADD", cell.prefix() + ":nodes", "1", "n1"});  // n1's deadline long passed
     Sample s{"reclaim (limit 32) sweeping a dead node's objects", {}};
     for (;;) {
       clock.reset();
-      auto r = cat.reclaim();
+      auto r = node.reclaim();
       s.us.push_back(clock.longest_eval());
       ++sweeps;
-      auto left = (*admin)->command({"LLEN", cat.prefix() + ":sweep"});
+      auto left = cell.redis().command({"LLEN", cell.prefix() + ":sweep"});
       if (!r.is_ok() || !left.is_ok() || left->integer() == 0 || sweeps > o.objects) break;
     }
     samples.push_back(std::move(s));
   }
   measure("register_node over an earlier life (new epoch)", 5, [&](int i) {
-    (void)cat.register_node({"n2", "e" + std::to_string(i + 2), kPage, per_node, "addr", "key"}, 3600s);
+    (void)node.register_node({"n2", "e" + std::to_string(i + 2), kPage, per_node, "addr", "key"}, 3600s);
   });
 
   nlohmann::json rows = nlohmann::json::array();

@@ -1,6 +1,6 @@
 // The metadata scripts against a real redis-server: allocation, commit, leases, zombies,
 // generations, eviction, expiry, reclaim, dead and restarted nodes, corrupt records.
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 
 #include <gtest/gtest.h>
 
@@ -29,14 +29,17 @@ class CatalogTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(server_.running()) << "redis-server did not start (is it installed?)";
-    redis_ = RedisClient::connect({.url = server_.url()}).value();
-    cat_ = std::make_unique<Catalog>(*redis_);
+    cell_ = Cell::open({.redis = {.url = server_.url()}}).value();
+    redis_ = &cell_->redis();
+    cat_ = &cell_->catalog();
+    node_ = &cell_->node_catalog();
+    admin_ = &cell_->admin();
   }
   Status add_node(std::string id, std::uint64_t pages, std::chrono::milliseconds ttl = 30s,
                   std::string epoch = "e1") {
-    return cat_->register_node({id, epoch, kPage, pages, "addr-" + id, "key-" + id}, ttl).status();
+    return node_->register_node({id, epoch, kPage, pages, "addr-" + id, "key-" + id}, ttl).status();
   }
-  std::uint64_t free_of(std::string_view id) { return cat_->free_pages(id).value(); }
+  std::uint64_t free_of(std::string_view id) { return admin_->free_pages(id).value(); }
   // A committed object of `pages` pages.
   Placement put(const std::string& key, std::uint64_t pages, std::chrono::milliseconds ttl = 0ms) {
     std::string token = "t-" + key + "-" + std::to_string(++puts_);
@@ -50,8 +53,11 @@ class CatalogTest : public ::testing::Test {
   StatusCode get_code(const std::string& key) { return cat_->begin_get(key, "probe", 1ms).status().code(); }
 
   test::RedisServer server_;
-  std::unique_ptr<RedisClient> redis_;
-  std::unique_ptr<Catalog> cat_;
+  std::unique_ptr<Cell> cell_;
+  RedisClient* redis_ = nullptr;
+  Catalog* cat_ = nullptr;       // the client's scripts
+  NodeCatalog* node_ = nullptr;  // the memory node's
+  CellAdmin* admin_ = nullptr;   // the operator's
   int puts_ = 0;
 };
 
@@ -175,7 +181,7 @@ TEST_F(CatalogTest, FullPoolEvictsLeastRecentlyUsedObjectsWithoutReaders) {
   EXPECT_TRUE(cat_->stat("new").is_ok()) << "a put that fails anyway must not evict";
   EXPECT_TRUE(cat_->end_get("reader", lease).is_ok());
 
-  auto ev = cat_->evict(3 * kPage).value();
+  auto ev = admin_->evict(3 * kPage).value();
   EXPECT_GE(ev.pages, 3u);
   EXPECT_GE(free_of("a"), 3u);
 }
@@ -191,7 +197,7 @@ TEST_F(CatalogTest, ExpiredObjectsVanishAndReclaimReturnsTheirPages) {
   std::this_thread::sleep_for(200ms);
   EXPECT_EQ(get_code("short"), StatusCode::kNotFound);  // released on the spot
   EXPECT_EQ(free_of("a"), 1u);
-  auto counts = cat_->reclaim().value();
+  auto counts = node_->reclaim().value();
   EXPECT_EQ(counts.expired, 1u);  // "swept"
   EXPECT_EQ(free_of("a"), 3u);
   EXPECT_TRUE(cat_->stat("kept").is_ok());
@@ -216,14 +222,14 @@ TEST_F(CatalogTest, AbandonedPutsAreReclaimedOnceTheirNodeFencedThroughTheirLeas
   EXPECT_EQ(free_of("a"), 1u);
   std::this_thread::sleep_for(200ms);
   // Past its lease, but the node has not fenced it: a write of it may still be queued there.
-  auto counts = cat_->reclaim().value();
+  auto counts = node_->reclaim().value();
   EXPECT_EQ(counts.abandoned_puts, 0u);
   EXPECT_EQ(counts.fencing_puts, 1u);
   EXPECT_EQ(free_of("a"), 1u) << "pages returned before the node fenced the put";
-  ASSERT_TRUE(cat_->heartbeat("a", "e1", 30s, p->lease_deadline_ms - 1).is_ok());
-  EXPECT_EQ(cat_->reclaim()->abandoned_puts, 0u) << "a fence short of the deadline does not cover it";
-  ASSERT_TRUE(cat_->heartbeat("a", "e1", 30s, p->lease_deadline_ms).is_ok());
-  counts = cat_->reclaim().value();
+  ASSERT_TRUE(node_->heartbeat("a", "e1", 30s, p->lease_deadline_ms - 1).is_ok());
+  EXPECT_EQ(node_->reclaim()->abandoned_puts, 0u) << "a fence short of the deadline does not cover it";
+  ASSERT_TRUE(node_->heartbeat("a", "e1", 30s, p->lease_deadline_ms).is_ok());
+  counts = node_->reclaim().value();
   EXPECT_EQ(counts.abandoned_puts, 1u);
   EXPECT_EQ(counts.fencing_puts, 0u);
   EXPECT_EQ(free_of("a"), 4u);
@@ -245,9 +251,9 @@ TEST_F(CatalogTest, AnAbortFreesThePagesOfTheNodesThatConfirmedItsFence) {
   EXPECT_EQ(free_of("b"), 0u);
   EXPECT_EQ(cat_->commit_put("t", "k", {1}, "", 0ms).code(), StatusCode::kStale) << "an aborted put commits";
   std::this_thread::sleep_for(150ms);
-  EXPECT_EQ(cat_->reclaim()->abandoned_puts, 0u) << "b has not fenced the put";
-  ASSERT_TRUE(cat_->heartbeat("b", "e1", 30s, p->lease_deadline_ms).is_ok());
-  EXPECT_EQ(cat_->reclaim()->abandoned_puts, 1u);
+  EXPECT_EQ(node_->reclaim()->abandoned_puts, 0u) << "b has not fenced the put";
+  ASSERT_TRUE(node_->heartbeat("b", "e1", 30s, p->lease_deadline_ms).is_ok());
+  EXPECT_EQ(node_->reclaim()->abandoned_puts, 1u);
   EXPECT_EQ(free_of("b"), 3u);
   EXPECT_EQ(cat_->abort_put("t", only_a).value(), 0u) << "abort is idempotent";
 }
@@ -256,9 +262,9 @@ TEST_F(CatalogTest, AnAbortFreesThePagesOfTheNodesThatConfirmedItsFence) {
 // without its fence, so it must register again, after fencing its whole pool.
 TEST_F(CatalogTest, ANodePastItsDeadlineMustRegisterAgainEvenBeforeItIsSwept) {
   ASSERT_TRUE(add_node("a", 2, 200ms).is_ok());
-  EXPECT_TRUE(cat_->heartbeat("a", "e1", 200ms, 0).is_ok());
+  EXPECT_TRUE(node_->heartbeat("a", "e1", 200ms, 0).is_ok());
   std::this_thread::sleep_for(300ms);
-  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
+  EXPECT_EQ(node_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
 }
 
 // Dropping a dead or restarted node's objects is unbounded work: they become unreadable at
@@ -267,14 +273,14 @@ TEST_F(CatalogTest, ADeadNodesObjectsAreSweptInBatches) {
   ASSERT_TRUE(add_node("a", 40, 200ms).is_ok());
   for (int i = 0; i < 25; ++i) put(object_key(i), 1);
   std::this_thread::sleep_for(300ms);
-  auto first = cat_->reclaim(10).value();
+  auto first = node_->reclaim(10).value();
   EXPECT_EQ(first.dead_nodes, 1u);
   EXPECT_EQ(first.orphaned_objects, 25u);
   auto lru = [&] { return redis_->command({"ZCARD", cat_->prefix() + ":lru"})->integer(); };
   EXPECT_EQ(lru(), 15) << "one reclaim released a batch of 10";
-  ASSERT_TRUE(cat_->reclaim(10).is_ok());
+  ASSERT_TRUE(node_->reclaim(10).is_ok());
   EXPECT_EQ(lru(), 5);
-  ASSERT_TRUE(cat_->reclaim(10).is_ok());
+  ASSERT_TRUE(node_->reclaim(10).is_ok());
   EXPECT_EQ(lru(), 0);
   EXPECT_EQ(redis_->command({"EXISTS", cat_->prefix() + ":sweep"})->integer(), 0) << "the sweep list emptied";
 }
@@ -286,7 +292,7 @@ TEST_F(CatalogTest, EvictionOnlyCountsPagesOnNodesThatTakeAllocations) {
   put("x", 2);  // the most free node first: a or b
   const std::string x_node = cat_->stat("x")->nodes.at(0);
   put("y", 2);
-  ASSERT_TRUE(cat_->cordon_node(x_node).is_ok());  // x, the least recently used, sits there
+  ASSERT_TRUE(admin_->cordon_node(x_node).is_ok());  // x, the least recently used, sits there
   auto p = cat_->begin_put("t", "z", 2 * kPage, 30s);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   EXPECT_TRUE(cat_->stat("x").is_ok()) << "evicting x frees nothing the put can use";
@@ -327,14 +333,14 @@ TEST_F(CatalogTest, ADeadNodesObjectsVanishAndItMustRegisterAgain) {
   for (const Extent& e : p.extents) EXPECT_EQ(e.node, "b") << "a dead node got pages";
   ASSERT_TRUE(cat_->abort_put("t", kEveryNode).is_ok());
 
-  auto counts = cat_->reclaim().value();
+  auto counts = node_->reclaim().value();
   EXPECT_EQ(counts.dead_nodes, 1u);
-  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
-  EXPECT_EQ(cat_->node_status("a")->state, "dead");
-  EXPECT_EQ(cat_->list_nodes().value(), std::vector<std::string>{"b"});
+  EXPECT_EQ(node_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
+  EXPECT_EQ(admin_->node_status("a")->state, "dead");
+  EXPECT_EQ(admin_->list_nodes().value(), std::vector<std::string>{"b"});
   ASSERT_TRUE(add_node("a", 4, 30s, "e2").is_ok());
   EXPECT_EQ(free_of("a"), 4u);
-  EXPECT_TRUE(cat_->heartbeat("a", "e2", 30s, 0).is_ok());
+  EXPECT_TRUE(node_->heartbeat("a", "e2", 30s, 0).is_ok());
   EXPECT_TRUE(cat_->stat("on-b").is_ok());
 }
 
@@ -354,7 +360,7 @@ TEST_F(CatalogTest, ARestartedNodeDropsTheObjectsOfItsPreviousLife) {
   for (const Extent& e : fresh.extents) {
     EXPECT_GT(e.generation, pending.extents[0].generation) << "generations must rise across incarnations";
   }
-  EXPECT_EQ(cat_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
+  EXPECT_EQ(node_->heartbeat("a", "e1", 30s, 0).status().code(), StatusCode::kStale);
 }
 
 TEST_F(CatalogTest, DrainingNodeTakesNoPagesAndDropsItsObjects) {
@@ -362,14 +368,14 @@ TEST_F(CatalogTest, DrainingNodeTakesNoPagesAndDropsItsObjects) {
   ASSERT_TRUE(add_node("b", 4).is_ok());
   put("k1", 3);  // a or b
   auto where = cat_->stat("k1")->nodes.at(0);
-  EXPECT_EQ(cat_->drain_node(where, "e1").value(), 1u);
+  EXPECT_EQ(node_->drain_node(where, "e1").value(), 1u);
   EXPECT_EQ(get_code("k1"), StatusCode::kNotFound);
   auto p = cat_->begin_put("t", "k2", 4 * kPage, 30s).value();
   for (const Extent& e : p.extents) EXPECT_NE(e.node, where);
-  EXPECT_TRUE(cat_->heartbeat(where, "e1", 30s, 0).is_ok()) << "a draining node still heartbeats";
-  ASSERT_TRUE(cat_->deregister_node(where, "e1").is_ok());
-  EXPECT_EQ(cat_->node_status(where)->state, "gone");
-  EXPECT_EQ(cat_->drain_node(where, "other-epoch").status().code(), StatusCode::kStale);
+  EXPECT_TRUE(node_->heartbeat(where, "e1", 30s, 0).is_ok()) << "a draining node still heartbeats";
+  ASSERT_TRUE(node_->deregister_node(where, "e1").is_ok());
+  EXPECT_EQ(admin_->node_status(where)->state, "gone");
+  EXPECT_EQ(node_->drain_node(where, "other-epoch").status().code(), StatusCode::kStale);
 }
 
 TEST_F(CatalogTest, ContainsPrefixCountsLeadingPresentKeys) {
@@ -428,11 +434,11 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
 TEST_F(CatalogTest, RegistrationAndKeysAreValidated) {
   ASSERT_TRUE(add_node("a", 4).is_ok());
   NodeRecord other{"b", "e1", 4096, 4, "addr", "key"};
-  EXPECT_EQ(cat_->register_node(other, 10s).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(node_->register_node(other, 10s).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(add_node("c", 0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(add_node("", 4).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(add_node("bad id;", 4).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(cat_->free_pages("zzz").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(admin_->free_pages("zzz").status().code(), StatusCode::kNotFound);
   EXPECT_EQ(cat_->begin_put("t", "", 1, 1s).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cat_->begin_put("t", std::string(1025, 'k'), 1, 1s).status().code(),
             StatusCode::kInvalidArgument);

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 
 int main(int argc, char** argv) {
   using namespace kvstash;
@@ -16,15 +16,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: store_client begin-put REDIS_URL KEY SIZE LEASE_MS\n");
     return 2;
   }
-  auto redis = metadata::RedisClient::connect({.url = argv[2]});
-  if (!redis.is_ok()) {
-    std::fprintf(stderr, "store_client: %s\n", redis.status().to_string().c_str());
+  auto cell = metadata::Cell::open({.redis = {.url = argv[2]}});
+  if (!cell.is_ok()) {
+    std::fprintf(stderr, "store_client: %s\n", cell.status().to_string().c_str());
     return 1;
   }
-  metadata::Catalog catalog(**redis);
-  auto placed =
-      catalog.begin_put("store-client-" + std::to_string(getpid()), argv[3],
-                        std::strtoull(argv[4], nullptr, 10), std::chrono::milliseconds(std::atoll(argv[5])));
+  auto placed = (*cell)->catalog().begin_put("store-client-" + std::to_string(getpid()), argv[3],
+                                             std::strtoull(argv[4], nullptr, 10),
+                                             std::chrono::milliseconds(std::atoll(argv[5])));
   if (!placed.is_ok()) {
     std::fprintf(stderr, "store_client: %s\n", placed.status().to_string().c_str());
     return 1;

@@ -15,7 +15,7 @@
 #include "common/checksum.h"
 #include "http_get.h"
 #include "kvstash_config.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "rdma_lane.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
@@ -37,10 +37,9 @@ class StoreTest : public ::testing::Test {
     auto r = LocalRedis::start(std::move(o));
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
     redis_ = std::move(r).value();
-    auto c = metadata::RedisClient::connect({.url = redis_->url(), .password = redis_->password()});
+    auto c = metadata::Cell::open({.redis = {.url = redis_->url(), .password = redis_->password()}});
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
-    admin_redis_ = std::move(c).value();
-    catalog_ = std::make_unique<metadata::Catalog>(*admin_redis_);
+    cell_ = std::move(c).value();
   }
 
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
@@ -79,7 +78,7 @@ class StoreTest : public ::testing::Test {
   }
 
   std::uint64_t free_pages(const std::string& node) {
-    auto f = catalog_->free_pages(node);
+    auto f = cell_->admin().free_pages(node);
     EXPECT_TRUE(f.is_ok()) << f.status().to_string();
     return f.is_ok() ? *f : 0;
   }
@@ -94,8 +93,7 @@ class StoreTest : public ::testing::Test {
   }
 
   std::unique_ptr<LocalRedis> redis_;
-  std::unique_ptr<metadata::RedisClient> admin_redis_;
-  std::unique_ptr<metadata::Catalog> catalog_;
+  std::unique_ptr<metadata::Cell> cell_;  // the test's own connection, as an operator and a node
 };
 
 // "<prefix><i>". (Not "a" + std::to_string(i): GCC 12 at -O3 can warn -Wrestrict about that,
@@ -406,11 +404,11 @@ TEST_F(StoreTest, OverVerbsConnectionScopedWindowsTakeTheNodesCpuOffEachOperatio
                         "{transport=\"verbs\",event=\"leases_granted\"}");
   };
   // The cell's policy is connection unless set: this client reads it at open.
-  ASSERT_EQ(catalog_->rkey_scope().value(), RkeyScope::kConnection);
+  ASSERT_EQ(cell_->admin().rkey_scope().value(), RkeyScope::kConnection);
   constexpr int kOps = 10;
   for (RkeyScope scope : {RkeyScope::kConnection, RkeyScope::kLease}) {
     SCOPED_TRACE(to_string(scope));
-    ASSERT_TRUE(catalog_->set_rkey_scope(scope).is_ok());
+    ASSERT_TRUE(cell_->admin().set_rkey_scope(scope).is_ok());
     StoreOptions o;
     o.redis_url = redis_->url();
     o.engine.transports = {TransportKind::kVerbs};
@@ -447,7 +445,7 @@ TEST_F(StoreTest, OverVerbsConnectionScopedWindowsTakeTheNodesCpuOffEachOperatio
       EXPECT_GE(grants, 2 * kOps) << "the node bound windows for every operation";
     }
   }
-  ASSERT_TRUE(catalog_->set_rkey_scope(RkeyScope::kConnection).is_ok());
+  ASSERT_TRUE(cell_->admin().set_rkey_scope(RkeyScope::kConnection).is_ok());
 }
 
 // A put that fails mid-way with a shared window cannot have it revoked (other puts use it),
@@ -908,14 +906,14 @@ TEST_F(StoreTest, ANodeThatRejoinsFencesThePutsOfItsEarlierLife) {
   Slice head{first.data(), 4 * kPage}, tail{first.data() + 4 * kPage, 4 * kPage};
   ASSERT_TRUE(stream->append({&head, 1}).is_ok());
   ASSERT_TRUE(stream->wait_written(4 * kPage).is_ok());
-  const std::string epoch = catalog_->node_status("n1")->epoch;
+  const std::string epoch = cell_->admin().node_status("n1")->epoch;
 
   ASSERT_EQ(::kill(n->pid(), SIGSTOP), 0);
   std::this_thread::sleep_for(1500ms);       // past the heartbeat deadline
-  ASSERT_TRUE(catalog_->reclaim().is_ok());  // what any other node's sweep does: declared dead
+  ASSERT_TRUE(cell_->node_catalog().reclaim().is_ok());  // what any other node's sweep does: declared dead
   ASSERT_EQ(::kill(n->pid(), SIGCONT), 0);
   ASSERT_TRUE(eventually([&] {
-    auto st = catalog_->node_status("n1");
+    auto st = cell_->admin().node_status("n1");
     return st.is_ok() && st->epoch != epoch && st->state == "up";
   })) << "the node did not register again";
   // The rejoined node's pool is whole again: the other put gets every page, the first put's too.
@@ -985,7 +983,7 @@ TEST_F(StoreTest, StopSignalsDrainTheNodeAndItsObjectsLeaveAtOnce) {
   ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
   EXPECT_EQ(n->terminate(deadline_after(10s)).value_or(-1), 0);
   EXPECT_EQ(store->stat("k").status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(catalog_->node_status("n1")->state, "gone");
+  EXPECT_EQ(cell_->admin().node_status("n1")->state, "gone");
   EXPECT_EQ(put_bytes(*store, "k2", data).code(), StatusCode::kNoSpace) << "no node is left";
 
   // There is no reload: a hang-up drains too, rather than killing the node undrained.
@@ -995,7 +993,7 @@ TEST_F(StoreTest, StopSignalsDrainTheNodeAndItsObjectsLeaveAtOnce) {
   ::kill(m->pid(), SIGHUP);
   EXPECT_TRUE(eventually([&] { return store->stat("k3").status().code() == StatusCode::kNotFound; }, 3s))
       << "SIGHUP did not drain the node";
-  EXPECT_TRUE(eventually([&] { return catalog_->node_status("n2")->state == "gone"; }, 3s));
+  EXPECT_TRUE(eventually([&] { return cell_->admin().node_status("n2")->state == "gone"; }, 3s));
 }
 
 TEST_F(StoreTest, RedisRestartEmptyNodesRejoinAndClientsCarryOn) {
@@ -1040,12 +1038,12 @@ TEST_F(StoreTest, CorruptRecordsAndChecksumMismatchesAreErrorsNotBytes) {
   std::vector<std::byte> data(kPage);
   fill(data);
   ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
-  const std::string obj = catalog_->prefix() + ":obj:k";
-  ASSERT_TRUE(admin_redis_->command({"HSET", obj, "checksum", "0123456789abcdef/4194304"}).is_ok());
+  const std::string obj = cell_->prefix() + ":obj:k";
+  ASSERT_TRUE(cell_->redis().command({"HSET", obj, "checksum", "0123456789abcdef/4194304"}).is_ok());
   EXPECT_EQ(get_bytes(*store, "k", data.size()).status().code(), StatusCode::kCorrupt);
-  ASSERT_TRUE(admin_redis_->command({"HSET", obj, "extents", "n1,0,1;garbage"}).is_ok());
+  ASSERT_TRUE(cell_->redis().command({"HSET", obj, "extents", "n1,0,1;garbage"}).is_ok());
   EXPECT_EQ(get_bytes(*store, "k", data.size()).status().code(), StatusCode::kCorrupt);
-  ASSERT_TRUE(admin_redis_->command({"SET", catalog_->prefix() + ":obj:foreign", "x"}).is_ok());
+  ASSERT_TRUE(cell_->redis().command({"SET", cell_->prefix() + ":obj:foreign", "x"}).is_ok());
   EXPECT_EQ(get_bytes(*store, "foreign", 10).status().code(), StatusCode::kCorrupt);
 }
 
@@ -1130,8 +1128,8 @@ TEST_F(StoreAuthTest, WrongPasswordAndUsersWithoutRightsArePermissionDenied) {
   EXPECT_EQ(Store::open(o).status().code(), StatusCode::kPermissionDenied);
   // An ACL user that may only touch other keys.
   ASSERT_TRUE(
-      admin_redis_->command({"ACL", "SETUSER", "outsider", "on", ">pw", "~other:*", "+@all"}).is_ok());
-  ASSERT_TRUE(admin_redis_->command({"ACL", "SETUSER", "kvs", "on", ">pw", "~kvs:*", "+@all"}).is_ok());
+      cell_->redis().command({"ACL", "SETUSER", "outsider", "on", ">pw", "~other:*", "+@all"}).is_ok());
+  ASSERT_TRUE(cell_->redis().command({"ACL", "SETUSER", "kvs", "on", ">pw", "~kvs:*", "+@all"}).is_ok());
   o.redis_url = "redis://outsider:pw@127.0.0.1:" + std::to_string(redis_->port()) + "/0";
   o.redis_password.clear();
   EXPECT_EQ(Store::open(o).status().code(), StatusCode::kPermissionDenied);

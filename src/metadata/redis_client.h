@@ -106,6 +106,8 @@ class RedisClient {
   // options' timeouts (an operation's deadline, for as long as it borrows this client);
   // nullopt lifts it. A command whose deadline has passed fails with kTimeout unsent.
   void set_deadline(std::optional<Deadline> deadline) { deadline_ = deadline; }
+  // The bound set_deadline set; nullopt when there is none.
+  std::optional<Deadline> deadline() const { return deadline_; }
 
   const RedisUrl& url() const { return url_; }
   // How many times the connection was re-established.

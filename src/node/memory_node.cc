@@ -7,17 +7,17 @@
 
 #include "common/log.h"
 #include "common/system.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "node/metrics.h"
 
 namespace kvstash::node {
 
 struct MemoryNode::Shared {
-  std::mutex mu;  // guards redis, catalog, epoch, state strings, last_error
+  std::mutex mu;  // guards cell, catalog, epoch, state strings, last_error
   std::condition_variable wake;
   bool stopping = false;
-  std::unique_ptr<metadata::RedisClient> redis;
-  std::unique_ptr<metadata::Catalog> catalog;
+  std::unique_ptr<metadata::Cell> cell;
+  metadata::NodeCatalog* catalog = nullptr;  // the node's, over `cell`
   std::string epoch;
   std::string state = "up";
   std::string last_error;  // empty while Redis answers
@@ -83,15 +83,16 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   n->transports_ = n->handle_.transports();
 
   n->shared_ = std::make_unique<Shared>();
-  metadata::RedisOptions ro;
-  ro.url = options.redis_url;
-  ro.password = options.redis_password;
+  metadata::CellOptions co;
+  co.redis.url = options.redis_url;
+  co.redis.password = options.redis_password;
   // The loop must keep its heartbeat: never let one command outlast a third of the TTL.
-  ro.command_timeout = std::max(std::chrono::milliseconds(50), options.heartbeat_ttl / 3);
-  ro.reconnect_budget = ro.command_timeout;
-  KVSTASH_ASSIGN_OR_RETURN(n->shared_->redis, metadata::RedisClient::connect(ro));
-  n->shared_->catalog = std::make_unique<metadata::Catalog>(*n->shared_->redis, options.cell);
-  KVSTASH_RETURN_IF_ERROR(n->shared_->catalog->check_schema());
+  co.redis.command_timeout = std::max(std::chrono::milliseconds(50), options.heartbeat_ttl / 3);
+  co.redis.reconnect_budget = co.redis.command_timeout;
+  co.cell = options.cell;
+  KVSTASH_ASSIGN_OR_RETURN(n->shared_->cell, metadata::Cell::open(co));
+  n->shared_->catalog = &n->shared_->cell->node_catalog();
+  KVSTASH_RETURN_IF_ERROR(n->shared_->cell->check_schema());
   {
     // A previous incarnation killed moments ago holds the id until its heartbeat deadline:
     // wait that long, then give up (a second daemon with this id is still running).

@@ -1,9 +1,10 @@
-// The metadata plane's reply parsers (src/metadata/catalog.cc) behind a real RedisClient:
-// a fake Redis on a loopback socket answers each command the client sends with the next
-// reply from the input, and a Catalog calls every one of its methods in turn (node records,
-// placements of begin_put and begin_get, stat, node_status, describe, scans, reclaim, ...),
+// The metadata plane's reply parsers (src/metadata: catalog.cc, node_catalog.cc, cell_admin.cc)
+// behind a real RedisClient: a fake Redis on a loopback socket answers each command the client
+// sends with the next reply from the input, and the three catalogs of a Cell call every one of
+// their methods in turn (node records, placements of begin_put and begin_get, stat,
+// node_status, describe, scans, reclaim, ...),
 // each with its script's NOSCRIPT reload when the input answers so. Every call must come back
-// with a Status; what comes back OK must keep the promises catalog.h makes (a placement's
+// with a Status; what comes back OK must keep the promises the headers make (a placement's
 // extents cover the object exactly and name only listed nodes, contains_prefix counts at most
 // the keys it was given, describe answers one record per key).
 //
@@ -26,14 +27,14 @@
 #include <vector>
 
 #include "fuzz_util.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "metadata/redis_client.h"
 #include "resp.h"
 
 namespace kvstash {
 namespace {
 
-using metadata::Catalog;
+using metadata::Cell;
 
 struct World {
   int listener = -1;
@@ -111,68 +112,69 @@ void check_placement(const metadata::Placement& p, std::uint64_t size, const cha
 
 const std::vector<std::string> kKeys = {"chunk/0", "chunk/1", "chunk/2"};
 
-// Every Catalog method, with arguments a caller would pass.
-const std::vector<std::function<void(Catalog&)>>& calls() {
+// Every method of the three catalogs, with arguments a caller would pass (the order is the
+// seeds' too: make_seeds.cc names each call by its index).
+const std::vector<std::function<void(Cell&)>>& calls() {
   using namespace std::chrono_literals;
-  static const std::vector<std::function<void(Catalog&)>> all = {
-      [](Catalog& c) { (void)c.check_schema(); },
-      [](Catalog& c) {
-        (void)c.register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s);
+  static const std::vector<std::function<void(Cell&)>> all = {
+      [](Cell& c) { (void)c.catalog().check_schema(); },
+      [](Cell& c) {
+        (void)c.node_catalog().register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s);
       },
-      [](Catalog& c) { (void)c.heartbeat("node-1", "epoch-1", 10s, 1000); },
-      [](Catalog& c) { (void)c.drain_node("node-1", "epoch-1"); },
-      [](Catalog& c) { (void)c.deregister_node("node-1", "epoch-1"); },
-      [](Catalog& c) { (void)c.node_status("node-1"); },
-      [](Catalog& c) { (void)c.list_nodes(); },
-      [](Catalog& c) { (void)c.free_pages("node-1"); },
-      [](Catalog& c) {
+      [](Cell& c) { (void)c.node_catalog().heartbeat("node-1", "epoch-1", 10s, 1000); },
+      [](Cell& c) { (void)c.node_catalog().drain_node("node-1", "epoch-1"); },
+      [](Cell& c) { (void)c.node_catalog().deregister_node("node-1", "epoch-1"); },
+      [](Cell& c) { (void)c.admin().node_status("node-1"); },
+      [](Cell& c) { (void)c.admin().list_nodes(); },
+      [](Cell& c) { (void)c.admin().free_pages("node-1"); },
+      [](Cell& c) {
         constexpr std::uint64_t kSize = 10000;
-        if (auto p = c.begin_put("put-token", "object", kSize, 5s); p.is_ok())
+        if (auto p = c.catalog().begin_put("put-token", "object", kSize, 5s); p.is_ok())
           check_placement(*p, kSize, "begin_put");
       },
-      [](Catalog& c) {
-        (void)c.commit_put("put-token", "object", {0x0123456789abcdefull, 4096}, "layout", 0ms,
-                           std::string("old"));
+      [](Cell& c) {
+        (void)c.catalog().commit_put("put-token", "object", {0x0123456789abcdefull, 4096}, "layout", 0ms,
+                                     std::string("old"));
       },
-      [](Catalog& c) {
+      [](Cell& c) {
         const std::vector<std::string> fenced = {"node-1"};
-        (void)c.abort_put("put-token", fenced);
+        (void)c.catalog().abort_put("put-token", fenced);
       },
-      [](Catalog& c) {
-        auto g = c.begin_get("object", "reader-1", 5s);
+      [](Cell& c) {
+        auto g = c.catalog().begin_get("object", "reader-1", 5s);
         if (!g.is_ok()) return;
         check_placement(g->placement, g->size, "begin_get");
         FUZZ_CHECK(!g->object_token.empty(), "begin_get: no object token");
-        (void)c.end_get("reader-1", *g);
+        (void)c.catalog().end_get("reader-1", *g);
       },
-      [](Catalog& c) {
-        if (auto o = c.stat("object"); o.is_ok())
+      [](Cell& c) {
+        if (auto o = c.catalog().stat("object"); o.is_ok())
           FUZZ_CHECK(o->pages == o->extents.size(), "stat: page count");
       },
-      [](Catalog& c) { (void)c.remove("object"); },
-      [](Catalog& c) { (void)c.touch("object", 1s); },
-      [](Catalog& c) {
-        if (auto n = c.contains_prefix(kKeys); n.is_ok()) {
+      [](Cell& c) { (void)c.catalog().remove("object"); },
+      [](Cell& c) { (void)c.catalog().touch("object", 1s); },
+      [](Cell& c) {
+        if (auto n = c.catalog().contains_prefix(kKeys); n.is_ok()) {
           FUZZ_CHECK(*n <= kKeys.size(), "contains_prefix: %zu of %zu keys", *n, kKeys.size());
         }
       },
-      [](Catalog& c) { (void)c.evict(1 << 20); },
-      [](Catalog& c) { (void)c.cordon_node("node-1"); },
-      [](Catalog& c) { (void)c.known_nodes(); },
-      [](Catalog& c) { (void)c.forget_node("node-1"); },
-      [](Catalog& c) { (void)c.summary(); },
-      [](Catalog& c) { (void)c.scan_objects("*", "0", 10); },
-      [](Catalog& c) { (void)c.scan_node_objects("node-1", "0", 10); },
-      [](Catalog& c) {
+      [](Cell& c) { (void)c.admin().evict(1 << 20); },
+      [](Cell& c) { (void)c.admin().cordon_node("node-1"); },
+      [](Cell& c) { (void)c.admin().known_nodes(); },
+      [](Cell& c) { (void)c.admin().forget_node("node-1"); },
+      [](Cell& c) { (void)c.admin().summary(); },
+      [](Cell& c) { (void)c.admin().scan_objects("*", "0", 10); },
+      [](Cell& c) { (void)c.admin().scan_node_objects("node-1", "0", 10); },
+      [](Cell& c) {
         std::int64_t now = 0;
-        if (auto d = c.describe(kKeys, &now); d.is_ok())
+        if (auto d = c.admin().describe(kKeys, &now); d.is_ok())
           FUZZ_CHECK(d->size() == kKeys.size(), "describe: count");
       },
-      [](Catalog& c) {
+      [](Cell& c) {
         std::int64_t now = 0;
-        (void)c.evict_lru(0ms, 1 << 20, true, 16, &now);
+        (void)c.admin().evict_lru(0ms, 1 << 20, true, 16, &now);
       },
-      [](Catalog& c) { (void)c.reclaim(64); },
+      [](Cell& c) { (void)c.node_catalog().reclaim(64); },
   };
   return all;
 }
@@ -201,11 +203,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     o.connect_timeout = std::chrono::seconds(2);
     o.command_timeout = std::chrono::seconds(2);
     o.reconnect_budget = std::chrono::milliseconds(0);  // a hang-up ends the run of calls
-    auto client = metadata::RedisClient::connect(o);
-    FUZZ_CHECK(client.is_ok() || acl, "connect without credentials: %s", client.status().to_string().c_str());
-    if (client.is_ok()) {
-      metadata::Catalog catalog(**client, "fuzz");
-      for (std::size_t i = 0; i < all.size(); ++i) all[(start + i) % all.size()](catalog);
+    auto cell = metadata::Cell::open({.redis = o, .cell = "fuzz"});
+    FUZZ_CHECK(cell.is_ok() || acl, "connect without credentials: %s", cell.status().to_string().c_str());
+    if (cell.is_ok()) {
+      for (std::size_t i = 0; i < all.size(); ++i) all[(start + i) % all.size()](**cell);
     }
   }
   redis.join();

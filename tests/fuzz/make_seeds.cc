@@ -28,7 +28,7 @@
 #include "kvcache/object_layout.h"
 #include "kvstash/engine.h"
 #include "kvstash_config.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "metadata/redis_client.h"
 #include "resp.h"
 #include "transport/shm/shm_internal.h"
@@ -467,14 +467,17 @@ void catalog() {
   RecordingProxy proxy(redis.port());
   metadata::RedisOptions o;
   o.url = "redis://127.0.0.1:" + std::to_string(proxy.port()) + "/0";
-  auto client = fuzz::must(metadata::RedisClient::connect(o), "connect through the proxy");
-  metadata::Catalog c(*client, "fuzz");
+  auto cell = fuzz::must(metadata::Cell::open({.redis = o, .cell = "fuzz"}), "connect through the proxy");
+  metadata::RedisClient* client = &cell->redis();
+  metadata::Catalog& c = cell->catalog();
+  metadata::NodeCatalog& node = cell->node_catalog();
+  metadata::CellAdmin& admin = cell->admin();
   const std::vector<std::string> keys = {"chunk/0", "chunk/1", "chunk/2"};
 
   // A cell with one node, one object and one pending put, as the fuzz target's calls expect.
   auto setup = [&] {
     (void)client->command({"FLUSHALL"});
-    fuzz::must(c.register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s), "register_node");
+    fuzz::must(node.register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s), "register_node");
     auto p = fuzz::must(c.begin_put("put-0", "object", 10000, 5s), "begin_put");
     FUZZ_CHECK(c.commit_put("put-0", "object", 0x0123456789abcdefull, "layout", 0ms).is_ok(), "commit_put");
     for (const auto& k : {"chunk/0", "chunk/1"}) {
@@ -494,14 +497,14 @@ void catalog() {
       {"check_schema", 0, [&] { (void)c.check_schema(); }},
       {"register_node", 1,
        [&] {
-         (void)c.register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s);
+         (void)node.register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s);
        }},
-      {"heartbeat", 2, [&] { (void)c.heartbeat("node-1", "epoch-1", 10s, 1000); }},
-      {"drain_node", 3, [&] { (void)c.drain_node("node-1", "epoch-1"); }},
-      {"deregister_node", 4, [&] { (void)c.deregister_node("node-1", "epoch-1"); }},
-      {"node_status", 5, [&] { (void)c.node_status("node-1"); }},
-      {"list_nodes", 6, [&] { (void)c.list_nodes(); }},
-      {"free_pages", 7, [&] { (void)c.free_pages("node-1"); }},
+      {"heartbeat", 2, [&] { (void)node.heartbeat("node-1", "epoch-1", 10s, 1000); }},
+      {"drain_node", 3, [&] { (void)node.drain_node("node-1", "epoch-1"); }},
+      {"deregister_node", 4, [&] { (void)node.deregister_node("node-1", "epoch-1"); }},
+      {"node_status", 5, [&] { (void)admin.node_status("node-1"); }},
+      {"list_nodes", 6, [&] { (void)admin.list_nodes(); }},
+      {"free_pages", 7, [&] { (void)admin.free_pages("node-1"); }},
       {"begin_put", 8, [&] { (void)c.begin_put("put-token", "object", 10000, 5s); }},
       {"commit_put", 9,
        [&] {
@@ -523,24 +526,24 @@ void catalog() {
       {"remove", 13, [&] { (void)c.remove("object"); }},
       {"touch", 14, [&] { (void)c.touch("object", 1s); }},
       {"contains_prefix", 15, [&] { (void)c.contains_prefix(keys); }},
-      {"evict", 16, [&] { (void)c.evict(1 << 20); }},
-      {"cordon_node", 17, [&] { (void)c.cordon_node("node-1"); }},
-      {"known_nodes", 18, [&] { (void)c.known_nodes(); }},
-      {"forget_node", 19, [&] { (void)c.forget_node("node-1"); }},
-      {"summary", 20, [&] { (void)c.summary(); }},
-      {"scan_objects", 21, [&] { (void)c.scan_objects("*", "0", 10); }},
-      {"scan_node_objects", 22, [&] { (void)c.scan_node_objects("node-1", "0", 10); }},
+      {"evict", 16, [&] { (void)admin.evict(1 << 20); }},
+      {"cordon_node", 17, [&] { (void)admin.cordon_node("node-1"); }},
+      {"known_nodes", 18, [&] { (void)admin.known_nodes(); }},
+      {"forget_node", 19, [&] { (void)admin.forget_node("node-1"); }},
+      {"summary", 20, [&] { (void)admin.summary(); }},
+      {"scan_objects", 21, [&] { (void)admin.scan_objects("*", "0", 10); }},
+      {"scan_node_objects", 22, [&] { (void)admin.scan_node_objects("node-1", "0", 10); }},
       {"describe", 23,
        [&] {
          std::int64_t now = 0;
-         (void)c.describe(keys, &now);
+         (void)admin.describe(keys, &now);
        }},
       {"evict_lru", 24,
        [&] {
          std::int64_t now = 0;
-         (void)c.evict_lru(0ms, 1 << 20, true, 16, &now);
+         (void)admin.evict_lru(0ms, 1 << 20, true, 16, &now);
        }},
-      {"reclaim", 25, [&] { (void)c.reclaim(64); }},
+      {"reclaim", 25, [&] { (void)node.reclaim(64); }},
   };
   for (const Method& m : methods) {
     setup();
@@ -577,7 +580,7 @@ void catalog() {
        u8(5) +
            "*8\r\n$2\r\nup\r\n$7\r\nepoch-1\r\n:4096\r\n:64\r\n:60\r\n:1\r\n:9000000000000000000\r\n"
            ":-9000000000000000000\r\n");
-  client.reset();
+  cell.reset();  // closes the connection: the proxy's loop ends
 }
 
 // ---- admin HTTP ------------------------------------------------------------------------------

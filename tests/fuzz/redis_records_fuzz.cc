@@ -13,7 +13,7 @@
 #include "fuzz_util.h"
 #include "kvcache/object_layout.h"
 #include "kvstash/kvcache.h"
-#include "metadata/catalog.h"
+#include "metadata/records.h"
 
 namespace {
 

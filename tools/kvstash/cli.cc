@@ -11,7 +11,7 @@
 #include "common/system.h"
 #include "common/units.h"
 #include "kvstash/store.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "metadata/redis_client.h"
 
 namespace kvstash::cli {
@@ -42,24 +42,18 @@ Status Session::credentials() {
   return {};
 }
 
-Result<metadata::RedisClient*> Session::redis() {
-  if (redis_) return redis_.get();
+Result<metadata::Cell*> Session::cell() {
+  if (cell_) return cell_.get();
   KVSTASH_RETURN_IF_ERROR(credentials());
-  metadata::RedisOptions o;
-  o.url = g_.redis_url;
-  o.password = password_;
-  o.connect_timeout = std::min(timeout(), std::chrono::milliseconds(5000));
-  o.command_timeout = timeout();
-  o.reconnect_budget = std::min(timeout(), std::chrono::milliseconds(3000));
-  KVSTASH_ASSIGN_OR_RETURN(redis_, metadata::RedisClient::connect(o));
-  return redis_.get();
-}
-
-Result<metadata::Catalog*> Session::catalog() {
-  if (catalog_) return catalog_.get();
-  KVSTASH_ASSIGN_OR_RETURN(metadata::RedisClient * r, redis());
-  catalog_ = std::make_unique<metadata::Catalog>(*r, g_.cell);
-  return catalog_.get();
+  metadata::CellOptions o;
+  o.redis.url = g_.redis_url;
+  o.redis.password = password_;
+  o.redis.connect_timeout = std::min(timeout(), std::chrono::milliseconds(5000));
+  o.redis.command_timeout = timeout();
+  o.redis.reconnect_budget = std::min(timeout(), std::chrono::milliseconds(3000));
+  o.cell = g_.cell;
+  KVSTASH_ASSIGN_OR_RETURN(cell_, metadata::Cell::open(o));
+  return cell_.get();
 }
 
 Result<Store*> Session::store() {

@@ -1,6 +1,6 @@
 // The kvstash CLI's shared pieces: the options every subcommand takes (which cell, how to
-// reach its Redis), the lazily opened connections, exit codes, errors that say how to fix
-// them, and output (aligned tables for people, JSON for scripts).
+// reach its Redis), the lazily opened connections (the cell's and the store's), exit codes,
+// errors that say how to fix them, and output (aligned tables for people, JSON for scripts).
 #pragma once
 
 #include <chrono>
@@ -19,7 +19,7 @@ class App;
 namespace kvstash {
 class Store;
 namespace metadata {
-class Catalog;
+class Cell;
 class RedisClient;
 }  // namespace metadata
 }  // namespace kvstash
@@ -49,8 +49,9 @@ class Session {
   ~Session();
   const Globals& globals() const { return g_; }
   bool json() const { return g_.json; }
-  Result<metadata::RedisClient*> redis();
-  Result<metadata::Catalog*> catalog();
+  // The cell's connection: its admin() catalog for the operator's views and changes, its
+  // catalog() for show, rm and touch, its redis() for plain commands (doctor).
+  Result<metadata::Cell*> cell();
   Result<Store*> store();
   // The Redis URL with any password replaced by "***".
   std::string redis_display() const;
@@ -65,8 +66,7 @@ class Session {
   std::string password_;
   std::string token_;
   bool have_credentials_ = false;
-  std::unique_ptr<metadata::RedisClient> redis_;
-  std::unique_ptr<metadata::Catalog> catalog_;
+  std::unique_ptr<metadata::Cell> cell_;
   std::unique_ptr<Store> store_;
 };
 

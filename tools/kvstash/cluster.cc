@@ -7,8 +7,7 @@
 #include "cli.h"
 #include "common/units.h"
 #include "kvstash/store.h"
-#include "metadata/catalog.h"
-#include "metadata/redis_client.h"
+#include "metadata/cell.h"
 
 namespace kvstash::cli {
 namespace {
@@ -29,7 +28,7 @@ struct Node {
   std::uint64_t used() const { return capacity() - free(); }
 };
 
-Result<std::vector<Node>> load_nodes(metadata::Catalog& c) {
+Result<std::vector<Node>> load_nodes(metadata::CellAdmin& c) {
   KVSTASH_ASSIGN_OR_RETURN(auto ids, c.known_nodes());
   std::vector<Node> out;
   for (const auto& id : ids) {
@@ -79,12 +78,12 @@ Table nodes_table(const std::vector<Node>& nodes) {
 }
 
 int status(Session& s) {
-  auto redis = s.redis();
-  if (!redis.is_ok()) return fail(redis.status(), "connecting to Redis", &s);
-  auto cat = s.catalog();
-  auto nodes = load_nodes(**cat);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
+  metadata::CellAdmin& admin = (*cell)->admin();
+  auto nodes = load_nodes(admin);
   if (!nodes.is_ok()) return fail(nodes.status(), "reading the nodes", &s);
-  auto sum = (*cat)->summary();
+  auto sum = admin.summary();
   if (!sum.is_ok()) return fail(sum.status(), "reading the cell", &s);
   std::uint64_t cap = 0, used = 0, free = 0;
   std::map<std::string, int> states;
@@ -95,8 +94,8 @@ int status(Session& s) {
     used += n.used();
     free += n.state() == "up" ? n.free() : 0;  // draining and dead nodes take no new pages
   }
-  const std::string version = redis_version(**redis);
-  auto scope = (*cat)->rkey_scope();
+  const std::string version = redis_version((*cell)->redis());
+  auto scope = admin.rkey_scope();
   if (!scope.is_ok()) return fail(scope.status(), "reading the cell", &s);
   if (s.json()) {
     json j{{"redis", {{"url", s.redis_display()}, {"version", version}}},
@@ -141,9 +140,9 @@ int status(Session& s) {
 }
 
 int list_nodes(Session& s) {
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
-  auto nodes = load_nodes(**cat);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
+  auto nodes = load_nodes((*cell)->admin());
   if (!nodes.is_ok()) return fail(nodes.status(), "reading the nodes", &s);
   if (s.json()) {
     json j = json::array();
@@ -159,8 +158,8 @@ int list_nodes(Session& s) {
 }
 
 Result<Node> one_node(Session& s, const std::string& id) {
-  KVSTASH_ASSIGN_OR_RETURN(metadata::Catalog * c, s.catalog());
-  auto st = c->node_status(id);
+  KVSTASH_ASSIGN_OR_RETURN(metadata::Cell * c, s.cell());
+  auto st = c->admin().node_status(id);
   if (st.status().code() == StatusCode::kNotFound) {
     return Status::not_found("no memory node '" + id + "' in cell " + s.globals().cell);
   }
@@ -204,7 +203,7 @@ int remove_node(Session& s, const std::string& id, bool yes) {
               << " objects; run again with --yes to do it\n";
     return kExitOk;
   }
-  auto released = (*s.catalog())->forget_node(id);
+  auto released = (*s.cell())->admin().forget_node(id);
   if (!released.is_ok()) return fail(released.status(), "node rm", &s);
   if (s.json()) {
     std::cout << json{{"node", id}, {"released_objects", *released}}.dump(2) << "\n";
@@ -256,7 +255,7 @@ int drain(Session& s, const DrainOptions& o) {
               << "; run again with --yes to do it\n";
     return kExitOk;
   }
-  metadata::Catalog& c = **s.catalog();
+  metadata::CellAdmin& c = (*s.cell())->admin();
   auto before = c.cordon_node(id);
   if (!before.is_ok()) return fail(before.status(), "drain", &s);
   std::uint64_t released = 0, moved = 0, changed = 0, gone = 0;
@@ -339,14 +338,15 @@ int drain(Session& s, const DrainOptions& o) {
 
 // Shows the cell's rkey scope, or sets it (clients read it when they open their store).
 int rkey_scope(Session& s, const std::string& want, bool yes) {
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
-  auto now = (*cat)->rkey_scope();
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
+  metadata::CellAdmin& admin = (*cell)->admin();
+  auto now = admin.rkey_scope();
   if (!now.is_ok()) return fail(now.status(), "reading the cell", &s);
   std::optional<RkeyScope> next;
   if (!want.empty()) next = parse_rkey_scope(want);
   if (next && *next != *now && yes) {
-    Status set = (*cat)->set_rkey_scope(*next);
+    Status set = admin.set_rkey_scope(*next);
     if (!set.is_ok()) return fail(set, "setting the rkey scope", &s);
   }
   const bool changed = next && *next != *now && yes;

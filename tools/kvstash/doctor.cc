@@ -22,7 +22,7 @@
 #include "common/units.h"
 #include "kvstash/engine.h"
 #include "kvstash_config.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 #include "metadata/redis_client.h"
 #include "metadata/scripts.h"
 
@@ -94,26 +94,26 @@ class Doctor {
 
   void redis_checks() {
     const auto t0 = std::chrono::steady_clock::now();
-    auto redis = s_.redis();
-    if (!redis.is_ok()) {
-      const bool auth = redis.status().code() == StatusCode::kPermissionDenied;
-      add("redis", "fail", s_.redis_display() + ": " + redis.status().message(),
+    auto cell = s_.cell();
+    if (!cell.is_ok()) {
+      const bool auth = cell.status().code() == StatusCode::kPermissionDenied;
+      add("redis", "fail", s_.redis_display() + ": " + cell.status().message(),
           auth ? "give the ACL user and password in the URL (redis://user:password@host:port/db), "
                  "KVSTASH_REDIS_PASSWORD or --redis-password-file"
                : "start redis-server there, or point --redis / KVSTASH_REDIS_URL at the cell's Redis");
       return;
     }
-    auto pong = (*redis)->command({"PING"});
+    metadata::RedisClient& redis = (*cell)->redis();
+    auto pong = redis.command({"PING"});
     const auto rtt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!pong.is_ok()) {
       add("redis", "fail", "connected but PING failed: " + pong.status().message(),
           "check the ACL user's permissions");
       return;
     }
-    const std::string version = redis_version(**redis);
+    const std::string version = redis_version(redis);
     std::string policy = "?";
-    if (auto mem = (*redis)->command({"CONFIG", "GET", "maxmemory-policy"});
-        mem.is_ok() && mem->size() == 2) {
+    if (auto mem = redis.command({"CONFIG", "GET", "maxmemory-policy"}); mem.is_ok() && mem->size() == 2) {
       policy = mem->raw()->element[1]->str;
     }
     char ms[32];
@@ -126,10 +126,10 @@ class Doctor {
           "redis-cli CONFIG SET maxmemory-policy noeviction (and in redis.conf)");
     }
 
-    metadata::Catalog& c = **s_.catalog();
-    if (Status st = c.check_schema(); !st.is_ok()) {
+    if (Status st = (*cell)->check_schema(); !st.is_ok()) {
       add("cell schema", "fail", st.message(), "run the same kvstash release everywhere in the cell");
     }
+    metadata::CellAdmin& c = (*cell)->admin();
     auto sum = c.summary();  // also proves that scripting works for this user
     if (!sum.is_ok()) {
       add("lua scripts", "fail", "running a kvstash script failed: " + sum.status().message(),
@@ -141,14 +141,14 @@ class Doctor {
     for (const auto* sc : all) args.push_back(sc->sha);
     std::vector<std::string_view> views(args.begin(), args.end());
     std::size_t cached = 0;
-    if (auto ex = (*redis)->command(views); ex.is_ok()) {
+    if (auto ex = redis.command(views); ex.is_ok()) {
       for (std::size_t i = 0; i < ex->size(); ++i) cached += ex->raw()->element[i]->integer == 1;
     }
     add("lua scripts", "ok",
         std::to_string(cached) + " of " + std::to_string(all.size()) +
             " kvstash scripts cached in Redis (the others load on first use)");
 
-    if (auto t = (*redis)->command({"TIME"}); t.is_ok() && t->size() == 2) {
+    if (auto t = redis.command({"TIME"}); t.is_ok() && t->size() == 2) {
       const double redis_ms =
           std::stod(t->raw()->element[0]->str) * 1000 + std::stod(t->raw()->element[1]->str) / 1000;
       const double local_ms =

@@ -9,7 +9,7 @@
 #include "common/units.h"
 #include "common/wire.h"
 #include "kvstash/store.h"
-#include "metadata/catalog.h"
+#include "metadata/cell.h"
 
 namespace kvstash::cli {
 namespace {
@@ -60,19 +60,19 @@ struct LsOptions {
 };
 
 int ls(Session& s, const LsOptions& o) {
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
   // SCAN, never KEYS: the cell keeps serving. Unsorted, stop at the limit; sorted, every
   // match is looked at (the limit applies to what is printed).
   std::vector<metadata::ObjectInfo> found;
   std::int64_t now = 0;
   std::string cursor = "0";
   do {
-    auto page = (*cat)->scan_objects(o.pattern, cursor, 512);
+    auto page = (*cell)->admin().scan_objects(o.pattern, cursor, 512);
     if (!page.is_ok()) return fail(page.status(), "ls", &s);
     cursor = page->cursor;
     if (page->keys.empty()) continue;
-    auto infos = (*cat)->describe(page->keys, &now);
+    auto infos = (*cell)->admin().describe(page->keys, &now);
     if (!infos.is_ok()) return fail(infos.status(), "ls", &s);
     for (auto& i : *infos) {
       if (i.exists) found.push_back(std::move(i));
@@ -127,13 +127,13 @@ std::string extents_text(const std::vector<metadata::Extent>& ex) {
 }
 
 int show(Session& s, const std::string& key) {
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
-  auto rec = (*cat)->stat(key);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
+  auto rec = (*cell)->catalog().stat(key);
   if (!rec.is_ok()) return fail(plain(rec.status(), key, s), "show", &s);
   std::int64_t now = 0;
   const std::vector<std::string> keys{key};
-  auto info = (*cat)->describe(keys, &now);
+  auto info = (*cell)->admin().describe(keys, &now);
   if (!info.is_ok()) return fail(info.status(), "show " + key, &s);
   const metadata::ObjectInfo& i = info->front();
   if (s.json()) {
@@ -165,10 +165,10 @@ int show(Session& s, const std::string& key) {
 }
 
 int rm(Session& s, const std::vector<std::string>& keys, bool yes) {
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
   if (!yes) {
-    auto infos = (*cat)->describe(keys);
+    auto infos = (*cell)->admin().describe(keys);
     if (!infos.is_ok()) return fail(infos.status(), "rm", &s);
     std::size_t n = 0;
     for (const auto& i : *infos) n += i.exists;
@@ -178,7 +178,7 @@ int rm(Session& s, const std::vector<std::string>& keys, bool yes) {
   json j = json::array();
   int rc = kExitOk;
   for (const auto& k : keys) {
-    Status st = (*cat)->remove(k);
+    Status st = (*cell)->catalog().remove(k);
     j.push_back({{"key", k}, {"status", to_string(st.code())}});
     if (!st.is_ok()) {
       rc = std::max(rc, fail(plain(st, k, s), "rm", &s));
@@ -197,11 +197,11 @@ int touch(Session& s, const std::vector<std::string>& keys, const std::string& t
     if (!d.is_ok()) return fail(d.status(), "touch --ttl", &s);
     t = *d;
   }
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
   int rc = kExitOk;
   for (const auto& k : keys) {
-    Status st = (*cat)->touch(k, t);
+    Status st = (*cell)->catalog().touch(k, t);
     if (!st.is_ok()) {
       rc = std::max(rc, fail(plain(st, k, s), "touch", &s));
     } else if (!s.json()) {
@@ -242,10 +242,10 @@ int evict(Session& s, const EvictOptions& o) {
                   "evict", &s);
     bytes = *b;
   }
-  auto cat = s.catalog();
-  if (!cat.is_ok()) return fail(cat.status(), "connecting to Redis", &s);
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
   std::int64_t now = 0;
-  auto chosen = (*cat)->evict_lru(idle, bytes, !o.yes, o.limit, &now);
+  auto chosen = (*cell)->admin().evict_lru(idle, bytes, !o.yes, o.limit, &now);
   if (!chosen.is_ok()) return fail(chosen.status(), "evict", &s);
   std::uint64_t total = 0;
   for (const auto& e : *chosen) total += e.size;

@@ -1,0 +1,151 @@
+// The words of the metadata plane that every audience shares: the records the Lua scripts keep
+// (nodes, objects and their extents, leases) as the catalogs hand them out, and the rules on
+// keys and ids (docs/metadata.md). Plain values: no I/O, safe from any thread.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/checksum.h"
+#include "kvstash/status.h"
+
+namespace kvstash::metadata {
+
+// The schema this build reads and writes (the cell's `schema` field).
+// 2: puts' pages return only through their memory nodes' fences (`fenced`), and a restarted
+// or dead node's objects are swept in batches.
+// 3: an object's checksum is the xxh3 tree (common/checksum.h), stored as "<hex>/<segment>".
+inline constexpr int kSchemaVersion = 3;
+
+struct NodeRecord {
+  std::string id;     // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
+  std::string epoch;  // random per start: a new epoch means the old memory is gone
+  std::uint64_t page_size = 0;
+  std::uint64_t page_count = 0;
+  std::string address;  // the node engine's address blob
+  std::string key;      // the pool region's remote-key blob
+};
+
+// How to reach a node's pool.
+struct NodeEndpoint {
+  std::string id;
+  std::string address;
+  std::string key;
+};
+
+// One page of an object: which node, which page, and the page's generation at allocation.
+struct Extent {
+  std::string node;
+  std::uint64_t page = 0;
+  std::int64_t generation = 0;
+  bool operator==(const Extent&) const = default;
+};
+
+// Where an object's pages are. `extents` is in object order: byte b of the object lives in
+// extents[b / page_size] at offset b % page_size.
+struct Placement {
+  std::uint64_t page_size = 0;
+  std::vector<Extent> extents;
+  std::vector<NodeEndpoint> nodes;
+  std::string extents_text;  // the record's own form, handed back to end_get
+  // The put's or read's lease deadline, in ms of Redis's clock: the fence tag its transfers
+  // carry to the nodes (LeaseOptions::fence).
+  std::int64_t lease_deadline_ms = 0;
+};
+
+// A leased read: what the object is and where its pages are.
+struct ReadLease {
+  std::string object_token;  // the put that wrote it
+  std::uint64_t size = 0;
+  sum::ObjectSum checksum;
+  std::string layout;
+  Placement placement;
+};
+
+struct ObjectRecord {
+  std::uint64_t size = 0;
+  sum::ObjectSum checksum;
+  std::string layout;
+  std::uint64_t pages = 0;
+  std::vector<std::string> nodes;
+  std::int64_t ttl_ms = -1;     // time left; -1: no expiry
+  std::string version;          // the token of the put that wrote it
+  std::vector<Extent> extents;  // in object order
+};
+
+struct NodeStatus {
+  std::string state;  // up, draining, dead, gone
+  std::string epoch;
+  std::uint64_t page_size = 0;
+  std::uint64_t page_count = 0;
+  std::uint64_t free_pages = 0;
+  std::uint64_t objects = 0;
+  std::int64_t heartbeat_in_ms = 0;  // until the heartbeat deadline; negative: past it
+};
+
+struct ReclaimCounts {
+  std::uint64_t expired = 0;           // objects past their TTL
+  std::uint64_t abandoned_puts = 0;    // pending puts past their lease
+  std::uint64_t zombies = 0;           // released pages whose last read lease ran out
+  std::uint64_t dead_nodes = 0;        // nodes past their heartbeat deadline
+  std::uint64_t orphaned_objects = 0;  // objects dropped with them
+  std::uint64_t fencing_puts = 0;      // puts past their lease, waiting for a node's fence
+  std::uint64_t swept = 0;             // objects of dead or restarted nodes released
+  bool more = false;                   // a limit was reached: run reclaim again
+};
+
+struct EvictCounts {
+  std::uint64_t objects = 0;
+  std::uint64_t pages = 0;
+};
+
+// The cell at a glance (the counters count since the cell's Redis was created).
+struct CellSummary {
+  std::uint64_t page_size = 0;
+  std::uint64_t objects = 0;
+  std::uint64_t bytes = 0;    // sum of the objects' sizes
+  std::uint64_t hits = 0;     // gets that found their object
+  std::uint64_t misses = 0;   // gets that did not
+  std::uint64_t evicted = 0;  // objects evicted (for room, or by an operator)
+  std::uint64_t expired = 0;  // objects released at their TTL
+  std::int64_t now_ms = 0;    // Redis's clock
+};
+
+// One object as an operator sees it (read-only: looking does not touch it).
+struct ObjectInfo {
+  std::string key;
+  bool exists = false;
+  std::uint64_t size = 0;
+  std::int64_t created_ms = 0;
+  std::int64_t expires_ms = 0;  // 0: never
+  std::int64_t last_access_ms = 0;
+  std::vector<std::string> nodes;
+  std::optional<sum::ObjectSum> checksum;  // none when the record's is malformed
+  std::uint64_t readers = 0;               // live read leases
+};
+
+// A page of SCAN over object keys.
+struct ObjectScan {
+  std::vector<std::string> keys;
+  std::string cursor;  // "0" when the scan is complete
+};
+
+struct EvictedObject {
+  std::string key;
+  std::uint64_t size = 0;
+  std::int64_t last_access_ms = 0;
+};
+
+// The prefix of every key of cell `cell`: kvs:{kvs:<cell>} (one hash tag for the whole cell).
+std::string cell_prefix(std::string_view cell);
+// Object keys: 1..1024 bytes. kInvalidArgument otherwise.
+Status validate_object_key(std::string_view key);
+// Node ids: 1..64 characters of [A-Za-z0-9._-].
+bool valid_node_id(std::string_view id);
+// Parses "node,page,generation;..." (kCorrupt when malformed).
+Result<std::vector<Extent>> parse_extents(std::string_view text);
+
+}  // namespace kvstash::metadata
