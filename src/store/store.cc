@@ -1,7 +1,8 @@
-// The Store: open, its Redis connections, the operations that are one script each (stat,
+// The Store: open, the operations that are one script each (stat,
 // contains_prefix, remove, touch), the async wrappers and cancel tokens. Puts are in
-// put_stream.cc, gets in get.cc; store_internal.h maps the rest. Redis connections are
-// borrowed only around metadata calls, so a slow transfer never holds one.
+// put_stream.cc, gets in get.cc; store_internal.h maps the rest. Redis connections come from
+// a metadata::CellPool and are held only around metadata calls, so a slow transfer never
+// holds one.
 #include "kvstash/store.h"
 
 #include <algorithm>
@@ -33,57 +34,6 @@ std::string store::random_token() {
   return s;
 }
 
-// ---- the Redis connections --------------------------------------------------------------------
-
-Result<std::unique_ptr<Store::Impl::Conn>> Store::Impl::connect() {
-  metadata::RedisOptions ro;
-  ro.url = options.redis_url;
-  ro.password = options.redis_password;
-  ro.command_timeout = options.redis_timeout;
-  ro.connect_timeout = options.redis_timeout;
-  KVSTASH_ASSIGN_OR_RETURN(auto redis, metadata::RedisClient::connect(ro));
-  auto c = std::make_unique<Conn>();
-  c->catalog = std::make_unique<metadata::Catalog>(*redis, options.cell);
-  c->redis = std::move(redis);
-  return c;
-}
-
-Result<Store::Impl::Borrowed> Store::Impl::borrow(Deadline deadline) {
-  std::unique_lock lock(pool_mu);
-  for (;;) {
-    if (!idle.empty()) {
-      auto c = std::move(idle.back());
-      idle.pop_back();
-      c->redis->set_deadline(deadline);
-      return Borrowed(this, std::move(c));
-    }
-    if (open_conns < std::max<std::uint32_t>(1, options.redis_connections)) break;
-    if (pool_cv.wait_until(lock, deadline) == std::cv_status::timeout) {
-      return Status::timeout("store: no Redis connection came free before the deadline");
-    }
-  }
-  ++open_conns;
-  lock.unlock();
-  auto c = connect();
-  if (!c.is_ok()) {
-    std::lock_guard relock(pool_mu);
-    --open_conns;
-    pool_cv.notify_one();
-    return c.status();
-  }
-  (*c)->redis->set_deadline(deadline);
-  return Borrowed(this, std::move(c).value());
-}
-
-void Store::Impl::give_back(std::unique_ptr<Conn> c) {
-  c->redis->set_deadline(std::nullopt);
-  {
-    std::lock_guard lock(pool_mu);
-    idle.push_back(std::move(c));
-  }
-  pool_cv.notify_one();
-}
-
 // ---- Store ----------------------------------------------------------------------------------
 
 Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -102,15 +52,21 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  KVSTASH_ASSIGN_OR_RETURN(auto first, impl->connect());
-  KVSTASH_RETURN_IF_ERROR(first->catalog->check_schema());
-  if (options.rkey_scope) {
-    impl->scope = *options.rkey_scope;
-  } else {
-    KVSTASH_ASSIGN_OR_RETURN(impl->scope, first->catalog->rkey_scope());
+  metadata::CellOptions cell{.cell = options.cell};
+  cell.redis.url = options.redis_url;
+  cell.redis.password = options.redis_password;
+  cell.redis.command_timeout = options.redis_timeout;
+  cell.redis.connect_timeout = options.redis_timeout;
+  KVSTASH_ASSIGN_OR_RETURN(impl->cells, metadata::CellPool::open(cell, options.redis_connections));
+  {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl->borrow(deadline_after(options.timeout)));
+    KVSTASH_RETURN_IF_ERROR(c.cell().check_schema());
+    if (options.rkey_scope) {
+      impl->scope = *options.rkey_scope;
+    } else {
+      KVSTASH_ASSIGN_OR_RETURN(impl->scope, c->rkey_scope());
+    }
   }
-  impl->open_conns = 1;
-  impl->idle.push_back(std::move(first));
   KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));
   impl->links = std::make_unique<store::NodeLinks>(*impl->engine);
   impl->workers = std::make_unique<ThreadPool>(std::max<std::uint32_t>(1, options.async_threads));

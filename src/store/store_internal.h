@@ -8,7 +8,6 @@
 //   slices.*          the caller's slices: length, host check, checksums
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -19,7 +18,7 @@
 #include "common/thread_pool.h"
 #include "kvstash/store.h"
 #include "metadata/catalog.h"
-#include "metadata/redis_client.h"
+#include "metadata/cell_pool.h"
 #include "store/leases.h"
 #include "store/node_links.h"
 
@@ -59,35 +58,12 @@ struct CancelToken::State {
 };
 
 struct Store::Impl {
-  struct Conn {
-    std::unique_ptr<metadata::RedisClient> redis;
-    std::unique_ptr<metadata::Catalog> catalog;
-  };
-
-  // A Redis connection borrowed from the pool for one metadata call.
-  class Borrowed {
-   public:
-    Borrowed(Impl* impl, std::unique_ptr<Conn> c) : impl_(impl), c_(std::move(c)) {}
-    Borrowed(Borrowed&&) = default;
-    ~Borrowed() {
-      if (c_) impl_->give_back(std::move(c_));
-    }
-    metadata::Catalog* operator->() { return c_->catalog.get(); }
-
-   private:
-    Impl* impl_;
-    std::unique_ptr<Conn> c_;
-  };
-
   StoreOptions options;
   RkeyScope scope = RkeyScope::kConnection;  // the cell's, or options.rkey_scope
   std::unique_ptr<Engine> engine;
   std::unique_ptr<store::NodeLinks> links;
 
-  std::mutex pool_mu;
-  std::condition_variable pool_cv;
-  std::vector<std::unique_ptr<Conn>> idle;
-  std::uint32_t open_conns = 0;
+  std::unique_ptr<metadata::CellPool> cells;  // Redis connections, held only around metadata calls
 
   std::unique_ptr<ThreadPool> workers;
   std::unique_ptr<ThreadPool> hashers;  // help hash a large put's segments (sum_segments)
@@ -95,16 +71,13 @@ struct Store::Impl {
   std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
   std::unique_ptr<ThreadPool> aborter;   // confirms failed puts' fences off the callers' path
 
-  // ---- the Redis connections (store.cc)
-  Result<std::unique_ptr<Conn>> connect();
   // A Redis connection for one operation, its commands bounded by the operation's deadline.
-  Result<Borrowed> borrow(Deadline deadline);
-  void give_back(std::unique_ptr<Conn> c);
+  Result<metadata::CellPool::Borrowed> borrow(Deadline deadline) { return cells->borrow(deadline); }
 
   template <typename Fn>
   auto with_catalog(std::optional<Deadline> deadline, Fn fn) -> decltype(fn(std::declval<metadata::Catalog&>())) {
     KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline.value_or(deadline_after(options.timeout))));
-    return fn(*c.operator->());
+    return fn(*c);
   }
 
   store::LeasePolicy lease_policy() const { return {scope, options.put_lease}; }

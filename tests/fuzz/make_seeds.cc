@@ -479,10 +479,12 @@ void catalog() {
     (void)client->command({"FLUSHALL"});
     fuzz::must(node.register_node({"node-1", "epoch-1", 4096, 64, "address", "key"}, 10s), "register_node");
     auto p = fuzz::must(c.begin_put("put-0", "object", 10000, 5s), "begin_put");
-    FUZZ_CHECK(c.commit_put("put-0", "object", 0x0123456789abcdefull, "layout", 0ms).is_ok(), "commit_put");
+    FUZZ_CHECK(c.commit_put("put-0", "object", sum::ObjectSum{0x0123456789abcdefull}, "layout", 0ms).is_ok(),
+               "commit_put");
     for (const auto& k : {"chunk/0", "chunk/1"}) {
       fuzz::must(c.begin_put(std::string("put-") + k, k, 100, 5s), "begin_put");
-      FUZZ_CHECK(c.commit_put(std::string("put-") + k, k, 1, "layout", 0ms).is_ok(), "commit_put");
+      FUZZ_CHECK(c.commit_put(std::string("put-") + k, k, sum::ObjectSum{1}, "layout", 0ms).is_ok(),
+                 "commit_put");
     }
     (void)p;
   };
@@ -508,7 +510,8 @@ void catalog() {
       {"begin_put", 8, [&] { (void)c.begin_put("put-token", "object", 10000, 5s); }},
       {"commit_put", 9,
        [&] {
-         (void)c.commit_put("put-token", "object", 0x0123456789abcdefull, "layout", 0ms, std::string("old"));
+         (void)c.commit_put("put-token", "object", sum::ObjectSum{0x0123456789abcdefull}, "layout", 0ms,
+                           std::string("old"));
        },
        [&] { (void)c.begin_put("put-token", "object", 10000, 5s); }},
       {"abort_put", 10,
