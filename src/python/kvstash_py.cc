@@ -215,7 +215,7 @@ PYBIND11_MODULE(kvstash, m) {
           "layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); },
           py::arg("layer"))
       // The layer's readiness as a raw cudaEvent_t (an int) for cudaStreamWaitEvent on the
-      // engine's stream (kvstash/torch_streams.py wraps it for torch); owned by the load.
+      // engine's stream (torch: torch.cuda.current_stream().cuda_stream); owned by the load.
       .def(
           "wait_layer_on",
           [](PyLoad& l, std::uint32_t layer, std::uintptr_t stream) {

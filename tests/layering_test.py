@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The house's layers, held against the code: every #include "..." of src/, include/, tools/
+and bench/ must point into a folder its layer may include (docs/architecture.md, "Layers",
+and each folder's README). Fails naming each include that runs the wrong way.
+
+usage: layering_test.py SOURCE_ROOT
+"""
+import os
+import re
+import sys
+
+# (layer, the folders it may include besides its own). A layer is the longest prefix of a
+# file's path listed here. "include/kvstash/<header>" entries allow single public headers.
+PUBLIC = "include/kvstash"
+TRANSFER_WORDS = [f"{PUBLIC}/{h}" for h in ("transfer.h", "types.h", "status.h", "memory.h")]
+RULES = {
+    "include/kvstash": [],
+    "src/common": [PUBLIC],
+    "src/memory": [PUBLIC, "src/common"],
+    # Transports: the data plane's words, never the engine's header, never another transport.
+    "src/transport": TRANSFER_WORDS + ["src/common", "src/memory"],
+    "src/transport/shm": TRANSFER_WORDS + ["src/common", "src/memory", "src/transport/transport.h",
+                                           "src/transport/registry.h"],
+    "src/transport/tcp": TRANSFER_WORDS + ["src/common", "src/memory", "src/transport/transport.h",
+                                           "src/transport/registry.h"],
+    "src/transport/ucx": TRANSFER_WORDS + ["src/common", "src/memory", "src/transport/transport.h",
+                                           "src/transport/registry.h"],
+    "src/transport/verbs": TRANSFER_WORDS + ["src/common", "src/memory", "src/transport/transport.h",
+                                             "src/transport/registry.h"],
+    # The engine: the transport interface and the registry, never a transport's own folder.
+    "src/engine": [PUBLIC, "src/common", "src/transport/transport.h", "src/transport/registry.h"],
+    "src/metadata": [PUBLIC, "src/common"],
+    "src/store": [PUBLIC, "src/common", "src/metadata"],
+    "src/kvcache": [PUBLIC, "src/common"],
+    "src/node": [PUBLIC, "src/common", "src/metadata"],
+    # The bindings: the public API (and the token check), nothing internal.
+    "src/capi": [PUBLIC, "src/common/system.h"],
+    "src/python": [PUBLIC, "src/common/system.h"],
+    "tools": [PUBLIC, "src/common", "src/metadata", "src/node", "tools/common"],
+    "bench": [PUBLIC, "src/common", "src/metadata", "src/kvcache/cuda", "tools/common"],
+}
+SEARCH = ["include", "src", ""]  # the build's include directories, in order
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+
+
+def layer_of(path):
+    best = None
+    for layer in RULES:
+        if (path == layer or path.startswith(layer + "/")) and (best is None or len(layer) > len(best)):
+            best = layer
+    return best
+
+
+def resolve(root, source, name):
+    for base in [os.path.dirname(source)] + SEARCH:
+        candidate = os.path.normpath(os.path.join(base, name))
+        if os.path.isfile(os.path.join(root, candidate)):
+            return candidate
+    return None  # generated (kvstash_config.h, builtin_transports.h, lua_scripts.h) or a system header
+
+
+def allowed(source_layer, target):
+    if layer_of(target) == source_layer or target.startswith(source_layer + "/"):
+        return True
+    return any(target == a or target.startswith(a + "/") for a in RULES[source_layer])
+
+
+def main():
+    root = sys.argv[1]
+    wrong, files = [], 0
+    for top in ("include", "src", "tools", "bench"):
+        for folder, _, names in os.walk(os.path.join(root, top)):
+            for name in sorted(names):
+                if not name.endswith((".h", ".cc", ".cu", ".c")):
+                    continue
+                source = os.path.relpath(os.path.join(folder, name), root)
+                layer = layer_of(source)
+                if layer is None:
+                    wrong.append(f"{source}: in no layer of this test's table (add its folder)")
+                    continue
+                files += 1
+                with open(os.path.join(root, source), errors="replace") as f:
+                    for number, line in enumerate(f, 1):
+                        m = INCLUDE.match(line)
+                        if not m:
+                            continue
+                        target = resolve(root, source, m.group(1))
+                        if target is not None and not allowed(layer, target):
+                            wrong.append(f"{source}:{number}: {layer} may not include {target}")
+    if wrong:
+        print("includes that run against the layers (docs/architecture.md):")
+        for w in wrong:
+            print("  " + w)
+        return 1
+    print(f"{files} files, every include within its layer's rules")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
