@@ -17,7 +17,8 @@ std::uint64_t splitmix64(std::uint64_t& state);
 
 // Bytes that differ per backend, round and session. A word at a time: generating a GiB must
 // not take longer than moving it.
-void fill_pattern(std::byte* p, std::size_t n, std::uint64_t backend, std::uint64_t round, std::uint64_t session);
+void fill_pattern(std::byte* p, std::size_t n, std::uint64_t backend, std::uint64_t round,
+                  std::uint64_t session);
 
 // Session sizes: every one `object_size`, or a token count drawn with a fixed seed (the same
 // sessions in every run and on every machine) times the KV bytes of a token.

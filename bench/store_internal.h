@@ -34,7 +34,9 @@ struct Row {
   std::string skipped;  // not measured, and why (not a failure)
 };
 
-inline double gbps(const OpStats& s) { return s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0; }
+inline double gbps(const OpStats& s) {
+  return s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0;
+}
 
 class StoreBench {
  public:

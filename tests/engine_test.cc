@@ -188,7 +188,8 @@ TEST(Engine, PartsOfUnknownTransportsArePassedOver) {
   auto p = t.a->connect(blobs::encode_parts(blobs::kAddressMagic, 0, 0, address.parts, false));
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   EXPECT_EQ((*p)->transport(), TransportKind::kTcp);
-  auto remote = (*p)->import_key(blobs::encode_parts(blobs::kKeyMagic, key.base, key.length, key.parts, true));
+  auto remote =
+      (*p)->import_key(blobs::encode_parts(blobs::kKeyMagic, key.base, key.length, key.parts, true));
   ASSERT_TRUE(remote.is_ok()) << remote.status().to_string();
   std::memset(t.local.data(), 0x5a, 4096);
   TransferEntry e{TransferOp::kWrite, &t.local_mem, t.local.data(), remote->base(), &*remote, 4096};
@@ -212,7 +213,8 @@ TEST(Engine, ProbeReportsEveryTransport) {
   ASSERT_NE(named("transport shm"), found.end());
   for (TransportKind kind : kTransportKinds) {
     auto started = Engine::create({.transports = {kind}});
-    const bool built = started.is_ok() || started.status().message().find("this build has no") == std::string::npos;
+    const bool built =
+        started.is_ok() || started.status().message().find("this build has no") == std::string::npos;
     const auto missing = named("transport " + std::string(to_string(kind)));
     if (!built) {
       ASSERT_NE(missing, found.end()) << to_string(kind);

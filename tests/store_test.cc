@@ -909,7 +909,7 @@ TEST_F(StoreTest, ANodeThatRejoinsFencesThePutsOfItsEarlierLife) {
   const std::string epoch = cell_->admin().node_status("n1")->epoch;
 
   ASSERT_EQ(::kill(n->pid(), SIGSTOP), 0);
-  std::this_thread::sleep_for(1500ms);       // past the heartbeat deadline
+  std::this_thread::sleep_for(1500ms);                   // past the heartbeat deadline
   ASSERT_TRUE(cell_->node_catalog().reclaim().is_ok());  // what any other node's sweep does: declared dead
   ASSERT_EQ(::kill(n->pid(), SIGCONT), 0);
   ASSERT_TRUE(eventually([&] {

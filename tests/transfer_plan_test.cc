@@ -17,7 +17,7 @@ constexpr std::uint64_t kPage = 4096;
 struct Cell {
   metadata::Placement placement;
   std::map<std::string, std::vector<std::byte>> pools;  // node -> its pool
-  std::vector<RemoteMemory> leases;                      // one per node (what entries name)
+  std::vector<RemoteMemory> leases;                     // one per node (what entries name)
   std::vector<TransferPlan::Node> nodes;
 
   // `pages` as (node, page) in object order.
@@ -74,7 +74,8 @@ Planned plan_all(Cell& cell, std::span<const Slice> slices, std::uint64_t begin,
   std::vector<MemoryHandle> handles(slices.size());
   std::vector<const MemoryHandle*> handle_of;
   for (const auto& h : handles) handle_of.push_back(&h);
-  TransferPlan plan(TransferOp::kWrite, cell.placement, cell.nodes, slices, handle_of, begin, end, wave_bytes);
+  TransferPlan plan(TransferOp::kWrite, cell.placement, cell.nodes, slices, handle_of, begin, end,
+                    wave_bytes);
   Planned out;
   std::vector<std::vector<TransferEntry>> by_node;
   for (;;) {

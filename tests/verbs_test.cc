@@ -421,10 +421,10 @@ bool eventually(Pred pred, std::chrono::milliseconds limit = 5s) {
 std::string control_of(const Transport& t) { return decode_address(t.local_address()).value().control; }
 
 // A TCP connection to `t`'s setup listener that sends `bytes` (maybe none) and then nothing.
-net::Fd raw_setup_socket(const Transport& t, std::string_view bytes = {}) {
+UniqueFd raw_setup_socket(const Transport& t, std::string_view bytes = {}) {
   auto fd = net::connect_tcp(net::parse_host_port(control_of(t)).value(), deadline_after(5s));
   EXPECT_TRUE(fd.is_ok()) << fd.status().to_string();
-  if (!fd.is_ok()) return net::Fd();
+  if (!fd.is_ok()) return UniqueFd();
   if (!bytes.empty()) {
     EXPECT_TRUE(net::send_all(fd->get(), bytes.data(), bytes.size(), deadline_after(5s), "raw").is_ok());
   }
@@ -616,10 +616,10 @@ TEST(VerbsTransport, IdleSetupSocketsDelayNoConnectAndAreClosedAtTheHandshakeTim
   START_VERBS(target, o);
   START_VERBS(client, {});
   Leased m(*target, *client);
-  std::vector<net::Fd> idle;
+  std::vector<UniqueFd> idle;
   for (int i = 0; i < 10; ++i)
     idle.push_back(raw_setup_socket(*target, i % 2 == 0 ? "" : std::string_view("\0\0", 2)));
-  net::Fd oversize = raw_setup_socket(*target, std::string_view("\x00\x10\x00\x00", 4));  // a 1 MiB "hello"
+  UniqueFd oversize = raw_setup_socket(*target, std::string_view("\x00\x10\x00\x00", 4));  // a 1 MiB "hello"
   const auto t0 = std::chrono::steady_clock::now();
   auto ep = client->connect(target->local_address(), deadline_after(10s));
   ASSERT_TRUE(ep.is_ok()) << ep.status().to_string();
@@ -643,9 +643,9 @@ TEST(VerbsTransport, ConnectionsOverTheCapsAreRefusedAtAccept) {
   per_peer.max_connections_per_peer = 3;
   START_VERBS(target, per_peer);
   START_VERBS(client, {});
-  std::vector<net::Fd> held;
+  std::vector<UniqueFd> held;
   for (int i = 0; i < 3; ++i) held.push_back(raw_setup_socket(*target));
-  net::Fd over = raw_setup_socket(*target);
+  UniqueFd over = raw_setup_socket(*target);
   EXPECT_TRUE(closed_within(over.get(), 2s))
       << "a fourth connection from one address must be closed at accept";
   const auto t0 = std::chrono::steady_clock::now();

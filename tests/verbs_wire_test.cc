@@ -234,7 +234,7 @@ TEST(VerbsWire, TheLargestLeaseMessagesFitALeaseFrame) {
 TEST(VerbsWire, SetupFramesCarryTheLargestLeaseAndRefuseOversizeOnes) {
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv), 0);
-  net::Fd a(sv[0]), b(sv[1]);
+  UniqueFd a(sv[0]), b(sv[1]);
   LeaseRequest q{.id = 5, .region_rkey = 1, .write = false, .ttl_ms = 1000, .fence = 3, .ranges = {}};
   for (std::size_t i = 0; i < kMaxLeaseRanges; ++i) q.ranges.push_back({(i + 1) << 16, 512});
   const std::string request = encode_lease_request(q);
@@ -252,7 +252,7 @@ TEST(VerbsWire, SetupFramesCarryTheLargestLeaseAndRefuseOversizeOnes) {
   std::thread again([&] { (void)write_frame(a.get(), request, deadline); });
   got = read_frame(b.get(), kMaxSetupFrame, deadline);
   EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument) << got.status().to_string();
-  b = net::Fd();  // unblocks the writer
+  b = UniqueFd();  // unblocks the writer
   again.join();
 }
 

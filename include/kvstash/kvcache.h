@@ -19,9 +19,9 @@
 // layer by layer, within a layer K then V (or the MLA latent alone), within those the
 // chunk's blocks in token order, each block's bytes as the engine keeps them (NHD or HND:
 // part of the key's salt, so caches of different layouts never share objects). Its object
-// layout (PutOptions::object_layout) holds the layout tag and each layer's checksum ("<tag>;xxh3=<16 hex>,...": the sum of
-// the layer as one checksum segment, computed by the device where the bytes are), which a
-// layer-wise load checks as each layer lands, on the device.
+// layout (PutOptions::object_layout) holds the layout tag and each layer's checksum ("<tag>;xxh3=<16
+// hex>,...": the sum of the layer as one checksum segment, computed by the device where the bytes are), which
+// a layer-wise load checks as each layer lands, on the device.
 //
 // Thread safety: KvLayout is a value; KvCache is safe to use from several threads.
 #pragma once

@@ -174,12 +174,12 @@ Result<std::vector<std::string>> resolve(const std::string& host, Deadline deadl
   return out;
 }
 
-Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline) {
+Result<UniqueFd> connect_tcp(const HostPort& hp, Deadline deadline) {
   const std::string port = std::to_string(hp.port);
   KVSTASH_ASSIGN_OR_RETURN(AddrInfo found, addresses(hp.host, port, deadline));
   Status last = Status::unavailable("no address for '" + hp.host + "'");
   for (addrinfo* ai = found.get(); ai != nullptr; ai = ai->ai_next) {
-    Fd s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    UniqueFd s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (s.get() < 0) return Status::from_errno("socket", errno);
     if (::connect(s.get(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
       last = Status::unavailable("connect " + hp.host + ":" + port + ": " + std::strerror(errno));

@@ -24,9 +24,6 @@ Result<HostPort> parse_host_port(std::string_view s);
 // "host:0" for "host:port" (also "[v6]:port"): another listener on the same host, any port.
 std::string same_host_any_port(std::string_view host_port);
 
-// An owned file descriptor: UniqueFd (common/fd.h), under the name the socket code uses.
-using Fd = UniqueFd;
-
 // Blocking socket helpers for connection setup (handshakes), each bounded by a deadline.
 // `what` names the step in errors: kTimeout "<what> timed out", kUnavailable "<what>: ...".
 Status wait_fd(int fd, short events, Deadline deadline, std::string_view what);
@@ -36,7 +33,7 @@ Status recv_all(int fd, void* data, std::size_t n, Deadline deadline, std::strin
 // A non-blocking TCP connection (TCP_NODELAY) to the first address of `hp` that answers.
 // Name resolution counts against the deadline too. Errors: kUnavailable (unresolvable,
 // refused), kTimeout.
-Result<Fd> connect_tcp(const HostPort& hp, Deadline deadline);
+Result<UniqueFd> connect_tcp(const HostPort& hp, Deadline deadline);
 
 // The numeric addresses of `host` (itself when it is one), resolved within the deadline.
 // Errors: kUnavailable (unresolvable), kTimeout.

@@ -26,7 +26,8 @@ int rank(const transport::Transport& t) {
   return (c.one_sided ? 0 : 4) + (c.same_host_only ? 0 : 2) + (c.leases ? 0 : 1);
 }
 
-Result<std::unique_ptr<transport::Transport>> start_transport(TransportKind kind, const EngineOptions& options) {
+Result<std::unique_ptr<transport::Transport>> start_transport(TransportKind kind,
+                                                              const EngineOptions& options) {
   const transport::Plugin* plugin = transport::find_plugin(kind);
   if (plugin == nullptr) {
     return Status::unsupported("this build has no " + std::string(to_string(kind)) +

@@ -9,8 +9,8 @@
 #include <thread>
 #include <unordered_set>
 
-#include "common/log.h"
 #include "common/asio.h"
+#include "common/log.h"
 
 namespace kvstash::node {
 namespace {

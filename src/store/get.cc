@@ -53,8 +53,8 @@ class CancelToken::Scope {
   std::vector<Batch*> mine_;
 };
 
-Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice> into, const GetInto* into_for,
-                                    const GetOptions& o) {
+Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice> into,
+                                    const GetInto* into_for, const GetOptions& o) {
   KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
   if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
   const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
@@ -86,7 +86,8 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
     // into device memory with the check on: nothing is read
   } else if (store::total_length(into) < lease->size) {
     moved = Status::invalid_argument("store: buffers hold " + std::to_string(store::total_length(into)) +
-                                     " bytes, object " + std::string(key) + " has " + std::to_string(lease->size));
+                                     " bytes, object " + std::string(key) + " has " +
+                                     std::to_string(lease->size));
   } else if (lease->size > 0) {
     std::deque<MemoryHandle> temp;
     const auto t0 = Clock::now();

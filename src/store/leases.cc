@@ -19,8 +19,9 @@ constexpr std::chrono::milliseconds kPoolReadLease = std::chrono::minutes(5);
 // past it, so that no window outlives a put it serves by more than that put's own lease: a
 // node fenced past a failed put's deadline has fenced every window that could write into its
 // pages.
-Result<NodeLink::PoolLease> pooled_lease(NodeLink& link, const LeasePolicy& policy, const NodeLink::Path* path,
-                                         TransferOp op, const metadata::Placement& p, Clock::time_point until,
+Result<NodeLink::PoolLease> pooled_lease(NodeLink& link, const LeasePolicy& policy,
+                                         const NodeLink::Path* path, TransferOp op,
+                                         const metadata::Placement& p, Clock::time_point until,
                                          Deadline deadline, OpTimings* timings) {
   const int pi = path == &link.main ? 0 : 1;
   const int oi = op == TransferOp::kRead ? 0 : 1;
@@ -41,7 +42,8 @@ Result<NodeLink::PoolLease> pooled_lease(NodeLink& link, const LeasePolicy& poli
     lo.ttl = kPoolReadLease;
     fresh.until = Clock::now() + kPoolReadLease - kPoolReadLease / 10;
   } else {
-    lo.ttl = std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
+    lo.ttl = std::max(std::chrono::milliseconds(1),
+                      std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
     lo.fence = static_cast<std::uint64_t>(p.lease_deadline_ms);
     fresh.fence = p.lease_deadline_ms;
     fresh.until = until;
@@ -61,7 +63,8 @@ Result<NodeLink::PoolLease> pooled_lease(NodeLink& link, const LeasePolicy& poli
 }
 
 // The node's pages of `p` as runs of adjacent pages, in the node's address space.
-std::vector<RemoteRange> page_runs(const metadata::Placement& p, const std::string& node, std::uint64_t base) {
+std::vector<RemoteRange> page_runs(const metadata::Placement& p, const std::string& node,
+                                   std::uint64_t base) {
   std::vector<std::uint64_t> pages;
   for (const auto& e : p.extents) {
     if (e.node == node) pages.push_back(e.page);
@@ -86,22 +89,25 @@ std::vector<RemoteRange> page_runs(const metadata::Placement& p, const std::stri
 // write into them. verbs binds windows over exactly these pages, or with rkey_scope
 // connection shares a window over the whole pool (pooled_lease); elsewhere the node checks
 // the lease and the engine the ranges.
-Status lease_pages(const LeasePolicy& policy, const metadata::Placement& p, TransferOp op, Clock::time_point until,
-                   Deadline deadline, OpTimings* timings, Leased& l) {
+Status lease_pages(const LeasePolicy& policy, const metadata::Placement& p, TransferOp op,
+                   Clock::time_point until, Deadline deadline, OpTimings* timings, Leased& l) {
   // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
   // generations decide whether its bytes are the object's (a revocable key keeps a reader
   // out of reused pages only from 1 ms on; the checksum and generations cover the rest).
-  const auto ttl =
-      std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
+  const auto ttl = std::max(std::chrono::milliseconds(1),
+                            std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
   l.by_node.assign(p.nodes.size(), {});
   for (std::size_t ni = 0; ni < p.nodes.size(); ++ni) {
     const NodeLink::Path* path = l.paths[ni];
     if (policy.scope == RkeyScope::kConnection && path->peer->lease_asks_peer()) {
       auto shared = pooled_lease(*l.links[ni], policy, path, op, p, until, deadline, timings);
-      if (!shared.is_ok()) return pool_changed_is_stale(shared.status()).with_context("memory node " + p.nodes[ni].id);
-      l.by_node[ni].ranges.emplace_back(RemoteRange{path->remote.base(), path->remote.length()}, l.leases.size());
+      if (!shared.is_ok())
+        return pool_changed_is_stale(shared.status()).with_context("memory node " + p.nodes[ni].id);
+      l.by_node[ni].ranges.emplace_back(RemoteRange{path->remote.base(), path->remote.length()},
+                                        l.leases.size());
       // A write window's end caps the transfers (a read window outlives the operation).
-      const Clock::time_point shared_until = op == TransferOp::kWrite ? shared->until : Clock::time_point::max();
+      const Clock::time_point shared_until =
+          op == TransferOp::kWrite ? shared->until : Clock::time_point::max();
       l.leases.push_back({std::move(shared->lease), l.links[ni], true, shared_until});
       continue;
     }
@@ -109,23 +115,28 @@ Status lease_pages(const LeasePolicy& policy, const metadata::Placement& p, Tran
     for (std::size_t at = 0; at < runs.size(); at += kMaxLeaseRanges) {
       std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxLeaseRanges, runs.size() - at));
       const auto t0 = Clock::now();
-      auto lease = path->peer->lease(
-          path->remote, chunk,
-          {.op = op, .ttl = ttl, .fence = static_cast<std::uint64_t>(p.lease_deadline_ms), .deadline = deadline});
+      auto lease = path->peer->lease(path->remote, chunk,
+                                     {.op = op,
+                                      .ttl = ttl,
+                                      .fence = static_cast<std::uint64_t>(p.lease_deadline_ms),
+                                      .deadline = deadline});
       if (timings != nullptr && path->peer->lease_asks_peer()) {
         ++timings->node_round_trips;
         timings->node += Clock::now() - t0;
       }
-      if (!lease.is_ok()) return pool_changed_is_stale(lease.status()).with_context("memory node " + p.nodes[ni].id);
+      if (!lease.is_ok())
+        return pool_changed_is_stale(lease.status()).with_context("memory node " + p.nodes[ni].id);
       if (op == TransferOp::kWrite && !lease->revocable()) {
         // The node serves its pool without leases on this transport (verbs without memory
         // windows): a write of a failed put could land after its pages were reused.
-        return Status::unsupported("memory node " + p.nodes[ni].id + " cannot fence writes over " +
-                                   std::string(to_string(path->peer->transport())) +
-                                   " (its pool has no leases there): puts need tcp, shm or verbs with memory windows");
+        return Status::unsupported(
+            "memory node " + p.nodes[ni].id + " cannot fence writes over " +
+            std::string(to_string(path->peer->transport())) +
+            " (its pool has no leases there): puts need tcp, shm or verbs with memory windows");
       }
       for (const RemoteRange& r : chunk) l.by_node[ni].ranges.emplace_back(r, l.leases.size());
-      l.leases.push_back({std::make_shared<const RemoteMemory>(std::move(lease).value()), l.links[ni], false});
+      l.leases.push_back(
+          {std::make_shared<const RemoteMemory>(std::move(lease).value()), l.links[ni], false});
     }
   }
   return Status::ok();
@@ -186,7 +197,8 @@ std::vector<std::string> revoke_all(const std::string& key, const std::vector<st
 Status fenced_is_stale(const Status& s) {
   if (s.code() != StatusCode::kPermissionDenied) return s;
   return Status::stale(
-      "store: the memory node ended this transfer's lease (past its deadline, or the node rejoined the cell): " +
+      "store: the memory node ended this transfer's lease (past its deadline, or the node rejoined the "
+      "cell): " +
       s.message());
 }
 

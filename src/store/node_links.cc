@@ -16,10 +16,9 @@ void NodeLink::forget(const RemoteMemory* lease) {
 Result<const NodeLink::Path*> NodeLink::path(TransferOp op) const {
   if (op == TransferOp::kRead || main.peer->leases()) return &main;
   if (fenced_writes.peer) return &fenced_writes;
-  return Status::unsupported("memory node " + id +
-                             ": no transport to it can fence a put's writes at the node (" +
-                             std::string(to_string(main.peer->transport())) +
-                             " cannot); puts need tcp, shm or verbs");
+  return Status::unsupported(
+      "memory node " + id + ": no transport to it can fence a put's writes at the node (" +
+      std::string(to_string(main.peer->transport())) + " cannot); puts need tcp, shm or verbs");
 }
 
 Status pool_changed_is_stale(const Status& s) {
@@ -42,7 +41,8 @@ Result<std::shared_ptr<NodeLink>> NodeLinks::link(const metadata::NodeEndpoint& 
   }
   {
     std::unique_lock lock(l->mu);
-    auto ready = l->connecting.take(lock, deadline, [&] { return l->connected; }, "connect");
+    auto ready = l->connecting.take(
+        lock, deadline, [&] { return l->connected; }, "connect");
     if (!ready.is_ok()) return ready.status().with_context("memory node " + n.id);
     if (*ready) return l;
   }
@@ -68,7 +68,8 @@ Result<std::shared_ptr<NodeLink>> NodeLinks::link(const metadata::NodeEndpoint& 
 }
 
 // Connects to the node and imports its pool key into `out`; on an error `out` stays empty.
-Status NodeLinks::connect_path(const NodeLink& l, bool require_leases, Deadline deadline, NodeLink::Path& out) {
+Status NodeLinks::connect_path(const NodeLink& l, bool require_leases, Deadline deadline,
+                               NodeLink::Path& out) {
   KVSTASH_ASSIGN_OR_RETURN(auto peer, engine_.connect(l.address, deadline, std::nullopt, require_leases));
   auto remote = peer->import_key(l.key, deadline);
   KVSTASH_RETURN_IF_ERROR(pool_changed_is_stale(remote.status()));

@@ -37,9 +37,9 @@ struct PutStream::State {
   std::uint64_t size = 0;
   std::uint64_t written = 0;
   metadata::Placement placement;
-  Deadline deadline;            // the caller's: metadata calls and the abort
-  Deadline transfer_deadline;   // the caller's, capped inside the put lease
-  Clock::time_point began;      // for OpTimings::transfer
+  Deadline deadline;           // the caller's: metadata calls and the abort
+  Deadline transfer_deadline;  // the caller's, capped inside the put lease
+  Clock::time_point began;     // for OpTimings::transfer
   store::Leased leased;
   std::deque<MemoryHandle> temp;  // slices registered for the writes (the batches use them)
   std::vector<store::Wave> waves;
@@ -149,8 +149,9 @@ Status PutStream::check_append(std::uint64_t n, bool whole_segment) const {
 
 Status PutStream::submit(std::span<const Slice> data, std::uint64_t n) {
   State& st = *state_;
-  Status submitted = store::submit_range(*st.impl->engine, st.leased, TransferOp::kWrite, st.placement, st.written,
-                                         st.written + n, data, st.temp, st.transfer_deadline, n, st.waves);
+  Status submitted =
+      store::submit_range(*st.impl->engine, st.leased, TransferOp::kWrite, st.placement, st.written,
+                          st.written + n, data, st.temp, st.transfer_deadline, n, st.waves);
   if (!submitted.is_ok()) {
     st.failed = submitted.with_context(st.key);
     return st.failed;
@@ -185,8 +186,9 @@ Status PutStream::commit() {
   Status moved = st.wait_writes();  // its failure names the key already
   if (moved.is_ok()) moved = object_layout_fits(st.options.object_layout).with_context(st.key);
   if (moved.is_ok() && st.written != st.size) {
-    moved = Status::invalid_argument("store: put of " + st.key + " committed with " + std::to_string(st.written) +
-                                     " of its " + std::to_string(st.size) + " bytes");
+    moved =
+        Status::invalid_argument("store: put of " + st.key + " committed with " + std::to_string(st.written) +
+                                 " of its " + std::to_string(st.size) + " bytes");
   }
   st.finished = true;
   if (!moved.is_ok()) {
@@ -229,11 +231,13 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
     st->placement = std::move(placement).value();
   }
   st->began = Clock::now();
-  const Clock::time_point lease_until = store::within_lease(Deadline::max(), leased_at, impl_->options.put_lease);
+  const Clock::time_point lease_until =
+      store::within_lease(Deadline::max(), leased_at, impl_->options.put_lease);
   st->transfer_deadline = std::min(st->deadline, lease_until);
   if (size > 0) {
-    auto leased = store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite, st->placement,
-                                           lease_until, st->transfer_deadline, options.timings);
+    auto leased =
+        store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite, st->placement,
+                                 lease_until, st->transfer_deadline, options.timings);
     if (!leased.is_ok()) {
       impl_->abort_put(st->key, st->token, st->placement, {}, st->deadline);  // nothing was written
       return leased.status().with_context(st->key);
@@ -258,8 +262,9 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
 // one did not answer in time, off the caller's path: when all confirm, the pages return at
 // once; otherwise they wait in Redis until the put's lease has passed and its nodes have
 // fenced through it, so a late write never lands in a page another put was given.
-void Store::Impl::abort_put(const std::string& key, const std::string& token, const metadata::Placement& placement,
-                            std::vector<store::HeldLease> leases, Deadline deadline) {
+void Store::Impl::abort_put(const std::string& key, const std::string& token,
+                            const metadata::Placement& placement, std::vector<store::HeldLease> leases,
+                            Deadline deadline) {
   std::vector<std::string> nodes;
   for (const auto& n : placement.nodes) nodes.push_back(n.id);
   if (Clock::now() < deadline) {
@@ -284,8 +289,8 @@ void Store::Impl::abort_put(const std::string& key, const std::string& token, co
   });
 }
 
-void Store::Impl::end_put(const std::string& key, const std::string& token, const std::vector<std::string>& fenced,
-                          Deadline deadline) {
+void Store::Impl::end_put(const std::string& key, const std::string& token,
+                          const std::vector<std::string>& fenced, Deadline deadline) {
   auto c = borrow(deadline);
   Status aborted = c.is_ok() ? (*c)->abort_put(token, fenced).status() : c.status();
   if (!aborted.is_ok()) {

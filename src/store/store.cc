@@ -102,7 +102,8 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
   });
 }
 
-Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys, std::optional<Deadline> deadline) {
+Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
+                                           std::optional<Deadline> deadline) {
   return impl_->with_catalog(deadline, [&](metadata::Catalog& c) { return c.contains_prefix(keys); });
 }
 
@@ -119,7 +120,8 @@ std::future<Status> Store::put_async(std::string key, std::vector<Slice> data, P
                                  options = std::move(options)] { return put(key, data, options); });
 }
 
-std::future<Result<ObjectInfo>> Store::get_async(std::string key, std::vector<Slice> into, GetOptions options) {
+std::future<Result<ObjectInfo>> Store::get_async(std::string key, std::vector<Slice> into,
+                                                 GetOptions options) {
   return impl_->workers->submit(
       [this, key = std::move(key), into = std::move(into), options] { return get(key, into, options); });
 }
@@ -130,7 +132,8 @@ std::future<Status> Store::remove_async(std::string key, std::optional<Deadline>
 
 std::future<Status> Store::touch_async(std::string key, std::chrono::milliseconds ttl,
                                        std::optional<Deadline> deadline) {
-  return impl_->workers->submit([this, key = std::move(key), ttl, deadline] { return touch(key, ttl, deadline); });
+  return impl_->workers->submit(
+      [this, key = std::move(key), ttl, deadline] { return touch(key, ttl, deadline); });
 }
 
 std::future<Result<std::size_t>> Store::contains_prefix_async(std::vector<std::string> keys,

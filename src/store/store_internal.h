@@ -75,7 +75,8 @@ struct Store::Impl {
   Result<metadata::CellPool::Borrowed> borrow(Deadline deadline) { return cells->borrow(deadline); }
 
   template <typename Fn>
-  auto with_catalog(std::optional<Deadline> deadline, Fn fn) -> decltype(fn(std::declval<metadata::Catalog&>())) {
+  auto with_catalog(std::optional<Deadline> deadline, Fn fn)
+      -> decltype(fn(std::declval<metadata::Catalog&>())) {
     KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline.value_or(deadline_after(options.timeout))));
     return fn(*c);
   }
@@ -92,7 +93,8 @@ struct Store::Impl {
   // The sums of the `count` consecutive segments of `segment` bytes that the slices hold from
   // their start (the last one may be shorter, ending at `size`), computed by the calling
   // thread and the store's hashing threads in turn.
-  std::vector<std::uint64_t> sum_segments(std::span<const Slice> slices, std::uint64_t size, std::uint64_t segment);
+  std::vector<std::uint64_t> sum_segments(std::span<const Slice> slices, std::uint64_t size,
+                                          std::uint64_t segment);
 
   // ---- gets (get.cc)
   // Reads into `into`, or (when `into_for` is set) into the slices it returns once the

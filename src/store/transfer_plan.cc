@@ -33,12 +33,13 @@ Result<std::optional<std::uint64_t>> TransferPlan::next(std::vector<std::vector<
     const metadata::Extent& e = p_.extents[offset_ / p_.page_size];
     const std::size_t ni = node_index(e.node);
     if (ni >= nodes_.size()) {
-      return Status::corrupt("store: page " + std::to_string(offset_ / p_.page_size) + " of the object is on node " +
-                             e.node + ", which its placement does not list");
+      return Status::corrupt("store: page " + std::to_string(offset_ / p_.page_size) +
+                             " of the object is on node " + e.node + ", which its placement does not list");
     }
     const std::uint64_t in_page = offset_ % p_.page_size;
-    const auto n = static_cast<std::size_t>(std::min(
-        {p_.page_size - in_page, static_cast<std::uint64_t>(slices_[si_].length - soff_), wave_end - offset_}));
+    const auto n = static_cast<std::size_t>(
+        std::min({p_.page_size - in_page, static_cast<std::uint64_t>(slices_[si_].length - soff_),
+                  wave_end - offset_}));
     auto* local = static_cast<std::byte*>(slices_[si_].addr) + soff_;
     const std::uint64_t remote = nodes_[ni].pool_base + e.page * p_.page_size + in_page;
     const RemoteMemory* lease = nodes_[ni].lease_of(remote);

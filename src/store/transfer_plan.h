@@ -31,8 +31,8 @@ class TransferPlan {
   // `nodes` has one entry per p.nodes; `handles[i]` is the registration of `slices[i]`, and
   // the slices hold the object's bytes [begin, end) in order (at least end - begin bytes).
   TransferPlan(TransferOp op, const metadata::Placement& p, std::span<const Node> nodes,
-               std::span<const Slice> slices, std::span<const MemoryHandle* const> handles, std::uint64_t begin,
-               std::uint64_t end, std::uint64_t wave_bytes);
+               std::span<const Slice> slices, std::span<const MemoryHandle* const> handles,
+               std::uint64_t begin, std::uint64_t end, std::uint64_t wave_bytes);
 
   // The next wave: fills `by_node` (resized to one list per node; lists of nodes the wave does
   // not touch are empty) and returns the object offset where the wave ends; nullopt once

@@ -10,10 +10,12 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
                     std::uint64_t begin, std::uint64_t end, std::span<const Slice> slices,
                     std::deque<MemoryHandle>& temp, Deadline deadline, std::uint64_t wave_bytes,
                     std::vector<Wave>& waves) {
-  for (const HeldLease& h : leased.leases) deadline = std::min(deadline, h.until);  // a shared write window's end
-  std::vector<TransportKind> kinds;  // the transports this object's bytes move over
+  for (const HeldLease& h : leased.leases)
+    deadline = std::min(deadline, h.until);  // a shared write window's end
+  std::vector<TransportKind> kinds;          // the transports this object's bytes move over
   for (const NodeLink::Path* path : leased.paths) {
-    if (std::ranges::find(kinds, path->peer->transport()) == kinds.end()) kinds.push_back(path->peer->transport());
+    if (std::ranges::find(kinds, path->peer->transport()) == kinds.end())
+      kinds.push_back(path->peer->transport());
   }
   std::vector<const MemoryHandle*> handles;
   std::uint64_t left = end - begin;
@@ -32,7 +34,9 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
   std::vector<TransferPlan::Node> nodes(p.nodes.size());
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i].pool_base = leased.paths[i]->remote.base();
-    nodes[i].lease_of = [&leased, i](std::uint64_t addr) { return leased.by_node[i].find(leased.leases, addr); };
+    nodes[i].lease_of = [&leased, i](std::uint64_t addr) {
+      return leased.by_node[i].find(leased.leases, addr);
+    };
   }
   TransferPlan plan(op, p, nodes, slices.first(handles.size()), handles, begin, end, wave_bytes);
   std::vector<std::vector<TransferEntry>> entries;

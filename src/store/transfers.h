@@ -35,7 +35,8 @@ Status wait_all(std::vector<Batch>& batches);
 
 // The transfer deadline: the caller's, but never past the lease (minus a margin for the
 // commit or end_get), so a slow put cannot write into pages that were reclaimed.
-inline Deadline within_lease(Deadline deadline, Clock::time_point leased_at, std::chrono::milliseconds lease) {
+inline Deadline within_lease(Deadline deadline, Clock::time_point leased_at,
+                             std::chrono::milliseconds lease) {
   return std::min(deadline, leased_at + lease - lease / 10);
 }
 

@@ -511,7 +511,7 @@ void catalog() {
       {"commit_put", 9,
        [&] {
          (void)c.commit_put("put-token", "object", sum::ObjectSum{0x0123456789abcdefull}, "layout", 0ms,
-                           std::string("old"));
+                            std::string("old"));
        },
        [&] { (void)c.begin_put("put-token", "object", 10000, 5s); }},
       {"abort_put", 10,

@@ -26,7 +26,6 @@
 #include "metadata/redis_client.h"
 #include "metadata/scripts.h"
 
-
 namespace kvstash::cli {
 namespace {
 
@@ -329,7 +328,6 @@ class Doctor {
         low ? "raise it: ulimit -l unlimited, LimitMEMLOCK=infinity (systemd), or /etc/security/limits.conf"
             : "");
   }
-
 
   Session& s_;
   std::vector<Check> checks_;

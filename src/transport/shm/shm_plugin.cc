@@ -9,7 +9,9 @@
 namespace kvstash::transport::shm {
 namespace {
 
-Result<std::unique_ptr<Transport>> start(const EngineOptions& options) { return make_shm_transport(options.shm); }
+Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
+  return make_shm_transport(options.shm);
+}
 
 std::vector<TransportFinding> probe() {
   using Level = TransportFinding::Level;

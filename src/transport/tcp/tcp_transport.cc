@@ -52,7 +52,6 @@ std::optional<HostPort> decode_address(std::string_view blob) {
 }
 
 using net::connect_tcp;
-using net::Fd;
 
 // The client side of the handshake, each step bounded by the deadline.
 Status send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
@@ -166,7 +165,7 @@ class TcpTransport final : public Transport {
     if (!hp) return Status::invalid_argument("malformed tcp peer address");
     std::vector<std::shared_ptr<Stream>> streams;
     for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, options_.streams); ++i) {
-      KVSTASH_ASSIGN_OR_RETURN(Fd guard, connect_tcp(*hp, deadline));
+      KVSTASH_ASSIGN_OR_RETURN(UniqueFd guard, connect_tcp(*hp, deadline));
       const int fd = guard.get();
       KVSTASH_RETURN_IF_ERROR(client_handshake(fd, cluster_token_, deadline));
       tcp::socket sock(runtime_->io());

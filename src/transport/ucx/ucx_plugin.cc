@@ -58,8 +58,8 @@ std::vector<TransportFinding> probe() {
   const bool rdma = found.find("rc_") != std::string::npos || found.find("dc_") != std::string::npos ||
                     found.find("ud_") != std::string::npos;
   return {{"transport ucx", TransportFinding::Level::kOk,
-           "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) + ": " +
-               (found.empty() ? "no transport resources" : found) +
+           "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) +
+               ": " + (found.empty() ? "no transport resources" : found) +
                (rdma ? "" : " (no RDMA transport: UCX emulates RMA over tcp here)"),
            ""}};
 }

@@ -34,8 +34,6 @@
 
 namespace kvstash::transport::verbs {
 
-using net::Fd;
-
 // What a transport counts, updated with relaxed atomics (off the datapath's lock).
 struct Counters {
   std::atomic<std::uint64_t> connections_opened{0}, connections_accepted{0}, connections_broken{0};
@@ -144,7 +142,8 @@ struct Target {
 class SetupService {
  public:
   // Serves `listener` (listening, non-blocking) on its own thread until destroyed.
-  SetupService(Fd listener, std::shared_ptr<Target> target, const VerbsOptions& options, std::string token);
+  SetupService(UniqueFd listener, std::shared_ptr<Target> target, const VerbsOptions& options,
+               std::string token);
   ~SetupService();  // stops the thread; every connection, its queue pair and windows go
   SetupService(const SetupService&) = delete;
   SetupService& operator=(const SetupService&) = delete;
@@ -165,8 +164,8 @@ class SetupService {
   // Logs at most one such line a second: a flood of refusals must not flood the log.
   void warn(const std::string& line);
 
-  Fd listener_;
-  Fd wake_;  // eventfd that stops the thread
+  UniqueFd listener_;
+  UniqueFd wake_;  // eventfd that stops the thread
   std::shared_ptr<Target> target_;
   VerbsOptions options_;
   std::string token_;
@@ -253,7 +252,7 @@ Status from_wc(ibv_wc_status status);
 class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this<VerbsEndpoint> {
  public:
   // Takes a connected QP (RTS) with its CQ and channel, and the setup socket.
-  VerbsEndpoint(std::shared_ptr<DeviceState> dev, ibv_comp_channel* channel, Cq cq, Qp qp, Fd control,
+  VerbsEndpoint(std::shared_ptr<DeviceState> dev, ibv_comp_channel* channel, Cq cq, Qp qp, UniqueFd control,
                 const VerbsOptions& options);
   ~VerbsEndpoint() override;
 
@@ -309,8 +308,8 @@ class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this
   ibv_comp_channel* channel_;
   Cq cq_;
   Qp qp_;
-  Fd control_;  // the setup socket: lease messages, and its hang-up means the peer is gone
-  Fd wake_;     // eventfd that stops the poller
+  UniqueFd control_;  // the setup socket: lease messages, and its hang-up means the peer is gone
+  UniqueFd wake_;     // eventfd that stops the poller
   // control_ carries one exchange at a time: its user holds control_busy_ (not a lock held
   // across I/O, so that a waiting caller gives up at its own deadline).
   std::mutex control_mu_;

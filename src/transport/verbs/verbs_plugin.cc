@@ -21,28 +21,32 @@ std::vector<TransportFinding> probe() {
              "check permissions on /dev/infiniband (group rdma) and the rdma-core providers"}};
   }
   if (devices->empty()) {
-    return {{"rdma", Level::kWarn,
-             "no RDMA device: this host reaches memory nodes over shm and tcp only (no one-sided transfers, no "
-             "GPUDirect)",
-             std::filesystem::exists("/sys/class/infiniband")
-                 ? "load the NIC's RDMA driver (mlx5_ib, irdma, bnxt_re) or Soft-RoCE: rdma link add rxe0 type rxe "
-                   "netdev eth0"
-                 : "this kernel has no InfiniBand/RDMA support loaded (modprobe ib_core); without RDMA hardware "
-                   "tcp is the transport to use"}};
+    return {
+        {"rdma", Level::kWarn,
+         "no RDMA device: this host reaches memory nodes over shm and tcp only (no one-sided transfers, no "
+         "GPUDirect)",
+         std::filesystem::exists("/sys/class/infiniband")
+             ? "load the NIC's RDMA driver (mlx5_ib, irdma, bnxt_re) or Soft-RoCE: rdma link add rxe0 type "
+               "rxe "
+               "netdev eth0"
+             : "this kernel has no InfiniBand/RDMA support loaded (modprobe ib_core); without RDMA hardware "
+               "tcp is the transport to use"}};
   }
   std::vector<TransportFinding> out;
   for (const auto& d : *devices) {
     for (const auto& p : d.ports) {
-      std::string detail = std::string(p.ethernet ? "RoCE" : "InfiniBand") + ", " + (p.active ? "active" : "down") +
-                           ", NUMA " + std::to_string(d.numa_node);
+      std::string detail = std::string(p.ethernet ? "RoCE" : "InfiniBand") + ", " +
+                           (p.active ? "active" : "down") + ", NUMA " + std::to_string(d.numa_node);
       if (auto g = pick_gid(p); g) {
         detail += ", GID " + std::to_string(g->index) + " " + g->to_string();
       } else if (p.ethernet) {
         detail += ", no RoCE v2 IPv4 GID";
       }
       detail += d.mw_type2 ? ", type-2 memory windows (per-lease keys)" : ", no type-2 memory windows";
-      out.push_back({"rdma " + d.name + " port " + std::to_string(p.number), p.active ? Level::kOk : Level::kWarn,
-                     detail, p.active ? "" : "bring the link up (ip link set <netdev> up; check the cable and switch port)"});
+      out.push_back(
+          {"rdma " + d.name + " port " + std::to_string(p.number), p.active ? Level::kOk : Level::kWarn,
+           detail,
+           p.active ? "" : "bring the link up (ip link set <netdev> up; check the cable and switch port)"});
     }
   }
   return out;

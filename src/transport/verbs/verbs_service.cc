@@ -36,7 +36,7 @@ namespace kvstash::transport::verbs {
 
 struct SetupService::Conn {
   enum class Phase { kHello, kProof, kUp };
-  Fd socket;
+  UniqueFd socket;
   std::string peer;  // the remote address, without port: what the per-peer cap counts
   Phase phase = Phase::kHello;
   // When the connection is dropped unless it made progress: the handshake's end, or, once up,
@@ -78,7 +78,7 @@ std::string peer_address(int fd) {
 
 }  // namespace
 
-SetupService::SetupService(Fd listener, std::shared_ptr<Target> target, const VerbsOptions& options,
+SetupService::SetupService(UniqueFd listener, std::shared_ptr<Target> target, const VerbsOptions& options,
                            std::string token)
     : listener_(std::move(listener)),
       wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
@@ -155,7 +155,7 @@ void SetupService::run() {
 
 void SetupService::accept_all() {
   for (;;) {
-    Fd sock(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    UniqueFd sock(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (sock.get() < 0) {
       const int e = errno;
       if (e == EAGAIN || e == EWOULDBLOCK) return;
@@ -363,7 +363,7 @@ void SetupService::close(Conn& c) {
   }
   auto it = per_peer_.find(c.peer);
   if (it != per_peer_.end() && --it->second == 0) per_peer_.erase(it);
-  c.socket = Fd();
+  c.socket = UniqueFd();
 }
 
 }  // namespace kvstash::transport::verbs

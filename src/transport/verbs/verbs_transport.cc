@@ -230,7 +230,7 @@ Result<std::unique_ptr<VerbsTransport>> VerbsTransport::create(const VerbsOption
     return Status::invalid_argument("verbs: listen address '" + options.listen +
                                     "' is not a numeric host:port");
   }
-  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  UniqueFd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   int rc = ::bind(fd.get(), res->ai_addr, res->ai_addrlen);
@@ -400,7 +400,7 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
   KVSTASH_ASSIGN_OR_RETURN(net::HostPort hp, net::parse_host_port(control));
   auto connected = net::connect_tcp(hp, deadline);
   if (!connected.is_ok()) return connected.status().with_context("verbs: queue-pair setup with " + control);
-  Fd sock = std::move(connected).value();
+  UniqueFd sock = std::move(connected).value();
 
   ibv_comp_channel* channel = ibv_create_comp_channel(dev->ctx.get());
   if (channel == nullptr) return Status::from_errno("verbs: create completion channel", errno);
@@ -438,8 +438,8 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
     if (!proven.is_ok()) theirs_hello = proven.with_context("verbs");
     if (theirs_hello.is_ok()) {
       const handshake::Mac mine_proof = proof.proof();
-      Status sent = write_frame(sock.get(), {reinterpret_cast<const char*>(mine_proof.data()), mine_proof.size()},
-                                deadline);
+      Status sent = write_frame(
+          sock.get(), {reinterpret_cast<const char*>(mine_proof.data()), mine_proof.size()}, deadline);
       auto verdict =
           sent.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(sent);
       if (!verdict.is_ok() || *verdict != "\x01") {

@@ -50,7 +50,7 @@ Status from_wc(ibv_wc_status status) {
 }
 
 VerbsEndpoint::VerbsEndpoint(std::shared_ptr<DeviceState> dev, ibv_comp_channel* channel, Cq cq, Qp qp,
-                             Fd control, const VerbsOptions& options)
+                             UniqueFd control, const VerbsOptions& options)
     : dev_(std::move(dev)),
       channel_(channel),
       cq_(std::move(cq)),
