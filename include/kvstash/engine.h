@@ -226,14 +226,13 @@ class Engine {
   // node reports a fence to the cell one heartbeat after making it). Thread-safe.
   void fence(std::uint64_t through);
 
-  // Registers a region with every transport (that can take it). Errors: kInvalidArgument
-  // (null or empty region), or the first transport's error when none could register it.
-  Result<MemoryHandle> register_memory(const MemoryRegion& region, Access access);
-  // The same with only the transports in `only` (those running here; empty: every one): for
-  // memory used once through peers of known transports, which every other transport would
-  // register in vain (verbs pins the pages and asks the NIC).
+  // Registers a region with every transport (that can take it), or with only those in `only`
+  // (empty: every one) for memory used once through peers of known transports, which every
+  // other transport would register in vain (verbs pins the pages and asks the NIC). Errors:
+  // kInvalidArgument (null or empty region), the first transport's error when none could
+  // register it, kUnsupported when none of `only` runs here.
   Result<MemoryHandle> register_memory(const MemoryRegion& region, Access access,
-                                       std::span<const TransportKind> only);
+                                       std::span<const TransportKind> only = {});
 
   // Connects to a peer by its address blob. With `force`, only that transport is tried; with
   // `require_leases`, only transports whose leases the peer holds and fences (Peer::leases).

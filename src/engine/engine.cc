@@ -26,13 +26,16 @@ int rank(const transport::Transport& t) {
   return (c.one_sided ? 0 : 4) + (c.same_host_only ? 0 : 2) + (c.leases ? 0 : 1);
 }
 
+// Why a kind has no plugin here.
+std::string not_built(TransportKind kind) {
+  return "this build has no " + std::string(to_string(kind)) +
+         " transport (its library was missing when it was built)";
+}
+
 Result<std::unique_ptr<transport::Transport>> start_transport(TransportKind kind,
                                                               const EngineOptions& options) {
   const transport::Plugin* plugin = transport::find_plugin(kind);
-  if (plugin == nullptr) {
-    return Status::unsupported("this build has no " + std::string(to_string(kind)) +
-                               " transport (its library was missing when it was built)");
-  }
+  if (plugin == nullptr) return Status::unsupported(not_built(kind));
   return plugin->start(options);
 }
 
@@ -46,10 +49,8 @@ std::vector<TransportFinding> probe_transports() {
   }
   for (TransportKind kind : kTransportKinds) {
     if (transport::find_plugin(kind) != nullptr) continue;
-    out.push_back({"transport " + std::string(to_string(kind)), TransportFinding::Level::kInfo,
-                   "this build has no " + std::string(to_string(kind)) +
-                       " transport (its library was missing when it was built)",
-                   ""});
+    out.push_back(
+        {"transport " + std::string(to_string(kind)), TransportFinding::Level::kInfo, not_built(kind), ""});
   }
   return out;
 }
@@ -113,10 +114,6 @@ std::vector<TransportCounter> Engine::counters() const {
     out.insert(out.end(), std::make_move_iterator(c.begin()), std::make_move_iterator(c.end()));
   }
   return out;
-}
-
-Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access access) {
-  return register_memory(region, access, {});
 }
 
 Result<MemoryHandle> Engine::register_memory(const MemoryRegion& region, Access access,

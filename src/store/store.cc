@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/system.h"
+#include "common/wire.h"
 #include "store/store_internal.h"
 
 namespace kvstash {
@@ -22,16 +23,9 @@ std::optional<RkeyScope> parse_rkey_scope(std::string_view s) {
 }
 
 std::string store::random_token() {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::uint8_t raw[16];
+  char raw[16];
   sys::random_bytes(raw, sizeof raw);
-  std::string s;
-  s.reserve(32);
-  for (std::uint8_t b : raw) {
-    s.push_back(kDigits[b >> 4]);
-    s.push_back(kDigits[b & 0xf]);
-  }
-  return s;
+  return wire::to_hex({raw, sizeof raw});
 }
 
 // ---- Store ----------------------------------------------------------------------------------
