@@ -258,6 +258,79 @@ TEST_F(CatalogTest, AnAbortFreesThePagesOfTheNodesThatConfirmedItsFence) {
   EXPECT_EQ(cat_->abort_put("t", only_a).value(), 0u) << "abort is idempotent";
 }
 
+// A page reservation: puts commit runs of it in one script each; the commits raise the pages'
+// generation, so ending the reservation frees only what no commit took.
+TEST_F(CatalogTest, AReservationsCommittedRunsOutliveItAndItsOtherPagesReturn) {
+  ASSERT_TRUE(add_node("a", 10).is_ok());
+  auto r = cat_->reserve_pages("res", 2 * kPage, 6 * kPage, 100ms);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->extents.size(), 4u) << "2 needed, and a quarter of the 8 other free pages";
+  EXPECT_EQ(free_of("a"), 6u);
+  ASSERT_TRUE(cat_->commit_reserved({"res", 0, 2}, "p1", "k1", 2 * kPage, {1}, "", 0ms).is_ok());
+  EXPECT_TRUE(cat_->commit_reserved({"res", 0, 2}, "p1", "k1", 2 * kPage, {1}, "", 0ms).is_ok())
+      << "a repeated commit (a lost reply) succeeds";
+  auto got = cat_->begin_get("k1", "reader", 1s);
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got->placement.extents[i].page, r->extents[i].page);
+    EXPECT_EQ(got->placement.extents[i].generation, r->extents[i].generation + 1);
+  }
+  EXPECT_EQ(cat_->commit_reserved({"res", 2, 3}, "p2", "k2", 3 * kPage, {1}, "", 0ms).code(),
+            StatusCode::kInvalidArgument)
+      << "a run past the reservation's end";
+  // Past its lease and fenced: the two pages no commit took return, k1's stay k1's.
+  std::this_thread::sleep_for(150ms);
+  ASSERT_TRUE(node_->heartbeat("a", "e1", 30s, r->lease_deadline_ms).is_ok());
+  EXPECT_EQ(node_->reclaim()->abandoned_puts, 1u);
+  EXPECT_EQ(free_of("a"), 8u);
+  EXPECT_TRUE(cat_->begin_get("k1", "reader2", 1s).is_ok());
+  EXPECT_EQ(cat_->commit_reserved({"res", 2, 1}, "p2", "k2", kPage, {1}, "", 0ms).code(), StatusCode::kStale)
+      << "a commit after the reservation was reclaimed";
+  EXPECT_EQ(get_code("k2"), StatusCode::kNotFound);
+}
+
+TEST_F(CatalogTest, AReservationReleasesWhatNoPutTookAndAbortsFreeConfirmedPages) {
+  ASSERT_TRUE(add_node("a", 3).is_ok());
+  ASSERT_TRUE(add_node("b", 3).is_ok());
+  auto r = cat_->reserve_pages("res", 4 * kPage, 0, 30s);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->extents.size(), 4u) << "no free pages beyond the need: nothing extra";
+  // A put of the first two pages fails; only node a confirmed that its writes cannot land.
+  const std::string on_first = r->extents[0].node, other = on_first == "a" ? "b" : "a";
+  const std::vector<std::string> confirmed{on_first};
+  const auto first_two_on = [&](const std::string& id) {
+    return static_cast<std::uint64_t>(r->extents[0].node == id) + (r->extents[1].node == id);
+  };
+  EXPECT_EQ(cat_->abort_reserved({"res", 0, 2}, confirmed).value(), first_two_on(other));
+  EXPECT_EQ(free_of(on_first) + free_of(other), 2u + first_two_on(on_first));
+  // The store closes: pages 2 and 3 were never given to a put and return at once.
+  EXPECT_EQ(cat_->release_reservation("res", 2).value(), 2u);
+  EXPECT_EQ(cat_->release_reservation("res", 2).value(), 0u) << "release is idempotent";
+  EXPECT_EQ(free_of("a") + free_of("b"), 4u + first_two_on(on_first));
+  EXPECT_EQ(cat_->commit_reserved({"res", 2, 1}, "p", "k", kPage, {1}, "", 0ms).code(),
+            StatusCode::kInvalidArgument)
+      << "released pages cannot be committed";
+  EXPECT_EQ(cat_->stat("k").status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(CatalogTest, AReservedCommitOnALeavingNodeOrAFailedConditionIsStale) {
+  ASSERT_TRUE(add_node("a", 4).is_ok());
+  put("k", 1);
+  auto r = cat_->reserve_pages("res", kPage, kPage, 30s);
+  ASSERT_TRUE(r.is_ok());
+  ASSERT_EQ(r->extents.size(), 1u) << "a quarter of the two other free pages rounds down to none";
+  Status cond = cat_->commit_reserved({"res", 0, 1}, "p", "k", kPage, {1}, "", 0ms, std::string(""));
+  EXPECT_EQ(cond.code(), StatusCode::kStale);
+  EXPECT_TRUE(Catalog::condition_failed(cond)) << cond.to_string();
+  EXPECT_EQ(free_of("a"), 3u) << "the refused put's page is free again";
+  auto r2 = cat_->reserve_pages("res2", kPage, 0, 30s);
+  ASSERT_TRUE(r2.is_ok());
+  ASSERT_TRUE(node_->drain_node("a", "e1").is_ok());
+  Status leaving = cat_->commit_reserved({"res2", 0, 1}, "p2", "k2", kPage, {1}, "", 0ms);
+  EXPECT_EQ(leaving.code(), StatusCode::kStale) << leaving.to_string();
+  EXPECT_FALSE(Catalog::condition_failed(leaving));
+}
+
 // A node past its heartbeat deadline cannot take it up again: pages may have been freed
 // without its fence, so it must register again, after fencing its whole pool.
 TEST_F(CatalogTest, ANodePastItsDeadlineMustRegisterAgainEvenBeforeItIsSwept) {

@@ -30,6 +30,7 @@ STRUCTS = [
     dict(cpp="StoreOptions", c="kvstash_store_options", py="Store.__init__",
          flatten={"engine": ("EngineOptions", ["transports", "cluster_token"])},
          omit={"both": {"put_lease": "tuning: the C++ default", "read_lease": "tuning: the C++ default",
+                        "put_reservation": "tuning: the C++ default",
                         "redis_timeout": "tuning: the C++ default",
                         "redis_connections": "tuning: the C++ default",
                         "async_threads": "the *_async forms are C++ only",

@@ -42,6 +42,9 @@ class StoreTest : public ::testing::Test {
     cell_ = std::move(c).value();
   }
 
+  // Pages a store reserves ahead of its puts (StoreOptions::put_reservation).
+  std::uint64_t put_reservation_ = StoreOptions{}.put_reservation;
+
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
                                   std::vector<std::string> extra = {},
                                   const std::string& heartbeat_ttl = "1s") {
@@ -72,6 +75,7 @@ class StoreTest : public ::testing::Test {
     o.timeout = 10s;
     o.put_lease = put_lease;
     o.read_lease = read_lease;
+    o.put_reservation = put_reservation_;
     auto s = Store::open(o);
     EXPECT_TRUE(s.is_ok()) << s.status().to_string();
     return s.is_ok() ? std::move(s).value() : nullptr;
@@ -588,12 +592,14 @@ TEST_F(StoreTest, APutConditionalOnAVersionNeverOverwritesANewerObject) {
   Slice all{v1.data(), v1.size()};
   ASSERT_TRUE(stream->append({&all, 1}).is_ok());
   EXPECT_EQ(stream->commit().code(), StatusCode::kStale);
+  store.reset();  // what it reserved and did not use goes back
   EXPECT_EQ(free_pages("n1"), all_free - 1) << "refused puts gave their pages back; v3 holds one";
 }
 
 TEST_F(StoreTest, ExpiryRemoveAndOverwriteReturnPagesToThePool) {
   auto n = node("n1", "8MiB");
   ASSERT_TRUE(n);
+  put_reservation_ = 0;  // the pool's count after each step is exact (reservations: below)
   auto store = open();
   ASSERT_TRUE(store);
   std::vector<std::byte> data(2 * kPage);
@@ -618,6 +624,62 @@ TEST_F(StoreTest, ExpiryRemoveAndOverwriteReturnPagesToThePool) {
   std::this_thread::sleep_for(400ms);
   EXPECT_TRUE(get_bytes(*store, "t", data.size()).is_ok()) << "touch must extend the TTL";
   EXPECT_EQ(store->touch("absent", 1s).code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, PutsFromAReservationCostOneRoundTripAndItsUnusedPagesReturn) {
+  auto n = node("n1", "64MiB");
+  ASSERT_TRUE(n);
+  put_reservation_ = 8 * kPage;
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(2 * kPage);
+  std::vector<std::uint32_t> trips;
+  for (int i = 0; i < 5; ++i) {
+    fill(data);
+    OpTimings t;
+    ASSERT_TRUE(put_bytes(*store, "r" + std::to_string(i), data, {.timings = &t}).is_ok());
+    trips.push_back(t.redis_round_trips);
+    EXPECT_EQ(get_bytes(*store, "r" + std::to_string(i), data.size()).value(), data);
+  }
+  // The first put reserves 2 + 8 pages: it and the next four commit in one round trip each.
+  EXPECT_EQ(trips, (std::vector<std::uint32_t>{2, 1, 1, 1, 1}));
+  EXPECT_EQ(free_pages("n1"), 54u) << "ten pages reserved, all of them now objects";
+  fill(data);
+  OpTimings t;
+  ASSERT_TRUE(put_bytes(*store, "r5", data, {.timings = &t}).is_ok());
+  EXPECT_EQ(t.redis_round_trips, 2u) << "the reservation ran out: a new one";
+  EXPECT_EQ(free_pages("n1"), 44u);
+  ASSERT_TRUE(put_bytes(*store, "r0", data).is_ok());  // an overwrite frees the old object's
+  EXPECT_EQ(free_pages("n1"), 46u);
+  // A failed put's pages go back; so does what no put took, when the store closes.
+  auto stream = store->begin_put("unfinished", data.size());
+  ASSERT_TRUE(stream.is_ok());
+  stream->abort();
+  store.reset();
+  EXPECT_EQ(free_pages("n1"), 64u - 12u) << "six objects of two pages each hold the pool";
+}
+
+TEST_F(StoreTest, AReservationNeverEvictsAndTakesAtMostAQuarterOfTheFreePages) {
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  put_reservation_ = 64 * kPage;
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(4 * kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "a", data).is_ok());
+  EXPECT_EQ(free_pages("n1"), 16u - 4u - 3u) << "4 pages for the put, a quarter of the other 12 reserved";
+  auto other = open();
+  ASSERT_TRUE(other);
+  for (const char* k : {"b", "c"}) ASSERT_TRUE(put_bytes(*other, k, data).is_ok()) << k;
+  // The pool holds a, b, c and the two reservations' spare pages: d must evict, and only
+  // the least recently used object, however many pages sit reserved.
+  ASSERT_TRUE(put_bytes(*other, "d", data).is_ok());
+  EXPECT_EQ(store->stat("a").status().code(), StatusCode::kNotFound);
+  for (const char* k : {"b", "c", "d"}) EXPECT_TRUE(store->stat(k).is_ok()) << k;
+  store.reset();
+  other.reset();
+  EXPECT_EQ(free_pages("n1"), 16u - 12u) << "closing the stores returned their spare pages";
 }
 
 TEST_F(StoreTest, FillingMemoryEvictsTheLeastRecentlyUsed) {

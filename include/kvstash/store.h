@@ -73,6 +73,11 @@ struct StoreOptions {
   // its memory nodes have fenced it (no write of it can land any more), and the commit fails
   // with kStale. A put stops writing at its lease, whatever its deadline.
   std::chrono::milliseconds put_lease{60000};
+  // Bytes of pages the client reserves ahead of its puts, under one put lease, so that a put
+  // costs one Redis round trip (its commit) instead of two. Cells short of free pages grant
+  // less (never more than a quarter of the free pages); pages no put took return when the
+  // store closes, or with the lease. 0: every put allocates its own pages (begin_put).
+  std::uint64_t put_reservation = 256u << 20;
   // A get holds a read lease this long: eviction, removal and overwrite keep the pages out
   // of reuse meanwhile. A get outliving it ends kStale if the pages were reused.
   std::chrono::milliseconds read_lease{60000};

@@ -50,6 +50,54 @@ Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const
   return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
 }
 
+Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
+                                         std::chrono::milliseconds lease) {
+  std::string n = std::to_string(size), x = std::to_string(extra), l = ms(lease);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::reserve_pages(), {prefix_}, {token, n, x, l}));
+  if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to reserve_pages");
+  KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(r, 0, 1, 2, 3));
+  const std::uint64_t need = pages_for(size, p.page_size);
+  if (p.extents.size() < need || p.extents.size() > need + extra / std::max<std::uint64_t>(p.page_size, 1)) {
+    return corrupt("reserve_pages returned " + std::to_string(p.extents.size()) + " pages for " +
+                   std::to_string(need) + " needed");
+  }
+  return p;
+}
+
+Status Catalog::commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
+                                std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
+                                std::chrono::milliseconds ttl, const std::optional<std::string>& if_version) {
+  KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
+  std::string first = std::to_string(pages.first), count = std::to_string(pages.count);
+  std::string n = std::to_string(size), sum = sum::to_text(checksum), t = ms(ttl);
+  const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
+  return redis_
+      .eval(scripts::commit_reserved(), {prefix_},
+            {pages.reservation, first, count, token, key, n, sum, layout, t, cond})
+      .status();
+}
+
+bool Catalog::condition_failed(const Status& commit) {
+  // condition_fails (lua/prelude.lua) words it so.
+  return commit.code() == StatusCode::kStale &&
+         commit.message().find("changed since the version this put was based on") != std::string::npos;
+}
+
+Result<std::uint64_t> Catalog::abort_reserved(const ReservedPages& pages,
+                                              std::span<const std::string> fenced) {
+  std::string first = std::to_string(pages.first), count = std::to_string(pages.count);
+  std::vector<std::string_view> args{pages.reservation, first, count};
+  for (const auto& id : fenced) args.push_back(id);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::abort_reserved(), {prefix_}, args));
+  return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
+}
+
+Result<std::uint64_t> Catalog::release_reservation(std::string_view reservation, std::uint64_t from) {
+  std::string f = std::to_string(from);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::release_reservation(), {prefix_}, {reservation, f}));
+  return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
+}
+
 Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view reader,
                                      std::chrono::milliseconds lease) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));

@@ -58,6 +58,29 @@ class Catalog {
   // (reclaim). Returns how many pages wait for a fence.
   Result<std::uint64_t> abort_put(std::string_view token, std::span<const std::string> fenced);
 
+  // Page reservations: a put in one round trip. reserve_pages allocates the pages of a
+  // `size`-byte put as begin_put would (evicting when short) and up to `extra` bytes' more
+  // from pages already free, as a
+  // pending put of no key under `token`, leased for `lease`. The puts after it write into
+  // consecutive runs of its pages and commit with commit_reserved; the pages no commit took
+  // return with release_reservation, or when the lease has passed and the nodes fenced it.
+  Result<Placement> reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
+                                  std::chrono::milliseconds lease);
+  // commit_put for put `token`, whose pages are `pages` of a reservation. kStale when the
+  // reservation lost its lease, a node of the put died, or the condition does not hold.
+  Status commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
+                         std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
+                         std::chrono::milliseconds ttl,
+                         const std::optional<std::string>& if_version = std::nullopt);
+  // Whether a kStale from a commit is its condition (if_version) failing, rather than the
+  // put's pages or nodes.
+  static bool condition_failed(const Status& commit);
+  // abort_put for a put into `pages`: its pages on `fenced` and dead nodes are freed now, the
+  // others return with the reservation. Returns how many pages wait.
+  Result<std::uint64_t> abort_reserved(const ReservedPages& pages, std::span<const std::string> fenced);
+  // Frees the reservation's pages from `from` on (never handed to a put). Returns how many.
+  Result<std::uint64_t> release_reservation(std::string_view reservation, std::uint64_t from);
+
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
   // absent, expired or on a dead node; kCorrupt for a malformed record.
   Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease);

@@ -56,6 +56,14 @@ struct Placement {
   std::int64_t lease_deadline_ms = 0;
 };
 
+// A run of a page reservation's pages (Catalog::reserve_pages): [first, first + count) in the
+// order the reservation listed them.
+struct ReservedPages {
+  std::string_view reservation;  // its token
+  std::uint64_t first = 0;
+  std::uint64_t count = 0;
+};
+
 // A leased read: what the object is and where its pages are.
 struct ReadLease {
   std::string object_token;  // the put that wrote it

@@ -103,6 +103,26 @@ const Script& abort_put() {
   return s;
 }
 
+const Script& reserve_pages() {
+  static const Script s = make(lua::kReservePages);
+  return s;
+}
+
+const Script& commit_reserved() {
+  static const Script s = make(lua::kCommitReserved);
+  return s;
+}
+
+const Script& abort_reserved() {
+  static const Script s = make(lua::kAbortReserved);
+  return s;
+}
+
+const Script& release_reservation() {
+  static const Script s = make(lua::kReleaseReservation);
+  return s;
+}
+
 const Script& begin_get() {
   static const Script s = make(lua::kBeginGet);
   return s;
@@ -144,17 +164,32 @@ const Script& reclaim() {
 }
 
 std::vector<const Script*> all() {
-  return {&register_node(),   &heartbeat(),
-          &drain_node(),      &deregister_node(),
-          &node_status(),     &list_nodes(),
-          &begin_put(),       &commit_put(),
-          &abort_put(),       &begin_get(),
-          &end_get(),         &stat(),
-          &remove(),          &touch(),
-          &contains_prefix(), &evict(),
-          &reclaim(),         &cordon_node(),
-          &known_nodes(),     &forget_node(),
-          &cell_summary(),    &describe_objects(),
+  return {&register_node(),
+          &heartbeat(),
+          &drain_node(),
+          &deregister_node(),
+          &node_status(),
+          &list_nodes(),
+          &begin_put(),
+          &commit_put(),
+          &abort_put(),
+          &reserve_pages(),
+          &commit_reserved(),
+          &abort_reserved(),
+          &release_reservation(),
+          &begin_get(),
+          &end_get(),
+          &stat(),
+          &remove(),
+          &touch(),
+          &contains_prefix(),
+          &evict(),
+          &reclaim(),
+          &cordon_node(),
+          &known_nodes(),
+          &forget_node(),
+          &cell_summary(),
+          &describe_objects(),
           &evict_lru()};
 }
 

@@ -1,6 +1,7 @@
-// Puts. Every put is a PutStream: begin_put (pages in Redis, the nodes leased), appends (the
-// writes, and the checksum while they fly), commit (commit_put) or abort. Store::put is one
-// begin, one append of everything, one commit.
+// Puts. Every put is a PutStream: begin_put (pages from the client's reservation or from
+// Redis, reservations.cc; the nodes leased), appends (the writes, and the checksum while they
+// fly), commit (one script) or abort. Store::put is one begin, one append of everything, one
+// commit.
 #include <algorithm>
 #include <atomic>
 #include <deque>
@@ -32,11 +33,10 @@ Status object_layout_fits(const std::string& object_layout) {
 struct PutStream::State {
   Store::Impl* impl = nullptr;
   std::string key;
-  std::string token;
   PutOptions options;
   std::uint64_t size = 0;
   std::uint64_t written = 0;
-  metadata::Placement placement;
+  store::PutPages pages;
   Deadline deadline;           // the caller's: metadata calls and the abort
   Deadline transfer_deadline;  // the caller's, capped inside the put lease
   Clock::time_point began;     // for OpTimings::transfer
@@ -56,7 +56,7 @@ struct PutStream::State {
   void abort_put() {
     waves.clear();
     store::forget_refused(leased.leases, failed);
-    impl->abort_put(key, token, placement, std::move(leased.leases), deadline);
+    impl->abort_put(key, pages, std::move(leased.leases), deadline);
   }
 
   // Waits for the writes of the object's bytes [0, end) (all of them by default); a failure
@@ -150,7 +150,7 @@ Status PutStream::check_append(std::uint64_t n, bool whole_segment) const {
 Status PutStream::submit(std::span<const Slice> data, std::uint64_t n) {
   State& st = *state_;
   Status submitted =
-      store::submit_range(*st.impl->engine, st.leased, TransferOp::kWrite, st.placement, st.written,
+      store::submit_range(*st.impl->engine, st.leased, TransferOp::kWrite, st.pages.placement, st.written,
                           st.written + n, data, st.temp, st.transfer_deadline, n, st.waves);
   if (!submitted.is_ok()) {
     st.failed = submitted.with_context(st.key);
@@ -200,9 +200,7 @@ Status PutStream::commit() {
   auto c = st.impl->borrow(st.deadline);
   if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   MetadataClock mc(st.options.timings);
-  return (*c)
-      ->commit_put(st.token, st.key, st.hash.finish(), st.options.object_layout, st.options.ttl,
-                   st.options.if_version)
+  return st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options)
       .with_context(st.key);
 }
 
@@ -218,31 +216,26 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   auto st = std::make_unique<PutStream::State>(options.checksum_segment);
   st->impl = impl_.get();
   st->key = std::string(key);
-  st->token = store::random_token();
   st->options = options;
   st->size = size;
   st->deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
-  const auto leased_at = Clock::now();
-  {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(st->deadline));
-    MetadataClock mc(options.timings);
-    auto placement = c->begin_put(st->token, key, size, impl_->options.put_lease);
-    if (!placement.is_ok()) return placement.status().with_context(st->key);
-    st->placement = std::move(placement).value();
-  }
-  st->began = Clock::now();
-  const Clock::time_point lease_until =
-      store::within_lease(Deadline::max(), leased_at, impl_->options.put_lease);
-  st->transfer_deadline = std::min(st->deadline, lease_until);
-  if (size > 0) {
-    auto leased =
-        store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite, st->placement,
-                                 lease_until, st->transfer_deadline, options.timings);
-    if (!leased.is_ok()) {
-      impl_->abort_put(st->key, st->token, st->placement, {}, st->deadline);  // nothing was written
-      return leased.status().with_context(st->key);
+  for (int attempt = 0;; ++attempt) {
+    auto pages = impl_->put_pages(key, size, st->deadline, options.timings);
+    if (!pages.is_ok()) return pages.status().with_context(st->key);
+    st->pages = std::move(pages).value();
+    st->began = Clock::now();
+    st->transfer_deadline = std::min(st->deadline, st->pages.lease_until);
+    if (size == 0) break;
+    auto leased = store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite,
+                                           st->pages.placement, st->pages.lease_until, st->transfer_deadline,
+                                           options.timings);
+    if (leased.is_ok()) {
+      st->leased = std::move(leased).value();
+      break;
     }
-    st->leased = std::move(leased).value();
+    impl_->abort_put(st->key, st->pages, {}, st->deadline);  // nothing was written; drops the reservation
+    if (!st->pages.held || attempt > 0) return leased.status().with_context(st->key);
+    // Its node failed while the reservation waited: once more, with pages Redis gives now.
   }
   PutStream stream;
   stream.state_ = std::move(st);
@@ -251,9 +244,17 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
 
 Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
   KVSTASH_RETURN_IF_ERROR(store::host_only(data, "put"));
-  KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), options));
-  KVSTASH_RETURN_IF_ERROR(stream.append(data));  // on an error the stream's end aborts the put
-  return stream.commit();
+  for (int attempt = 0;; ++attempt) {
+    KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), options));
+    KVSTASH_RETURN_IF_ERROR(stream.append(data));  // on an error the stream's end aborts the put
+    Status committed = stream.commit();
+    // Pages from a reservation held since before this put can have gone with their node (or
+    // their lease) meanwhile: the put runs once more, on pages Redis gives now.
+    if (attempt > 0 || committed.code() != StatusCode::kStale || !stream.state_->pages.held ||
+        metadata::Catalog::condition_failed(committed)) {
+      return committed;
+    }
+  }
 }
 
 // Ends a put that will not commit; its batches have ended (finished, failed or cancelled),
@@ -262,37 +263,45 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
 // one did not answer in time, off the caller's path: when all confirm, the pages return at
 // once; otherwise they wait in Redis until the put's lease has passed and its nodes have
 // fenced through it, so a late write never lands in a page another put was given.
-void Store::Impl::abort_put(const std::string& key, const std::string& token,
-                            const metadata::Placement& placement, std::vector<store::HeldLease> leases,
-                            Deadline deadline) {
+void Store::Impl::abort_put(const std::string& key, const store::PutPages& pages,
+                            std::vector<store::HeldLease> leases, Deadline deadline) {
   std::vector<std::string> nodes;
-  for (const auto& n : placement.nodes) nodes.push_back(n.id);
+  for (const auto& n : pages.placement.nodes) nodes.push_back(n.id);
+  if (pages.reservation) {
+    // A put failed in it (a node may be gone): later puts take pages from a fresh one.
+    std::lock_guard lock(reserve_mu);
+    if (reservation == pages.reservation) {
+      reservation.reset();
+      releaser->submit(
+          [this, r = pages.reservation] { release_unused(r, deadline_after(options.redis_timeout * 2)); });
+    }
+  }
   if (Clock::now() < deadline) {
     auto confirmed = store::revoke_all(key, nodes, leases, deadline);
     if (confirmed.size() == nodes.size()) {
-      end_put(key, token, confirmed, deadline);
+      end_put(key, pages, confirmed, deadline);
       return;
     }
     if (std::ranges::all_of(leases, [](const store::HeldLease& h) { return h.shared; })) {
-      end_put(key, token, confirmed, deadline);  // no node can confirm more later
+      end_put(key, pages, confirmed, deadline);  // no node can confirm more later
       return;
     }
   }
   const Deadline confirm_by = deadline_after(kRevokeTimeout);
-  aborter->submit([this, key, token, confirm_by, nodes, leases = std::move(leases)] {
+  aborter->submit([this, key, pages, confirm_by, nodes, leases = std::move(leases)] {
     // A queue that fell behind a stalled node does not wait again for each put.
     auto confirmed = store::revoke_all(key, nodes, leases, confirm_by);
     if (confirmed.size() < nodes.size()) {
       KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
     }
-    end_put(key, token, confirmed, deadline_after(options.redis_timeout * 2));
+    end_put(key, pages, confirmed, deadline_after(options.redis_timeout * 2));
   });
 }
 
-void Store::Impl::end_put(const std::string& key, const std::string& token,
+void Store::Impl::end_put(const std::string& key, const store::PutPages& pages,
                           const std::vector<std::string>& fenced, Deadline deadline) {
   auto c = borrow(deadline);
-  Status aborted = c.is_ok() ? (*c)->abort_put(token, fenced).status() : c.status();
+  Status aborted = c.is_ok() ? abort_pages(**c, pages, fenced).status() : c.status();
   if (!aborted.is_ok()) {
     KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
   }

@@ -34,8 +34,11 @@ Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Store::~Store() {
   // Async operations, then lease releases and aborts, finish before the engine and
-  // connections go away.
+  // connections go away; the reserved pages no put took go back.
   impl_->workers.reset();
+  if (impl_->reservation) {
+    impl_->release_unused(impl_->reservation, deadline_after(impl_->options.redis_timeout));
+  }
   impl_->releaser.reset();
   impl_->aborter.reset();
 }

@@ -2,6 +2,7 @@
 //
 //   store.cc          open, the small operations (stat, remove, touch, contains_prefix), async
 //   put_stream.cc     puts: begin_put, PutStream (append, commit, abort); Store::put is one
+//   reservations.cc   a put's pages: from the client's page reservation, or a begin_put
 //   get.cc            gets: begin_get, the reads in waves, checksum, end_get
 //   node_links.*      connections to the memory nodes          leases.*    leases over pages
 //   transfer_plan.*   what moves where (pure)                  transfers.*  submit and wait
@@ -49,6 +50,28 @@ class MetadataClock {
   Clock::time_point start_;
 };
 
+// A page reservation this client holds (Catalog::reserve_pages): its puts take consecutive
+// runs of its pages, and each commits with one Redis round trip.
+struct Reservation {
+  std::string token;
+  metadata::Placement placement;  // every page, in the reservation's order
+  Clock::time_point lease_until;  // local time by which every write into it has ended
+  std::uint64_t next = 0;         // pages [0, next) went to puts (guarded by Impl::reserve_mu)
+};
+
+// A put's pages and how Redis knows the put.
+struct PutPages {
+  std::string token;                         // the put's (the object's, once committed)
+  metadata::Placement placement;             // the put's pages only
+  Clock::time_point lease_until;             // its writes end by then
+  std::shared_ptr<Reservation> reservation;  // where the pages came from; null: its own begin_put
+  std::uint64_t first = 0;                   // the reservation's [first, first + pages)
+  bool held = false;  // taken from a reservation held before this put (no round trip): a
+                      // node may have failed since, so a put that fails on it tries again once
+
+  metadata::ReservedPages run() const { return {reservation->token, first, placement.extents.size()}; }
+};
+
 }  // namespace store
 
 struct CancelToken::State {
@@ -83,12 +106,30 @@ struct Store::Impl {
 
   store::LeasePolicy lease_policy() const { return {scope, options.put_lease}; }
 
+  // ---- a put's pages (reservations.cc)
+  std::mutex reserve_mu;
+  std::shared_ptr<store::Reservation> reservation;  // the one puts take pages from
+  // Pages for a put of `size` bytes: a run of the reservation when it has enough and enough
+  // lease left (no round trip), else a new reservation (or, with options.put_reservation 0, a
+  // begin_put of the put's own). Errors name no key.
+  Result<store::PutPages> put_pages(std::string_view key, std::uint64_t size, Deadline deadline,
+                                    OpTimings* timings);
+  // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
+  Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
+                      std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o);
+  // abort_put or abort_reserved.
+  Result<std::uint64_t> abort_pages(metadata::Catalog& c, const store::PutPages& pages,
+                                    std::span<const std::string> fenced);
+  // Returns the pages of `r` no put was given, in Redis (errors only logged: the lease and the
+  // nodes' fences reclaim them).
+  void release_unused(const std::shared_ptr<store::Reservation>& r, Deadline deadline);
+
   // ---- puts (put_stream.cc)
   // Ends a put that will not commit, once its batches have ended (see put_stream.cc).
-  void abort_put(const std::string& key, const std::string& token, const metadata::Placement& placement,
-                 std::vector<store::HeldLease> leases, Deadline deadline);
+  void abort_put(const std::string& key, const store::PutPages& pages, std::vector<store::HeldLease> leases,
+                 Deadline deadline);
   // abort_put in Redis (errors only logged: the lease and the nodes' fences reclaim).
-  void end_put(const std::string& key, const std::string& token, const std::vector<std::string>& fenced,
+  void end_put(const std::string& key, const store::PutPages& pages, const std::vector<std::string>& fenced,
                Deadline deadline);
   // The sums of the `count` consecutive segments of `segment` bytes that the slices hold from
   // their start (the last one may be shorter, ending at `size`), computed by the calling

@@ -10,10 +10,10 @@
 -- An object it replaces is released.
 
 local token, key, ttl = ARGV[1], ARGV[2], tonumber(ARGV[5])
-local pk, ok = P .. ':put:' .. token, P .. ':obj:' .. key
+local pk = P .. ':put:' .. token
 local p = redis.call('HMGET', pk, 'key', 'extents', 'nodes', 'size', 'aborted')
 if not p[1] then
-  if redis.call('HGET', ok, 'token') == token then return 'OK' end
+  if redis.call('HGET', P .. ':obj:' .. key, 'token') == token then return 'OK' end
   return redis.error_reply('STALE the put lost its lease before the commit; its pages were reclaimed')
 end
 if p[5] then return redis.error_reply('STALE the put was aborted') end
@@ -26,23 +26,12 @@ if gone then
   drop_put(token, p[2])
   return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
 end
-local cond = ARGV[6] or ''
-if cond ~= '' then
-  local cur = redis.call('HGET', ok, 'token')
-  if (cond == '!' and cur) or (cond ~= '!' and '=' .. (cur or '') ~= cond) then
-    drop_put(token, p[2])
-    return redis.error_reply('STALE ' .. key .. ' changed since the version this put was based on')
-  end
+local failed = condition_fails(key, ARGV[6])
+if failed then
+  drop_put(token, p[2])
+  return redis.error_reply(failed)
 end
-if redis.call('EXISTS', ok) == 1 then release(key) end
-local expires = 0
-if ttl > 0 then expires = now + ttl end
-redis.call('HSET', ok, 'size', p[4], 'token', token, 'extents', p[2], 'nodes', p[3], 'checksum', ARGV[3],
-           'layout', ARGV[4], 'created', now, 'expires', expires)
-for id in string.gmatch(p[3] or '', '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
-if (tonumber(p[4]) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', p[4]) end
-redis.call('ZADD', P .. ':lru', now, key)
-if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
+publish(key, token, p[4], p[2], p[3], ARGV[3], ARGV[4], ttl)
 redis.call('DEL', pk)
 redis.call('ZREM', P .. ':pending', token)
 return 'OK'

@@ -94,11 +94,12 @@ local function free_extents(list)
   return n
 end
 
--- Ends pending put `token`: its record goes, and the pages of `extents` (the put's, or what is
--- left of them) return to the pool.
+-- Ends pending put `token` (or page reservation): its record goes, and the pages of `extents`
+-- (the put's, or what is left of them) return to the pool. A reservation's pages that became
+-- objects carry a later generation, so its extents free only what no commit took.
 local function drop_put(token, extents)
   free_extents(extents)
-  redis.call('DEL', P .. ':put:' .. token)
+  redis.call('DEL', P .. ':put:' .. token, P .. ':put:' .. token .. ':pages')
   redis.call('ZREM', P .. ':pending', token)
 end
 
@@ -303,4 +304,105 @@ end
 
 local function page_size()
   return tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0
+end
+
+-- The node ids of an extent list, space-separated, in order of first appearance.
+local function nodes_of(extents)
+  local _, order = by_node(extents)
+  return table.concat(order, ' ')
+end
+
+-- Why a commit's condition fails ('' none; '!' only if `key` holds no object; '=<token>'
+-- only if it holds the object that put wrote), or nil when it holds.
+local function condition_fails(key, cond)
+  if (cond or '') == '' then return nil end
+  local cur = redis.call('HGET', P .. ':obj:' .. key, 'token')
+  if (cond == '!' and cur) or (cond ~= '!' and '=' .. (cur or '') ~= cond) then
+    return 'STALE ' .. key .. ' changed since the version this put was based on'
+  end
+  return nil
+end
+
+-- Makes `key` the object put `token` wrote into `extents` on `nodes`, releasing the object it
+-- replaces; a ttl_ms of 0 never expires.
+local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms)
+  local ok = P .. ':obj:' .. key
+  if redis.call('EXISTS', ok) == 1 then release(key) end
+  local expires = 0
+  if ttl_ms > 0 then expires = now + ttl_ms end
+  redis.call('HSET', ok, 'size', size, 'token', token, 'extents', extents, 'nodes', nodes, 'checksum', checksum,
+             'layout', layout, 'created', now, 'expires', expires)
+  for id in string.gmatch(nodes, '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
+  if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
+  redis.call('ZADD', P .. ':lru', now, key)
+  if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
+end
+
+-- Allocates `need` pages, most free node first and spilling over nodes, and records them as
+-- pending put `token` of `key` (size bytes) leased for `lease` ms. Expired, then least
+-- recently used unleased objects make room for `need`. A page reservation (key '') takes up to
+-- `extra` more, only from pages already free and at most a quarter of them (idle reserved
+-- pages must not push a neighbour into eviction) or RESERVE_MAX (one script must stay short),
+-- and lists its pages in P:put:<token>:pages for the commits that take them. Returns page
+-- size, extents and nodes, or nil and an error.
+local RESERVE_MAX = 256
+local function allocate(token, key, size, need, extra, lease)
+  local ps = page_size()
+  if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
+  local cands, total = candidates()
+  if total < need then
+    local capacity = 0
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+      local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count')
+      if st[1] == 'up' then capacity = capacity + (tonumber(st[2]) or 0) end
+    end
+    if need > capacity then
+      return nil, 'NO_SPACE object needs ' .. need .. ' pages, the live nodes hold ' .. capacity
+    end
+    sweep_expired(256)
+    cands, total = candidates()
+    if total < need then
+      evict(need - total, usable_nodes())
+      cands, total = candidates()
+    end
+    if total < need then
+      return nil, 'NO_SPACE object needs ' .. need .. ' pages, ' .. total ..
+                  ' are free and every other page is leased by a reader or a put, or waits' ..
+                  ' for its memory node to fence a failed put'
+    end
+  end
+  local want = need + math.min(extra, RESERVE_MAX, math.floor((total - need) / 4))
+  table.sort(cands, function(a, b) return a[2] > b[2] end)
+  local ext, nodes, got = {}, {}, 0
+  for _, c in ipairs(cands) do
+    if got >= want then break end
+    local id = c[1]
+    local take = math.min(c[2], want - got)
+    nodes[#nodes + 1] = id
+    -- Returned pages first (oldest first, so neighbours stay neighbours), then fresh ones.
+    local pages = redis.call('RPOP', P .. ':free:' .. id, take)
+    if not pages then pages = {} end
+    local fresh = take - #pages
+    if fresh > 0 then
+      local last = redis.call('HINCRBY', P .. ':node:' .. id, 'next_page', fresh)
+      for page = last - fresh, last - 1 do pages[#pages + 1] = page end
+    end
+    local gk = P .. ':gen:' .. id
+    local old = hmget_chunked(gk, pages)
+    local sets = {}
+    for i, page in ipairs(pages) do
+      local gen = math.max(math.abs(tonumber(old[i] or '0')), c[3]) + 1
+      sets[#sets + 1] = page
+      sets[#sets + 1] = gen
+      ext[#ext + 1] = string.format('%s,%s,%d', id, page, gen)  -- %d: no exponent for big numbers
+    end
+    call_chunked('HSET', gk, sets, 2)
+    got = got + take
+  end
+  local extents, node_list = table.concat(ext, ';'), table.concat(nodes, ' ')
+  local pk = P .. ':put:' .. token
+  redis.call('HSET', pk, 'key', key, 'size', size, 'extents', extents, 'nodes', node_list)
+  if key == '' and #ext > 0 then call_chunked('RPUSH', pk .. ':pages', ext) end
+  redis.call('ZADD', P .. ':pending', now + lease, token)
+  return ps, extents, node_list
 end

@@ -1,0 +1,128 @@
+// A put's pages. A store reserves pages ahead of its puts (Catalog::reserve_pages, under one
+// put lease); each put takes the next run of them without asking Redis and commits them with
+// one script, so a put costs one round trip where begin_put + commit_put cost two. The
+// reservation is a pending put of no key: its lease, its fence at the nodes and its reclaim
+// are a put's, so a client that dies holding one loses nothing for longer than a put would.
+#include <algorithm>
+
+#include "common/log.h"
+#include "store/store_internal.h"
+#include "store/transfers.h"
+
+namespace kvstash {
+
+using store::MetadataClock;
+
+namespace {
+
+// The pages [first, first + count) of `r` as a put's placement: those extents, and the
+// endpoints of the nodes they are on.
+metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std::uint64_t count) {
+  const metadata::Placement& all = r.placement;
+  metadata::Placement p;
+  p.page_size = all.page_size;
+  p.lease_deadline_ms = all.lease_deadline_ms;
+  p.extents.assign(all.extents.begin() + static_cast<std::ptrdiff_t>(first),
+                   all.extents.begin() + static_cast<std::ptrdiff_t>(first + count));
+  for (const auto& n : all.nodes) {
+    if (std::ranges::any_of(p.extents, [&](const metadata::Extent& e) { return e.node == n.id; })) {
+      p.nodes.push_back(n);
+    }
+  }
+  return p;
+}
+
+std::uint64_t pages_of(std::uint64_t size, std::uint64_t page_size) {
+  return page_size == 0 ? 0 : (size + page_size - 1) / page_size;
+}
+
+}  // namespace
+
+Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64_t size, Deadline deadline,
+                                               OpTimings* timings) {
+  store::PutPages pages;
+  pages.token = store::random_token();
+  // A put from the reservation keeps at least half a put lease for its writes (or the
+  // caller's whole deadline, when that is shorter).
+  const Clock::time_point needs_until = std::min(deadline, Clock::now() + options.put_lease / 2);
+  auto take = [&](const std::shared_ptr<store::Reservation>& r) {
+    const std::uint64_t need = pages_of(size, r->placement.page_size);
+    if (r->lease_until < needs_until || r->placement.extents.size() - r->next < need) return false;
+    pages.placement = run_of(*r, r->next, need);
+    pages.lease_until = r->lease_until;
+    pages.reservation = r;
+    pages.first = r->next;
+    r->next += need;
+    return true;
+  };
+  if (options.put_reservation > 0) {
+    std::lock_guard lock(reserve_mu);
+    if (reservation && take(reservation)) {
+      pages.held = true;
+      return pages;
+    }
+  }
+
+  KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
+  MetadataClock mc(timings);
+  const auto leased_at = Clock::now();
+  pages.lease_until = store::within_lease(Deadline::max(), leased_at, options.put_lease);
+  if (options.put_reservation == 0) {
+    KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_put(pages.token, key, size, options.put_lease));
+    return pages;
+  }
+  auto fresh = std::make_shared<store::Reservation>();
+  fresh->token = store::random_token();
+  KVSTASH_ASSIGN_OR_RETURN(fresh->placement,
+                           c->reserve_pages(fresh->token, size, options.put_reservation, options.put_lease));
+  fresh->lease_until = pages.lease_until;
+  std::shared_ptr<store::Reservation> replaced;
+  {
+    std::lock_guard lock(reserve_mu);
+    if (!take(fresh)) return Status::internal("store: a page reservation without the put's own pages");
+    replaced = std::exchange(reservation, fresh);
+  }
+  if (replaced) {
+    releaser->submit(
+        [this, replaced] { release_unused(replaced, deadline_after(options.redis_timeout * 2)); });
+  }
+  return pages;
+}
+
+Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
+                                 std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o) {
+  if (!pages.reservation) {
+    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version);
+  }
+  Status s =
+      c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl, o.if_version);
+  if (s.code() == StatusCode::kStale && !metadata::Catalog::condition_failed(s)) {
+    // The reservation was reclaimed, or a node of it died: the next put reserves afresh.
+    std::lock_guard lock(reserve_mu);
+    if (reservation == pages.reservation) reservation.reset();
+  }
+  return s;
+}
+
+Result<std::uint64_t> Store::Impl::abort_pages(metadata::Catalog& c, const store::PutPages& pages,
+                                               std::span<const std::string> fenced) {
+  if (!pages.reservation) return c.abort_put(pages.token, fenced);
+  return c.abort_reserved(pages.run(), fenced);
+}
+
+void Store::Impl::release_unused(const std::shared_ptr<store::Reservation>& r, Deadline deadline) {
+  std::uint64_t from = 0;
+  {
+    std::lock_guard lock(reserve_mu);
+    from = r->next;
+    r->next = r->placement.extents.size();  // nothing more is taken from it
+  }
+  auto c = borrow(deadline);
+  Status s = c.is_ok() ? (*c)->release_reservation(r->token, from).status() : c.status();
+  if (!s.is_ok()) {
+    KVSTASH_LOG_INFO("page reservation {}: its unused pages return with its lease: {}", r->token,
+                     s.to_string());
+  }
+}
+
+}  // namespace kvstash
