@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -54,6 +55,29 @@ TEST(ChecksumTest, SegmentSumsFoldBlockDigestsAndTheLength) {
   // The length is part of the sum: zeros of two lengths differ even within one block.
   const std::vector<unsigned char> zeros(8192, 0);
   EXPECT_NE(segment_sum(zeros.data(), 100), segment_sum(zeros.data(), 101));
+}
+
+// The fused pass a shm write makes: the same bytes as memcpy, the same digests as hashing
+// them afterwards, for every block count and a short last block, at any alignment.
+TEST(ChecksumTest, CopyAndDigestCopiesAndDigestsEveryBlockInOnePass) {
+  const auto bytes = random_bytes(1u << 20, 7);
+  for (std::uint64_t n :
+       {1ull, 4095ull, 4096ull, 4097ull, 8 * 4096ull, 8 * 4096ull + 1, 100000ull, 1000003ull}) {
+    for (std::size_t offset : {0, 3}) {
+      std::vector<unsigned char> out(n + 8, 0xee);
+      std::vector<std::uint64_t> digests(block_count(n) + 1, 0);
+      copy_and_digest(out.data() + offset, bytes.data() + offset, n, digests.data());
+      EXPECT_EQ(std::memcmp(out.data() + offset, bytes.data() + offset, n), 0) << n;
+      EXPECT_EQ(out[offset + n], 0xee) << "wrote past the end";
+      for (std::uint64_t b = 0; b < block_count(n); ++b) {
+        ASSERT_EQ(digests[b],
+                  XXH3_64bits(bytes.data() + offset + b * 4096, std::min<std::uint64_t>(4096, n - b * 4096)))
+            << "block " << b << " of " << n;
+      }
+      EXPECT_EQ(digests[block_count(n)], 0u) << "a digest past the last block";
+      EXPECT_EQ(fold(digests.data(), block_count(n), n), segment_sum(bytes.data() + offset, n));
+    }
+  }
 }
 
 TEST(ChecksumTest, AnObjectsSumDoesNotDependOnHowItsBytesWereFed) {

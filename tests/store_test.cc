@@ -286,6 +286,45 @@ TEST_F(StoreTest, PiecesSummedWhereTheyAreMakeTheSameChecksumAsTheHostsAndAreChe
   EXPECT_EQ(get_bytes(*store, "lying", 2 * segment).status().code(), StatusCode::kCorrupt);
 }
 
+TEST_F(StoreTest, AShmPutsChecksumComesOutOfItsCopyAndIsTheDefinedOne) {
+  // shm digests each 4 KiB block as it copies it; the slices' edges cut some blocks, which
+  // the store hashes itself. The object's sum must be the xxh3 tree of its bytes, whatever
+  // did the hashing, at the default segment and at one that is not a multiple of a page.
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  auto store = open(TransportKind::kShm);
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(3 * kPage + 4097 + 777);
+  fill(data);
+  const std::vector<std::size_t> cuts{5000, kPage + 3, 2 * kPage + 4096 * 3, data.size()};
+  std::vector<Slice> slices;
+  for (std::size_t at = 0; const std::size_t cut : cuts) {
+    slices.push_back({data.data() + at, cut - at});
+    at = cut;
+  }
+  for (const std::uint64_t segment :
+       {sum::kDefaultSegmentBytes, std::uint64_t{3} * 4096, std::uint64_t{1000000}}) {
+    SCOPED_TRACE(segment);
+    OpTimings t;
+    ASSERT_TRUE(store->put("fused", slices, {.timings = &t, .checksum_segment = segment}).is_ok());
+    if (segment % 4096 != 0) {
+      EXPECT_EQ(t.checksummed_in_copy, 0u) << "segments that cut blocks: the blocks restart per segment";
+    } else {
+      // The two blocks the slices' edges cut (at 5000 and 3 bytes into a page) are the
+      // store's; the rest came out of the copy.
+      EXPECT_EQ(t.checksummed_in_copy, data.size() - 2 * 4096);
+    }
+    auto info = store->stat("fused");
+    ASSERT_TRUE(info.is_ok());
+    sum::ObjectHasher host(segment);
+    host.update(data.data(), data.size());
+    EXPECT_EQ(info->checksum, host.finish().value);
+    auto back = get_bytes(*store, "fused", data.size());
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(*back, data);
+  }
+}
+
 TEST_F(StoreTest, AGetReportsItsProgressInOrder) {
   auto n = node("n1", "24MiB");
   ASSERT_TRUE(n);

@@ -140,6 +140,48 @@ TEST(TransferPlan, AStretchFromTheMiddleLandsWhereItBelongs) {
   EXPECT_EQ(cell.at(begin - 1), std::byte{0}) << "nothing before the stretch was written";
 }
 
+// A put whose transport digests its writes: an entry carries the digests of the blocks it
+// holds whole (a short block only at the object's end), each block's digest has exactly one
+// writer, and what the entries carry is what digested() says.
+TEST(TransferPlan, EntriesCarryTheDigestsOfTheBlocksTheyHoldWhole) {
+  Cell cell({{"a", 0}, {"a", 1}, {"b", 0}, {"a", 2}});
+  for (auto& n : cell.nodes) n.digests = true;
+  cell.nodes[1].digests = false;  // b's transport does not digest: its page is the caller's
+  const std::size_t size = 4 * kPage - 10;
+  auto bytes = object_bytes(size);
+  // Slices cutting blocks at odd places: 5000 | 3192 (ends on a block) | rest.
+  std::vector<Slice> slices{
+      {bytes.data(), 5000}, {bytes.data() + 5000, 3192}, {bytes.data() + 8192, size - 8192}};
+  std::vector<MemoryHandle> handles(slices.size());
+  std::vector<const MemoryHandle*> handle_of;
+  for (const auto& h : handles) handle_of.push_back(&h);
+  std::vector<std::uint64_t> digests(4 + 1);
+  TransferPlan plan(TransferOp::kWrite, cell.placement, cell.nodes, slices, handle_of, 0, size, size,
+                    digests.data());
+  std::vector<std::vector<TransferEntry>> by_node;
+  auto wave = plan.next(by_node);
+  ASSERT_TRUE(wave.is_ok() && *wave);
+  ASSERT_TRUE(cell.apply(by_node));
+  std::vector<int> writers(4, 0);
+  for (std::size_t ni = 0; ni < by_node.size(); ++ni) {
+    for (const TransferEntry& e : by_node[ni]) {
+      if (e.block_digests == nullptr) continue;
+      EXPECT_TRUE(cell.nodes[ni].digests) << "an entry to a node that does not digest carries digests";
+      const std::uint64_t from = static_cast<std::uint64_t>(e.block_digests - digests.data()) * kPage;
+      EXPECT_EQ(static_cast<const std::byte*>(e.local_addr), bytes.data() + from) << "digests of other bytes";
+      EXPECT_TRUE(e.length % kPage == 0 || from + e.length == size) << "a short block inside the object";
+      for (std::uint64_t b = from / kPage; b * kPage < from + e.length; ++b) ++writers[b];
+    }
+  }
+  // Block 1 is cut by the slices' edge at 5000 and block 2 is on b: the caller's. Blocks 0
+  // and 3 the transport's (3 is the object's short last block).
+  EXPECT_EQ(writers, (std::vector<int>{1, 0, 0, 1}));
+  using Range = std::pair<std::uint64_t, std::uint64_t>;
+  EXPECT_EQ(plan.digested(), (std::vector<Range>{{0, kPage}, {3 * kPage, size}}));
+  for (std::size_t i = 0; i < size; ++i) ASSERT_EQ(cell.at(i), bytes[i]) << "object byte " << i;
+  EXPECT_FALSE(*plan.next(by_node));
+}
+
 TEST(TransferPlan, APageOnANodeThePlacementDoesNotListIsCorrupt) {
   Cell cell({{"a", 0}, {"b", 0}});
   cell.placement.extents[1].node = "ghost";

@@ -115,6 +115,10 @@ struct TransferEntry {
   std::uint64_t remote_addr = 0;         // inside remote's [base, base + length)
   const RemoteMemory* remote = nullptr;  // imported through the Peer that submits
   std::size_t length = 0;
+  // A write's, where the Peer digests writes (Peer::digests_writes): the 4 KiB block digest
+  // of each block of [local_addr, +length) goes here as the bytes move (common/checksum.h;
+  // the last may be short), valid once the entry completed OK. Ignored elsewhere.
+  std::uint64_t* block_digests = nullptr;
 };
 
 // A submitted batch. wait() or poll() until done; statuses() then holds one Status per
@@ -154,6 +158,8 @@ class Peer {
   // Whether lease() and revoke() ask the peer (verbs binds memory windows there): a round
   // trip and the peer's CPU each. False where a lease is made here (tcp, shm, UCX).
   bool lease_asks_peer() const;
+  // Whether a write entry's block_digests are filled as its bytes move (shm copies them).
+  bool digests_writes() const;
 
   // Imports a remote key the peer's MemoryHandle::remote_key() produced.
   // Errors: kInvalidArgument (malformed), kPermissionDenied (peer refused the key),

@@ -110,6 +110,9 @@ struct OpTimings {
   std::chrono::nanoseconds metadata{0};  // Redis round trips (scripts)
   std::chrono::nanoseconds transfer{0};  // bytes on the data path
   std::chrono::nanoseconds checksum{0};  // xxh3 (a put's runs while its writes are in flight)
+  // A put's bytes whose block digests the transport computed as it copied them (shm): one
+  // pass over them instead of two; `checksum` is then only the rest and the folds.
+  std::uint64_t checksummed_in_copy = 0;
   std::uint32_t redis_round_trips = 0;
   // Lease exchanges with memory nodes (verbs: the node binds windows), and the time in them.
   std::uint32_t node_round_trips = 0;

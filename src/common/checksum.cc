@@ -14,6 +14,21 @@ namespace kvstash::sum {
 
 std::uint64_t block_digest(const void* data, std::uint64_t length) { return XXH3_64bits(data, length); }
 
+void copy_and_digest(void* dst, const void* src, std::uint64_t n, std::uint64_t* digests) {
+  // Chunks of a few blocks: the copy's source lines are still in L1/L2 when they are hashed,
+  // and memcpy still moves whole cache lines at full width.
+  constexpr std::uint64_t kChunk = 8 * kBlockBytes;
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  for (std::uint64_t at = 0; at < n; at += kChunk) {
+    const std::uint64_t len = std::min(kChunk, n - at);
+    std::memcpy(d + at, s + at, len);
+    for (std::uint64_t b = 0; b < len; b += kBlockBytes) {
+      *digests++ = block_digest(s + at + b, std::min(kBlockBytes, len - b));
+    }
+  }
+}
+
 std::uint64_t segment_sum(const void* data, std::uint64_t length) {
   const auto* p = static_cast<const unsigned char*>(data);
   const std::uint64_t k = block_count(length);

@@ -25,6 +25,12 @@ inline constexpr std::uint64_t kDefaultSegmentBytes = 4u << 20;
 // portable xxh3_64, which a device runs).
 std::uint64_t block_digest(const void* data, std::uint64_t length);
 
+// Copies `n` bytes from `src` to `dst` and writes the block digest of each 4 KiB of them (the
+// last may be short) to digests[0, block_count(n)): one pass over the bytes, a few blocks at
+// a time, each hashed from the cache the copy just filled, where a copy and a separate hash
+// would read them from memory twice.
+void copy_and_digest(void* dst, const void* src, std::uint64_t n, std::uint64_t* digests);
+
 // The sum of one segment in host memory.
 std::uint64_t segment_sum(const void* data, std::uint64_t length);
 

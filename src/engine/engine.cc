@@ -1,6 +1,7 @@
 // The engine: transports, registration, addresses and keys, peer connection and submission.
 #include <algorithm>
 
+#include "common/checksum_core.h"
 #include "common/log.h"
 #include "common/system.h"
 #include "common/wire.h"
@@ -293,6 +294,11 @@ TransportKind Peer::transport() const { return state_->transport->kind(); }
 
 bool Peer::leases() const { return state_->caps.leases; }
 bool Peer::lease_asks_peer() const { return state_->caps.lease_asks_target; }
+bool Peer::digests_writes() const {
+  // Slices start on a block: each op's digests are the entry's from its first block.
+  const auto& c = state_->caps;
+  return c.digests_writes && c.slice_bytes % sum::kBlockBytes == 0;
+}
 
 Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::State::current(
     Deadline deadline) {
@@ -450,6 +456,7 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
   const auto& caps = state_->caps;
   const std::size_t slice = caps.slice_bytes == 0 ? SIZE_MAX : caps.slice_bytes;
   const TransportKind kind = state_->transport->kind();
+  const bool digests = digests_writes();
   std::vector<transport::Op> ops;
   ops.reserve(entries.size());
   // Lanes take slices in turn; pieces smaller than a slice that continue the previous one on
@@ -497,6 +504,9 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
       on_lane += op.length;
       op.sink = batch_state.get();
       op.tag = static_cast<std::uint32_t>(i);
+      if (e.block_digests != nullptr && e.op == TransferOp::kWrite && digests) {
+        op.digests = e.block_digests + off / sum::kBlockBytes;
+      }
       ops.push_back(op);
       prev = op;
     }

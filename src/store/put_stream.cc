@@ -42,6 +42,10 @@ struct PutStream::State {
   Clock::time_point began;     // for OpTimings::transfer
   store::Leased leased;
   std::deque<MemoryHandle> temp;  // slices registered for the writes (the batches use them)
+  // A put whose writes digest its blocks as they copy them (append_fused): a digest per 4 KiB
+  // (and a spare word for the fold), filled by the transport or here; the batches write it.
+  std::vector<std::uint64_t> block_digests;
+  bool fused = false;
   std::vector<store::Wave> waves;
   sum::ObjectHasher hash;
   Status failed;  // with the key as context
@@ -76,6 +80,61 @@ struct PutStream::State {
       timed = true;
     }
     return failed;
+  }
+
+  // The whole object in one append, over nodes whose transport digests what it copies: the
+  // checksum's block digests come out of the copy, and only the blocks it cannot take whole
+  // (a slice's edge inside a block, a node on another transport) are hashed here. Falls back
+  // to hash_appended when the transports digest less than half of the bytes.
+  Status append_fused(std::span<const Slice> data, std::uint64_t n) {
+    const auto t0 = Clock::now();
+    block_digests.assign(sum::block_count(n) + 1, 0);
+    store::FusedDigests fd{block_digests.data(), {}};
+    Status submitted = store::submit_range(*impl->engine, leased, TransferOp::kWrite, pages.placement, 0, n,
+                                           data, temp, transfer_deadline, n, waves, &fd);
+    if (!submitted.is_ok()) {
+      failed = submitted.with_context(key);
+      return failed;
+    }
+    written = n;
+    std::uint64_t covered = 0;
+    for (const auto& [from, to] : fd.digested) covered += to - from;
+    if (covered < n / 2) {
+      hash_appended(data, n);
+      return Status::ok();
+    }
+    fused = true;
+    if (options.timings != nullptr) options.timings->checksummed_in_copy += covered;
+    std::sort(fd.digested.begin(), fd.digested.end());
+    std::uint64_t at = 0;  // blocks in the gaps between the transports' ranges: here
+    fd.digested.emplace_back(n, n);
+    for (const auto& [from, to] : fd.digested) {
+      for (; at < from; at += sum::kBlockBytes) {
+        block_digests[at / sum::kBlockBytes] =
+            store::block_digest_at(data, at, std::min(n, at + sum::kBlockBytes));
+      }
+      at = to;
+    }
+    if (options.timings != nullptr) options.timings->checksum += Clock::now() - t0;
+    return Status::ok();
+  }
+
+  // Folds the block digests of a fused put, now that its writes completed, into the object's
+  // sum: segment by segment from the last (each fold overwrites the word after its segment's
+  // digests, which is the next segment's first).
+  void fold_fused() {
+    const auto t0 = Clock::now();
+    const std::uint64_t segment = hash.segment_bytes();
+    const std::uint64_t count = (size + segment - 1) / segment;
+    std::vector<std::uint64_t> sums(count);
+    for (std::uint64_t i = count; i-- > 0;) {
+      const std::uint64_t from = i * segment, len = std::min(segment, size - from);
+      sums[i] = sum::fold(block_digests.data() + from / sum::kBlockBytes, sum::block_count(len), len);
+    }
+    for (std::uint64_t i = 0; i < count; ++i)
+      hash.add_segment(sums[i], std::min(segment, size - i * segment));
+    fused = false;
+    if (options.timings != nullptr) options.timings->checksum += Clock::now() - t0;
   }
 
   // Hashes appended host bytes. From a segment boundary, whole segments are independent: the
@@ -165,8 +224,13 @@ Status PutStream::append(std::span<const Slice> data, std::uint64_t* segment_sum
   KVSTASH_RETURN_IF_ERROR(check_append(n, segment_sum != nullptr));
   KVSTASH_RETURN_IF_ERROR(store::host_only(data, "append"));
   if (n == 0) return Status::ok();
+  State& st = *state_;
+  if (segment_sum == nullptr && st.written == 0 && n == st.size &&
+      st.hash.segment_bytes() % sum::kBlockBytes == 0) {
+    return st.append_fused(data, n);
+  }
   KVSTASH_RETURN_IF_ERROR(submit(data, n));
-  state_->hash_appended(data, n);  // while the writes fly
+  st.hash_appended(data, n);  // while the writes fly
   if (segment_sum != nullptr) *segment_sum = *state_->hash.last_segment_sum();
   return Status::ok();
 }
@@ -184,6 +248,7 @@ Status PutStream::commit() {
   if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
   State& st = *state_;
   Status moved = st.wait_writes();  // its failure names the key already
+  if (moved.is_ok() && st.fused) st.fold_fused();
   if (moved.is_ok()) moved = object_layout_fits(st.options.object_layout).with_context(st.key);
   if (moved.is_ok() && st.written != st.size) {
     moved =

@@ -1,6 +1,7 @@
 #include "store/slices.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 namespace kvstash::store {
@@ -32,6 +33,23 @@ std::uint64_t segment_sum_at(std::span<const Slice> slices, std::uint64_t begin,
     if (at >= end) break;
   }
   return *h.last_segment_sum();
+}
+
+std::uint64_t block_digest_at(std::span<const Slice> slices, std::uint64_t begin, std::uint64_t end) {
+  unsigned char block[sum::kBlockBytes];
+  std::uint64_t at = 0, got = 0;
+  for (const Slice& s : slices) {
+    const std::uint64_t from = std::max(begin, at), to = std::min(end, at + s.length);
+    if (from < to) {
+      const auto* p = static_cast<const unsigned char*>(s.addr) + (from - at);
+      if (to - from == end - begin) return sum::block_digest(p, to - from);  // whole in one slice
+      std::memcpy(block + got, p, to - from);
+      got += to - from;
+    }
+    at += s.length;
+    if (at >= end) break;
+  }
+  return sum::block_digest(block, got);
 }
 
 void SliceHasher::advance_to(std::uint64_t end) {

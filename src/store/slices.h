@@ -21,6 +21,9 @@ Status host_only(std::span<const Slice> slices, std::string_view what);
 // The sum of bytes [begin, end) of the slices' concatenation, as one checksum segment.
 std::uint64_t segment_sum_at(std::span<const Slice> slices, std::uint64_t begin, std::uint64_t end);
 
+// The block digest of bytes [begin, end) of the slices' concatenation (at most one block).
+std::uint64_t block_digest_at(std::span<const Slice> slices, std::uint64_t begin, std::uint64_t end);
+
 // An object's checksum over host slices, fed in order as the bytes become available.
 class SliceHasher {
  public:

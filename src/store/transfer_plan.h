@@ -4,6 +4,10 @@
 // still move), one list of entries per memory node. Pieces contiguous on both sides travel as
 // one entry. It is pure: it reads no memory and asks no one, so tests drive it without Redis,
 // nodes or registered memory (tests/transfer_plan_test.cc).
+//
+// A put's writes to nodes whose transport digests them (Peer::digests_writes) can carry
+// where their 4 KiB block digests go: the planner gives an entry the digests of the blocks it
+// holds whole, so that no digest is written by two hands, and says which bytes those are.
 #pragma once
 
 #include <cstdint>
@@ -26,20 +30,32 @@ class TransferPlan {
     std::uint64_t pool_base = 0;  // remote address of the node's pool (page 0)
     // The lease covering remote address `addr` of the node (the RemoteMemory entries name).
     std::function<const RemoteMemory*(std::uint64_t addr)> lease_of;
+    bool digests = false;  // its transport digests writes: entries may carry block_digests
   };
 
   // `nodes` has one entry per p.nodes; `handles[i]` is the registration of `slices[i]`, and
   // the slices hold the object's bytes [begin, end) in order (at least end - begin bytes).
+  // `digests`, when set, holds a block digest per 4 KiB of the object (index: offset / 4096)
+  // and `end` is the object's end (its last block may be short).
   TransferPlan(TransferOp op, const metadata::Placement& p, std::span<const Node> nodes,
                std::span<const Slice> slices, std::span<const MemoryHandle* const> handles,
-               std::uint64_t begin, std::uint64_t end, std::uint64_t wave_bytes);
+               std::uint64_t begin, std::uint64_t end, std::uint64_t wave_bytes,
+               std::uint64_t* digests = nullptr);
 
   // The next wave: fills `by_node` (resized to one list per node; lists of nodes the wave does
   // not touch are empty) and returns the object offset where the wave ends; nullopt once
   // [begin, end) is planned. kCorrupt for a page on a node the placement does not list.
   Result<std::optional<std::uint64_t>> next(std::vector<std::vector<TransferEntry>>& by_node);
 
+  // The object's bytes whose block digests the planned entries carry, as [from, to) ranges
+  // (each from a block's start to a block's end or the object's end).
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>>& digested() const { return digested_; }
+
  private:
+  // Cuts the entries of a wave that carry digests at their last whole block, so that a short
+  // block before the object's end is left to the caller; records what stays digested.
+  void settle_digests(std::vector<std::vector<TransferEntry>>& by_node);
+
   std::size_t node_index(const std::string& id) const;
 
   TransferOp op_;
@@ -48,6 +64,8 @@ class TransferPlan {
   std::span<const Slice> slices_;
   std::span<const MemoryHandle* const> handles_;
   std::uint64_t offset_, end_, wave_bytes_;
+  std::uint64_t* digests_;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> digested_;
   std::size_t si_ = 0, soff_ = 0;  // the slice and the offset in it where offset_ lies
 };
 

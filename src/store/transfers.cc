@@ -9,7 +9,7 @@ namespace kvstash::store {
 Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const metadata::Placement& p,
                     std::uint64_t begin, std::uint64_t end, std::span<const Slice> slices,
                     std::deque<MemoryHandle>& temp, Deadline deadline, std::uint64_t wave_bytes,
-                    std::vector<Wave>& waves) {
+                    std::vector<Wave>& waves, FusedDigests* fused) {
   for (const HeldLease& h : leased.leases)
     deadline = std::min(deadline, h.until);  // a shared write window's end
   std::vector<TransportKind> kinds;          // the transports this object's bytes move over
@@ -37,12 +37,17 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
     nodes[i].lease_of = [&leased, i](std::uint64_t addr) {
       return leased.by_node[i].find(leased.leases, addr);
     };
+    nodes[i].digests = fused != nullptr && leased.paths[i]->peer->digests_writes();
   }
-  TransferPlan plan(op, p, nodes, slices.first(handles.size()), handles, begin, end, wave_bytes);
+  TransferPlan plan(op, p, nodes, slices.first(handles.size()), handles, begin, end, wave_bytes,
+                    fused != nullptr ? fused->blocks : nullptr);
   std::vector<std::vector<TransferEntry>> entries;
   for (;;) {
     KVSTASH_ASSIGN_OR_RETURN(std::optional<std::uint64_t> wave_end, plan.next(entries));
-    if (!wave_end) return Status::ok();
+    if (!wave_end) {
+      if (fused != nullptr) fused->digested = plan.digested();
+      return Status::ok();
+    }
     Wave& w = waves.emplace_back();
     w.end = *wave_end;
     for (std::size_t i = 0; i < entries.size(); ++i) {

@@ -25,10 +25,18 @@ struct Wave {
 // registration is registered for this call in `temp` (which must outlive the batches), with
 // the transports of the object's node links only. On an error the waves submitted before it
 // stay there (their batches may be moving). Never blocks on the network.
+//
+// With `fused` (a put of the whole object, [0, size)), writes to nodes whose transport
+// digests them fill fused->blocks (a digest per 4 KiB of the object) as they move, and
+// fused->digested says which bytes' digests they will fill (TransferPlan::digested).
+struct FusedDigests {
+  std::uint64_t* blocks = nullptr;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> digested;
+};
 Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const metadata::Placement& p,
                     std::uint64_t begin, std::uint64_t end, std::span<const Slice> slices,
                     std::deque<MemoryHandle>& temp, Deadline deadline, std::uint64_t wave_bytes,
-                    std::vector<Wave>& waves);
+                    std::vector<Wave>& waves, FusedDigests* fused = nullptr);
 
 // Waits for every batch; the first error.
 Status wait_all(std::vector<Batch>& batches);

@@ -43,6 +43,9 @@ struct Capabilities {
   std::uint32_t lanes = 1;
   // The engine splits an op longer than this into slices spread over the lanes (0: never).
   std::size_t slice_bytes = 0;
+  // Computes a write's 4 KiB block digests (Op::digests) as it copies the bytes (shm): the
+  // writer's checksum costs no second pass over them.
+  bool digests_writes = false;
 };
 
 // Receives completions. Implemented by the engine's batches. Transports call complete()
@@ -96,6 +99,9 @@ struct Op {
   std::uint32_t lane = 0;          // < capabilities().lanes
   CompletionSink* sink = nullptr;  // required
   std::uint32_t tag = 0;           // passed back to sink->complete()
+  // A write's: where the block digest of each 4 KiB of [local, local + length) goes (the
+  // last block may be short), or null. Only where capabilities().digests_writes.
+  std::uint64_t* digests = nullptr;
 };
 
 // A connection to one peer through one transport. Thread-safe.

@@ -109,6 +109,7 @@ class ShmTransport final : public Transport {
     c.leases = true;
     c.lanes = datapath_->lanes();
     c.slice_bytes = options_.slice_bytes;
+    c.digests_writes = true;
     return c;
   }
 

@@ -1,7 +1,7 @@
 // The shm datapath: post() validates and queues ops on per-lane copy threads; a copy thread
-// checks that the peer is alive and the key not revoked, memcpys, checks the peer again and
-// completes. No allocation in the steady state beyond the queue's own chunks, no lock held
-// while bytes move.
+// checks that the peer is alive and the key not revoked, memcpys (a write that asks for its
+// block digests computes them as it copies), checks the peer again and completes. No allocation in the steady
+// state beyond the queue's own chunks, no lock held while bytes move.
 //
 // Revocation is checked before every copy, not during it: an op that passed the check
 // finishes its copy even if the target deregisters meanwhile. Ops that start after the
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/checksum.h"
 #include "common/log.h"
 #include "transport/shm/shm_internal.h"
 
@@ -171,7 +172,9 @@ Status Datapath::execute(const Job& job) {
     }
   }
   std::byte* remote = r.data + (op.remote_addr - r.base);
-  if (op.op == TransferOp::kWrite) {
+  if (op.op == TransferOp::kWrite && op.digests != nullptr) {
+    sum::copy_and_digest(remote, op.local, op.length, op.digests);
+  } else if (op.op == TransferOp::kWrite) {
     std::memcpy(remote, op.local, op.length);
   } else {
     std::memcpy(op.local, remote, op.length);
