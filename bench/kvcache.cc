@@ -228,7 +228,8 @@ int run_kvcache(const KvCacheBenchOptions& o) {
   }
   if (!o.json) {
     std::printf(
-        "\nkvcache: KvCache save/load (per-layer streams, a checksum segment per layer, %zu-way chunk parallelism); "
+        "\nkvcache: KvCache save/load (per-layer streams, a checksum segment per layer, %zu-way chunk "
+        "parallelism); "
         "contiguous: the same bytes as %zu objects of %s put/got at once. Every loaded block verified.\n",
         chunks, chunks, units::format_size(session / chunks).c_str());
   }

@@ -10,6 +10,7 @@
 #include "kvstash/types.h"
 #include "metadata.h"
 #include "p2p.h"
+#include "peers.h"
 #include "store.h"
 
 namespace {
@@ -23,6 +24,18 @@ std::vector<std::string> split(const std::string& s) {
     if (!item.empty()) out.push_back(item);
   }
   return out;
+}
+
+std::vector<std::size_t> parse_sizes(const std::string& list) {
+  std::vector<std::size_t> sizes;
+  for (const auto& s : split(list)) {
+    auto v = units::parse_size(s);
+    if (!v.is_ok()) throw CLI::ValidationError("--sizes", v.status().message());
+    if (*v == 0) throw CLI::ValidationError("--sizes", "a size of at least one byte");
+    sizes.push_back(*v);
+  }
+  if (sizes.empty()) throw CLI::ValidationError("--sizes", "no size given");
+  return sizes;
 }
 
 std::vector<TransportKind> parse_transports(const std::string& list) {
@@ -76,10 +89,38 @@ int main(int argc, char** argv) {
   p->add_option("--peer", p2p.peer_file,
                 "Use a running `kvstash-bench p2p-target` (maybe on another host): a file, or - for stdin, "
                 "holding the three lines it printed");
+  p->add_option("--plot", p2p.plot, "Also draw GB/s over request size into this SVG file (runs gnuplot)");
   p->footer(
       "Examples:\n  kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json\n"
       "  host A: kvstash-bench p2p-target --listen 10.0.0.1:7000 --region 1GiB > target.txt\n"
       "  host B: kvstash-bench p2p --transport tcp --peer target.txt");
+
+  bench::PeersOptions peers;
+  std::string peers_transports = "tcp,shm", peers_sizes = "64KiB,1MiB,16MiB,64MiB";
+  peers.venv = bench::default_peers_venv();
+  auto* pe = app.add_subcommand(
+      "peers",
+      "kvstash's p2p rows beside peer transfer engines on the same sizes, two processes on this host: "
+      "Mooncake's transfer engine (tcp) and NIXL (UCX), from the venv scripts/peers-setup makes");
+  pe->add_option("-t,--transport", peers_transports, "kvstash transports to measure: a list of shm,tcp,ucx")
+      ->capture_default_str();
+  pe->add_option("-s,--sizes", peers_sizes, "Request sizes (comma-separated; units B, KiB, MiB, GiB)")
+      ->capture_default_str();
+  pe->add_option("--seconds", peers.seconds, "Measuring time per row")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 60.0));
+  pe->add_option("--peers", peers.engines, "Peer engines: mooncake-tcp, nixl-ucx, nixl-ucx-tcp")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::IsMember({"mooncake-tcp", "nixl-ucx", "nixl-ucx-tcp"}));
+  pe->add_option("--venv", peers.venv, "The peers' venv (scripts/peers-setup)")
+      ->envname("KVSTASH_PEERS_VENV")
+      ->capture_default_str();
+  pe->add_flag("--json", peers.json, "One JSON object per row, then one per ratio");
+  pe->add_option("--plot", peers.plot, "Also draw GB/s over request size into this SVG file (runs gnuplot)");
+  pe->footer(
+      "Examples:\n  scripts/peers-setup && kvstash-bench peers --plot peers.svg\n"
+      "  kvstash-bench peers --transport tcp --peers mooncake-tcp --sizes 1MiB --json");
 
   std::string region_text = "1GiB", target_transports = "all";
   TcpOptions target_tcp;
@@ -167,14 +208,27 @@ int main(int argc, char** argv) {
   bench::MetadataBenchOptions meta;
   auto* md = app.add_subcommand(
       "metadata",
-      "How long each metadata script holds Redis (server time, from SLOWLOG) in a cell of many objects: "
-      "get, put, eviction, a blocked put, contains_prefix, sweeping a dead node, re-registration. Starts a "
-      "private redis-server");
-  md->add_option("--objects", meta.objects, "One-page objects in the cell")
+      "Metadata operations per second against one private redis-server: N clients, each on its own "
+      "connection, putting, getting and asking contains_prefix, next to redis-benchmark's SET, GET and "
+      "EVALSHA on the same Redis in the same run. With --scripts: how long each script holds Redis "
+      "(server time, from SLOWLOG) in a cell of many objects");
+  md->add_option("--clients", meta.clients, "Client counts, one group of rows each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  md->add_option("--seconds", meta.seconds, "Measuring time of the mix per client count")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 60.0));
+  md->add_flag("--scripts", meta.scripts,
+               "Instead: server time per script (get, put, eviction, a blocked put, contains_prefix, "
+               "sweeping a dead node, re-registration) in a cell of --objects objects");
+  md->add_option("--objects", meta.objects, "--scripts: one-page objects in the cell")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
-  md->add_flag("--json", meta.json, "The table as one JSON object too");
-  md->footer("Example:\n  kvstash-bench metadata --objects 1000000");
+  md->add_flag("--json", meta.json, "One JSON object per row (--scripts: the table as one JSON object too)");
+  md->footer(
+      "Examples:\n  kvstash-bench metadata --clients 1,4,16,64 --seconds 2\n"
+      "  kvstash-bench metadata --scripts --objects 1000000");
 
   bench::ChecksumBenchOptions sums;
   std::string sum_bytes = "64MiB";
@@ -225,12 +279,7 @@ int main(int argc, char** argv) {
     }
     if (p->parsed()) {
       p2p.transports = parse_transports(transports);
-      for (const auto& s : split(sizes)) {
-        auto v = units::parse_size(s);
-        if (!v.is_ok() || *v == 0) throw CLI::ValidationError("--sizes", v.status().message());
-        p2p.sizes.push_back(*v);
-      }
-      if (p2p.sizes.empty()) throw CLI::ValidationError("--sizes", "no size given");
+      p2p.sizes = parse_sizes(sizes);
       auto ts = units::parse_size(tcp_slice), ss = units::parse_size(shm_slice);
       if (!ts.is_ok()) throw CLI::ValidationError("--tcp-slice", ts.status().message());
       if (!ss.is_ok()) throw CLI::ValidationError("--shm-slice", ss.status().message());
@@ -245,6 +294,10 @@ int main(int argc, char** argv) {
         else
           throw CLI::ValidationError("--op", "unknown op '" + s + "' (read, write)");
       }
+    }
+    if (pe->parsed()) {
+      peers.transports = parse_transports(peers_transports);
+      peers.sizes = parse_sizes(peers_sizes);
     }
   } catch (const CLI::ParseError& e) {
     // --help exits 0; every usage error exits 2, as the kvstash tools document.
@@ -270,5 +323,6 @@ int main(int argc, char** argv) {
   if (kc->parsed()) return bench::run_kvcache(kvc);
   if (md->parsed()) return bench::run_metadata(meta);
   if (cs->parsed()) return bench::run_checksum(sums);
+  if (pe->parsed()) return bench::run_peers(peers);
   return bench::run_p2p(p2p);
 }

@@ -1,4 +1,4 @@
-// `kvstash-bench metadata`: how long each metadata script holds Redis in a big cell.
+// `kvstash-bench metadata --scripts`: how long each metadata script holds Redis in a big cell.
 //
 // Starts a private redis-server, fills a cell with N one-page objects on two (fake) memory
 // nodes through the real scripts, then measures, with Redis's own SLOWLOG (the time the
@@ -68,6 +68,10 @@ class ServerClock {
 }  // namespace
 
 int run_metadata(const MetadataBenchOptions& o) {
+  return o.scripts ? run_metadata_scripts(o) : run_metadata_load(o);
+}
+
+int run_metadata_scripts(const MetadataBenchOptions& o) {
   auto redis = tools::LocalRedis::start({});
   if (!redis.is_ok()) {
     std::cerr << "metadata: " << redis.status().to_string() << "\n";

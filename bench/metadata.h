@@ -1,17 +1,29 @@
-// `kvstash-bench metadata`: how long each metadata script holds Redis in a cell of many
-// objects (Redis runs one script at a time, so that is how long every client waits).
+// `kvstash-bench metadata`: what one Redis gives the metadata plane. By default, operations per
+// second with N clients next to redis-benchmark on the same Redis (metadata_load.cc); with
+// --scripts, how long each script holds Redis in a cell of many objects (metadata.cc).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace kvstash::bench {
 
 struct MetadataBenchOptions {
-  std::uint64_t objects = 1000000;  // one-page objects in the cell
+  // The server-time table per script instead of the throughput rows.
+  bool scripts = false;
+  // Throughput: client counts (one group of rows each) and measuring time per group.
+  std::vector<int> clients = {1, 4, 16, 64};
+  double seconds = 2;
+  // --scripts: one-page objects in the cell (100,000 fill in about ten seconds here).
+  std::uint64_t objects = 100000;
   bool json = false;
 };
 
-// Prints a table of server time per script (p50, p99, max); 0 on success.
+// Starts a private redis-server, prints the table (or JSON), stops it; 0 on success.
 int run_metadata(const MetadataBenchOptions& options);
+
+// The two modes, each in its own file.
+int run_metadata_scripts(const MetadataBenchOptions& options);
+int run_metadata_load(const MetadataBenchOptions& options);
 
 }  // namespace kvstash::bench

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <map>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include "common/units.h"
 #include "kvstash/engine.h"
 #include "measure.h"
+#include "plot.h"
 #include "references.h"
 
 namespace kvstash::bench {
@@ -25,16 +27,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-struct Row {
-  std::string transport;
-  std::string op;
-  std::size_t size = 0;
-  unsigned threads = 1, depth = 1;
-  double gbps = 0, p50_us = 0, p99_us = 0;
-  double memcpy_gbps = 0, socket_gbps = 0;
-  bool verified = false;
-  std::string error;
-};
+using Row = P2PRow;
 
 void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
   std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
@@ -46,22 +39,14 @@ void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
   }
 }
 
+void print_header() {
+  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9}\n", "transport", "op",
+                           "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket");
+}
+
 void print(const Row& r, bool json) {
   if (json) {
-    nlohmann::json j{{"transport", r.transport}, {"op", r.op},        {"size", r.size},
-                     {"threads", r.threads},     {"depth", r.depth},  {"gbps", r.gbps},
-                     {"p50_us", r.p50_us},       {"p99_us", r.p99_us}};
-    if (r.memcpy_gbps > 0) {
-      j["memcpy_gbps"] = r.memcpy_gbps;
-      j["vs_memcpy"] = r.gbps / r.memcpy_gbps;
-    }
-    if (r.socket_gbps > 0) {
-      j["socket_gbps"] = r.socket_gbps;
-      j["vs_socket"] = r.gbps / r.socket_gbps;
-    }
-    if (r.op == "read" || r.op == "write") j["verified"] = r.verified;
-    if (!r.error.empty()) j["error"] = r.error;
-    std::cout << j.dump() << std::endl;
+    std::cout << to_json_line(r) << std::endl;
     return;
   }
   if (!r.error.empty()) {
@@ -70,8 +55,7 @@ void print(const Row& r, bool json) {
     return;
   }
   // Reference rows have no per-request latency.
-  const bool reference = r.op == "copy" || r.op == "stream";
-  auto us = [&](double v) { return reference ? std::string() : fmt::format("{:.1f}", v); };
+  auto us = [&](double v) { return r.reference() ? std::string() : fmt::format("{:.1f}", v); };
   std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9}\n",
                            r.transport, r.op, units::format_size(r.size), r.threads, r.depth, r.gbps,
                            us(r.p50_us), us(r.p99_us),
@@ -196,16 +180,35 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   return 0;
 }
 
-int run_p2p(const P2POptions& o) {
+std::string to_json_line(const P2PRow& r) {
+  nlohmann::json j{{"transport", r.transport}, {"op", r.op},     {"size", r.size},     {"threads", r.threads},
+                   {"depth", r.depth},         {"gbps", r.gbps}, {"p50_us", r.p50_us}, {"p99_us", r.p99_us}};
+  if (r.memcpy_gbps > 0) {
+    j["memcpy_gbps"] = r.memcpy_gbps;
+    j["vs_memcpy"] = r.gbps / r.memcpy_gbps;
+  }
+  if (r.socket_gbps > 0) {
+    j["socket_gbps"] = r.socket_gbps;
+    j["vs_socket"] = r.gbps / r.socket_gbps;
+  }
+  if (r.op == "read" || r.op == "write") j["verified"] = r.verified;
+  if (!r.error.empty()) j["error"] = r.error;
+  return j.dump();
+}
+
+Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
+                                        const std::function<void(const P2PRow&)>& on_row) {
+  std::vector<P2PRow> rows;
+  auto add = [&](P2PRow r) {
+    if (on_row) on_row(r);
+    rows.push_back(std::move(r));
+  };
   const std::size_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
   const std::size_t region = max_size * o.threads * o.depth;
   std::vector<TransportKind> kinds = o.transports;
   if (kinds.empty()) {
     auto probe = Engine::create({});
-    if (!probe.is_ok()) {
-      std::cerr << "kvstash-bench: " << probe.status().to_string() << "\n";
-      return 1;
-    }
+    if (!probe.is_ok()) return probe.status();
     kinds = (*probe)->transports();
   }
   std::string list;
@@ -244,17 +247,12 @@ int run_p2p(const P2POptions& o) {
   }
   if (!address.is_ok() || !key.is_ok() || socket_line.rfind("socket ", 0) != 0 || port == 0) {
     const std::string from = target ? std::string("the target process") : o.peer_file;
-    std::cerr << "kvstash-bench: no valid address, key and socket lines from " << from << "\n";
-    return 1;
+    return Status::unavailable("no valid address, key and socket lines from " + from);
   }
   const std::string socket_host = socket_line.substr(7, colon - 7);
 
   // References, measured now, in this run, between these two processes: per size, the
   // median of three socket streams (at least 512 MiB each) and single-core memcpy.
-  if (!o.json) {
-    std::cout << fmt::format("{:<10} {:<6} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9}\n", "transport", "op",
-                             "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket");
-  }
   std::map<std::size_t, double> memcpy_ref, socket_ref;
   for (std::size_t size : o.sizes) {
     std::vector<double> runs;
@@ -264,12 +262,11 @@ int run_p2p(const P2POptions& o) {
     }
     socket_ref[size] = percentile(runs, 0.5);
     memcpy_ref[size] = memcpy_gbps(size, std::min(o.seconds, 0.3));
-    print(reference_row("memcpy", "copy", size, memcpy_ref[size]), o.json);
-    print(reference_row("tcp-socket", "stream", size, socket_ref[size]), o.json);
+    add(reference_row("memcpy", "copy", size, memcpy_ref[size]));
+    add(reference_row("tcp-socket", "stream", size, socket_ref[size]));
   }
 
   auto local = Buffer::allocate(region, {.shareable = false}).value();
-  int failures = 0;
   for (TransportKind kind : kinds) {
     EngineOptions eo;
     eo.transports = {kind};
@@ -281,8 +278,7 @@ int run_p2p(const P2POptions& o) {
       Row r;
       r.transport = std::string(to_string(kind));
       r.error = s.to_string();
-      print(r, o.json);
-      ++failures;
+      add(std::move(r));
     };
     if (!engine.is_ok()) {
       fail(engine.status());
@@ -318,13 +314,48 @@ int run_p2p(const P2POptions& o) {
         if (!v.is_ok()) r.error = "verification failed: " + v.to_string();
         r.memcpy_gbps = memcpy_ref[size];
         r.socket_gbps = socket_ref[size];
-        failures += !r.error.empty();
-        print(r, o.json);
+        add(std::move(r));
       }
     }
   }
   if (target) target->finish();
-  return failures == 0 ? 0 : 1;
+  return rows;
+}
+
+std::vector<PlotSeries> p2p_plot_series(const std::vector<P2PRow>& rows) {
+  std::vector<PlotSeries> series;
+  for (const auto& r : rows) {
+    if (!r.error.empty()) continue;
+    const std::string title = r.reference() ? r.transport : r.transport + " " + r.op;
+    auto it = std::find_if(series.begin(), series.end(), [&](const auto& s) { return s.title == title; });
+    if (it == series.end()) {
+      PlotSeries s;
+      s.title = title;
+      s.group = r.transport;
+      s.dashed = r.reference();
+      s.second_marker = r.op == "read";
+      it = series.insert(series.end(), std::move(s));
+    }
+    it->points.emplace_back(r.size, r.gbps);
+  }
+  return series;
+}
+
+int run_p2p(const P2POptions& o) {
+  bool header = false;
+  auto rows = measure_p2p(o, [&](const P2PRow& r) {
+    if (!o.json && !std::exchange(header, true)) print_header();
+    print(r, o.json);
+  });
+  if (!rows.is_ok()) {
+    std::cerr << "kvstash-bench: " << rows.status().to_string() << "\n";
+    return 1;
+  }
+  const bool failed = std::any_of(rows->begin(), rows->end(), [](const auto& r) { return !r.error.empty(); });
+  if (o.plot.empty()) return failed ? 1 : 0;
+  Status plotted = plot_gbps(o.plot, plot_title("kvstash-bench p2p"), p2p_plot_series(*rows));
+  if (!plotted.is_ok()) std::cerr << "kvstash-bench: --plot: " << plotted.to_string() << "\n";
+  return failed || !plotted.is_ok() ? 1 : 0;
 }
 
 }  // namespace kvstash::bench

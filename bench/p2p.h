@@ -2,10 +2,12 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "kvstash/engine.h"
+#include "plot.h"
 
 namespace kvstash::bench {
 
@@ -21,9 +23,39 @@ struct P2POptions {
   TcpOptions tcp;         // streams, io threads and slice size for both processes
   ShmOptions shm;         // copy threads and slice size of the initiator
   std::string peer_file;  // read a running p2p-target's three lines from here ("-": stdin)
+  std::string plot;       // also draw GB/s over size into this SVG (gnuplot); empty: none
 };
 
-// Runs the initiator and spawns the target (this executable, `p2p-target`). Returns an exit code.
+// One row of `p2p`: a transfer measured between the two processes, or a reference measured in
+// the same run (transport "memcpy", op "copy"; transport "tcp-socket", op "stream").
+struct P2PRow {
+  std::string transport;
+  std::string op;
+  std::size_t size = 0;
+  unsigned threads = 1, depth = 1;
+  double gbps = 0, p50_us = 0, p99_us = 0;
+  double memcpy_gbps = 0, socket_gbps = 0;  // this size's references (transfer rows)
+  bool verified = false;                    // the bytes were written, read back and compared
+  std::string error;                        // non-empty: the row was not measured
+  bool reference() const { return op == "copy" || op == "stream"; }
+};
+
+// Runs the initiator against the target it spawns (this executable, `p2p-target`) or the one in
+// options.peer_file: per size the two references, then per transport, size and op a transfer
+// row, each passed to on_row as soon as it is measured. Returns every row (failed ones carry
+// their error), or the error that stopped the run before any row: no target, no valid lines from
+// it, no engine to probe. Blocks for the whole run.
+Result<std::vector<P2PRow>> measure_p2p(const P2POptions& options,
+                                        const std::function<void(const P2PRow&)>& on_row = {});
+
+// `p2p` row as the one-line JSON object `p2p --json` prints.
+std::string to_json_line(const P2PRow& row);
+
+// The rows as plot lines: one solid line per transport and op, one dashed per reference.
+std::vector<PlotSeries> p2p_plot_series(const std::vector<P2PRow>& rows);
+
+// Runs measure_p2p and prints its rows (a table, or JSON), then the plot if asked for. Returns an
+// exit code: 1 when any row failed or the plot could not be drawn.
 int run_p2p(const P2POptions& options);
 
 // The target: serves one region over every transport plus the raw socket sink, prints
