@@ -24,6 +24,7 @@
 #include "kvstash/store.h"
 #include "kvstash_config.h"
 #include "metadata/redis_client.h"
+#include "references.h"
 #include "store_internal.h"
 #include "tools/common/local_cluster.h"
 
@@ -173,6 +174,10 @@ void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
       j["p50_us"] = percentile(r.stats.latency_us, 0.50);
       j["p99_us"] = percentile(r.stats.latency_us, 0.99);
       j["vs_redis"] = ratio ? nlohmann::json(*ratio) : nlohmann::json(nullptr);
+      if (memcpy_gbps_ > 0) {
+        j["memcpy_gbps"] = memcpy_gbps_;
+        j["vs_memcpy"] = rate / memcpy_gbps_;
+      }
       j["verified"] = r.verified;
       if (r.kvstash) {
         j["metadata_p50_us"] = percentile(r.stats.metadata_us, 0.50);
@@ -203,9 +208,11 @@ void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
         percentile(r.stats.metadata_us, 0.99),
         static_cast<double>(r.stats.round_trips) / static_cast<double>(r.stats.latency_us.size()));
   }
-  std::cout << fmt::format("{:<13} {:<4} {:>8.2f} {:>8} {:>10.0f} {:>10.0f} {}  {}\n", r.backend, r.op, rate,
-                           ratio ? fmt::format("{:.2f}", *ratio) : "-", percentile(r.stats.latency_us, 0.50),
-                           percentile(r.stats.latency_us, 0.99), meta, "yes");
+  std::cout << fmt::format("{:<13} {:<4} {:>8.2f} {:>8} {:>8} {:>10.0f} {:>10.0f} {}  {}\n", r.backend, r.op,
+                           rate, ratio ? fmt::format("{:.2f}", *ratio) : "-",
+                           memcpy_gbps_ > 0 ? fmt::format("{:.2f}", rate / memcpy_gbps_) : "-",
+                           percentile(r.stats.latency_us, 0.50), percentile(r.stats.latency_us, 0.99), meta,
+                           "yes");
   std::cout.flush();
 }
 
@@ -453,9 +460,9 @@ int run_store(const StoreBenchOptions& options) {
       std::cout << "  nodes     the cell's memory nodes\n";
     }
     std::cout << "\n"
-              << fmt::format("{:<13} {:<4} {:>8} {:>8} {:>10} {:>10} {:>9} {:>9} {:>8}  {}\n", "backend",
-                             "op", "GB/s", "x redis", "p50 us", "p99 us", "meta p50", "meta p99", "redis/op",
-                             "verified");
+              << fmt::format("{:<13} {:<4} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9} {:>9} {:>8}  {}\n",
+                             "backend", "op", "GB/s", "x redis", "x memcpy", "p50 us", "p99 us", "meta p50",
+                             "meta p99", "redis/op", "verified");
   }
 
   if (Status st = allocate_sessions(s); !st.is_ok()) {
@@ -464,6 +471,15 @@ int run_store(const StoreBenchOptions& options) {
   }
 
   StoreBench bench(o, s);
+  // The reference the shm rows are held to: one core copying one session's bytes, between
+  // buffers as large as a session (up to 256 MiB), measured here before the backends run.
+  const double copy_gbps = memcpy_gbps(std::min<std::uint64_t>(s.largest, 256u << 20), 0.5);
+  bench.set_memcpy_gbps(copy_gbps);
+  if (!o.json) {
+    std::cout << fmt::format(
+        "{:<13} {:<4} {:>8.2f} {:>8} {:>8}   (single-core memcpy of {}: the reference)\n", "memcpy", "copy",
+        copy_gbps, "-", "1.00", units::format_size(std::min<std::uint64_t>(s.largest, 256u << 20)));
+  }
   int failures = 0;
   std::map<std::string, double> redis_gbps;  // op -> GB/s of the baseline
   auto report = [&](const Row& put, const Row& get) {
@@ -516,7 +532,8 @@ int run_store(const StoreBenchOptions& options) {
            "spent in Redis (metadata), redis/op: Redis round trips per op. redis-bytes is the tutorial's\n"
            "approach, HSET/HGET of the bytes through Redis itself; kvstash moves them one-sided and keeps\n"
            "only metadata in Redis. kvstash-ucx's puts travel over the best transport the memory node can\n"
-           "fence (shm on one host): UCX holds no leases at the node, so the store never writes over it.\n";
+           "fence (shm on one host): UCX holds no leases at the node, so the store never writes over it.\n"
+           "x memcpy: GB/s over one core's memcpy of a session's bytes, measured at the start of this run.\n";
   }
   if (failures != 0) std::cerr << "kvstash-bench: " << failures << " backend(s) failed\n";
   return failures == 0 ? 0 : 1;

@@ -46,11 +46,14 @@ class StoreBench {
   std::pair<Row, Row> measure_store(const std::string& backend, TransportKind kind, const StoreOptions& so,
                                     std::uint64_t backend_index);
   void print(const Row& r, const std::optional<double>& redis_gbps);
+  // Single-core memcpy of one session's bytes, measured in this run: the shm rows' limit.
+  void set_memcpy_gbps(double g) { memcpy_gbps_ = g; }
 
  private:
   const StoreBenchOptions& o_;
   Sessions& s_;
   Progress progress_;
+  double memcpy_gbps_ = 0;
 };
 
 }  // namespace kvstash::bench

@@ -1,6 +1,7 @@
 #include "common/system.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -24,6 +25,19 @@ void random_bytes(void* out, std::size_t n) {
     p += got;
     n -= static_cast<std::size_t>(got);
   }
+}
+
+void* map_shared(int fd, std::size_t length, std::uint64_t offset, bool populate) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older headers lack it
+#endif
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  if (p == MAP_FAILED || !populate) return p;
+  if (::madvise(p, length, MADV_POPULATE_WRITE) == 0) return p;
+  // An older kernel (EINVAL): fault the pages in read-only; the writes upgrade them.
+  ::munmap(p, length);
+  return ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                static_cast<off_t>(offset));
 }
 
 namespace {

@@ -18,6 +18,13 @@ void random_bytes(void* out, std::size_t n);
 // id share a kernel, so shared memory between them is possible.
 const std::string& boot_id();
 
+// Maps `length` bytes of shared memory `fd` from `offset`, read-write, with page tables filled
+// for writing now (MADV_POPULATE_WRITE, Linux 5.14; MAP_POPULATE before). MAP_POPULATE alone
+// fills a shared mapping's page tables read-only, so each first write to a 4 KiB page still
+// faults (measured: the first copy into a 64 MiB range at half the speed of later ones). With
+// `populate` false, pages come in at first touch. MAP_FAILED and errno on failure.
+void* map_shared(int fd, std::size_t length, std::uint64_t offset, bool populate);
+
 // A secret kept in a file (a Redis password): its contents without the trailing newlines.
 // kInvalidArgument naming the path when it cannot be read (it came from the command line or a
 // configuration).

@@ -7,6 +7,8 @@
 
 #include "kvstash/memory.h"
 
+#include "common/system.h"
+
 namespace kvstash {
 namespace {
 
@@ -58,8 +60,7 @@ Result<Buffer> Buffer::allocate(std::size_t size, const BufferOptions& options) 
   if (options.populate && fallocate(fd, 0, 0, static_cast<off_t>(b.mapped_)) != 0) {
     return Status::no_space("cannot commit " + std::to_string(size) + " bytes of memory");
   }
-  void* p = mmap(nullptr, b.mapped_, PROT_READ | PROT_WRITE,
-                 MAP_SHARED | (options.populate ? MAP_POPULATE : 0), fd, 0);
+  void* p = sys::map_shared(fd, b.mapped_, 0, options.populate);
   if (p == MAP_FAILED) return Status::no_space("mmap of " + std::to_string(size) + " bytes failed");
   b.data_ = static_cast<std::byte*>(p);
   return b;

@@ -235,8 +235,7 @@ Result<std::unique_ptr<RemoteKey>> ShmEndpoint::import_key(std::uint64_t base, s
   // Page tables filled now, not by faults in the first copies (64 MiB of 4 KiB pages is
   // 16384 faults, about as long as the copy). Bounded: a huge pool maps lazily.
   constexpr std::uint64_t kPopulateLimit = 4ull << 30;
-  const int flags = MAP_SHARED | (map_len <= kPopulateLimit ? MAP_POPULATE : 0);
-  void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, flags, r.fd.get(), static_cast<off_t>(map_off));
+  void* p = sys::map_shared(r.fd.get(), map_len, map_off, map_len <= kPopulateLimit);
   if (p == MAP_FAILED) return Status::from_errno("shm: mmap remote region", errno);
   auto region = std::make_shared<RemoteRegion>();
   region->conn = conn_;
