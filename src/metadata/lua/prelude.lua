@@ -41,6 +41,20 @@ local function live(id)
   return d ~= false and d ~= nil and tonumber(d) >= now
 end
 
+-- What a script reads of a node to serve its objects, read once per run (a get, a
+-- contains_prefix of many keys on few nodes): alive, state, generation floor, address, key.
+-- Scripts that change a node's record read it directly, never through here.
+local node_views = {}
+local function node_view(id)
+  local v = node_views[id]
+  if v == nil then
+    local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'gen_floor', 'address', 'key')
+    v = {alive = live(id), state = n[1], floor = tonumber(n[2] or '0') or 0, address = n[3] or '', key = n[4] or ''}
+    node_views[id] = v
+  end
+  return v
+end
+
 -- An extent list grouped by node, in order of first appearance.
 local function by_node(list)
   local groups, order = {}, {}
@@ -133,11 +147,10 @@ end
 local function on_live_pages(extents, nodes)
   local floors, left = {}, 0
   for id in string.gmatch(nodes or '', '[^ ]+') do
-    if not live(id) then return false end
+    local v = node_view(id)
+    if not v.alive or (v.state ~= 'up' and v.state ~= 'draining') then return false end
     if not floors[id] then
-      local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'gen_floor')
-      if n[1] ~= 'up' and n[1] ~= 'draining' then return false end
-      floors[id] = tonumber(n[2] or '0') or 0
+      floors[id] = v.floor
       left = left + 1
     end
   end
@@ -294,10 +307,10 @@ end
 -- The endpoints of nodes (space-separated ids) appended to `out`: id, address, key.
 local function endpoints(out, nodes)
   for id in string.gmatch(nodes or '', '[^ ]+') do
-    local n = redis.call('HMGET', P .. ':node:' .. id, 'address', 'key')
+    local v = node_view(id)
     out[#out + 1] = id
-    out[#out + 1] = n[1] or ''
-    out[#out + 1] = n[2] or ''
+    out[#out + 1] = v.address
+    out[#out + 1] = v.key
   end
   return out
 end
