@@ -7,7 +7,24 @@ Batch::State::State(std::size_t entries, Deadline d)
     : deadline(d),
       statuses(entries),
       parts_left(std::make_unique<std::atomic<std::uint32_t>[]>(entries)),
+      parts_capacity(entries),
       entries_left(entries) {}
+
+void Batch::State::reset(std::size_t entries, Deadline d) {
+  deadline = d;
+  statuses.assign(entries, Status::ok());
+  if (entries > parts_capacity) {
+    parts_left = std::make_unique<std::atomic<std::uint32_t>[]>(entries);
+    parts_capacity = entries;
+  }
+  std::lock_guard lock(mu);
+  entries_left = entries;
+}
+
+void Batch::State::release() {
+  endpoint.reset();
+  keys.clear();
+}
 
 void Batch::State::complete(std::uint32_t tag, Status status) {
   std::lock_guard lock(mu);
@@ -40,13 +57,18 @@ Batch::Batch() = default;
 Batch::Batch(Batch&&) noexcept = default;
 Batch& Batch::operator=(Batch&& other) noexcept {
   if (this != &other) {
-    if (state_) cancel();
+    if (state_) {
+      cancel();
+      state_->release();
+    }
     state_ = std::move(other.state_);
   }
   return *this;
 }
 Batch::~Batch() {
-  if (state_) cancel();
+  if (!state_) return;
+  cancel();  // returns once no op can complete any more
+  state_->release();
 }
 
 bool Batch::poll() {

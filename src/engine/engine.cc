@@ -294,6 +294,20 @@ TransportKind Peer::transport() const { return state_->transport->kind(); }
 
 bool Peer::leases() const { return state_->caps.leases; }
 bool Peer::lease_asks_peer() const { return state_->caps.lease_asks_target; }
+
+std::shared_ptr<Batch::State> Peer::State::batch_state(std::size_t entries, Deadline deadline) {
+  constexpr std::size_t kBatchPool = 64;  // batches of one peer in flight at once, kept for reuse
+  std::lock_guard lock(batches_mu);
+  for (auto& s : batches) {
+    if (s.use_count() == 1) {  // only the pool holds it: its batch has ended
+      s->reset(entries, deadline);
+      return s;
+    }
+  }
+  auto fresh = std::make_shared<Batch::State>(entries, deadline);
+  if (batches.size() < kBatchPool) batches.push_back(fresh);
+  return fresh;
+}
 bool Peer::digests_writes() const {
   // Slices start on a block: each op's digests are the entry's from its first block.
   const auto& c = state_->caps;
@@ -450,14 +464,28 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
     }
   }
   KVSTASH_ASSIGN_OR_RETURN(auto ep, state_->current(deadline));
-  auto batch_state = std::make_shared<Batch::State>(entries.size(), deadline);
+  auto batch_state = state_->batch_state(entries.size(), deadline);
   batch_state->endpoint = ep.first;
 
   const auto& caps = state_->caps;
   const std::size_t slice = caps.slice_bytes == 0 ? SIZE_MAX : caps.slice_bytes;
   const TransportKind kind = state_->transport->kind();
   const bool digests = digests_writes();
-  std::vector<transport::Op> ops;
+  // The ops go to the transport by value: one list per thread serves every submit (a nested
+  // submit, from inside a post, takes a list of its own).
+  thread_local std::vector<transport::Op> reused;
+  thread_local bool in_use = false;
+  std::vector<transport::Op> nested;
+  std::vector<transport::Op>& ops = in_use ? nested : reused;
+  const bool outer = !in_use;
+  in_use = true;
+  struct Release {
+    bool outer;
+    ~Release() {
+      if (outer) in_use = false;
+    }
+  } release{outer};
+  ops.clear();
   ops.reserve(entries.size());
   // Lanes take slices in turn; pieces smaller than a slice that continue the previous one on
   // the remote side (a scattered local layer into one object) share its lane up to a slice's

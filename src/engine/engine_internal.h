@@ -47,6 +47,12 @@ struct Peer::State {
   // The current endpoint, connecting anew when there is none or it broke. kTimeout when
   // another caller's connect is still running at `deadline`.
   Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> current(Deadline deadline);
+
+  // A batch's state for `entries` entries: one whose batch has ended, reused, or a new one.
+  // A warm peer's submit allocates nothing (tests/alloc_test.cc).
+  std::shared_ptr<Batch::State> batch_state(std::size_t entries, Deadline deadline);
+  std::mutex batches_mu;
+  std::vector<std::shared_ptr<Batch::State>> batches;  // the pool: at most kBatchPool
 };
 
 struct RemoteMemory::State {
@@ -80,6 +86,11 @@ struct RemoteMemory::State {
 
 struct Batch::State final : transport::CompletionSink {
   State(std::size_t entries, Deadline deadline);
+  // Ready for a new batch of `entries` entries (keeping its buffers when they are large
+  // enough). Only while no op of the last batch can still complete.
+  void reset(std::size_t entries, Deadline deadline);
+  // The batch ended: what it kept alive (endpoint, keys) goes.
+  void release();
   void complete(std::uint32_t tag, Status status) override;
   bool done_locked() const { return entries_left == 0; }
   void abort(const Status& reason);
@@ -87,6 +98,7 @@ struct Batch::State final : transport::CompletionSink {
   Deadline deadline;
   std::vector<Status> statuses;
   std::unique_ptr<std::atomic<std::uint32_t>[]> parts_left;  // per entry: ops not complete
+  std::size_t parts_capacity = 0;
   std::shared_ptr<transport::Endpoint> endpoint;
   std::vector<std::shared_ptr<transport::RemoteKey>> keys;  // kept alive while ops run
 

@@ -170,12 +170,47 @@ class Datapath {
     Op op;
     std::shared_ptr<const RemoteRegion> region;
   };
+  // A lane's FIFO: a vector and the index of its front, so that a warm lane allocates
+  // nothing (a std::deque gives chunks back and takes new ones as its ends move).
+  class JobQueue {
+   public:
+    bool empty() const { return head_ == jobs_.size(); }
+    void push_back(Job job) { jobs_.push_back(std::move(job)); }
+    Job pop_front() {
+      Job job = std::move(jobs_[head_++]);
+      if (empty()) {
+        jobs_.clear();
+        head_ = 0;
+      } else if (head_ >= 64 && head_ * 2 >= jobs_.size()) {  // a queue that never drains
+        jobs_.erase(jobs_.begin(), jobs_.begin() + static_cast<std::ptrdiff_t>(head_));
+        head_ = 0;
+      }
+      return job;
+    }
+    // Moves the queued jobs `take(job)` says to `out`, in order.
+    template <typename Take>
+    void take_if(Take take, std::vector<Job>& out) {
+      auto kept = jobs_.begin() + static_cast<std::ptrdiff_t>(head_);
+      for (auto it = kept; it != jobs_.end(); ++it) {
+        if (take(*it)) {
+          out.push_back(std::move(*it));
+        } else {
+          *kept++ = std::move(*it);
+        }
+      }
+      jobs_.erase(kept, jobs_.end());
+    }
+
+   private:
+    std::vector<Job> jobs_;
+    std::size_t head_ = 0;
+  };
   std::size_t inline_bytes_;
   struct Lane {
     std::mutex mu;
     std::condition_variable work_cv;  // a job arrived or stop
     std::condition_variable idle_cv;  // busy_sink changed
-    std::deque<Job> queue;
+    JobQueue queue;
     CompletionSink* busy_sink = nullptr;  // sink of the op being copied (until completed)
     bool stopping = false;
     std::thread thread;

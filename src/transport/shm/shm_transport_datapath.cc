@@ -1,7 +1,7 @@
 // The shm datapath: post() validates and queues ops on per-lane copy threads; a copy thread
 // checks that the peer is alive and the key not revoked, memcpys (a write that asks for its
-// block digests computes them as it copies), checks the peer again and completes. No allocation in the steady
-// state beyond the queue's own chunks, no lock held while bytes move.
+// block digests computes them as it copies), checks the peer again and completes. No
+// allocation once warm (tests/alloc_test.cc), no lock held while bytes move.
 //
 // Revocation is checked before every copy, not during it: an op that passed the check
 // finishes its copy even if the target deregisters meanwhile. Ops that start after the
@@ -191,8 +191,7 @@ void Datapath::run(Lane& lane) {
   for (;;) {
     lane.work_cv.wait(lock, [&] { return lane.stopping || !lane.queue.empty(); });
     if (lane.stopping) break;
-    Job job = std::move(lane.queue.front());
-    lane.queue.pop_front();
+    Job job = lane.queue.pop_front();
     lane.busy_sink = job.op.sink;
     lock.unlock();
     Status status = execute(job);
@@ -203,8 +202,8 @@ void Datapath::run(Lane& lane) {
     lane.busy_sink = nullptr;
     lane.idle_cv.notify_all();
   }
-  std::deque<Job> rest;
-  rest.swap(lane.queue);
+  std::vector<Job> rest;
+  lane.queue.take_if([](const Job&) { return true; }, rest);
   lock.unlock();
   for (Job& job : rest) {
     job.op.sink->complete(job.op.tag, Status::unavailable("shm transport shut down"));
@@ -214,17 +213,10 @@ void Datapath::run(Lane& lane) {
 void Datapath::abort(CompletionSink* sink, const Status& reason) {
   for (auto& lane_ptr : lanes_) {
     Lane& lane = *lane_ptr;
-    std::deque<Job> taken;
+    std::vector<Job> taken;
     {
       std::unique_lock lock(lane.mu);
-      for (auto it = lane.queue.begin(); it != lane.queue.end();) {
-        if (it->op.sink == sink) {
-          taken.push_back(std::move(*it));
-          it = lane.queue.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      lane.queue.take_if([&](const Job& job) { return job.op.sink == sink; }, taken);
       // The op being copied cannot be stopped halfway; wait until it has completed. Not when
       // abort() runs inside that very op's complete() on this lane: it would wait for itself.
       if (t_current_lane != &lane) {
