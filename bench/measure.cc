@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 
 namespace kvstash::bench {
 namespace {
@@ -21,6 +23,20 @@ double percentile(std::vector<double> v, double p) {
   std::sort(v.begin(), v.end());
   auto rank = static_cast<std::size_t>(std::ceil(p * static_cast<double>(v.size())));
   return v[std::clamp<std::size_t>(rank, 1, v.size()) - 1];
+}
+
+ResidentMemory resident_memory(const std::string& pid) {
+  ResidentMemory r;
+  std::ifstream in("/proc/" + pid + "/status");
+  for (std::string line; std::getline(in, line);) {
+    std::uint64_t* field = line.starts_with("VmRSS:")      ? &r.total
+                           : line.starts_with("RssAnon:")  ? &r.anon
+                           : line.starts_with("RssFile:")  ? &r.file
+                           : line.starts_with("RssShmem:") ? &r.shmem
+                                                           : nullptr;
+    if (field != nullptr) *field = std::strtoull(line.c_str() + line.find(':') + 1, nullptr, 10) << 10;
+  }
+  return r;
 }
 
 double us_since(Clock::time_point t0) {

@@ -21,6 +21,16 @@ double us_since(Clock::time_point t0);
 // Where in [a, a+n) the two buffers first differ (n when they do not), for error messages.
 std::size_t first_difference(const std::byte* a, const std::byte* b, std::size_t n);
 
+// A process's resident memory by kind (/proc/PID/status; "self" for this one), in bytes;
+// zeros when it cannot be read.
+struct ResidentMemory {
+  std::uint64_t total = 0;  // VmRSS
+  std::uint64_t anon = 0;   // RssAnon: heap, stacks
+  std::uint64_t file = 0;   // RssFile: code, mapped files
+  std::uint64_t shmem = 0;  // RssShmem: shared memory mapped (buffers, pools)
+};
+ResidentMemory resident_memory(const std::string& pid);
+
 // A progress line on a terminal (stderr), overwritten in place; nothing when redirected.
 class Progress {
  public:

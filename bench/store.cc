@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -151,6 +152,8 @@ std::pair<Row, Row> StoreBench::measure_store(const std::string& backend, Transp
   }
   progress_.clear();
   put.verified = get.verified = true;
+  put.stats.client_anon_bytes = get.stats.client_anon_bytes = resident_memory("self").anon;
+  client_anon_ = std::max(client_anon_, put.stats.client_anon_bytes);
   return {put, get};
 }
 
@@ -188,6 +191,7 @@ void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
             static_cast<double>(r.stats.node_round_trips) / static_cast<double>(r.stats.latency_us.size());
         j["node_us_mean"] = std::accumulate(r.stats.node_us.begin(), r.stats.node_us.end(), 0.0) /
                             static_cast<double>(r.stats.node_us.size());
+        j["client_anon_bytes"] = r.stats.client_anon_bytes;
       }
     }
     std::cout << j.dump() << std::endl;
@@ -217,6 +221,28 @@ void StoreBench::print(const Row& r, const std::optional<double>& redis_gbps) {
 }
 
 namespace {
+
+// What the memory node and this client keep resident (table only; JSON rows carry it): the
+// node's RSS per GiB of pool (its pool is resident from the start), and the client's own
+// memory (heap, stacks: RssAnon, at its largest while a store was open) beside the session
+// buffers it maps.
+void report_memory(const tools::LocalNode* node, std::uint64_t client_anon, const Sessions& s) {
+  std::cout << "\nmemory    ";
+  if (node != nullptr) {
+    const ResidentMemory n = resident_memory(std::to_string(node->pid()));
+    const std::uint64_t pool = node->pages() * node->page_size();
+    std::cout << fmt::format(
+        "kvstashd: {} resident for a {} pool ({:.3f} GiB per GiB of pool; {} beside the pool)\n          ",
+        units::format_size(n.total), units::format_size(pool),
+        static_cast<double>(n.total) / static_cast<double>(pool), units::format_size(n.anon + n.file));
+  }
+  std::cout << fmt::format(
+      "this client: {} of its own (heap, stacks; {} per MiB of the largest object in flight) beside its "
+      "{} of session buffers\n",
+      units::format_size(client_anon),
+      units::format_size(client_anon / std::max<std::uint64_t>(1, s.largest >> 20)),
+      units::format_size(s.total + s.largest));
+}
 
 // A 0600 temporary file holding a secret (the cluster token for kvstashd), removed when this
 // goes. Never on a command line: `ps` shows those to every local user.
@@ -535,6 +561,7 @@ int run_store(const StoreBenchOptions& options) {
            "fence (shm on one host): UCX holds no leases at the node, so the store never writes over it.\n"
            "x memcpy: GB/s over one core's memcpy of a session's bytes, measured at the start of this run.\n";
   }
+  if (!o.json) report_memory(node.get(), bench.client_anon(), s);
   if (failures != 0) std::cerr << "kvstash-bench: " << failures << " backend(s) failed\n";
   return failures == 0 ? 0 : 1;
 }

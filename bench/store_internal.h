@@ -22,6 +22,8 @@ struct OpStats {
   std::vector<double> node_us;         // kvstash: time in them, per operation
   std::uint64_t bytes = 0;
   double seconds = 0;  // summed over the operations: the ops run one after another
+  // kvstash: this client's heap and stacks (RssAnon) after its rounds, store still open.
+  std::uint64_t client_anon_bytes = 0;
 };
 
 struct Row {
@@ -48,12 +50,15 @@ class StoreBench {
   void print(const Row& r, const std::optional<double>& redis_gbps);
   // Single-core memcpy of one session's bytes, measured in this run: the shm rows' limit.
   void set_memcpy_gbps(double g) { memcpy_gbps_ = g; }
+  // The largest RssAnon seen after a backend's rounds.
+  std::uint64_t client_anon() const { return client_anon_; }
 
  private:
   const StoreBenchOptions& o_;
   Sessions& s_;
   Progress progress_;
   double memcpy_gbps_ = 0;
+  std::uint64_t client_anon_ = 0;
 };
 
 }  // namespace kvstash::bench
