@@ -323,6 +323,32 @@ TEST_F(StoreTest, AShmPutsChecksumComesOutOfItsCopyAndIsTheDefinedOne) {
     ASSERT_TRUE(back.is_ok()) << back.status().to_string();
     EXPECT_EQ(*back, data);
   }
+
+  // A stream of segments (a KV layer each): summed in the copy, folded as their writes are
+  // waited for, in order also when a piece whose sum the caller wants comes between.
+  const std::uint64_t segment = 64 * 1024;
+  OpTimings t;
+  auto stream = store->begin_put("streamed", data.size(), {.timings = &t, .checksum_segment = segment});
+  ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+  std::uint64_t at = 0, asked = 0;
+  for (int piece = 0; at < data.size(); ++piece) {
+    const std::uint64_t n = std::min<std::uint64_t>(piece % 3 == 2 ? segment : 3 * segment, data.size() - at);
+    Slice s{data.data() + at, n};
+    ASSERT_TRUE(stream->append({&s, 1}, piece % 3 == 2 ? &asked : nullptr).is_ok()) << piece;
+    if (piece % 3 == 2) {
+      EXPECT_EQ(asked, sum::segment_sum(data.data() + at, n)) << piece;
+    }
+    at += n;
+  }
+  ASSERT_TRUE(stream->wait_written(data.size()).is_ok());
+  sum::ObjectHasher host(segment);
+  host.update(data.data(), data.size());
+  host.end_object();
+  EXPECT_EQ(stream->segment_sums(), host.segment_sums());
+  ASSERT_TRUE(stream->commit().is_ok());
+  EXPECT_GT(t.checksummed_in_copy, data.size() / 2);
+  EXPECT_EQ(store->stat("streamed")->checksum, host.finish().value);
+  EXPECT_EQ(get_bytes(*store, "streamed", data.size()).value(), data);
 }
 
 TEST_F(StoreTest, AGetReportsItsProgressInOrder) {

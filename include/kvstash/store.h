@@ -223,6 +223,10 @@ class PutStream {
   // the memory they came from may be reused (a bounce buffer). Returns the stream's first
   // write failure, if any.
   Status wait_written(std::uint64_t end);
+  // The sums of the object's checksum segments summed so far, in order. A piece appended
+  // without `segment_sum` over shared memory is summed as it is copied: its segments' sums
+  // are here once wait_written covered them (all of them after wait_written(size())).
+  std::vector<std::uint64_t> segment_sums() const;
   // Replaces the object layout PutOptions gave (what is only known once the bytes are out, such as
   // per-part checksums); stored at commit. At most 64 KiB.
   void set_object_layout(std::string object_layout);

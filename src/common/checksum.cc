@@ -120,6 +120,12 @@ bool ObjectHasher::add_segment(std::uint64_t segment_sum, std::uint64_t bytes) {
   return true;
 }
 
+void ObjectHasher::end_object() {
+  if (in_segment_ == 0) return;
+  close_segment();
+  ended_ = true;
+}
+
 std::optional<std::uint64_t> ObjectHasher::last_segment_sum() const {
   if (segment_sums_.empty()) return std::nullopt;
   return segment_sums_.back();

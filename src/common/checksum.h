@@ -64,6 +64,10 @@ class ObjectHasher {
   std::uint64_t segment_bytes() const { return segment_; }
   // The sum of the latest segment completed (by update or add_segment); nullopt before any.
   std::optional<std::uint64_t> last_segment_sum() const;
+  // The object ends here: a short segment being fed is closed, so last_segment_sum() is its.
+  void end_object();
+  // The sums of the segments completed so far, in order.
+  const std::vector<std::uint64_t>& segment_sums() const { return segment_sums_; }
   // Whether the object stands at a segment boundary (bytes() is a multiple of the segment).
   bool at_segment_boundary() const { return in_segment_ == 0; }
   // The object's sum over every byte fed so far (a partial last segment counts as the last).

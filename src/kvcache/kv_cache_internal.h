@@ -104,8 +104,7 @@ struct KvSave::State {
     std::string key;
     std::vector<std::uint32_t> blocks;
     PutStream stream;
-    Status status;  // the first failure
-    std::vector<std::uint64_t> sums;
+    Status status;                            // the first failure
     std::shared_future<void> last;            // the chunk's latest layer task: its next one waits for it
     std::unique_ptr<kvcache::Bounce> bounce;  // staged: bounce_slots layers
   };
@@ -117,7 +116,7 @@ struct KvSave::State {
 
   // A saver's task: once the engine's work up to `written` is done, starts writing `layer` of
   // `c` (summed by the device on the direct path to device memory; gathered into a bounce
-  // slot, staged) and records its checksum in c.sums. Does nothing for a chunk that failed;
+  // slot, staged), its checksum one segment of the chunk's stream. Does nothing for a chunk that failed;
   // the first failure goes to c.status. Blocks until the engine's mark passes (or the
   // deadline, or cancel()), and, staged, until the slot's previous layer was written.
   void write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& written);

@@ -46,13 +46,14 @@ void KvSave::State::write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& wri
     c.status = runs.status();
     return;
   }
-  std::uint64_t sum = 0;
+  // Each layer is one checksum segment; the stream keeps the layers' sums (segment_sums),
+  // which the layout records at the end.
   if (kv->device_sums()) {
     // Summed on the device, where the bytes are; the store reads none of them.
     auto summed = kv->device->segment_sum(*runs);
-    c.status = summed.is_ok() ? c.stream.append_summed(kv->slices(*runs), sum = *summed) : summed.status();
+    c.status = summed.is_ok() ? c.stream.append_summed(kv->slices(*runs), *summed) : summed.status();
   } else if (!kv->staged()) {
-    c.status = c.stream.append(kv->slices(*runs), &sum);
+    c.status = c.stream.append(kv->slices(*runs));  // summed as shm copies it, or here
   } else {
     // Through a bounce slot: the one this layer reuses must have reached the nodes.
     const std::uint64_t lb = kv->layout.layer_bytes(kv->blocks_per_chunk);
@@ -61,9 +62,8 @@ void KvSave::State::write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& wri
     std::byte* slot = c.bounce->mem.get() + (layer % slots) * lb;
     if (c.status.is_ok()) c.status = kv->device->gather(*runs, slot);
     Slice s{slot, static_cast<std::size_t>(lb), &c.bounce->handle};
-    if (c.status.is_ok()) c.status = c.stream.append({&s, 1}, &sum);
+    if (c.status.is_ok()) c.status = c.stream.append({&s, 1});
   }
-  c.sums.push_back(sum);
 }
 
 KvSave::KvSave() = default;
@@ -130,7 +130,14 @@ std::vector<Status> KvSave::wait() {
       out.push_back(c.status);
       continue;
     }
-    c.stream.set_object_layout(kvcache::object_layout(st.kv->keys.layout_tag, c.sums));
+    // The layers' sums are all known once their writes completed.
+    Status written = c.stream.wait_written(c.stream.size());
+    if (!written.is_ok()) {
+      c.stream.abort();
+      out.push_back(written);
+      continue;
+    }
+    c.stream.set_object_layout(kvcache::object_layout(st.kv->keys.layout_tag, c.stream.segment_sums()));
     out.push_back(c.stream.commit());
   }
   return out;

@@ -42,10 +42,15 @@ struct PutStream::State {
   Clock::time_point began;     // for OpTimings::transfer
   store::Leased leased;
   std::deque<MemoryHandle> temp;  // slices registered for the writes (the batches use them)
-  // A put whose writes digest its blocks as they copy them (append_fused): a digest per 4 KiB
-  // (and a spare word for the fold), filled by the transport or here; the batches write it.
-  std::vector<std::uint64_t> block_digests;
-  bool fused = false;
+  // Appends whose writes digest their blocks as they copy them (append_fused), in order, until
+  // their writes were waited for and their segments folded into `hash`. The batches write
+  // into `digests` (a digest per 4 KiB, and a spare word for the fold).
+  struct Fused {
+    std::uint64_t begin = 0, end = 0;  // object bytes
+    std::vector<std::uint64_t> digests;
+  };
+  std::deque<Fused> fused;
+  bool digesting = false;  // every node's transport digests writes
   std::vector<store::Wave> waves;
   sum::ObjectHasher hash;
   Status failed;  // with the key as context
@@ -75,6 +80,7 @@ struct PutStream::State {
     }
     if (i > 0) waited_end = waves[i - 1].end;
     waves.erase(waves.begin(), waves.begin() + static_cast<std::ptrdiff_t>(i));
+    if (failed.is_ok()) fold_fused();
     if (waves.empty() && written == size && options.timings != nullptr && failed.is_ok() && !timed) {
       options.timings->transfer += Clock::now() - began;  // the checksum overlaps it
       timed = true;
@@ -82,59 +88,75 @@ struct PutStream::State {
     return failed;
   }
 
-  // The whole object in one append, over nodes whose transport digests what it copies: the
-  // checksum's block digests come out of the copy, and only the blocks it cannot take whole
-  // (a slice's edge inside a block, a node on another transport) are hashed here. Falls back
-  // to hash_appended when the transports digest less than half of the bytes.
+  // Whether an append of `n` bytes can take its checksum from the copy: every node's
+  // transport digests writes, and the piece is whole segments (or ends the object) from a
+  // segment boundary, the segment a multiple of the digests' 4 KiB blocks.
+  bool can_fuse(std::uint64_t n) const {
+    const std::uint64_t segment = hash.segment_bytes();
+    return digesting && segment % sum::kBlockBytes == 0 && written % segment == 0 &&
+           (n % segment == 0 || written + n == size);
+  }
+
+  // Writes the next `n` bytes with the transports digesting their blocks as they copy them;
+  // only the blocks they cannot take whole (a slice's edge inside a block) are hashed here.
+  // The segments are folded into the object's sum once the writes completed (fold_fused).
   Status append_fused(std::span<const Slice> data, std::uint64_t n) {
     const auto t0 = Clock::now();
-    block_digests.assign(sum::block_count(n) + 1, 0);
-    store::FusedDigests fd{block_digests.data(), {}};
-    Status submitted = store::submit_range(*impl->engine, leased, TransferOp::kWrite, pages.placement, 0, n,
-                                           data, temp, transfer_deadline, n, waves, &fd);
+    Fused& f = fused.emplace_back();
+    f.begin = written;
+    f.end = written + n;
+    f.digests.assign(sum::block_count(n) + 1, 0);
+    store::FusedDigests fd{f.digests.data(), {}};
+    Status submitted = store::submit_range(*impl->engine, leased, TransferOp::kWrite, pages.placement,
+                                           f.begin, f.end, data, temp, transfer_deadline, n, waves, &fd);
     if (!submitted.is_ok()) {
       failed = submitted.with_context(key);
       return failed;
     }
-    written = n;
-    std::uint64_t covered = 0;
-    for (const auto& [from, to] : fd.digested) covered += to - from;
-    if (covered < n / 2) {
-      hash_appended(data, n);
-      return Status::ok();
-    }
-    fused = true;
-    if (options.timings != nullptr) options.timings->checksummed_in_copy += covered;
+    written = f.end;
+    std::uint64_t at = f.begin, covered = 0;  // the blocks between the transports' ranges: here
     std::sort(fd.digested.begin(), fd.digested.end());
-    std::uint64_t at = 0;  // blocks in the gaps between the transports' ranges: here
-    fd.digested.emplace_back(n, n);
+    fd.digested.emplace_back(f.end, f.end);
     for (const auto& [from, to] : fd.digested) {
       for (; at < from; at += sum::kBlockBytes) {
-        block_digests[at / sum::kBlockBytes] =
-            store::block_digest_at(data, at, std::min(n, at + sum::kBlockBytes));
+        f.digests[(at - f.begin) / sum::kBlockBytes] =
+            store::block_digest_at(data, at - f.begin, std::min(n, at - f.begin + sum::kBlockBytes));
       }
+      covered += to - from;
       at = to;
     }
-    if (options.timings != nullptr) options.timings->checksum += Clock::now() - t0;
+    if (options.timings != nullptr) {
+      options.timings->checksummed_in_copy += covered;
+      options.timings->checksum += Clock::now() - t0;
+    }
     return Status::ok();
   }
 
-  // Folds the block digests of a fused put, now that its writes completed, into the object's
-  // sum: segment by segment from the last (each fold overwrites the word after its segment's
-  // digests, which is the next segment's first).
+  // Folds the fused appends whose writes have completed into the object's sum, in order:
+  // each segment from its block digests, from the last (a fold overwrites the word after its
+  // segment's digests, which is the next segment's first).
   void fold_fused() {
     const auto t0 = Clock::now();
     const std::uint64_t segment = hash.segment_bytes();
-    const std::uint64_t count = (size + segment - 1) / segment;
-    std::vector<std::uint64_t> sums(count);
-    for (std::uint64_t i = count; i-- > 0;) {
-      const std::uint64_t from = i * segment, len = std::min(segment, size - from);
-      sums[i] = sum::fold(block_digests.data() + from / sum::kBlockBytes, sum::block_count(len), len);
+    while (!fused.empty() && fused.front().end <= waited_end) {
+      Fused& f = fused.front();
+      const std::uint64_t n = f.end - f.begin, count = (n + segment - 1) / segment;
+      std::vector<std::uint64_t> sums(count);
+      for (std::uint64_t i = count; i-- > 0;) {
+        const std::uint64_t from = i * segment, len = std::min(segment, n - from);
+        sums[i] = sum::fold(f.digests.data() + from / sum::kBlockBytes, sum::block_count(len), len);
+      }
+      for (std::uint64_t i = 0; i < count; ++i) hash.add_segment(sums[i], std::min(segment, n - i * segment));
+      fused.pop_front();
     }
-    for (std::uint64_t i = 0; i < count; ++i)
-      hash.add_segment(sums[i], std::min(segment, size - i * segment));
-    fused = false;
     if (options.timings != nullptr) options.timings->checksum += Clock::now() - t0;
+  }
+
+  // Before an append hashed here, or summed elsewhere: the fused ones before it are folded
+  // (the object's sum takes its segments in order), once their writes completed.
+  Status settle_fused() {
+    if (fused.empty()) return failed;
+    return wait_writes(fused.back().end);
   }
 
   // Hashes appended host bytes. From a segment boundary, whole segments are independent: the
@@ -181,6 +203,10 @@ Status PutStream::wait_written(std::uint64_t end) {
   return state_->wait_writes(end);
 }
 
+std::vector<std::uint64_t> PutStream::segment_sums() const {
+  return state_ ? state_->hash.segment_sums() : std::vector<std::uint64_t>{};
+}
+
 void PutStream::set_object_layout(std::string object_layout) {
   if (state_) state_->options.object_layout = std::move(object_layout);
 }
@@ -221,23 +247,27 @@ Status PutStream::submit(std::span<const Slice> data, std::uint64_t n) {
 
 Status PutStream::append(std::span<const Slice> data, std::uint64_t* segment_sum) {
   const std::uint64_t n = store::total_length(data);
+  // A sum returned now is this thread's to compute: what was fused before is folded first.
+  if (segment_sum != nullptr && state_ && !state_->finished) KVSTASH_RETURN_IF_ERROR(state_->settle_fused());
   KVSTASH_RETURN_IF_ERROR(check_append(n, segment_sum != nullptr));
   KVSTASH_RETURN_IF_ERROR(store::host_only(data, "append"));
   if (n == 0) return Status::ok();
   State& st = *state_;
-  if (segment_sum == nullptr && st.written == 0 && n == st.size &&
-      st.hash.segment_bytes() % sum::kBlockBytes == 0) {
-    return st.append_fused(data, n);
-  }
+  if (segment_sum == nullptr && st.can_fuse(n)) return st.append_fused(data, n);
+  KVSTASH_RETURN_IF_ERROR(st.settle_fused());
   KVSTASH_RETURN_IF_ERROR(submit(data, n));
   st.hash_appended(data, n);  // while the writes fly
-  if (segment_sum != nullptr) *segment_sum = *state_->hash.last_segment_sum();
+  if (segment_sum != nullptr) {
+    if (st.written == st.size) st.hash.end_object();  // a short last segment is complete too
+    *segment_sum = *st.hash.last_segment_sum();
+  }
   return Status::ok();
 }
 
 Status PutStream::append_summed(std::span<const Slice> data, std::uint64_t segment_sum) {
   const std::uint64_t n = store::total_length(data);
   if (n == 0) return Status::invalid_argument("store: a summed piece must not be empty");
+  if (state_ && !state_->finished) KVSTASH_RETURN_IF_ERROR(state_->settle_fused());
   KVSTASH_RETURN_IF_ERROR(check_append(n, true));
   KVSTASH_RETURN_IF_ERROR(submit(data, n));
   state_->hash.add_segment(segment_sum, n);  // check_append made it the next segment
@@ -248,7 +278,6 @@ Status PutStream::commit() {
   if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
   State& st = *state_;
   Status moved = st.wait_writes();  // its failure names the key already
-  if (moved.is_ok() && st.fused) st.fold_fused();
   if (moved.is_ok()) moved = object_layout_fits(st.options.object_layout).with_context(st.key);
   if (moved.is_ok() && st.written != st.size) {
     moved =
@@ -296,6 +325,8 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
                                            options.timings);
     if (leased.is_ok()) {
       st->leased = std::move(leased).value();
+      st->digesting = std::ranges::all_of(
+          st->leased.paths, [](const store::NodeLink::Path* path) { return path->peer->digests_writes(); });
       break;
     }
     impl_->abort_put(st->key, st->pages, {}, st->deadline);  // nothing was written; drops the reservation

@@ -18,6 +18,7 @@ TransferPlan::TransferPlan(TransferOp op, const metadata::Placement& p, std::spa
       offset_(begin),
       end_(end),
       wave_bytes_(std::max<std::uint64_t>(1, wave_bytes)),
+      begin_(begin),
       digests_(digests) {}
 
 std::size_t TransferPlan::node_index(const std::string& id) const {
@@ -62,7 +63,7 @@ Result<std::optional<std::uint64_t>> TransferPlan::next(std::vector<std::vector<
     } else {
       list.push_back({op_, handles_[si_], local, remote, lease, n});
       if (digesting && in_block == 0) {
-        list.back().block_digests = digests_ + offset_ / sum::kBlockBytes;
+        list.back().block_digests = digests_ + (offset_ - begin_) / sum::kBlockBytes;
       }
     }
     offset_ += n;
@@ -77,7 +78,8 @@ void TransferPlan::settle_digests(std::vector<std::vector<TransferEntry>>& by_no
     for (std::size_t i = 0; i < list.size(); ++i) {
       TransferEntry& e = list[i];
       if (e.block_digests == nullptr) continue;
-      const std::uint64_t from = static_cast<std::uint64_t>(e.block_digests - digests_) * sum::kBlockBytes;
+      const std::uint64_t from =
+          begin_ + static_cast<std::uint64_t>(e.block_digests - digests_) * sum::kBlockBytes;
       const std::uint64_t to = from + e.length;
       const std::uint64_t whole = to == end_ ? to : to / sum::kBlockBytes * sum::kBlockBytes;
       if (whole == from) {

@@ -35,8 +35,9 @@ class TransferPlan {
 
   // `nodes` has one entry per p.nodes; `handles[i]` is the registration of `slices[i]`, and
   // the slices hold the object's bytes [begin, end) in order (at least end - begin bytes).
-  // `digests`, when set, holds a block digest per 4 KiB of the object (index: offset / 4096)
-  // and `end` is the object's end (its last block may be short).
+  // `digests`, when set, holds a block digest per 4 KiB of [begin, end) (index: (offset -
+  // begin) / 4096; `begin` on a block's start), and `end` is a block's end or the object's
+  // (its last block may be short).
   TransferPlan(TransferOp op, const metadata::Placement& p, std::span<const Node> nodes,
                std::span<const Slice> slices, std::span<const MemoryHandle* const> handles,
                std::uint64_t begin, std::uint64_t end, std::uint64_t wave_bytes,
@@ -64,6 +65,7 @@ class TransferPlan {
   std::span<const Slice> slices_;
   std::span<const MemoryHandle* const> handles_;
   std::uint64_t offset_, end_, wave_bytes_;
+  std::uint64_t begin_;
   std::uint64_t* digests_;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> digested_;
   std::size_t si_ = 0, soff_ = 0;  // the slice and the offset in it where offset_ lies
