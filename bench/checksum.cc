@@ -77,6 +77,14 @@ int run_checksum(const ChecksumBenchOptions& o) {
             [&] { s = tree_sum(src.data(), src.size(), t); });
     sums.push_back(s);
   }
+  // The shm put's one pass: each block digested as it is copied, then folded.
+  std::uint64_t fused = 0;
+  measure("memcpy + xxh3 tree in one pass (shm put), 1 thread", [&] {
+    std::vector<std::uint64_t> words(sum::block_count(src.size()) + 1);
+    sum::copy_and_digest(dst.data(), src.data(), src.size(), words.data());
+    fused = sum::fold(words.data(), sum::block_count(src.size()), src.size());
+  });
+  sums.push_back(fused);
   std::uint64_t portable = 0;
   measure("xxh3 tree, the GPU's portable core, 1 thread", [&] {
     const std::uint64_t k = sum::block_count(src.size());

@@ -40,8 +40,9 @@ void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
 }
 
 void print_header() {
-  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9}\n", "transport", "op",
-                           "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket");
+  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9} {:>7}\n", "transport",
+                           "op", "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket",
+                           "x ping");
 }
 
 void print(const Row& r, bool json) {
@@ -55,12 +56,16 @@ void print(const Row& r, bool json) {
     return;
   }
   // Reference rows have no per-request latency.
-  auto us = [&](double v) { return r.reference() ? std::string() : fmt::format("{:.1f}", v); };
-  std::cout << fmt::format("{:<10} {:<6} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9}\n",
+  // Reference rows have no per-request latency, except the ping-pong, which is one.
+  auto us = [&](double v) {
+    return r.reference() && (r.op != "pingpong" || v == 0) ? std::string() : fmt::format("{:.1f}", v);
+  };
+  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9} {:>7}\n",
                            r.transport, r.op, units::format_size(r.size), r.threads, r.depth, r.gbps,
                            us(r.p50_us), us(r.p99_us),
                            r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
-                           r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "");
+                           r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "",
+                           r.pingpong_us > 0 ? fmt::format("{:.2f}", r.p50_us / r.pingpong_us) : "");
 }
 
 Row reference_row(std::string transport, std::string op, std::size_t size, double gbps) {
@@ -191,6 +196,10 @@ std::string to_json_line(const P2PRow& r) {
     j["socket_gbps"] = r.socket_gbps;
     j["vs_socket"] = r.gbps / r.socket_gbps;
   }
+  if (r.pingpong_us > 0) {
+    j["pingpong_us"] = r.pingpong_us;
+    j["p50_vs_pingpong"] = r.p50_us / r.pingpong_us;
+  }
   if (r.op == "read" || r.op == "write") j["verified"] = r.verified;
   if (!r.error.empty()) j["error"] = r.error;
   return j.dump();
@@ -253,7 +262,10 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
 
   // References, measured now, in this run, between these two processes: per size, the
   // median of three socket streams (at least 512 MiB each) and single-core memcpy.
-  std::map<std::size_t, double> memcpy_ref, socket_ref;
+  // Sizes up to 64 KiB also get a raw request/response round trip, what a small transfer's
+  // latency is held to.
+  constexpr std::size_t kPingPongMax = 64u << 10;
+  std::map<std::size_t, double> memcpy_ref, socket_ref, pingpong_ref;
   for (std::size_t size : o.sizes) {
     std::vector<double> runs;
     for (int i = 0; i < 3; ++i) {
@@ -264,6 +276,15 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     memcpy_ref[size] = memcpy_gbps(size, std::min(o.seconds, 0.3));
     add(reference_row("memcpy", "copy", size, memcpy_ref[size]));
     add(reference_row("tcp-socket", "stream", size, socket_ref[size]));
+    if (size <= kPingPongMax) {
+      pingpong_ref[size] =
+          socket_roundtrip_us(socket_host, static_cast<std::uint16_t>(port), size, std::min(o.seconds, 0.3));
+      Row ping =
+          reference_row("tcp-socket", "pingpong", size,
+                        pingpong_ref[size] > 0 ? static_cast<double>(size) / pingpong_ref[size] / 1e3 : 0);
+      ping.p50_us = pingpong_ref[size];
+      add(std::move(ping));
+    }
   }
 
   auto local = Buffer::allocate(region, {.shareable = false}).value();
@@ -314,6 +335,7 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
         if (!v.is_ok()) r.error = "verification failed: " + v.to_string();
         r.memcpy_gbps = memcpy_ref[size];
         r.socket_gbps = socket_ref[size];
+        if (kind == TransportKind::kTcp && pingpong_ref.count(size)) r.pingpong_us = pingpong_ref[size];
         add(std::move(r));
       }
     }
@@ -325,7 +347,7 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
 std::vector<PlotSeries> p2p_plot_series(const std::vector<P2PRow>& rows) {
   std::vector<PlotSeries> series;
   for (const auto& r : rows) {
-    if (!r.error.empty()) continue;
+    if (!r.error.empty() || r.op == "pingpong") continue;  // bandwidth only
     const std::string title = r.reference() ? r.transport : r.transport + " " + r.op;
     auto it = std::find_if(series.begin(), series.end(), [&](const auto& s) { return s.title == title; });
     if (it == series.end()) {

@@ -35,9 +35,10 @@ struct P2PRow {
   unsigned threads = 1, depth = 1;
   double gbps = 0, p50_us = 0, p99_us = 0;
   double memcpy_gbps = 0, socket_gbps = 0;  // this size's references (transfer rows)
+  double pingpong_us = 0;                   // the raw socket round trip of this size (up to 64 KiB)
   bool verified = false;                    // the bytes were written, read back and compared
   std::string error;                        // non-empty: the row was not measured
-  bool reference() const { return op == "copy" || op == "stream"; }
+  bool reference() const { return op == "copy" || op == "stream" || op == "pingpong"; }
 };
 
 // Runs the initiator against the target it spawns (this executable, `p2p-target`) or the one in

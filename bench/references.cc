@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -135,6 +136,38 @@ double socket_stream_gbps(const std::string& host, std::uint16_t port, std::size
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   ::close(fd);
   return ok ? static_cast<double>(total) / elapsed / 1e9 : 0;
+}
+
+double socket_roundtrip_us(const std::string& host, std::uint16_t port, std::size_t size, double seconds) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  if (fd < 0 || ::inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1 ||
+      ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    if (fd >= 0) ::close(fd);
+    return 0;
+  }
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  // One message per round trip, header and payload in one buffer (one send), as a request
+  // that carries its bytes goes out.
+  std::vector<char> message(16 + size, 7);
+  const std::uint64_t hdr[2] = {size, size};
+  std::memcpy(message.data(), hdr, sizeof hdr);
+  std::vector<double> rtts;
+  bool ok = true;
+  const auto start = Clock::now();
+  while (ok && (std::chrono::duration<double>(Clock::now() - start).count() < seconds || rtts.size() < 10)) {
+    const auto t0 = Clock::now();
+    char ack;
+    ok = write_full(fd, message.data(), message.size()) && read_full(fd, &ack, 1);
+    rtts.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  ::close(fd);
+  if (!ok) return 0;
+  std::nth_element(rtts.begin(), rtts.begin() + static_cast<std::ptrdiff_t>(rtts.size() / 2), rtts.end());
+  return rtts[rtts.size() / 2];
 }
 
 }  // namespace kvstash::bench

@@ -19,4 +19,9 @@ std::uint16_t start_socket_sink(const std::string& host);
 // memory as a transfer of that size (a 64 MiB row is not compared with cache-hot buffers).
 double socket_stream_gbps(const std::string& host, std::uint16_t port, std::size_t size, std::size_t total);
 
+// A raw request/response on one plain TCP connection to the sink: `size` bytes sent, a 1-byte
+// answer awaited, repeated for about `seconds`. The median round trip in microseconds (0 on
+// failure): what a small one-sided transfer over tcp is held to.
+double socket_roundtrip_us(const std::string& host, std::uint16_t port, std::size_t size, double seconds);
+
 }  // namespace kvstash::bench
