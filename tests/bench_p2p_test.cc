@@ -54,14 +54,21 @@ TEST(BenchP2P, JsonRowsCarryTheDocumentedFieldsForEveryTransport) {
       EXPECT_GT(j["p50_us"].get<double>(), 0) << line;
       EXPECT_GE(j["p99_us"].get<double>(), j["p50_us"].get<double>()) << line;
       EXPECT_TRUE(j.contains("vs_memcpy") && j.contains("vs_socket")) << line;
+      // A small tcp transfer's latency is held to a raw round trip of its size.
+      EXPECT_EQ(j.contains("p50_vs_pingpong"), t == "tcp" && j["size"] == 4096) << line;
+    }
+    if (j["op"] == "pingpong") {
+      EXPECT_GT(j["p50_us"].get<double>(), 0) << line;
     }
     ++n;
   }
-  // Two sizes: a memcpy and a socket reference each, and write+read per transport.
+  // Two sizes: a memcpy and a socket reference each, a ping-pong for the small one, and
+  // write+read per transport.
   EXPECT_EQ(rows["memcpy/copy"], 2);
   EXPECT_EQ(rows["tcp-socket/stream"], 2);
+  EXPECT_EQ(rows["tcp-socket/pingpong"], 1);
   for (const char* key : {"tcp/write", "tcp/read", "shm/write", "shm/read"}) EXPECT_EQ(rows[key], 2) << key;
-  EXPECT_EQ(n, 12u);
+  EXPECT_EQ(n, 13u);
 }
 
 TEST(BenchP2P, RunsAgainstASeparatelyStartedTarget) {
