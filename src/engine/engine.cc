@@ -434,6 +434,35 @@ bool inside_lease(const std::vector<RemoteRange>& ranges, std::uint64_t addr, st
 
 }  // namespace
 
+namespace {
+
+// The ops of one submit, in a list this thread keeps (the transport takes them by value, so a
+// warm submit allocates none); a submit nested inside another's post gets a list of its own.
+class OpList {
+ public:
+  OpList() : outer_(!t_busy), ops_(outer_ ? t_ops : own_) {
+    t_busy = true;
+    ops_.clear();
+  }
+  ~OpList() {
+    if (outer_) t_busy = false;
+  }
+  OpList(const OpList&) = delete;
+  OpList& operator=(const OpList&) = delete;
+  std::vector<transport::Op>& operator*() { return ops_; }
+
+ private:
+  static thread_local std::vector<transport::Op> t_ops;
+  static thread_local bool t_busy;
+  bool outer_;
+  std::vector<transport::Op> own_;
+  std::vector<transport::Op>& ops_;
+};
+thread_local std::vector<transport::Op> OpList::t_ops;
+thread_local bool OpList::t_busy = false;
+
+}  // namespace
+
 Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline deadline) {
   if (entries.empty()) return Status::invalid_argument("empty batch");
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -471,21 +500,8 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
   const std::size_t slice = caps.slice_bytes == 0 ? SIZE_MAX : caps.slice_bytes;
   const TransportKind kind = state_->transport->kind();
   const bool digests = digests_writes();
-  // The ops go to the transport by value: one list per thread serves every submit (a nested
-  // submit, from inside a post, takes a list of its own).
-  thread_local std::vector<transport::Op> reused;
-  thread_local bool in_use = false;
-  std::vector<transport::Op> nested;
-  std::vector<transport::Op>& ops = in_use ? nested : reused;
-  const bool outer = !in_use;
-  in_use = true;
-  struct Release {
-    bool outer;
-    ~Release() {
-      if (outer) in_use = false;
-    }
-  } release{outer};
-  ops.clear();
+  OpList list;
+  std::vector<transport::Op>& ops = *list;
   ops.reserve(entries.size());
   // Lanes take slices in turn; pieces smaller than a slice that continue the previous one on
   // the remote side (a scattered local layer into one object) share its lane up to a slice's
