@@ -351,17 +351,19 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end
 
--- Allocates `need` pages, most free node first and spilling over nodes, and records them as
--- pending put `token` of `key` (size bytes) leased for `lease` ms. Expired, then least
--- recently used unleased objects make room for `need`. A page reservation (key '') takes up to
--- `extra` more, only from pages already free and at most a quarter of them (idle reserved
--- pages must not push a neighbour into eviction) or RESERVE_MAX (one script must stay short),
--- and lists its pages in P:put:<token>:pages for the commits that take them. Returns page
--- size, extents and nodes, or nil and an error.
+-- Allocates the pages of `size` bytes, most free node first and spilling over nodes, and
+-- records them as pending put `token` of `key` leased for `lease` ms. Expired, then least
+-- recently used unleased objects make room for them. A page reservation (key '') takes up to
+-- `extra` bytes' more, only from pages already free and at most a quarter of them (idle
+-- reserved pages must not push a neighbour into eviction) or RESERVE_MAX (one script must
+-- stay short), and lists its pages in P:put:<token>:pages for the commits that take them.
+-- Returns page size, extents and nodes, or nil and an error.
 local RESERVE_MAX = 256
-local function allocate(token, key, size, need, extra, lease)
+local function allocate(token, key, size, extra, lease)
   local ps = page_size()
   if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
+  local need = math.ceil(size / ps)
+  extra = math.floor(extra / ps)
   local cands, total = candidates()
   if total < need then
     local capacity = 0
@@ -418,4 +420,19 @@ local function allocate(token, key, size, need, extra, lease)
   if key == '' and #ext > 0 then call_chunked('RPUSH', pk .. ':pages', ext) end
   redis.call('ZADD', P .. ':pending', now + lease, token)
   return ps, extents, node_list
+end
+
+-- The reply of begin_put and reserve_pages: page size, extents, the lease's deadline, then id,
+-- address, key per node, of pending put `token`, allocated now (allocate) or, for a token seen
+-- before, as they were then (a retry after a lost reply); an error reply when the pages cannot
+-- be found.
+local function place_put(token, key, size, extra, lease)
+  local prev = redis.call('HMGET', P .. ':put:' .. token, 'extents', 'nodes')
+  if prev[1] then
+    local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
+    return endpoints({page_size(), prev[1], deadline}, prev[2])
+  end
+  local ps, extents, nodes = allocate(token, key, size, extra, lease)
+  if not ps then return redis.error_reply(extents) end
+  return endpoints({ps, extents, now + lease}, nodes)
 end
