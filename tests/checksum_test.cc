@@ -80,6 +80,25 @@ TEST(ChecksumTest, CopyAndDigestCopiesAndDigestsEveryBlockInOnePass) {
   }
 }
 
+// A stream's fused segments: their sums out of one array of block digests, folded in place.
+TEST(ChecksumTest, FoldSegmentsGivesEachSegmentsSumFromTheBlockDigests) {
+  const auto bytes = random_bytes(1u << 20, 8);
+  for (std::uint64_t n : {4096ull, 3 * 4096ull, 3 * 4096ull + 5, 100000ull, 1000003ull}) {
+    for (std::uint64_t segment : {4096ull, 3 * 4096ull, 64 * 1024ull}) {
+      std::vector<std::uint64_t> digests(block_count(n) + 1);
+      for (std::uint64_t b = 0; b < block_count(n); ++b) {
+        digests[b] = block_digest(bytes.data() + b * 4096, std::min<std::uint64_t>(4096, n - b * 4096));
+      }
+      std::vector<std::uint64_t> expected;
+      for (std::uint64_t at = 0; at < n; at += segment) {
+        expected.push_back(segment_sum(bytes.data() + at, std::min(segment, n - at)));
+      }
+      EXPECT_EQ(fold_segments(digests.data(), n, segment), expected)
+          << n << " bytes, segments of " << segment;
+    }
+  }
+}
+
 TEST(ChecksumTest, AnObjectsSumDoesNotDependOnHowItsBytesWereFed) {
   const std::uint64_t size = 5 * 100000 + 777, segment = 100000;
   const auto bytes = random_bytes(size, 3);

@@ -240,7 +240,6 @@ class PutStream {
   friend class Store;
   struct State;
   Status check_append(std::uint64_t n, bool whole_segment) const;
-  Status submit(std::span<const Slice> data, std::uint64_t n);
   std::unique_ptr<State> state_;
 };
 

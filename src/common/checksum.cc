@@ -45,6 +45,17 @@ std::uint64_t fold_digests(std::vector<std::uint64_t> digests, std::uint64_t len
   return fold(digests.data(), k, length);
 }
 
+std::vector<std::uint64_t> fold_segments(std::uint64_t* digests, std::uint64_t length,
+                                         std::uint64_t segment) {
+  const std::uint64_t count = (length + segment - 1) / segment;
+  std::vector<std::uint64_t> sums(count);
+  for (std::uint64_t i = count; i-- > 0;) {
+    const std::uint64_t from = i * segment, bytes = std::min(segment, length - from);
+    sums[i] = fold(digests + from / kBlockBytes, block_count(bytes), bytes);
+  }
+  return sums;
+}
+
 std::string to_text(const ObjectSum& s) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string out(16, '0');

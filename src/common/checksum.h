@@ -37,6 +37,13 @@ std::uint64_t segment_sum(const void* data, std::uint64_t length);
 // The sum of a segment whose block digests a device computed.
 std::uint64_t fold_digests(std::vector<std::uint64_t> digests, std::uint64_t length);
 
+// The sums of the segments of `length` bytes whose block digests are digests[0,
+// block_count(length)), in segments of `segment` bytes (a multiple of kBlockBytes; the last
+// may be short). Each segment is folded in place, from the last (a fold overwrites the word
+// after its digests, the next segment's first): `digests` needs a spare word past them, and
+// is spent.
+std::vector<std::uint64_t> fold_segments(std::uint64_t* digests, std::uint64_t length, std::uint64_t segment);
+
 // An object's checksum and the segment size it was computed with, as a record stores it:
 // "<16 hex digits>/<segment bytes>".
 struct ObjectSum {

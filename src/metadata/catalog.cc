@@ -11,7 +11,6 @@ using detail::corrupt;
 using detail::integer_of;
 using detail::ms;
 using detail::number;
-using detail::pages_for;
 using detail::text_of;
 
 Catalog::Catalog(RedisClient& redis, std::string cell) : redis_(redis), prefix_(cell_prefix(cell)) {}

@@ -56,12 +56,6 @@ Status corrupt(std::string_view what);
 // A record's space-separated node list.
 std::vector<std::string> split_nodes(std::string_view nodes);
 
-// Pages a `size`-byte object spans; `size + page_size - 1` would wrap for a size near 2^64
-// (a corrupt record's) and make zero extents look right.
-inline std::uint64_t pages_for(std::uint64_t size, std::uint64_t page_size) {
-  return size / page_size + (size % page_size != 0 ? 1 : 0);
-}
-
 // Reads a placement from a script's reply: the page size, extents, lease deadline and nodes
 // (id, address, key, ...) at the given elements. kCorrupt for a malformed one, or one whose
 // extents name a node it does not list.

@@ -56,6 +56,13 @@ struct Placement {
   std::int64_t lease_deadline_ms = 0;
 };
 
+// Pages a `size`-byte object spans (page_size > 0, as every parsed Placement has);
+// `size + page_size - 1` would wrap for a size near 2^64 (a corrupt record's) and make zero
+// extents look right.
+inline std::uint64_t pages_for(std::uint64_t size, std::uint64_t page_size) {
+  return size / page_size + (size % page_size != 0 ? 1 : 0);
+}
+
 // A run of a page reservation's pages (Catalog::reserve_pages): [first, first + count) in the
 // order the reservation listed them.
 struct ReservedPages {

@@ -88,6 +88,20 @@ struct PutStream::State {
     return failed;
   }
 
+  // Starts the writes of the next `n` bytes from `data` (with `fused`: digesting their blocks
+  // where the transports can). A failure is kept, with the key.
+  Status submit(std::span<const Slice> data, std::uint64_t n, store::FusedDigests* fused_digests = nullptr) {
+    Status submitted =
+        store::submit_range(*impl->engine, leased, TransferOp::kWrite, pages.placement, written, written + n,
+                            data, temp, transfer_deadline, n, waves, fused_digests);
+    if (!submitted.is_ok()) {
+      failed = submitted.with_context(key);
+      return failed;
+    }
+    written += n;
+    return Status::ok();
+  }
+
   // Whether an append of `n` bytes can take its checksum from the copy: every node's
   // transport digests writes, and the piece is whole segments (or ends the object) from a
   // segment boundary, the segment a multiple of the digests' 4 KiB blocks.
@@ -107,13 +121,7 @@ struct PutStream::State {
     f.end = written + n;
     f.digests.assign(sum::block_count(n) + 1, 0);
     store::FusedDigests fd{f.digests.data(), {}};
-    Status submitted = store::submit_range(*impl->engine, leased, TransferOp::kWrite, pages.placement,
-                                           f.begin, f.end, data, temp, transfer_deadline, n, waves, &fd);
-    if (!submitted.is_ok()) {
-      failed = submitted.with_context(key);
-      return failed;
-    }
-    written = f.end;
+    KVSTASH_RETURN_IF_ERROR(submit(data, n, &fd));
     std::uint64_t at = f.begin, covered = 0;  // the blocks between the transports' ranges: here
     std::sort(fd.digested.begin(), fd.digested.end());
     fd.digested.emplace_back(f.end, f.end);
@@ -132,21 +140,16 @@ struct PutStream::State {
     return Status::ok();
   }
 
-  // Folds the fused appends whose writes have completed into the object's sum, in order:
-  // each segment from its block digests, from the last (a fold overwrites the word after its
-  // segment's digests, which is the next segment's first).
+  // Folds the fused appends whose writes have completed into the object's sum, in order.
   void fold_fused() {
     const auto t0 = Clock::now();
     const std::uint64_t segment = hash.segment_bytes();
     while (!fused.empty() && fused.front().end <= waited_end) {
       Fused& f = fused.front();
-      const std::uint64_t n = f.end - f.begin, count = (n + segment - 1) / segment;
-      std::vector<std::uint64_t> sums(count);
-      for (std::uint64_t i = count; i-- > 0;) {
-        const std::uint64_t from = i * segment, len = std::min(segment, n - from);
-        sums[i] = sum::fold(f.digests.data() + from / sum::kBlockBytes, sum::block_count(len), len);
-      }
-      for (std::uint64_t i = 0; i < count; ++i) hash.add_segment(sums[i], std::min(segment, n - i * segment));
+      const std::uint64_t n = f.end - f.begin;
+      const std::vector<std::uint64_t> sums = sum::fold_segments(f.digests.data(), n, segment);
+      for (std::uint64_t i = 0; i < sums.size(); ++i)
+        hash.add_segment(sums[i], std::min(segment, n - i * segment));
       fused.pop_front();
     }
     if (options.timings != nullptr) options.timings->checksum += Clock::now() - t0;
@@ -232,19 +235,6 @@ Status PutStream::check_append(std::uint64_t n, bool whole_segment) const {
   return {};
 }
 
-Status PutStream::submit(std::span<const Slice> data, std::uint64_t n) {
-  State& st = *state_;
-  Status submitted =
-      store::submit_range(*st.impl->engine, st.leased, TransferOp::kWrite, st.pages.placement, st.written,
-                          st.written + n, data, st.temp, st.transfer_deadline, n, st.waves);
-  if (!submitted.is_ok()) {
-    st.failed = submitted.with_context(st.key);
-    return st.failed;
-  }
-  st.written += n;
-  return Status::ok();
-}
-
 Status PutStream::append(std::span<const Slice> data, std::uint64_t* segment_sum) {
   const std::uint64_t n = store::total_length(data);
   // A sum returned now is this thread's to compute: what was fused before is folded first.
@@ -255,7 +245,7 @@ Status PutStream::append(std::span<const Slice> data, std::uint64_t* segment_sum
   State& st = *state_;
   if (segment_sum == nullptr && st.can_fuse(n)) return st.append_fused(data, n);
   KVSTASH_RETURN_IF_ERROR(st.settle_fused());
-  KVSTASH_RETURN_IF_ERROR(submit(data, n));
+  KVSTASH_RETURN_IF_ERROR(st.submit(data, n));
   st.hash_appended(data, n);  // while the writes fly
   if (segment_sum != nullptr) {
     if (st.written == st.size) st.hash.end_object();  // a short last segment is complete too
@@ -269,7 +259,7 @@ Status PutStream::append_summed(std::span<const Slice> data, std::uint64_t segme
   if (n == 0) return Status::invalid_argument("store: a summed piece must not be empty");
   if (state_ && !state_->finished) KVSTASH_RETURN_IF_ERROR(state_->settle_fused());
   KVSTASH_RETURN_IF_ERROR(check_append(n, true));
-  KVSTASH_RETURN_IF_ERROR(submit(data, n));
+  KVSTASH_RETURN_IF_ERROR(state_->submit(data, n));
   state_->hash.add_segment(segment_sum, n);  // check_append made it the next segment
   return Status::ok();
 }
@@ -363,15 +353,7 @@ void Store::Impl::abort_put(const std::string& key, const store::PutPages& pages
                             std::vector<store::HeldLease> leases, Deadline deadline) {
   std::vector<std::string> nodes;
   for (const auto& n : pages.placement.nodes) nodes.push_back(n.id);
-  if (pages.reservation) {
-    // A put failed in it (a node may be gone): later puts take pages from a fresh one.
-    std::lock_guard lock(reserve_mu);
-    if (reservation == pages.reservation) {
-      reservation.reset();
-      releaser->submit(
-          [this, r = pages.reservation] { release_unused(r, deadline_after(options.redis_timeout * 2)); });
-    }
-  }
+  if (pages.reservation) retire(pages.reservation);  // a node of it may be gone
   if (Clock::now() < deadline) {
     auto confirmed = store::revoke_all(key, nodes, leases, deadline);
     if (confirmed.size() == nodes.size()) {

@@ -32,10 +32,6 @@ metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std
   return p;
 }
 
-std::uint64_t pages_of(std::uint64_t size, std::uint64_t page_size) {
-  return page_size == 0 ? 0 : (size + page_size - 1) / page_size;
-}
-
 }  // namespace
 
 Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64_t size, Deadline deadline,
@@ -46,7 +42,7 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
   // caller's whole deadline, when that is shorter).
   const Clock::time_point needs_until = std::min(deadline, Clock::now() + options.put_lease / 2);
   auto take = [&](const std::shared_ptr<store::Reservation>& r) {
-    const std::uint64_t need = pages_of(size, r->placement.page_size);
+    const std::uint64_t need = metadata::pages_for(size, r->placement.page_size);
     if (r->lease_until < needs_until || r->placement.extents.size() - r->next < need) return false;
     pages.placement = run_of(*r, r->next, need);
     pages.lease_until = r->lease_until;
@@ -82,10 +78,7 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
     if (!take(fresh)) return Status::internal("store: a page reservation without the put's own pages");
     replaced = std::exchange(reservation, fresh);
   }
-  if (replaced) {
-    releaser->submit(
-        [this, replaced] { release_unused(replaced, deadline_after(options.redis_timeout * 2)); });
-  }
+  if (replaced) release_unused_later(std::move(replaced));
   return pages;
 }
 
@@ -96,11 +89,8 @@ Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pa
   }
   Status s =
       c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl, o.if_version);
-  if (s.code() == StatusCode::kStale && !metadata::Catalog::condition_failed(s)) {
-    // The reservation was reclaimed, or a node of it died: the next put reserves afresh.
-    std::lock_guard lock(reserve_mu);
-    if (reservation == pages.reservation) reservation.reset();
-  }
+  // The reservation was reclaimed, or a node of it died.
+  if (s.code() == StatusCode::kStale && !metadata::Catalog::condition_failed(s)) retire(pages.reservation);
   return s;
 }
 
@@ -123,6 +113,20 @@ void Store::Impl::release_unused(const std::shared_ptr<store::Reservation>& r, D
     KVSTASH_LOG_INFO("page reservation {}: its unused pages return with its lease: {}", r->token,
                      s.to_string());
   }
+}
+
+void Store::Impl::release_unused_later(std::shared_ptr<store::Reservation> r) {
+  releaser->submit(
+      [this, r = std::move(r)] { release_unused(r, deadline_after(options.redis_timeout * 2)); });
+}
+
+void Store::Impl::retire(const std::shared_ptr<store::Reservation>& r) {
+  {
+    std::lock_guard lock(reserve_mu);
+    if (reservation != r) return;  // replaced already, and released then
+    reservation.reset();
+  }
+  release_unused_later(r);
 }
 
 }  // namespace kvstash

@@ -121,8 +121,12 @@ struct Store::Impl {
   Result<std::uint64_t> abort_pages(metadata::Catalog& c, const store::PutPages& pages,
                                     std::span<const std::string> fenced);
   // Returns the pages of `r` no put was given, in Redis (errors only logged: the lease and the
-  // nodes' fences reclaim them).
+  // nodes' fences reclaim them); release_unused_later does it on the releaser thread.
   void release_unused(const std::shared_ptr<store::Reservation>& r, Deadline deadline);
+  void release_unused_later(std::shared_ptr<store::Reservation> r);
+  // A put in `r` failed, or its commit came back stale (a node may be gone): when puts still
+  // take pages from `r`, the next ones reserve afresh, and its unused pages go back.
+  void retire(const std::shared_ptr<store::Reservation>& r);
 
   // ---- puts (put_stream.cc)
   // Ends a put that will not commit, once its batches have ended (see put_stream.cc).
