@@ -7,6 +7,7 @@
 #include <thread>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -236,14 +237,20 @@ TEST_P(KvCacheTest, LayerWiseSaveAndLoadCompleteLayerByLayer) {
   auto load = kvb->begin_load(tokens, blocks_b, 3);
   ASSERT_TRUE(load.is_ok()) << load.status().to_string();
   // Readiness only ever grows layer by layer: a later layer is never ready before an earlier.
+  // Bounded by time, not by a count of polls: a slow machine takes more polls per layer.
   std::vector<int> ready_at(shape.num_layers, -1);
-  for (int step = 0; std::count(ready_at.begin(), ready_at.end(), -1) > 0 && step < 200000; ++step) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (int step = 0;
+       std::count(ready_at.begin(), ready_at.end(), -1) > 0 && std::chrono::steady_clock::now() < give_up;
+       ++step) {
     // Latest layer first: a layer seen ready before an earlier one in the same sweep is a
     // real inversion, not the sweep racing the transfer.
     for (std::uint32_t l = shape.num_layers; l-- > 0;) {
       if (ready_at[l] < 0 && load->layer_ready(l)) ready_at[l] = step;
     }
   }
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l)
+    ASSERT_GE(ready_at[l], 0) << "layer " << l << " never ready";
   for (std::uint32_t l = 1; l < shape.num_layers; ++l) EXPECT_GE(ready_at[l], ready_at[l - 1]) << l;
   std::printf("[ info ] layers first seen ready at poll steps:");
   for (int r : ready_at) std::printf(" %d", r);
