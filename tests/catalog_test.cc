@@ -4,9 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <mutex>
 #include <set>
 #include <thread>
 
+#include "metadata/read_releases.h"
 #include "redis_server.h"
 
 namespace kvstash::metadata {
@@ -155,6 +158,38 @@ TEST_F(CatalogTest, AReaderWhoseLeaseRanOutWhileThePagesWereReusedIsStale) {
   std::this_thread::sleep_for(200ms);
   EXPECT_EQ(cat_->end_get("late", g3).code(), StatusCode::kStale);
   ASSERT_TRUE(cat_->remove("quiet").is_ok());
+}
+
+TEST_F(CatalogTest, EndGetsEndsEachLeaseAsEndGetAloneWould) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  put("fine", 1);
+  put("replaced", 2);
+  put("late", 1);
+  auto fine = cat_->begin_get("fine", "r1", 30s).value();
+  auto replaced = cat_->begin_get("replaced", "r2", 30s).value();
+  auto late = cat_->begin_get("late", "r3", 100ms).value();
+  put("replaced", 2);  // the old pages wait as a zombie for r2
+  ASSERT_EQ(free_of("a"), 2u);
+  std::this_thread::sleep_for(200ms);  // r3's lease runs out
+  using Ended = metadata::Catalog::EndedRead;
+  const std::vector<Ended> reads = {{"r1", fine.object_token, fine.placement.extents_text},
+                                    {"r2", replaced.object_token, replaced.placement.extents_text},
+                                    {"r3", late.object_token, late.placement.extents_text}};
+  auto ended = cat_->end_gets(reads);
+  ASSERT_TRUE(ended.is_ok()) << ended.status().to_string();
+  ASSERT_EQ(ended->size(), 3u);
+  EXPECT_TRUE((*ended)[0].is_ok()) << (*ended)[0].to_string();
+  EXPECT_TRUE((*ended)[1].is_ok()) << "the zombie's pages were never reused: " << (*ended)[1].to_string();
+  EXPECT_EQ((*ended)[2].code(), StatusCode::kStale) << "the lease had run out";
+  EXPECT_EQ(free_of("a"), 4u) << "the last reader of the zombie freed its pages";
+  // Ending them again: no lease is held any more, so each is stale, and nothing is freed twice.
+  auto again = cat_->end_gets(reads);
+  ASSERT_TRUE(again.is_ok());
+  for (const Status& s : *again) EXPECT_EQ(s.code(), StatusCode::kStale) << s.to_string();
+  EXPECT_EQ(free_of("a"), 4u);
+  auto none = cat_->end_gets({});
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_TRUE(none->empty());
 }
 
 TEST_F(CatalogTest, FullPoolEvictsLeastRecentlyUsedObjectsWithoutReaders) {
@@ -522,4 +557,59 @@ TEST_F(CatalogTest, NoNodesIsNoSpace) {
 }
 
 }  // namespace
+// The batching alone, no Redis: what queues while a batch is being ended goes in the next one,
+// every read is handed on exactly once, and one drain runs at a time.
+TEST(ReadReleases, BatchesWhatQueuedMeanwhileAndHandsEachReadOnOnce) {
+  metadata::ReadReleases releases;
+  std::mutex mu;
+  std::vector<std::size_t> batches;
+  std::multiset<std::string> ended;
+  std::atomic<int> drains{0}, running{0}, overlapped{0};
+  auto drain = [&] {
+    drains.fetch_add(1);
+    releases.drain([&](std::span<const metadata::Catalog::EndedRead> batch) {
+      if (running.fetch_add(1) != 0) overlapped.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));  // a round trip
+      {
+        std::lock_guard lock(mu);
+        batches.push_back(batch.size());
+        for (const auto& r : batch) ended.insert(r.reader);
+      }
+      running.fetch_sub(1);
+    });
+  };
+  constexpr int kThreads = 4, kEach = 500;
+  std::vector<std::thread> threads;
+  std::vector<std::thread> drainers;
+  std::mutex drainers_mu;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kEach; ++i) {
+        if (releases.add({"r" + std::to_string(t) + "-" + std::to_string(i), "tok", "a,1,1"})) {
+          std::lock_guard lock(drainers_mu);
+          drainers.emplace_back(drain);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  {
+    std::lock_guard lock(drainers_mu);
+    for (auto& d : drainers) d.join();
+  }
+  EXPECT_EQ(releases.pending(), 0u);
+  EXPECT_EQ(overlapped.load(), 0) << "two drains ran at once";
+  ASSERT_EQ(ended.size(), static_cast<std::size_t>(kThreads * kEach));
+  EXPECT_EQ(std::set<std::string>(ended.begin(), ended.end()).size(), ended.size()) << "a read ended twice";
+  std::size_t biggest = 0;
+  for (std::size_t b : batches) biggest = std::max(biggest, b);
+  EXPECT_LE(biggest, metadata::ReadReleases::kMaxBatch);
+  EXPECT_LT(batches.size(), ended.size()) << "reads that queued during a batch went together";
+  // Idle again: the next read starts a drain of its own.
+  EXPECT_TRUE(releases.add({"late", "tok", "a,1,1"}));
+  EXPECT_FALSE(releases.add({"later", "tok", "a,1,1"}));
+  drain();
+  EXPECT_EQ(releases.pending(), 0u);
+}
+
 }  // namespace kvstash::metadata

@@ -135,6 +135,28 @@ Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {
       .status();
 }
 
+Result<std::vector<Status>> Catalog::end_gets(std::span<const EndedRead> reads) {
+  std::vector<std::string_view> args;
+  args.reserve(reads.size() * 3);
+  for (const EndedRead& r : reads) args.insert(args.end(), {r.reader, r.object_token, r.extents_text});
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::end_gets(), {prefix_}, args));
+  if (r.type() != Reply::Type::kArray || r.size() != reads.size())
+    return corrupt("unexpected reply to end_gets");
+  std::vector<Status> out;
+  out.reserve(reads.size());
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    const std::string_view text = text_of(r.element(i));
+    if (text == "OK") {
+      out.push_back(Status::ok());
+    } else if (text.starts_with("STALE")) {
+      out.push_back(Status::stale(std::string(text)));
+    } else {
+      out.push_back(corrupt("unexpected reply to end_gets: " + std::string(text)));
+    }
+  }
+  return out;
+}
+
 Result<ObjectRecord> Catalog::stat(std::string_view key) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::stat(), {prefix_}, {key}));

@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvstash/store.h"
 #include "metadata/records.h"
@@ -86,6 +87,14 @@ class Catalog {
   Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease);
   // Ends the lease; kStale when a page was freed or reused while it was held.
   Status end_get(std::string_view reader, const ReadLease& lease);
+  // A read lease to end: who read, and the object token and extents its lease named.
+  struct EndedRead {
+    std::string reader;
+    std::string object_token;
+    std::string extents_text;
+  };
+  // end_get for each of `reads`, in one script: one status per read, in order.
+  Result<std::vector<Status>> end_gets(std::span<const EndedRead> reads);
 
   // The object's record (kNotFound when absent or expired).
   Result<ObjectRecord> stat(std::string_view key);

@@ -133,6 +133,11 @@ const Script& end_get() {
   return s;
 }
 
+const Script& end_gets() {
+  static const Script s = make(lua::kEndGets);
+  return s;
+}
+
 const Script& stat() {
   static const Script s = make(lua::kStat);
   return s;
@@ -179,6 +184,7 @@ std::vector<const Script*> all() {
           &release_reservation(),
           &begin_get(),
           &end_get(),
+          &end_gets(),
           &stat(),
           &remove(),
           &touch(),

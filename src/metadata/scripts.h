@@ -27,6 +27,7 @@ const Script& abort_reserved();
 const Script& release_reservation();
 const Script& begin_get();
 const Script& end_get();
+const Script& end_gets();
 const Script& stat();
 const Script& remove();
 const Script& touch();

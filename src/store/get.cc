@@ -157,15 +157,16 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
 }
 
 void Store::Impl::release_later(const std::string& reader, const metadata::ReadLease& lease) {
-  releaser->submit([this, reader, token = lease.object_token, extents = lease.placement.extents_text] {
-    metadata::ReadLease l;
-    l.object_token = token;
-    l.placement.extents_text = extents;
-    auto c = borrow(deadline_after(options.redis_timeout * 2));
-    Status s = c.is_ok() ? (*c)->end_get(reader, l) : c.status();
-    if (!s.is_ok() && s.code() != StatusCode::kStale) {
-      KVSTASH_LOG_DEBUG("ending read lease {} failed, it will expire: {}", reader, s.to_string());
-    }
+  if (!read_releases.add({reader, lease.object_token, lease.placement.extents_text})) return;
+  releaser->submit([this] {
+    read_releases.drain([this](std::span<const metadata::Catalog::EndedRead> batch) {
+      auto c = borrow(deadline_after(options.redis_timeout * 2));
+      auto ended = c.is_ok() ? (*c)->end_gets(batch) : Result<std::vector<Status>>(c.status());
+      if (!ended.is_ok()) {
+        KVSTASH_LOG_DEBUG("ending {} read leases failed, they will expire: {}", batch.size(),
+                          ended.status().to_string());
+      }
+    });
   });
 }
 

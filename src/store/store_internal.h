@@ -20,6 +20,7 @@
 #include "kvstash/store.h"
 #include "metadata/catalog.h"
 #include "metadata/cell_pool.h"
+#include "metadata/read_releases.h"
 #include "store/leases.h"
 #include "store/node_links.h"
 
@@ -92,6 +93,7 @@ struct Store::Impl {
   std::unique_ptr<ThreadPool> hashers;  // help hash a large put's segments (sum_segments)
   unsigned hasher_count = 0;
   std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
+  metadata::ReadReleases read_releases;  // the read leases it has yet to end, in batches
   std::unique_ptr<ThreadPool> aborter;   // confirms failed puts' fences off the callers' path
 
   // A Redis connection for one operation, its commands bounded by the operation's deadline.

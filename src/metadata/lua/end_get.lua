@@ -7,18 +7,6 @@
 --
 -- A zombie whose last reader left is freed here.
 
-local tok = ARGV[2]
-local rk = P .. ':readers:' .. tok
-local deadline = redis.call('ZSCORE', rk, ARGV[1])
-redis.call('ZREM', rk, ARGV[1])
-local held = deadline and tonumber(deadline) >= now
-local fresh = held and current(ARGV[3])
-local zk = P .. ':zombie:' .. tok
-if redis.call('EXISTS', zk) == 1 and redis.call('ZCOUNT', rk, now, '+inf') == 0 then
-  free_extents(redis.call('GET', zk))
-  redis.call('DEL', zk, rk)
-  redis.call('ZREM', P .. ':zombies', tok)
-end
-if not held then return redis.error_reply('STALE the read lease expired before the read ended') end
-if not fresh then return redis.error_reply('STALE the object\'s pages were reused during the read') end
+local failed = end_read(ARGV[1], ARGV[2], ARGV[3])
+if failed then return redis.error_reply(failed) end
 return 'OK'
