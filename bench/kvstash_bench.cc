@@ -109,10 +109,12 @@ int main(int argc, char** argv) {
   pe->add_option("--seconds", peers.seconds, "Measuring time per row")
       ->capture_default_str()
       ->check(CLI::Range(0.01, 60.0));
-  pe->add_option("--peers", peers.engines, "Peer engines: mooncake-tcp, nixl-ucx, nixl-ucx-tcp")
+  pe->add_option("--peers", peers.engines,
+                 "Peer engines: mooncake-tcp, nixl-ucx, nixl-ucx-tcp; in the Soft-RoCE lane (scripts/rdma-vm) "
+                 "also mooncake-rdma, nixl-ucx-rc")
       ->delimiter(',')
       ->capture_default_str()
-      ->check(CLI::IsMember({"mooncake-tcp", "nixl-ucx", "nixl-ucx-tcp"}));
+      ->check(CLI::IsMember({"mooncake-tcp", "nixl-ucx", "nixl-ucx-tcp", "mooncake-rdma", "nixl-ucx-rc"}));
   pe->add_option("--venv", peers.venv, "The peers' venv (scripts/peers-setup)")
       ->envname("KVSTASH_PEERS_VENV")
       ->capture_default_str();

@@ -18,6 +18,10 @@ Engines:
   nixl-ucx      NIXL's UCX backend as UCX chooses (on one host: cma, a kernel copy between the
                 two processes, so it is compared with kvstash's shm)
   nixl-ucx-tcp  the same with UCX_TLS=tcp
+  mooncake-rdma Mooncake's transfer engine, rdma protocol (verbs), each process on its own RDMA
+                device: for the Soft-RoCE lane, whose guest has rxe0 and rxe1 on a veth pair
+                (KVSTASH_PEER_RDMA: "ADDR/DEVICE,ADDR/DEVICE" for the initiator and the target)
+  nixl-ucx-rc   NIXL's UCX backend with UCX_TLS=rc_verbs on those devices
 """
 
 import argparse
@@ -86,6 +90,28 @@ class Mooncake:
         return once
 
 
+def rdma_endpoint(role):
+    """The (address, device) this process of the pair uses in the RDMA rows."""
+    pairs = os.environ.get("KVSTASH_PEER_RDMA", "192.168.77.1/rxe0,192.168.77.2/rxe1").split(",")
+    addr, _, device = pairs[0 if role == "initiator" else 1].partition("/")
+    return addr, device
+
+
+class MooncakeRdma(Mooncake):
+    name, compare_with = "mooncake-rdma", "verbs"
+
+    def __init__(self, role):
+        from mooncake.engine import TransferEngine
+
+        self.te = TransferEngine()
+        self.addr, device = rdma_endpoint(role)
+        if self.te.initialize(self.addr, "P2PHANDSHAKE", "rdma", device) != 0:
+            raise PeerError(f"TransferEngine.initialize(rdma, {device}, P2PHANDSHAKE) failed")
+
+    def describe(self):
+        return {"session": f"{self.addr}:{self.te.get_rpc_port()}"}
+
+
 class Nixl:
     name, compare_with, ucx_tls = "nixl-ucx", "shm", None
 
@@ -139,7 +165,15 @@ class NixlTcp(Nixl):
     name, compare_with, ucx_tls = "nixl-ucx-tcp", "tcp", "tcp"
 
 
-ENGINES = {e.name: e for e in (Mooncake, Nixl, NixlTcp)}
+class NixlRc(Nixl):
+    name, compare_with, ucx_tls = "nixl-ucx-rc", "verbs", "rc_verbs"
+
+    def __init__(self, role):
+        os.environ["UCX_NET_DEVICES"] = rdma_endpoint(role)[1] + ":1"
+        super().__init__(role)
+
+
+ENGINES = {e.name: e for e in (Mooncake, Nixl, NixlTcp, MooncakeRdma, NixlRc)}
 
 
 class Buffer:
