@@ -3,11 +3,9 @@ a paged KV cache saved and loaded layer by layer, keys, errors, registered buffe
 place, and the cluster token of the cell "secured" (whose node requires it).
 Usage: python_test.py URL CLUSTER_TOKEN"""
 import gc
-import os
 import random
 import sys
 import unittest
-from types import SimpleNamespace
 
 import kvstash
 
@@ -111,96 +109,6 @@ class KvstashPython(unittest.TestCase):
         with self.assertRaises(kvstash.Error) as e:
             kvb.begin_load(tokens, blocks_b, 3)  # there is no third full chunk
         self.assertEqual(e.exception.code, "invalid_argument")
-
-    def test_the_vllm_connector_example_saves_then_loads_a_prefix(self):
-        # docs/examples/vllm_connector.py driven through vLLM's hook order with stand-ins for its
-        # request and scheduler-output objects: one engine computes a prompt and saves it; a
-        # second engine with another paged cache gets the prefix matched and loads it layer by
-        # layer into other blocks; then a chunk goes missing and its blocks are reported.
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "examples"))
-        import vllm_connector
-
-        layers, blocks, block_size, heads, head_dim, chunk = 4, 64, 16, 2, 8, 64
-        block_bytes = block_size * heads * head_dim * 2
-        shape = dict(model="py-vllm", layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                     block_size=block_size, chunk_tokens=chunk)
-        rng = random.Random(11)
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-
-        def engine(fill):
-            caches = {n: bytearray(rng.getrandbits(8) for _ in range(2 * blocks * block_bytes)) if fill
-                      else bytearray(2 * blocks * block_bytes) for n in names}
-            scheduler = vllm_connector.KvstashConnector(self.store, **shape)
-            worker = vllm_connector.KvstashConnector(self.store, **shape)
-            worker.register_kv_caches(caches)
-            return scheduler, worker, caches
-
-        def step(scheduler, worker, req_id, tokens, block_ids, computed_locally=0):
-            request = SimpleNamespace(request_id=req_id, prompt_token_ids=tokens)
-            matched, load_async = scheduler.get_num_new_matched_tokens(request, computed_locally)
-            self.assertFalse(load_async)
-            scheduler.update_state_after_alloc(request, block_ids, matched)
-            new = SimpleNamespace(req_id=req_id, prompt_token_ids=tokens, block_ids=(block_ids,),
-                                  num_computed_tokens=computed_locally + matched)
-            meta = scheduler.build_connector_meta(SimpleNamespace(
-                scheduled_new_reqs=[new], num_scheduled_tokens={req_id: len(tokens) - computed_locally - matched}))
-            worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
-            for name in names:  # the model's forward pass
-                worker.wait_for_layer_load(name)
-                worker.save_kv_layer(name, None, None)
-            self.assertEqual(worker.wait_for_save(), {})
-            worker.clear_connector_metadata()
-            scheduler.request_finished(request, block_ids)
-            return matched
-
-        prompt = [rng.randrange(32000) for _ in range(3 * chunk + 5)]
-        sched_a, worker_a, caches_a = engine(True)
-        blocks_a = rng.sample(range(blocks), len(prompt) // block_size + 1)
-        self.assertEqual(step(sched_a, worker_a, "r1", prompt, blocks_a), 0)  # cold: computes, saves 3 chunks
-
-        sched_b, worker_b, caches_b = engine(False)
-        blocks_b = rng.sample(range(blocks), len(prompt) // block_size + 1)
-        self.assertEqual(step(sched_b, worker_b, "r2", prompt, blocks_b), 3 * chunk)
-        for name in names:
-            for i in range(3 * chunk // block_size):
-                for part in range(2):
-                    src = (part * blocks + blocks_a[i]) * block_bytes
-                    dst = (part * blocks + blocks_b[i]) * block_bytes
-                    self.assertEqual(caches_a[name][src:src + block_bytes], caches_b[name][dst:dst + block_bytes],
-                                     f"{name} block {i} part {part}")
-        self.assertEqual(worker_b.get_block_ids_with_load_errors(), set())
-
-        # vLLM's own prefix cache holds chunk 0: only chunks 1 and 2 load, chunk 0's blocks stay.
-        sched_c, worker_c, caches_c = engine(False)
-        self.assertEqual(step(sched_c, worker_c, "r2b", prompt, blocks_b, computed_locally=chunk), 2 * chunk)
-        for name in names:
-            for i in range(3 * chunk // block_size):
-                dst = blocks_b[i] * block_bytes
-                src = blocks_a[i] * block_bytes
-                if i < chunk // block_size:
-                    self.assertEqual(caches_c[name][dst:dst + block_bytes], bytes(block_bytes), f"{name} block {i}")
-                else:
-                    self.assertEqual(caches_c[name][dst:dst + block_bytes], caches_a[name][src:src + block_bytes])
-
-        # A prompt that is exactly two chunks loads only one: vLLM computes its last token.
-        self.assertEqual(step(sched_b, worker_b, "r3", prompt[:2 * chunk], blocks_b), chunk)
-
-        # Chunk 1 vanishes between the scheduler's check and the load: its blocks and the later
-        # chunk's are reported for recomputation, chunk 0's are not.
-        keys = worker_a.kv.keys(prompt)
-        request = SimpleNamespace(request_id="r4", prompt_token_ids=prompt)
-        self.assertEqual(sched_b.get_num_new_matched_tokens(request, 0), (3 * chunk, False))
-        sched_b.update_state_after_alloc(request, blocks_b, 3 * chunk)
-        self.store.remove(keys[1])
-        new = SimpleNamespace(req_id="r4", prompt_token_ids=prompt, block_ids=(blocks_b,), num_computed_tokens=3 * chunk)
-        worker_b.bind_connector_metadata(sched_b.build_connector_meta(
-            SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={"r4": len(prompt) - 3 * chunk})))
-        worker_b.start_load_kv(None)
-        for name in names:
-            worker_b.wait_for_layer_load(name)
-        per_chunk = chunk // block_size
-        self.assertEqual(worker_b.get_block_ids_with_load_errors(), set(blocks_b[per_chunk:3 * per_chunk]))
 
     def test_a_registered_buffer_stays_in_place_until_the_cache_is_gone(self):
         # A load writes into the registered bytes: a bytearray that could grow or shrink meanwhile

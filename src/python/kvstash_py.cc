@@ -121,7 +121,7 @@ const PrefixKeyOptions kKeyDefaults;
 
 }  // namespace
 
-PYBIND11_MODULE(kvstash, m) {
+PYBIND11_MODULE(_native, m) {
   m.doc() = "kvstash: KV-cache offload to remote memory (Store, KvCache, layer-wise save and load)";
   g_error = PyErr_NewException("kvstash.Error", PyExc_RuntimeError, nullptr);
   m.attr("Error") = py::handle(g_error);

@@ -1,0 +1,519 @@
+"""kvstash.vllm: a vLLM KV connector that offloads prefix chunks to a kvstash cell.
+
+Load it as shipped, with no code in vLLM:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvstashConnector",
+        "kv_connector_module_path": "kvstash.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"redis_url": "redis://10.0.0.5:6379", "cell": "prod"}}'
+
+What it does. Every full chunk of a request's tokens (``chunk_tokens``, by default one vLLM
+block) is one kvstash object, keyed by a SHA-256 chain over the tokens before it, salted with
+the model, the cache geometry, vLLM's KV-cache layout and the tensor-parallel rank. After each
+forward step the chunks whose KV became complete are saved layer by layer from vLLM's paged
+cache (prompt chunks, and with ``save_decode`` the chunks decode fills). When a request comes
+in, the scheduler asks the cell how many leading chunks beyond vLLM's own prefix-cache hit are
+stored (one Redis round trip per tensor-parallel rank, no data moved, nothing changed), and
+the workers load those chunks layer by layer into the blocks vLLM allocated, each layer waited
+for just before its attention runs. A chunk that fails to load (evicted meanwhile, its node
+dead, its checksum wrong) is reported through ``get_block_ids_with_load_errors`` and vLLM
+recomputes it; a failed save is a future miss.
+
+Config keys (``kv_connector_extra_config``), all optional: see ``KvstashConfig``.
+
+Limits, refused with a clear error rather than served wrong: one KV-cache group (no hybrid
+models), block-compact layouts (each layer's blocks dense, as vLLM's default), no pipeline
+parallelism. Requests with a ``cache_salt`` or multimodal inputs are neither looked up nor
+saved: their tokens alone do not say what their KV holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import kvstash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+# ---- Configuration -----------------------------------------------------------------------------
+
+
+@dataclass
+class KvstashConfig:
+    """``kv_connector_extra_config``: where the cell is and how chunks are kept."""
+
+    redis_url: str = "redis://127.0.0.1:6379"  # the cell's Redis (redis:// or rediss://, user@ for ACLs)
+    redis_password_file: str = ""  # a file holding the Redis password (not the password itself)
+    cell: str = "default"  # the cell's name in that Redis
+    transports: str = ""  # "shm,tcp,verbs,ucx"; "" for every one built in
+    cluster_token_file: str = ""  # the cell's shared secret, when its nodes require one
+    chunk_tokens: int = 0  # tokens per stored object; 0: vLLM's block size (a multiple of it)
+    ttl_ms: int = 0  # how long a saved chunk lives; 0: until evicted
+    staging: str = "auto"  # "auto", "none" (direct), "host", "cuda": KvCacheOptions' path
+    timeout_ms: int = 10000  # deadline of one lookup, load or save
+    model: str = ""  # the model's identity in the keys; "": vLLM's model name and revision
+    extra: str = ""  # anything else that changes the KV bytes (a LoRA adapter, ...)
+    save_decode: bool = True  # also save the full chunks decode produces
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> KvstashConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kvstash: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        out = cls()
+        for name, value in extra.items():
+            kind = type(getattr(out, name))
+            if kind is bool and isinstance(value, str):
+                value = value.lower() in ("1", "true", "yes", "on")
+            try:
+                setattr(out, name, kind(value))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"kvstash: {name} must be a {kind.__name__}, not {value!r}") from e
+        if out.staging not in ("auto", "none", "host", "cuda"):
+            raise ValueError("kvstash: staging is 'auto', 'none', 'host' or 'cuda'")
+        if out.chunk_tokens < 0 or out.ttl_ms < 0 or out.timeout_ms <= 0:
+            raise ValueError("kvstash: chunk_tokens and ttl_ms must be >= 0, timeout_ms > 0")
+        return out
+
+    def password(self) -> str:
+        if not self.redis_password_file:
+            return ""
+        with open(self.redis_password_file) as f:
+            return f.read().strip()
+
+    def open_store(self) -> kvstash.Store:
+        token = None
+        if self.cluster_token_file:
+            with open(self.cluster_token_file) as f:
+                token = f.read().strip()
+        return kvstash.Store(self.redis_url, redis_password=self.password(), cell=self.cell,
+                             transports=self.transports, timeout_ms=self.timeout_ms, cluster_token=token)
+
+
+_DTYPES = {
+    "torch.float16": "fp16",
+    "torch.bfloat16": "bf16",
+    "torch.float32": "fp32",
+    "torch.float8_e4m3fn": "fp8_e4m3",
+    "torch.float8_e5m2": "fp8_e5m2",
+    "torch.int8": "int8",
+    "torch.uint8": "int8",
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the scheduler and every worker agree on, from vLLM's config alone: the shape kvstash
+    sees (each block of a layer as one run of bytes) and what salts the keys.
+
+    kvstash is handed vLLM's block as it is in memory: one part (no K/V split), one head, as
+    many bytes per token as the page holds (K and V and every head, in vLLM's layout). vLLM's
+    layout name and head count go into the keys' salt, so caches that lay the same tokens out
+    differently never share a chunk."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    token_width: int  # elements per token per layer: the page's bytes / (block_size x itemsize)
+    dtype: str
+    page_bytes: int
+    chunk_tokens: int
+    model: str
+    salt: str  # the layout, the heads, MLA, the user's extra
+    tp_size: int
+    stored_once: bool  # MLA: every rank holds the same latent cache, rank 0's is stored
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KvstashConfig) -> Geometry:
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"kvstash: {len(groups)} KV-cache groups (a hybrid model); one is supported")
+        spec = groups[0].kv_cache_spec
+        item = spec.dtype.itemsize
+        dtype = _DTYPES.get(str(spec.dtype))
+        if dtype is None:
+            raise ValueError(f"kvstash: KV-cache dtype {spec.dtype} is not one kvstash stores")
+        page = spec.page_size_bytes
+        if page % (spec.block_size * item):
+            raise ValueError(f"kvstash: a page of {page} bytes is not whole tokens of block size {spec.block_size}")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("kvstash: pipeline parallelism is not supported (each stage's layers differ)")
+        mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        chunk = config.chunk_tokens or spec.block_size
+        if chunk % spec.block_size:
+            raise ValueError(f"kvstash: chunk_tokens {chunk} is not a multiple of the block size {spec.block_size}")
+        layout = vllm_config.cache_config.kv_cache_layout or "LBNHC"
+        model = config.model or _model_identity(vllm_config)
+        heads = getattr(spec, "num_kv_heads", 1)
+        salt = f"vllm:{layout}:H{heads}:{'mla' if mla else 'kv'}" + (f":{config.extra}" if config.extra else "")
+        return cls(num_layers=len(groups[0].layer_names), num_blocks=kv_cache_config.num_blocks,
+                   block_size=spec.block_size, token_width=page // (spec.block_size * item), dtype=dtype,
+                   page_bytes=page, chunk_tokens=chunk, model=model, salt=salt,
+                   tp_size=parallel.tensor_parallel_size, stored_once=mla)
+
+    def layout_tag(self) -> str:
+        """KvLayout::tag() of the shape open_cache() gives kvstash (checked by the tests)."""
+        return f"L{self.num_layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
+
+    def key_ranks(self) -> list[tuple[int, int]]:
+        """(tp_rank, tp_size) of every rank's keys: one set when the cache is stored once."""
+        return [(0, 1)] if self.stored_once else [(r, self.tp_size) for r in range(self.tp_size)]
+
+    def keys(self, tokens: list[int], tp_rank: int, tp_size: int) -> list[str]:
+        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(), tp_rank=tp_rank,
+                                         tp_size=tp_size, chunk_tokens=self.chunk_tokens, extra=self.salt)
+
+
+def _model_identity(vllm_config: VllmConfig) -> str:
+    m = vllm_config.model_config
+    revision = getattr(m, "revision", None) or getattr(m, "code_revision", None)
+    return f"{m.model}@{revision}" if revision else str(m.model)
+
+
+# ---- What the scheduler hands the workers each step --------------------------------------------
+
+
+@dataclass
+class ChunkRun:
+    """Chunks [first, first + count) of a request: its tokens up to their end, and its blocks."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    first: int
+    count: int
+
+
+@dataclass
+class KvstashMetadata(KVConnectorMetadata):
+    loads: list[ChunkRun] = field(default_factory=list)
+    saves: list[ChunkRun] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Request  # the scheduler's own: its all_token_ids grow as decode runs
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # leading chunks known to be in the cell (found, loaded or saved)
+    load: tuple[int, int] | None = None  # (first, count) to load in the next step
+
+
+# ---- The connector ----------------------------------------------------------------------------
+
+
+class KvstashConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = KvstashConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
+        self._store: kvstash.Store | None = None
+        # Scheduler side.
+        self._matched: dict[str, tuple[int, int, int]] = {}  # req -> (local computed, external, found)
+        self._tracked: dict[str, _Tracked] = {}
+        # Worker side.
+        self._cache: kvstash.KvCache | None = None
+        self._layer_index: dict[str, int] = {}
+        self._tp_rank = 0
+        self._loads: list[tuple[ChunkRun, Any]] = []
+        self._saves: list[tuple[ChunkRun, Any]] = []
+        self._load_errors: set[int] = set()
+        self._stats = {"lookups": 0, "chunks_found": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
+                       "chunks_saved": 0, "chunks_save_failed": 0}
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save lost to a preemption is a future miss
+
+    @property
+    def store(self) -> kvstash.Store:
+        if self._store is None:
+            self._store = self.config.open_store()
+        return self._store
+
+    # ---- scheduler side
+
+    def _eligible(self, request: Request) -> bool:
+        return not getattr(request, "cache_salt", None) and not getattr(request, "mm_features", None)
+
+    def _found_chunks(self, tokens: list[int], limit: int) -> int:
+        """Leading chunks of `tokens` stored for every rank (at most `limit`)."""
+        found = limit
+        for rank, size in self.geometry.key_ranks():
+            keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size)
+            found = min(found, self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms))
+            if found == 0:
+                break
+        return found
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's own hit that the cell holds whole chunks of. Looks only: nothing
+        in the cell or in vLLM changes. At least the last token is always left to compute."""
+        chunk = self.geometry.chunk_tokens
+        if not self._eligible(request) or num_computed_tokens % chunk:
+            return 0, False
+        tokens = list(request.all_token_ids)
+        limit = (len(tokens) - 1) // chunk
+        first = num_computed_tokens // chunk
+        if limit <= first:
+            return 0, False
+        try:
+            found = self._found_chunks(tokens, limit)
+        except kvstash.Error as e:  # the cell is unreachable: a miss, not a failed request
+            logger.warning("kvstash: lookup of %s failed, computing it: %s", request.request_id, e)
+            return 0, False
+        self._stats["lookups"] += 1
+        external = max(0, found - first) * chunk
+        self._matched[request.request_id] = (num_computed_tokens, external, found)
+        return external, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        if not self._eligible(request):
+            return
+        t = self._tracked.setdefault(request.request_id, _Tracked(request))
+        t.request = request
+        computed, external, found = self._matched.pop(request.request_id, (0, 0, 0))
+        t.stored = max(t.stored, found)
+        if num_external_tokens > 0:
+            if num_external_tokens != external:
+                raise RuntimeError(f"kvstash: vLLM allocated {num_external_tokens} external tokens for "
+                                   f"{request.request_id}, the lookup offered {external}")
+            chunk = self.geometry.chunk_tokens
+            t.load = (computed // chunk, external // chunk)
+            self._stats["chunks_found"] += external // chunk
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvstashMetadata()
+        computed_after: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = list(new.block_ids[0])
+                computed_after[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = list(added[0]) if added else []  # a resumed request's whole list
+            elif added:
+                t.block_ids.extend(added[0])
+            computed_after[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+
+        chunk, per_block = self.geometry.chunk_tokens, self.geometry.block_size
+        for req_id, after in computed_after.items():
+            t = self._tracked[req_id]
+            tokens = t.request.all_token_ids
+            if t.load is not None:
+                first, count = t.load
+                end = (first + count) * chunk
+                meta.loads.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block], first, count))
+                t.load = None
+            # The chunks whose every token has its KV in the cache once this step ran.
+            ready = min(after, len(tokens)) // chunk
+            if not self.config.save_decode:
+                ready = min(ready, len(t.request.prompt_token_ids or []) // chunk)
+            ready = min(ready, len(t.block_ids) * per_block // chunk)
+            if ready > t.stored:
+                end = ready * chunk
+                meta.saves.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block],
+                                           t.stored, ready - t.stored))
+                t.stored = ready
+        for req_id in scheduler_output.preempted_req_ids or ():
+            if req_id in self._tracked:
+                self._tracked[req_id].block_ids = []  # freed; a resumed request gets its list anew
+        for req_id in scheduler_output.finished_req_ids:
+            self._tracked.pop(req_id, None)
+            self._matched.pop(req_id, None)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves run within the step that computed their chunks (wait_for_save), so no save is
+        # in flight here and vLLM may free the blocks at once.
+        self._tracked.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        g = self.geometry
+        if len(kv_caches) != g.num_layers:
+            raise ValueError(f"kvstash: {len(kv_caches)} KV-cache tensors, the config names {g.num_layers} layers")
+        names = list(kv_caches)
+        try:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            names.sort(key=extract_layer_index)
+        except (ImportError, ValueError):
+            pass  # registration order
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        tensors = [kv_caches[n] for n in names]
+        for name, t in zip(names, tensors):
+            if t.shape[0] != g.num_blocks or t.stride(0) * t.element_size() != g.page_bytes:
+                raise ValueError(
+                    f"kvstash: layer {name}'s blocks are not dense and outermost (shape {tuple(t.shape)}, strides "
+                    f"{t.stride()}): a block-compact KV-cache layout is needed (VLLM_KV_CACHE_LAYOUT=NHD)")
+        on_gpu = tensors[0].is_cuda
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._tp_rank = get_tensor_model_parallel_rank()
+        except (ImportError, AssertionError, AttributeError):
+            self._tp_rank = 0  # no model-parallel groups (a single process)
+        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
+        self._cache = kvstash.KvCache(
+            self.store, [t.data_ptr() for t in tensors], num_blocks=g.num_blocks, block_size=g.block_size,
+            num_kv_heads=1, head_dim=g.token_width, dtype=g.dtype, order="nhd", mla=True, model=g.model,
+            tp_rank=rank, tp_size=size, chunk_tokens=g.chunk_tokens, extra=g.salt,
+            memory_kind="cuda" if on_gpu else "host", staging=self.config.staging)
+        self._tensors = tensors  # the cache holds their addresses: keep them alive
+        if self._cache.layout_tag != g.layout_tag():
+            raise RuntimeError(f"kvstash: the cache's layout tag {self._cache.layout_tag} is not the scheduler's "
+                               f"{g.layout_tag()}")
+
+    def _stream(self) -> int:
+        if self._tensors and self._tensors[0].is_cuda:
+            import torch
+
+            return torch.cuda.current_stream().cuda_stream
+        return 0
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvstashMetadata)
+        for run in meta.loads:
+            try:
+                load = self._cache.begin_load_range(run.tokens, run.block_ids, run.first, run.count,
+                                                    timeout_ms=self.config.timeout_ms)
+            except kvstash.Error as e:
+                logger.warning("kvstash: load of %s did not start: %s", run.req_id, e)
+                self._fail_load(run)
+                continue
+            self._loads.append((run, load))
+
+    def _fail_load(self, run: ChunkRun) -> None:
+        per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
+        self._load_errors.update(run.block_ids[run.first * per_chunk:])
+        self._stats["chunks_load_failed"] += run.count
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        stream = self._stream()
+        for _, load in self._loads:
+            try:
+                if stream:
+                    load.wait_layer_on(layer, stream)  # the engine's stream waits, not this thread
+                else:
+                    load.wait_layer(layer)
+            except kvstash.Error:
+                pass  # reported per chunk once the load ends (_finish_loads)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        layer = self._layer_index.get(layer_name)
+        meta = self._get_connector_metadata()
+        if layer is None or not isinstance(meta, KvstashMetadata) or not meta.saves:
+            return
+        if self.geometry.stored_once and self._tp_rank != 0:
+            return  # MLA: rank 0 stores the one copy
+        if layer == 0:
+            for run in meta.saves:
+                try:
+                    save = self._cache.begin_save(run.tokens, run.block_ids, run.first, run.count,
+                                                  timeout_ms=self.config.timeout_ms)
+                except kvstash.Error as e:
+                    logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
+                    self._stats["chunks_save_failed"] += run.count
+                    continue
+                self._saves.append((run, save))
+        stream = self._stream()
+        for run, save in self._saves:
+            try:
+                save.save_layer(layer, stream=stream)
+            except kvstash.Error as e:
+                logger.warning("kvstash: saving layer %d of %s failed: %s", layer, run.req_id, e)
+
+    def wait_for_save(self):
+        for run, save in self._saves:
+            for code, message in save.wait():
+                if code == "ok":
+                    self._stats["chunks_saved"] += 1
+                else:
+                    self._stats["chunks_save_failed"] += 1
+                    logger.warning("kvstash: a chunk of %s was not saved: %s %s", run.req_id, code, message)
+        self._saves.clear()
+        self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        for _, load in self._loads:
+            self._load_errors.update(load.failed_blocks())
+            codes = [code for code, _ in load.wait()]
+            self._stats["chunks_loaded"] += codes.count("ok")
+            self._stats["chunks_load_failed"] += len(codes) - codes.count("ok")
+        self._loads.clear()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_loads()  # a step with loads and no saves ends them here
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KvstashStats(data=dict(data or {}))
+
+    def get_kv_connector_stats(self):
+        if not any(self._stats.values()):
+            return None
+        stats = KvstashStats(data=dict(self._stats))
+        for k in self._stats:
+            self._stats[k] = 0
+        return stats
+
+
+def _stats_base():
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+    return KVConnectorStats
+
+
+class KvstashStats(_stats_base()):
+    """Counts of one interval: lookups, chunks found, loaded, saved and failed."""
+
+    def reset(self):
+        self.data = {k: 0 for k in self.data}
+
+    def aggregate(self, other):
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self):
+        return dict(self.data)
+
+    def is_empty(self):
+        return not any(self.data.values())

@@ -1,0 +1,381 @@
+"""kvstash.vllm against the real vLLM (scripts/engines-setup installs it into a venv).
+
+The connector is loaded the way vLLM loads it, by name through its own KVConnectorFactory from
+a KVTransferConfig, and its scheduler half is driven by vLLM's own Scheduler (requests,
+schedule(), update_from_output()) on the CPU, with no model: the "forward pass" is this test
+calling the worker half's hooks in the order vLLM's model runner calls them, on torch CPU
+tensors laid out as vLLM's paged caches ([blocks, heads, tokens, head bytes] per layer), and
+writing each scheduled token's KV itself, a value derived from the token and its position, so
+that what a load brings back can be checked bit for bit.
+
+Covered: a request whose prefix another request stored loads it, bit-exact, into other blocks;
+a preempted request resumes and loads again; a load error becomes recomputed blocks; two
+tensor-parallel ranks each store their shard, and a lookup needs both.
+
+Usage (meson test `vllm`): VENV/bin/python tests/vllm_test.py BUILD_DIR
+Exit 77 (skipped) when vLLM cannot be imported.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
+sys.path.insert(0, os.path.join(BUILD, "src", "python"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+try:
+    import torch
+    import vllm  # noqa: F401
+except ImportError as e:
+    # Run by meson with the system's python3: go on in the venv scripts/engines-setup made.
+    venv_python = os.path.join(os.environ.get("KVSTASH_ENGINES_DIR", os.path.expanduser("~/.cache/kvstash")),
+                               "vllm-venv", "bin", "python")
+    if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(
+            os.path.dirname(os.path.dirname(venv_python))):
+        os.execv(venv_python, [venv_python, os.path.abspath(__file__), BUILD])
+    print(f"vllm_test: skipped: vLLM is not installed in {sys.prefix} ({e}): run scripts/engines-setup vllm")
+    sys.exit(77)
+
+import kvstash  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+try:
+    from vllm.utils.hashing import sha256
+except ImportError:  # older layouts of vllm.utils
+    from vllm.utils import sha256
+
+BLOCK = 16  # tokens per vLLM block (and per kvstash chunk: chunk_tokens defaults to it)
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+HEADS, HEAD = 2, 16  # per rank
+NUM_BLOCKS = 64
+DTYPE = torch.float16
+
+URL = None  # the private cell's Redis, set up in setUpModule
+
+
+def setUpModule():
+    global URL, _cluster_dir
+    _cluster_dir = tempfile.mkdtemp(prefix="kvstash-vllm-test-")
+    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
+    out = subprocess.run([os.path.join(REPO, "scripts", "cluster"), "start", "--capacity", "256MiB"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"scripts/cluster start failed: {out.stderr}")
+    with open(os.path.join(_cluster_dir, "url")) as f:
+        URL = f.read().strip()
+    init_none_hash(sha256)
+
+
+def tearDownModule():
+    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
+    subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=env, capture_output=True, timeout=60)
+
+
+def model_dir():
+    """A tiny Llama's config.json: vLLM reads the model's geometry from it, never its weights."""
+    d = tempfile.mkdtemp(prefix="kvstash-vllm-model-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+                   "head_dim": HEAD, "num_hidden_layers": len(LAYERS), "vocab_size": 1000,
+                   "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
+    return d
+
+
+MODEL_DIR = None
+
+
+def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024):
+    global MODEL_DIR
+    MODEL_DIR = MODEL_DIR or model_dir()
+    model = ModelConfig(model=MODEL_DIR, tokenizer=MODEL_DIR, skip_tokenizer_init=True, dtype="float16",
+                        max_model_len=1024, seed=0)
+    cfg = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batch_tokens, max_model_len=1024,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role="kv_both",
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={"redis_url": URL, "transports": "shm,tcp",
+                                       "timeout_ms": 5000, **(extra or {})}),
+    )
+    cfg.parallel_config.tensor_parallel_size = tp_size
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return cfg
+
+
+def make_kv_cache_config():
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+
+
+class Engine:
+    """One engine: vLLM's scheduler with the connector it loads, and one worker per TP rank,
+    each with its own connector (role WORKER) and its own paged cache on the CPU."""
+
+    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024):
+        self.config = make_config(tp_size, extra, policy, batch_tokens)
+        self.kv_cache_config = make_kv_cache_config()
+        self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
+                                   block_size=BLOCK)
+        self.connector = self.scheduler.connector
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.workers = []
+        for rank in range(tp_size):
+            w = KVConnectorFactory.create_connector(config=self.config, role=KVConnectorRole.WORKER,
+                                                   kv_cache_config=self.kv_cache_config)
+            caches = {name: self.paged_cache() for name in LAYERS}
+            _with_rank(rank, lambda: w.register_kv_caches(caches))
+            self.workers.append((w, caches, rank))
+
+    @staticmethod
+    def paged_cache():
+        # vLLM's per-layer view [blocks, heads, tokens, K and V of a head], NHD in memory.
+        storage = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=DTYPE)
+        return storage.permute(0, 2, 1, 3)
+
+    def request(self, rid, tokens, max_tokens=4):
+        return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                       block_hasher=self.hasher)
+
+    def step(self, fail_loads=False):
+        """One scheduler step and its 'forward pass'. Returns the scheduler output."""
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        invalid = set()
+        for w, caches, rank in self.workers:
+            w.bind_connector_metadata(meta)
+            if fail_loads:
+                for run in meta.loads:
+                    run.tokens = [t + 1 for t in run.tokens]  # other keys: every chunk misses
+            w.start_load_kv(None)
+            for i, name in enumerate(LAYERS):
+                w.wait_for_layer_load(name)
+                self.compute(out, caches[name], i, rank)
+                w.save_kv_layer(name, caches[name], None)
+            w.wait_for_save()
+            invalid |= w.get_block_ids_with_load_errors()
+            w.get_finished(out.finished_req_ids)
+            w.clear_connector_metadata()
+        reqs = list(out.num_scheduled_tokens)
+        runner = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                   sampled_token_ids=[[7] for _ in reqs],
+                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+        self.scheduler.update_from_output(out, runner)
+        return out
+
+    def compute(self, out, cache, layer, rank):
+        """Writes the KV of every token scheduled this step: a value of the token, its position,
+        the layer and the rank, so that a load can be checked against what compute would give."""
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            start = req.num_computed_tokens - n  # schedule() counted them computed already
+            for pos in range(start, start + n):
+                if pos >= len(req.all_token_ids):
+                    break
+                cache[blocks[pos // BLOCK], :, pos % BLOCK, :] = kv_value(req.all_token_ids[pos], pos, layer, rank)
+
+
+def kv_value(token, pos, layer, rank):
+    return float((token * 31 + pos * 7 + layer * 3 + rank) % 251) / 8.0
+
+
+def _with_rank(rank, fn):
+    import vllm.distributed.parallel_state as ps
+
+    saved = ps.get_tensor_model_parallel_rank
+    ps.get_tensor_model_parallel_rank = lambda: rank
+    try:
+        return fn()
+    finally:
+        ps.get_tensor_model_parallel_rank = saved
+
+
+def expected_block(tokens, block_index, layer, rank):
+    want = torch.empty(HEADS, BLOCK, 2 * HEAD, dtype=DTYPE)
+    for j in range(BLOCK):
+        pos = block_index * BLOCK + j
+        want[:, j, :] = kv_value(tokens[pos], pos, layer, rank)
+    return want
+
+
+class VllmConnector(unittest.TestCase):
+    def test_loads_through_vllms_factory_and_keys_match_the_workers(self):
+        e = Engine()
+        self.assertEqual(type(e.connector).__name__, "KvstashConnector")
+        self.assertEqual(type(e.connector).__module__, "kvstash.vllm")
+        w = e.workers[0][0]
+        self.assertEqual(w._cache.layout_tag, e.connector.geometry.layout_tag())
+        tokens = list(range(100, 100 + 3 * BLOCK))
+        self.assertEqual(w._cache.keys(tokens), e.connector.geometry.keys(tokens, 0, 1))
+
+    def test_bad_config_is_refused_at_start_naming_the_keys(self):
+        with self.assertRaisesRegex(ValueError, "unknown kv_connector_extra_config keys.*redis_url"):
+            Engine(extra={"redis_host": "x"})
+        with self.assertRaisesRegex(ValueError, "chunk_tokens 24 is not a multiple of the block size 16"):
+            Engine(extra={"chunk_tokens": 24})
+
+    def test_a_stored_prefix_loads_bit_exact_into_other_blocks(self):
+        shared = [11 + (i * 13) % 900 for i in range(5 * BLOCK)]
+        a = Engine()
+        a.scheduler.add_request(a.request("a", shared + [1, 2, 3]))
+        while a.scheduler.requests.get("a") is not None and not a.scheduler.requests["a"].is_finished():
+            a.step()
+            if a.connector._stats["chunks_found"] == 0 and a.workers[0][0]._stats["chunks_saved"] >= 5:
+                break
+        self.assertGreaterEqual(a.workers[0][0]._stats["chunks_saved"], 5)
+
+        b = Engine()  # another engine: its own scheduler, prefix cache and blocks
+        b.scheduler.add_request(b.request("b", shared + [9, 9]))
+        first = b.step()
+        w, caches, _ = b.workers[0]
+        self.assertEqual(len(first.kv_connector_metadata.loads), 1)
+        load = first.kv_connector_metadata.loads[0]
+        self.assertEqual((load.first, load.count), (0, 5))
+        self.assertEqual(first.num_scheduled_tokens["b"], 2, "only the tokens after the loaded prefix are computed")
+        self.assertEqual(w._stats["chunks_loaded"], 5)
+        blocks = load.block_ids
+        for layer, name in enumerate(LAYERS):
+            for i in range(5):
+                got = caches[name][blocks[i]]
+                self.assertTrue(torch.equal(got, expected_block(shared, i, layer, 0)), f"layer {layer} block {i}")
+
+    def test_chunked_prefill_saves_each_chunk_as_its_step_completes_it(self):
+        prompt = [51 + (i * 29) % 900 for i in range(6 * BLOCK + 3)]
+        a = Engine(batch_tokens=2 * BLOCK + 8)  # a prefill step takes at most 40 tokens
+        a.scheduler.add_request(a.request("a", prompt))
+        saved_per_step = []
+        for _ in range(3):
+            out = a.step()
+            saved_per_step.append([(r.first, r.count) for r in out.kv_connector_metadata.saves])
+        self.assertEqual(saved_per_step, [[(0, 2)], [(2, 3)], [(5, 1)]],
+                         "each step saves the chunks it completed, none before its tokens are computed")
+        b = Engine()
+        b.scheduler.add_request(b.request("b", prompt))
+        out = b.step()
+        self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 6)])
+        blocks = out.kv_connector_metadata.loads[0].block_ids
+        for layer, name in enumerate(LAYERS):
+            for i in range(6):
+                self.assertTrue(torch.equal(b.workers[0][1][name][blocks[i]], expected_block(prompt, i, layer, 0)))
+
+    def test_decode_fills_chunks_that_are_saved_too(self):
+        prompt = [61 + (i * 31) % 900 for i in range(BLOCK + BLOCK - 2)]
+        a = Engine()
+        a.scheduler.add_request(a.request("a", prompt, max_tokens=6))
+        for _ in range(4):
+            a.step()
+        tokens = list(a.scheduler.requests["a"].all_token_ids)
+        self.assertGreater(len(tokens), 2 * BLOCK)
+        store = kvstash.Store(URL, transports="shm,tcp")
+        keys = a.connector.geometry.keys(tokens[: 2 * BLOCK], 0, 1)
+        self.assertEqual(store.contains_prefix(keys), 2, "the chunk decode completed is stored")
+        quiet = Engine(extra={"save_decode": False})
+        quiet.scheduler.add_request(quiet.request("q", [t + 1 for t in prompt], max_tokens=6))
+        for _ in range(4):
+            quiet.step()
+        qtokens = list(quiet.scheduler.requests["q"].all_token_ids)
+        self.assertEqual(store.contains_prefix(quiet.connector.geometry.keys(qtokens[: 2 * BLOCK], 0, 1)), 1)
+
+    def test_a_load_error_becomes_recomputed_blocks(self):
+        shared = [21 + (i * 17) % 900 for i in range(3 * BLOCK)]
+        a = Engine()
+        a.scheduler.add_request(a.request("a", shared + [5]))
+        a.step()
+        b = Engine()
+        b.scheduler.add_request(b.request("b", shared + [6]))
+        out = b.step(fail_loads=True)
+        self.assertEqual(len(out.kv_connector_metadata.loads), 1)
+        req = b.scheduler.requests["b"]
+        self.assertLess(req.num_computed_tokens, 3 * BLOCK, "the failed blocks are computed again, not trusted")
+        b.step()
+        w, caches, _ = b.workers[0]
+        blocks = b.scheduler.kv_cache_manager.get_block_ids("b")[0]
+        for layer, name in enumerate(LAYERS):
+            for i in range(3):
+                self.assertTrue(torch.equal(caches[name][blocks[i]], expected_block(shared, i, layer, 0)))
+        # vLLM's default policy, "fail": the request ends with an error instead.
+        c = Engine(policy="fail")
+        c.scheduler.add_request(c.request("c", shared + [7]))
+        out = c.step(fail_loads=True)
+        self.assertEqual(len(out.kv_connector_metadata.loads), 1)
+        self.assertNotIn("c", c.scheduler.requests, "the request failed and was removed")
+
+    def test_a_preempted_request_resumes_and_loads_again(self):
+        shared = [31 + (i * 19) % 900 for i in range(4 * BLOCK)]
+        a = Engine()
+        a.scheduler.add_request(a.request("a", shared + [1], max_tokens=8))
+        a.step()
+        self.assertGreaterEqual(a.workers[0][0]._stats["chunks_saved"], 4)
+        # Preempt it as vLLM does when blocks run out, then let it run again.
+        req = a.scheduler.requests["a"]
+        a.scheduler.running.remove(req)
+        a.scheduler._preempt_request(req, 0.0)
+        # vLLM's own prefix cache would serve the freed blocks: empty it, so the chunks come back
+        # from kvstash (a preemption under memory pressure loses them the same way).
+        self.assertTrue(a.scheduler.kv_cache_manager.reset_prefix_cache())
+        for name in LAYERS:
+            a.workers[0][1][name].zero_()  # the freed blocks served other requests meanwhile
+        resumed = None
+        for _ in range(4):
+            out = a.step()
+            if out.kv_connector_metadata.loads:
+                resumed = out
+                break
+        self.assertIsNotNone(resumed, "the resumed request loads its stored chunks")
+        w, caches, _ = a.workers[0]
+        blocks = a.scheduler.kv_cache_manager.get_block_ids("a")[0]
+        for layer, name in enumerate(LAYERS):
+            for i in range(4):
+                self.assertTrue(torch.equal(caches[name][blocks[i]], expected_block(shared, i, layer, 0)))
+
+    def test_two_tensor_parallel_ranks_store_their_shards_and_a_lookup_needs_both(self):
+        shared = [41 + (i * 23) % 900 for i in range(2 * BLOCK)]
+        a = Engine(tp_size=2)
+        a.scheduler.add_request(a.request("a", shared + [1]))
+        a.step()
+        for w, _, rank in a.workers:
+            self.assertEqual(w._stats["chunks_saved"], 2, f"rank {rank}")
+        g = a.connector.geometry
+        store = kvstash.Store(URL, transports="shm,tcp")
+        k0, k1 = g.keys(shared, 0, 2), g.keys(shared, 1, 2)
+        self.assertNotEqual(k0, k1)
+        self.assertEqual(store.contains_prefix(k0), 2)
+        store.remove(k1[1])  # rank 1's second chunk goes: only one chunk is whole on every rank
+        b = Engine(tp_size=2)
+        b.scheduler.add_request(b.request("b", shared + [2]))
+        out = b.step()
+        self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 1)])
+        for w, caches, rank in b.workers:
+            blocks = out.kv_connector_metadata.loads[0].block_ids
+            for layer, name in enumerate(LAYERS):
+                self.assertTrue(torch.equal(caches[name][blocks[0]], expected_block(shared, 0, layer, rank)))
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)
