@@ -54,13 +54,14 @@ LAYOUT_CONSTRUCTORS_OMITTED = {"custom": "strides: C++ only"}
 #   omit: methods no binding offers; translate: method -> binding names (per binding or both)
 CLASSES = [
     dict(cpp="Store", c_prefix="kvstash_", py="Store",
-         translate={"open": {"c": ["store_open"], "py": ["__init__"]}},
+         translate={"open": {"c": ["store_open"], "py": ["__init__"]},
+                    "register_memory": {"c": [], "py": ["register_memory"]}},  # C: the KV cache registers
          omit={"get_unsized": "it is the bindings' get (they know no size in advance)",
                "begin_put": "C++ only: streamed puts are the KV cache's",
                "stat": "C++ only (the CLI shows it)", "touch": "C++ only",
                "put_async": "C++ only", "get_async": "C++ only", "remove_async": "C++ only",
                "touch_async": "C++ only", "contains_prefix_async": "C++ only",
-               "register_memory": "the KV cache registers its memory", "engine": "C++ only"}),
+               "engine": "C++ only"}),
     dict(cpp="KvCache", c_prefix="kvstash_kvcache_", py="KvCache",
          translate={"open": {"py": ["__init__"]},
                     "keys": {"c": ["key"]},  # C returns no lists: one key per call

@@ -18,6 +18,34 @@ class KvstashPython(unittest.TestCase):
     def setUpClass(cls):
         cls.store = kvstash.Store(URL, transports="shm,tcp", timeout_ms=10000)
 
+    def test_buffers_move_in_place_and_their_size_must_be_the_objects(self):
+        import ctypes
+
+        src = bytearray(random.Random(9).randbytes(3 * 4096 + 5))
+        src_view = (ctypes.c_char * len(src)).from_buffer(src)
+        a = ctypes.addressof(src_view)
+        self.store.register_memory(a, len(src))
+        self.store.put("py:buffers", [(a, 4096), (a + 4096, len(src) - 4096)], ttl_ms=60000)
+        self.assertEqual(self.store.get("py:buffers"), bytes(src))
+        dst = bytearray(len(src))
+        dst_view = (ctypes.c_char * len(dst)).from_buffer(dst)
+        d = ctypes.addressof(dst_view)  # not registered: the store registers it for the call
+        self.assertEqual(self.store.get("py:buffers", into=[(d, 100), (d + 100, len(dst) - 100)]), len(src))
+        self.assertEqual(dst, src)
+        big = bytearray(len(src) + 8)
+        big_view = (ctypes.c_char * len(big)).from_buffer(big)
+        with self.assertRaises(kvstash.Error) as e:
+            self.store.get("py:buffers", into=[(ctypes.addressof(big_view), len(big))])
+        self.assertEqual(e.exception.code, "invalid_argument")
+        with self.assertRaises(kvstash.Error) as e:
+            self.store.get("py:buffers", into=[(d, 64)])  # too small: nothing is read
+        self.assertEqual(e.exception.code, "invalid_argument")
+        with self.assertRaises(kvstash.Error) as e:
+            self.store.get("py:nothing", into=[(d, 64)])
+        self.assertEqual(e.exception.code, "not_found")
+        self.store.remove("py:buffers")
+        del src_view, dst_view, big_view
+
     def test_objects_round_trip_and_errors_carry_their_code(self):
         self.store.put("py:k", b"\x00\x01hello", ttl_ms=60000)
         self.assertEqual(self.store.get("py:k"), b"\x00\x01hello")

@@ -15,6 +15,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -82,7 +83,38 @@ void* address_of(const py::handle& h, std::size_t need, std::vector<py::buffer_i
 
 struct PyStore {
   std::unique_ptr<Store> store;
+  // Memory registered once for the puts and gets that name buffers in it (register_memory):
+  // each a region and its handle, kept at a stable address while the store lives. Destroyed
+  // before the store (members go in reverse order).
+  struct Registered {
+    std::uintptr_t addr;
+    std::size_t length;
+    MemoryHandle handle;
+  };
+  std::mutex mu;
+  std::vector<std::unique_ptr<Registered>> registered;
+
+  // The registration covering [addr, addr+length), or null (the store registers it per call).
+  const MemoryHandle* handle_for(std::uintptr_t addr, std::size_t length) {
+    std::lock_guard lock(mu);
+    for (const auto& r : registered) {
+      if (addr >= r->addr && addr + length <= r->addr + r->length) return &r->handle;
+    }
+    return nullptr;
+  }
 };
+
+// Buffers given as (address, bytes) pairs (torch: t.data_ptr(), t.nbytes; the caller keeps the
+// memory alive and in place for the call), as slices with their registrations.
+std::vector<Slice> buffer_slices(PyStore& s, const py::sequence& buffers) {
+  std::vector<Slice> out;
+  for (const auto& b : buffers) {
+    auto [addr, length] = b.cast<std::pair<std::uintptr_t, std::size_t>>();
+    if (addr == 0 && length > 0) raise(Status::invalid_argument("a buffer at address 0"));
+    out.push_back({reinterpret_cast<void*>(addr), length, s.handle_for(addr, length)});
+  }
+  return out;
+}
 
 // Destroyed by Python (the last KvCache, KvSave or KvLoad object referring to it goes), so
 // with the GIL held. Members go in reverse order: the cache deregisters its memory before the
@@ -140,7 +172,9 @@ PYBIND11_MODULE(_native, m) {
              o.cell = cell;
              o.engine.transports = unwrap(parse_transport_list(transports));
              o.timeout = std::chrono::milliseconds(timeout_ms);
-             return std::make_shared<PyStore>(PyStore{unwrap(nogil([&] { return Store::open(o); }))});
+             auto out = std::make_shared<PyStore>();
+             out->store = unwrap(nogil([&] { return Store::open(o); }));
+             return out;
            }),
            py::arg("redis_url") = kStoreDefaults.redis_url,
            py::arg("redis_password") = kStoreDefaults.redis_password, py::arg("cell") = kStoreDefaults.cell,
@@ -154,30 +188,68 @@ PYBIND11_MODULE(_native, m) {
            "refused ('invalid_argument').")
       .def(
           "put",
-          [](PyStore& s, const std::string& key, py::bytes data, std::uint64_t ttl_ms) {
-            std::string bytes = data;
-            Slice slice{bytes.data(), bytes.size()};
-            const auto ttl = std::chrono::milliseconds(ttl_ms);
-            check(nogil([&] { return s.store->put(key, {&slice, 1}, {.ttl = ttl}); }));
+          [](PyStore& s, const std::string& key, const py::object& data, std::uint64_t ttl_ms,
+             std::uint32_t timeout_ms) {
+            const PutOptions o{.ttl = std::chrono::milliseconds(ttl_ms), .deadline = deadline_of(timeout_ms)};
+            if (py::isinstance<py::bytes>(data)) {
+              std::string bytes = data.cast<std::string>();
+              Slice slice{bytes.data(), bytes.size()};
+              check(nogil([&] { return s.store->put(key, {&slice, 1}, o); }));
+              return;
+            }
+            const std::vector<Slice> slices = buffer_slices(s, data);  // zero-copy: the bytes in place
+            check(nogil([&] { return s.store->put(key, slices, o); }));
           },
-          py::arg("key"), py::arg("data"), py::arg("ttl_ms") = 0, "ttl_ms: 0 never expires.")
+          py::arg("key"), py::arg("data"), py::arg("ttl_ms") = 0, py::arg("timeout_ms") = 0,
+          "data: bytes, or (address, bytes) buffers whose concatenation is the object (moved from "
+          "where they are). ttl_ms: 0 never expires.")
       .def(
           "get",
-          [](PyStore& s, const std::string& key) {
-            std::string out;
-            check(nogil([&] {
-              // One Redis script: the size and the bytes are the same object's.
-              return s.store
-                  ->get_unsized(key,
-                                [&](std::uint64_t size) -> Result<std::vector<Slice>> {
-                                  out.resize(size);
-                                  return std::vector<Slice>{{out.data(), out.size()}};
-                                })
-                  .status();
-            }));
-            return py::bytes(out);
+          [](PyStore& s, const std::string& key, const py::object& into,
+             std::uint32_t timeout_ms) -> py::object {
+            GetOptions o;
+            o.deadline = deadline_of(timeout_ms);
+            if (into.is_none()) {
+              std::string out;
+              check(nogil([&] {
+                // One Redis script: the size and the bytes are the same object's.
+                return s.store
+                    ->get_unsized(
+                        key,
+                        [&](std::uint64_t size) -> Result<std::vector<Slice>> {
+                          out.resize(size);
+                          return std::vector<Slice>{{out.data(), out.size()}};
+                        },
+                        o)
+                    .status();
+              }));
+              return py::bytes(out);
+            }
+            const std::vector<Slice> slices = buffer_slices(s, into);
+            std::uint64_t room = 0;
+            for (const Slice& sl : slices) room += sl.length;
+            const ObjectInfo info = unwrap(nogil([&] { return s.store->get(key, slices, o); }));
+            if (info.size != room) {
+              raise(Status::invalid_argument("object " + key + " has " + std::to_string(info.size) +
+                                             " bytes, the buffers " + std::to_string(room)));
+            }
+            return py::int_(info.size);
           },
-          py::arg("key"))
+          py::arg("key"), py::arg("into") = py::none(), py::arg("timeout_ms") = 0,
+          "The object's bytes; with `into`, (address, bytes) buffers of exactly its size, read in place "
+          "(zero-copy), and its size.")
+      .def(
+          "register_memory",
+          [](PyStore& s, std::uintptr_t addr, std::size_t length) {
+            MemoryRegion region{.addr = reinterpret_cast<void*>(addr), .length = length};
+            auto r = std::make_unique<PyStore::Registered>(PyStore::Registered{
+                addr, length, unwrap(nogil([&] { return s.store->register_memory(region); }))});
+            std::lock_guard lock(s.mu);
+            s.registered.push_back(std::move(r));
+          },
+          py::arg("addr"), py::arg("length"),
+          "Registers host memory that puts and gets will name buffers in, once (zero-copy for RDMA). It "
+          "must stay allocated while the store lives.")
       .def(
           "remove",
           [](PyStore& s, const std::string& key, std::uint32_t timeout_ms) {

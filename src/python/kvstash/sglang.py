@@ -1,0 +1,211 @@
+"""kvstash.sglang: an SGLang HiCache storage backend over a kvstash cell.
+
+SGLang loads it as shipped, as a dynamic backend:
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
+          "backend_name": "kvstash", "module_path": "kvstash.sglang",
+          "class_name": "KvstashHiCacheStorage", "redis_url": "redis://10.0.0.5:6379"}'
+
+SGLang names each page of its host KV cache by a hash chain over the tokens (its own keys);
+each page is one kvstash object, under that key prefixed with the model and, except for MLA
+(one copy that every rank reads), the tensor- and pipeline-parallel rank. A page moves between
+SGLang's host pool and the cell in place (``batch_get_v1`` / ``batch_set_v1``: the pool's
+buffers registered once, no copy through Python); ``get`` / ``set`` move one tensor.
+
+Config keys (besides the three SGLang reads): see ``KvstashHiCacheConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+import kvstash
+
+logger = logging.getLogger(__name__)
+
+# Keys SGLang itself reads (interface_v1: 1 selects the in-place page variants).
+_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
+
+
+@dataclass
+class KvstashHiCacheConfig:
+    """``--hicache-storage-backend-extra-config`` keys kvstash reads."""
+
+    redis_url: str = "redis://127.0.0.1:6379"
+    redis_password_file: str = ""  # a file holding the Redis password
+    cell: str = "default"
+    transports: str = ""  # "shm,tcp,verbs,ucx"; "" for every one built in
+    cluster_token_file: str = ""
+    ttl_ms: int = 0  # 0: pages live until evicted
+    timeout_ms: int = 10000  # the deadline of one page's get or put
+    threads: int = 8  # pages in flight at once in a batch
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KvstashHiCacheConfig:
+        extra = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvstash: unknown HiCache extra config keys {unknown}; known: {sorted(known)}")
+        out = cls()
+        for name, value in extra.items():
+            kind = type(getattr(out, name))
+            try:
+                setattr(out, name, kind(value))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"kvstash: {name} must be a {kind.__name__}, not {value!r}") from e
+        if out.threads < 1 or out.timeout_ms <= 0 or out.ttl_ms < 0:
+            raise ValueError("kvstash: threads and timeout_ms must be > 0, ttl_ms >= 0")
+        return out
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+class KvstashHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
+        self.storage_config = storage_config
+        self.config = KvstashHiCacheConfig.from_extra(storage_config.extra_config)
+        c = self.config
+        self.store = kvstash.Store(c.redis_url, redis_password=_read(c.redis_password_file) if c.redis_password_file
+                                   else "", cell=c.cell, transports=c.transports, timeout_ms=c.timeout_ms,
+                                   cluster_token=_read(c.cluster_token_file) if c.cluster_token_file else None)
+        s = storage_config
+        shard = "mla" if s.is_mla_model else f"tp{s.tp_rank}of{s.tp_size}.pp{s.pp_rank}of{s.pp_size}"
+        self.prefix = f"sgl:{s.model_name or 'model'}:{shard}:"
+        self.writer = s.is_storage_writer
+        self.mem_pool_host = None
+        self._io = ThreadPoolExecutor(c.threads, thread_name_prefix="kvstash-hicache")
+        self.stats = {"pages_got": 0, "pages_get_failed": 0, "pages_set": 0, "pages_set_failed": 0,
+                      "pages_existed": 0}
+        if kwargs and kwargs.get("mem_pool_host") is not None:
+            self.register_mem_pool_host(kwargs["mem_pool_host"])
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    # ---- the host pool, registered once (zero-copy for RDMA)
+
+    def register_mem_pool_host(self, mem_pool_host):
+        super().register_mem_pool_host(mem_pool_host)
+        buffers = mem_pool_host.kv_buffer
+        for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
+            if isinstance(t, torch.Tensor) and t.numel() > 0 and not t.is_cuda:
+                self.store.register_memory(t.data_ptr(), t.numel() * t.element_size())
+
+    def _page_buffers(self, keys: list[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if not keys or len(ptrs) % len(keys):
+            raise ValueError(f"kvstash: {len(ptrs)} page buffers for {len(keys)} keys")
+        per = len(ptrs) // len(keys)
+        return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(len(keys))]
+
+    # ---- existence
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages are stored: one Redis script for the whole run."""
+        if not keys:
+            return 0
+        try:
+            return self.store.contains_prefix([self._key(k) for k in keys], timeout_ms=self.config.timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: exists of %d pages failed, treating them as missing: %s", len(keys), e)
+            return 0
+
+    # ---- pages in place (SGLang's zero-copy variants)
+
+    def _get_one(self, key: str, buffers: list[tuple[int, int]]) -> bool:
+        try:
+            self.store.get(self._key(key), into=buffers, timeout_ms=self.config.timeout_ms)
+            return True
+        except kvstash.Error as e:
+            if e.code != "not_found":
+                logger.warning("kvstash: page %s did not load: %s", key, e)
+            return False
+
+    def _set_one(self, key: str, buffers: list[tuple[int, int]]) -> bool:
+        try:
+            self.store.put(self._key(key), buffers, ttl_ms=self.config.ttl_ms, timeout_ms=self.config.timeout_ms)
+            return True
+        except kvstash.Error as e:
+            logger.warning("kvstash: page %s was not stored: %s", key, e)
+            return False
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        pages = self._page_buffers(keys, host_indices)
+        done = list(self._io.map(self._get_one, keys, pages))
+        self.stats["pages_got"] += sum(done)
+        self.stats["pages_get_failed"] += len(done) - sum(done)
+        return done
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        if not self.writer:
+            return [True] * len(keys)  # MLA: the storage writer's copy serves every rank
+        # Pages chain: the leading ones stored already (by this or another engine) are skipped.
+        stored = self.batch_exists(keys)
+        self.stats["pages_existed"] += stored
+        pages = self._page_buffers(keys, host_indices)
+        done = [True] * stored + list(self._io.map(self._set_one, keys[stored:], pages[stored:]))
+        self.stats["pages_set"] += sum(done[stored:])
+        self.stats["pages_set_failed"] += len(done) - sum(done)
+        return done
+
+    # ---- one tensor at a time (the generic interface)
+
+    @staticmethod
+    def _tensor_buffer(t: torch.Tensor) -> list[tuple[int, int]]:
+        if not t.is_contiguous():
+            raise ValueError("kvstash: a page tensor must be contiguous")
+        return [(t.data_ptr(), t.numel() * t.element_size())]
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        if target_location is None:
+            try:
+                data = self.store.get(self._key(key), timeout_ms=self.config.timeout_ms)
+            except kvstash.Error:
+                return None
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return target_location if self._get_one(key, self._tensor_buffer(target_location)) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None):
+        return [self.get(k, t) for k, t in zip(keys, target_locations or [None] * len(keys))]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        if not self.writer:
+            return True
+        if self.exists(key):
+            return True
+        return self._set_one(key, self._tensor_buffer(value))
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        return all(self.set(k, v) for k, v in zip(keys, values))
+
+    def clear(self) -> None:
+        # The cell is shared with other engines: pages go by TTL and eviction, never all at once.
+        logger.info("kvstash: clear() leaves the cell's pages to their TTL and eviction")
+
+    def get_stats(self):
+        out = dict(self.stats)
+        for k in self.stats:
+            self.stats[k] = 0
+        return out
+
+    def close(self):
+        self._io.shutdown(wait=True)

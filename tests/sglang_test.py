@@ -1,0 +1,178 @@
+"""kvstash.sglang against the real SGLang (scripts/engines-setup installs it into a venv).
+
+The backend is created the way SGLang creates it, by StorageBackendFactory from a
+HiCacheStorageConfig naming the "dynamic" backend and its module, and its zero-copy page
+variants move pages in and out of SGLang's own host KV pool (MHATokenToKVPoolHost over an
+MHATokenToKVPool, both on the CPU), in both of its layouts: pages one engine stored come back
+bit for bit into other slots of another engine's pool.
+
+Usage (meson test `sglang`): [VENV/bin/]python tests/sglang_test.py BUILD_DIR
+Exit 77 (skipped) when SGLang cannot be imported.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
+sys.path.insert(0, os.path.join(BUILD, "src", "python"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+try:
+    import sglang  # noqa: F401
+    import torch
+except ImportError as e:
+    # Run by meson with the system's python3: go on in the venv scripts/engines-setup made.
+    venv_python = os.path.join(os.environ.get("KVSTASH_ENGINES_DIR", os.path.expanduser("~/.cache/kvstash")),
+                               "sglang-venv", "bin", "python")
+    if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(
+            os.path.dirname(os.path.dirname(venv_python))):
+        os.execv(venv_python, [venv_python, os.path.abspath(__file__), BUILD])
+    print(f"sglang_test: skipped: SGLang is not installed in {sys.prefix} ({e}): run scripts/engines-setup sglang")
+    sys.exit(77)
+
+import kvstash  # noqa: E402
+from sglang.srt.mem_cache import memory_pool  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvstash.sglang import KvstashHiCacheStorage  # noqa: E402
+
+PAGE = 16  # tokens per page
+URL = None
+
+
+def setUpModule():
+    global URL, _cluster_dir
+    _cluster_dir = tempfile.mkdtemp(prefix="kvstash-sglang-test-")
+    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
+    out = subprocess.run([os.path.join(REPO, "scripts", "cluster"), "start", "--capacity", "256MiB"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"scripts/cluster start failed: {out.stderr}")
+    with open(os.path.join(_cluster_dir, "url")) as f:
+        URL = f.read().strip()
+
+
+def tearDownModule():
+    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
+    subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=env, capture_output=True, timeout=60)
+
+
+def storage_config(tp_rank=0, tp_size=1, mla=False, **extra):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny-llama",
+        extra_config={"backend_name": "kvstash", "module_path": "kvstash.sglang",
+                      "class_name": "KvstashHiCacheStorage", "interface_v1": 1, "redis_url": URL,
+                      "transports": "shm,tcp", **extra})
+
+
+def host_pool(layout, seed=None):
+    """SGLang's own host KV pool (2 layers, 2 heads of 16, fp16) over its own device pool, both
+    on the CPU; filled with random bytes when `seed` is given."""
+    dev = memory_pool.MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.float16, head_num=2, head_dim=16,
+                                       layer_num=2, device="cpu", enable_memory_saver=False,
+                                       enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=256, start_layer=0, end_layer=2)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        host.kv_buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, host.kv_buffer.shape, generator=g,
+                                                             dtype=torch.int16))
+    else:
+        host.kv_buffer.zero_()
+    return host
+
+
+def page_bytes(host, indices):
+    """The bytes of the pages at `indices`, as SGLang's zero-copy metadata names them."""
+    ptrs, sizes = host.get_page_buffer_meta(indices)
+    base = host.kv_buffer.data_ptr()
+    flat = host.kv_buffer.view(-1).view(torch.uint8)
+    return [bytes(flat[p - base:p - base + n].numpy()) for p, n in zip(ptrs, sizes)]
+
+
+def make(config, host=None):
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    if host is not None:
+        backend.register_mem_pool_host(host)
+    return backend
+
+
+class SglangBackend(unittest.TestCase):
+    def test_sglangs_factory_creates_it_from_the_dynamic_config(self):
+        b = make(storage_config())
+        self.assertIsInstance(b, HiCacheStorage)
+        self.assertIsInstance(b, KvstashHiCacheStorage)
+        with self.assertRaisesRegex(ValueError, "unknown HiCache extra config keys.*redis_url"):
+            make(storage_config(redis_host="x"))
+
+    def test_pages_move_in_place_between_two_engines_pools_bit_exact(self):
+        for layout in ("page_first", "layer_first"):
+            with self.subTest(layout=layout):
+                keys = [f"{layout}-page-{i}" for i in range(4)]
+                a_host = host_pool(layout, seed=1)
+                a = make(storage_config(), a_host)
+                src = torch.arange(2 * PAGE, 6 * PAGE)  # pages 2..5 of a's pool
+                self.assertEqual(a.batch_exists(keys), 0)
+                self.assertEqual(a.batch_set_v1(keys, src), [True] * 4)
+                self.assertEqual(a.batch_exists(keys), 4)
+
+                b_host = host_pool(layout)
+                b = make(storage_config(), b_host)
+                dst = torch.arange(10 * PAGE, 14 * PAGE)  # other slots of another pool
+                self.assertEqual(b.batch_get_v1(keys, dst), [True] * 4)
+                self.assertEqual(page_bytes(b_host, dst), page_bytes(a_host, src))
+                self.assertNotEqual(page_bytes(b_host, dst)[0], bytes(len(page_bytes(b_host, dst)[0])))
+
+    def test_a_missing_page_ends_the_prefix_and_fails_its_get(self):
+        keys = [f"gap-{i}" for i in range(3)]
+        a_host = host_pool("page_first", seed=2)
+        a = make(storage_config(), a_host)
+        self.assertEqual(a.batch_set_v1(keys, torch.arange(0, 3 * PAGE)), [True] * 3)
+        kvstash.Store(URL, transports="shm,tcp").remove(a.prefix + keys[1])
+        self.assertEqual(a.batch_exists(keys), 1)
+        b_host = host_pool("page_first")
+        b = make(storage_config(), b_host)
+        self.assertEqual(b.batch_get_v1(keys, torch.arange(PAGE, 4 * PAGE)), [True, False, True])
+        # Set again: the stored leading page is skipped, the rest written.
+        self.assertEqual(a.batch_set_v1(keys, torch.arange(0, 3 * PAGE)), [True] * 3)
+        self.assertEqual(a.batch_exists(keys), 3)
+
+    def test_tensor_parallel_ranks_keep_their_own_pages_and_mla_one_copy(self):
+        host0, host1 = host_pool("page_first", seed=3), host_pool("page_first", seed=4)
+        r0 = make(storage_config(tp_rank=0, tp_size=2), host0)
+        r1 = make(storage_config(tp_rank=1, tp_size=2), host1)
+        self.assertEqual(r0.batch_set_v1(["tp-0"], torch.arange(0, PAGE)), [True])
+        self.assertEqual(r1.batch_exists(["tp-0"]), 0, "rank 1 has its own shard of the page")
+        # MLA: the storage writer (rank 0) stores, every rank reads that one copy.
+        m0 = make(storage_config(tp_rank=0, tp_size=2, mla=True), host_pool("page_first", seed=5))
+        m1_host = host_pool("page_first")
+        m1 = make(storage_config(tp_rank=1, tp_size=2, mla=True), m1_host)
+        self.assertEqual(m1.batch_set_v1(["mla-0"], torch.arange(0, PAGE)), [True])
+        self.assertEqual(m1.batch_exists(["mla-0"]), 0, "a non-writer stores nothing")
+        self.assertEqual(m0.batch_set_v1(["mla-0"], torch.arange(0, PAGE)), [True])
+        self.assertEqual(m1.batch_get_v1(["mla-0"], torch.arange(PAGE, 2 * PAGE)), [True])
+        self.assertEqual(page_bytes(m1_host, torch.arange(PAGE, 2 * PAGE)),
+                         page_bytes(m0.mem_pool_host, torch.arange(0, PAGE)))
+
+    def test_the_generic_interface_moves_one_tensor(self):
+        b = make(storage_config())
+        value = torch.randint(0, 255, (4096,), dtype=torch.uint8)
+        self.assertTrue(b.set("generic-0", value))
+        self.assertTrue(b.exists("generic-0"))
+        self.assertTrue(b.set("generic-0", value), "an existing page is not written again")
+        out = torch.zeros(4096, dtype=torch.uint8)
+        self.assertIs(b.get("generic-0", out), out)
+        self.assertTrue(torch.equal(out, value))
+        self.assertIsNone(b.get("generic-missing", torch.zeros(16, dtype=torch.uint8)))
+        self.assertEqual(b.batch_get(["generic-0", "generic-missing"], [torch.zeros(4096, dtype=torch.uint8),
+                                                                       torch.zeros(8, dtype=torch.uint8)])[1], None)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)
