@@ -11,6 +11,7 @@
 #include "metadata.h"
 #include "p2p.h"
 #include "peers.h"
+#include "serve.h"
 #include "store.h"
 
 namespace {
@@ -109,9 +110,10 @@ int main(int argc, char** argv) {
   pe->add_option("--seconds", peers.seconds, "Measuring time per row")
       ->capture_default_str()
       ->check(CLI::Range(0.01, 60.0));
-  pe->add_option("--peers", peers.engines,
-                 "Peer engines: mooncake-tcp, nixl-ucx, nixl-ucx-tcp; in the Soft-RoCE lane (scripts/rdma-vm) "
-                 "also mooncake-rdma, nixl-ucx-rc")
+  pe->add_option(
+        "--peers", peers.engines,
+        "Peer engines: mooncake-tcp, nixl-ucx, nixl-ucx-tcp; in the Soft-RoCE lane (scripts/rdma-vm) "
+        "also mooncake-rdma, nixl-ucx-rc")
       ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::IsMember({"mooncake-tcp", "nixl-ucx", "nixl-ucx-tcp", "mooncake-rdma", "nixl-ucx-rc"}));
@@ -207,6 +209,47 @@ int main(int argc, char** argv) {
   kc->footer(
       "Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json");
 
+  bench::ServeBenchOptions serve;
+  std::string serve_transport = "shm";
+  auto* sv = app.add_subcommand(
+      "serve",
+      "A simulated engine's request stream over kvstash: sessions sharing system prompts come back for "
+      "several turns, idle ones are offloaded and restored. Hit rate, restore time per token and bytes "
+      "moved, against the same bytes through Redis and recomputation at a stated prefill rate. Starts a "
+      "private redis-server and kvstashd");
+  sv->add_option("--sessions", serve.sessions, "Sessions")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1024u));
+  sv->add_option("--system-prompts", serve.system_prompts, "Distinct system prompts the sessions share")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1024u));
+  sv->add_option("--system-tokens", serve.system_tokens, "Tokens of each system prompt")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 32768u));
+  sv->add_option("--turns", serve.turns, "Turns per session")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 100u));
+  sv->add_option("--user-tokens", serve.user_tokens, "Tokens of each user message")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 32768u));
+  sv->add_option("--answer-tokens", serve.answer_tokens, "Tokens of each answer")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 32768u));
+  sv->add_option("--resident", serve.resident_sessions, "Whole sessions the engine's cache holds")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1024u));
+  sv->add_option("--chunk-tokens", serve.chunk_tokens, "Tokens per stored chunk (a multiple of 16)")
+      ->capture_default_str();
+  sv->add_option("--prefill-rate", serve.prefill_rate,
+                 "Tokens/s the engine recomputes at, for the comparison (stated, not measured)")
+      ->capture_default_str();
+  sv->add_option("--transport", serve_transport, "shm, tcp or ucx")->capture_default_str();
+  sv->add_option("--seed", serve.seed, "The stream's seed")->capture_default_str();
+  sv->add_flag("--json", serve.json, "One JSON object");
+  sv->footer(
+      "Examples:\n  kvstash-bench serve\n  kvstash-bench serve --sessions 16 --resident 4 --transport tcp "
+      "--json");
+
   bench::MetadataBenchOptions meta;
   auto* md = app.add_subcommand(
       "metadata",
@@ -258,6 +301,11 @@ int main(int argc, char** argv) {
       sums.bytes = *v;
     }
     if (kc->parsed()) kvc.transports = parse_transports(kvc_transports);
+    if (sv->parsed()) {
+      const auto kinds = parse_transports(serve_transport);
+      if (kinds.size() != 1) throw CLI::ValidationError("--transport", "one of shm, tcp, ucx");
+      serve.transport = kinds.front();
+    }
     if (st->parsed()) {
       if (Status s = bench::parse_token_range(tokens, &store); !s.is_ok()) {
         throw CLI::ValidationError("--tokens", s.message());
@@ -323,6 +371,7 @@ int main(int argc, char** argv) {
 #endif
   }
   if (kc->parsed()) return bench::run_kvcache(kvc);
+  if (sv->parsed()) return bench::run_serve(serve);
   if (md->parsed()) return bench::run_metadata(meta);
   if (cs->parsed()) return bench::run_checksum(sums);
   if (pe->parsed()) return bench::run_peers(peers);
