@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
@@ -119,8 +120,9 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024):
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role="kv_both",
             kv_load_failure_policy=policy,
+            # Lookups in line, so that each test's first step loads; the default (async) has its test.
             kv_connector_extra_config={"redis_url": URL, "transports": "shm,tcp",
-                                       "timeout_ms": 5000, **(extra or {})}),
+                                       "timeout_ms": 5000, "async_lookup": False, **(extra or {})}),
     )
     cfg.parallel_config.tensor_parallel_size = tp_size
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -264,6 +266,27 @@ class VllmConnector(unittest.TestCase):
             for i in range(5):
                 got = caches[name][blocks[i]]
                 self.assertTrue(torch.equal(got, expected_block(shared, i, layer, 0)), f"layer {layer} block {i}")
+
+    def test_by_default_the_lookup_runs_off_the_scheduler_and_the_request_waits_a_step(self):
+        shared = [71 + (i * 37) % 900 for i in range(3 * BLOCK)]
+        a = Engine()
+        a.scheduler.add_request(a.request("a", shared + [1]))
+        a.step()
+        b = Engine(extra={"async_lookup": True})
+        b.scheduler.add_request(b.request("b", shared + [2]))
+        first = b.step()
+        self.assertNotIn("b", first.num_scheduled_tokens, "vLLM was told to ask again (None)")
+        for _ in range(50):
+            out = b.step()
+            if "b" in out.num_scheduled_tokens:
+                break
+            time.sleep(0.01)
+        self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 3)])
+        self.assertEqual(out.num_scheduled_tokens["b"], 1)
+        blocks = out.kv_connector_metadata.loads[0].block_ids
+        for layer, name in enumerate(LAYERS):
+            for i in range(3):
+                self.assertTrue(torch.equal(b.workers[0][1][name][blocks[i]], expected_block(shared, i, layer, 0)))
 
     def test_chunked_prefill_saves_each_chunk_as_its_step_completes_it(self):
         prompt = [51 + (i * 29) % 900 for i in range(6 * BLOCK + 3)]

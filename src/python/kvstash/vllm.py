@@ -29,6 +29,7 @@ saved: their tokens alone do not say what their KV holds.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,7 @@ class KvstashConfig:
     model: str = ""  # the model's identity in the keys; "": vLLM's model name and revision
     extra: str = ""  # anything else that changes the KV bytes (a LoRA adapter, ...)
     save_decode: bool = True  # also save the full chunks decode produces
+    async_lookup: bool = True  # look up off the scheduler's thread: the request waits a step, not Redis
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> KvstashConfig:
@@ -227,6 +229,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._store: kvstash.Store | None = None
         # Scheduler side.
         self._matched: dict[str, tuple[int, int, int]] = {}  # req -> (local computed, external, found)
+        self._lookups: dict[str, tuple[tuple[int, int], Future]] = {}  # req -> ((computed, tokens), found)
+        self._lookup_pool: ThreadPoolExecutor | None = None
         self._tracked: dict[str, _Tracked] = {}
         # Worker side.
         self._cache: kvstash.KvCache | None = None
@@ -254,13 +258,18 @@ class KvstashConnector(KVConnectorBase_V1):
         return not getattr(request, "cache_salt", None) and not getattr(request, "mm_features", None)
 
     def _found_chunks(self, tokens: list[int], limit: int) -> int:
-        """Leading chunks of `tokens` stored for every rank (at most `limit`)."""
+        """Leading chunks of `tokens` stored for every rank (at most `limit`); 0 when the cell
+        cannot be asked (a miss, not a failed request)."""
         found = limit
-        for rank, size in self.geometry.key_ranks():
-            keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size)
-            found = min(found, self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms))
-            if found == 0:
-                break
+        try:
+            for rank, size in self.geometry.key_ranks():
+                keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size)
+                found = min(found, self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms))
+                if found == 0:
+                    break
+        except kvstash.Error as e:
+            logger.warning("kvstash: a lookup failed, computing instead: %s", e)
+            return 0
         return found
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -274,12 +283,24 @@ class KvstashConnector(KVConnectorBase_V1):
         first = num_computed_tokens // chunk
         if limit <= first:
             return 0, False
-        try:
+        if self.config.async_lookup:
+            # The first ask starts the lookup on a thread and answers "not yet" (None): vLLM
+            # skips the request for this step and asks again. The answer is kept until the
+            # request's blocks are allocated, so asking again changes nothing.
+            asked = (num_computed_tokens, len(tokens))
+            pending = self._lookups.get(request.request_id)
+            if pending is None or pending[0] != asked:
+                if self._lookup_pool is None:
+                    self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-lookup")
+                self._lookups[request.request_id] = (asked, self._lookup_pool.submit(self._found_chunks, tokens, limit))
+                self._stats["lookups"] += 1
+                return None, False
+            if not pending[1].done():
+                return None, False
+            found = pending[1].result()
+        else:
             found = self._found_chunks(tokens, limit)
-        except kvstash.Error as e:  # the cell is unreachable: a miss, not a failed request
-            logger.warning("kvstash: lookup of %s failed, computing it: %s", request.request_id, e)
-            return 0, False
-        self._stats["lookups"] += 1
+            self._stats["lookups"] += 1
         external = max(0, found - first) * chunk
         self._matched[request.request_id] = (num_computed_tokens, external, found)
         return external, False
@@ -290,6 +311,7 @@ class KvstashConnector(KVConnectorBase_V1):
         t = self._tracked.setdefault(request.request_id, _Tracked(request))
         t.request = request
         computed, external, found = self._matched.pop(request.request_id, (0, 0, 0))
+        self._lookups.pop(request.request_id, None)
         t.stored = max(t.stored, found)
         if num_external_tokens > 0:
             if num_external_tokens != external:
@@ -344,6 +366,7 @@ class KvstashConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._tracked.pop(req_id, None)
             self._matched.pop(req_id, None)
+            self._lookups.pop(req_id, None)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -351,6 +374,7 @@ class KvstashConnector(KVConnectorBase_V1):
         # in flight here and vLLM may free the blocks at once.
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         return False, None
 
     # ---- worker side
@@ -481,6 +505,10 @@ class KvstashConnector(KVConnectorBase_V1):
         self._finish_loads()
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def shutdown(self):
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=True)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
