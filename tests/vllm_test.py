@@ -236,6 +236,22 @@ class VllmConnector(unittest.TestCase):
         tokens = list(range(100, 100 + 3 * BLOCK))
         self.assertEqual(w._cache.keys(tokens), e.connector.geometry.keys(tokens, 0, 1))
 
+    def test_register_reads_vllms_views_and_refuses_what_it_cannot_move(self):
+        e = Engine()
+        w = KVConnectorFactory.create_connector(config=e.config, role=KVConnectorRole.WORKER,
+                                               kv_cache_config=e.kv_cache_config)
+        # An attention kernel with half-size blocks: twice the blocks, each half a page.
+        split = {n: torch.zeros(2 * NUM_BLOCKS, BLOCK // 2, HEADS, 2 * HEAD, dtype=DTYPE).permute(0, 2, 1, 3)
+                 for n in LAYERS}
+        w.register_kv_caches(split)
+        self.assertEqual(w._cache.layout_tag, e.connector.geometry.layout_tag())
+        # K and V outermost (an older layout): blocks are not dense pages.
+        kv_first = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD, dtype=DTYPE) for n in LAYERS}
+        with self.assertRaisesRegex(ValueError, "not dense and outermost"):
+            w.register_kv_caches(kv_first)
+        with self.assertRaisesRegex(ValueError, "3 KV-cache tensors"):
+            w.register_kv_caches({**split, "model.layers.2.self_attn.attn": split[LAYERS[0]]})
+
     def test_bad_config_is_refused_at_start_naming_the_keys(self):
         with self.assertRaisesRegex(ValueError, "unknown kv_connector_extra_config keys.*redis_url"):
             Engine(extra={"redis_host": "x"})

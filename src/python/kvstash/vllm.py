@@ -393,7 +393,10 @@ class KvstashConnector(KVConnectorBase_V1):
         self._layer_index = {name: i for i, name in enumerate(names)}
         tensors = [kv_caches[n] for n in names]
         for name, t in zip(names, tensors):
-            if t.shape[0] != g.num_blocks or t.stride(0) * t.element_size() != g.page_bytes:
+            # vLLM's view is [blocks, heads, tokens, content]; an attention kernel with smaller
+            # blocks than the manager's sees each block as `split` kernel blocks, dense in a page.
+            split = t.shape[0] // g.num_blocks if t.shape[0] % g.num_blocks == 0 else 0
+            if split == 0 or t.stride(0) * t.element_size() * split != g.page_bytes:
                 raise ValueError(
                     f"kvstash: layer {name}'s blocks are not dense and outermost (shape {tuple(t.shape)}, strides "
                     f"{t.stride()}): a block-compact KV-cache layout is needed (VLLM_KV_CACHE_LAYOUT=NHD)")
