@@ -249,6 +249,10 @@ class VllmConnector(unittest.TestCase):
         kv_first = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD, dtype=DTYPE) for n in LAYERS}
         with self.assertRaisesRegex(ValueError, "not dense and outermost"):
             w.register_kv_caches(kv_first)
+        # HND in memory while vLLM resolved NHD: the keys would name other bytes.
+        hnd = {n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=DTYPE) for n in LAYERS}
+        with self.assertRaisesRegex(ValueError, "laid out HN within a block, but vLLM's resolved layout is LBNHC"):
+            w.register_kv_caches(hnd)
         with self.assertRaisesRegex(ValueError, "3 KV-cache tensors"):
             w.register_kv_caches({**split, "model.layers.2.self_attn.attn": split[LAYERS[0]]})
 

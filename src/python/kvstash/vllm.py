@@ -139,6 +139,7 @@ class Geometry:
     chunk_tokens: int
     model: str
     salt: str  # the layout, the heads, MLA, the user's extra
+    layout: str  # vLLM's KV-cache layout name ("LBNHC")
     tp_size: int
     stored_once: bool  # MLA: every rank holds the same latent cache, rank 0's is stored
 
@@ -162,13 +163,17 @@ class Geometry:
         chunk = config.chunk_tokens or spec.block_size
         if chunk % spec.block_size:
             raise ValueError(f"kvstash: chunk_tokens {chunk} is not a multiple of the block size {spec.block_size}")
-        layout = vllm_config.cache_config.kv_cache_layout or "LBNHC"
+        # The layout the engine core resolved (KVCacheConfig carries it to every worker), by
+        # its canonical name: "NHD" is "LBNHC".
+        layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+                  or "LBNHC")
+        layout = {"NHD": "LBNHC", "HND": "LBHNC"}.get(layout, layout)
         model = config.model or _model_identity(vllm_config)
         heads = getattr(spec, "num_kv_heads", 1)
         salt = f"vllm:{layout}:H{heads}:{'mla' if mla else 'kv'}" + (f":{config.extra}" if config.extra else "")
         return cls(num_layers=len(groups[0].layer_names), num_blocks=kv_cache_config.num_blocks,
                    block_size=spec.block_size, token_width=page // (spec.block_size * item), dtype=dtype,
-                   page_bytes=page, chunk_tokens=chunk, model=model, salt=salt,
+                   page_bytes=page, chunk_tokens=chunk, model=model, salt=salt, layout=layout,
                    tp_size=parallel.tensor_parallel_size, stored_once=mla)
 
     def layout_tag(self) -> str:
@@ -400,6 +405,13 @@ class KvstashConnector(KVConnectorBase_V1):
                 raise ValueError(
                     f"kvstash: layer {name}'s blocks are not dense and outermost (shape {tuple(t.shape)}, strides "
                     f"{t.stride()}): a block-compact KV-cache layout is needed (VLLM_KV_CACHE_LAYOUT=NHD)")
+            # The layout's name is in the keys: the tensors must be laid out as it says, or the
+            # scheduler's keys would name other bytes than this worker's.
+            if t.dim() == 4 and t.shape[1] > 1 and t.shape[2] > 1:
+                tokens_outer = t.stride(2) > t.stride(1)
+                if tokens_outer != ("NH" in g.layout):
+                    raise ValueError(f"kvstash: layer {name} is laid out {'NH' if tokens_outer else 'HN'} within a "
+                                     f"block, but vLLM's resolved layout is {g.layout}")
         on_gpu = tensors[0].is_cuda
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
