@@ -585,7 +585,9 @@ TEST(ReadReleases, BatchesWhatQueuedMeanwhileAndHandsEachReadOnOnce) {
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < kEach; ++i) {
-        if (releases.add({"r" + std::to_string(t) + "-" + std::to_string(i), "tok", "a,1,1"})) {
+        std::string reader = std::to_string(t);  // (GCC 12 -O3 warns, wrongly, on "r" + to_string)
+        reader.append("-").append(std::to_string(i));
+        if (releases.add({std::move(reader), "tok", "a,1,1"})) {
           std::lock_guard lock(drainers_mu);
           drainers.emplace_back(drain);
         }
