@@ -160,9 +160,9 @@ class Engine:
         storage = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=DTYPE)
         return storage.permute(0, 2, 1, 3)
 
-    def request(self, rid, tokens, max_tokens=4):
+    def request(self, rid, tokens, max_tokens=4, cache_salt=None):
         return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                       block_hasher=self.hasher)
+                       cache_salt=cache_salt, block_hasher=self.hasher)
 
     def step(self, fail_loads=False):
         """One scheduler step and its 'forward pass'. Returns the scheduler output."""
@@ -232,9 +232,9 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(type(e.connector).__name__, "KvstashConnector")
         self.assertEqual(type(e.connector).__module__, "kvstash.vllm")
         w = e.workers[0][0]
-        self.assertEqual(w._cache.layout_tag, e.connector.geometry.layout_tag())
+        self.assertEqual(w._cache_for("").layout_tag, e.connector.geometry.layout_tag())
         tokens = list(range(100, 100 + 3 * BLOCK))
-        self.assertEqual(w._cache.keys(tokens), e.connector.geometry.keys(tokens, 0, 1))
+        self.assertEqual(w._cache_for("").keys(tokens), e.connector.geometry.keys(tokens, 0, 1))
 
     def test_register_reads_vllms_views_and_refuses_what_it_cannot_move(self):
         e = Engine()
@@ -244,7 +244,7 @@ class VllmConnector(unittest.TestCase):
         split = {n: torch.zeros(2 * NUM_BLOCKS, BLOCK // 2, HEADS, 2 * HEAD, dtype=DTYPE).permute(0, 2, 1, 3)
                  for n in LAYERS}
         w.register_kv_caches(split)
-        self.assertEqual(w._cache.layout_tag, e.connector.geometry.layout_tag())
+        self.assertEqual(w._cache_for("").layout_tag, e.connector.geometry.layout_tag())
         # K and V outermost (an older layout): blocks are not dense pages.
         kv_first = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD, dtype=DTYPE) for n in LAYERS}
         with self.assertRaisesRegex(ValueError, "not dense and outermost"):
@@ -344,6 +344,28 @@ class VllmConnector(unittest.TestCase):
             quiet.step()
         qtokens = list(quiet.scheduler.requests["q"].all_token_ids)
         self.assertEqual(store.contains_prefix(quiet.connector.geometry.keys(qtokens[: 2 * BLOCK], 0, 1)), 1)
+
+    def test_a_cache_salt_keeps_tenants_apart(self):
+        shared = [81 + (i * 41) % 900 for i in range(2 * BLOCK)]
+        a = Engine()
+        a.scheduler.add_request(a.request("a", shared + [1], cache_salt="tenant-a"))
+        a.step()
+        self.assertEqual(a.workers[0][0]._stats["chunks_saved"], 2)
+        loads = {}
+        for rid, salt in (("same", "tenant-a"), ("other", "tenant-b"), ("none", None)):
+            b = Engine()
+            b.scheduler.add_request(b.request(rid, shared + [2], cache_salt=salt))
+            out = b.step()
+            loads[rid] = [(r.first, r.count) for r in out.kv_connector_metadata.loads]
+            if rid == "same":
+                blocks = out.kv_connector_metadata.loads[0].block_ids
+                for layer, name in enumerate(LAYERS):
+                    for i in range(2):
+                        self.assertTrue(torch.equal(b.workers[0][1][name][blocks[i]],
+                                                    expected_block(shared, i, layer, 0)))
+        self.assertEqual(loads, {"same": [(0, 2)], "other": [], "none": []})
+        g = a.connector.geometry
+        self.assertNotEqual(g.keys(shared, 0, 1, "tenant-a"), g.keys(shared, 0, 1))
 
     def test_a_load_error_becomes_recomputed_blocks(self):
         shared = [21 + (i * 17) % 900 for i in range(3 * BLOCK)]

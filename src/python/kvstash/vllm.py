@@ -22,13 +22,15 @@ Config keys (``kv_connector_extra_config``), all optional: see ``KvstashConfig``
 
 Limits, refused with a clear error rather than served wrong: one KV-cache group (no hybrid
 models), block-compact layouts (each layer's blocks dense, as vLLM's default), no pipeline
-parallelism. Requests with a ``cache_salt`` or multimodal inputs are neither looked up nor
-saved: their tokens alone do not say what their KV holds.
+parallelism. A request's ``cache_salt`` (vLLM's per-tenant isolation) salts its keys too, so
+only requests with the same salt share chunks. Requests with multimodal inputs are neither
+looked up nor saved: their tokens alone do not say what their KV holds.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -184,9 +186,14 @@ class Geometry:
         """(tp_rank, tp_size) of every rank's keys: one set when the cache is stored once."""
         return [(0, 1)] if self.stored_once else [(r, self.tp_size) for r in range(self.tp_size)]
 
-    def keys(self, tokens: list[int], tp_rank: int, tp_size: int) -> list[str]:
+    def extra(self, cache_salt: str = "") -> str:
+        """What salts the keys of requests with `cache_salt` (vLLM's per-request salt)."""
+        return self.salt + (f":cache_salt={cache_salt}" if cache_salt else "")
+
+    def keys(self, tokens: list[int], tp_rank: int, tp_size: int, cache_salt: str = "") -> list[str]:
         return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(), tp_rank=tp_rank,
-                                         tp_size=tp_size, chunk_tokens=self.chunk_tokens, extra=self.salt)
+                                         tp_size=tp_size, chunk_tokens=self.chunk_tokens,
+                                         extra=self.extra(cache_salt))
 
 
 def _model_identity(vllm_config: VllmConfig) -> str:
@@ -207,6 +214,7 @@ class ChunkRun:
     block_ids: list[int]
     first: int
     count: int
+    cache_salt: str = ""
 
 
 @dataclass
@@ -238,7 +246,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._tracked: dict[str, _Tracked] = {}
         # Worker side.
-        self._cache: kvstash.KvCache | None = None
+        self._caches: OrderedDict[str, kvstash.KvCache] = OrderedDict()  # by cache_salt; "" first
+        self._tensors: list[Any] = []
         self._layer_index: dict[str, int] = {}
         self._tp_rank = 0
         self._loads: list[tuple[ChunkRun, Any]] = []
@@ -260,15 +269,19 @@ class KvstashConnector(KVConnectorBase_V1):
     # ---- scheduler side
 
     def _eligible(self, request: Request) -> bool:
-        return not getattr(request, "cache_salt", None) and not getattr(request, "mm_features", None)
+        return not getattr(request, "mm_features", None)
 
-    def _found_chunks(self, tokens: list[int], limit: int) -> int:
+    @staticmethod
+    def _salt_of(request: Request) -> str:
+        return getattr(request, "cache_salt", None) or ""
+
+    def _found_chunks(self, tokens: list[int], limit: int, cache_salt: str = "") -> int:
         """Leading chunks of `tokens` stored for every rank (at most `limit`); 0 when the cell
         cannot be asked (a miss, not a failed request)."""
         found = limit
         try:
             for rank, size in self.geometry.key_ranks():
-                keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size)
+                keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size, cache_salt)
                 found = min(found, self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms))
                 if found == 0:
                     break
@@ -297,14 +310,15 @@ class KvstashConnector(KVConnectorBase_V1):
             if pending is None or pending[0] != asked:
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-lookup")
-                self._lookups[request.request_id] = (asked, self._lookup_pool.submit(self._found_chunks, tokens, limit))
+                self._lookups[request.request_id] = (
+                    asked, self._lookup_pool.submit(self._found_chunks, tokens, limit, self._salt_of(request)))
                 self._stats["lookups"] += 1
                 return None, False
             if not pending[1].done():
                 return None, False
             found = pending[1].result()
         else:
-            found = self._found_chunks(tokens, limit)
+            found = self._found_chunks(tokens, limit, self._salt_of(request))
             self._stats["lookups"] += 1
         external = max(0, found - first) * chunk
         self._matched[request.request_id] = (num_computed_tokens, external, found)
@@ -353,7 +367,8 @@ class KvstashConnector(KVConnectorBase_V1):
             if t.load is not None:
                 first, count = t.load
                 end = (first + count) * chunk
-                meta.loads.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block], first, count))
+                meta.loads.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block], first, count,
+                                           self._salt_of(t.request)))
                 t.load = None
             # The chunks whose every token has its KV in the cache once this step ran.
             ready = min(after, len(tokens)) // chunk
@@ -363,7 +378,7 @@ class KvstashConnector(KVConnectorBase_V1):
             if ready > t.stored:
                 end = ready * chunk
                 meta.saves.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block],
-                                           t.stored, ready - t.stored))
+                                           t.stored, ready - t.stored, self._salt_of(t.request)))
                 t.stored = ready
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._tracked:
@@ -412,23 +427,40 @@ class KvstashConnector(KVConnectorBase_V1):
                 if tokens_outer != ("NH" in g.layout):
                     raise ValueError(f"kvstash: layer {name} is laid out {'NH' if tokens_outer else 'HN'} within a "
                                      f"block, but vLLM's resolved layout is {g.layout}")
-        on_gpu = tensors[0].is_cuda
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._tp_rank = get_tensor_model_parallel_rank()
         except (ImportError, AssertionError, AttributeError):
             self._tp_rank = 0  # no model-parallel groups (a single process)
-        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
-        self._cache = kvstash.KvCache(
-            self.store, [t.data_ptr() for t in tensors], num_blocks=g.num_blocks, block_size=g.block_size,
-            num_kv_heads=1, head_dim=g.token_width, dtype=g.dtype, order="nhd", mla=True, model=g.model,
-            tp_rank=rank, tp_size=size, chunk_tokens=g.chunk_tokens, extra=g.salt,
-            memory_kind="cuda" if on_gpu else "host", staging=self.config.staging)
-        self._tensors = tensors  # the cache holds their addresses: keep them alive
-        if self._cache.layout_tag != g.layout_tag():
-            raise RuntimeError(f"kvstash: the cache's layout tag {self._cache.layout_tag} is not the scheduler's "
+        self._tensors = tensors  # the caches hold their addresses: keep them alive
+        self._caches.clear()
+        cache = self._cache_for("")
+        if cache.layout_tag != g.layout_tag():
+            raise RuntimeError(f"kvstash: the cache's layout tag {cache.layout_tag} is not the scheduler's "
                                f"{g.layout_tag()}")
+
+    # Caches over the same tensors for other cache_salts: a KvCache salts its keys once, at open.
+    # The few most recent are kept open.
+    _SALTED_CACHES = 8
+
+    def _cache_for(self, cache_salt: str) -> kvstash.KvCache:
+        cache = self._caches.get(cache_salt)
+        if cache is not None:
+            self._caches.move_to_end(cache_salt)
+            return cache
+        g = self.geometry
+        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
+        cache = kvstash.KvCache(
+            self.store, [t.data_ptr() for t in self._tensors], num_blocks=g.num_blocks, block_size=g.block_size,
+            num_kv_heads=1, head_dim=g.token_width, dtype=g.dtype, order="nhd", mla=True, model=g.model,
+            tp_rank=rank, tp_size=size, chunk_tokens=g.chunk_tokens, extra=g.extra(cache_salt),
+            memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging)
+        self._caches[cache_salt] = cache
+        if len(self._caches) > self._SALTED_CACHES + 1:
+            oldest = next(k for k in self._caches if k)  # never the unsalted one
+            del self._caches[oldest]  # loads and saves in flight keep theirs alive
+        return cache
 
     def _stream(self) -> int:
         if self._tensors and self._tensors[0].is_cuda:
@@ -442,8 +474,8 @@ class KvstashConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvstashMetadata)
         for run in meta.loads:
             try:
-                load = self._cache.begin_load_range(run.tokens, run.block_ids, run.first, run.count,
-                                                    timeout_ms=self.config.timeout_ms)
+                load = self._cache_for(run.cache_salt).begin_load_range(
+                    run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms)
             except kvstash.Error as e:
                 logger.warning("kvstash: load of %s did not start: %s", run.req_id, e)
                 self._fail_load(run)
@@ -479,8 +511,8 @@ class KvstashConnector(KVConnectorBase_V1):
         if layer == 0:
             for run in meta.saves:
                 try:
-                    save = self._cache.begin_save(run.tokens, run.block_ids, run.first, run.count,
-                                                  timeout_ms=self.config.timeout_ms)
+                    save = self._cache_for(run.cache_salt).begin_save(
+                        run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms)
                 except kvstash.Error as e:
                     logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
                     self._stats["chunks_save_failed"] += run.count
