@@ -128,6 +128,12 @@ class SglangBackend(unittest.TestCase):
                 self.assertEqual(b.batch_get_v1(keys, dst), [True] * 4)
                 self.assertEqual(page_bytes(b_host, dst), page_bytes(a_host, src))
                 self.assertNotEqual(page_bytes(b_host, dst)[0], bytes(len(page_bytes(b_host, dst)[0])))
+                # SGLang's storage metrics: one batch each way, four pages.
+                self.assertEqual(a.get_stats().backup_pgs, [4])
+                got = b.get_stats()
+                self.assertEqual(got.prefetch_pgs, [4])
+                self.assertEqual(len(got.prefetch_bandwidth), 1)
+                self.assertEqual(b.get_stats().prefetch_pgs, [], "each interval starts empty")
 
     def test_a_missing_page_ends_the_prefix_and_fails_its_get(self):
         keys = [f"gap-{i}" for i in range(3)]

@@ -19,6 +19,7 @@ Config keys (besides the three SGLang reads): see ``KvstashHiCacheConfig``.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
@@ -66,6 +67,12 @@ class KvstashHiCacheConfig:
         return out
 
 
+def _new_metrics():
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    return StorageMetrics()
+
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read().strip()
@@ -85,8 +92,10 @@ class KvstashHiCacheStorage(HiCacheStorage):
         self.writer = s.is_storage_writer
         self.mem_pool_host = None
         self._io = ThreadPoolExecutor(c.threads, thread_name_prefix="kvstash-hicache")
+        # Counts since the start, and SGLang's per-interval metrics (get_stats hands them over).
         self.stats = {"pages_got": 0, "pages_get_failed": 0, "pages_set": 0, "pages_set_failed": 0,
                       "pages_existed": 0}
+        self._metrics = _new_metrics()
         if kwargs and kwargs.get("mem_pool_host") is not None:
             self.register_mem_pool_host(kwargs["mem_pool_host"])
 
@@ -147,7 +156,9 @@ class KvstashHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         pages = self._page_buffers(keys, host_indices)
+        t0 = time.perf_counter()
         done = list(self._io.map(self._get_one, keys, pages))
+        self._record(self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth, pages, done, t0)
         self.stats["pages_got"] += sum(done)
         self.stats["pages_get_failed"] += len(done) - sum(done)
         return done
@@ -161,7 +172,9 @@ class KvstashHiCacheStorage(HiCacheStorage):
         stored = self.batch_exists(keys)
         self.stats["pages_existed"] += stored
         pages = self._page_buffers(keys, host_indices)
+        t0 = time.perf_counter()
         done = [True] * stored + list(self._io.map(self._set_one, keys[stored:], pages[stored:]))
+        self._record(self._metrics.backup_pgs, self._metrics.backup_bandwidth, pages[stored:], done[stored:], t0)
         self.stats["pages_set"] += sum(done[stored:])
         self.stats["pages_set_failed"] += len(done) - sum(done)
         return done
@@ -201,10 +214,19 @@ class KvstashHiCacheStorage(HiCacheStorage):
         # The cell is shared with other engines: pages go by TTL and eviction, never all at once.
         logger.info("kvstash: clear() leaves the cell's pages to their TTL and eviction")
 
+    @staticmethod
+    def _record(pgs: list, bandwidth: list, pages: list, done: list[bool], t0: float) -> None:
+        """One batch in SGLang's metrics: pages moved, and GB/s of the pages that moved."""
+        seconds = time.perf_counter() - t0
+        moved = sum(n for page, ok in zip(pages, done) if ok for _, n in page)
+        pgs.append(sum(done))
+        if seconds > 0 and moved:
+            bandwidth.append(moved / seconds / 1e9)
+
     def get_stats(self):
-        out = dict(self.stats)
-        for k in self.stats:
-            self.stats[k] = 0
+        """SGLang's StorageMetrics of the interval since the last call (with
+        --enable-storage-metrics); the counts since the start stay in `stats`."""
+        out, self._metrics = self._metrics, _new_metrics()
         return out
 
     def close(self):
