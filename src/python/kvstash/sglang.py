@@ -21,50 +21,31 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 import kvstash
+from kvstash._cell import CellConfig
 
 logger = logging.getLogger(__name__)
 
-# Keys SGLang itself reads (interface_v1: 1 selects the in-place page variants).
-_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
-
-
 @dataclass
-class KvstashHiCacheConfig:
-    """``--hicache-storage-backend-extra-config`` keys kvstash reads."""
+class KvstashHiCacheConfig(CellConfig):
+    """``--hicache-storage-backend-extra-config`` keys kvstash reads: where the cell is
+    (CellConfig), and how many pages of a batch move at once."""
 
-    redis_url: str = "redis://127.0.0.1:6379"
-    redis_password_file: str = ""  # a file holding the Redis password
-    cell: str = "default"
-    transports: str = ""  # "shm,tcp,verbs,ucx"; "" for every one built in
-    cluster_token_file: str = ""
-    ttl_ms: int = 0  # 0: pages live until evicted
-    timeout_ms: int = 10000  # the deadline of one page's get or put
     threads: int = 8  # pages in flight at once in a batch
 
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> KvstashHiCacheConfig:
-        extra = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"kvstash: unknown HiCache extra config keys {unknown}; known: {sorted(known)}")
-        out = cls()
-        for name, value in extra.items():
-            kind = type(getattr(out, name))
-            try:
-                setattr(out, name, kind(value))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"kvstash: {name} must be a {kind.__name__}, not {value!r}") from e
-        if out.threads < 1 or out.timeout_ms <= 0 or out.ttl_ms < 0:
-            raise ValueError("kvstash: threads and timeout_ms must be > 0, ttl_ms >= 0")
-        return out
+    WHERE: ClassVar[str] = "HiCache extra config"
+    # Keys SGLang itself reads (interface_v1: 1 selects the in-place page variants).
+    ENGINE_KEYS: ClassVar[frozenset[str]] = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+
+    def check(self) -> None:
+        if self.threads < 1:
+            raise ValueError("kvstash: threads must be > 0")
 
 
 def _new_metrics():
@@ -73,25 +54,17 @@ def _new_metrics():
     return StorageMetrics()
 
 
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
 class KvstashHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
         self.storage_config = storage_config
         self.config = KvstashHiCacheConfig.from_extra(storage_config.extra_config)
-        c = self.config
-        self.store = kvstash.Store(c.redis_url, redis_password=_read(c.redis_password_file) if c.redis_password_file
-                                   else "", cell=c.cell, transports=c.transports, timeout_ms=c.timeout_ms,
-                                   cluster_token=_read(c.cluster_token_file) if c.cluster_token_file else None)
+        self.store = self.config.open_store()
         s = storage_config
         shard = "mla" if s.is_mla_model else f"tp{s.tp_rank}of{s.tp_size}.pp{s.pp_rank}of{s.pp_size}"
         self.prefix = f"sgl:{s.model_name or 'model'}:{shard}:"
         self.writer = s.is_storage_writer
         self.mem_pool_host = None
-        self._io = ThreadPoolExecutor(c.threads, thread_name_prefix="kvstash-hicache")
+        self._io = ThreadPoolExecutor(self.config.threads, thread_name_prefix="kvstash-hicache")
         # Counts since the start, and SGLang's per-interval metrics (get_stats hands them over).
         self.stats = {"pages_got": 0, "pages_get_failed": 0, "pages_set": 0, "pages_set_failed": 0,
                       "pages_existed": 0}

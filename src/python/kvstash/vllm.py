@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvstash
+from kvstash._cell import CellConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,57 +59,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class KvstashConfig:
-    """``kv_connector_extra_config``: where the cell is and how chunks are kept."""
+class KvstashConfig(CellConfig):
+    """``kv_connector_extra_config``: where the cell is (CellConfig) and how chunks are kept."""
 
-    redis_url: str = "redis://127.0.0.1:6379"  # the cell's Redis (redis:// or rediss://, user@ for ACLs)
-    redis_password_file: str = ""  # a file holding the Redis password (not the password itself)
-    cell: str = "default"  # the cell's name in that Redis
-    transports: str = ""  # "shm,tcp,verbs,ucx"; "" for every one built in
-    cluster_token_file: str = ""  # the cell's shared secret, when its nodes require one
     chunk_tokens: int = 0  # tokens per stored object; 0: vLLM's block size (a multiple of it)
-    ttl_ms: int = 0  # how long a saved chunk lives; 0: until evicted
     staging: str = "auto"  # "auto", "none" (direct), "host", "cuda": KvCacheOptions' path
-    timeout_ms: int = 10000  # deadline of one lookup, load or save
     model: str = ""  # the model's identity in the keys; "": vLLM's model name and revision
     extra: str = ""  # anything else that changes the KV bytes (a LoRA adapter, ...)
     save_decode: bool = True  # also save the full chunks decode produces
     async_lookup: bool = True  # look up off the scheduler's thread: the request waits a step, not Redis
 
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> KvstashConfig:
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise ValueError(f"kvstash: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
-        out = cls()
-        for name, value in extra.items():
-            kind = type(getattr(out, name))
-            if kind is bool and isinstance(value, str):
-                value = value.lower() in ("1", "true", "yes", "on")
-            try:
-                setattr(out, name, kind(value))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"kvstash: {name} must be a {kind.__name__}, not {value!r}") from e
-        if out.staging not in ("auto", "none", "host", "cuda"):
+    WHERE: ClassVar[str] = "kv_connector_extra_config"
+
+    def check(self) -> None:
+        if self.staging not in ("auto", "none", "host", "cuda"):
             raise ValueError("kvstash: staging is 'auto', 'none', 'host' or 'cuda'")
-        if out.chunk_tokens < 0 or out.ttl_ms < 0 or out.timeout_ms <= 0:
-            raise ValueError("kvstash: chunk_tokens and ttl_ms must be >= 0, timeout_ms > 0")
-        return out
-
-    def password(self) -> str:
-        if not self.redis_password_file:
-            return ""
-        with open(self.redis_password_file) as f:
-            return f.read().strip()
-
-    def open_store(self) -> kvstash.Store:
-        token = None
-        if self.cluster_token_file:
-            with open(self.cluster_token_file) as f:
-                token = f.read().strip()
-        return kvstash.Store(self.redis_url, redis_password=self.password(), cell=self.cell,
-                             transports=self.transports, timeout_ms=self.timeout_ms, cluster_token=token)
+        if self.chunk_tokens < 0:
+            raise ValueError("kvstash: chunk_tokens must be >= 0")
 
 
 _DTYPES = {
