@@ -10,28 +10,18 @@ Usage (meson test `sglang`): [VENV/bin/]python tests/sglang_test.py BUILD_DIR
 Exit 77 (skipped) when SGLang cannot be imported.
 """
 
-import os
-import subprocess
 import sys
-import tempfile
 import unittest
 
-BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
-sys.path.insert(0, os.path.join(BUILD, "src", "python"))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import engine_fixture
+
+BUILD = engine_fixture.build_dir()
 
 try:
     import sglang  # noqa: F401
     import torch
 except ImportError as e:
-    # Run by meson with the system's python3: go on in the venv scripts/engines-setup made.
-    venv_python = os.path.join(os.environ.get("KVSTASH_ENGINES_DIR", os.path.expanduser("~/.cache/kvstash")),
-                               "sglang-venv", "bin", "python")
-    if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(
-            os.path.dirname(os.path.dirname(venv_python))):
-        os.execv(venv_python, [venv_python, os.path.abspath(__file__), BUILD])
-    print(f"sglang_test: skipped: SGLang is not installed in {sys.prefix} ({e}): run scripts/engines-setup sglang")
-    sys.exit(77)
+    engine_fixture.run_in_venv_or_skip("sglang", "SGLang", e, __file__)
 
 import kvstash  # noqa: E402
 from sglang.srt.mem_cache import memory_pool  # noqa: E402
@@ -46,20 +36,13 @@ URL = None
 
 
 def setUpModule():
-    global URL, _cluster_dir
-    _cluster_dir = tempfile.mkdtemp(prefix="kvstash-sglang-test-")
-    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
-    out = subprocess.run([os.path.join(REPO, "scripts", "cluster"), "start", "--capacity", "256MiB"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(f"scripts/cluster start failed: {out.stderr}")
-    with open(os.path.join(_cluster_dir, "url")) as f:
-        URL = f.read().strip()
+    global URL, _cell
+    _cell = engine_fixture.Cell(BUILD)
+    URL = _cell.url
 
 
 def tearDownModule():
-    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
-    subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=env, capture_output=True, timeout=60)
+    _cell.stop()
 
 
 def storage_config(tp_rank=0, tp_size=1, mla=False, **extra):

@@ -18,28 +18,20 @@ Exit 77 (skipped) when vLLM cannot be imported.
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
-BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
-sys.path.insert(0, os.path.join(BUILD, "src", "python"))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import engine_fixture
+
+BUILD = engine_fixture.build_dir()
 
 try:
     import torch
     import vllm  # noqa: F401
 except ImportError as e:
-    # Run by meson with the system's python3: go on in the venv scripts/engines-setup made.
-    venv_python = os.path.join(os.environ.get("KVSTASH_ENGINES_DIR", os.path.expanduser("~/.cache/kvstash")),
-                               "vllm-venv", "bin", "python")
-    if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(
-            os.path.dirname(os.path.dirname(venv_python))):
-        os.execv(venv_python, [venv_python, os.path.abspath(__file__), BUILD])
-    print(f"vllm_test: skipped: vLLM is not installed in {sys.prefix} ({e}): run scripts/engines-setup vllm")
-    sys.exit(77)
+    engine_fixture.run_in_venv_or_skip("vllm", "vLLM", e, __file__)
 
 import kvstash  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -75,21 +67,14 @@ URL = None  # the private cell's Redis, set up in setUpModule
 
 
 def setUpModule():
-    global URL, _cluster_dir
-    _cluster_dir = tempfile.mkdtemp(prefix="kvstash-vllm-test-")
-    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
-    out = subprocess.run([os.path.join(REPO, "scripts", "cluster"), "start", "--capacity", "256MiB"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(f"scripts/cluster start failed: {out.stderr}")
-    with open(os.path.join(_cluster_dir, "url")) as f:
-        URL = f.read().strip()
+    global URL, _cell
+    _cell = engine_fixture.Cell(BUILD)
+    URL = _cell.url
     init_none_hash(sha256)
 
 
 def tearDownModule():
-    env = dict(os.environ, KVSTASH_CLUSTER_DIR=_cluster_dir, BUILD_DIR=BUILD)
-    subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=env, capture_output=True, timeout=60)
+    _cell.stop()
 
 
 def model_dir():

@@ -1,0 +1,55 @@
+"""What the tests of the engine integrations (vllm_test.py, sglang_test.py) share: running in
+the venv scripts/engines-setup made for their engine, the built kvstash package on the path,
+and a private cell (scripts/cluster) for the module's tests.
+
+    BUILD = engine_fixture.build_dir()
+    try:
+        import vllm
+    except ImportError as e:
+        engine_fixture.run_in_venv_or_skip("vllm", "vLLM", e, __file__)
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_dir():
+    """The build tree (argv[1], default "build"), its Python package put first on the path."""
+    build = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
+    sys.path.insert(0, os.path.join(build, "src", "python"))
+    return build
+
+
+def run_in_venv_or_skip(engine, name, error, test_file):
+    """The engine did not import: goes on in its venv (meson runs the test with the system's
+    python3), or exits 77, meson's "skipped", saying why, when there is none."""
+    venv = os.path.join(os.environ.get("KVSTASH_ENGINES_DIR", os.path.expanduser("~/.cache/kvstash")),
+                        f"{engine}-venv")
+    python = os.path.join(venv, "bin", "python")
+    if os.path.exists(python) and os.path.realpath(sys.prefix) != os.path.realpath(venv):
+        os.execv(python, [python, os.path.abspath(test_file), *sys.argv[1:]])
+    print(f"{os.path.basename(test_file)}: skipped: {name} is not installed in {sys.prefix} ({error}): "
+          f"run scripts/engines-setup {engine}")
+    sys.exit(77)
+
+
+class Cell:
+    """A private cell: a redis-server and one kvstashd on loopback, from scripts/cluster."""
+
+    def __init__(self, build, capacity="256MiB"):
+        self.dir = tempfile.mkdtemp(prefix="kvstash-engine-test-")
+        self.env = dict(os.environ, KVSTASH_CLUSTER_DIR=self.dir, BUILD_DIR=build)
+        out = subprocess.run([os.path.join(REPO, "scripts", "cluster"), "start", "--capacity", capacity],
+                             env=self.env, capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"scripts/cluster start failed: {out.stderr}")
+        with open(os.path.join(self.dir, "url")) as f:
+            self.url = f.read().strip()
+
+    def stop(self):
+        subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=self.env, capture_output=True,
+                       timeout=60)
