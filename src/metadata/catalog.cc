@@ -130,9 +130,9 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
 }
 
 Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {
-  return redis_
-      .eval(scripts::end_get(), {prefix_}, {reader, lease.object_token, lease.placement.extents_text})
-      .status();
+  const EndedRead read{std::string(reader), lease.object_token, lease.placement.extents_text};
+  KVSTASH_ASSIGN_OR_RETURN(std::vector<Status> ended, end_gets({&read, 1}));
+  return std::move(ended.front());
 }
 
 Result<std::vector<Status>> Catalog::end_gets(std::span<const EndedRead> reads) {
@@ -146,13 +146,7 @@ Result<std::vector<Status>> Catalog::end_gets(std::span<const EndedRead> reads) 
   out.reserve(reads.size());
   for (std::size_t i = 0; i < reads.size(); ++i) {
     const std::string_view text = text_of(r.element(i));
-    if (text == "OK") {
-      out.push_back(Status::ok());
-    } else if (text.starts_with("STALE")) {
-      out.push_back(Status::stale(std::string(text)));
-    } else {
-      out.push_back(corrupt("unexpected reply to end_gets: " + std::string(text)));
-    }
+    out.push_back(text == "OK" ? Status::ok() : error_status(text));  // as an error reply would be
   }
   return out;
 }

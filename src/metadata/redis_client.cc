@@ -54,41 +54,6 @@ std::optional<int> parse_int(std::string_view s, int lo, int hi) {
   return v;
 }
 
-// Status for an error reply, by Redis's error code (its first word).
-Status error_status(std::string_view text) {
-  std::string msg = "redis: " + std::string(text);
-  // ACL refusals inside a script arrive as ERR with the reason in the text (7.0: "The user
-  // executing the script can't run this command", 7.2: "ACL failure in script").
-  if (text.rfind("NOPERM", 0) == 0 || text.rfind("WRONGPASS", 0) == 0 || text.rfind("NOAUTH", 0) == 0 ||
-      text.find("invalid password") != std::string_view::npos ||
-      text.find("can't run this command") != std::string_view::npos ||
-      text.find("ACL failure") != std::string_view::npos || text.find("NOPERM") != std::string_view::npos) {
-    return Status::permission_denied(std::move(msg));
-  }
-  if (text.rfind("OOM", 0) == 0 || text.find("-OOM") != std::string_view::npos) {
-    return Status::no_space(msg +
-                            " (Redis reached maxmemory: kvstash needs maxmemory-policy noeviction and room)");
-  }
-  if (text.rfind("NOSCRIPT", 0) == 0) return Status::not_found(std::move(msg));
-  // kvstash's own scripts answer with these codes.
-  if (text.rfind("NO_SPACE", 0) == 0) return Status::no_space(std::move(msg));
-  if (text.rfind("STALE", 0) == 0) return Status::stale(std::move(msg));
-  if (text.rfind("IN_USE", 0) == 0) return Status::invalid_argument(std::move(msg));
-  if (text.rfind("NOT_FOUND", 0) == 0) return Status::not_found(std::move(msg));
-  if (text.rfind("INVALID", 0) == 0) return Status::invalid_argument(std::move(msg));
-  if (text.rfind("CORRUPT", 0) == 0) return Status::corrupt(std::move(msg));
-  // A kvstash key holding another type was written by something else (by hand, a foreign
-  // tool): the record is not ours to trust.
-  if (text.find("WRONGTYPE") != std::string_view::npos) {
-    return Status::corrupt(msg + " (a kvstash metadata key holds a foreign value)");
-  }
-  if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
-      text.rfind("READONLY", 0) == 0) {
-    return Status::unavailable(std::move(msg));
-  }
-  return Status::internal(std::move(msg));
-}
-
 // hiredis writes with write(2): a Redis that went away would raise SIGPIPE and kill a
 // process that did not ignore it. Block it in this thread for the call and swallow one that
 // our write raised, leaving the process's signal disposition alone.
@@ -126,6 +91,40 @@ void free_context(redisContext* c) {
 }
 
 }  // namespace
+
+Status error_status(std::string_view text) {
+  std::string msg = "redis: " + std::string(text);
+  // ACL refusals inside a script arrive as ERR with the reason in the text (7.0: "The user
+  // executing the script can't run this command", 7.2: "ACL failure in script").
+  if (text.rfind("NOPERM", 0) == 0 || text.rfind("WRONGPASS", 0) == 0 || text.rfind("NOAUTH", 0) == 0 ||
+      text.find("invalid password") != std::string_view::npos ||
+      text.find("can't run this command") != std::string_view::npos ||
+      text.find("ACL failure") != std::string_view::npos || text.find("NOPERM") != std::string_view::npos) {
+    return Status::permission_denied(std::move(msg));
+  }
+  if (text.rfind("OOM", 0) == 0 || text.find("-OOM") != std::string_view::npos) {
+    return Status::no_space(msg +
+                            " (Redis reached maxmemory: kvstash needs maxmemory-policy noeviction and room)");
+  }
+  if (text.rfind("NOSCRIPT", 0) == 0) return Status::not_found(std::move(msg));
+  // kvstash's own scripts answer with these codes.
+  if (text.rfind("NO_SPACE", 0) == 0) return Status::no_space(std::move(msg));
+  if (text.rfind("STALE", 0) == 0) return Status::stale(std::move(msg));
+  if (text.rfind("IN_USE", 0) == 0) return Status::invalid_argument(std::move(msg));
+  if (text.rfind("NOT_FOUND", 0) == 0) return Status::not_found(std::move(msg));
+  if (text.rfind("INVALID", 0) == 0) return Status::invalid_argument(std::move(msg));
+  if (text.rfind("CORRUPT", 0) == 0) return Status::corrupt(std::move(msg));
+  // A kvstash key holding another type was written by something else (by hand, a foreign
+  // tool): the record is not ours to trust.
+  if (text.find("WRONGTYPE") != std::string_view::npos) {
+    return Status::corrupt(msg + " (a kvstash metadata key holds a foreign value)");
+  }
+  if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
+      text.rfind("READONLY", 0) == 0) {
+    return Status::unavailable(std::move(msg));
+  }
+  return Status::internal(std::move(msg));
+}
 
 // ---- RedisUrl -------------------------------------------------------------------------------
 

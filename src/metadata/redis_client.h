@@ -74,6 +74,11 @@ class Reply {
   redisReply* r_;
 };
 
+// The Status an error reply's text stands for, by its first word: Redis's own codes (NOPERM,
+// OOM, LOADING...) and kvstash's scripts' (NOT_FOUND, STALE, NO_SPACE...); kInternal for any
+// other. A script that answers per item in an array (end_gets) maps each item's text the same.
+Status error_status(std::string_view text);
+
 // A Lua script and its SHA1, loaded lazily.
 struct Script {
   explicit Script(std::string body);

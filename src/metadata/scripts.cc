@@ -128,11 +128,6 @@ const Script& begin_get() {
   return s;
 }
 
-const Script& end_get() {
-  static const Script s = make(lua::kEndGet);
-  return s;
-}
-
 const Script& end_gets() {
   static const Script s = make(lua::kEndGets);
   return s;
@@ -183,7 +178,6 @@ std::vector<const Script*> all() {
           &abort_reserved(),
           &release_reservation(),
           &begin_get(),
-          &end_get(),
           &end_gets(),
           &stat(),
           &remove(),

@@ -26,7 +26,6 @@ const Script& commit_reserved();
 const Script& abort_reserved();
 const Script& release_reservation();
 const Script& begin_get();
-const Script& end_get();
 const Script& end_gets();
 const Script& stat();
 const Script& remove();

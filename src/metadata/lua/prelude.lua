@@ -108,26 +108,6 @@ local function free_extents(list)
   return n
 end
 
--- Ends `reader`'s read lease on object `tok`, whose pages it read as `extents`. Returns nil, or
--- why the bytes read cannot be trusted: the lease expired, or a page was freed or reused while
--- it was held. A zombie whose last reader left is freed here.
-local function end_read(reader, tok, extents)
-  local rk = P .. ':readers:' .. tok
-  local deadline = redis.call('ZSCORE', rk, reader)
-  redis.call('ZREM', rk, reader)
-  local held = deadline and tonumber(deadline) >= now
-  local fresh = held and current(extents)
-  local zk = P .. ':zombie:' .. tok
-  if redis.call('EXISTS', zk) == 1 and redis.call('ZCOUNT', rk, now, '+inf') == 0 then
-    free_extents(redis.call('GET', zk))
-    redis.call('DEL', zk, rk)
-    redis.call('ZREM', P .. ':zombies', tok)
-  end
-  if not held then return 'STALE the read lease expired before the read ended' end
-  if not fresh then return 'STALE the object\'s pages were reused during the read' end
-  return nil
-end
-
 -- Ends pending put `token` (or page reservation): its record goes, and the pages of `extents`
 -- (the put's, or what is left of them) return to the pool. A reservation's pages that became
 -- objects carry a later generation, so its extents free only what no commit took.
