@@ -14,6 +14,7 @@
 #include "common/units.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#include "measure.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
@@ -64,10 +65,6 @@ void print(const Row& r, bool json) {
 }
 
 }  // namespace
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s) {
   int rc = 0;

@@ -36,9 +36,6 @@ struct BenchSession {
 // block size divides 256.
 Result<BenchSession> plan_session(const KvCacheBenchOptions& options);
 
-// Seconds from `t0` to now.
-double seconds_since(Clock::time_point t0);
-
 // One timed round of the KvCache side, the same for host and GPU caches: `src` saves the
 // session's blocks, `dst` loads them into its own; the seconds of each are added to *save_s
 // and *load_s. Returns 1 when a chunk failed (said on stderr), else 0.

@@ -18,6 +18,7 @@
 #include "kvcache/cuda/cuda_device.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#include "measure.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {

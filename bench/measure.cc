@@ -43,6 +43,10 @@ double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
 }
 
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
 std::size_t first_difference(const std::byte* a, const std::byte* b, std::size_t n) {
   std::size_t i = 0;
   while (i < n && a[i] == b[i]) ++i;

@@ -16,7 +16,9 @@ namespace kvstash::bench {
 // not an interpolation below it. 0 for no samples.
 double percentile(std::vector<double> v, double p);
 
+// Time from `t0` to now, in microseconds or in seconds.
 double us_since(Clock::time_point t0);
+double seconds_since(Clock::time_point t0);
 
 // Where in [a, a+n) the two buffers first differ (n when they do not), for error messages.
 std::size_t first_difference(const std::byte* a, const std::byte* b, std::size_t n);

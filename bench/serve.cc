@@ -14,6 +14,7 @@
 #include "common/units.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#include "measure.h"
 #include "metadata/redis_client.h"
 #include "tools/common/local_cluster.h"
 
@@ -21,8 +22,6 @@ namespace kvstash::bench {
 namespace {
 
 using namespace std::chrono_literals;
-
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // Llama-3-8B's KV geometry (GQA: 8 KV heads): 128 KiB per token, as vLLM lays it out.
 KvCacheShape model_shape(std::uint32_t num_blocks) {
@@ -146,7 +145,7 @@ class Engine {
     const std::size_t chunk = o_.chunk_tokens;
     const auto t0 = Clock::now();
     KVSTASH_ASSIGN_OR_RETURN(std::size_t found, kv_->contains_prefix(prompt));
-    tally_.lookup_s += seconds(Clock::now() - t0);
+    tally_.lookup_s += seconds_since(t0);
     ++tally_.lookups;
     const std::size_t n = std::min(found, (prompt.size() - 1) / chunk);
     me.saved_chunks = found;
@@ -159,7 +158,7 @@ class Engine {
       if (!st.is_ok()) break;  // a chunk gone meanwhile: the rest is computed
       ++whole;
     }
-    tally_.load_s += seconds(Clock::now() - t1);
+    tally_.load_s += seconds_since(t1);
     tally_.loaded_chunks += whole;
     tally_.loaded_bytes += whole * kv_->chunk_bytes();
     tally_.loaded_tokens += whole * chunk;
@@ -179,7 +178,7 @@ class Engine {
       for (const Status& st : kv_->save(me.tokens, me.blocks, first, full - first)) {
         if (!st.is_ok()) return st.with_context("saving a chunk");
       }
-      tally_.save_s += seconds(Clock::now() - t0);
+      tally_.save_s += seconds_since(t0);
       tally_.saved_chunks += full - first;
       tally_.saved_bytes += (full - first) * kv_->chunk_bytes();
     }
@@ -267,7 +266,7 @@ Result<double> redis_get_seconds(const std::string& url, std::uint64_t chunk_byt
     const std::string_view got = r.str();
     if (got.size() != chunk_bytes) return Status::corrupt("Redis returned another value");
     std::memcpy(into.data(), got.data(), got.size());
-    total += seconds(Clock::now() - t0);
+    total += seconds_since(t0);
     (void)redis->command({"DEL", key});
   }
   return total / samples;
@@ -348,7 +347,7 @@ int run_serve(const ServeBenchOptions& o) {
       }
     }
   }
-  const double wall = seconds(Clock::now() - t0);
+  const double wall = seconds_since(t0);
   const Tally& k = engine.tally();
   auto redis_get = redis_get_seconds((*redis)->url(), engine.chunk_bytes(), 4);
 
