@@ -1,8 +1,10 @@
 // Allocations on the data path once warm: a transfer of a peer that has moved bytes before
-// allocates nothing on shm, on the caller's thread or any other (operator new is counted
-// process-wide while the measured transfers run). tcp's count is reported, not yet held to
-// zero: its target serves each request through Asio coroutines and strand handlers, which
-// allocate (docs/benchmarks.md, "Memory").
+// allocates nothing, on the caller's thread or any other (operator new is counted
+// process-wide while the measured transfers run). On shm that is exact. On tcp each
+// connection's socket waits, timers and strand hops come from its own handler arena; what
+// is left is Asio's strand re-posting itself when handlers queued up meanwhile, from a
+// per-thread cache that misses now and then: a few allocations per thousand requests.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -79,13 +81,17 @@ TEST(Allocations, AWarmShmTransferAllocatesNothing) {
   }
 }
 
-TEST(Allocations, TcpReportsWhatAWarmTransferAllocates) {
+TEST(Allocations, AWarmTcpTransferAllocatesNothingPerTransfer) {
   for (std::size_t size : kSizes) {
     const double per = allocations_per_transfer(TransportKind::kTcp, size);
-    std::printf("tcp, %zu bytes: %.1f allocations per transfer (both processes' threads)\n", size, per);
+    std::printf("tcp, %zu bytes: %.3f allocations per transfer (both processes' threads)\n", size, per);
     ::testing::Test::RecordProperty("tcp_allocations_per_transfer_" + std::to_string(size),
                                     std::to_string(per));
-    EXPECT_GT(per, 0.0) << "tcp allocates nothing now: hold it to zero in the test above";
+    // Before the handler arenas: 17 / 34 / 567 per transfer at these sizes. A transfer goes
+    // out as one request per 512 KiB slice (TcpOptions::slice_bytes); fewer than one request
+    // in 50 may meet the strand's cache miss.
+    const double requests = std::max<double>(1, static_cast<double>(size) / (512u << 10));
+    EXPECT_LT(per / requests, 0.02) << size << " bytes";
   }
 }
 

@@ -23,7 +23,6 @@
 #include <bit>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -34,7 +33,12 @@
 #include <utility>
 #include <vector>
 
+#include <sys/uio.h>
+
+#include <boost/circular_buffer.hpp>
+
 #include "common/asio.h"
+#include "common/handler_arena.h"
 
 #include "common/handshake.h"
 #include "kvstash/transfer.h"
@@ -44,6 +48,8 @@ namespace kvstash::transport::tcp {
 
 namespace asio = boost::asio;
 using asio::ip::tcp;
+
+using Strand = asio::strand<asio::io_context::executor_type>;
 
 static_assert(std::endian::native == std::endian::little, "the tcp protocol is little-endian");
 
@@ -181,6 +187,22 @@ struct Target {
   std::unordered_map<std::string, std::uint32_t> per_peer;  // address -> connections (peers_mu)
 };
 
+// An accepted connection's place under the target's caps (TcpOptions::max_connections and
+// max_connections_per_peer), taken by the accept loop and given back when the connection ends.
+class ConnectionSlot {
+ public:
+  ConnectionSlot(std::shared_ptr<Target> target, std::string peer)
+      : target_(std::move(target)), peer_(std::move(peer)) {}
+  ConnectionSlot(ConnectionSlot&&) = default;
+  ConnectionSlot& operator=(ConnectionSlot&&) = delete;
+  ~ConnectionSlot();
+  Target& target() const { return *target_; }
+
+ private:
+  std::shared_ptr<Target> target_;  // null once moved from
+  std::string peer_;
+};
+
 // One op in flight on a client stream.
 struct Pending {
   Op op{};
@@ -224,7 +246,10 @@ class IoRuntime {
 };
 
 // One TCP connection of a client endpoint: a writer sends queued requests, a reader takes
-// the responses in order. All socket work runs on the stream's strand.
+// the responses in order. Requests go out from the caller's thread while the socket takes
+// them whole; the rest of the socket work runs on the stream's strand, as non-blocking
+// syscalls with a readiness wait (from the stream's arena) when the socket is not ready: a
+// warm stream allocates nothing per op.
 class Stream : public std::enable_shared_from_this<Stream> {
  public:
   Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket);
@@ -244,7 +269,6 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void close();
 
  private:
-  static asio::awaitable<void> write_loop(std::shared_ptr<Stream> self);
   // Moves the next queued op on the wire, with the queued ops that continue it remotely
   // (same sink, key and direction), and fills the request; false when none. Needs mu_.
   bool next_request(OutRequest& r);
@@ -254,18 +278,28 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Sends queued requests from the calling thread while the socket takes them whole.
   // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
   bool send_inline();
-  static asio::awaitable<void> read_loop(std::shared_ptr<Stream> self);
+  // The writer, on the strand while writing_: sends resume_'s rest and the queued requests,
+  // waiting for the socket when it is full; clears writing_ when nothing is left.
+  void write_more();
+  // The reader, on the strand: takes responses (header, then a READ's payload straight into
+  // its ops' buffers) and completes their ops, waiting for the socket when it is empty.
+  void read_more();
+  enum class Read { kAnswered, kWait, kEnded };
+  Read read_response();
+  template <typename F>
+  auto on_strand(F f);
   // `deliberate`: a reset or close we asked for, logged quietly.
   void fail_all(const Status& status, bool deliberate = false);
   void finish(Pending& p, Status status);
 
   std::shared_ptr<IoRuntime> runtime_;
-  asio::strand<asio::io_context::executor_type> strand_;
+  Strand strand_;
   tcp::socket socket_;
   std::mutex mu_;
   std::condition_variable drained_;
-  std::deque<Pending> queued_;   // not yet sent
-  std::deque<Pending> on_wire_;  // sent, waiting for the response
+  // Rings, grown on demand and never shrunk: a warm stream queues ops without allocating.
+  boost::circular_buffer<Pending> queued_;   // not yet sent
+  boost::circular_buffer<Pending> on_wire_;  // sent, waiting for the response
   // Ops taken out of the queues whose sink->complete() has not returned yet: abort may not
   // return (and let the sink be destroyed) while one of them is being delivered.
   std::size_t completing_ = 0;
@@ -276,6 +310,17 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool failed_ = false;
   Status failure_;
   std::atomic<bool> healthy_{true};
+
+  // The reader's response in progress (strand only).
+  ResponseHeader response_{};
+  std::size_t response_got_ = 0;
+  std::array<iovec, kMaxGroupOps> payload_{};  // a READ's destinations still to fill
+  std::size_t payload_first_ = 0, payload_count_ = 0;
+  std::uint32_t group_ = 0;  // ops the response answers
+  bool in_payload_ = false;
+  std::vector<Pending> answered_;  // reused; capacity kMaxGroupOps
+
+  HandlerArena arena_;
 };
 
 class Endpoint final : public transport::Endpoint {
@@ -303,7 +348,10 @@ struct TcpRemoteKey final : RemoteKey {
 };
 
 // Serves one accepted connection: handshake, then requests against the target's regions.
-// Runs on the socket's strand.
-asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Target> target, std::string peer);
+// Runs on `strand`, the connection's.
+asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot);
+// Serves a connection's requests once its handshake passed, until it closes. Call on
+// `strand`; returns at once (the connection owns itself meanwhile).
+void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot);
 
 }  // namespace kvstash::transport::tcp

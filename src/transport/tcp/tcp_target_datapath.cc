@@ -2,18 +2,21 @@
 // regions, each checked (key, range, op, lease) before a byte moves, payloads moved one
 // syscall at a time under a Guard so that a fence, a revoke or a deregistration waits for at
 // most one. The initiator's side is tcp_transport_datapath.cc.
+#include <sys/socket.h>
+#include <sys/uio.h>
+
 #include <array>
-#include <limits>
+#include <cerrno>
+#include <cstring>
 #include <vector>
 
+#include "common/handler_arena.h"
 #include "common/log.h"
 #include "transport/tcp/tcp_internal.h"
 
 namespace kvstash::transport::tcp {
 namespace {
 
-using asio::redirect_error;
-using asio::use_awaitable;
 using boost::system::error_code;
 
 // A refused WRITE's payload is read and dropped to keep the stream in sync, up to this size;
@@ -82,160 +85,276 @@ class Guard {
   bool allowed_ = false;
 };
 
-[[noreturn]] void throw_errno(int err) {
-  throw boost::system::system_error(error_code(err, boost::system::system_category()));
-}
-
-// Closes the connection when a request's payload stops moving for `timeout`, or when no
-// request arrives for the idle timeout: a stalled initiator must not hold a connection slot,
-// a region (and so its deregistration) hostage. Runs on the connection's strand, like the
-// request loop that arms it.
-class Watchdog {
+// One accepted connection's requests, as a state machine on the connection's strand. Each
+// step moves what the socket takes without blocking (every syscall on a region's memory under
+// a Guard) and waits for readiness only when the socket has nothing to give or take. Its
+// waits, its watchdog's timer and its strand hops live in the connection's arena: a warm
+// connection serves requests without allocating.
+//
+// The watchdog closes the connection when a request's payload stops moving for io_timeout,
+// or when no request arrives for idle_timeout: a stalled initiator must not hold a connection
+// slot, a region (and so its deregistration) hostage. A request only moves the deadline; the
+// timer wakes at most once per min(io_timeout, idle_timeout) to look at it.
+class RequestServer : public std::enable_shared_from_this<RequestServer> {
  public:
-  explicit Watchdog(tcp::socket& socket) : socket_(socket), timer_(socket.get_executor()) {}
-  ~Watchdog() { *alive_ = false; }
-  Watchdog(const Watchdog&) = delete;
-  Watchdog& operator=(const Watchdog&) = delete;
+  RequestServer(Strand strand, tcp::socket socket, ConnectionSlot slot)
+      : strand_(std::move(strand)),
+        socket_(std::move(socket)),
+        slot_(std::move(slot)),
+        target_(slot_.target()),
+        mark_(target_.fences.attach()),
+        timer_(socket_.get_executor()),
+        watch_period_(std::min(target_.options.io_timeout, target_.options.idle_timeout)) {}
 
-  void arm(std::chrono::milliseconds timeout, const char* what) {
-    const std::uint64_t generation = ++generation_;
-    timer_.expires_after(timeout);
-    timer_.async_wait([this, generation, timeout, what, alive = alive_](error_code ec) {
-      if (ec || !*alive || generation != generation_) return;
-      KVSTASH_LOG_INFO("tcp: {} for {} ms, dropping the connection", what, timeout.count());
-      error_code ignored;
-      socket_.close(ignored);
-    });
+  void start() {
+    deadline(target_.options.idle_timeout, "no request");
+    watch();
+    run();
   }
 
  private:
-  tcp::socket& socket_;
-  asio::steady_timer timer_;
-  std::uint64_t generation_ = 0;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
-};
+  enum class Step { kHeader, kPayloadIn, kDiscard, kPayloadOut, kRespond };
+  enum class Next { kGoOn, kServed, kWaitRead, kWaitWrite, kClose };
+  // Requests served in one go before the strand lets other handlers run.
+  static constexpr int kFairShare = 16;
 
-// Reads and drops `n` payload bytes (a refused WRITE's), keeping the stream in sync.
-asio::awaitable<void> discard(tcp::socket& socket, std::uint64_t n, std::vector<std::byte>& scratch) {
-  scratch.resize(64u << 10);
-  for (std::uint64_t left = n; left > 0;) {
-    std::size_t step = std::min<std::uint64_t>(left, scratch.size());
-    co_await asio::async_read(socket, asio::buffer(scratch.data(), step), kWhole, use_awaitable);
-    left -= step;
+  template <typename F>
+  auto handler(F f) {
+    return on_arena(strand_, arena_, [self = shared_from_this(), f](auto&&... args) {
+      f(*self, args...);
+    });
   }
-}
 
-// Receives a WRITE's payload into `where`, one non-blocking recv at a time, each under a
-// Guard. Returns how many bytes landed: fewer than h.length when the lease or region ended
-// on the way (the caller drops the rest).
-asio::awaitable<std::uint64_t> receive_payload(tcp::socket& socket, Target& target, Fences::Mark& mark,
-                                               RegionTable::Region& region, const RequestHeader& h,
-                                               std::byte* where) {
-  const int fd = socket.native_handle();
-  std::uint64_t got = 0;
-  while (got < h.length) {
+  void run() {
+    for (int served = 0;;) {
+      switch (advance()) {
+        case Next::kGoOn: break;
+        case Next::kServed:
+          deadline(target_.options.idle_timeout, "no request");
+          step_ = Step::kHeader;
+          header_got_ = 0;
+          region_.reset();
+          if (++served == kFairShare) {
+            asio::post(handler([](RequestServer& s) { s.run(); }));
+            return;
+          }
+          break;
+        case Next::kWaitRead: wait(tcp::socket::wait_read); return;
+        case Next::kWaitWrite: wait(tcp::socket::wait_write); return;
+        case Next::kClose: close(); return;
+      }
+    }
+  }
+
+  void wait(tcp::socket::wait_type what) {
+    socket_.async_wait(what, handler([](RequestServer& s, error_code ec) {
+      if (ec) return s.close();
+      s.run();
+    }));
+  }
+
+  void deadline(std::chrono::milliseconds timeout, const char* what) {
+    deadline_ = Clock::now() + timeout;
+    timeout_ = timeout;
+    deadline_what_ = what;
+  }
+
+  void watch() {
+    timer_.expires_at(std::min(deadline_, Clock::now() + watch_period_));
+    timer_.async_wait(handler([](RequestServer& s, error_code ec) {
+      if (ec || s.closed_) return;
+      if (Clock::now() >= s.deadline_) {
+        KVSTASH_LOG_INFO("tcp: {} for {} ms, dropping the connection", s.deadline_what_, s.timeout_.count());
+        return s.close();
+      }
+      s.watch();
+    }));
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    error_code ignored;
+    socket_.close(ignored);  // its wait ends with an error
+    timer_.cancel();
+  }
+
+  // What a failed syscall means: wait, try again, or the connection is over.
+  Next on_error(int err, Next wait_for) {
+    if (err == EAGAIN || err == EWOULDBLOCK) return wait_for;
+    if (err == EINTR) return Next::kGoOn;
+    KVSTASH_LOG_DEBUG("tcp: connection ended: {}", std::strerror(err));
+    return Next::kClose;
+  }
+
+  Next advance() {
+    switch (step_) {
+      case Step::kHeader: return read_header();
+      case Step::kPayloadIn: return receive_payload();
+      case Step::kDiscard: return discard();
+      case Step::kPayloadOut: return send_payload();
+      case Step::kRespond: return respond();
+    }
+    return Next::kClose;
+  }
+
+  Next read_header() {
+    auto* into = reinterpret_cast<std::byte*>(&h_) + header_got_;
+    const ssize_t n = ::recv(socket_.native_handle(), into, sizeof h_ - header_got_, MSG_DONTWAIT);
+    if (n == 0) return Next::kClose;  // the initiator went away between requests
+    if (n < 0) return on_error(errno, Next::kWaitRead);
+    header_got_ += static_cast<std::size_t>(n);
+    if (header_got_ == sizeof h_) begin_request();
+    return Next::kGoOn;
+  }
+
+  // A whole header arrived: check it and choose the request's first step.
+  void begin_request() {
+    deadline(target_.options.io_timeout, "a request stalled");
+    region_ = target_.regions.find(h_.key);
+    where_ = nullptr;
+    r_ = check(h_, region_.get(), &where_);
+    r_sent_ = 0;
+    moved_ = 0;
+    close_after_ = false;
+    const bool ok = r_.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    if (h_.op == kRevokeOp) {
+      // Answered once no request under the lease can move bytes, on any connection.
+      if (ok && !target_.fences.revoke(h_.lease, h_.fence)) {
+        r_ = refuse(StatusCode::kNoSpace, RefusalReason::kTooManyRevoked);
+      }
+      step_ = Step::kRespond;
+    } else if (h_.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
+      if (ok) {
+        step_ = Step::kPayloadIn;
+      } else {
+        drop(h_.length);
+      }
+    } else if (ok) {
+      r_.length = h_.length;  // the response header goes out with the payload
+      step_ = Step::kPayloadOut;
+    } else {
+      close_after_ = r_.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp);
+      step_ = Step::kRespond;
+    }
+  }
+
+  // The rest of a WRITE's payload (`left` bytes) is read and dropped, keeping the stream in
+  // sync, then the refusal goes out; beyond kMaxDiscard the connection closes after it.
+  void drop(std::uint64_t left) {
+    discard_left_ = left;
+    if (left > kMaxDiscard) {
+      close_after_ = true;
+      step_ = Step::kRespond;
+    } else {
+      step_ = left > 0 ? Step::kDiscard : Step::kRespond;
+    }
+  }
+
+  Next receive_payload() {
+    if (moved_ == h_.length) {
+      step_ = Step::kRespond;
+      return Next::kGoOn;
+    }
     ssize_t n;
     {
-      Guard g(target, mark, region, h);
-      if (!g.allowed()) co_return got;
-      n = ::recv(fd, where + got, h.length - got, MSG_DONTWAIT);
+      Guard g(target_, *mark_, *region_, h_);
+      if (!g.allowed()) {
+        r_ = ended();
+        drop(h_.length - moved_);
+        return Next::kGoOn;
+      }
+      n = ::recv(socket_.native_handle(), where_ + moved_, h_.length - moved_, MSG_DONTWAIT);
     }
-    if (n > 0) {
-      got += static_cast<std::uint64_t>(n);
-    } else if (n == 0) {
-      throw boost::system::system_error(asio::error::eof);
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      co_await socket.async_wait(tcp::socket::wait_read, use_awaitable);
-    } else if (errno != EINTR) {
-      throw_errno(errno);
-    }
+    if (n == 0) return Next::kClose;
+    if (n < 0) return on_error(errno, Next::kWaitRead);
+    moved_ += static_cast<std::uint64_t>(n);
+    return Next::kGoOn;
   }
-  co_return got;
-}
 
-// Sends a READ's response header and payload from `where`, one non-blocking sendmsg at a
-// time, each under a Guard. Returns false when the lease or region ended on the way: before
-// the first byte the caller answers with a refusal; after it the connection must close.
-asio::awaitable<std::pair<bool, std::uint64_t>> send_payload(tcp::socket& socket, Target& target,
-                                                             Fences::Mark& mark, RegionTable::Region& region,
-                                                             const RequestHeader& h, const std::byte* where) {
-  ResponseHeader r{};
-  r.length = h.length;
-  const int fd = socket.native_handle();
-  const std::uint64_t total = sizeof r + h.length;
-  std::uint64_t sent = 0;
-  while (sent < total) {
+  Next discard() {
+    if (scratch_.empty()) scratch_.resize(64u << 10);
+    const std::size_t step = std::min<std::uint64_t>(discard_left_, scratch_.size());
+    const ssize_t n = ::recv(socket_.native_handle(), scratch_.data(), step, MSG_DONTWAIT);
+    if (n == 0) return Next::kClose;
+    if (n < 0) return on_error(errno, Next::kWaitRead);
+    discard_left_ -= static_cast<std::uint64_t>(n);
+    if (discard_left_ == 0) step_ = Step::kRespond;
+    return Next::kGoOn;
+  }
+
+  // A READ's response header and payload. When the lease or region ends before the first byte
+  // the answer becomes a refusal; after it, only closing can tell the initiator.
+  Next send_payload() {
+    const std::uint64_t total = sizeof r_ + h_.length;
+    if (moved_ == total) return Next::kServed;
     std::array<iovec, 2> iov;
     int count = 0;
-    if (sent < sizeof r) iov[count++] = {reinterpret_cast<std::byte*>(&r) + sent, sizeof r - sent};
-    const std::uint64_t off = sent < sizeof r ? 0 : sent - sizeof r;
-    iov[count++] = {const_cast<std::byte*>(where) + off, h.length - off};
+    if (moved_ < sizeof r_) iov[count++] = {reinterpret_cast<std::byte*>(&r_) + moved_, sizeof r_ - moved_};
+    const std::uint64_t off = moved_ < sizeof r_ ? 0 : moved_ - sizeof r_;
+    iov[count++] = {where_ + off, h_.length - off};
     msghdr msg{};
     msg.msg_iov = iov.data();
     msg.msg_iovlen = count;
     ssize_t n;
     {
-      Guard g(target, mark, region, h);
-      if (!g.allowed()) co_return std::pair{false, sent};
-      n = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      Guard g(target_, *mark_, *region_, h_);
+      if (!g.allowed()) {
+        if (moved_ > 0) return Next::kClose;
+        r_ = ended();
+        step_ = Step::kRespond;
+        return Next::kGoOn;
+      }
+      n = ::sendmsg(socket_.native_handle(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
     }
-    if (n >= 0) {
-      sent += static_cast<std::uint64_t>(n);
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      co_await socket.async_wait(tcp::socket::wait_write, use_awaitable);
-    } else if (errno != EINTR) {
-      throw_errno(errno);
-    }
+    if (n < 0) return on_error(errno, Next::kWaitWrite);
+    moved_ += static_cast<std::uint64_t>(n);
+    return Next::kGoOn;
   }
-  co_return std::pair{true, sent};
-}
+
+  Next respond() {
+    if (r_sent_ == sizeof r_) return close_after_ ? Next::kClose : Next::kServed;
+    const auto* from = reinterpret_cast<const std::byte*>(&r_) + r_sent_;
+    const ssize_t n = ::send(socket_.native_handle(), from, sizeof r_ - r_sent_, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) return on_error(errno, Next::kWaitWrite);
+    r_sent_ += static_cast<std::size_t>(n);
+    return Next::kGoOn;
+  }
+
+  static ResponseHeader ended() { return refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseEnded); }
+
+  using Clock = std::chrono::steady_clock;
+
+  Strand strand_;
+  tcp::socket socket_;
+  ConnectionSlot slot_;  // counts against the target's caps until the connection ends
+  Target& target_;
+  const std::shared_ptr<Fences::Mark> mark_;
+  HandlerArena arena_;
+  asio::steady_timer timer_;
+  const std::chrono::milliseconds watch_period_;
+  Clock::time_point deadline_{};
+  std::chrono::milliseconds timeout_{};
+  const char* deadline_what_ = "";
+  bool closed_ = false;
+
+  Step step_ = Step::kHeader;
+  RequestHeader h_{};
+  std::size_t header_got_ = 0;
+  std::shared_ptr<RegionTable::Region> region_;
+  std::byte* where_ = nullptr;
+  ResponseHeader r_{};       // the answer (for a READ, the header in front of the payload)
+  std::size_t r_sent_ = 0;   // of a separate answer
+  std::uint64_t moved_ = 0;  // payload bytes received (WRITE) or header + payload sent (READ)
+  std::uint64_t discard_left_ = 0;
+  bool close_after_ = false;
+  std::vector<std::byte> scratch_;  // a refused WRITE's payload lands here, dropped
+};
 
 }  // namespace
 
-asio::awaitable<void> serve_requests(tcp::socket& socket, Target& target) {
-  std::vector<std::byte> scratch;
-  Watchdog watchdog(socket);
-  const auto mark = target.fences.attach();
-  const auto& o = target.options;
-  for (;;) {
-    RequestHeader h;
-    watchdog.arm(o.idle_timeout, "no request");
-    co_await asio::async_read(socket, asio::buffer(&h, sizeof h), kWhole, use_awaitable);
-    watchdog.arm(o.io_timeout, "a request stalled");
-    const std::shared_ptr<RegionTable::Region> region = target.regions.find(h.key);
-    std::byte* where = nullptr;
-    ResponseHeader r = check(h, region.get(), &where);
-    const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
-    const auto ended = refuse(StatusCode::kPermissionDenied, RefusalReason::kLeaseEnded);
-    if (h.op == kRevokeOp) {
-      // Answered once no request under the lease can move bytes, on any connection.
-      if (ok && !target.fences.revoke(h.lease, h.fence)) {
-        r = refuse(StatusCode::kNoSpace, RefusalReason::kTooManyRevoked);
-      }
-      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
-    } else if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
-      std::uint64_t landed = 0;
-      if (ok) landed = co_await receive_payload(socket, target, *mark, *region, h, where);
-      if (ok && landed < h.length) r = ended;
-      if (landed < h.length) {
-        if (h.length - landed > kMaxDiscard) {
-          co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
-          co_return;
-        }
-        co_await discard(socket, h.length - landed, scratch);
-      }
-      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
-    } else if (ok) {
-      auto [whole, sent] = co_await send_payload(socket, target, *mark, *region, h, where);
-      if (!whole) {
-        if (sent > 0) co_return;  // mid-payload: only closing tells the initiator
-        co_await asio::async_write(socket, asio::buffer(&ended, sizeof ended), kWhole, use_awaitable);
-      }
-    } else {
-      co_await asio::async_write(socket, asio::buffer(&r, sizeof r), kWhole, use_awaitable);
-      if (r.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp)) co_return;
-    }
-  }
+void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot) {
+  std::make_shared<RequestServer>(std::move(strand), std::move(socket), std::move(slot))->start();
 }
 
 }  // namespace kvstash::transport::tcp

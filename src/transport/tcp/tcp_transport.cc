@@ -19,8 +19,6 @@
 
 namespace kvstash::transport::tcp {
 
-asio::awaitable<void> serve_requests(tcp::socket& socket, Target& target);
-
 namespace {
 
 using net::HostPort;
@@ -188,7 +186,10 @@ class TcpTransport final : public Transport {
     Clock::time_point last_warning{};
     for (;;) {
       boost::system::error_code ec;
-      tcp::socket sock(asio::make_strand(runtime_->io()));
+      // The socket's own executor is the io_context's: an any_io_executor holds that without
+      // allocating, where it would allocate a copy of a strand for every operation. The
+      // connection's work runs on its strand, named by its handlers.
+      tcp::socket sock(runtime_->io());
       co_await acceptor_.async_accept(sock, asio::redirect_error(use_awaitable, ec));
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) break;
       if (ec) {
@@ -205,8 +206,9 @@ class TcpTransport final : public Transport {
       auto peer = admit(sock);
       if (!peer) continue;
       sock.set_option(tcp::no_delay(true), ec);
-      auto ex = sock.get_executor();
-      asio::co_spawn(ex, serve_connection(std::move(sock), target_, std::move(*peer)), asio::detached);
+      Strand strand = asio::make_strand(runtime_->io());
+      asio::co_spawn(strand, serve_connection(strand, std::move(sock), ConnectionSlot(target_, std::move(*peer))),
+                     asio::detached);
     }
     std::lock_guard lock(mu_);
     accepting_ = false;
@@ -405,22 +407,20 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std:
   return std::unique_ptr<RemoteKey>(std::move(k));
 }
 
-asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Target> target, std::string peer) {
-  // The connection counts against the caps until it ends (admitted by the accept loop).
-  struct Uncount {
-    Target& t;
-    const std::string& peer;
-    ~Uncount() {
-      std::lock_guard lock(t.peers_mu);
-      --t.connections;
-      auto it = t.per_peer.find(peer);
-      if (it != t.per_peer.end() && --it->second == 0) t.per_peer.erase(it);
-    }
-  } uncount{*target, peer};
+ConnectionSlot::~ConnectionSlot() {
+  if (!target_) return;
+  std::lock_guard lock(target_->peers_mu);
+  --target_->connections;
+  auto it = target_->per_peer.find(peer_);
+  if (it != target_->per_peer.end() && --it->second == 0) target_->per_peer.erase(it);
+}
+
+asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot) {
+  const Target* target = &slot.target();
   handshake::Handshake proof(handshake::Role::kServer, target->token);
   // A client that connects and says nothing is dropped after kHandshakeTimeout.
   auto done = std::make_shared<bool>(false);
-  asio::steady_timer timer(socket.get_executor(), kHandshakeTimeout);
+  asio::steady_timer timer(strand, kHandshakeTimeout);
   timer.async_wait([&socket, done](boost::system::error_code ec) {
     if (!ec && !*done) {
       boost::system::error_code ignored;
@@ -448,7 +448,7 @@ asio::awaitable<void> serve_connection(tcp::socket socket, std::shared_ptr<Targe
       KVSTASH_LOG_WARN("tcp: refused a client that failed the cluster-token handshake");
       co_return;
     }
-    co_await serve_requests(socket, *target);
+    serve_requests(strand, std::move(socket), std::move(slot));
   } catch (const boost::system::system_error& e) {
     *done = true;
     // The initiator went away or broke protocol; its requests are its own to retry.

@@ -2,10 +2,13 @@
 // Payloads go straight between sockets and registered memory: a WRITE is one gather write of
 // header + payload, a READ's payload is read straight into the destination. The target's
 // side is tcp_target_datapath.cc.
+#include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <array>
-#include <limits>
+#include <cerrno>
+#include <cstring>
 #include <vector>
 
 #include "common/log.h"
@@ -14,8 +17,6 @@
 namespace kvstash::transport::tcp {
 namespace {
 
-using asio::redirect_error;
-using asio::use_awaitable;
 using boost::system::error_code;
 
 Status refusal(std::uint32_t code, std::uint32_t reason) {
@@ -46,10 +47,36 @@ Status refusal(std::uint32_t code, std::uint32_t reason) {
 
 // ---- initiator ------------------------------------------------------------------------------
 
-Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket)
-    : runtime_(std::move(runtime)), strand_(asio::make_strand(runtime_->io())), socket_(std::move(socket)) {}
+namespace {
 
-void Stream::start() { asio::co_spawn(strand_, read_loop(shared_from_this()), asio::detached); }
+// Responses taken (or requests sent) in one go before the strand lets other handlers run.
+constexpr int kFairShare = 16;
+
+// Adds a Pending to a ring, growing it when full.
+void push(boost::circular_buffer<Pending>& ring, Pending&& p) {
+  if (ring.full()) ring.set_capacity(std::max<std::size_t>(16, 2 * ring.capacity()));
+  ring.push_back(std::move(p));
+}
+
+}  // namespace
+
+Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket)
+    : runtime_(std::move(runtime)),
+      strand_(asio::make_strand(runtime_->io())),
+      socket_(std::move(socket)),
+      queued_(64),
+      on_wire_(64) {
+  answered_.reserve(kMaxGroupOps);
+}
+
+template <typename F>
+auto Stream::on_strand(F f) {
+  return on_arena(strand_, arena_, [self = shared_from_this(), f](auto&&... args) { f(*self, args...); });
+}
+
+void Stream::start() {
+  asio::post(on_strand([](Stream& s) { s.read_more(); }));
+}
 
 void Stream::enqueue(std::span<const Op> ops) {
   std::unique_lock lock(mu_);
@@ -59,7 +86,7 @@ void Stream::enqueue(std::span<const Op> ops) {
     for (const Op& op : ops) op.sink->complete(op.tag, s);
     return;
   }
-  for (const Op& op : ops) queued_.push_back({op});
+  for (const Op& op : ops) push(queued_, {op});
   start_writing(std::move(lock));
 }
 
@@ -71,7 +98,7 @@ void Stream::enqueue_revoke(const Op& op) {
     op.sink->complete(op.tag, s);
     return;
   }
-  queued_.push_back({op, /*group=*/1, /*revoke=*/true});
+  push(queued_, {op, /*group=*/1, /*revoke=*/true});
   start_writing(std::move(lock));
 }
 
@@ -84,13 +111,13 @@ void Stream::start_writing(std::unique_lock<std::mutex> lock) {
     return;
   }
   lock.unlock();
-  asio::co_spawn(strand_, write_loop(shared_from_this()), asio::detached);
+  asio::post(on_strand([](Stream& s) { s.write_more(); }));
 }
 
 bool Stream::next_request(OutRequest& r) {
   if (queued_.empty() || failed_) return false;
   // On the wire before the header is sent, so the response always finds it.
-  on_wire_.push_back(std::move(queued_.front()));
+  push(on_wire_, std::move(queued_.front()));
   queued_.pop_front();
   Pending& first = on_wire_.back();
   const Op& op = first.op;
@@ -118,7 +145,7 @@ bool Stream::next_request(OutRequest& r) {
     }
     r.header.length += next.length;
     if (write) r.pieces[r.count++] = {next.local, next.length};
-    on_wire_.push_back(std::move(queued_.front()));
+    push(on_wire_, std::move(queued_.front()));
     queued_.pop_front();
     on_wire_.back().group = 0;
     ++group;
@@ -153,108 +180,181 @@ bool Stream::send_inline() {
   return true;
 }
 
-asio::awaitable<void> Stream::write_loop(std::shared_ptr<Stream> self) {
-  OutRequest r;
-  std::vector<asio::const_buffer> bufs;
-  for (;;) {
+void Stream::write_more() {
+  for (int sent = 0; sent < kFairShare;) {
+    OutRequest& r = resume_;
     {
-      std::lock_guard lock(self->mu_);
-      if (self->failed_) {
-        self->writing_ = false;
-        co_return;
+      std::lock_guard lock(mu_);
+      if (failed_) {
+        writing_ = false;
+        return;
       }
-      if (self->resume_pending_) {
-        r = self->resume_;
-        self->resume_pending_ = false;
-      } else if (!self->next_request(r)) {
-        self->writing_ = false;
-        co_return;
+      if (!resume_pending_) {
+        if (!next_request(r)) {
+          writing_ = false;
+          return;
+        }
+        resume_pending_ = true;
       }
     }
-    // Only locals from here on: a failure on the read side may complete the ops meanwhile.
+    // Unlocked: the request's ops are on the wire, and only this strand (the reader, a reset)
+    // completes those, so their buffers stay put while the syscall runs.
     // The bytes not sent yet: the rest of the header, then the rest of the payload.
-    bufs.clear();
+    std::array<iovec, kMaxGroupOps + 1> iov;
+    std::size_t count = 0;
     std::size_t skip = r.sent;
     auto add = [&](const void* p, std::size_t len) {
       if (skip >= len) {
         skip -= len;
         return;
       }
-      bufs.push_back(asio::buffer(static_cast<const std::byte*>(p) + skip, len - skip));
+      iov[count++] = {const_cast<std::byte*>(static_cast<const std::byte*>(p)) + skip, len - skip};
       skip = 0;
     };
     add(&r.header, sizeof r.header);
     for (std::size_t i = 0; i < r.count; ++i) add(r.pieces[i].first, r.pieces[i].second);
-    error_code ec;
-    co_await asio::async_write(self->socket_, bufs, kWhole, redirect_error(use_awaitable, ec));
-    if (ec) {
-      self->fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()));
-      std::lock_guard lock(self->mu_);
-      self->writing_ = false;
-      co_return;
+    msghdr msg{};
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = count;
+    const ssize_t n = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) {
+        socket_.async_wait(tcp::socket::wait_write, on_strand([](Stream& s, error_code ec) {
+          if (ec) {
+            s.fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()),
+                       ec == asio::error::operation_aborted);
+            std::lock_guard lock(s.mu_);
+            s.writing_ = false;
+            return;
+          }
+          s.write_more();
+        }));
+        return;
+      }
+      fail_all(Status::unavailable(std::string("tcp send to peer failed: ") + std::strerror(err)));
+      std::lock_guard lock(mu_);
+      writing_ = false;
+      return;
+    }
+    r.sent += static_cast<std::size_t>(n);
+    if (r.sent == r.total()) {
+      std::lock_guard lock(mu_);
+      resume_pending_ = false;
+      ++sent;
     }
   }
+  asio::post(on_strand([](Stream& s) { s.write_more(); }));
 }
 
-asio::awaitable<void> Stream::read_loop(std::shared_ptr<Stream> self) {
-  // Reused across responses: after the first few, a response allocates nothing.
-  std::vector<asio::mutable_buffer> bufs;
-  std::vector<Pending> done;
-  for (;;) {
-    ResponseHeader r{};
-    error_code ec;
-    co_await asio::async_read(self->socket_, asio::buffer(&r, sizeof r), kWhole,
-                              redirect_error(use_awaitable, ec));
-    if (ec) {
-      self->fail_all(Status::unavailable(ec == asio::error::eof ? "peer closed the tcp connection"
-                                                                : "tcp receive failed: " + ec.message()));
-      co_return;
+void Stream::read_more() {
+  for (int answered = 0; answered < kFairShare;) {
+    switch (read_response()) {
+      case Read::kAnswered: ++answered; break;
+      case Read::kWait:
+        socket_.async_wait(tcp::socket::wait_read, on_strand([](Stream& s, error_code ec) {
+          if (ec) {
+            s.fail_all(Status::unavailable("tcp receive failed: " + ec.message()), ec == asio::error::operation_aborted);
+            return;
+          }
+          s.read_more();
+        }));
+        return;
+      case Read::kEnded: return;
     }
-    // The request this answers: the group of ops at the front of the wire.
-    std::uint32_t group = 0;
-    TransferOp op = TransferOp::kRead;
-    std::uint64_t length = 0;
-    bool revoke = false;
-    bufs.clear();
-    {
-      std::lock_guard lock(self->mu_);
-      if (self->failed_) co_return;  // reset meanwhile; its ops are already completed
-      if (!self->on_wire_.empty() && self->on_wire_.front().group <= self->on_wire_.size()) {
-        group = self->on_wire_.front().group;
-        op = self->on_wire_.front().op.op;
-        revoke = self->on_wire_.front().revoke;
-        for (std::uint32_t i = 0; i < group; ++i) {
-          const Op& o = self->on_wire_[i].op;
-          length += o.length;
-          bufs.push_back(asio::buffer(o.local, o.length));
+  }
+  asio::post(on_strand([](Stream& s) { s.read_more(); }));
+}
+
+Stream::Read Stream::read_response() {
+  const int fd = socket_.native_handle();
+  for (;;) {
+    if (!in_payload_) {
+      // The header, then the request it answers: the group of ops at the front of the wire.
+      auto* into = reinterpret_cast<std::byte*>(&response_) + response_got_;
+      const ssize_t n = ::recv(fd, into, sizeof response_ - response_got_, MSG_DONTWAIT);
+      if (n == 0) {
+        fail_all(Status::unavailable("peer closed the tcp connection"));
+        return Read::kEnded;
+      }
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return Read::kWait;
+        fail_all(Status::unavailable(std::string("tcp receive failed: ") + std::strerror(errno)));
+        return Read::kEnded;
+      }
+      response_got_ += static_cast<std::size_t>(n);
+      if (response_got_ < sizeof response_) continue;
+      TransferOp op = TransferOp::kRead;
+      bool revoke = false;
+      std::uint64_t length = 0;
+      group_ = 0;
+      payload_first_ = payload_count_ = 0;
+      {
+        std::lock_guard lock(mu_);
+        if (failed_) return Read::kEnded;  // reset meanwhile; its ops are already completed
+        if (!on_wire_.empty() && on_wire_.front().group <= on_wire_.size()) {
+          group_ = on_wire_.front().group;
+          op = on_wire_.front().op.op;
+          revoke = on_wire_.front().revoke;
+          for (std::uint32_t i = 0; i < group_; ++i) {
+            const Op& o = on_wire_[i].op;
+            length += o.length;
+            if (o.length > 0) payload_[payload_count_++] = {o.local, o.length};
+          }
         }
       }
-    }
-    const bool ok = r.status == static_cast<std::uint32_t>(StatusCode::kOk);
-    const std::uint64_t expect = ok && op == TransferOp::kRead && !revoke ? length : 0;
-    if (group == 0 || r.length != expect) {
-      self->fail_all(Status::corrupt("tcp protocol error: unexpected response from peer"));
-      co_return;
-    }
-    if (expect > 0) {
-      co_await asio::async_read(self->socket_, bufs, kWhole, redirect_error(use_awaitable, ec));
-      if (ec) {
-        self->fail_all(Status::unavailable("tcp receive failed mid-payload: " + ec.message()));
-        co_return;
+      const bool ok = response_.status == static_cast<std::uint32_t>(StatusCode::kOk);
+      const std::uint64_t expect = ok && op == TransferOp::kRead && !revoke ? length : 0;
+      if (group_ == 0 || response_.length != expect) {
+        fail_all(Status::corrupt("tcp protocol error: unexpected response from peer"));
+        return Read::kEnded;
       }
+      in_payload_ = expect > 0;
     }
-    done.clear();
+    if (in_payload_) {
+      // A READ's payload, straight into its ops' buffers.
+      msghdr msg{};
+      msg.msg_iov = payload_.data() + payload_first_;
+      msg.msg_iovlen = payload_count_ - payload_first_;
+      const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+      if (n == 0) {
+        fail_all(Status::unavailable("tcp receive failed mid-payload: peer closed the connection"));
+        return Read::kEnded;
+      }
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return Read::kWait;
+        fail_all(Status::unavailable(std::string("tcp receive failed mid-payload: ") + std::strerror(errno)));
+        return Read::kEnded;
+      }
+      for (auto left = static_cast<std::size_t>(n); left > 0;) {
+        iovec& v = payload_[payload_first_];
+        const std::size_t take = std::min(left, v.iov_len);
+        v.iov_base = static_cast<std::byte*>(v.iov_base) + take;
+        v.iov_len -= take;
+        left -= take;
+        if (v.iov_len == 0) ++payload_first_;
+      }
+      if (payload_first_ < payload_count_) continue;
+      in_payload_ = false;
+    }
+    response_got_ = 0;
+    answered_.clear();
     {
-      std::lock_guard lock(self->mu_);
-      if (self->failed_) co_return;
-      for (std::uint32_t i = 0; i < group; ++i) {
-        done.push_back(std::move(self->on_wire_.front()));
-        self->on_wire_.pop_front();
+      std::lock_guard lock(mu_);
+      if (failed_) return Read::kEnded;
+      for (std::uint32_t i = 0; i < group_; ++i) {
+        answered_.push_back(std::move(on_wire_.front()));
+        on_wire_.pop_front();
       }
-      self->completing_ += group;
+      completing_ += group_;
     }
-    const Status status = ok ? Status() : refusal(r.status, r.reason);
-    for (Pending& p : done) self->finish(p, status);
+    const bool ok = response_.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    const Status status = ok ? Status() : refusal(response_.status, response_.reason);
+    for (Pending& p : answered_) finish(p, status);
+    return Read::kAnswered;
   }
 }
 
@@ -267,7 +367,7 @@ void Stream::finish(Pending& p, Status status) {
 }
 
 void Stream::fail_all(const Status& status, bool deliberate) {
-  std::deque<Pending> dead;
+  std::vector<Pending> dead;
   {
     std::lock_guard lock(mu_);
     if (!failed_) {
@@ -280,7 +380,8 @@ void Stream::fail_all(const Status& status, bool deliberate) {
         KVSTASH_LOG_WARN("tcp stream failed: {}", status.to_string());
       }
     }
-    dead.swap(on_wire_);
+    for (auto& p : on_wire_) dead.push_back(std::move(p));
+    on_wire_.clear();
     for (auto& p : queued_) dead.push_back(std::move(p));
     queued_.clear();
     completing_ += dead.size();
