@@ -112,6 +112,36 @@ TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {
   EXPECT_EQ(cat_->remove("obj").code(), StatusCode::kNotFound);
 }
 
+TEST_F(CatalogTest, PagesComeFromNoNodeTheClientAvoidsWhileOthersHaveRoom) {
+  ASSERT_TRUE(add_node("a", 10).is_ok());
+  ASSERT_TRUE(add_node("b", 6).is_ok());
+  const std::vector<NodeEndpoint> avoid_a{{"a", "addr-a", "key-a"}};
+  auto nodes_of = [](const Placement& p) {
+    std::set<std::string> ids;
+    for (const Extent& e : p.extents) ids.insert(e.node);
+    return ids;
+  };
+  // "a" has most free pages, so it would come first; avoided, "b" alone gives them.
+  auto p = cat_->begin_put("t1", "k1", 4 * kPage, 30s, avoid_a);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(nodes_of(*p), std::set<std::string>{"b"});
+  auto r = cat_->reserve_pages("t2", kPage, 0, 30s, avoid_a);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(nodes_of(*r), std::set<std::string>{"b"}) << "a reservation avoids as a put does";
+  // When only the avoided node has room it is used: it may be back already.
+  auto big = cat_->begin_put("t3", "k3", 3 * kPage, 30s, avoid_a);
+  ASSERT_TRUE(big.is_ok()) << big.status().to_string();
+  EXPECT_EQ(nodes_of(*big), std::set<std::string>{"a"});
+  EXPECT_EQ(free_of("a"), 7u);
+  EXPECT_EQ(free_of("b"), 1u);
+  // Nodes that are not in the cell change nothing; nor does a node avoided under a pool key
+  // it no longer has (it registered again: it is back).
+  const std::vector<NodeEndpoint> gone{{"x", "", "key-x"}, {"a", "addr-a", "key-of-an-earlier-life"}};
+  auto q = cat_->begin_put("t4", "k4", kPage, 30s, gone);
+  ASSERT_TRUE(q.is_ok()) << q.status().to_string();
+  EXPECT_EQ(nodes_of(*q), std::set<std::string>{"a"});
+}
+
 TEST_F(CatalogTest, RetriedBeginPutReturnsTheSamePages) {
   ASSERT_TRUE(add_node("a", 8).is_ok());
   auto first = cat_->begin_put("tok", "k", 3 * kPage, 30s).value();

@@ -162,6 +162,7 @@ struct ClientConfig {
   std::uint64_t seed = 1;
   std::string log;
   std::string rkey_scope;  // "connection", "lease"; empty: the cell's
+  int avoid_ms = -1;       // StoreOptions::avoid_unreachable_nodes; < 0: the default
 };
 
 // One line per operation, written when it returned:
@@ -383,6 +384,7 @@ int run_client(const ClientConfig& c) {
   o.verify_checksum = false;
   o.redis_timeout = 1s;
   o.rkey_scope = parse_rkey_scope(c.rkey_scope);
+  if (c.avoid_ms >= 0) o.avoid_unreachable_nodes = std::chrono::milliseconds(c.avoid_ms);
   auto kind = parse_transport_kind(c.transport);
   if (!kind) {
     std::cerr << "history client: unknown transport " << c.transport << "\n";
@@ -556,9 +558,12 @@ struct RunConfig {
   int threads = 2;
   std::uint64_t seed = 0;
   bool nemesis = true;
+  // "mixed": pauses, kills and Redis restarts; "kill": only kill -9 and restart of a node.
+  std::string faults = "mixed";
   std::string json_path;
   std::string dir;
   std::string rkey_scope;
+  int avoid_ms = -1;  // passed to the clients
 };
 
 int run(const RunConfig& rc, const std::string& self) {
@@ -601,7 +606,7 @@ int run(const RunConfig& rc, const std::string& self) {
         {.argv = {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id",
                   std::to_string(i + 1), "--threads", std::to_string(rc.threads), "--seconds",
                   std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log,
-                  "--rkey-scope", rc.rkey_scope},
+                  "--rkey-scope", rc.rkey_scope, "--avoid-ms", std::to_string(rc.avoid_ms)},
          .capture_stdout = false});
     if (!child.is_ok()) {
       std::cerr << "history: client: " << child.status().to_string() << "\n";
@@ -620,7 +625,7 @@ int run(const RunConfig& rc, const std::string& self) {
   while (rc.nemesis && Clock::now() + 5s < end) {
     std::this_thread::sleep_for(ms(500, 2500));
     const int victim = pick(rc.nodes);
-    const int action = pick(10);
+    const int action = rc.faults == "kill" ? 6 : pick(10);
     if (!nodes[victim]) {
       nodes[victim] = start_node(victim);
       ++report.faults["node restarted"];
@@ -681,9 +686,16 @@ int run(const RunConfig& rc, const std::string& self) {
   j["violations"] = report.wrong;
   j["overdue_ops"] = report.overdue;
   j["failures"] = report.failures;
+  std::uint64_t puts = 0, puts_ok = 0;
+  for (const auto& [k, v] : report.ops) {
+    if (k.starts_with("put ") && k != "put stream dropped") puts += v;
+    if (k == "put ok") puts_ok += v;
+  }
+  j["put_success"] = puts > 0 ? static_cast<double>(puts_ok) / static_cast<double>(puts) : 0.0;
   std::cout << "history: " << total << " ops, " << report.gets_checked << " gets checked, " << faults
             << " faults injected, " << report.wrong.size() << " wrong bytes, " << report.overdue.size()
             << " past their deadline, " << report.failures.size() << " failures\n";
+  if (puts > 0) std::printf("  puts OK: %" PRIu64 " of %" PRIu64 " (%.1f%%)\n", puts_ok, puts, 100.0 * puts_ok / puts);
   for (const auto& [k, v] : report.ops) std::cout << "  " << k << ": " << v << "\n";
   for (const auto& [k, v] : report.faults) std::cout << "  fault " << k << ": " << v << "\n";
   for (const auto& w : report.wrong) std::cout << "  WRONG BYTES " << w << "\n";
@@ -727,6 +739,11 @@ int main(int argc, char** argv) {
   app.add_option("--rkey-scope", rc.rkey_scope, "verbs clients: connection or lease (default: the cell's)")
       ->check(CLI::IsMember({"", "connection", "lease"}));
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
+  app.add_option("--faults", rc.faults, "mixed: pauses, kills, Redis restarts; kill: only kill -9 and restart nodes")
+      ->check(CLI::IsMember({"mixed", "kill"}))
+      ->capture_default_str();
+  app.add_option("--avoid-ms", rc.avoid_ms,
+                 "Clients' StoreOptions::avoid_unreachable_nodes in ms (0: off; default: the store's)");
   app.add_flag("--keep-logs", keep_logs, "Keep the clients' histories even when the run is clean");
   CLI11_PARSE(app, argc, argv);
   if (client) {
@@ -734,6 +751,7 @@ int main(int argc, char** argv) {
     cc.seconds = rc.seconds;
     cc.seed = rc.seed;
     cc.rkey_scope = rc.rkey_scope;
+    cc.avoid_ms = rc.avoid_ms;
     return run_client(cc);
   }
   if (minutes > 0) rc.seconds = minutes * 60;

@@ -44,6 +44,8 @@ class StoreTest : public ::testing::Test {
 
   // Pages a store reserves ahead of its puts (StoreOptions::put_reservation).
   std::uint64_t put_reservation_ = StoreOptions{}.put_reservation;
+  // How long puts avoid a node they failed to reach (StoreOptions::avoid_unreachable_nodes).
+  std::chrono::milliseconds avoid_unreachable_ = StoreOptions{}.avoid_unreachable_nodes;
 
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
                                   std::vector<std::string> extra = {},
@@ -76,6 +78,7 @@ class StoreTest : public ::testing::Test {
     o.put_lease = put_lease;
     o.read_lease = read_lease;
     o.put_reservation = put_reservation_;
+    o.avoid_unreachable_nodes = avoid_unreachable_;
     auto s = Store::open(o);
     EXPECT_TRUE(s.is_ok()) << s.status().to_string();
     return s.is_ok() ? std::move(s).value() : nullptr;
@@ -970,6 +973,55 @@ TEST_F(StoreTest, NodeKilledMidPutFailsWithinTheDeadlineAndLeaksNothingOnTheSurv
   // Once the victim is declared dead, every page on the survivor is free again: the failed
   // put's and those of the objects that spanned the victim.
   EXPECT_TRUE(eventually([&] { return free_pages("survivor") == 40u; })) << "pages leaked on the survivor";
+}
+
+// Between a node's death and the end of its heartbeat TTL, Redis still places pages on it.
+// A put whose writes fail there is placed again on a live node within its deadline, and the
+// puts after it take no pages from the dead node. With that avoidance off, the same puts fail
+// kUnavailable: the baseline, measured in the same test.
+TEST_F(StoreTest, APutOnANodeThatDiedUnnoticedIsPlacedAgainOnALiveOne) {
+  auto victim = node("victim", "40MiB", {}, "30s");  // the cell declares it dead only after 30 s
+  auto survivor = node("survivor", "24MiB");
+  ASSERT_TRUE(victim && survivor);
+  auto tcp_store = [&](std::chrono::milliseconds avoid) {
+    avoid_unreachable_ = avoid;
+    return open(TransportKind::kTcp);
+  };
+  auto avoiding = tcp_store(5s);
+  auto baseline = tcp_store(0ms);
+  ASSERT_TRUE(avoiding && baseline);
+  std::vector<std::byte> data(3 * kPage);
+  fill(data);
+  // Both stores have live links to both nodes (an object of 50 pages spans them) before the
+  // kill, so the failures come from writes on those links as well as from connecting anew.
+  std::vector<std::byte> wide(50 * kPage);
+  fill(wide);
+  for (Store* s : {avoiding.get(), baseline.get()}) {
+    ASSERT_TRUE(put_bytes(*s, "wide", wide).is_ok());
+    ASSERT_TRUE(s->remove("wide").is_ok());
+  }
+  victim->kill();
+
+  auto run = [&](Store& s, char prefix) {
+    int failed = 0;
+    for (int i = 0; i < 6; ++i) {
+      const auto start = Clock::now();
+      Status st = put_bytes(s, numbered(prefix, i), data, {.deadline = deadline_after(5s)});
+      EXPECT_LT(Clock::now() - start, 6s) << "a put outlived its deadline";
+      if (!st.is_ok()) {
+        ++failed;
+        EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+        continue;
+      }
+      auto back = get_bytes(s, numbered(prefix, i), data.size());
+      EXPECT_TRUE(back.is_ok() && *back == data) << "a placed-again put reads back other bytes";
+      auto info = s.stat(numbered(prefix, i));
+      EXPECT_TRUE(info.is_ok() && info->nodes == std::vector<std::string>{"survivor"});
+    }
+    return failed;
+  };
+  EXPECT_GT(run(*baseline, 'b'), 0) << "the victim, most free, took no put: the test shows nothing";
+  EXPECT_EQ(run(*avoiding, 'a'), 0) << "a put failed on the dead node instead of being placed again";
 }
 
 // Issue 12, first hole, as it was reproduced from outside the project: a put over tcp to a

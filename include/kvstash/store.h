@@ -78,6 +78,12 @@ struct StoreOptions {
   // less (never more than a quarter of the free pages); pages no put took return when the
   // store closes, or with the lease. 0: every put allocates its own pages (begin_put).
   std::uint64_t put_reservation = 256u << 20;
+  // After writes to a memory node fail because the node went away (kUnavailable), puts take
+  // no pages from it for this long while other nodes have room, and a put whose writes failed
+  // so is placed again on other nodes within its deadline (at most twice). Longer than the
+  // nodes' heartbeat TTL (kvstashd --heartbeat-ttl, 3 s by default): by then the cell has
+  // declared a dead node dead. 0: neither.
+  std::chrono::milliseconds avoid_unreachable_nodes{5000};
   // A get holds a read lease this long: eviction, removal and overwrite keep the pages out
   // of reuse meanwhile. A get outliving it ends kStale if the pages were reused.
   std::chrono::milliseconds read_lease{60000};

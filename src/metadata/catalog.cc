@@ -19,11 +19,26 @@ Status Catalog::check_schema() { return detail::check_schema(redis_, prefix_); }
 
 Result<RkeyScope> Catalog::rkey_scope() { return detail::rkey_scope(redis_, prefix_); }
 
+namespace {
+
+// The script's arguments `args`, then the nodes to avoid: id, pool key, id, pool key...
+std::vector<std::string_view> with_avoided(std::vector<std::string_view> args,
+                                           std::span<const NodeEndpoint> avoid) {
+  for (const NodeEndpoint& n : avoid) {
+    args.push_back(n.id);
+    args.push_back(n.key);
+  }
+  return args;
+}
+
+}  // namespace
+
 Result<Placement> Catalog::begin_put(std::string_view token, std::string_view key, std::uint64_t size,
-                                     std::chrono::milliseconds lease) {
+                                     std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string n = std::to_string(size), l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_put(), {prefix_}, {token, key, n, l}));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                           redis_.eval(scripts::begin_put(), {prefix_}, with_avoided({token, key, n, l}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to begin_put");
   // page_size, extents, deadline, nodes...
   KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(r, 0, 1, 2, 3));
@@ -50,9 +65,10 @@ Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const
 }
 
 Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
-                                         std::chrono::milliseconds lease) {
+                                         std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid) {
   std::string n = std::to_string(size), x = std::to_string(extra), l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::reserve_pages(), {prefix_}, {token, n, x, l}));
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::reserve_pages(), {prefix_}, with_avoided({token, n, x, l}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to reserve_pages");
   KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(r, 0, 1, 2, 3));
   const std::uint64_t need = pages_for(size, p.page_size);

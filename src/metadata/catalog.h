@@ -42,10 +42,12 @@ class Catalog {
   Result<RkeyScope> rkey_scope();
 
   // Allocates pages for a `size`-byte object under a fresh put `token` (evicting when
-  // short) and records a pending put leased for `lease`. kNoSpace when the live nodes
-  // cannot hold it; kInvalidArgument for a bad key.
+  // short) and records a pending put leased for `lease`. No page comes from a node in
+  // `avoid` (ones the client just failed to reach: id and pool key; the address is not
+  // looked at) while other nodes can hold the object, unless it registered again since.
+  // kNoSpace when the live nodes cannot hold it; kInvalidArgument for a bad key.
   Result<Placement> begin_put(std::string_view token, std::string_view key, std::uint64_t size,
-                              std::chrono::milliseconds lease);
+                              std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {});
   // Makes the put visible (with its TTL; 0 = none), releasing an object it replaces.
   // kStale when the lease ran out and the pages were reclaimed, or a node of the put died,
   // or `if_version` is set and the key holds another object than the put token it names
@@ -62,11 +64,12 @@ class Catalog {
   // Page reservations: a put in one round trip. reserve_pages allocates the pages of a
   // `size`-byte put as begin_put would (evicting when short) and up to `extra` bytes' more
   // from pages already free, as a
-  // pending put of no key under `token`, leased for `lease`. The puts after it write into
-  // consecutive runs of its pages and commit with commit_reserved; the pages no commit took
-  // return with release_reservation, or when the lease has passed and the nodes fenced it.
+  // pending put of no key under `token`, leased for `lease`, avoiding nodes as begin_put.
+  // The puts after it write into consecutive runs of its pages and commit with
+  // commit_reserved; the pages no commit took return with release_reservation, or when the
+  // lease has passed and the nodes fenced it.
   Result<Placement> reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
-                                  std::chrono::milliseconds lease);
+                                  std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {});
   // commit_put for put `token`, whose pages are `pages` of a reservation. kStale when the
   // reservation lost its lease, a node of the put died, or the condition does not hold.
   Status commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,

@@ -88,16 +88,16 @@ std::vector<RemoteRange> page_runs(const metadata::Placement& p, const std::stri
 // (tcp, verbs) or its copies (shm), so a put whose pages went back to the pool can no longer
 // write into them. verbs binds windows over exactly these pages, or with rkey_scope
 // connection shares a window over the whole pool (pooled_lease); elsewhere the node checks
-// the lease and the engine the ranges.
+// the lease and the engine the ranges. On an error `ni` is the node it met it at.
 Status lease_pages(const LeasePolicy& policy, const metadata::Placement& p, TransferOp op,
-                   Clock::time_point until, Deadline deadline, OpTimings* timings, Leased& l) {
+                   Clock::time_point until, Deadline deadline, OpTimings* timings, Leased& l, std::size_t& ni) {
   // At least 1 ms: a read started after its lease ran out may still finish, and end_get's
   // generations decide whether its bytes are the object's (a revocable key keeps a reader
   // out of reused pages only from 1 ms on; the checksum and generations cover the rest).
   const auto ttl = std::max(std::chrono::milliseconds(1),
                             std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
   l.by_node.assign(p.nodes.size(), {});
-  for (std::size_t ni = 0; ni < p.nodes.size(); ++ni) {
+  for (ni = 0; ni < p.nodes.size(); ++ni) {
     const NodeLink::Path* path = l.paths[ni];
     if (policy.scope == RkeyScope::kConnection && path->peer->lease_asks_peer()) {
       auto shared = pooled_lease(*l.links[ni], policy, path, op, p, until, deadline, timings);
@@ -152,15 +152,22 @@ const RemoteMemory* NodeLeases::find(const std::vector<HeldLease>& leases, std::
 
 Result<Leased> connect_and_lease(NodeLinks& links, const LeasePolicy& policy, TransferOp op,
                                  const metadata::Placement& p, Clock::time_point until, Deadline deadline,
-                                 OpTimings* timings) {
+                                 OpTimings* timings, metadata::NodeEndpoint* unreachable) {
+  auto failed_at = [&](const metadata::NodeEndpoint& n, Status s) {
+    if (s.code() == StatusCode::kUnavailable && unreachable != nullptr) *unreachable = n;
+    return s;
+  };
   Leased l;
   for (const auto& n : p.nodes) {
-    KVSTASH_ASSIGN_OR_RETURN(auto link_to, links.link(n, deadline));
-    KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, link_to->path(op));
-    l.links.push_back(std::move(link_to));
+    auto link_to = links.link(n, deadline);
+    if (!link_to.is_ok()) return failed_at(n, link_to.status());
+    KVSTASH_ASSIGN_OR_RETURN(const NodeLink::Path* path, (*link_to)->path(op));
+    l.links.push_back(std::move(link_to).value());
     l.paths.push_back(path);
   }
-  KVSTASH_RETURN_IF_ERROR(lease_pages(policy, p, op, until, deadline, timings, l));
+  std::size_t ni = 0;
+  Status leased = lease_pages(policy, p, op, until, deadline, timings, l, ni);
+  if (!leased.is_ok()) return failed_at(p.nodes[ni], leased);
   return l;
 }
 

@@ -51,10 +51,11 @@ struct LeasePolicy {
 
 // Connects to every node of `p` and leases its pages for `op` until `until`. Timings count the
 // round trips to nodes. Errors name the node; kStale when a node no longer knows its pool key
-// or fenced the tag already; kUnsupported for a write no transport to a node can fence.
+// or fenced the tag already; kUnsupported for a write no transport to a node can fence. A
+// node that could not be reached (kUnavailable) is also named in `unreachable`.
 Result<Leased> connect_and_lease(NodeLinks& links, const LeasePolicy& policy, TransferOp op,
                                  const metadata::Placement& p, Clock::time_point until, Deadline deadline,
-                                 OpTimings* timings);
+                                 OpTimings* timings, metadata::NodeEndpoint* unreachable = nullptr);
 
 // Drops the pool leases a failed operation went through when the node refused them (it
 // fenced them, or it rejoined the cell): the next operation takes fresh ones.

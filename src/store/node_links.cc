@@ -1,5 +1,7 @@
 #include "store/node_links.h"
 
+#include <algorithm>
+
 #include "common/log.h"
 
 namespace kvstash::store {
@@ -76,6 +78,36 @@ Status NodeLinks::connect_path(const NodeLink& l, bool require_leases, Deadline 
   out.peer = std::move(peer);
   out.remote = std::move(remote).value();
   return Status::ok();
+}
+
+bool AvoidedNodes::add(const metadata::NodeEndpoint& n) {
+  if (period_.count() <= 0) return false;
+  std::lock_guard lock(mu_);
+  avoided_[n.id] = {n, Clock::now() + period_};
+  return true;
+}
+
+void AvoidedNodes::prune(Clock::time_point now) {
+  std::erase_if(avoided_, [&](const auto& entry) { return entry.second.until <= now; });
+}
+
+std::vector<metadata::NodeEndpoint> AvoidedNodes::list() {
+  std::lock_guard lock(mu_);
+  if (avoided_.empty()) return {};
+  prune(Clock::now());
+  std::vector<metadata::NodeEndpoint> nodes;
+  for (const auto& [id, entry] : avoided_) nodes.push_back(entry.node);
+  return nodes;
+}
+
+bool AvoidedNodes::any_in(const metadata::Placement& p) {
+  std::lock_guard lock(mu_);
+  if (avoided_.empty()) return false;
+  prune(Clock::now());
+  return std::ranges::any_of(p.nodes, [&](const metadata::NodeEndpoint& n) {
+    auto it = avoided_.find(n.id);
+    return it != avoided_.end() && it->second.node.key == n.key;
+  });
 }
 
 }  // namespace kvstash::store

@@ -7,11 +7,13 @@
 // caller's turn, the others wait for it only up to their own deadlines.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/turn.h"
 #include "kvstash/engine.h"
@@ -71,6 +73,34 @@ class NodeLinks {
   Engine& engine_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<NodeLink>, std::less<>> links_;
+};
+
+// Nodes this client failed to reach lately (a link that would not connect, writes that failed
+// kUnavailable), each for `period`: meanwhile its puts ask Redis for pages elsewhere
+// (Catalog::begin_put's avoid). Between a node's death and the end of its heartbeat TTL
+// Redis still places pages on it; a period past that TTL covers the gap, after which the
+// cell has declared the node dead, or it answers again.
+class AvoidedNodes {
+ public:
+  explicit AvoidedNodes(std::chrono::milliseconds period) : period_(period) {}
+  // Avoids node `n` as registered now (its pool key): registered again, it is back. False,
+  // adding nothing, when avoiding is off (a period of 0).
+  bool add(const metadata::NodeEndpoint& n);
+  // The nodes avoided now.
+  std::vector<metadata::NodeEndpoint> list();
+  // Whether any node of `p` is avoided now.
+  bool any_in(const metadata::Placement& p);
+
+ private:
+  void prune(Clock::time_point now);  // needs mu_
+
+  const std::chrono::milliseconds period_;
+  std::mutex mu_;
+  struct Entry {
+    metadata::NodeEndpoint node;
+    Clock::time_point until;
+  };
+  std::map<std::string, Entry, std::less<>> avoided_;  // by node id
 };
 
 // A node that refuses, once connected, the pool key Redis named (importing it, leasing under

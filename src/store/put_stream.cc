@@ -23,6 +23,10 @@ namespace {
 // fences instead.
 constexpr auto kRevokeTimeout = std::chrono::seconds(2);
 
+// Placements a put may try: its first, and again away from a node that went away under it
+// (StoreOptions::avoid_unreachable_nodes) or from a reservation that went stale.
+constexpr int kPlacements = 3;
+
 Status object_layout_fits(const std::string& object_layout) {
   if (object_layout.size() <= store::kMaxObjectLayout) return {};
   return Status::invalid_argument("store: object_layout is larger than 64 KiB");
@@ -57,6 +61,7 @@ struct PutStream::State {
   bool finished = false;
   std::uint64_t waited_end = 0;  // the writes of [0, waited_end) are done
   bool timed = false;            // OpTimings::transfer counted
+  bool node_lost = false;        // writes failed because a node went away; it is avoided now
 
   explicit State(std::uint64_t segment) : hash(segment) {}
 
@@ -74,10 +79,12 @@ struct PutStream::State {
     std::size_t i = 0;
     // A wave holds the bytes from the previous one's end to its own: wait while it starts
     // before `end`.
+    std::vector<std::size_t> unreachable;
     for (; i < waves.size() && (i == 0 ? waited_end : waves[i - 1].end) < end; ++i) {
-      Status s = store::wait_all(waves[i].batches);
+      Status s = store::wait_all(waves[i], &unreachable);
       if (failed.is_ok() && !s.is_ok()) failed = store::fenced_is_stale(s).with_context(key);
     }
+    for (std::size_t node : unreachable) node_lost |= impl->avoided->add(pages.placement.nodes[node]);
     if (i > 0) waited_end = waves[i - 1].end;
     waves.erase(waves.begin(), waves.begin() + static_cast<std::ptrdiff_t>(i));
     if (failed.is_ok()) fold_fused();
@@ -310,9 +317,10 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
     st->began = Clock::now();
     st->transfer_deadline = std::min(st->deadline, st->pages.lease_until);
     if (size == 0) break;
+    metadata::NodeEndpoint unreachable;
     auto leased = store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite,
                                            st->pages.placement, st->pages.lease_until, st->transfer_deadline,
-                                           options.timings);
+                                           options.timings, &unreachable);
     if (leased.is_ok()) {
       st->leased = std::move(leased).value();
       st->digesting = std::ranges::all_of(
@@ -320,8 +328,13 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
       break;
     }
     impl_->abort_put(st->key, st->pages, {}, st->deadline);  // nothing was written; drops the reservation
-    if (!st->pages.held || attempt > 0) return leased.status().with_context(st->key);
-    // Its node failed while the reservation waited: once more, with pages Redis gives now.
+    // Its node failed while the reservation waited, or a node of its pages cannot be reached:
+    // again, with pages Redis gives now, away from that node.
+    const bool elsewhere = !unreachable.id.empty() && impl_->avoided->add(unreachable);
+    const bool again = (attempt == 0 && st->pages.held) || elsewhere;
+    if (!again || attempt + 1 >= kPlacements || Clock::now() >= st->deadline) {
+      return leased.status().with_context(st->key);
+    }
   }
   PutStream stream;
   stream.state_ = std::move(st);
@@ -330,16 +343,28 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
 
 Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
   KVSTASH_RETURN_IF_ERROR(store::host_only(data, "put"));
-  for (int attempt = 0;; ++attempt) {
-    KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), options));
-    KVSTASH_RETURN_IF_ERROR(stream.append(data));  // on an error the stream's end aborts the put
-    Status committed = stream.commit();
+  PutOptions o = options;
+  if (!o.deadline) o.deadline = deadline_after(impl_->options.timeout);  // one for every placement
+  for (int attempt = 1;; ++attempt) {
+    KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), o));
+    Status done = stream.append(data);
+    if (done.is_ok()) {
+      done = stream.commit();
+    } else {
+      stream.abort();
+    }
+    const PutStream::State& st = *stream.state_;
     // Pages from a reservation held since before this put can have gone with their node (or
     // their lease) meanwhile: the put runs once more, on pages Redis gives now.
-    if (attempt > 0 || committed.code() != StatusCode::kStale || !stream.state_->pages.held ||
-        metadata::Catalog::condition_failed(committed)) {
-      return committed;
+    const bool stale_reservation = attempt == 1 && done.code() == StatusCode::kStale && st.pages.held &&
+                                   !metadata::Catalog::condition_failed(done);
+    // A node went away under the writes (nothing was committed): placed again, away from it.
+    const bool node_lost = done.code() == StatusCode::kUnavailable && st.node_lost;
+    if (done.is_ok() || !(stale_reservation || node_lost) || attempt >= kPlacements ||
+        Clock::now() >= *o.deadline) {
+      return done;
     }
+    KVSTASH_LOG_DEBUG("put {}: placing it again: {}", st.key, done.to_string());
   }
 }
 

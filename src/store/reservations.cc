@@ -52,25 +52,33 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
     return true;
   };
   if (options.put_reservation > 0) {
-    std::lock_guard lock(reserve_mu);
-    if (reservation && take(reservation)) {
-      pages.held = true;
-      return pages;
+    std::shared_ptr<store::Reservation> held;
+    bool shunned = false;  // it has pages on a node this client avoids now
+    {
+      std::lock_guard lock(reserve_mu);
+      held = reservation;
+      shunned = held && avoided->any_in(held->placement);
+      if (held && !shunned && take(held)) {
+        pages.held = true;
+        return pages;
+      }
     }
+    if (shunned) retire(held);  // the next reservation comes from the other nodes
   }
 
+  const std::vector<metadata::NodeEndpoint> avoid = avoided->list();
   KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
   MetadataClock mc(timings);
   const auto leased_at = Clock::now();
   pages.lease_until = store::within_lease(Deadline::max(), leased_at, options.put_lease);
   if (options.put_reservation == 0) {
-    KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_put(pages.token, key, size, options.put_lease));
+    KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_put(pages.token, key, size, options.put_lease, avoid));
     return pages;
   }
   auto fresh = std::make_shared<store::Reservation>();
   fresh->token = store::random_token();
-  KVSTASH_ASSIGN_OR_RETURN(fresh->placement,
-                           c->reserve_pages(fresh->token, size, options.put_reservation, options.put_lease));
+  KVSTASH_ASSIGN_OR_RETURN(
+      fresh->placement, c->reserve_pages(fresh->token, size, options.put_reservation, options.put_lease, avoid));
   fresh->lease_until = pages.lease_until;
   std::shared_ptr<store::Reservation> replaced;
   {

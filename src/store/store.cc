@@ -66,6 +66,7 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   }
   KVSTASH_ASSIGN_OR_RETURN(impl->engine, Engine::create(options.engine));
   impl->links = std::make_unique<store::NodeLinks>(*impl->engine);
+  impl->avoided = std::make_unique<store::AvoidedNodes>(options.avoid_unreachable_nodes);
   impl->workers = std::make_unique<ThreadPool>(std::max<std::uint32_t>(1, options.async_threads));
   // With the caller, one thread per core up to four: a put hashes while its writes fly.
   impl->hasher_count = std::clamp(std::thread::hardware_concurrency(), 2u, 4u) - 1;

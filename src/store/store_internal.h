@@ -86,6 +86,7 @@ struct Store::Impl {
   RkeyScope scope = RkeyScope::kConnection;  // the cell's, or options.rkey_scope
   std::unique_ptr<Engine> engine;
   std::unique_ptr<store::NodeLinks> links;
+  std::unique_ptr<store::AvoidedNodes> avoided;  // nodes puts take no pages from, for now
 
   std::unique_ptr<metadata::CellPool> cells;  // Redis connections, held only around metadata calls
 

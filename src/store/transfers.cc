@@ -55,14 +55,16 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
       auto b = leased.paths[i]->peer->submit(entries[i], deadline);
       if (!b.is_ok()) return b.status().with_context("memory node " + p.nodes[i].id);
       w.batches.push_back(std::move(b).value());
+      w.nodes.push_back(i);
     }
   }
 }
 
-Status wait_all(std::vector<Batch>& batches) {
+Status wait_all(Wave& wave, std::vector<std::size_t>* unreachable) {
   Status first;
-  for (auto& b : batches) {
-    Status s = b.wait();
+  for (std::size_t i = 0; i < wave.batches.size(); ++i) {
+    Status s = wave.batches[i].wait();
+    if (s.code() == StatusCode::kUnavailable && unreachable != nullptr) unreachable->push_back(wave.nodes[i]);
     if (first.is_ok() && !s.is_ok()) first = s;
   }
   return first;

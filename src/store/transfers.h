@@ -17,6 +17,7 @@ namespace kvstash::store {
 // The transfers of one stretch of the object: a batch per node, and where the stretch ends.
 struct Wave {
   std::vector<Batch> batches;
+  std::vector<std::size_t> nodes;  // each batch's node, an index into the placement's nodes
   std::uint64_t end = 0;
 };
 
@@ -38,8 +39,10 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
                     std::deque<MemoryHandle>& temp, Deadline deadline, std::uint64_t wave_bytes,
                     std::vector<Wave>& waves, FusedDigests* fused = nullptr);
 
-// Waits for every batch; the first error.
-Status wait_all(std::vector<Batch>& batches);
+// Waits for every batch of `wave`; the first error. Adds to `unreachable` the node (index into
+// the placement's nodes) of each batch that failed kUnavailable: the node went away, or the
+// link to it broke.
+Status wait_all(Wave& wave, std::vector<std::size_t>* unreachable = nullptr);
 
 // The transfer deadline: the caller's, but never past the lease (minus a margin for the
 // commit or end_get), so a slow put cannot write into pages that were reclaimed.

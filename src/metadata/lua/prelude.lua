@@ -214,21 +214,31 @@ local function present(key)
   return lookup(key) ~= nil
 end
 
--- The live nodes that take allocations (state up), as a set of ids.
-local function usable_nodes()
+-- The nodes a client asks to avoid, from ARGV[first], ARGV[first + 1]... (id, pool key, id,
+-- pool key...): id -> the pool key it failed to reach. A node registered again since (another
+-- key) is not avoided: it is back.
+local function avoid_from_args(first)
+  local avoid = {}
+  for i = first, #ARGV - 1, 2 do avoid[ARGV[i]] = ARGV[i + 1] end
+  return avoid
+end
+
+-- The live nodes that take allocations (state up), as a set of ids; none in `avoid`.
+local function usable_nodes(avoid)
   local s = {}
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
-    if redis.call('HGET', P .. ':node:' .. id, 'state') == 'up' then s[id] = true end
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'key')
+    if st[1] == 'up' and not (avoid and avoid[id] == st[2]) then s[id] = true end
   end
   return s
 end
 
--- Free pages per live node that takes allocations, and their sum.
-local function candidates()
+-- Free pages per live node that takes allocations (none in `avoid`), and their sum.
+local function candidates(avoid)
   local c, total = {}, 0
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
-    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page', 'gen_floor')
-    if st[1] == 'up' then
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page', 'gen_floor', 'key')
+    if st[1] == 'up' and avoid[id] ~= st[5] then
       local free = (tonumber(st[2]) or 0) - (tonumber(st[3]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
       if free > 0 then
         c[#c + 1] = {id, free, tonumber(st[4] or '0') or 0}
@@ -359,26 +369,26 @@ end
 -- stay short), and lists its pages in P:put:<token>:pages for the commits that take them.
 -- Returns page size, extents and nodes, or nil and an error.
 local RESERVE_MAX = 256
-local function allocate(token, key, size, extra, lease)
+local function allocate(token, key, size, extra, lease, avoid)
   local ps = page_size()
   if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
   local need = math.ceil(size / ps)
   extra = math.floor(extra / ps)
-  local cands, total = candidates()
+  local cands, total = candidates(avoid)
   if total < need then
     local capacity = 0
     for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
-      local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count')
-      if st[1] == 'up' then capacity = capacity + (tonumber(st[2]) or 0) end
+      local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'key')
+      if st[1] == 'up' and avoid[id] ~= st[3] then capacity = capacity + (tonumber(st[2]) or 0) end
     end
     if need > capacity then
       return nil, 'NO_SPACE object needs ' .. need .. ' pages, the live nodes hold ' .. capacity
     end
     sweep_expired(256)
-    cands, total = candidates()
+    cands, total = candidates(avoid)
     if total < need then
-      evict(need - total, usable_nodes())
-      cands, total = candidates()
+      evict(need - total, usable_nodes(avoid))
+      cands, total = candidates(avoid)
     end
     if total < need then
       return nil, 'NO_SPACE object needs ' .. need .. ' pages, ' .. total ..
@@ -425,14 +435,18 @@ end
 -- The reply of begin_put and reserve_pages: page size, extents, the lease's deadline, then id,
 -- address, key per node, of pending put `token`, allocated now (allocate) or, for a token seen
 -- before, as they were then (a retry after a lost reply); an error reply when the pages cannot
--- be found.
-local function place_put(token, key, size, extra, lease)
+-- be found. No page comes from a node in `avoid` (avoid_from_args: nodes the client just
+-- failed to reach), unless only they have room left: they may be back already.
+local function place_put(token, key, size, extra, lease, avoid)
   local prev = redis.call('HMGET', P .. ':put:' .. token, 'extents', 'nodes')
   if prev[1] then
     local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
     return endpoints({page_size(), prev[1], deadline}, prev[2])
   end
-  local ps, extents, nodes = allocate(token, key, size, extra, lease)
+  local ps, extents, nodes = allocate(token, key, size, extra, lease, avoid)
+  if not ps and next(avoid) ~= nil then
+    ps, extents, nodes = allocate(token, key, size, extra, lease, {})
+  end
   if not ps then return redis.error_reply(extents) end
   return endpoints({ps, extents, now + lease}, nodes)
 end
