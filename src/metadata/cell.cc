@@ -1,12 +1,50 @@
 #include "metadata/cell.h"
 
+#include "common/log.h"
 #include "metadata/catalog_common.h"
+#include "metadata/scripts.h"
 
 namespace kvstash::metadata {
+namespace {
+
+// On each connection through Sentinel, before anything else: tells the cell which master it
+// reached (fence_master.lua), so that the first connection to a new master after a failover
+// declares the cell's nodes dead before any lease or page of the new master is used.
+Status fence_new_master(const RedisOptions::Command& run, const std::string& prefix) {
+  KVSTASH_ASSIGN_OR_RETURN(Reply info, run({"INFO", "replication"}));
+  constexpr std::string_view kField = "master_replid:";
+  const std::string_view text = info.str();
+  const auto at = text.find(kField);
+  if (at == std::string_view::npos) return Status::corrupt("redis: INFO replication names no master_replid");
+  const auto from = at + kField.size();
+  const std::string_view replid = text.substr(from, text.find_first_of("\r\n", from) - from);
+  const Script& script = scripts::fence_master();
+  const std::vector<std::string_view> eval{"EVALSHA", script.sha, "1", prefix, replid};
+  Result<Reply> fenced = run(eval);
+  if (!fenced.is_ok() && fenced.status().message().rfind("redis: NOSCRIPT", 0) == 0) {
+    // A new master knows no scripts yet (EVAL would need one more ACL right than the others).
+    KVSTASH_RETURN_IF_ERROR(run({"SCRIPT", "LOAD", script.body}).status());
+    fenced = run(eval);
+  }
+  if (!fenced.is_ok()) return fenced.status().with_context("redis: fencing the cell against its master");
+  if (fenced->integer() == 1) {
+    KVSTASH_LOG_WARN("redis: cell {} reached a new master (a failover): its memory nodes register again", prefix);
+  }
+  return {};
+}
+
+}  // namespace
 
 Result<std::unique_ptr<Cell>> Cell::open(const CellOptions& options) {
-  KVSTASH_ASSIGN_OR_RETURN(auto redis, RedisClient::connect(options.redis));
-  return std::unique_ptr<Cell>(new Cell(std::move(redis), options.cell));
+  RedisOptions redis = options.redis;
+  KVSTASH_ASSIGN_OR_RETURN(RedisUrl url, RedisUrl::parse(redis.url));
+  if (url.sentinel()) {
+    redis.on_connect = [prefix = cell_prefix(options.cell)](const RedisOptions::Command& run) {
+      return fence_new_master(run, prefix);
+    };
+  }
+  KVSTASH_ASSIGN_OR_RETURN(auto redis_client, RedisClient::connect(redis));
+  return std::unique_ptr<Cell>(new Cell(std::move(redis_client), options.cell));
 }
 
 Cell::Cell(std::unique_ptr<RedisClient> redis, std::string name)

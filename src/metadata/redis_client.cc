@@ -128,16 +128,60 @@ Status error_status(std::string_view text) {
 
 // ---- RedisUrl -------------------------------------------------------------------------------
 
+namespace {
+
+constexpr int kSentinelPort = 26379;
+
+// host[:port] or [v6]:port into `host`, `port` (kept when the text names none).
+Status parse_host_port(std::string_view hostport, std::string& host, int& port) {
+  std::string_view port_text;
+  if (!hostport.empty() && hostport.front() == '[') {
+    auto close = hostport.find(']');
+    if (close == std::string_view::npos)
+      return Status::invalid_argument("unterminated [IPv6] host in redis URL");
+    host = std::string(hostport.substr(1, close - 1));
+    if (close + 1 < hostport.size()) {
+      if (hostport[close + 1] != ':')
+        return Status::invalid_argument("garbage after [IPv6] host in redis URL");
+      port_text = hostport.substr(close + 2);
+    }
+  } else {
+    auto colon = hostport.rfind(':');
+    host = std::string(hostport.substr(0, colon));
+    if (colon != std::string_view::npos) port_text = hostport.substr(colon + 1);
+  }
+  if (host.empty()) return Status::invalid_argument("redis URL has no host");
+  if (!port_text.empty() || hostport.back() == ':') {
+    auto p = parse_int(port_text, 1, 65535);
+    if (!p) return Status::invalid_argument("bad port in redis URL");
+    port = *p;
+  }
+  return {};
+}
+
+std::string host_port_text(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  std::string s = v6 ? "[" : "";
+  s.append(host).append(v6 ? "]:" : ":").append(std::to_string(port));
+  return s;
+}
+
+}  // namespace
+
 Result<RedisUrl> RedisUrl::parse(std::string_view url) {
   RedisUrl u;
   std::string_view rest;
+  bool sentinel = false;
   if (url.rfind("redis://", 0) == 0) {
     rest = url.substr(8);
   } else if (url.rfind("unix://", 0) == 0) {
     rest = url.substr(7);
     u.unix_socket = true;
+  } else if (url.rfind("redis+sentinel://", 0) == 0) {
+    rest = url.substr(17);
+    sentinel = true;
   } else {
-    return Status::invalid_argument("redis URL must start with redis:// or unix://");
+    return Status::invalid_argument("redis URL must start with redis://, redis+sentinel:// or unix://");
   }
   // Credentials end at the last '@' (passwords may contain '@' only percent-encoded, but be
   // lenient).
@@ -170,49 +214,51 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
     return u;
   }
   auto slash = rest.find('/');
-  std::string_view hostport = rest.substr(0, slash);
-  if (slash != std::string_view::npos && slash + 1 < rest.size()) {
-    auto db = parse_int(rest.substr(slash + 1), 0, 1 << 20);
+  std::string_view hosts = rest.substr(0, slash);
+  std::string_view path = slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
+  if (sentinel) {
+    // /service[/db]
+    auto next = path.find('/');
+    u.service = std::string(path.substr(0, next));
+    if (u.service.empty()) return Status::invalid_argument("redis+sentinel:// URL names no service (/name)");
+    path = next == std::string_view::npos ? std::string_view() : path.substr(next + 1);
+    for (std::size_t from = 0; from <= hosts.size();) {
+      const std::size_t comma = std::min(hosts.find(',', from), hosts.size());
+      auto& [host, port] = u.sentinels.emplace_back(std::string(), kSentinelPort);
+      KVSTASH_RETURN_IF_ERROR(parse_host_port(hosts.substr(from, comma - from), host, port));
+      from = comma + 1;
+    }
+    u.host = u.sentinels.front().first;  // until a sentinel names the master
+    u.port = u.sentinels.front().second;
+  } else {
+    KVSTASH_RETURN_IF_ERROR(parse_host_port(hosts, u.host, u.port));
+  }
+  if (!path.empty()) {
+    auto db = parse_int(path, 0, 1 << 20);
     if (!db) return Status::invalid_argument("bad database number in redis URL");
     u.db = *db;
-  }
-  std::string_view port;
-  if (!hostport.empty() && hostport.front() == '[') {
-    auto close = hostport.find(']');
-    if (close == std::string_view::npos)
-      return Status::invalid_argument("unterminated [IPv6] host in redis URL");
-    u.host = std::string(hostport.substr(1, close - 1));
-    if (close + 1 < hostport.size()) {
-      if (hostport[close + 1] != ':')
-        return Status::invalid_argument("garbage after [IPv6] host in redis URL");
-      port = hostport.substr(close + 2);
-    }
-  } else {
-    auto colon = hostport.rfind(':');
-    u.host = std::string(hostport.substr(0, colon));
-    if (colon != std::string_view::npos) port = hostport.substr(colon + 1);
-  }
-  if (u.host.empty()) return Status::invalid_argument("redis URL has no host");
-  if (!port.empty() || hostport.back() == ':') {
-    auto p = parse_int(port, 1, 65535);
-    if (!p) return Status::invalid_argument("bad port in redis URL");
-    u.port = *p;
   }
   return u;
 }
 
 std::string RedisUrl::redacted() const {
   // Built with append(): GCC 12 at -O3 warns falsely (-Wrestrict) on chains of operator+.
-  std::string s = unix_socket ? "unix://" : "redis://";
+  std::string s = unix_socket ? "unix://" : sentinel() ? "redis+sentinel://" : "redis://";
   if (!user.empty() || !password.empty()) s.append(user).append(password.empty() ? "@" : ":***@");
   if (unix_socket) {
     s.append(path);
     if (db != 0) s.append("?db=").append(std::to_string(db));
     return s;
   }
-  const bool v6 = host.find(':') != std::string::npos;
-  s.append(v6 ? "[" : "").append(host).append(v6 ? "]" : "");
-  s.append(":").append(std::to_string(port)).append("/").append(std::to_string(db));
+  if (sentinel()) {
+    for (std::size_t i = 0; i < sentinels.size(); ++i) {
+      s.append(i > 0 ? "," : "").append(host_port_text(sentinels[i].first, sentinels[i].second));
+    }
+    s.append("/").append(service);
+  } else {
+    s.append(host_port_text(host, port));
+  }
+  s.append("/").append(std::to_string(db));
   return s;
 }
 
@@ -282,19 +328,78 @@ std::chrono::milliseconds RedisClient::within_deadline(std::chrono::milliseconds
 
 Status RedisClient::open() {
   ctx_.reset();
+  Status s = url_.sentinel() ? open_through_sentinels() : open_at(url_.host, url_.port);
+  if (s.is_ok() && options_.on_connect) {
+    s = options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
+    if (!s.is_ok()) ctx_.reset();
+  }
+  return s;
+}
+
+Status RedisClient::open_through_sentinels() {
+  Status last = Status::unavailable("no sentinel answered");
+  for (std::size_t i = 0; i < url_.sentinels.size(); ++i) {
+    const std::size_t which = (sentinel_ + i) % url_.sentinels.size();
+    const auto& [host, port] = url_.sentinels[which];
+    const std::string where = "redis sentinel " + host_port_text(host, port);
+    const auto timeout = within_deadline(options_.connect_timeout);
+    if (timeout.count() <= 0) return Status::timeout("redis " + url_.redacted() + ": the deadline passed");
+    // The sentinel, on a connection of its own: it only names the master.
+    Status asked = open_at(host, port, Server::kSentinel);
+    Result<Reply> master = asked.is_ok() ? run_once({"SENTINEL", "get-master-addr-by-name", url_.service})
+                                         : Result<Reply>(asked);
+    ctx_.reset();
+    if (!master.is_ok()) {
+      last = master.status().with_context(where);
+      continue;
+    }
+    if (master->type() != Reply::Type::kArray || master->size() != 2 ||
+        master->element(0)->type != REDIS_REPLY_STRING || master->element(1)->type != REDIS_REPLY_STRING) {
+      last = Status::not_found(where + " knows no master named '" + url_.service + "'");
+      continue;
+    }
+    const std::string master_host(master->element(0)->str, master->element(0)->len);
+    const auto master_port = parse_int(std::string_view(master->element(1)->str, master->element(1)->len), 1, 65535);
+    if (!master_port) {
+      last = Status::corrupt(where + " named a master with a bad port");
+      continue;
+    }
+    Status s = open_at(master_host, *master_port);
+    // A sentinel that has not seen the failover yet still names the old master, a replica now.
+    Result<Reply> role = s.is_ok() ? run_once({"ROLE"}) : Result<Reply>(s);
+    if (role.is_ok() && (role->type() != Reply::Type::kArray || role->size() == 0 ||
+                         role->element(0)->type != REDIS_REPLY_STRING ||
+                         std::string_view(role->element(0)->str, role->element(0)->len) != "master")) {
+      role = Status::unavailable(where + " named " + host_port_text(master_host, *master_port) +
+                                 ", which is not a master (a failover in progress?)");
+    }
+    if (role.is_ok()) {
+      sentinel_ = which;
+      url_.host = master_host;
+      url_.port = *master_port;
+      return {};
+    }
+    ctx_.reset();
+    last = role.status();
+  }
+  return last;
+}
+
+Status RedisClient::open_at(const std::string& address, int port, Server to) {
+  ctx_.reset();
   const auto connect_timeout = within_deadline(options_.connect_timeout);
   if (connect_timeout.count() <= 0)
     return Status::timeout("redis " + url_.redacted() + ": the deadline passed");
   const timeval tv = to_timeval(connect_timeout);
-  std::string host = url_.host;
+  std::string host = address;
   if (!url_.unix_socket) {
     // hiredis resolves names without a timeout: resolve first, within the connect's time.
-    auto addresses = net::resolve(url_.host, Clock::now() + connect_timeout);
+    auto addresses = net::resolve(address, Clock::now() + connect_timeout);
     if (!addresses.is_ok()) return addresses.status().with_context("redis " + url_.redacted());
     host = addresses->front();
   }
   redisContext* c = url_.unix_socket ? redisConnectUnixWithTimeout(url_.path.c_str(), tv)
-                                     : redisConnectWithTimeout(host.c_str(), url_.port, tv);
+                                     : redisConnectWithTimeout(host.c_str(), port, tv);
   if (c == nullptr) return Status::no_space("redis: cannot allocate a connection");
   ctx_.reset(c);
   if (c->err != 0) {
@@ -305,6 +410,12 @@ Status RedisClient::open() {
   }
   socket_timeout_ = within_deadline(options_.command_timeout);
   redisSetTimeout(c, to_timeval(socket_timeout_));
+  if (to == Server::kSentinel) {
+    if (options_.sentinel_password.empty()) return {};
+    Status s = run_once({"AUTH", options_.sentinel_password}).status();
+    if (!s.is_ok()) ctx_.reset();
+    return s;
+  }
   if (!url_.password.empty()) {
     std::vector<std::string_view> auth{"AUTH"};
     if (!url_.user.empty()) auth.push_back(url_.user);

@@ -7,10 +7,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvstash/status.h"
@@ -23,6 +25,9 @@ namespace kvstash::metadata {
 
 // redis://[[user]:password@]host[:port][/db]   (user alone is not accepted: ACL needs both)
 // unix://[[user]:password@]/path/to/socket[?db=N]
+// redis+sentinel://[[user]:password@]sentinel[:port][,sentinel[:port]...]/service[/db]
+//   the master of `service` as Redis Sentinel names it (sentinels listen on 26379 by default);
+//   the credentials are the master's
 struct RedisUrl {
   bool unix_socket = false;
   std::string host = "127.0.0.1";
@@ -31,12 +36,18 @@ struct RedisUrl {
   int db = 0;
   std::string user;  // empty: the default user
   std::string password;
+  std::vector<std::pair<std::string, int>> sentinels;  // redis+sentinel://: host, port of each
+  std::string service;                                 // redis+sentinel://: the master's name
+
+  bool sentinel() const { return !sentinels.empty(); }
 
   // Errors: kInvalidArgument naming what is wrong (never echoing the password).
   static Result<RedisUrl> parse(std::string_view url);
   // The URL with the password replaced by "***", for logs and CLI output.
   std::string redacted() const;
 };
+
+class Reply;
 
 struct RedisOptions {
   std::string url = "redis://127.0.0.1:6379/0";
@@ -50,6 +61,14 @@ struct RedisOptions {
   std::chrono::milliseconds backoff_max{1000};
   // How long one command may spend reconnecting before it gives up with kUnavailable.
   std::chrono::milliseconds reconnect_budget{5000};
+  // redis+sentinel://: the sentinels' password (requirepass in their configuration), when
+  // they have one; the URL's credentials are the master's.
+  std::string sentinel_password;
+  // Runs on every new connection, before any command of the caller's, with a function that
+  // sends one command on it (no reconnect); an error fails the connection. Cell uses it to
+  // fence a new master after a Sentinel failover.
+  using Command = std::function<Result<Reply>(const std::vector<std::string_view>&)>;
+  std::function<Status(const Command&)> on_connect;
 };
 
 // An owned hiredis reply.
@@ -120,7 +139,14 @@ class RedisClient {
 
  private:
   RedisClient(RedisOptions options, RedisUrl url);
-  Status open();  // connect + AUTH + SELECT
+  Status open();  // connect (through the sentinels) + AUTH + SELECT + on_connect
+  // Connects to `host`:`port` (or the unix socket), AUTH, SELECT; a sentinel only gets AUTH,
+  // with the sentinels' password.
+  enum class Server { kRedis, kSentinel };
+  Status open_at(const std::string& host, int port, Server to = Server::kRedis);
+  // Asks the sentinels in turn for the service's master, connects to it and checks that it is
+  // one (a sentinel that has not seen a failover yet still names the old master).
+  Status open_through_sentinels();
   Result<Reply> run_once(const std::vector<std::string_view>& args);
   // `limit`, shortened to what is left of the deadline; zero or less once it has passed.
   std::chrono::milliseconds within_deadline(std::chrono::milliseconds limit) const;
@@ -131,6 +157,7 @@ class RedisClient {
   std::uint64_t reconnects_ = 0;
   std::optional<Deadline> deadline_;
   std::chrono::milliseconds socket_timeout_{0};  // what the socket's timeout is set to now
+  std::size_t sentinel_ = 0;                      // the sentinel that answered last
 };
 
 }  // namespace kvstash::metadata

@@ -30,6 +30,11 @@ const Script& register_node() {
   return s;
 }
 
+const Script& fence_master() {
+  static const Script s = make(lua::kFenceMaster);
+  return s;
+}
+
 const Script& heartbeat() {
   static const Script s = make(lua::kHeartbeat);
   return s;

@@ -16,6 +16,7 @@ const Script& drain_node();
 const Script& deregister_node();
 const Script& node_status();
 const Script& list_nodes();
+const Script& fence_master();
 
 // Objects.
 const Script& begin_put();
