@@ -43,7 +43,8 @@ const Script& cell_summary();
 const Script& describe_objects();
 const Script& evict_lru();
 
-// Every script above (kvstash doctor checks which ones Redis has cached).
+// Every script above but fence_master, which only Sentinel connections load (kvstash doctor
+// checks which ones Redis has cached).
 std::vector<const Script*> all();
 
 }  // namespace kvstash::metadata::scripts
