@@ -8,7 +8,10 @@
 // removes, touches, contains_prefix and put streams dropped half-way, every one with a random
 // deadline. Meanwhile a nemesis stops nodes (SIGSTOP, some past the heartbeat TTL, so the cell
 // declares them dead and they rejoin from the same process), kills and restarts them
-// (SIGKILL) and restarts Redis empty. Every put's bytes encode (key, put id, offset), so a
+// (SIGKILL) and restarts Redis empty. With --redis-mode sentinel the cell's Redis is a master, a
+// replica and a sentinel, everyone reaches it through a redis+sentinel:// URL, and instead of
+// restarting Redis the nemesis kills the master (a failover; the killed one comes back empty
+// and the sentinel makes it a replica). Every put's bytes encode (key, put id, offset), so a
 // get's bytes say whose they are. Clients log each operation with its invocation and return
 // times (CLOCK_MONOTONIC, shared by the processes of one host); at the end the orchestrator
 // checks every get that returned OK:
@@ -25,6 +28,7 @@
 // hung, and on a setup failure.
 //
 //   kvstash-history --seconds 120              the bounded run scripts/test makes
+//   kvstash-history --redis-mode sentinel --faults redis   failovers only
 //   kvstash-history --minutes 30 --json r.json what scripts/chaos runs
 #include <signal.h>
 #include <sys/wait.h>
@@ -53,8 +57,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <hiredis/hiredis.h>
+
 #include "kvstash/status.h"
 #include "kvstash/store.h"
+#include "metadata/redis_client.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::history {
@@ -558,17 +565,78 @@ struct RunConfig {
   int threads = 2;
   std::uint64_t seed = 0;
   bool nemesis = true;
-  // "mixed": pauses, kills and Redis restarts; "kill": only kill -9 and restart of a node.
+  // "mixed": pauses, kills and Redis restarts (failovers); "kill": only kill -9 and restart
+  // of a node; "redis": only Redis restarts (failovers).
   std::string faults = "mixed";
+  std::string redis_mode = "single";  // "sentinel": a master, a replica and a sentinel
   std::string json_path;
   std::string dir;
   std::string rkey_scope;
   int avoid_ms = -1;  // passed to the clients
 };
 
+// The cell's Redis: one server, or (sentinel) two servers, one replicating the other, and a
+// sentinel over them.
+class CellRedis {
+ public:
+  static Result<std::unique_ptr<CellRedis>> start(bool sentinel) {
+    auto r = std::unique_ptr<CellRedis>(new CellRedis);
+    KVSTASH_ASSIGN_OR_RETURN(r->servers_[0], tools::LocalRedis::start({}));
+    if (!sentinel) return r;
+    const std::string first = std::to_string(r->servers_[0]->port());
+    KVSTASH_ASSIGN_OR_RETURN(r->servers_[1],
+                             tools::LocalRedis::start({.extra_args = {"--replicaof", "127.0.0.1", first}}));
+    KVSTASH_ASSIGN_OR_RETURN(r->sentinel_,
+                             tools::LocalRedis::start({.sentinel_for = r->servers_[0]->port(), .service = "history"}));
+    // A failover needs the replica in sync and known to the sentinel.
+    KVSTASH_ASSIGN_OR_RETURN(auto watcher, r->ask_sentinel());
+    for (auto end = Clock::now() + 20s;; std::this_thread::sleep_for(100ms)) {
+      auto replicas = watcher->command({"SENTINEL", "replicas", "history"});
+      const redisReply* fields = replicas.is_ok() ? replicas->element(0) : nullptr;
+      for (std::size_t i = 0; fields != nullptr && i + 1 < fields->elements; i += 2) {
+        if (std::string_view(fields->element[i]->str) == "master-link-status" &&
+            std::string_view(fields->element[i + 1]->str) == "ok") {
+          return r;
+        }
+      }
+      if (Clock::now() > end) return Status::unavailable("the sentinel never saw the replica in sync");
+    }
+  }
+
+  std::string url() const { return sentinel_ ? sentinel_->url() : servers_[0]->url(); }
+
+  // Single: restarts Redis empty. Sentinel: kills the master, waits for the failover (or
+  // its time), and brings the killed server back, empty (the sentinel makes it a replica).
+  // Returns the fault's name.
+  Result<std::string> fault(std::mt19937_64& rng) {
+    if (!sentinel_) {
+      KVSTASH_RETURN_IF_ERROR(servers_[0]->restart());
+      return std::string("redis restarted empty");
+    }
+    KVSTASH_ASSIGN_OR_RETURN(auto watcher, ask_sentinel());
+    KVSTASH_ASSIGN_OR_RETURN(auto master, watcher->command({"SENTINEL", "get-master-addr-by-name", "history"}));
+    if (master.size() != 2) return Status::internal("the sentinel names no master");
+    const int port = std::atoi(master.element(1)->str);
+    tools::LocalRedis& victim = *servers_[servers_[0]->port() == port ? 0 : 1];
+    victim.kill();
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(1500, 3000)(rng)));
+    KVSTASH_RETURN_IF_ERROR(victim.restart());
+    return std::string("redis master killed (failover)");
+  }
+
+ private:
+  CellRedis() = default;
+  // A plain connection to the sentinel itself.
+  Result<std::unique_ptr<metadata::RedisClient>> ask_sentinel() const {
+    return metadata::RedisClient::connect({.url = "redis://127.0.0.1:" + std::to_string(sentinel_->port())});
+  }
+  std::unique_ptr<tools::LocalRedis> servers_[2];
+  std::unique_ptr<tools::LocalRedis> sentinel_;
+};
+
 int run(const RunConfig& rc, const std::string& self) {
   Report report;
-  auto redis = tools::LocalRedis::start({});
+  auto redis = CellRedis::start(rc.redis_mode == "sentinel");
   if (!redis.is_ok()) {
     std::cerr << "history: " << redis.status().to_string() << "\n";
     return 2;
@@ -625,7 +693,7 @@ int run(const RunConfig& rc, const std::string& self) {
   while (rc.nemesis && Clock::now() + 5s < end) {
     std::this_thread::sleep_for(ms(500, 2500));
     const int victim = pick(rc.nodes);
-    const int action = rc.faults == "kill" ? 6 : pick(10);
+    const int action = rc.faults == "kill" ? 6 : rc.faults == "redis" ? 9 : pick(10);
     if (!nodes[victim]) {
       nodes[victim] = start_node(victim);
       ++report.faults["node restarted"];
@@ -644,10 +712,11 @@ int run(const RunConfig& rc, const std::string& self) {
       std::this_thread::sleep_for(ms(200, 1500));
       nodes[victim] = start_node(victim);
       if (nodes[victim]) ++report.faults["node restarted"];
-    } else if (Clock::now() - last_redis_restart > 15s) {  // Redis restarts empty, now and then
-      Status s = (*redis)->restart();
-      if (!s.is_ok()) report.failures.push_back("redis restart: " + s.to_string());
-      ++report.faults["redis restarted empty"];
+    } else if (Clock::now() - last_redis_restart > (rc.faults == "redis" ? 5s : 15s)) {
+      // Redis restarts empty, or its master dies, now and then.
+      auto fault = (*redis)->fault(rng);
+      if (!fault.is_ok()) report.failures.push_back("redis fault: " + fault.status().to_string());
+      ++report.faults[fault.is_ok() ? *fault : std::string("redis fault failed")];
       last_redis_restart = Clock::now();
     }
   }
@@ -739,8 +808,14 @@ int main(int argc, char** argv) {
   app.add_option("--rkey-scope", rc.rkey_scope, "verbs clients: connection or lease (default: the cell's)")
       ->check(CLI::IsMember({"", "connection", "lease"}));
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
-  app.add_option("--faults", rc.faults, "mixed: pauses, kills, Redis restarts; kill: only kill -9 and restart nodes")
-      ->check(CLI::IsMember({"mixed", "kill"}))
+  app.add_option("--faults", rc.faults,
+                 "mixed: pauses, kills, Redis faults; kill: only kill -9 and restart nodes; redis: only Redis faults")
+      ->check(CLI::IsMember({"mixed", "kill", "redis"}))
+      ->capture_default_str();
+  app.add_option("--redis-mode", rc.redis_mode,
+                 "single: one redis-server (its fault: a restart, empty); sentinel: a master, a replica and a "
+                 "sentinel (its fault: the master killed)")
+      ->check(CLI::IsMember({"single", "sentinel"}))
       ->capture_default_str();
   app.add_option("--avoid-ms", rc.avoid_ms,
                  "Clients' StoreOptions::avoid_unreachable_nodes in ms (0: off; default: the store's)");

@@ -32,6 +32,7 @@ STRUCTS = [
          omit={"both": {"put_lease": "tuning: the C++ default", "read_lease": "tuning: the C++ default",
                         "put_reservation": "tuning: the C++ default",
                         "avoid_unreachable_nodes": "tuning: the C++ default",
+                        "commit_replicas": "C++ only so far (Sentinel deployments)",
                         "redis_timeout": "tuning: the C++ default",
                         "redis_connections": "tuning: the C++ default",
                         "async_threads": "the *_async forms are C++ only",

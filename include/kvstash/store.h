@@ -84,6 +84,12 @@ struct StoreOptions {
   // nodes' heartbeat TTL (kvstashd --heartbeat-ttl, 3 s by default): by then the cell has
   // declared a dead node dead. 0: neither.
   std::chrono::milliseconds avoid_unreachable_nodes{5000};
+  // Redis replicas that must hold a put's commit before the put returns OK (Redis WAIT, within
+  // the put's deadline). With Sentinel, a failover then keeps every object whose put returned
+  // OK, unless more replicas die with the master. When fewer replicas acknowledge in time the
+  // put returns kUnavailable: committed on the master, maybe lost in a failover. 0: no wait
+  // (replication stays asynchronous). Measured cost: docs/operations.md 2.6.
+  std::uint32_t commit_replicas = 0;
   // A get holds a read lease this long: eviction, removal and overwrite keep the pages out
   // of reuse meanwhile. A get outliving it ends kStale if the pages were reused.
   std::chrono::milliseconds read_lease{60000};

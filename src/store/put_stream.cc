@@ -291,8 +291,9 @@ Status PutStream::commit() {
   auto c = st.impl->borrow(st.deadline);
   if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   MetadataClock mc(st.options.timings);
-  return st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options)
-      .with_context(st.key);
+  Status committed = st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options);
+  if (committed.is_ok()) committed = st.impl->wait_for_replicas(c->cell().redis(), st.deadline);
+  return committed.with_context(st.key);
 }
 
 void PutStream::abort() {
@@ -399,6 +400,20 @@ void Store::Impl::abort_put(const std::string& key, const store::PutPages& pages
     }
     end_put(key, pages, confirmed, deadline_after(options.redis_timeout * 2));
   });
+}
+
+Status Store::Impl::wait_for_replicas(metadata::RedisClient& redis, Deadline deadline) {
+  if (options.commit_replicas == 0) return {};
+  // WAIT blocks the connection: it must answer well inside the socket's timeout, which is the
+  // command timeout or what is left of the put's deadline, whichever is shorter.
+  const auto left = std::min(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()),
+                             options.redis_timeout) * 3 / 4;
+  const std::string want = std::to_string(options.commit_replicas);
+  const std::string ms = std::to_string(std::max<std::int64_t>(1, left.count()));
+  KVSTASH_ASSIGN_OR_RETURN(metadata::Reply acked, redis.command({"WAIT", want, ms}));
+  if (acked.integer() >= static_cast<std::int64_t>(options.commit_replicas)) return {};
+  return Status::unavailable("committed, but only " + std::to_string(acked.integer()) + " of " + want +
+                             " Redis replicas had it before the deadline: a failover now may lose it");
 }
 
 void Store::Impl::end_put(const std::string& key, const store::PutPages& pages,

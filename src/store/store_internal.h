@@ -109,6 +109,10 @@ struct Store::Impl {
 
   store::LeasePolicy lease_policy() const { return {scope, options.put_lease}; }
 
+  // After a commit on `redis`: waits, within `deadline`, until options.commit_replicas
+  // replicas have its writes (Redis WAIT). kUnavailable, the object committed, when fewer did.
+  Status wait_for_replicas(metadata::RedisClient& redis, Deadline deadline);
+
   // ---- a put's pages (reservations.cc)
   std::mutex reserve_mu;
   std::shared_ptr<store::Reservation> reservation;  // the one puts take pages from

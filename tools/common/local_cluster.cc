@@ -175,22 +175,42 @@ Result<std::unique_ptr<LocalRedis>> LocalRedis::start(LocalRedisOptions options)
 
 LocalRedis::~LocalRedis() { stop(); }
 
-std::string LocalRedis::url() const { return "redis://127.0.0.1:" + std::to_string(port_) + "/0"; }
+std::string LocalRedis::url() const {
+  std::string url = options_.sentinel_for != 0 ? "redis+sentinel://127.0.0.1:" : "redis://127.0.0.1:";
+  url.append(std::to_string(port_));
+  if (options_.sentinel_for != 0) url.append("/").append(options_.service);
+  return url.append("/0");
+}
 
 Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
   *port_taken = false;
   const std::string port = std::to_string(port_);
   std::vector<std::string> argv{options_.redis_server};
-  if (!options_.password.empty()) argv.push_back(dir_ + "/redis.conf");  // the config file comes first
+  const bool sentinel = options_.sentinel_for != 0;
+  if (sentinel) {
+    // Its configuration file comes first, and Sentinel rewrites it: kept across restarts.
+    const std::string conf = dir_ + "/sentinel.conf";
+    if (!fs::exists(conf)) {
+      const std::string& s = options_.service;
+      std::ofstream(conf) << "sentinel monitor " << s << " 127.0.0.1 " << options_.sentinel_for << " 1\n"
+                          << "sentinel down-after-milliseconds " << s << " 300\n"
+                          << "sentinel failover-timeout " << s << " 3000\n";
+    }
+    argv.insert(argv.end(), {conf, "--sentinel"});
+  } else if (!options_.password.empty()) {
+    argv.push_back(dir_ + "/redis.conf");  // the config file comes first
+  }
   const std::string log = dir_ + "/redis.log";
   for (const char* a : {"--port", port.c_str(), "--bind", "127.0.0.1", "--dir", dir_.c_str(), "--logfile",
-                        log.c_str(), "--daemonize", "no", "--save", ""}) {
+                        log.c_str(), "--daemonize", "no"}) {
     argv.emplace_back(a);
   }
-  if (options_.persistence) {
-    argv.insert(argv.end(), {"--appendonly", "yes", "--appendfsync", "always"});
+  if (sentinel) {
+    // no data of its own
+  } else if (options_.persistence) {
+    argv.insert(argv.end(), {"--save", "", "--appendonly", "yes", "--appendfsync", "always"});
   } else {
-    argv.insert(argv.end(), {"--appendonly", "no"});
+    argv.insert(argv.end(), {"--save", "", "--appendonly", "no"});
   }
   argv.insert(argv.end(), options_.extra_args.begin(), options_.extra_args.end());
 

@@ -47,6 +47,11 @@ struct LocalRedisOptions {
   std::string redis_server = "redis-server";
   // How long start() and restart() wait for it to answer.
   std::chrono::milliseconds ready_timeout{10000};
+  // Nonzero: run a Redis Sentinel instead, watching the master on 127.0.0.1:<this port> as
+  // `service` (quorum 1, down after 300 ms, failover timeout 3 s); url() is then the
+  // redis+sentinel:// URL clients use. Persistence and password do not apply.
+  int sentinel_for = 0;
+  std::string service = "kvstash";
 };
 
 // A private redis-server on a free loopback port: bound to 127.0.0.1, working directory (and
@@ -63,7 +68,8 @@ class LocalRedis {
   LocalRedis(const LocalRedis&) = delete;
   LocalRedis& operator=(const LocalRedis&) = delete;
 
-  // "redis://127.0.0.1:PORT/0" (no credentials: pass password() separately).
+  // "redis://127.0.0.1:PORT/0" (no credentials: pass password() separately); for a sentinel,
+  // "redis+sentinel://127.0.0.1:PORT/<service>/0".
   std::string url() const;
   int port() const { return port_; }
   const std::string& password() const { return options_.password; }
@@ -76,6 +82,8 @@ class LocalRedis {
   // with its data, otherwise empty. Errors as start(); kUnavailable when the port was taken
   // meanwhile (the URL cannot change under the clients).
   Status restart();
+  // SIGKILLs the server and leaves it down (its port and directory kept for restart()).
+  void kill() { child_.kill(); }
   // SIGKILLs the server and removes its directory. Idempotent; the destructor calls it.
   void stop();
 
