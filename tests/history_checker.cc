@@ -581,11 +581,17 @@ class CellRedis {
  public:
   static Result<std::unique_ptr<CellRedis>> start(bool sentinel) {
     auto r = std::unique_ptr<CellRedis>(new CellRedis);
-    KVSTASH_ASSIGN_OR_RETURN(r->servers_[0], tools::LocalRedis::start({}));
-    if (!sentinel) return r;
-    const std::string first = std::to_string(r->servers_[0]->port());
-    KVSTASH_ASSIGN_OR_RETURN(r->servers_[1],
-                             tools::LocalRedis::start({.extra_args = {"--replicaof", "127.0.0.1", first}}));
+    if (!sentinel) {
+      KVSTASH_ASSIGN_OR_RETURN(r->servers_[0], tools::LocalRedis::start({}));
+      return r;
+    }
+    // As docs/operations.md asks of Sentinel deployments: a master without a replica in sync
+    // refuses writes, so one that comes back empty before Sentinel demotes it takes none.
+    const std::vector<std::string> guarded{"--min-replicas-to-write", "1", "--min-replicas-max-lag", "2"};
+    KVSTASH_ASSIGN_OR_RETURN(r->servers_[0], tools::LocalRedis::start({.extra_args = guarded}));
+    std::vector<std::string> replica = guarded;
+    replica.insert(replica.end(), {"--replicaof", "127.0.0.1", std::to_string(r->servers_[0]->port())});
+    KVSTASH_ASSIGN_OR_RETURN(r->servers_[1], tools::LocalRedis::start({.extra_args = replica}));
     KVSTASH_ASSIGN_OR_RETURN(r->sentinel_,
                              tools::LocalRedis::start({.sentinel_for = r->servers_[0]->port(), .service = "history"}));
     // A failover needs the replica in sync and known to the sentinel.
@@ -618,6 +624,7 @@ class CellRedis {
     if (master.size() != 2) return Status::internal("the sentinel names no master");
     const int port = std::atoi(master.element(1)->str);
     tools::LocalRedis& victim = *servers_[servers_[0]->port() == port ? 0 : 1];
+    std::printf("  at %" PRId64 " ms: killing the master on port %d\n", now_ns() / 1000000, port);
     victim.kill();
     std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(1500, 3000)(rng)));
     KVSTASH_RETURN_IF_ERROR(victim.restart());
@@ -717,6 +724,7 @@ int run(const RunConfig& rc, const std::string& self) {
       auto fault = (*redis)->fault(rng);
       if (!fault.is_ok()) report.failures.push_back("redis fault: " + fault.status().to_string());
       ++report.faults[fault.is_ok() ? *fault : std::string("redis fault failed")];
+      if (fault.is_ok()) std::printf("  at %" PRId64 " ms: %s\n", now_ns() / 1000000, fault->c_str());
       last_redis_restart = Clock::now();
     }
   }

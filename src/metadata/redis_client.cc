@@ -119,8 +119,10 @@ Status error_status(std::string_view text) {
   if (text.find("WRONGTYPE") != std::string_view::npos) {
     return Status::corrupt(msg + " (a kvstash metadata key holds a foreign value)");
   }
+  // NOREPLICAS: a master with min-replicas-to-write and too few replicas (one restarted empty,
+  // that Sentinel has not made a replica yet) refuses writes: another master may take them.
   if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
-      text.rfind("READONLY", 0) == 0) {
+      text.rfind("READONLY", 0) == 0 || text.rfind("NOREPLICAS", 0) == 0) {
     return Status::unavailable(std::move(msg));
   }
   return Status::internal(std::move(msg));
