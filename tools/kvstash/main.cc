@@ -127,7 +127,8 @@ int main(int argc, char** argv) {
 
   Globals g;
   app.add_option("--redis", g.redis_url,
-                 "The cell's Redis: redis://[user:password@]host:port/db or unix://[user:password@]/path")
+                 "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path or "
+                 "redis+sentinel://[user:password@]sentinel[:port],.../service[/db]")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
   app.add_option("--redis-password-file", g.password_file,

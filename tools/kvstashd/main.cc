@@ -46,7 +46,8 @@ int main(int argc, char** argv) {
   bool emulated_rma = false;
 
   app.add_option("--redis", opts.redis_url,
-                 "The cell's Redis: redis://[user:password@]host:port/db or unix://[user:password@]/path. "
+                 "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path or "
+                 "redis+sentinel://[user:password@]sentinel[:port],.../service[/db]. "
                  "The password is better passed by KVSTASH_REDIS_PASSWORD or --redis-password-file")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
