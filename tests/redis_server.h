@@ -50,6 +50,7 @@ class RedisServer {
     return running();
   }
 
+ private:
   static int free_port() {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
@@ -63,12 +64,11 @@ class RedisServer {
   }
 
   // Ready when it answers PING (or NOAUTH, which also means it is up) on its port.
-  bool answers() const { return answers_on(port_); }
-  static bool answers_on(int port) {
+  bool answers() const {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_port = htons(static_cast<std::uint16_t>(port_));
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     bool ok = false;
     if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
@@ -80,7 +80,6 @@ class RedisServer {
     return ok;
   }
 
- private:
   void start() {
     std::vector<std::string> args{"redis-server",
                                   "--port",

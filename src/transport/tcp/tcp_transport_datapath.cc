@@ -9,6 +9,8 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include "common/log.h"
@@ -269,20 +271,24 @@ void Stream::read_more() {
 
 Stream::Read Stream::read_response() {
   const int fd = socket_.native_handle();
+  // A receive that moved no bytes: try again (nullopt), wait for the socket, or the stream
+  // failed (`during`: which part of the response).
+  auto moved_nothing = [&](ssize_t n, std::string_view during) -> std::optional<Read> {
+    if (n < 0 && errno == EINTR) return std::nullopt;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Read::kWait;
+    std::string what = "tcp receive failed";
+    what.append(during).append(": ").append(n == 0 ? "peer closed the connection" : std::strerror(errno));
+    fail_all(Status::unavailable(std::move(what)));
+    return Read::kEnded;
+  };
   for (;;) {
     if (!in_payload_) {
       // The header, then the request it answers: the group of ops at the front of the wire.
       auto* into = reinterpret_cast<std::byte*>(&response_) + response_got_;
       const ssize_t n = ::recv(fd, into, sizeof response_ - response_got_, MSG_DONTWAIT);
-      if (n == 0) {
-        fail_all(Status::unavailable("peer closed the tcp connection"));
-        return Read::kEnded;
-      }
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return Read::kWait;
-        fail_all(Status::unavailable(std::string("tcp receive failed: ") + std::strerror(errno)));
-        return Read::kEnded;
+      if (n <= 0) {
+        if (auto next = moved_nothing(n, "")) return *next;
+        continue;
       }
       response_got_ += static_cast<std::size_t>(n);
       if (response_got_ < sizeof response_) continue;
@@ -319,15 +325,9 @@ Stream::Read Stream::read_response() {
       msg.msg_iov = payload_.data() + payload_first_;
       msg.msg_iovlen = payload_count_ - payload_first_;
       const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-      if (n == 0) {
-        fail_all(Status::unavailable("tcp receive failed mid-payload: peer closed the connection"));
-        return Read::kEnded;
-      }
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return Read::kWait;
-        fail_all(Status::unavailable(std::string("tcp receive failed mid-payload: ") + std::strerror(errno)));
-        return Read::kEnded;
+      if (n <= 0) {
+        if (auto next = moved_nothing(n, " mid-payload")) return *next;
+        continue;
       }
       for (auto left = static_cast<std::size_t>(n); left > 0;) {
         iovec& v = payload_[payload_first_];
