@@ -18,14 +18,7 @@ Status fence_new_master(const RedisOptions::Command& run, const std::string& pre
   if (at == std::string_view::npos) return Status::corrupt("redis: INFO replication names no master_replid");
   const auto from = at + kField.size();
   const std::string_view replid = text.substr(from, text.find_first_of("\r\n", from) - from);
-  const Script& script = scripts::fence_master();
-  const std::vector<std::string_view> eval{"EVALSHA", script.sha, "1", prefix, replid};
-  Result<Reply> fenced = run(eval);
-  if (!fenced.is_ok() && fenced.status().message().rfind("redis: NOSCRIPT", 0) == 0) {
-    // A new master knows no scripts yet (EVAL would need one more ACL right than the others).
-    KVSTASH_RETURN_IF_ERROR(run({"SCRIPT", "LOAD", script.body}).status());
-    fenced = run(eval);
-  }
+  Result<Reply> fenced = eval_with(run, scripts::fence_master(), {prefix}, {replid});
   if (!fenced.is_ok()) return fenced.status().with_context("redis: fencing the cell against its master");
   if (fenced->integer() == 1) {
     KVSTASH_LOG_WARN("redis: cell {} reached a new master (a failover): its memory nodes register again", prefix);

@@ -511,18 +511,24 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
   }
 }
 
-Result<Reply> RedisClient::eval(const Script& script, const std::vector<std::string_view>& keys,
-                                const std::vector<std::string_view>& args) {
+Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
+                        const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args) {
   std::string nkeys = std::to_string(keys.size());
   std::vector<std::string_view> argv{"EVALSHA", script.sha, nkeys};
   argv.insert(argv.end(), keys.begin(), keys.end());
   argv.insert(argv.end(), args.begin(), args.end());
-  auto r = command(argv);
+  auto r = run(argv);
   // Scripts answer NOT_FOUND themselves too; only Redis's own NOSCRIPT means "load me".
   if (r.is_ok() || r.status().message().rfind("redis: NOSCRIPT", 0) != 0) return r;
   // NOSCRIPT: Redis restarted, failed over or flushed its scripts. Load and run again.
-  KVSTASH_RETURN_IF_ERROR(command({"SCRIPT", "LOAD", script.body}).status());
-  return command(argv);
+  KVSTASH_RETURN_IF_ERROR(run({"SCRIPT", "LOAD", script.body}).status());
+  return run(argv);
+}
+
+Result<Reply> RedisClient::eval(const Script& script, const std::vector<std::string_view>& keys,
+                                const std::vector<std::string_view>& args) {
+  return eval_with([this](const std::vector<std::string_view>& argv) { return command(argv); }, script, keys,
+                   args);
 }
 
 }  // namespace kvstash::metadata

@@ -105,6 +105,12 @@ struct Script {
   std::string sha;  // hex SHA1 of body
 };
 
+// EVALSHA of `script` through `run`, loading the script first when Redis does not know it
+// (NOSCRIPT: after a restart, a failover or SCRIPT FLUSH). RedisClient::eval, and Cell's
+// on_connect fence, which runs before the connection is the client's.
+Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
+                        const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args);
+
 class RedisClient {
  public:
   // Connects (and authenticates, and selects the db). Errors: kInvalidArgument (bad URL),
