@@ -3,16 +3,10 @@
 // follow a failover (the master killed) within a measured bound; the first connection to the
 // new master fences the cell's nodes (fence_master.lua), so nothing the old master handed out
 // is used against the new one.
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <thread>
 
@@ -28,49 +22,6 @@ using namespace std::chrono_literals;
 
 constexpr const char* kService = "kvs-test";
 
-// A redis-server in sentinel mode watching `master_port` as kService (quorum 1, down after
-// 300 ms), its configuration in a file of its own (Sentinel rewrites it).
-class Sentinel {
- public:
-  explicit Sentinel(int master_port) {
-    port_ = test::RedisServer::free_port();
-    conf_ = "/tmp/kvstash-sentinel-" + std::to_string(port_) + ".conf";
-    std::ofstream(conf_) << "port " << port_ << "\nbind 127.0.0.1\ndir /tmp\nlogfile \"\"\n"
-                         << "sentinel monitor " << kService << " 127.0.0.1 " << master_port << " 1\n"
-                         << "sentinel down-after-milliseconds " << kService << " 300\n"
-                         << "sentinel failover-timeout " << kService << " 3000\n";
-    pid_ = fork();
-    if (pid_ == 0) {
-      int devnull = ::open("/dev/null", O_WRONLY);
-      dup2(devnull, 1);
-      dup2(devnull, 2);
-      execlp("redis-server", "redis-server", conf_.c_str(), "--sentinel", nullptr);
-      _exit(127);
-    }
-    for (int i = 0; i < 500 && !test::RedisServer::answers_on(port_); ++i) {
-      std::this_thread::sleep_for(10ms);
-    }
-  }
-  ~Sentinel() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    std::remove(conf_.c_str());
-  }
-  Sentinel(const Sentinel&) = delete;
-  Sentinel& operator=(const Sentinel&) = delete;
-  int port() const { return port_; }
-  std::string url(const std::string& tail = "") const {
-    return "redis+sentinel://127.0.0.1:" + std::to_string(port_) + "/" + kService + tail;
-  }
-
- private:
-  int port_ = 0;
-  pid_t pid_ = -1;
-  std::string conf_;
-};
-
 class SentinelTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -78,7 +29,9 @@ class SentinelTest : public ::testing::Test {
     replica_ = std::make_unique<test::RedisServer>(
         std::vector<std::string>{"--replicaof", "127.0.0.1", std::to_string(master_.port())});
     ASSERT_TRUE(replica_->running());
-    sentinel_ = std::make_unique<Sentinel>(master_.port());
+    auto sentinel = tools::LocalRedis::start({.sentinel_for = master_.port(), .service = kService});
+    ASSERT_TRUE(sentinel.is_ok()) << sentinel.status().to_string();
+    sentinel_ = std::move(sentinel).value();
     direct_ = RedisClient::connect({.url = master_.url()}).value();
     // The failover needs the replica in sync and known to the sentinel.
     ASSERT_TRUE(eventually([&] { return field(*direct_, "INFO", "replication", "slave0").find("state=online") !=
@@ -118,6 +71,18 @@ class SentinelTest : public ::testing::Test {
     ASSERT_TRUE(r.is_ok() && r->integer() == 1) << "the replica did not acknowledge";
   }
 
+  // A memory node (id n1) on the sentinel URL.
+  std::unique_ptr<tools::LocalNode> node(std::vector<std::string> extra = {}) {
+    extra.insert(extra.end(), {"--huge-pages", "off"});
+    auto n = tools::LocalNode::start({.redis_url = sentinel_->url(),
+                                      .capacity = "32MiB",
+                                      .page_size = "1MiB",
+                                      .node_id = "n1",
+                                      .extra_args = std::move(extra)});
+    EXPECT_TRUE(n.is_ok()) << n.status().to_string();
+    return n.is_ok() ? std::move(n).value() : nullptr;
+  }
+
   // Kills the master; returns how long `op` kept failing (it is retried until it succeeds or
   // 30 s passed).
   template <typename Op>
@@ -130,7 +95,7 @@ class SentinelTest : public ::testing::Test {
 
   test::RedisServer master_;
   std::unique_ptr<test::RedisServer> replica_;
-  std::unique_ptr<Sentinel> sentinel_;
+  std::unique_ptr<tools::LocalRedis> sentinel_;  // redis+sentinel:// URL over the two
   std::unique_ptr<RedisClient> direct_;  // to the first master
 };
 
@@ -227,12 +192,8 @@ TEST_F(SentinelTest, ANewMasterFencesTheCellsNodesOnce) {
 // resume once the node has re-registered with the new master, and no get ever returns bytes
 // other than its own put's (the checksum off, so only the fence can keep them out).
 TEST_F(SentinelTest, ANodeAndAStoreFollowAFailoverWithoutWrongBytes) {
-  auto node = tools::LocalNode::start({.redis_url = sentinel_->url(),
-                                       .capacity = "32MiB",
-                                       .page_size = "1MiB",
-                                       .node_id = "n1",
-                                       .extra_args = {"--heartbeat-ttl", "1s", "--huge-pages", "off"}});
-  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  auto n1 = node({"--heartbeat-ttl", "1s"});
+  ASSERT_TRUE(n1);
   StoreOptions o;
   o.redis_url = sentinel_->url();
   o.engine.transports = {TransportKind::kTcp};
@@ -274,12 +235,8 @@ TEST_F(SentinelTest, ANodeAndAStoreFollowAFailoverWithoutWrongBytes) {
 // StoreOptions::commit_replicas: a put returns once a replica holds its commit (Redis WAIT),
 // at a cost measured here; with the replica gone it returns kUnavailable, committed.
 TEST_F(SentinelTest, APutCanWaitForAReplicaToHoldItsCommit) {
-  auto node = tools::LocalNode::start({.redis_url = sentinel_->url(),
-                                       .capacity = "32MiB",
-                                       .page_size = "1MiB",
-                                       .node_id = "n1",
-                                       .extra_args = {"--huge-pages", "off"}});
-  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  auto n1 = node();
+  ASSERT_TRUE(n1);
   auto open = [&](std::uint32_t replicas) {
     StoreOptions o;
     o.redis_url = sentinel_->url();
