@@ -147,15 +147,15 @@ int main(int argc, char** argv) {
   const size_t n_tokens = sizeof tokens / sizeof tokens[0];
   const uint32_t blocks_a[] = {9, 2, 14, 5};
   const uint32_t blocks_b[] = {0, 11, 7, 3};
-  char key[40];
+  char key[KVSTASH_KEY_SIZE];
   CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 1, key, sizeof key) == KVSTASH_OK && strncmp(key, "kvp:", 4) == 0 &&
-            strlen(key) == 36,
+            strlen(key) == KVSTASH_KEY_SIZE - 1,
         "chunk key");
   /* A scheduler computes the same key without a cache, from the key options and the tag. */
   CHECK(strcmp(kvstash_kvcache_layout_tag(kva), "L3.P2.H2.D16.B4.fp16.nhd") == 0, "layout tag");
   kvstash_key_options scheduler = keys;
   scheduler.layout_tag = kvstash_kvcache_layout_tag(kva);
-  char sk[40];
+  char sk[KVSTASH_KEY_SIZE];
   CHECK(kvstash_prefix_chunk_key(tokens, n_tokens, 1, &scheduler, sk, sizeof sk) == KVSTASH_OK &&
             strcmp(sk, key) == 0,
         "kvstash_prefix_chunk_key");
@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   CHECK(kvstash_kvcache_contains_prefix(kvb, tokens, n_tokens, 0, &hit) == KVSTASH_OK && hit == 2,
         "both stored");
   /* The scheduler's form: the store alone, over the chunks' keys. */
-  char key0[40], key1[40];
+  char key0[KVSTASH_KEY_SIZE], key1[KVSTASH_KEY_SIZE];
   const char* chunk_keys[] = {key0, key1, "kvp:absent"};
   CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 0, key0, sizeof key0) == KVSTASH_OK &&
             kvstash_kvcache_key(kva, tokens, n_tokens, 1, key1, sizeof key1) == KVSTASH_OK,

@@ -175,14 +175,14 @@ TEST(PrefixKeys, MatchAnIndependentImplementation) {
   // Computed with Python's hashlib from the format in docs/integration.md, not by this code.
   PrefixKeyOptions o{.model = "llama-2-7b", .layout_tag = "L32.P2.H32.D128.B16.fp16.nhd"};
   EXPECT_EQ(prefix_chunk_keys(tokens(600), o),
-            (std::vector<std::string>{"kvp:e740a556427b33dcee847a1a9eb8b03e",
-                                      "kvp:c46d0cf85be09926f252341fa4c827bb"}));
+            (std::vector<std::string>{"kvp:{e740a556427b33dc}e740a556427b33dcee847a1a9eb8b03e",
+                                      "kvp:{e740a556427b33dc}c46d0cf85be09926f252341fa4c827bb"}));
   std::vector<std::uint32_t> eight(8);
   std::iota(eight.begin(), eight.end(), 0u);
   PrefixKeyOptions p{
       .model = "m", .layout_tag = "t", .tp_rank = 1, .tp_size = 2, .chunk_tokens = 4, .extra = "lora:x"};
-  EXPECT_EQ(prefix_chunk_keys(eight, p), (std::vector<std::string>{"kvp:a4682b65c40bf75d011b8dafa989ef91",
-                                                                   "kvp:f137426bc29ab7694e09d2cd1caceb2b"}));
+  EXPECT_EQ(prefix_chunk_keys(eight, p), (std::vector<std::string>{"kvp:{a4682b65c40bf75d}a4682b65c40bf75d011b8dafa989ef91",
+                                                                   "kvp:{a4682b65c40bf75d}f137426bc29ab7694e09d2cd1caceb2b"}));
 }
 
 TEST(PrefixKeys, ChainOverEveryEarlierTokenAndSaltedByEveryOption) {
@@ -232,8 +232,9 @@ TEST(PrefixKeys, ChainOverEveryEarlierTokenAndSaltedByEveryOption) {
   std::set<std::string> unique(base.begin(), base.end());
   EXPECT_EQ(unique.size(), 4u);
   for (const auto& key : base) {
-    EXPECT_EQ(key.size(), 36u);
-    EXPECT_EQ(key.rfind("kvp:", 0), 0u);
+    EXPECT_EQ(key.size(), 54u);
+    // The chain's root, in braces: its route tag, the same for every chunk of the chain.
+    EXPECT_EQ(key.substr(0, 22), "kvp:{" + base[0].substr(22, 16) + "}");
   }
   EXPECT_TRUE(prefix_chunk_keys(t, {.model = "m", .chunk_tokens = 0}).empty());
 }

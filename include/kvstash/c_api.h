@@ -171,8 +171,11 @@ typedef struct kvstash_key_options {
   const char* layout_tag;
 } kvstash_key_options;
 
+/* Bytes a chunk key takes with its NUL: "kvp:{" + the chain's root (16 hex) + "}" + 32 hex. */
+#define KVSTASH_KEY_SIZE 55
+
 /* The key of chunk `index` of `tokens` salted with `options` (prefix_chunk_keys: what a
- * scheduler computes without a cache) into `out` ("kvp:" + 32 hex, NUL-terminated; at least 37
+ * scheduler computes without a cache) into `out` (NUL-terminated; at least KVSTASH_KEY_SIZE
  * bytes). KVSTASH_INVALID_ARGUMENT when the tokens hold no such full chunk. */
 kvstash_status kvstash_prefix_chunk_key(const uint32_t* tokens, size_t n_tokens, size_t index,
                                         const kvstash_key_options* options, char* out, size_t out_size);
@@ -191,8 +194,8 @@ uint64_t kvstash_kvcache_chunk_bytes(const kvstash_kvcache* kv);
 uint32_t kvstash_kvcache_chunk_tokens(const kvstash_kvcache* kv);
 const char* kvstash_kvcache_layout_tag(const kvstash_kvcache* kv);
 
-/* The key of chunk `index` of `tokens` ("kvp:" + 32 hex, NUL-terminated) into `out` (at least
- * 37 bytes). KVSTASH_INVALID_ARGUMENT when the tokens hold no such full chunk. */
+/* The key of chunk `index` of `tokens` (NUL-terminated) into `out` (at least KVSTASH_KEY_SIZE
+ * bytes). KVSTASH_INVALID_ARGUMENT when the tokens hold no such full chunk. */
 kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                    size_t index, char* out, size_t out_size);
 

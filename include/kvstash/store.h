@@ -58,13 +58,27 @@ std::string_view to_string(RkeyScope s);  // "connection", "lease"
 std::optional<RkeyScope> parse_rkey_scope(std::string_view s);
 
 struct StoreOptions {
-  // The cell's Redis: redis://[user:password@]host[:port][/db] or
-  // unix://[user:password@]/path/to/socket[?db=N].
+  // The cell's Redis: redis://[user:password@]host[:port][/db],
+  // unix://[user:password@]/path/to/socket[?db=N], redis+sentinel://[user:password@]s1[:port],
+  // s2.../service[/db] (through Redis Sentinel) or redis+cluster://[user:password@]n1[:port],
+  // n2... (a Redis Cluster: each cell lives in one hash slot).
   std::string redis_url = "redis://127.0.0.1:6379/0";
   // Overrides the URL's password when set (keeps it out of command lines and logs).
   std::string redis_password;
   // The cell: one Redis can hold several independent cells (key prefix kvs:{kvs:<cell>}).
   std::string cell = "default";
+  // A deployment of several cells, instead of `cell` alone (docs/operations.md, Cells): each
+  // object's metadata lives in the cell its key's route wins by rendezvous hashing (the text
+  // inside the key's first {braces}, as a Redis hash tag; else the whole key; prefix-chunk
+  // keys carry their chain's root there, so a chain stays in one cell). While
+  // `previous_cells` is set (a change of the set not yet settled), gets, stat, touch and
+  // remove look in its choice first: a change moves no bytes.
+  std::vector<std::string> cells;
+  std::vector<std::string> previous_cells;
+  // Route over the cells the Redis's cell directory lists (`kvstash cells`), instead of
+  // `cells`, reading it again every cell_directory_refresh.
+  bool cell_directory = false;
+  std::chrono::milliseconds cell_directory_refresh{10000};
   // The data path: transports, preferred transport, the cluster token.
   EngineOptions engine;
   // Deadline of an operation when the caller gives none.

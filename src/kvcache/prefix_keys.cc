@@ -41,17 +41,22 @@ std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens
   static constexpr char kHex[] = "0123456789abcdef";
   const std::size_t chunks = tokens.size() / o.chunk_tokens;
   keys.reserve(chunks);
-  std::string buf;
+  // Every key carries its chain's root (the first chunk's first 64 bits) as its route tag:
+  // in a deployment of several cells a chain lives in one (metadata/cell_routes.h).
+  std::string root;
   for (std::size_t c = 0; c < chunks; ++c) {
     wire::Writer w;
     w.raw({reinterpret_cast<const char*>(h.data()), h.size()});
     for (std::size_t i = c * o.chunk_tokens; i < (c + 1) * o.chunk_tokens; ++i) w.u32(tokens[i]);
     h = sha256(w.take());
-    std::string key = "kvp:";
+    std::string name;
     for (std::size_t i = 0; i < 16; ++i) {  // 128 bits name a chunk
-      key.push_back(kHex[h[i] >> 4]);
-      key.push_back(kHex[h[i] & 15]);
+      name.push_back(kHex[h[i] >> 4]);
+      name.push_back(kHex[h[i] & 15]);
     }
+    if (c == 0) root = name.substr(0, 16);
+    std::string key = "kvp:{";
+    key.append(root).append("}").append(name);
     keys.push_back(std::move(key));
   }
   return keys;

@@ -7,7 +7,7 @@
 namespace kvstash::metadata {
 namespace {
 
-// On each connection through Sentinel, before anything else: tells the cell which master it
+// On each connection to a master through Sentinel or in a Cluster, before anything else: tells the cell which master it
 // reached (fence_master.lua), so that the first connection to a new master after a failover
 // declares the cell's nodes dead before any lease or page of the new master is used.
 Status fence_new_master(const RedisOptions::Command& run, const std::string& prefix) {
@@ -31,11 +31,15 @@ Status fence_new_master(const RedisOptions::Command& run, const std::string& pre
 Result<std::unique_ptr<Cell>> Cell::open(const CellOptions& options) {
   RedisOptions redis = options.redis;
   KVSTASH_ASSIGN_OR_RETURN(RedisUrl url, RedisUrl::parse(redis.url));
-  if (url.sentinel()) {
+  // Behind Sentinel or in a Cluster, the master can change, and a replica promoted may have
+  // missed the newest writes: each connection to a master checks it is the one the cell knew.
+  if (url.sentinel() || url.cluster()) {
     redis.on_connect = [prefix = cell_prefix(options.cell)](const RedisOptions::Command& run) {
       return fence_new_master(run, prefix);
     };
   }
+  // In a Cluster, the cell lives in its hash tag's slot: the connection follows that slot.
+  if (url.cluster()) redis.cluster_key = cell_prefix(options.cell);
   KVSTASH_ASSIGN_OR_RETURN(auto redis_client, RedisClient::connect(redis));
   return std::unique_ptr<Cell>(new Cell(std::move(redis_client), options.cell));
 }

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "common/log.h"
@@ -121,8 +122,11 @@ Status error_status(std::string_view text) {
   }
   // NOREPLICAS: a master with min-replicas-to-write and too few replicas (one restarted empty,
   // that Sentinel has not made a replica yet) refuses writes: another master may take them.
+  // Redis Cluster: MOVED and ASK (RedisClient follows them), TRYAGAIN (a slot half migrated),
+  // CLUSTERDOWN (no master for the slot, until a failover ends).
   if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
-      text.rfind("READONLY", 0) == 0 || text.rfind("NOREPLICAS", 0) == 0) {
+      text.rfind("READONLY", 0) == 0 || text.rfind("NOREPLICAS", 0) == 0 || text.rfind("MOVED ", 0) == 0 ||
+      text.rfind("ASK ", 0) == 0 || text.rfind("TRYAGAIN", 0) == 0 || text.rfind("CLUSTERDOWN", 0) == 0) {
     return Status::unavailable(std::move(msg));
   }
   return Status::internal(std::move(msg));
@@ -133,6 +137,10 @@ Status error_status(std::string_view text) {
 namespace {
 
 constexpr int kSentinelPort = 26379;
+constexpr int kRedisPort = 6379;
+
+// h1[:port],h2[:port]... into `out`, each port `default_port` unless named.
+Status parse_host_list(std::string_view hosts, int default_port, std::vector<std::pair<std::string, int>>& out);
 
 // host[:port] or [v6]:port into `host`, `port` (kept when the text names none).
 Status parse_host_port(std::string_view hostport, std::string& host, int& port) {
@@ -168,12 +176,30 @@ std::string host_port_text(const std::string& host, int port) {
   return s;
 }
 
+Status parse_host_list(std::string_view hosts, int default_port, std::vector<std::pair<std::string, int>>& out) {
+  for (std::size_t from = 0; from <= hosts.size();) {
+    const std::size_t comma = std::min(hosts.find(',', from), hosts.size());
+    auto& [host, port] = out.emplace_back(std::string(), default_port);
+    KVSTASH_RETURN_IF_ERROR(parse_host_port(hosts.substr(from, comma - from), host, port));
+    from = comma + 1;
+  }
+  return {};
+}
+
+std::string host_list_text(const std::vector<std::pair<std::string, int>>& hosts) {
+  std::string s;
+  for (std::size_t i = 0; i < hosts.size(); ++i) {
+    s.append(i > 0 ? "," : "").append(host_port_text(hosts[i].first, hosts[i].second));
+  }
+  return s;
+}
+
 }  // namespace
 
 Result<RedisUrl> RedisUrl::parse(std::string_view url) {
   RedisUrl u;
   std::string_view rest;
-  bool sentinel = false;
+  bool sentinel = false, cluster = false;
   if (url.rfind("redis://", 0) == 0) {
     rest = url.substr(8);
   } else if (url.rfind("unix://", 0) == 0) {
@@ -182,8 +208,12 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
   } else if (url.rfind("redis+sentinel://", 0) == 0) {
     rest = url.substr(17);
     sentinel = true;
+  } else if (url.rfind("redis+cluster://", 0) == 0) {
+    rest = url.substr(16);
+    cluster = true;
   } else {
-    return Status::invalid_argument("redis URL must start with redis://, redis+sentinel:// or unix://");
+    return Status::invalid_argument(
+        "redis URL must start with redis://, redis+sentinel://, redis+cluster:// or unix://");
   }
   // Credentials end at the last '@' (passwords may contain '@' only percent-encoded, but be
   // lenient).
@@ -224,14 +254,16 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
     u.service = std::string(path.substr(0, next));
     if (u.service.empty()) return Status::invalid_argument("redis+sentinel:// URL names no service (/name)");
     path = next == std::string_view::npos ? std::string_view() : path.substr(next + 1);
-    for (std::size_t from = 0; from <= hosts.size();) {
-      const std::size_t comma = std::min(hosts.find(',', from), hosts.size());
-      auto& [host, port] = u.sentinels.emplace_back(std::string(), kSentinelPort);
-      KVSTASH_RETURN_IF_ERROR(parse_host_port(hosts.substr(from, comma - from), host, port));
-      from = comma + 1;
-    }
+    KVSTASH_RETURN_IF_ERROR(parse_host_list(hosts, kSentinelPort, u.sentinels));
     u.host = u.sentinels.front().first;  // until a sentinel names the master
     u.port = u.sentinels.front().second;
+  } else if (cluster) {
+    if (!path.empty() && path != "0") {
+      return Status::invalid_argument("redis+cluster:// URL names a database: a Redis Cluster has only db 0");
+    }
+    KVSTASH_RETURN_IF_ERROR(parse_host_list(hosts, kRedisPort, u.cluster_nodes));
+    u.host = u.cluster_nodes.front().first;  // until a node names the slot's master
+    u.port = u.cluster_nodes.front().second;
   } else {
     KVSTASH_RETURN_IF_ERROR(parse_host_port(hosts, u.host, u.port));
   }
@@ -245,7 +277,7 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
 
 std::string RedisUrl::redacted() const {
   // Built with append(): GCC 12 at -O3 warns falsely (-Wrestrict) on chains of operator+.
-  std::string s = unix_socket ? "unix://" : sentinel() ? "redis+sentinel://" : "redis://";
+  std::string s = unix_socket ? "unix://" : sentinel() ? "redis+sentinel://" : cluster() ? "redis+cluster://" : "redis://";
   if (!user.empty() || !password.empty()) s.append(user).append(password.empty() ? "@" : ":***@");
   if (unix_socket) {
     s.append(path);
@@ -253,10 +285,9 @@ std::string RedisUrl::redacted() const {
     return s;
   }
   if (sentinel()) {
-    for (std::size_t i = 0; i < sentinels.size(); ++i) {
-      s.append(i > 0 ? "," : "").append(host_port_text(sentinels[i].first, sentinels[i].second));
-    }
-    s.append("/").append(service);
+    s.append(host_list_text(sentinels)).append("/").append(service);
+  } else if (cluster()) {
+    return s.append(host_list_text(cluster_nodes));
   } else {
     s.append(host_port_text(host, port));
   }
@@ -330,7 +361,9 @@ std::chrono::milliseconds RedisClient::within_deadline(std::chrono::milliseconds
 
 Status RedisClient::open() {
   ctx_.reset();
-  Status s = url_.sentinel() ? open_through_sentinels() : open_at(url_.host, url_.port);
+  Status s = url_.sentinel() ? open_through_sentinels()
+             : url_.cluster() ? open_in_cluster()
+                              : open_at(url_.host, url_.port);
   if (s.is_ok() && options_.on_connect) {
     s = options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
     if (!s.is_ok()) ctx_.reset();
@@ -385,6 +418,77 @@ Status RedisClient::open_through_sentinels() {
     last = role.status();
   }
   return last;
+}
+
+Status RedisClient::open_in_cluster() {
+  // The master it talked to last, then the seeds.
+  std::vector<std::pair<std::string, int>> nodes{{url_.host, url_.port}};
+  for (const auto& seed : url_.cluster_nodes) {
+    if (seed != nodes.front()) nodes.push_back(seed);
+  }
+  Status last = Status::unavailable("no Redis Cluster node answered");
+  for (const auto& [host, port] : nodes) {
+    const std::string where = "redis cluster node " + host_port_text(host, port);
+    Status s = open_at(host, port);
+    if (s.is_ok() && options_.cluster_key.empty()) return {};
+    Result<Reply> slot = s.is_ok() ? run_once({"CLUSTER", "KEYSLOT", options_.cluster_key}) : Result<Reply>(s);
+    Result<Reply> slots = slot.is_ok() ? run_once({"CLUSTER", "SLOTS"}) : Result<Reply>(slot.status());
+    if (!slots.is_ok()) {
+      ctx_.reset();
+      last = slots.status().with_context(where);
+      continue;
+    }
+    // CLUSTER SLOTS: [[first, last, [host, port, id, ...], replicas...], ...]
+    std::optional<std::pair<std::string, int>> master;
+    for (std::size_t i = 0; i < slots->size(); ++i) {
+      const redisReply* range = slots->element(i);
+      if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 || range->element[2]->type != REDIS_REPLY_ARRAY ||
+          range->element[2]->elements < 2 || slot->integer() < range->element[0]->integer ||
+          slot->integer() > range->element[1]->integer) {
+        continue;
+      }
+      const redisReply* m = range->element[2];
+      std::string m_host(m->element[0]->str != nullptr ? m->element[0]->str : "", m->element[0]->len);
+      master.emplace(m_host.empty() ? host : m_host, static_cast<int>(m->element[1]->integer));
+    }
+    if (!master) {
+      ctx_.reset();
+      last = Status::unavailable(where + ": no master serves slot " + std::to_string(slot->integer()) +
+                                 " (a failover in progress?)");
+      continue;
+    }
+    if (*master != std::pair{host, port}) s = open_at(master->first, master->second);
+    if (s.is_ok()) {
+      std::tie(url_.host, url_.port) = *master;
+      return {};
+    }
+    last = s.with_context("the master of slot " + std::to_string(slot->integer()));
+  }
+  return last;
+}
+
+Status RedisClient::redirect(std::string_view error) {
+  // "MOVED <slot> <host>:<port>" or "ASK <slot> <host>:<port>"; an empty host is this node's.
+  const bool moved = error.rfind("MOVED ", 0) == 0;
+  std::string_view target = error.substr(error.rfind(' ') + 1);
+  std::string host = url_.host;
+  int port = url_.port;
+  if (target.starts_with(':')) {  // the node knows no endpoint of its own: its address
+    auto p = parse_int(target.substr(1), 1, 65535);
+    if (!p) return Status::corrupt("redis cluster: a redirection to a bad port: " + std::string(error));
+    port = *p;
+  } else {
+    KVSTASH_RETURN_IF_ERROR(parse_host_port(target, host, port).with_context(std::string(error)));
+  }
+  KVSTASH_LOG_INFO("redis cluster: {} (slot now at {})", moved ? "MOVED" : "ASK", host_port_text(host, port));
+  KVSTASH_RETURN_IF_ERROR(open_at(host, port));
+  if (!moved) return run_once({"ASKING"}).status();
+  url_.host = host;
+  url_.port = port;
+  if (!options_.on_connect) return {};
+  Status s = options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
+  if (!s.is_ok()) ctx_.reset();
+  return s;
 }
 
 Status RedisClient::open_at(const std::string& address, int port, Server to) {
@@ -485,11 +589,26 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
   auto give_up = Clock::now() + options_.reconnect_budget;
   if (deadline_) give_up = std::min(give_up, *deadline_);
   auto backoff = options_.backoff_initial;
-  for (;;) {
+  constexpr int kMaxRedirects = 5;
+  for (int redirects = 0;;) {
     if (ctx_) {
       auto r = run_once(args);
       // Retry only what surely did not run: a broken connection or a server still loading.
       if (r.is_ok() || r.status().code() != StatusCode::kUnavailable) return r;
+      // A cluster's slot moved (MOVED: for good; ASK: it is moving, the command goes there once).
+      std::string_view text = r.status().message();
+      if (text.starts_with("redis: ")) text.remove_prefix(7);
+      if (url_.cluster() && (text.rfind("MOVED ", 0) == 0 || text.rfind("ASK ", 0) == 0) &&
+          redirects++ < kMaxRedirects) {
+        Status s = redirect(text);
+        if (s.is_ok() && text.rfind("ASK ", 0) == 0) {
+          r = run_once(args);
+          ctx_.reset();  // the next command goes to the slot's master again
+          if (r.is_ok() || r.status().code() != StatusCode::kUnavailable) return r;
+        }
+        if (s.is_ok()) continue;
+        if (s.code() == StatusCode::kPermissionDenied) return s;
+      }
       KVSTASH_LOG_INFO("{}", r.status().to_string());
     }
     if (Clock::now() + backoff > give_up) {

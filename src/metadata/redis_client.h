@@ -28,6 +28,9 @@ namespace kvstash::metadata {
 // redis+sentinel://[[user]:password@]sentinel[:port][,sentinel[:port]...]/service[/db]
 //   the master of `service` as Redis Sentinel names it (sentinels listen on 26379 by default);
 //   the credentials are the master's
+// redis+cluster://[[user]:password@]node[:port][,node[:port]...]
+//   a Redis Cluster, reached through any of the nodes listed (6379 by default); the client
+//   talks to the master of one hash slot (RedisOptions::cluster_key), following MOVED and ASK
 struct RedisUrl {
   bool unix_socket = false;
   std::string host = "127.0.0.1";
@@ -38,8 +41,10 @@ struct RedisUrl {
   std::string password;
   std::vector<std::pair<std::string, int>> sentinels;  // redis+sentinel://: host, port of each
   std::string service;                                 // redis+sentinel://: the master's name
+  std::vector<std::pair<std::string, int>> cluster_nodes;  // redis+cluster://: the seeds
 
   bool sentinel() const { return !sentinels.empty(); }
+  bool cluster() const { return !cluster_nodes.empty(); }
 
   // Errors: kInvalidArgument naming what is wrong (never echoing the password).
   static Result<RedisUrl> parse(std::string_view url);
@@ -69,6 +74,10 @@ struct RedisOptions {
   // fence a new master after a Sentinel failover.
   using Command = std::function<Result<Reply>(const std::vector<std::string_view>&)>;
   std::function<Status(const Command&)> on_connect;
+  // redis+cluster://: the key whose hash slot every command of this connection addresses (a
+  // cell's prefix: the cell's keys share its hash tag). The client connects to that slot's
+  // master and follows it when the slot moves.
+  std::string cluster_key;
 };
 
 // An owned hiredis reply.
@@ -145,7 +154,7 @@ class RedisClient {
 
  private:
   RedisClient(RedisOptions options, RedisUrl url);
-  Status open();  // connect (through the sentinels) + AUTH + SELECT + on_connect
+  Status open();  // connect (through the sentinels, or to the slot's master) + AUTH + SELECT + on_connect
   // Connects to `host`:`port` (or the unix socket), AUTH, SELECT; a sentinel only gets AUTH,
   // with the sentinels' password.
   enum class Server { kRedis, kSentinel };
@@ -153,6 +162,12 @@ class RedisClient {
   // Asks the sentinels in turn for the service's master, connects to it and checks that it is
   // one (a sentinel that has not seen a failover yet still names the old master).
   Status open_through_sentinels();
+  // Asks the cluster's nodes in turn (the last master first, then the seeds) which master
+  // serves cluster_key's slot, and connects to it.
+  Status open_in_cluster();
+  // After a MOVED or ASK reply (`error` its text): connects to the node it names. MOVED: the
+  // slot's master from now on (on_connect runs); ASK: for the one command, after ASKING.
+  Status redirect(std::string_view error);
   Result<Reply> run_once(const std::vector<std::string_view>& args);
   // `limit`, shortened to what is left of the deadline; zero or less once it has passed.
   std::chrono::milliseconds within_deadline(std::chrono::milliseconds limit) const;

@@ -61,10 +61,13 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
   const std::string reader = store::random_token();
   const auto leased_at = Clock::now();
   Result<metadata::ReadLease> lease = Status::internal("unset");
-  {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
+  store::CellLink* cell = nullptr;  // the one that holds it
+  for (store::CellLink* looked : get_cells(key, deadline)) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*looked, deadline));
     MetadataClock mc(o.timings);
     lease = c->begin_get(key, reader, options.read_lease);
+    cell = looked;
+    if (lease.status().code() != StatusCode::kNotFound) break;
   }
   if (!lease.is_ok()) return lease.status().with_context(std::string(key));
 
@@ -128,10 +131,10 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
   // margin for clock drift) asks Redis whether its pages were reused meanwhile.
   const bool lease_held = Clock::now() < leased_at + options.read_lease - options.read_lease / 10;
   if (!moved.is_ok() || lease_held) {
-    release_later(reader, *lease);
+    release_later(*cell, reader, *lease);
     if (!moved.is_ok()) return moved.with_context(std::string(key));
   } else {
-    auto c = borrow(deadline);
+    auto c = borrow(*cell, deadline);
     if (!c.is_ok()) return c.status().with_context(std::string(key));
     MetadataClock mc(o.timings);
     KVSTASH_RETURN_IF_ERROR((*c)->end_get(reader, *lease).with_context(std::string(key)));
@@ -156,11 +159,12 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
   return info;
 }
 
-void Store::Impl::release_later(const std::string& reader, const metadata::ReadLease& lease) {
-  if (!read_releases.add({reader, lease.object_token, lease.placement.extents_text})) return;
-  releaser->submit([this] {
-    read_releases.drain([this](std::span<const metadata::Catalog::EndedRead> batch) {
-      auto c = borrow(deadline_after(options.redis_timeout * 2));
+void Store::Impl::release_later(store::CellLink& cell, const std::string& reader,
+                                const metadata::ReadLease& lease) {
+  if (!cell.read_releases.add({reader, lease.object_token, lease.placement.extents_text})) return;
+  releaser->submit([this, &cell] {
+    cell.read_releases.drain([this, &cell](std::span<const metadata::Catalog::EndedRead> batch) {
+      auto c = borrow(cell, deadline_after(options.redis_timeout * 2));
       auto ended = c.is_ok() ? (*c)->end_gets(batch) : Result<std::vector<Status>>(c.status());
       if (!ended.is_ok()) {
         KVSTASH_LOG_DEBUG("ending {} read leases failed, they will expire: {}", batch.size(),

@@ -288,11 +288,12 @@ Status PutStream::commit() {
     KVSTASH_LOG_DEBUG("put {} failed: {}", st.key, moved.to_string());
     return moved;
   }
-  auto c = st.impl->borrow(st.deadline);
+  auto c = st.impl->borrow(*st.pages.cell, st.deadline);
   if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   MetadataClock mc(st.options.timings);
   Status committed = st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options);
   if (committed.is_ok()) committed = st.impl->wait_for_replicas(c->cell().redis(), st.deadline);
+  if (committed.is_ok()) committed = st.impl->remove_older_copy(st.key, *st.pages.cell, st.deadline);
   return committed.with_context(st.key);
 }
 
@@ -311,8 +312,9 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   st->options = options;
   st->size = size;
   st->deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
+  store::CellLink& cell = impl_->put_cell(key, st->deadline);
   for (int attempt = 0;; ++attempt) {
-    auto pages = impl_->put_pages(key, size, st->deadline, options.timings);
+    auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings);
     if (!pages.is_ok()) return pages.status().with_context(st->key);
     st->pages = std::move(pages).value();
     st->began = Clock::now();
@@ -418,7 +420,7 @@ Status Store::Impl::wait_for_replicas(metadata::RedisClient& redis, Deadline dea
 
 void Store::Impl::end_put(const std::string& key, const store::PutPages& pages,
                           const std::vector<std::string>& fenced, Deadline deadline) {
-  auto c = borrow(deadline);
+  auto c = borrow(*pages.cell, deadline);
   Status aborted = c.is_ok() ? abort_pages(**c, pages, fenced).status() : c.status();
   if (!aborted.is_ok()) {
     KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());

@@ -34,9 +34,10 @@ metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std
 
 }  // namespace
 
-Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64_t size, Deadline deadline,
-                                               OpTimings* timings) {
+Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
+                                               Deadline deadline, OpTimings* timings) {
   store::PutPages pages;
+  pages.cell = &cell;
   pages.token = store::random_token();
   // A put from the reservation keeps at least half a put lease for its writes (or the
   // caller's whole deadline, when that is shorter).
@@ -56,7 +57,7 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
     bool shunned = false;  // it has pages on a node this client avoids now
     {
       std::lock_guard lock(reserve_mu);
-      held = reservation;
+      held = cell.reservation;
       shunned = held && avoided->any_in(held->placement);
       if (held && !shunned && take(held)) {
         pages.held = true;
@@ -67,7 +68,7 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
   }
 
   const std::vector<metadata::NodeEndpoint> avoid = avoided->list();
-  KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline));
+  KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(cell, deadline));
   MetadataClock mc(timings);
   const auto leased_at = Clock::now();
   pages.lease_until = store::within_lease(Deadline::max(), leased_at, options.put_lease);
@@ -76,6 +77,7 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
     return pages;
   }
   auto fresh = std::make_shared<store::Reservation>();
+  fresh->cell = &cell;
   fresh->token = store::random_token();
   KVSTASH_ASSIGN_OR_RETURN(
       fresh->placement, c->reserve_pages(fresh->token, size, options.put_reservation, options.put_lease, avoid));
@@ -84,7 +86,7 @@ Result<store::PutPages> Store::Impl::put_pages(std::string_view key, std::uint64
   {
     std::lock_guard lock(reserve_mu);
     if (!take(fresh)) return Status::internal("store: a page reservation without the put's own pages");
-    replaced = std::exchange(reservation, fresh);
+    replaced = std::exchange(cell.reservation, fresh);
   }
   if (replaced) release_unused_later(std::move(replaced));
   return pages;
@@ -115,7 +117,7 @@ void Store::Impl::release_unused(const std::shared_ptr<store::Reservation>& r, D
     from = r->next;
     r->next = r->placement.extents.size();  // nothing more is taken from it
   }
-  auto c = borrow(deadline);
+  auto c = borrow(*r->cell, deadline);
   Status s = c.is_ok() ? (*c)->release_reservation(r->token, from).status() : c.status();
   if (!s.is_ok()) {
     KVSTASH_LOG_INFO("page reservation {}: its unused pages return with its lease: {}", r->token,
@@ -131,8 +133,8 @@ void Store::Impl::release_unused_later(std::shared_ptr<store::Reservation> r) {
 void Store::Impl::retire(const std::shared_ptr<store::Reservation>& r) {
   {
     std::lock_guard lock(reserve_mu);
-    if (reservation != r) return;  // replaced already, and released then
-    reservation.reset();
+    if (r->cell->reservation != r) return;  // replaced already, and released then
+    r->cell->reservation.reset();
   }
   release_unused_later(r);
 }

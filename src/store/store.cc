@@ -36,8 +36,8 @@ Store::~Store() {
   // Async operations, then lease releases and aborts, finish before the engine and
   // connections go away; the reserved pages no put took go back.
   impl_->workers.reset();
-  if (impl_->reservation) {
-    impl_->release_unused(impl_->reservation, deadline_after(impl_->options.redis_timeout));
+  for (auto& [name, cell] : impl_->cell_links) {
+    if (cell->reservation) impl_->release_unused(cell->reservation, deadline_after(impl_->options.redis_timeout));
   }
   impl_->releaser.reset();
   impl_->aborter.reset();
@@ -49,15 +49,11 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  metadata::CellOptions cell{.cell = options.cell};
-  cell.redis.url = options.redis_url;
-  cell.redis.password = options.redis_password;
-  cell.redis.command_timeout = options.redis_timeout;
-  cell.redis.connect_timeout = options.redis_timeout;
-  KVSTASH_ASSIGN_OR_RETURN(impl->cells, metadata::CellPool::open(cell, options.redis_connections));
+  const Deadline opening = deadline_after(options.timeout);
+  KVSTASH_RETURN_IF_ERROR(impl->load_cell_map(opening));
   {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, impl->borrow(deadline_after(options.timeout)));
-    KVSTASH_RETURN_IF_ERROR(c.cell().check_schema());
+    // The rkey scope is the deployment's: its first cell's.
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl->borrow(*impl->map->links.front(), opening));
     if (options.rkey_scope) {
       impl->scope = *options.rkey_scope;
     } else {
@@ -85,7 +81,7 @@ Result<ObjectInfo> Store::get_unsized(std::string_view key, const GetInto& into,
 }
 
 Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(deadline, [&](metadata::Catalog& c) -> Result<ObjectInfo> {
+  return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) -> Result<ObjectInfo> {
     KVSTASH_ASSIGN_OR_RETURN(auto r, c.stat(key));
     ObjectInfo info;
     info.size = r.size;
@@ -102,15 +98,43 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
 
 Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
                                            std::optional<Deadline> deadline) {
-  return impl_->with_catalog(deadline, [&](metadata::Catalog& c) { return c.contains_prefix(keys); });
+  if (keys.empty()) return std::size_t{0};
+  // The chain lives where its first key routes (the keys share its route). While a change of
+  // the cells settles, its start may be in the previous choice and the rest in the current.
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+  std::size_t found = 0;
+  for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+    KVSTASH_ASSIGN_OR_RETURN(std::size_t more, c->contains_prefix(keys.subspan(found)));
+    found += more;
+    if (found == keys.size()) break;
+  }
+  return found;
 }
 
 Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(deadline, [&](metadata::Catalog& c) { return c.remove(key); });
+  // From every cell a get would look in: OK when one held it and none failed (a failure may
+  // have left a copy a get still finds).
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+  Status failed, not_found;
+  bool removed = false;
+  for (store::CellLink* cell : impl_->get_cells(key, d)) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+    Status s = c->remove(key);
+    if (s.is_ok()) {
+      removed = true;
+    } else if (s.code() == StatusCode::kNotFound) {
+      not_found = s;
+    } else if (failed.is_ok()) {
+      failed = s;
+    }
+  }
+  if (!failed.is_ok()) return failed;
+  return removed ? Status() : not_found;
 }
 
 Status Store::touch(std::string_view key, std::chrono::milliseconds ttl, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
+  return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
 }
 
 std::future<Status> Store::put_async(std::string key, std::vector<Slice> data, PutOptions options) {

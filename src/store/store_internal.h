@@ -1,6 +1,7 @@
 // Private to src/store: the state a Store shares between its files.
 //
 //   store.cc          open, the small operations (stat, remove, touch, contains_prefix), async
+//   cells.cc          the deployment's cells: which one a key's metadata is in (metadata/cell_routes.h)
 //   put_stream.cc     puts: begin_put, PutStream (append, commit, abort); Store::put is one
 //   reservations.cc   a put's pages: from the client's page reservation, or a begin_put
 //   get.cc            gets: begin_get, the reads in waves, checksum, end_get
@@ -10,6 +11,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -31,6 +34,13 @@ namespace store {
 // A put's or a reader's token in Redis: 128 random bits as hex.
 std::string random_token();
 
+// The status of an operation's outcome, whichever form it takes.
+inline Status status_of(const Status& s) { return s; }
+template <typename T>
+Status status_of(const Result<T>& r) {
+  return r.status();
+}
+
 // The largest object_layout a record takes.
 inline constexpr std::size_t kMaxObjectLayout = 64u << 10;
 
@@ -51,9 +61,31 @@ class MetadataClock {
   Clock::time_point start_;
 };
 
+struct Reservation;
+
+// One cell of the deployment, as this store uses it: its Redis connections, the page
+// reservation its puts take from, the read leases to end there. Opened on first use, kept
+// until the store closes (a get may still look in a cell the directory dropped).
+struct CellLink {
+  std::string name;
+  std::unique_ptr<metadata::CellPool> pool;
+  std::shared_ptr<Reservation> reservation;  // the one puts take pages from (guarded by Impl::reserve_mu)
+  metadata::ReadReleases read_releases;      // read leases yet to end there, in batches
+};
+
+// The cells the store routes over (metadata/cell_routes.h): puts go to `cells`' choice, gets look in
+// `previous`' choice first while it is set. Immutable once built; a directory change builds a
+// new one.
+struct CellMap {
+  std::vector<std::string> cells, previous;
+  std::vector<CellLink*> links, previous_links;  // one per name, in the same order
+  std::int64_t epoch = 0;
+};
+
 // A page reservation this client holds (Catalog::reserve_pages): its puts take consecutive
 // runs of its pages, and each commits with one Redis round trip.
 struct Reservation {
+  CellLink* cell = nullptr;  // where its pages are
   std::string token;
   metadata::Placement placement;  // every page, in the reservation's order
   Clock::time_point lease_until;  // local time by which every write into it has ended
@@ -62,6 +94,7 @@ struct Reservation {
 
 // A put's pages and how Redis knows the put.
 struct PutPages {
+  CellLink* cell = nullptr;                  // the cell the put's metadata is in
   std::string token;                         // the put's (the object's, once committed)
   metadata::Placement placement;             // the put's pages only
   Clock::time_point lease_until;             // its writes end by then
@@ -88,23 +121,54 @@ struct Store::Impl {
   std::unique_ptr<store::NodeLinks> links;
   std::unique_ptr<store::AvoidedNodes> avoided;  // nodes puts take no pages from, for now
 
-  std::unique_ptr<metadata::CellPool> cells;  // Redis connections, held only around metadata calls
+  // The deployment's cells (cells.cc): links by name, the map routed over now, and (with
+  // options.cell_directory) a connection to the directory and when it was read.
+  std::mutex cells_mu;
+  std::map<std::string, std::unique_ptr<store::CellLink>, std::less<>> cell_links;  // guarded by cells_mu
+  std::shared_ptr<const store::CellMap> map;                                        // guarded by cells_mu
+  std::unique_ptr<metadata::RedisClient> directory;                                 // guarded by refresh_mu
+  std::mutex refresh_mu;
+  Clock::time_point map_read_at;  // guarded by refresh_mu
 
   std::unique_ptr<ThreadPool> workers;
   std::unique_ptr<ThreadPool> hashers;  // help hash a large put's segments (sum_segments)
   unsigned hasher_count = 0;
   std::unique_ptr<ThreadPool> releaser;  // ends read leases off the gets' critical path
-  metadata::ReadReleases read_releases;  // the read leases it has yet to end, in batches
   std::unique_ptr<ThreadPool> aborter;   // confirms failed puts' fences off the callers' path
 
-  // A Redis connection for one operation, its commands bounded by the operation's deadline.
-  Result<metadata::CellPool::Borrowed> borrow(Deadline deadline) { return cells->borrow(deadline); }
+  // ---- the cells (cells.cc)
+  // Builds the map from the options (cells, or the one cell) or the directory, opening the
+  // links it names; it replaces the current one only when every link opened.
+  Status load_cell_map(Deadline deadline);
+  // The map to route by now; with a directory, read again first when it is older than
+  // options.cell_directory_refresh (a failed read keeps the old map, and is logged).
+  std::shared_ptr<const store::CellMap> cell_map(Deadline deadline);
+  // The cell a put of `key` goes to.
+  store::CellLink& put_cell(std::string_view key, Deadline deadline);
+  // The cells a get of `key` looks in, in order: the previous set's choice, then the current.
+  std::vector<store::CellLink*> get_cells(std::string_view key, Deadline deadline);
 
+  // After a put of `key` committed in `committed_in`: removes the copy an earlier put left in
+  // the previous set's choice (gets look there first until the change settles, and would find
+  // it). kUnavailable when it could not, the put committed.
+  Status remove_older_copy(std::string_view key, store::CellLink& committed_in, Deadline deadline);
+
+  // A Redis connection to `cell` for one operation, its commands bounded by its deadline.
+  Result<metadata::CellPool::Borrowed> borrow(store::CellLink& cell, Deadline deadline) {
+    return cell.pool->borrow(deadline);
+  }
+
+  // fn(catalog) in each cell a get of `key` looks in, until one answers other than kNotFound.
   template <typename Fn>
-  auto with_catalog(std::optional<Deadline> deadline, Fn fn)
+  auto with_catalog(std::string_view key, std::optional<Deadline> deadline, Fn fn)
       -> decltype(fn(std::declval<metadata::Catalog&>())) {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(deadline.value_or(deadline_after(options.timeout))));
-    return fn(*c);
+    const Deadline d = deadline.value_or(deadline_after(options.timeout));
+    const auto cells = get_cells(key, d);
+    for (std::size_t i = 0;; ++i) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*cells[i], d));
+      auto r = fn(*c);
+      if (i + 1 == cells.size() || store::status_of(r).code() != StatusCode::kNotFound) return r;
+    }
   }
 
   store::LeasePolicy lease_policy() const { return {scope, options.put_lease}; }
@@ -119,16 +183,16 @@ struct Store::Impl {
   // Pages for a put of `size` bytes: a run of the reservation when it has enough and enough
   // lease left (no round trip), else a new reservation (or, with options.put_reservation 0, a
   // begin_put of the put's own). Errors name no key.
-  Result<store::PutPages> put_pages(std::string_view key, std::uint64_t size, Deadline deadline,
-                                    OpTimings* timings);
+  Result<store::PutPages> put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
+                                    Deadline deadline, OpTimings* timings);
   // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                       std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o);
   // abort_put or abort_reserved.
   Result<std::uint64_t> abort_pages(metadata::Catalog& c, const store::PutPages& pages,
                                     std::span<const std::string> fenced);
-  // Returns the pages of `r` no put was given, in Redis (errors only logged: the lease and the
-  // nodes' fences reclaim them); release_unused_later does it on the releaser thread.
+  // Returns the pages of `r` no put was given, in its cell (errors only logged: the lease and
+  // the nodes' fences reclaim them); release_unused_later does it on the releaser thread.
   void release_unused(const std::shared_ptr<store::Reservation>& r, Deadline deadline);
   void release_unused_later(std::shared_ptr<store::Reservation> r);
   // A put in `r` failed, or its commit came back stale (a node may be gone): when puts still
@@ -153,8 +217,9 @@ struct Store::Impl {
   // object's size is known.
   Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetInto* into_for,
                          const GetOptions& o);
-  // Ends a read lease on the releaser thread (errors only logged: the lease expires anyway).
-  void release_later(const std::string& reader, const metadata::ReadLease& lease);
+  // Ends a read lease in `cell` on the releaser thread (errors only logged: the lease expires
+  // anyway).
+  void release_later(store::CellLink& cell, const std::string& reader, const metadata::ReadLease& lease);
 };
 
 }  // namespace kvstash

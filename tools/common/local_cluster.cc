@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -22,6 +23,7 @@
 #include <thread>
 
 #include "common/fd.h"
+#include "metadata/redis_client.h"
 
 namespace kvstash::tools {
 
@@ -48,6 +50,27 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
+// Whether `port` on 127.0.0.1 is free right now.
+bool port_free(int port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  return fd.get() >= 0 && ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+}
+
+// A port for a Redis Cluster node: at most 55535, it and port + 10000 (the cluster bus) free
+// now, below the kernel's ephemeral range. 0 when 200 tries found none.
+int free_cluster_port() {
+  static std::atomic<unsigned> spread{static_cast<unsigned>(::getpid()) * 7919u};
+  for (int tries = 0; tries < 200; ++tries) {
+    const int port = 20000 + static_cast<int>(spread.fetch_add(7919u) % 10000u);
+    if (port_free(port) && port_free(port + 10000)) return port;
+  }
+  return 0;
+}
+
 std::string resp_command(const std::vector<std::string_view>& args) {
   // append(), not operator+: GCC 12 at -O3 warns falsely (-Wrestrict) on "*" + std::string.
   std::string s = "*";
@@ -66,7 +89,7 @@ enum class Probe {
 
 // Asks the server on `port` who it is and whether it is done loading: AUTH when we have a
 // password, then INFO server persistence. Each exchange is bounded by a 1 s socket timeout.
-Probe probe_redis(int port, const std::string& password, pid_t pid) {
+Probe probe_redis(const std::string& host, int port, const std::string& password, pid_t pid) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return Probe::kNoAnswer;
   timeval tv{1, 0};
@@ -75,7 +98,7 @@ Probe probe_redis(int port, const std::string& password, pid_t pid) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1) return Probe::kNoAnswer;
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return Probe::kNoAnswer;
 
   std::string in;
@@ -163,7 +186,7 @@ Result<std::unique_ptr<LocalRedis>> LocalRedis::start(LocalRedisOptions options)
   }
   Status last;
   for (int attempt = 0; attempt < 5; ++attempt) {
-    redis->port_ = free_port();
+    redis->port_ = redis->options_.cluster_bus ? free_cluster_port() : free_port();
     if (redis->port_ == 0) return Status::unavailable("no free TCP port on 127.0.0.1");
     bool port_taken = false;
     last = redis->launch(deadline_after(redis->options_.ready_timeout), &port_taken);
@@ -176,8 +199,8 @@ Result<std::unique_ptr<LocalRedis>> LocalRedis::start(LocalRedisOptions options)
 LocalRedis::~LocalRedis() { stop(); }
 
 std::string LocalRedis::url() const {
-  std::string url = options_.sentinel_for != 0 ? "redis+sentinel://127.0.0.1:" : "redis://127.0.0.1:";
-  url.append(std::to_string(port_));
+  std::string url = options_.sentinel_for != 0 ? "redis+sentinel://" : "redis://";
+  url.append(options_.host).append(":").append(std::to_string(port_));
   if (options_.sentinel_for != 0) url.append("/").append(options_.service);
   return url.append("/0");
 }
@@ -185,14 +208,16 @@ std::string LocalRedis::url() const {
 Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
   *port_taken = false;
   const std::string port = std::to_string(port_);
-  std::vector<std::string> argv{options_.redis_server};
+  std::vector<std::string> argv = options_.wrapper;
+  argv.push_back(options_.redis_server);
   const bool sentinel = options_.sentinel_for != 0;
   if (sentinel) {
     // Its configuration file comes first, and Sentinel rewrites it: kept across restarts.
     const std::string conf = dir_ + "/sentinel.conf";
     if (!fs::exists(conf)) {
       const std::string& s = options_.service;
-      std::ofstream(conf) << "sentinel monitor " << s << " 127.0.0.1 " << options_.sentinel_for << " 1\n"
+      std::ofstream(conf) << "sentinel monitor " << s << " " << options_.sentinel_host << " " << options_.sentinel_for
+                          << " " << options_.quorum << "\n"
                           << "sentinel down-after-milliseconds " << s << " 300\n"
                           << "sentinel failover-timeout " << s << " 3000\n";
     }
@@ -201,7 +226,7 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
     argv.push_back(dir_ + "/redis.conf");  // the config file comes first
   }
   const std::string log = dir_ + "/redis.log";
-  for (const char* a : {"--port", port.c_str(), "--bind", "127.0.0.1", "--dir", dir_.c_str(), "--logfile",
+  for (const char* a : {"--port", port.c_str(), "--bind", options_.host.c_str(), "--dir", dir_.c_str(), "--logfile",
                         log.c_str(), "--daemonize", "no"}) {
     argv.emplace_back(a);
   }
@@ -233,10 +258,10 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
     if (auto status = child_.wait(Clock::now())) {
       const std::string tail = log_tail();
       *port_taken = tail.find("Address already in use") != std::string::npos;
-      return Status::unavailable("redis-server " + describe_status(*status) + " at start on 127.0.0.1:" +
+      return Status::unavailable("redis-server " + describe_status(*status) + " at start on " + options_.host + ":" +
                                  port + (tail.empty() ? " (see its errors above)" : ": " + tail));
     }
-    switch (probe_redis(port_, options_.password, child_.pid())) {
+    switch (probe_redis(options_.host, port_, options_.password, child_.pid())) {
       case Probe::kOurs: return {};
       case Probe::kUp:
         // Ours only if it says so: another server may hold the port while ours fails to bind.
@@ -245,14 +270,14 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
       case Probe::kOther:
         child_.kill();
         *port_taken = true;
-        return Status::unavailable("port " + port + " on 127.0.0.1 is taken by another redis-server");
+        return Status::unavailable("port " + port + " on " + options_.host + " is taken by another redis-server");
       case Probe::kLoading:
       case Probe::kNoAnswer: break;
     }
     if (Clock::now() >= deadline) {
       child_.kill();
       const std::string tail = log_tail();
-      return Status::unavailable("redis-server did not answer on 127.0.0.1:" + port + " within " +
+      return Status::unavailable("redis-server did not answer on " + options_.host + ":" + port + " within " +
                                  std::to_string(options_.ready_timeout.count()) + " ms" +
                                  (tail.empty() ? "" : ": " + tail));
     }
@@ -301,6 +326,78 @@ void LocalRedis::stop() {
     fs::remove_all(dir_, ec);
     dir_.clear();
   }
+}
+
+// ---- LocalRedisCluster --------------------------------------------------------------------
+
+namespace {
+
+// One redis-cli command against a server, its stdout; nullopt when it failed or hung.
+std::optional<std::string> redis_cli(const LocalRedis& server, std::vector<std::string> args, Deadline deadline) {
+  std::vector<std::string> argv{"redis-cli", "-h", server.host(), "-p", std::to_string(server.port())};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto child = ChildProcess::start({.argv = argv, .discard_stderr = true});
+  if (!child.is_ok()) return std::nullopt;
+  std::string out;
+  while (auto line = child->read_line(deadline)) out.append(*line).append("\n");
+  auto status = child->wait(deadline);
+  if (!status || *status != 0) return std::nullopt;
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<LocalRedisCluster>> LocalRedisCluster::start(LocalRedisClusterOptions options) {
+  std::unique_ptr<LocalRedisCluster> cluster(new LocalRedisCluster());
+  std::vector<std::string> args{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                "--cluster-node-timeout", std::to_string(options.node_timeout.count())};
+  args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
+  const int total = options.masters * (1 + options.replicas_per_master);
+  std::vector<std::string> create{"--cluster", "create"};
+  for (int i = 0; i < total; ++i) {
+    KVSTASH_ASSIGN_OR_RETURN(auto server, LocalRedis::start({.extra_args = args, .cluster_bus = true}));
+    create.push_back(server->host() + ":" + std::to_string(server->port()));
+    cluster->servers_.push_back(std::move(server));
+  }
+  create.insert(create.end(), {"--cluster-replicas", std::to_string(options.replicas_per_master), "--cluster-yes"});
+  if (!redis_cli(*cluster->servers_.front(), create, deadline_after(30s))) {
+    return Status::unavailable("redis-cli --cluster create failed (is redis-tools installed?)");
+  }
+  KVSTASH_RETURN_IF_ERROR(cluster->wait_healthy(deadline_after(30s)));
+  return cluster;
+}
+
+std::string LocalRedisCluster::url() const {
+  std::string url = "redis+cluster://";
+  for (std::size_t i = 0; i < servers_.size(); ++i) {
+    url.append(i > 0 ? "," : "").append(servers_[i]->host()).append(":").append(std::to_string(servers_[i]->port()));
+  }
+  return url;
+}
+
+Status LocalRedisCluster::wait_healthy(Deadline deadline) {
+  for (;; std::this_thread::sleep_for(100ms)) {
+    bool healthy = true;
+    for (const auto& server : servers_) {
+      if (!server->running()) continue;
+      auto info = redis_cli(*server, {"CLUSTER", "INFO"}, std::min(deadline, deadline_after(2s)));
+      healthy = healthy && info && info->find("cluster_state:ok") != std::string::npos;
+      // Every master known to be a master by this node too: no failover still in flight.
+      auto nodes = healthy ? redis_cli(*server, {"CLUSTER", "NODES"}, deadline_after(2s)) : std::nullopt;
+      healthy = healthy && nodes && nodes->find("fail") == std::string::npos;
+    }
+    if (healthy) return {};
+    if (Clock::now() > deadline) return Status::unavailable("the Redis Cluster did not become healthy in time");
+  }
+}
+
+Result<std::size_t> LocalRedisCluster::master_of(std::string_view key) {
+  // The client's own slot lookup (CLUSTER SLOTS through a live node) names the master.
+  KVSTASH_ASSIGN_OR_RETURN(auto client, metadata::RedisClient::connect({.url = url(), .cluster_key = std::string(key)}));
+  for (std::size_t s = 0; s < servers_.size(); ++s) {
+    if (servers_[s]->port() == client->url().port) return s;
+  }
+  return Status::unavailable("the cluster names a master that is none of its servers");
 }
 
 // ---- LocalNode ----------------------------------------------------------------------------

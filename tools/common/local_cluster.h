@@ -47,11 +47,21 @@ struct LocalRedisOptions {
   std::string redis_server = "redis-server";
   // How long start() and restart() wait for it to answer.
   std::chrono::milliseconds ready_timeout{10000};
-  // Nonzero: run a Redis Sentinel instead, watching the master on 127.0.0.1:<this port> as
-  // `service` (quorum 1, down after 300 ms, failover timeout 3 s); url() is then the
-  // redis+sentinel:// URL clients use. Persistence and password do not apply.
+  // Nonzero: run a Redis Sentinel instead, watching the master on <sentinel_host>:<this
+  // port> as `service` (quorum `quorum`, down after 300 ms, failover timeout 3 s); url() is
+  // then the redis+sentinel:// URL clients use. Persistence and password do not apply.
   int sentinel_for = 0;
+  std::string sentinel_host = "127.0.0.1";
+  int quorum = 1;
   std::string service = "kvstash";
+  // The address it binds and is probed at: loopback, unless it runs in a network namespace
+  // (`wrapper`) with an address of its own.
+  std::string host = "127.0.0.1";
+  // A Redis Cluster node: its port leaves room for the cluster bus (port + 10000, also free).
+  bool cluster_bus = false;
+  // Words in front of the command line: {"ip", "netns", "exec", "h1"} runs it in netns h1
+  // (which execs it: the pid stays the server's).
+  std::vector<std::string> wrapper;
 };
 
 // A private redis-server on a free loopback port: bound to 127.0.0.1, working directory (and
@@ -68,10 +78,11 @@ class LocalRedis {
   LocalRedis(const LocalRedis&) = delete;
   LocalRedis& operator=(const LocalRedis&) = delete;
 
-  // "redis://127.0.0.1:PORT/0" (no credentials: pass password() separately); for a sentinel,
-  // "redis+sentinel://127.0.0.1:PORT/<service>/0".
+  // "redis://HOST:PORT/0" (no credentials: pass password() separately); for a sentinel,
+  // "redis+sentinel://HOST:PORT/<service>/0".
   std::string url() const;
   int port() const { return port_; }
+  const std::string& host() const { return options_.host; }
   const std::string& password() const { return options_.password; }
   pid_t pid() const { return child_.pid(); }
   bool running() const { return child_.running(); }
@@ -99,6 +110,40 @@ class LocalRedis {
   std::string dir_;
   int port_ = 0;
   ChildProcess child_;
+};
+
+// ---- LocalRedisCluster --------------------------------------------------------------------
+
+struct LocalRedisClusterOptions {
+  int masters = 3;
+  int replicas_per_master = 1;
+  // cluster-node-timeout: how long a master is unreachable before its replica takes over.
+  std::chrono::milliseconds node_timeout{1000};
+  // More arguments for every server.
+  std::vector<std::string> extra_args;
+};
+
+// A private Redis Cluster on loopback: masters and replicas, each a LocalRedis with
+// cluster-enabled, the slots spread over the masters by `redis-cli --cluster create`.
+class LocalRedisCluster {
+ public:
+  // Starts the servers, forms the cluster and waits until every node says cluster_state:ok.
+  // Errors: LocalRedis::start's; kUnavailable when the cluster does not form in 30 s.
+  static Result<std::unique_ptr<LocalRedisCluster>> start(LocalRedisClusterOptions options = {});
+
+  // redis+cluster://127.0.0.1:P1,127.0.0.1:P2,... (every server as a seed).
+  std::string url() const;
+  std::size_t size() const { return servers_.size(); }
+  LocalRedis& server(std::size_t i) { return *servers_[i]; }
+  // The server that is the master of `key`'s hash slot now, as a live node says; kUnavailable
+  // when no node answers or none serves the slot.
+  Result<std::size_t> master_of(std::string_view key);
+  // Waits until every running server says cluster_state:ok (a failover or a resharding ended).
+  Status wait_healthy(Deadline deadline);
+
+ private:
+  LocalRedisCluster() = default;
+  std::vector<std::unique_ptr<LocalRedis>> servers_;
 };
 
 // ---- LocalNode ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include "common/units.h"
 #include "kvstash/store.h"
 #include "metadata/cell.h"
+#include "metadata/cell_directory.h"
 #include "metadata/redis_client.h"
 
 namespace kvstash::cli {
@@ -44,6 +45,9 @@ Status Session::credentials() {
 
 Result<metadata::Cell*> Session::cell() {
   if (cell_) return cell_.get();
+  if (all_cells()) {
+    return Status::invalid_argument("--cell all: this command works on one cell (name it with --cell NAME)");
+  }
   KVSTASH_RETURN_IF_ERROR(credentials());
   metadata::CellOptions o;
   o.redis.url = g_.redis_url;
@@ -64,11 +68,26 @@ Result<Store*> Session::store() {
   o.redis_password = password_;
   o.engine.cluster_token = token_;
   o.cell = g_.cell;
+  o.cell_directory = all_cells();
   o.timeout = timeout();
   o.redis_connections = 1;
   o.async_threads = 1;
   KVSTASH_ASSIGN_OR_RETURN(store_, Store::open(o));
   return store_.get();
+}
+
+Result<metadata::RedisClient*> Session::directory() {
+  if (directory_) return directory_.get();
+  KVSTASH_RETURN_IF_ERROR(credentials());
+  metadata::RedisOptions o;
+  o.url = g_.redis_url;
+  o.password = password_;
+  o.connect_timeout = std::min(timeout(), std::chrono::milliseconds(5000));
+  o.command_timeout = timeout();
+  o.reconnect_budget = std::min(timeout(), std::chrono::milliseconds(3000));
+  o.cluster_key = metadata::kCellDirectoryKey;
+  KVSTASH_ASSIGN_OR_RETURN(directory_, metadata::RedisClient::connect(o));
+  return directory_.get();
 }
 
 std::string Session::redis_display() const {

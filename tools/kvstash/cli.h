@@ -51,8 +51,14 @@ class Session {
   bool json() const { return g_.json; }
   // The cell's connection: its admin() catalog for the operator's views and changes, its
   // catalog() for show, rm and touch, its redis() for plain commands (doctor).
+  // kInvalidArgument with --cell all (for_each_cell runs a command on each).
   Result<metadata::Cell*> cell();
+  // With --cell all, a store over the cell directory's cells.
   Result<Store*> store();
+  // A connection for the cell directory (metadata/cell_directory.h).
+  Result<metadata::RedisClient*> directory();
+  bool all_cells() const { return g_.cell == kAllCells; }
+  static constexpr std::string_view kAllCells = "all";
   // The Redis URL with any password replaced by "***".
   std::string redis_display() const;
   std::chrono::milliseconds timeout() const;
@@ -67,6 +73,7 @@ class Session {
   std::string token_;
   bool have_credentials_ = false;
   std::unique_ptr<metadata::Cell> cell_;
+  std::unique_ptr<metadata::RedisClient> directory_;
   std::unique_ptr<Store> store_;
 };
 
@@ -82,6 +89,12 @@ void add_cluster_commands(Registry& r);  // status, nodes, node show/rm, drain
 void add_object_commands(Registry& r);   // ls, show, rm, touch, evict, get, put
 void add_doctor_command(Registry& r);
 void add_plan_command(Registry& r);
+void add_cells_command(Registry& r);  // cells, cells set, cells settle
+
+// `fn` on the session's cell; with --cell all, on every cell the cell directory lists, each
+// under a "== cell NAME ==" heading (with --json: one document, {"cells": {NAME: ...}}).
+// Returns the first nonzero exit code of the cells', else 0.
+int for_each_cell(Session& s, const std::function<int(Session&)>& fn);
 
 // The server's version ("7.2.4", from INFO server); "?" when it does not say.
 std::string redis_version(metadata::RedisClient& r);

@@ -387,7 +387,7 @@ void add_cluster_commands(Registry& r) {
   auto* st =
       r.app.add_subcommand("status", "The cell at a glance: Redis, nodes, capacity, objects, hit ratio");
   st->footer("Examples:\n  kvstash status\n  kvstash status --json | jq .free_bytes");
-  st->final_callback([&r, &s] { r.action = [&s] { return status(s); }; });
+  st->final_callback([&r, &s] { r.action = [&s] { return for_each_cell(s, status); }; });
 
   auto* nodes =
       r.app.add_subcommand("nodes", "List memory nodes: state, capacity, used, free, objects, heartbeat");

@@ -409,7 +409,7 @@ void add_doctor_command(Registry& r) {
       "memlock.\n\nExamples:\n  kvstash doctor\n  kvstash doctor --json | jq '.checks[] | "
       "select(.status != \"ok\")'");
   Session& s = r.session;
-  d->final_callback([&r, &s] { r.action = [&s] { return doctor(s); }; });
+  d->final_callback([&r, &s] { r.action = [&s] { return for_each_cell(s, doctor); }; });
 }
 
 }  // namespace kvstash::cli

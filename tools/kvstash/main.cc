@@ -127,8 +127,9 @@ int main(int argc, char** argv) {
 
   Globals g;
   app.add_option("--redis", g.redis_url,
-                 "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path or "
-                 "redis+sentinel://[user:password@]sentinel[:port],.../service[/db]")
+                 "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path, "
+                 "redis+sentinel://[user:password@]sentinel[:port],.../service[/db] or "
+                 "redis+cluster://[user:password@]node[:port],...")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
   app.add_option("--redis-password-file", g.password_file,
@@ -138,7 +139,9 @@ int main(int argc, char** argv) {
                  "nodes (else KVSTASH_CLUSTER_TOKEN); refused when group or others may read or write it "
                  "(chmod 600) or when it is empty")
       ->each([&g](const std::string&) { g.token_file_given = true; });
-  app.add_option("--cell", g.cell, "Cell name (key prefix kvs:{kvs:<cell>})")
+  app.add_option("--cell", g.cell,
+                 "Cell name (key prefix kvs:{kvs:<cell>}); `all`: status, ls, doctor and get over every cell the "
+                 "cell directory lists (`kvstash cells`)")
       ->envname("KVSTASH_CELL")
       ->capture_default_str();
   app.add_flag("--json", g.json, "Machine-readable output: one JSON document on stdout");
@@ -152,6 +155,7 @@ int main(int argc, char** argv) {
   add_object_commands(reg);
   add_doctor_command(reg);
   add_plan_command(reg);
+  add_cells_command(reg);
 
   // `bench` hands everything after it to kvstash-bench untouched (see forward_bench); it is
   // declared here for --help and completion.

@@ -351,7 +351,7 @@ void add_object_commands(Registry& r) {
   ls_cmd->footer(
       "Examples:\n  kvstash ls\n  kvstash ls 'kvp:*' --sort access --limit 20\n  kvstash ls --sort size "
       "--json");
-  ls_cmd->final_callback([&r, &s, o] { r.action = [&s, o] { return ls(s, o->ls); }; });
+  ls_cmd->final_callback([&r, &s, o] { r.action = [&s, o] { return for_each_cell(s, [o](Session& c) { return ls(c, o->ls); }); }; });
 
   auto* show_cmd = r.app.add_subcommand(
       "show", "One object: size, extents and generations, checksum, TTL, layout, last access");
