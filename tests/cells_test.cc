@@ -253,6 +253,26 @@ TEST_F(CellsTest, ChangingTheCellsMovesNoBytesAndOverwritesLeaveNoOlderCopy) {
   }
 }
 
+TEST_F(CellsTest, AMemoryNodeWithCellAutoJoinsTheLeastLoadedCell) {
+  auto dir = directory();
+  ASSERT_TRUE(metadata::set_cell_directory(*dir, {"c1", "c2", "c4"}).is_ok());
+  ASSERT_TRUE(metadata::settle_cell_directory(*dir).is_ok());
+  auto joined = tools::LocalNode::start({.redis_url = cluster_->url(),
+                                         .capacity = "16MiB",
+                                         .page_size = "1MiB",
+                                         .node_id = "n-auto",
+                                         .extra_args = {"--cell", "auto", "--huge-pages", "off"}});
+  ASSERT_TRUE(joined.is_ok()) << joined.status().to_string();
+  // c4 had no node: the new one is there, and serves its puts.
+  StoreOptions o = options();
+  o.cells = {"c4"};
+  auto store = Store::open(o);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  ASSERT_TRUE(put(**store, "auto", bytes_of("auto", 1)).is_ok());
+  EXPECT_EQ(node_of(**store, "auto"), "n-auto");
+  EXPECT_EQ(get(**store, "auto"), bytes_of("auto", 1));
+}
+
 // Moves `slot`'s keys and ownership from the server `from` to the server `to`, the store's
 // `during` running with the slot half migrated (its scripts then see ASK or TRYAGAIN).
 void migrate_slot(tools::LocalRedisCluster& c, std::size_t from, std::size_t to, long slot,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "metadata/cell.h"
 #include "metadata/records.h"
 
 namespace kvstash::metadata {
@@ -82,6 +83,36 @@ Result<CellDirectory> set_cell_directory(RedisClient& redis, const std::vector<s
 
 Status settle_cell_directory(RedisClient& redis) {
   return redis.command({"HSET", kCellDirectoryKey, "previous", ""}).status();
+}
+
+Result<std::string> least_loaded_cell(const RedisOptions& redis) {
+  RedisOptions to_directory = redis;
+  to_directory.cluster_key = kCellDirectoryKey;
+  KVSTASH_ASSIGN_OR_RETURN(auto client, RedisClient::connect(to_directory));
+  KVSTASH_ASSIGN_OR_RETURN(auto d, read_cell_directory(*client));
+  if (!d) return Status::not_found("the Redis holds no cell directory to pick a cell from (kvstash cells set ...)");
+  std::string best;
+  std::uint64_t best_bytes = 0, best_nodes = 0;
+  for (const auto& name : d->cells) {
+    CellOptions one;
+    one.redis = redis;
+    one.cell = name;
+    KVSTASH_ASSIGN_OR_RETURN(auto cell, Cell::open(one));
+    KVSTASH_ASSIGN_OR_RETURN(auto ids, cell->admin().list_nodes());
+    std::uint64_t bytes = 0, nodes = 0;
+    for (const auto& id : ids) {
+      auto st = cell->admin().node_status(id);
+      if (!st.is_ok() || st->state != "up" || st->heartbeat_in_ms < 0) continue;
+      ++nodes;
+      bytes += st->page_count * st->page_size;
+    }
+    if (best.empty() || bytes < best_bytes || (bytes == best_bytes && nodes < best_nodes)) {
+      best = name;
+      best_bytes = bytes;
+      best_nodes = nodes;
+    }
+  }
+  return best;
 }
 
 }  // namespace kvstash::metadata

@@ -51,4 +51,9 @@ Result<CellDirectory> set_cell_directory(RedisClient& redis, const std::vector<s
 // Forgets `previous`: gets look only in the current set's choice from now on.
 Status settle_cell_directory(RedisClient& redis);
 
+// The cell of the directory (its current set) whose live nodes donate the least memory (ties:
+// fewer live nodes, then the first listed): where `kvstashd --cell auto` joins. `redis` is how
+// to reach the Redis (its cluster_key is set here). kNotFound without a directory.
+Result<std::string> least_loaded_cell(const RedisOptions& redis);
+
 }  // namespace kvstash::metadata

@@ -10,6 +10,7 @@
 #include "common/system.h"
 #include "common/units.h"
 #include "kvstash/types.h"
+#include "metadata/cell_directory.h"
 #include "node/admin_server.h"
 #include "node/memory_node.h"
 
@@ -46,14 +47,17 @@ int main(int argc, char** argv) {
   bool emulated_rma = false;
 
   app.add_option("--redis", opts.redis_url,
-                 "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path or "
-                 "redis+sentinel://[user:password@]sentinel[:port],.../service[/db]. "
+                 "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path, "
+                 "redis+sentinel://[user:password@]sentinel[:port],.../service[/db] or "
+                 "redis+cluster://[user:password@]node[:port],.... "
                  "The password is better passed by KVSTASH_REDIS_PASSWORD or --redis-password-file")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
   app.add_option("--redis-password-file", password_file,
                  "File holding the Redis password (ACL user's or AUTH)");
-  app.add_option("--cell", opts.cell, "Cell name: independent groups of nodes can share one Redis")
+  app.add_option("--cell", opts.cell,
+                 "Cell name: independent groups of nodes can share one Redis; `auto`: the cell of the cell "
+                 "directory (`kvstash cells`) whose live nodes donate the least memory")
       ->capture_default_str();
   app.add_option("--node-id", opts.node_id,
                  "Stable id of this node in the cell, [A-Za-z0-9._-] (default: the host name)");
@@ -159,6 +163,16 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGHUP);  // no reload: a hang-up must not kill the node undrained
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+
+  if (opts.cell == "auto") {
+    metadata::RedisOptions redis;
+    redis.url = opts.redis_url;
+    redis.password = opts.redis_password;
+    auto cell = metadata::least_loaded_cell(redis);
+    if (!cell.is_ok()) return fail(cell.status(), "--cell auto: cannot pick a cell");
+    KVSTASH_LOG_INFO("--cell auto: joining cell {}, the least loaded of the cell directory's", *cell);
+    opts.cell = *cell;
+  }
 
   auto node = node::MemoryNode::start(opts);
   if (!node.is_ok()) return fail(node.status(), "cannot start the memory node");
