@@ -61,6 +61,7 @@
 
 #include "kvstash/status.h"
 #include "kvstash/store.h"
+#include "metadata/records.h"
 #include "metadata/redis_client.h"
 #include "tools/common/local_cluster.h"
 
@@ -457,6 +458,7 @@ struct Report {
   std::vector<std::string> wrong;               // wrong bytes, described
   std::map<std::string, std::uint64_t> faults;  // the nemesis's actions
   std::vector<std::string> failures;            // clients that crashed or hung, setup errors
+  std::vector<std::string> pages;               // page accounting problems at the end
 };
 
 std::string code_name(int code) { return std::string(to_string(static_cast<StatusCode>(code))); }
@@ -573,89 +575,282 @@ struct RunConfig {
   std::string dir;
   std::string rkey_scope;
   int avoid_ms = -1;  // passed to the clients
+  std::string netns;  // the namespaces' prefix (scripts/netns-cell); empty: everything on loopback
+  int hosts = 5;      // with netns: how many hosts the script made
 };
 
-// The cell's Redis: one server, or (sentinel) two servers, one replicating the other, and a
-// sentinel over them.
+// Where the cell's processes run: all on this host's loopback, or (--netns P) on the hosts
+// scripts/netns-cell made: network namespaces P-h<i>, each with address 10.231.0.<10+i> on
+// one bridge in P-sw, this process in P-ctl. Redis (a master, two replicas, three
+// sentinels) runs on hosts 0-2, the clients too, the memory nodes on hosts 3 and up: every
+// client reaches every node across the bridge, over tcp.
+struct Hosts {
+  std::string prefix;
+  int count = 1;
+
+  bool netns() const { return !prefix.empty(); }
+  std::string ns(int host) const { return std::string(prefix).append("-h").append(std::to_string(host)); }
+  std::string addr(int host) const {
+    return netns() ? std::string("10.231.0.").append(std::to_string(10 + host)) : std::string("127.0.0.1");
+  }
+  std::vector<std::string> wrapper(int host) const {
+    if (!netns()) return {};
+    return {"ip", "netns", "exec", ns(host)};
+  }
+  int redis_host(int i) const { return netns() ? i % 3 : 0; }
+  int client_host(int i) const { return netns() ? i % 3 : 0; }
+  int node_host(int i) const { return netns() ? 3 + i % std::max(1, count - 3) : 0; }
+};
+
+// Runs a command (ip, tc) to its end; false when it failed.
+bool run_command(std::vector<std::string> argv) {
+  auto child = tools::ChildProcess::start({.argv = std::move(argv), .capture_stdout = false, .discard_stderr = true});
+  if (!child.is_ok()) return false;
+  auto status = child->wait(deadline_after(10s));
+  if (!status) child->kill();
+  return status && *status == 0;
+}
+
+// The cell's Redis: one server, or (sentinel) servers, one master and the rest replicating
+// it, and sentinels over them: on loopback two servers and one sentinel; on the netns hosts a
+// master and two replicas on hosts 0-2 and a sentinel on each (quorum 2).
 class CellRedis {
  public:
-  static Result<std::unique_ptr<CellRedis>> start(bool sentinel) {
+  static Result<std::unique_ptr<CellRedis>> start(bool sentinel, const Hosts& hosts) {
     auto r = std::unique_ptr<CellRedis>(new CellRedis);
+    r->hosts_ = hosts;
     if (!sentinel) {
-      KVSTASH_ASSIGN_OR_RETURN(r->servers_[0], tools::LocalRedis::start({}));
+      KVSTASH_ASSIGN_OR_RETURN(auto one, tools::LocalRedis::start({.host = hosts.addr(0), .wrapper = hosts.wrapper(0)}));
+      r->servers_.push_back(std::move(one));
       return r;
     }
     // As docs/operations.md asks of Sentinel deployments: a master without a replica in sync
     // refuses writes, so one that comes back empty before Sentinel demotes it takes none.
     const std::vector<std::string> guarded{"--min-replicas-to-write", "1", "--min-replicas-max-lag", "2"};
-    KVSTASH_ASSIGN_OR_RETURN(r->servers_[0], tools::LocalRedis::start({.extra_args = guarded}));
-    std::vector<std::string> replica = guarded;
-    replica.insert(replica.end(), {"--replicaof", "127.0.0.1", std::to_string(r->servers_[0]->port())});
-    KVSTASH_ASSIGN_OR_RETURN(r->servers_[1], tools::LocalRedis::start({.extra_args = replica}));
-    KVSTASH_ASSIGN_OR_RETURN(r->sentinel_,
-                             tools::LocalRedis::start({.sentinel_for = r->servers_[0]->port(), .service = "history"}));
-    // A failover needs the replica in sync and known to the sentinel.
+    const int servers = hosts.netns() ? 3 : 2;
+    const int sentinels = hosts.netns() ? 3 : 1;
+    for (int i = 0; i < servers; ++i) {
+      std::vector<std::string> args = guarded;
+      if (i > 0) {
+        args.insert(args.end(), {"--replicaof", r->servers_[0]->host(), std::to_string(r->servers_[0]->port())});
+      }
+      const int host = hosts.redis_host(i);
+      KVSTASH_ASSIGN_OR_RETURN(auto server, tools::LocalRedis::start({.extra_args = args,
+                                                                      .host = hosts.addr(host),
+                                                                      .wrapper = hosts.wrapper(host)}));
+      r->servers_.push_back(std::move(server));
+    }
+    for (int i = 0; i < sentinels; ++i) {
+      const int host = hosts.redis_host(i);
+      KVSTASH_ASSIGN_OR_RETURN(auto sentinel, tools::LocalRedis::start({.sentinel_for = r->servers_[0]->port(),
+                                                                        .sentinel_host = r->servers_[0]->host(),
+                                                                        .quorum = sentinels / 2 + 1,
+                                                                        .service = "history",
+                                                                        .host = hosts.addr(host),
+                                                                        .wrapper = hosts.wrapper(host)}));
+      r->sentinels_.push_back(std::move(sentinel));
+    }
+    // A failover needs the replicas in sync and known to the sentinels.
     KVSTASH_ASSIGN_OR_RETURN(auto watcher, r->ask_sentinel());
-    for (auto end = Clock::now() + 20s;; std::this_thread::sleep_for(100ms)) {
+    for (auto end = Clock::now() + 30s;; std::this_thread::sleep_for(100ms)) {
       auto replicas = watcher->command({"SENTINEL", "replicas", "history"});
-      const redisReply* fields = replicas.is_ok() ? replicas->element(0) : nullptr;
-      for (std::size_t i = 0; fields != nullptr && i + 1 < fields->elements; i += 2) {
-        if (std::string_view(fields->element[i]->str) == "master-link-status" &&
-            std::string_view(fields->element[i + 1]->str) == "ok") {
-          return r;
+      int in_sync = 0;
+      for (std::size_t k = 0; replicas.is_ok() && k < replicas->size(); ++k) {
+        const redisReply* fields = replicas->element(k);
+        for (std::size_t i = 0; i + 1 < fields->elements; i += 2) {
+          if (std::string_view(fields->element[i]->str) == "master-link-status" &&
+              std::string_view(fields->element[i + 1]->str) == "ok") {
+            ++in_sync;
+          }
         }
       }
-      if (Clock::now() > end) return Status::unavailable("the sentinel never saw the replica in sync");
+      if (in_sync == servers - 1) return r;
+      if (Clock::now() > end) return Status::unavailable("the sentinel never saw the replicas in sync");
     }
   }
 
-  std::string url() const { return sentinel_ ? sentinel_->url() : servers_[0]->url(); }
+  std::string url() const {
+    if (sentinels_.empty()) return servers_[0]->url();
+    std::string url = "redis+sentinel://";
+    for (std::size_t i = 0; i < sentinels_.size(); ++i) {
+      url.append(i > 0 ? "," : "").append(sentinels_[i]->host()).append(":").append(
+          std::to_string(sentinels_[i]->port()));
+    }
+    return url.append("/history/0");
+  }
 
   // Single: restarts Redis empty. Sentinel: kills the master, waits for the failover (or
   // its time), and brings the killed server back, empty (the sentinel makes it a replica).
   // Returns the fault's name.
   Result<std::string> fault(std::mt19937_64& rng) {
-    if (!sentinel_) {
+    if (sentinels_.empty()) {
       KVSTASH_RETURN_IF_ERROR(servers_[0]->restart());
       return std::string("redis restarted empty");
     }
     KVSTASH_ASSIGN_OR_RETURN(auto watcher, ask_sentinel());
     KVSTASH_ASSIGN_OR_RETURN(auto master, watcher->command({"SENTINEL", "get-master-addr-by-name", "history"}));
     if (master.size() != 2) return Status::internal("the sentinel names no master");
+    const std::string host(master.element(0)->str);
     const int port = std::atoi(master.element(1)->str);
-    tools::LocalRedis& victim = *servers_[servers_[0]->port() == port ? 0 : 1];
-    std::printf("  at %" PRId64 " ms: killing the master on port %d\n", now_ns() / 1000000, port);
-    victim.kill();
+    auto victim = std::ranges::find_if(servers_, [&](const auto& s) { return s->host() == host && s->port() == port; });
+    if (victim == servers_.end()) return Status::internal("the sentinel names a master that is none of ours");
+    std::printf("  at %" PRId64 " ms: killing the master %s:%d\n", now_ns() / 1000000, host.c_str(), port);
+    (*victim)->kill();
     std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(1500, 3000)(rng)));
-    KVSTASH_RETURN_IF_ERROR(victim.restart());
+    KVSTASH_RETURN_IF_ERROR((*victim)->restart());
     return std::string("redis master killed (failover)");
   }
 
  private:
   CellRedis() = default;
-  // A plain connection to the sentinel itself.
+  // A plain connection to a sentinel that answers.
   Result<std::unique_ptr<metadata::RedisClient>> ask_sentinel() const {
-    return metadata::RedisClient::connect({.url = "redis://127.0.0.1:" + std::to_string(sentinel_->port())});
+    Status last = Status::unavailable("no sentinel");
+    for (const auto& sentinel : sentinels_) {
+      auto c = metadata::RedisClient::connect(
+          {.url = std::string("redis://").append(sentinel->host()).append(":").append(std::to_string(sentinel->port()))});
+      if (c.is_ok()) return c;
+      last = c.status();
+    }
+    return last;
   }
-  std::unique_ptr<tools::LocalRedis> servers_[2];
-  std::unique_ptr<tools::LocalRedis> sentinel_;
+  Hosts hosts_;
+  std::vector<std::unique_ptr<tools::LocalRedis>> servers_;
+  std::vector<std::unique_ptr<tools::LocalRedis>> sentinels_;
 };
+
+// The network nemesis of the netns hosts: a host's link down (a partition from every other
+// host), or its link degraded for a while (netem delay and loss where the kernel has netem;
+// else a token bucket of 2 Mbit/s, a slow link). Returns the fault's name; empty when the
+// commands failed.
+std::string network_fault(const Hosts& hosts, int host, bool partition, std::chrono::milliseconds lasting) {
+  const std::string sw = std::string(hosts.prefix).append("-sw");
+  const std::string port = std::string("h").append(std::to_string(host));
+  if (partition) {
+    if (!run_command({"ip", "-n", sw, "link", "set", port, "down"})) return {};
+    std::this_thread::sleep_for(lasting);
+    run_command({"ip", "-n", sw, "link", "set", port, "up"});
+    return "host partitioned (link down)";
+  }
+  const std::string ns = hosts.ns(host);
+  std::string what = "link degraded (netem 20 ms +-10 ms, 3% loss)";
+  if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "20ms", "10ms", "loss", "3%"})) {
+    if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "2mbit", "burst", "32kbit",
+                      "latency", "400ms"})) {
+      return {};
+    }
+    what = "link slowed (tbf 2 Mbit/s: this kernel has no netem)";
+  }
+  std::this_thread::sleep_for(lasting);
+  run_command({"tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"});
+  return what;
+}
+
+// Every page of every live node accounted for, once the cell is quiet (no pending put, no
+// zombie, no sweep left): each page a node handed out (below its next_page) is on its free
+// list (its generation negated) or in exactly one object's extents (with the generation the
+// object names), and no page is both or twice. Problems as text; empty when all hold.
+const metadata::Script& accounting_script() {
+  static const metadata::Script script(R"(
+local P = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local busy = redis.call('ZCARD', P .. ':pending') + redis.call('ZCARD', P .. ':zombies') + redis.call('LLEN', P .. ':sweep')
+if busy > 0 then return {'busy'} end
+local problems = {'ok'}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+  local owner, held = {}, 0
+  local gk = P .. ':gen:' .. id
+  local function hold(page, what, gen)
+    if owner[page] then
+      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': held by ' .. owner[page] .. ' and by ' .. what
+      return
+    end
+    owner[page] = what
+    held = held + 1
+    local g = tonumber(redis.call('HGET', gk, page) or '0')
+    if gen == nil and g > 0 then
+      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': free, but its generation ' .. g .. ' is not negated'
+    elseif gen ~= nil and g ~= gen then
+      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': ' .. what .. ' names generation ' .. gen .. ', the page has ' .. g
+    end
+  end
+  for _, page in ipairs(redis.call('LRANGE', P .. ':free:' .. id, 0, -1)) do hold(page, 'the free list', nil) end
+  for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do
+    local ext = redis.call('HGET', P .. ':obj:' .. key, 'extents')
+    if not ext then
+      problems[#problems + 1] = 'node ' .. id .. ': its objects name ' .. key .. ', which has no record'
+    else
+      for node, page, gen in string.gmatch(ext, '([^,;]+),(%d+),(%d+)') do
+        if node == id then hold(page, 'object ' .. key, tonumber(gen)) end
+      end
+    end
+  end
+  local handed = tonumber(redis.call('HGET', P .. ':node:' .. id, 'next_page') or '0')
+  for page, what in pairs(owner) do
+    if tonumber(page) >= handed then
+      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': held by ' .. what .. ', but never handed out'
+    end
+  end
+  if held ~= handed then
+    problems[#problems + 1] = 'node ' .. id .. ': ' .. held .. ' of the ' .. handed .. ' pages it handed out are accounted for'
+  end
+end
+return problems
+)");
+  return script;
+}
+
+std::vector<std::string> account_pages(const std::string& url) {
+  auto redis = metadata::RedisClient::connect({.url = url});
+  if (!redis.is_ok()) return {"page accounting: " + redis.status().to_string()};
+  const std::string prefix = metadata::cell_prefix("default");
+  // Put leases (3 s) and read leases (2 s) end, the nodes' reclaim (every 200 ms) frees
+  // what they held and sweeps what dead incarnations left.
+  for (auto end = Clock::now() + 60s;; std::this_thread::sleep_for(500ms)) {
+    auto r = (*redis)->eval(accounting_script(), {prefix}, {});
+    if (!r.is_ok()) {
+      if (Clock::now() < end) continue;
+      return {"page accounting: " + r.status().to_string()};
+    }
+    std::vector<std::string> out;
+    for (std::size_t i = 0; i < r->size(); ++i) out.emplace_back(r->element(i)->str, r->element(i)->len);
+    if (out.empty()) return {"page accounting: an empty reply"};
+    if (out.front() == "busy" && Clock::now() < end) continue;
+    if (out.front() == "busy") return {"page accounting: puts, zombies or sweeps still pending 60 s after the run"};
+    out.erase(out.begin());
+    return out;
+  }
+}
 
 int run(const RunConfig& rc, const std::string& self) {
   Report report;
-  auto redis = CellRedis::start(rc.redis_mode == "sentinel");
+  const Hosts hosts{rc.netns, rc.netns.empty() ? 1 : rc.hosts};
+  auto redis = CellRedis::start(rc.redis_mode == "sentinel", hosts);
   if (!redis.is_ok()) {
     std::cerr << "history: " << redis.status().to_string() << "\n";
     return 2;
   }
   const std::string url = (*redis)->url();
   auto start_node = [&](int i) -> std::unique_ptr<tools::LocalNode> {
-    auto n = tools::LocalNode::start({.redis_url = url,
-                                      .capacity = rc.capacity,
-                                      .page_size = "1MiB",
-                                      .node_id = "h" + std::to_string(i),
-                                      .extra_args = {"--heartbeat-ttl", "2s", "--reclaim-interval", "200ms",
-                                                     "--ucx-allow-emulated-rma", "--huge-pages", "off"}});
+    std::vector<std::string> args{"--heartbeat-ttl", "2s", "--reclaim-interval", "200ms", "--ucx-allow-emulated-rma",
+                                  "--huge-pages", "off"};
+    if (hosts.netns()) {
+      const std::string at = hosts.addr(hosts.node_host(i));
+      args.insert(args.end(), {"--listen", at + ":0", "--admin", at + ":0", "--transports", "tcp"});
+    }
+    // kvstashd exits when it cannot register (Redis mid-failover, its host partitioned);
+    // like a supervisor, start it again for a while.
+    Result<std::unique_ptr<tools::LocalNode>> n = Status::unavailable("not started");
+    for (auto give_up = Clock::now() + 30s; Clock::now() < give_up; std::this_thread::sleep_for(500ms)) {
+      n = tools::LocalNode::start({.redis_url = url,
+                                   .capacity = rc.capacity,
+                                   .page_size = "1MiB",
+                                   .node_id = "h" + std::to_string(i),
+                                   .extra_args = args,
+                                   .wrapper = hosts.wrapper(hosts.node_host(i))});
+      if (n.is_ok() || n.status().code() != StatusCode::kUnavailable) break;
+    }
     if (!n.is_ok()) {
       report.failures.push_back("node h" + std::to_string(i) + ": " + n.status().to_string());
       return nullptr;
@@ -677,12 +872,12 @@ int run(const RunConfig& rc, const std::string& self) {
   for (std::size_t i = 0; i < rc.transports.size(); ++i) {
     const std::string log = rc.dir + "/client-" + std::to_string(i) + "-" + rc.transports[i] + ".log";
     logs.push_back(log);
-    auto child = tools::ChildProcess::start(
-        {.argv = {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id",
-                  std::to_string(i + 1), "--threads", std::to_string(rc.threads), "--seconds",
-                  std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log,
-                  "--rkey-scope", rc.rkey_scope, "--avoid-ms", std::to_string(rc.avoid_ms)},
-         .capture_stdout = false});
+    std::vector<std::string> argv = hosts.wrapper(hosts.client_host(static_cast<int>(i)));
+    argv.insert(argv.end(), {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id",
+                             std::to_string(i + 1), "--threads", std::to_string(rc.threads), "--seconds",
+                             std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log,
+                             "--rkey-scope", rc.rkey_scope, "--avoid-ms", std::to_string(rc.avoid_ms)});
+    auto child = tools::ChildProcess::start({.argv = argv, .capture_stdout = false});
     if (!child.is_ok()) {
       std::cerr << "history: client: " << child.status().to_string() << "\n";
       return 2;
@@ -700,13 +895,25 @@ int run(const RunConfig& rc, const std::string& self) {
   while (rc.nemesis && Clock::now() + 5s < end) {
     std::this_thread::sleep_for(ms(500, 2500));
     const int victim = pick(rc.nodes);
-    const int action = rc.faults == "kill" ? 6 : rc.faults == "redis" ? 9 : pick(10);
+    // 0-5 a pause, 6-8 a kill -9, 9 a Redis fault, 10 a partition, 11 a degraded link. Across
+    // hosts, the network and the master get a larger share.
+    constexpr int kAcrossHosts[] = {0, 1, 3, 4, 6, 7, 9, 9, 10, 10, 11, 11};
+    const int action = rc.faults == "kill"    ? 6
+                       : rc.faults == "redis" ? 9
+                       : rc.faults == "net"   ? 10 + pick(2)
+                       : hosts.netns()        ? kAcrossHosts[pick(12)]
+                                              : pick(10);
     if (!nodes[victim]) {
       nodes[victim] = start_node(victim);
       ++report.faults["node restarted"];
       continue;
     }
-    if (action < 6) {  // a pause: half of them past the 2 s heartbeat TTL
+    if (action >= 10) {  // a host partitioned, or its link degraded, for a while
+      const int host = pick(hosts.count);
+      const std::string fault = network_fault(hosts, host, action == 10, ms(1000, 4000));
+      if (fault.empty()) report.failures.push_back("network fault on host " + std::to_string(host) + " failed");
+      ++report.faults[fault.empty() ? std::string("network fault failed") : fault];
+    } else if (action < 6) {  // a pause: half of them past the 2 s heartbeat TTL
       const auto pause = action < 3 ? ms(500, 1800) : ms(2200, 4000);
       ::kill(nodes[victim]->pid(), SIGSTOP);
       std::this_thread::sleep_for(pause);
@@ -719,7 +926,7 @@ int run(const RunConfig& rc, const std::string& self) {
       std::this_thread::sleep_for(ms(200, 1500));
       nodes[victim] = start_node(victim);
       if (nodes[victim]) ++report.faults["node restarted"];
-    } else if (Clock::now() - last_redis_restart > (rc.faults == "redis" ? 5s : 15s)) {
+    } else if (Clock::now() - last_redis_restart > (rc.faults == "redis" ? 5s : hosts.netns() ? 8s : 15s)) {
       // Redis restarts empty, or its master dies, now and then.
       auto fault = (*redis)->fault(rng);
       if (!fault.is_ok()) report.failures.push_back("redis fault: " + fault.status().to_string());
@@ -741,6 +948,12 @@ int run(const RunConfig& rc, const std::string& self) {
                                 std::to_string(*status));
     }
   }
+  // Every page accounted for, with the nemesis stopped (restart nodes it left down first).
+  for (int i = 0; i < rc.nodes; ++i) {
+    if (!nodes[i]) nodes[i] = start_node(i);
+  }
+  report.pages = account_pages(url);
+  for (const auto& p : report.pages) report.failures.push_back("PAGES " + p);
   nodes.clear();
   check(logs, report);
 
@@ -763,6 +976,7 @@ int run(const RunConfig& rc, const std::string& self) {
   j["violations"] = report.wrong;
   j["overdue_ops"] = report.overdue;
   j["failures"] = report.failures;
+  j["page_problems"] = report.pages;
   std::uint64_t puts = 0, puts_ok = 0;
   for (const auto& [k, v] : report.ops) {
     if (k.starts_with("put ") && k != "put stream dropped") puts += v;
@@ -817,8 +1031,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"", "connection", "lease"}));
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
   app.add_option("--faults", rc.faults,
-                 "mixed: pauses, kills, Redis faults; kill: only kill -9 and restart nodes; redis: only Redis faults")
-      ->check(CLI::IsMember({"mixed", "kill", "redis"}))
+                 "mixed: pauses, kills, Redis faults (and with --netns partitions and degraded links); kill: only "
+                 "kill -9 and restart nodes; redis: only Redis faults; net: only partitions and degraded links")
+      ->check(CLI::IsMember({"mixed", "kill", "redis", "net"}))
       ->capture_default_str();
   app.add_option("--redis-mode", rc.redis_mode,
                  "single: one redis-server (its fault: a restart, empty); sentinel: a master, a replica and a "
@@ -828,6 +1043,11 @@ int main(int argc, char** argv) {
   app.add_option("--avoid-ms", rc.avoid_ms,
                  "Clients' StoreOptions::avoid_unreachable_nodes in ms (0: off; default: the store's)");
   app.add_flag("--keep-logs", keep_logs, "Keep the clients' histories even when the run is clean");
+  app.add_option("--netns", rc.netns,
+                 "Run on the hosts scripts/netns-cell made (network namespaces PREFIX-h<i>; this process in "
+                 "PREFIX-ctl): Redis, clients and memory nodes on separate hosts, tcp across them, and network "
+                 "faults in the nemesis");
+  app.add_option("--hosts", rc.hosts, "With --netns: how many hosts there are (at least 4)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (client) {
     cc.threads = rc.threads;
@@ -840,10 +1060,15 @@ int main(int argc, char** argv) {
   if (minutes > 0) rc.seconds = minutes * 60;
   if (rc.seed == 0) rc.seed = std::random_device{}();
   rc.nemesis = !no_nemesis;
+  if (!rc.netns.empty() && app.count("--transports") == 0) transports = "tcp,tcp,tcp";  // one client per Redis host
   rc.transports.clear();
   std::stringstream ts(transports);
   for (std::string t; std::getline(ts, t, ',');) {
     if (!t.empty()) rc.transports.push_back(t);
+  }
+  if (!rc.netns.empty() && (rc.hosts < 4 || std::ranges::any_of(rc.transports, [](const auto& t) { return t != "tcp"; }))) {
+    std::cerr << "history: --netns needs at least 4 hosts and only tcp clients (the others cross no host)\n";
+    return 2;
   }
   char dir[] = "/tmp/kvstash-history-XXXXXX";
   if (::mkdtemp(dir) == nullptr) {

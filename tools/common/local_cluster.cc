@@ -230,6 +230,9 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
                         log.c_str(), "--daemonize", "no"}) {
     argv.emplace_back(a);
   }
+  // Bound to an address other than loopback (in a network namespace a test made, say), it
+  // must answer clients there: protected mode would refuse everyone but loopback.
+  if (options_.host != "127.0.0.1") argv.insert(argv.end(), {"--protected-mode", "no"});
   if (sentinel) {
     // no data of its own
   } else if (options_.persistence) {
@@ -404,7 +407,8 @@ Result<std::size_t> LocalRedisCluster::master_of(std::string_view key) {
 
 Result<std::unique_ptr<LocalNode>> LocalNode::start(LocalNodeOptions options) {
   const std::string exe = options.kvstashd.empty() ? find_tool("kvstashd") : options.kvstashd;
-  std::vector<std::string> argv{exe, "--redis", options.redis_url, "--capacity", options.capacity};
+  std::vector<std::string> argv = options.wrapper;
+  argv.insert(argv.end(), {exe, "--redis", options.redis_url, "--capacity", options.capacity});
   if (!options.page_size.empty()) argv.insert(argv.end(), {"--page-size", options.page_size});
   if (!options.node_id.empty()) argv.insert(argv.end(), {"--node-id", options.node_id});
   const bool has_admin = std::any_of(options.extra_args.begin(), options.extra_args.end(), [](const auto& a) {

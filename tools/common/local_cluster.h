@@ -55,7 +55,8 @@ struct LocalRedisOptions {
   int quorum = 1;
   std::string service = "kvstash";
   // The address it binds and is probed at: loopback, unless it runs in a network namespace
-  // (`wrapper`) with an address of its own.
+  // (`wrapper`) with an address of its own (then with protected-mode off: it binds only that
+  // address).
   std::string host = "127.0.0.1";
   // A Redis Cluster node: its port leaves room for the cluster bus (port + 10000, also free).
   bool cluster_bus = false;
@@ -164,6 +165,8 @@ struct LocalNodeOptions {
   std::vector<std::string> extra_args;
   // How long to wait for the ready line.
   std::chrono::milliseconds ready_timeout{15000};
+  // Words in front of the command line: {"ip", "netns", "exec", "h1"} runs it in netns h1.
+  std::vector<std::string> wrapper;
 };
 
 // A memory node (kvstashd) started as a child process, ready once it registered its pool in
