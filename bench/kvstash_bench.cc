@@ -270,10 +270,16 @@ int main(int argc, char** argv) {
   md->add_option("--objects", meta.objects, "--scripts: one-page objects in the cell")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
+  md->add_option("--shards", meta.shards,
+                 "Instead: the mix over a Redis Cluster of each shard count listed (one master per shard, one "
+                 "cell per shard, clients spread over the cells), for how ops/s scale with shards")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 16));
   md->add_flag("--json", meta.json, "One JSON object per row (--scripts: the table as one JSON object too)");
   md->footer(
       "Examples:\n  kvstash-bench metadata --clients 1,4,16,64 --seconds 2\n"
-      "  kvstash-bench metadata --scripts --objects 1000000");
+      "  kvstash-bench metadata --scripts --objects 1000000\n"
+      "  kvstash-bench metadata --shards 1,3 --clients 6,24");
 
   bench::ChecksumBenchOptions sums;
   std::string sum_bytes = "64MiB";

@@ -68,7 +68,8 @@ class ServerClock {
 }  // namespace
 
 int run_metadata(const MetadataBenchOptions& o) {
-  return o.scripts ? run_metadata_scripts(o) : run_metadata_load(o);
+  if (o.scripts) return run_metadata_scripts(o);
+  return o.shards.empty() ? run_metadata_load(o) : run_metadata_shards(o);
 }
 
 int run_metadata_scripts(const MetadataBenchOptions& o) {

@@ -17,6 +17,9 @@ struct MetadataBenchOptions {
   // --scripts: one-page objects in the cell (100,000 fill in about ten seconds here).
   std::uint64_t objects = 100000;
   bool json = false;
+  // Throughput over a Redis Cluster of these shard counts (one master each, a cell per
+  // shard, the clients spread over the cells), instead of against one plain redis-server.
+  std::vector<int> shards;
 };
 
 // Starts a private redis-server, prints the table (or JSON), stops it; 0 on success.
@@ -25,5 +28,6 @@ int run_metadata(const MetadataBenchOptions& options);
 // The two modes, each in its own file.
 int run_metadata_scripts(const MetadataBenchOptions& options);
 int run_metadata_load(const MetadataBenchOptions& options);
+int run_metadata_shards(const MetadataBenchOptions& options);
 
 }  // namespace kvstash::bench

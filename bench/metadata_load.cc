@@ -15,6 +15,7 @@
 // inside them); INFO's and getrusage's CPU times say who was busy. Nothing here asserts on time.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -37,6 +38,7 @@
 #include "metadata.h"
 #include "metadata/cell.h"
 #include "metadata/read_releases.h"
+#include "metadata/records.h"
 #include "metadata/scripts.h"
 #include "tools/common/local_cluster.h"
 
@@ -336,23 +338,25 @@ Result<std::vector<BenchLine>> redis_benchmark(int port, int clients, std::uint6
 // Everything one run shares: Redis, its cell, the hot keys, the options.
 class LoadBench {
  public:
-  LoadBench(const MetadataBenchOptions& o, tools::LocalRedis& redis, Cell& cell)
-      : o_(o), redis_(redis), cell_(cell) {}
+  // `cell` is a connection to the cell the clients use, over `redis` (a plain server, or the
+  // master of the cell's slot in a cluster), opened from `options`.
+  LoadBench(const MetadataBenchOptions& o, tools::LocalRedis& redis, Cell& cell, metadata::CellOptions options)
+      : o_(o), redis_(redis), cell_(cell), options_(std::move(options)) {}
 
   Status prepare();
   // The rows of one client count: redis-benchmark's, then the mix's.
   std::vector<Row> measure_group(int clients);
+  // The mix's rows alone.
+  void kvstash_rows(int clients, std::vector<Row>* rows);
 
  private:
-  Result<std::unique_ptr<Cell>> connect() const {
-    return Cell::open({.redis = {.url = redis_.url(), .command_timeout = 10s}});
-  }
+  Result<std::unique_ptr<Cell>> connect() const { return Cell::open(options_); }
   void reference_rows(int clients, std::vector<Row>* rows);
-  void kvstash_rows(int clients, std::vector<Row>* rows);
 
   const MetadataBenchOptions& o_;
   tools::LocalRedis& redis_;
   Cell& cell_;
+  const metadata::CellOptions options_;
   std::vector<std::string> hot_;
   std::string noop_sha_;
   Status missing_;  // redis-benchmark is not installed
@@ -582,12 +586,15 @@ int run_metadata_load(const MetadataBenchOptions& o) {
     std::cerr << "metadata: " << redis.status().to_string() << "\n";
     return 1;
   }
-  auto cell = Cell::open({.redis = {.url = (*redis)->url(), .command_timeout = 10s}});
+  metadata::CellOptions options;
+  options.redis.url = (*redis)->url();
+  options.redis.command_timeout = 10s;
+  auto cell = Cell::open(options);
   if (!cell.is_ok()) {
     std::cerr << "metadata: " << cell.status().to_string() << "\n";
     return 1;
   }
-  LoadBench bench(o, **redis, **cell);
+  LoadBench bench(o, **redis, **cell, options);
   if (Status s = bench.prepare(); !s.is_ok()) {
     std::cerr << "metadata: preparing the cell: " << s.to_string() << "\n";
     return 1;
@@ -616,6 +623,104 @@ int run_metadata_load(const MetadataBenchOptions& o) {
         "reservation), a get one on its path (begin_get) and its share of an end_gets that ends the leases "
         "queued meanwhile, off the path as in a Store; the mix row's trips/op are counted by the client, "
         "Redis's own count follows it.\n");
+  }
+  return interrupted() ? 130 : 0;
+}
+
+int run_metadata_shards(const MetadataBenchOptions& o) {
+  InterruptHandler interrupt;
+  if (!o.json) {
+    std::printf(
+        "The mix (put, get, contains_prefix in turn) over a private Redis Cluster on 127.0.0.1: one master per "
+        "shard, no replicas, one cell per shard, the clients spread evenly over the cells; %u CPUs on this host "
+        "for every server and client together. %.1f s per row.\n\n",
+        std::thread::hardware_concurrency(), o.seconds);
+    std::printf("%-8s %7s %10s %12s %13s %9s %9s\n", "shards", "clients", "ops/s", "ops/s/shard", "redis cores",
+                "p50 us", "p99 us");
+  }
+  for (int shards : o.shards) {
+    if (interrupted()) break;
+    auto cluster = tools::LocalRedisCluster::start({.masters = shards, .replicas_per_master = 0});
+    if (!cluster.is_ok()) {
+      std::cerr << "metadata: " << cluster.status().to_string() << "\n";
+      return 1;
+    }
+    // One cell on each master: names tried in turn until every master serves one.
+    std::vector<std::string> cells(static_cast<std::size_t>(shards));
+    std::vector<std::size_t> masters(static_cast<std::size_t>(shards));
+    std::size_t found = 0;
+    for (int n = 0; found < cells.size() && n < 1000; ++n) {
+      const std::string name = "shard-cell-" + std::to_string(n);
+      auto m = (*cluster)->master_of(metadata::cell_prefix(name));
+      if (!m.is_ok()) {
+        std::cerr << "metadata: " << m.status().to_string() << "\n";
+        return 1;
+      }
+      if (std::find(masters.begin(), masters.begin() + static_cast<std::ptrdiff_t>(found), *m) !=
+          masters.begin() + static_cast<std::ptrdiff_t>(found)) {
+        continue;
+      }
+      masters[found] = *m;
+      cells[found++] = name;
+    }
+    std::vector<std::unique_ptr<Cell>> conns;
+    std::vector<std::unique_ptr<LoadBench>> benches;
+    for (std::size_t i = 0; i < cells.size(); ++i) {
+      metadata::CellOptions options;
+      options.redis.url = (*cluster)->url();
+      options.redis.command_timeout = 10s;
+      options.cell = cells[i];
+      auto cell = Cell::open(options);
+      if (!cell.is_ok()) {
+        std::cerr << "metadata: " << cell.status().to_string() << "\n";
+        return 1;
+      }
+      conns.push_back(std::move(cell).value());
+      benches.push_back(std::make_unique<LoadBench>(o, (*cluster)->server(masters[i]), *conns.back(), options));
+      if (Status s = benches.back()->prepare(); !s.is_ok()) {
+        std::cerr << "metadata: preparing cell " << cells[i] << ": " << s.to_string() << "\n";
+        return 1;
+      }
+    }
+    for (int clients : o.clients) {
+      if (interrupted()) break;
+      // Every shard's clients run at once; each shard's rows come from its own window.
+      const int per_shard = std::max(1, clients / shards);
+      std::vector<std::vector<Row>> rows(benches.size());
+      std::vector<std::thread> runs;
+      for (std::size_t i = 0; i < benches.size(); ++i) {
+        runs.emplace_back([&, i] { benches[i]->kvstash_rows(per_shard, &rows[i]); });
+      }
+      for (auto& t : runs) t.join();
+      double ops = 0, cores = 0, p50 = 0, p99 = 0;
+      std::string error;
+      for (const auto& r : rows) {
+        // "kvstash mix (all)" comes before the kinds' rows; a failed run left one row.
+        const Row& all = r.size() > kKinds ? r[r.size() - kKinds - 1] : r.back();
+        ops += all.ops_per_s;
+        cores += all.extra.is_null() ? 0 : all.extra.value("redis_cores", 0.0);
+        p50 = std::max(p50, all.p50_us);
+        p99 = std::max(p99, all.p99_us);
+        if (error.empty()) error = all.error;
+      }
+      const int total = per_shard * shards;
+      if (o.json) {
+        std::cout << nlohmann::json{{"shards", shards}, {"clients", total}, {"ops_per_s", ops},
+                                    {"ops_per_s_per_shard", ops / shards}, {"redis_cores", cores},
+                                    {"p50_us_worst_shard", p50}, {"p99_us_worst_shard", p99}, {"error", error}}
+                         .dump()
+                  << "\n";
+      } else {
+        std::printf("%-8d %7d %10.0f %12.0f %13.2f %9.0f %9.0f%s%s\n", shards, total, ops, ops / shards, cores,
+                    p50, p99, error.empty() ? "" : "   ", error.c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (!o.json) {
+    std::printf(
+        "\nops/s: the mix's operations completed per second over all shards; redis cores: the CPU the shards' "
+        "redis-server used together; p50/p99: the worst shard's.\n");
   }
   return interrupted() ? 130 : 0;
 }

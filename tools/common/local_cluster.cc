@@ -363,8 +363,13 @@ Result<std::unique_ptr<LocalRedisCluster>> LocalRedisCluster::start(LocalRedisCl
     cluster->servers_.push_back(std::move(server));
   }
   create.insert(create.end(), {"--cluster-replicas", std::to_string(options.replicas_per_master), "--cluster-yes"});
-  if (!redis_cli(*cluster->servers_.front(), create, deadline_after(30s))) {
-    return Status::unavailable("redis-cli --cluster create failed (is redis-tools installed?)");
+  if (total == 1) {
+    // redis-cli creates clusters of three masters or more; one master takes every slot itself.
+    if (!redis_cli(*cluster->servers_.front(), {"CLUSTER", "ADDSLOTSRANGE", "0", "16383"}, deadline_after(10s))) {
+      return Status::unavailable("CLUSTER ADDSLOTSRANGE failed");
+    }
+  } else if (!redis_cli(*cluster->servers_.front(), create, deadline_after(30s))) {
+    return Status::unavailable("redis-cli --cluster create failed (three masters at least; is redis-tools installed?)");
   }
   KVSTASH_RETURN_IF_ERROR(cluster->wait_healthy(deadline_after(30s)));
   return cluster;

@@ -125,7 +125,8 @@ struct LocalRedisClusterOptions {
 };
 
 // A private Redis Cluster on loopback: masters and replicas, each a LocalRedis with
-// cluster-enabled, the slots spread over the masters by `redis-cli --cluster create`.
+// cluster-enabled, the slots spread over the masters by `redis-cli --cluster create` (which
+// takes three masters or more), or one master alone holding every slot.
 class LocalRedisCluster {
  public:
   // Starts the servers, forms the cluster and waits until every node says cluster_state:ok.
