@@ -4,7 +4,7 @@
 // The orchestrator starts a private redis-server and several kvstashd with small pools (so
 // eviction is routine), then client processes of its own binary (`--client`), each with a
 // Store over its own transport (shm, tcp, ucx: clients mix them) and several threads running
-// random puts (some with short TTLs), overwrites, gets (some cancelled from another thread),
+// random puts (some with short TTLs, some with two copies), overwrites, gets (some cancelled from another thread),
 // removes, touches, contains_prefix and put streams dropped half-way, every one with a random
 // deadline. Meanwhile a nemesis stops nodes (SIGSTOP, some past the heartbeat TTL, so the cell
 // declares them dead and they rejoin from the same process), kills and restarts them
@@ -256,6 +256,9 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       PutOptions o;
       o.deadline = deadline_after(budget);
       if (uniform(0, 2) == 0) o.ttl = std::chrono::milliseconds(uniform(200, 3000));
+      // One put in five writes two copies, on two nodes (PutOptions::replicas): its gets may
+      // read either, and a later put of the key must leave neither behind.
+      if (uniform(0, 4) == 0) o.replicas = 2;
       Slice s{data.data(), size};
       doing.set("put");
       const std::int64_t t0 = now_ns();

@@ -56,6 +56,13 @@ class KvstashPython(unittest.TestCase):
         with self.assertRaises(kvstash.Error) as e:
             kvstash.Store("not a url")
         self.assertEqual(e.exception.code, "invalid_argument")
+        # Copies on distinct nodes: this cell has one node, so two copies cannot be kept apart.
+        with self.assertRaises(kvstash.Error) as e:
+            self.store.put("py:twice", b"copies", replicas=2)
+        self.assertEqual(e.exception.code, "no_space")
+        with self.assertRaises(kvstash.Error) as e:
+            self.store.put("py:many", b"copies", replicas=9)
+        self.assertEqual(e.exception.code, "invalid_argument")
 
     def test_kv_cache_layer_by_layer(self):
         layers, blocks, block_size, heads, head_dim = 3, 16, 4, 2, 16

@@ -10,6 +10,9 @@
 #include <atomic>
 #include <cstring>
 #include <future>
+#include <map>
+#include <set>
+#include <string>
 #include <thread>
 
 #include "common/checksum.h"
@@ -1022,6 +1025,85 @@ TEST_F(StoreTest, APutOnANodeThatDiedUnnoticedIsPlacedAgainOnALiveOne) {
   };
   EXPECT_GT(run(*baseline, 'b'), 0) << "the victim, most free, took no put: the test shows nothing";
   EXPECT_EQ(run(*avoiding, 'a'), 0) << "a put failed on the dead node instead of being placed again";
+}
+
+// PutOptions::replicas: copies on distinct nodes; the object stays readable when the node of
+// one copy dies, and an overwrite with fewer copies leaves none of the older ones behind.
+TEST_F(StoreTest, APutWithReplicasSurvivesTheDeathOfACopysNode) {
+  auto a = node("a"), b = node("b"), c = node("c");
+  ASSERT_TRUE(a && b && c);
+  auto s = open();
+  ASSERT_TRUE(s);
+  std::vector<std::byte> data(3 * kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*s, "prompt", data, {.replicas = 3}).is_ok());
+  std::set<std::string> used;
+  for (std::uint32_t i = 0; i < 3; ++i) {
+    auto info = s->stat(metadata::copy_key("prompt", i));
+    ASSERT_TRUE(info.is_ok()) << "copy " << i << ": " << info.status().to_string();
+    for (const auto& n : info->nodes) EXPECT_TRUE(used.insert(n).second) << "two copies share node " << n;
+  }
+  EXPECT_EQ(used.size(), 3u);
+
+  // The node of the object itself dies: gets read a copy.
+  const std::string first = s->stat("prompt").value().nodes.at(0);
+  std::unique_ptr<LocalNode>* victim = first == "a" ? &a : first == "b" ? &b : &c;
+  (*victim)->kill();
+  victim->reset();
+  // Once the cell declared the node dead, stat too describes a live copy.
+  ASSERT_TRUE(eventually(
+      [&] {
+        auto info = s->stat("prompt");
+        return info.is_ok() && info->nodes.at(0) != first;
+      },
+      10s))
+      << "the cell never noticed the node's death";
+  for (int i = 0; i < 5; ++i) {
+    auto back = get_bytes(*s, "prompt", data.size());
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(*back, data);
+  }
+  auto found = s->contains_prefix(std::vector<std::string>{"prompt"});
+  EXPECT_TRUE(found.is_ok() && *found == 1u) << "contains_prefix misses an object its copies hold";
+
+  // Two nodes left: three copies no longer fit apart.
+  EXPECT_EQ(put_bytes(*s, "wide", data, {.replicas = 3}).code(), StatusCode::kNoSpace);
+  // An overwrite with one copy: no get ever returns the older bytes again.
+  std::vector<std::byte> newer(2 * kPage);
+  fill(newer);
+  ASSERT_TRUE(put_bytes(*s, "prompt", newer).is_ok());
+  for (std::uint32_t i = 1; i < 3; ++i) {
+    EXPECT_EQ(s->stat(metadata::copy_key("prompt", i)).status().code(), StatusCode::kNotFound) << "copy " << i;
+  }
+  for (int i = 0; i < 5; ++i) {
+    auto back = get_bytes(*s, "prompt", newer.size());
+    ASSERT_TRUE(back.is_ok() && *back == newer) << "a get read an older copy";
+  }
+  ASSERT_TRUE(s->remove("prompt").is_ok());
+  EXPECT_EQ(s->stat("prompt").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(put_bytes(*s, "x", data, {.replicas = 5}).code(), StatusCode::kInvalidArgument);
+}
+
+// A get leases the copy with the fewest readers: concurrent readers of a hot object spread
+// over its copies' nodes.
+TEST_F(StoreTest, GetsOfAReplicatedObjectSpreadOverItsCopies) {
+  auto a = node("a"), b = node("b");
+  ASSERT_TRUE(a && b);
+  auto s = open();
+  ASSERT_TRUE(s);
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*s, "hot", data, {.replicas = 2}).is_ok());
+  // Read leases held open (as long gets would): the catalog's begin_get, as a store's get.
+  metadata::Catalog& cat = cell_->catalog();
+  std::map<std::string, int> by_node;
+  for (int i = 0; i < 6; ++i) {
+    auto lease = cat.begin_get("hot", "reader-" + std::to_string(i), 60s);
+    ASSERT_TRUE(lease.is_ok()) << lease.status().to_string();
+    ++by_node[lease->placement.nodes.at(0).id];
+  }
+  EXPECT_EQ(by_node["a"], 3);
+  EXPECT_EQ(by_node["b"], 3);
 }
 
 // Issue 12, first hole, as it was reproduced from outside the project: a put over tcp to a

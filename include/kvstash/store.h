@@ -161,6 +161,13 @@ struct PutOptions {
   // Bytes per checksum segment (docs/metadata.md); 0: 4 MiB. A PutStream whose pieces are
   // summed where they are (append_summed: one per segment) sets it to its piece size.
   std::uint64_t checksum_segment = 0;
+  // Copies of the object, each on memory nodes none of the others uses (1 to 4; Store::put
+  // only): a get reads the readable copy with the fewest readers, and the object stays
+  // readable while one copy's nodes live. For objects many engines read at once (a shared
+  // system prompt's prefix). kNoSpace when the live nodes cannot hold them apart. Each copy
+  // is written and committed in turn, the object itself last; a put that fails midway may
+  // leave copies of its bytes, as a failed put may have committed.
+  std::uint32_t replicas = 1;
 };
 
 // Cancels gets from another thread (GetOptions::cancel). A default token cancels nothing;
@@ -340,7 +347,10 @@ class Store {
  private:
   friend class PutStream;
   struct Impl;
+  struct Copy;  // which copy of a put with replicas, and the nodes it keeps apart from
   explicit Store(std::unique_ptr<Impl> impl);
+  Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options, Copy* copy);
+  Status put(std::string_view key, std::span<const Slice> data, const PutOptions& options, Copy* copy);
   std::unique_ptr<Impl> impl_;
 };
 

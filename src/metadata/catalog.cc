@@ -50,11 +50,11 @@ Result<Placement> Catalog::begin_put(std::string_view token, std::string_view ke
 
 Status Catalog::commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                            std::string_view layout, std::chrono::milliseconds ttl,
-                           const std::optional<std::string>& if_version) {
-  std::string sum = sum::to_text(checksum), t = ms(ttl);
+                           const std::optional<std::string>& if_version, std::uint32_t copies) {
+  std::string sum = sum::to_text(checksum), t = ms(ttl), n = std::to_string(copies);
   // "" unconditional, "!" no object, "=<token>" that object.
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
-  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond}).status();
+  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n}).status();
 }
 
 Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const std::string> fenced) {
@@ -81,14 +81,15 @@ Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t s
 
 Status Catalog::commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                                 std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
-                                std::chrono::milliseconds ttl, const std::optional<std::string>& if_version) {
+                                std::chrono::milliseconds ttl, const std::optional<std::string>& if_version,
+                                std::uint32_t copies) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string first = std::to_string(pages.first), count = std::to_string(pages.count);
-  std::string n = std::to_string(size), sum = sum::to_text(checksum), t = ms(ttl);
+  std::string n = std::to_string(size), sum = sum::to_text(checksum), t = ms(ttl), c = std::to_string(copies);
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
   return redis_
       .eval(scripts::commit_reserved(), {prefix_},
-            {pages.reservation, first, count, token, key, n, sum, layout, t, cond})
+            {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c})
       .status();
 }
 

@@ -52,9 +52,12 @@ class Catalog {
   // kStale when the lease ran out and the pages were reclaimed, or a node of the put died,
   // or `if_version` is set and the key holds another object than the put token it names
   // ("": none at all); the put's pages are freed then.
+  // `copies`: how many copies of the object its put wrote (PutOptions::replicas; copy i > 0
+  // is the object copy_key(key, i), committed before this one); copies numbered that or more,
+  // left by an earlier put, are released.
   Status commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                     std::string_view layout, std::chrono::milliseconds ttl,
-                    const std::optional<std::string>& if_version = std::nullopt);
+                    const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1);
   // Ends a put that will not commit. Its pages on the nodes in `fenced` (those that confirmed
   // that none of its writes can land any more: Peer::revoke) and on dead nodes are freed now;
   // the others return once the lease has passed and their nodes have fenced through it
@@ -75,7 +78,7 @@ class Catalog {
   Status commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                          std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                          std::chrono::milliseconds ttl,
-                         const std::optional<std::string>& if_version = std::nullopt);
+                         const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1);
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the
   // put's pages or nodes.
   static bool condition_failed(const Status& commit);

@@ -3,6 +3,7 @@
 namespace kvstash::metadata {
 
 std::string_view route_of(std::string_view key) {
+  key = key.substr(0, key.find('\x1f'));  // a copy (PutOptions::replicas) routes as its object
   const auto open = key.find('{');
   if (open == std::string_view::npos) return key;
   const auto close = key.find('}', open + 1);

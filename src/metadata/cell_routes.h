@@ -1,7 +1,8 @@
 // Which cell of a deployment an object lives in (pure: no I/O).
 //
 // A key routes by its route: the text between its first '{' and the next '}' when that is
-// not empty (as a Redis hash tag), else the whole key. Prefix-chunk keys carry their chain's
+// not empty (as a Redis hash tag), else the whole key; a replica's copy key routes as its
+// object's. Prefix-chunk keys carry their chain's
 // root as that tag (kvcache's prefix_chunk_keys), so a request's chain lives in one cell and
 // contains_prefix stays one round trip.
 //

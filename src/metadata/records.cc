@@ -14,6 +14,12 @@ std::string cell_prefix(std::string_view cell) {
   return p;
 }
 
+std::string copy_key(std::string_view key, std::uint32_t i) {
+  std::string k(key);
+  if (i > 0) k.append(1, '\x1f').append(std::to_string(i));
+  return k;
+}
+
 Status validate_object_key(std::string_view key) {
   if (key.empty()) return Status::invalid_argument("object key is empty");
   if (key.size() > 1024) return Status::invalid_argument("object key is longer than 1024 bytes");

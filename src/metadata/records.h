@@ -156,6 +156,12 @@ struct EvictedObject {
 
 // The prefix of every key of cell `cell`: kvs:{kvs:<cell>} (one hash tag for the whole cell).
 std::string cell_prefix(std::string_view cell);
+
+// Replicas (PutOptions::replicas): copy i > 0 of object `key` is the object key + '\x1f' + i,
+// an object of its own; at most kMaxCopies copies in all. Keys holding '\x1f' followed by a
+// digit are the copies' (docs/metadata.md, Replicas).
+inline constexpr std::uint32_t kMaxCopies = 4;
+std::string copy_key(std::string_view key, std::uint32_t i);
 // Object keys: 1..1024 bytes. kInvalidArgument otherwise.
 Status validate_object_key(std::string_view key);
 // Node ids: 1..64 characters of [A-Za-z0-9._-].

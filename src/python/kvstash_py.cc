@@ -189,8 +189,9 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "put",
           [](PyStore& s, const std::string& key, const py::object& data, std::uint64_t ttl_ms,
-             std::uint32_t timeout_ms) {
-            const PutOptions o{.ttl = std::chrono::milliseconds(ttl_ms), .deadline = deadline_of(timeout_ms)};
+             std::uint32_t timeout_ms, std::uint32_t replicas) {
+            PutOptions o{.ttl = std::chrono::milliseconds(ttl_ms), .deadline = deadline_of(timeout_ms)};
+            o.replicas = replicas;
             if (py::isinstance<py::bytes>(data)) {
               std::string bytes = data.cast<std::string>();
               Slice slice{bytes.data(), bytes.size()};
@@ -201,8 +202,9 @@ PYBIND11_MODULE(_native, m) {
             check(nogil([&] { return s.store->put(key, slices, o); }));
           },
           py::arg("key"), py::arg("data"), py::arg("ttl_ms") = 0, py::arg("timeout_ms") = 0,
+          py::arg("replicas") = 1,
           "data: bytes, or (address, bytes) buffers whose concatenation is the object (moved from "
-          "where they are). ttl_ms: 0 never expires.")
+          "where they are). ttl_ms: 0 never expires. replicas: copies on distinct memory nodes (1-4).")
       .def(
           "get",
           [](PyStore& s, const std::string& key, const py::object& into,

@@ -62,6 +62,7 @@ struct PutStream::State {
   std::uint64_t waited_end = 0;  // the writes of [0, waited_end) are done
   bool timed = false;            // OpTimings::transfer counted
   bool node_lost = false;        // writes failed because a node went away; it is avoided now
+  std::uint32_t copies = 1;      // of a put with replicas (the commit of the object itself says it)
 
   explicit State(std::uint64_t segment) : hash(segment) {}
 
@@ -291,7 +292,8 @@ Status PutStream::commit() {
   auto c = st.impl->borrow(*st.pages.cell, st.deadline);
   if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
   MetadataClock mc(st.options.timings);
-  Status committed = st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options);
+  Status committed =
+      st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options, st.copies);
   if (committed.is_ok()) committed = st.impl->wait_for_replicas(c->cell().redis(), st.deadline);
   if (committed.is_ok()) committed = st.impl->remove_older_copy(st.key, *st.pages.cell, st.deadline);
   return committed.with_context(st.key);
@@ -304,6 +306,13 @@ void PutStream::abort() {
 }
 
 Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options) {
+  if (options.replicas > 1) {
+    return Status::invalid_argument("store: a put with replicas is Store::put's (a stream writes one copy)");
+  }
+  return begin_put(key, size, options, nullptr);
+}
+
+Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options, Copy* copy) {
   KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
   KVSTASH_RETURN_IF_ERROR(object_layout_fits(options.object_layout));
   auto st = std::make_unique<PutStream::State>(options.checksum_segment);
@@ -312,11 +321,25 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   st->options = options;
   st->size = size;
   st->deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
-  store::CellLink& cell = impl_->put_cell(key, st->deadline);
+  if (copy != nullptr) st->copies = copy->copies;
+  store::CellLink& cell = impl_->put_cell(key, st->deadline);  // a copy routes as its object
+  const std::span<const metadata::NodeEndpoint> apart =
+      copy != nullptr ? std::span<const metadata::NodeEndpoint>(copy->apart) : std::span<const metadata::NodeEndpoint>();
   for (int attempt = 0;; ++attempt) {
-    auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings);
+    auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings, apart);
     if (!pages.is_ok()) return pages.status().with_context(st->key);
     st->pages = std::move(pages).value();
+    // Redis places a copy elsewhere while other nodes have room, else beside another copy:
+    // that is no copy at all.
+    const bool beside = std::ranges::any_of(st->pages.placement.nodes, [&](const metadata::NodeEndpoint& n) {
+      return std::ranges::any_of(apart, [&](const metadata::NodeEndpoint& a) { return a.id == n.id; });
+    });
+    if (beside) {
+      impl_->abort_put(st->key, st->pages, {}, st->deadline);
+      return Status::no_space("store: no room for each of " + std::to_string(copy->copies) +
+                              " copies on memory nodes apart from the others'")
+          .with_context(st->key);
+    }
     st->began = Clock::now();
     st->transfer_deadline = std::min(st->deadline, st->pages.lease_until);
     if (size == 0) break;
@@ -348,8 +371,26 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
   KVSTASH_RETURN_IF_ERROR(store::host_only(data, "put"));
   PutOptions o = options;
   if (!o.deadline) o.deadline = deadline_after(impl_->options.timeout);  // one for every placement
+  if (o.replicas <= 1) return put(key, data, o, nullptr);
+  if (o.replicas > metadata::kMaxCopies) {
+    return Status::invalid_argument("store: replicas is 1 to " + std::to_string(metadata::kMaxCopies));
+  }
+  if (o.if_version) return Status::invalid_argument("store: a put with replicas cannot be conditional (if_version)");
+  // The copies first, each apart from the ones before; the object itself last, its commit
+  // naming how many copies there are (and dropping any beyond, an earlier put's).
+  Copy copy{.copies = o.replicas, .apart = {}};
+  for (std::uint32_t i = 1; i < o.replicas; ++i) {
+    const std::string copy_key = metadata::copy_key(key, i);
+    Status s = put(copy_key, data, o, &copy);
+    if (!s.is_ok()) return s.with_context("copy " + std::to_string(i) + " of " + std::string(key));
+  }
+  return put(key, data, o, &copy);
+}
+
+Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options, Copy* copy) {
+  const PutOptions& o = options;
   for (int attempt = 1;; ++attempt) {
-    KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), o));
+    KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), o, copy));
     Status done = stream.append(data);
     if (done.is_ok()) {
       done = stream.commit();
@@ -363,6 +404,9 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
                                    !metadata::Catalog::condition_failed(done);
     // A node went away under the writes (nothing was committed): placed again, away from it.
     const bool node_lost = done.code() == StatusCode::kUnavailable && st.node_lost;
+    if (done.is_ok() && copy != nullptr) {
+      copy->apart.insert(copy->apart.end(), st.pages.placement.nodes.begin(), st.pages.placement.nodes.end());
+    }
     if (done.is_ok() || !(stale_reservation || node_lost) || attempt >= kPlacements ||
         Clock::now() >= *o.deadline) {
       return done;

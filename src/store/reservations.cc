@@ -35,7 +35,8 @@ metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std
 }  // namespace
 
 Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
-                                               Deadline deadline, OpTimings* timings) {
+                                               Deadline deadline, OpTimings* timings,
+                                               std::span<const metadata::NodeEndpoint> apart) {
   store::PutPages pages;
   pages.cell = &cell;
   pages.token = store::random_token();
@@ -52,7 +53,7 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     r->next += need;
     return true;
   };
-  if (options.put_reservation > 0) {
+  if (options.put_reservation > 0 && apart.empty()) {
     std::shared_ptr<store::Reservation> held;
     bool shunned = false;  // it has pages on a node this client avoids now
     {
@@ -67,12 +68,13 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     if (shunned) retire(held);  // the next reservation comes from the other nodes
   }
 
-  const std::vector<metadata::NodeEndpoint> avoid = avoided->list();
+  std::vector<metadata::NodeEndpoint> avoid = avoided->list();
+  avoid.insert(avoid.end(), apart.begin(), apart.end());
   KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(cell, deadline));
   MetadataClock mc(timings);
   const auto leased_at = Clock::now();
   pages.lease_until = store::within_lease(Deadline::max(), leased_at, options.put_lease);
-  if (options.put_reservation == 0) {
+  if (options.put_reservation == 0 || !apart.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_put(pages.token, key, size, options.put_lease, avoid));
     return pages;
   }
@@ -93,12 +95,13 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
 }
 
 Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
-                                 std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o) {
+                                 std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
+                                 std::uint32_t copies) {
   if (!pages.reservation) {
-    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version);
+    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies);
   }
-  Status s =
-      c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl, o.if_version);
+  Status s = c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl,
+                               o.if_version, copies);
   // The reservation was reclaimed, or a node of it died.
   if (s.code() == StatusCode::kStale && !metadata::Catalog::condition_failed(s)) retire(pages.reservation);
   return s;

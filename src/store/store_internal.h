@@ -114,6 +114,11 @@ struct CancelToken::State {
   std::vector<Batch*> waiting;  // batches of gets holding the token, while they may run
 };
 
+struct Store::Copy {
+  std::uint32_t copies = 1;                    // of the put in all
+  std::vector<metadata::NodeEndpoint> apart;   // nodes the earlier copies are on
+};
+
 struct Store::Impl {
   StoreOptions options;
   RkeyScope scope = RkeyScope::kConnection;  // the cell's, or options.rkey_scope
@@ -183,11 +188,14 @@ struct Store::Impl {
   // Pages for a put of `size` bytes: a run of the reservation when it has enough and enough
   // lease left (no round trip), else a new reservation (or, with options.put_reservation 0, a
   // begin_put of the put's own). Errors name no key.
+  // `apart`: nodes it must not use (the other copies'); its own begin_put then, away from them.
   Result<store::PutPages> put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
-                                    Deadline deadline, OpTimings* timings);
+                                    Deadline deadline, OpTimings* timings,
+                                    std::span<const metadata::NodeEndpoint> apart = {});
   // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
-                      std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o);
+                      std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
+                      std::uint32_t copies = 1);
   // abort_put or abort_reserved.
   Result<std::uint64_t> abort_pages(metadata::Catalog& c, const store::PutPages& pages,
                                     std::span<const std::string> fenced);

@@ -4,12 +4,13 @@
 -- ARGV     key, reader, lease_ms
 -- Returns  page_size, token, size, extents, checksum, layout, the lease's deadline (ms of Redis
 --          time), then id, address, key per node; NOT_FOUND
+--
+-- Of an object put with replicas, the readable copy with the fewest readers is leased.
 
-local key = ARGV[1]
-local o = lookup(key)
+local o, key = lookup_copy(ARGV[1])
 if not o then
   redis.call('HINCRBY', P .. ':stats', 'misses', 1)
-  return redis.error_reply('NOT_FOUND no object ' .. key)
+  return redis.error_reply('NOT_FOUND no object ' .. ARGV[1])
 end
 redis.call('HINCRBY', P .. ':stats', 'hits', 1)
 local deadline = now + tonumber(ARGV[3])

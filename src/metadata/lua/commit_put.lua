@@ -3,7 +3,7 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     token, key, checksum, layout, ttl_ms, condition ('' none; '!' only if the key holds no
 --          object; '=<token>' only if it holds the object that put wrote, else STALE and the
---          put's pages are freed)
+--          put's pages are freed), copies (optional, 1: the copies the put wrote, see prelude)
 -- Returns  OK, also for a commit repeated after it succeeded; STALE when the put lost its lease,
 --          was aborted, or a node of it died or restarted
 --
@@ -31,7 +31,7 @@ if failed then
   drop_put(token, p[2])
   return redis.error_reply(failed)
 end
-publish(key, token, p[4], p[2], p[3], ARGV[3], ARGV[4], ttl)
+publish(key, token, p[4], p[2], p[3], ARGV[3], ARGV[4], ttl, ARGV[7])
 redis.call('DEL', pk)
 redis.call('ZREM', P .. ':pending', token)
 return 'OK'

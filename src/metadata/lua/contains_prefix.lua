@@ -5,6 +5,6 @@
 -- Returns  how many leading keys are present
 
 for i, key in ipairs(ARGV) do
-  if not present(key) then return i - 1 end
+  if not lookup_copy(key) then return i - 1 end
 end
 return #ARGV

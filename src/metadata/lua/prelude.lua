@@ -168,7 +168,7 @@ end
 
 -- The fields of a readable object (present, unexpired, its pages on live nodes), or nil. An
 -- expired object or one on a dead or restarted node is released on the spot.
-local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires'}
+local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires', 'copies'}
 local function lookup(key)
   local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
   if not o[1] then return nil end
@@ -212,6 +212,57 @@ end
 
 local function present(key)
   return lookup(key) ~= nil
+end
+
+-- Replicas (PutOptions::replicas). Copy i > 0 of `key` is the object key .. '\31' .. i: an
+-- object of its own (its pages on other nodes, its lease, generations, eviction and expiry).
+-- A put of n copies commits copies 1..n-1 first and `key` itself last; that record says
+-- `copies` = n, and its commit releases any copy numbered n or more (an earlier put's), so no
+-- copy outlives the object that replaced it.
+local MAX_COPIES = 4
+local function copy_key(key, i)
+  if i == 0 then return key end
+  return key .. '\31' .. i
+end
+local function is_copy(key)
+  return string.find(key, '\31', 1, true) ~= nil
+end
+local function release_copies(key, from)
+  for i = math.max(from, 1), MAX_COPIES - 1 do
+    local ck = copy_key(key, i)
+    if redis.call('EXISTS', P .. ':obj:' .. ck) == 1 then release(ck) end
+  end
+end
+
+-- The readable copy of `key` with the fewest read leases (the object itself on a tie): its
+-- fields and its key, or nil. Only `key` when its record names no other copy; every copy
+-- number when `key` itself is gone (its node died: the copies still serve).
+local function lookup_copy(key)
+  local best, best_key = lookup(key), key
+  local n = MAX_COPIES
+  if best then n = tonumber(best[8] or '1') or 1 end
+  if n <= 1 then return best, best_key end
+  local best_readers = nil
+  if best then best_readers = redis.call('ZCARD', P .. ':readers:' .. best[1]) end
+  for i = 1, n - 1 do
+    local ck = copy_key(key, i)
+    local o = lookup(ck)
+    if o then
+      local r = redis.call('ZCARD', P .. ':readers:' .. o[1])
+      if not best or r < best_readers then best, best_key, best_readers = o, ck, r end
+    end
+  end
+  return best, best_key
+end
+
+-- `key` and the copies of it that are readable.
+local function present_copies(key)
+  local keys = {}
+  for i = 0, MAX_COPIES - 1 do
+    local ck = copy_key(key, i)
+    if present(ck) then keys[#keys + 1] = ck end
+  end
+  return keys
 end
 
 -- The nodes a client asks to avoid, from ARGV[first], ARGV[first + 1]... (id, pool key, id,
@@ -347,8 +398,9 @@ local function condition_fails(key, cond)
 end
 
 -- Makes `key` the object put `token` wrote into `extents` on `nodes`, releasing the object it
--- replaces; a ttl_ms of 0 never expires.
-local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms)
+-- replaces; a ttl_ms of 0 never expires. `copies` (an object, not a copy): how many copies its
+-- put wrote; copies numbered that or more are released.
+local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms, copies)
   local ok = P .. ':obj:' .. key
   if redis.call('EXISTS', ok) == 1 then release(key) end
   local expires = 0
@@ -356,6 +408,11 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   redis.call('HSET', ok, 'size', size, 'token', token, 'extents', extents, 'nodes', nodes, 'checksum', checksum,
              'layout', layout, 'created', now, 'expires', expires)
   for id in string.gmatch(nodes, '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
+  if not is_copy(key) then
+    copies = math.min(math.max(tonumber(copies or '1') or 1, 1), MAX_COPIES)
+    if copies > 1 then redis.call('HSET', ok, 'copies', copies) end
+    release_copies(key, copies)
+  end
   if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
   redis.call('ZADD', P .. ':lru', now, key)
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end

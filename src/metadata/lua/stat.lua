@@ -4,7 +4,8 @@
 -- ARGV     key
 -- Returns  size, checksum, layout, extents, nodes, ms to expiry (-1: none), token; NOT_FOUND
 
-local o = lookup(ARGV[1])
+local o = lookup(ARGV[1])  -- the object itself (its version is its put's), else a copy
+if not o then o = lookup_copy(ARGV[1]) end
 if not o then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end
 local exp = tonumber(o[7] or '0') or 0
 local left = -1

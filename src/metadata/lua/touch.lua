@@ -4,15 +4,18 @@
 -- ARGV     key, ttl_ms (0: no expiry)
 -- Returns  OK; NOT_FOUND
 
-local key, ttl = ARGV[1], tonumber(ARGV[2])
-if not present(key) then return redis.error_reply('NOT_FOUND no object ' .. key) end
+local ttl = tonumber(ARGV[2])
+local keys = present_copies(ARGV[1])  -- every copy of it
+if #keys == 0 then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end
 local expires = 0
 if ttl > 0 then expires = now + ttl end
-redis.call('HSET', P .. ':obj:' .. key, 'expires', expires)
-if expires > 0 then
-  redis.call('ZADD', P .. ':expiry', expires, key)
-else
-  redis.call('ZREM', P .. ':expiry', key)
+for _, key in ipairs(keys) do
+  redis.call('HSET', P .. ':obj:' .. key, 'expires', expires)
+  if expires > 0 then
+    redis.call('ZADD', P .. ':expiry', expires, key)
+  else
+    redis.call('ZREM', P .. ':expiry', key)
+  end
+  redis.call('ZADD', P .. ':lru', now, key)
 end
-redis.call('ZADD', P .. ':lru', now, key)
 return 'OK'
