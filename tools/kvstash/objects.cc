@@ -14,6 +14,14 @@
 namespace kvstash::cli {
 namespace {
 
+// A key as people read it: a replica's copy (PutOptions::replicas), "<key>\x1f<i>", shows as
+// "<key> (copy i)". JSON keeps the key's bytes.
+std::string shown_key(const std::string& key) {
+  const auto sep = key.find('\x1f');
+  if (sep == std::string::npos) return key;
+  return key.substr(0, sep).append(" (copy ").append(key.substr(sep + 1)).append(")");
+}
+
 using nlohmann::json;
 using std::chrono::milliseconds;
 
@@ -95,7 +103,7 @@ int ls(Session& s, const LsOptions& o) {
   }
   Table t({"KEY", "SIZE", "TTL", "LAST ACCESS", "NODES"});
   for (const auto& i : found) {
-    t.row({i.key, units::format_size(i.size), ttl_text(i, now), ago(i.last_access_ms, now), join(i.nodes)});
+    t.row({shown_key(i.key), units::format_size(i.size), ttl_text(i, now), ago(i.last_access_ms, now), join(i.nodes)});
   }
   if (t.empty()) {
     std::cout << "no objects match '" << o.pattern << "'\n";
@@ -258,7 +266,7 @@ int evict(Session& s, const EvictOptions& o) {
     return kExitOk;
   }
   Table t({"KEY", "SIZE", "IDLE"});
-  for (const auto& e : *chosen) t.row({e.key, units::format_size(e.size), ago(e.last_access_ms, now)});
+  for (const auto& e : *chosen) t.row({shown_key(e.key), units::format_size(e.size), ago(e.last_access_ms, now)});
   if (!t.empty()) std::cout << t.str();
   std::cout << (o.yes ? "evicted " : "would evict ") << chosen->size() << " objects, "
             << units::format_size(total) << " (least recently used first, skipping objects being read)";
