@@ -723,8 +723,9 @@ class CellRedis {
 };
 
 // The network nemesis of the netns hosts: a host's link down (a partition from every other
-// host), or its link degraded for a while (netem delay and loss where the kernel has netem;
-// else a token bucket of 2 Mbit/s, a slow link). Returns the fault's name; empty when the
+// host), or its link degraded for a while: netem delay and loss where the kernel has netem;
+// else a token bucket of 2 Mbit/s (a slow link, its queue the delay) and nftables dropping
+// 3% of the host's packets each way (random loss). Returns the fault's name; empty when the
 // commands failed.
 std::string network_fault(const Hosts& hosts, int host, bool partition, std::chrono::milliseconds lasting) {
   const std::string sw = std::string(hosts.prefix).append("-sw");
@@ -737,15 +738,32 @@ std::string network_fault(const Hosts& hosts, int host, bool partition, std::chr
   }
   const std::string ns = hosts.ns(host);
   std::string what = "link degraded (netem 20 ms +-10 ms, 3% loss)";
+  bool nft = false;
   if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "20ms", "10ms", "loss", "3%"})) {
     if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "2mbit", "burst", "32kbit",
                       "latency", "400ms"})) {
       return {};
     }
-    what = "link slowed (tbf 2 Mbit/s: this kernel has no netem)";
+    const std::vector<std::string> in_ns{"ip", "netns", "exec", ns, "nft"};
+    auto nft_cmd = [&](std::vector<std::string> words) {
+      std::vector<std::string> argv = in_ns;
+      argv.insert(argv.end(), words.begin(), words.end());
+      return run_command(std::move(argv));
+    };
+    nft = nft_cmd({"add", "table", "inet", "kvs_nemesis"});
+    for (const char* hook : {"input", "output"}) {
+      nft = nft && nft_cmd({"add", "chain", "inet", "kvs_nemesis", hook,
+                            std::string("{ type filter hook ").append(hook).append(" priority 0; policy accept; }")});
+      nft = nft && nft_cmd({"add", "rule", "inet", "kvs_nemesis", hook, "numgen", "random", "mod", "100", "<", "3",
+                            "drop"});
+    }
+    what = nft ? "link degraded (tbf 2 Mbit/s and nft 3% loss: this kernel has no netem)"
+               : "link slowed (tbf 2 Mbit/s; no netem in this kernel, no nft for loss)";
+    if (!nft) nft_cmd({"delete", "table", "inet", "kvs_nemesis"});
   }
   std::this_thread::sleep_for(lasting);
   run_command({"tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"});
+  if (nft) run_command({"ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "kvs_nemesis"});
   return what;
 }
 
