@@ -5,7 +5,8 @@
 //     one cell;
 //   - changing the set of cells moves no bytes: old objects stay where they are and are still
 //     found; an overwrite lands where the new set routes and removes the older copy;
-//   - the client follows its cell's slot to another master (MOVED, ASK mid-migration) and
+//   - the client follows its cell's slot to another master (MOVED), waits out a migration
+//     (ASK, TRYAGAIN: no script runs on half the cell's keys), and
 //     through a failover (the master killed), and the new master fences the cell.
 #include <gtest/gtest.h>
 
@@ -80,6 +81,11 @@ TEST(CellRoutes, ClusterUrls) {
   EXPECT_EQ(u->redacted(), "redis+cluster://app:***@10.0.0.1:6379,10.0.0.2:7001,[::1]:7002");
   EXPECT_EQ(metadata::RedisUrl::parse("redis+cluster://h1,h2/3").status().code(), StatusCode::kInvalidArgument)
       << "a cluster has only database 0";
+  // A redirection reaches a client that is not a cluster's: a configuration error, not a retry.
+  EXPECT_EQ(metadata::error_status("MOVED 8076 10.0.0.2:6379").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(metadata::error_status("TRYAGAIN Multiple keys request during rehashing of slot").code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(metadata::error_status("CLUSTERDOWN The cluster is down").code(), StatusCode::kUnavailable);
 }
 
 // ---- against a Redis Cluster ----------------------------------------------------------------
@@ -331,12 +337,10 @@ TEST_F(CellsTest, TheClientFollowsItsCellsSlotToAnotherMasterAndThroughAFailover
     EXPECT_LT(Clock::now() - t0, o.timeout + 1s);
   });
   std::printf("a put with the cell's slot half migrated: %s\n", during.to_string().c_str());
-  if (during.is_ok()) {
-    const std::string mid = get(**store, "mid");
-    if (!mid.starts_with("(")) {
-      EXPECT_EQ(mid, bytes_of("mid", 1));
-    }
-  }
+  // Half the cell's keys on each master: the put waited (ASK, TRYAGAIN) and gave up in time,
+  // rather than run its script on a master that holds only some of them.
+  EXPECT_TRUE(during.code() == StatusCode::kUnavailable || during.code() == StatusCode::kTimeout)
+      << during.to_string();
   auto moved_to = cluster_->master_of(prefix);
   ASSERT_TRUE(moved_to.is_ok());
   ASSERT_NE(*moved_to, *master) << "the slot did not move";

@@ -122,11 +122,16 @@ Status error_status(std::string_view text) {
   }
   // NOREPLICAS: a master with min-replicas-to-write and too few replicas (one restarted empty,
   // that Sentinel has not made a replica yet) refuses writes: another master may take them.
-  // Redis Cluster: MOVED and ASK (RedisClient follows them), TRYAGAIN (a slot half migrated),
-  // CLUSTERDOWN (no master for the slot, until a failover ends).
+  // Redis Cluster: MOVED, which a redis+cluster:// client follows (RedisClient::command) and
+  // any other client cannot; ASK and TRYAGAIN (the slot is migrating: a cell's script must see
+  // all of the cell's keys, so it waits until the slot has moved) and CLUSTERDOWN (no master
+  // for the slot, until a failover ends) pass.
+  if (text.rfind("MOVED ", 0) == 0) {
+    return Status::invalid_argument(msg + " (a Redis Cluster: reach it with a redis+cluster:// URL)");
+  }
   if (text.rfind("LOADING", 0) == 0 || text.rfind("BUSY", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0 ||
-      text.rfind("READONLY", 0) == 0 || text.rfind("NOREPLICAS", 0) == 0 || text.rfind("MOVED ", 0) == 0 ||
-      text.rfind("ASK ", 0) == 0 || text.rfind("TRYAGAIN", 0) == 0 || text.rfind("CLUSTERDOWN", 0) == 0) {
+      text.rfind("READONLY", 0) == 0 || text.rfind("NOREPLICAS", 0) == 0 || text.rfind("TRYAGAIN", 0) == 0 ||
+      text.rfind("ASK ", 0) == 0 || text.rfind("CLUSTERDOWN", 0) == 0) {
     return Status::unavailable(std::move(msg));
   }
   return Status::internal(std::move(msg));
@@ -468,9 +473,10 @@ Status RedisClient::open_in_cluster() {
 }
 
 Status RedisClient::redirect(std::string_view error) {
-  // "MOVED <slot> <host>:<port>" or "ASK <slot> <host>:<port>"; an empty host is this node's.
-  const bool moved = error.rfind("MOVED ", 0) == 0;
-  std::string_view target = error.substr(error.rfind(' ') + 1);
+  // "MOVED <slot> <host>:<port>"; an empty host is this node's.
+  // The third word (error_status may have appended a hint after it).
+  std::string_view target = error.substr(std::min(error.size(), error.find(' ', error.find(' ') + 1) + 1));
+  target = target.substr(0, target.find(' '));
   std::string host = url_.host;
   int port = url_.port;
   if (target.starts_with(':')) {  // the node knows no endpoint of its own: its address
@@ -480,9 +486,8 @@ Status RedisClient::redirect(std::string_view error) {
   } else {
     KVSTASH_RETURN_IF_ERROR(parse_host_port(target, host, port).with_context(std::string(error)));
   }
-  KVSTASH_LOG_INFO("redis cluster: {} (slot now at {})", moved ? "MOVED" : "ASK", host_port_text(host, port));
+  KVSTASH_LOG_INFO("redis cluster: MOVED (slot now at {})", host_port_text(host, port));
   KVSTASH_RETURN_IF_ERROR(open_at(host, port));
-  if (!moved) return run_once({"ASKING"}).status();
   url_.host = host;
   url_.port = port;
   if (!options_.on_connect) return {};
@@ -593,19 +598,18 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
   for (int redirects = 0;;) {
     if (ctx_) {
       auto r = run_once(args);
-      // Retry only what surely did not run: a broken connection or a server still loading.
-      if (r.is_ok() || r.status().code() != StatusCode::kUnavailable) return r;
-      // A cluster's slot moved (MOVED: for good; ASK: it is moving, the command goes there once).
-      std::string_view text = r.status().message();
+      if (r.is_ok()) return r;
+      // A cluster's slot moved to another master: that one from now on. (ASK, a slot in
+      // migration, is not followed: the target holds only part of the cell's keys, and a script
+      // must see them all. It is retried below, as TRYAGAIN is, until MOVED comes.)
+      const Status failed = r.status();  // status() is a copy: `text` must not outlive it
+      std::string_view text = failed.message();
       if (text.starts_with("redis: ")) text.remove_prefix(7);
-      if (url_.cluster() && (text.rfind("MOVED ", 0) == 0 || text.rfind("ASK ", 0) == 0) &&
-          redirects++ < kMaxRedirects) {
+      const bool moved = url_.cluster() && text.rfind("MOVED ", 0) == 0;
+      // Retry only what surely did not run: a broken connection or a server still loading.
+      if (failed.code() != StatusCode::kUnavailable && !moved) return r;
+      if (moved && redirects++ < kMaxRedirects) {
         Status s = redirect(text);
-        if (s.is_ok() && text.rfind("ASK ", 0) == 0) {
-          r = run_once(args);
-          ctx_.reset();  // the next command goes to the slot's master again
-          if (r.is_ok() || r.status().code() != StatusCode::kUnavailable) return r;
-        }
         if (s.is_ok()) continue;
         if (s.code() == StatusCode::kPermissionDenied) return s;
       }

@@ -30,7 +30,8 @@ namespace kvstash::metadata {
 //   the credentials are the master's
 // redis+cluster://[[user]:password@]node[:port][,node[:port]...]
 //   a Redis Cluster, reached through any of the nodes listed (6379 by default); the client
-//   talks to the master of one hash slot (RedisOptions::cluster_key), following MOVED and ASK
+//   talks to the master of one hash slot (RedisOptions::cluster_key), following MOVED (and
+//   waiting out ASK: a slot in migration)
 struct RedisUrl {
   bool unix_socket = false;
   std::string host = "127.0.0.1";
@@ -165,8 +166,8 @@ class RedisClient {
   // Asks the cluster's nodes in turn (the last master first, then the seeds) which master
   // serves cluster_key's slot, and connects to it.
   Status open_in_cluster();
-  // After a MOVED or ASK reply (`error` its text): connects to the node it names. MOVED: the
-  // slot's master from now on (on_connect runs); ASK: for the one command, after ASKING.
+  // After a MOVED reply (`error` its text): connects to the node it names, the slot's master
+  // from now on (on_connect runs).
   Status redirect(std::string_view error);
   Result<Reply> run_once(const std::vector<std::string_view>& args);
   // `limit`, shortened to what is left of the deadline; zero or less once it has passed.
