@@ -7,9 +7,10 @@
 namespace kvstash::metadata {
 namespace {
 
-// On each connection to a master through Sentinel or in a Cluster, before anything else: tells the cell which master it
-// reached (fence_master.lua), so that the first connection to a new master after a failover
-// declares the cell's nodes dead before any lease or page of the new master is used.
+// On each connection to a master through Sentinel or in a Cluster, before anything else: tells
+// the cell which master it reached (fence_master.lua), so that the first connection to a new
+// master after a failover declares the cell's nodes dead before any lease or page of the new
+// master is used.
 Status fence_new_master(const RedisOptions::Command& run, const std::string& prefix) {
   KVSTASH_ASSIGN_OR_RETURN(Reply info, run({"INFO", "replication"}));
   constexpr std::string_view kField = "master_replid:";

@@ -31,6 +31,14 @@ return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 
 }  // namespace
 
+std::vector<std::string> CellDirectory::every_cell() const {
+  std::vector<std::string> all = cells;
+  for (const auto& p : previous) {
+    if (std::ranges::find(all, p) == all.end()) all.push_back(p);
+  }
+  return all;
+}
+
 bool valid_cell_name(std::string_view name) { return valid_node_id(name); }
 
 Result<std::vector<std::string>> parse_cell_list(std::string_view text) {

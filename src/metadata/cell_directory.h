@@ -32,6 +32,9 @@ struct CellDirectory {
   std::vector<std::string> cells;
   std::vector<std::string> previous;
   std::int64_t epoch = 0;
+
+  // `cells`, then the cells of `previous` not among them: every cell that may hold objects.
+  std::vector<std::string> every_cell() const;
 };
 
 // A cell name a directory accepts: 1-64 of [A-Za-z0-9._-].

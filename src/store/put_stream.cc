@@ -323,8 +323,8 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   st->deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
   if (copy != nullptr) st->copies = copy->copies;
   store::CellLink& cell = impl_->put_cell(key, st->deadline);  // a copy routes as its object
-  const std::span<const metadata::NodeEndpoint> apart =
-      copy != nullptr ? std::span<const metadata::NodeEndpoint>(copy->apart) : std::span<const metadata::NodeEndpoint>();
+  std::span<const metadata::NodeEndpoint> apart;  // the nodes of a replica's earlier copies
+  if (copy != nullptr) apart = copy->apart;
   for (int attempt = 0;; ++attempt) {
     auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings, apart);
     if (!pages.is_ok()) return pages.status().with_context(st->key);
@@ -387,8 +387,7 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
   return put(key, data, o, &copy);
 }
 
-Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options, Copy* copy) {
-  const PutOptions& o = options;
+Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& o, Copy* copy) {
   for (int attempt = 1;; ++attempt) {
     KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), o, copy));
     Status done = stream.append(data);

@@ -48,28 +48,18 @@ int show(Session& s) {
   if (!d.is_ok()) return fail(d.status(), "reading the cell directory", &s, kNoDirectoryFix);
   json cells = json::array();
   Table t({"CELL", "ROUTES", "NODES UP", "FREE", "OBJECTS", "STRAYS"});
-  std::vector<std::string> all = d->cells;
-  for (const auto& p : d->previous) {
-    if (std::ranges::find(all, p) == all.end()) all.push_back(p);
-  }
-  for (const auto& name : all) {
+  for (const auto& name : d->every_cell()) {
     Globals g = s.globals();
     g.cell = name;
     Session per(g);
     auto c = per.cell();
     if (!c.is_ok()) return fail(c.status(), "connecting to cell " + name, &s);
     auto sum = (*c)->admin().summary();
-    auto ids = (*c)->admin().list_nodes();
-    if (!sum.is_ok() || !ids.is_ok()) {
-      return fail(sum.is_ok() ? ids.status() : sum.status(), "reading cell " + name, &s);
+    auto memory = cell_memory((*c)->admin());
+    if (!sum.is_ok() || !memory.is_ok()) {
+      return fail(sum.is_ok() ? memory.status() : sum.status(), "reading cell " + name, &s);
     }
-    std::uint64_t up = 0, free = 0;
-    for (const auto& id : *ids) {
-      auto st = (*c)->admin().node_status(id);
-      if (!st.is_ok() || st->state != "up" || st->heartbeat_in_ms < 0) continue;
-      ++up;
-      free += st->free_pages * st->page_size;
-    }
+    const std::uint64_t up = static_cast<std::uint64_t>(memory->states["up"]), free = memory->free;
     const bool routes = std::ranges::find(d->cells, name) != d->cells.end();
     const bool was = std::ranges::find(d->previous, name) != d->previous.end();
     std::uint64_t stray = 0;
@@ -85,7 +75,7 @@ int show(Session& s) {
                      {"free_bytes", free},
                      {"objects", sum->objects},
                      {"strays", stray}});
-    t.row({name, routes ? (was ? "yes" : "yes (new)") : "no (draining)", std::to_string(up),
+    t.row({name, routes ? (was || d->previous.empty() ? "yes" : "yes (new)") : "no (draining)", std::to_string(up),
            units::format_size(free), std::to_string(sum->objects), was ? std::to_string(stray) : "-"});
   }
   if (s.json()) {
@@ -179,13 +169,9 @@ int for_each_cell(Session& s, const std::function<int(Session&)>& fn) {
   if (!s.all_cells()) return fn(s);
   auto d = read_directory(s);
   if (!d.is_ok()) return fail(d.status(), "--cell all: reading the cell directory", &s, kNoDirectoryFix);
-  std::vector<std::string> all = d->cells;
-  for (const auto& p : d->previous) {
-    if (std::ranges::find(all, p) == all.end()) all.push_back(p);
-  }
   int rc = kExitOk;
   json docs = json::object();
-  for (const auto& name : all) {
+  for (const auto& name : d->every_cell()) {
     Globals g = s.globals();
     g.cell = name;
     Session per(g);

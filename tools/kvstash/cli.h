@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -20,6 +21,7 @@ namespace kvstash {
 class Store;
 namespace metadata {
 class Cell;
+class CellAdmin;
 class RedisClient;
 }  // namespace metadata
 }  // namespace kvstash
@@ -90,6 +92,15 @@ void add_object_commands(Registry& r);   // ls, show, rm, touch, evict, get, put
 void add_doctor_command(Registry& r);
 void add_plan_command(Registry& r);
 void add_cells_command(Registry& r);  // cells, cells set, cells settle
+
+// A cell's memory as `kvstash status` counts it (cluster.cc): capacity and use of every node
+// not gone, free bytes of the nodes that take new objects (up), how many nodes are in each
+// state (up, draining, leaving, dead, gone).
+struct CellMemory {
+  std::uint64_t capacity = 0, used = 0, free = 0;
+  std::map<std::string, int> states;
+};
+Result<CellMemory> cell_memory(metadata::CellAdmin& admin);
 
 // `fn` on the session's cell; with --cell all, on every cell the cell directory lists, each
 // under a "== cell NAME ==" heading (with --json: one document, {"cells": {NAME: ...}}).

@@ -77,6 +77,18 @@ Table nodes_table(const std::vector<Node>& nodes) {
   return t;
 }
 
+CellMemory tally(const std::vector<Node>& nodes) {
+  CellMemory m;
+  for (const auto& n : nodes) {
+    ++m.states[n.state()];
+    if (n.state() == "gone") continue;
+    m.capacity += n.capacity();
+    m.used += n.used();
+    m.free += n.state() == "up" ? n.free() : 0;  // draining and dead nodes take no new pages
+  }
+  return m;
+}
+
 int status(Session& s) {
   auto cell = s.cell();
   if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
@@ -85,15 +97,7 @@ int status(Session& s) {
   if (!nodes.is_ok()) return fail(nodes.status(), "reading the nodes", &s);
   auto sum = admin.summary();
   if (!sum.is_ok()) return fail(sum.status(), "reading the cell", &s);
-  std::uint64_t cap = 0, used = 0, free = 0;
-  std::map<std::string, int> states;
-  for (const auto& n : *nodes) {
-    ++states[n.state()];
-    if (n.state() == "gone") continue;
-    cap += n.capacity();
-    used += n.used();
-    free += n.state() == "up" ? n.free() : 0;  // draining and dead nodes take no new pages
-  }
+  auto [cap, used, free, states] = tally(*nodes);
   const std::string version = redis_version((*cell)->redis());
   auto scope = admin.rkey_scope();
   if (!scope.is_ok()) return fail(scope.status(), "reading the cell", &s);
@@ -372,6 +376,11 @@ int rkey_scope(Session& s, const std::string& want, bool yes) {
 }
 
 }  // namespace
+
+Result<CellMemory> cell_memory(metadata::CellAdmin& admin) {
+  KVSTASH_ASSIGN_OR_RETURN(auto nodes, load_nodes(admin));
+  return tally(nodes);
+}
 
 void add_cluster_commands(Registry& r) {
   Session& s = r.session;
