@@ -271,8 +271,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
   md->add_option("--shards", meta.shards,
-                 "Instead: the mix over a Redis Cluster of each shard count listed (one master per shard, one "
-                 "cell per shard, clients spread over the cells), for how ops/s scale with shards")
+                 "Instead: the mix over a Redis Cluster of each shard count listed (one master per shard, "
+                 "one cell per shard, clients spread over the cells), for how ops/s scale with shards")
       ->delimiter(',')
       ->check(CLI::Range(1, 16));
   md->add_flag("--json", meta.json, "One JSON object per row (--scripts: the table as one JSON object too)");

@@ -340,7 +340,8 @@ class LoadBench {
  public:
   // `cell` is a connection to the cell the clients use, over `redis` (a plain server, or the
   // master of the cell's slot in a cluster), opened from `options`.
-  LoadBench(const MetadataBenchOptions& o, tools::LocalRedis& redis, Cell& cell, metadata::CellOptions options)
+  LoadBench(const MetadataBenchOptions& o, tools::LocalRedis& redis, Cell& cell,
+            metadata::CellOptions options)
       : o_(o), redis_(redis), cell_(cell), options_(std::move(options)) {}
 
   Status prepare();
@@ -631,12 +632,12 @@ int run_metadata_shards(const MetadataBenchOptions& o) {
   InterruptHandler interrupt;
   if (!o.json) {
     std::printf(
-        "The mix (put, get, contains_prefix in turn) over a private Redis Cluster on 127.0.0.1: one master per "
-        "shard, no replicas, one cell per shard, the clients spread evenly over the cells; %u CPUs on this host "
-        "for every server and client together. %.1f s per row.\n\n",
+        "The mix (put, get, contains_prefix in turn) over a private Redis Cluster on 127.0.0.1: one master "
+        "per shard, no replicas, one cell per shard, the clients spread evenly over the cells; %u CPUs on "
+        "this host for every server and client together. %.1f s per row.\n\n",
         std::thread::hardware_concurrency(), o.seconds);
-    std::printf("%-8s %7s %10s %12s %13s %9s %9s\n", "shards", "clients", "ops/s", "ops/s/shard", "redis cores",
-                "p50 us", "p99 us");
+    std::printf("%-8s %7s %10s %12s %13s %9s %9s\n", "shards", "clients", "ops/s", "ops/s/shard",
+                "redis cores", "p50 us", "p99 us");
   }
   for (int shards : o.shards) {
     if (interrupted()) break;
@@ -676,7 +677,8 @@ int run_metadata_shards(const MetadataBenchOptions& o) {
         return 1;
       }
       conns.push_back(std::move(cell).value());
-      benches.push_back(std::make_unique<LoadBench>(o, (*cluster)->server(masters[i]), *conns.back(), options));
+      benches.push_back(
+          std::make_unique<LoadBench>(o, (*cluster)->server(masters[i]), *conns.back(), options));
       if (Status s = benches.back()->prepare(); !s.is_ok()) {
         std::cerr << "metadata: preparing cell " << cells[i] << ": " << s.to_string() << "\n";
         return 1;
@@ -705,22 +707,23 @@ int run_metadata_shards(const MetadataBenchOptions& o) {
       }
       const int total = per_shard * shards;
       if (o.json) {
-        std::cout << nlohmann::json{{"shards", shards}, {"clients", total}, {"ops_per_s", ops},
-                                    {"ops_per_s_per_shard", ops / shards}, {"redis_cores", cores},
-                                    {"p50_us_worst_shard", p50}, {"p99_us_worst_shard", p99}, {"error", error}}
+        std::cout << nlohmann::json{{"shards", shards},          {"clients", total},
+                                    {"ops_per_s", ops},          {"ops_per_s_per_shard", ops / shards},
+                                    {"redis_cores", cores},      {"p50_us_worst_shard", p50},
+                                    {"p99_us_worst_shard", p99}, {"error", error}}
                          .dump()
                   << "\n";
       } else {
-        std::printf("%-8d %7d %10.0f %12.0f %13.2f %9.0f %9.0f%s%s\n", shards, total, ops, ops / shards, cores,
-                    p50, p99, error.empty() ? "" : "   ", error.c_str());
+        std::printf("%-8d %7d %10.0f %12.0f %13.2f %9.0f %9.0f%s%s\n", shards, total, ops, ops / shards,
+                    cores, p50, p99, error.empty() ? "" : "   ", error.c_str());
       }
       std::fflush(stdout);
     }
   }
   if (!o.json) {
     std::printf(
-        "\nops/s: the mix's operations completed per second over all shards; redis cores: the CPU the shards' "
-        "redis-server used together; p50/p99: the worst shard's.\n");
+        "\nops/s: the mix's operations completed per second over all shards; redis cores: the CPU the "
+        "shards' redis-server used together; p50/p99: the worst shard's.\n");
   }
   return interrupted() ? 130 : 0;
 }

@@ -10,11 +10,11 @@
 //     through a failover (the master killed), and the new master fences the cell.
 #include <gtest/gtest.h>
 
+#include <hiredis/hiredis.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <hiredis/hiredis.h>
 #include <map>
 #include <set>
 #include <string>
@@ -23,9 +23,9 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #include "metadata/cell_directory.h"
+#include "metadata/cell_routes.h"
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
-#include "metadata/cell_routes.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -79,7 +79,8 @@ TEST(CellRoutes, ClusterUrls) {
   EXPECT_EQ(u->cluster_nodes[2], (std::pair<std::string, int>{"::1", 7002}));
   EXPECT_EQ(u->user, "app");
   EXPECT_EQ(u->redacted(), "redis+cluster://app:***@10.0.0.1:6379,10.0.0.2:7001,[::1]:7002");
-  EXPECT_EQ(metadata::RedisUrl::parse("redis+cluster://h1,h2/3").status().code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ(metadata::RedisUrl::parse("redis+cluster://h1,h2/3").status().code(),
+            StatusCode::kInvalidArgument)
       << "a cluster has only database 0";
   // A redirection reaches a client that is not a cluster's: a configuration error, not a retry.
   EXPECT_EQ(metadata::error_status("MOVED 8076 10.0.0.2:6379").code(), StatusCode::kInvalidArgument);
@@ -143,7 +144,8 @@ class CellsTest : public ::testing::Test {
 
   static std::string bytes_of(const std::string& key, int version, std::size_t size = 3000) {
     std::string b(size, '\0');
-    for (std::size_t i = 0; i < size; ++i) b[i] = static_cast<char>(std::hash<std::string>{}(key) + version * 7 + i);
+    for (std::size_t i = 0; i < size; ++i)
+      b[i] = static_cast<char>(std::hash<std::string>{}(key) + version * 7 + i);
     return b;
   }
   static Status put(Store& s, const std::string& key, const std::string& bytes) {
@@ -243,7 +245,8 @@ TEST_F(CellsTest, ChangingTheCellsMovesNoBytesAndOverwritesLeaveNoOlderCopy) {
   old_cell.cells = {two[pick_cell(two, over)]};
   auto old_view = Store::open(old_cell);
   ASSERT_TRUE(old_view.is_ok());
-  EXPECT_EQ((*old_view)->stat(over).status().code(), StatusCode::kNotFound) << "the older copy is still there";
+  EXPECT_EQ((*old_view)->stat(over).status().code(), StatusCode::kNotFound)
+      << "the older copy is still there";
 
   // Removing a key finds it wherever it is; settling leaves the unmoved keys readable.
   const std::string& gone = moved.back();
@@ -346,13 +349,15 @@ TEST_F(CellsTest, TheClientFollowsItsCellsSlotToAnotherMasterAndThroughAFailover
   ASSERT_NE(*moved_to, *master) << "the slot did not move";
   const auto t0 = Clock::now();
   Status after = Status::internal("not run");
-  while (!(after = put(**store, "after-move", bytes_of("after-move", 1))).is_ok() && Clock::now() - t0 < 20s) {
+  while (!(after = put(**store, "after-move", bytes_of("after-move", 1))).is_ok() &&
+         Clock::now() - t0 < 20s) {
     std::this_thread::sleep_for(100ms);
   }
   ASSERT_TRUE(after.is_ok()) << after.to_string();
   EXPECT_EQ(get(**store, "after-move"), bytes_of("after-move", 1));
   std::printf("after the slot moved to another master, puts worked again in %lld ms\n",
-              static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()));
+              static_cast<long long>(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()));
 
   // Failover: the slot's master killed; its replica takes over and the cell is fenced.
   const std::size_t victim = *moved_to;

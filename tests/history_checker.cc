@@ -4,8 +4,8 @@
 // The orchestrator starts a private redis-server and several kvstashd with small pools (so
 // eviction is routine), then client processes of its own binary (`--client`), each with a
 // Store over its own transport (shm, tcp, ucx: clients mix them) and several threads running
-// random puts (some with short TTLs, some with two copies), overwrites, gets (some cancelled from another thread),
-// removes, touches, contains_prefix and put streams dropped half-way, every one with a random
+// random puts (some with short TTLs, some with two copies), overwrites, gets (some cancelled from another
+// thread), removes, touches, contains_prefix and put streams dropped half-way, every one with a random
 // deadline. Meanwhile a nemesis stops nodes (SIGSTOP, some past the heartbeat TTL, so the cell
 // declares them dead and they rejoin from the same process), kills and restarts them
 // (SIGKILL) and restarts Redis empty. With --redis-mode sentinel the cell's Redis is a master, a
@@ -607,7 +607,8 @@ struct Hosts {
 
 // Runs a command (ip, tc) to its end; false when it failed.
 bool run_command(std::vector<std::string> argv) {
-  auto child = tools::ChildProcess::start({.argv = std::move(argv), .capture_stdout = false, .discard_stderr = true});
+  auto child =
+      tools::ChildProcess::start({.argv = std::move(argv), .capture_stdout = false, .discard_stderr = true});
   if (!child.is_ok()) return false;
   auto status = child->wait(deadline_after(10s));
   if (!status) child->kill();
@@ -623,7 +624,8 @@ class CellRedis {
     auto r = std::unique_ptr<CellRedis>(new CellRedis);
     r->hosts_ = hosts;
     if (!sentinel) {
-      KVSTASH_ASSIGN_OR_RETURN(auto one, tools::LocalRedis::start({.host = hosts.addr(0), .wrapper = hosts.wrapper(0)}));
+      KVSTASH_ASSIGN_OR_RETURN(
+          auto one, tools::LocalRedis::start({.host = hosts.addr(0), .wrapper = hosts.wrapper(0)}));
       r->servers_.push_back(std::move(one));
       return r;
     }
@@ -635,22 +637,24 @@ class CellRedis {
     for (int i = 0; i < servers; ++i) {
       std::vector<std::string> args = guarded;
       if (i > 0) {
-        args.insert(args.end(), {"--replicaof", r->servers_[0]->host(), std::to_string(r->servers_[0]->port())});
+        args.insert(args.end(),
+                    {"--replicaof", r->servers_[0]->host(), std::to_string(r->servers_[0]->port())});
       }
       const int host = hosts.redis_host(i);
-      KVSTASH_ASSIGN_OR_RETURN(auto server, tools::LocalRedis::start({.extra_args = args,
-                                                                      .host = hosts.addr(host),
-                                                                      .wrapper = hosts.wrapper(host)}));
+      KVSTASH_ASSIGN_OR_RETURN(
+          auto server, tools::LocalRedis::start(
+                           {.extra_args = args, .host = hosts.addr(host), .wrapper = hosts.wrapper(host)}));
       r->servers_.push_back(std::move(server));
     }
     for (int i = 0; i < sentinels; ++i) {
       const int host = hosts.redis_host(i);
-      KVSTASH_ASSIGN_OR_RETURN(auto sentinel, tools::LocalRedis::start({.sentinel_for = r->servers_[0]->port(),
-                                                                        .sentinel_host = r->servers_[0]->host(),
-                                                                        .quorum = sentinels / 2 + 1,
-                                                                        .service = "history",
-                                                                        .host = hosts.addr(host),
-                                                                        .wrapper = hosts.wrapper(host)}));
+      KVSTASH_ASSIGN_OR_RETURN(auto sentinel,
+                               tools::LocalRedis::start({.sentinel_for = r->servers_[0]->port(),
+                                                         .sentinel_host = r->servers_[0]->host(),
+                                                         .quorum = sentinels / 2 + 1,
+                                                         .service = "history",
+                                                         .host = hosts.addr(host),
+                                                         .wrapper = hosts.wrapper(host)}));
       r->sentinels_.push_back(std::move(sentinel));
     }
     // A failover needs the replicas in sync and known to the sentinels.
@@ -676,8 +680,10 @@ class CellRedis {
     if (sentinels_.empty()) return servers_[0]->url();
     std::string url = "redis+sentinel://";
     for (std::size_t i = 0; i < sentinels_.size(); ++i) {
-      url.append(i > 0 ? "," : "").append(sentinels_[i]->host()).append(":").append(
-          std::to_string(sentinels_[i]->port()));
+      url.append(i > 0 ? "," : "")
+          .append(sentinels_[i]->host())
+          .append(":")
+          .append(std::to_string(sentinels_[i]->port()));
     }
     return url.append("/history/0");
   }
@@ -695,7 +701,8 @@ class CellRedis {
     if (master.size() != 2) return Status::internal("the sentinel names no master");
     const std::string host(master.element(0)->str);
     const int port = std::atoi(master.element(1)->str);
-    auto victim = std::ranges::find_if(servers_, [&](const auto& s) { return s->host() == host && s->port() == port; });
+    auto victim =
+        std::ranges::find_if(servers_, [&](const auto& s) { return s->host() == host && s->port() == port; });
     if (victim == servers_.end()) return Status::internal("the sentinel names a master that is none of ours");
     std::printf("  at %" PRId64 " ms: killing the master %s:%d\n", now_ns() / 1000000, host.c_str(), port);
     (*victim)->kill();
@@ -710,8 +717,10 @@ class CellRedis {
   Result<std::unique_ptr<metadata::RedisClient>> ask_sentinel() const {
     Status last = Status::unavailable("no sentinel");
     for (const auto& sentinel : sentinels_) {
-      auto c = metadata::RedisClient::connect(
-          {.url = std::string("redis://").append(sentinel->host()).append(":").append(std::to_string(sentinel->port()))});
+      auto c = metadata::RedisClient::connect({.url = std::string("redis://")
+                                                          .append(sentinel->host())
+                                                          .append(":")
+                                                          .append(std::to_string(sentinel->port()))});
       if (c.is_ok()) return c;
       last = c.status();
     }
@@ -739,9 +748,10 @@ std::string network_fault(const Hosts& hosts, int host, bool partition, std::chr
   const std::string ns = hosts.ns(host);
   std::string what = "link degraded (netem 20 ms +-10 ms, 3% loss)";
   bool nft = false;
-  if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "20ms", "10ms", "loss", "3%"})) {
-    if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "2mbit", "burst", "32kbit",
-                      "latency", "400ms"})) {
+  if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "20ms", "10ms",
+                    "loss", "3%"})) {
+    if (!run_command({"tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "2mbit", "burst",
+                      "32kbit", "latency", "400ms"})) {
       return {};
     }
     const std::vector<std::string> in_ns{"ip", "netns", "exec", ns, "nft"};
@@ -752,10 +762,12 @@ std::string network_fault(const Hosts& hosts, int host, bool partition, std::chr
     };
     nft = nft_cmd({"add", "table", "inet", "kvs_nemesis"});
     for (const char* hook : {"input", "output"}) {
-      nft = nft && nft_cmd({"add", "chain", "inet", "kvs_nemesis", hook,
-                            std::string("{ type filter hook ").append(hook).append(" priority 0; policy accept; }")});
-      nft = nft && nft_cmd({"add", "rule", "inet", "kvs_nemesis", hook, "numgen", "random", "mod", "100", "<", "3",
-                            "drop"});
+      nft =
+          nft &&
+          nft_cmd({"add", "chain", "inet", "kvs_nemesis", hook,
+                   std::string("{ type filter hook ").append(hook).append(" priority 0; policy accept; }")});
+      nft = nft && nft_cmd({"add", "rule", "inet", "kvs_nemesis", hook, "numgen", "random", "mod", "100", "<",
+                            "3", "drop"});
     }
     what = nft ? "link degraded (tbf 2 Mbit/s and nft 3% loss: this kernel has no netem)"
                : "link slowed (tbf 2 Mbit/s; no netem in this kernel, no nft for loss)";
@@ -838,7 +850,8 @@ std::vector<std::string> account_pages(const std::string& url) {
     for (std::size_t i = 0; i < r->size(); ++i) out.emplace_back(r->element(i)->str, r->element(i)->len);
     if (out.empty()) return {"page accounting: an empty reply"};
     if (out.front() == "busy" && Clock::now() < end) continue;
-    if (out.front() == "busy") return {"page accounting: puts, zombies or sweeps still pending 60 s after the run"};
+    if (out.front() == "busy")
+      return {"page accounting: puts, zombies or sweeps still pending 60 s after the run"};
     out.erase(out.begin());
     return out;
   }
@@ -855,8 +868,9 @@ int run(const RunConfig& rc, const std::string& self) {
   const std::string url = (*redis)->url();
   // `initial`: before the run, where a node that does not start is a setup failure.
   auto start_node = [&](int i, bool initial = false) -> std::unique_ptr<tools::LocalNode> {
-    std::vector<std::string> args{"--heartbeat-ttl", "2s", "--reclaim-interval", "200ms", "--ucx-allow-emulated-rma",
-                                  "--huge-pages", "off"};
+    std::vector<std::string> args{
+        "--heartbeat-ttl", "2s", "--reclaim-interval", "200ms", "--ucx-allow-emulated-rma",
+        "--huge-pages",    "off"};
     if (hosts.netns()) {
       const std::string at = hosts.addr(hosts.node_host(i));
       args.insert(args.end(), {"--listen", at + ":0", "--admin", at + ":0", "--transports", "tcp"});
@@ -902,10 +916,16 @@ int run(const RunConfig& rc, const std::string& self) {
     const std::string log = rc.dir + "/client-" + std::to_string(i) + "-" + rc.transports[i] + ".log";
     logs.push_back(log);
     std::vector<std::string> argv = hosts.wrapper(hosts.client_host(static_cast<int>(i)));
-    argv.insert(argv.end(), {self, "--client", "--redis", url, "--transport", rc.transports[i], "--id",
-                             std::to_string(i + 1), "--threads", std::to_string(rc.threads), "--seconds",
-                             std::to_string(rc.seconds), "--seed", std::to_string(rc.seed + i + 1), "--log", log,
-                             "--rkey-scope", rc.rkey_scope, "--avoid-ms", std::to_string(rc.avoid_ms)});
+    argv.insert(argv.end(), {self,           "--client",
+                             "--redis",      url,
+                             "--transport",  rc.transports[i],
+                             "--id",         std::to_string(i + 1),
+                             "--threads",    std::to_string(rc.threads),
+                             "--seconds",    std::to_string(rc.seconds),
+                             "--seed",       std::to_string(rc.seed + i + 1),
+                             "--log",        log,
+                             "--rkey-scope", rc.rkey_scope,
+                             "--avoid-ms",   std::to_string(rc.avoid_ms)});
     auto child = tools::ChildProcess::start({.argv = argv, .capture_stdout = false});
     if (!child.is_ok()) {
       std::cerr << "history: client: " << child.status().to_string() << "\n";
@@ -940,7 +960,8 @@ int run(const RunConfig& rc, const std::string& self) {
     if (action >= 10) {  // a host partitioned, or its link degraded, for a while
       const int host = pick(hosts.count);
       const std::string fault = network_fault(hosts, host, action == 10, ms(1000, 4000));
-      if (fault.empty()) report.failures.push_back("network fault on host " + std::to_string(host) + " failed");
+      if (fault.empty())
+        report.failures.push_back("network fault on host " + std::to_string(host) + " failed");
       ++report.faults[fault.empty() ? std::string("network fault failed") : fault];
     } else if (action < 6) {  // a pause: half of them past the 2 s heartbeat TTL
       const auto pause = action < 3 ? ms(500, 1800) : ms(2200, 4000);
@@ -1059,9 +1080,10 @@ int main(int argc, char** argv) {
   app.add_option("--rkey-scope", rc.rkey_scope, "verbs clients: connection or lease (default: the cell's)")
       ->check(CLI::IsMember({"", "connection", "lease"}));
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
-  app.add_option("--faults", rc.faults,
-                 "mixed: pauses, kills, Redis faults (and with --netns partitions and degraded links); kill: only "
-                 "kill -9 and restart nodes; redis: only Redis faults; net: only partitions and degraded links")
+  app.add_option(
+         "--faults", rc.faults,
+         "mixed: pauses, kills, Redis faults (and with --netns partitions and degraded links); kill: only "
+         "kill -9 and restart nodes; redis: only Redis faults; net: only partitions and degraded links")
       ->check(CLI::IsMember({"mixed", "kill", "redis", "net"}))
       ->capture_default_str();
   app.add_option("--redis-mode", rc.redis_mode,
@@ -1072,11 +1094,13 @@ int main(int argc, char** argv) {
   app.add_option("--avoid-ms", rc.avoid_ms,
                  "Clients' StoreOptions::avoid_unreachable_nodes in ms (0: off; default: the store's)");
   app.add_flag("--keep-logs", keep_logs, "Keep the clients' histories even when the run is clean");
-  app.add_option("--netns", rc.netns,
-                 "Run on the hosts scripts/netns-cell made (network namespaces PREFIX-h<i>; this process in "
-                 "PREFIX-ctl): Redis, clients and memory nodes on separate hosts, tcp across them, and network "
-                 "faults in the nemesis");
-  app.add_option("--hosts", rc.hosts, "With --netns: how many hosts there are (at least 4)")->capture_default_str();
+  app.add_option(
+      "--netns", rc.netns,
+      "Run on the hosts scripts/netns-cell made (network namespaces PREFIX-h<i>; this process in "
+      "PREFIX-ctl): Redis, clients and memory nodes on separate hosts, tcp across them, and network "
+      "faults in the nemesis");
+  app.add_option("--hosts", rc.hosts, "With --netns: how many hosts there are (at least 4)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (client) {
     cc.threads = rc.threads;
@@ -1089,13 +1113,15 @@ int main(int argc, char** argv) {
   if (minutes > 0) rc.seconds = minutes * 60;
   if (rc.seed == 0) rc.seed = std::random_device{}();
   rc.nemesis = !no_nemesis;
-  if (!rc.netns.empty() && app.count("--transports") == 0) transports = "tcp,tcp,tcp";  // one client per Redis host
+  if (!rc.netns.empty() && app.count("--transports") == 0)
+    transports = "tcp,tcp,tcp";  // one client per Redis host
   rc.transports.clear();
   std::stringstream ts(transports);
   for (std::string t; std::getline(ts, t, ',');) {
     if (!t.empty()) rc.transports.push_back(t);
   }
-  if (!rc.netns.empty() && (rc.hosts < 4 || std::ranges::any_of(rc.transports, [](const auto& t) { return t != "tcp"; }))) {
+  if (!rc.netns.empty() &&
+      (rc.hosts < 4 || std::ranges::any_of(rc.transports, [](const auto& t) { return t != "tcp"; }))) {
     std::cerr << "history: --netns needs at least 4 hosts and only tcp clients (the others cross no host)\n";
     return 2;
   }

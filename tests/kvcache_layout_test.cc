@@ -181,8 +181,9 @@ TEST(PrefixKeys, MatchAnIndependentImplementation) {
   std::iota(eight.begin(), eight.end(), 0u);
   PrefixKeyOptions p{
       .model = "m", .layout_tag = "t", .tp_rank = 1, .tp_size = 2, .chunk_tokens = 4, .extra = "lora:x"};
-  EXPECT_EQ(prefix_chunk_keys(eight, p), (std::vector<std::string>{"kvp:{a4682b65c40bf75d}a4682b65c40bf75d011b8dafa989ef91",
-                                                                   "kvp:{a4682b65c40bf75d}f137426bc29ab7694e09d2cd1caceb2b"}));
+  EXPECT_EQ(prefix_chunk_keys(eight, p),
+            (std::vector<std::string>{"kvp:{a4682b65c40bf75d}a4682b65c40bf75d011b8dafa989ef91",
+                                      "kvp:{a4682b65c40bf75d}f137426bc29ab7694e09d2cd1caceb2b"}));
 }
 
 TEST(PrefixKeys, ChainOverEveryEarlierTokenAndSaltedByEveryOption) {

@@ -1073,7 +1073,8 @@ TEST_F(StoreTest, APutWithReplicasSurvivesTheDeathOfACopysNode) {
   fill(newer);
   ASSERT_TRUE(put_bytes(*s, "prompt", newer).is_ok());
   for (std::uint32_t i = 1; i < 3; ++i) {
-    EXPECT_EQ(s->stat(metadata::copy_key("prompt", i)).status().code(), StatusCode::kNotFound) << "copy " << i;
+    EXPECT_EQ(s->stat(metadata::copy_key("prompt", i)).status().code(), StatusCode::kNotFound)
+        << "copy " << i;
   }
   for (int i = 0; i < 5; ++i) {
     auto back = get_bytes(*s, "prompt", newer.size());

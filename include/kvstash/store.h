@@ -349,7 +349,8 @@ class Store {
   struct Impl;
   struct Copy;  // which copy of a put with replicas, and the nodes it keeps apart from
   explicit Store(std::unique_ptr<Impl> impl);
-  Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options, Copy* copy);
+  Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options,
+                              Copy* copy);
   Status put(std::string_view key, std::span<const Slice> data, const PutOptions& options, Copy* copy);
   std::unique_ptr<Impl> impl_;
 };

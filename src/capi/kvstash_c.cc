@@ -260,7 +260,8 @@ kvstash_status kvstash_prefix_chunk_key(const uint32_t* tokens, size_t n_tokens,
   const std::vector<std::string> all =
       kvstash::prefix_chunk_keys({tokens, n_tokens}, key_options_of(*options));
   if (index >= all.size()) return invalid("kvstash_prefix_chunk_key: the tokens hold no such full chunk");
-  if (out_size <= all[index].size()) return invalid("kvstash_prefix_chunk_key: out is smaller than KVSTASH_KEY_SIZE bytes");
+  if (out_size <= all[index].size())
+    return invalid("kvstash_prefix_chunk_key: out is smaller than KVSTASH_KEY_SIZE bytes");
   all[index].copy(out, all[index].size());
   out[all[index].size()] = '\0';
   return report({});
@@ -273,7 +274,8 @@ kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* to
   }
   auto keys = kv->kv->keys({tokens, n_tokens});
   if (index >= keys.size()) return invalid("kvstash_kvcache_key: the tokens hold no such full chunk");
-  if (out_size <= keys[index].size()) return invalid("kvstash_kvcache_key: out is smaller than KVSTASH_KEY_SIZE bytes");
+  if (out_size <= keys[index].size())
+    return invalid("kvstash_kvcache_key: out is smaller than KVSTASH_KEY_SIZE bytes");
   keys[index].copy(out, keys[index].size());
   out[keys[index].size()] = '\0';
   return report({});

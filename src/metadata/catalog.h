@@ -78,7 +78,8 @@ class Catalog {
   Status commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                          std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                          std::chrono::milliseconds ttl,
-                         const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1);
+                         const std::optional<std::string>& if_version = std::nullopt,
+                         std::uint32_t copies = 1);
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the
   // put's pages or nodes.
   static bool condition_failed(const Status& commit);

@@ -59,8 +59,10 @@ Result<std::vector<std::string>> parse_cell_list(std::string_view text) {
 }
 
 Result<std::optional<CellDirectory>> read_cell_directory(RedisClient& redis) {
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis.command({"HMGET", kCellDirectoryKey, "cells", "previous", "epoch"}));
-  if (r.type() != Reply::Type::kArray || r.size() != 3) return Status::corrupt("cell directory: malformed reply");
+  KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                           redis.command({"HMGET", kCellDirectoryKey, "cells", "previous", "epoch"}));
+  if (r.type() != Reply::Type::kArray || r.size() != 3)
+    return Status::corrupt("cell directory: malformed reply");
   auto text = [&](std::size_t i) {
     const redisReply* e = r.element(i);
     return e->str != nullptr ? std::string_view(e->str, e->len) : std::string_view();
@@ -98,7 +100,8 @@ Result<std::string> least_loaded_cell(const RedisOptions& redis) {
   to_directory.cluster_key = kCellDirectoryKey;
   KVSTASH_ASSIGN_OR_RETURN(auto client, RedisClient::connect(to_directory));
   KVSTASH_ASSIGN_OR_RETURN(auto d, read_cell_directory(*client));
-  if (!d) return Status::not_found("the Redis holds no cell directory to pick a cell from (kvstash cells set ...)");
+  if (!d)
+    return Status::not_found("the Redis holds no cell directory to pick a cell from (kvstash cells set ...)");
   std::string best;
   std::uint64_t best_bytes = 0, best_nodes = 0;
   for (const auto& name : d->cells) {

@@ -145,7 +145,8 @@ constexpr int kSentinelPort = 26379;
 constexpr int kRedisPort = 6379;
 
 // h1[:port],h2[:port]... into `out`, each port `default_port` unless named.
-Status parse_host_list(std::string_view hosts, int default_port, std::vector<std::pair<std::string, int>>& out);
+Status parse_host_list(std::string_view hosts, int default_port,
+                       std::vector<std::pair<std::string, int>>& out);
 
 // host[:port] or [v6]:port into `host`, `port` (kept when the text names none).
 Status parse_host_port(std::string_view hostport, std::string& host, int& port) {
@@ -181,7 +182,8 @@ std::string host_port_text(const std::string& host, int port) {
   return s;
 }
 
-Status parse_host_list(std::string_view hosts, int default_port, std::vector<std::pair<std::string, int>>& out) {
+Status parse_host_list(std::string_view hosts, int default_port,
+                       std::vector<std::pair<std::string, int>>& out) {
   for (std::size_t from = 0; from <= hosts.size();) {
     const std::size_t comma = std::min(hosts.find(',', from), hosts.size());
     auto& [host, port] = out.emplace_back(std::string(), default_port);
@@ -282,7 +284,10 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
 
 std::string RedisUrl::redacted() const {
   // Built with append(): GCC 12 at -O3 warns falsely (-Wrestrict) on chains of operator+.
-  std::string s = unix_socket ? "unix://" : sentinel() ? "redis+sentinel://" : cluster() ? "redis+cluster://" : "redis://";
+  std::string s = unix_socket  ? "unix://"
+                  : sentinel() ? "redis+sentinel://"
+                  : cluster()  ? "redis+cluster://"
+                               : "redis://";
   if (!user.empty() || !password.empty()) s.append(user).append(password.empty() ? "@" : ":***@");
   if (unix_socket) {
     s.append(path);
@@ -366,7 +371,7 @@ std::chrono::milliseconds RedisClient::within_deadline(std::chrono::milliseconds
 
 Status RedisClient::open() {
   ctx_.reset();
-  Status s = url_.sentinel() ? open_through_sentinels()
+  Status s = url_.sentinel()  ? open_through_sentinels()
              : url_.cluster() ? open_in_cluster()
                               : open_at(url_.host, url_.port);
   if (s.is_ok() && options_.on_connect) {
@@ -436,7 +441,8 @@ Status RedisClient::open_in_cluster() {
     const std::string where = "redis cluster node " + host_port_text(host, port);
     Status s = open_at(host, port);
     if (s.is_ok() && options_.cluster_key.empty()) return {};
-    Result<Reply> slot = s.is_ok() ? run_once({"CLUSTER", "KEYSLOT", options_.cluster_key}) : Result<Reply>(s);
+    Result<Reply> slot =
+        s.is_ok() ? run_once({"CLUSTER", "KEYSLOT", options_.cluster_key}) : Result<Reply>(s);
     Result<Reply> slots = slot.is_ok() ? run_once({"CLUSTER", "SLOTS"}) : Result<Reply>(slot.status());
     if (!slots.is_ok()) {
       ctx_.reset();
@@ -447,9 +453,9 @@ Status RedisClient::open_in_cluster() {
     std::optional<std::pair<std::string, int>> master;
     for (std::size_t i = 0; i < slots->size(); ++i) {
       const redisReply* range = slots->element(i);
-      if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 || range->element[2]->type != REDIS_REPLY_ARRAY ||
-          range->element[2]->elements < 2 || slot->integer() < range->element[0]->integer ||
-          slot->integer() > range->element[1]->integer) {
+      if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
+          range->element[2]->type != REDIS_REPLY_ARRAY || range->element[2]->elements < 2 ||
+          slot->integer() < range->element[0]->integer || slot->integer() > range->element[1]->integer) {
         continue;
       }
       const redisReply* m = range->element[2];
@@ -491,7 +497,8 @@ Status RedisClient::redirect(std::string_view error) {
   url_.host = host;
   url_.port = port;
   if (!options_.on_connect) return {};
-  Status s = options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
+  Status s =
+      options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
   if (!s.is_ok()) ctx_.reset();
   return s;
 }
@@ -635,7 +642,8 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
 }
 
 Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
-                        const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args) {
+                        const std::vector<std::string_view>& keys,
+                        const std::vector<std::string_view>& args) {
   std::string nkeys = std::to_string(keys.size());
   std::vector<std::string_view> argv{"EVALSHA", script.sha, nkeys};
   argv.insert(argv.end(), keys.begin(), keys.end());

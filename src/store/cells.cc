@@ -54,8 +54,9 @@ Status Store::Impl::load_cell_map(Deadline deadline) {
     if (auto it = cell_links.find(name); it != cell_links.end()) return it->second.get();
     auto link = std::make_unique<store::CellLink>();
     link->name = name;
-    KVSTASH_ASSIGN_OR_RETURN(link->pool, metadata::CellPool::open({.redis = redis_options(options), .cell = name},
-                                                                  options.redis_connections));
+    KVSTASH_ASSIGN_OR_RETURN(
+        link->pool,
+        metadata::CellPool::open({.redis = redis_options(options), .cell = name}, options.redis_connections));
     KVSTASH_ASSIGN_OR_RETURN(auto c, link->pool->borrow(deadline));
     KVSTASH_RETURN_IF_ERROR(c.cell().check_schema().with_context("cell " + name));
     return cell_links.emplace(name, std::move(link)).first->second.get();
@@ -106,15 +107,17 @@ std::vector<store::CellLink*> Store::Impl::get_cells(std::string_view key, Deadl
   return {before, now};
 }
 
-Status Store::Impl::remove_older_copy(std::string_view key, store::CellLink& committed_in, Deadline deadline) {
+Status Store::Impl::remove_older_copy(std::string_view key, store::CellLink& committed_in,
+                                      Deadline deadline) {
   for (store::CellLink* cell : get_cells(key, deadline)) {
     if (cell == &committed_in) continue;
     auto c = borrow(*cell, deadline);
     Status s = c.is_ok() ? (*c)->remove(key) : c.status();
     if (!s.is_ok() && s.code() != StatusCode::kNotFound) {
-      return Status::unavailable("committed in cell " + committed_in.name + ", but the copy an earlier put left in cell " +
-                                 cell->name + " (where gets look first until the change of cells settles) is still there: " +
-                                 s.message());
+      return Status::unavailable(
+          "committed in cell " + committed_in.name + ", but the copy an earlier put left in cell " +
+          cell->name +
+          " (where gets look first until the change of cells settles) is still there: " + s.message());
     }
   }
   return {};

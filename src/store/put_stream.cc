@@ -312,7 +312,8 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   return begin_put(key, size, options, nullptr);
 }
 
-Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options, Copy* copy) {
+Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, const PutOptions& options,
+                                   Copy* copy) {
   KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
   KVSTASH_RETURN_IF_ERROR(object_layout_fits(options.object_layout));
   auto st = std::make_unique<PutStream::State>(options.checksum_segment);
@@ -323,7 +324,7 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   st->deadline = options.deadline.value_or(deadline_after(impl_->options.timeout));
   if (copy != nullptr) st->copies = copy->copies;
   store::CellLink& cell = impl_->put_cell(key, st->deadline);  // a copy routes as its object
-  std::span<const metadata::NodeEndpoint> apart;  // the nodes of a replica's earlier copies
+  std::span<const metadata::NodeEndpoint> apart;               // the nodes of a replica's earlier copies
   if (copy != nullptr) apart = copy->apart;
   for (int attempt = 0;; ++attempt) {
     auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings, apart);
@@ -375,7 +376,8 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
   if (o.replicas > metadata::kMaxCopies) {
     return Status::invalid_argument("store: replicas is 1 to " + std::to_string(metadata::kMaxCopies));
   }
-  if (o.if_version) return Status::invalid_argument("store: a put with replicas cannot be conditional (if_version)");
+  if (o.if_version)
+    return Status::invalid_argument("store: a put with replicas cannot be conditional (if_version)");
   // The copies first, each apart from the ones before; the object itself last, its commit
   // naming how many copies there are (and dropping any beyond, an earlier put's).
   Copy copy{.copies = o.replicas, .apart = {}};

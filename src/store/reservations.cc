@@ -34,8 +34,8 @@ metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std
 
 }  // namespace
 
-Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
-                                               Deadline deadline, OpTimings* timings,
+Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::string_view key,
+                                               std::uint64_t size, Deadline deadline, OpTimings* timings,
                                                std::span<const metadata::NodeEndpoint> apart) {
   store::PutPages pages;
   pages.cell = &cell;

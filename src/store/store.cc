@@ -37,7 +37,8 @@ Store::~Store() {
   // connections go away; the reserved pages no put took go back.
   impl_->workers.reset();
   for (auto& [name, cell] : impl_->cell_links) {
-    if (cell->reservation) impl_->release_unused(cell->reservation, deadline_after(impl_->options.redis_timeout));
+    if (cell->reservation)
+      impl_->release_unused(cell->reservation, deadline_after(impl_->options.redis_timeout));
   }
   impl_->releaser.reset();
   impl_->aborter.reset();

@@ -115,8 +115,8 @@ struct CancelToken::State {
 };
 
 struct Store::Copy {
-  std::uint32_t copies = 1;                    // of the put in all
-  std::vector<metadata::NodeEndpoint> apart;   // nodes the earlier copies are on
+  std::uint32_t copies = 1;                   // of the put in all
+  std::vector<metadata::NodeEndpoint> apart;  // nodes the earlier copies are on
 };
 
 struct Store::Impl {

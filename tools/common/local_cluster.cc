@@ -216,8 +216,8 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
     const std::string conf = dir_ + "/sentinel.conf";
     if (!fs::exists(conf)) {
       const std::string& s = options_.service;
-      std::ofstream(conf) << "sentinel monitor " << s << " " << options_.sentinel_host << " " << options_.sentinel_for
-                          << " " << options_.quorum << "\n"
+      std::ofstream(conf) << "sentinel monitor " << s << " " << options_.sentinel_host << " "
+                          << options_.sentinel_for << " " << options_.quorum << "\n"
                           << "sentinel down-after-milliseconds " << s << " 300\n"
                           << "sentinel failover-timeout " << s << " 3000\n";
     }
@@ -226,8 +226,8 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
     argv.push_back(dir_ + "/redis.conf");  // the config file comes first
   }
   const std::string log = dir_ + "/redis.log";
-  for (const char* a : {"--port", port.c_str(), "--bind", options_.host.c_str(), "--dir", dir_.c_str(), "--logfile",
-                        log.c_str(), "--daemonize", "no"}) {
+  for (const char* a : {"--port", port.c_str(), "--bind", options_.host.c_str(), "--dir", dir_.c_str(),
+                        "--logfile", log.c_str(), "--daemonize", "no"}) {
     argv.emplace_back(a);
   }
   // Bound to an address other than loopback (in a network namespace a test made, say), it
@@ -261,8 +261,9 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
     if (auto status = child_.wait(Clock::now())) {
       const std::string tail = log_tail();
       *port_taken = tail.find("Address already in use") != std::string::npos;
-      return Status::unavailable("redis-server " + describe_status(*status) + " at start on " + options_.host + ":" +
-                                 port + (tail.empty() ? " (see its errors above)" : ": " + tail));
+      return Status::unavailable("redis-server " + describe_status(*status) + " at start on " +
+                                 options_.host + ":" + port +
+                                 (tail.empty() ? " (see its errors above)" : ": " + tail));
     }
     switch (probe_redis(options_.host, port_, options_.password, child_.pid())) {
       case Probe::kOurs: return {};
@@ -273,7 +274,8 @@ Status LocalRedis::launch(Deadline deadline, bool* port_taken) {
       case Probe::kOther:
         child_.kill();
         *port_taken = true;
-        return Status::unavailable("port " + port + " on " + options_.host + " is taken by another redis-server");
+        return Status::unavailable("port " + port + " on " + options_.host +
+                                   " is taken by another redis-server");
       case Probe::kLoading:
       case Probe::kNoAnswer: break;
     }
@@ -336,7 +338,8 @@ void LocalRedis::stop() {
 namespace {
 
 // One redis-cli command against a server, its stdout; nullopt when it failed or hung.
-std::optional<std::string> redis_cli(const LocalRedis& server, std::vector<std::string> args, Deadline deadline) {
+std::optional<std::string> redis_cli(const LocalRedis& server, std::vector<std::string> args,
+                                     Deadline deadline) {
   std::vector<std::string> argv{"redis-cli", "-h", server.host(), "-p", std::to_string(server.port())};
   argv.insert(argv.end(), args.begin(), args.end());
   auto child = ChildProcess::start({.argv = argv, .discard_stderr = true});
@@ -352,7 +355,8 @@ std::optional<std::string> redis_cli(const LocalRedis& server, std::vector<std::
 
 Result<std::unique_ptr<LocalRedisCluster>> LocalRedisCluster::start(LocalRedisClusterOptions options) {
   std::unique_ptr<LocalRedisCluster> cluster(new LocalRedisCluster());
-  std::vector<std::string> args{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+  std::vector<std::string> args{"--cluster-enabled",      "yes",
+                                "--cluster-config-file",  "nodes.conf",
                                 "--cluster-node-timeout", std::to_string(options.node_timeout.count())};
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
   const int total = options.masters * (1 + options.replicas_per_master);
@@ -362,14 +366,17 @@ Result<std::unique_ptr<LocalRedisCluster>> LocalRedisCluster::start(LocalRedisCl
     create.push_back(server->host() + ":" + std::to_string(server->port()));
     cluster->servers_.push_back(std::move(server));
   }
-  create.insert(create.end(), {"--cluster-replicas", std::to_string(options.replicas_per_master), "--cluster-yes"});
+  create.insert(create.end(),
+                {"--cluster-replicas", std::to_string(options.replicas_per_master), "--cluster-yes"});
   if (total == 1) {
     // redis-cli creates clusters of three masters or more; one master takes every slot itself.
-    if (!redis_cli(*cluster->servers_.front(), {"CLUSTER", "ADDSLOTSRANGE", "0", "16383"}, deadline_after(10s))) {
+    if (!redis_cli(*cluster->servers_.front(), {"CLUSTER", "ADDSLOTSRANGE", "0", "16383"},
+                   deadline_after(10s))) {
       return Status::unavailable("CLUSTER ADDSLOTSRANGE failed");
     }
   } else if (!redis_cli(*cluster->servers_.front(), create, deadline_after(30s))) {
-    return Status::unavailable("redis-cli --cluster create failed (three masters at least; is redis-tools installed?)");
+    return Status::unavailable(
+        "redis-cli --cluster create failed (three masters at least; is redis-tools installed?)");
   }
   KVSTASH_RETURN_IF_ERROR(cluster->wait_healthy(deadline_after(30s)));
   return cluster;
@@ -378,7 +385,10 @@ Result<std::unique_ptr<LocalRedisCluster>> LocalRedisCluster::start(LocalRedisCl
 std::string LocalRedisCluster::url() const {
   std::string url = "redis+cluster://";
   for (std::size_t i = 0; i < servers_.size(); ++i) {
-    url.append(i > 0 ? "," : "").append(servers_[i]->host()).append(":").append(std::to_string(servers_[i]->port()));
+    url.append(i > 0 ? "," : "")
+        .append(servers_[i]->host())
+        .append(":")
+        .append(std::to_string(servers_[i]->port()));
   }
   return url;
 }
@@ -395,13 +405,15 @@ Status LocalRedisCluster::wait_healthy(Deadline deadline) {
       healthy = healthy && nodes && nodes->find("fail") == std::string::npos;
     }
     if (healthy) return {};
-    if (Clock::now() > deadline) return Status::unavailable("the Redis Cluster did not become healthy in time");
+    if (Clock::now() > deadline)
+      return Status::unavailable("the Redis Cluster did not become healthy in time");
   }
 }
 
 Result<std::size_t> LocalRedisCluster::master_of(std::string_view key) {
   // The client's own slot lookup (CLUSTER SLOTS through a live node) names the master.
-  KVSTASH_ASSIGN_OR_RETURN(auto client, metadata::RedisClient::connect({.url = url(), .cluster_key = std::string(key)}));
+  KVSTASH_ASSIGN_OR_RETURN(auto client,
+                           metadata::RedisClient::connect({.url = url(), .cluster_key = std::string(key)}));
   for (std::size_t s = 0; s < servers_.size(); ++s) {
     if (servers_[s]->port() == client->url().port) return s;
   }

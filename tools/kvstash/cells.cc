@@ -75,11 +75,13 @@ int show(Session& s) {
                      {"free_bytes", free},
                      {"objects", sum->objects},
                      {"strays", stray}});
-    t.row({name, routes ? (was || d->previous.empty() ? "yes" : "yes (new)") : "no (draining)", std::to_string(up),
-           units::format_size(free), std::to_string(sum->objects), was ? std::to_string(stray) : "-"});
+    t.row({name, routes ? (was || d->previous.empty() ? "yes" : "yes (new)") : "no (draining)",
+           std::to_string(up), units::format_size(free), std::to_string(sum->objects),
+           was ? std::to_string(stray) : "-"});
   }
   if (s.json()) {
-    std::cout << json{{"epoch", d->epoch}, {"cells", d->cells}, {"previous", d->previous}, {"detail", cells}}.dump(2)
+    std::cout << json{{"epoch", d->epoch}, {"cells", d->cells}, {"previous", d->previous}, {"detail", cells}}
+                     .dump(2)
               << "\n";
     return kExitOk;
   }
@@ -90,8 +92,9 @@ int show(Session& s) {
   }
   std::cout << "\n" << t.str();
   if (!d->previous.empty()) {
-    std::cout << "STRAYS: objects the current cells route elsewhere; `kvstash cells settle --yes` once none is "
-                 "left (they expire, are evicted, removed or overwritten)\n";
+    std::cout
+        << "STRAYS: objects the current cells route elsewhere; `kvstash cells settle --yes` once none is "
+           "left (they expire, are evicted, removed or overwritten)\n";
   }
   return kExitOk;
 }
@@ -106,9 +109,10 @@ int set(Session& s, const std::string& list, bool yes, bool force) {
     return fail(now.status(), "reading the cell directory", &s);
   }
   if (now.is_ok() && !now->previous.empty() && !force) {
-    return fail(Status::invalid_argument("the last change has not settled"), "cells set", &s,
-                "`kvstash cells` shows what is left in the previous cells; `kvstash cells settle --yes` first, "
-                "or --force (gets stop looking where the older set put keys)");
+    return fail(
+        Status::invalid_argument("the last change has not settled"), "cells set", &s,
+        "`kvstash cells` shows what is left in the previous cells; `kvstash cells settle --yes` first, "
+        "or --force (gets stop looking where the older set put keys)");
   }
   if (!yes) {
     std::cout << "would route puts over " << list << (now.is_ok() ? " (now: " : "");
@@ -116,8 +120,9 @@ int set(Session& s, const std::string& list, bool yes, bool force) {
       for (std::size_t i = 0; i < now->cells.size(); ++i) std::cout << (i ? "," : "") << now->cells[i];
       std::cout << ")";
     }
-    std::cout << "; no bytes move: gets look first in the cell the old set picks until `kvstash cells settle`. "
-                 "--yes to do it\n";
+    std::cout
+        << "; no bytes move: gets look first in the cell the old set picks until `kvstash cells settle`. "
+           "--yes to do it\n";
     return kExitOk;
   }
   auto redis = s.directory();
@@ -199,21 +204,25 @@ void add_cells_command(Registry& r) {
     bool yes = false, force = false;
   };
   auto o = std::make_shared<Options>();
-  auto* cells = r.app.add_subcommand("cells", "The cell directory of a deployment of several cells: show, set, settle");
+  auto* cells =
+      r.app.add_subcommand("cells", "The cell directory of a deployment of several cells: show, set, settle");
   cells->footer(
       "Examples:\n  kvstash cells\n  kvstash cells set a,b,c --yes\n  kvstash cells settle --yes\n"
       "  kvstash --cell all status\n\n"
-      "Puts route to a cell by rendezvous hashing of their key's route (docs/operations.md, Cells); a change of "
-      "the set moves no bytes: gets look first where the previous set put a key until the change is settled.");
+      "Puts route to a cell by rendezvous hashing of their key's route (docs/operations.md, Cells); a change "
+      "of the set moves no bytes: gets look first where the previous set put a key until the change is "
+      "settled.");
   cells->final_callback([&r, &s, cells] {
     if (cells->get_subcommands().empty()) r.action = [&s] { return show(s); };
   });
-  auto* set_cmd = cells->add_subcommand("set", "Route puts over these cells (the set they replace keeps serving gets)");
+  auto* set_cmd =
+      cells->add_subcommand("set", "Route puts over these cells (the set they replace keeps serving gets)");
   set_cmd->add_option("cells", o->list, "Comma-separated cell names")->required();
   set_cmd->add_flag("--yes", o->yes, "Do it (else say what would change)");
   set_cmd->add_flag("--force", o->force, "Even while the last change has not settled");
   set_cmd->final_callback([&r, &s, o] { r.action = [&s, o] { return set(s, o->list, o->yes, o->force); }; });
-  auto* settle_cmd = cells->add_subcommand("settle", "End a change: gets look only where the current cells route");
+  auto* settle_cmd =
+      cells->add_subcommand("settle", "End a change: gets look only where the current cells route");
   settle_cmd->add_flag("--yes", o->yes, "Do it (else count what it would hide)");
   settle_cmd->final_callback([&r, &s, o] { r.action = [&s, o] { return settle(s, o->yes); }; });
 }

@@ -139,9 +139,10 @@ int main(int argc, char** argv) {
                  "nodes (else KVSTASH_CLUSTER_TOKEN); refused when group or others may read or write it "
                  "(chmod 600) or when it is empty")
       ->each([&g](const std::string&) { g.token_file_given = true; });
-  app.add_option("--cell", g.cell,
-                 "Cell name (key prefix kvs:{kvs:<cell>}); `all`: status, ls, doctor and get over every cell the "
-                 "cell directory lists (`kvstash cells`)")
+  app.add_option(
+         "--cell", g.cell,
+         "Cell name (key prefix kvs:{kvs:<cell>}); `all`: status, ls, doctor and get over every cell the "
+         "cell directory lists (`kvstash cells`)")
       ->envname("KVSTASH_CELL")
       ->capture_default_str();
   app.add_flag("--json", g.json, "Machine-readable output: one JSON document on stdout");

@@ -103,7 +103,8 @@ int ls(Session& s, const LsOptions& o) {
   }
   Table t({"KEY", "SIZE", "TTL", "LAST ACCESS", "NODES"});
   for (const auto& i : found) {
-    t.row({shown_key(i.key), units::format_size(i.size), ttl_text(i, now), ago(i.last_access_ms, now), join(i.nodes)});
+    t.row({shown_key(i.key), units::format_size(i.size), ttl_text(i, now), ago(i.last_access_ms, now),
+           join(i.nodes)});
   }
   if (t.empty()) {
     std::cout << "no objects match '" << o.pattern << "'\n";
@@ -266,7 +267,8 @@ int evict(Session& s, const EvictOptions& o) {
     return kExitOk;
   }
   Table t({"KEY", "SIZE", "IDLE"});
-  for (const auto& e : *chosen) t.row({shown_key(e.key), units::format_size(e.size), ago(e.last_access_ms, now)});
+  for (const auto& e : *chosen)
+    t.row({shown_key(e.key), units::format_size(e.size), ago(e.last_access_ms, now)});
   if (!t.empty()) std::cout << t.str();
   std::cout << (o.yes ? "evicted " : "would evict ") << chosen->size() << " objects, "
             << units::format_size(total) << " (least recently used first, skipping objects being read)";
@@ -359,7 +361,9 @@ void add_object_commands(Registry& r) {
   ls_cmd->footer(
       "Examples:\n  kvstash ls\n  kvstash ls 'kvp:*' --sort access --limit 20\n  kvstash ls --sort size "
       "--json");
-  ls_cmd->final_callback([&r, &s, o] { r.action = [&s, o] { return for_each_cell(s, [o](Session& c) { return ls(c, o->ls); }); }; });
+  ls_cmd->final_callback([&r, &s, o] {
+    r.action = [&s, o] { return for_each_cell(s, [o](Session& c) { return ls(c, o->ls); }); };
+  });
 
   auto* show_cmd = r.app.add_subcommand(
       "show", "One object: size, extents and generations, checksum, TTL, layout, last access");
