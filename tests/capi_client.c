@@ -10,12 +10,12 @@
 
 #include "kvstash/c_api.h"
 
-#define CHECK(cond, what)                                                        \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
+#define CHECK(cond, what)                                                          \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
       fprintf(stderr, "capi_client: %s failed: %s\n", what, kvstash_last_error()); \
-      return 1;                                                                  \
-    }                                                                            \
+      return 1;                                                                    \
+    }                                                                              \
   } while (0)
 
 enum { LAYERS = 3, BLOCKS = 16, BLOCK_SIZE = 4, HEADS = 2, HEAD_DIM = 16, CHUNK = 8 };
@@ -116,7 +116,8 @@ int main(int argc, char** argv) {
   for (int l = 0; l < LAYERS; ++l) {
     a[l] = malloc(LAYER_BYTES);
     b[l] = calloc(1, LAYER_BYTES);
-    for (int i = 0; i < LAYER_BYTES; ++i) a[l][i] = (unsigned char)((seed = seed * 1103515245u + 12345u) >> 16);
+    for (int i = 0; i < LAYER_BYTES; ++i)
+      a[l][i] = (unsigned char)((seed = seed * 1103515245u + 12345u) >> 16);
     pa[l] = a[l];
     pb[l] = b[l];
   }
@@ -140,7 +141,8 @@ int main(int argc, char** argv) {
   layout.layer_tensors = pb;
   CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvb) == KVSTASH_OK, "kvstash_kvcache_open b");
   CHECK(kvstash_kvcache_chunk_tokens(kva) == CHUNK, "chunk tokens");
-  CHECK(kvstash_kvcache_chunk_bytes(kva) == (uint64_t)LAYERS * 2 * (CHUNK / BLOCK_SIZE) * BLOCK_BYTES, "chunk bytes");
+  CHECK(kvstash_kvcache_chunk_bytes(kva) == (uint64_t)LAYERS * 2 * (CHUNK / BLOCK_SIZE) * BLOCK_BYTES,
+        "chunk bytes");
 
   uint32_t tokens[2 * CHUNK + 3];
   for (unsigned i = 0; i < sizeof tokens / sizeof tokens[0]; ++i) tokens[i] = 1000 + i * 7;
@@ -148,8 +150,8 @@ int main(int argc, char** argv) {
   const uint32_t blocks_a[] = {9, 2, 14, 5};
   const uint32_t blocks_b[] = {0, 11, 7, 3};
   char key[KVSTASH_KEY_SIZE];
-  CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 1, key, sizeof key) == KVSTASH_OK && strncmp(key, "kvp:", 4) == 0 &&
-            strlen(key) == KVSTASH_KEY_SIZE - 1,
+  CHECK(kvstash_kvcache_key(kva, tokens, n_tokens, 1, key, sizeof key) == KVSTASH_OK &&
+            strncmp(key, "kvp:", 4) == 0 && strlen(key) == KVSTASH_KEY_SIZE - 1,
         "chunk key");
   /* A scheduler computes the same key without a cache, from the key options and the tag. */
   CHECK(strcmp(kvstash_kvcache_layout_tag(kva), "L3.P2.H2.D16.B4.fp16.nhd") == 0, "layout tag");
@@ -168,13 +170,22 @@ int main(int argc, char** argv) {
         "nothing stored");
 
   kvstash_save* save = NULL;
-  CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 0, 2, 0, &save) == KVSTASH_OK, "begin_save");
-  /* Layer 0 plainly, the rest in the stream-ordered form with nothing to wait for (a host
-   * cache has no streams: a stream handle is refused). */
+  CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 0, 2, 0, &save) == KVSTASH_OK,
+        "begin_save");
+  /* Layer 0 plainly (the legacy default stream: a host cache has no GPU work to wait for),
+   * layer 1 after a zero-filled kvstash_sync (the same), the rest after KVSTASH_SYNC_NONE. A
+   * host cache has no streams: a stream handle is refused. */
   CHECK(kvstash_save_layer(save, 0) == KVSTASH_OK, "save_layer");
-  CHECK(kvstash_save_layer_after(save, 1, (void*)0x1, NULL) == KVSTASH_INVALID_ARGUMENT,
+  kvstash_sync legacy = {0};
+  kvstash_sync some_stream = {KVSTASH_SYNC_STREAM, (void*)0x1};
+  kvstash_sync nothing = {KVSTASH_SYNC_NONE, NULL};
+  kvstash_sync bad_kind = {(kvstash_sync_kind)7, NULL};
+  CHECK(kvstash_save_layer_after(save, 1, some_stream) == KVSTASH_INVALID_ARGUMENT,
         "a host cache has no streams to wait for");
-  for (uint32_t l = 1; l < LAYERS; ++l) CHECK(kvstash_save_layer_after(save, l, NULL, NULL) == KVSTASH_OK, "save_layer_after");
+  CHECK(kvstash_save_layer_after(save, 1, bad_kind) == KVSTASH_INVALID_ARGUMENT, "an unknown sync kind");
+  CHECK(kvstash_save_layer_after(save, 1, legacy) == KVSTASH_OK, "save_layer_after the legacy stream");
+  for (uint32_t l = 2; l < LAYERS; ++l)
+    CHECK(kvstash_save_layer_after(save, l, nothing) == KVSTASH_OK, "save_layer_after");
   kvstash_status saved[2];
   CHECK(kvstash_save_finish(save, saved) == KVSTASH_OK && saved[0] == KVSTASH_OK && saved[1] == KVSTASH_OK,
         "save_finish");
@@ -191,7 +202,8 @@ int main(int argc, char** argv) {
         "the store's prefix check");
 
   kvstash_load* load = NULL;
-  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "begin_load");
+  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, legacy, &load) == KVSTASH_OK,
+        "begin_load");
   for (uint32_t l = 0; l < LAYERS; ++l) {
     CHECK(kvstash_load_wait_layer(load, l) == KVSTASH_OK, "load_wait_layer");
     CHECK(kvstash_load_layer_ready(load, l) == 1, "a waited layer is ready");
@@ -211,13 +223,15 @@ int main(int argc, char** argv) {
         "load_finish");
 
   /* Chunk 1 alone (the engine holds chunk 0): one status, counted from chunk 1. */
-  CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 1, 1, 0, &load) == KVSTASH_OK,
+  CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 1, 1, 0, legacy, &load) ==
+            KVSTASH_OK,
         "begin_load_range");
   size_t n_failed = 99;
   uint32_t failed[8];
-  CHECK(kvstash_load_failed_blocks(load, failed, 8, &n_failed) == KVSTASH_OK && n_failed == 0, "nothing failed");
+  CHECK(kvstash_load_failed_blocks(load, failed, 8, &n_failed) == KVSTASH_OK && n_failed == 0,
+        "nothing failed");
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK && loaded[0] == KVSTASH_OK, "range load_finish");
-  CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 2, 1, 0, &load) ==
+  CHECK(kvstash_kvcache_begin_load_range(kvb, tokens, n_tokens, blocks_b, 4, 2, 1, 0, legacy, &load) ==
             KVSTASH_INVALID_ARGUMENT,
         "no chunk 2");
 
@@ -225,21 +239,24 @@ int main(int argc, char** argv) {
    * chunk landed or cancelled. */
   uint32_t other[CHUNK];
   for (size_t i = 0; i < CHUNK; ++i) other[i] = tokens[i] + 1;
-  CHECK(kvstash_kvcache_begin_save(kva, other, CHUNK, blocks_a, 4, 0, 1, 0, &save) == KVSTASH_OK, "begin_save 2");
+  CHECK(kvstash_kvcache_begin_save(kva, other, CHUNK, blocks_a, 4, 0, 1, 0, &save) == KVSTASH_OK,
+        "begin_save 2");
   CHECK(kvstash_save_layer(save, 0) == KVSTASH_OK, "save_layer 0");
   kvstash_save_cancel(save);
   CHECK(kvstash_save_layer(save, 1) == KVSTASH_CANCELLED, "no layer after cancel");
-  CHECK(kvstash_save_finish(save, saved) == KVSTASH_CANCELLED && saved[0] == KVSTASH_CANCELLED, "cancelled save");
+  CHECK(kvstash_save_finish(save, saved) == KVSTASH_CANCELLED && saved[0] == KVSTASH_CANCELLED,
+        "cancelled save");
   CHECK(kvstash_kvcache_contains_prefix(kva, other, CHUNK, 0, &hit) == KVSTASH_OK && hit == 0,
         "nothing visible");
-  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "begin_load 2");
+  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, legacy, &load) == KVSTASH_OK,
+        "begin_load 2");
   kvstash_load_cancel(load);
   kvstash_load_finish(load, loaded);
   CHECK((loaded[0] == KVSTASH_OK || loaded[0] == KVSTASH_CANCELLED) &&
             (loaded[1] == KVSTASH_OK || loaded[1] == KVSTASH_CANCELLED),
         "a cancelled load's chunks landed or were cancelled");
   /* Dropped unfinished, as a save can be: the handle is freed once nothing writes any more. */
-  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK,
+  CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, legacy, &load) == KVSTASH_OK,
         "begin_load 3");
   kvstash_load_free(load);
   CHECK(kvstash_kvcache_begin_save(kva, other, CHUNK, blocks_a, 4, 0, 1, 0, &save) == KVSTASH_OK,
@@ -252,10 +269,12 @@ int main(int argc, char** argv) {
   layout.staging = KVSTASH_STAGING_HOST;
   for (int l = 0; l < LAYERS; ++l) memset(b[l], 0, LAYER_BYTES);
   CHECK(kvstash_kvcache_open(store, &layout, &keys, &kvs) == KVSTASH_OK, "kvstash_kvcache_open staged");
-  CHECK(strcmp(kvstash_kvcache_data_path(kvs), "staged") == 0 && strcmp(kvstash_kvcache_data_path(kva), "direct") == 0,
+  CHECK(strcmp(kvstash_kvcache_data_path(kvs), "staged") == 0 &&
+            strcmp(kvstash_kvcache_data_path(kva), "direct") == 0,
         "data paths");
   CHECK(strcmp(kvstash_kvcache_device(kvs), "host") == 0, "the host device stages it");
-  CHECK(kvstash_kvcache_begin_load(kvs, tokens, n_tokens, blocks_b, 4, 2, 0, &load) == KVSTASH_OK, "staged load");
+  CHECK(kvstash_kvcache_begin_load(kvs, tokens, n_tokens, blocks_b, 4, 2, 0, legacy, &load) == KVSTASH_OK,
+        "staged load");
   CHECK(kvstash_load_finish(load, loaded) == KVSTASH_OK, "staged load_finish");
   for (uint32_t l = 0; l < LAYERS; ++l) {
     for (int i = 0; i < 4; ++i) {
@@ -277,7 +296,8 @@ int main(int argc, char** argv) {
   layout.memory_kind = KVSTASH_MEMORY_HOST;
 
   /* A save of chunks the tokens do not hold: refused before anything moves. */
-  CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 1, 2, 0, &save) == KVSTASH_INVALID_ARGUMENT,
+  CHECK(kvstash_kvcache_begin_save(kva, tokens, n_tokens, blocks_a, 4, 1, 2, 0, &save) ==
+            KVSTASH_INVALID_ARGUMENT,
         "a chunk without tokens");
 
   kvstash_kvcache_close(kva);

@@ -6,9 +6,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 
 #include "common/checksum.h"
@@ -87,6 +89,7 @@ struct DeviceStandin::Event {
 
 // A stream is one worker running what was queued on it in order: a pool of one thread.
 struct DeviceStandin::Stream {
+  bool blocking = true;
   ThreadPool worker{1};
   void push(std::function<void()> op) { (void)worker.submit(std::move(op)); }
 };
@@ -122,46 +125,153 @@ std::function<void()> wait_op(DeviceStandin::Event* e) {
   };
 }
 
+// A mark: records of events, each completed when its stream reaches it.
 class StandinMark final : public KvDeviceMark {
  public:
-  StandinMark(DeviceStandin::Event* e, std::uint64_t n) : e_(e), n_(n) {}
+  void add(DeviceStandin::Event* e, std::uint64_t n) { records_.push_back({e, n}); }
   Status wait(Deadline deadline) override {
-    std::unique_lock lock(e_->mu);
-    if (!e_->cv.wait_until(lock, deadline, [&] { return e_->completed >= n_; })) {
-      return Status::timeout("standin: the engine's work did not finish in time");
+    for (const auto& [e, n] : records_) {
+      std::unique_lock lock(e->mu);
+      if (!e->cv.wait_until(lock, deadline, [&, n = n] { return e->completed >= n; })) {
+        return Status::timeout("standin: the engine's work did not finish in time");
+      }
     }
     return {};
   }
+  const std::vector<std::pair<DeviceStandin::Event*, std::uint64_t>>& records() const { return records_; }
 
  private:
-  DeviceStandin::Event* e_;
-  std::uint64_t n_;
+  std::vector<std::pair<DeviceStandin::Event*, std::uint64_t>> records_;
 };
 
-// Events the host completes: each has one record, completed by complete_through.
-class StandinSignals final : public KvDeviceSignals {
- public:
-  explicit StandinSignals(std::vector<DeviceStandin::Event*> events) : events_(std::move(events)) {
-    for (auto* e : events_) {
-      std::lock_guard lock(e->mu);
-      ++e->recorded;
-    }
+// The digests of a segment as the CUDA device's kernel computes them: one per 4 KiB block of
+// the runs' concatenation, folded.
+std::uint64_t standin_segment_sum(const DeviceStandin& d, std::span<const KvRun> runs) {
+  std::uint64_t length = 0;
+  for (const KvRun& r : runs) length += r.length;
+  std::vector<unsigned char> packed(length);
+  std::uint64_t at = 0;
+  for (const KvRun& r : runs) {
+    std::memcpy(packed.data() + at, d.view(r.addr), r.length);
+    at += r.length;
   }
-  ~StandinSignals() override { complete_through(events_.size()); }
-  void* event(std::size_t i) const override { return events_.at(i); }
-  void complete_through(std::size_t n) override {
-    for (std::size_t i = 0; i < n && i < events_.size(); ++i) {
-      DeviceStandin::Event* e = events_[i];
-      {
-        std::lock_guard lock(e->mu);
-        e->completed = e->recorded;
-      }
-      e->cv.notify_all();
+  const std::uint64_t k = sum::block_count(length);
+  std::vector<std::uint64_t> digests(k);
+  for (std::uint64_t i = 0; i < k; ++i) {
+    const std::uint64_t off = i * sum::kBlockBytes;
+    digests[i] = sum::xxh3_64(packed.data() + off, std::min(sum::kBlockBytes, length - off));
+  }
+  return sum::fold_digests(std::move(digests), length);
+}
+
+// A load's handover on the stand-in's streams: a queued layer's op waits (on the stream's
+// thread) for the host's release, then copies (staged) or sums (direct) the layer, then
+// completes the layer's event. Its state is shared with the queued ops, which may outlive it.
+class StandinHandover final : public KvDeviceHandover {
+ public:
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::uint32_t released = 0;
+    KvHandoverPlan plan;
+    std::vector<std::vector<const std::byte*>> src;  // staged: [chunk][layer]
+    std::vector<std::vector<std::uint64_t>> sums;    // direct: [chunk][layer]
+  };
+
+  StandinHandover(std::shared_ptr<DeviceStandin> d, const KvHandoverPlan& plan)
+      : device_(std::move(d)), shared_(std::make_shared<Shared>()) {
+    shared_->plan = plan;
+    shared_->src.assign(plan.runs.size(), std::vector<const std::byte*>(plan.layers, nullptr));
+    shared_->sums.assign(plan.runs.size(), std::vector<std::uint64_t>(plan.layers, 0));
+    for (std::uint32_t l = 0; l < plan.layers; ++l)
+      events_.push_back(static_cast<DeviceStandin::Event*>(device_->create_event()));
+    own_ = device_->create_stream(false);
+    queued_.assign(plan.layers, 0);
+  }
+  ~StandinHandover() override { release_through(shared_->plan.layers); }
+
+  void place(std::size_t chunk, std::uint32_t layer, const std::byte* src) override {
+    std::lock_guard lock(shared_->mu);
+    if (chunk < shared_->src.size() && layer < shared_->plan.layers) shared_->src[chunk][layer] = src;
+  }
+  void release_through(std::uint32_t n) override {
+    {
+      std::lock_guard lock(shared_->mu);
+      shared_->released = std::max(shared_->released, std::min(n, shared_->plan.layers));
     }
+    shared_->cv.notify_all();
+  }
+  Status queue(std::uint32_t layer, void* stream) override {
+    if (layer >= shared_->plan.layers) return Status::invalid_argument("standin: layer out of range");
+    if (stream == nullptr) return Status::invalid_argument("standin: pass one of the stand-in's streams");
+    {
+      std::lock_guard lock(mu_);
+      if (queued_[layer] != 0) {
+        device_->wait_event(stream, events_[layer]);
+        return {};
+      }
+      queued_[layer] = 1;
+      if (auto* after = dynamic_cast<StandinMark*>(shared_->plan.after); after != nullptr) {
+        for (const auto& [e, n] : after->records()) device_->wait_event(stream, e);
+      }
+    }
+    auto shared = shared_;
+    auto device = device_;
+    device_->launch(stream, [shared, device, layer] {
+      std::unique_lock lock(shared->mu);
+      shared->cv.wait(lock, [&] { return shared->released > layer; });
+      for (std::size_t c = 0; c < shared->plan.runs.size(); ++c) {
+        const auto& runs = shared->plan.runs[c][layer];
+        if (shared->plan.staged) {
+          const std::byte* src = shared->src[c][layer];
+          if (src == nullptr) continue;  // never placed: not copied
+          for (const KvRun& r : runs) {
+            std::memcpy(device->view(r.addr), src, r.length);
+            src += r.length;
+          }
+        } else {
+          // The device's checksum kernel, on this stream (counted in summed_bytes()).
+          shared->sums[c][layer] = device->segment_sum(runs, true, Deadline::max()).value();
+        }
+      }
+    });
+    device_->record(events_[layer], stream);
+    return {};
+  }
+  Result<void*> queue_event(std::uint32_t layer) override {
+    KVSTASH_RETURN_IF_ERROR(queue(layer, own_));
+    return static_cast<void*>(events_[layer]);
+  }
+  Result<std::uint64_t> sum(std::size_t chunk, std::uint32_t layer, Deadline deadline) override {
+    {
+      std::lock_guard lock(mu_);
+      if (layer >= queued_.size() || queued_[layer] == 0)
+        return Status::unavailable("standin: layer not queued");
+    }
+    DeviceStandin::Event* e = events_[layer];
+    std::unique_lock lock(e->mu);
+    if (!e->cv.wait_until(lock, deadline, [&] { return e->done(); }))
+      return Status::timeout("standin: not run");
+    std::lock_guard s(shared_->mu);
+    return shared_->sums.at(chunk).at(layer);
+  }
+  bool passed() override {
+    std::lock_guard lock(mu_);
+    for (std::size_t l = 0; l < queued_.size(); ++l) {
+      if (queued_[l] == 0) continue;
+      std::lock_guard e(events_[l]->mu);
+      if (!events_[l]->done()) return false;
+    }
+    return true;
   }
 
  private:
-  std::vector<DeviceStandin::Event*> events_;
+  std::shared_ptr<DeviceStandin> device_;
+  std::shared_ptr<Shared> shared_;
+  std::vector<DeviceStandin::Event*> events_;  // the device's (it owns every event)
+  void* own_ = nullptr;
+  std::mutex mu_;
+  std::vector<std::uint8_t> queued_;
 };
 
 }  // namespace
@@ -183,7 +293,7 @@ Result<std::shared_ptr<DeviceStandin>> DeviceStandin::create(std::size_t bytes) 
     *m = static_cast<std::byte*>(p);
   }
   d->size_ = size;
-  d->mark_stream_ = static_cast<Stream*>(d->create_stream());
+  d->mark_stream_ = static_cast<Stream*>(d->create_stream(false));
   return d;
 }
 
@@ -213,9 +323,10 @@ std::byte* DeviceStandin::view(const void* device_addr) const {
 std::uint64_t DeviceStandin::summed_bytes() const { return summed_.load(); }
 std::uint64_t DeviceStandin::copied_bytes() const { return copied_.load(); }
 
-void* DeviceStandin::create_stream() {
+void* DeviceStandin::create_stream(bool blocking) {
   std::lock_guard lock(mu_);
   streams_.push_back(std::make_unique<Stream>());
+  streams_.back()->blocking = blocking;
   return streams_.back().get();
 }
 
@@ -267,7 +378,7 @@ Status DeviceStandin::check_runs(std::span<const KvRun> runs) const {
   return {};
 }
 
-Status DeviceStandin::gather(std::span<const KvRun> runs, std::byte* dst) {
+Status DeviceStandin::gather(std::span<const KvRun> runs, std::byte* dst, Deadline) {
   KVSTASH_RETURN_IF_ERROR(check_runs(runs));
   for (const KvRun& r : runs) {
     std::memcpy(dst, view(r.addr), r.length);
@@ -277,7 +388,7 @@ Status DeviceStandin::gather(std::span<const KvRun> runs, std::byte* dst) {
   return {};
 }
 
-Status DeviceStandin::scatter(const std::byte* src, std::span<const KvRun> runs) {
+Status DeviceStandin::scatter(const std::byte* src, std::span<const KvRun> runs, Deadline) {
   KVSTASH_RETURN_IF_ERROR(check_runs(runs));
   for (const KvRun& r : runs) {
     std::memcpy(view(r.addr), src, r.length);
@@ -292,60 +403,50 @@ Result<std::shared_ptr<std::byte>> DeviceStandin::allocate_host(std::size_t byte
   return std::shared_ptr<std::byte>(p, [](std::byte* q) { ::operator delete (q, std::align_val_t{4096}); });
 }
 
-Result<std::uint64_t> DeviceStandin::segment_sum(std::span<const KvRun> runs) {
+Result<std::uint64_t> DeviceStandin::segment_sum(std::span<const KvRun> runs, bool, Deadline) {
   KVSTASH_RETURN_IF_ERROR(check_runs(runs));
-  // As the CUDA device does: pack the runs into device scratch, one digest per 4 KiB block
-  // (each what one GPU thread computes), then fold the digests.
   std::uint64_t length = 0;
   for (const KvRun& r : runs) length += r.length;
-  std::vector<unsigned char> scratch(length);
-  std::uint64_t at = 0;
-  for (const KvRun& r : runs) {
-    std::memcpy(scratch.data() + at, view(r.addr), r.length);
-    at += r.length;
-  }
-  const std::uint64_t k = sum::block_count(length);
-  std::vector<std::uint64_t> digests(k);
-  for (std::uint64_t i = 0; i < k; ++i) {
-    const std::uint64_t off = i * sum::kBlockBytes;
-    digests[i] = sum::xxh3_64(scratch.data() + off, std::min(sum::kBlockBytes, length - off));
-  }
   summed_ += length;
-  return sum::fold_digests(std::move(digests), length);
+  return standin_segment_sum(*this, runs);
 }
 
 Result<std::unique_ptr<KvDeviceMark>> DeviceStandin::mark(const KvSync& after) {
-  if (after.stream != nullptr && after.event != nullptr) {
-    return Status::invalid_argument("standin: pass a stream or an event, not both");
-  }
-  Stream* on = mark_stream_;
-  if (after.stream != nullptr && (on = stream_of(after.stream)) == nullptr) {
-    return Status::invalid_argument("standin: not a stream of this device");
-  }
-  if (after.event != nullptr) {
-    Event* e = event_of(after.event);
+  auto mark = std::make_unique<StandinMark>();
+  if (after.kind == KvSync::Kind::kNone) return std::unique_ptr<KvDeviceMark>(std::move(mark));
+  // Records `mine` on `on`, to complete once `on` reaches this point.
+  auto record_on = [&](Stream* on) {
+    auto* mine = static_cast<Event*>(create_event());
+    auto op = record_op(mine);
+    mark->add(mine, mine->recorded);
+    on->push(std::move(op));
+  };
+  if (after.kind == KvSync::Kind::kEvent) {
+    Event* e = after.handle == nullptr ? nullptr : event_of(after.handle);
     if (e == nullptr) return Status::invalid_argument("standin: not an event of this device");
-    on->push(wait_op(e));  // the event as recorded now
+    mark_stream_->push(wait_op(e));  // the event as recorded now
+    record_on(mark_stream_);
+  } else if (after.handle == nullptr) {
+    // The legacy default stream: everything queued on every stream of the device so far (the
+    // stand-in's streams are all blocking ones).
+    std::vector<Stream*> all;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& st : streams_) {
+        if (st->blocking) all.push_back(st.get());
+      }
+    }
+    for (Stream* st : all) record_on(st);
+  } else {
+    Stream* on = stream_of(after.handle);
+    if (on == nullptr) return Status::invalid_argument("standin: not a stream of this device");
+    record_on(on);
   }
-  auto* mine = static_cast<Event*>(create_event());
-  auto op = record_op(mine);
-  const std::uint64_t n = mine->recorded;
-  on->push(std::move(op));
-  return std::unique_ptr<KvDeviceMark>(std::make_unique<StandinMark>(mine, n));
+  return std::unique_ptr<KvDeviceMark>(std::move(mark));
 }
 
-Result<std::unique_ptr<KvDeviceSignals>> DeviceStandin::signals(std::size_t n) {
-  std::vector<Event*> events;
-  for (std::size_t i = 0; i < n; ++i) events.push_back(static_cast<Event*>(create_event()));
-  return std::unique_ptr<KvDeviceSignals>(std::make_unique<StandinSignals>(std::move(events)));
-}
-
-Status DeviceStandin::stream_wait(void* stream, void* event) {
-  if (stream_of(stream) == nullptr || event_of(event) == nullptr) {
-    return Status::invalid_argument("standin: not a stream or event of this device");
-  }
-  wait_event(stream, event);
-  return {};
+Result<std::unique_ptr<KvDeviceHandover>> DeviceStandin::handover(const KvHandoverPlan& plan) {
+  return std::unique_ptr<KvDeviceHandover>(std::make_unique<StandinHandover>(shared_from_this(), plan));
 }
 
 }  // namespace kvstash::test

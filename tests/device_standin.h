@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -47,7 +48,9 @@ class DeviceStandin final : public KvDevice, public std::enable_shared_from_this
   std::uint64_t copied_bytes() const;
 
   // Streams, events and kernels, owned by the device; handles are what KvSync carries.
-  void* create_stream();
+  // A blocking stream (the engine's kind: the legacy default stream, a null handle, orders
+  // after it) or a non-blocking one (the device's own).
+  void* create_stream(bool blocking = true);
   void* create_event();
   // Runs `kernel` on the stream's thread after everything queued on it before.
   void launch(void* stream, std::function<void()> kernel);
@@ -60,13 +63,13 @@ class DeviceStandin final : public KvDevice, public std::enable_shared_from_this
 
   // KvDevice.
   std::string_view name() const override { return "standin"; }
-  Status gather(std::span<const KvRun> runs, std::byte* dst) override;
-  Status scatter(const std::byte* src, std::span<const KvRun> runs) override;
+  Status reserve(const KvDeviceSizes&) override { return {}; }
+  Status gather(std::span<const KvRun> runs, std::byte* dst, Deadline deadline) override;
+  Status scatter(const std::byte* src, std::span<const KvRun> runs, Deadline deadline) override;
   Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) override;
-  Result<std::uint64_t> segment_sum(std::span<const KvRun> runs) override;
+  Result<std::uint64_t> segment_sum(std::span<const KvRun> runs, bool nic_wrote, Deadline deadline) override;
   Result<std::unique_ptr<KvDeviceMark>> mark(const KvSync& after) override;
-  Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t n) override;
-  Status stream_wait(void* stream, void* event) override;
+  Result<std::unique_ptr<KvDeviceHandover>> handover(const KvHandoverPlan& plan) override;
 
   struct Event;
   struct Stream;

@@ -172,10 +172,13 @@ TEST(DeviceStandinTest, AHostTouchOfSealedMemoryFaultsAndNamesItselfWhileTheDevi
   std::vector<std::byte> packed(6000);
   std::memcpy(packed.data(), (*d)->view(p), 1000);
   std::memcpy(packed.data() + 1000, (*d)->view(p + 3000), 5000);
-  auto on_device = (*d)->segment_sum(runs);
+  const Deadline deadline = deadline_after(10s);
+  auto on_device = (*d)->segment_sum(runs, false, deadline);
   ASSERT_TRUE(on_device.is_ok());
-  EXPECT_EQ(*on_device, host_device()->segment_sum({{{packed.data(), 6000, 0}}}).value());
-  EXPECT_EQ((*d)->segment_sum({{{p - 8192, 10, 0}}}).status().code(), StatusCode::kInvalidArgument)
+  const KvRun whole{packed.data(), 6000, 0};
+  EXPECT_EQ(*on_device, host_device()->segment_sum({&whole, 1}, false, deadline).value());
+  const KvRun outside{p - 8192, 10, 0};
+  EXPECT_EQ((*d)->segment_sum({&outside, 1}, false, deadline).status().code(), StatusCode::kInvalidArgument)
       << "outside its memory";
 }
 
@@ -220,25 +223,40 @@ TEST_P(KvCacheDeviceTest, ASaveStoresTheBytesTheEnginesKernelFinishedWritingAfte
       std::memcpy(layer, final_bytes[l].data(), layer_bytes);
     });
     if (l % 2 == 0) {
-      ASSERT_TRUE(save->save_layer(l, {.stream = compute}).is_ok());
+      ASSERT_TRUE(save->save_layer(l, KvSync::stream(compute)).is_ok());
     } else {
       dev_->record(written, compute);
-      ASSERT_TRUE(save->save_layer(l, {.event = written}).is_ok());
+      ASSERT_TRUE(save->save_layer(l, KvSync::event(written)).is_ok());
     }
   }
   for (const Status& s : save->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
   for (const Status& s : kvb->load(t, to, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_TRUE(same_blocks(*a_, from, *b_, to)) << "the stored bytes are the kernels' final ones";
 
-  // The same without ordering stores the bytes from before the kernel: the test can tell.
+  // The default (a null stream: the legacy default stream) orders after every blocking stream,
+  // so a late kernel's bytes are what is stored even when the caller names no stream.
+  std::byte* layer0 = dev_->view(a_->ptrs[0]);
+  auto by_default = kva->begin_save(t, from, 0, 1);
+  ASSERT_TRUE(by_default.is_ok());
+  dev_->launch(compute, [&] {
+    std::this_thread::sleep_for(100ms);
+    test::fill_random({layer0, layer_bytes}, 76);
+  });
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) ASSERT_TRUE(by_default->save_layer(l).is_ok());
+  for (const Status& s : by_default->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (const Status& s : kvb->load(t, to, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(same_blocks(*a_, from, *b_, to)) << "the default stream's save waited for the kernel";
+
+  // KvSync::none() says there is nothing to wait for, and means it: a save that says so while
+  // a kernel still writes stores the bytes from before the kernel (the test can tell).
   auto early = kva->begin_save(t, from, 0, 1);
   ASSERT_TRUE(early.is_ok());
-  std::byte* layer0 = dev_->view(a_->ptrs[0]);
   dev_->launch(compute, [&] {
     std::this_thread::sleep_for(300ms);
     test::fill_random({layer0, layer_bytes}, 77);
   });
-  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) ASSERT_TRUE(early->save_layer(l).is_ok());
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l)
+    ASSERT_TRUE(early->save_layer(l, KvSync::none()).is_ok());
   for (const Status& s : early->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
   dev_->synchronize(compute);
   for (const Status& s : kvb->load(t, to, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
@@ -258,7 +276,7 @@ TEST_P(KvCacheDeviceTest, ASaveWhoseEngineWorkNeverFinishesFailsAtItsDeadlineAnd
   const auto t = tokens(kChunkTokens, 8);
   auto save = kva->begin_save(t, scattered(4, 9), 0, 1, deadline_after(300ms));
   ASSERT_TRUE(save.is_ok());
-  ASSERT_TRUE(save->save_layer(0, {.stream = stuck}).is_ok()) << "queued, not waited for";
+  ASSERT_TRUE(save->save_layer(0, KvSync::stream(stuck)).is_ok()) << "queued, not waited for";
   const auto t0 = Clock::now();
   auto st = save->wait();
   EXPECT_EQ(st[0].code(), StatusCode::kTimeout) << st[0].to_string();
@@ -267,16 +285,15 @@ TEST_P(KvCacheDeviceTest, ASaveWhoseEngineWorkNeverFinishesFailsAtItsDeadlineAnd
 
   auto cancelled = kva->begin_save(t, scattered(4, 9), 0, 1, deadline_after(60s));
   ASSERT_TRUE(cancelled.is_ok());
-  ASSERT_TRUE(cancelled->save_layer(0, {.stream = stuck}).is_ok());
+  ASSERT_TRUE(cancelled->save_layer(0, KvSync::stream(stuck)).is_ok());
   const auto c0 = Clock::now();
   cancelled->cancel();
   EXPECT_LT(Clock::now() - c0, 2s) << "cancel does not wait for the engine's stuck work";
   EXPECT_EQ(cancelled->wait()[0].code(), StatusCode::kCancelled);
-  EXPECT_EQ(kva->begin_save(t, scattered(4, 9), 0, 1)
-                ->save_layer(0, {.stream = stuck, .event = after_stuck})
-                .code(),
+  EXPECT_EQ(kva->begin_save(t, scattered(4, 9), 0, 1)->save_layer(0, KvSync::event(nullptr)).code(),
             StatusCode::kInvalidArgument)
-      << "a stream or an event, not both";
+      << "an event kind needs an event";
+  EXPECT_TRUE(kva->begin_save(t, scattered(4, 9), 0, 1)->save_layer(0, KvSync::event(after_stuck)).is_ok());
   release.set_value();
 }
 
@@ -347,7 +364,7 @@ TEST_P(KvCacheDeviceTest, OverVerbsTheNicMovesDeviceMemoryAndTheDeviceChecksIt) 
   auto save = kva->begin_save(t, from, 0, 2);
   ASSERT_TRUE(save.is_ok()) << save.status().to_string();
   for (std::uint32_t l = 0; l < kShape.num_layers; ++l)
-    ASSERT_TRUE(save->save_layer(l, {.stream = compute}).is_ok());
+    ASSERT_TRUE(save->save_layer(l, KvSync::stream(compute)).is_ok());
   for (const Status& s : save->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_EQ(dev_->summed_bytes(), 2 * kva->chunk_bytes()) << "every layer saved was summed on the device";
   auto load = kvb->begin_load(t, to, 2);

@@ -107,7 +107,8 @@ BINDING_INCLUDES = {"common/system.h"}
 
 # C enums and the C++ enums they mirror: (C++ enum, prefix of the C values after KVSTASH_).
 ENUMS = {"kvstash_status": ("StatusCode", ""), "kvstash_dtype": ("KvDType", ""),
-         "kvstash_block_order": ("KvBlockOrder", ""), "kvstash_memory_kind": ("MemoryKind", "MEMORY_")}
+         "kvstash_block_order": ("KvBlockOrder", ""), "kvstash_memory_kind": ("MemoryKind", "MEMORY_"),
+         "kvstash_sync_kind": ("Kind", "SYNC_")}  # KvSync::Kind
 
 # ---- parsing ------------------------------------------------------------------------------
 

@@ -85,10 +85,17 @@ class KvstashPython(unittest.TestCase):
         blocks_a, blocks_b = [9, 2, 14, 5], [0, 11, 7, 3]
         save = kva.begin_save(tokens, blocks_a, 0, 2)
         with self.assertRaises(kvstash.Error) as e:
-            save.save_layer(0, stream=1)  # a host cache has no streams to wait for
+            save.save_layer(0, after=kvstash.KvSync.stream(1))  # a host cache has no streams to wait for
         self.assertEqual(e.exception.code, "invalid_argument")
-        for layer in range(layers):
-            save.save_layer(layer, stream=0, event=0)
+        # KvSync() is CUDA's legacy default stream, never "nothing"; a host cache has no GPU work
+        # to order after, so it passes, as does the explicit KvSync.none().
+        self.assertEqual((kvstash.KvSync().kind, kvstash.KvSync().handle), ("stream", 0))
+        self.assertEqual(kvstash.KvSync.none().kind, "none")
+        self.assertEqual(repr(kvstash.KvSync.event(5)), "KvSync.event(5)")
+        save.save_layer(0)
+        save.save_layer(1, after=kvstash.KvSync())
+        for layer in range(2, layers):
+            save.save_layer(layer, after=kvstash.KvSync.none())
         self.assertEqual(save.wait(), [("ok", ""), ("ok", "")])
         self.assertEqual(kvb.contains_prefix(tokens), 2)
 

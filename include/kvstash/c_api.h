@@ -123,6 +123,21 @@ typedef enum kvstash_memory_kind {
   KVSTASH_MEMORY_CUDA = 1 /* CUDA device memory */
 } kvstash_memory_kind;
 
+/* KvSync::Kind: what a kvstash_sync names. */
+typedef enum kvstash_sync_kind {
+  KVSTASH_SYNC_STREAM = 0, /* everything queued on a cudaStream_t so far; NULL is CUDA's legacy
+                              default stream (torch's default stream has handle 0) */
+  KVSTASH_SYNC_EVENT = 1,  /* a cudaEvent_t the engine recorded, as recorded at the call */
+  KVSTASH_SYNC_NONE = 2    /* nothing to wait for: the engine vouches the memory is final */
+} kvstash_sync_kind;
+
+/* KvSync: a point in the engine's GPU work that kvstash orders its own after. Zero-filled
+ * ((kvstash_sync){0}) it is the legacy default stream, never "nothing". */
+typedef struct kvstash_sync {
+  kvstash_sync_kind kind;
+  void* handle; /* the cudaStream_t or cudaEvent_t */
+} kvstash_sync;
+
 /* Which KvLayout constructor describes the tensors (KvLayout::per_layer, ...). */
 typedef enum kvstash_arrangement {
   KVSTASH_PER_LAYER = 0,              /* vLLM: per layer (2, num_blocks, block_size, heads, head_dim) */
@@ -211,11 +226,12 @@ kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32
 kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* block_ids, size_t n_block_ids, size_t first,
                                           size_t count, uint32_t timeout_ms, kvstash_save** out);
+/* Saves the layer once CUDA's legacy default stream's work up to this call is done (for a
+ * host cache: at once). */
 kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer);
-/* Stream-ordered form: the layer is written once the engine's GPU work queued on `stream` (a
- * cudaStream_t) up to this call, or `event` (a cudaEvent_t it recorded), is done. The cache's
- * threads wait for it; this call does not block. Pass one of them (the other NULL). */
-kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, void* stream, void* event);
+/* Stream-ordered form: the layer is written once the engine's GPU work up to `after` is done
+ * (kvstash_sync). The cache's threads wait for it; this call does not block. */
+kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, kvstash_sync after);
 kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk);
 void kvstash_save_free(kvstash_save* save);
 
@@ -224,23 +240,28 @@ void kvstash_save_free(kvstash_save* save);
  * chunk's status); kvstash_load_layer_ready polls (1 ready, 0 not). kvstash_load_finish
  * (KvLoad::wait) waits for everything, fills per_chunk (count entries) when not NULL, returns
  * the first failure, and frees the handle; kvstash_load_free frees it without the statuses. */
+/* No byte of the blocks is written before the engine's work up to `after` is done (the blocks
+ * may have been another request's, whose kernels still read them): pass the stream the engine
+ * computes on, or (kvstash_sync){0} for the legacy default stream. */
 kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* block_ids, size_t n_block_ids, size_t count,
-                                          uint32_t timeout_ms, kvstash_load** out);
+                                          uint32_t timeout_ms, kvstash_sync after, kvstash_load** out);
 /* Chunks [first, first + count) only (the engine holds the ones before); per_chunk then counts
  * from chunk `first`. */
 kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                                 const uint32_t* block_ids, size_t n_block_ids, size_t first,
-                                                size_t count, uint32_t timeout_ms, kvstash_load** out);
+                                                size_t count, uint32_t timeout_ms, kvstash_sync after,
+                                                kvstash_load** out);
 kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
-/* The layer's readiness as a cudaEvent_t, for cudaStreamWaitEvent on the engine's compute
- * stream (the host does not block). It completes for failed chunks too (see
- * kvstash_load_failed_blocks). Owned by the load: valid until kvstash_load_finish.
- * KVSTASH_UNSUPPORTED for a cache in host memory. */
-kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void** event);
-/* The same, queued: `stream` (a cudaStream_t) waits for the layer's event. Does not block. */
+/* KvLoad::wait_layer_on: `stream` (a cudaStream_t; NULL is the legacy default stream) waits on
+ * the GPU for the layer's bytes and then places or checks them itself, before its later work.
+ * Does not block. It goes on for failed chunks too (see kvstash_load_failed_blocks).
+ * KVSTASH_UNSUPPORTED for a cache in host memory (use kvstash_load_wait_layer). */
 kvstash_status kvstash_load_wait_layer_on(kvstash_load* load, uint32_t layer, void* stream);
+/* The same on a stream of the load's own, as a cudaEvent_t for cudaStreamWaitEvent. Owned by
+ * the load: valid until kvstash_load_finish or kvstash_load_free. */
+kvstash_status kvstash_load_layer_event(kvstash_load* load, uint32_t layer, void** event);
 kvstash_status kvstash_load_finish(kvstash_load* load, kvstash_status* per_chunk);
 /* Drops a load: waits until nothing writes into the cache any more (kvstash_load_cancel first
  * to stop it sooner), then frees the handle. What landed stays; nothing says what. */

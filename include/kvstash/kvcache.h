@@ -149,13 +149,37 @@ std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens
 
 class KvCache;
 
-// A point in an inference engine's GPU work, as the engine holds it (not owned): a CUDA stream
-// (cudaStream_t; torch.cuda.Stream.cuda_stream) meaning "everything queued on it so far", or
-// an event (cudaEvent_t; torch.cuda.Event.cuda_event) the engine recorded. A device stand-in
-// (tests/device_standin.h) takes its own. Both null: nothing to wait for.
+// A point in an inference engine's GPU work, as the engine holds it (not owned), that the
+// cache orders its own work after. The three kinds, as CUDA defines them:
+//
+//   KvSync::stream(s)  everything queued on stream `s` up to the call (a cudaStream_t;
+//                      torch.cuda.Stream.cuda_stream). As in CUDA, a null handle IS a stream:
+//                      the legacy default stream of the device (torch's default stream has
+//                      handle 0), whose work orders after every blocking stream of the device.
+//                      cudaStreamPerThread (0x2) is the calling thread's per-thread stream.
+//   KvSync::event(e)   an event the engine recorded (a cudaEvent_t; torch.cuda.Event.cuda_event),
+//                      as recorded at the call (the engine may record it again afterwards).
+//   KvSync::none()     nothing to wait for: the engine vouches that the memory is final (it
+//                      synchronized itself, or a CPU wrote a host cache).
+//
+// The default, KvSync{}, is the legacy default stream: "nothing" is never what an unset or null
+// handle means. A device stand-in (tests/device_standin.h) takes its own handles.
 struct KvSync {
-  void* stream = nullptr;
-  void* event = nullptr;
+  enum class Kind : std::uint8_t { kStream, kEvent, kNone };
+  Kind kind = Kind::kStream;
+  void* handle = nullptr;
+
+  static KvSync stream(void* s) { return {Kind::kStream, s}; }
+  static KvSync event(void* e) { return {Kind::kEvent, e}; }
+  static KvSync none() { return {Kind::kNone, nullptr}; }
+};
+
+// What a device sizes its per-operation resources for (KvDevice::reserve).
+struct KvDeviceSizes {
+  std::size_t runs_per_layer = 0;  // runs of one chunk's layer, at most (parts x blocks per chunk)
+  std::uint64_t layer_bytes = 0;   // one chunk's layer
+  std::uint32_t layers = 0;
+  std::size_t chunks = 8;  // chunks per load that a warm load needs no allocation for
 };
 
 // A point in a device's work the host can wait for (an event recorded on a stream).
@@ -166,14 +190,53 @@ class KvDeviceMark {
   virtual Status wait(Deadline deadline) = 0;
 };
 
-// Events the host completes in order, which device streams can wait on: a load hands
-// event(l) to the engine (cudaStreamWaitEvent), and completes it once layer l landed.
-class KvDeviceSignals {
+// What a load hands to the engine's streams: where each chunk's layers go.
+struct KvHandoverPlan {
+  bool staged = false;  // layers land in host bounce buffers (else: in the cache, by the NIC)
+  std::uint32_t layers = 0;
+  std::uint64_t layer_bytes = 0;  // one chunk's layer, every part
+  // runs[c][l]: where layer l of chunk c goes in the cache's memory, in object order.
+  std::vector<std::vector<std::vector<KvRun>>> runs;
+  // The engine's work that last used the blocks (KvLoad's `after`): a stream that finishes a
+  // layer waits for it too. Not owned; outlives the handover. Null: nothing.
+  KvDeviceMark* after = nullptr;
+};
+
+// One load's layers, handed to the engine's streams (KvLoad::wait_layer_on). The host releases
+// layers in order as they become final on the host (landed, and staged: checked); a stream
+// that queued a layer waits, on the device, for that release alone, and then finishes the
+// layer itself, ahead of the engine's work: staged, it copies each chunk's layer from its
+// bounce buffer into the cache; direct, it checksums each chunk's layer where the NIC put it.
+// So a device-side wait depends only on host (and NIC) progress, never on other device work
+// of kvstash's, which might sit behind it in a shared hardware queue.
+//
+// Thread safety: every method may be called from any thread.
+class KvDeviceHandover {
  public:
-  virtual ~KvDeviceSignals() = default;  // completes every event first: no stream waits forever
-  virtual void* event(std::size_t i) const = 0;
-  // Completes events [0, n) (n only grows; a smaller n changes nothing).
-  virtual void complete_through(std::size_t n) = 0;
+  // Releases every layer first (no stream waits forever); never blocks. Work already queued
+  // still runs: keep what it reads (bounce buffers, the cache) until passed() said true.
+  virtual ~KvDeviceHandover() = default;
+  // Staged: layer `layer` of chunk `chunk` passed its check at host address `src` (layer_bytes):
+  // the stream that finishes the layer copies it from there. A chunk's layer never placed is
+  // not copied (its blocks keep what they held). Call before the release of `layer`.
+  virtual void place(std::size_t chunk, std::uint32_t layer, const std::byte* src) = 0;
+  // Layers [0, n) are final on the host (or their chunk failed): streams may go past them.
+  // n only grows.
+  virtual void release_through(std::uint32_t n) = 0;
+  // Queues on the engine's `stream` (a cudaStream_t; null is the legacy default stream): the
+  // wait for layer `layer`'s release, then the layer's finishing work. Does not block.
+  // kInvalidArgument for a stream the device cannot use (one capturing a CUDA graph), the
+  // device's errors otherwise.
+  virtual Status queue(std::uint32_t layer, void* stream) = 0;
+  // The same on a stream of the handover's own, and an event that completes once it ran (a
+  // cudaEvent_t; owned by the handover).
+  virtual Result<void*> queue_event(std::uint32_t layer) = 0;
+  // Direct: the checksum of layer `layer` of chunk `chunk` (one segment) as the stream that
+  // finished the layer computed it; blocks until it ran, or `deadline` (kTimeout).
+  // kUnavailable when the layer was never queued.
+  virtual Result<std::uint64_t> sum(std::size_t chunk, std::uint32_t layer, Deadline deadline) = 0;
+  // Whether every piece of queued work ran, so that what it reads may be reused. Never blocks.
+  virtual bool passed() = 0;
 };
 
 // The device that owns a KV cache's memory, as the KV-cache layer drives it. Its memory may
@@ -183,40 +246,49 @@ class KvDeviceSignals {
 //
 // The CUDA device (src/kvcache/cuda/cuda_device.h, built where the CUDA toolkit is found)
 // does each with kernels and events; host_device() serves memory the host may touch;
-// tests/device_standin.h is a device made of memory the test process cannot touch.
-// Implementations are thread-safe: saver and loader threads call them at once.
+// tests/device_standin.h is a device made of memory the test process cannot touch. Every
+// blocking call returns by its deadline (kTimeout). Implementations are thread-safe: saver
+// and loader threads call them at once.
 class KvDevice {
  public:
   virtual ~KvDevice() = default;
   virtual std::string_view name() const = 0;
+  // Sizes what the device keeps per operation for a cache of this geometry (KvCache::open),
+  // so that warm copies, checksums and loads allocate nothing. A larger request later still
+  // works (it allocates then).
+  virtual Status reserve(const KvDeviceSizes& sizes) = 0;
   // Copies `runs` in order into host memory `dst`, contiguous; returns once the bytes are there.
-  virtual Status gather(std::span<const KvRun> runs, std::byte* dst) = 0;
+  virtual Status gather(std::span<const KvRun> runs, std::byte* dst, Deadline deadline) = 0;
   // Copies contiguous host `src` into `runs`, in order; returns once the bytes are there.
-  virtual Status scatter(const std::byte* src, std::span<const KvRun> runs) = 0;
+  virtual Status scatter(const std::byte* src, std::span<const KvRun> runs, Deadline deadline) = 0;
   // Host memory suited to bounce buffers (page-locked for CUDA), freed by the deleter.
   virtual Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) = 0;
   // The checksum of the bytes of `runs`, in order, as one segment (docs/metadata.md: the
-  // xxh3 tree, common/checksum_core.h), computed by the device where the bytes are. Bytes a
-  // NIC wrote are made visible to the device first. Returns once known.
-  virtual Result<std::uint64_t> segment_sum(std::span<const KvRun> runs) = 0;
+  // xxh3 tree, common/checksum_core.h), computed by the device where the bytes are.
+  // `nic_wrote`: a NIC wrote them (a load's direct path), so its writes are made visible to
+  // the device first where the device needs that. Returns once known.
+  virtual Result<std::uint64_t> segment_sum(std::span<const KvRun> runs, bool nic_wrote,
+                                            Deadline deadline) = 0;
   // The engine's work up to `after`, as a mark the cache's threads wait for. Does not block
   // (called on the engine's thread). kInvalidArgument for a handle the device cannot use.
   virtual Result<std::unique_ptr<KvDeviceMark>> mark(const KvSync& after) = 0;
-  // `n` events the host completes in order (KvLoad::layer_event). kUnsupported where the
-  // device has no streams to wait (the host).
-  virtual Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t n) = 0;
-  // Makes the engine's `stream` wait for `event` (cudaStreamWaitEvent) without blocking.
-  // kUnsupported on the host, kInvalidArgument for a handle the device cannot use.
-  virtual Status stream_wait(void* stream, void* event) = 0;
+  // A load's handover to the engine's streams (KvLoad::wait_layer_on). kUnsupported where the
+  // device has no streams (the host).
+  virtual Result<std::unique_ptr<KvDeviceHandover>> handover(const KvHandoverPlan& plan) = 0;
 };
 
-// Memory the host may touch: memcpy, checksums on the CPU, no streams (mark() accepts only
-// an empty KvSync).
+// Memory the host may touch: memcpy, checksums on the CPU, no streams. mark() passes at once
+// for KvSync::none() and for the legacy default stream (a host cache has no GPU work to order
+// after); any other handle is kInvalidArgument. handover() is kUnsupported.
 std::shared_ptr<KvDevice> host_device();
 
 // The CUDA device of GPU `gpu` (a CUDA ordinal): the cache's copies and checksums run as
-// kernels on that GPU. kUnsupported where this build has no CUDA kernels, kUnavailable when
-// there is no usable GPU or driver (the message says which), kInternal for other CUDA errors.
+// kernels on that GPU. It makes GPU `gpu`'s primary context current around each of its calls
+// and restores the caller's, so no thread of kvstash's or of the caller's gains a context on
+// another GPU, and the caller's current device is as it was. kUnsupported where this build
+// has no CUDA kernels; kUnavailable when there is no usable GPU, or the driver is older than
+// the CUDA runtime this build links needs (the message names the driver floor: R580 for CUDA
+// 13, R525 for CUDA 12); kInternal for other CUDA errors.
 Result<std::shared_ptr<KvDevice>> cuda_device(int gpu);
 
 // The CUDA device of the GPU that owns `layout`'s memory (not GPU 0): what KvCache uses for
@@ -253,9 +325,10 @@ class KvSave {
   ~KvSave();
   // Starts writing `layer` (the next one in order) of every chunk still alive, once the
   // engine's work up to `after` is done (the attention kernel that wrote the layer): the
-  // cache's threads wait for it, the caller does not. Returns once queued. kInvalidArgument
-  // out of order or for a handle the device cannot use; a chunk whose write fails (or whose
-  // `after` never completes before the save's deadline) is reported by wait().
+  // cache's threads wait for it, the caller does not. The default is CUDA's legacy default
+  // stream (KvSync). Returns once queued. kInvalidArgument out of order or for a handle the
+  // device cannot use (a stream capturing a CUDA graph among them); a chunk whose write fails
+  // (or whose `after` never completes before the save's deadline) is reported by wait().
   Status save_layer(std::uint32_t layer, const KvSync& after = {});
   // Waits for every write and commits: one Status per chunk (kInvalidArgument for a chunk
   // whose layers were not all saved; kCancelled after cancel()).
@@ -272,27 +345,44 @@ class KvSave {
 
 // A load in progress. Every layer of every chunk is checked against the checksum its save
 // recorded as soon as it lands, so an engine may compute layer l while later layers arrive.
+//
+// Two ways to wait for a layer, which may be mixed:
+// - wait_layer(l): the host blocks until layer l of every chunk is in place and checked.
+// - wait_layer_on(l, stream): the engine's stream waits, on the GPU, for the layer's bytes to
+//   land, and then places (staged) or checks (direct) the layer itself, ahead of the engine's
+//   later work on it; the engine's thread never blocks. A layer that fails its check there is
+//   reported by wait() and failed_blocks(), which an engine reads before it returns the
+//   step's tokens (vLLM: get_block_ids_with_load_errors), so a corrupt layer never reaches a
+//   token the engine returns. Once a load has handed a layer to a stream, the cache's own
+//   threads stop placing layers as they land; wait() places any layer no one asked for.
+// The load must not outlive its KvCache.
 class KvLoad {
  public:
   KvLoad();
   KvLoad(KvLoad&&) noexcept;
   KvLoad& operator=(KvLoad&&) noexcept;
-  ~KvLoad();  // waits for the transfers (the memory is the engine's)
-  // Blocks until `layer` of every chunk has landed and matched its checksum, or the chunk
-  // failed: OK, or the first failed chunk's status (its later layers cannot be trusted).
+  ~KvLoad();  // waits for the transfers (the memory is the engine's); does not wait for streams
+  // Blocks until `layer` of every chunk is in place and matched its checksum, or the chunk
+  // failed: OK, or the first failed chunk's status (its later layers cannot be trusted). A
+  // layer handed to a stream (wait_layer_on) is placed by that stream: then this waits for
+  // the layer to land (and, staged, pass its check) only.
   Status wait_layer(std::uint32_t layer);
-  // Non-blocking form: whether wait_layer(layer) would return at once.
+  // Non-blocking form: whether the layer is final on the host (wait_layer would not wait for
+  // the network).
   bool layer_ready(std::uint32_t layer) const;
-  // The layer's readiness for the engine's GPU streams: an event (cudaEvent_t on the CUDA
-  // device) that completes once wait_layer(layer) would return, to pass to
-  // cudaStreamWaitEvent so the engine's thread never blocks. It completes for a failed chunk
-  // too: failed_blocks() says what to recompute. Owned by the load; valid until it is
-  // destroyed. kUnsupported on the host device, kInvalidArgument out of range.
-  Result<void*> layer_event(std::uint32_t layer);
-  // The same, queued for the engine: `stream` (a cudaStream_t) waits for layer_event(layer)
-  // before its later work. Does not block. For callers that hold no CUDA runtime (Python).
+  // Queues on the engine's `stream` (a cudaStream_t; null: the legacy default stream) a
+  // device-side wait for the layer's bytes and the device work that places or checks them;
+  // the engine's later work on the stream sees the layer in place. Does not block. The wait
+  // also ends for a failed chunk: failed_blocks() says what to recompute.
+  // kUnsupported on the host device (use wait_layer), kInvalidArgument out of range, after
+  // wait(), or for a stream the device cannot use (one capturing a CUDA graph).
   Status wait_layer_on(std::uint32_t layer, void* stream);
-  // Waits for everything: one Status per chunk.
+  // The same on a stream of the load's own, as an event (cudaEvent_t on the CUDA device) that
+  // completes once the layer is in place, for cudaStreamWaitEvent. Owned by the load; valid
+  // until it is destroyed. Errors as wait_layer_on.
+  Result<void*> layer_event(std::uint32_t layer);
+  // Waits for everything: one Status per chunk. Places (and checks) every layer no stream was
+  // handed; a layer a stream checks is waited for up to the load's deadline (direct path).
   std::vector<Status> wait();
   // Waits for everything, then the ids of the blocks whose chunk did not load whole (evicted,
   // corrupt, cancelled, timed out), in chunk order: what the engine must recompute. Empty
@@ -352,14 +442,19 @@ class KvCache {
   // per chunk (kNoSpace, ...) through wait().
   Result<KvSave> begin_save(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
                             std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
-  // Starts loading the first `count` chunks; every chunk's transfer runs at once.
+  // Starts loading the first `count` chunks; every chunk's transfer runs at once. No byte of
+  // the blocks is written before the engine's work up to `after` is done (the blocks may have
+  // belonged to a request whose kernels still read them; the default is the legacy default
+  // stream, as KvSync says). kInvalidArgument for a handle the device cannot use.
   Result<KvLoad> begin_load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
-                            std::size_t count, std::optional<Deadline> deadline = {});
+                            std::size_t count, std::optional<Deadline> deadline = {},
+                            const KvSync& after = {});
   // Chunks [first, first + count) only (the engine already holds the ones before, e.g. in
   // its own prefix cache); the KvLoad's statuses count from chunk `first`.
   Result<KvLoad> begin_load_range(std::span<const std::uint32_t> tokens,
                                   std::span<const std::uint32_t> block_ids, std::size_t first,
-                                  std::size_t count, std::optional<Deadline> deadline = {});
+                                  std::size_t count, std::optional<Deadline> deadline = {},
+                                  const KvSync& after = {});
 
  private:
   friend class KvSave;

@@ -51,6 +51,17 @@ std::optional<kvstash::Deadline> deadline_of(std::uint32_t timeout_ms) {
   return kvstash::deadline_after(std::chrono::milliseconds(timeout_ms));
 }
 
+// KvSync of a kvstash_sync; kInvalidArgument for a kind C does not know.
+kvstash::Result<kvstash::KvSync> sync_of(const kvstash_sync& s) {
+  switch (s.kind) {
+    case KVSTASH_SYNC_STREAM: return kvstash::KvSync::stream(s.handle);
+    case KVSTASH_SYNC_EVENT: return kvstash::KvSync::event(s.handle);
+    case KVSTASH_SYNC_NONE: return kvstash::KvSync::none();
+  }
+  return kvstash::Status::invalid_argument("kvstash_sync: unknown kind " +
+                                           std::to_string(static_cast<int>(s.kind)));
+}
+
 // Zero (NULL) fields are the C++ defaults. Precondition: keys.model is set.
 kvstash::PrefixKeyOptions key_options_of(const kvstash_key_options& keys) {
   kvstash::PrefixKeyOptions k;
@@ -311,9 +322,11 @@ kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer) {
   return report(save->save.save_layer(layer));
 }
 
-kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, void* stream, void* event) {
+kvstash_status kvstash_save_layer_after(kvstash_save* save, uint32_t layer, kvstash_sync after) {
   if (save == nullptr) return invalid("kvstash_save_layer_after: save is required");
-  return report(save->save.save_layer(layer, {.stream = stream, .event = event}));
+  auto sync = sync_of(after);
+  if (!sync.is_ok()) return report(sync.status());
+  return report(save->save.save_layer(layer, *sync));
 }
 
 kvstash_status kvstash_save_finish(kvstash_save* save, kvstash_status* per_chunk) {
@@ -326,20 +339,23 @@ void kvstash_save_free(kvstash_save* save) { delete save; }
 
 kvstash_status kvstash_kvcache_begin_load(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* block_ids, size_t n_block_ids, size_t count,
-                                          uint32_t timeout_ms, kvstash_load** out) {
+                                          uint32_t timeout_ms, kvstash_sync after, kvstash_load** out) {
   return kvstash_kvcache_begin_load_range(kv, tokens, n_tokens, block_ids, n_block_ids, 0, count, timeout_ms,
-                                          out);
+                                          after, out);
 }
 
 kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                                 const uint32_t* block_ids, size_t n_block_ids, size_t first,
-                                                size_t count, uint32_t timeout_ms, kvstash_load** out) {
+                                                size_t count, uint32_t timeout_ms, kvstash_sync after,
+                                                kvstash_load** out) {
   if (kv == nullptr || tokens == nullptr || block_ids == nullptr || out == nullptr) {
     return invalid("kvstash_kvcache_begin_load: kv, tokens, block_ids and out are required");
   }
   *out = nullptr;
+  auto sync = sync_of(after);
+  if (!sync.is_ok()) return report(sync.status());
   auto l = kv->kv->begin_load_range({tokens, n_tokens}, {block_ids, n_block_ids}, first, count,
-                                    deadline_of(timeout_ms));
+                                    deadline_of(timeout_ms), *sync);
   if (!l.is_ok()) return report(l.status());
   *out = new kvstash_load{std::move(l).value(), count};
   return report({});

@@ -26,4 +26,10 @@ void BouncePool::give(std::unique_ptr<Bounce> b) {
   free_.push_back(std::move(b));
 }
 
+void BouncePool::quarantine(std::unique_ptr<Bounce> b) {
+  if (!b) return;
+  std::lock_guard lock(mu_);
+  quarantined_.push_back(std::move(b));
+}
+
 }  // namespace kvstash::kvcache

@@ -41,6 +41,9 @@ class BouncePool {
   // Returns `b` to the pool for a later take(); a null `b` changes nothing. No transfer may
   // still touch it.
   void give(std::unique_ptr<Bounce> b);
+  // Keeps `b` out of use for good: a device copy into or out of it did not finish by its
+  // deadline and may still run (a GPU that hung). Freed only with the pool.
+  void quarantine(std::unique_ptr<Bounce> b);
 
  private:
   Store* store_;
@@ -48,6 +51,7 @@ class BouncePool {
   std::size_t bytes_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Bounce>> free_;
+  std::vector<std::unique_ptr<Bounce>> quarantined_;
 };
 
 }  // namespace kvcache

@@ -1,6 +1,7 @@
 // host_device(): the KvDevice for memory the host may touch. Copies are memcpy, checksums
 // are computed on the CPU, bounce buffers come from operator new, and there are no streams:
-// mark() passes at once and accepts only an empty KvSync.
+// mark() passes at once for KvSync::none() and the legacy default stream (there is no GPU
+// work to order after), and a load's layers cannot be handed to streams.
 #include <cstring>
 #include <new>
 
@@ -33,14 +34,15 @@ class PassedMark final : public KvDeviceMark {
 class HostDevice final : public KvDevice {
  public:
   std::string_view name() const override { return "host"; }
-  Status gather(std::span<const KvRun> runs, std::byte* dst) override {
+  Status reserve(const KvDeviceSizes&) override { return {}; }
+  Status gather(std::span<const KvRun> runs, std::byte* dst, Deadline) override {
     for (const KvRun& r : runs) {
       std::memcpy(dst, r.addr, r.length);
       dst += r.length;
     }
     return {};
   }
-  Status scatter(const std::byte* src, std::span<const KvRun> runs) override {
+  Status scatter(const std::byte* src, std::span<const KvRun> runs, Deadline) override {
     for (const KvRun& r : runs) {
       std::memcpy(r.addr, src, r.length);
       src += r.length;
@@ -48,18 +50,20 @@ class HostDevice final : public KvDevice {
     return {};
   }
   Result<std::shared_ptr<std::byte>> allocate_host(std::size_t bytes) override { return aligned_host(bytes); }
-  Result<std::uint64_t> segment_sum(std::span<const KvRun> runs) override { return host_segment_sum(runs); }
+  Result<std::uint64_t> segment_sum(std::span<const KvRun> runs, bool, Deadline) override {
+    return host_segment_sum(runs);
+  }
   Result<std::unique_ptr<KvDeviceMark>> mark(const KvSync& after) override {
-    if (after.stream != nullptr || after.event != nullptr) {
-      return Status::invalid_argument("kvcache: the host device has no streams or events to wait for");
+    const bool nothing =
+        after.kind == KvSync::Kind::kNone || (after.kind == KvSync::Kind::kStream && after.handle == nullptr);
+    if (!nothing) {
+      return Status::invalid_argument(
+          "kvcache: the host device has no streams or events to wait for (pass KvSync::none())");
     }
     return std::unique_ptr<KvDeviceMark>(std::make_unique<PassedMark>());
   }
-  Result<std::unique_ptr<KvDeviceSignals>> signals(std::size_t) override {
-    return Status::unsupported("kvcache: the host device has no streams to signal (use wait_layer)");
-  }
-  Status stream_wait(void*, void*) override {
-    return Status::unsupported("kvcache: the host device has no streams (use wait_layer)");
+  Result<std::unique_ptr<KvDeviceHandover>> handover(const KvHandoverPlan&) override {
+    return Status::unsupported("kvcache: the host device has no streams to hand layers to (use wait_layer)");
   }
 };
 

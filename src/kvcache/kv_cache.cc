@@ -3,7 +3,9 @@
 // chosen: data_path.cc), finds the CUDA device of GPU memory, and starts saves and loads:
 // their state machines are kv_save.cc and kv_load.cc.
 #include <chrono>
+#include <thread>
 
+#include "common/log.h"
 #include "kvcache/data_path.h"
 #include "kvcache/kv_cache_internal.h"
 
@@ -48,6 +50,54 @@ Status KvCache::Impl::covers(std::span<const std::uint32_t> tokens, std::span<co
   return {};  // block ids out of range fail their chunk alone
 }
 
+void KvCache::Impl::retire(RetiredLoad load) {
+  std::lock_guard lock(retired_mu);
+  retired.push_back(std::move(load));
+}
+
+void KvCache::Impl::reap() {
+  std::vector<RetiredLoad> passed;
+  {
+    std::lock_guard lock(retired_mu);
+    for (auto it = retired.begin(); it != retired.end();) {
+      if (it->handover->passed()) {
+        passed.push_back(std::move(*it));
+        it = retired.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (RetiredLoad& r : passed) {
+    for (auto& b : r.bounces) load_bounces->give(std::move(b));
+  }
+}
+
+KvCache::Impl::~Impl() {
+  // Loads handed to the engine's streams leave work there that reads our bounce buffers:
+  // wait for it a while; what has still not run by then is left allocated, never freed under
+  // a stream that may read it.
+  const Deadline until = deadline_after(std::chrono::seconds(10));
+  for (;;) {
+    reap();
+    std::lock_guard lock(retired_mu);
+    if (retired.empty()) return;
+    if (Clock::now() >= until) {
+      KVSTASH_LOG_ERROR(
+          "kvcache: {} loads' work on the engine's streams did not run in 10 s; their buffers are "
+          "left allocated",
+          retired.size());
+      for (RetiredLoad& r : retired) {
+        (void)r.handover.release();
+        for (auto& b : r.bounces) (void)b.release();
+      }
+      retired.clear();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 KvCache::KvCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KvCache::~KvCache() = default;
 
@@ -82,6 +132,12 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
     impl->load_bounces = std::make_unique<kvcache::BouncePool>(
         &store, impl->device.get(), static_cast<std::size_t>(lb * layout.shape().num_layers));
   }
+  // Everything a warm save or load uses on the device, sized now.
+  const KvCacheShape& shape = layout.shape();
+  KVSTASH_RETURN_IF_ERROR(
+      impl->device->reserve({.runs_per_layer = std::size_t{shape.parts()} * impl->blocks_per_chunk,
+                             .layer_bytes = layout.layer_bytes(impl->blocks_per_chunk),
+                             .layers = shape.num_layers}));
   impl->layout = std::move(layout);
   return std::unique_ptr<KvCache>(new KvCache(std::move(impl)));
 }
@@ -141,25 +197,52 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
 
 Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
                                    std::span<const std::uint32_t> block_ids, std::size_t count,
-                                   std::optional<Deadline> deadline) {
-  return begin_load_range(tokens, block_ids, 0, count, deadline);
+                                   std::optional<Deadline> deadline, const KvSync& after) {
+  return begin_load_range(tokens, block_ids, 0, count, deadline, after);
 }
 
 Result<KvLoad> KvCache::begin_load_range(std::span<const std::uint32_t> tokens,
                                          std::span<const std::uint32_t> block_ids, std::size_t first,
-                                         std::size_t count, std::optional<Deadline> deadline) {
+                                         std::size_t count, std::optional<Deadline> deadline,
+                                         const KvSync& after) {
   KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
+  impl_->reap();  // earlier loads' bounce buffers the engine's streams are done with
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
+  st->kv = impl_.get();
   st->device = impl_->device;
   st->layers = impl_->layout.shape().num_layers;
-  st->verified.assign(count, 0);
+  st->deadline = deadline;
+  KVSTASH_ASSIGN_OR_RETURN(st->after, impl_->device->mark(after));
+  st->landed.assign(count, 0);
+  st->placed.assign(count, 0);
   st->done.assign(count, std::nullopt);
-  // Every chunk's blocks are in place before any task runs (the tasks read them from `st`).
-  for (std::size_t c = 0; c < count; ++c) st->blocks.push_back(impl_->chunk_blocks(block_ids, first + c));
+  st->late.assign(count, Status::ok());
+  st->bounces.resize(count);
+  st->tainted.assign(count, 0);
+  st->sums.resize(count);
+  st->unusable.assign(count, Status::ok());
+  st->queued.assign(st->layers, 0);
+  st->host_placed.assign(st->layers, 0);
+  // Every chunk's blocks and runs are in place before any task runs (the tasks read them).
+  st->runs.resize(count);
+  for (std::size_t c = 0; c < count; ++c) {
+    st->blocks.push_back(impl_->chunk_blocks(block_ids, first + c));
+    st->runs[c].resize(st->layers);
+    for (std::uint32_t l = 0; l < st->layers && st->unusable[c].is_ok(); ++l) {
+      auto r = impl_->layer_runs(l, st->blocks[c]);
+      if (r.is_ok()) {
+        st->runs[c][l] = std::move(r).value();
+      } else {
+        st->unusable[c] = r.status();  // block ids out of range fail their chunk alone
+        st->runs[c].assign(st->layers, {});
+      }
+    }
+  }
+  // The tasks hold the state by address: ~KvLoad waits for them before it goes.
   for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
-    st->tasks.push_back(impl_->loaders->submit(
-        [&kv = *impl_, st, c, key = k[first + c], deadline] { st->load_chunk(kv, c, key, deadline); }));
+    st->tasks.push_back(
+        impl_->loaders->submit([s = st.get(), c, key = k[first + c]] { s->load_chunk(c, key); }));
   }
   KvLoad load;
   load.state_ = std::move(st);

@@ -38,9 +38,18 @@ inline constexpr unsigned kSaveThreads = 4;
 
 }  // namespace kvcache
 
+// A load's device handover and the bounce buffers its queued work still reads, kept after
+// the load is gone until the engine's streams passed that work (KvCache::Impl::retire).
+struct RetiredLoad {
+  std::unique_ptr<KvDeviceHandover> handover;
+  std::vector<std::unique_ptr<kvcache::Bounce>> bounces;
+};
+
 // Members are destroyed bottom up: the thread pools finish their tasks before the bounce
-// pools and the registrations they use go.
+// pools and the registrations they use go. ~Impl first waits (a bounded time) for retired
+// loads' device work.
 struct KvCache::Impl {
+  ~Impl();
   Store* store = nullptr;
   KvLayout layout;
   PrefixKeyOptions keys;
@@ -93,6 +102,13 @@ struct KvCache::Impl {
   // saying which falls short.
   Status covers(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
                 std::size_t first, std::size_t count) const;
+
+  // Keeps `load` until its device work passed; frees what passed already. Never blocks.
+  void retire(RetiredLoad load);
+  // Frees the retired loads whose device work passed.
+  void reap();
+  std::mutex retired_mu;
+  std::vector<RetiredLoad> retired;
 };
 
 // A save's chunks. save_layer (the caller's thread) queues one task per chunk and layer on
@@ -107,6 +123,7 @@ struct KvSave::State {
     Status status;                            // the first failure
     std::shared_future<void> last;            // the chunk's latest layer task: its next one waits for it
     std::unique_ptr<kvcache::Bounce> bounce;  // staged: bounce_slots layers
+    bool bounce_tainted = false;              // a gather into it did not finish: never reuse it
   };
   std::vector<Chunk> chunks;
   Deadline deadline;  // the save's: a layer whose engine work is not done by then fails
@@ -129,36 +146,74 @@ struct KvSave::State {
   ~State();
 };
 
-// A load's chunks. `mu` guards verified, done and signals; blocks and tasks are written
-// before the first task runs and read-only after.
+// A load's chunks and layers. Each chunk is one store get on a loader thread (load_chunk);
+// as its layers land they become final on the host (`landed`: landed, and staged, checked)
+// and, until the load hands layers to the engine's streams, are placed at once by the
+// cache's own device streams (`placed`: scattered, staged; checked on the device, direct).
+// From the first wait_layer_on/layer_event (to_streams) the loaders only land layers: a
+// layer is placed by the stream it was handed to (the device handover), or by a host waiter
+// (wait_layer, wait) on the cache's own streams.
+//
+// `mu` guards every vector below but `blocks`, `runs` and `tasks`, which are written before
+// the first task runs and read-only after.
 struct KvLoad::State {
+  KvCache::Impl* kv = nullptr;
+  std::shared_ptr<KvDevice> device;
   std::uint32_t layers = 0;
-  mutable std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::uint32_t> verified;             // per chunk: leading layers landed and checked
-  std::vector<std::optional<Status>> done;         // per chunk: the final status
-  std::vector<std::vector<std::uint32_t>> blocks;  // per chunk: where it loads
+  std::optional<Deadline> deadline;
+  std::unique_ptr<KvDeviceMark> after;                // the engine's earlier work on the blocks
+  std::vector<std::vector<std::uint32_t>> blocks;     // per chunk: where it loads
+  std::vector<std::vector<std::vector<KvRun>>> runs;  // per chunk and layer: its memory
+  std::vector<Status> unusable;                       // per chunk: its blocks do not exist
   std::vector<std::future<void>> tasks;
   CancelToken cancel = CancelToken::make();  // every chunk's get holds it
-  std::shared_ptr<KvDevice> device;
-  std::unique_ptr<KvDeviceSignals> signals;  // made at the first layer_event()
 
-  // Loads chunk `c` (status c) from the object `key` into blocks[c]: one store get (until
-  // `deadline`), whose progress checks each layer against the checksum its save recorded as
-  // soon as it is whole (staged: in a bounce buffer, then scattered into the cache), raising
-  // verified[c] and waking wait_layer layer by layer. Ends by setting done[c]: the get's
-  // error; kCorrupt for an object not saved by this layout, a layer that does not match, or
-  // a size that is not a chunk's; kCancelled when cancel() stopped it; the layer runs' or
-  // bounce buffer's error before any byte moves. Blocks until the get returned (a loader
-  // thread's task); `kv` and `key` outlive the call.
-  void load_chunk(const KvCache::Impl& kv, std::size_t c, const std::string& key,
-                  std::optional<Deadline> deadline);
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::uint32_t> landed;        // per chunk: leading layers final on the host
+  std::vector<std::uint32_t> placed;        // per chunk: leading layers placed by the loaders
+  std::vector<std::optional<Status>> done;  // per chunk: its get's final status
+  std::vector<Status> late;                 // per chunk: a layer that failed after its get
+  std::vector<std::unique_ptr<kvcache::Bounce>>
+      bounces;                        // staged: per chunk, kept while layers may be placed
+  std::vector<std::uint8_t> tainted;  // per chunk: a scatter from its bounce timed out
+  std::vector<std::optional<std::vector<std::uint64_t>>> sums;  // per chunk: each layer's recorded checksum
+  bool after_passed = false;                                    // `after` was waited for
+  std::unique_ptr<KvDeviceHandover> handover;                   // made by to_streams()
+  bool streams = false;                       // layers go to streams; loaders only land them
+  bool releasing = false;                     // the handover is given what landed before
+  std::uint32_t lane_busy = 0;                // loader placements in flight
+  std::vector<std::uint8_t> queued;           // per layer: handed to a stream
+  std::vector<std::uint8_t> host_placed;      // per layer: 1 being, 2 placed by a host waiter
+  std::optional<std::vector<Status>> result;  // wait()'s, once known
 
-  // Whether every chunk has checked `layer` or ended. Holds `mu`.
+  // A loader task: chunk `c` from the object `key` (its contract is in kv_load.cc).
+  void load_chunk(std::size_t c, const std::string& key);
+  // Switches the load to handing layers to streams (first wait_layer_on/layer_event): waits for
+  // the loaders' placements in flight, makes the device handover, gives it the layers that
+  // landed unplaced, and releases what is final. OK once done (again: nothing).
+  Status to_streams();
+  // Places layer `l` on the cache's own streams for every chunk that landed it unplaced
+  // (stream mode, a host waiter): staged scatter, direct check (a failure goes to late[c]).
+  // Called without `mu`, after claiming the layer (host_placed[l] = 1).
+  void place_on_host(std::uint32_t l);
+  // Waits for the engine's `after`, once per load; OK or its error.
+  Status wait_after();
+
+  // Whether every chunk has `layer` final on the host, or ended. Holds `mu`.
   bool ready_locked(std::uint32_t layer) const;
-  // Wakes wait_layer and completes the device events of every layer now ready. Holds `mu`.
+  // Whether every chunk has `layer` placed by the loaders, or ended. Holds `mu`.
+  bool placed_locked(std::uint32_t layer) const;
+  // The first failure of a chunk that did not bring `layer` (or every layer, for -1). Holds `mu`.
+  Status failure_locked(std::uint32_t layer) const;
+  // Wakes waiters and releases the layers now final to the streams. Holds `mu`.
   void progress_locked();
-  ~State();  // completes every device event: no engine stream waits forever
+  // Returns every chunk's bounce buffer to the cache's pool (quarantines a tainted one).
+  void give_bounces();
+  // A scatter from chunk `c`'s bounce buffer did not finish by its deadline: never reuse it.
+  void taint(std::size_t c);
+  // Gives the bounce buffers back, or retires them with the handover while streams may read them.
+  ~State();
 
  private:
   class ChunkLoad;  // load_chunk's steps (kv_load.cc)

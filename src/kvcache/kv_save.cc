@@ -29,7 +29,12 @@ KvSave::State::~State() {
   drain();
   for (auto& c : chunks) {
     c.stream.abort();  // no write may still read a bounce buffer that goes back to the pool
-    if (kv != nullptr && kv->save_bounces) kv->save_bounces->give(std::move(c.bounce));
+    if (kv == nullptr || !kv->save_bounces) continue;
+    if (c.bounce_tainted) {
+      kv->save_bounces->quarantine(std::move(c.bounce));
+    } else {
+      kv->save_bounces->give(std::move(c.bounce));
+    }
   }
 }
 
@@ -50,7 +55,7 @@ void KvSave::State::write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& wri
   // which the layout records at the end.
   if (kv->device_sums()) {
     // Summed on the device, where the bytes are; the store reads none of them.
-    auto summed = kv->device->segment_sum(*runs);
+    auto summed = kv->device->segment_sum(*runs, false, deadline);
     c.status = summed.is_ok() ? c.stream.append_summed(kv->slices(*runs), *summed) : summed.status();
   } else if (!kv->staged()) {
     c.status = c.stream.append(kv->slices(*runs));  // summed as shm copies it, or here
@@ -60,7 +65,11 @@ void KvSave::State::write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& wri
     const std::uint32_t slots = kv->options.bounce_slots;
     if (layer >= slots) c.status = c.stream.wait_written(lb * (layer - slots + 1));
     std::byte* slot = c.bounce->mem.get() + (layer % slots) * lb;
-    if (c.status.is_ok()) c.status = kv->device->gather(*runs, slot);
+    if (c.status.is_ok()) {
+      c.status = kv->device->gather(*runs, slot, deadline);
+      // A gather that did not finish may still write the slot: the buffer is never reused.
+      if (c.status.code() == StatusCode::kTimeout) c.bounce_tainted = true;
+    }
     Slice s{slot, static_cast<std::size_t>(lb), &c.bounce->handle};
     if (c.status.is_ok()) c.status = c.stream.append({&s, 1});
   }

@@ -266,17 +266,41 @@ PYBIND11_MODULE(_native, m) {
           py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).");
 
+  // KvSync: handles are ints (torch.cuda.Stream.cuda_stream, torch.cuda.Event.cuda_event).
+  // KvSync() is CUDA's legacy default stream (torch's default stream has handle 0 too);
+  // nothing to wait for is said with KvSync.none().
+  py::class_<KvSync>(m, "KvSync")
+      .def(py::init<>(), "The legacy default stream (a null cudaStream_t), as CUDA defines it.")
+      .def_static(
+          "stream", [](std::uintptr_t handle) { return KvSync::stream(reinterpret_cast<void*>(handle)); },
+          py::arg("handle"), "Everything queued on the stream so far; 0 is the legacy default stream.")
+      .def_static(
+          "event", [](std::uintptr_t handle) { return KvSync::event(reinterpret_cast<void*>(handle)); },
+          py::arg("handle"), "An event the engine recorded, as recorded now.")
+      .def_static("none", &KvSync::none, "Nothing to wait for: the memory is final.")
+      .def_property_readonly("kind",
+                             [](const KvSync& s) {
+                               return s.kind == KvSync::Kind::kStream  ? "stream"
+                                      : s.kind == KvSync::Kind::kEvent ? "event"
+                                                                       : "none";
+                             })
+      .def_property_readonly("handle",
+                             [](const KvSync& s) { return reinterpret_cast<std::uintptr_t>(s.handle); })
+      .def("__repr__", [](const KvSync& s) {
+        if (s.kind == KvSync::Kind::kNone) return std::string("KvSync.none()");
+        return std::string(s.kind == KvSync::Kind::kStream ? "KvSync.stream(" : "KvSync.event(") +
+               std::to_string(reinterpret_cast<std::uintptr_t>(s.handle)) + ")";
+      });
+
   py::class_<PySave, std::shared_ptr<PySave>>(m, "KvSave")
-      // stream / event: raw handles (torch.cuda.Stream.cuda_stream, torch.cuda.Event.cuda_event):
-      // KvSync's fields.
       .def(
           "save_layer",
-          [](PySave& s, std::uint32_t layer, std::uintptr_t stream, std::uintptr_t event) {
-            const KvSync after{.stream = reinterpret_cast<void*>(stream),
-                               .event = reinterpret_cast<void*>(event)};
+          [](PySave& s, std::uint32_t layer, const KvSync& after) {
             check(nogil([&] { return s.save.save_layer(layer, after); }));
           },
-          py::arg("layer"), py::arg("stream") = 0, py::arg("event") = 0)
+          py::arg("layer"), py::arg("after") = KvSync{},
+          "Writes the layer once the engine's work up to `after` is done (default: the legacy default "
+          "stream); returns at once.")
       .def("wait", [](PySave& s) { return statuses(nogil([&] { return s.save.wait(); })); })
       .def("cancel", [](PySave& s) { nogil([&] { s.save.cancel(); }); });
 
@@ -288,14 +312,15 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "layer_ready", [](const PyLoad& l, std::uint32_t layer) { return l.load.layer_ready(layer); },
           py::arg("layer"))
-      // The layer's readiness as a raw cudaEvent_t (an int) for cudaStreamWaitEvent on the
-      // engine's stream (torch: torch.cuda.current_stream().cuda_stream); owned by the load.
+      // `stream`: a raw cudaStream_t (torch.cuda.current_stream().cuda_stream; 0 is the legacy
+      // default stream); layer_event's result is a raw cudaEvent_t (an int) owned by the load.
       .def(
           "wait_layer_on",
           [](PyLoad& l, std::uint32_t layer, std::uintptr_t stream) {
             check(l.load.wait_layer_on(layer, reinterpret_cast<void*>(stream)));
           },
-          py::arg("layer"), py::arg("stream"))
+          py::arg("layer"), py::arg("stream"),
+          "The stream waits on the GPU for the layer, then places it itself; the caller does not block.")
       .def(
           "layer_event",
           [](PyLoad& l, std::uint32_t layer) {
@@ -432,29 +457,31 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "begin_load",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
-             const std::vector<std::uint32_t>& block_ids, std::size_t count, std::uint32_t timeout_ms) {
+             const std::vector<std::uint32_t>& block_ids, std::size_t count, std::uint32_t timeout_ms,
+             const KvSync& after) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
-            l->load = unwrap(
-                nogil([&] { return k->kv->begin_load(tokens, block_ids, count, deadline_of(timeout_ms)); }));
+            l->load = unwrap(nogil(
+                [&] { return k->kv->begin_load(tokens, block_ids, count, deadline_of(timeout_ms), after); }));
             return l;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout_ms") = 0,
-          "Loads the first `count` chunks.")
+          py::arg("after") = KvSync{},
+          "Loads the first `count` chunks, writing no block before the engine's work up to `after`.")
       .def(
           "begin_load_range",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
-             std::uint32_t timeout_ms) {
+             std::uint32_t timeout_ms, const KvSync& after) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
             l->load = unwrap(nogil([&] {
-              return k->kv->begin_load_range(tokens, block_ids, first, count, deadline_of(timeout_ms));
+              return k->kv->begin_load_range(tokens, block_ids, first, count, deadline_of(timeout_ms), after);
             }));
             return l;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
-          py::arg("timeout_ms") = 0,
+          py::arg("timeout_ms") = 0, py::arg("after") = KvSync{},
           "Loads chunks [first, first + count) only; statuses count from `first`.");
 
   m.def(

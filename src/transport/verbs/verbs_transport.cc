@@ -156,8 +156,9 @@ class VerbsTransport final : public Transport {
     return options_.memory_windows &&
            std::all_of(devs_.begin(), devs_.end(), [](const auto& d) { return d->device.mw_type2; });
   }
-  // The devices nearest (on PCIe) the GPU that owns `dptr`, bit i for devs_[i]; 0 when none is
-  // nearer than another (one device, no CUDA driver, the GPU or the NICs not in sysfs).
+  // The devices nearest (on PCIe) the GPU that owns `dptr`, bit i for devs_[i]: the only ones
+  // that register its memory (unless leased); 0 when none is nearer than another (one device, no
+  // CUDA driver, the GPU or the NICs not in sysfs), and then every device registers it.
   std::uint64_t nearest_devices(const void* dptr) const;
   // One lane: a queue pair from our device `dev` to the peer's `port`, set up over `control`.
   Result<std::shared_ptr<VerbsEndpoint>> connect_lane(const std::shared_ptr<DeviceState>& dev,
@@ -309,9 +310,20 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
     }
     access |= IBV_ACCESS_ON_DEMAND;
   }
-  // One MR per device: every lane of a connection can reach the region.
+  // One MR per device, so that every lane of a connection can reach the region; but GPU memory
+  // only on the devices nearest its GPU on PCIe when the topology names some: the others get no
+  // MR for it, so their lanes never carry it (the striped endpoint picks among the nearest lanes,
+  // and a lane without the MR completes an op with an error rather than post it), and the key a
+  // peer imports names only the nearest devices (its lanes to the others are left out for this
+  // region). With no device nearer than another, every device registers it, as host memory.
+  // A region leased through memory windows is registered on every device all the same (the
+  // nearest are then only preferred): the target finds a leased MR by device index and rkey,
+  // and its table takes a part's position in the list for the device index (verbs_leases.cc).
+  const std::uint64_t nearest = region.kind == MemoryKind::kCuda ? nearest_devices(region.addr) : 0;
+  const std::uint64_t only = leased ? 0 : nearest;
   std::vector<Registration::Part> parts;
   for (const auto& d : devs_) {
+    if (only != 0 && (d->index >= 64 || (only >> d->index & 1) == 0)) continue;
     Registration::Part part{d, d->device.node_guid, nullptr};
     Result<GpuRegistration> gpu = Status::unsupported("host memory");
     if (region.kind == MemoryKind::kCuda) {
@@ -336,10 +348,9 @@ Result<std::unique_ptr<LocalRegistration>> VerbsTransport::register_memory(const
     }
     parts.push_back(std::move(part));
   }
-  // Every device can reach GPU memory, but the lanes on the NICs nearest its GPU move it.
-  const std::uint64_t preferred = region.kind == MemoryKind::kCuda ? nearest_devices(region.addr) : 0;
+  // The lanes on the NICs nearest the GPU move its memory (the only ones that can, unless leased).
   return std::unique_ptr<LocalRegistration>(std::make_unique<Registration>(
-      std::move(parts), exposure != Access::kLocal, leased ? target_ : nullptr, preferred));
+      std::move(parts), exposure != Access::kLocal, leased ? target_ : nullptr, nearest));
 }
 
 std::uint64_t VerbsTransport::nearest_devices(const void* dptr) const {
@@ -347,7 +358,8 @@ std::uint64_t VerbsTransport::nearest_devices(const void* dptr) const {
   const std::optional<std::string> bus_id = gpu_pci_bus_id(dptr);
   const std::optional<pci::Address> gpu = bus_id ? pci::parse_address(*bus_id) : std::nullopt;
   if (!gpu) {
-    KVSTASH_LOG_INFO("verbs: the CUDA driver does not say which GPU owns {}: every device moves it", dptr);
+    KVSTASH_LOG_INFO("verbs: the CUDA driver does not say which GPU owns {}: every device registers it",
+                     dptr);
     return 0;
   }
   std::vector<std::string> names;
@@ -361,10 +373,12 @@ std::uint64_t VerbsTransport::nearest_devices(const void* dptr) const {
     chosen.append(chosen.empty() ? "" : ", ").append(names[i]);
   }
   if (preferred == 0) {
-    KVSTASH_LOG_INFO("verbs: no device is nearer GPU {} than another ({}): every device moves its memory",
-                     pci::to_string(*gpu), pci::to_string(distance.front()));
+    KVSTASH_LOG_INFO(
+        "verbs: no device is nearer GPU {} than another ({}): every device registers and moves its memory",
+        pci::to_string(*gpu), pci::to_string(distance.front()));
   } else {
-    KVSTASH_LOG_INFO("verbs: GPU {}'s memory moves through {} ({} on PCIe)", pci::to_string(*gpu), chosen,
+    KVSTASH_LOG_INFO("verbs: GPU {}'s memory is registered on and moves through {} only ({} on PCIe)",
+                     pci::to_string(*gpu), chosen,
                      pci::to_string(distance[static_cast<std::size_t>(std::countr_zero(preferred))]));
   }
   return preferred;

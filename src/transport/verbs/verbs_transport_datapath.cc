@@ -103,7 +103,9 @@ Result<std::unique_ptr<RemoteKey>> VerbsEndpoint::import_key(std::uint64_t base,
     key->leases_only = p.leases_only;
     return std::unique_ptr<RemoteKey>(std::move(key));
   }
-  return Status::unsupported("verbs: the peer registered this region on none of the devices we reach it by");
+  return Status::unsupported(
+      "verbs: the peer registered this region on none of the devices we reach it by (GPU memory is "
+      "registered only on the NICs nearest its GPU)");
 }
 
 bool VerbsEndpoint::try_post(const Op& op, std::vector<Done>& done) {
@@ -126,8 +128,13 @@ bool VerbsEndpoint::try_post(const Op& op, std::vector<Done>& done) {
   }
   const std::optional<std::uint32_t> lkey = reg->lkey(dev_->device.node_guid);
   if (!lkey) {
+    // GPU memory is registered only on the NICs nearest its GPU; the op came to this lane because
+    // no lane on those is up (or the peer's key reaches it only here). Nothing is posted.
     done.push_back(
-        {op.sink, op.tag, Status::invalid_argument("verbs: local memory not registered on this device")});
+        {op.sink, op.tag,
+         Status::unavailable("verbs: the local memory is not registered on " + dev_->device.name +
+                             ": GPU memory is registered only on the NICs nearest its GPU, and no "
+                             "lane of this connection on them is up or reaches the peer's memory")});
     return true;
   }
   if (free_slots_.empty()) return false;
