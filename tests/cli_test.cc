@@ -7,12 +7,14 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
 #include "command.h"
 #include "fake_sysfs.h"
+#include "kvstash_config.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -374,6 +376,39 @@ TEST_F(Cli, DoctorExplainsWhatThisHostHasAndLacks) {
   EXPECT_EQ(sick.code, 1) << sick.out;
   EXPECT_NE(sick.out.find("How to fix"), std::string::npos) << sick.out;
   EXPECT_NE(sick.out.find("node rm n1"), std::string::npos) << sick.out;
+}
+
+// A driver older than the CUDA runtime this build links is a failed check naming the floor
+// (a fake libcuda.so.1, tests/fake_libcuda, answers as a CUDA 12.2 driver), and a new enough
+// one passes.
+TEST_F(Cli, DoctorHoldsTheGpuDriverAgainstTheCudaRuntimeItLinks) {
+#if !KVSTASH_HAVE_CUDA_KERNELS
+  GTEST_SKIP() << "this build has no CUDA kernels, so no CUDA runtime to hold a driver against";
+#else
+  const char* fake = std::getenv("KVSTASH_FAKE_LIBCUDA_DIR");
+  ASSERT_NE(fake, nullptr) << "meson test cli sets KVSTASH_FAKE_LIBCUDA_DIR";
+  start_cell("8MiB");
+  const std::string lib = std::string("LD_LIBRARY_PATH=") + fake;
+  auto check = [&](const std::string& env) {
+    Outcome d = kv("doctor --json", lib + " " + env);
+    const json report = d.j();
+    std::map<std::string, json> checks;
+    for (const auto& c : report["checks"]) checks[c["check"].get<std::string>()] = c;
+    EXPECT_EQ(checks["cuda"]["status"], "ok") << d.out;
+    return std::make_pair(d.code, checks["cuda driver"]);
+  };
+  const int runtime_major = KVSTASH_CUDA_RUNTIME_VERSION / 1000;
+  auto [old_code, old_driver] =
+      check("KVSTASH_FAKE_CUDA_DRIVER_VERSION=" + std::to_string((runtime_major - 1) * 1000 + 20));
+  EXPECT_EQ(old_code, 1) << "a failed check";
+  EXPECT_EQ(old_driver["status"], "fail") << old_driver;
+  const std::string detail = old_driver["detail"].get<std::string>();
+  EXPECT_NE(detail.find(runtime_major >= 13 ? "R580" : "R525"), std::string::npos) << detail;
+  EXPECT_NE(old_driver["fix"].get<std::string>().find("GPU drivers"), std::string::npos) << old_driver;
+  auto [new_code, new_driver] =
+      check("KVSTASH_FAKE_CUDA_DRIVER_VERSION=" + std::to_string(runtime_major * 1000 + 20));
+  EXPECT_EQ(new_driver["status"], "ok") << new_driver;
+#endif
 }
 
 TEST_F(Cli, DoctorPrintsTheGpuNicMatrixOfTheSysfsTreeAndSaysSoWhenThereIsNone) {

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "cli.h"
+#include "common/cuda_floor.h"
 #include "common/pci_topology.h"
 #include "common/units.h"
 #include "kvstash/engine.h"
@@ -237,6 +238,7 @@ class Doctor {
     add("cuda", "ok",
         std::to_string(n) + " GPU(s), driver API " + std::to_string(v / 1000) + "." +
             std::to_string(v % 1000 / 10));
+    driver_floor_check(v);
     utsname u{};
     uname(&u);
     const bool kernel_dmabuf =
@@ -247,16 +249,42 @@ class Doctor {
         (dmabuf_api && kernel_dmabuf ? "possible (driver and kernel " + std::string(u.release) + ")"
                                      : "not available");
 #if KVSTASH_HAVE_CUDA_KERNELS
-    const std::string staged = "else staged through pinned host buffers by the CUDA copier";
+    const std::string staged = "staged through pinned host buffers by the CUDA device";
 #else
-    const std::string staged = "else no path: this build has no CUDA kernels to stage it";
+    const std::string staged =
+        "nowhere where no NIC reaches the GPU: this build has no CUDA kernels to stage them";
 #endif
     const bool direct = peermem || (dmabuf_api && kernel_dmabuf);
     add("gpudirect", direct ? "ok" : "warn",
         detail + ". KV caches in GPU memory move " +
-            (direct ? "zero-copy over verbs where the NIC reaches the GPU, " : "") + staged,
+            (direct ? "zero-copy over verbs where the NIC reaches the GPU, else " : "") + staged,
         direct ? ""
                : "modprobe nvidia-peermem (or a kernel >= 5.12 with CUDA >= 11.7 for dma-buf) for zero-copy");
+  }
+
+  // The driver against the CUDA runtime this build links (a KvCache in GPU memory cannot open
+  // on an older one: it says the same).
+  void driver_floor_check(int driver) {
+#if KVSTASH_HAVE_CUDA_KERNELS
+    const int runtime = KVSTASH_CUDA_RUNTIME_VERSION;
+    const auto text = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+    const std::string floor = cuda_driver_floor(runtime / 1000);
+    if (driver / 1000 < runtime / 1000) {
+      add("cuda driver", "fail",
+          "the driver supports CUDA " + text(driver) + "; this kvstash links the CUDA " + text(runtime) +
+              " runtime, which needs " + floor + ": KV caches in GPU memory cannot open",
+          "update the NVIDIA driver to " + floor +
+              ", or build kvstash with the CUDA toolkit your engine's torch uses (docs/operations.md, 'GPU "
+              "drivers')");
+    } else {
+      add("cuda driver", "ok",
+          "the driver supports CUDA " + text(driver) + "; this kvstash's CUDA " + text(runtime) +
+              " runtime needs " + floor);
+    }
+#else
+    (void)driver;
+    add("cuda driver", "info", "this build has no CUDA kernels: KV caches in GPU memory need GPUDirect");
+#endif
   }
 
   void affinity_check() {

@@ -1,5 +1,7 @@
 #include "kvcache/cuda/cuda_api.h"
 
+#include "common/cuda_floor.h"
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -32,13 +34,7 @@ std::string version_text(int v) { return std::to_string(v / 1000) + "." + std::t
 
 }  // namespace
 
-std::string driver_floor() {
-  switch (CUDART_VERSION / 1000) {
-    case 13: return "R580 or newer (drivers for CUDA 13.0)";
-    case 12: return "R525 or newer (drivers for CUDA 12.0, by CUDA's minor version compatibility)";
-    default: return "a driver for CUDA " + version_text(CUDART_VERSION) + " or newer";
-  }
-}
+std::string driver_floor() { return cuda_driver_floor(CUDART_VERSION / 1000); }
 
 Status check_driver() {
   int driver = 0;
