@@ -105,3 +105,10 @@ const void* fill_kernel() {
 }
 
 }  // namespace kvstash::cuda
+
+// For tests that drive the model from Python through ctypes (tests/vllm_gpu_model_test.py: an
+// "attention kernel" writing a layer late on a stream): the fill kernel's launch, with C linkage.
+extern "C" int kvstash_cuda_model_fill_words(void* dst, std::uint64_t words, std::uint64_t seed,
+                                             std::uint64_t delay_ns, void* stream) {
+  return kvstash::cuda::launch_fill_words(dst, words, seed, delay_ns, stream);
+}

@@ -156,6 +156,13 @@ class KvstashHiCacheStorage(HiCacheStorage):
 
     @staticmethod
     def _tensor_buffer(t: torch.Tensor) -> list[tuple[int, int]]:
+        # SGLang hands storage its host pool's pages, written by its own device-to-host copy
+        # before a backup and read by its host-to-device copy after a load: kvstash moves host
+        # bytes only, and orders nothing against a GPU stream. A GPU tensor here would be read
+        # by the host behind the back of the streams that write it.
+        if t.is_cuda:
+            raise ValueError("kvstash: HiCache storage moves host pages; a CUDA tensor must go through SGLang's "
+                             "host pool first")
         if not t.is_contiguous():
             raise ValueError("kvstash: a page tensor must be contiguous")
         return [(t.data_ptr(), t.numel() * t.element_size())]

@@ -429,20 +429,32 @@ class KvstashConnector(KVConnectorBase_V1):
             del self._caches[oldest]  # loads and saves in flight keep theirs alive
         return cache
 
-    def _stream(self) -> int:
-        if self._tensors and self._tensors[0].is_cuda:
-            import torch
+    def _on_gpu(self) -> bool:
+        return bool(self._tensors) and self._tensors[0].is_cuda
 
-            return torch.cuda.current_stream().cuda_stream
-        return 0
+    @staticmethod
+    def _current_stream() -> int:
+        """The stream vLLM's forward pass runs on now, as a raw handle: torch's default stream is
+        0, which kvstash (as CUDA) reads as the legacy default stream, never as "nothing"."""
+        import torch
+
+        return torch.cuda.current_stream().cuda_stream
+
+    def _after(self) -> kvstash.KvSync:
+        """The engine's ordering point now: everything queued on its current stream (a GPU
+        cache), or nothing (a CPU cache: the CPU attention wrote the layer before returning)."""
+        return kvstash.KvSync.stream(self._current_stream()) if self._on_gpu() else kvstash.KvSync.none()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
         for run in meta.loads:
             try:
+                # The blocks may have been a finished request's, whose kernels vLLM queued before
+                # this step: no byte is written into them before that work is done.
                 load = self._cache_for(run.cache_salt).begin_load_range(
-                    run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms)
+                    run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms,
+                    after=self._after())
             except kvstash.Error as e:
                 logger.warning("kvstash: load of %s did not start: %s", run.req_id, e)
                 self._fail_load(run)
@@ -458,13 +470,20 @@ class KvstashConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        stream = self._stream()
+        stream = self._current_stream() if self._on_gpu() else None
         for _, load in self._loads:
+            if stream is not None:
+                # The engine's stream waits on the GPU and places the layer itself; this thread
+                # does not block (0, torch's default stream, is a stream like any other).
+                try:
+                    load.wait_layer_on(layer, stream)
+                    continue
+                except kvstash.Error as e:
+                    # A stream the device cannot use (a CUDA graph being captured): the layer is
+                    # placed on the host's side instead, before attention reads it.
+                    logger.warning("kvstash: layer %d handed to the host, not the stream: %s", layer, e)
             try:
-                if stream:
-                    load.wait_layer_on(layer, stream)  # the engine's stream waits, not this thread
-                else:
-                    load.wait_layer(layer)
+                load.wait_layer(layer)
             except kvstash.Error:
                 pass  # reported per chunk once the load ends (_finish_loads)
 
@@ -485,10 +504,10 @@ class KvstashConnector(KVConnectorBase_V1):
                     self._stats["chunks_save_failed"] += run.count
                     continue
                 self._saves.append((run, save))
-        stream = self._stream()
+        after = self._after()  # the attention that wrote this layer, as queued
         for run, save in self._saves:
             try:
-                save.save_layer(layer, stream=stream)
+                save.save_layer(layer, after=after)
             except kvstash.Error as e:
                 logger.warning("kvstash: saving layer %d of %s failed: %s", layer, run.req_id, e)
 
