@@ -251,9 +251,10 @@ Status from_wc(ibv_wc_status status);
 // The initiating side of one connection: posts READ/WRITE, reaps completions.
 class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this<VerbsEndpoint> {
  public:
-  // Takes a connected QP (RTS) with its CQ and channel, and the setup socket.
-  VerbsEndpoint(std::shared_ptr<DeviceState> dev, ibv_comp_channel* channel, Cq cq, Qp qp, UniqueFd control,
-                const VerbsOptions& options);
+  // Takes a connected QP (RTS) with its CQ and channel, and the setup socket. `peer_guid` is
+  // the peer's device at the other end of the QP: the part of a peer's key this lane uses.
+  VerbsEndpoint(std::shared_ptr<DeviceState> dev, std::uint64_t peer_guid, ibv_comp_channel* channel, Cq cq,
+                Qp qp, UniqueFd control, const VerbsOptions& options);
   ~VerbsEndpoint() override;
 
   Result<std::unique_ptr<RemoteKey>> import_key(std::uint64_t base, std::uint64_t length,
@@ -305,6 +306,7 @@ class VerbsEndpoint final : public Endpoint, public std::enable_shared_from_this
   void break_control(const Status& why);
 
   std::shared_ptr<DeviceState> dev_;
+  std::uint64_t peer_guid_;  // the peer's device this lane's QP reaches
   ibv_comp_channel* channel_;
   Cq cq_;
   Qp qp_;

@@ -478,8 +478,8 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
     return up;
   }
   Counters::add(counters_->connections_opened);
-  return std::make_shared<VerbsEndpoint>(dev, channel, std::move(cq), std::move(qp).value(), std::move(sock),
-                                         options_);
+  return std::make_shared<VerbsEndpoint>(dev, theirs.node_guid, channel, std::move(cq), std::move(qp).value(),
+                                         std::move(sock), options_);
 }
 
 }  // namespace

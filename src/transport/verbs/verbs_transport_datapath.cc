@@ -49,9 +49,11 @@ Status from_wc(ibv_wc_status status) {
   }
 }
 
-VerbsEndpoint::VerbsEndpoint(std::shared_ptr<DeviceState> dev, ibv_comp_channel* channel, Cq cq, Qp qp,
-                             UniqueFd control, const VerbsOptions& options)
+VerbsEndpoint::VerbsEndpoint(std::shared_ptr<DeviceState> dev, std::uint64_t peer_guid,
+                             ibv_comp_channel* channel, Cq cq, Qp qp, UniqueFd control,
+                             const VerbsOptions& options)
     : dev_(std::move(dev)),
+      peer_guid_(peer_guid),
       channel_(channel),
       cq_(std::move(cq)),
       qp_(std::move(qp)),
@@ -95,7 +97,8 @@ Result<std::unique_ptr<RemoteKey>> VerbsEndpoint::import_key(std::uint64_t base,
                                                              std::string_view packed, Deadline) {
   KVSTASH_ASSIGN_OR_RETURN(auto parts, decode_key(packed));
   for (const KeyPart& p : parts) {
-    if (p.node_guid != dev_->device.node_guid) continue;
+    // The peer registered the region on each of its devices: this lane reaches one of them.
+    if (p.node_guid != peer_guid_) continue;
     auto key = std::make_unique<ImportedKey>();
     key->base = base;
     key->length = length;
