@@ -31,6 +31,7 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #include "tools/common/local_cluster.h"
+#include "watchdog.h"
 
 namespace kvstash {
 namespace {
@@ -59,38 +60,17 @@ int gpu_count() {
                    << " here (cuda_model_test runs this on the CPU model; scripts/gpu-check on a GPU)"; \
   } while (0)
 
-// A point of the process that must be reached within `limit`, or the test fails loudly and
-// the process ends: a hang (a GPU-side wait nothing will ever release) fails instead of
-// stalling the suite. Disarmed by its destructor.
-class Watchdog {
- public:
-  Watchdog(std::chrono::seconds limit, const char* what)
-      : thread_([this, limit, what] {
-          std::unique_lock lock(mu_);
-          if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
-            std::fprintf(
-                stderr,
-                "\n*** HANG: %s did not finish within %llds: a GPU-side wait was never released ***\n", what,
-                static_cast<long long>(limit.count()));
-            std::fflush(stderr);
-            std::_Exit(1);
-          }
-        }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard lock(mu_);
-      done_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;
-};
+// A hang (a GPU-side wait nothing will ever release) fails the test loudly, and ends the
+// process, instead of stalling the suite.
+test::Watchdog hang_guard(std::chrono::seconds limit, const char* what) {
+  return test::Watchdog(Clock::now() + limit, [what, limit] {
+    std::fprintf(stderr,
+                 "\n*** HANG: %s did not finish within %llds: a GPU-side wait was never released ***\n", what,
+                 static_cast<long long>(limit.count()));
+    std::fflush(stderr);
+    std::_Exit(1);
+  });
+}
 
 // What the fill kernel writes: word i of a fill with `seed` (kernels.cu's splitmix64).
 std::uint64_t filled_word(std::uint64_t seed, std::uint64_t i) {
@@ -386,7 +366,7 @@ TEST_F(CudaTest, ALoadsStreamWaitsDependOnlyOnTheHost) {
   CUDA_OK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
   std::vector<unsigned char> got(kLayerBytes * kShape.num_layers);
   {
-    Watchdog dog(60s, "a load handed to the engine's stream");
+    auto dog = hang_guard(60s, "a load handed to the engine's stream");
     auto load = kvb->begin_load(tokens, to, 2, {}, KvSync::stream(compute));
     ASSERT_TRUE(load.is_ok()) << load.status().to_string();
     for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
@@ -434,7 +414,7 @@ TEST_F(CudaTest, TheDirectHandoverChecksEachLayerOnTheEnginesStream) {
   CUDA_OK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
   std::vector<std::uint64_t> want(kShape.num_layers);
   {
-    Watchdog dog(60s, "the direct handover");
+    auto dog = hang_guard(60s, "the direct handover");
     for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
       std::vector<unsigned char> bytes = filled_layer(70 + l);
       if (l == 2) bytes[at_block(1, blocks[3]) + 9] ^= 1;  // corrupt

@@ -15,65 +15,21 @@
 
 #include "common/checksum.h"
 #include "common/thread_pool.h"
+#include "host_faults.h"
 
 namespace kvstash::test {
 
-// ---- faults: a host touch of sealed memory names itself -----------------------------------
+// ---- faults: a host touch of sealed memory names itself (tests/host_faults.h) ---------------
 
 namespace {
 
-struct Range {
-  std::atomic<std::uintptr_t> begin{0}, end{0};
-};
-std::array<Range, 16> g_sealed;  // read by the signal handler: atomics, no locks
-struct sigaction g_previous {};
-
-void on_fault(int sig, siginfo_t* info, void* ctx) {
-  const auto at = reinterpret_cast<std::uintptr_t>(info->si_addr);
-  for (const Range& r : g_sealed) {
-    if (at >= r.begin.load() && at < r.end.load()) {
-      static constexpr char kMsg[] =
-          "\n*** the host touched device memory (a DeviceStandin's sealed mapping): a host code path "
-          "read or wrote GPU memory ***\n";
-      (void)!::write(2, kMsg, sizeof kMsg - 1);
-      ::abort();
-    }
-  }
-  // Not ours: what was there before (the default: die).
-  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
-    g_previous.sa_sigaction(sig, info, ctx);
-    return;
-  }
-  ::signal(sig, g_previous.sa_handler == SIG_IGN ? SIG_DFL : g_previous.sa_handler);
-  ::raise(sig);
+const char* fault_message() {
+  return "\n*** the host touched device memory (a DeviceStandin's sealed mapping): a host code path read or "
+         "wrote GPU memory, at ";
 }
 
-void watch(std::byte* base, std::size_t size) {
-  static std::once_flag installed;
-  std::call_once(installed, [] {
-    struct sigaction sa {};
-    sa.sa_sigaction = on_fault;
-    sa.sa_flags = SA_SIGINFO;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGSEGV, &sa, &g_previous);
-  });
-  for (Range& r : g_sealed) {
-    std::uintptr_t expected = 0;
-    if (r.begin.compare_exchange_strong(expected, reinterpret_cast<std::uintptr_t>(base))) {
-      r.end.store(reinterpret_cast<std::uintptr_t>(base) + size);
-      return;
-    }
-  }
-}
-
-void unwatch(std::byte* base) {
-  for (Range& r : g_sealed) {
-    if (r.begin.load() == reinterpret_cast<std::uintptr_t>(base)) {
-      r.end.store(0);
-      r.begin.store(0);
-    }
-  }
-}
+void watch(std::byte* base, std::size_t size) { host_faults::watch(base, size, fault_message); }
+void unwatch(std::byte* base) { host_faults::unwatch(base); }
 
 }  // namespace
 

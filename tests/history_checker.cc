@@ -64,6 +64,7 @@
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
 #include "tools/common/local_cluster.h"
+#include "watchdog.h"
 
 namespace kvstash::history {
 namespace {
@@ -351,35 +352,15 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
 // Aborts the client, saying what each thread was doing and for how long, when it has not
 // finished `grace` after the run's end: a hang becomes a diagnosis (the orchestrator kills a
 // silent one a minute later and can say only that it hung).
-class Watchdog {
- public:
-  Watchdog(const ClientConfig& c, std::vector<Doing>& doing, Deadline fire_at)
-      : thread_([&c, &doing, fire_at, this] {
-          std::unique_lock lock(mu_);
-          if (cv_.wait_until(lock, fire_at, [&] { return done_; })) return;
-          std::fprintf(stderr, "history client %d (%s) hung:", c.id, c.transport.c_str());
-          for (std::size_t t = 0; t < doing.size(); ++t) {
-            std::fprintf(stderr, " thread %zu in %s for %.1f s;", t, doing[t].what.load(),
-                         static_cast<double>(now_ns() - doing[t].since_ns.load()) / 1e9);
-          }
-          std::fprintf(stderr, "\n");
-          std::abort();
-        }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard lock(mu_);
-      done_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
+void report_hang(const ClientConfig& c, const std::vector<Doing>& doing) {
+  std::fprintf(stderr, "history client %d (%s) hung:", c.id, c.transport.c_str());
+  for (std::size_t t = 0; t < doing.size(); ++t) {
+    std::fprintf(stderr, " thread %zu in %s for %.1f s;", t, doing[t].what.load(),
+                 static_cast<double>(now_ns() - doing[t].since_ns.load()) / 1e9);
   }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;
-};
+  std::fprintf(stderr, "\n");
+  std::abort();
+}
 
 int run_client(const ClientConfig& c) {
   Log log(c.log);
@@ -420,7 +401,7 @@ int run_client(const ClientConfig& c) {
   }
   const Deadline stop = Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(c.seconds * 1000));
   std::vector<Doing> doing(static_cast<std::size_t>(c.threads) + 1);  // the last: the main thread
-  Watchdog watchdog(c, doing, stop + 30s);
+  test::Watchdog watchdog(stop + 30s, [&] { report_hang(c, doing); });
   std::vector<std::thread> threads;
   for (int t = 0; t < c.threads; ++t) {
     threads.emplace_back(
@@ -697,7 +678,8 @@ class CellRedis {
       return std::string("redis restarted empty");
     }
     KVSTASH_ASSIGN_OR_RETURN(auto watcher, ask_sentinel());
-    KVSTASH_ASSIGN_OR_RETURN(auto master, watcher->command({"SENTINEL", "get-master-addr-by-name", "history"}));
+    KVSTASH_ASSIGN_OR_RETURN(auto master,
+                             watcher->command({"SENTINEL", "get-master-addr-by-name", "history"}));
     if (master.size() != 2) return Status::internal("the sentinel names no master");
     const std::string host(master.element(0)->str);
     const int port = std::atoi(master.element(1)->str);
@@ -706,7 +688,8 @@ class CellRedis {
     if (victim == servers_.end()) return Status::internal("the sentinel names a master that is none of ours");
     std::printf("  at %" PRId64 " ms: killing the master %s:%d\n", now_ns() / 1000000, host.c_str(), port);
     (*victim)->kill();
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(1500, 3000)(rng)));
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::uniform_int_distribution<int>(1500, 3000)(rng)));
     KVSTASH_RETURN_IF_ERROR((*victim)->restart());
     return std::string("redis master killed (failover)");
   }
@@ -1036,7 +1019,8 @@ int run(const RunConfig& rc, const std::string& self) {
   std::cout << "history: " << total << " ops, " << report.gets_checked << " gets checked, " << faults
             << " faults injected, " << report.wrong.size() << " wrong bytes, " << report.overdue.size()
             << " past their deadline, " << report.failures.size() << " failures\n";
-  if (puts > 0) std::printf("  puts OK: %" PRIu64 " of %" PRIu64 " (%.1f%%)\n", puts_ok, puts, 100.0 * puts_ok / puts);
+  if (puts > 0)
+    std::printf("  puts OK: %" PRIu64 " of %" PRIu64 " (%.1f%%)\n", puts_ok, puts, 100.0 * puts_ok / puts);
   for (const auto& [k, v] : report.ops) std::cout << "  " << k << ": " << v << "\n";
   for (const auto& [k, v] : report.faults) std::cout << "  fault " << k << ": " << v << "\n";
   for (const auto& w : report.wrong) std::cout << "  WRONG BYTES " << w << "\n";
@@ -1086,9 +1070,10 @@ int main(int argc, char** argv) {
          "kill -9 and restart nodes; redis: only Redis faults; net: only partitions and degraded links")
       ->check(CLI::IsMember({"mixed", "kill", "redis", "net"}))
       ->capture_default_str();
-  app.add_option("--redis-mode", rc.redis_mode,
-                 "single: one redis-server (its fault: a restart, empty); sentinel: a master, a replica and a "
-                 "sentinel (its fault: the master killed)")
+  app.add_option(
+         "--redis-mode", rc.redis_mode,
+         "single: one redis-server (its fault: a restart, empty); sentinel: a master, a replica and a "
+         "sentinel (its fault: the master killed)")
       ->check(CLI::IsMember({"single", "sentinel"}))
       ->capture_default_str();
   app.add_option("--avoid-ms", rc.avoid_ms,

@@ -193,10 +193,12 @@ struct KvLoad::State {
   // the loaders' placements in flight, makes the device handover, gives it the layers that
   // landed unplaced, and releases what is final. OK once done (again: nothing).
   Status to_streams();
-  // Places layer `l` on the cache's own streams for every chunk that landed it unplaced
-  // (stream mode, a host waiter): staged scatter, direct check (a failure goes to late[c]).
-  // Called without `mu`, after claiming the layer (host_placed[l] = 1).
-  void place_on_host(std::uint32_t l);
+  // Stream mode, a host waiter: places layer `l` once (the first waiter claims it; the others
+  // wait for it), releasing `lock` (on `mu`) meanwhile. Returns with the layer placed.
+  void place_on_host(std::unique_lock<std::mutex>& lock, std::uint32_t l);
+  // Places layer `l` on the cache's own streams for every chunk that landed it unplaced:
+  // staged scatter, direct check (a failure goes to late[c]). Called without `mu`.
+  void place_layer(std::uint32_t l);
   // Waits for the engine's `after`, once per load; OK or its error.
   Status wait_after();
 

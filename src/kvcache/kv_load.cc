@@ -257,7 +257,19 @@ Status KvLoad::State::to_streams() {
   return {};
 }
 
-void KvLoad::State::place_on_host(std::uint32_t l) {
+void KvLoad::State::place_on_host(std::unique_lock<std::mutex>& lock, std::uint32_t l) {
+  if (host_placed[l] == 0) {
+    host_placed[l] = 1;
+    lock.unlock();
+    place_layer(l);
+    lock.lock();
+    host_placed[l] = 2;
+    cv.notify_all();
+  }
+  cv.wait(lock, [&] { return host_placed[l] == 2; });
+}
+
+void KvLoad::State::place_layer(std::uint32_t l) {
   const Deadline until = deadline.value_or(deadline_after(std::chrono::seconds(30)));
   const std::uint64_t layer_bytes = kv->layout.layer_bytes(kv->blocks_per_chunk);
   for (std::size_t c = 0; c < runs.size(); ++c) {
@@ -390,19 +402,8 @@ Status KvLoad::wait_layer(std::uint32_t layer) {
     }
     return {};
   }
-  // Stream mode: a layer no stream was handed is placed here, once.
-  if (st.queued[layer] == 0) {
-    if (st.host_placed[layer] == 0) {
-      st.host_placed[layer] = 1;
-      lock.unlock();
-      st.place_on_host(layer);
-      lock.lock();
-      st.host_placed[layer] = 2;
-      st.cv.notify_all();
-    } else {
-      st.cv.wait(lock, [&] { return st.host_placed[layer] == 2; });
-    }
-  }
+  // Stream mode: a layer no stream was handed is placed here.
+  if (st.queued[layer] == 0) st.place_on_host(lock, layer);
   return st.failure_locked(layer);
 }
 
@@ -435,15 +436,7 @@ std::vector<Status> KvLoad::wait() {
     const Deadline until = st.deadline.value_or(deadline_after(std::chrono::seconds(30)));
     for (std::uint32_t l = 0; l < st.layers; ++l) {
       if (st.queued[l] == 0) {
-        // Never handed to a stream: placed here, on the cache's own streams.
-        if (st.host_placed[l] == 0) {
-          st.host_placed[l] = 1;
-          lock.unlock();
-          st.place_on_host(l);
-          lock.lock();
-          st.host_placed[l] = 2;
-          st.cv.notify_all();
-        }
+        st.place_on_host(lock, l);  // never handed to a stream: placed on the cache's own streams
         continue;
       }
       if (st.kv->staged()) continue;  // checked on the host as it landed

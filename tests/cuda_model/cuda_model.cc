@@ -24,6 +24,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "host_faults.h"
+
 namespace kvstash::cuda_model {
 namespace {
 
@@ -316,74 +318,16 @@ void synchronize_device(State& s, std::unique_lock<std::mutex>& lock, Device& d)
 
 // ---- memory ---------------------------------------------------------------------------------
 
-// Device address ranges, read by the SIGSEGV handler: atomics, no locks.
-struct Watched {
-  std::atomic<std::uintptr_t> begin{0}, end{0};
-};
-std::array<Watched, 4096> g_watched;
-struct sigaction g_previous {};
-
-void write_fault(const char* what, std::uintptr_t at) {
-  char buf[160];
-  std::size_t n = 0;
-  for (const char* p = what; *p != '\0' && n < 100; ++p) buf[n++] = *p;
-  buf[n++] = '0';
-  buf[n++] = 'x';
-  for (int shift = 60; shift >= 0; shift -= 4) buf[n++] = "0123456789abcdef"[(at >> shift) & 0xf];
-  static constexpr char kTail[] = " ***\n";
-  for (char c : kTail) {
-    if (c != '\0') buf[n++] = c;
-  }
-  (void)!::write(2, buf, n);
+// What a fault in device memory says (tests/host_faults.h): a twin that skipped view(), or host
+// code.
+const char* fault_message() {
+  return t_in_worker
+             ? "\n*** cuda_model: a kernel twin touched CUDA device memory without cuda_model::view(), at "
+             : "\n*** the host touched CUDA device memory at ";
 }
 
-void on_fault(int sig, siginfo_t* info, void* ctx) {
-  const auto at = reinterpret_cast<std::uintptr_t>(info->si_addr);
-  for (const Watched& w : g_watched) {
-    if (at >= w.begin.load() && at < w.end.load()) {
-      write_fault(t_in_worker ? "\n*** cuda_model: a kernel twin touched CUDA device memory without "
-                                "cuda_model::view(), at "
-                              : "\n*** the host touched CUDA device memory at ",
-                  at);
-      ::abort();
-    }
-  }
-  // Not device memory: what was there before (the default: die).
-  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
-    g_previous.sa_sigaction(sig, info, ctx);
-    return;
-  }
-  ::signal(sig, g_previous.sa_handler == SIG_IGN ? SIG_DFL : g_previous.sa_handler);
-  ::raise(sig);
-}
-
-void watch(std::byte* base, std::size_t size) {
-  static std::once_flag installed;
-  std::call_once(installed, [] {
-    struct sigaction sa {};
-    sa.sa_sigaction = on_fault;
-    sa.sa_flags = SA_SIGINFO;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGSEGV, &sa, &g_previous);
-  });
-  for (Watched& w : g_watched) {
-    std::uintptr_t expected = 0;
-    if (w.begin.compare_exchange_strong(expected, reinterpret_cast<std::uintptr_t>(base))) {
-      w.end.store(reinterpret_cast<std::uintptr_t>(base) + size);
-      return;
-    }
-  }
-  // Table full: a host touch still faults, only without the message.
-}
-
-void unwatch(std::byte* base) {
-  for (Watched& w : g_watched) {
-    if (w.begin.load() == reinterpret_cast<std::uintptr_t>(base)) {
-      w.end.store(0);
-      w.begin.store(0);
-    }
-  }
-}
+void watch(std::byte* base, std::size_t size) { test::host_faults::watch(base, size, fault_message); }
+void unwatch(std::byte* base) { test::host_faults::unwatch(base); }
 
 const Allocation* allocation_at(const State& s, std::uintptr_t a) {
   auto it = s.allocations.upper_bound(a);
