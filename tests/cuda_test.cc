@@ -105,6 +105,8 @@ struct GpuCache {
     }
     return ::testing::AssertionSuccess();
   }
+  // Writes filled_layer(seed + l) into every layer l (defined below).
+  ::testing::AssertionResult fill(std::uint64_t seed);
   std::vector<unsigned char> read(std::uint32_t l) const {
     std::vector<unsigned char> out(kLayerBytes);
     EXPECT_EQ(cudaMemcpy(out.data(), layers[l], kLayerBytes, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -139,6 +141,15 @@ std::vector<unsigned char> filled_layer(std::uint64_t seed) {
     std::memcpy(out.data() + i * 8, &w, 8);
   }
   return out;
+}
+
+::testing::AssertionResult GpuCache::fill(std::uint64_t seed) {
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+    const auto bytes = filled_layer(seed + l);
+    if (cudaMemcpy(layers[l], bytes.data(), kLayerBytes, cudaMemcpyHostToDevice) != cudaSuccess)
+      return ::testing::AssertionFailure() << "cudaMemcpy of layer " << l;
+  }
+  return ::testing::AssertionSuccess();
 }
 
 std::vector<std::uint32_t> token_ids(std::size_t n, std::uint32_t seed) {
@@ -455,10 +466,7 @@ TEST_F(CudaTest, ACorruptLayerNeverReachesTheCacheOnTheStagedPath) {
   GpuCache a, b;
   ASSERT_TRUE(a.allocate(0));
   ASSERT_TRUE(b.allocate(0x5a));
-  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
-    const auto bytes = filled_layer(90 + l);
-    CUDA_OK(cudaMemcpy(a.layers[l], bytes.data(), kLayerBytes, cudaMemcpyHostToDevice));
-  }
+  ASSERT_TRUE(a.fill(90));
   auto kva = open(a), kvb = open(b);
   ASSERT_TRUE(kva && kvb);
   const auto tokens = token_ids(kChunkTokens, 12);
@@ -501,10 +509,7 @@ TEST_F(CudaTest, MixedWaitsPlaceEveryLayer) {
   GpuCache a, b;
   ASSERT_TRUE(a.allocate(0));
   ASSERT_TRUE(b.allocate(0x5a));
-  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
-    const auto bytes = filled_layer(30 + l);
-    CUDA_OK(cudaMemcpy(a.layers[l], bytes.data(), kLayerBytes, cudaMemcpyHostToDevice));
-  }
+  ASSERT_TRUE(a.fill(30));
   auto kva = open(a), kvb = open(b);
   ASSERT_TRUE(kva && kvb);
   const auto tokens = token_ids(2 * kChunkTokens, 15);
@@ -532,10 +537,7 @@ TEST_F(CudaTest, ALoadWritesNoBlockBeforeTheEnginesEarlierWork) {
   GpuCache a, b;
   ASSERT_TRUE(a.allocate(0));
   ASSERT_TRUE(b.allocate(0));
-  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
-    const auto bytes = filled_layer(20 + l);
-    CUDA_OK(cudaMemcpy(a.layers[l], bytes.data(), kLayerBytes, cudaMemcpyHostToDevice));
-  }
+  ASSERT_TRUE(a.fill(20));
   auto kva = open(a), kvb = open(b);
   ASSERT_TRUE(kva && kvb);
   const auto tokens = token_ids(kChunkTokens, 18);

@@ -199,6 +199,11 @@ struct KvLoad::State {
   // Places layer `l` on the cache's own streams for every chunk that landed it unplaced:
   // staged scatter, direct check (a failure goes to late[c]). Called without `mu`.
   void place_layer(std::uint32_t l);
+  // wait_layer_on and layer_event: switches to streams and marks `layer` handed to one; false
+  // (nothing to hand) when a host waiter placed it already, unless `even_if_placed`.
+  Result<bool> hand_to_stream(std::uint32_t layer, bool even_if_placed);
+  // The stream refused the layer: a host waiter or wait() places it.
+  void unhand(std::uint32_t layer);
   // Waits for the engine's `after`, once per load; OK or its error.
   Status wait_after();
 

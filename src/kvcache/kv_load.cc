@@ -340,41 +340,37 @@ KvLoad::~KvLoad() {
   if (state_) wait();
 }
 
+Result<bool> KvLoad::State::hand_to_stream(std::uint32_t layer, bool even_if_placed) {
+  if (layer >= layers) return Status::invalid_argument("kvcache: layer out of range");
+  KVSTASH_RETURN_IF_ERROR(to_streams());
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return host_placed[layer] != 1; });
+  if (host_placed[layer] == 2 && !even_if_placed) return false;
+  queued[layer] = 1;
+  return true;
+}
+
+void KvLoad::State::unhand(std::uint32_t layer) {
+  std::lock_guard lock(mu);
+  queued[layer] = 0;  // a host waiter or wait() places it
+}
+
 Status KvLoad::wait_layer_on(std::uint32_t layer, void* stream) {
   if (!state_) return Status::invalid_argument("kvcache: no load");
-  State& st = *state_;
-  if (layer >= st.layers) return Status::invalid_argument("kvcache: layer out of range");
-  KVSTASH_RETURN_IF_ERROR(st.to_streams());
-  {
-    std::unique_lock lock(st.mu);
-    // Placed already by a host waiter (who waited for it): the stream has nothing to wait for.
-    st.cv.wait(lock, [&] { return st.host_placed[layer] != 1; });
-    if (st.host_placed[layer] == 2) return {};
-    st.queued[layer] = 1;
-  }
-  Status s = st.handover->queue(layer, stream);
-  if (!s.is_ok()) {
-    std::lock_guard lock(st.mu);
-    st.queued[layer] = 0;  // a host waiter or wait() places it
-  }
+  // Placed already by a host waiter (who waited for it): the stream has nothing to wait for.
+  KVSTASH_ASSIGN_OR_RETURN(const bool hand, state_->hand_to_stream(layer, false));
+  if (!hand) return {};
+  Status s = state_->handover->queue(layer, stream);
+  if (!s.is_ok()) state_->unhand(layer);
   return s;
 }
 
 Result<void*> KvLoad::layer_event(std::uint32_t layer) {
   if (!state_) return Status::invalid_argument("kvcache: no load");
-  State& st = *state_;
-  if (layer >= st.layers) return Status::invalid_argument("kvcache: layer out of range");
-  KVSTASH_RETURN_IF_ERROR(st.to_streams());
-  {
-    std::unique_lock lock(st.mu);
-    st.cv.wait(lock, [&] { return st.host_placed[layer] != 1; });
-    st.queued[layer] = 1;  // placed or not, the event is the handover's: it completes after the release
-  }
-  auto e = st.handover->queue_event(layer);
-  if (!e.is_ok()) {
-    std::lock_guard lock(st.mu);
-    st.queued[layer] = 0;
-  }
+  // Placed or not, the event is the handover's: it completes after the layer's release.
+  KVSTASH_RETURN_IF_ERROR(state_->hand_to_stream(layer, true).status());
+  auto e = state_->handover->queue_event(layer);
+  if (!e.is_ok()) state_->unhand(layer);
   return e;
 }
 
