@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "checksum.h"
+#include "churn.h"
 #include "common/units.h"
 #include "kvcache.h"
 #include "kvstash/types.h"
@@ -297,6 +298,55 @@ int main(int argc, char** argv) {
   cs->add_flag("--json", sums.json, "One JSON object per row");
   cs->footer("Example:\n  kvstash-bench checksum --bytes 256MiB --threads 2");
 
+  bench::ChurnBenchOptions churn;
+  std::string churn_sizes = "mixed", churn_mix = "put=1", churn_capacity = "64MiB", churn_page = "1MiB",
+              churn_transport = "shm";
+  auto* ch = app.add_subcommand(
+      "churn",
+      "A cache full all the time: clients put (get, stream, remove, touch) objects over keys whose working "
+      "set is several times the pool, so nearly every put evicts or replaces. Reports over time put "
+      "success, stored bytes over pool bytes (efficiency), evictions/s, pages reserved and in limbo, and "
+      "the hit ratio; every hit is compared byte for byte. Starts a private redis-server and kvstashds");
+  ch->add_option("--sizes", churn_sizes,
+                 "Object sizes, log-uniform: mixed (4KiB-8MiB), kv (KV-cache chunks, 1MiB-128MiB) or MIN-MAX")
+      ->capture_default_str();
+  ch->add_option("--nodes", churn.nodes, "Memory nodes")->capture_default_str()->check(CLI::Range(1u, 16u));
+  ch->add_option("--node-capacity", churn_capacity, "Pool of each node")->capture_default_str();
+  ch->add_option("--page-size", churn_page, "Page size of the nodes")->capture_default_str();
+  ch->add_option("--keys", churn.keys, "Keys the clients write over")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1000000u));
+  ch->add_option("--clients", churn.clients, "Client threads (one Store)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 64u));
+  ch->add_option("--seconds", churn.seconds, "Length of the run")->capture_default_str()->check(CLI::Range(1.0, 86400.0));
+  ch->add_option("--interval", churn.interval, "Seconds per reported row")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 600.0));
+  ch->add_option("--mix", churn_mix, "Operation weights: put, stream, get, remove, touch (put=4,get=3,stream=1)")
+      ->capture_default_str();
+  ch->add_option("--ttl-fraction", churn.ttl_fraction, "Puts with a TTL of 0.2-2 s")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  ch->add_option("--short-deadline-fraction", churn.short_deadline_fraction,
+                 "Puts with a deadline 1-50 ms from their start")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  ch->add_option("--cancel-fraction", churn.cancel_fraction,
+                 "Stream puts aborted midway, and gets cancelled from another thread")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  ch->add_option("--transport", churn_transport, "shm, tcp or ucx")->capture_default_str();
+  ch->add_option("--seed", churn.seed, "The clients' seed")->capture_default_str();
+  ch->add_option("--min-put-success", churn.min_put_success, "Exit 1 when the run's put success is below this")
+      ->check(CLI::Range(0.0, 1.0));
+  ch->add_flag("--json", churn.json, "One JSON object per interval, then a summary");
+  ch->add_option("--plot", churn.plot, "Also draw efficiency, put success and limbo over time (SVG, gnuplot)");
+  ch->footer(
+      "Examples:\n  kvstash-bench churn --seconds 45\n"
+      "  kvstash-bench churn --mix put=4,stream=1,get=4,remove=1,touch=1 --cancel-fraction 0.1\n"
+      "  kvstash-bench churn --sizes kv --nodes 2 --node-capacity 1GiB --page-size 4MiB --keys 40 --plot churn.svg");
+
   std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
@@ -305,6 +355,24 @@ int main(int argc, char** argv) {
       auto v = units::parse_size(sum_bytes);
       if (!v.is_ok() || *v == 0) throw CLI::ValidationError("--bytes", "a size of at least one byte");
       sums.bytes = *v;
+    }
+    if (ch->parsed()) {
+      if (Status s = bench::parse_churn_sizes(churn_sizes, &churn); !s.is_ok()) {
+        throw CLI::ValidationError("--sizes", s.message());
+      }
+      if (Status s = bench::parse_churn_mix(churn_mix, &churn); !s.is_ok()) {
+        throw CLI::ValidationError("--mix", s.message());
+      }
+      auto cap = units::parse_size(churn_capacity), page = units::parse_size(churn_page);
+      if (!cap.is_ok() || *cap == 0) throw CLI::ValidationError("--node-capacity", "a size, such as 64MiB");
+      if (!page.is_ok() || *page == 0 || (*page & (*page - 1)) != 0) {
+        throw CLI::ValidationError("--page-size", "a power of two (kvstashd's rule)");
+      }
+      churn.node_capacity = *cap;
+      churn.page_size = *page;
+      const auto kinds = parse_transports(churn_transport);
+      if (kinds.size() != 1) throw CLI::ValidationError("--transport", "one of shm, tcp, ucx");
+      churn.transport = kinds.front();
     }
     if (kc->parsed()) kvc.transports = parse_transports(kvc_transports);
     if (sv->parsed()) {
@@ -380,6 +448,7 @@ int main(int argc, char** argv) {
   if (sv->parsed()) return bench::run_serve(serve);
   if (md->parsed()) return bench::run_metadata(meta);
   if (cs->parsed()) return bench::run_checksum(sums);
+  if (ch->parsed()) return bench::run_churn(churn);
   if (pe->parsed()) return bench::run_peers(peers);
   return bench::run_p2p(p2p);
 }

@@ -81,38 +81,29 @@ std::string plot_title(std::string_view what) {
   return fmt::format("{}, {}, {}", what, host, date);
 }
 
-Status plot_gbps(const std::string& path, const std::string& title, const std::vector<PlotSeries>& series) {
-  std::set<std::size_t> sizes;
-  std::vector<std::string> groups;
-  for (const auto& s : series) {
-    for (const auto& [size, gbps] : s.points) sizes.insert(size);
-    if (std::find(groups.begin(), groups.end(), s.group) == groups.end()) groups.push_back(s.group);
-  }
-  if (sizes.empty()) return Status::invalid_argument("nothing to plot: no row was measured");
-  if (!on_path("gnuplot")) {
-    return Status::unavailable(
-        "gnuplot is not on PATH (Debian: apt-get install gnuplot-nox; scripts/setup does)");
-  }
+namespace {
 
-  // Colours per group (a transport's write and read), from a palette that stays apart in print.
-  static constexpr const char* kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
-                                             "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+// Colours per group (a transport's write and read), from a palette that stays apart in print.
+constexpr const char* kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
+                                    "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+
+// The head every plot shares: an SVG terminal, the output, the title and the grid.
+std::string script_head(const std::string& path, const std::string& title) {
   std::string script;
   auto out = std::back_inserter(script);
   fmt::format_to(
       out, "set terminal svg size 960,600 dynamic noenhanced font 'Helvetica,13' background '#ffffff'\n");
   fmt::format_to(out, "set output {}\nset title {}\n", quoted(path), quoted(title));
-  fmt::format_to(out, "set xlabel 'request size (bytes)'\nset ylabel 'GB/s (10^9 bytes/s)'\n");
-  // Both axes logarithmic: sizes span 4K..256M, and GB/s from a slow peer's 0.01 to memcpy's 40.
-  fmt::format_to(out, "set logscale x 2\nset logscale y 10\nset format y '%g'\nset xrange [{}:{}]\n",
-                 static_cast<double>(*sizes.begin()) / 1.4, static_cast<double>(*sizes.rbegin()) * 1.4);
-  std::string tics;
-  for (std::size_t size : sizes) {
-    if (!tics.empty()) tics += ", ";
-    tics += fmt::format("{} {}", quoted(size_label(size)), size);
+  fmt::format_to(out, "set grid xtics ytics lc rgb '#e0e0e0'\nset key outside right top box opaque\n");
+  return script;
+}
+
+// The plot command and its inline data: a line per series, coloured by group.
+std::string series_lines(const std::vector<PlotSeries>& series) {
+  std::vector<std::string> groups;
+  for (const auto& s : series) {
+    if (std::find(groups.begin(), groups.end(), s.group) == groups.end()) groups.push_back(s.group);
   }
-  fmt::format_to(out, "set xtics ({})\nset grid xtics ytics lc rgb '#e0e0e0'\n", tics);
-  fmt::format_to(out, "set key outside right top box opaque\n");
   std::string plot;
   std::string data;
   for (const auto& s : series) {
@@ -122,11 +113,18 @@ Status plot_gbps(const std::string& path, const std::string& title, const std::v
                         plot.empty() ? "plot " : ", \\\n  ", s.dashed ? 2 : 1,
                         kColours[static_cast<std::size_t>(group) % std::size(kColours)],
                         s.second_marker ? 9 : 7, quoted(s.title));
-    for (const auto& [size, gbps] : s.points) data += fmt::format("{} {:.6g}\n", size, gbps);
+    for (const auto& [x, y] : s.points) data += fmt::format("{:.6g} {:.6g}\n", x, y);
     data += "e\n";
   }
-  script += plot + "\n" + data;
+  return plot + "\n" + data;
+}
 
+// Feeds `script` to gnuplot and waits for it.
+Status run_gnuplot(const std::string& path, const std::string& script) {
+  if (!on_path("gnuplot")) {
+    return Status::unavailable(
+        "gnuplot is not on PATH (Debian: apt-get install gnuplot-nox; scripts/setup does)");
+  }
   IgnoreSigpipe guard;
   FILE* gnuplot = ::popen("gnuplot", "w");
   if (gnuplot == nullptr) return Status::from_errno("start gnuplot", errno);
@@ -137,6 +135,42 @@ Status plot_gbps(const std::string& path, const std::string& title, const std::v
                                         status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1));
   }
   return {};
+}
+
+bool no_points(const std::vector<PlotSeries>& series) {
+  return std::all_of(series.begin(), series.end(), [](const PlotSeries& s) { return s.points.empty(); });
+}
+
+}  // namespace
+
+Status plot_gbps(const std::string& path, const std::string& title, const std::vector<PlotSeries>& series) {
+  std::set<std::size_t> sizes;
+  for (const auto& s : series) {
+    for (const auto& [size, gbps] : s.points) sizes.insert(static_cast<std::size_t>(size));
+  }
+  if (sizes.empty()) return Status::invalid_argument("nothing to plot: no row was measured");
+  std::string script = script_head(path, title);
+  auto out = std::back_inserter(script);
+  fmt::format_to(out, "set xlabel 'request size (bytes)'\nset ylabel 'GB/s (10^9 bytes/s)'\n");
+  // Both axes logarithmic: sizes span 4K..256M, and GB/s from a slow peer's 0.01 to memcpy's 40.
+  fmt::format_to(out, "set logscale x 2\nset logscale y 10\nset format y '%g'\nset xrange [{}:{}]\n",
+                 static_cast<double>(*sizes.begin()) / 1.4, static_cast<double>(*sizes.rbegin()) * 1.4);
+  std::string tics;
+  for (std::size_t size : sizes) {
+    if (!tics.empty()) tics += ", ";
+    tics += fmt::format("{} {}", quoted(size_label(size)), size);
+  }
+  fmt::format_to(out, "set xtics ({})\n", tics);
+  return run_gnuplot(path, script + series_lines(series));
+}
+
+Status plot_over_time(const std::string& path, const std::string& title, const std::string& ylabel,
+                      const std::vector<PlotSeries>& series) {
+  if (no_points(series)) return Status::invalid_argument("nothing to plot: no interval was measured");
+  std::string script = script_head(path, title);
+  fmt::format_to(std::back_inserter(script), "set xlabel 'time (s)'\nset ylabel {}\nset yrange [0:*]\n",
+                 quoted(ylabel));
+  return run_gnuplot(path, script + series_lines(series));
 }
 
 }  // namespace kvstash::bench

@@ -1,5 +1,5 @@
-// Bandwidth curves for kvstash-bench (`--plot FILE.svg`): GB/s over request size, drawn by
-// gnuplot into an SVG. gnuplot is needed only when a plot is asked for; nothing else runs it.
+// Plots for kvstash-bench (`--plot FILE.svg`): GB/s over request size, or values over a run's
+// time, drawn by gnuplot into an SVG. gnuplot is needed only when a plot is asked for; nothing else runs it.
 #pragma once
 
 #include <cstddef>
@@ -18,7 +18,7 @@ struct PlotSeries {
   std::string group;           // lines of one group share a colour (a transport's write and read)
   bool dashed = false;         // references and peer engines; kvstash's own lines are solid
   bool second_marker = false;  // triangles instead of circles (reads, beside the writes)
-  std::vector<std::pair<std::size_t, double>> points;  // request size in bytes, GB/s
+  std::vector<std::pair<double, double>> points;  // x, y: request size in bytes, GB/s (plot_gbps)
 };
 
 // "<what>, <host>, <YYYY-MM-DD>": what a plot's title says.
@@ -30,5 +30,10 @@ std::string plot_title(std::string_view what);
 // on PATH, kInvalidArgument when no series has a point, kInternal when gnuplot fails (its own
 // message went to stderr).
 Status plot_gbps(const std::string& path, const std::string& title, const std::vector<PlotSeries>& series);
+
+// As plot_gbps, for values over a run's time: x is seconds from the start, both axes linear,
+// y labelled `ylabel`.
+Status plot_over_time(const std::string& path, const std::string& title, const std::string& ylabel,
+                      const std::vector<PlotSeries>& series);
 
 }  // namespace kvstash::bench

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <future>
 #include <map>
+#include <random>
+#include <cmath>
 #include <set>
 #include <string>
 #include <thread>
@@ -771,6 +773,74 @@ TEST_F(StoreTest, FillingMemoryEvictsTheLeastRecentlyUsed) {
   for (const char* k : {"s0", "s2", "s3", "s4"}) EXPECT_TRUE(store->stat(k).is_ok()) << k;
   std::vector<std::string> chain{"s2", "s3", "s1", "s4"};
   EXPECT_EQ(store->contains_prefix(chain).value(), 2u);
+}
+
+std::uint64_t pending_records(metadata::Cell& cell) {
+  auto r = cell.redis().command({"ZCARD", cell.prefix() + ":pending"});
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return r.is_ok() ? static_cast<std::uint64_t>(r->integer()) : 0;
+}
+
+// Puts whose deadline passes while they write or commit fail kTimeout; their pages are theirs
+// for far less than a put lease: every write of theirs has ended, so the pages go back at
+// once (the client confirms it, or no write went out), and their reservations' records go
+// with the last put that took from them. With the lease alone, a cell that turns over in
+// milliseconds would fill with pages held for a minute.
+TEST_F(StoreTest, PagesOfPutsThatMissTheirDeadlineComeBackAtOnce) {
+  auto n1 = node("n1", "16MiB"), n2 = node("n2", "16MiB");
+  ASSERT_TRUE(n1 && n2);
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(8 * kPage);
+  fill(data);
+  std::mt19937 rng(5);
+  std::map<StatusCode, int> outcomes;
+  for (int i = 0; i < 400; ++i) {
+    const std::size_t size = kPage + rng() % (7 * kPage);
+    Slice slice{data.data(), size};
+    const auto deadline = Clock::now() + std::chrono::microseconds(rng() % 4000);
+    ++outcomes[store->put(numbered('k', i % 10), {&slice, 1}, {.deadline = deadline}).code()];
+  }
+  for (const auto& [code, count] : outcomes) {
+    EXPECT_TRUE(code == StatusCode::kOk || code == StatusCode::kTimeout) << to_string(code) << " x" << count;
+  }
+  EXPECT_GT(outcomes[StatusCode::kTimeout], 20) << "the deadlines must have cut puts short";
+  EXPECT_GT(outcomes[StatusCode::kOk], 20);
+  for (int i = 0; i < 10; ++i) (void)store->remove(numbered('k', i));
+  store.reset();  // its spare reserved pages go back; its background aborts finish
+  EXPECT_EQ(free_pages("n1") + free_pages("n2"), 32u) << "pages of puts that missed their deadline are held";
+  EXPECT_EQ(pending_records(*cell_), 0u) << "pending put or reservation records stayed behind";
+}
+
+// The case that once filled a cell with limbo: one client, puts as fast as it can over 20 keys
+// of 4 KiB..8 MiB, a tenth with a short TTL and a quarter with a deadline of 1..50 ms. The
+// cell is full and every put evicts or replaces, yet every put finds room, and the client's
+// retired reservations leave no records behind.
+TEST_F(StoreTest, AFullCellKeepsTakingPutsWhateverTheirDeadlines) {
+  auto n1 = node("n1", "16MiB"), n2 = node("n2", "16MiB");
+  ASSERT_TRUE(n1 && n2);
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(8 * kPage);
+  fill(data);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::map<StatusCode, int> outcomes;
+  int puts = 0;
+  for (const auto end = Clock::now() + 6s; Clock::now() < end; ++puts) {
+    const auto size = static_cast<std::size_t>(std::exp(std::log(4096.0) + (std::log(8.0 * kPage) - std::log(4096.0)) * u(rng)));
+    PutOptions o;
+    if (u(rng) < 0.1) o.ttl = std::chrono::milliseconds(200 + rng() % 1800);
+    if (u(rng) < 0.25) o.deadline = Clock::now() + std::chrono::milliseconds(1 + rng() % 50);
+    Slice slice{data.data(), size};
+    ++outcomes[store->put(numbered('k', rng() % 20), {&slice, 1}, o).code()];
+  }
+  for (const auto& [code, count] : outcomes) {
+    EXPECT_TRUE(code == StatusCode::kOk || code == StatusCode::kTimeout)
+        << to_string(code) << " x" << count << " of " << puts << " puts";
+  }
+  EXPECT_GE(outcomes[StatusCode::kOk], puts * 99 / 100) << "of " << puts << " puts";
+  EXPECT_LE(pending_records(*cell_), 2u) << "retired reservations piled up";
 }
 
 // Two writers overwrite one key and fill the pool (forcing evictions) while readers get it

@@ -108,9 +108,10 @@ Result<std::uint64_t> Catalog::abort_reserved(const ReservedPages& pages,
   return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
 }
 
-Result<std::uint64_t> Catalog::release_reservation(std::string_view reservation, std::uint64_t from) {
+Result<std::uint64_t> Catalog::release_reservation(std::string_view reservation, std::uint64_t from, bool drop) {
   std::string f = std::to_string(from);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::release_reservation(), {prefix_}, {reservation, f}));
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::release_reservation(), {prefix_}, {reservation, f, drop ? "1" : "0"}));
   return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
 }
 

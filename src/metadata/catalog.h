@@ -87,7 +87,9 @@ class Catalog {
   // others return with the reservation. Returns how many pages wait.
   Result<std::uint64_t> abort_reserved(const ReservedPages& pages, std::span<const std::string> fenced);
   // Frees the reservation's pages from `from` on (never handed to a put). Returns how many.
-  Result<std::uint64_t> release_reservation(std::string_view reservation, std::uint64_t from);
+  // With `drop`, also ends the reservation's record, unless a page handed to a put is still
+  // the reservation's (neither committed nor freed): the record then stays until reclaim.
+  Result<std::uint64_t> release_reservation(std::string_view reservation, std::uint64_t from, bool drop = false);
 
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
   // absent, expired or on a dead node; kCorrupt for a malformed record.

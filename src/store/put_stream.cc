@@ -290,10 +290,20 @@ Status PutStream::commit() {
     return moved;
   }
   auto c = st.impl->borrow(*st.pages.cell, st.deadline);
-  if (!c.is_ok()) return c.status().with_context(st.key);  // the fence returns the pages
+  if (!c.is_ok()) {
+    st.impl->end_uncommitted_later(st.key, st.pages);
+    return c.status().with_context(st.key);
+  }
   MetadataClock mc(st.options.timings);
   Status committed =
       st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options, st.copies);
+  // Every write has completed: whatever became of the commit, no write of this put can land
+  // any more, so pages it did not make an object's go back now, not with its lease.
+  if (committed.is_ok() || metadata::Catalog::condition_failed(committed)) {  // the latter freed them
+    st.impl->settle(st.pages, true);
+  } else {
+    st.impl->end_uncommitted_later(st.key, st.pages);
+  }
   if (committed.is_ok()) committed = st.impl->wait_for_replicas(c->cell().redis(), st.deadline);
   if (committed.is_ok()) committed = st.impl->remove_older_copy(st.key, *st.pages.cell, st.deadline);
   return committed.with_context(st.key);
@@ -466,10 +476,19 @@ Status Store::Impl::wait_for_replicas(metadata::RedisClient& redis, Deadline dea
 void Store::Impl::end_put(const std::string& key, const store::PutPages& pages,
                           const std::vector<std::string>& fenced, Deadline deadline) {
   auto c = borrow(*pages.cell, deadline);
-  Status aborted = c.is_ok() ? abort_pages(**c, pages, fenced).status() : c.status();
-  if (!aborted.is_ok()) {
-    KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, aborted.to_string());
+  Result<std::uint64_t> waiting = c.is_ok() ? abort_pages(**c, pages, fenced) : c.status();
+  if (!waiting.is_ok()) {
+    KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, waiting.status().to_string());
   }
+  settle(pages, waiting.is_ok() && *waiting == 0);
+}
+
+void Store::Impl::end_uncommitted_later(const std::string& key, const store::PutPages& pages) {
+  std::vector<std::string> nodes;
+  for (const auto& n : pages.placement.nodes) nodes.push_back(n.id);
+  aborter->submit([this, key, pages, nodes = std::move(nodes)] {
+    end_put(key, pages, nodes, deadline_after(options.redis_timeout * 2));
+  });
 }
 
 std::vector<std::uint64_t> Store::Impl::sum_segments(std::span<const Slice> slices, std::uint64_t size,

@@ -51,6 +51,7 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     pages.reservation = r;
     pages.first = r->next;
     r->next += need;
+    ++r->unsettled;
     return true;
   };
   if (options.put_reservation > 0 && apart.empty()) {
@@ -90,7 +91,7 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     if (!take(fresh)) return Status::internal("store: a page reservation without the put's own pages");
     replaced = std::exchange(cell.reservation, fresh);
   }
-  if (replaced) release_unused_later(std::move(replaced));
+  if (replaced) end_reservation_later(std::move(replaced));
   return pages;
 }
 
@@ -113,33 +114,59 @@ Result<std::uint64_t> Store::Impl::abort_pages(metadata::Catalog& c, const store
   return c.abort_reserved(pages.run(), fenced);
 }
 
-void Store::Impl::release_unused(const std::shared_ptr<store::Reservation>& r, Deadline deadline) {
+void Store::Impl::end_reservation(const std::shared_ptr<store::Reservation>& r, Deadline deadline) {
   std::uint64_t from = 0;
+  bool drop = false;
   {
     std::lock_guard lock(reserve_mu);
     from = r->next;
     r->next = r->placement.extents.size();  // nothing more is taken from it
+    r->retired = true;
+    drop = r->unsettled == 0 && !r->lingering && !r->dropped;
+    r->dropped |= drop;
   }
   auto c = borrow(*r->cell, deadline);
-  Status s = c.is_ok() ? (*c)->release_reservation(r->token, from).status() : c.status();
+  Status s = c.is_ok() ? (*c)->release_reservation(r->token, from, drop).status() : c.status();
   if (!s.is_ok()) {
     KVSTASH_LOG_INFO("page reservation {}: its unused pages return with its lease: {}", r->token,
                      s.to_string());
   }
 }
 
-void Store::Impl::release_unused_later(std::shared_ptr<store::Reservation> r) {
+void Store::Impl::end_reservation_later(std::shared_ptr<store::Reservation> r) {
   releaser->submit(
-      [this, r = std::move(r)] { release_unused(r, deadline_after(options.redis_timeout * 2)); });
+      [this, r = std::move(r)] { end_reservation(r, deadline_after(options.redis_timeout * 2)); });
 }
 
-void Store::Impl::retire(const std::shared_ptr<store::Reservation>& r) {
+void Store::Impl::retire(std::shared_ptr<store::Reservation> r) {
   {
     std::lock_guard lock(reserve_mu);
-    if (r->cell->reservation != r) return;  // replaced already, and released then
+    if (r->cell->reservation != r) return;  // replaced already, and ended then
     r->cell->reservation.reset();
   }
-  release_unused_later(r);
+  end_reservation_later(std::move(r));
+}
+
+void Store::Impl::settle(const store::PutPages& pages, bool clean) {
+  const std::shared_ptr<store::Reservation>& r = pages.reservation;
+  if (!r) return;
+  bool drop = false;
+  {
+    std::lock_guard lock(reserve_mu);
+    if (r->unsettled > 0) --r->unsettled;
+    r->lingering |= !clean;
+    drop = r->retired && r->unsettled == 0 && !r->lingering && !r->dropped;
+    r->dropped |= drop;
+  }
+  if (!drop) return;
+  // Retired already: its unused pages went back then (on this same thread, in order), and
+  // the record goes now. Redis keeps it when a page of it is still held after all.
+  releaser->submit([this, r] {
+    auto c = borrow(*r->cell, deadline_after(options.redis_timeout * 2));
+    Status s = c.is_ok() ? (*c)->release_reservation(r->token, r->placement.extents.size(), true).status()
+                         : c.status();
+    if (!s.is_ok()) KVSTASH_LOG_INFO("page reservation {}: its record goes with its lease: {}", r->token, s.to_string());
+  });
 }
 
 }  // namespace kvstash

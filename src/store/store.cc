@@ -33,15 +33,14 @@ std::string store::random_token() {
 Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Store::~Store() {
-  // Async operations, then lease releases and aborts, finish before the engine and
-  // connections go away; the reserved pages no put took go back.
+  // Async operations, then aborts, then lease and reservation releases finish before the
+  // engine and connections go away; the reserved pages no put took go back.
   impl_->workers.reset();
+  impl_->aborter.reset();  // its aborts settle reservations on the releaser thread
   for (auto& [name, cell] : impl_->cell_links) {
-    if (cell->reservation)
-      impl_->release_unused(cell->reservation, deadline_after(impl_->options.redis_timeout));
+    if (cell->reservation) impl_->retire(cell->reservation);
   }
   impl_->releaser.reset();
-  impl_->aborter.reset();
 }
 
 Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {

@@ -83,13 +83,21 @@ struct CellMap {
 };
 
 // A page reservation this client holds (Catalog::reserve_pages): its puts take consecutive
-// runs of its pages, and each commits with one Redis round trip.
+// runs of its pages, and each commits with one Redis round trip. Its record in Redis goes as
+// soon as it is retired (no put takes from it any more) and every put that took pages from it
+// has settled: committed, or aborted with every node confirming its fence. Only a put whose
+// pages wait for a node's fence keeps the record until its lease has passed (reclaim).
 struct Reservation {
   CellLink* cell = nullptr;  // where its pages are
   std::string token;
   metadata::Placement placement;  // every page, in the reservation's order
   Clock::time_point lease_until;  // local time by which every write into it has ended
-  std::uint64_t next = 0;         // pages [0, next) went to puts (guarded by Impl::reserve_mu)
+  // Guarded by Impl::reserve_mu:
+  std::uint64_t next = 0;       // pages [0, next) went to puts
+  std::uint32_t unsettled = 0;  // puts that took pages and have not settled yet
+  bool retired = false;         // no put takes from it any more; its unused pages went back
+  bool lingering = false;       // a put's pages wait for a node's fence: the record stays
+  bool dropped = false;         // its record was asked to go
 };
 
 // A put's pages and how Redis knows the put.
@@ -199,21 +207,32 @@ struct Store::Impl {
   // abort_put or abort_reserved.
   Result<std::uint64_t> abort_pages(metadata::Catalog& c, const store::PutPages& pages,
                                     std::span<const std::string> fenced);
-  // Returns the pages of `r` no put was given, in its cell (errors only logged: the lease and
-  // the nodes' fences reclaim them); release_unused_later does it on the releaser thread.
-  void release_unused(const std::shared_ptr<store::Reservation>& r, Deadline deadline);
-  void release_unused_later(std::shared_ptr<store::Reservation> r);
+  // Retires `r`: no put takes from it any more, the pages no put was given go back in its
+  // cell, and its record goes too when every put from it has settled (errors only logged: the
+  // lease and the nodes' fences reclaim them). end_reservation_later does it on the releaser
+  // thread.
+  void end_reservation(const std::shared_ptr<store::Reservation>& r, Deadline deadline);
+  void end_reservation_later(std::shared_ptr<store::Reservation> r);
   // A put in `r` failed, or its commit came back stale (a node may be gone): when puts still
   // take pages from `r`, the next ones reserve afresh, and its unused pages go back.
-  void retire(const std::shared_ptr<store::Reservation>& r);
+  void retire(std::shared_ptr<store::Reservation> r);  // a copy: it may be the cell's own pointer
+  // A put from a reservation ended: committed, or aborted (`clean`: every page of it is free
+  // again; otherwise some wait for a node's fence). The last put of a retired reservation drops
+  // its record.
+  void settle(const store::PutPages& pages, bool clean);
 
   // ---- puts (put_stream.cc)
   // Ends a put that will not commit, once its batches have ended (see put_stream.cc).
   void abort_put(const std::string& key, const store::PutPages& pages, std::vector<store::HeldLease> leases,
                  Deadline deadline);
-  // abort_put in Redis (errors only logged: the lease and the nodes' fences reclaim).
+  // abort_put in Redis (errors only logged: the lease and the nodes' fences reclaim), then
+  // settles the put's reservation.
   void end_put(const std::string& key, const store::PutPages& pages, const std::vector<std::string>& fenced,
                Deadline deadline);
+  // A put whose writes all completed but whose commit failed or may not have happened (a
+  // timeout, Redis unreachable): on the aborter thread, abort_put with every node confirmed
+  // (no write can land any more), which frees its pages unless the commit did happen.
+  void end_uncommitted_later(const std::string& key, const store::PutPages& pages);
   // The sums of the `count` consecutive segments of `segment` bytes that the slices hold from
   // their start (the last one may be shorter, ending at `size`), computed by the calling
   // thread and the store's hashing threads in turn.

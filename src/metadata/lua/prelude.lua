@@ -84,6 +84,20 @@ local function current(list)
   return true
 end
 
+-- How many pages of `list` still carry the generation it names (held by whoever it is).
+local function held_pages(list)
+  local n = 0
+  local groups, order = by_node(list)
+  for _, id in ipairs(order) do
+    local g = groups[id]
+    local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
+    for i = 1, #g.pages do
+      if tonumber(cur[i] or '0') == g.gens[i] then n = n + 1 end
+    end
+  end
+  return n
+end
+
 local function free_extents(list)
   local n = 0
   local groups, order = by_node(list)

@@ -1,14 +1,18 @@
--- release_reservation.lua: a client returns the pages of its reservation it never handed out.
+-- release_reservation.lua: a client returns the pages of its reservation it never handed out,
+-- and with them, once every put from it has settled, the reservation's record.
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     reservation, from (pages [from, end) were never given to a put)
+-- ARGV     reservation, from (pages [from, end) were never given to a put), drop ('1': the
+--          client's puts from it have all committed or been aborted with every node confirming)
 -- Returns  the pages freed
 --
 -- No write went to those pages, so they are free at once. The pages before `from` stay with
 -- the reservation: commits moved theirs to objects, and the pages of failed puts return
--- once its lease has passed and its nodes have fenced through it (reclaim). Idempotent.
+-- once its lease has passed and its nodes have fenced through it (reclaim). With drop, the
+-- record goes now, unless a page before `from` is still the reservation's (a put the client
+-- believes settled is not): then it stays for reclaim. Idempotent.
 
-local res, from = ARGV[1], tonumber(ARGV[2])
+local res, from, drop = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local pk = P .. ':put:' .. res
 if redis.call('HGET', pk, 'key') ~= '' then return 0 end
 local rest = redis.call('LRANGE', pk .. ':pages', from, -1)
@@ -18,5 +22,10 @@ if from <= 0 then
   return freed
 end
 redis.call('LTRIM', pk .. ':pages', 0, from - 1)
-redis.call('HSET', pk, 'extents', table.concat(redis.call('LRANGE', pk .. ':pages', 0, -1), ';'))
+local handed = table.concat(redis.call('LRANGE', pk .. ':pages', 0, -1), ';')
+if drop and held_pages(handed) == 0 then
+  drop_put(res, '')
+  return freed
+end
+redis.call('HSET', pk, 'extents', handed)
 return freed
