@@ -84,6 +84,9 @@ Result<Gauge> read_gauge(metadata::Cell& cell, const std::vector<std::string>& n
     g.pool_bytes += ns.page_count * ns.page_size;
     g.pages += ns.page_count;
     g.free_pages += ns.free_pages;
+    g.reserved_pages += ns.reserved_pages;
+    g.limbo_pages += ns.limbo_pages;
+    g.object_pages += ns.object_pages();
   }
   const std::string pending = cell.prefix() + ":pending";
   KVSTASH_ASSIGN_OR_RETURN(auto r, cell.redis().command({"ZCARD", pending}));

@@ -781,6 +781,46 @@ std::uint64_t pending_records(metadata::Cell& cell) {
   return r.is_ok() ? static_cast<std::uint64_t>(r->integer()) : 0;
 }
 
+// What an operator sees of a node's pages: free, held by objects, reserved by puts under way,
+// and in limbo (no object's, not free yet) while a reader still leases a removed object.
+TEST_F(StoreTest, ANodesStatusTellsReservedPagesAndPagesInLimbo) {
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  put_reservation_ = 0;
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> data(3 * kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "held", data).is_ok());
+  auto stream = store->begin_put("under-way", 2 * kPage);
+  ASSERT_TRUE(stream.is_ok());
+  auto status = [&] {
+    auto st = cell_->admin().node_status("n1");
+    EXPECT_TRUE(st.is_ok()) << st.status().to_string();
+    return st.is_ok() ? *st : metadata::NodeStatus{};
+  };
+  auto st = status();
+  EXPECT_EQ(st.free_pages, 11u);
+  EXPECT_EQ(st.object_pages(), 3u);
+  EXPECT_EQ(st.reserved_pages, 2u) << "the put under way";
+  EXPECT_EQ(st.limbo_pages, 0u);
+
+  // A reader leases "held"; removed under it, its pages wait for the reader: limbo.
+  auto lease = cell_->catalog().begin_get("held", "reader-1", 60s);
+  ASSERT_TRUE(lease.is_ok()) << lease.status().to_string();
+  ASSERT_TRUE(store->remove("held").is_ok());
+  st = status();
+  EXPECT_EQ(st.limbo_pages, 3u);
+  EXPECT_EQ(st.object_pages(), 0u);
+  EXPECT_EQ(st.free_pages, 11u);
+  ASSERT_TRUE(cell_->catalog().end_get("reader-1", *lease).is_ok());
+  stream->abort();
+  st = status();
+  EXPECT_EQ(st.limbo_pages, 0u) << "the reader left: the pages are free";
+  EXPECT_EQ(st.reserved_pages, 0u);
+  EXPECT_EQ(st.free_pages, 16u);
+}
+
 // Puts whose deadline passes while they write or commit fail kTimeout; their pages are theirs
 // for far less than a put lease: every write of theirs has ended, so the pages go back at
 // once (the client confirms it, or no write went out), and their reservations' records go
@@ -1157,6 +1197,31 @@ TEST_F(StoreTest, APutWithReplicasSurvivesTheDeathOfACopysNode) {
 
 // A get leases the copy with the fewest readers: concurrent readers of a hot object spread
 // over its copies' nodes.
+// In a full cell each copy of a replicated put must still find a node of its own: a copy
+// goes whole onto one node, evicting there, instead of spilling over both nodes (which left
+// the next copy no node apart, kNoSpace, however many objects could have been evicted).
+TEST_F(StoreTest, APutWithReplicasFindsNodesApartInAFullCell) {
+  auto n1 = node("n1", "8MiB"), n2 = node("n2", "8MiB");
+  ASSERT_TRUE(n1 && n2);
+  put_reservation_ = 0;
+  auto store = open();
+  ASSERT_TRUE(store);
+  std::vector<std::byte> small(kPage), big(3 * kPage);
+  fill(small);
+  fill(big);
+  for (int i = 0; i < 16; ++i) ASSERT_TRUE(put_bytes(*store, numbered('f', i), small).is_ok());
+  EXPECT_EQ(free_pages("n1") + free_pages("n2"), 0u) << "the cell is full of evictable objects";
+  for (int i = 0; i < 12; ++i) {
+    const std::string key = numbered('r', i % 4);
+    ASSERT_TRUE(put_bytes(*store, key, big, {.replicas = 2}).is_ok()) << key;
+    auto copy = store->stat(metadata::copy_key(key, 1)), self = store->stat(key);
+    ASSERT_TRUE(copy.is_ok() && self.is_ok());
+    for (const auto& id : copy->nodes) {
+      EXPECT_EQ(std::count(self->nodes.begin(), self->nodes.end(), id), 0) << key << ": copies share node " << id;
+    }
+  }
+}
+
 TEST_F(StoreTest, GetsOfAReplicatedObjectSpreadOverItsCopies) {
   auto a = node("a"), b = node("b");
   ASSERT_TRUE(a && b);

@@ -33,12 +33,21 @@ std::vector<std::string_view> with_avoided(std::vector<std::string_view> args,
 
 }  // namespace
 
-Result<Placement> Catalog::begin_put(std::string_view token, std::string_view key, std::uint64_t size,
-                                     std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid) {
+Result<Placement> Catalog::begin_copy(std::string_view token, std::string_view key, std::uint64_t size,
+                                      std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid,
+                                      std::span<const NodeEndpoint> apart) {
+  std::string placement = "one-node";
+  for (const NodeEndpoint& a : apart) placement += " " + a.id;
+  return place_put(token, key, size, lease, avoid, placement);
+}
+
+Result<Placement> Catalog::place_put(std::string_view token, std::string_view key, std::uint64_t size,
+                                     std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid,
+                                     const std::string& placement) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string n = std::to_string(size), l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r,
-                           redis_.eval(scripts::begin_put(), {prefix_}, with_avoided({token, key, n, l}, avoid)));
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::begin_put(), {prefix_}, with_avoided({token, key, n, l, placement}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to begin_put");
   // page_size, extents, deadline, nodes...
   KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(r, 0, 1, 2, 3));

@@ -47,7 +47,15 @@ class Catalog {
   // looked at) while other nodes can hold the object, unless it registered again since.
   // kNoSpace when the live nodes cannot hold it; kInvalidArgument for a bad key.
   Result<Placement> begin_put(std::string_view token, std::string_view key, std::uint64_t size,
-                              std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {});
+                              std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {}) {
+    return place_put(token, key, size, lease, avoid, "spread");
+  }
+  // begin_put for a copy of an object put with replicas: all its pages on one node while one
+  // can hold them (evicting there), so that each other copy finds a node apart; never on a
+  // node in `apart` (the earlier copies'), however full the others are (kNoSpace then).
+  Result<Placement> begin_copy(std::string_view token, std::string_view key, std::uint64_t size,
+                               std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid,
+                               std::span<const NodeEndpoint> apart);
   // Makes the put visible (with its TTL; 0 = none), releasing an object it replaces.
   // kStale when the lease ran out and the pages were reclaimed, or a node of the put died,
   // or `if_version` is set and the key holds another object than the put token it names
@@ -114,6 +122,10 @@ class Catalog {
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
 
  private:
+  // begin_put.lua with its placement argument ("spread", or "one-node" and the nodes apart).
+  Result<Placement> place_put(std::string_view token, std::string_view key, std::uint64_t size,
+                              std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid,
+                              const std::string& placement);
   RedisClient& redis_;
   std::string prefix_;  // kvs:{kvs:<cell>}
 };

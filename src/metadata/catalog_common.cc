@@ -70,7 +70,7 @@ Result<RkeyScope> rkey_scope(RedisClient& redis, const std::string& prefix) {
 
 Result<NodeStatus> node_status(RedisClient& redis, const std::string& prefix, std::string_view id) {
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis.eval(scripts::node_status(), {prefix}, {id}));
-  if (r.type() != Reply::Type::kArray || r.size() != 8) return corrupt("unexpected reply to node_status");
+  if (r.type() != Reply::Type::kArray || r.size() != 10) return corrupt("unexpected reply to node_status");
   NodeStatus s;
   s.state = std::string(text_of(r.element(0)));
   s.epoch = std::string(text_of(r.element(1)));
@@ -82,6 +82,8 @@ Result<NodeStatus> node_status(RedisClient& redis, const std::string& prefix, st
   // Redis's clock is never negative; with both at least 0 the difference cannot overflow.
   if (now < 0) return corrupt("unexpected reply to node_status (clock)");
   s.heartbeat_in_ms = deadline < 0 ? -1 : deadline - now;
+  s.reserved_pages = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(8)).value_or(0)));
+  s.limbo_pages = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(9)).value_or(0)));
   return s;
 }
 

@@ -99,6 +99,15 @@ struct NodeStatus {
   std::uint64_t free_pages = 0;
   std::uint64_t objects = 0;
   std::int64_t heartbeat_in_ms = 0;  // until the heartbeat deadline; negative: past it
+  // Pages of pending puts and reservations within their lease, and pages no object holds that
+  // are not free yet (released under a reader's lease, or of a put past its lease or aborted,
+  // until the node fences it). The rest of the used pages hold objects.
+  std::uint64_t reserved_pages = 0;
+  std::uint64_t limbo_pages = 0;
+  std::uint64_t object_pages() const {
+    const std::uint64_t other = free_pages + reserved_pages + limbo_pages;
+    return page_count > other ? page_count - other : 0;
+  }
 };
 
 struct ReclaimCounts {

@@ -23,7 +23,7 @@ struct MemoryNode::Shared {
   std::string last_error;  // empty while Redis answers
 
   std::atomic<std::uint64_t> heartbeats{0}, heartbeat_failures{0}, registrations{0};
-  std::atomic<std::uint64_t> free_pages{0}, objects{0};
+  std::atomic<std::uint64_t> free_pages{0}, objects{0}, reserved_pages{0}, limbo_pages{0};
   std::atomic<std::uint64_t> expired{0}, abandoned_puts{0}, zombies{0}, dead_nodes{0}, orphaned{0};
   std::atomic<std::uint64_t> fencing_puts{0};  // at the last reclaim
 };
@@ -222,6 +222,8 @@ void MemoryNode::loop() {
       if (auto ns = s.catalog->node_status(id_); ns.is_ok()) {
         s.free_pages = ns->free_pages;
         s.objects = ns->objects;
+        s.reserved_pages = ns->reserved_pages;
+        s.limbo_pages = ns->limbo_pages;
       }
     } else if (s.state != "gone") {
       ++s.heartbeat_failures;
@@ -282,6 +284,13 @@ std::string MemoryNode::metrics() const {
           static_cast<double>(s.free_pages.load()));
   m.gauge("kvstash_node_objects", "Objects with a page on this node at the last heartbeat",
           static_cast<double>(s.objects.load()));
+  m.gauge("kvstash_node_reserved_pages",
+          "Pages of pending puts and clients' page reservations within their lease, at the last heartbeat",
+          static_cast<double>(s.reserved_pages.load()));
+  m.gauge("kvstash_node_limbo_pages",
+          "Pages no object holds that are not free yet (released under a read lease, or of a put past its "
+          "lease or aborted, until fenced), at the last heartbeat",
+          static_cast<double>(s.limbo_pages.load()));
   m.counter("kvstash_node_heartbeats_total", "Heartbeats Redis accepted",
             static_cast<double>(s.heartbeats.load()));
   m.counter("kvstash_node_heartbeat_failures_total", "Heartbeats that failed (Redis unreachable or slow)",

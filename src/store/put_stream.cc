@@ -337,7 +337,8 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
   std::span<const metadata::NodeEndpoint> apart;               // the nodes of a replica's earlier copies
   if (copy != nullptr) apart = copy->apart;
   for (int attempt = 0;; ++attempt) {
-    auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings, apart);
+    auto pages = impl_->put_pages(cell, key, size, st->deadline, options.timings, apart,
+                                  copy != nullptr && copy->copies > 1);
     if (!pages.is_ok()) return pages.status().with_context(st->key);
     st->pages = std::move(pages).value();
     // Redis places a copy elsewhere while other nodes have room, else beside another copy:

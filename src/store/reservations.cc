@@ -36,7 +36,7 @@ metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std
 
 Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::string_view key,
                                                std::uint64_t size, Deadline deadline, OpTimings* timings,
-                                               std::span<const metadata::NodeEndpoint> apart) {
+                                               std::span<const metadata::NodeEndpoint> apart, bool one_node) {
   store::PutPages pages;
   pages.cell = &cell;
   pages.token = store::random_token();
@@ -54,7 +54,8 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     ++r->unsettled;
     return true;
   };
-  if (options.put_reservation > 0 && apart.empty()) {
+  const bool own_pages = options.put_reservation == 0 || !apart.empty() || one_node;
+  if (!own_pages) {
     std::shared_ptr<store::Reservation> held;
     bool shunned = false;  // it has pages on a node this client avoids now
     {
@@ -69,13 +70,16 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     if (shunned) retire(held);  // the next reservation comes from the other nodes
   }
 
-  std::vector<metadata::NodeEndpoint> avoid = avoided->list();
-  avoid.insert(avoid.end(), apart.begin(), apart.end());
+  const std::vector<metadata::NodeEndpoint> avoid = avoided->list();
   KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(cell, deadline));
   MetadataClock mc(timings);
   const auto leased_at = Clock::now();
   pages.lease_until = store::within_lease(Deadline::max(), leased_at, options.put_lease);
-  if (options.put_reservation == 0 || !apart.empty()) {
+  if (one_node || !apart.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_copy(pages.token, key, size, options.put_lease, avoid, apart));
+    return pages;
+  }
+  if (own_pages) {
     KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_put(pages.token, key, size, options.put_lease, avoid));
     return pages;
   }

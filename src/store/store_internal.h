@@ -196,10 +196,12 @@ struct Store::Impl {
   // Pages for a put of `size` bytes: a run of the reservation when it has enough and enough
   // lease left (no round trip), else a new reservation (or, with options.put_reservation 0, a
   // begin_put of the put's own). Errors name no key.
-  // `apart`: nodes it must not use (the other copies'); its own begin_put then, away from them.
+  // `apart`: nodes it must not use (the other copies'); `one_node`: a copy of a put with
+  // replicas, all on one node where one can hold it, so that the other copies find nodes apart.
+  // Either makes it a begin_put of its own.
   Result<store::PutPages> put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
                                     Deadline deadline, OpTimings* timings,
-                                    std::span<const metadata::NodeEndpoint> apart = {});
+                                    std::span<const metadata::NodeEndpoint> apart = {}, bool one_node = false);
   // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                       std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,

@@ -51,6 +51,9 @@ json node_json(const Node& n) {
           {"used_bytes", n.used()},
           {"free_bytes", n.free()},
           {"objects", n.s.objects},
+          {"object_pages", n.s.object_pages()},
+          {"reserved_pages", n.s.reserved_pages},
+          {"limbo_pages", n.s.limbo_pages},
           {"heartbeat_in_ms", n.s.heartbeat_in_ms}};
 }
 
@@ -68,10 +71,11 @@ std::string heartbeat(const Node& n) {
 }
 
 Table nodes_table(const std::vector<Node>& nodes) {
-  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "HEARTBEAT"});
+  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "RESERVED", "LIMBO", "HEARTBEAT"});
   for (const auto& n : nodes) {
     t.row({n.id, n.state(), units::format_size(n.capacity()), units::format_size(n.used()),
            units::format_size(n.free()), percent(n.used(), n.capacity()), std::to_string(n.s.objects),
+           units::format_size(n.s.reserved_pages * n.s.page_size), units::format_size(n.s.limbo_pages * n.s.page_size),
            heartbeat(n)});
   }
   return t;
@@ -186,7 +190,11 @@ int show_node(Session& s, const std::string& id) {
                          " pages of " + units::format_size(n->s.page_size) + ")"});
   t.row({"used", units::format_size(n->used()) + " (" + percent(n->used(), n->capacity()) + ")"});
   t.row({"free", units::format_size(n->free()) + " (" + std::to_string(n->s.free_pages) + " pages)"});
-  t.row({"objects", std::to_string(n->s.objects)});
+  t.row({"objects", std::to_string(n->s.objects) + " (" + std::to_string(n->s.object_pages()) + " pages)"});
+  t.row({"reserved", units::format_size(n->s.reserved_pages * n->s.page_size) + " (" +
+                         std::to_string(n->s.reserved_pages) + " pages of pending puts and reservations)"});
+  t.row({"limbo", units::format_size(n->s.limbo_pages * n->s.page_size) + " (" + std::to_string(n->s.limbo_pages) +
+                      " pages freed, not yet reusable: read leases, fences)"});
   t.row({"heartbeat", heartbeat(*n)});
   std::cout << t.str();
   return kExitOk;

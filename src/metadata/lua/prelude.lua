@@ -84,15 +84,18 @@ local function current(list)
   return true
 end
 
--- How many pages of `list` still carry the generation it names (held by whoever it is).
-local function held_pages(list)
+-- How many pages of `list` (on node `only`, when given) still carry the generation it names:
+-- held by whoever the list is.
+local function held_pages(list, only)
   local n = 0
   local groups, order = by_node(list)
   for _, id in ipairs(order) do
-    local g = groups[id]
-    local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
-    for i = 1, #g.pages do
-      if tonumber(cur[i] or '0') == g.gens[i] then n = n + 1 end
+    if not only or id == only then
+      local g = groups[id]
+      local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
+      for i = 1, #g.pages do
+        if tonumber(cur[i] or '0') == g.gens[i] then n = n + 1 end
+      end
     end
   end
   return n
@@ -432,7 +435,8 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end
 
--- Allocates the pages of `size` bytes, most free node first and spilling over nodes, and
+-- Allocates the pages of `size` bytes, most free node first and spilling over nodes (with
+-- `one_node`, all on one node while one can hold them, evicting there), and
 -- records them as pending put `token` of `key` leased for `lease` ms. Expired, then least
 -- recently used unleased objects make room for them. A page reservation (key '') takes up to
 -- `extra` bytes' more, only from pages already free and at most a quarter of them (idle
@@ -440,13 +444,46 @@ end
 -- stay short), and lists its pages in P:put:<token>:pages for the commits that take them.
 -- Returns page size, extents and nodes, or nil and an error.
 local RESERVE_MAX = 256
-local function allocate(token, key, size, extra, lease, avoid)
+
+-- For `one_node` (a copy of an object put with replicas, which must leave the other nodes to
+-- the other copies): the candidate that holds all `need` pages, the one with most free pages,
+-- after evicting on it alone when none has them free; nil when no node can.
+local function one_node_for(need, avoid)
+  local function free_of(id)
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'page_count', 'next_page')
+    return (tonumber(st[1]) or 0) - (tonumber(st[2]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
+  end
+  local nodes = {}
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'gen_floor', 'key')
+    if st[1] == 'up' and avoid[id] ~= st[4] and (tonumber(st[2]) or 0) >= need then
+      nodes[#nodes + 1] = {id, free_of(id), tonumber(st[3] or '0') or 0}
+    end
+  end
+  table.sort(nodes, function(a, b) return a[2] > b[2] end)
+  if nodes[1] and nodes[1][2] >= need then return nodes[1] end
+  sweep_expired(256)
+  for _, c in ipairs(nodes) do  -- the least eviction first
+    c[2] = free_of(c[1])
+    if c[2] < need then
+      evict(need - c[2], {[c[1]] = true})
+      c[2] = free_of(c[1])
+    end
+    if c[2] >= need then return c end
+  end
+  return nil
+end
+
+local function allocate(token, key, size, extra, lease, avoid, one_node)
   local ps = page_size()
   if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
   local need = math.ceil(size / ps)
   extra = math.floor(extra / ps)
   local cands, total = candidates(avoid)
-  if total < need then
+  local single = one_node and one_node_for(need, avoid)
+  if single then
+    cands, total = {single}, single[2]
+  elseif total < need then
     local capacity = 0
     for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
       local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'key')
@@ -507,16 +544,28 @@ end
 -- address, key per node, of pending put `token`, allocated now (allocate) or, for a token seen
 -- before, as they were then (a retry after a lost reply); an error reply when the pages cannot
 -- be found. No page comes from a node in `avoid` (avoid_from_args: nodes the client just
--- failed to reach), unless only they have room left: they may be back already.
-local function place_put(token, key, size, extra, lease, avoid)
+-- failed to reach), unless only they have room left: they may be back already. None ever
+-- comes from a node in `apart` (a set of ids: the earlier copies' of an object put with
+-- replicas).
+local function place_put(token, key, size, extra, lease, avoid, one_node, apart)
   local prev = redis.call('HMGET', P .. ':put:' .. token, 'extents', 'nodes')
   if prev[1] then
     local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
     return endpoints({page_size(), prev[1], deadline}, prev[2])
   end
-  local ps, extents, nodes = allocate(token, key, size, extra, lease, avoid)
+  -- The nodes apart are avoided whatever their pool key, and on the second try too.
+  local strict = {}
+  for id in pairs(apart or {}) do
+    strict[id] = redis.call('HGET', P .. ':node:' .. id, 'key')
+  end
+  for id, k in pairs(avoid) do
+    if strict[id] == nil then strict[id] = k end
+  end
+  local ps, extents, nodes = allocate(token, key, size, extra, lease, strict, one_node)
   if not ps and next(avoid) ~= nil then
-    ps, extents, nodes = allocate(token, key, size, extra, lease, {})
+    local only_apart = {}
+    for id in pairs(apart or {}) do only_apart[id] = strict[id] end
+    ps, extents, nodes = allocate(token, key, size, extra, lease, only_apart, one_node)
   end
   if not ps then return redis.error_reply(extents) end
   return endpoints({ps, extents, now + lease}, nodes)
