@@ -27,6 +27,11 @@
 // operation that outlived its deadline by more than a second, on a client that crashed or
 // hung, and on a setup failure.
 //
+// The nemesis rests for 15 s of every 45 (--quiet-seconds, --quiet-every). The run is cut into
+// phases: disturbed (a fault, and 6 s of settling after it) and quiet. Put success is reported
+// per phase, and in the quiet phases, where the small pools keep the cell full and evicting,
+// the run also fails when fewer than 99% of puts succeed: a full cell keeps taking puts.
+//
 //   kvstash-history --seconds 120              the bounded run scripts/test makes
 //   kvstash-history --redis-mode sentinel --faults redis   failovers only
 //   kvstash-history --minutes 30 --json r.json what scripts/chaos runs
@@ -37,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -51,6 +57,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -443,7 +450,58 @@ struct Report {
   std::map<std::string, std::uint64_t> faults;  // the nemesis's actions
   std::vector<std::string> failures;            // clients that crashed or hung, setup errors
   std::vector<std::string> pages;               // page accounting problems at the end
+  struct PutCall {
+    std::int64_t t_inv = 0, t_ret = 0;
+    bool ok = false;
+  };
+  std::vector<PutCall> put_calls;  // every put (not the dropped streams), for the phases
 };
+
+// A stretch of the run: disturbed (a fault, and the settling after it) or quiet.
+struct Phase {
+  std::int64_t from_ns = 0, to_ns = 0;
+  std::vector<std::string> faults;  // empty: quiet
+  std::uint64_t puts = 0, puts_ok = 0;
+  double success() const { return puts == 0 ? 1.0 : static_cast<double>(puts_ok) / static_cast<double>(puts); }
+};
+
+// After a fault ends, the cell settles: a dead node's heartbeat TTL runs out (2 s), clients
+// stop avoiding a node they failed to reach (5 s). Puts before then count to the fault's phase.
+constexpr std::int64_t kSettleNs = 6'000'000'000;
+// In the quiet phases at least this share of puts succeed, once there are enough to tell.
+constexpr double kQuietPutSuccess = 0.99;
+constexpr std::uint64_t kMinQuietPuts = 200;
+
+// The run from `from` to `to` cut into phases by the nemesis's faults (each [start, end]); a
+// put belongs to a quiet phase only when it began and returned inside it.
+std::vector<Phase> phases_of(std::int64_t from, std::int64_t to,
+                             std::vector<std::tuple<std::int64_t, std::int64_t, std::string>> faults,
+                             const std::vector<Report::PutCall>& puts) {
+  std::sort(faults.begin(), faults.end());
+  std::vector<Phase> out;
+  std::int64_t at = from;
+  for (const auto& [start, end, name] : faults) {
+    if (start > at) out.push_back({at, start, {}});
+    if (out.empty() || out.back().faults.empty()) out.push_back({start, start, {}});
+    Phase& d = out.back();
+    d.to_ns = std::max(d.to_ns, std::min(to, end + kSettleNs));
+    if (std::find(d.faults.begin(), d.faults.end(), name) == d.faults.end()) d.faults.push_back(name);
+    at = std::max(at, d.to_ns);
+  }
+  if (at < to) out.push_back({at, to, {}});
+  for (const auto& p : puts) {
+    for (Phase& ph : out) {
+      const bool in = ph.faults.empty() ? p.t_inv >= ph.from_ns && p.t_ret <= ph.to_ns
+                                        : p.t_inv >= ph.from_ns && p.t_inv < ph.to_ns;
+      if (in) {
+        ++ph.puts;
+        ph.puts_ok += p.ok;
+        break;
+      }
+    }
+  }
+  return out;
+}
 
 std::string code_name(int code) { return std::string(to_string(static_cast<StatusCode>(code))); }
 
@@ -470,6 +528,7 @@ void check(const std::vector<std::string>& logs, Report& report) {
         t0 = p.t_inv, t1 = p.t_ret, code = p.code;
         if (kind == 'P' && p.code == 0) changes[p.key].push_back({p.t_inv, p.t_ret});
         report.ops[kind == 'P' ? "put " + code_name(p.code) : std::string("put stream dropped")]++;
+        if (kind == 'P') report.put_calls.push_back({p.t_inv, p.t_ret, p.code == 0});
         puts.emplace(id, std::move(p));
       } else if (kind == 'G') {
         Get g;
@@ -559,6 +618,9 @@ struct RunConfig {
   std::string dir;
   std::string rkey_scope;
   int avoid_ms = -1;  // passed to the clients
+  // The nemesis rests for the last quiet_seconds of every quiet_every seconds (0: never).
+  double quiet_seconds = 15;
+  double quiet_every = 45;
   std::string netns;  // the namespaces' prefix (scripts/netns-cell); empty: everything on loopback
   int hosts = 5;      // with netns: how many hosts the script made
 };
@@ -893,6 +955,7 @@ int run(const RunConfig& rc, const std::string& self) {
   }
 
   std::mt19937_64 rng(rc.seed);
+  const std::int64_t run_start = now_ns();
   std::vector<tools::ChildProcess> clients;
   std::vector<std::string> logs;
   for (std::size_t i = 0; i < rc.transports.size(); ++i) {
@@ -924,9 +987,40 @@ int run(const RunConfig& rc, const std::string& self) {
     return std::chrono::milliseconds(std::uniform_int_distribution<int>(lo, hi)(rng));
   };
   auto last_redis_restart = Clock::now();
+  const auto began = Clock::now();
+  // Each nemesis action as a window [start, end] named by what it did, for the phases.
+  std::vector<std::tuple<std::int64_t, std::int64_t, std::string>> windows;
+  auto quiet_now = [&] {
+    if (rc.quiet_seconds <= 0 || rc.quiet_every <= rc.quiet_seconds) return false;
+    const double t = std::chrono::duration<double>(Clock::now() - began).count();
+    return std::fmod(t, rc.quiet_every) >= rc.quiet_every - rc.quiet_seconds;
+  };
   while (rc.nemesis && Clock::now() + 5s < end) {
     std::this_thread::sleep_for(ms(500, 2500));
+    if (quiet_now()) {
+      // A quiet phase: every node up, no fault, so that the checker holds the cell to its
+      // fault-free promises (puts succeed) for a while in every run.
+      for (int i = 0; i < rc.nodes; ++i) {
+        if (nodes[i]) continue;
+        const std::int64_t t0 = now_ns();
+        nodes[i] = start_node(i);
+        if (nodes[i]) ++report.faults["node restarted"];
+        windows.emplace_back(t0, now_ns(), "node restarted");
+      }
+      continue;
+    }
     const int victim = pick(rc.nodes);
+    const std::int64_t fault_start = now_ns();
+    const std::map<std::string, std::uint64_t> faults_before = report.faults;
+    const auto record = [&] {
+      std::string what;
+      for (const auto& [name, count] : report.faults) {
+        auto it = faults_before.find(name);
+        if (it != faults_before.end() && it->second == count) continue;
+        what += (what.empty() ? "" : ", ") + name;
+      }
+      if (!what.empty()) windows.emplace_back(fault_start, now_ns(), what);
+    };
     // 0-5 a pause, 6-8 a kill -9, 9 a Redis fault, 10 a partition, 11 a degraded link. Across
     // hosts, the network and the master get a larger share.
     constexpr int kAcrossHosts[] = {0, 1, 3, 4, 6, 7, 9, 9, 10, 10, 11, 11};
@@ -938,6 +1032,7 @@ int run(const RunConfig& rc, const std::string& self) {
     if (!nodes[victim]) {
       nodes[victim] = start_node(victim);
       ++report.faults["node restarted"];
+      record();
       continue;
     }
     if (action >= 10) {  // a host partitioned, or its link degraded, for a while
@@ -967,7 +1062,9 @@ int run(const RunConfig& rc, const std::string& self) {
       if (fault.is_ok()) std::printf("  at %" PRId64 " ms: %s\n", now_ns() / 1000000, fault->c_str());
       last_redis_restart = Clock::now();
     }
+    record();
   }
+  const std::int64_t run_end = run_start + static_cast<std::int64_t>(rc.seconds * 1e9);
   for (auto& n : nodes) {
     if (n) ::kill(n->pid(), SIGCONT);
   }
@@ -1016,11 +1113,44 @@ int run(const RunConfig& rc, const std::string& self) {
     if (k == "put ok") puts_ok += v;
   }
   j["put_success"] = puts > 0 ? static_cast<double>(puts_ok) / static_cast<double>(puts) : 0.0;
+  // Put success per phase; in the quiet ones (no fault, the cell settled) the cell is held to
+  // its promise that a full cell keeps taking puts: 99% of them succeed.
+  const std::vector<Phase> phases = phases_of(run_start, run_end, windows, report.put_calls);
+  std::uint64_t quiet_puts = 0, quiet_ok = 0;
+  j["phases"] = json::array();
+  for (const Phase& ph : phases) {
+    if (ph.faults.empty()) quiet_puts += ph.puts, quiet_ok += ph.puts_ok;
+    j["phases"].push_back({{"from_s", static_cast<double>(ph.from_ns - run_start) / 1e9},
+                           {"to_s", static_cast<double>(ph.to_ns - run_start) / 1e9},
+                           {"faults", ph.faults},
+                           {"puts", ph.puts},
+                           {"put_success", ph.success()}});
+  }
+  const double quiet_success = quiet_puts == 0 ? 1.0 : static_cast<double>(quiet_ok) / static_cast<double>(quiet_puts);
+  j["quiet_puts"] = quiet_puts;
+  j["quiet_put_success"] = quiet_success;
+  if (quiet_puts >= kMinQuietPuts && quiet_success < kQuietPutSuccess) {
+    char line[200];
+    std::snprintf(line, sizeof line, "put success %.2f%% in the fault-free phases (%" PRIu64 " puts), below %.0f%%",
+                  100 * quiet_success, quiet_puts, 100 * kQuietPutSuccess);
+    report.failures.push_back(line);
+  }
   std::cout << "history: " << total << " ops, " << report.gets_checked << " gets checked, " << faults
             << " faults injected, " << report.wrong.size() << " wrong bytes, " << report.overdue.size()
             << " past their deadline, " << report.failures.size() << " failures\n";
   if (puts > 0)
     std::printf("  puts OK: %" PRIu64 " of %" PRIu64 " (%.1f%%)\n", puts_ok, puts, 100.0 * puts_ok / puts);
+  for (const Phase& ph : phases) {
+    std::string what = ph.faults.empty() ? "quiet" : "disturbed:";
+    for (std::size_t i = 0; i < ph.faults.size() && i < 3; ++i) what += (i == 0 ? " " : ", ") + ph.faults[i];
+    if (ph.faults.size() > 3) what += ", ...";
+    std::printf("  phase %5.1f-%5.1f s: puts OK %" PRIu64 " of %" PRIu64 " (%.1f%%), %s\n",
+                static_cast<double>(ph.from_ns - run_start) / 1e9, static_cast<double>(ph.to_ns - run_start) / 1e9,
+                ph.puts_ok, ph.puts, 100 * ph.success(), what.c_str());
+  }
+  if (quiet_puts < kMinQuietPuts) {
+    std::printf("  (fewer than %" PRIu64 " puts in quiet phases: their success is reported, not held)\n", kMinQuietPuts);
+  }
   for (const auto& [k, v] : report.ops) std::cout << "  " << k << ": " << v << "\n";
   for (const auto& [k, v] : report.faults) std::cout << "  fault " << k << ": " << v << "\n";
   for (const auto& w : report.wrong) std::cout << "  WRONG BYTES " << w << "\n";
@@ -1064,6 +1194,11 @@ int main(int argc, char** argv) {
   app.add_option("--rkey-scope", rc.rkey_scope, "verbs clients: connection or lease (default: the cell's)")
       ->check(CLI::IsMember({"", "connection", "lease"}));
   app.add_flag("--no-nemesis", no_nemesis, "Inject no faults (a baseline)");
+  app.add_option("--quiet-seconds", rc.quiet_seconds,
+                 "The nemesis rests this long at the end of every --quiet-every seconds: a fault-free phase, "
+                 "where 99% of puts must succeed (0: no rest)")
+      ->capture_default_str();
+  app.add_option("--quiet-every", rc.quiet_every, "The period of the quiet phases")->capture_default_str();
   app.add_option(
          "--faults", rc.faults,
          "mixed: pauses, kills, Redis faults (and with --netns partitions and degraded links); kill: only "
