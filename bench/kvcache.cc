@@ -7,6 +7,7 @@
 #include <future>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +16,7 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #include "measure.h"
+#include "metadata/redis_client.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
@@ -45,6 +47,7 @@ struct Row {
   std::string transport, op;
   std::uint64_t bytes = 0;
   double kvcache_gbps = 0, contiguous_gbps = 0;
+  RedisCost per_chunk;  // what Redis spent per chunk moved
 };
 
 void print(const Row& r, bool json) {
@@ -56,28 +59,80 @@ void print(const Row& r, bool json) {
                      {"gbps", r.kvcache_gbps},
                      {"contiguous_gbps", r.contiguous_gbps},
                      {"vs_contiguous", ratio},
+                     {"redis_command_us_per_chunk", r.per_chunk.commands_us},
+                     {"redis_cpu_us_per_chunk", r.per_chunk.cpu_us},
                      {"verified", true}};
     std::cout << j.dump() << "\n";
     return;
   }
-  std::printf("%-9s %-5s %10s %12.2f %14.2f %8.2fx\n", r.transport.c_str(), r.op.c_str(),
-              units::format_size(r.bytes).c_str(), r.kvcache_gbps, r.contiguous_gbps, ratio);
+  std::printf("%-9s %-5s %10s %12.2f %14.2f %8.2fx %10.1f %10.1f\n", r.transport.c_str(), r.op.c_str(),
+              units::format_size(r.bytes).c_str(), r.kvcache_gbps, r.contiguous_gbps, ratio, r.per_chunk.commands_us,
+              r.per_chunk.cpu_us);
 }
 
 }  // namespace
 
-int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s) {
+struct RedisMeter::Impl {
+  std::unique_ptr<metadata::RedisClient> redis;
+};
+
+RedisMeter::RedisMeter(const std::string& url) : impl_(std::make_unique<Impl>()) {
+  metadata::RedisOptions ro;
+  ro.url = url;
+  if (auto c = metadata::RedisClient::connect(ro); c.is_ok()) impl_->redis = std::move(c).value();
+  last_ = read();
+}
+
+RedisMeter::~RedisMeter() = default;
+
+RedisCost RedisMeter::read() {
+  RedisCost c;
+  if (!impl_->redis) return c;
+  auto field = [](std::string_view text, std::string_view name, std::size_t from = 0) -> std::optional<double> {
+    const auto at = text.find(name, from);
+    if (at == std::string_view::npos) return std::nullopt;
+    return std::strtod(std::string(text.substr(at + name.size(), 32)).c_str(), nullptr);
+  };
+  if (auto r = impl_->redis->command({"INFO", "commandstats"}); r.is_ok()) {
+    // Scripts only: a script's own commands are counted in its time and again under their
+    // names, and every kvstash metadata change is a script.
+    const std::string_view text = r->str();
+    for (std::string_view name : {"cmdstat_evalsha:", "cmdstat_eval:"}) {
+      const auto at = text.find(name);
+      if (at != std::string_view::npos) c.commands_us += field(text, "usec=", at).value_or(0);
+    }
+  }
+  if (auto r = impl_->redis->command({"INFO", "cpu"}); r.is_ok()) {
+    c.cpu_us = 1e6 * (field(r->str(), "used_cpu_user:").value_or(0) + field(r->str(), "used_cpu_sys:").value_or(0));
+  }
+  return c;
+}
+
+void RedisMeter::add_since_last(RedisCost* cost) {
+  const RedisCost now = read();
+  if (cost != nullptr) {
+    cost->commands_us += now.commands_us - last_.commands_us;
+    cost->cpu_us += now.cpu_us - last_.cpu_us;
+  }
+  last_ = now;
+}
+
+int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s,
+                       RedisMeter* meter, RedisCost* save_cost, RedisCost* load_cost) {
   int rc = 0;
+  if (meter != nullptr) meter->add_since_last(nullptr);
   auto t0 = Clock::now();
   for (const Status& st : src.save(s.tokens, s.blocks_src, 0, s.chunks)) {
     if (!st.is_ok()) std::cerr << "save: " << st.to_string() << "\n", rc = 1;
   }
   *save_s += seconds_since(t0);
+  if (meter != nullptr) meter->add_since_last(save_cost);
   t0 = Clock::now();
   for (const Status& st : dst.load(s.tokens, s.blocks_dst, s.chunks)) {
     if (!st.is_ok()) std::cerr << "load: " << st.to_string() << "\n", rc = 1;
   }
   *load_s += seconds_since(t0);
+  if (meter != nullptr) meter->add_since_last(load_cost);
   return rc;
 }
 
@@ -149,8 +204,8 @@ int run_kvcache(const KvCacheBenchOptions& o) {
         "one Llama-2-7B session of %u tokens (%s), %zu chunks of %u tokens, blocks of %u tokens "
         "scattered over a paged cache\n",
         o.tokens, units::format_size(session).c_str(), chunks, kChunkTokens, o.block_size);
-    std::printf("%-9s %-5s %10s %12s %14s %9s\n", "transport", "op", "bytes", "kvcache GB/s",
-                "contiguous GB/s", "ratio");
+    std::printf("%-9s %-5s %10s %12s %14s %9s %10s %10s\n", "transport", "op", "bytes", "kvcache GB/s",
+                "contiguous GB/s", "ratio", "redis us", "redis cpu");
   }
   int rc = 0;
   for (TransportKind kind : o.transports) {
@@ -176,6 +231,8 @@ int run_kvcache(const KvCacheBenchOptions& o) {
     Row save{std::string(to_string(kind)), "save", session},
         load{std::string(to_string(kind)), "load", session};
     double save_s = 0, load_s = 0, put_s = 0, get_s = 0;
+    RedisMeter meter((*redis)->url());
+    RedisCost save_cost, load_cost;
     for (std::uint32_t round = 0; round < o.rounds; ++round) {
       // Contiguous: the same bytes as chunk-sized objects, all in flight at once.
       const std::uint64_t chunk_bytes = session / chunks;
@@ -197,7 +254,7 @@ int run_kvcache(const KvCacheBenchOptions& o) {
       get_s += seconds_since(t0);
 
       // KvCache: scattered blocks, layer by layer.
-      rc |= time_save_and_load(**kv_src, **kv_dst, *planned, &save_s, &load_s);
+      rc |= time_save_and_load(**kv_src, **kv_dst, *planned, &save_s, &load_s, &meter, &save_cost, &load_cost);
     }
     // Every block of every layer, K and V.
     const std::uint64_t bb = shape.block_bytes();
@@ -219,6 +276,9 @@ int run_kvcache(const KvCacheBenchOptions& o) {
     save.contiguous_gbps = bytes / put_s;
     load.kvcache_gbps = bytes / load_s;
     load.contiguous_gbps = bytes / get_s;
+    const double moved = static_cast<double>(chunks) * o.rounds;
+    save.per_chunk = {save_cost.commands_us / moved, save_cost.cpu_us / moved};
+    load.per_chunk = {load_cost.commands_us / moved, load_cost.cpu_us / moved};
     if (rc != 0) return rc;
     print(save, o.json);
     print(load, o.json);
@@ -227,7 +287,10 @@ int run_kvcache(const KvCacheBenchOptions& o) {
     std::printf(
         "\nkvcache: KvCache save/load (per-layer streams, a checksum segment per layer, %zu-way chunk "
         "parallelism); "
-        "contiguous: the same bytes as %zu objects of %s put/got at once. Every loaded block verified.\n",
+        "contiguous: the same bytes as %zu objects of %s put/got at once. Every loaded block verified.\n"
+        "redis us: Redis's time in kvstash's scripts (INFO commandstats, EVALSHA) per chunk saved or loaded;\n"
+        "redis cpu: its process's CPU (INFO cpu, user + system) per chunk, which adds the network, the event\n"
+        "loop and the memory node's heartbeats.\n",
         chunks, chunks, units::format_size(session / chunks).c_str());
   }
   return rc;

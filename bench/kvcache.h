@@ -4,6 +4,9 @@
 // the Store in the same run. Every loaded block is compared with what was saved.
 #pragma once
 
+#include <memory>
+#include <string>
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -36,10 +39,34 @@ struct BenchSession {
 // block size divides 256.
 Result<BenchSession> plan_session(const KvCacheBenchOptions& options);
 
+// Redis's own time spent in a phase of the run: its scripts' (INFO commandstats, EVALSHA: every
+// kvstash metadata change is a script) and its process's CPU (INFO cpu, user + system), read
+// before and after.
+struct RedisCost {
+  double commands_us = 0;
+  double cpu_us = 0;
+};
+class RedisMeter {
+ public:
+  // Connects to `url`; a meter that cannot connect measures nothing (zeros).
+  explicit RedisMeter(const std::string& url);
+  ~RedisMeter();
+  // Adds what Redis spent since the last call (or since it connected) to *cost.
+  void add_since_last(RedisCost* cost);
+
+ private:
+  RedisCost read();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  RedisCost last_;
+};
+
 // One timed round of the KvCache side, the same for host and GPU caches: `src` saves the
 // session's blocks, `dst` loads them into its own; the seconds of each are added to *save_s
-// and *load_s. Returns 1 when a chunk failed (said on stderr), else 0.
-int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s);
+// and *load_s, and with a meter what Redis spent on each to *save_cost and *load_cost.
+// Returns 1 when a chunk failed (said on stderr), else 0.
+int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s,
+                       RedisMeter* meter = nullptr, RedisCost* save_cost = nullptr, RedisCost* load_cost = nullptr);
 
 // Runs it (a private redis-server and kvstashd on loopback) and prints its rows. Returns the
 // exit code: 0, or 1 on a failed or corrupted operation.

@@ -43,23 +43,31 @@ class ServerClock {
  public:
   explicit ServerClock(RedisClient& r) : r_(r) {
     (void)r_.command({"CONFIG", "SET", "slowlog-log-slower-than", "0"});
-    (void)r_.command({"CONFIG", "SET", "slowlog-max-len", "128"});
+    (void)r_.command({"CONFIG", "SET", "slowlog-max-len", "100000"});
   }
   void reset() { (void)r_.command({"SLOWLOG", "RESET"}); }
   // The longest EVALSHA since reset(), in microseconds.
-  double longest_eval() {
-    auto r = r_.command({"SLOWLOG", "GET", "128"});
-    double best = 0;
-    if (!r.is_ok()) return best;
+  double longest_eval() { return evals(false); }
+  // Every EVALSHA since reset(), summed, in microseconds.
+  double total_evals() { return evals(true); }
+
+ private:
+  double evals(bool sum) {
+    auto r = r_.command({"SLOWLOG", "GET", "100000"});
+    double out = 0;
+    if (!r.is_ok()) return out;
     for (std::size_t i = 0; i < r->size(); ++i) {
       const redisReply* e = r->element(i);
       if (e->elements < 4 || e->element[3]->elements == 0) continue;
       const redisReply* cmd = e->element[3]->element[0];
       if (std::string_view(cmd->str, cmd->len) != "EVALSHA") continue;
-      best = std::max(best, static_cast<double>(e->element[2]->integer));
+      const auto us = static_cast<double>(e->element[2]->integer);
+      out = sum ? out + us : std::max(out, us);
     }
-    return best;
+    return out;
   }
+
+ public:
 
  private:
   RedisClient& r_;
@@ -158,6 +166,78 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
       (void)cat.commit_put(token, "fresh/" + std::to_string(i), {1}, "", 0ms);
     }
   });
+  // A KV request of 32 chunks of 32 pages each (128 MiB chunks in 4 MiB pages), saved and
+  // loaded as KvCache did (a script per chunk) and does (one per request): Redis's time per chunk.
+  constexpr int kChunks = 32;
+  constexpr std::uint64_t kChunkPages = 32;
+  std::vector<std::string> chunks, readers;
+  for (int i = 0; i < kChunks; ++i) {
+    chunks.push_back("chunk/" + std::to_string(i));
+    readers.push_back("reader-" + std::to_string(i));
+  }
+  auto per_chunk = [&](const std::string& what, int runs, auto op) {
+    Sample s{what, {}};
+    for (int i = 0; i < runs; ++i) {
+      clock.reset();
+      op(i);
+      s.us.push_back(clock.total_evals() / kChunks);
+    }
+    samples.push_back(std::move(s));
+  };
+  // A save: pages from reservations (each at most 256 pages beyond its first put's), each
+  // chunk committed by itself or all in one script.
+  auto save = [&](int run, bool together) {
+    struct Run {
+      std::string res, token;
+      std::uint64_t first = 0;
+    };
+    std::vector<Run> runs;
+    std::string res;
+    std::uint64_t have = 0, next = 0;
+    for (int c = 0; c < kChunks; ++c) {
+      if (have - next < kChunkPages) {
+        res = "res-" + std::to_string(run) + "-" + std::to_string(c);
+        auto p = cat.reserve_pages(res, kChunkPages * kPage, (kChunks - c - 1) * kChunkPages * kPage, 30s);
+        have = p.is_ok() ? p->extents.size() : 0;
+        next = 0;
+      }
+      runs.push_back({res, "put-" + std::to_string(run) + "-" + std::to_string(c), next});
+      next += kChunkPages;
+    }
+    std::vector<metadata::Catalog::ReservedCommit> puts;
+    for (int c = 0; c < kChunks; ++c) {
+      puts.push_back({.pages = {runs[c].res, runs[c].first, kChunkPages},
+                      .token = runs[c].token,
+                      .key = chunks[c],
+                      .size = kChunkPages * kPage,
+                      .checksum = {1}});
+    }
+    if (together) {
+      (void)cat.commit_reserveds(puts);
+    } else {
+      for (const auto& p : puts) (void)cat.commit_reserved(p.pages, p.token, p.key, p.size, p.checksum, "", 0ms);
+    }
+    for (const auto& r : runs) (void)cat.release_reservation(r.res, 1u << 20, true);
+  };
+  per_chunk("KV save, 32 chunks of 32 pages: a commit per chunk (per chunk)", 20, [&](int i) { save(i, false); });
+  per_chunk("KV save, 32 chunks of 32 pages: one commit (per chunk)", 20, [&](int i) { save(100 + i, true); });
+  per_chunk("KV load, 32 chunks: begin_get per chunk, end_gets (per chunk)", 20, [&](int) {
+    std::vector<metadata::Catalog::EndedRead> ended;
+    for (int c = 0; c < kChunks; ++c) {
+      auto g = cat.begin_get(chunks[c], readers[c], 30s);
+      if (g.is_ok()) ended.push_back({readers[c], g->object_token, g->placement.extents_text});
+    }
+    (void)cat.end_gets(ended);
+  });
+  per_chunk("KV load, 32 chunks: begin_gets, end_gets (per chunk)", 20, [&](int) {
+    auto leases = cat.begin_gets(chunks, readers, 30s);
+    std::vector<metadata::Catalog::EndedRead> ended;
+    for (int c = 0; leases.is_ok() && c < kChunks; ++c) {
+      if ((*leases)[c].is_ok()) ended.push_back({readers[c], (*leases)[c]->object_token, ""});
+    }
+    (void)cat.end_gets(ended);
+  });
+
   std::vector<std::string> chain;
   for (int i = 0; i < 64; ++i) chain.push_back("obj/" + std::to_string(i));
   measure("contains_prefix (64 keys)", 200, [&](int) { (void)cat.contains_prefix(chain); });

@@ -67,7 +67,9 @@ CLASSES = [
                "stat": "C++ only (the CLI shows it)", "touch": "C++ only",
                "put_async": "C++ only", "get_async": "C++ only", "remove_async": "C++ only",
                "touch_async": "C++ only", "contains_prefix_async": "C++ only",
-               "engine": "C++ only"}),
+               "engine": "C++ only",
+               "lease_reads": "C++ only: the KV cache's loads lease their chunks with it",
+               "commit_all": "C++ only: the KV cache's saves commit their chunks with it"}),
     dict(cpp="KvCache", c_prefix="kvstash_kvcache_", py="KvCache",
          translate={"open": {"py": ["__init__"]},
                     "keys": {"c": ["key"]},  # C returns no lists: one key per call

@@ -189,6 +189,27 @@ class CancelToken {
   std::shared_ptr<State> state_;
 };
 
+// Read leases on many objects, taken in one Redis round trip (Store::lease_reads) for gets
+// that follow at once: a KV load of many chunks. A get naming the batch (GetOptions::leases)
+// uses its object's lease instead of taking one (and fails kNotFound at once for a key the
+// batch found absent); once every leased object's get has ended, the batch ends their leases
+// in one round trip, and when it goes, the leases no get used. Each lease serves one get.
+// Destroy it before the store; thread-safe.
+class ReadLeases {
+ public:
+  ReadLeases();
+  ReadLeases(ReadLeases&&) noexcept;
+  ReadLeases& operator=(ReadLeases&&) noexcept;
+  ~ReadLeases();
+  // How many of the keys it found (and leases).
+  std::size_t found() const;
+
+ private:
+  friend class Store;
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
 struct GetOptions {
   std::optional<Deadline> deadline;
   OpTimings* timings = nullptr;  // filled when set
@@ -203,6 +224,8 @@ struct GetOptions {
   std::function<void(std::uint64_t landed, std::string_view object_layout)> progress;
   // Lets another thread stop this get (CancelToken::cancel).
   CancelToken cancel;
+  // A batch of read leases that holds this key's (Store::lease_reads): no Redis round trip.
+  const ReadLeases* leases = nullptr;
 };
 
 // Where Store::get_unsized puts an object the caller did not know the size of: called once
@@ -311,6 +334,16 @@ class Store {
   // lease count from now and cover every append and the commit. Errors as put's.
   Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options = {});
 
+  // Leases `keys` for reading in one Redis round trip per cell (ReadLeases), for gets that
+  // name the batch. Keys whose cell is not settled (previous_cells set) are left out: their
+  // gets lease for themselves. Errors: kInvalidArgument (a bad key), kUnavailable, kTimeout.
+  Result<ReadLeases> lease_reads(std::span<const std::string> keys, std::optional<Deadline> deadline = {});
+
+  // Commits every stream (PutStream::commit each), those whose pages came from this client's
+  // reservation in one Redis round trip per cell: a KV save's chunks, ready together. Per
+  // stream, what its commit would have returned.
+  std::vector<Status> commit_all(std::span<PutStream> streams);
+
   // The object's size, object layout and placement, without reading it. kNotFound when absent.
   Result<ObjectInfo> stat(std::string_view key, std::optional<Deadline> deadline = {});
 
@@ -346,6 +379,7 @@ class Store {
 
  private:
   friend class PutStream;
+  friend class ReadLeases;  // its state ends leases through the store
   struct Impl;
   struct Copy;  // which copy of a put with replicas, and the nodes it keeps apart from
   explicit Store(std::unique_ptr<Impl> impl);

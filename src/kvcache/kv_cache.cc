@@ -239,6 +239,13 @@ Result<KvLoad> KvCache::begin_load_range(std::span<const std::uint32_t> tokens,
       }
     }
   }
+  // One Redis round trip leases every chunk (a chunk's get without one leases for itself).
+  if (auto leases = impl_->store->lease_reads(std::span(k).subspan(first, count), deadline); leases.is_ok()) {
+    st->leases = std::move(leases).value();
+  } else {
+    KVSTASH_LOG_DEBUG("kvcache: leasing {} chunks at once failed, each leases for itself: {}", count,
+                      leases.status().to_string());
+  }
   // The tasks hold the state by address: ~KvLoad waits for them before it goes.
   for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
     st->tasks.push_back(

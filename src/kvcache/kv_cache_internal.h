@@ -167,6 +167,7 @@ struct KvLoad::State {
   std::vector<Status> unusable;                       // per chunk: its blocks do not exist
   std::vector<std::future<void>> tasks;
   CancelToken cancel = CancelToken::make();  // every chunk's get holds it
+  ReadLeases leases;  // every chunk's read lease, taken in one Redis round trip at the start
 
   mutable std::mutex mu;
   std::condition_variable cv;

@@ -79,6 +79,7 @@ class KvLoad::State::ChunkLoad {
     o.deadline = st_.deadline;
     o.verify_checksum = false;  // every byte is in some layer, and every layer is checked
     o.cancel = st_.cancel;
+    o.leases = &st_.leases;
     o.progress = [this](std::uint64_t landed, std::string_view stored_layout) {
       check_landed(landed, stored_layout);
     };

@@ -129,6 +129,8 @@ std::vector<Status> KvSave::wait() {
   }
   const std::uint32_t layers = st.kv->layout.shape().num_layers;
   std::vector<Status> out;
+  std::vector<PutStream> ready;  // committed together: one Redis round trip for the request
+  std::vector<std::size_t> ready_at;
   for (auto& c : st.chunks) {
     if (c.status.is_ok() && st.next_layer != layers) {
       c.status = Status::invalid_argument("kvcache: " + std::to_string(st.next_layer) + " of " +
@@ -147,8 +149,12 @@ std::vector<Status> KvSave::wait() {
       continue;
     }
     c.stream.set_object_layout(kvcache::object_layout(st.kv->keys.layout_tag, c.stream.segment_sums()));
-    out.push_back(c.stream.commit());
+    ready_at.push_back(out.size());
+    ready.push_back(std::move(c.stream));
+    out.emplace_back();
   }
+  const std::vector<Status> committed = st.kv->store->commit_all(ready);
+  for (std::size_t i = 0; i < ready.size(); ++i) out[ready_at[i]] = committed[i];
   return out;
 }
 

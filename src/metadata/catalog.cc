@@ -50,7 +50,7 @@ Result<Placement> Catalog::place_put(std::string_view token, std::string_view ke
       Reply r, redis_.eval(scripts::begin_put(), {prefix_}, with_avoided({token, key, n, l, placement}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to begin_put");
   // page_size, extents, deadline, nodes...
-  KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(r, 0, 1, 2, 3));
+  KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(detail::items_of(r.raw()), 0, 1, 2, 3));
   if (p.extents.size() != pages_for(size, p.page_size)) {
     return corrupt("begin_put returned the wrong number of pages");
   }
@@ -79,7 +79,7 @@ Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t s
   KVSTASH_ASSIGN_OR_RETURN(
       Reply r, redis_.eval(scripts::reserve_pages(), {prefix_}, with_avoided({token, n, x, l}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to reserve_pages");
-  KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(r, 0, 1, 2, 3));
+  KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(detail::items_of(r.raw()), 0, 1, 2, 3));
   const std::uint64_t need = pages_for(size, p.page_size);
   if (p.extents.size() < need || p.extents.size() > need + extra / std::max<std::uint64_t>(p.page_size, 1)) {
     return corrupt("reserve_pages returned " + std::to_string(p.extents.size()) + " pages for " +
@@ -100,6 +100,37 @@ Status Catalog::commit_reserved(const ReservedPages& pages, std::string_view tok
       .eval(scripts::commit_reserved(), {prefix_},
             {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c})
       .status();
+}
+
+Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCommit> puts) {
+  // The texts the arguments view, kept while the script runs.
+  std::vector<std::string> texts;
+  texts.reserve(puts.size() * 7);
+  std::vector<std::string_view> args;
+  args.reserve(puts.size() * 11);
+  for (const ReservedCommit& p : puts) {
+    KVSTASH_RETURN_IF_ERROR(validate_object_key(p.key));
+    const std::size_t at = texts.size();
+    texts.push_back(std::to_string(p.pages.first));
+    texts.push_back(std::to_string(p.pages.count));
+    texts.push_back(std::to_string(p.size));
+    texts.push_back(sum::to_text(p.checksum));
+    texts.push_back(ms(p.ttl));
+    texts.push_back(!p.if_version ? "" : p.if_version->empty() ? "!" : "=" + *p.if_version);
+    texts.push_back(std::to_string(p.copies));
+    args.insert(args.end(), {p.pages.reservation, texts[at], texts[at + 1], p.token, p.key, texts[at + 2],
+                             texts[at + 3], p.layout, texts[at + 4], texts[at + 5], texts[at + 6]});
+  }
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::commit_reserveds(), {prefix_}, args));
+  if (r.type() != Reply::Type::kArray || r.size() != puts.size())
+    return corrupt("unexpected reply to commit_reserveds");
+  std::vector<Status> out;
+  out.reserve(puts.size());
+  for (std::size_t i = 0; i < puts.size(); ++i) {
+    const std::string_view text = text_of(r.element(i));
+    out.push_back(text == "OK" ? Status::ok() : error_status(text));  // as an error reply would be
+  }
+  return out;
 }
 
 bool Catalog::condition_failed(const Status& commit) {
@@ -124,28 +155,27 @@ Result<std::uint64_t> Catalog::release_reservation(std::string_view reservation,
   return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
 }
 
-Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view reader,
-                                     std::chrono::milliseconds lease) {
-  KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
-  std::string l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l}));
-  if (r.type() != Reply::Type::kArray || r.size() < 7) return corrupt("unexpected reply to begin_get");
-  // page_size, token, size, extents, checksum, layout, deadline, nodes...
+namespace {
+
+// A read lease from begin_get's reply, or one item of begin_gets': page_size, token, size,
+// extents, checksum, layout, deadline, nodes...
+Result<ReadLease> read_lease_of(std::span<const redisReply* const> r, std::string_view key) {
+  if (r.size() < 7) return corrupt("unexpected reply to begin_get");
   ReadLease g;
-  g.object_token = std::string(text_of(r.element(1)));
-  auto size = number<std::uint64_t>(text_of(r.element(2)));
-  auto sum = sum::parse_object_sum(text_of(r.element(4)));
+  g.object_token = std::string(text_of(r[1]));
+  auto size = number<std::uint64_t>(text_of(r[2]));
+  auto sum = sum::parse_object_sum(text_of(r[4]));
   if (g.object_token.empty() || !size) {
     return corrupt("object " + std::string(key) + " has a malformed record (size or token)");
   }
   if (!sum) {
-    return corrupt("object " + std::string(key) + " has checksum '" + std::string(text_of(r.element(4))) +
+    return corrupt("object " + std::string(key) + " has checksum '" + std::string(text_of(r[4])) +
                    "', not the \"<hex>/<segment>\" of schema " + std::to_string(kSchemaVersion) +
                    " (written by an older build?)");
   }
   g.size = *size;
   g.checksum = *sum;
-  g.layout = std::string(text_of(r.element(5)));
+  g.layout = std::string(text_of(r[5]));
   auto p = detail::parse_placement(r, 0, 3, 6, 7);
   if (!p.is_ok()) return corrupt("object " + std::string(key) + ": " + p.status().message());
   g.placement = std::move(p).value();
@@ -154,6 +184,41 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
                    " extents for " + std::to_string(g.size) + " bytes");
   }
   return g;
+}
+
+}  // namespace
+
+Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view reader,
+                                     std::chrono::milliseconds lease) {
+  KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
+  std::string l = ms(lease);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l}));
+  if (r.type() != Reply::Type::kArray) return corrupt("unexpected reply to begin_get");
+  return read_lease_of(detail::items_of(r.raw()), key);
+}
+
+Result<std::vector<Result<ReadLease>>> Catalog::begin_gets(std::span<const std::string> keys,
+                                                           std::span<const std::string> readers,
+                                                           std::chrono::milliseconds lease) {
+  if (readers.size() != keys.size()) return Status::invalid_argument("begin_gets: one reader per key");
+  for (const auto& k : keys) KVSTASH_RETURN_IF_ERROR(validate_object_key(k));
+  std::string l = ms(lease);
+  std::vector<std::string_view> args{l};
+  args.reserve(1 + 2 * keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) args.insert(args.end(), {keys[i], readers[i]});
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_gets(), {prefix_}, args));
+  if (r.type() != Reply::Type::kArray || r.size() != keys.size()) return corrupt("unexpected reply to begin_gets");
+  std::vector<Result<ReadLease>> out;
+  out.reserve(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const auto item = detail::items_of(r.element(i));
+    if (item.empty()) {
+      out.push_back(Status::not_found("no object " + keys[i]));
+    } else {
+      out.push_back(read_lease_of(item, keys[i]));
+    }
+  }
+  return out;
 }
 
 Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {

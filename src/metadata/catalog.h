@@ -88,6 +88,19 @@ class Catalog {
                          std::chrono::milliseconds ttl,
                          const std::optional<std::string>& if_version = std::nullopt,
                          std::uint32_t copies = 1);
+  // commit_reserved of many puts in one script (a KV save's chunks, ready together): per put,
+  // what commit_reserved would have returned.
+  struct ReservedCommit {
+    ReservedPages pages;
+    std::string_view token, key;
+    std::uint64_t size = 0;
+    sum::ObjectSum checksum;
+    std::string_view layout;
+    std::chrono::milliseconds ttl{0};
+    std::optional<std::string> if_version;
+    std::uint32_t copies = 1;
+  };
+  Result<std::vector<Status>> commit_reserveds(std::span<const ReservedCommit> puts);
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the
   // put's pages or nodes.
   static bool condition_failed(const Status& commit);
@@ -102,9 +115,15 @@ class Catalog {
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
   // absent, expired or on a dead node; kCorrupt for a malformed record.
   Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease);
+  // begin_get of many keys in one script (a KV load's chunks), `readers[i]` reading keys[i]:
+  // per key its lease, or kNotFound (or kCorrupt for a malformed record).
+  Result<std::vector<Result<ReadLease>>> begin_gets(std::span<const std::string> keys,
+                                                    std::span<const std::string> readers,
+                                                    std::chrono::milliseconds lease);
   // Ends the lease; kStale when a page was freed or reused while it was held.
   Status end_get(std::string_view reader, const ReadLease& lease);
-  // A read lease to end: who read, and the object token and extents its lease named.
+  // A read lease to end: who read, and the object token and extents its lease named (empty:
+  // the reader ended it while it held, so no page can have moved, and Redis checks none).
   struct EndedRead {
     std::string reader;
     std::string object_token;

@@ -22,21 +22,22 @@ std::vector<std::string> split_nodes(std::string_view nodes) {
   return out;
 }
 
-Result<Placement> parse_placement(const Reply& r, std::size_t first, std::size_t extents_at,
+Result<Placement> parse_placement(std::span<const redisReply* const> r, std::size_t first, std::size_t extents_at,
                                   std::size_t deadline_at, std::size_t nodes_at) {
+  if (r.size() < nodes_at || r.size() <= std::max({first, extents_at, deadline_at}))
+    return corrupt("a placement with too few fields");
   Placement p;
-  auto ps = integer_of(r.element(first));
+  auto ps = integer_of(r[first]);
   if (!ps || *ps <= 0) return corrupt("the cell has no valid page size");
   p.page_size = static_cast<std::uint64_t>(*ps);
-  auto deadline = integer_of(r.element(deadline_at));
+  auto deadline = integer_of(r[deadline_at]);
   if (!deadline || *deadline <= 0) return corrupt("a lease without a valid deadline");
   p.lease_deadline_ms = *deadline;
-  p.extents_text = std::string(text_of(r.element(extents_at)));
+  p.extents_text = std::string(text_of(r[extents_at]));
   KVSTASH_ASSIGN_OR_RETURN(p.extents, parse_extents(p.extents_text));
   if ((r.size() - nodes_at) % 3 != 0) return corrupt("malformed node list in a placement");
   for (std::size_t i = nodes_at; i < r.size(); i += 3) {
-    NodeEndpoint n{std::string(text_of(r.element(i))), std::string(text_of(r.element(i + 1))),
-                   std::string(text_of(r.element(i + 2)))};
+    NodeEndpoint n{std::string(text_of(r[i])), std::string(text_of(r[i + 1])), std::string(text_of(r[i + 2]))};
     if (n.address.empty() || n.key.empty()) return corrupt("memory node " + n.id + " has no address or key");
     p.nodes.push_back(std::move(n));
   }

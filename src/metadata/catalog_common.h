@@ -7,6 +7,8 @@
 // contract says (one thread at a time).
 #pragma once
 
+#include <span>
+
 #include <hiredis/hiredis.h>
 
 #include <charconv>
@@ -59,8 +61,13 @@ std::vector<std::string> split_nodes(std::string_view nodes);
 // Reads a placement from a script's reply: the page size, extents, lease deadline and nodes
 // (id, address, key, ...) at the given elements. kCorrupt for a malformed one, or one whose
 // extents name a node it does not list.
-Result<Placement> parse_placement(const Reply& r, std::size_t first, std::size_t extents_at,
+Result<Placement> parse_placement(std::span<const redisReply* const> r, std::size_t first, std::size_t extents_at,
                                   std::size_t deadline_at, std::size_t nodes_at);
+// The elements of an array reply (or of an array inside one), for the readers above.
+inline std::span<const redisReply* const> items_of(const redisReply* r) {
+  if (r == nullptr || r->type != REDIS_REPLY_ARRAY) return {};
+  return {const_cast<const redisReply* const*>(r->element), r->elements};
+}
 
 // --- Calls more than one audience makes ----------------------------------------------------
 // kCorrupt when the cell was written by a schema this build does not know.

@@ -118,6 +118,11 @@ const Script& commit_reserved() {
   return s;
 }
 
+const Script& commit_reserveds() {
+  static const Script s = make(lua::kCommitReserveds);
+  return s;
+}
+
 const Script& abort_reserved() {
   static const Script s = make(lua::kAbortReserved);
   return s;
@@ -130,6 +135,11 @@ const Script& release_reservation() {
 
 const Script& begin_get() {
   static const Script s = make(lua::kBeginGet);
+  return s;
+}
+
+const Script& begin_gets() {
+  static const Script s = make(lua::kBeginGets);
   return s;
 }
 
@@ -180,9 +190,11 @@ std::vector<const Script*> all() {
           &abort_put(),
           &reserve_pages(),
           &commit_reserved(),
+          &commit_reserveds(),
           &abort_reserved(),
           &release_reservation(),
           &begin_get(),
+          &begin_gets(),
           &end_gets(),
           &stat(),
           &remove(),

@@ -2,6 +2,7 @@
 // of each wave as it lands, and end_get, off the critical path while the lease held.
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <optional>
 
 #include "common/log.h"
@@ -58,18 +59,34 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
   KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(key));
   if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
   const Deadline deadline = o.deadline.value_or(deadline_after(options.timeout));
-  const std::string reader = store::random_token();
-  const auto leased_at = Clock::now();
+  std::string reader = store::random_token();
+  auto leased_at = Clock::now();
   Result<metadata::ReadLease> lease = Status::internal("unset");
   store::CellLink* cell = nullptr;  // the one that holds it
-  for (store::CellLink* looked : get_cells(key, deadline)) {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*looked, deadline));
-    MetadataClock mc(o.timings);
-    lease = c->begin_get(key, reader, options.read_lease);
-    cell = looked;
-    if (lease.status().code() != StatusCode::kNotFound) break;
+  // A lease from a batch (Store::lease_reads), handed back to it when this get is done.
+  std::shared_ptr<ReadLeases::State> batch = o.leases != nullptr ? o.leases->state_ : nullptr;
+  std::optional<ReadLeases::State::Taken> taken;
+  if (batch) taken = batch->take(key);
+  if (taken) {
+    lease = std::move(taken->lease);
+    reader = std::move(taken->reader);
+    cell = taken->cell;
+    leased_at = taken->leased_at;
+    if (!lease.is_ok()) batch.reset();  // nothing to hand back
+  } else {
+    batch.reset();
+    for (store::CellLink* looked : get_cells(key, deadline)) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*looked, deadline));
+      MetadataClock mc(o.timings);
+      lease = c->begin_get(key, reader, options.read_lease);
+      cell = looked;
+      if (lease.status().code() != StatusCode::kNotFound) break;
+    }
   }
   if (!lease.is_ok()) return lease.status().with_context(std::string(key));
+  // Ended while it held, a lease needs no check of its pages' generations (none could move):
+  // no extents, and Redis skips the check, a lookup per page.
+  const metadata::Catalog::EndedRead ended{reader, lease->object_token, ""};
 
   Status moved;
   std::vector<Slice> placed;
@@ -131,9 +148,14 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
   // margin for clock drift) asks Redis whether its pages were reused meanwhile.
   const bool lease_held = Clock::now() < leased_at + options.read_lease - options.read_lease / 10;
   if (!moved.is_ok() || lease_held) {
-    release_later(*cell, reader, *lease);
+    if (batch) {
+      batch->hand_back(*cell, ended);
+    } else {
+      release_later(*cell, {&ended, 1});
+    }
     if (!moved.is_ok()) return moved.with_context(std::string(key));
   } else {
+    if (batch) batch->hand_back(*cell, std::nullopt);
     auto c = borrow(*cell, deadline);
     if (!c.is_ok()) return c.status().with_context(std::string(key));
     MetadataClock mc(o.timings);
@@ -159,9 +181,10 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
   return info;
 }
 
-void Store::Impl::release_later(store::CellLink& cell, const std::string& reader,
-                                const metadata::ReadLease& lease) {
-  if (!cell.read_releases.add({reader, lease.object_token, lease.placement.extents_text})) return;
+void Store::Impl::release_later(store::CellLink& cell, std::span<const metadata::Catalog::EndedRead> reads) {
+  bool start = false;
+  for (const auto& r : reads) start |= cell.read_releases.add(r);
+  if (!start) return;
   releaser->submit([this, &cell] {
     cell.read_releases.drain([this, &cell](std::span<const metadata::Catalog::EndedRead> batch) {
       auto c = borrow(cell, deadline_after(options.redis_timeout * 2));
@@ -172,6 +195,99 @@ void Store::Impl::release_later(store::CellLink& cell, const std::string& reader
       }
     });
   });
+}
+
+// ---- batches of read leases
+
+ReadLeases::ReadLeases() = default;
+ReadLeases::ReadLeases(ReadLeases&&) noexcept = default;
+ReadLeases& ReadLeases::operator=(ReadLeases&&) noexcept = default;
+ReadLeases::~ReadLeases() = default;
+
+std::size_t ReadLeases::found() const {
+  if (!state_) return 0;
+  std::lock_guard lock(state_->mu);
+  std::size_t n = 0;
+  for (const auto& [key, e] : state_->entries) n += e.lease.is_ok();
+  return n;
+}
+
+ReadLeases::State::~State() {
+  std::lock_guard lock(mu);
+  for (auto& [key, e] : entries) {
+    if (!e.taken && e.lease.is_ok()) ended.emplace_back(e.cell, metadata::Catalog::EndedRead{e.reader, e.lease->object_token, ""});
+  }
+  flush_locked();
+}
+
+std::optional<ReadLeases::State::Taken> ReadLeases::State::take(std::string_view key) {
+  std::lock_guard lock(mu);
+  auto it = entries.find(key);
+  if (it == entries.end() || it->second.taken) return std::nullopt;
+  it->second.taken = true;
+  return Taken{it->second.lease, it->second.reader, it->second.cell, leased_at};
+}
+
+void ReadLeases::State::hand_back(store::CellLink& cell, std::optional<metadata::Catalog::EndedRead> read) {
+  std::lock_guard lock(mu);
+  if (read) ended.emplace_back(&cell, std::move(*read));
+  if (open > 0) --open;
+  if (open == 0) flush_locked();
+}
+
+void ReadLeases::State::flush_locked() {
+  while (!ended.empty()) {
+    store::CellLink* cell = ended.front().first;
+    std::vector<metadata::Catalog::EndedRead> reads;
+    std::erase_if(ended, [&](auto& e) {
+      if (e.first != cell) return false;
+      reads.push_back(std::move(e.second));
+      return true;
+    });
+    impl->release_later(*cell, reads);
+  }
+}
+
+Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::optional<Deadline> deadline) {
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+  for (const auto& k : keys) KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(k));
+  auto state = std::make_shared<ReadLeases::State>();
+  state->impl = impl_.get();
+  state->leased_at = Clock::now();
+  // Keys grouped by the one cell a get would look in; keys of an unsettled change stay out.
+  std::map<store::CellLink*, std::vector<std::string>> by_cell;
+  for (const auto& k : keys) {
+    const auto cells = impl_->get_cells(k, d);
+    if (cells.size() == 1 && !state->entries.contains(k)) {
+      by_cell[cells.front()].push_back(k);
+      state->entries[k].cell = cells.front();
+    }
+  }
+  for (auto& [cell, batch] : by_cell) {
+    std::vector<std::string> readers;
+    for (std::size_t i = 0; i < batch.size(); ++i) readers.push_back(store::random_token());
+    auto c = impl_->borrow(*cell, d);
+    auto leased = c.is_ok() ? (*c)->begin_gets(batch, readers, impl_->options.read_lease)
+                            : Result<std::vector<Result<metadata::ReadLease>>>(c.status());
+    std::lock_guard lock(state->mu);
+    if (!leased.is_ok()) {
+      // Leases of other cells already taken end with the batch; these keys lease for themselves.
+      for (const auto& k : batch) state->entries.erase(k);
+      ReadLeases out;
+      out.state_ = std::move(state);
+      if (by_cell.size() == 1) return leased.status();
+      return out;
+    }
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      auto& e = state->entries[batch[i]];
+      e.lease = std::move((*leased)[i]);
+      e.reader = std::move(readers[i]);
+      state->open += e.lease.is_ok();
+    }
+  }
+  ReadLeases out;
+  out.state_ = std::move(state);
+  return out;
 }
 
 }  // namespace kvstash

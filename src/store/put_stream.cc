@@ -6,6 +6,7 @@
 #include <atomic>
 #include <deque>
 #include <future>
+#include <map>
 
 #include "common/log.h"
 #include "store/slices.h"
@@ -65,6 +66,38 @@ struct PutStream::State {
   std::uint32_t copies = 1;      // of a put with replicas (the commit of the object itself says it)
 
   explicit State(std::uint64_t segment) : hash(segment) {}
+
+  // Before a commit: every write done, the layout and the size right. Otherwise the put is
+  // aborted and that is the commit's status. Marks the stream finished either way.
+  Status ready_to_commit() {
+    Status moved = wait_writes();  // its failure names the key already
+    if (moved.is_ok()) moved = object_layout_fits(options.object_layout).with_context(key);
+    if (moved.is_ok() && written != size) {
+      moved = Status::invalid_argument("store: put of " + key + " committed with " + std::to_string(written) +
+                                       " of its " + std::to_string(size) + " bytes");
+    }
+    finished = true;
+    if (!moved.is_ok()) {
+      if (failed.is_ok()) failed = moved;
+      abort_put();
+      KVSTASH_LOG_DEBUG("put {} failed: {}", key, moved.to_string());
+    }
+    return moved;
+  }
+
+  // After the commit script answered `committed` in `cell`: every write has completed, so
+  // whatever became of the commit, no write of this put can land any more, and pages it did
+  // not make an object's go back now, not with its lease. Then the replicas and the older copy.
+  Status after_commit(metadata::Cell& cell, Status committed) {
+    if (committed.is_ok() || metadata::Catalog::condition_failed(committed)) {  // the latter freed them
+      impl->settle(pages, true);
+    } else {
+      impl->end_uncommitted_later(key, pages);
+    }
+    if (committed.is_ok()) committed = impl->wait_for_replicas(cell.redis(), deadline);
+    if (committed.is_ok()) committed = impl->remove_older_copy(key, *pages.cell, deadline);
+    return committed.with_context(key);
+  }
 
   // Cancels what still moves (returning once nothing reads the caller's buffers), then ends
   // the put at the nodes and in Redis (Store::Impl::abort_put).
@@ -275,20 +308,7 @@ Status PutStream::append_summed(std::span<const Slice> data, std::uint64_t segme
 Status PutStream::commit() {
   if (!state_ || state_->finished) return Status::invalid_argument("store: commit of a finished put");
   State& st = *state_;
-  Status moved = st.wait_writes();  // its failure names the key already
-  if (moved.is_ok()) moved = object_layout_fits(st.options.object_layout).with_context(st.key);
-  if (moved.is_ok() && st.written != st.size) {
-    moved =
-        Status::invalid_argument("store: put of " + st.key + " committed with " + std::to_string(st.written) +
-                                 " of its " + std::to_string(st.size) + " bytes");
-  }
-  st.finished = true;
-  if (!moved.is_ok()) {
-    if (st.failed.is_ok()) st.failed = moved;
-    st.abort_put();
-    KVSTASH_LOG_DEBUG("put {} failed: {}", st.key, moved.to_string());
-    return moved;
-  }
+  KVSTASH_RETURN_IF_ERROR(st.ready_to_commit());
   auto c = st.impl->borrow(*st.pages.cell, st.deadline);
   if (!c.is_ok()) {
     st.impl->end_uncommitted_later(st.key, st.pages);
@@ -297,16 +317,64 @@ Status PutStream::commit() {
   MetadataClock mc(st.options.timings);
   Status committed =
       st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options, st.copies);
-  // Every write has completed: whatever became of the commit, no write of this put can land
-  // any more, so pages it did not make an object's go back now, not with its lease.
-  if (committed.is_ok() || metadata::Catalog::condition_failed(committed)) {  // the latter freed them
-    st.impl->settle(st.pages, true);
-  } else {
-    st.impl->end_uncommitted_later(st.key, st.pages);
+  return st.after_commit(c->cell(), committed);
+}
+
+std::vector<Status> Store::commit_all(std::span<PutStream> streams) {
+  std::vector<Status> out(streams.size());
+  // Puts from reservations, by cell: one script commits each cell's.
+  std::map<store::CellLink*, std::vector<std::size_t>> batches;
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    PutStream::State* st = streams[i].state_.get();
+    if (st == nullptr || st->finished) {
+      out[i] = Status::invalid_argument("store: commit of a finished put");
+    } else if (!st->pages.reservation || st->copies > 1) {
+      out[i] = streams[i].commit();
+    } else if (Status ready = st->ready_to_commit(); !ready.is_ok()) {
+      out[i] = ready;
+    } else {
+      batches[st->pages.cell].push_back(i);
+    }
   }
-  if (committed.is_ok()) committed = st.impl->wait_for_replicas(c->cell().redis(), st.deadline);
-  if (committed.is_ok()) committed = st.impl->remove_older_copy(st.key, *st.pages.cell, st.deadline);
-  return committed.with_context(st.key);
+  for (auto& [cell, batch] : batches) {
+    Deadline deadline = Deadline::max();
+    for (std::size_t i : batch) deadline = std::min(deadline, streams[i].state_->deadline);
+    auto c = impl_->borrow(*cell, deadline);
+    if (!c.is_ok()) {
+      for (std::size_t i : batch) {
+        PutStream::State& st = *streams[i].state_;
+        impl_->end_uncommitted_later(st.key, st.pages);
+        out[i] = c.status().with_context(st.key);
+      }
+      continue;
+    }
+    std::vector<metadata::Catalog::ReservedCommit> puts;
+    puts.reserve(batch.size());
+    for (std::size_t i : batch) {
+      PutStream::State& st = *streams[i].state_;
+      puts.push_back({.pages = st.pages.run(),
+                      .token = st.pages.token,
+                      .key = st.key,
+                      .size = st.size,
+                      .checksum = st.hash.finish(),
+                      .layout = st.options.object_layout,
+                      .ttl = st.options.ttl,
+                      .if_version = st.options.if_version,
+                      .copies = 1});
+    }
+    Result<std::vector<Status>> committed = Status::internal("unset");
+    {
+      MetadataClock mc(streams[batch.front()].state_->options.timings);
+      committed = (*c)->commit_reserveds(puts);
+    }
+    for (std::size_t k = 0; k < batch.size(); ++k) {
+      PutStream::State& st = *streams[batch[k]].state_;
+      const Status s = committed.is_ok() ? (*committed)[k] : committed.status();
+      impl_->reservation_committed(st.pages, s);
+      out[batch[k]] = st.after_commit(c->cell(), s);
+    }
+  }
+  return out;
 }
 
 void PutStream::abort() {

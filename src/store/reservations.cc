@@ -107,9 +107,13 @@ Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pa
   }
   Status s = c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl,
                                o.if_version, copies);
+  reservation_committed(pages, s);
+  return s;
+}
+
+void Store::Impl::reservation_committed(const store::PutPages& pages, const Status& s) {
   // The reservation was reclaimed, or a node of it died.
   if (s.code() == StatusCode::kStale && !metadata::Catalog::condition_failed(s)) retire(pages.reservation);
-  return s;
 }
 
 Result<std::uint64_t> Store::Impl::abort_pages(metadata::Catalog& c, const store::PutPages& pages,

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -122,6 +123,42 @@ struct CancelToken::State {
   std::vector<Batch*> waiting;  // batches of gets holding the token, while they may run
 };
 
+// A batch of read leases (Store::lease_reads; get.cc). Each get that names it takes its key's
+// lease once; the leases its gets hand back go to Redis together when the last one is back,
+// and the ones no get took when the batch goes.
+struct ReadLeases::State {
+  struct Entry {
+    Result<metadata::ReadLease> lease = Status::internal("unset");  // or the batch's kNotFound
+    std::string reader;
+    store::CellLink* cell = nullptr;
+    bool taken = false;
+  };
+  // What a get takes: its lease (or kNotFound), its reader, its cell, when it was leased.
+  struct Taken {
+    Result<metadata::ReadLease> lease = Status::internal("unset");
+    std::string reader;
+    store::CellLink* cell = nullptr;
+    Clock::time_point leased_at;
+  };
+
+  Store::Impl* impl = nullptr;
+  Clock::time_point leased_at;
+  std::mutex mu;
+  std::map<std::string, Entry, std::less<>> entries;                          // guarded by mu
+  std::size_t open = 0;                                                       // found, not yet handed back
+  std::vector<std::pair<store::CellLink*, metadata::Catalog::EndedRead>> ended;  // guarded by mu
+
+  ~State();
+  // `key`'s lease, taken now; nullopt when the batch has none for this get (not in the batch,
+  // or taken already).
+  std::optional<Taken> take(std::string_view key);
+  // A get that took a lease is done with it: `read` ends it in Redis (nullopt: the get ended it
+  // itself). The last one hands every ended lease to Redis.
+  void hand_back(store::CellLink& cell, std::optional<metadata::Catalog::EndedRead> read);
+  // Sends `ended` to Redis on the releaser thread (mu held).
+  void flush_locked();
+};
+
 struct Store::Copy {
   std::uint32_t copies = 1;                   // of the put in all
   std::vector<metadata::NodeEndpoint> apart;  // nodes the earlier copies are on
@@ -206,6 +243,9 @@ struct Store::Impl {
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                       std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
                       std::uint32_t copies = 1);
+  // After a commit of reserved pages answered `s`: a reservation that came back kStale is no
+  // longer taken from.
+  void reservation_committed(const store::PutPages& pages, const Status& s);
   // abort_put or abort_reserved.
   Result<std::uint64_t> abort_pages(metadata::Catalog& c, const store::PutPages& pages,
                                     std::span<const std::string> fenced);
@@ -246,9 +286,9 @@ struct Store::Impl {
   // object's size is known.
   Result<ObjectInfo> get(std::string_view key, std::span<const Slice> into, const GetInto* into_for,
                          const GetOptions& o);
-  // Ends a read lease in `cell` on the releaser thread (errors only logged: the lease expires
-  // anyway).
-  void release_later(store::CellLink& cell, const std::string& reader, const metadata::ReadLease& lease);
+  // Ends read leases in `cell` on the releaser thread, as few scripts as the queue allows
+  // (errors only logged: the leases expire anyway).
+  void release_later(store::CellLink& cell, std::span<const metadata::Catalog::EndedRead> reads);
 };
 
 }  // namespace kvstash

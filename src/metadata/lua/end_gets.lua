@@ -2,7 +2,8 @@
 -- while its last run was in flight; Catalog::end_get is a run of one).
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     reader, object token, extents read; repeated per lease
+-- ARGV     reader, object token, extents read (empty: the reader ended it while it held, and
+--          needs no check of the pages); repeated per lease
 -- Returns  one reply per lease, in order: OK, or STALE and why when the lease had expired or a
 --          page was freed or reused meanwhile (the bytes read cannot be trusted)
 --

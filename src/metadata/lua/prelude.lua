@@ -397,6 +397,34 @@ local function page_size()
   return tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0
 end
 
+-- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
+-- of begin_get, or nil when there is none. With `batch` (a table), the hit or miss and the LRU
+-- touch are left in it for lease_reads_done, so that many leases cost one of each.
+local function lease_read(key, reader, lease_ms, batch)
+  local o, leased = lookup_copy(key)
+  if not o then
+    if batch then batch.misses = batch.misses + 1 else redis.call('HINCRBY', P .. ':stats', 'misses', 1) end
+    return nil
+  end
+  local deadline = now + lease_ms
+  redis.call('ZADD', P .. ':readers:' .. o[1], deadline, reader)
+  if batch then
+    batch.hits = batch.hits + 1
+    batch.lru[#batch.lru + 1] = now
+    batch.lru[#batch.lru + 1] = leased
+  else
+    redis.call('HINCRBY', P .. ':stats', 'hits', 1)
+    redis.call('ZADD', P .. ':lru', now, leased)
+  end
+  return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or '', deadline}, o[6])
+end
+
+local function lease_reads_done(batch)
+  if batch.hits > 0 then redis.call('HINCRBY', P .. ':stats', 'hits', batch.hits) end
+  if batch.misses > 0 then redis.call('HINCRBY', P .. ':stats', 'misses', batch.misses) end
+  if #batch.lru > 0 then call_chunked('ZADD', P .. ':lru', batch.lru, 2) end
+end
+
 -- The node ids of an extent list, space-separated, in order of first appearance.
 local function nodes_of(extents)
   local _, order = by_node(extents)
@@ -433,6 +461,49 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
   redis.call('ZADD', P .. ':lru', now, key)
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
+end
+
+-- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 11] (reservation,
+-- first, count, token, key, size, checksum, layout, ttl_ms, condition, copies): nil once it is
+-- the object (or already was), else why not (an error reply's text: STALE, INVALID).
+local function commit_reserved_one(a, base)
+  local res, first, count = a[base + 1], tonumber(a[base + 2]), tonumber(a[base + 3])
+  local token, key, size, ttl = a[base + 4], a[base + 5], a[base + 6], tonumber(a[base + 9])
+  if redis.call('HGET', P .. ':obj:' .. key, 'token') == token then return nil end
+  local pk = P .. ':put:' .. res
+  if redis.call('HGET', pk, 'key') ~= '' then
+    return 'STALE the page reservation lost its lease before the commit; its pages were reclaimed'
+  end
+  local taken = {}
+  if count > 0 then taken = redis.call('LRANGE', pk .. ':pages', first, first + count - 1) end
+  if #taken ~= count then return 'INVALID the reservation holds no pages ' .. first .. '+' .. count end
+  local extents = table.concat(taken, ';')
+  local nodes = nodes_of(extents)
+  if not current(extents) or not on_live_pages(extents, nodes) then
+    return 'STALE a memory node of the put died, restarted or began leaving before the' ..
+           ' commit, or the reservation\'s pages were reclaimed'
+  end
+  local failed = condition_fails(key, a[base + 10])
+  if failed then
+    free_extents(extents)  -- the writes are done: nothing can land in them any more
+    return failed
+  end
+  local groups, order = by_node(extents)
+  for _, id in ipairs(order) do
+    local g, sets = groups[id], {}
+    for i, page in ipairs(g.pages) do
+      sets[#sets + 1] = page
+      sets[#sets + 1] = g.gens[i] + 1
+    end
+    call_chunked('HSET', P .. ':gen:' .. id, sets, 2)
+  end
+  local moved = {}
+  for i, e in ipairs(taken) do
+    local id, page, gen = string.match(e, '([^,]+),(%d+),(%d+)')
+    moved[i] = string.format('%s,%s,%d', id, page, tonumber(gen) + 1)
+  end
+  publish(key, token, size, table.concat(moved, ';'), nodes, a[base + 7], a[base + 8], ttl, a[base + 11])
+  return nil
 end
 
 -- Allocates the pages of `size` bytes, most free node first and spilling over nodes (with

@@ -1,0 +1,16 @@
+-- begin_gets.lua: begin_get of many objects in one run (a KV load's chunks), so that a load
+-- costs Redis one script, not one per chunk.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     lease_ms, then key, reader per object
+-- Returns  one array per object, in order: begin_get's reply, or an empty array when there is
+--          no such object
+
+local lease_ms = tonumber(ARGV[1])
+local batch = {hits = 0, misses = 0, lru = {}}
+local out = {}
+for i = 2, #ARGV - 1, 2 do
+  out[#out + 1] = lease_read(ARGV[i], ARGV[i + 1], lease_ms, batch) or {}
+end
+lease_reads_done(batch)
+return out

@@ -1,0 +1,14 @@
+-- commit_reserveds.lua: commit_reserved of many puts in one run (a KV save's chunks, ready
+-- together), so that a save costs Redis one script, not one per chunk.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     per put, commit_reserved's eleven arguments: reservation, first, count, put token,
+--          key, size, checksum, layout, ttl_ms, condition, copies
+-- Returns  one reply per put, in order: OK, or the error text commit_reserved would have
+--          replied (STALE ..., INVALID ...)
+
+local out = {}
+for base = 0, #ARGV - 11, 11 do
+  out[#out + 1] = commit_reserved_one(ARGV, base) or 'OK'
+end
+return out
