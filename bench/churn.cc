@@ -299,6 +299,7 @@ void print_sample(const Sample& s, double seconds, bool json) {
                            s.timeouts, s.other, s.efficiency, s.evictions_per_s, s.gauge.reserved_pages,
                            s.gauge.limbo_pages, s.gauge.pending,
                            s.gets == 0 ? std::string("-") : fmt::format("{:.0f}%", 100 * s.hit_ratio()));
+  std::cout.flush();  // a row per interval, as it comes
 }
 
 Status plot(const ChurnBenchOptions& o, const std::vector<Sample>& samples) {
@@ -370,7 +371,14 @@ Status parse_churn_sizes(std::string_view text, ChurnBenchOptions* o) {
   return Status::ok();
 }
 
-int run_churn(const ChurnBenchOptions& o) {
+int run_churn(const ChurnBenchOptions& options) {
+  ChurnBenchOptions o = options;
+  const double mean = (static_cast<double>(o.max_size) - static_cast<double>(o.min_size)) /
+                      std::max(1e-9, std::log(static_cast<double>(o.max_size) / static_cast<double>(o.min_size)));
+  if (o.keys == 0) {
+    o.keys = static_cast<std::uint32_t>(
+        std::ceil(3.0 * static_cast<double>(o.node_capacity * o.nodes) / std::max(1.0, mean)));
+  }
   if (o.max_size > o.node_capacity * o.nodes) {
     std::cerr << "kvstash-bench churn: objects of up to " << units::format_size(o.max_size)
               << " do not fit a pool of " << units::format_size(o.node_capacity * o.nodes) << "\n";
@@ -435,8 +443,6 @@ int run_churn(const ChurnBenchOptions& o) {
     }
   }
   if (!o.json) {
-    const double mean = (static_cast<double>(o.max_size) - static_cast<double>(o.min_size)) /
-                        std::log(static_cast<double>(o.max_size) / static_cast<double>(o.min_size));
     std::cout << fmt::format(
         "kvstash-bench churn: {} client(s) over {} keys, objects {}..{} (log-uniform, mean {}), {} over {}\n"
         "  cell   {} node(s) x {} in pages of {}: the key space holds {:.1f}x the pool\n"

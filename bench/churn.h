@@ -22,7 +22,8 @@ struct ChurnBenchOptions {
   std::uint32_t nodes = 2;
   std::uint64_t node_capacity = 64u << 20;
   std::uint64_t page_size = 1u << 20;
-  std::uint32_t keys = 20;
+  // Keys the clients write over; 0: enough for three times the pool at the mean size.
+  std::uint32_t keys = 0;
   std::uint32_t clients = 1;
   double seconds = 45;
   double interval = 1;

@@ -313,7 +313,7 @@ int main(int argc, char** argv) {
   ch->add_option("--nodes", churn.nodes, "Memory nodes")->capture_default_str()->check(CLI::Range(1u, 16u));
   ch->add_option("--node-capacity", churn_capacity, "Pool of each node")->capture_default_str();
   ch->add_option("--page-size", churn_page, "Page size of the nodes")->capture_default_str();
-  ch->add_option("--keys", churn.keys, "Keys the clients write over")
+  ch->add_option("--keys", churn.keys, "Keys the clients write over (0: three times the pool at the mean size)")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1000000u));
   ch->add_option("--clients", churn.clients, "Client threads (one Store)")
@@ -343,7 +343,7 @@ int main(int argc, char** argv) {
   ch->add_flag("--json", churn.json, "One JSON object per interval, then a summary");
   ch->add_option("--plot", churn.plot, "Also draw efficiency, put success and limbo over time (SVG, gnuplot)");
   ch->footer(
-      "Examples:\n  kvstash-bench churn --seconds 45\n"
+      "Examples:\n  kvstash-bench churn --seconds 45 --keys 20   (the case issue 26 began from)\n"
       "  kvstash-bench churn --mix put=4,stream=1,get=4,remove=1,touch=1 --cancel-fraction 0.1\n"
       "  kvstash-bench churn --sizes kv --nodes 2 --node-capacity 1GiB --page-size 4MiB --keys 40 --plot churn.svg");
 
