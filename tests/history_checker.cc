@@ -28,7 +28,9 @@
 // hung, and on a setup failure.
 //
 // The nemesis rests for 15 s of every 45 (--quiet-seconds, --quiet-every). The run is cut into
-// phases: disturbed (a fault, and 6 s of settling after it) and quiet. Put success is reported
+// phases: disturbed (a fault, and 6 s of settling after it; after a Redis fault, 10 s from
+// when every node has rejoined; a quiet gap under 5 s between faults counts as disturbed) and
+// quiet. Put success is reported
 // per phase, and in the quiet phases, where the small pools keep the cell full and evicting,
 // the run also fails when fewer than 99% of puts succeed: a full cell keeps taking puts.
 //
@@ -467,7 +469,14 @@ struct Phase {
 
 // After a fault ends, the cell settles: a dead node's heartbeat TTL runs out (2 s), clients
 // stop avoiding a node they failed to reach (5 s). Puts before then count to the fault's phase.
+// A Redis fault lasts until every node registered again with the master that serves now (the
+// nemesis waits for that), and settles longer: clients find the new master, reservations and
+// leases of the old one run out.
 constexpr std::int64_t kSettleNs = 6'000'000'000;
+constexpr std::int64_t kRedisSettleNs = 10'000'000'000;
+// A quiet stretch shorter than this between two disturbed ones is part of them: the cell is
+// still settling.
+constexpr std::int64_t kMinQuietNs = 5'000'000'000;
 // In the quiet phases at least this share of puts succeed, once there are enough to tell.
 constexpr double kQuietPutSuccess = 0.99;
 constexpr std::uint64_t kMinQuietPuts = 200;
@@ -481,10 +490,12 @@ std::vector<Phase> phases_of(std::int64_t from, std::int64_t to,
   std::vector<Phase> out;
   std::int64_t at = from;
   for (const auto& [start, end, name] : faults) {
-    if (start > at) out.push_back({at, start, {}});
+    const bool short_gap = !out.empty() && !out.back().faults.empty() && start - at < kMinQuietNs;
+    if (start > at && !short_gap) out.push_back({at, start, {}});
     if (out.empty() || out.back().faults.empty()) out.push_back({start, start, {}});
     Phase& d = out.back();
-    d.to_ns = std::max(d.to_ns, std::min(to, end + kSettleNs));
+    const std::int64_t settle = name.find("redis") != std::string::npos ? kRedisSettleNs : kSettleNs;
+    d.to_ns = std::max(d.to_ns, std::min(to, end + settle));
     if (std::find(d.faults.begin(), d.faults.end(), name) == d.faults.end()) d.faults.push_back(name);
     at = std::max(at, d.to_ns);
   }
@@ -879,6 +890,25 @@ return problems
   return script;
 }
 
+// Waits, up to `limit`, until `nodes` memory nodes are in the cell again (after a Redis fault
+// they register anew with the master that serves now). Whether they are.
+bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds limit) {
+  const std::string key = metadata::cell_prefix("default") + ":nodes";
+  for (auto end = Clock::now() + limit; Clock::now() < end; std::this_thread::sleep_for(200ms)) {
+    auto redis = metadata::RedisClient::connect({.url = url});
+    if (!redis.is_ok()) continue;
+    // Live ones: a heartbeat deadline still ahead on the Redis that serves now.
+    auto t = (*redis)->command({"TIME"});
+    if (!t.is_ok() || t->size() < 2) continue;
+    const std::string now_ms =
+        std::to_string(std::stoll(std::string(t->element(0)->str, t->element(0)->len)) * 1000 +
+                       std::stoll(std::string(t->element(1)->str, t->element(1)->len)) / 1000);
+    auto n = (*redis)->command({"ZCOUNT", key, now_ms, "+inf"});
+    if (n.is_ok() && n->integer() >= nodes) return true;
+  }
+  return false;
+}
+
 std::vector<std::string> account_pages(const std::string& url) {
   auto redis = metadata::RedisClient::connect({.url = url});
   if (!redis.is_ok()) return {"page accounting: " + redis.status().to_string()};
@@ -1060,6 +1090,10 @@ int run(const RunConfig& rc, const std::string& self) {
       if (!fault.is_ok()) report.failures.push_back("redis fault: " + fault.status().to_string());
       ++report.faults[fault.is_ok() ? *fault : std::string("redis fault failed")];
       if (fault.is_ok()) std::printf("  at %" PRId64 " ms: %s\n", now_ns() / 1000000, fault->c_str());
+      // The fault lasts until the cell is whole again (the phases settle from then on).
+      if (fault.is_ok() && !wait_cell_whole(url, rc.nodes, 30s)) {
+        std::printf("  at %" PRId64 " ms: the cell's nodes had not all rejoined after 30 s\n", now_ns() / 1000000);
+      }
       last_redis_restart = Clock::now();
     }
     record();
