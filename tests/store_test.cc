@@ -865,7 +865,9 @@ TEST_F(StoreTest, AFullCellKeepsTakingPutsWhateverTheirDeadlines) {
   fill(data);
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<double> u(0, 1);
-  std::map<StatusCode, int> outcomes;
+  // Outcomes of the puts with the default deadline, and of those with a short one (which may
+  // time out on a loaded machine: that is their deadline, not the cell).
+  std::map<StatusCode, int> outcomes, short_outcomes;
   int puts = 0;
   for (const auto end = Clock::now() + 6s; Clock::now() < end; ++puts) {
     const auto size = static_cast<std::size_t>(std::exp(std::log(4096.0) + (std::log(8.0 * kPage) - std::log(4096.0)) * u(rng)));
@@ -873,13 +875,18 @@ TEST_F(StoreTest, AFullCellKeepsTakingPutsWhateverTheirDeadlines) {
     if (u(rng) < 0.1) o.ttl = std::chrono::milliseconds(200 + rng() % 1800);
     if (u(rng) < 0.25) o.deadline = Clock::now() + std::chrono::milliseconds(1 + rng() % 50);
     Slice slice{data.data(), size};
-    ++outcomes[store->put(numbered('k', rng() % 20), {&slice, 1}, o).code()];
+    ++(o.deadline ? short_outcomes : outcomes)[store->put(numbered('k', rng() % 20), {&slice, 1}, o).code()];
   }
+  int plain = 0;
   for (const auto& [code, count] : outcomes) {
-    EXPECT_TRUE(code == StatusCode::kOk || code == StatusCode::kTimeout)
-        << to_string(code) << " x" << count << " of " << puts << " puts";
+    plain += count;
+    EXPECT_EQ(code, StatusCode::kOk) << count << " of " << puts << " puts with the default deadline";
   }
-  EXPECT_GE(outcomes[StatusCode::kOk], puts * 99 / 100) << "of " << puts << " puts";
+  for (const auto& [code, count] : short_outcomes) {
+    EXPECT_TRUE(code == StatusCode::kOk || code == StatusCode::kTimeout)
+        << to_string(code) << " x" << count << " of " << puts << " puts with a deadline of 1..50 ms";
+  }
+  EXPECT_GT(plain, 100) << "of " << puts << " puts";
   EXPECT_LE(pending_records(*cell_), 2u) << "retired reservations piled up";
 }
 
