@@ -201,8 +201,6 @@ class ReadLeases {
   ReadLeases(ReadLeases&&) noexcept;
   ReadLeases& operator=(ReadLeases&&) noexcept;
   ~ReadLeases();
-  // How many of the keys it found (and leases).
-  std::size_t found() const;
 
  private:
   friend class Store;

@@ -31,6 +31,20 @@ std::vector<std::string_view> with_avoided(std::vector<std::string_view> args,
   return args;
 }
 
+// One status per item of a script that answers per item (end_gets, commit_reserveds): OK, or
+// the text an error reply would have carried.
+Result<std::vector<Status>> statuses_of(const Reply& r, std::size_t items, std::string_view script) {
+  if (r.type() != Reply::Type::kArray || r.size() != items)
+    return corrupt("unexpected reply to " + std::string(script));
+  std::vector<Status> out;
+  out.reserve(items);
+  for (std::size_t i = 0; i < items; ++i) {
+    const std::string_view text = text_of(r.element(i));
+    out.push_back(text == "OK" ? Status::ok() : error_status(text));
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<Placement> Catalog::begin_copy(std::string_view token, std::string_view key, std::uint64_t size,
@@ -122,15 +136,7 @@ Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCo
                              texts[at + 3], p.layout, texts[at + 4], texts[at + 5], texts[at + 6]});
   }
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::commit_reserveds(), {prefix_}, args));
-  if (r.type() != Reply::Type::kArray || r.size() != puts.size())
-    return corrupt("unexpected reply to commit_reserveds");
-  std::vector<Status> out;
-  out.reserve(puts.size());
-  for (std::size_t i = 0; i < puts.size(); ++i) {
-    const std::string_view text = text_of(r.element(i));
-    out.push_back(text == "OK" ? Status::ok() : error_status(text));  // as an error reply would be
-  }
-  return out;
+  return statuses_of(r, puts.size(), "commit_reserveds");
 }
 
 bool Catalog::condition_failed(const Status& commit) {
@@ -232,15 +238,7 @@ Result<std::vector<Status>> Catalog::end_gets(std::span<const EndedRead> reads) 
   args.reserve(reads.size() * 3);
   for (const EndedRead& r : reads) args.insert(args.end(), {r.reader, r.object_token, r.extents_text});
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::end_gets(), {prefix_}, args));
-  if (r.type() != Reply::Type::kArray || r.size() != reads.size())
-    return corrupt("unexpected reply to end_gets");
-  std::vector<Status> out;
-  out.reserve(reads.size());
-  for (std::size_t i = 0; i < reads.size(); ++i) {
-    const std::string_view text = text_of(r.element(i));
-    out.push_back(text == "OK" ? Status::ok() : error_status(text));  // as an error reply would be
-  }
-  return out;
+  return statuses_of(r, reads.size(), "end_gets");
 }
 
 Result<ObjectRecord> Catalog::stat(std::string_view key) {

@@ -204,14 +204,6 @@ ReadLeases::ReadLeases(ReadLeases&&) noexcept = default;
 ReadLeases& ReadLeases::operator=(ReadLeases&&) noexcept = default;
 ReadLeases::~ReadLeases() = default;
 
-std::size_t ReadLeases::found() const {
-  if (!state_) return 0;
-  std::lock_guard lock(state_->mu);
-  std::size_t n = 0;
-  for (const auto& [key, e] : state_->entries) n += e.lease.is_ok();
-  return n;
-}
-
 ReadLeases::State::~State() {
   std::lock_guard lock(mu);
   for (auto& [key, e] : entries) {
@@ -263,6 +255,8 @@ Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::op
       state->entries[k].cell = cells.front();
     }
   }
+  Status failed;
+  std::size_t leased_cells = 0;
   for (auto& [cell, batch] : by_cell) {
     std::vector<std::string> readers;
     for (std::size_t i = 0; i < batch.size(); ++i) readers.push_back(store::random_token());
@@ -271,13 +265,12 @@ Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::op
                             : Result<std::vector<Result<metadata::ReadLease>>>(c.status());
     std::lock_guard lock(state->mu);
     if (!leased.is_ok()) {
-      // Leases of other cells already taken end with the batch; these keys lease for themselves.
+      // These keys lease for themselves; the other cells' leases serve their gets.
       for (const auto& k : batch) state->entries.erase(k);
-      ReadLeases out;
-      out.state_ = std::move(state);
-      if (by_cell.size() == 1) return leased.status();
-      return out;
+      failed = leased.status();
+      continue;
     }
+    ++leased_cells;
     for (std::size_t i = 0; i < batch.size(); ++i) {
       auto& e = state->entries[batch[i]];
       e.lease = std::move((*leased)[i]);
@@ -285,6 +278,7 @@ Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::op
       state->open += e.lease.is_ok();
     }
   }
+  if (leased_cells == 0 && !failed.is_ok()) return failed;
   ReadLeases out;
   out.state_ = std::move(state);
   return out;

@@ -133,10 +133,15 @@ void Store::Impl::end_reservation(const std::shared_ptr<store::Reservation>& r, 
     drop = r->unsettled == 0 && !r->lingering && !r->dropped;
     r->dropped |= drop;
   }
-  auto c = borrow(*r->cell, deadline);
-  Status s = c.is_ok() ? (*c)->release_reservation(r->token, from, drop).status() : c.status();
+  release_reservation(*r, from, drop, deadline);
+}
+
+void Store::Impl::release_reservation(const store::Reservation& r, std::uint64_t from, bool drop,
+                                      Deadline deadline) {
+  auto c = borrow(*r.cell, deadline);
+  Status s = c.is_ok() ? (*c)->release_reservation(r.token, from, drop).status() : c.status();
   if (!s.is_ok()) {
-    KVSTASH_LOG_INFO("page reservation {}: its unused pages return with its lease: {}", r->token,
+    KVSTASH_LOG_INFO("page reservation {}: its unused pages and its record go with its lease: {}", r.token,
                      s.to_string());
   }
 }
@@ -170,10 +175,7 @@ void Store::Impl::settle(const store::PutPages& pages, bool clean) {
   // Retired already: its unused pages went back then (on this same thread, in order), and
   // the record goes now. Redis keeps it when a page of it is still held after all.
   releaser->submit([this, r] {
-    auto c = borrow(*r->cell, deadline_after(options.redis_timeout * 2));
-    Status s = c.is_ok() ? (*c)->release_reservation(r->token, r->placement.extents.size(), true).status()
-                         : c.status();
-    if (!s.is_ok()) KVSTASH_LOG_INFO("page reservation {}: its record goes with its lease: {}", r->token, s.to_string());
+    release_reservation(*r, r->placement.extents.size(), true, deadline_after(options.redis_timeout * 2));
   });
 }
 

@@ -254,6 +254,9 @@ struct Store::Impl {
   // lease and the nodes' fences reclaim them). end_reservation_later does it on the releaser
   // thread.
   void end_reservation(const std::shared_ptr<store::Reservation>& r, Deadline deadline);
+  // Catalog::release_reservation of `r` from page `from` (with `drop`, its record too); a
+  // failure is only logged: the lease and the nodes' fences reclaim.
+  void release_reservation(const store::Reservation& r, std::uint64_t from, bool drop, Deadline deadline);
   void end_reservation_later(std::shared_ptr<store::Reservation> r);
   // A put in `r` failed, or its commit came back stale (a node may be gone): when puts still
   // take pages from `r`, the next ones reserve afresh, and its unused pages go back.

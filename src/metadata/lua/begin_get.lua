@@ -7,6 +7,8 @@
 --
 -- Of an object put with replicas, the readable copy with the fewest readers is leased.
 
-local leased = lease_read(ARGV[1], ARGV[2], tonumber(ARGV[3]))
+local batch = new_read_batch()
+local leased = lease_read(ARGV[1], ARGV[2], tonumber(ARGV[3]), batch)
+lease_reads_done(batch)
 if not leased then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end
 return leased

@@ -7,7 +7,7 @@
 --          no such object
 
 local lease_ms = tonumber(ARGV[1])
-local batch = {hits = 0, misses = 0, lru = {}}
+local batch = new_read_batch()
 local out = {}
 for i = 2, #ARGV - 1, 2 do
   out[#out + 1] = lease_read(ARGV[i], ARGV[i + 1], lease_ms, batch) or {}

@@ -397,25 +397,25 @@ local function page_size()
   return tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0
 end
 
+-- What a run's leases leave for lease_reads_done: hits, misses and LRU touches, so that many
+-- leases cost one command of each.
+local function new_read_batch()
+  return {hits = 0, misses = 0, lru = {}}
+end
+
 -- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
--- of begin_get, or nil when there is none. With `batch` (a table), the hit or miss and the LRU
--- touch are left in it for lease_reads_done, so that many leases cost one of each.
+-- of begin_get, or nil when there is none. Its hit or miss and LRU touch go into `batch`.
 local function lease_read(key, reader, lease_ms, batch)
   local o, leased = lookup_copy(key)
   if not o then
-    if batch then batch.misses = batch.misses + 1 else redis.call('HINCRBY', P .. ':stats', 'misses', 1) end
+    batch.misses = batch.misses + 1
     return nil
   end
   local deadline = now + lease_ms
   redis.call('ZADD', P .. ':readers:' .. o[1], deadline, reader)
-  if batch then
-    batch.hits = batch.hits + 1
-    batch.lru[#batch.lru + 1] = now
-    batch.lru[#batch.lru + 1] = leased
-  else
-    redis.call('HINCRBY', P .. ':stats', 'hits', 1)
-    redis.call('ZADD', P .. ':lru', now, leased)
-  end
+  batch.hits = batch.hits + 1
+  batch.lru[#batch.lru + 1] = now
+  batch.lru[#batch.lru + 1] = leased
   return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or '', deadline}, o[6])
 end
 
