@@ -19,6 +19,7 @@ class Child {
   Child& operator=(const Child&) = delete;
 
   bool running() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
   // One line of the child's stdout without the newline; empty at EOF.
   std::string read_line();
   // Closes the child's stdin (it exits on EOF) and reaps it.

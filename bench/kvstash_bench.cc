@@ -77,9 +77,10 @@ int main(int argc, char** argv) {
   p->add_option("--tcp-streams", p2p.tcp.streams, "tcp: parallel connections per peer")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
-  p->add_option("--tcp-io-threads", p2p.tcp.io_threads, "tcp: socket I/O threads in each process")
+  p->add_option("--tcp-io-threads", p2p.tcp.io_threads,
+                "tcp: socket I/O threads in each process (0: one on hosts of up to 4 cores, two above)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(0, 64));
   std::string tcp_slice = "512KiB", shm_slice = "4MiB";
   p->add_option("--tcp-slice", tcp_slice, "tcp: requests above this are striped over the streams")
       ->capture_default_str();
@@ -88,6 +89,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")
       ->capture_default_str();
+  p->add_option("--busy-poll-us", p2p.busy_poll_us,
+                "Latency mode in both processes: waiting callers and tcp I/O threads spin this many microseconds "
+                "before they sleep (EngineOptions::busy_poll); 0 = off")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
   p->add_option("--peer", p2p.peer_file,
                 "Use a running `kvstash-bench p2p-target` (maybe on another host): a file, or - for stdin, "
                 "holding the three lines it printed");
@@ -121,6 +127,10 @@ int main(int argc, char** argv) {
   pe->add_option("--venv", peers.venv, "The peers' venv (scripts/peers-setup)")
       ->envname("KVSTASH_PEERS_VENV")
       ->capture_default_str();
+  pe->add_option("--busy-poll-us", peers.busy_poll_us,
+                 "kvstash's latency mode in both processes (as p2p --busy-poll-us); 0 = off")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
   pe->add_flag("--json", peers.json, "One JSON object per row, then one per ratio");
   pe->add_option("--plot", peers.plot, "Also draw GB/s over request size into this SVG file (runs gnuplot)");
   pe->footer(
@@ -143,6 +153,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   t->add_option("--token", target_token, "Cluster token required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
+  unsigned target_busy_poll_us = 0;
+  t->add_option("--busy-poll-us", target_busy_poll_us, "Latency mode: spin this many microseconds before sleeping")
+      ->capture_default_str();
 
   bench::StoreBenchOptions store;
   std::string tokens = "256", object_size, backends = "all", capacity, page_size;
@@ -433,7 +446,7 @@ int main(int argc, char** argv) {
       std::cerr << "--region: " << region.status().message() << "\n";
       return 2;
     }
-    return bench::run_p2p_target(*region, target_kinds, target_tcp, target_token);
+    return bench::run_p2p_target(*region, target_kinds, target_tcp, target_token, target_busy_poll_us);
   }
   if (st->parsed()) return bench::run_store(store);
   if (kc->parsed() && kvc.gpu) {

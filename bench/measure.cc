@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 
 namespace kvstash::bench {
 namespace {
@@ -37,6 +38,22 @@ ResidentMemory resident_memory(const std::string& pid) {
     if (field != nullptr) *field = std::strtoull(line.c_str() + line.find(':') + 1, nullptr, 10) << 10;
   }
   return r;
+}
+
+double cpu_seconds(const std::string& pid) {
+  std::ifstream in("/proc/" + pid + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  // The command name (field 2) may hold spaces; the fields after its ')' are plain.
+  const auto close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::strtod(field.c_str(), nullptr);  // utime, stime
+  }
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 double us_since(Clock::time_point t0) {

@@ -33,6 +33,10 @@ struct ResidentMemory {
 };
 ResidentMemory resident_memory(const std::string& pid);
 
+// CPU time (user + system, all threads) a process has used so far, in seconds, from
+// /proc/PID/stat ("self" for this one); 0 when it cannot be read.
+double cpu_seconds(const std::string& pid);
+
 // A progress line on a terminal (stderr), overwritten in place; nothing when redirected.
 class Progress {
  public:

@@ -40,9 +40,9 @@ void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
 }
 
 void print_header() {
-  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9} {:>7}\n", "transport",
-                           "op", "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy", "x socket",
-                           "x ping");
+  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>7} {:>8} {:>10} {:>10} {:>9} {:>9} {:>7} {:>10}\n",
+                           "transport", "op", "size", "thr x q", "GB/s", "p50 us", "p99 us", "x memcpy",
+                           "x socket", "x ping", "cpu us/op");
 }
 
 void print(const Row& r, bool json) {
@@ -60,12 +60,13 @@ void print(const Row& r, bool json) {
   auto us = [&](double v) {
     return r.reference() && (r.op != "pingpong" || v == 0) ? std::string() : fmt::format("{:.1f}", v);
   };
-  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9} {:>7}\n",
+  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9} {:>7} {:>10}\n",
                            r.transport, r.op, units::format_size(r.size), r.threads, r.depth, r.gbps,
                            us(r.p50_us), us(r.p99_us),
                            r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
                            r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "",
-                           r.pingpong_us > 0 ? fmt::format("{:.2f}", r.p50_us / r.pingpong_us) : "");
+                           r.pingpong_us > 0 ? fmt::format("{:.2f}", r.p50_us / r.pingpong_us) : "",
+                           r.cpu_us_per_op > 0 ? fmt::format("{:.1f}", r.cpu_us_per_op) : "");
 }
 
 Row reference_row(std::string transport, std::string op, std::size_t size, double gbps) {
@@ -93,8 +94,10 @@ Status verify(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMe
   return {};
 }
 
+// `target_pid`: the target process, whose CPU counts with ours in cpu_us_per_op ("" when it
+// is not ours to look at: then the row has none).
 Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemory& remote, TransferOp op,
-            std::size_t size, const P2POptions& o) {
+            std::size_t size, const P2POptions& o, const std::string& target_pid) {
   Row row;
   row.op = std::string(to_string(op));
   row.size = size;
@@ -104,6 +107,7 @@ Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemo
   std::atomic<std::uint64_t> bytes{0};
   std::vector<std::vector<double>> lat(o.threads);
   std::vector<Status> errors(o.threads);
+  const double cpu_start = target_pid.empty() ? 0 : cpu_seconds("self") + cpu_seconds(target_pid);
   auto start = Clock::now();
   std::vector<std::thread> threads;
   for (unsigned t = 0; t < o.threads; ++t) {
@@ -133,6 +137,7 @@ Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemo
   stop = true;
   for (auto& t : threads) t.join();
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  const double cpu = target_pid.empty() ? 0 : cpu_seconds("self") + cpu_seconds(target_pid) - cpu_start;
   for (const auto& e : errors) {
     if (!e.is_ok()) row.error = e.to_string();
   }
@@ -141,14 +146,16 @@ Row measure(Peer& peer, const MemoryHandle& mem, Buffer& local, const RemoteMemo
   row.gbps = static_cast<double>(bytes.load()) / elapsed / 1e9;
   row.p50_us = percentile(all, 0.50);
   row.p99_us = percentile(all, 0.99);
+  if (!all.empty()) row.cpu_us_per_op = cpu * 1e6 / static_cast<double>(all.size() * o.depth);
   return row;
 }
 
 }  // namespace
 
 int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports,
-                   const TcpOptions& tcp, const std::string& cluster_token) {
+                   const TcpOptions& tcp, const std::string& cluster_token, unsigned busy_poll_us) {
   EngineOptions eo;
+  eo.busy_poll = std::chrono::microseconds(busy_poll_us);
   eo.transports = transports;
   eo.tcp = tcp;
   eo.cluster_token = cluster_token;
@@ -196,6 +203,7 @@ std::string to_json_line(const P2PRow& r) {
     j["socket_gbps"] = r.socket_gbps;
     j["vs_socket"] = r.gbps / r.socket_gbps;
   }
+  if (r.cpu_us_per_op > 0) j["cpu_us_per_op"] = r.cpu_us_per_op;
   if (r.pingpong_us > 0) {
     j["pingpong_us"] = r.pingpong_us;
     j["p50_vs_pingpong"] = r.p50_us / r.pingpong_us;
@@ -233,7 +241,8 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
   if (o.peer_file.empty()) {
     target = std::make_unique<Child>(
         std::vector<std::string>{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
-                                 std::to_string(o.tcp.io_threads), "--token", o.token, "--transports", list});
+                                 std::to_string(o.tcp.io_threads), "--token", o.token, "--transports", list,
+                                 "--busy-poll-us", std::to_string(o.busy_poll_us)});
     read_line = [&] { return target->read_line(); };
   } else {
     if (o.peer_file != "-") peer_stream.open(o.peer_file);
@@ -244,6 +253,7 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
       return line;
     };
   }
+  const std::string target_pid = target ? std::to_string(target->pid()) : std::string();
   std::string address_line = read_line(), key_line = read_line(), socket_line = read_line();
   auto address = from_text(address_line.rfind("address ", 0) == 0 ? address_line.substr(8) : "");
   auto key = from_text(key_line.rfind("key ", 0) == 0 ? key_line.substr(4) : "");
@@ -294,6 +304,7 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     eo.tcp = o.tcp;
     eo.cluster_token = o.token;
     eo.shm = o.shm;
+    eo.busy_poll = std::chrono::microseconds(o.busy_poll_us);
     auto engine = Engine::create(eo);
     auto fail = [&](const Status& s) {
       Row r;
@@ -325,7 +336,7 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     for (std::size_t size : o.sizes) {
       Status v = verify(**peer, *mem, local, *remote, size);
       for (TransferOp op : o.ops) {
-        Row r = v.is_ok() ? measure(**peer, *mem, local, *remote, op, size, o) : Row{};
+        Row r = v.is_ok() ? measure(**peer, *mem, local, *remote, op, size, o, target_pid) : Row{};
         r.transport = std::string(to_string(kind));
         r.op = std::string(to_string(op));
         r.size = size;

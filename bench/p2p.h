@@ -23,6 +23,7 @@ struct P2POptions {
   TcpOptions tcp;         // streams, io threads and slice size for both processes
   ShmOptions shm;         // copy threads and slice size of the initiator
   std::string peer_file;  // read a running p2p-target's three lines from here ("-": stdin)
+  unsigned busy_poll_us = 0;  // EngineOptions::busy_poll of both processes (0: off)
   std::string plot;       // also draw GB/s over size into this SVG (gnuplot); empty: none
 };
 
@@ -36,6 +37,7 @@ struct P2PRow {
   double gbps = 0, p50_us = 0, p99_us = 0;
   double memcpy_gbps = 0, socket_gbps = 0;  // this size's references (transfer rows)
   double pingpong_us = 0;                   // the raw socket round trip of this size (up to 64 KiB)
+  double cpu_us_per_op = 0;                 // CPU of both processes per request (0: target not ours)
   bool verified = false;                    // the bytes were written, read back and compared
   std::string error;                        // non-empty: the row was not measured
   bool reference() const { return op == "copy" || op == "stream" || op == "pingpong"; }
@@ -63,6 +65,6 @@ int run_p2p(const P2POptions& options);
 // "address HEX", "key HEX", "socket HOST:PORT", and exits when stdin closes. The sink binds
 // the host of tcp.listen. A non-empty cluster_token is required from initiators.
 int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports,
-                   const TcpOptions& tcp, const std::string& cluster_token);
+                   const TcpOptions& tcp, const std::string& cluster_token, unsigned busy_poll_us = 0);
 
 }  // namespace kvstash::bench

@@ -38,6 +38,7 @@ struct PeerRow {
   std::string op;
   std::size_t size = 0;
   double gbps = 0, p50_us = 0, p99_us = 0;
+  double cpu_us_per_op = 0;  // both processes' CPU per request; 0 when not measured
   bool verified = false;
   std::string compare_with;  // the kvstash transport that moves bytes the same way
   std::string error;
@@ -71,6 +72,7 @@ PeerRow parse_peer_row(const nlohmann::json& j, const std::string& engine) {
   r.gbps = j.value("gbps", 0.0);
   r.p50_us = j.value("p50_us", 0.0);
   r.p99_us = j.value("p99_us", 0.0);
+  r.cpu_us_per_op = j.value("cpu_us_per_op", 0.0);
   r.verified = j.value("verified", false);
   r.compare_with = j.value("compare_with", "tcp");
   r.error = j.value("error", "");
@@ -143,6 +145,7 @@ std::string cell(double v, int width) {
 // kvstash's rows and the peers' side by side: GB/s per column, size and op.
 struct Comparison {
   std::map<std::tuple<std::string, std::size_t, std::string>, double> gbps;
+  std::map<std::tuple<std::string, std::size_t, std::string>, double> cpu;  // us per request
   std::vector<std::string> columns;  // "kvstash-<t>"..., the peers, the references
   // Each peer against the kvstash transport that moves bytes the same way (tcp if not measured).
   struct Ratio {
@@ -181,6 +184,7 @@ Comparison compare(const std::vector<P2PRow>& kvstash, const std::vector<PeerRow
     for (const char* op : {"write", "read"}) {
       if (r.reference() || r.op == op) c.gbps[{column, r.size, op}] = r.gbps;
     }
+    if (r.cpu_us_per_op > 0) c.cpu[{column, r.size, r.op}] = r.cpu_us_per_op;
   }
   for (const auto& r : peers) {
     add(theirs, r.engine);
@@ -189,6 +193,7 @@ Comparison compare(const std::vector<P2PRow>& kvstash, const std::vector<PeerRow
       continue;
     }
     c.gbps[{r.engine, r.size, r.op}] = r.gbps;
+    if (r.cpu_us_per_op > 0) c.cpu[{r.engine, r.size, r.op}] = r.cpu_us_per_op;
     std::string same = "kvstash-" + r.compare_with;
     if (std::find(mine.begin(), mine.end(), same) == mine.end()) same = "kvstash-tcp";
     if (std::none_of(c.ratios.begin(), c.ratios.end(), [&](const auto& x) { return x.peer == r.engine; })) {
@@ -220,6 +225,30 @@ void print_table(const Comparison& c, const std::vector<std::size_t>& sizes) {
       std::cout << line << "\n";
     }
   }
+  if (!c.cpu.empty()) {
+    // What each request cost in CPU, both processes and every thread (a polling engine pays
+    // for its latency here).
+    std::string cpu_head = fmt::format("{:<10} {:<6}", "size", "op");
+    std::vector<std::string> engines;
+    for (const auto& h : c.columns) {
+      if (std::any_of(c.cpu.begin(), c.cpu.end(), [&](const auto& kv) { return std::get<0>(kv.first) == h; })) {
+        engines.push_back(h);
+        cpu_head += fmt::format("  {:>{}}", h, width(h));
+      }
+    }
+    std::cout << "\nCPU us per request (user + system, both processes, every thread)\n" << cpu_head << "\n";
+    for (std::size_t size : sizes) {
+      for (const char* op : {"write", "read"}) {
+        std::string line = fmt::format("{:<10} {:<6}", units::format_size(size), op);
+        for (const auto& h : engines) {
+          auto it = c.cpu.find({h, size, op});
+          line += "  " + (it != c.cpu.end() ? fmt::format("{:>{}.1f}", it->second, width(h))
+                                            : fmt::format("{:>{}}", "-", width(h)));
+        }
+        std::cout << line << "\n";
+      }
+    }
+  }
   for (const auto& e : c.errors) std::cout << e << "\n";
   std::cout << std::flush;
 }
@@ -236,6 +265,7 @@ void print_json(const Comparison& c, const std::vector<PeerRow>& peers,
                 {"p50_us", r.p50_us},
                 {"p99_us", r.p99_us},
                 {"verified", r.verified},
+                {"cpu_us_per_op", r.cpu_us_per_op},
                 {"compare_with", r.compare_with}});
     } else {
       j["error"] = r.error;
@@ -295,6 +325,7 @@ int run_peers(const PeersOptions& o) {
   p2p.transports = o.transports;
   p2p.sizes = o.sizes;
   p2p.seconds = o.seconds;
+  p2p.busy_poll_us = o.busy_poll_us;
   auto kvstash = measure_p2p(p2p, [&](const P2PRow& r) {
     if (o.json) std::cout << to_json_line(r) << std::endl;
     progress.show(fmt::format("kvstash {} {} {}", r.transport, r.op, units::format_size(r.size)));

@@ -17,6 +17,7 @@ struct PeersOptions {
   std::vector<std::size_t> sizes;         // bytes per request
   std::vector<std::string> engines{"mooncake-tcp", "nixl-ucx", "nixl-ucx-tcp"};  // peer_bench.py's
   double seconds = 0.5;  // measuring time per row, kvstash's and the peers'
+  unsigned busy_poll_us = 0;  // kvstash's EngineOptions::busy_poll in both processes (0: off)
   std::string venv;      // the peers' venv (default_peers_venv())
   bool json = false;     // one JSON object per row instead of the table
   std::string plot;      // also draw GB/s over size into this SVG; empty: none

@@ -1,5 +1,8 @@
 // The engine in one process: two engines, transport choice, validation, batches.
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -93,6 +96,48 @@ TEST(Engine, UnslicedTransfersCompleteWhenTheirOpCompletes) {
   ASSERT_TRUE(batch.wait().is_ok());
   EXPECT_LT(Clock::now() - start, 30s) << "the batch waited for its deadline";
   EXPECT_EQ(test::first_mismatch(local.data(), remote_buf.data(), local.size()), -1);
+}
+
+// This process's CPU time (every thread) so far.
+std::chrono::microseconds process_cpu() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return std::chrono::seconds(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         std::chrono::microseconds(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+TEST(Engine, BusyPollMovesTheSameBytesAndSleepsWhenIdle) {
+  // Latency mode on both sides: callers and tcp I/O threads spin before they sleep.
+  EngineOptions o{.transports = {TransportKind::kTcp}, .busy_poll = 2ms};
+  auto a = Engine::create(o).value();
+  auto b = Engine::create(o).value();
+  auto local = Buffer::allocate(4u << 20).value();
+  auto remote_buf = Buffer::allocate(4u << 20).value();
+  auto lmem = a->register_memory(local.region(), Access::kLocal).value();
+  auto rmem = b->register_memory(remote_buf.region(), Access::kRemote).value();
+  auto peer = a->connect(b->address()).value();
+  auto remote = peer->import_key(rmem.remote_key()).value();
+  int round = 0;
+  for (std::size_t size : {std::size_t{1}, std::size_t{4096}, std::size_t{65536}, std::size_t{4u << 20}}) {
+    for (int i = 0; i < 20; ++i, ++round) {
+      test::fill_random(local.bytes().first(size), 100 + round);
+      TransferEntry w{TransferOp::kWrite, &lmem, local.data(), remote.base(), &remote, size};
+      ASSERT_TRUE(peer->transfer({&w, 1}, deadline_after(10s)).is_ok()) << size;
+      ASSERT_EQ(test::first_mismatch(local.data(), remote_buf.data(), size), -1) << size;
+      test::fill_random(remote_buf.bytes().first(size), 900 + round);
+      TransferEntry r{TransferOp::kRead, &lmem, local.data(), remote.base(), &remote, size};
+      ASSERT_TRUE(peer->transfer({&r, 1}, deadline_after(10s)).is_ok()) << size;
+      ASSERT_EQ(test::first_mismatch(local.data(), remote_buf.data(), size), -1) << size;
+    }
+  }
+  // Idle, the spinning stops: four I/O threads and no caller use a fraction of the time
+  // (spinning on, they would use up to every core of the host for all of it).
+  std::this_thread::sleep_for(50ms);
+  const auto cpu0 = process_cpu();
+  const auto wall0 = Clock::now();
+  std::this_thread::sleep_for(500ms);
+  const auto cpu = process_cpu() - cpu0;
+  EXPECT_LT(cpu, (Clock::now() - wall0) / 10) << "threads kept spinning while nothing moved";
 }
 
 TEST(Engine, SubmitValidatesEveryEntry) {

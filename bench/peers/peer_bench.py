@@ -9,7 +9,8 @@ synchronous WRITE, then READ, of that many bytes for --seconds (one thread, batc
 `p2p --threads 1 --depth 1`). Both buffers are private DRAM of the largest size.
 
 Prints one JSON object per row on stdout:
-  {"engine", "op", "size", "gbps", "p50_us", "p99_us", "verified", "compare_with"}
+  {"engine", "op", "size", "gbps", "p50_us", "p99_us", "verified", "compare_with", "cpu_us_per_op"}
+("cpu_us_per_op": both processes' CPU, every thread, per request).
 or {"engine", "error"} (one line why) when the engine cannot be imported, started or run here.
 "compare_with" names the kvstash transport that moves bytes the same way.
 
@@ -233,7 +234,17 @@ def measure(once, size, seconds):
         if t1 >= end and len(lat) >= 3:
             break
     gbps = len(lat) * size / (t1 - start) / 1e9
-    return gbps, round(percentile(lat, 0.5), 1), round(percentile(lat, 0.99), 1)
+    return gbps, round(percentile(lat, 0.5), 1), round(percentile(lat, 0.99), 1), len(lat)
+
+
+def cpu_seconds(pid="self"):
+    """User + system CPU seconds a process (every thread) has used, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def last_line(path):
@@ -290,7 +301,11 @@ def run_initiator(engine_class, sizes, seconds):
                     row["error"] = "read back differs from what was written"
                 else:
                     dog.step(f"{op} of {size} bytes", STEP_SECONDS + seconds)
-                    row["gbps"], row["p50_us"], row["p99_us"] = measure(ops[op], size, seconds)
+                    cpu0 = cpu_seconds() + cpu_seconds(target.pid)
+                    row["gbps"], row["p50_us"], row["p99_us"], n_ops = measure(ops[op], size, seconds)
+                    cpu = cpu_seconds() + cpu_seconds(target.pid) - cpu0
+                    if cpu > 0:
+                        row["cpu_us_per_op"] = round(cpu * 1e6 / n_ops, 1)
                 emit(row)
         dog.step("closing")
         engine.close()

@@ -65,8 +65,11 @@ struct TcpOptions {
   std::string advertise;
   // Parallel TCP connections per peer; a large transfer is striped across them.
   std::uint32_t streams = 4;
-  // Threads running the socket I/O (both the serving and the initiating side).
-  std::uint32_t io_threads = 2;
+  // Threads running the socket I/O (both the serving and the initiating side). 0: one on a
+  // host of up to 4 cores, two above. A second thread costs a small request a hand-off
+  // between the threads (27 against 20 us p50 for 4 KiB on 2 cores, docs/benchmarks.md) and
+  // pays off only where cores are spare.
+  std::uint32_t io_threads = 0;
   // Transfers longer than this are cut into slices spread over the streams (512 KiB: a
   // 1 MiB transfer already uses two streams; measured in docs/benchmarks.md).
   std::size_t slice_bytes = 512u << 10;
@@ -171,6 +174,13 @@ struct EngineOptions {
   // never crosses the wire). UCX cannot prove it, so UCX does not start while one is set.
   // shm needs none: its peers are processes of this user on this host.
   std::string cluster_token;
+  // Latency mode for small transfers, for hosts with a core to spare: a caller waiting for a
+  // batch (Batch::wait) spins this long before it sleeps, and tcp's I/O threads spin this
+  // long after their last event before they sleep in the kernel, so a response finds a
+  // running thread instead of waking one. Costs a core per spinning thread while transfers
+  // come closer together than this (never while idle); measured in docs/benchmarks.md.
+  // 0 (the default): threads sleep as soon as they have nothing to do.
+  std::chrono::microseconds busy_poll{0};
   TcpOptions tcp;
   ShmOptions shm;
   UcxOptions ucx;

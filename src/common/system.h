@@ -42,4 +42,14 @@ Result<std::string> read_private_secret_file(const std::string& path);
 // "no token" to EngineOptions, so accepting one would turn authentication off without a word.
 Status check_cluster_token(std::string_view token, std::string_view source);
 
+// Tells the CPU that this thread spins (a pause on x86, a yield hint on Arm): the sibling
+// hyperthread runs on, and the loop leaves the pipeline without a memory-order flush.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 }  // namespace kvstash::sys

@@ -1,4 +1,5 @@
 // Batches: per-entry completion counting, deadlines and cancellation.
+#include "common/system.h"
 #include "engine/engine_internal.h"
 
 namespace kvstash {
@@ -8,7 +9,9 @@ Batch::State::State(std::size_t entries, Deadline d)
       statuses(entries),
       parts_left(std::make_unique<std::atomic<std::uint32_t>[]>(entries)),
       parts_capacity(entries),
-      entries_left(entries) {}
+      entries_left(entries) {
+  finished.store(entries == 0, std::memory_order_relaxed);
+}
 
 void Batch::State::reset(std::size_t entries, Deadline d) {
   deadline = d;
@@ -19,6 +22,7 @@ void Batch::State::reset(std::size_t entries, Deadline d) {
   }
   std::lock_guard lock(mu);
   entries_left = entries;
+  finished.store(entries == 0, std::memory_order_relaxed);
 }
 
 void Batch::State::release() {
@@ -31,6 +35,7 @@ void Batch::State::complete(std::uint32_t tag, Status status) {
   // The first failing slice decides the entry's status.
   if (!status.is_ok() && statuses[tag].is_ok()) statuses[tag] = std::move(status);
   if (parts_left[tag].fetch_sub(1, std::memory_order_acq_rel) == 1 && --entries_left == 0) {
+    finished.store(true, std::memory_order_release);
     cv.notify_all();
   }
 }
@@ -50,6 +55,7 @@ void Batch::State::abort(const Status& reason) {
       --entries_left;
     }
   }
+  finished.store(entries_left == 0, std::memory_order_release);
   cv.notify_all();
 }
 
@@ -84,6 +90,11 @@ bool Batch::poll() {
 
 Status Batch::wait() {
   if (!state_) return Status::invalid_argument("wait on an empty batch handle");
+  if (state_->busy_poll.count() > 0) {
+    // Latency mode: the completing thread finds this one running, not asleep.
+    const auto until = std::min(state_->deadline, Clock::now() + state_->busy_poll);
+    while (!state_->finished.load(std::memory_order_acquire) && Clock::now() < until) sys::cpu_relax();
+  }
   bool done;
   {
     std::unique_lock lock(state_->mu);

@@ -190,6 +190,7 @@ Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std
     state->caps = t->capabilities();
     state->peer_address = addr;
     state->control_timeout = impl_->options.control_timeout;
+    state->busy_poll = impl_->options.busy_poll;
     state->endpoint = std::move(ep).value();
     return std::unique_ptr<Peer>(new Peer(std::move(state)));
   }
@@ -301,10 +302,12 @@ std::shared_ptr<Batch::State> Peer::State::batch_state(std::size_t entries, Dead
   for (auto& s : batches) {
     if (s.use_count() == 1) {  // only the pool holds it: its batch has ended
       s->reset(entries, deadline);
+      s->busy_poll = busy_poll;
       return s;
     }
   }
   auto fresh = std::make_shared<Batch::State>(entries, deadline);
+  fresh->busy_poll = busy_poll;
   if (batches.size() < kBatchPool) batches.push_back(fresh);
   return fresh;
 }

@@ -36,6 +36,7 @@ struct Peer::State {
   transport::Capabilities caps;
   std::string peer_address;  // the chosen transport's part of the peer's blob
   std::chrono::milliseconds control_timeout{};
+  std::chrono::microseconds busy_poll{};
 
   // Guards the fields below. Never held across network I/O: a reconnect is one caller's
   // turn, and the others wait for it up to their own deadlines.
@@ -96,6 +97,8 @@ struct Batch::State final : transport::CompletionSink {
   void abort(const Status& reason);
 
   Deadline deadline;
+  std::chrono::microseconds busy_poll{0};  // wait() spins this long first (EngineOptions)
+  std::atomic<bool> finished{false};       // entries_left reached 0; set under mu
   std::vector<Status> statuses;
   std::unique_ptr<std::atomic<std::uint32_t>[]> parts_left;  // per entry: ops not complete
   std::size_t parts_capacity = 0;

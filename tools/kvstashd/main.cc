@@ -82,9 +82,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--advertise", opts.engine.tcp.advertise,
                  "tcp transport: address clients should connect to");
-  app.add_option("--tcp-io-threads", opts.engine.tcp.io_threads, "tcp transport: socket I/O threads")
+  app.add_option("--tcp-io-threads", opts.engine.tcp.io_threads,
+                 "tcp transport: socket I/O threads; 0 = one on hosts of up to 4 cores, two above")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(0, 64));
+  std::uint64_t busy_poll_us = 0;
+  app.add_option("--busy-poll-us", busy_poll_us,
+                 "Latency mode for hosts with cores to spare: tcp I/O threads spin this many microseconds after "
+                 "their last event before they sleep (a core each while busy); 0 = off")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
   app.add_option("--shm-socket-dir", opts.engine.shm.socket_dir,
                  "shm transport: directory of the UNIX socket (default $XDG_RUNTIME_DIR/kvstash)");
   CLI::Option* token_option = app.add_option(
@@ -133,6 +140,7 @@ int main(int argc, char** argv) {
     if (!kinds.is_ok()) throw CLI::ValidationError("--transports", kinds.status().message());
     opts.engine.transports = std::move(kinds).value();
     opts.engine.ucx.allow_emulated_rma = emulated_rma;
+    opts.engine.busy_poll = std::chrono::microseconds(busy_poll_us);
     // The verbs queue-pair setup listens on the --listen host too (any free port).
     opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
     if (!password_file.empty()) {

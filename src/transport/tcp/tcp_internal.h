@@ -234,12 +234,14 @@ class IoRuntime {
   // The last owner often lets go inside a completion handler, on one of the runtime's own
   // threads, which is still inside io_context::run(): destroying the io_context there would
   // pull it from under that thread. The deleter hands such a destruction to a fresh thread.
-  static std::shared_ptr<IoRuntime> create(std::uint32_t threads);
+  // `busy_poll` > 0: each thread spins that long after its last event before it sleeps
+  // (EngineOptions::busy_poll).
+  static std::shared_ptr<IoRuntime> create(std::uint32_t threads, std::chrono::microseconds busy_poll = {});
   ~IoRuntime();
   asio::io_context& io() { return io_; }
 
  private:
-  explicit IoRuntime(std::uint32_t threads);
+  IoRuntime(std::uint32_t threads, std::chrono::microseconds busy_poll);
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   std::vector<std::thread> threads_;

@@ -6,7 +6,7 @@ namespace kvstash::transport::tcp {
 namespace {
 
 Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
-  return make_tcp_transport(options.tcp, options.cluster_token);
+  return make_tcp_transport(options.tcp, options.cluster_token, options.busy_poll);
 }
 
 std::vector<TransportFinding> probe() {

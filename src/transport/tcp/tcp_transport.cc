@@ -257,14 +257,33 @@ class TcpTransport final : public Transport {
 
 }  // namespace
 
-IoRuntime::IoRuntime(std::uint32_t threads) : work_(asio::make_work_guard(io_)) {
+IoRuntime::IoRuntime(std::uint32_t threads, std::chrono::microseconds busy_poll)
+    : work_(asio::make_work_guard(io_)) {
   for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, threads); ++i) {
-    threads_.emplace_back([this] { io_.run(); });
+    threads_.emplace_back([this, busy_poll] {
+      if (busy_poll.count() <= 0) {
+        io_.run();
+        return;
+      }
+      // Latency mode: poll() runs what is ready without sleeping (epoll with no timeout);
+      // only after busy_poll without an event does the thread sleep in run_one().
+      auto last = std::chrono::steady_clock::now();
+      while (!io_.stopped()) {
+        if (io_.poll() > 0) {
+          last = std::chrono::steady_clock::now();
+        } else if (std::chrono::steady_clock::now() - last >= busy_poll) {
+          io_.run_one();
+          last = std::chrono::steady_clock::now();
+        } else {
+          sys::cpu_relax();
+        }
+      }
+    });
   }
 }
 
-std::shared_ptr<IoRuntime> IoRuntime::create(std::uint32_t threads) {
-  return std::shared_ptr<IoRuntime>(new IoRuntime(threads), [](IoRuntime* r) {
+std::shared_ptr<IoRuntime> IoRuntime::create(std::uint32_t threads, std::chrono::microseconds busy_poll) {
+  return std::shared_ptr<IoRuntime>(new IoRuntime(threads, busy_poll), [](IoRuntime* r) {
     if (r->io_.get_executor().running_in_this_thread()) {
       std::thread([r] { delete r; }).detach();
     } else {
@@ -456,9 +475,12 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
   }
 }
 
-Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std::string cluster_token) {
+Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std::string cluster_token,
+                                                 std::chrono::microseconds busy_poll) {
   KVSTASH_ASSIGN_OR_RETURN(HostPort listen, parse_host_port(options.listen));
-  auto runtime = IoRuntime::create(options.io_threads);
+  std::uint32_t threads = options.io_threads;
+  if (threads == 0) threads = std::thread::hardware_concurrency() <= 4 ? 1 : 2;
+  auto runtime = IoRuntime::create(threads, busy_poll);
   boost::system::error_code ec;
   auto ip = asio::ip::make_address(listen.host, ec);
   if (ec) return Status::invalid_argument("tcp listen address must be numeric: '" + listen.host + "'");
@@ -481,7 +503,8 @@ Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std
 }  // namespace kvstash::transport::tcp
 
 namespace kvstash::transport {
-Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options, std::string cluster_token) {
-  return tcp::make_transport(options, std::move(cluster_token));
+Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options, std::string cluster_token,
+                                                      std::chrono::microseconds busy_poll) {
+  return tcp::make_transport(options, std::move(cluster_token), busy_poll);
 }
 }  // namespace kvstash::transport
