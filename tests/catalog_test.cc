@@ -564,6 +564,8 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
       << old_sum.status().to_string();
   // The cell keeps working for well-formed objects.
   cmd({"HSET", cat_->prefix() + ":cell", "schema", "3"});
+  EXPECT_EQ(cat_->check_schema().code(), StatusCode::kCorrupt) << "schema 3 kept free pages one by one";
+  cmd({"HSET", cat_->prefix() + ":cell", "schema", "4"});
   EXPECT_TRUE(cat_->check_schema().is_ok());
   put("fine", 1);
   EXPECT_TRUE(cat_->stat("fine").is_ok());

@@ -836,9 +836,10 @@ std::string network_fault(const Hosts& hosts, int host, bool partition, std::chr
 }
 
 // Every page of every live node accounted for, once the cell is quiet (no pending put, no
-// zombie, no sweep left): each page a node handed out (below its next_page) is on its free
-// list (its generation negated) or in exactly one object's extents (with the generation the
-// object names), and no page is both or twice. Problems as text; empty when all hold.
+// zombie, no sweep left): each page a node handed out (below its next_page) is in a run on its
+// free list or in exactly one object's run, and no page is both or twice; each object's run
+// still holds its generation at its first page, and the node's free_pages counts its free
+// list. Problems as text; empty when all hold.
 const metadata::Script& accounting_script() {
   static const metadata::Script script(R"(
 local P = KEYS[1]
@@ -848,36 +849,45 @@ local busy = redis.call('ZCARD', P .. ':pending') + redis.call('ZCARD', P .. ':z
 if busy > 0 then return {'busy'} end
 local problems = {'ok'}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
-  local owner, held = {}, 0
+  local owner, held, free = {}, 0, 0
   local gk = P .. ':gen:' .. id
-  local function hold(page, what, gen)
-    if owner[page] then
-      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': held by ' .. owner[page] .. ' and by ' .. what
-      return
+  local function hold(first, count, what, gen)
+    local g = tonumber(redis.call('HGET', gk, first) or '0')
+    if gen ~= nil and g ~= gen then
+      problems[#problems + 1] = 'node ' .. id .. ' page ' .. first .. ': ' .. what .. ' names generation ' .. gen .. ', the page has ' .. g
     end
-    owner[page] = what
-    held = held + 1
-    local g = tonumber(redis.call('HGET', gk, page) or '0')
-    if gen == nil and g > 0 then
-      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': free, but its generation ' .. g .. ' is not negated'
-    elseif gen ~= nil and g ~= gen then
-      problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': ' .. what .. ' names generation ' .. gen .. ', the page has ' .. g
+    for page = first, first + count - 1 do
+      if owner[page] then
+        problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': held by ' .. owner[page] .. ' and by ' .. what
+        return
+      end
+      owner[page] = what
+      held = held + 1
     end
   end
-  for _, page in ipairs(redis.call('LRANGE', P .. ':free:' .. id, 0, -1)) do hold(page, 'the free list', nil) end
+  for _, e in ipairs(redis.call('LRANGE', P .. ':free:' .. id, 0, -1)) do
+    local first, count = string.match(e, '^(%d+),?(%d*)$')
+    count = tonumber(count) or 1
+    hold(tonumber(first), count, 'the free list', nil)
+    free = free + count
+  end
+  local counted = tonumber(redis.call('HGET', P .. ':node:' .. id, 'free_pages') or '0')
+  if counted ~= free then
+    problems[#problems + 1] = 'node ' .. id .. ': free_pages says ' .. counted .. ', its free list holds ' .. free
+  end
   for _, key in ipairs(redis.call('SMEMBERS', P .. ':objs:' .. id)) do
     local ext = redis.call('HGET', P .. ':obj:' .. key, 'extents')
     if not ext then
       problems[#problems + 1] = 'node ' .. id .. ': its objects name ' .. key .. ', which has no record'
     else
-      for node, page, gen in string.gmatch(ext, '([^,;]+),(%d+),(%d+)') do
-        if node == id then hold(page, 'object ' .. key, tonumber(gen)) end
+      for node, page, gen, count in string.gmatch(ext, '([^,;]+),(%d+),(%d+),?(%d*)') do
+        if node == id then hold(tonumber(page), tonumber(count) or 1, 'object ' .. key, tonumber(gen)) end
       end
     end
   end
   local handed = tonumber(redis.call('HGET', P .. ':node:' .. id, 'next_page') or '0')
   for page, what in pairs(owner) do
-    if tonumber(page) >= handed then
+    if page >= handed then
       problems[#problems + 1] = 'node ' .. id .. ' page ' .. page .. ': held by ' .. what .. ', but never handed out'
     end
   end

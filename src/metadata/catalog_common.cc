@@ -56,7 +56,8 @@ Status check_schema(RedisClient& redis, const std::string& prefix) {
     return corrupt(
         "cell " + prefix + " has schema '" + std::string(r.str()) + "', this build reads " +
         std::to_string(kSchemaVersion) +
-        " (schema 3 changed how objects are checksummed: empty the cell, or use the build that wrote it)");
+        " (schema 4 keeps free pages and reservations as runs of pages, schema 3 changed how objects are "
+        "checksummed: empty the cell, or use the build that wrote it)");
   }
   return {};
 }

@@ -37,21 +37,40 @@ bool valid_node_id(std::string_view id) {
 }
 
 Result<std::vector<Extent>> parse_extents(std::string_view text) {
+  // More pages than any object of a cell can span (2^24 pages is 64 TiB in 4 MiB pages): a
+  // corrupt count must not make this allocate without bound.
+  constexpr std::uint64_t kMaxPages = 1ull << 24;
   std::vector<Extent> out;
   while (!text.empty()) {
     std::size_t end = text.find(';');
     std::string_view item = text.substr(0, end);
     text = end == std::string_view::npos ? std::string_view{} : text.substr(end + 1);
-    std::size_t c1 = item.find(','), c2 = item.rfind(',');
-    if (c1 == std::string_view::npos || c1 == c2)
-      return corrupt("malformed extent '" + std::string(item) + "'");
-    auto page = number<std::uint64_t>(item.substr(c1 + 1, c2 - c1 - 1));
-    auto gen = number<std::int64_t>(item.substr(c2 + 1));
-    Extent e{std::string(item.substr(0, c1)), page.value_or(0), gen.value_or(0)};
-    if (!page || !gen || *gen <= 0 || !valid_node_id(e.node)) {
-      return corrupt("malformed extent '" + std::string(item) + "'");
+    // node,page,generation[,count]
+    std::string_view field[4];
+    std::size_t fields = 0;
+    for (std::string_view rest = item;; ++fields) {
+      const std::size_t comma = rest.find(',');
+      if (fields == 4) {
+        fields = 5;  // too many
+        break;
+      }
+      field[fields] = rest.substr(0, comma);
+      if (comma == std::string_view::npos) {
+        ++fields;
+        break;
+      }
+      rest = rest.substr(comma + 1);
     }
-    out.push_back(std::move(e));
+    auto malformed = [&] { return corrupt("malformed extent '" + std::string(item) + "'"); };
+    if (fields != 3 && fields != 4) return malformed();
+    auto page = number<std::uint64_t>(field[1]);
+    auto gen = number<std::int64_t>(field[2]);
+    auto count = fields == 4 ? number<std::uint64_t>(field[3]) : std::optional<std::uint64_t>(1);
+    if (!page || !gen || *gen <= 0 || !count || *count == 0 || *count > kMaxPages - out.size() ||
+        *page > ~0ull - *count || !valid_node_id(field[0])) {
+      return malformed();
+    }
+    for (std::uint64_t i = 0; i < *count; ++i) out.push_back({std::string(field[0]), *page + i, *gen});
   }
   return out;
 }

@@ -18,7 +18,7 @@ namespace kvstash::metadata {
 // 2: puts' pages return only through their memory nodes' fences (`fenced`), and a restarted
 // or dead node's objects are swept in batches.
 // 3: an object's checksum is the xxh3 tree (common/checksum.h), stored as "<hex>/<segment>".
-inline constexpr int kSchemaVersion = 3;
+inline constexpr int kSchemaVersion = 4;
 
 struct NodeRecord {
   std::string id;     // stable across restarts: [A-Za-z0-9._-], at most 64 bytes
@@ -175,7 +175,8 @@ std::string copy_key(std::string_view key, std::uint32_t i);
 Status validate_object_key(std::string_view key);
 // Node ids: 1..64 characters of [A-Za-z0-9._-].
 bool valid_node_id(std::string_view id);
-// Parses "node,page,generation;..." (kCorrupt when malformed).
+// Parses "node,page,generation[,count];..." (runs of `count` pages, 1 when absent) into one
+// Extent per page, in order (kCorrupt when malformed, or past 2^24 pages).
 Result<std::vector<Extent>> parse_extents(std::string_view text);
 
 }  // namespace kvstash::metadata

@@ -16,13 +16,14 @@ local p = redis.call('HMGET', pk, 'extents', 'nodes')
 if not p[1] then return 0 end
 local confirmed = {}
 for i = 2, #ARGV do confirmed[ARGV[i]] = true end
-local free, keep, kept_nodes, seen = {}, {}, {}, {}
-for id, page, gen in string.gmatch(p[1], '([^,;]+),(%d+),(%d+)') do
-  local e = id .. ',' .. page .. ',' .. gen
+local free, keep, kept_nodes, seen, waiting = {}, {}, {}, {}, 0
+for id, page, gen, n in runs(p[1]) do
+  local e = run_text(id, page, gen, n)
   if confirmed[id] or not live(id) then
     free[#free + 1] = e
   else
     keep[#keep + 1] = e
+    waiting = waiting + n
     if not seen[id] then
       seen[id] = true
       kept_nodes[#kept_nodes + 1] = id
@@ -35,4 +36,4 @@ else
   free_extents(table.concat(free, ';'))
   redis.call('HSET', pk, 'extents', table.concat(keep, ';'), 'nodes', table.concat(kept_nodes, ' '), 'aborted', now)
 end
-return #keep
+return waiting

@@ -14,14 +14,19 @@ local pk = P .. ':put:' .. res
 if count <= 0 or redis.call('HGET', pk, 'key') ~= '' then return 0 end
 local confirmed = {}
 for i = 4, #ARGV do confirmed[ARGV[i]] = true end
-local free, keep = {}, 0
-for _, e in ipairs(redis.call('LRANGE', pk .. ':pages', first, first + count - 1)) do
-  local id = string.match(e, '^[^,]+')
+local free, back, keep = {}, {}, 0
+for id, page, gen, n in runs(carve(res, first, count, false)) do
   if confirmed[id] or not live(id) then
-    free[#free + 1] = e
+    free[#free + 1] = run_text(id, page, gen, n)
   else
-    keep = keep + 1
+    back[#back + 1] = run_text(id, page, gen, n)
+    keep = keep + n
   end
 end
 free_extents(table.concat(free, ';'))
+if #back > 0 then
+  local held = redis.call('HGET', pk, 'extents')
+  if held ~= '' then back[#back + 1] = held end
+  redis.call('HSET', pk, 'extents', table.concat(back, ';'))
+end
 return keep

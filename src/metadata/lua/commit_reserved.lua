@@ -7,9 +7,10 @@
 --          lease, a node of the put died, restarted or is leaving, or the condition does not
 --          hold (the put's pages are freed then)
 --
--- The pages move to the object with their generation raised by one: the reservation's record
--- still names them under the old one, so dropping it (release_reservation, reclaim) frees only
--- what no commit took. An object it replaces is released.
+-- The pages leave the reservation (prelude: carve) and become the object's runs, each under a
+-- generation of its own: dropping the reservation (release_reservation, reclaim) frees only
+-- what no commit took, and a commit repeated after its object was replaced finds its pages
+-- gone (STALE), never someone else's. An object it replaces is released.
 
 local failed = commit_reserved_one(ARGV, 0)
 if failed then return redis.error_reply(failed) end

@@ -13,5 +13,5 @@ if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then return 'OK' end
 sweep_node_objects(id)
 redis.call('DEL', P .. ':free:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
-redis.call('HSET', nk, 'state', 'gone')
+redis.call('HSET', nk, 'state', 'gone', 'free_pages', 0)
 return 'OK'

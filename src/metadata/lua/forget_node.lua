@@ -20,5 +20,5 @@ redis.call('DEL', P .. ':free:' .. id, P .. ':gen:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('SREM', P .. ':known', id)
 redis.call('HDEL', nk, 'address', 'key')
-redis.call('HSET', nk, 'state', 'gone')
+redis.call('HSET', nk, 'state', 'gone', 'free_pages', 0)
 return released

@@ -14,9 +14,9 @@
 
 local SCAN = 1000
 local id = ARGV[1]
-local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'epoch', 'page_size', 'page_count', 'next_page')
+local n = redis.call('HMGET', P .. ':node:' .. id, 'state', 'epoch', 'page_size', 'page_count')
 if not n[1] then return redis.error_reply('NOT_FOUND no node ' .. id) end
-local free = (tonumber(n[4]) or 0) - (tonumber(n[5]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
+local free = free_pages(id)
 local d = redis.call('ZSCORE', P .. ':nodes', id)
 local reserved, limbo = 0, 0
 local pending = redis.call('ZRANGE', P .. ':pending', 0, SCAN - 1, 'WITHSCORES')

@@ -5,9 +5,8 @@
 -- KEYS[1]  the cell's key prefix, bound to P here
 -- Defines  P, now (ms of Redis time), and the helpers the scripts call
 --
--- Extent lists are text, "node,page,generation;..." in object order. A free page's
--- generation is stored negated, so freeing twice, or freeing with an outdated extent, is a
--- no-op: only the holder of the current generation can free a page.
+-- Extent lists are text, runs of pages in object order (see RUN below). Only the holder of a
+-- run's current generation can free it.
 
 local P = KEYS[1]
 local t = redis.call('TIME')
@@ -55,74 +54,160 @@ local function node_view(id)
   return v
 end
 
--- An extent list grouped by node, in order of first appearance.
+-- Runs. An extent list is "node,page,generation,count;..." in object order: `count` pages from
+-- `page` on, all under one generation; "node,page,generation" is a run of one page. A run's
+-- generation is stored at its first page only (P:gen:<node>, field = that page): the run is
+-- current while that field holds its generation. Nothing frees part of a run, so while it is
+-- current none of its pages can be anyone else's; freeing stores the generation negated, and
+-- every new run at a page takes a generation above any that page held. Freeing twice, or with
+-- an outdated extent, is a no-op. Scripts touch a run, not each of its pages: a chunk of 32
+-- pages allocated together costs what one page costs.
+local RUN = '([^,;]+),(%d+),(%d+),?(%d*)'
+
+-- Iterates over the runs of `list`: node, first page, generation, page count (numbers).
+local function runs(list)
+  local it = string.gmatch(list or '', RUN)
+  return function()
+    local id, page, gen, n = it()
+    if not id then return nil end
+    return id, tonumber(page), tonumber(gen), tonumber(n) or 1
+  end
+end
+
+local function run_text(id, page, gen, n)
+  if n == 1 then return string.format('%s,%d,%d', id, page, gen) end  -- %d: no exponent
+  return string.format('%s,%d,%d,%d', id, page, gen, n)
+end
+
+-- The runs of a list grouped by node, in order of first appearance: per node the first pages,
+-- generations and counts.
 local function by_node(list)
   local groups, order = {}, {}
-  for id, page, gen in string.gmatch(list or '', '([^,;]+),(%d+),(%d+)') do
+  for id, page, gen, n in runs(list) do
     local g = groups[id]
     if not g then
-      g = {pages = {}, gens = {}}
+      g = {pages = {}, gens = {}, counts = {}}
       groups[id] = g
       order[#order + 1] = id
     end
     g.pages[#g.pages + 1] = page
-    g.gens[#g.gens + 1] = tonumber(gen)
+    g.gens[#g.gens + 1] = gen
+    g.counts[#g.counts + 1] = n
   end
   return groups, order
 end
 
--- Whether every page of `list` still carries the generation it names.
-local function current(list)
-  local groups, order = by_node(list)
-  for _, id in ipairs(order) do
-    local g = groups[id]
-    local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
-    for i = 1, #g.pages do
-      if tonumber(cur[i] or '0') ~= g.gens[i] then return false end
-    end
-  end
-  return true
-end
-
--- How many pages of `list` (on node `only`, when given) still carry the generation it names:
--- held by whoever the list is.
-local function held_pages(list, only)
-  local n = 0
+-- Calls visit(id, group, i, current) for each run of `list` (on node `only`, when given),
+-- current telling whether the run still holds the generation it names.
+local function each_run_state(list, visit, only)
   local groups, order = by_node(list)
   for _, id in ipairs(order) do
     if not only or id == only then
       local g = groups[id]
       local cur = hmget_chunked(P .. ':gen:' .. id, g.pages)
-      for i = 1, #g.pages do
-        if tonumber(cur[i] or '0') == g.gens[i] then n = n + 1 end
-      end
+      for i = 1, #g.pages do visit(id, g, i, tonumber(cur[i] or '0') == g.gens[i]) end
     end
   end
+end
+
+-- Whether every run of `list` still holds the generation it names.
+local function current(list)
+  local all = true
+  each_run_state(list, function(_, _, _, cur) all = all and cur end)
+  return all
+end
+
+-- How many pages of `list` (on node `only`, when given) are in runs that still hold their
+-- generation: held by whoever the list is.
+local function held_pages(list, only)
+  local n = 0
+  each_run_state(list, function(_, g, i, cur) if cur then n = n + g.counts[i] end end, only)
   return n
 end
 
+-- Free pages of node `id`: never handed out (from next_page up) and on its free list.
+local function free_pages(id)
+  local st = redis.call('HMGET', P .. ':node:' .. id, 'page_count', 'next_page', 'free_pages')
+  return (tonumber(st[1]) or 0) - (tonumber(st[2]) or 0) + (tonumber(st[3]) or 0)
+end
+
+-- Returns the current runs of `list` to their nodes' free lists ("page,count" entries; the
+-- node's free_pages counts their pages). Returns the pages freed.
 local function free_extents(list)
-  local n = 0
+  local total = 0
   local groups, order = by_node(list)
   for _, id in ipairs(order) do
     local g, gk = groups[id], P .. ':gen:' .. id
     local cur = hmget_chunked(gk, g.pages)
-    local sets, frees = {}, {}
+    local sets, frees, n = {}, {}, 0
     for i, page in ipairs(g.pages) do
       local gen = g.gens[i]
       if gen > 0 and tonumber(cur[i] or '0') == gen then
         sets[#sets + 1] = page
-        sets[#sets + 1] = -gen
-        frees[#frees + 1] = page
+        sets[#sets + 1] = string.format('%d', -gen)
+        frees[#frees + 1] = string.format('%d,%d', page, g.counts[i])
+        n = n + g.counts[i]
       end
     end
-    if #frees > 0 then
+    if n > 0 then
       call_chunked('HSET', gk, sets, 2)
       call_chunked('LPUSH', P .. ':free:' .. id, frees)
-      n = n + #frees
+      redis.call('HINCRBY', P .. ':node:' .. id, 'free_pages', n)
+      total = total + n
     end
   end
-  return n
+  return total
+end
+
+-- Takes `take` pages of node `id` (it has them free): returned runs first, oldest first, the
+-- last one split when it holds more than is needed, then fresh pages. Returns spans
+-- {page, count}, neighbours merged.
+local function take_pages(id, take)
+  local spans, fk = {}, P .. ':free:' .. id
+  local function add(page, n)
+    local last = spans[#spans]
+    if last and last[1] + last[2] == page then
+      last[2] = last[2] + n
+    else
+      spans[#spans + 1] = {page, n}
+    end
+  end
+  local left = take
+  while left > 0 do
+    local e = redis.call('RPOP', fk)
+    if not e then break end
+    local page, n = string.match(e, '^(%d+),?(%d*)$')
+    page, n = tonumber(page), tonumber(n) or 1
+    if n > left then
+      redis.call('RPUSH', fk, string.format('%d,%d', page + left, n - left))  -- taken next
+      n = left
+    end
+    add(page, n)
+    left = left - n
+  end
+  if take > left then redis.call('HINCRBY', P .. ':node:' .. id, 'free_pages', left - take) end
+  if left > 0 then
+    local last = redis.call('HINCRBY', P .. ':node:' .. id, 'next_page', left)
+    add(last - left, left)
+  end
+  return spans
+end
+
+-- Makes runs of `spans` ({page, count}) on node `id`: each takes a generation above its
+-- first page's every earlier one and above the node's `floor`. Returns their extents.
+local function new_runs(id, floor, spans)
+  local gk, starts = P .. ':gen:' .. id, {}
+  for i, s in ipairs(spans) do starts[i] = s[1] end
+  local old = hmget_chunked(gk, starts)
+  local sets, out = {}, {}
+  for i, s in ipairs(spans) do
+    local gen = math.max(math.abs(tonumber(old[i] or '0') or 0), floor) + 1
+    sets[#sets + 1] = s[1]
+    sets[#sets + 1] = string.format('%d', gen)
+    out[i] = run_text(id, s[1], gen, s[2])
+  end
+  if #sets > 0 then call_chunked('HSET', gk, sets, 2) end
+  return out
 end
 
 -- Ends pending put `token` (or page reservation): its record goes, and the pages of `extents`
@@ -171,11 +256,11 @@ local function on_live_pages(extents, nodes)
       left = left + 1
     end
   end
-  for id, gen in string.gmatch(extents or '', '([^,;]+),%d+,(%d+)') do
+  for id, _, gen in runs(extents) do
     if left == 0 then break end
     local floor = floors[id]
     if floor then
-      if tonumber(gen) <= floor then return false end
+      if gen <= floor then return false end
       floors[id] = nil
       left = left - 1
     end
@@ -305,11 +390,11 @@ end
 local function candidates(avoid)
   local c, total = {}, 0
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
-    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'next_page', 'gen_floor', 'key')
-    if st[1] == 'up' and avoid[id] ~= st[5] then
-      local free = (tonumber(st[2]) or 0) - (tonumber(st[3]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
+    local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'gen_floor', 'key')
+    if st[1] == 'up' and avoid[id] ~= st[3] then
+      local free = free_pages(id)
       if free > 0 then
-        c[#c + 1] = {id, free, tonumber(st[4] or '0') or 0}
+        c[#c + 1] = {id, free, tonumber(st[2] or '0') or 0}
         total = total + free
       end
     end
@@ -368,8 +453,8 @@ local function evict(need, usable)
   local victims, pages = {}, 0
   local orphans = walk_unleased_lru(function(key, _, extents)
     local n = 0
-    for id in string.gmatch(extents or '', '([^,;]+),%d+,%d+') do
-      if usable[id] then n = n + 1 end
+    for id, _, _, count in runs(extents) do
+      if usable[id] then n = n + count end
     end
     if n > 0 then
       victims[#victims + 1] = key
@@ -463,6 +548,84 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end
 
+-- Page reservations. P:put:<res>:pages lists the runs a reservation was given, in order: its
+-- page i (what its puts name by position) is the i-th page of that list. Its record's
+-- 'extents' are the runs it still holds.
+--
+-- Takes the reservation's pages [first, first + count) out of what it holds: each stretch of
+-- them becomes a run with a generation of its own, and what the reservation keeps around it
+-- too (a run is never partly freed). Returns the stretches' extents (in reservation order) and
+-- how many of those pages it no longer held. With `all` (a commit), nothing changes unless
+-- every page is held and on a node alive and serving: then it returns nil and why ('INVALID
+-- ...' for pages past the reservation's end, 'STALE ...' for pages it lost).
+local function carve(res, first, count, all)
+  local pk = P .. ':put:' .. res
+  -- Pages from 'ends' on went back (release_reservation): past the reservation's end now.
+  local ends = tonumber(redis.call('HGET', pk, 'ends') or '') or math.huge
+  local want, off = {}, 0
+  for _, e in ipairs(redis.call('LRANGE', pk .. ':pages', 0, -1)) do
+    for id, page, _, n in runs(e) do
+      n = math.max(0, math.min(n, ends - off))
+      local lo, hi = math.max(first, off), math.min(first + count, off + n)
+      if lo < hi then want[#want + 1] = {id, page + lo - off, hi - lo} end
+      off = off + n
+    end
+    if off >= first + count then break end
+  end
+  if all and count > 0 and off < first + count then return nil, 'INVALID the reservation holds no pages ' .. first .. '+' .. count end
+  local held = {}
+  each_run_state(redis.call('HGET', pk, 'extents'), function(id, g, i, cur)
+    if cur then held[#held + 1] = {id, g.pages[i], g.gens[i], g.counts[i]} end
+  end)
+  if all then
+    for _, w in ipairs(want) do
+      local v = node_view(w[1])
+      if not v.alive or (v.state ~= 'up' and v.state ~= 'draining') then
+        return nil, 'STALE a memory node of the put died, restarted or began leaving before the commit'
+      end
+    end
+  end
+  local missing, cut, renew = math.max(0, first + count - math.max(off, first)), {}, {}
+  for _, w in ipairs(want) do
+    local id, a, k = w[1], w[2], w[3]
+    local keep, got = {}, {}
+    for _, h in ipairs(held) do
+      local lo, hi = math.max(a, h[2]), math.min(a + k, h[2] + h[4])
+      if h[1] ~= id or lo >= hi then
+        keep[#keep + 1] = h
+      else
+        if lo > h[2] then keep[#keep + 1] = {id, h[2], h[3], lo - h[2]} end
+        if hi < h[2] + h[4] then renew[#renew + 1] = {id, hi, h[2] + h[4] - hi} end
+        got[#got + 1] = {lo, hi - lo}
+      end
+    end
+    held = keep
+    table.sort(got, function(x, y) return x[1] < y[1] end)
+    local n = 0
+    for _, span in ipairs(got) do
+      local last = cut[#cut]
+      if last and last[1] == id and last[2] + last[3] == span[1] then
+        last[3] = last[3] + span[2]
+      else
+        cut[#cut + 1] = {id, span[1], span[2]}
+      end
+      n = n + span[2]
+    end
+    missing = missing + k - n
+  end
+  if all and missing > 0 then
+    return nil, 'STALE the reservation no longer holds pages ' .. first .. '+' .. count ..
+                ' (reclaimed after its lease, or aborted)'
+  end
+  -- The new runs: the stretches cut, then what the reservation keeps after them.
+  local out, kept = {}, {}
+  for _, c in ipairs(cut) do out[#out + 1] = new_runs(c[1], node_view(c[1]).floor, {{c[2], c[3]}})[1] end
+  for _, h in ipairs(held) do kept[#kept + 1] = run_text(h[1], h[2], h[3], h[4]) end
+  for _, r in ipairs(renew) do kept[#kept + 1] = new_runs(r[1], node_view(r[1]).floor, {{r[2], r[3]}})[1] end
+  redis.call('HSET', pk, 'extents', table.concat(kept, ';'))
+  return table.concat(out, ';'), missing
+end
+
 -- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 11] (reservation,
 -- first, count, token, key, size, checksum, layout, ttl_ms, condition, copies): nil once it is
 -- the object (or already was), else why not (an error reply's text: STALE, INVALID).
@@ -474,35 +637,14 @@ local function commit_reserved_one(a, base)
   if redis.call('HGET', pk, 'key') ~= '' then
     return 'STALE the page reservation lost its lease before the commit; its pages were reclaimed'
   end
-  local taken = {}
-  if count > 0 then taken = redis.call('LRANGE', pk .. ':pages', first, first + count - 1) end
-  if #taken ~= count then return 'INVALID the reservation holds no pages ' .. first .. '+' .. count end
-  local extents = table.concat(taken, ';')
-  local nodes = nodes_of(extents)
-  if not current(extents) or not on_live_pages(extents, nodes) then
-    return 'STALE a memory node of the put died, restarted or began leaving before the' ..
-           ' commit, or the reservation\'s pages were reclaimed'
-  end
+  local extents, why = carve(res, first, count, true)
+  if not extents then return why end
   local failed = condition_fails(key, a[base + 10])
   if failed then
     free_extents(extents)  -- the writes are done: nothing can land in them any more
     return failed
   end
-  local groups, order = by_node(extents)
-  for _, id in ipairs(order) do
-    local g, sets = groups[id], {}
-    for i, page in ipairs(g.pages) do
-      sets[#sets + 1] = page
-      sets[#sets + 1] = g.gens[i] + 1
-    end
-    call_chunked('HSET', P .. ':gen:' .. id, sets, 2)
-  end
-  local moved = {}
-  for i, e in ipairs(taken) do
-    local id, page, gen = string.match(e, '([^,]+),(%d+),(%d+)')
-    moved[i] = string.format('%s,%s,%d', id, page, tonumber(gen) + 1)
-  end
-  publish(key, token, size, table.concat(moved, ';'), nodes, a[base + 7], a[base + 8], ttl, a[base + 11])
+  publish(key, token, size, extents, nodes_of(extents), a[base + 7], a[base + 8], ttl, a[base + 11])
   return nil
 end
 
@@ -520,10 +662,7 @@ local RESERVE_MAX = 256
 -- the other copies): the candidate that holds all `need` pages, the one with most free pages,
 -- after evicting on it alone when none has them free; nil when no node can.
 local function one_node_for(need, avoid)
-  local function free_of(id)
-    local st = redis.call('HMGET', P .. ':node:' .. id, 'page_count', 'next_page')
-    return (tonumber(st[1]) or 0) - (tonumber(st[2]) or 0) + redis.call('LLEN', P .. ':free:' .. id)
-  end
+  local free_of = free_pages
   local nodes = {}
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
     local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'gen_floor', 'key')
@@ -583,24 +722,7 @@ local function allocate(token, key, size, extra, lease, avoid, one_node)
     local id = c[1]
     local take = math.min(c[2], want - got)
     nodes[#nodes + 1] = id
-    -- Returned pages first (oldest first, so neighbours stay neighbours), then fresh ones.
-    local pages = redis.call('RPOP', P .. ':free:' .. id, take)
-    if not pages then pages = {} end
-    local fresh = take - #pages
-    if fresh > 0 then
-      local last = redis.call('HINCRBY', P .. ':node:' .. id, 'next_page', fresh)
-      for page = last - fresh, last - 1 do pages[#pages + 1] = page end
-    end
-    local gk = P .. ':gen:' .. id
-    local old = hmget_chunked(gk, pages)
-    local sets = {}
-    for i, page in ipairs(pages) do
-      local gen = math.max(math.abs(tonumber(old[i] or '0')), c[3]) + 1
-      sets[#sets + 1] = page
-      sets[#sets + 1] = gen
-      ext[#ext + 1] = string.format('%s,%s,%d', id, page, gen)  -- %d: no exponent for big numbers
-    end
-    call_chunked('HSET', gk, sets, 2)
+    for _, e in ipairs(new_runs(id, c[3], take_pages(id, take))) do ext[#ext + 1] = e end
     got = got + take
   end
   local extents, node_list = table.concat(ext, ';'), table.concat(nodes, ' ')

@@ -20,7 +20,7 @@ local cell = page_size()
 if cell > 0 and cell ~= ps then
   return redis.error_reply('INVALID page size ' .. ps .. ' differs from the cell page size ' .. cell)
 end
-redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 3)
+redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 4)
 local nk = P .. ':node:' .. id
 local held = redis.call('HMGET', nk, 'epoch', 'state')
 if held[1] and held[1] ~= epoch and (held[2] == 'up' or held[2] == 'draining') and live(id) then
@@ -35,7 +35,8 @@ if held[1] ~= epoch then
   -- 2^32 allocations of a page per incarnation, 2^21 incarnations within Lua's exact integers.
   local floor = (redis.call('HINCRBY', nk, 'epochs', 1) - 1) * 4294967296
   -- Nothing granted before now can still write here: the pool was fenced as a whole.
-  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'registered', now, 'gen_floor', floor, 'fenced', now)
+  redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'free_pages', 0, 'registered', now, 'gen_floor', floor,
+             'fenced', now)
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)

@@ -15,17 +15,9 @@
 local res, from, drop = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local pk = P .. ':put:' .. res
 if redis.call('HGET', pk, 'key') ~= '' then return 0 end
-local rest = redis.call('LRANGE', pk .. ':pages', from, -1)
-local freed = free_extents(table.concat(rest, ';'))
-if from <= 0 then
-  drop_put(res, '')
-  return freed
-end
-redis.call('LTRIM', pk .. ':pages', 0, from - 1)
-local handed = table.concat(redis.call('LRANGE', pk .. ':pages', 0, -1), ';')
-if drop and held_pages(handed) == 0 then
-  drop_put(res, '')
-  return freed
-end
-redis.call('HSET', pk, 'extents', handed)
+local rest = carve(res, from, 4294967296, false)  -- every page from `from` on
+local freed = free_extents(rest)
+redis.call('HSET', pk, 'ends', math.min(from, tonumber(redis.call('HGET', pk, 'ends') or '') or from))
+local handed = redis.call('HGET', pk, 'extents')
+if from <= 0 or (drop and held_pages(handed) == 0) then drop_put(res, handed) end
 return freed
