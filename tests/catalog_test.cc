@@ -9,6 +9,8 @@
 #include <set>
 #include <thread>
 
+#include <hiredis/hiredis.h>
+
 #include "metadata/read_releases.h"
 #include "redis_server.h"
 
@@ -323,6 +325,110 @@ TEST_F(CatalogTest, AnAbortFreesThePagesOfTheNodesThatConfirmedItsFence) {
   EXPECT_EQ(cat_->abort_put("t", only_a).value(), 0u) << "abort is idempotent";
 }
 
+// Schema 4: pages allocated together are one run, in the record and on the free list, and a
+// run's pages return together.
+TEST_F(CatalogTest, PagesAllocatedTogetherAreOneRunAndReturnAsOne) {
+  ASSERT_TRUE(add_node("a", 64).is_ok());
+  const std::string prefix = cat_->prefix();
+  auto text = [&](const std::vector<std::string_view>& args) {
+    auto r = redis_->command(args);
+    return r.is_ok() && !r->is_nil() ? std::string(r->str()) : std::string();
+  };
+  auto free_runs = [&] { return redis_->command({"LLEN", prefix + ":free:a"})->integer(); };
+  Placement k = put("k", 32);
+  ASSERT_EQ(k.extents.size(), 32u);
+  for (std::size_t i = 0; i < 32; ++i) {
+    EXPECT_EQ(k.extents[i].page, i);
+    EXPECT_EQ(k.extents[i].generation, k.extents[0].generation);
+  }
+  EXPECT_EQ(text({"HGET", prefix + ":obj:k", "extents"}),
+            "a,0," + std::to_string(k.extents[0].generation) + ",32");
+  ASSERT_TRUE(cat_->remove("k").is_ok());
+  EXPECT_EQ(free_runs(), 1) << "32 pages return as one run";
+  EXPECT_EQ(free_of("a"), 64u);
+  EXPECT_EQ(text({"HGET", prefix + ":node:a", "free_pages"}), "32");
+  // The freed run serves the next two puts, oldest pages first, split between them.
+  Placement k2 = put("k2", 16), k3 = put("k3", 16);
+  EXPECT_EQ(k2.extents.front().page, 0u);
+  EXPECT_EQ(k3.extents.front().page, 16u);
+  EXPECT_GT(k2.extents.front().generation, k.extents.front().generation) << "page 0 again: a later generation";
+  EXPECT_EQ(free_runs(), 0);
+  EXPECT_EQ(text({"HGET", prefix + ":node:a", "free_pages"}), "0");
+  EXPECT_EQ(free_of("a"), 32u);
+  // Ending k's read lease late checks k's run against its first page, which k2 holds now:
+  // stale, and nothing of k2 or k3 moves.
+  ASSERT_TRUE(cat_->remove("k2").is_ok());
+  EXPECT_EQ(free_of("a"), 48u);
+  EXPECT_TRUE(cat_->begin_get("k3", "r", 1s).is_ok());
+}
+
+// Commits carve their pages out of a reservation in any order; pages a commit took, an abort
+// freed or the client released can never be committed again, and what is left stays
+// committable.
+TEST_F(CatalogTest, CommitsCarveTheirPagesOutOfAReservationInAnyOrder) {
+  ASSERT_TRUE(add_node("a", 16).is_ok());
+  auto r = cat_->reserve_pages("res", 15 * kPage, 0, 30s);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  ASSERT_EQ(r->extents.size(), 15u);
+  EXPECT_EQ(free_of("a"), 1u);
+  auto commit = [&](std::uint64_t first, std::uint64_t count, const std::string& key) {
+    return cat_->commit_reserved({"res", first, count}, "p-" + key, key, count * kPage, {1}, "", 0ms);
+  };
+  auto pages_of = [&](const std::string& key) {
+    std::vector<std::uint64_t> pages;
+    auto g = cat_->begin_get(key, "r-" + key, 1s);
+    if (!g.is_ok()) return pages;
+    for (const Extent& e : g->placement.extents) pages.push_back(e.page);
+    EXPECT_TRUE(cat_->end_get("r-" + key, *g).is_ok());
+    return pages;
+  };
+  auto reserved = [&](std::uint64_t first, std::uint64_t count) {
+    std::vector<std::uint64_t> pages;
+    for (std::uint64_t i = first; i < first + count; ++i) pages.push_back(r->extents[i].page);
+    return pages;
+  };
+  ASSERT_TRUE(commit(9, 3, "k3").is_ok());
+  ASSERT_TRUE(commit(0, 3, "k1").is_ok());
+  ASSERT_TRUE(commit(3, 3, "k2").is_ok());
+  EXPECT_EQ(pages_of("k3"), reserved(9, 3));
+  EXPECT_EQ(pages_of("k1"), reserved(0, 3));
+  EXPECT_EQ(pages_of("k2"), reserved(3, 3));
+  EXPECT_EQ(commit(2, 2, "overlap").code(), StatusCode::kStale) << "pages k1 and k2 took";
+  EXPECT_EQ(cat_->stat("overlap").status().code(), StatusCode::kNotFound);
+  // A put of [6, 9) fails; its node confirmed: those pages return at once.
+  const std::vector<std::string> only_a{"a"};
+  EXPECT_EQ(cat_->abort_reserved({"res", 6, 3}, only_a).value(), 0u);
+  EXPECT_EQ(free_of("a"), 4u);
+  EXPECT_EQ(commit(6, 1, "aborted").code(), StatusCode::kStale) << "an aborted put's page";
+  // k2 goes; its commit repeated (a retry after a lost reply) must not take pages again.
+  ASSERT_TRUE(cat_->remove("k2").is_ok());
+  EXPECT_EQ(free_of("a"), 7u);
+  EXPECT_EQ(commit(3, 3, "k2").code(), StatusCode::kStale);
+  EXPECT_EQ(free_of("a"), 7u);
+  // The store closes: [12, 15) were never handed out.
+  EXPECT_EQ(cat_->release_reservation("res", 12, false).value(), 3u);
+  EXPECT_EQ(free_of("a"), 10u);
+  EXPECT_EQ(commit(12, 1, "late").code(), StatusCode::kInvalidArgument) << "released: past the end";
+  EXPECT_EQ(cat_->release_reservation("res", 12, true).value(), 0u);
+  EXPECT_EQ(redis_->command({"EXISTS", cat_->prefix() + ":put:res"})->integer(), 0)
+      << "every page handed out was committed or freed: the record goes";
+  EXPECT_EQ(pages_of("k1"), reserved(0, 3));
+  EXPECT_EQ(pages_of("k3"), reserved(9, 3));
+  // Every page is accounted for: the 6 of k1 and k3, and 10 free, in runs the counter matches.
+  std::uint64_t in_runs = 0;
+  auto list = redis_->command({"LRANGE", cat_->prefix() + ":free:a", "0", "-1"});
+  ASSERT_TRUE(list.is_ok());
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    const std::string e(list->element(i)->str, list->element(i)->len);
+    const auto comma = e.find(',');
+    in_runs += comma == std::string::npos ? 1 : std::stoull(e.substr(comma + 1));
+  }
+  auto counted = redis_->command({"HGET", cat_->prefix() + ":node:a", "free_pages"});
+  ASSERT_TRUE(counted.is_ok());
+  EXPECT_EQ(std::to_string(in_runs), std::string(counted->str()));
+  EXPECT_EQ(free_of("a"), 10u);
+}
+
 // A page reservation: puts commit runs of it in one script each; the commits raise the pages'
 // generation, so ending the reservation frees only what no commit took.
 TEST_F(CatalogTest, AReservationsCommittedRunsOutliveItAndItsOtherPagesReturn) {
@@ -539,6 +645,12 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
   EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
   cmd({"HSET", obj + "k", "extents", "a,0,1;a,1,1;a,2,1"});  // 3 pages for 100 bytes
   EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
+  cmd({"HSET", obj + "k", "extents", "a,0,1,3"});  // a run of 3 pages for 100 bytes
+  EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
+  for (std::string_view bad : {"a,0,1,0", "a,0,1,1,1", "a,0,1,", "a,0,1,99999999999", "a,18446744073709551615,1,2"}) {
+    cmd({"HSET", obj + "k", "extents", bad});
+    EXPECT_EQ(get_code("k"), StatusCode::kCorrupt) << bad;
+  }
   cmd({"HSET", obj + "k", "extents", "a,0,1", "checksum", "not-hex!"});
   EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
   cmd({"SET", obj + "foreign", "a string, not a hash"});
