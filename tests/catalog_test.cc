@@ -360,6 +360,9 @@ TEST_F(CatalogTest, PagesAllocatedTogetherAreOneRunAndReturnAsOne) {
   ASSERT_TRUE(cat_->remove("k2").is_ok());
   EXPECT_EQ(free_of("a"), 48u);
   EXPECT_TRUE(cat_->begin_get("k3", "r", 1s).is_ok());
+  // No object spans more pages than a client reads back.
+  auto huge = cat_->begin_put("huge", "huge", (kMaxObjectPages + 1) * kPage, 30s);
+  EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument) << huge.status().to_string();
 }
 
 // Commits carve their pages out of a reservation in any order; pages a commit took, an abort

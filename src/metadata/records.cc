@@ -37,9 +37,9 @@ bool valid_node_id(std::string_view id) {
 }
 
 Result<std::vector<Extent>> parse_extents(std::string_view text) {
-  // More pages than any object of a cell can span (2^24 pages is 64 TiB in 4 MiB pages): a
-  // corrupt count must not make this allocate without bound.
-  constexpr std::uint64_t kMaxPages = 1ull << 24;
+  // A corrupt count must not make this allocate without bound: no object spans more pages
+  // than this (allocate in prelude.lua refuses bigger puts).
+  constexpr std::uint64_t kMaxPages = kMaxObjectPages;
   std::vector<Extent> out;
   while (!text.empty()) {
     std::size_t end = text.find(';');

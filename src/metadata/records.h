@@ -175,8 +175,11 @@ std::string copy_key(std::string_view key, std::uint32_t i);
 Status validate_object_key(std::string_view key);
 // Node ids: 1..64 characters of [A-Za-z0-9._-].
 bool valid_node_id(std::string_view id);
+// The most pages one object may span (4 GiB in 4 KiB pages, 4 TiB in 4 MiB ones): a put of
+// more is kInvalidArgument, a record naming more kCorrupt.
+inline constexpr std::uint64_t kMaxObjectPages = 1ull << 20;
 // Parses "node,page,generation[,count];..." (runs of `count` pages, 1 when absent) into one
-// Extent per page, in order (kCorrupt when malformed, or past 2^24 pages).
+// Extent per page, in order (kCorrupt when malformed, or past kMaxObjectPages).
 Result<std::vector<Extent>> parse_extents(std::string_view text);
 
 }  // namespace kvstash::metadata

@@ -657,6 +657,7 @@ end
 -- stay short), and lists its pages in P:put:<token>:pages for the commits that take them.
 -- Returns page size, extents and nodes, or nil and an error.
 local RESERVE_MAX = 256
+local MAX_OBJECT_PAGES = 1048576  -- records.h kMaxObjectPages: clients refuse records naming more
 
 -- For `one_node` (a copy of an object put with replicas, which must leave the other nodes to
 -- the other copies): the candidate that holds all `need` pages, the one with most free pages,
@@ -688,7 +689,10 @@ local function allocate(token, key, size, extra, lease, avoid, one_node)
   local ps = page_size()
   if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
   local need = math.ceil(size / ps)
-  extra = math.floor(extra / ps)
+  if need > MAX_OBJECT_PAGES then
+    return nil, 'INVALID an object of ' .. need .. ' pages: at most ' .. MAX_OBJECT_PAGES .. ' pages per object'
+  end
+  extra = math.min(math.floor(extra / ps), MAX_OBJECT_PAGES - need)
   local cands, total = candidates(avoid)
   local single = one_node and one_node_for(need, avoid)
   if single then
