@@ -175,6 +175,18 @@ class Engine:
         self.scheduler.update_from_output(out, runner)
         return out
 
+    def run(self, rid, tokens, max_tokens=2, steps=64):
+        """Adds a request and steps until the scheduler has nothing left."""
+        self.scheduler.add_request(self.request(rid, tokens, max_tokens=max_tokens))
+        for _ in range(steps):
+            if self.scheduler.get_num_unfinished_requests() == 0:
+                return
+            self.step()
+        raise AssertionError(f"{rid} did not finish in {steps} steps")
+
+    def saved(self):
+        return sum(w._stats["chunks_saved"] for w, _, _ in self.workers)
+
     def compute(self, out, cache, layer, rank):
         """Writes the KV of every token scheduled this step: a value of the token, its position,
         the layer and the rank, so that a load can be checked against what compute would give."""
@@ -209,6 +221,21 @@ def expected_block(tokens, block_index, layer, rank):
         pos = block_index * BLOCK + j
         want[:, j, :] = kv_value(tokens[pos], pos, layer, rank)
     return want
+
+
+def corrupt_checksum(key):
+    """Makes the cell's record of chunk `key` name another checksum for its first layer (a
+    KV chunk's layout carries one per layer, "...;xxh3=L0,L1"): its next load is kCorrupt."""
+    import subprocess
+
+    obj = "kvs:{kvs:default}:obj:" + key
+    cli = ["redis-cli", "-u", URL]
+    old = subprocess.run(cli + ["HGET", obj, "layout"], capture_output=True, text=True, check=True).stdout.strip()
+    assert ";xxh3=" in old, f"no chunk record of {key}: {old!r}"
+    head, sums = old.split(";xxh3=", 1)
+    first, rest = sums.split(",", 1)
+    bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + "," + rest
+    subprocess.run(cli + ["HSET", obj, "layout", bad], capture_output=True, check=True)
 
 
 class VllmConnector(unittest.TestCase):
@@ -375,6 +402,62 @@ class VllmConnector(unittest.TestCase):
         out = c.step(fail_loads=True)
         self.assertEqual(len(out.kv_connector_metadata.loads), 1)
         self.assertNotIn("c", c.scheduler.requests, "the request failed and was removed")
+
+    def test_chunks_the_cell_holds_are_not_put_again(self):
+        prompt = [41 + (i * 23) % 900 for i in range(5 * BLOCK)] + [1, 2, 3]
+        a = Engine()
+        a.run("a1", prompt)
+        self.assertEqual(a.saved(), 5)
+        # The same prompt again: vLLM's own prefix cache holds its blocks, so no lookup asks the
+        # cell; the chunks are there already and are not put again.
+        a.run("a2", prompt)
+        self.assertEqual(a.saved(), 5, "a chunk the cell holds was put again")
+        # Another engine loads them and puts none.
+        b = Engine()
+        b.run("b1", prompt)
+        self.assertEqual(b.workers[0][0]._stats["chunks_loaded"], 5)
+        self.assertEqual(b.saved(), 0, "a loaded chunk was put again")
+        # Decode that fills a chunk the cell already holds (the same greedy answer again).
+        c = Engine()
+        long_answer = [51 + (i * 29) % 900 for i in range(2 * BLOCK)]
+        c.run("c1", long_answer, max_tokens=BLOCK + 2)
+        first = c.saved()
+        c.run("c2", long_answer, max_tokens=BLOCK + 2)
+        self.assertEqual(c.saved(), first, "a decode chunk was put twice")
+
+    def test_chunks_recomputed_after_a_failed_load_are_saved_again(self):
+        shared = [61 + (i * 31) % 900 for i in range(3 * BLOCK)]
+        a = Engine()
+        a.run("a", shared + [5])
+        self.assertEqual(a.saved(), 3)
+        b = Engine()
+        b.scheduler.add_request(b.request("b", shared + [6]))
+        out = b.step(fail_loads=True)
+        self.assertEqual(len(out.kv_connector_metadata.loads), 1)
+        for _ in range(16):
+            if b.scheduler.get_num_unfinished_requests() == 0:
+                break
+            b.step()
+        self.assertEqual(b.saved(), 3, "the chunks computed again after the failed load were not saved")
+
+    def test_a_corrupt_chunk_leaves_the_cell_and_is_saved_anew(self):
+        shared = [71 + (i * 37) % 900 for i in range(3 * BLOCK)]
+        a = Engine()
+        a.run("a", shared + [5])
+        self.assertEqual(a.saved(), 3)
+        g = a.connector.geometry
+        keys = g.keys(shared, 0, 1)
+        corrupt_checksum(keys[1])
+        b = Engine()
+        b.run("b", shared + [6])
+        w = b.workers[0][0]
+        self.assertEqual(w._stats["chunks_corrupt_removed"], 1)
+        self.assertGreaterEqual(b.saved(), 2, "the chunks after the corrupt one were computed and saved again")
+        # A third engine finds every chunk whole again.
+        c = Engine()
+        c.run("c", shared + [7])
+        self.assertEqual(c.workers[0][0]._stats["chunks_loaded"], 3)
+        self.assertEqual(c.workers[0][0]._stats["chunks_load_failed"], 0)
 
     def test_a_preempted_request_resumes_and_loads_again(self):
         shared = [31 + (i * 19) % 900 for i in range(4 * BLOCK)]

@@ -195,6 +195,9 @@ class _Tracked:
     request: Request  # the scheduler's own: its all_token_ids grow as decode runs
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # leading chunks known to be in the cell (found, loaded or saved)
+    # Leading chunks whose presence in the cell was asked (the lookup, or a check before a
+    # save): chunks past it are checked before they are saved, so none is put twice.
+    asked: int = 0
     load: tuple[int, int] | None = None  # (first, count) to load in the next step
 
 
@@ -208,7 +211,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
         self._store: kvstash.Store | None = None
         # Scheduler side.
-        self._matched: dict[str, tuple[int, int, int]] = {}  # req -> (local computed, external, found)
+        # req -> (local computed, external, found, chunks asked about)
+        self._matched: dict[str, tuple[int, int, int, int]] = {}
         self._lookups: dict[str, tuple[tuple[int, int], Future]] = {}  # req -> ((computed, tokens), found)
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -221,7 +225,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._saves: list[tuple[ChunkRun, Any]] = []
         self._load_errors: set[int] = set()
         self._stats = {"lookups": 0, "chunks_found": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
-                       "chunks_saved": 0, "chunks_save_failed": 0}
+                       "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
+                       "chunks_corrupt_removed": 0}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -288,7 +293,7 @@ class KvstashConnector(KVConnectorBase_V1):
             found = self._found_chunks(tokens, limit, self._salt_of(request))
             self._stats["lookups"] += 1
         external = max(0, found - first) * chunk
-        self._matched[request.request_id] = (num_computed_tokens, external, found)
+        self._matched[request.request_id] = (num_computed_tokens, external, found, limit)
         return external, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -296,9 +301,10 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         t = self._tracked.setdefault(request.request_id, _Tracked(request))
         t.request = request
-        computed, external, found = self._matched.pop(request.request_id, (0, 0, 0))
+        computed, external, found, asked = self._matched.pop(request.request_id, (0, 0, 0, 0))
         self._lookups.pop(request.request_id, None)
         t.stored = max(t.stored, found)
+        t.asked = max(t.asked, asked)
         if num_external_tokens > 0:
             if num_external_tokens != external:
                 raise RuntimeError(f"kvstash: vLLM allocated {num_external_tokens} external tokens for "
@@ -328,6 +334,10 @@ class KvstashConnector(KVConnectorBase_V1):
             computed_after[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
 
         chunk, per_block = self.geometry.chunk_tokens, self.geometry.block_size
+
+        def end_of(chunks: int) -> int:
+            return chunks * chunk
+
         for req_id, after in computed_after.items():
             t = self._tracked[req_id]
             tokens = t.request.all_token_ids
@@ -342,6 +352,14 @@ class KvstashConnector(KVConnectorBase_V1):
             if not self.config.save_decode:
                 ready = min(ready, len(t.request.prompt_token_ids or []) // chunk)
             ready = min(ready, len(t.block_ids) * per_block // chunk)
+            if ready > t.stored and ready > t.asked:
+                # Chunks no lookup asked about (vLLM's own prefix cache had them, or decode
+                # filled them): the cell may hold them already, put by this engine or another.
+                found = self._found_chunks(list(tokens[:end_of(ready)]), ready, self._salt_of(t.request))
+                t.asked = ready
+                if found > t.stored:
+                    self._stats["chunks_already_stored"] += found - t.stored
+                    t.stored = found
             if ready > t.stored:
                 end = ready * chunk
                 meta.saves.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block],
@@ -355,6 +373,19 @@ class KvstashConnector(KVConnectorBase_V1):
             self._matched.pop(req_id, None)
             self._lookups.pop(req_id, None)
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks whose load failed are computed again: their chunks are no longer known to be
+        stored, so the recomputed ones are saved (replacing what failed to load)."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
+        for t in self._tracked.values():
+            for i, block in enumerate(t.block_ids):
+                if block in invalid:
+                    t.stored = min(t.stored, i // per_chunk)
+                    break
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves run within the step that computed their chunks (wait_for_save), so no save is
@@ -523,12 +554,30 @@ class KvstashConnector(KVConnectorBase_V1):
         self._finish_loads()
 
     def _finish_loads(self) -> None:
-        for _, load in self._loads:
+        for run, load in self._loads:
             self._load_errors.update(load.failed_blocks())
             codes = [code for code, _ in load.wait()]
             self._stats["chunks_loaded"] += codes.count("ok")
             self._stats["chunks_load_failed"] += len(codes) - codes.count("ok")
+            if "corrupt" in codes:
+                self._remove_corrupt(run, [i for i, code in enumerate(codes) if code == "corrupt"])
         self._loads.clear()
+
+    def _remove_corrupt(self, run: ChunkRun, bad: list[int]) -> None:
+        """Chunks whose bytes did not match their checksum leave the cell: a later lookup
+        misses them instead of failing every load, and the recompute's save puts them anew."""
+        g = self.geometry
+        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
+        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
+        for i in bad:
+            key = keys[run.first + i]
+            try:
+                self.store.remove(key, timeout_ms=self.config.timeout_ms)
+                self._stats["chunks_corrupt_removed"] += 1
+                logger.warning("kvstash: chunk %d of %s was corrupt and is removed from the cell", run.first + i,
+                               run.req_id)
+            except kvstash.Error as e:
+                logger.warning("kvstash: a corrupt chunk of %s could not be removed: %s", run.req_id, e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finish_loads()  # a step with loads and no saves ends them here
