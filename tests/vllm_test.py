@@ -459,6 +459,43 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(c.workers[0][0]._stats["chunks_loaded"], 3)
         self.assertEqual(c.workers[0][0]._stats["chunks_load_failed"], 0)
 
+    def test_sleep_mode_drops_the_registrations_and_wake_up_restores_them(self):
+        from vllm.config import KVTransferConfig as K
+
+        self.assertTrue(KVConnectorFactory.get_connector_class(K(kv_connector="KvstashConnector",
+                                                                 kv_connector_module_path="kvstash.vllm",
+                                                                 kv_role="kv_both")).supports_sleep_mode(None))
+        shared = [81 + (i * 43) % 900 for i in range(2 * BLOCK)]
+        a = Engine()
+        a.run("a", shared + [1])
+        b = Engine()
+        w, caches, _ = b.workers[0]
+        w.unregister_kv_caches()
+        self.assertEqual(len(w._caches), 0, "a registration outlived sleep")
+        w.unregister_kv_caches()  # idempotent
+        w.restore_kv_caches()
+        w.restore_kv_caches()
+        self.assertEqual(len(w._caches), 1)
+        b.scheduler.add_request(b.request("b", shared + [2]))
+        first = b.step()
+        load = first.kv_connector_metadata.loads[0]
+        self.assertEqual(w._stats["chunks_loaded"], 2)
+        for layer, name in enumerate(LAYERS):
+            for i in range(2):
+                self.assertTrue(torch.equal(caches[name][load.block_ids[i]], expected_block(shared, i, layer, 0)))
+
+    def test_an_untested_vllm_release_is_refused_by_name(self):
+        from kvstash.vllm import TESTED_VLLM, check_vllm_version
+
+        for tested in TESTED_VLLM:
+            check_vllm_version(tested + ".0", False)
+        check_vllm_version("0.32.0+cpu", False)
+        with self.assertRaises(RuntimeError) as e:
+            check_vllm_version("0.99.1", False)
+        self.assertIn("0.99.1", str(e.exception))
+        self.assertIn("allow_untested_vllm", str(e.exception))
+        check_vllm_version("0.99.1", True)
+
     def test_a_preempted_request_resumes_and_loads_again(self):
         shared = [31 + (i * 19) % 900 for i in range(4 * BLOCK)]
         a = Engine()

