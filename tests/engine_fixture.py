@@ -53,3 +53,19 @@ class Cell:
     def stop(self):
         subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=self.env, capture_output=True,
                        timeout=60)
+
+
+CELL_PREFIX = "kvs:{kvs:default}"  # the keys of the default cell's records (metadata::cell_prefix)
+
+
+def corrupt_layer_sum(url, key):
+    """Makes the cell's record of KV chunk `key` name another checksum for its first layer (a
+    chunk's layout carries one per layer, "...;xxh3=L0,L1"): its next load fails kCorrupt."""
+    obj = CELL_PREFIX + ":obj:" + key
+    cli = ["redis-cli", "-u", url]
+    old = subprocess.run(cli + ["HGET", obj, "layout"], capture_output=True, text=True, check=True).stdout.strip()
+    assert ";xxh3=" in old, f"no chunk record of {key}: {old!r}"
+    head, sums = old.split(";xxh3=", 1)
+    first, rest = sums.split(",", 1)
+    bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + "," + rest
+    subprocess.run(cli + ["HSET", obj, "layout", bad], capture_output=True, check=True)

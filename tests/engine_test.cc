@@ -21,15 +21,20 @@ struct Two {
   MemoryHandle local_mem, remote_mem;
 };
 
-Two make_two(std::vector<TransportKind> kinds, std::size_t size = 1u << 20) {
+// Two engines of options `o`, a local buffer on the first and a remote one on the second.
+Two make_two(const EngineOptions& o, std::size_t size = 1u << 20) {
   Two t;
-  t.a = Engine::create({.transports = kinds}).value();
-  t.b = Engine::create({.transports = kinds}).value();
+  t.a = Engine::create(o).value();
+  t.b = Engine::create(o).value();
   t.local = Buffer::allocate(size).value();
   t.remote = Buffer::allocate(size).value();
   t.local_mem = t.a->register_memory(t.local.region(), Access::kLocal).value();
   t.remote_mem = t.b->register_memory(t.remote.region(), Access::kRemote).value();
   return t;
+}
+
+Two make_two(std::vector<TransportKind> kinds, std::size_t size = 1u << 20) {
+  return make_two(EngineOptions{.transports = std::move(kinds)}, size);
 }
 
 TEST(Engine, SameHostPeersChooseSharedMemoryAndCanBeForcedToTcp) {
@@ -81,21 +86,16 @@ TEST(Engine, UnslicedTransfersCompleteWhenTheirOpCompletes) {
   // that op does, not at its deadline.
   EngineOptions o{.transports = {TransportKind::kTcp}};
   o.tcp.slice_bytes = 0;
-  auto a = Engine::create(o).value();
-  auto b = Engine::create(o).value();
-  auto local = Buffer::allocate(3u << 20).value();
-  auto remote_buf = Buffer::allocate(3u << 20).value();
-  auto lmem = a->register_memory(local.region(), Access::kLocal).value();
-  auto rmem = b->register_memory(remote_buf.region(), Access::kRemote).value();
-  auto peer = a->connect(b->address()).value();
-  auto remote = peer->import_key(rmem.remote_key()).value();
-  test::fill_random(local.bytes(), 11);
-  TransferEntry w{TransferOp::kWrite, &lmem, local.data(), remote.base(), &remote, local.size()};
+  Two t = make_two(o, 3u << 20);
+  auto peer = t.a->connect(t.b->address()).value();
+  auto remote = peer->import_key(t.remote_mem.remote_key()).value();
+  test::fill_random(t.local.bytes(), 11);
+  TransferEntry w{TransferOp::kWrite, &t.local_mem, t.local.data(), remote.base(), &remote, t.local.size()};
   const auto start = Clock::now();
   auto batch = peer->submit({&w, 1}, deadline_after(60s)).value();
   ASSERT_TRUE(batch.wait().is_ok());
   EXPECT_LT(Clock::now() - start, 30s) << "the batch waited for its deadline";
-  EXPECT_EQ(test::first_mismatch(local.data(), remote_buf.data(), local.size()), -1);
+  EXPECT_EQ(test::first_mismatch(t.local.data(), t.remote.data(), t.local.size()), -1);
 }
 
 // This process's CPU time (every thread) so far.
@@ -108,26 +108,20 @@ std::chrono::microseconds process_cpu() {
 
 TEST(Engine, BusyPollMovesTheSameBytesAndSleepsWhenIdle) {
   // Latency mode on both sides: callers and tcp I/O threads spin before they sleep.
-  EngineOptions o{.transports = {TransportKind::kTcp}, .busy_poll = 2ms};
-  auto a = Engine::create(o).value();
-  auto b = Engine::create(o).value();
-  auto local = Buffer::allocate(4u << 20).value();
-  auto remote_buf = Buffer::allocate(4u << 20).value();
-  auto lmem = a->register_memory(local.region(), Access::kLocal).value();
-  auto rmem = b->register_memory(remote_buf.region(), Access::kRemote).value();
-  auto peer = a->connect(b->address()).value();
-  auto remote = peer->import_key(rmem.remote_key()).value();
+  Two t = make_two(EngineOptions{.transports = {TransportKind::kTcp}, .busy_poll = 2ms}, 4u << 20);
+  auto peer = t.a->connect(t.b->address()).value();
+  auto remote = peer->import_key(t.remote_mem.remote_key()).value();
   int round = 0;
   for (std::size_t size : {std::size_t{1}, std::size_t{4096}, std::size_t{65536}, std::size_t{4u << 20}}) {
     for (int i = 0; i < 20; ++i, ++round) {
-      test::fill_random(local.bytes().first(size), 100 + round);
-      TransferEntry w{TransferOp::kWrite, &lmem, local.data(), remote.base(), &remote, size};
+      test::fill_random(t.local.bytes().first(size), 100 + round);
+      TransferEntry w{TransferOp::kWrite, &t.local_mem, t.local.data(), remote.base(), &remote, size};
       ASSERT_TRUE(peer->transfer({&w, 1}, deadline_after(10s)).is_ok()) << size;
-      ASSERT_EQ(test::first_mismatch(local.data(), remote_buf.data(), size), -1) << size;
-      test::fill_random(remote_buf.bytes().first(size), 900 + round);
-      TransferEntry r{TransferOp::kRead, &lmem, local.data(), remote.base(), &remote, size};
+      ASSERT_EQ(test::first_mismatch(t.local.data(), t.remote.data(), size), -1) << size;
+      test::fill_random(t.remote.bytes().first(size), 900 + round);
+      TransferEntry r{TransferOp::kRead, &t.local_mem, t.local.data(), remote.base(), &remote, size};
       ASSERT_TRUE(peer->transfer({&r, 1}, deadline_after(10s)).is_ok()) << size;
-      ASSERT_EQ(test::first_mismatch(local.data(), remote_buf.data(), size), -1) << size;
+      ASSERT_EQ(test::first_mismatch(t.local.data(), t.remote.data(), size), -1) << size;
     }
   }
   // Idle, the spinning stops: four I/O threads and no caller use a fraction of the time

@@ -34,7 +34,6 @@ BUILD = engine_fixture.build_dir()
 MODEL_LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 4, 256, 4, 2, 512
 MAX_TOKENS = 8
 ENGINE_SECONDS = 240  # one engine: start (about 25 s here), its prompts, the answer
-CELL_PREFIX = "kvs:{kvs:default}"
 
 
 def make_model(path, seed=0):
@@ -116,21 +115,10 @@ def engine_main(spec_path):
 def chunk_records(url):
     """Every object record's key -> the put that wrote it."""
     cli = ["redis-cli", "-u", url]
-    keys = subprocess.run(cli + ["--scan", "--pattern", CELL_PREFIX + ":obj:*"], capture_output=True, text=True,
+    keys = subprocess.run(cli + ["--scan", "--pattern", engine_fixture.CELL_PREFIX + ":obj:*"], capture_output=True, text=True,
                           check=True).stdout.split()
     return {k: subprocess.run(cli + ["HGET", k, "token"], capture_output=True, text=True).stdout.strip()
             for k in keys}
-
-
-def corrupt_layer_sum(url, obj):
-    """Makes record `obj` (a full Redis key) name another checksum for its first layer: its
-    next load fails kCorrupt."""
-    cli = ["redis-cli", "-u", url]
-    old = subprocess.run(cli + ["HGET", obj, "layout"], capture_output=True, text=True, check=True).stdout.strip()
-    head, sums = old.split(";xxh3=", 1)
-    first, rest = sums.split(",", 1)
-    bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + "," + rest
-    subprocess.run(cli + ["HSET", obj, "layout", bad], capture_output=True, check=True)
 
 
 class VllmForwardPass(unittest.TestCase):
@@ -181,7 +169,8 @@ class VllmForwardPass(unittest.TestCase):
             chunks += new
             known |= set(new)
         before = saver[2]["records"]
-        corrupt_layer_sum(self.cell.url, chunks[2])
+        key = chunks[2].removeprefix(engine_fixture.CELL_PREFIX + ":obj:")
+        engine_fixture.corrupt_layer_sum(self.cell.url, key)
         loader = run_engine(self.model, [self.OTHER], url=self.cell.url)
         self.assertEqual(loader[0]["tokens"], self.plain["other"], "a failed load changed the answer")
         after = loader[0]["records"]

@@ -223,21 +223,6 @@ def expected_block(tokens, block_index, layer, rank):
     return want
 
 
-def corrupt_checksum(key):
-    """Makes the cell's record of chunk `key` name another checksum for its first layer (a
-    KV chunk's layout carries one per layer, "...;xxh3=L0,L1"): its next load is kCorrupt."""
-    import subprocess
-
-    obj = "kvs:{kvs:default}:obj:" + key
-    cli = ["redis-cli", "-u", URL]
-    old = subprocess.run(cli + ["HGET", obj, "layout"], capture_output=True, text=True, check=True).stdout.strip()
-    assert ";xxh3=" in old, f"no chunk record of {key}: {old!r}"
-    head, sums = old.split(";xxh3=", 1)
-    first, rest = sums.split(",", 1)
-    bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + "," + rest
-    subprocess.run(cli + ["HSET", obj, "layout", bad], capture_output=True, check=True)
-
-
 class VllmConnector(unittest.TestCase):
     def test_loads_through_vllms_factory_and_keys_match_the_workers(self):
         e = Engine()
@@ -447,7 +432,7 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(a.saved(), 3)
         g = a.connector.geometry
         keys = g.keys(shared, 0, 1)
-        corrupt_checksum(keys[1])
+        engine_fixture.corrupt_layer_sum(URL, keys[1])
         b = Engine()
         b.run("b", shared + [6])
         w = b.workers[0][0]

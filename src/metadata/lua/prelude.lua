@@ -617,11 +617,23 @@ local function carve(res, first, count, all)
     return nil, 'STALE the reservation no longer holds pages ' .. first .. '+' .. count ..
                 ' (reclaimed after its lease, or aborted)'
   end
-  -- The new runs: the stretches cut, then what the reservation keeps after them.
+  -- The new runs, one generation read and write per node: the stretches cut, then what the
+  -- reservation keeps after them.
+  local made, spans, at = {}, {}, {}
+  for i, s in ipairs(cut) do made[i] = s end
+  for _, s in ipairs(renew) do made[#made + 1] = s end
+  for i, s in ipairs(made) do
+    if not spans[s[1]] then spans[s[1]], at[s[1]] = {}, {} end
+    spans[s[1]][#spans[s[1]] + 1] = {s[2], s[3]}
+    at[s[1]][#at[s[1]] + 1] = i
+  end
+  for id, list in pairs(spans) do
+    for j, text in ipairs(new_runs(id, node_view(id).floor, list)) do made[at[id][j]] = text end
+  end
   local out, kept = {}, {}
-  for _, c in ipairs(cut) do out[#out + 1] = new_runs(c[1], node_view(c[1]).floor, {{c[2], c[3]}})[1] end
+  for i = 1, #cut do out[i] = made[i] end
   for _, h in ipairs(held) do kept[#kept + 1] = run_text(h[1], h[2], h[3], h[4]) end
-  for _, r in ipairs(renew) do kept[#kept + 1] = new_runs(r[1], node_view(r[1]).floor, {{r[2], r[3]}})[1] end
+  for i = #cut + 1, #made do kept[#kept + 1] = made[i] end
   redis.call('HSET', pk, 'extents', table.concat(kept, ';'))
   return table.concat(out, ';'), missing
 end

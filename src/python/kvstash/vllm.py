@@ -357,10 +357,6 @@ class KvstashConnector(KVConnectorBase_V1):
             computed_after[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
 
         chunk, per_block = self.geometry.chunk_tokens, self.geometry.block_size
-
-        def end_of(chunks: int) -> int:
-            return chunks * chunk
-
         for req_id, after in computed_after.items():
             t = self._tracked[req_id]
             tokens = t.request.all_token_ids
@@ -378,7 +374,7 @@ class KvstashConnector(KVConnectorBase_V1):
             if ready > t.stored and ready > t.asked:
                 # Chunks no lookup asked about (vLLM's own prefix cache had them, or decode
                 # filled them): the cell may hold them already, put by this engine or another.
-                found = self._found_chunks(list(tokens[:end_of(ready)]), ready, self._salt_of(t.request))
+                found = self._found_chunks(list(tokens[: ready * chunk]), ready, self._salt_of(t.request))
                 t.asked = ready
                 if found > t.stored:
                     self._stats["chunks_already_stored"] += found - t.stored
