@@ -61,7 +61,9 @@ LAYOUT_CONSTRUCTORS_OMITTED = {"custom": "strides: C++ only"}
 CLASSES = [
     dict(cpp="Store", c_prefix="kvstash_", py="Store",
          translate={"open": {"c": ["store_open"], "py": ["__init__"]},
-                    "register_memory": {"c": [], "py": ["register_memory"]}},  # C: the KV cache registers
+                    "register_memory": {"c": [], "py": ["register_memory"]},  # C: the KV cache registers
+                    # P/D's direct path is Python's (kvstash.vllm) and C++'s so far
+                    **{m: {"c": []} for m in ("publish_handoff", "handoff", "end_handoff", "handoff_pending")}},
          omit={"get_unsized": "it is the bindings' get (they know no size in advance)",
                "begin_put": "C++ only: streamed puts are the KV cache's",
                "stat": "C++ only (the CLI shows it)", "touch": "C++ only",
@@ -82,6 +84,13 @@ CLASSES = [
                     "save_layer": {"c": ["layer", "layer_after"]}}),  # kvstash_save_layer[_after]
     dict(cpp="KvLoad", c_prefix="kvstash_load_", py="KvLoad",
          translate={"wait": {"c": ["finish"]}}),
+    # P/D's direct path: no C face yet. Python opens both over a KvCache (its store and layout).
+    dict(cpp="KvExport", c_prefix="kvstash_export_", py="KvExport",
+         translate={"open": {"c": [], "py": ["__init__"]}, "descriptor": {"c": []}, "fence": {"c": []}}),
+    dict(cpp="KvImport", c_prefix="kvstash_import_", py="KvImport",
+         translate={"open": {"c": [], "py": ["__init__"]}, "begin_read": {"c": []}}),
+    dict(cpp="KvPeerRead", c_prefix="kvstash_peer_read_", py="KvPeerRead",
+         translate={m: {"c": []} for m in ("poll", "wait", "cancel", "bytes")}),
 ]
 
 # Free functions: C++ name -> binding names.

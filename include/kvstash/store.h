@@ -358,6 +358,24 @@ class Store {
   // kNotFound when absent.
   Status touch(std::string_view key, std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
 
+  // Handoffs (prefill/decode disaggregation's direct path, kvstash/kvpeer.h): a short-lived
+  // record in the cell's Redis saying where this process holds memory for `readers` (a
+  // KvExport's descriptor and the blocks) and which of them have yet to read it. Only
+  // metadata: the bytes move one-sided. It expires after `ttl` (> 0) by Redis's clock, and goes
+  // with its last reader's end_handoff. Names and readers: 1..256 printable bytes, no spaces.
+  // Publishing a name again replaces its record.
+  Status publish_handoff(std::string_view name, std::string_view descriptor, std::span<const std::string> readers,
+                         std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
+  // The descriptor. kNotFound once the record expired or went with its last reader.
+  Result<std::string> handoff(std::string_view name, std::optional<Deadline> deadline = {});
+  // `reader` is done with the memory: true when it was pending, false when it had ended
+  // already or the record expired.
+  Result<bool> end_handoff(std::string_view name, std::string_view reader, std::optional<Deadline> deadline = {});
+  // Whether `reader` has yet to end it (false once it did, or the record expired): what the
+  // holder polls before it gives the memory up.
+  Result<bool> handoff_pending(std::string_view name, std::string_view reader,
+                               std::optional<Deadline> deadline = {});
+
   // Async forms: run on the store's threads; the future holds what the sync form returns.
   // Slices are copied, not the memory they name.
   std::future<Status> put_async(std::string key, std::vector<Slice> data, PutOptions options = {});

@@ -289,4 +289,62 @@ Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) 
   return static_cast<std::size_t>(r.integer());
 }
 
+// ---- Handoffs -----------------------------------------------------------------------------
+
+namespace {
+
+// Names and readers: 1..256 printable bytes, no spaces (they are parts of keys and fields).
+Status validate_handoff_word(std::string_view what, std::string_view w) {
+  if (w.empty() || w.size() > 256) return Status::invalid_argument(std::string(what) + " must be 1..256 bytes");
+  for (char c : w) {
+    if (c <= ' ' || c > '~') return Status::invalid_argument(std::string(what) + " must be printable, no spaces");
+  }
+  return {};
+}
+
+std::string handoff_key(const std::string& prefix, std::string_view name) {
+  return prefix + ":handoff:" + std::string(name);
+}
+
+}  // namespace
+
+Status Catalog::publish_handoff(std::string_view name, std::string_view descriptor,
+                                std::span<const std::string> readers, std::chrono::milliseconds ttl) {
+  KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's name", name));
+  if (ttl.count() <= 0) return Status::invalid_argument("a handoff's ttl must be > 0");
+  std::string t = ms(ttl);
+  std::vector<std::string_view> args{name, t, descriptor};
+  for (const auto& r : readers) {
+    KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's reader", r));
+    args.push_back(r);
+  }
+  return redis_.eval(scripts::publish_handoff(), {prefix_}, args).status();
+}
+
+Result<std::string> Catalog::handoff(std::string_view name) {
+  KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's name", name));
+  const std::string key = handoff_key(prefix_, name);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"HGET", key, "d"}));
+  if (r.is_nil()) return Status::not_found("no handoff " + std::string(name) + " (ended or expired)");
+  if (r.type() != Reply::Type::kString) return corrupt("unexpected reply to HGET of a handoff");
+  return std::string(r.str());
+}
+
+Result<bool> Catalog::end_handoff(std::string_view name, std::string_view reader) {
+  KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's name", name));
+  KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's reader", reader));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::end_handoff(), {prefix_}, {name, reader}));
+  if (r.type() != Reply::Type::kInteger) return corrupt("unexpected reply to end_handoff");
+  return r.integer() == 1;
+}
+
+Result<bool> Catalog::handoff_pending(std::string_view name, std::string_view reader) {
+  KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's name", name));
+  KVSTASH_RETURN_IF_ERROR(validate_handoff_word("a handoff's reader", reader));
+  const std::string key = handoff_key(prefix_, name), field = "r:" + std::string(reader);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"HEXISTS", key, field}));
+  if (r.type() != Reply::Type::kInteger) return corrupt("unexpected reply to HEXISTS of a handoff");
+  return r.integer() == 1;
+}
+
 }  // namespace kvstash::metadata

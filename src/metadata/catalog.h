@@ -140,6 +140,13 @@ class Catalog {
   // How many of `keys`, from the first, are present (the first missing one ends the count).
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
 
+  // Handoff records (<P>:handoff:<name>, docs/metadata.md): Store::publish_handoff and the rest.
+  Status publish_handoff(std::string_view name, std::string_view descriptor, std::span<const std::string> readers,
+                         std::chrono::milliseconds ttl);
+  Result<std::string> handoff(std::string_view name);  // kNotFound when gone
+  Result<bool> end_handoff(std::string_view name, std::string_view reader);
+  Result<bool> handoff_pending(std::string_view name, std::string_view reader);
+
  private:
   // begin_put.lua with its placement argument ("spread", or "one-node" and the nodes apart).
   Result<Placement> place_put(std::string_view token, std::string_view key, std::uint64_t size,

@@ -163,6 +163,16 @@ const Script& touch() {
   return s;
 }
 
+const Script& publish_handoff() {
+  static const Script s = make(lua::kPublishHandoff);
+  return s;
+}
+
+const Script& end_handoff() {
+  static const Script s = make(lua::kEndHandoff);
+  return s;
+}
+
 const Script& contains_prefix() {
   static const Script s = make(lua::kContainsPrefix);
   return s;
@@ -200,6 +210,8 @@ std::vector<const Script*> all() {
           &remove(),
           &touch(),
           &contains_prefix(),
+          &publish_handoff(),
+          &end_handoff(),
           &evict(),
           &reclaim(),
           &cordon_node(),

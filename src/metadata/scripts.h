@@ -34,6 +34,8 @@ const Script& stat();
 const Script& remove();
 const Script& touch();
 const Script& contains_prefix();
+const Script& publish_handoff();
+const Script& end_handoff();
 const Script& evict();
 const Script& reclaim();
 

@@ -22,6 +22,7 @@
 
 #include "common/system.h"
 #include "kvstash/kvcache.h"
+#include "kvstash/kvpeer.h"
 #include "kvstash/store.h"
 #include "kvstash/types.h"
 
@@ -123,6 +124,22 @@ struct PyKvCache {
   std::shared_ptr<PyStore> store;        // outlives the cache
   std::vector<py::buffer_info> buffers;  // exports of the buffers whose memory is registered
   std::unique_ptr<KvCache> kv;
+};
+
+// An export or import over a KvCache's layout: the cache (its store and tensors) outlives it.
+struct PyKvExport {
+  std::shared_ptr<PyKvCache> kv;
+  std::unique_ptr<KvExport> out;
+};
+
+struct PyKvImport {
+  std::shared_ptr<PyKvCache> kv;
+  std::unique_ptr<KvImport> in;
+};
+
+struct PyPeerRead {
+  std::shared_ptr<PyKvImport> in;
+  KvPeerRead read;
 };
 
 struct PySave {
@@ -264,7 +281,40 @@ PYBIND11_MODULE(_native, m) {
             return unwrap(nogil([&] { return s.store->contains_prefix(keys, deadline_of(timeout_ms)); }));
           },
           py::arg("keys"), py::arg("timeout_ms") = 0,
-          "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).");
+          "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).")
+      .def(
+          "publish_handoff",
+          [](PyStore& s, const std::string& name, const py::bytes& descriptor, const std::vector<std::string>& readers,
+             std::uint64_t ttl_ms, std::uint32_t timeout_ms) {
+            const std::string d = descriptor;
+            check(nogil([&] {
+              return s.store->publish_handoff(name, d, readers, std::chrono::milliseconds(ttl_ms),
+                                              deadline_of(timeout_ms));
+            }));
+          },
+          py::arg("name"), py::arg("descriptor"), py::arg("readers"), py::arg("ttl_ms"), py::arg("timeout_ms") = 0,
+          "A handoff record: where this process holds memory for `readers`, for ttl_ms.")
+      .def(
+          "handoff",
+          [](PyStore& s, const std::string& name, std::uint32_t timeout_ms) {
+            return py::bytes(unwrap(nogil([&] { return s.store->handoff(name, deadline_of(timeout_ms)); })));
+          },
+          py::arg("name"), py::arg("timeout_ms") = 0,
+          "The handoff's descriptor (Error 'not_found' once it expired or every reader ended it).")
+      .def(
+          "end_handoff",
+          [](PyStore& s, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return s.store->end_handoff(name, reader, deadline_of(timeout_ms)); }));
+          },
+          py::arg("name"), py::arg("reader"), py::arg("timeout_ms") = 0,
+          "`reader` is done: True when it was pending.")
+      .def(
+          "handoff_pending",
+          [](PyStore& s, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return s.store->handoff_pending(name, reader, deadline_of(timeout_ms)); }));
+          },
+          py::arg("name"), py::arg("reader"), py::arg("timeout_ms") = 0,
+          "Whether `reader` has yet to end the handoff.");
 
   // KvSync: handles are ints (torch.cuda.Stream.cuda_stream, torch.cuda.Event.cuda_event).
   // KvSync() is CUDA's legacy default stream (torch's default stream has handle 0 too);
@@ -483,6 +533,53 @@ PYBIND11_MODULE(_native, m) {
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
           py::arg("timeout_ms") = 0, py::arg("after") = KvSync{},
           "Loads chunks [first, first + count) only; statuses count from `first`.");
+
+  py::class_<PyKvExport, std::shared_ptr<PyKvExport>>(m, "KvExport")
+      .def(py::init([](std::shared_ptr<PyKvCache> kv) {
+             auto out = std::make_shared<PyKvExport>();
+             out->kv = kv;
+             out->out = unwrap(nogil([&] { return KvExport::open(*kv->store->store, kv->kv->layout()); }));
+             return out;
+           }),
+           py::arg("cache"),
+           "The cache's memory, readable by peers under leases (KvExport::open over the cache's store and "
+           "layout).")
+      .def_property_readonly("descriptor", [](const PyKvExport& e) { return py::bytes(e.out->descriptor()); })
+      .def(
+          "fence", [](PyKvExport& e, std::uint64_t through) { nogil([&] { e.out->fence(through); }); },
+          py::arg("through"), "Ends every lease whose fence tag is <= through; returns once none can read.");
+
+  py::class_<PyPeerRead, std::shared_ptr<PyPeerRead>>(m, "KvPeerRead")
+      .def("poll", [](PyPeerRead& r) { return r.read.poll(); })
+      .def("wait", [](PyPeerRead& r) { check(nogil([&] { return r.read.wait(); })); })
+      .def("cancel", [](PyPeerRead& r) { nogil([&] { r.read.cancel(); }); })
+      .def_property_readonly("bytes", [](const PyPeerRead& r) { return r.read.bytes(); });
+
+  py::class_<PyKvImport, std::shared_ptr<PyKvImport>>(m, "KvImport")
+      .def(py::init([](std::shared_ptr<PyKvCache> kv) {
+             auto out = std::make_shared<PyKvImport>();
+             out->kv = kv;
+             out->in = unwrap(nogil([&] { return KvImport::open(*kv->store->store, kv->kv->layout()); }));
+             return out;
+           }),
+           py::arg("cache"), "Reads peers' exported blocks into the cache's blocks.")
+      .def(
+          "begin_read",
+          [](std::shared_ptr<PyKvImport> in, const py::bytes& descriptor,
+             const std::vector<std::uint32_t>& remote_blocks, const std::vector<std::uint32_t>& local_blocks,
+             std::uint64_t fence, std::uint64_t ttl_ms, std::uint32_t timeout_ms) {
+            const std::string d = descriptor;
+            auto r = std::make_shared<PyPeerRead>();
+            r->in = in;
+            const KvPeerReadOptions o{.fence = fence, .ttl = std::chrono::milliseconds(ttl_ms)};
+            const Deadline deadline = deadline_of(timeout_ms).value_or(deadline_after(kStoreDefaults.timeout));
+            r->read = unwrap(nogil([&] { return in->in->begin_read(d, remote_blocks, local_blocks, o, deadline); }));
+            return r;
+          },
+          py::arg("descriptor"), py::arg("remote_blocks"), py::arg("local_blocks"),
+          py::arg("fence") = KvPeerReadOptions{}.fence,
+          py::arg("ttl_ms") = static_cast<std::uint64_t>(KvPeerReadOptions{}.ttl.count()), py::arg("timeout_ms") = 0,
+          "Reads remote_blocks of the export into local_blocks, every layer (KvImport::begin_read).");
 
   m.def(
       "prefix_chunk_keys",

@@ -137,6 +137,30 @@ Status Store::touch(std::string_view key, std::chrono::milliseconds ttl, std::op
   return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
 }
 
+// Handoffs live in the cell a put of their name would go to: the holder and its readers,
+// opened on the same cells, find the same one.
+Status Store::publish_handoff(std::string_view name, std::string_view descriptor,
+                              std::span<const std::string> readers, std::chrono::milliseconds ttl,
+                              std::optional<Deadline> deadline) {
+  return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) {
+    return c.publish_handoff(name, descriptor, readers, ttl);
+  });
+}
+
+Result<std::string> Store::handoff(std::string_view name, std::optional<Deadline> deadline) {
+  return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) { return c.handoff(name); });
+}
+
+Result<bool> Store::end_handoff(std::string_view name, std::string_view reader, std::optional<Deadline> deadline) {
+  return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) { return c.end_handoff(name, reader); });
+}
+
+Result<bool> Store::handoff_pending(std::string_view name, std::string_view reader,
+                                    std::optional<Deadline> deadline) {
+  return impl_->with_catalog(name, deadline,
+                             [&](metadata::Catalog& c) { return c.handoff_pending(name, reader); });
+}
+
 std::future<Status> Store::put_async(std::string key, std::vector<Slice> data, PutOptions options) {
   return impl_->workers->submit([this, key = std::move(key), data = std::move(data),
                                  options = std::move(options)] { return put(key, data, options); });

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvstash
+from kvstash import _handoff
 from kvstash._cell import CellConfig
 
 if TYPE_CHECKING:
@@ -69,6 +70,11 @@ class KvstashConfig(CellConfig):
     save_decode: bool = True  # also save the full chunks decode produces
     async_lookup: bool = True  # look up off the scheduler's thread: the request waits a step, not Redis
     allow_untested_vllm: bool = False  # run on a vLLM release not in TESTED_VLLM (at the user's risk)
+    # Prefill/decode disaggregation (kv_role kv_producer / kv_consumer): "cell", the prefill
+    # saves chunks and the decode loads them; "direct", the decode reads the prefill's blocks
+    # one-sided, with no memory node in between (see _Handoffs).
+    pd: str = "cell"
+    handoff_ttl_ms: int = 30000  # direct: how long a prefill holds a request's blocks for its decode
 
     WHERE: ClassVar[str] = "kv_connector_extra_config"
 
@@ -77,6 +83,10 @@ class KvstashConfig(CellConfig):
             raise ValueError("kvstash: staging is 'auto', 'none', 'host' or 'cuda'")
         if self.chunk_tokens < 0:
             raise ValueError("kvstash: chunk_tokens must be >= 0")
+        if self.pd not in ("cell", "direct"):
+            raise ValueError("kvstash: pd is 'cell' or 'direct'")
+        if not 1000 <= self.handoff_ttl_ms <= 600000:
+            raise ValueError("kvstash: handoff_ttl_ms must be within [1000, 600000]")
 
 
 # The vLLM releases (major.minor) the connector is tested against: vllm 0.33 (tests/vllm_test.py)
@@ -207,9 +217,21 @@ class ChunkRun:
 
 
 @dataclass
+class BlockRead:
+    """Direct P/D: blocks [first_block, ...) of a prefill's handoff, read into `block_ids`."""
+
+    req_id: str
+    handoff: str
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass
 class KvstashMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)
     saves: list[ChunkRun] = field(default_factory=list)
+    reads: list[BlockRead] = field(default_factory=list)  # direct P/D, on a decode
+    holds: list[tuple[str, str, int]] = field(default_factory=list)  # direct P/D, on a prefill: (req, handoff, fence)
 
 
 @dataclass
@@ -233,6 +255,21 @@ class KvstashConnector(KVConnectorBase_V1):
         check_vllm_version(_vllm_version(), self.config.allow_untested_vllm)
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
         self._store: kvstash.Store | None = None
+        # Roles (vLLM's kv_role). kv_both is a cache: it looks chunks up, loads and saves them.
+        # In P/D through the cell a kv_producer only saves and a kv_consumer only loads; with
+        # the direct path neither uses the cell, and blocks go from prefill to decode.
+        role = self._kv_transfer_config.kv_role or "kv_both"
+        if role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"kvstash: kv_role {role!r} is kv_both, kv_producer or kv_consumer")
+        self._direct = self.config.pd == "direct"
+        self._cell_load = role == "kv_both" or (role == "kv_consumer" and not self._direct)
+        self._cell_save = role == "kv_both" or (role == "kv_producer" and not self._direct)
+        self._engine_id = str(self._kv_transfer_config.engine_id or "")
+        self._remote: dict[str, int] = {}  # direct: decode requests with a handoff -> computed tokens
+        self._reads: list[BlockRead] = []  # direct: for the next step's workers
+        self._holds: list[tuple[str, str, int]] = []
+        self._export: _handoff.PrefillExport | None = None
+        self._import: _handoff.DecodeReads | None = None
         # Scheduler side.
         # req -> (local computed, external, found, chunks asked about)
         self._matched: dict[str, tuple[int, int, int, int]] = {}
@@ -250,6 +287,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._stats = {"lookups": 0, "chunks_found": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
                        "chunks_corrupt_removed": 0}
+        self._totals: dict[str, int] = {}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -285,11 +323,22 @@ class KvstashConnector(KVConnectorBase_V1):
             return 0
         return found
 
+    @staticmethod
+    def _handoff_of(request: Request) -> str | None:
+        """Direct P/D: the prefill's handoff a decode request is still to read."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return params.get("kvstash_handoff") if params.get("do_remote_prefill") else None
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond vLLM's own hit that the cell holds whole chunks of. Looks only: nothing
-        in the cell or in vLLM changes. At least the last token is always left to compute."""
+        in the cell or in vLLM changes. At least the last token is always left to compute.
+        Direct P/D: every prompt token a prefill computed, read asynchronously."""
+        if self._direct and self._handoff_of(request):
+            self._remote[request.request_id] = num_computed_tokens
+            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         chunk = self.geometry.chunk_tokens
-        if not self._eligible(request) or num_computed_tokens % chunk:
+        if not self._cell_load or not self._eligible(request) or num_computed_tokens % chunk:
             return 0, False
         tokens = list(request.all_token_ids)
         limit = (len(tokens) - 1) // chunk
@@ -320,6 +369,17 @@ class KvstashConnector(KVConnectorBase_V1):
         return external, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        handoff = self._handoff_of(request) if self._direct else None
+        if handoff:
+            # One read per request, also when nothing is left to read: it ends the handoff, so the
+            # prefill frees its blocks now rather than at the deadline.
+            request.kv_transfer_params["do_remote_prefill"] = False
+            computed = self._remote.pop(request.request_id, 0)
+            size = self.geometry.block_size
+            first, end = computed // size, -(-len(request.prompt_token_ids or []) // size)
+            local = list(blocks.get_block_ids()[0][first:end]) if num_external_tokens > 0 else []
+            self._reads.append(BlockRead(request.request_id, handoff, first, local))
+            return
         if not self._eligible(request):
             return
         t = self._tracked.setdefault(request.request_id, _Tracked(request))
@@ -337,7 +397,8 @@ class KvstashConnector(KVConnectorBase_V1):
             self._stats["chunks_found"] += external // chunk
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvstashMetadata()
+        meta = KvstashMetadata(reads=self._reads, holds=self._holds)
+        self._reads, self._holds = [], []
         computed_after: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
@@ -371,6 +432,8 @@ class KvstashConnector(KVConnectorBase_V1):
             if not self.config.save_decode:
                 ready = min(ready, len(t.request.prompt_token_ids or []) // chunk)
             ready = min(ready, len(t.block_ids) * per_block // chunk)
+            if not self._cell_save:
+                continue
             if ready > t.stored and ready > t.asked:
                 # Chunks no lookup asked about (vLLM's own prefix cache had them, or decode
                 # filled them): the cell may hold them already, put by this engine or another.
@@ -412,7 +475,31 @@ class KvstashConnector(KVConnectorBase_V1):
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        return False, None
+        self._remote.pop(request.request_id, None)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not self._direct or not params:
+            return False, None
+        handoff = self._handoff_of(request)
+        if handoff:  # a decode request that ended before its read: the prefill may free now
+            params["do_remote_prefill"] = False
+            _handoff.end_unread(self.store, handoff, self.geometry.tp_size, self.config.timeout_ms)
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if not params.get("do_remote_decode") or not block_ids or request.status not in (
+                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # not a prefill for a decode, or aborted: nothing to hand off
+        try:
+            name, fence = _handoff.publish_request(self.store, self._engine_id, request.request_id, block_ids,
+                                                   self.geometry.tp_size, self.config.handoff_ttl_ms,
+                                                   self.config.timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: the handoff of %s was not published; its decode computes it: %s",
+                           request.request_id, e)
+            return False, None
+        self._holds.append((request.request_id, name, fence))
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "kvstash_handoff": name,
+                      "remote_num_tokens": request.num_computed_tokens}
 
     # ---- worker side
 
@@ -456,6 +543,20 @@ class KvstashConnector(KVConnectorBase_V1):
         if cache.layout_tag != g.layout_tag():
             raise RuntimeError(f"kvstash: the cache's layout tag {cache.layout_tag} is not the scheduler's "
                                f"{g.layout_tag()}")
+        self._open_direct(cache)
+
+    def _open_direct(self, cache: kvstash.KvCache) -> None:
+        """Direct P/D: the cache exported for decodes and importing from prefills, opened when
+        the caches are registered, off any request's path. kv_both does both."""
+        if not self._direct:
+            return
+        role = self._kv_transfer_config.kv_role or "kv_both"
+        if role != "kv_consumer" and self._export is None:
+            self._export = _handoff.PrefillExport(self.store, cache, self._engine_id, self._tp_rank,
+                                                  self.config.timeout_ms)
+        if role != "kv_producer" and self._import is None:
+            self._import = _handoff.DecodeReads(self.store, cache, self._tp_rank, self.geometry.tp_size,
+                                                self.config.timeout_ms)
 
     # Caches over the same tensors for other cache_salts: a KvCache salts its keys once, at open.
     # The few most recent are kept open.
@@ -490,10 +591,13 @@ class KvstashConnector(KVConnectorBase_V1):
         self._finish_loads()
         self._saves.clear()
         self._caches.clear()  # each KvCache deregisters its memory as it goes
+        if self._import is not None:
+            self._import.close()
+        self._export = self._import = None  # so do the export and the import
 
     def restore_kv_caches(self) -> None:
         if self._tensors and not self._caches:
-            self._cache_for("")  # registers the memory again, as mapped now
+            self._open_direct(self._cache_for(""))  # registers the memory again, as mapped now
 
     def _on_gpu(self) -> bool:
         return bool(self._tensors) and self._tensors[0].is_cuda
@@ -514,6 +618,12 @@ class KvstashConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
+        for req_id, name, fence in meta.holds:
+            if self._export is not None:
+                self._export.hold(req_id, name, fence)
+        for read in meta.reads:
+            if self._import is not None:
+                self._import.start(read.req_id, read.handoff, read.first_block, read.block_ids)
         for run in meta.loads:
             try:
                 # The blocks may have been a finished request's, whose kernels vLLM queued before
@@ -616,7 +726,12 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finish_loads()  # a step with loads and no saves ends them here
-        return None, None
+        sending = self._export.released() if self._export is not None else set()
+        receiving: set[str] = set()
+        if self._import is not None:
+            receiving, failed = self._import.finished()
+            self._load_errors |= failed
+        return sending or None, receiving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()
@@ -626,18 +741,36 @@ class KvstashConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=True)
+        if self._import is not None:
+            self._import.close()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return KvstashStats(data=dict(data or {}))
 
     def get_kv_connector_stats(self):
+        for side in (self._export, self._import):
+            if side is not None:
+                for k, v in side.stats.items():
+                    self._stats[k] = self._stats.get(k, 0) + v
+                    side.stats[k] = 0
         if not any(self._stats.values()):
             return None
         stats = KvstashStats(data=dict(self._stats))
-        for k in self._stats:
+        for k, v in self._stats.items():
+            self._totals[k] = self._totals.get(k, 0) + v
             self._stats[k] = 0
         return stats
+
+    def totals(self) -> dict[str, int]:
+        """Every count since the connector started (the stats above are per interval)."""
+        out = dict(self._totals)
+        for k, v in self._stats.items():
+            out[k] = out.get(k, 0) + v
+        for side in (self._export, self._import):
+            for k, v in (side.stats if side is not None else {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
 
 
 def _stats_base():

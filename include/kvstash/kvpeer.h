@@ -1,0 +1,118 @@
+// kvstash/kvpeer.h: a KV cache's blocks read straight out of another process's cache, with no
+// memory node in between: prefill/decode disaggregation's direct path (docs/integration.md).
+//
+// The process that holds the blocks (the prefill) opens a KvExport over its cache's layout.
+// Its regions are registered for leased access only (Access::kLeased): a peer reaches them
+// through leases alone, which name the blocks, end at a deadline by the exporter's clock, and
+// carry a fence tag. descriptor() is what a reader needs (the engine's address, each region's
+// key, the layout); the exporter hands it over out of band (Redis: Store::publish_handoff).
+//
+// A reader (the decode) opens a KvImport over its own cache of the same shape and reads blocks
+// of an export into its own blocks, every layer, one-sided: RDMA READ (GPU to GPU where the NIC
+// reaches both), tcp, or shm between processes of one host. Once the exporter has fenced
+// through a read's tag (KvExport::fence), no op of that read can touch its memory any more,
+// so it may hand the blocks to other requests: a stalled or vanished reader never holds them.
+//
+//   auto out = KvExport::open(prefill_store, prefill_layout).value();
+//   publish(out->descriptor(), blocks, deadline_ms);           // the reader's fence tag
+//   ...
+//   auto in = KvImport::open(decode_store, decode_layout).value();
+//   auto read = in->begin_read(descriptor, remote_blocks, local_blocks,
+//                              {.fence = deadline_ms, .ttl = 30s}, deadline).value();
+//   Status s = read.wait();       // OK: every byte of every layer landed
+//   ...                           // the exporter, past deadline_ms: out->fence(deadline_ms)
+//
+// Thread safety: KvExport and KvImport are safe to use from several threads; a KvPeerRead is
+// one caller's handle.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "kvstash/status.h"
+#include "kvstash/types.h"
+
+namespace kvstash {
+
+class Store;
+class KvLayout;
+
+// A cache's memory, readable by peers under leases.
+class KvExport {
+ public:
+  // Registers every region of `layout` with `store`'s engine for leased access (the engine's
+  // transports that can serve it: tcp and shm host memory, verbs host and GPU memory).
+  // Errors: registration errors (kUnsupported when no transport can serve the memory).
+  static Result<std::unique_ptr<KvExport>> open(Store& store, const KvLayout& layout);
+  ~KvExport();
+
+  // Where the cache is, for a KvImport: text, a few hundred bytes per region.
+  const std::string& descriptor() const;
+  // Ends every lease whose fence tag is <= `through`: returns once no read under them can
+  // touch the cache (shm: a copy that began before may still be finishing; see Engine::fence).
+  void fence(std::uint64_t through);
+
+ private:
+  struct Impl;
+  explicit KvExport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// One read of a peer's blocks. Destroying an unfinished read cancels it and waits until no op
+// of it can touch either side's memory.
+class KvPeerRead {
+ public:
+  KvPeerRead();
+  KvPeerRead(KvPeerRead&&) noexcept;
+  KvPeerRead& operator=(KvPeerRead&&) noexcept;
+  ~KvPeerRead();
+
+  // True once every byte moved or the read failed. Never blocks.
+  bool poll();
+  // Blocks until done or the read's deadline (kTimeout). OK only when every layer of every
+  // block landed: anything else leaves the local blocks partly written.
+  Status wait();
+  void cancel();
+  std::uint64_t bytes() const;  // what the read moves
+
+ private:
+  friend class KvImport;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+struct KvPeerReadOptions {
+  // The lease's fence tag: the exporter ends the read by fencing through it.
+  std::uint64_t fence = 0;
+  // The lease's life by the exporter's clock (at most 10 minutes).
+  std::chrono::milliseconds ttl{30000};
+};
+
+// A cache that reads blocks out of peers' exports.
+class KvImport {
+ public:
+  // Registers `layout`'s regions with `store`'s engine for this process's own transfers.
+  static Result<std::unique_ptr<KvImport>> open(Store& store, const KvLayout& layout);
+  ~KvImport();
+
+  // Reads `remote_blocks` of the export `descriptor` into `local_blocks` (the same count; block
+  // i into block i), every layer and part. The peer's connection and keys are kept for later
+  // reads. Errors before anything moves: kInvalidArgument (a malformed descriptor, another
+  // shape than this cache's, a block out of range, counts that differ), the peer's errors
+  // (kUnavailable, kPermissionDenied, kUnsupported: no transport in common that leases),
+  // kStale (the exporter fenced the tag already), kTimeout at `deadline`.
+  Result<KvPeerRead> begin_read(std::string_view descriptor, std::span<const std::uint32_t> remote_blocks,
+                                std::span<const std::uint32_t> local_blocks, const KvPeerReadOptions& options,
+                                Deadline deadline);
+
+ private:
+  struct Impl;
+  explicit KvImport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvstash

@@ -1,0 +1,227 @@
+"""Prefill/decode disaggregation's direct path (kvstash.vllm with ``pd: "direct"``): the decode
+reads the prefill's KV blocks one-sided out of the prefill's memory (kvstash.KvExport and
+KvImport), with no memory node in between. Redis holds only handoff records
+(Store.publish_handoff):
+
+  <engine>:export:<rank>   a prefill worker's KvExport descriptor: its engine's address, its
+                           cache's regions and keys. Published when the caches are registered.
+  <engine>:req:<request>   a finished prefill's blocks: JSON {"engine", "blocks", "fence", "tp"},
+                           with one reader per decode rank ("0", "1", ...).
+
+What happens, and what each side does when the other fails:
+- The prefill's scheduler publishes a request's record when the request ends, and vLLM holds
+  the request's blocks (delayed free). The request's kv_transfer_params name the record.
+- Each decode rank reads its blocks from the prefill rank of the same index, under a lease whose
+  fence tag is the record's "fence" (the prefill's deadline, ms of its clock), then ends its part
+  of the record. A read that fails, or does not finish by the decode's own deadline, is a load
+  error: vLLM computes those tokens instead. A decode never waits for the prefill past it.
+- Each prefill worker gives the blocks back once its decode rank ended the record, or at the
+  deadline after fencing through it (KvExport.fence): from then on no read of the record can
+  touch the blocks, so a stalled or dead decode never holds them, and none is leaked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import kvstash
+
+logger = logging.getLogger(__name__)
+
+# Redis keeps a request's record this long past the prefill's deadline: the record outlives the
+# blocks it names, so a decode that finds it still reads under the fence that guards them.
+RECORD_SLACK_MS = 5000
+EXPORT_TTL_MS = 3600 * 1000  # an export record's life; refreshed every EXPORT_REFRESH_S
+EXPORT_REFRESH_S = 600
+POLL_S = 0.005  # a prefill worker asks Redis about its held requests at most this often
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def export_name(engine_id: str, rank: int) -> str:
+    return f"{engine_id}:export:{rank}"
+
+
+def request_name(engine_id: str, request_id: str) -> str:
+    return f"{engine_id}:req:{request_id}"
+
+
+def publish_request(store: kvstash.Store, engine_id: str, request_id: str, block_ids: list[int], tp_size: int,
+                    ttl_ms: int, timeout_ms: int) -> tuple[str, int]:
+    """The prefill scheduler's part: the record of a finished request's blocks. Returns its
+    name and fence (the deadline by which every decode rank must have read)."""
+    name = request_name(engine_id, request_id)
+    fence = now_ms() + ttl_ms
+    record = json.dumps({"engine": engine_id, "blocks": list(block_ids), "fence": fence, "tp": tp_size})
+    store.publish_handoff(name, record.encode(), [str(r) for r in range(tp_size)], ttl_ms + RECORD_SLACK_MS,
+                          timeout_ms=timeout_ms)
+    return name, fence
+
+
+def end_unread(store: kvstash.Store, name: str, tp_size: int, timeout_ms: int) -> None:
+    """A decode request that ended before its read (aborted): the prefill may free at once."""
+    for rank in range(tp_size):
+        try:
+            store.end_handoff(name, str(rank), timeout_ms=timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: could not end handoff %s (the prefill frees at its deadline): %s", name, e)
+
+
+class _Counted:
+    stats: dict[str, int]  # drained into the connector's stats
+
+    def _count(self, name: str, n: int) -> None:
+        self.stats[name] += n
+
+
+class PrefillExport(_Counted):
+    """A prefill worker's cache, readable by decodes, and the requests whose blocks it holds."""
+
+    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, engine_id: str, rank: int, timeout_ms: int):
+        self._store, self._rank, self._timeout_ms = store, rank, timeout_ms
+        self._export = kvstash.KvExport(cache)
+        self._name = export_name(engine_id, rank)
+        self._published = 0.0
+        self._held: dict[str, tuple[str, int]] = {}  # request -> (record, fence)
+        self._polled = 0.0
+        self.stats = {"handoffs_read": 0, "handoffs_expired": 0}
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        """Publishes the export record again when it is old (it expires an hour after)."""
+        if not force and time.monotonic() - self._published < EXPORT_REFRESH_S:
+            return
+        try:
+            self._store.publish_handoff(self._name, self._export.descriptor, [], EXPORT_TTL_MS,
+                                        timeout_ms=self._timeout_ms)
+            self._published = time.monotonic()
+        except kvstash.Error as e:
+            if force:
+                raise
+            logger.warning("kvstash: the export record could not be refreshed: %s", e)
+
+    def hold(self, request_id: str, name: str, fence: int) -> None:
+        self._held[request_id] = (name, fence)
+
+    def released(self) -> set[str]:
+        """Requests whose blocks vLLM may free now: read by this rank's decode, or expired (and
+        fenced: no read can touch them any more)."""
+        self.refresh()
+        if not self._held or time.monotonic() - self._polled < POLL_S:
+            return set()
+        self._polled = time.monotonic()
+        now = now_ms()
+        expired = {r: f for r, (_, f) in self._held.items() if f <= now}
+        if expired:
+            self._export.fence(max(expired.values()))
+            for request_id in expired:
+                logger.warning("kvstash: no decode read the blocks of %s by its deadline; they are fenced and freed",
+                               request_id)
+            self._count("handoffs_expired", len(expired))
+        done = set(expired)
+        for request_id, (name, _) in self._held.items():
+            if request_id in done:
+                continue
+            try:
+                if not self._store.handoff_pending(name, str(self._rank), timeout_ms=self._timeout_ms):
+                    done.add(request_id)
+                    self._count("handoffs_read", 1)
+            except kvstash.Error as e:
+                logger.warning("kvstash: handoff %s could not be checked (freed at its deadline): %s", name, e)
+        for request_id in done:
+            del self._held[request_id]
+        return done
+
+
+class DecodeReads(_Counted):
+    """A decode worker's reads of prefills' blocks, each on a thread of its own, bounded by the
+    connector's timeout."""
+
+    _EXPORTS_KEPT = 64
+
+    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, rank: int, tp_size: int, timeout_ms: int):
+        self._store, self._rank, self._tp, self._timeout_ms = store, rank, tp_size, timeout_ms
+        self._import = kvstash.KvImport(cache)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-pd-read")
+        self._exports: dict[str, bytes] = {}  # export record name -> descriptor
+        self._lock = threading.Lock()
+        self._reads: dict[str, tuple[Future, list[int]]] = {}
+        self.stats = {"blocks_read": 0, "reads_failed": 0}
+
+    def start(self, request_id: str, name: str, first_block: int, local_blocks: list[int]) -> None:
+        future = self._pool.submit(self._read, name, first_block, local_blocks)
+        if local_blocks:  # else nothing waits for it: it only ends the handoff
+            self._reads[request_id] = (future, local_blocks)
+
+    def _descriptor(self, engine: str) -> bytes:
+        key = export_name(engine, self._rank)
+        with self._lock:
+            found = self._exports.get(key)
+        if found is None:
+            found = self._store.handoff(key, timeout_ms=self._timeout_ms)
+            with self._lock:
+                if len(self._exports) >= self._EXPORTS_KEPT:
+                    self._exports.clear()
+                self._exports[key] = found
+        return found
+
+    def _read(self, name: str, first_block: int, local_blocks: list[int]) -> None:
+        start = time.monotonic()
+
+        def left_ms() -> int:
+            left = self._timeout_ms - int((time.monotonic() - start) * 1000)
+            if left <= 0:
+                raise kvstash.Error(f"timeout: the read of {name} ran out of its {self._timeout_ms} ms")
+            return left
+
+        engine = None
+        try:
+            if not local_blocks:
+                return  # the decode's own prefix cache had every block: nothing to read
+            record = json.loads(self._store.handoff(name, timeout_ms=left_ms()))
+            if record["tp"] != self._tp:
+                raise ValueError(f"the prefill ran {record['tp']} tensor-parallel ranks, this decode {self._tp}")
+            engine = record["engine"]
+            remote = record["blocks"][first_block:first_block + len(local_blocks)]
+            if len(remote) != len(local_blocks):
+                raise ValueError(f"the prefill holds {len(record['blocks'])} blocks, the decode reads "
+                                 f"{first_block} + {len(local_blocks)}")
+            read = self._import.begin_read(self._descriptor(engine), remote, local_blocks, fence=record["fence"],
+                                           ttl_ms=self._timeout_ms + 1000, timeout_ms=left_ms())
+            read.wait()
+        except Exception:
+            if engine is not None:
+                with self._lock:
+                    self._exports.pop(export_name(engine, self._rank), None)  # the prefill may be gone
+            raise
+        finally:
+            try:
+                self._store.end_handoff(name, str(self._rank), timeout_ms=self._timeout_ms)
+            except kvstash.Error as e:
+                logger.warning("kvstash: could not end handoff %s (the prefill frees at its deadline): %s", name, e)
+
+    def finished(self) -> tuple[set[str], set[int]]:
+        """Requests whose read ended, and the blocks of those that failed (to recompute)."""
+        done, failed = set(), set()
+        for request_id, (future, blocks) in list(self._reads.items()):
+            if not future.done():
+                continue
+            del self._reads[request_id]
+            done.add(request_id)
+            try:
+                future.result()
+                self._count("blocks_read", len(blocks))
+            except Exception as e:  # noqa: BLE001 (every failure is a recompute)
+                logger.warning("kvstash: reading the prefill's blocks of %s failed, computing them: %s", request_id, e)
+                failed.update(blocks)
+                self._count("reads_failed", 1)
+        return done, failed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

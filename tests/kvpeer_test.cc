@@ -1,0 +1,199 @@
+// KvExport and KvImport (prefill/decode disaggregation's direct path), between two stores of
+// this process over shm and tcp, and the handoff records beside them in a real redis-server.
+#include "kvstash/kvpeer.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "kvstash/kvcache.h"
+#include "kvstash/store.h"
+#include "test_util.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+
+// 3 layers of (2, 32 blocks, 16 tokens, 2 heads, 64) fp16: 4 KiB per block and part.
+const KvCacheShape kShape{.num_layers = 3, .num_blocks = 32, .block_size = 16, .num_kv_heads = 2, .head_dim = 64};
+
+// Per-layer tensors in memfd-backed buffers (shm can serve them).
+struct HostCache {
+  explicit HostCache(std::uint64_t seed) {
+    for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+      layers.push_back(Buffer::allocate(2 * kShape.num_blocks * kShape.block_bytes()).value());
+      test::fill_random(layers.back().bytes(), seed + l);
+      ptrs.push_back(layers.back().data());
+    }
+  }
+  std::span<const std::byte> block(std::uint32_t l, std::uint32_t part, std::uint32_t b) const {
+    return {layers[l].data() + (part * kShape.num_blocks + b) * kShape.block_bytes(), kShape.block_bytes()};
+  }
+  // vLLM's per-layer kv-first arrangement, over the buffers' own regions (with their fds).
+  KvLayout layout() const {
+    std::vector<std::byte*> bases;
+    std::vector<MemoryRegion> regions;
+    for (const Buffer& b : layers) {
+      bases.push_back(b.data());
+      regions.push_back(b.region());
+    }
+    return KvLayout::custom(kShape, bases, kShape.num_blocks * kShape.block_bytes(), kShape.block_bytes(), regions)
+        .value();
+  }
+  std::vector<Buffer> layers;
+  std::vector<void*> ptrs;
+};
+
+bool same(std::span<const std::byte> a, std::span<const std::byte> b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::uint64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+class KvPeerTest : public ::testing::TestWithParam<TransportKind> {
+ protected:
+  void SetUp() override {
+    auto r = tools::LocalRedis::start({});
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    redis_ = std::move(r).value();
+    prefill_ = open_store();
+    decode_ = open_store();
+    ASSERT_TRUE(prefill_ && decode_);
+  }
+
+  std::unique_ptr<Store> open_store() {
+    StoreOptions o;
+    o.redis_url = redis_->url();
+    o.redis_password = redis_->password();
+    o.engine.transports = {GetParam()};
+    o.timeout = 5s;
+    auto s = Store::open(o);
+    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+    return s.is_ok() ? std::move(s).value() : nullptr;
+  }
+
+  std::unique_ptr<tools::LocalRedis> redis_;
+  std::unique_ptr<Store> prefill_, decode_;
+};
+
+INSTANTIATE_TEST_SUITE_P(Transports, KvPeerTest, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST_P(KvPeerTest, ReadsScatteredBlocksIntoOtherBlocksBitExact) {
+  HostCache a(1), b(2);
+  auto out = KvExport::open(*prefill_, a.layout());
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  auto in = KvImport::open(*decode_, b.layout());
+  ASSERT_TRUE(in.is_ok()) << in.status().to_string();
+  const std::vector<std::uint32_t> remote{7, 8, 9, 30, 2}, local{0, 1, 2, 11, 20};
+  const HostCache before(2);  // b's bytes as they were (same seed)
+  auto read = (*in)->begin_read((*out)->descriptor(), remote, local, {.fence = now_ms() + 10000},
+                                deadline_after(5s));
+  ASSERT_TRUE(read.is_ok()) << read.status().to_string();
+  ASSERT_TRUE(read->wait().is_ok());
+  EXPECT_EQ(read->bytes(), kShape.num_layers * 2 * remote.size() * kShape.block_bytes());
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+    for (std::uint32_t p = 0; p < 2; ++p) {
+      for (std::size_t i = 0; i < remote.size(); ++i) {
+        EXPECT_TRUE(same(b.block(l, p, local[i]), a.block(l, p, remote[i]))) << l << "/" << p << "/" << i;
+      }
+      EXPECT_TRUE(same(b.block(l, p, 5), before.block(l, p, 5))) << "a block not read was written";
+    }
+  }
+}
+
+TEST_P(KvPeerTest, AFenceEndsTheReadsUnderItsTagOnly) {
+  HostCache a(3), b(4);
+  auto out = KvExport::open(*prefill_, a.layout()).value();
+  auto in = KvImport::open(*decode_, b.layout()).value();
+  const std::uint64_t tag = now_ms();
+  const std::vector<std::uint32_t> blocks{4, 5};
+  ASSERT_TRUE(in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s))->wait().is_ok());
+  out->fence(tag);  // the prefill gives the blocks of every handoff up to `tag` back
+  auto late = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s));
+  const Status s = late.is_ok() ? late->wait() : late.status();
+  EXPECT_TRUE(s.code() == StatusCode::kPermissionDenied || s.code() == StatusCode::kStale) << s.to_string();
+  auto later = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag + 1}, deadline_after(5s));
+  ASSERT_TRUE(later.is_ok()) << later.status().to_string();
+  EXPECT_TRUE(later->wait().is_ok()) << "a handoff with a later deadline was fenced too";
+}
+
+TEST_P(KvPeerTest, ForgedOrForeignDescriptorsAreRefusedBeforeAnythingMoves) {
+  HostCache a(5), b(6);
+  auto out = KvExport::open(*prefill_, a.layout()).value();
+  auto in = KvImport::open(*decode_, b.layout()).value();
+  const std::string good = out->descriptor();
+  const std::vector<std::uint32_t> one{1};
+  auto refused = [&](const std::string& d, std::span<const std::uint32_t> remote = {},
+                     std::span<const std::uint32_t> local = {}) {
+    if (remote.empty()) remote = local = one;
+    auto r = in->begin_read(d, remote, local, {.fence = now_ms() + 10000}, deadline_after(2s));
+    return r.is_ok() ? Status() : r.status();
+  };
+  EXPECT_EQ(refused("garbage").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(good.substr(0, good.size() / 2)).code(), StatusCode::kInvalidArgument);
+  // Another shape: the tag names 8 heads.
+  std::string other = good;
+  other.replace(other.find(".H2."), 4, ".H8.");
+  EXPECT_EQ(refused(other).code(), StatusCode::kInvalidArgument);
+  // A region shorter than its layer: blocks outside what the peer named.
+  std::string shrunk = good;
+  const std::size_t at = shrunk.find("region ");
+  const std::size_t len = shrunk.find(' ', at + 7) + 1;
+  shrunk.replace(len, shrunk.find(' ', len) - len, "4096");
+  EXPECT_EQ(refused(shrunk).code(), StatusCode::kInvalidArgument);
+  const std::vector<std::uint32_t> out_of_range{kShape.num_blocks};
+  EXPECT_EQ(refused(good, out_of_range, one).code(), StatusCode::kInvalidArgument);
+  const std::vector<std::uint32_t> two{1, 2};
+  EXPECT_EQ(refused(good, two, one).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(KvPeerTest, AGoneExporterFailsTheReadByItsDeadline) {
+  HostCache a(7), b(8);
+  std::string descriptor;
+  {
+    auto out = KvExport::open(*prefill_, a.layout()).value();
+    descriptor = out->descriptor();
+  }
+  prefill_.reset();  // the prefill process is gone: its engine with it
+  auto in = KvImport::open(*decode_, b.layout()).value();
+  const std::vector<std::uint32_t> blocks{3};
+  const auto start = std::chrono::steady_clock::now();
+  auto read = in->begin_read(descriptor, blocks, blocks, {.fence = now_ms() + 10000}, deadline_after(2s));
+  const Status s = read.is_ok() ? read->wait() : read.status();
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s) << s.to_string();
+}
+
+TEST_P(KvPeerTest, HandoffRecordsGoWithTheirLastReaderOrTheirTtl) {
+  const std::vector<std::string> readers{"0", "1"};
+  ASSERT_TRUE(prefill_->publish_handoff("e1:req:a", "descriptor", readers, 10s).is_ok());
+  EXPECT_EQ(decode_->handoff("e1:req:a").value(), "descriptor");
+  EXPECT_TRUE(prefill_->handoff_pending("e1:req:a", "0").value());
+  EXPECT_TRUE(decode_->end_handoff("e1:req:a", "0").value());
+  EXPECT_FALSE(decode_->end_handoff("e1:req:a", "0").value()) << "a reader ended twice";
+  EXPECT_FALSE(prefill_->handoff_pending("e1:req:a", "0").value());
+  EXPECT_TRUE(prefill_->handoff_pending("e1:req:a", "1").value());
+  EXPECT_TRUE(decode_->end_handoff("e1:req:a", "1").value());
+  EXPECT_EQ(decode_->handoff("e1:req:a").status().code(), StatusCode::kNotFound) << "the last reader ended it";
+
+  ASSERT_TRUE(prefill_->publish_handoff("e1:req:b", "d", readers, 200ms).is_ok());
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(decode_->handoff("e1:req:b").status().code(), StatusCode::kNotFound) << "its ttl passed";
+  EXPECT_FALSE(prefill_->handoff_pending("e1:req:b", "0").value()) << "an expired handoff holds nothing";
+
+  EXPECT_EQ(prefill_->publish_handoff("has space", "d", readers, 1s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_->publish_handoff("e1:req:c", "d", readers, 0ms).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_->publish_handoff(std::string(300, 'x'), "d", readers, 1s).code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvstash
