@@ -63,7 +63,8 @@ CLASSES = [
          translate={"open": {"c": ["store_open"], "py": ["__init__"]},
                     "register_memory": {"c": [], "py": ["register_memory"]},  # C: the KV cache registers
                     # P/D's direct path is Python's (kvstash.vllm) and C++'s so far
-                    **{m: {"c": []} for m in ("publish_handoff", "handoff", "end_handoff", "handoff_pending")}},
+                    **{m: {"c": []} for m in ("publish_handoff", "handoff", "end_handoff", "handoff_pending")},
+                    "connect_nodes": {"c": []}},  # an engine's start: Python's and C++'s so far
          omit={"get_unsized": "it is the bindings' get (they know no size in advance)",
                "begin_put": "C++ only: streamed puts are the KV cache's",
                "stat": "C++ only (the CLI shows it)", "touch": "C++ only",

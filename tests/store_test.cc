@@ -633,6 +633,23 @@ TEST_F(StoreTest, ObjectsSpanPagesAndTwoNodes) {
   EXPECT_TRUE(store->stat("big").is_ok());
 }
 
+TEST_F(StoreTest, ConnectingToTheNodesAheadOfUseReachesEveryLiveOne) {
+  auto store = open(TransportKind::kShm);
+  ASSERT_TRUE(store);
+  EXPECT_EQ(store->connect_nodes().value(), 0u) << "a cell without nodes";
+  auto a = node("a", "8MiB");
+  auto b = node("b", "8MiB");
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(store->connect_nodes().value(), 2u);
+  EXPECT_EQ(store->connect_nodes().value(), 2u) << "connected already: the same links";
+  b.reset();  // stopped: it leaves the cell
+  EXPECT_EQ(store->connect_nodes().value(), 1u);
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  ASSERT_TRUE(put_bytes(*store, "k", data).is_ok());
+  EXPECT_EQ(test::first_mismatch(get_bytes(*store, "k", data.size())->data(), data.data(), data.size()), -1);
+}
+
 TEST_F(StoreTest, APutConditionalOnAVersionNeverOverwritesANewerObject) {
   auto n = node("n1", "8MiB");
   ASSERT_TRUE(n);

@@ -289,6 +289,20 @@ Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) 
   return static_cast<std::size_t>(r.integer());
 }
 
+Result<std::vector<NodeEndpoint>> Catalog::live_nodes() {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::live_nodes(), {prefix_}, {}));
+  if (r.type() != Reply::Type::kArray || r.size() % 3) return corrupt("unexpected reply to live_nodes");
+  std::vector<NodeEndpoint> out;
+  for (std::size_t i = 0; i < r.size(); i += 3) {
+    out.push_back({std::string(text_of(r.element(i))), std::string(text_of(r.element(i + 1))),
+                   std::string(text_of(r.element(i + 2)))});
+    if (!valid_node_id(out.back().id) || out.back().address.empty() || out.back().key.empty()) {
+      return corrupt("live_nodes named a malformed node");
+    }
+  }
+  return out;
+}
+
 // ---- Handoffs -----------------------------------------------------------------------------
 
 namespace {

@@ -140,6 +140,9 @@ class Catalog {
   // How many of `keys`, from the first, are present (the first missing one ends the count).
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
 
+  // The nodes a client may connect to now: live, and up or draining.
+  Result<std::vector<NodeEndpoint>> live_nodes();
+
   // Handoff records (<P>:handoff:<name>, docs/metadata.md): Store::publish_handoff and the rest.
   Status publish_handoff(std::string_view name, std::string_view descriptor, std::span<const std::string> readers,
                          std::chrono::milliseconds ttl);

@@ -163,6 +163,11 @@ const Script& touch() {
   return s;
 }
 
+const Script& live_nodes() {
+  static const Script s = make(lua::kLiveNodes);
+  return s;
+}
+
 const Script& publish_handoff() {
   static const Script s = make(lua::kPublishHandoff);
   return s;
@@ -210,6 +215,7 @@ std::vector<const Script*> all() {
           &remove(),
           &touch(),
           &contains_prefix(),
+          &live_nodes(),
           &publish_handoff(),
           &end_handoff(),
           &evict(),

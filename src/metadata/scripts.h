@@ -34,6 +34,7 @@ const Script& stat();
 const Script& remove();
 const Script& touch();
 const Script& contains_prefix();
+const Script& live_nodes();
 const Script& publish_handoff();
 const Script& end_handoff();
 const Script& evict();

@@ -283,6 +283,13 @@ PYBIND11_MODULE(_native, m) {
           py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).")
       .def(
+          "connect_nodes",
+          [](PyStore& s, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return s.store->connect_nodes(deadline_of(timeout_ms)); }));
+          },
+          py::arg("timeout_ms") = 0,
+          "Connects to every live node of the cell now (off a first request's path); how many.")
+      .def(
           "publish_handoff",
           [](PyStore& s, const std::string& name, const py::bytes& descriptor, const std::vector<std::string>& readers,
              std::uint64_t ttl_ms, std::uint32_t timeout_ms) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "common/log.h"
 #include "common/system.h"
 #include "common/wire.h"
 #include "store/store_internal.h"
@@ -135,6 +136,24 @@ Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
 
 Status Store::touch(std::string_view key, std::chrono::milliseconds ttl, std::optional<Deadline> deadline) {
   return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
+}
+
+Result<std::size_t> Store::connect_nodes(std::optional<Deadline> deadline) {
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+  std::size_t connected = 0;
+  for (store::CellLink* cell : impl_->cell_map(d)->links) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+    KVSTASH_ASSIGN_OR_RETURN(auto nodes, c->live_nodes());
+    for (const metadata::NodeEndpoint& n : nodes) {
+      auto link = impl_->links->link(n, d);
+      if (link.is_ok()) {
+        ++connected;
+      } else {
+        KVSTASH_LOG_WARN("store: node {} not connected ahead of use: {}", n.id, link.status().to_string());
+      }
+    }
+  }
+  return connected;
 }
 
 // Handoffs live in the cell a put of their name would go to: the holder and its readers,

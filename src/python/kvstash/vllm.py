@@ -258,12 +258,12 @@ class KvstashConnector(KVConnectorBase_V1):
         # Roles (vLLM's kv_role). kv_both is a cache: it looks chunks up, loads and saves them.
         # In P/D through the cell a kv_producer only saves and a kv_consumer only loads; with
         # the direct path neither uses the cell, and blocks go from prefill to decode.
-        role = self._kv_transfer_config.kv_role or "kv_both"
-        if role not in ("kv_both", "kv_producer", "kv_consumer"):
-            raise ValueError(f"kvstash: kv_role {role!r} is kv_both, kv_producer or kv_consumer")
+        kv_role = self._kv_transfer_config.kv_role or "kv_both"
+        if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"kvstash: kv_role {kv_role!r} is kv_both, kv_producer or kv_consumer")
         self._direct = self.config.pd == "direct"
-        self._cell_load = role == "kv_both" or (role == "kv_consumer" and not self._direct)
-        self._cell_save = role == "kv_both" or (role == "kv_producer" and not self._direct)
+        self._cell_load = kv_role == "kv_both" or (kv_role == "kv_consumer" and not self._direct)
+        self._cell_save = kv_role == "kv_both" or (kv_role == "kv_producer" and not self._direct)
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._remote: dict[str, int] = {}  # direct: decode requests with a handoff -> computed tokens
         self._reads: list[BlockRead] = []  # direct: for the next step's workers
@@ -288,6 +288,13 @@ class KvstashConnector(KVConnectorBase_V1):
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
                        "chunks_corrupt_removed": 0}
         self._totals: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            # Opened at start, not by the first request's lookup (the workers open theirs when
+            # vLLM registers the caches, and connect to the cell's nodes then).
+            try:
+                self.store
+            except kvstash.Error as e:
+                logger.warning("kvstash: the cell could not be opened at start (the first lookup tries again): %s", e)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -544,6 +551,14 @@ class KvstashConnector(KVConnectorBase_V1):
             raise RuntimeError(f"kvstash: the cache's layout tag {cache.layout_tag} is not the scheduler's "
                                f"{g.layout_tag()}")
         self._open_direct(cache)
+        self._connect_nodes()
+
+    def _connect_nodes(self) -> None:
+        """The cell's nodes connected now, at start, not on the first request that loads."""
+        try:
+            self.store.connect_nodes(timeout_ms=self.config.timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: the cell's nodes were not connected at start (the first load will): %s", e)
 
     def _open_direct(self, cache: kvstash.KvCache) -> None:
         """Direct P/D: the cache exported for decodes and importing from prefills, opened when

@@ -1,0 +1,249 @@
+"""kvstash.sglang inside a real forward pass: SGLang on the CPU (the sglang venv of
+scripts/engines-setup), a small random-weight Llama made here (no download), HiCache with
+kvstash.sglang as its storage tier (the "dynamic" backend, as a deployment configures it), and
+a private cell.
+
+PyPI's SGLang is built for CUDA. On a CPU-only host it runs here with the test-only shims of
+tests/sglang_cpu, each saying what it replaces: a stand-in for sgl_kernel (its compiled ops do
+not load without libcuda.so.1; the CPU path calls none of them), and two patches to HiCache's
+device-host copies (no pinned memory; the direct page copy in torch). The model's forward pass,
+the scheduler, the radix tree, HiCache's backup to and prefetch from storage, and
+kvstash.sglang run as shipped.
+
+Each engine runs in a process of its own (this file with --engine), as a deployment's engines
+do. The test checks:
+- an engine without kvstash gives the reference greedy tokens of a 400-token prompt;
+- an engine with kvstash stores the prompt's 25 pages of 16 tokens, one object each in the
+  cell, and answers the same;
+- a fresh engine gets 24 of them back from the cell (SGLang's cached_tokens: 384, all from
+  storage; the last page is computed, as SGLang always computes a prompt's last token),
+  answers the same, and puts none of them again;
+- negative control: an engine with other weights under the same model name answers otherwise
+  with the first model's pages than with its own: the loaded bytes are the ones used.
+
+Usage (meson test `sglang_e2e`): PYTHON tests/sglang_e2e_test.py BUILD_DIR
+Exit 77 (skipped) when SGLang cannot be imported.
+"""
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import engine_fixture
+
+BUILD = engine_fixture.build_dir()
+
+import kvstash  # noqa: E402  (from BUILD)
+from vllm_engine import VOCAB, make_model  # noqa: E402
+
+SHIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_cpu")
+PAGE = 16  # tokens per HiCache page: one kvstash object
+MAX_TOKENS = 8
+MODEL_NAME = "tiny-llama"  # served_model_name: the model part of each page's key
+ENGINE_SECONDS = 240  # one command, an engine's start included (about 20 s here)
+PAGE_RECORDS = engine_fixture.CELL_PREFIX + ":obj:sgl:"  # the cell's records of SGLang pages
+
+
+class Engine:
+    """One SGLang engine in a process of its own (this file with --engine SPEC), driven over its
+    stdin and stdout by JSON lines: {"prompt": [ids]} answers RESULT {"tokens", "cached",
+    "storage"} (cached: SGLang's cached_tokens; storage: those of them from the storage tier);
+    {"flush": 1} answers FLUSHED. With `url`, kvstash.sglang is its HiCache storage."""
+
+    def __init__(self, model, url=None):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([SHIMS, os.path.join(BUILD, "src", "python")]),
+                   SGLANG_USE_CPU_ENGINE="1")
+        self.err = tempfile.TemporaryFile("w+")
+        # Its own process group: SGLang's scheduler and detokenizer processes go with it.
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine",
+                                   json.dumps({"model": model, "url": url})],
+                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                  start_new_session=True)
+
+    def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
+        self.p.stdin.write(json.dumps(command) + "\n")
+        self.p.stdin.flush()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                break  # the engine exited without an answer
+            word, _, payload = line.partition(" ")
+            if word.strip() == answer:
+                return json.loads(payload) if payload.strip() else None
+        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.log()[-4000:]}")
+
+    def generate(self, prompt):
+        return self.ask({"prompt": prompt})
+
+    def flush(self):
+        """Drops the engine's device and host caches (SGLang's flush_cache); the cell keeps its pages."""
+        self.ask({"flush": 1}, "FLUSHED")
+
+    def log(self):
+        self.err.seek(0)
+        return self.err.read()
+
+    def stop(self):
+        """Kills the engine's process group: SGLang's own processes too, even when the engine
+        process has exited already. Once."""
+        if self.p.stdin.closed:
+            return
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait(timeout=30)
+        for f in (self.p.stdin, self.p.stdout, self.err):
+            f.close()
+
+
+def engine_main(spec):
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what SGLang prints goes to the log, not between the answers
+    import sglang
+
+    kwargs = {}
+    if spec["url"]:
+        kwargs = dict(
+            served_model_name=MODEL_NAME, page_size=PAGE, enable_hierarchical_cache=True, hicache_size=1,
+            hicache_io_backend="direct", hicache_mem_layout="layer_first", hicache_write_policy="write_through",
+            # Every stored page is waited for, so that the counts are the same on every run.
+            hicache_storage_prefetch_policy="wait_complete",
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps({
+                "backend_name": "kvstash", "module_path": "kvstash.sglang", "class_name": "KvstashHiCacheStorage",
+                "interface_v1": 1, "redis_url": spec["url"], "transports": "shm,tcp"}))
+    engine = sglang.Engine(model_path=spec["model"], device="cpu", dtype="float32", attention_backend="torch_native",
+                           disable_cuda_graph=True, max_total_tokens=2048, skip_server_warmup=True, random_seed=0,
+                           log_level="info", **kwargs)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("flush"):
+            if not engine.flush_cache().success:
+                raise RuntimeError("flush_cache failed")
+            print("FLUSHED", file=answers, flush=True)
+            continue
+        out = engine.generate(input_ids=command["prompt"], sampling_params={
+            "max_new_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True})
+        meta = out["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        print("RESULT " + json.dumps({"tokens": out["output_ids"], "cached": meta["cached_tokens"],
+                                      "storage": details.get("storage", 0)}), file=answers, flush=True)
+    os._exit(0)
+
+
+def page_records(url):
+    """The cell's records of SGLang pages: key -> the put that wrote it (its token)."""
+    cli = ["redis-cli", "-u", url]
+    keys = subprocess.run(cli + ["--scan", "--pattern", PAGE_RECORDS + "*"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.split()
+    tokens = subprocess.run(cli, input="".join(f"HGET {k} token\n" for k in keys), capture_output=True, text=True,
+                            check=True, timeout=30).stdout.split() if keys else []
+    return dict(zip(keys, tokens))
+
+
+def new_pages(url, known, count, seconds=60):
+    """The page records not in `known` once there are `count` of them (HiCache backs pages up
+    after the answer), and 2 s more for any put beyond those; what there is at the deadline."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        new = {k: v for k, v in page_records(url).items() if known.get(k) != v}
+        if len(new) >= count:
+            break
+        time.sleep(0.5)
+    time.sleep(2)
+    return {k: v for k, v in page_records(url).items() if known.get(k) != v}
+
+
+class SglangForwardPass(unittest.TestCase):
+    PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(400)]  # 25 pages
+    OTHER = [(i * 41 + 3) % (VOCAB - 2) for i in range(320)]  # 20 pages
+    # Both are longer than HiCache's prefetch threshold (256 tokens): shorter prompts do not
+    # look in storage at all.
+
+    @classmethod
+    def setUpClass(cls):
+        # Class cleanups run even when setUpClass fails half way.
+        cls.cell = engine_fixture.Cell(BUILD)
+        cls.addClassCleanup(cls.cell.stop)
+        cls.models = tempfile.mkdtemp(prefix="kvstash-sglang-e2e-")
+        cls.addClassCleanup(shutil.rmtree, cls.models, ignore_errors=True)
+        model, other_weights = os.path.join(cls.models, "model"), os.path.join(cls.models, "other-weights")
+        make_model(model)
+        make_model(other_weights, seed=1)
+        # Every engine starts now: a start is about 40 s here, most of it imports, which overlap.
+        # Each is a process of its own that sees no prompt before its turn.
+        url = cls.cell.url
+        cls.engines = {}
+        for name, weights, cell in (("plain", model, None), ("storer", model, url), ("loader", model, url),
+                                    ("other_weights", other_weights, url)):
+            cls.engines[name] = Engine(weights, cell)
+            cls.addClassCleanup(cls.engines[name].stop)
+        # What an engine without kvstash (nor HiCache) answers: the reference.
+        plain = cls.engines["plain"]
+        cls.plain = {"prompt": plain.generate(cls.PROMPT)["tokens"], "other": plain.generate(cls.OTHER)["tokens"]}
+        plain.stop()
+        # An engine with kvstash stores both prompts' pages: what the tests below find in the cell.
+        storer = cls.engines["storer"]
+        cls.stored = {}
+        known = page_records(url)
+        for name, prompt in (("prompt", cls.PROMPT), ("other", cls.OTHER)):
+            answer = storer.generate(prompt)
+            pages = new_pages(url, known, len(prompt) // PAGE)
+            cls.stored[name] = {"answer": answer, "records": pages}
+            known.update(pages)
+        storer.stop()
+
+    def test_an_engine_with_kvstash_stores_each_page_once_and_answers_the_same(self):
+        for name, prompt in (("prompt", self.PROMPT), ("other", self.OTHER)):
+            with self.subTest(name):
+                stored = self.stored[name]
+                self.assertEqual(stored["answer"]["tokens"], self.plain[name], "kvstash changed the answer")
+                self.assertEqual(stored["answer"]["cached"], 0)
+                self.assertEqual(len(stored["records"]), len(prompt) // PAGE, "one object per page of 16 tokens")
+
+    def test_a_fresh_engine_gets_the_pages_from_the_cell_and_answers_the_same(self):
+        before = page_records(self.cell.url)
+        loader = self.engines["loader"]
+        got = loader.generate(self.PROMPT)
+        self.assertEqual(got["tokens"], self.plain["prompt"], "tokens from loaded pages differ")
+        self.assertEqual((got["cached"], got["storage"]), (384, 384),
+                         f"24 pages from storage, the last one computed:\n{loader.log()[-3000:]}")
+        self.assertEqual(new_pages(self.cell.url, before, 0), {}, "the engine that got the pages put pages again")
+
+    def test_other_weights_under_the_same_name_answer_otherwise_with_those_pages(self):
+        """The negative control: the pages loaded are what the answer is computed from."""
+        engine = self.engines["other_weights"]
+        with_theirs = engine.generate(self.OTHER)
+        self.assertEqual(with_theirs["storage"], 304, "19 of the first model's pages loaded")
+        # Its own answer: the same prompt again, with those pages gone from the cell and from
+        # the engine's own caches.
+        store = kvstash.Store(self.cell.url, transports="shm,tcp")
+        for key in self.stored["other"]["records"]:
+            store.remove(key.removeprefix(engine_fixture.CELL_PREFIX + ":obj:"))
+        engine.flush()
+        with_its_own = engine.generate(self.OTHER)
+        self.assertEqual(with_its_own["storage"], 0, "the pages were removed from the cell")
+        self.assertNotEqual(with_theirs["tokens"], with_its_own["tokens"],
+                            "the other model's pages made no difference: were they used?")
+
+
+if __name__ == "__main__":
+    if "--engine" in sys.argv:
+        engine_main(json.loads(sys.argv[sys.argv.index("--engine") + 1]))
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        engine_fixture.run_in_venv_or_skip("sglang", "SGLang", e, __file__)
+    unittest.main(argv=sys.argv[:1] + sys.argv[2:], verbosity=2)
