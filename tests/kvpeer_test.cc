@@ -1,5 +1,6 @@
 // KvExport and KvImport (prefill/decode disaggregation's direct path), between two stores of
-// this process over shm and tcp, and the handoff records beside them in a real redis-server.
+// this process over shm, tcp and verbs (skipped without an RDMA device; the Soft-RoCE lane runs
+// it), and the handoff records beside them in a real redis-server.
 #include "kvstash/kvpeer.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#include "rdma_lane.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
 
@@ -60,6 +62,10 @@ std::uint64_t now_ms() {
 class KvPeerTest : public ::testing::TestWithParam<TransportKind> {
  protected:
   void SetUp() override {
+    if (GetParam() == TransportKind::kVerbs) {
+      const Status verbs = test::verbs_available();
+      KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
+    }
     auto r = tools::LocalRedis::start({});
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
     redis_ = std::move(r).value();
@@ -83,7 +89,7 @@ class KvPeerTest : public ::testing::TestWithParam<TransportKind> {
   std::unique_ptr<Store> prefill_, decode_;
 };
 
-INSTANTIATE_TEST_SUITE_P(Transports, KvPeerTest, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
+INSTANTIATE_TEST_SUITE_P(Transports, KvPeerTest, ::testing::Values(TransportKind::kShm, TransportKind::kTcp, TransportKind::kVerbs),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST_P(KvPeerTest, ReadsScatteredBlocksIntoOtherBlocksBitExact) {

@@ -169,9 +169,11 @@ class Engine:
             w.get_finished(out.finished_req_ids)
             w.clear_connector_metadata()
         reqs = list(out.num_scheduled_tokens)
-        runner = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                   sampled_token_ids=[[7] for _ in reqs],
-                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+        fields = dict(req_ids=reqs, sampled_token_ids=[[7] for _ in reqs],
+                      kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM 0.33 (0.34 dropped it)
+            fields["req_id_to_index"] = {r: i for i, r in enumerate(reqs)}
+        runner = ModelRunnerOutput(**fields)
         self.scheduler.update_from_output(out, runner)
         return out
 

