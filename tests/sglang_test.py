@@ -45,9 +45,10 @@ def tearDownModule():
     _cell.stop()
 
 
-def storage_config(tp_rank=0, tp_size=1, mla=False, **extra):
+def storage_config(tp_rank=0, tp_size=1, mla=False, attn_cp_rank=0, attn_cp_size=1, **extra):
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=attn_cp_rank, attn_cp_size=attn_cp_size,
+        is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny-llama",
         extra_config={"backend_name": "kvstash", "module_path": "kvstash.sglang",
                       "class_name": "KvstashHiCacheStorage", "interface_v1": 1, "redis_url": URL,
@@ -148,6 +149,23 @@ class SglangBackend(unittest.TestCase):
         self.assertEqual(m1.batch_get_v1(["mla-0"], torch.arange(PAGE, 2 * PAGE)), [True])
         self.assertEqual(page_bytes(m1_host, torch.arange(PAGE, 2 * PAGE)),
                          page_bytes(m0.mem_pool_host, torch.arange(0, PAGE)))
+
+    def test_pools_of_other_layouts_never_share_a_page(self):
+        """A layer_first page has the byte count of a page_first one: loaded into the other
+        layout it would be scrambled, so the layout is in the keys."""
+        first = make(storage_config(), host_pool("layer_first", seed=6))
+        self.assertEqual(first.batch_set_v1(["layout-0"], torch.arange(0, PAGE)), [True])
+        other = make(storage_config(), host_pool("page_first"))
+        self.assertEqual(other.batch_exists(["layout-0"]), 0, "a page_first pool found a layer_first page")
+        self.assertEqual(other.batch_get_v1(["layout-0"], torch.arange(PAGE, 2 * PAGE)), [False])
+        same = make(storage_config(), host_pool("layer_first"))
+        self.assertEqual(same.batch_exists(["layout-0"]), 1, "a pool of the same layout shares it")
+
+    def test_context_parallel_ranks_of_an_mla_model_keep_their_own_shards(self):
+        cp0 = make(storage_config(mla=True, attn_cp_rank=0, attn_cp_size=2), host_pool("page_first", seed=7))
+        cp1 = make(storage_config(mla=True, attn_cp_rank=1, attn_cp_size=2), host_pool("page_first"))
+        self.assertEqual(cp0.batch_set_v1(["cp-0"], torch.arange(0, PAGE)), [True])
+        self.assertEqual(cp1.batch_exists(["cp-0"]), 0, "context-parallel ranks hold different shards")
 
     def test_the_generic_interface_moves_one_tensor(self):
         b = make(storage_config())

