@@ -173,6 +173,26 @@ class VllmForwardPass(unittest.TestCase):
                 loader.stop()
             cell.stop()
 
+    def test_a_preempted_request_resumes_from_its_saved_chunks(self):
+        """Two 1,000-token requests in a cache of 16 usable blocks (2,048 tokens): decoding, one is
+        preempted and its blocks freed; resumed, it loads from the cell the saved chunks whose
+        blocks the other request took, instead of computing them again, and both answer as they
+        do alone."""
+        prompts = [[(i * (43 + 4 * k) + 9 * k + 1) % (VOCAB - 2) for i in range(1000)] for k in range(2)]
+        alone = run_engine(self.model, prompts, max_tokens=64)
+        engine = Engine(self.model, self.cell.url, blocks=17)
+        try:
+            both = engine.generate(prompts, max_tokens=64, batch=True)[0]
+            counts = engine.status()["connector"]
+        finally:
+            engine.stop()
+        self.assertEqual(both["outputs"], [r["tokens"] for r in alone], "a preempted request answered otherwise")
+        # vLLM's own prefix cache keeps what the other request did not take of the preempted
+        # one's freed blocks; kvstash loads the chunks it lost.
+        self.assertGreaterEqual(counts.get("chunks_loaded", 0), 1,
+                                f"the resumed request loaded none of its saved chunks: {counts}")
+        self.assertEqual(counts.get("chunks_load_failed", 0), 0, counts)
+
     def test_two_tensor_parallel_ranks_store_and_load_their_shards(self):
         """TP=2 (each rank a worker process): each rank stores its shard of every chunk, and a
         fresh TP=2 engine loads them and answers as the engine that computed them."""

