@@ -91,7 +91,7 @@ def model_dir():
 MODEL_DIR = None
 
 
-def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024):
+def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both"):
     global MODEL_DIR
     MODEL_DIR = MODEL_DIR or model_dir()
     model = ModelConfig(model=MODEL_DIR, tokenizer=MODEL_DIR, skip_tokenizer_init=True, dtype="float16",
@@ -103,7 +103,7 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024):
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role="kv_both",
+            kv_connector="KvstashConnector", kv_connector_module_path="kvstash.vllm", kv_role=role,
             kv_load_failure_policy=policy,
             # Lookups in line, so that each test's first step loads; the default (async) has its test.
             kv_connector_extra_config={"redis_url": URL, "transports": "shm,tcp",
@@ -124,8 +124,9 @@ class Engine:
     """One engine: vLLM's scheduler with the connector it loads, and one worker per TP rank,
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
 
-    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024):
-        self.config = make_config(tp_size, extra, policy, batch_tokens)
+    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both"):
+        self.config = make_config(tp_size, extra, policy, batch_tokens, role)
+        self.params = {}  # request -> the kv_transfer_params its output carried
         self.kv_cache_config = make_kv_cache_config()
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK)
@@ -153,7 +154,7 @@ class Engine:
         """One scheduler step and its 'forward pass'. Returns the scheduler output."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        invalid = set()
+        invalid, sending, receiving = set(), None, None
         for w, caches, rank in self.workers:
             w.bind_connector_metadata(meta)
             if fail_loads:
@@ -165,17 +166,36 @@ class Engine:
                 self.compute(out, caches[name], i, rank)
                 w.save_kv_layer(name, caches[name], None)
             w.wait_for_save()
+            sent, received = w.get_finished(out.finished_req_ids)
             invalid |= w.get_block_ids_with_load_errors()
-            w.get_finished(out.finished_req_ids)
+            # As vLLM's output aggregator: a request is done when every rank says so.
+            sending = set(sent or ()) if sending is None else sending & set(sent or ())
+            receiving = set(received or ()) if receiving is None else receiving & set(received or ())
             w.clear_connector_metadata()
         reqs = list(out.num_scheduled_tokens)
         fields = dict(req_ids=reqs, sampled_token_ids=[[7] for _ in reqs],
-                      kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+                      kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending or None,
+                                                            finished_recving=receiving or None))
         if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM 0.33 (0.34 dropped it)
             fields["req_id_to_index"] = {r: i for i, r in enumerate(reqs)}
         runner = ModelRunnerOutput(**fields)
-        self.scheduler.update_from_output(out, runner)
+        for outputs in self.scheduler.update_from_output(out, runner).values():
+            for o in outputs.outputs:
+                if o.kv_transfer_params:
+                    self.params[o.request_id] = o.kv_transfer_params
         return out
+
+    def free_blocks(self):
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def step_until(self, done, seconds=10):
+        """Steps (as vLLM's busy loop does while requests or held blocks remain) until done()."""
+        deadline = time.monotonic() + seconds
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {seconds} s of steps")
+            self.step()
+            time.sleep(0.002)
 
     def run(self, rid, tokens, max_tokens=2, steps=64):
         """Adds a request and steps until the scheduler has nothing left."""
@@ -445,6 +465,56 @@ class VllmConnector(unittest.TestCase):
         c.run("c", shared + [7])
         self.assertEqual(c.workers[0][0]._stats["chunks_loaded"], 3)
         self.assertEqual(c.workers[0][0]._stats["chunks_load_failed"], 0)
+
+    def prefill_for_decode(self, p, rid, prompt):
+        """A prefill's request for a decode (kv_transfer_params do_remote_decode), run until it
+        finished: the params its output carried."""
+        req = p.request(rid, prompt, max_tokens=1)
+        req.kv_transfer_params = {"do_remote_decode": True}
+        p.scheduler.add_request(req)
+        p.step_until(lambda: rid in p.params)
+        return p.params[rid]
+
+    def test_direct_pd_the_decode_reads_the_prefills_blocks_which_the_prefill_then_frees(self):
+        extra = {"pd": "direct", "handoff_ttl_ms": 5000}
+        p, d = Engine(extra=extra, role="kv_producer"), Engine(extra=extra, role="kv_consumer")
+        prompt = [5 + (i * 17) % 900 for i in range(5 * BLOCK + 3)]  # 6 blocks, the last partial
+        free = p.free_blocks()
+        params = self.prefill_for_decode(p, "pd", prompt)
+        self.assertTrue(params.get("do_remote_prefill") and params.get("kvstash_handoff"), params)
+        self.assertEqual(p.free_blocks(), free - 6, "the prefill holds the request's 6 blocks")
+        self.assertEqual(p.workers[0][0]._stats["chunks_saved"], 0, "a direct prefill puts nothing in the cell")
+
+        req = d.request("pd", prompt, max_tokens=2)
+        req.kv_transfer_params = params
+        d.scheduler.add_request(req)
+        d.step_until(lambda: len(d.scheduler.requests["pd"].output_token_ids) >= 1)  # read, then its first token
+        blocks = d.scheduler.kv_cache_manager.get_block_ids("pd")[0]
+        _, caches, _ = d.workers[0]
+        for layer, name in enumerate(LAYERS):
+            for i in range(5):
+                self.assertTrue(torch.equal(caches[name][blocks[i]], expected_block(prompt, i, layer, 0)),
+                                f"layer {layer} block {i}")
+            last = caches[name][blocks[5]][:, :3, :]  # the partial block: its 3 tokens
+            self.assertTrue(torch.equal(last, expected_block(prompt + [0] * 13, 5, layer, 0)[:, :3, :]))
+        self.assertEqual(d.workers[0][0]._import.stats, {"blocks_read": 6, "reads_failed": 0})
+        p.step_until(lambda: p.free_blocks() == free)  # the decode ended the handoff: freed well before the ttl
+        self.assertEqual(p.workers[0][0]._export.stats["handoffs_read"], 1)
+
+    def test_direct_pd_a_closed_path_frees_the_prefill_at_once_and_the_decode_computes(self):
+        # shm alone cannot serve torch's (not fd-backed) memory: the export does not open.
+        p = Engine(extra={"pd": "direct", "transports": "shm"}, role="kv_producer")
+        d = Engine(extra={"pd": "direct"}, role="kv_consumer")
+        self.assertIsNone(p.workers[0][0]._export)
+        prompt = [7 + (i * 19) % 900 for i in range(3 * BLOCK)]
+        free = p.free_blocks()
+        params = self.prefill_for_decode(p, "closed", prompt)
+        p.step_until(lambda: p.free_blocks() == free, seconds=2)  # not held until the ttl
+        req = d.request("closed", prompt, max_tokens=2)
+        req.kv_transfer_params = params
+        d.scheduler.add_request(req)
+        d.step_until(lambda: d.scheduler.get_num_unfinished_requests() == 0)
+        self.assertEqual(d.workers[0][0]._import.stats["reads_failed"], 1, "the read failed (no export record)")
 
     def test_sleep_mode_drops_the_registrations_and_wake_up_restores_them(self):
         from vllm.config import KVTransferConfig as K

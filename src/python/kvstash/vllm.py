@@ -271,6 +271,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._holds: list[tuple[str, str, int]] = []
         self._export: _handoff.PrefillExport | None = None
         self._import: _handoff.DecodeReads | None = None
+        self._unheld: set[str] = set()  # holds no export can serve: freed at the next get_finished
+        self._unread: set[str] = set()  # reads no import can do: failed at the next get_finished
         # Scheduler side.
         # req -> (local computed, external, found, chunks asked about)
         self._matched: dict[str, tuple[int, int, int, int]] = {}
@@ -570,12 +572,18 @@ class KvstashConnector(KVConnectorBase_V1):
         if not self._direct:
             return
         role = self._kv_transfer_config.kv_role or "kv_both"
-        if role != "kv_consumer" and self._export is None:
-            self._export = _handoff.PrefillExport(self.store, cache, self._engine_id, self._tp_rank,
-                                                  self.config.timeout_ms)
-        if role != "kv_producer" and self._import is None:
-            self._import = _handoff.DecodeReads(self.store, cache, self._tp_rank, self.geometry.tp_size,
-                                                self.config.timeout_ms)
+        # A side that cannot open (no transport here serves this memory, Redis unreachable) is
+        # left closed: its requests are then given back at once (start_load_kv), never held.
+        try:
+            if role != "kv_consumer" and self._export is None:
+                self._export = _handoff.PrefillExport(self.store, cache, self._engine_id, self._tp_rank,
+                                                      self.config.timeout_ms)
+            if role != "kv_producer" and self._import is None:
+                self._import = _handoff.DecodeReads(self.store, cache, self._tp_rank, self.geometry.tp_size,
+                                                    self.config.timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: the direct P/D path is closed on this worker (prefills free at once, "
+                           "decodes compute): %s", e)
 
     # Caches over the same tensors for other cache_salts: a KvCache salts its keys once, at open.
     # The few most recent are kept open.
@@ -640,9 +648,14 @@ class KvstashConnector(KVConnectorBase_V1):
         for req_id, name, fence in meta.holds:
             if self._export is not None:
                 self._export.hold(req_id, name, fence)
+            else:
+                self._unheld.add(req_id)  # nothing can read them: vLLM frees them now
         for read in meta.reads:
             if self._import is not None:
                 self._import.start(read.req_id, read.handoff, read.first_block, read.block_ids)
+            elif read.block_ids:
+                self._unread.add(read.req_id)  # computed instead
+                self._load_errors.update(read.block_ids)
         for run in meta.loads:
             try:
                 # The blocks may have been a finished request's, whose kernels vLLM queued before
@@ -750,6 +763,9 @@ class KvstashConnector(KVConnectorBase_V1):
         if self._import is not None:
             receiving, failed = self._import.finished()
             self._load_errors |= failed
+        sending |= self._unheld
+        receiving |= self._unread
+        self._unheld, self._unread = set(), set()
         return sending or None, receiving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
