@@ -11,6 +11,7 @@
 
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#include "device_standin.h"
 #include "rdma_lane.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
@@ -199,6 +200,60 @@ TEST_P(KvPeerTest, HandoffRecordsGoWithTheirLastReaderOrTheirTtl) {
   EXPECT_EQ(prefill_->publish_handoff("e1:req:c", "d", readers, 0ms).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(prefill_->publish_handoff(std::string(300, 'x'), "d", readers, 1s).code(),
             StatusCode::kInvalidArgument);
+}
+
+// GPU to GPU without a GPU: both caches in device stand-in memory (the host cannot touch it once
+// sealed), the decode's NIC reading the prefill's device memory into its own (GPUDirect's
+// shape). Only verbs reaches device memory; without an RDMA device this skips (the Soft-RoCE
+// lane runs it).
+TEST(KvPeerDeviceTest, OverVerbsTheNicReadsDeviceMemoryIntoDeviceMemory) {
+  const Status verbs = test::verbs_available();
+  KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
+  auto redis = tools::LocalRedis::start({});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  auto open_store = [&] {
+    StoreOptions o;
+    o.redis_url = (*redis)->url();
+    o.redis_password = (*redis)->password();
+    o.engine.transports = {TransportKind::kVerbs};
+    o.timeout = 5s;
+    return Store::open(o);
+  };
+  auto prefill = open_store(), decode = open_store();
+  ASSERT_TRUE(prefill.is_ok() && decode.is_ok());
+  const std::size_t layer_bytes = 2 * kShape.num_blocks * kShape.block_bytes();
+  auto a = test::DeviceStandin::create(kShape.num_layers * layer_bytes).value();
+  auto b = test::DeviceStandin::create(kShape.num_layers * layer_bytes).value();
+  test::fill_random({a->base(), a->size()}, 9);  // the prefill's KV, before the memory is sealed
+  auto layout = [&](const test::DeviceStandin& d) {
+    std::vector<std::byte*> bases;
+    for (std::uint32_t l = 0; l < kShape.num_layers; ++l) bases.push_back(d.base() + l * layer_bytes);
+    return KvLayout::custom(kShape, bases, kShape.num_blocks * kShape.block_bytes(), kShape.block_bytes(),
+                            {d.region()})
+        .value();
+  };
+  auto out = KvExport::open(**prefill, layout(*a));  // registered before seal (ibv_reg_mr pins)
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  auto in = KvImport::open(**decode, layout(*b));
+  ASSERT_TRUE(in.is_ok()) << in.status().to_string();
+  ASSERT_TRUE(a->seal().is_ok() && b->seal().is_ok());
+  const std::vector<std::uint32_t> remote{3, 4, 17}, local{10, 0, 31};
+  auto read = (*in)->begin_read((*out)->descriptor(), remote, local, {.fence = now_ms() + 10000},
+                                deadline_after(5s));
+  ASSERT_TRUE(read.is_ok()) << read.status().to_string();
+  ASSERT_TRUE(read->wait().is_ok());
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+    for (std::uint32_t p = 0; p < 2; ++p) {
+      for (std::size_t i = 0; i < remote.size(); ++i) {
+        const auto at = [&](const test::DeviceStandin& d, std::uint32_t block) {
+          return d.view(d.base() + l * layer_bytes + (p * kShape.num_blocks + block) * kShape.block_bytes());
+        };
+        EXPECT_EQ(std::memcmp(at(*b, local[i]), at(*a, remote[i]), kShape.block_bytes()), 0)
+            << "layer " << l << " part " << p << " block " << i;
+      }
+    }
+  }
+  EXPECT_EQ(a->copied_bytes() + b->copied_bytes(), 0u) << "the NIC moved the bytes, no device copy";
 }
 
 }  // namespace

@@ -108,7 +108,8 @@ C_ONLY_FUNCTIONS = {
 }
 C_ONLY_ENUMS = {"kvstash_staging": "KvCacheOptions::path and ::device in one",
                 "kvstash_arrangement": "checked against the KvLayout constructors"}
-BINDING_ONLY_FIELDS = {"arrangement": "which KvLayout constructor", "store": "the KvCache's store (Python)"}
+BINDING_ONLY_FIELDS = {"arrangement": "which KvLayout constructor", "store": "the KvCache's store (Python)",
+                       "listen": "EngineOptions' tcp.listen and verbs.listen's host, in one (Python)"}
 # C parameters that carry what C++ passes as spans and return values.
 C_PLUMBING = {"out", "out_size", "capacity", "size", "n", "per_chunk", "count", "chunks", "index", "event",
               "length"}

@@ -229,6 +229,25 @@ class KvstashPython(unittest.TestCase):
             kvstash.KvCache(self.store, [bytearray(1 << 12)], num_blocks=4, block_size=4, num_kv_heads=1,
                             head_dim=8, dtype="fp12", model="m")
 
+    def test_an_export_is_read_where_the_store_listens(self):
+        """P/D's direct path from Python: the prefill's store serves its memory where `listen`
+        says (here another loopback address), and a reader gets the blocks from there."""
+        width, blocks = 8, 4
+        src = bytearray(random.Random(5).randbytes(blocks * 4 * width * 2))  # fp16: one layer, 4 tokens a block
+        dst = bytearray(len(src))
+        prefill = kvstash.Store(URL, transports="tcp", listen="127.0.0.2:0")
+        out = kvstash.KvExport(kvstash.KvCache(prefill, [src], num_blocks=blocks, block_size=4, num_kv_heads=1,
+                                               head_dim=width, mla=True, model="m"))
+        self.assertIn("127.0.0.2".encode().hex(), out.descriptor.decode(), "the export names where it listens")
+        read = kvstash.KvImport(kvstash.KvCache(self.store, [dst], num_blocks=blocks, block_size=4,
+                                                num_kv_heads=1, head_dim=width, mla=True, model="m"))
+        read.begin_read(out.descriptor, [2, 3], [0, 1], fence=2**62, timeout_ms=5000).wait()
+        half = len(src) // 2
+        self.assertEqual(dst[:half], src[half:])
+        with self.assertRaises(kvstash.Error) as e:
+            kvstash.Store(URL, listen="nowhere")
+        self.assertEqual(e.exception.code, "invalid_argument")
+
 
 class ClusterToken(unittest.TestCase):
     """The cell "secured" is served over tcp only, by a node that requires TOKEN."""

@@ -178,7 +178,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
       .def(py::init([](const std::string& redis_url, const std::string& redis_password,
                        const std::string& cell, const std::string& transports, std::uint32_t timeout_ms,
-                       const std::optional<std::string>& cluster_token) {
+                       const std::optional<std::string>& cluster_token, const std::string& listen) {
              StoreOptions o;
              o.redis_url = redis_url;
              o.redis_password = redis_password;
@@ -188,6 +188,16 @@ PYBIND11_MODULE(_native, m) {
              }
              o.cell = cell;
              o.engine.transports = unwrap(parse_transport_list(transports));
+             if (!listen.empty()) {
+               // Where peers reach this process's own memory (P/D's direct path): tcp serves
+               // there, and verbs sets its queue pairs up on the same host (any port).
+               const auto colon = listen.rfind(':');
+               if (colon == std::string::npos || colon == 0) {
+                 raise(Status::invalid_argument("listen is host:port (port 0: any), not '" + listen + "'"));
+               }
+               o.engine.tcp.listen = listen;
+               o.engine.verbs.listen = listen.substr(0, colon) + ":0";
+             }
              o.timeout = std::chrono::milliseconds(timeout_ms);
              auto out = std::make_shared<PyStore>();
              out->store = unwrap(nogil([&] { return Store::open(o); }));
@@ -197,12 +207,14 @@ PYBIND11_MODULE(_native, m) {
            py::arg("redis_password") = kStoreDefaults.redis_password, py::arg("cell") = kStoreDefaults.cell,
            py::arg("transports") = "",
            py::arg("timeout_ms") = static_cast<std::uint32_t>(kStoreDefaults.timeout.count()),
-           py::arg("cluster_token") = py::none(),
+           py::arg("cluster_token") = py::none(), py::arg("listen") = "",
            "Opens the cell's store (StoreOptions). transports: \"shm,tcp,verbs\", \"\" for every one built "
            "in. "
            "cluster_token: the cell's shared secret (kvstashd --cluster-token-file); None: none, and nodes "
            "that require one refuse the data path (Error code 'permission_denied'); an empty string is "
-           "refused ('invalid_argument').")
+           "refused ('invalid_argument'). listen: host:port where peers reach this process's memory "
+           "(P/D's direct path: EngineOptions' tcp.listen, and verbs' queue-pair setup on that host, any "
+           "port); \"\": loopback.")
       .def(
           "put",
           [](PyStore& s, const std::string& key, const py::object& data, std::uint64_t ttl_ms,

@@ -24,6 +24,7 @@ class CellConfig:
     cluster_token_file: str = ""  # the cell's shared secret, when its nodes require one
     ttl_ms: int = 0  # how long a stored chunk or page lives; 0: until evicted
     timeout_ms: int = 10000  # the deadline of one lookup, load or save
+    listen: str = ""  # host:port where peers reach this process's memory (direct P/D); "": loopback
 
     WHERE: ClassVar[str] = "extra config"  # what the engine calls the config, for errors
     ENGINE_KEYS: ClassVar[frozenset[str]] = frozenset()  # keys the engine itself reads there
@@ -57,4 +58,5 @@ class CellConfig:
     def open_store(self) -> Store:
         return Store(self.redis_url, redis_password=_read(self.redis_password_file) if self.redis_password_file else "",
                      cell=self.cell, transports=self.transports, timeout_ms=self.timeout_ms,
-                     cluster_token=_read(self.cluster_token_file) if self.cluster_token_file else None)
+                     cluster_token=_read(self.cluster_token_file) if self.cluster_token_file else None,
+                     listen=self.listen)
