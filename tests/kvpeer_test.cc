@@ -122,7 +122,9 @@ TEST_P(KvPeerTest, AFenceEndsTheReadsUnderItsTagOnly) {
   auto in = KvImport::open(*decode_, b.layout()).value();
   const std::uint64_t tag = now_ms();
   const std::vector<std::uint32_t> blocks{4, 5};
-  ASSERT_TRUE(in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s))->wait().is_ok());
+  auto first = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s));
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  ASSERT_TRUE(first->wait().is_ok());
   out->fence(tag);  // the prefill gives the blocks of every handoff up to `tag` back
   auto late = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s));
   const Status s = late.is_ok() ? late->wait() : late.status();
@@ -216,6 +218,7 @@ TEST(KvPeerDeviceTest, OverVerbsTheNicReadsDeviceMemoryIntoDeviceMemory) {
     o.redis_url = (*redis)->url();
     o.redis_password = (*redis)->password();
     o.engine.transports = {TransportKind::kVerbs};
+    o.engine.verbs.device_memory_by_address = true;  // the NIC reaches the stand-in (GPUDirect-style)
     o.timeout = 5s;
     return Store::open(o);
   };

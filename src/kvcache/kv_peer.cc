@@ -301,19 +301,33 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
 
   auto state = std::make_unique<KvPeerRead::State>();
   KVSTASH_ASSIGN_OR_RETURN(state->peer, im.peer(d.address, d.transports, deadline));
-  // One lease per region's ranges (at most kMaxLeaseRanges each): the blocks read, nothing else.
+  // Every region the read touches, imported. The peer's address space for a region need not be
+  // the addresses the descriptor names (verbs keys may count from their own base): a remote
+  // address is translated by region, from the descriptor's base to the key's.
   std::vector<std::vector<RemoteRange>> ranges(d.regions.size());
   for (const auto& runs : remote_runs) {
     for (const KvRun& r : runs) ranges[r.region].push_back({address_of(r), r.length});
   }
+  std::vector<std::shared_ptr<RemoteMemory>> imported(d.regions.size());
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    if (ranges[r].empty()) continue;
+    KVSTASH_ASSIGN_OR_RETURN(imported[r], im.region(d.address, *state->peer, d.regions[r].key, deadline));
+    if (imported[r]->length() < d.regions[r].length) return bad("a region longer than its key grants");
+    state->regions.push_back(imported[r]);
+  }
+  auto peer_address = [&](const KvRun& run) {
+    return address_of(run) - d.regions[run.region].base + imported[run.region]->base();
+  };
+  // One lease per region's ranges (at most kMaxLeaseRanges each): the blocks read, nothing else.
   struct Leased {
-    std::uint64_t lo, hi;  // the lease's ranges span [lo, hi)
+    std::uint64_t lo;  // the lease's first range starts here (peer addresses)
     std::size_t lease;
   };
   std::vector<std::vector<Leased>> leased(d.regions.size());
   for (std::size_t r = 0; r < ranges.size(); ++r) {
     auto& rs = ranges[r];
     if (rs.empty()) continue;
+    for (RemoteRange& x : rs) x.addr = x.addr - d.regions[r].base + imported[r]->base();
     std::sort(rs.begin(), rs.end(), [](const RemoteRange& a, const RemoteRange& b) { return a.addr < b.addr; });
     std::vector<RemoteRange> merged;
     for (const RemoteRange& x : rs) {
@@ -323,20 +337,18 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
         merged.push_back(x);
       }
     }
-    KVSTASH_ASSIGN_OR_RETURN(auto region, im.region(d.address, *state->peer, d.regions[r].key, deadline));
-    state->regions.push_back(region);
     for (std::size_t at = 0; at < merged.size(); at += kMaxLeaseRanges) {
       const std::size_t n = std::min(kMaxLeaseRanges, merged.size() - at);
       std::span<const RemoteRange> part(merged.data() + at, n);
       LeaseOptions lo{.op = TransferOp::kRead, .ttl = options.ttl, .fence = options.fence, .deadline = deadline};
-      KVSTASH_ASSIGN_OR_RETURN(RemoteMemory lease, state->peer->lease(*region, part, lo));
-      leased[r].push_back({part.front().addr, part.back().addr + part.back().length, state->leases.size()});
+      KVSTASH_ASSIGN_OR_RETURN(RemoteMemory lease, state->peer->lease(*imported[r], part, lo));
+      leased[r].push_back({part.front().addr, state->leases.size()});
       state->leases.push_back(std::move(lease));
     }
   }
   auto lease_of = [&](const KvRun& r) -> const RemoteMemory* {
     const auto& ls = leased[r.region];
-    auto it = std::upper_bound(ls.begin(), ls.end(), address_of(r),
+    auto it = std::upper_bound(ls.begin(), ls.end(), peer_address(r),
                                [](std::uint64_t a, const Leased& l) { return a < l.lo; });
     return it == ls.begin() ? nullptr : &state->leases[std::prev(it)->lease];
   };
@@ -349,7 +361,7 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
                                        entries.push_back({.op = TransferOp::kRead,
                                                           .local = &im.handles[loc.region],
                                                           .local_addr = loc.addr + lo,
-                                                          .remote_addr = address_of(r) + ro,
+                                                          .remote_addr = peer_address(r) + ro,
                                                           .remote = lease_of(r),
                                                           .length = static_cast<std::size_t>(n)});
                                        state->bytes += n;

@@ -200,6 +200,8 @@ class Registration final : public LocalRegistration {
                std::uint64_t preferred = 0);
   ~Registration() override;
   std::string packed_key() const override;
+  // The id a leased region goes by in lease requests (verbs_leases.cc).
+  static std::uint32_t region_id(const ibv_mr& mr);
   // The devices ops on this memory go through when a connection has lanes on them (pick_lane).
   std::uint64_t preferred_devices() const { return preferred_; }
   // The lkey on the device with `guid`, or nullopt when the region is not registered there.

@@ -88,7 +88,8 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
   const auto base = reinterpret_cast<std::uint64_t>(mr->addr);
   for (const LeaseRange& r : q.ranges) {
     if (r.addr < base || r.addr - base > mr->length || r.length > mr->length - (r.addr - base)) {
-      return Status::permission_denied("verbs: a leased range lies outside the region");
+      return Status::permission_denied(fmt::format("verbs: a leased range [{:#x}, +{}) lies outside the region "
+                                                   "[{:#x}, +{})", r.addr, r.length, base, mr->length));
     }
   }
   if (a.windows + q.ranges.size() > kMaxWindowsPerConnection) {
@@ -257,9 +258,14 @@ Registration::Registration(std::vector<Part> parts, bool remote, std::shared_ptr
     : target_(std::move(target)), parts_(std::move(parts)), remote_(remote), preferred_(preferred) {
   if (!target_) return;
   std::lock_guard lock(target_->mu);
-  for (std::size_t i = 0; i < parts_.size(); ++i)
-    target_->leasable[{i, parts_[i].mr->rkey}] = parts_[i].mr.get();
+  for (std::size_t i = 0; i < parts_.size(); ++i) target_->leasable[{i, region_id(*parts_[i].mr)}] = parts_[i].mr.get();
 }
+
+// What names a leased region to its peers (LeaseRequest::region_rkey): its MR's lkey, unique per
+// MR on a device. Its rkey is not: an MR without remote access has none, and rxe reports 0 for
+// every such MR, so with a second leased region a lease would bind windows over the wrong one.
+// The lkey grants a peer nothing (only this process's own work requests can use it).
+std::uint32_t Registration::region_id(const ibv_mr& mr) { return mr.lkey; }
 
 Registration::~Registration() {
   // Windows bound over an MR must go before it can be deregistered.
@@ -271,7 +277,7 @@ Registration::~Registration() {
 std::string Registration::packed_key() const {
   if (!remote_) return {};
   std::vector<KeyPart> parts;
-  for (const Part& p : parts_) parts.push_back({p.guid, p.mr->rkey, target_ != nullptr});
+  for (const Part& p : parts_) parts.push_back({p.guid, target_ ? region_id(*p.mr) : p.mr->rkey, target_ != nullptr});
   return encode_key(parts);
 }
 
