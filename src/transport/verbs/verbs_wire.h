@@ -75,7 +75,8 @@ std::string encode_key(std::span<const KeyPart> parts);
 Result<std::vector<KeyPart>> decode_key(std::string_view bytes);
 
 // Lease messages, on the setup connection once the queue pair is up. The client asks for
-// windows over ranges of one region (named by its rkey) for a time, under a lease id of its
+// windows over ranges of one region (named by the id its key carries: its MR's lkey, see
+// Registration::region_id) for a time, under a lease id of its
 // choosing (the same on every connection it uses the lease through) and the owner's fence
 // tag; the target binds a type-2 memory window per range to this connection's queue pair and
 // answers with their rkeys, in request order. A release revokes them early on this connection
