@@ -9,10 +9,14 @@ and a private cell (scripts/cluster) for the module's tests.
         engine_fixture.run_in_venv_or_skip("vllm", "vLLM", e, __file__)
 """
 
+import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +57,39 @@ class Cell:
     def stop(self):
         subprocess.run([os.path.join(REPO, "scripts", "cluster"), "stop"], env=self.env, capture_output=True,
                        timeout=60)
+
+
+class EngineProcess:
+    """An engine in a process of its own (`p`, its stderr in the file `err`), driven over its
+    stdin and stdout by JSON lines: a command in, an answer line "<WORD> <json>" out."""
+
+    p: subprocess.Popen
+    err: Any
+
+    def ask(self, command, answer, seconds):
+        """Sends `command` and returns the payload of the first `answer` line (None when it has
+        none). AssertionError with the engine's log when it exited or gave none in `seconds`."""
+        try:
+            self.p.stdin.write(json.dumps(command) + "\n")
+            self.p.stdin.flush()
+        except BrokenPipeError:
+            raise AssertionError(f"the engine has exited:\n{self.log()[-4000:]}") from None
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                break  # the engine exited without an answer
+            word, _, payload = line.partition(" ")
+            if word.strip() == answer:
+                return json.loads(payload) if payload.strip() else None
+        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.log()[-4000:]}")
+
+    def log(self):
+        self.err.seek(0)
+        return self.err.read()
 
 
 CELL_PREFIX = "kvs:{kvs:default}"  # the keys of the default cell's records (metadata::cell_prefix)

@@ -29,7 +29,6 @@ Exit 77 (skipped) when SGLang cannot be imported.
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -53,7 +52,7 @@ ENGINE_SECONDS = 300  # one command, the engine's start included (four starting 
 PAGE_RECORDS = engine_fixture.CELL_PREFIX + ":obj:sgl:"  # the cell's records of SGLang pages
 
 
-class Engine:
+class Engine(engine_fixture.EngineProcess):
     """One SGLang engine in a process of its own (this file with --engine SPEC), driven over its
     stdin and stdout by JSON lines: {"prompt": [ids]} answers RESULT {"tokens", "cached",
     "storage"} (cached: SGLang's cached_tokens; storage: those of them from the storage tier);
@@ -73,23 +72,7 @@ class Engine:
                                   start_new_session=True)
 
     def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
-        try:
-            self.p.stdin.write(json.dumps(command) + "\n")
-            self.p.stdin.flush()
-        except BrokenPipeError:
-            raise AssertionError(f"the engine has exited:\n{self.log()[-4000:]}") from None
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
-            if not ready:
-                continue
-            line = self.p.stdout.readline()
-            if not line:
-                break  # the engine exited without an answer
-            word, _, payload = line.partition(" ")
-            if word.strip() == answer:
-                return json.loads(payload) if payload.strip() else None
-        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.log()[-4000:]}")
+        return super().ask(command, answer, seconds)
 
     def generate(self, prompt):
         return self.ask({"prompt": prompt})
@@ -97,10 +80,6 @@ class Engine:
     def flush(self):
         """Drops the engine's device and host caches (SGLang's flush_cache); the cell keeps its pages."""
         self.ask({"flush": 1}, "FLUSHED")
-
-    def log(self):
-        self.err.seek(0)
-        return self.err.read()
 
     def stop(self, seconds=30):
         """Shuts the engine down (SGLang's shutdown), then kills its process group, so that

@@ -44,7 +44,7 @@ def make_model(path, layers=4, hidden=256, heads=4, kv_heads=2, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
 
 
-class Engine:
+class Engine(engine_fixture.EngineProcess):
     """One engine in a process of its own (this file with --engine), driven over its stdin and
     stdout by JSON lines: {"prompts": [...], "params": {...}, "max_tokens": n} answers RESULT
     [{"tokens", "cached", "params", "records"}, ...] (params: the output's kv_transfer_params);
@@ -76,20 +76,7 @@ class Engine:
                                   start_new_session=True)
 
     def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
-        self.p.stdin.write(json.dumps(command) + "\n")
-        self.p.stdin.flush()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.p.stdout], [], [], 1.0)
-            if not ready:
-                continue
-            line = self.p.stdout.readline()
-            if not line:
-                break  # the engine exited without an answer
-            if line.startswith(answer + " "):
-                return json.loads(line[len(answer) + 1:])
-        self.err.seek(0)
-        raise AssertionError(f"the engine gave no {answer} within {seconds} s:\n{self.err.read()[-4000:]}")
+        return super().ask(command, answer, seconds)
 
     def generate(self, prompts, params=None, max_tokens=MAX_TOKENS, batch=False, records=True):
         """Per prompt (one after another) {"tokens", "cached", "seconds", "params", "records"};
@@ -100,10 +87,6 @@ class Engine:
 
     def status(self):
         return self.ask({"status": 1}, "STATUS")
-
-    def log(self):
-        self.err.seek(0)
-        return self.err.read()
 
     def kill(self):
         if self.p.poll() is None:
