@@ -30,6 +30,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/grant.h"
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
 #include "kvstash/transfer.h"
@@ -48,6 +49,11 @@ struct LeaseOptions {
   // so that a node fenced past it has no write of that put left to land. 0: never fenced by
   // tag (only by ttl, revoke or deregistration).
   std::uint64_t fence = 0;
+  // The peer's grant for these ranges (kvstash/grant.h), presented to the peer with the lease
+  // where the peer checks grants: a memory node's comes from its cell's metadata plane
+  // (metadata::Placement), a KvExport's from the export. Empty: none (the peer then serves
+  // the lease only if it checks no grants).
+  std::string grant;
   // For asking the peer (verbs binds windows); default EngineOptions::control_timeout.
   std::optional<Deadline> deadline;
 };
@@ -231,6 +237,14 @@ class Engine {
   // that began before this call may still be finishing (a copy takes milliseconds; a memory
   // node reports a fence to the cell one heartbeat after making it). Thread-safe.
   void fence(std::uint64_t through);
+
+  // From now on peers' leases on this process's leased regions are served only under grants
+  // `check` accepts (kvstash/grant.h), on the transports that hold leases at the target (tcp
+  // checks every request against the grant's ranges, verbs binds windows only over them).
+  // shm peers of this host and user map the region themselves and UCX has no leases: neither
+  // can be confined to a grant (docs/operations.md, "Threat model"). Null: leases need no
+  // grant. Thread-safe.
+  void set_grant_check(std::shared_ptr<const GrantCheck> check);
 
   // Registers a region with every transport (that can take it), or with only those in `only`
   // (empty: every one) for memory used once through peers of known transports, which every

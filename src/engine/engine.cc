@@ -108,6 +108,10 @@ void Engine::fence(std::uint64_t through) {
   for (const auto& t : impl_->transports) t->fence(through);
 }
 
+void Engine::set_grant_check(std::shared_ptr<const GrantCheck> check) {
+  for (const auto& t : impl_->transports) t->set_grant_check(check);
+}
+
 std::vector<TransportCounter> Engine::counters() const {
   std::vector<TransportCounter> out;
   for (const auto& t : impl_->transports) {
@@ -391,6 +395,13 @@ Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const Rem
   l.terms.op = options.op;
   l.terms.ttl = options.ttl;
   l.terms.fence = options.fence;
+  if (!options.grant.empty()) {
+    if (options.grant.size() > kMaxGrantBytes) {
+      return Status::invalid_argument("lease: a grant of " + std::to_string(options.grant.size()) +
+                                      " bytes, at most " + std::to_string(kMaxGrantBytes));
+    }
+    l.terms.grant = std::make_shared<const std::string>(options.grant);
+  }
   l.until = Clock::now() + options.ttl;
   const Deadline d = options.deadline.value_or(deadline_after(state_->control_timeout));
   RemoteMemory rm;

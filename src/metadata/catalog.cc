@@ -303,10 +303,21 @@ Result<std::vector<NodeEndpoint>> Catalog::live_nodes() {
   return out;
 }
 
+Result<Catalog::PoolGrant> Catalog::grant_pool(std::string_view node, TransferOp op, std::int64_t deadline_ms,
+                                               std::chrono::milliseconds ttl) {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::grant_pool(), {prefix_},
+                                                {std::string(node), op == TransferOp::kWrite ? "w" : "r",
+                                                 std::to_string(std::max<std::int64_t>(0, deadline_ms)),
+                                                 std::to_string(ttl.count())}));
+  if (r.type() != Reply::Type::kArray || r.size() != 2) return corrupt("unexpected reply to grant_pool");
+  auto deadline = integer_of(r.element(0));
+  if (!deadline || *deadline <= 0) return corrupt("grant_pool gave no valid deadline");
+  return PoolGrant{std::string(text_of(r.element(1))), *deadline};
+}
+
 // ---- Handoffs -----------------------------------------------------------------------------
 
 namespace {
-
 // Names and readers: 1..256 printable bytes, no spaces (they are parts of keys and fields).
 Status validate_handoff_word(std::string_view what, std::string_view w) {
   if (w.empty() || w.size() > 256) return Status::invalid_argument(std::string(what) + " must be 1..256 bytes");

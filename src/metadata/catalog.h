@@ -143,9 +143,19 @@ class Catalog {
   // The nodes a client may connect to now: live, and up or draining.
   Result<std::vector<NodeEndpoint>> live_nodes();
 
+  // A grant over node `node`'s whole pool for `op` until `deadline_ms` (ms of Redis time; 0:
+  // `ttl` from now), for a pool lease (rkey scope connection). The grant and its deadline.
+  // kInvalidArgument under rkey scope lease; kNotFound for a node not serving.
+  struct PoolGrant {
+    std::string grant;
+    std::int64_t deadline_ms = 0;
+  };
+  Result<PoolGrant> grant_pool(std::string_view node, TransferOp op, std::int64_t deadline_ms,
+                               std::chrono::milliseconds ttl);
+
   // Handoff records (<P>:handoff:<name>, docs/metadata.md): Store::publish_handoff and the rest.
-  Status publish_handoff(std::string_view name, std::string_view descriptor, std::span<const std::string> readers,
-                         std::chrono::milliseconds ttl);
+  Status publish_handoff(std::string_view name, std::string_view descriptor,
+                         std::span<const std::string> readers, std::chrono::milliseconds ttl);
   Result<std::string> handoff(std::string_view name);  // kNotFound when gone
   Result<bool> end_handoff(std::string_view name, std::string_view reader);
   Result<bool> handoff_pending(std::string_view name, std::string_view reader);

@@ -35,9 +35,10 @@ Result<Placement> parse_placement(std::span<const redisReply* const> r, std::siz
   p.lease_deadline_ms = *deadline;
   p.extents_text = std::string(text_of(r[extents_at]));
   KVSTASH_ASSIGN_OR_RETURN(p.extents, parse_extents(p.extents_text));
-  if ((r.size() - nodes_at) % 3 != 0) return corrupt("malformed node list in a placement");
-  for (std::size_t i = nodes_at; i < r.size(); i += 3) {
-    NodeEndpoint n{std::string(text_of(r[i])), std::string(text_of(r[i + 1])), std::string(text_of(r[i + 2]))};
+  if ((r.size() - nodes_at) % 4 != 0) return corrupt("malformed node list in a placement");
+  for (std::size_t i = nodes_at; i < r.size(); i += 4) {
+    NodeEndpoint n{std::string(text_of(r[i])), std::string(text_of(r[i + 1])), std::string(text_of(r[i + 2])),
+                   std::string(text_of(r[i + 3]))};
     if (n.address.empty() || n.key.empty()) return corrupt("memory node " + n.id + " has no address or key");
     p.nodes.push_back(std::move(n));
   }

@@ -25,8 +25,9 @@ struct NodeRecord {
   std::string epoch;  // random per start: a new epoch means the old memory is gone
   std::uint64_t page_size = 0;
   std::uint64_t page_count = 0;
-  std::string address;  // the node engine's address blob
-  std::string key;      // the pool region's remote-key blob
+  std::string address;    // the node engine's address blob
+  std::string key;        // the pool region's remote-key blob
+  std::string grant_key;  // hex of the HMAC key the cell signs this node's grants with
 };
 
 // How to reach a node's pool.
@@ -34,6 +35,9 @@ struct NodeEndpoint {
   std::string id;
   std::string address;
   std::string key;
+  // In a placement: the node's grant for the operation's lease over its pages (kvstash/grant.h);
+  // empty from a node that registered no grant key.
+  std::string grant;
 };
 
 // One page of an object: which node, which page, and the page's generation at allocation.

@@ -168,6 +168,11 @@ const Script& live_nodes() {
   return s;
 }
 
+const Script& grant_pool() {
+  static const Script s = make(lua::kGrantPool);
+  return s;
+}
+
 const Script& publish_handoff() {
   static const Script s = make(lua::kPublishHandoff);
   return s;
@@ -216,6 +221,7 @@ std::vector<const Script*> all() {
           &touch(),
           &contains_prefix(),
           &live_nodes(),
+          &grant_pool(),
           &publish_handoff(),
           &end_handoff(),
           &evict(),

@@ -35,6 +35,7 @@ const Script& remove();
 const Script& touch();
 const Script& contains_prefix();
 const Script& live_nodes();
+const Script& grant_pool();
 const Script& publish_handoff();
 const Script& end_handoff();
 const Script& evict();

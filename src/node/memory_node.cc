@@ -79,6 +79,10 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
     return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
   }
   KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
+  // Every lease on the pool needs a grant of the cell (before the pool is reachable at all).
+  n->grants_ = std::make_shared<NodeGrants>(n->id_, reinterpret_cast<std::uint64_t>(n->pool_.region().addr),
+                                            options.page_size, n->page_count_);
+  n->engine_->set_grant_check(n->grants_);
   KVSTASH_ASSIGN_OR_RETURN(n->handle_, n->engine_->register_memory(n->pool_.region(), Access::kLeased));
   n->transports_ = n->handle_.transports();
 
@@ -127,8 +131,14 @@ MemoryNode::~MemoryNode() {
 Status MemoryNode::join() {
   auto& s = *shared_;
   s.epoch = new_epoch();
-  metadata::NodeRecord rec{
-      id_, s.epoch, options_.page_size, page_count_, engine_->address(), handle_.remote_key()};
+  // The cell signs this incarnation's grants with a fresh key: an earlier one's stop working.
+  metadata::NodeRecord rec{id_,
+                           s.epoch,
+                           options_.page_size,
+                           page_count_,
+                           engine_->address(),
+                           handle_.remote_key(),
+                           grants_->rotate(s.epoch)};
   KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
   redis_clock_ = std::make_pair(now, Clock::now());
   ++s.registrations;

@@ -29,6 +29,7 @@
 #include "kvstash/engine.h"
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
+#include "node/node_grants.h"
 
 namespace kvstash::node {
 
@@ -99,6 +100,7 @@ class MemoryNode {
   std::uint64_t page_count_ = 0;
   Buffer pool_;
   std::unique_ptr<Engine> engine_;
+  std::shared_ptr<NodeGrants> grants_;     // the leases on the pool need the cell's grants
   MemoryHandle handle_;                    // replaced on rejoin (under the lock)
   std::vector<TransportKind> transports_;  // serving the pool, fixed at start
   std::unique_ptr<Shared> shared_;

@@ -115,7 +115,7 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
     // fails at the node where its windows were revoked (then reported as kStale).
     const Clock::time_point lease_until = store::within_lease(Deadline::max(), leased_at, options.read_lease);
     std::vector<store::Wave> waves;
-    auto leased = store::connect_and_lease(*links, lease_policy(), TransferOp::kRead, lease->placement,
+    auto leased = store::connect_and_lease(*links, lease_policy(*cell), TransferOp::kRead, lease->placement,
                                            lease_until, deadline, o.timings);
     moved = leased.status();
     if (moved.is_ok()) {

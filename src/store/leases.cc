@@ -38,22 +38,34 @@ Result<NodeLink::PoolLease> pooled_lease(NodeLink& link, const LeasePolicy& poli
   }
   NodeLink::PoolLease fresh;
   LeaseOptions lo{.op = op, .deadline = deadline};
+  const auto t0 = Clock::now();
+  if (!policy.pool_grant) return Status::internal("a pool lease without a way to ask for its grant");
+  // The cell grants the whole pool (rkey scope connection), until the lease's tag: a read lease
+  // gets one of its own, a write lease the put's deadline.
+  auto granted = policy.pool_grant(link.id, op, op == TransferOp::kRead ? 0 : p.lease_deadline_ms,
+                                   kPoolReadLease, deadline);
+  if (timings != nullptr) {
+    ++timings->redis_round_trips;
+    timings->metadata += Clock::now() - t0;
+  }
+  if (!granted.is_ok()) return granted.status().with_context("a grant for a pool lease");
+  lo.grant = std::move(granted->grant);
+  lo.fence = static_cast<std::uint64_t>(granted->deadline_ms);
   if (op == TransferOp::kRead) {
     lo.ttl = kPoolReadLease;
     fresh.until = Clock::now() + kPoolReadLease - kPoolReadLease / 10;
   } else {
     lo.ttl = std::max(std::chrono::milliseconds(1),
                       std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()));
-    lo.fence = static_cast<std::uint64_t>(p.lease_deadline_ms);
     fresh.fence = p.lease_deadline_ms;
     fresh.until = until;
   }
   const RemoteRange whole{path->remote.base(), path->remote.length()};
-  const auto t0 = Clock::now();
+  const auto t1 = Clock::now();
   auto l = path->peer->lease(path->remote, {&whole, 1}, lo);
   if (timings != nullptr) {
     ++timings->node_round_trips;
-    timings->node += Clock::now() - t0;
+    timings->node += Clock::now() - t1;
   }
   if (!l.is_ok()) return l.status();
   fresh.lease = std::make_shared<const RemoteMemory>(std::move(l).value());
@@ -119,6 +131,7 @@ Status lease_pages(const LeasePolicy& policy, const metadata::Placement& p, Tran
                                      {.op = op,
                                       .ttl = ttl,
                                       .fence = static_cast<std::uint64_t>(p.lease_deadline_ms),
+                                      .grant = p.nodes[ni].grant,
                                       .deadline = deadline});
       if (timings != nullptr && path->peer->lease_asks_peer()) {
         ++timings->node_round_trips;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,11 +43,19 @@ struct Leased {
   std::vector<NodeLeases> by_node;  // per placement node
 };
 
+// Asks the cell for a grant over a node's whole pool (metadata::Catalog::grant_pool): node id,
+// op, deadline (ms of Redis time; 0: ttl from now), ttl, and the deadline of the asking.
+using PoolGrantFn = std::function<Result<metadata::Catalog::PoolGrant>(
+    const std::string& node, TransferOp op, std::int64_t deadline_ms, std::chrono::milliseconds ttl,
+    Deadline)>;
+
 // What decides how pages are leased: the cell's rkey scope and the put lease (a shared write
-// window serves puts whose deadlines lie within half a put lease of its tag).
+// window serves puts whose deadlines lie within half a put lease of its tag), and where a pool
+// lease's grant comes from (the placement's cell).
 struct LeasePolicy {
   RkeyScope scope = RkeyScope::kConnection;
   std::chrono::milliseconds put_lease{60000};
+  PoolGrantFn pool_grant;
 };
 
 // Connects to every node of `p` and leases its pages for `op` until `until`. Timings count the

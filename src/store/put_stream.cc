@@ -424,9 +424,9 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
     st->transfer_deadline = std::min(st->deadline, st->pages.lease_until);
     if (size == 0) break;
     metadata::NodeEndpoint unreachable;
-    auto leased = store::connect_and_lease(*impl_->links, impl_->lease_policy(), TransferOp::kWrite,
-                                           st->pages.placement, st->pages.lease_until, st->transfer_deadline,
-                                           options.timings, &unreachable);
+    auto leased = store::connect_and_lease(*impl_->links, impl_->lease_policy(*st->pages.cell),
+                                           TransferOp::kWrite, st->pages.placement, st->pages.lease_until,
+                                           st->transfer_deadline, options.timings, &unreachable);
     if (leased.is_ok()) {
       st->leased = std::move(leased).value();
       st->digesting = std::ranges::all_of(

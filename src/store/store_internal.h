@@ -221,7 +221,15 @@ struct Store::Impl {
     }
   }
 
-  store::LeasePolicy lease_policy() const { return {scope, options.put_lease}; }
+  // How an operation on objects of `cell` leases their pages.
+  store::LeasePolicy lease_policy(store::CellLink& cell) {
+    return {scope, options.put_lease,
+            [this, &cell](const std::string& node, TransferOp op, std::int64_t deadline_ms,
+                          std::chrono::milliseconds ttl, Deadline d) -> Result<metadata::Catalog::PoolGrant> {
+              KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(cell, d));
+              return c->grant_pool(node, op, deadline_ms, ttl);
+            }};
+  }
 
   // After a commit on `redis`: waits, within `deadline`, until options.commit_replicas
   // replicas have its writes (Redis WAIT). kUnavailable, the object committed, when fewer did.

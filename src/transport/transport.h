@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/grant.h"
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
 #include "kvstash/transfer.h"
@@ -87,6 +88,9 @@ struct LeaseTerms {
   TransferOp op = TransferOp::kRead;
   std::chrono::milliseconds ttl{0};
   std::uint64_t fence = 0;  // the owner's fence tag; 0: none
+  // What the owner granted (LeaseOptions::grant), shared by every key made under the lease;
+  // empty: none. A transport whose target holds leases presents it there.
+  std::shared_ptr<const std::string> grant;
 };
 
 struct Op {
@@ -167,6 +171,13 @@ class Transport {
   // them can touch our memory (shm: once peers' copies that start from now on see it).
   // Nothing to do where the transport has no leases.
   virtual void fence(std::uint64_t through) { (void)through; }
+
+  // The target side of Engine::set_grant_check: from now on a lease on this process's leased
+  // regions is served only under a grant `check` accepts, over the grant's ranges, for its op,
+  // with its deadline as the fence tag. Null: leases need no grant. A transport whose leases
+  // cannot be checked at the target (shm: peers copy themselves; UCX: none) ignores it and
+  // says so in its documentation.
+  virtual void set_grant_check(std::shared_ptr<const GrantCheck> check) { (void)check; }
 
   virtual TransportKind kind() const = 0;
   virtual Capabilities capabilities() const = 0;

@@ -11,7 +11,7 @@ local id = ARGV[1]
 local nk = P .. ':node:' .. id
 if redis.call('HGET', nk, 'epoch') ~= ARGV[2] then return 'OK' end
 sweep_node_objects(id)
-redis.call('DEL', P .. ':free:' .. id)
+redis.call('DEL', P .. ':free:' .. id, P .. ':grant:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('HSET', nk, 'state', 'gone', 'free_pages', 0)
 return 'OK'

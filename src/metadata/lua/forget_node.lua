@@ -16,7 +16,7 @@ if live(id) then
   return redis.error_reply('IN_USE node ' .. id .. ' is alive (its heartbeat is current): stop its kvstashd first')
 end
 local released = sweep_node_objects(id)
-redis.call('DEL', P .. ':free:' .. id, P .. ':gen:' .. id)
+redis.call('DEL', P .. ':free:' .. id, P .. ':gen:' .. id, P .. ':grant:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('SREM', P .. ':known', id)
 redis.call('HDEL', nk, 'address', 'key')

@@ -467,13 +467,50 @@ local function evict(need, usable)
   return #victims, evict_keys(victims)
 end
 
--- The endpoints of nodes (space-separated ids) appended to `out`: id, address, key.
-local function endpoints(out, nodes)
+-- Grants (docs/operations.md, "Threat model"): a memory node serves a lease only under a
+-- grant the cell signed for it. Each node hands the cell a fresh HMAC key whenever it
+-- registers; register_node keeps the key's pads in P:grant:<id> (a key of its own, so an ACL
+-- can keep read-only users away from it). A grant names the node, its epoch, the op, the
+-- lease's deadline (its fence tag at the node) and the node's pages the lease may reach, and
+-- is signed with HMAC-SHA1, the one hash scripts have (src/common/grant.h reads it).
+local grant_keys = {}
+
+local function unhex(h)
+  return (string.gsub(h, '%x%x', function(x) return string.char(tonumber(x, 16)) end))
+end
+
+-- The grant of `op` ('r' or 'w') over `runs` ("first+count,...", or '*' for the whole pool)
+-- of node `id` until `deadline`; '' for a node that registered no key.
+local function grant_for(id, op, deadline, runs_text)
+  local g = grant_keys[id]
+  if g == nil then
+    local r = redis.call('HMGET', P .. ':grant:' .. id, 'ipad', 'opad', 'epoch')
+    g = {ipad = r[1], opad = r[2], epoch = r[3]}
+    grant_keys[id] = g
+  end
+  if not g.ipad or not g.opad or not g.epoch or runs_text == '' then return '' end
+  local msg = 'g1 ' .. id .. ' ' .. g.epoch .. ' ' .. op .. ' ' .. string.format('%.0f', deadline) .. ' ' .. runs_text
+  return msg .. ' ' .. redis.sha1hex(g.opad .. unhex(redis.sha1hex(g.ipad .. msg)))
+end
+
+-- The endpoints of nodes (space-separated ids) appended to `out`: id, address, key, and the
+-- grant of `op` over the node's pages of `extents` until `deadline`.
+local function endpoints(out, nodes, op, extents, deadline)
+  local pages = {}
+  for id, page, _, n in runs(extents) do
+    local t = pages[id]
+    if not t then
+      t = {}
+      pages[id] = t
+    end
+    t[#t + 1] = string.format('%d+%d', page, n)
+  end
   for id in string.gmatch(nodes or '', '[^ ]+') do
     local v = node_view(id)
     out[#out + 1] = id
     out[#out + 1] = v.address
     out[#out + 1] = v.key
+    out[#out + 1] = grant_for(id, op, deadline, table.concat(pages[id] or {}, ','))
   end
   return out
 end
@@ -501,7 +538,8 @@ local function lease_read(key, reader, lease_ms, batch)
   batch.hits = batch.hits + 1
   batch.lru[#batch.lru + 1] = now
   batch.lru[#batch.lru + 1] = leased
-  return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or '', deadline}, o[6])
+  return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or '', deadline}, o[6], 'r', o[3],
+                   deadline)
 end
 
 local function lease_reads_done(batch)
@@ -760,7 +798,7 @@ local function place_put(token, key, size, extra, lease, avoid, one_node, apart)
   local prev = redis.call('HMGET', P .. ':put:' .. token, 'extents', 'nodes')
   if prev[1] then
     local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
-    return endpoints({page_size(), prev[1], deadline}, prev[2])
+    return endpoints({page_size(), prev[1], deadline}, prev[2], 'w', prev[1], tonumber(deadline))
   end
   -- The nodes apart are avoided whatever their pool key, and on the second try too.
   local strict = {}
@@ -777,5 +815,5 @@ local function place_put(token, key, size, extra, lease, avoid, one_node, apart)
     ps, extents, nodes = allocate(token, key, size, extra, lease, only_apart, one_node)
   end
   if not ps then return redis.error_reply(extents) end
-  return endpoints({ps, extents, now + lease}, nodes)
+  return endpoints({ps, extents, now + lease}, nodes, 'w', extents, now + lease)
 end

@@ -1,7 +1,8 @@
 -- register_node.lua: a memory node joins the cell, or registers again.
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms
+-- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms, grant key (hex; the node's
+--          HMAC key for the grants its leases need, prelude: grant_for; fresh per registration)
 -- Returns  Redis's clock (ms); IN_USE while another epoch of the id is alive (two daemons sharing
 --          an id would drop each other's objects)
 --
@@ -39,6 +40,20 @@ if held[1] ~= epoch then
              'fenced', now)
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
+-- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.
+local gk = P .. ':grant:' .. id
+local key = unhex(ARGV[8] or '')
+if #key > 0 and #key <= 64 then
+  local ipad, opad = {}, {}
+  for i = 1, 64 do
+    local b = string.byte(key, i) or 0
+    ipad[i] = string.char(bit.bxor(b, 0x36))
+    opad[i] = string.char(bit.bxor(b, 0x5c))
+  end
+  redis.call('HSET', gk, 'ipad', table.concat(ipad), 'opad', table.concat(opad), 'epoch', epoch)
+else
+  redis.call('DEL', gk)
+end
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
 redis.call('SADD', P .. ':known', id)
 return now

@@ -10,7 +10,12 @@
 // Payloads move straight between the socket and the registered memory on both sides.
 //
 // Leases: a region registered Access::kLeased is reached only by requests that name a lease
-// (id and fence tag, chosen by the initiator's engine; no round trip makes one). The target
+// (id and fence tag, chosen by the initiator's engine; no round trip makes one). Where the
+// target checks grants (Transport::set_grant_check), a lease must first be presented on the
+// connection with its grant (kGrantOp, the grant as payload, pipelined ahead of the first
+// request under it: no round trip either); the connection then serves that lease only over
+// the grant's ranges, for its op, under its deadline as the fence tag, until the initiator
+// releases it (kReleaseOp) or the fence passes it. The target
 // moves a payload one non-blocking syscall at a time, each under a Guard that checks the
 // lease is neither revoked nor fenced and the region still registered; a fence, a revoke
 // request or a deregistration waits for the one syscall that may be running, so once it
@@ -64,7 +69,7 @@ constexpr WholeBuffers kWhole{};
 
 inline constexpr std::uint32_t kServerMagic = 0x5354564b;  // "KVTS"
 inline constexpr std::uint32_t kClientMagic = 0x4354564b;  // "KVTC"
-inline constexpr std::uint8_t kProtocolVersion = 2;
+inline constexpr std::uint8_t kProtocolVersion = 3;
 
 struct ServerHello {
   std::uint32_t magic;
@@ -85,12 +90,15 @@ struct ServerVerdict {
   handshake::Mac mac;
 };
 
-// RequestHeader::op: a TransferOp, or a revoke of the lease the header names (answered once no
-// request under it can touch the region any more).
+// RequestHeader::op: a TransferOp, a revoke of the lease the header names (answered once no
+// request under it can touch the region any more), a lease's grant (its text as the payload,
+// `length` bytes, at most kMaxGrantBytes) or the end of a lease on this connection.
 inline constexpr std::uint8_t kRevokeOp = 2;
+inline constexpr std::uint8_t kGrantOp = 3;
+inline constexpr std::uint8_t kReleaseOp = 4;
 
 struct RequestHeader {
-  std::uint8_t op;  // TransferOp, or kRevokeOp
+  std::uint8_t op;  // TransferOp, kRevokeOp, kGrantOp or kReleaseOp
   std::uint8_t reserved[7];
   std::uint64_t key;
   std::uint64_t addr;
@@ -112,6 +120,10 @@ enum class RefusalReason : std::uint32_t {
   kLeaseEnded,      // the lease was revoked or fenced, or the region deregistered meanwhile
   kNotLeased,       // a revoke for a region that holds no leases
   kTooManyRevoked,  // a revoke the target cannot remember: it has too many pending already
+  kNoGrant,         // the target checks grants and none was presented for the lease here
+  kGrantRefused,    // the grant does not prove what the lease asks (forged, expired, another node's)
+  kOutsideGrant,    // the request reaches past the ranges, or is not the op, its grant allows
+  kTooManyGrants,   // the connection holds too many granted leases (release them)
 };
 static_assert(sizeof(RequestHeader) == 48 && sizeof(ResponseHeader) == 16);
 
@@ -180,7 +192,14 @@ class Fences {
 struct Target {
   RegionTable regions;
   Fences fences;
-  std::string token;  // cluster token; empty: none required
+  // Null: leases need no grant.
+  std::shared_ptr<const GrantCheck> grant_check() const {
+    std::lock_guard lock(grant_mu);
+    return grants;
+  }
+  mutable std::mutex grant_mu;
+  std::shared_ptr<const GrantCheck> grants;  // grant_mu
+  std::string token;                         // cluster token; empty: none required
   TcpOptions options;
   std::atomic<std::uint32_t> connections{0};
   std::mutex peers_mu;
@@ -203,15 +222,20 @@ class ConnectionSlot {
   std::string peer_;
 };
 
-// One op in flight on a client stream.
+// One op in flight on a client stream, or a control request (no sink): a lease's grant or its
+// release, which carry what their header needs themselves (the key may be gone by then).
 struct Pending {
+  enum class Kind : std::uint8_t { kTransfer, kRevoke, kGrant, kRelease };
   Op op{};
-  bool revoke = false;  // a kRevokeOp request for the lease op.remote_key names
+  Kind kind = Kind::kTransfer;  // kRevoke: for the lease op.remote_key names
   // Ops that continue each other on the remote side go out as one request: the first carries
   // how many it stands for, the others 0.
   std::uint32_t group = 1;
   bool aborted = false;
   Status abort_reason{};
+  // kGrant and kRelease: the header's key, lease and fence, and a grant's text.
+  std::uint64_t region = 0, lease = 0, fence = 0;
+  std::shared_ptr<const std::string> grant;
 };
 
 // At most this many ops, and this many bytes, in one request.
@@ -261,6 +285,13 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Queues a revoke of the lease `op.remote_key` names (op.length 0); completes through op.sink
   // once the target answered it.
   void enqueue_revoke(const Op& op);
+  // Queues the end of lease `lease` on this connection (the lease key is gone). Unanswered
+  // as far as any caller is concerned.
+  void enqueue_release(std::uint64_t region, std::uint64_t lease);
+  // This stream's index among its endpoint's (which bit of a key's `presented` is its), and
+  // that endpoint's id (a key made through another endpoint presents its grant every time).
+  std::uint32_t index = 0;
+  std::uint64_t endpoint_id = 0;
   // Completes queued ops of `sink` with `reason`; returns the number still on the wire.
   std::size_t abort_queued(CompletionSink* sink, const Status& reason);
   // Closes the socket so every op on the wire fails; ops of `sink` end with `reason`.
@@ -271,6 +302,9 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void close();
 
  private:
+  // Queues `op`, after its lease's grant when the lease has one not yet presented here.
+  // Needs mu_.
+  void queue(const Op& op);
   // Moves the next queued op on the wire, with the queued ops that continue it remotely
   // (same sink, key and direction), and fills the request; false when none. Needs mu_.
   bool next_request(OutRequest& r);
@@ -343,10 +377,18 @@ class Endpoint final : public transport::Endpoint {
 };
 
 struct TcpRemoteKey final : RemoteKey {
+  ~TcpRemoteKey() override;
   std::uint64_t key = 0;
   bool leased = false;      // the region is reachable through leases only (Access::kLeased)
   std::uint64_t lease = 0;  // a lease's id and fence tag, sent with every request; 0: none
   std::uint64_t fence = 0;
+  // A lease's grant, presented on each stream ahead of its first request there (bit i of
+  // `presented`: on stream i, set under that stream's lock) and released on those streams
+  // when the key goes.
+  std::shared_ptr<const std::string> grant;
+  mutable std::atomic<std::uint64_t> presented{0};
+  std::uint64_t endpoint_id = 0;  // of the endpoint that made it, whose streams are `streams`
+  std::vector<std::weak_ptr<Stream>> streams;
 };
 
 // Serves one accepted connection: handshake, then requests against the target's regions.

@@ -5,9 +5,11 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <unordered_map>
 #include <vector>
 
 #include "common/handler_arena.h"
@@ -33,8 +35,17 @@ ResponseHeader refuse(StatusCode code, RefusalReason reason) {
 // Checks a request against its region: OK with `where` set, or the refusal to answer.
 ResponseHeader check(const RequestHeader& h, const RegionTable::Region* region, std::byte** where) {
   if (h.op != static_cast<std::uint8_t>(TransferOp::kRead) &&
-      h.op != static_cast<std::uint8_t>(TransferOp::kWrite) && h.op != kRevokeOp) {
+      h.op != static_cast<std::uint8_t>(TransferOp::kWrite) && h.op != kRevokeOp && h.op != kGrantOp &&
+      h.op != kReleaseOp) {
     return refuse(StatusCode::kInvalidArgument, RefusalReason::kBadOp);
+  }
+  if (h.op == kReleaseOp) return ResponseHeader{};  // of a lease this connection may not hold: a no-op
+  if (h.op == kGrantOp) {
+    if (h.length > kMaxGrantBytes) return refuse(StatusCode::kInvalidArgument, RefusalReason::kBadOp);
+    if (region == nullptr) return refuse(StatusCode::kPermissionDenied, RefusalReason::kUnknownKey);
+    if (!region->leased) return refuse(StatusCode::kUnsupported, RefusalReason::kNotLeased);
+    if (h.lease == 0) return refuse(StatusCode::kInvalidArgument, RefusalReason::kBadOp);
+    return ResponseHeader{};
   }
   if (region == nullptr) return refuse(StatusCode::kPermissionDenied, RefusalReason::kUnknownKey);
   if (region->leased && h.lease == 0)
@@ -53,6 +64,15 @@ ResponseHeader check(const RequestHeader& h, const RegionTable::Region* region, 
   }
   *where = region->base + (h.addr - base);
   return ResponseHeader{};
+}
+
+// Whether [addr, addr + length) lies inside one of `ranges` (sorted, disjoint).
+bool inside(const std::vector<RemoteRange>& ranges, std::uint64_t addr, std::uint64_t length) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
+                             [](std::uint64_t a, const RemoteRange& r) { return a < r.addr; });
+  if (it == ranges.begin()) return false;
+  --it;
+  return addr - it->addr <= it->length && length <= it->length - (addr - it->addr);
 }
 
 // One syscall on a served region's memory, made only while the request may still touch it:
@@ -113,7 +133,11 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   }
 
  private:
-  enum class Step { kHeader, kPayloadIn, kDiscard, kPayloadOut, kRespond };
+  enum class Step { kHeader, kPayloadIn, kGrantIn, kDiscard, kPayloadOut, kRespond };
+  // A connection holds at most this many granted leases, of this many ranges in all: the
+  // initiator releases each when its key goes, and a fence ends them anyway.
+  static constexpr std::size_t kMaxGrants = 16384;
+  static constexpr std::size_t kMaxGrantedRanges = 1u << 20;
   enum class Next { kGoOn, kServed, kWaitRead, kWaitWrite, kClose };
   // Requests served in one go before the strand lets other handlers run.
   static constexpr int kFairShare = 16;
@@ -191,6 +215,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     switch (step_) {
       case Step::kHeader: return read_header();
       case Step::kPayloadIn: return receive_payload();
+      case Step::kGrantIn: return receive_grant();
       case Step::kDiscard: return discard();
       case Step::kPayloadOut: return send_payload();
       case Step::kRespond: return respond();
@@ -217,7 +242,28 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     r_sent_ = 0;
     moved_ = 0;
     close_after_ = false;
-    const bool ok = r_.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    bool ok = r_.status == static_cast<std::uint32_t>(StatusCode::kOk);
+    if (h_.op == kGrantOp) {
+      if (ok) {
+        grant_text_.clear();
+        step_ = Step::kGrantIn;
+      } else {
+        close_after_ = h_.length > kMaxGrantBytes;
+        drop(close_after_ ? 0 : h_.length);
+      }
+      return;
+    }
+    if (h_.op == kReleaseOp) {
+      if (granted_ranges_ > 0) forget_grant(h_.lease);
+      step_ = Step::kRespond;
+      return;
+    }
+    if (ok && region_->leased) {
+      if (auto checks = target_.grant_check()) {
+        r_ = within_grant();
+        ok = r_.status == static_cast<std::uint32_t>(StatusCode::kOk);
+      }
+    }
     if (h_.op == kRevokeOp) {
       // Answered once no request under the lease can move bytes, on any connection.
       if (ok && !target_.fences.revoke(h_.lease, h_.fence)) {
@@ -237,6 +283,87 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
       close_after_ = r_.reason == static_cast<std::uint32_t>(RefusalReason::kBadOp);
       step_ = Step::kRespond;
     }
+  }
+
+  // A request under a lease where grants are checked: its lease must have been granted on this
+  // connection, for this region and op, over a range that holds the request (a revoke names a
+  // lease granted here). The grant's deadline becomes the request's fence tag, whatever the
+  // initiator wrote.
+  ResponseHeader within_grant() {
+    auto it = grants_.find(h_.lease);
+    if (it == grants_.end()) return refuse(StatusCode::kPermissionDenied, RefusalReason::kNoGrant);
+    const Granted& g = it->second;
+    h_.fence = g.grant.fence;
+    if (g.region != h_.key) return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutsideGrant);
+    if (h_.op == kRevokeOp) return ResponseHeader{};
+    if (h_.op != static_cast<std::uint8_t>(g.grant.op) || !inside(g.grant.ranges, h_.addr, h_.length)) {
+      return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutsideGrant);
+    }
+    return ResponseHeader{};
+  }
+
+  // A lease's grant, `h_.length` bytes (at most kMaxGrantBytes), then its verdict.
+  Next receive_grant() {
+    if (grant_text_.size() < h_.length) {
+      const std::size_t had = grant_text_.size();
+      grant_text_.resize(h_.length);
+      const ssize_t n =
+          ::recv(socket_.native_handle(), grant_text_.data() + had, h_.length - had, MSG_DONTWAIT);
+      grant_text_.resize(had + (n > 0 ? static_cast<std::size_t>(n) : 0));
+      if (n == 0) return Next::kClose;
+      if (n < 0) return on_error(errno, Next::kWaitRead);
+      if (grant_text_.size() < h_.length) return Next::kGoOn;
+    }
+    r_ = take_grant();
+    step_ = Step::kRespond;
+    return Next::kGoOn;
+  }
+
+  ResponseHeader take_grant() {
+    auto checks = target_.grant_check();
+    if (!checks) return ResponseHeader{};  // leases need no grant here: nothing to hold
+    auto g = checks->check(grant_text_);
+    const auto base = reinterpret_cast<std::uintptr_t>(region_->base);
+    const char* why = nullptr;
+    if (!g.is_ok()) {
+      why = "its grant does not verify";
+    } else if (!target_.fences.allowed(h_.lease, g->fence)) {
+      why = "its grant is fenced already (or the lease revoked)";
+    } else {
+      for (const RemoteRange& r : g->ranges) {
+        if (r.addr < base || r.addr - base > region_->length ||
+            r.length > region_->length - (r.addr - base)) {
+          why = "its grant names memory outside the region";
+          break;
+        }
+      }
+    }
+    if (why != nullptr) {
+      KVSTASH_LOG_INFO("tcp: refused lease {:#x}: {}{}", h_.lease, why,
+                       g.is_ok() ? std::string() : ": " + g.status().to_string());
+      return refuse(StatusCode::kPermissionDenied, RefusalReason::kGrantRefused);
+    }
+    if (grants_.size() >= kMaxGrants || granted_ranges_ + g->ranges.size() > kMaxGrantedRanges) {
+      std::erase_if(grants_, [&](const auto& e) {
+        const bool ended = !target_.fences.allowed(e.first, e.second.grant.fence);
+        if (ended) granted_ranges_ -= e.second.grant.ranges.size();
+        return ended;
+      });
+      if (grants_.size() >= kMaxGrants || granted_ranges_ + g->ranges.size() > kMaxGrantedRanges) {
+        return refuse(StatusCode::kNoSpace, RefusalReason::kTooManyGrants);
+      }
+    }
+    forget_grant(h_.lease);
+    granted_ranges_ += g->ranges.size() + 1;  // + 1: an empty grant still counts
+    grants_[h_.lease] = Granted{std::move(g).value(), h_.key};
+    return ResponseHeader{};
+  }
+
+  void forget_grant(std::uint64_t lease) {
+    auto it = grants_.find(lease);
+    if (it == grants_.end()) return;
+    granted_ranges_ -= it->second.grant.ranges.size() + 1;
+    grants_.erase(it);
   }
 
   // The rest of a WRITE's payload (`left` bytes) is read and dropped, keeping the stream in
@@ -349,6 +476,15 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   std::uint64_t discard_left_ = 0;
   bool close_after_ = false;
   std::vector<std::byte> scratch_;  // a refused WRITE's payload lands here, dropped
+
+  // The leases granted on this connection (where the target checks grants), by lease id.
+  struct Granted {
+    Grant grant;
+    std::uint64_t region = 0;  // its region's key
+  };
+  std::unordered_map<std::uint64_t, Granted> grants_;
+  std::size_t granted_ranges_ = 0;  // + 1 per grant
+  std::string grant_text_;          // a grant being received
 };
 
 }  // namespace

@@ -136,7 +136,7 @@ class TcpTransport final : public Transport {
   Capabilities capabilities() const override {
     Capabilities c;
     c.leases = true;
-    c.lanes = std::max<std::uint32_t>(1, options_.streams);
+    c.lanes = stream_count();
     c.slice_bytes = options_.slice_bytes;
     return c;
   }
@@ -145,6 +145,11 @@ class TcpTransport final : public Transport {
     return decode_address(peer_address).has_value();
   }
   void fence(std::uint64_t through) override { target_->fences.fence(through); }
+
+  void set_grant_check(std::shared_ptr<const GrantCheck> check) override {
+    std::lock_guard lock(target_->grant_mu);
+    target_->grants = std::move(check);
+  }
 
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override {
@@ -162,7 +167,8 @@ class TcpTransport final : public Transport {
     auto hp = decode_address(peer_address);
     if (!hp) return Status::invalid_argument("malformed tcp peer address");
     std::vector<std::shared_ptr<Stream>> streams;
-    for (std::uint32_t i = 0; i < std::max<std::uint32_t>(1, options_.streams); ++i) {
+    const std::uint64_t endpoint_id = sys::random_u64();
+    for (std::uint32_t i = 0; i < stream_count(); ++i) {
       KVSTASH_ASSIGN_OR_RETURN(UniqueFd guard, connect_tcp(*hp, deadline));
       const int fd = guard.get();
       KVSTASH_RETURN_IF_ERROR(client_handshake(fd, cluster_token_, deadline));
@@ -171,12 +177,17 @@ class TcpTransport final : public Transport {
       sock.assign(hp->host.find(':') == std::string::npos ? tcp::v4() : tcp::v6(), guard.release(), ec);
       if (ec) return Status::io_error("asio assign: " + ec.message());
       streams.push_back(std::make_shared<Stream>(runtime_, std::move(sock)));
+      streams.back()->index = i;
+      streams.back()->endpoint_id = endpoint_id;
       streams.back()->start();
     }
     return std::shared_ptr<transport::Endpoint>(std::make_shared<Endpoint>(std::move(streams)));
   }
 
  private:
+  // A lease key marks the streams it was presented on in a 64-bit mask.
+  std::uint32_t stream_count() const { return std::clamp<std::uint32_t>(options_.streams, 1, 64); }
+
   asio::awaitable<void> accept_loop() {
     {
       std::lock_guard lock(mu_);
@@ -407,6 +418,11 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::lease_key(const RemoteKey& region, 
   k->key = r.key;
   k->lease = terms.id;
   k->fence = terms.fence;
+  if (terms.grant) {
+    k->grant = terms.grant;
+    k->endpoint_id = streams_[0]->endpoint_id;
+    for (const auto& s : streams_) k->streams.push_back(s);
+  }
   return std::unique_ptr<RemoteKey>(std::move(k));
 }
 

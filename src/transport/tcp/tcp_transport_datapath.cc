@@ -40,6 +40,20 @@ Status refusal(std::uint32_t code, std::uint32_t reason) {
     case RefusalReason::kNotLeased: return {c, "target refused the revoke: the region holds no leases"};
     case RefusalReason::kTooManyRevoked:
       return {c, "target refused the revoke: it remembers too many revoked leases (the fence will end it)"};
+    case RefusalReason::kNoGrant:
+      return {c,
+              "target refused the request: it serves leases only under a grant, and this lease's was "
+              "refused or never presented (the target's log says why)"};
+    case RefusalReason::kGrantRefused:
+      return {c,
+              "target refused the lease's grant: forged, another node's or an earlier incarnation's, "
+              "for another region, or fenced already"};
+    case RefusalReason::kOutsideGrant:
+      return {c,
+              "target refused the request: it reaches past the ranges, or is not the op, that its "
+              "lease's grant allows"};
+    case RefusalReason::kTooManyGrants:
+      return {c, "target refused the lease's grant: the connection holds too many granted leases"};
     case RefusalReason::kNone: break;
   }
   return {c, "target refused the request"};
@@ -88,8 +102,27 @@ void Stream::enqueue(std::span<const Op> ops) {
     for (const Op& op : ops) op.sink->complete(op.tag, s);
     return;
   }
-  for (const Op& op : ops) push(queued_, {op});
+  for (const Op& op : ops) queue(op);
   start_writing(std::move(lock));
+}
+
+void Stream::queue(const Op& op) {
+  const auto* key = static_cast<const TcpRemoteKey*>(op.remote_key);
+  if (key->grant) {
+    // A key made through an earlier endpoint (the engine revokes through the one it has now)
+    // knows nothing of this connection: its grant goes ahead of each such request.
+    const std::uint64_t bit = std::uint64_t{1} << index;
+    if (key->endpoint_id != endpoint_id || (key->presented.fetch_or(bit, std::memory_order_relaxed) & bit) == 0) {
+      Pending g;
+      g.kind = Pending::Kind::kGrant;
+      g.region = key->key;
+      g.lease = key->lease;
+      g.fence = key->fence;
+      g.grant = key->grant;
+      push(queued_, std::move(g));
+    }
+  }
+  push(queued_, {op});
 }
 
 void Stream::enqueue_revoke(const Op& op) {
@@ -100,7 +133,19 @@ void Stream::enqueue_revoke(const Op& op) {
     op.sink->complete(op.tag, s);
     return;
   }
-  push(queued_, {op, /*group=*/1, /*revoke=*/true});
+  queue(op);  // the target revokes only a lease granted on this connection
+  queued_.back().kind = Pending::Kind::kRevoke;
+  start_writing(std::move(lock));
+}
+
+void Stream::enqueue_release(std::uint64_t region, std::uint64_t lease) {
+  std::unique_lock lock(mu_);
+  if (failed_) return;  // the connection and its leases are gone at the target
+  Pending r;
+  r.kind = Pending::Kind::kRelease;
+  r.region = region;
+  r.lease = lease;
+  push(queued_, std::move(r));
   start_writing(std::move(lock));
 }
 
@@ -123,24 +168,36 @@ bool Stream::next_request(OutRequest& r) {
   queued_.pop_front();
   Pending& first = on_wire_.back();
   const Op& op = first.op;
-  const bool write = op.op == TransferOp::kWrite && !first.revoke;
-  const auto* key = static_cast<const TcpRemoteKey*>(op.remote_key);
   // Only what this request uses is reset: pieces past `count` are never read.
   r.header = RequestHeader{};
   r.count = 0;
   r.sent = 0;
-  r.header.op = first.revoke ? kRevokeOp : static_cast<std::uint8_t>(op.op);
+  if (first.kind == Pending::Kind::kGrant || first.kind == Pending::Kind::kRelease) {
+    r.header.op = first.kind == Pending::Kind::kGrant ? kGrantOp : kReleaseOp;
+    r.header.key = first.region;
+    r.header.lease = first.lease;
+    r.header.fence = first.fence;
+    if (first.grant) {
+      r.header.length = first.grant->size();
+      r.pieces[r.count++] = {reinterpret_cast<const std::byte*>(first.grant->data()), first.grant->size()};
+    }
+    return true;
+  }
+  const bool revoke = first.kind == Pending::Kind::kRevoke;
+  const bool write = op.op == TransferOp::kWrite && !revoke;
+  const auto* key = static_cast<const TcpRemoteKey*>(op.remote_key);
+  r.header.op = revoke ? kRevokeOp : static_cast<std::uint8_t>(op.op);
   r.header.key = key->key;
   r.header.lease = key->lease;
   r.header.fence = key->fence;
-  if (first.revoke) return true;
+  if (revoke) return true;
   r.header.addr = op.remote_addr;
   r.header.length = op.length;
   if (write) r.pieces[r.count++] = {op.local, op.length};
   std::uint32_t group = 1;
   while (group < kMaxGroupOps && !queued_.empty()) {
     const Op& next = queued_.front().op;
-    if (queued_.front().revoke || next.sink != op.sink || next.op != op.op ||
+    if (queued_.front().kind != Pending::Kind::kTransfer || next.sink != op.sink || next.op != op.op ||
         next.remote_key != op.remote_key || next.remote_addr != r.header.addr + r.header.length ||
         r.header.length + next.length > kMaxGroupBytes) {
       break;
@@ -293,7 +350,7 @@ Stream::Read Stream::read_response() {
       response_got_ += static_cast<std::size_t>(n);
       if (response_got_ < sizeof response_) continue;
       TransferOp op = TransferOp::kRead;
-      bool revoke = false;
+      bool transfer = true;
       std::uint64_t length = 0;
       group_ = 0;
       payload_first_ = payload_count_ = 0;
@@ -303,8 +360,8 @@ Stream::Read Stream::read_response() {
         if (!on_wire_.empty() && on_wire_.front().group <= on_wire_.size()) {
           group_ = on_wire_.front().group;
           op = on_wire_.front().op.op;
-          revoke = on_wire_.front().revoke;
-          for (std::uint32_t i = 0; i < group_; ++i) {
+          transfer = on_wire_.front().kind == Pending::Kind::kTransfer;
+          for (std::uint32_t i = 0; transfer && i < group_; ++i) {
             const Op& o = on_wire_[i].op;
             length += o.length;
             if (o.length > 0) payload_[payload_count_++] = {o.local, o.length};
@@ -312,7 +369,7 @@ Stream::Read Stream::read_response() {
         }
       }
       const bool ok = response_.status == static_cast<std::uint32_t>(StatusCode::kOk);
-      const std::uint64_t expect = ok && op == TransferOp::kRead && !revoke ? length : 0;
+      const std::uint64_t expect = ok && op == TransferOp::kRead && transfer ? length : 0;
       if (group_ == 0 || response_.length != expect) {
         fail_all(Status::corrupt("tcp protocol error: unexpected response from peer"));
         return Read::kEnded;
@@ -360,7 +417,12 @@ Stream::Read Stream::read_response() {
 
 void Stream::finish(Pending& p, Status status) {
   if (p.aborted) status = p.abort_reason;
-  p.op.sink->complete(p.op.tag, std::move(status));
+  if (p.op.sink != nullptr) {
+    p.op.sink->complete(p.op.tag, std::move(status));
+  } else if (p.kind == Pending::Kind::kGrant && !status.is_ok()) {
+    // The requests under the lease fail with kNoGrant and say where to look.
+    KVSTASH_LOG_DEBUG("tcp: the target refused lease {:#x}'s grant: {}", p.lease, status.to_string());
+  }
   std::lock_guard lock(mu_);
   --completing_;
   drained_.notify_all();
@@ -501,6 +563,14 @@ Status Endpoint::revoke(const RemoteKey& key, const LeaseTerms& terms, Deadline 
   if (auto s = sink.wait(deadline)) return s->with_context("tcp: revoke");
   abort(&sink, Status::timeout("tcp: revoke"));  // returns once the sink is no longer used
   return Status::timeout("tcp: the target did not confirm the revoke before the deadline");
+}
+
+TcpRemoteKey::~TcpRemoteKey() {
+  const std::uint64_t presented_on = presented.load(std::memory_order_relaxed);
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    if ((presented_on & (std::uint64_t{1} << i)) == 0) continue;
+    if (auto s = streams[i].lock()) s->enqueue_release(key, lease);
+  }
 }
 
 void Endpoint::abort(CompletionSink* sink, const Status& reason) {

@@ -109,6 +109,7 @@ struct Target {
   std::uint64_t next_wr_id = 1;
   std::uint64_t fenced_through = 0;  // Transport::fence's highest value: tags up to it are refused
   RevokedLeases revoked;
+  std::shared_ptr<const GrantCheck> grants;  // Transport::set_grant_check's; null: none needed
 
   Counters& counters() { return *devs[0]->counters; }
   // Serves one lease message that arrived on `a`: the answer to send (empty: none), or an

@@ -53,6 +53,15 @@ Status wait_bind(ibv_cq* cq, std::uint64_t wr_id, Deadline deadline) {
   }
 }
 
+// Whether [addr, addr + length) lies inside one of `ranges` (sorted, disjoint).
+bool inside(const std::vector<RemoteRange>& ranges, std::uint64_t addr, std::uint64_t length) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
+                             [](std::uint64_t a, const RemoteRange& r) { return a < r.addr; });
+  if (it == ranges.begin()) return false;
+  --it;
+  return addr - it->addr <= it->length && length <= it->length - (addr - it->addr);
+}
+
 }  // namespace
 
 // ---- the target ------------------------------------------------------------------------------
@@ -88,9 +97,31 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
   const auto base = reinterpret_cast<std::uint64_t>(mr->addr);
   for (const LeaseRange& r : q.ranges) {
     if (r.addr < base || r.addr - base > mr->length || r.length > mr->length - (r.addr - base)) {
-      return Status::permission_denied(fmt::format("verbs: a leased range [{:#x}, +{}) lies outside the region "
-                                                   "[{:#x}, +{})", r.addr, r.length, base, mr->length));
+      return Status::permission_denied(
+          fmt::format("verbs: a leased range [{:#x}, +{}) lies outside the region "
+                      "[{:#x}, +{})",
+                      r.addr, r.length, base, mr->length));
     }
+  }
+  std::uint64_t fence = q.fence;
+  if (grants) {
+    // Windows only over what the owner granted, for its op, under its deadline as the tag.
+    auto g = grants->check(q.grant);
+    if (!g.is_ok()) return g.status().with_context("verbs: the lease's grant");
+    if ((g->op == TransferOp::kWrite) != q.write) {
+      return Status::permission_denied("verbs: the lease asks for another op than its grant allows");
+    }
+    if (g->fence <= fenced_through) {
+      return Status::stale("verbs: the lease's grant ended (its deadline " + std::to_string(g->fence) +
+                           " is fenced already)");
+    }
+    for (const LeaseRange& r : q.ranges) {
+      if (!inside(g->ranges, r.addr, r.length)) {
+        return Status::permission_denied(fmt::format(
+            "verbs: a leased range [{:#x}, +{}) lies outside what its grant allows", r.addr, r.length));
+      }
+    }
+    fence = g->fence;
   }
   if (a.windows + q.ranges.size() > kMaxWindowsPerConnection) {
     return Status::no_space("verbs: this connection holds too many memory windows (release leases)");
@@ -99,7 +130,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
 
   Lease lease;
   lease.mr = mr;
-  lease.fence = q.fence;
+  lease.fence = fence;
   lease.until =
       Clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(q.ttl_ms), kMaxLeaseTtl);
   std::vector<std::uint32_t> rkeys;
@@ -361,6 +392,7 @@ Result<std::unique_ptr<RemoteKey>> VerbsEndpoint::lease_key(const RemoteKey& reg
   q.ttl_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(
       terms.ttl.count(), 1, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxLeaseTtl).count()));
   q.fence = terms.fence;
+  if (terms.grant) q.grant = *terms.grant;
   q.ranges.reserve(ranges.size());
   for (const RemoteRange& r : ranges) q.ranges.push_back({r.addr, r.length});
 

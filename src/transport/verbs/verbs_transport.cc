@@ -142,6 +142,10 @@ class VerbsTransport final : public Transport {
   std::string local_address() const override { return address_; }
   std::vector<TransportCounter> counters() const override { return counters_->snapshot(); }
   void fence(std::uint64_t through) override { target_->fence(through); }
+  void set_grant_check(std::shared_ptr<const GrantCheck> check) override {
+    std::lock_guard lock(target_->mu);
+    target_->grants = std::move(check);
+  }
   bool can_reach(std::string_view peer_address) const override;
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override;

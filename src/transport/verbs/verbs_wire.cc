@@ -219,6 +219,7 @@ std::string encode_lease_request(const LeaseRequest& r) {
     w.u64(range.addr);
     w.u64(range.length);
   }
+  w.bytes(r.grant);
   return w.take();
 }
 
@@ -290,6 +291,8 @@ Result<LeaseMessage> decode_lease_message(std::string_view bytes) {
     range.length = r.u64();
     if (range.length == 0 || range.addr + range.length < range.addr) return invalid("lease request (range)");
   }
+  q.grant = std::string(r.bytes());
+  if (!r.ok() || q.grant.size() > kMaxGrantBytes) return invalid("lease request (grant)");
   if (!r.at_end()) return invalid("lease request");
   return LeaseMessage(std::move(q));
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/handshake.h"
+#include "kvstash/grant.h"
 #include "kvstash/status.h"
 #include "transport/verbs/verbs_qp.h"
 
@@ -86,10 +87,11 @@ inline constexpr std::size_t kMaxLeaseRanges = 1024;
 
 // Setup frames are a u32 length (network order) and the message. Before the queue pair is up
 // only hellos and the token proof travel (small); afterwards lease messages, the largest a
-// request of kMaxLeaseRanges ranges (header 33 bytes, 16 per range) or its reply (at most
-// 1,045 bytes of header and message, 4 per range).
+// request of kMaxLeaseRanges ranges (header 33 bytes, 16 per range) and its grant (a u32
+// length and at most kMaxGrantBytes), or its reply (at most 1,045 bytes of header and message,
+// 4 per range).
 inline constexpr std::size_t kMaxSetupFrame = 512;
-inline constexpr std::size_t kMaxLeaseFrame = 64 + 16 * kMaxLeaseRanges;
+inline constexpr std::size_t kMaxLeaseFrame = 64 + 16 * kMaxLeaseRanges + 4 + kMaxGrantBytes;
 
 struct LeaseRange {
   std::uint64_t addr = 0;
@@ -103,6 +105,7 @@ struct LeaseRequest {
   std::uint32_t ttl_ms = 0;
   std::uint64_t fence = 0;  // the owner's fence tag (0: none)
   std::vector<LeaseRange> ranges;
+  std::string grant;  // what the owner granted (kvstash/grant.h); empty: none
 };
 
 struct LeaseReply {
