@@ -12,7 +12,7 @@ import sys
 # (layer, the folders it may include besides its own). A layer is the longest prefix of a
 # file's path listed here. "include/kvstash/<header>" entries allow single public headers.
 PUBLIC = "include/kvstash"
-TRANSFER_WORDS = [f"{PUBLIC}/{h}" for h in ("transfer.h", "types.h", "status.h", "memory.h")]
+TRANSFER_WORDS = [f"{PUBLIC}/{h}" for h in ("transfer.h", "grant.h", "types.h", "status.h", "memory.h")]
 RULES = {
     "include/kvstash": [],
     "src/common": [PUBLIC],
