@@ -101,8 +101,9 @@ TEST_P(KvPeerTest, ReadsScatteredBlocksIntoOtherBlocksBitExact) {
   ASSERT_TRUE(in.is_ok()) << in.status().to_string();
   const std::vector<std::uint32_t> remote{7, 8, 9, 30, 2}, local{0, 1, 2, 11, 20};
   const HostCache before(2);  // b's bytes as they were (same seed)
-  auto read = (*in)->begin_read((*out)->descriptor(), remote, local, {.fence = now_ms() + 10000},
-                                deadline_after(5s));
+  const std::uint64_t fence = now_ms() + 10000;
+  auto read = (*in)->begin_read((*out)->descriptor(), remote, local,
+                                {.fence = fence, .grant = (*out)->grant(remote, fence).value()}, deadline_after(5s));
   ASSERT_TRUE(read.is_ok()) << read.status().to_string();
   ASSERT_TRUE(read->wait().is_ok());
   EXPECT_EQ(read->bytes(), kShape.num_layers * 2 * remote.size() * kShape.block_bytes());
@@ -122,16 +123,47 @@ TEST_P(KvPeerTest, AFenceEndsTheReadsUnderItsTagOnly) {
   auto in = KvImport::open(*decode_, b.layout()).value();
   const std::uint64_t tag = now_ms();
   const std::vector<std::uint32_t> blocks{4, 5};
-  auto first = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s));
+  auto first = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag, .grant = out->grant(blocks, tag).value()},
+                              deadline_after(5s));
   ASSERT_TRUE(first.is_ok()) << first.status().to_string();
   ASSERT_TRUE(first->wait().is_ok());
   out->fence(tag);  // the prefill gives the blocks of every handoff up to `tag` back
-  auto late = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag}, deadline_after(5s));
+  auto late = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag, .grant = out->grant(blocks, tag).value()},
+                             deadline_after(5s));
   const Status s = late.is_ok() ? late->wait() : late.status();
   EXPECT_TRUE(s.code() == StatusCode::kPermissionDenied || s.code() == StatusCode::kStale) << s.to_string();
-  auto later = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag + 1}, deadline_after(5s));
+  auto later = in->begin_read(out->descriptor(), blocks, blocks,
+                              {.fence = tag + 1, .grant = out->grant(blocks, tag + 1).value()}, deadline_after(5s));
   ASSERT_TRUE(later.is_ok()) << later.status().to_string();
   EXPECT_TRUE(later->wait().is_ok()) << "a handoff with a later deadline was fenced too";
+}
+
+// The exporter's grant names the blocks a reader may read: a read of other blocks, under
+// another export's grant, or with none, reaches nothing (shm peers map the regions themselves:
+// the same host and user are trusted with them).
+TEST_P(KvPeerTest, AReadReachesOnlyTheBlocksItsGrantNames) {
+  if (GetParam() == TransportKind::kShm) GTEST_SKIP() << "shm peers of the same uid map the whole region";
+  HostCache a(11), b(12), c(13);
+  auto out = KvExport::open(*prefill_, a.layout()).value();
+  auto other = KvExport::open(*prefill_, c.layout()).value();
+  auto in = KvImport::open(*decode_, b.layout()).value();
+  const std::uint64_t fence = now_ms() + 10000;
+  const std::vector<std::uint32_t> granted{4, 5}, beside{6}, some_of_them{5};
+  auto read = [&](std::span<const std::uint32_t> blocks, const std::string& grant) {
+    auto r = in->begin_read(out->descriptor(), blocks, blocks, {.fence = fence, .grant = grant}, deadline_after(5s));
+    return r.is_ok() ? r->wait() : r.status();
+  };
+  const std::string g = out->grant(granted, fence).value();
+  EXPECT_TRUE(read(granted, g).is_ok());
+  EXPECT_TRUE(read(some_of_them, g).is_ok());
+  EXPECT_EQ(read(beside, g).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(read(granted, "").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(read(granted, other->grant(granted, fence).value()).code(), StatusCode::kPermissionDenied);
+  std::string forged = g;
+  forged.replace(forged.find("+"), 1, "0+");  // a longer first range, same MAC
+  EXPECT_EQ(read(granted, forged).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(out->grant({}, fence).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(out->grant(granted, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_P(KvPeerTest, ForgedOrForeignDescriptorsAreRefusedBeforeAnythingMoves) {

@@ -87,7 +87,8 @@ CLASSES = [
          translate={"wait": {"c": ["finish"]}}),
     # P/D's direct path: no C face yet. Python opens both over a KvCache (its store and layout).
     dict(cpp="KvExport", c_prefix="kvstash_export_", py="KvExport",
-         translate={"open": {"c": [], "py": ["__init__"]}, "descriptor": {"c": []}, "fence": {"c": []}}),
+         translate={"open": {"c": [], "py": ["__init__"]}, "descriptor": {"c": []}, "fence": {"c": []},
+                    "grant": {"c": []}}),
     dict(cpp="KvImport", c_prefix="kvstash_import_", py="KvImport",
          translate={"open": {"c": [], "py": ["__init__"]}, "begin_read": {"c": []}}),
     dict(cpp="KvPeerRead", c_prefix="kvstash_peer_read_", py="KvPeerRead",

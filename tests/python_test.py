@@ -241,7 +241,11 @@ class KvstashPython(unittest.TestCase):
         self.assertIn("127.0.0.2".encode().hex(), out.descriptor.decode(), "the export names where it listens")
         read = kvstash.KvImport(kvstash.KvCache(self.store, [dst], num_blocks=blocks, block_size=4,
                                                 num_kv_heads=1, head_dim=width, mla=True, model="m"))
-        read.begin_read(out.descriptor, [2, 3], [0, 1], fence=2**62, timeout_ms=5000).wait()
+        with self.assertRaises(kvstash.Error) as refused:
+            read.begin_read(out.descriptor, [2, 3], [0, 1], fence=2**62, timeout_ms=5000).wait()
+        self.assertEqual(refused.exception.code, "permission_denied", "a read without the exporter's grant")
+        read.begin_read(out.descriptor, [2, 3], [0, 1], fence=2**62, timeout_ms=5000,
+                        grant=out.grant([2, 3], 2**62)).wait()
         half = len(src) // 2
         self.assertEqual(dst[:half], src[half:])
         with self.assertRaises(kvstash.Error) as e:

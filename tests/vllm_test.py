@@ -473,6 +473,7 @@ class VllmConnector(unittest.TestCase):
         req.kv_transfer_params = {"do_remote_decode": True}
         p.scheduler.add_request(req)
         p.step_until(lambda: rid in p.params)
+        p.step()  # vLLM steps on while blocks are held: the workers hold them (and grant them) now
         return p.params[rid]
 
     def test_direct_pd_the_decode_reads_the_prefills_blocks_which_the_prefill_then_frees(self):

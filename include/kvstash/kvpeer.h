@@ -14,11 +14,12 @@
 // so it may hand the blocks to other requests: a stalled or vanished reader never holds them.
 //
 //   auto out = KvExport::open(prefill_store, prefill_layout).value();
-//   publish(out->descriptor(), blocks, deadline_ms);           // the reader's fence tag
+//   publish(out->descriptor(), blocks, deadline_ms,            // the reader's fence tag
+//           out->grant(blocks, deadline_ms).value());          // and what it may read
 //   ...
 //   auto in = KvImport::open(decode_store, decode_layout).value();
 //   auto read = in->begin_read(descriptor, remote_blocks, local_blocks,
-//                              {.fence = deadline_ms, .ttl = 30s}, deadline).value();
+//                              {.fence = deadline_ms, .ttl = 30s, .grant = grant}, deadline).value();
 //   Status s = read.wait();       // OK: every byte of every layer landed
 //   ...                           // the exporter, past deadline_ms: out->fence(deadline_ms)
 //
@@ -56,6 +57,13 @@ class KvExport {
   // touch the cache (shm: a copy that began before may still be finishing; see Engine::fence).
   void fence(std::uint64_t through);
 
+  // What a reader of `blocks` (every layer and part) needs, until this export fences through
+  // `fence` (KvPeerReadOptions::grant): tcp and verbs serve a read of this cache only under
+  // such a grant, and only over its blocks. Text; hand it over with the blocks (the handoff
+  // record). shm peers of this host and user map the regions themselves (docs/operations.md,
+  // "Threat model"). Errors: kInvalidArgument (no blocks, one out of range, fence 0).
+  Result<std::string> grant(std::span<const std::uint32_t> blocks, std::uint64_t fence) const;
+
  private:
   struct Impl;
   explicit KvExport(std::unique_ptr<Impl> impl);
@@ -90,6 +98,8 @@ struct KvPeerReadOptions {
   std::uint64_t fence = 0;
   // The lease's life by the exporter's clock (at most 10 minutes).
   std::chrono::milliseconds ttl{30000};
+  // The exporter's grant for the blocks read (KvExport::grant, with this fence).
+  std::string grant;
 };
 
 // A cache that reads blocks out of peers' exports.

@@ -15,10 +15,13 @@
 #include <charconv>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
 
+#include "common/grant.h"
+#include "common/system.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/kvpeer.h"
@@ -137,15 +140,73 @@ std::uint64_t address_of(const KvRun& r) { return reinterpret_cast<std::uintptr_
 
 // ---- KvExport -----------------------------------------------------------------------------
 
+namespace {
+
+// The grants of every KvExport of this process, by issuer: one check for all of them, since an
+// engine holds one (several exports may share a store's engine).
+class ExportGrants final : public GrantCheck {
+ public:
+  static const std::shared_ptr<ExportGrants>& instance() {
+    static const auto grants = std::make_shared<ExportGrants>();
+    return grants;
+  }
+
+  void add(const std::string& issuer, std::vector<std::uint8_t> key) {
+    std::lock_guard lock(mu_);
+    keys_[issuer] = std::move(key);
+  }
+  void remove(const std::string& issuer) {
+    std::lock_guard lock(mu_);
+    keys_.erase(issuer);
+  }
+
+  // Runs are byte ranges of the exporter's address space: first = address, count = length.
+  Result<Grant> check(std::string_view text) const override {
+    // The issuer is the text's second word; the MAC decides whether any of it holds.
+    const auto a = text.find(' '), b = a == std::string_view::npos ? a : text.find(' ', a + 1);
+    if (b == std::string_view::npos) return Status::permission_denied("kvpeer: a read needs the exporter's grant");
+    grant::Terms t;
+    {
+      std::lock_guard lock(mu_);
+      auto it = keys_.find(std::string(text.substr(a + 1, b - a - 1)));
+      if (it == keys_.end()) return Status::permission_denied("kvpeer: a grant of no export of this process");
+      KVSTASH_ASSIGN_OR_RETURN(t, grant::verify(it->second, text));
+    }
+    if (t.whole) return Status::permission_denied("kvpeer: an export grants blocks, never the whole cache");
+    Grant g{t.op, t.deadline, {}};
+    for (const auto& [addr, length] : t.runs) g.ranges.push_back({addr, length});
+    return g;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, std::vector<std::uint8_t>, std::less<>> keys_;
+};
+
+}  // namespace
+
 struct KvExport::Impl {
+  ~Impl() {
+    if (!issuer.empty()) ExportGrants::instance()->remove(issuer);
+  }
   Engine* engine = nullptr;
   std::vector<MemoryHandle> handles;
   std::string descriptor;
+  std::optional<KvLayout> layout;
+  std::string issuer;  // this export's name in its grants
+  std::vector<std::uint8_t> key;
 };
 
 Result<std::unique_ptr<KvExport>> KvExport::open(Store& store, const KvLayout& layout) {
   auto impl = std::make_unique<Impl>();
   impl->engine = &store.engine();
+  impl->layout = layout;
+  // A peer reads the cache under the grants this export signs (grant()), and nothing else: the
+  // check is installed before any region can be reached.
+  impl->issuer = "kvx-" + std::to_string(sys::random_u64());
+  impl->key = grant::new_key();
+  ExportGrants::instance()->add(impl->issuer, impl->key);
+  impl->engine->set_grant_check(ExportGrants::instance());
   std::ostringstream d;
   d << kMagic << "\ntag " << layout.tag() << " blocks " << layout.shape().num_blocks << "\naddress "
     << to_text(impl->engine->address()) << "\nstrides " << layout.part_stride() << ' ' << layout.block_stride()
@@ -175,6 +236,30 @@ KvExport::KvExport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KvExport::~KvExport() = default;
 const std::string& KvExport::descriptor() const { return impl_->descriptor; }
 void KvExport::fence(std::uint64_t through) { impl_->engine->fence(through); }
+
+Result<std::string> KvExport::grant(std::span<const std::uint32_t> blocks, std::uint64_t fence) const {
+  if (blocks.empty()) return Status::invalid_argument("kvpeer: a grant of no blocks");
+  if (fence == 0) return Status::invalid_argument("kvpeer: a grant needs a fence tag (its deadline)");
+  std::vector<RemoteRange> ranges;
+  std::vector<KvRun> runs;
+  for (std::uint32_t l = 0; l < impl_->layout->shape().num_layers; ++l) {
+    runs.clear();
+    KVSTASH_RETURN_IF_ERROR(impl_->layout->layer_runs(l, blocks, runs));
+    for (const KvRun& r : runs) ranges.push_back({reinterpret_cast<std::uintptr_t>(r.addr), r.length});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const RemoteRange& a, const RemoteRange& b) { return a.addr < b.addr; });
+  grant::Terms t{.issuer = impl_->issuer, .epoch = "0", .op = TransferOp::kRead, .deadline = fence};
+  for (const RemoteRange& r : ranges) {
+    if (!t.runs.empty() && r.addr <= t.runs.back().first + t.runs.back().second) {
+      t.runs.back().second = std::max(t.runs.back().second, r.addr + r.length - t.runs.back().first);
+    } else {
+      t.runs.emplace_back(r.addr, r.length);
+    }
+  }
+  std::string text = grant::sign(impl_->key, t);
+  if (text.size() > kMaxGrantBytes) return Status::invalid_argument("kvpeer: too many blocks for one grant");
+  return text;
+}
 
 // ---- KvPeerRead ---------------------------------------------------------------------------
 
@@ -340,7 +425,8 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
     for (std::size_t at = 0; at < merged.size(); at += kMaxLeaseRanges) {
       const std::size_t n = std::min(kMaxLeaseRanges, merged.size() - at);
       std::span<const RemoteRange> part(merged.data() + at, n);
-      LeaseOptions lo{.op = TransferOp::kRead, .ttl = options.ttl, .fence = options.fence, .deadline = deadline};
+      LeaseOptions lo{
+          .op = TransferOp::kRead, .ttl = options.ttl, .fence = options.fence, .grant = options.grant, .deadline = deadline};
       KVSTASH_ASSIGN_OR_RETURN(RemoteMemory lease, state->peer->lease(*imported[r], part, lo));
       leased[r].push_back({part.front().addr, state->leases.size()});
       state->leases.push_back(std::move(lease));

@@ -566,7 +566,15 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("descriptor", [](const PyKvExport& e) { return py::bytes(e.out->descriptor()); })
       .def(
           "fence", [](PyKvExport& e, std::uint64_t through) { nogil([&] { e.out->fence(through); }); },
-          py::arg("through"), "Ends every lease whose fence tag is <= through; returns once none can read.");
+          py::arg("through"), "Ends every lease whose fence tag is <= through; returns once none can read.")
+      .def(
+          "grant",
+          [](const PyKvExport& e, const std::vector<std::uint32_t>& blocks, std::uint64_t fence) {
+            return py::bytes(unwrap(e.out->grant(blocks, fence)));
+          },
+          py::arg("blocks"), py::arg("fence"),
+          "What a reader of `blocks` needs until the export fences through `fence` (KvExport::grant): "
+          "hand it over with the blocks.");
 
   py::class_<PyPeerRead, std::shared_ptr<PyPeerRead>>(m, "KvPeerRead")
       .def("poll", [](PyPeerRead& r) { return r.read.poll(); })
@@ -586,11 +594,11 @@ PYBIND11_MODULE(_native, m) {
           "begin_read",
           [](std::shared_ptr<PyKvImport> in, const py::bytes& descriptor,
              const std::vector<std::uint32_t>& remote_blocks, const std::vector<std::uint32_t>& local_blocks,
-             std::uint64_t fence, std::uint64_t ttl_ms, std::uint32_t timeout_ms) {
+             std::uint64_t fence, std::uint64_t ttl_ms, std::uint32_t timeout_ms, const py::bytes& grant) {
             const std::string d = descriptor;
             auto r = std::make_shared<PyPeerRead>();
             r->in = in;
-            const KvPeerReadOptions o{.fence = fence, .ttl = std::chrono::milliseconds(ttl_ms)};
+            const KvPeerReadOptions o{.fence = fence, .ttl = std::chrono::milliseconds(ttl_ms), .grant = grant};
             const Deadline deadline = deadline_of(timeout_ms).value_or(deadline_after(kStoreDefaults.timeout));
             r->read = unwrap(nogil([&] { return in->in->begin_read(d, remote_blocks, local_blocks, o, deadline); }));
             return r;
@@ -598,7 +606,9 @@ PYBIND11_MODULE(_native, m) {
           py::arg("descriptor"), py::arg("remote_blocks"), py::arg("local_blocks"),
           py::arg("fence") = KvPeerReadOptions{}.fence,
           py::arg("ttl_ms") = static_cast<std::uint64_t>(KvPeerReadOptions{}.ttl.count()), py::arg("timeout_ms") = 0,
-          "Reads remote_blocks of the export into local_blocks, every layer (KvImport::begin_read).");
+          py::arg("grant") = py::bytes(),
+          "Reads remote_blocks of the export into local_blocks, every layer (KvImport::begin_read), under the "
+          "exporter's grant (KvExport.grant).");
 
   m.def(
       "prefix_chunk_keys",

@@ -7,6 +7,9 @@ KvImport), with no memory node in between. Redis holds only handoff records
                            cache's regions and keys. Published when the caches are registered.
   <engine>:req:<request>   a finished prefill's blocks: JSON {"engine", "blocks", "fence", "tp"},
                            with one reader per decode rank ("0", "1", ...).
+  <engine>:req:<request>:grant:<rank>
+                           the prefill worker's grant for those blocks (KvExport.grant): its
+                           export serves a read of them under it and serves nothing else.
 
 What happens, and what each side does when the other fails:
 - The prefill's scheduler publishes a request's record when the request ends, and vLLM holds
@@ -38,6 +41,7 @@ RECORD_SLACK_MS = 5000
 EXPORT_TTL_MS = 3600 * 1000  # an export record's life; refreshed every EXPORT_REFRESH_S
 EXPORT_REFRESH_S = 600
 POLL_S = 0.005  # a prefill worker asks Redis about its held requests at most this often
+GRANT_POLL_S = 0.002  # a decode asks this often for a grant its prefill has not published yet
 
 
 def now_ms() -> int:
@@ -50,6 +54,12 @@ def export_name(engine_id: str, rank: int) -> str:
 
 def request_name(engine_id: str, request_id: str) -> str:
     return f"{engine_id}:req:{request_id}"
+
+
+def grant_name(record: str, rank: int) -> str:
+    """Where a prefill worker puts its grant for a request's blocks (KvExport.grant): the
+    decode rank of the same number reads under it."""
+    return f"{record}:grant:{rank}"
 
 
 def publish_request(store: kvstash.Store, engine_id: str, request_id: str, block_ids: list[int], tp_size: int,
@@ -106,8 +116,19 @@ class PrefillExport(_Counted):
                 raise
             logger.warning("kvstash: the export record could not be refreshed: %s", e)
 
-    def hold(self, request_id: str, name: str, fence: int) -> None:
+    def hold(self, request_id: str, name: str, fence: int, block_ids: list[int]) -> None:
+        """Holds a finished request's blocks for its decode, and publishes the grant its read
+        needs (the export serves nothing else). A grant that cannot be published leaves the
+        decode computing; the blocks are freed at the deadline as ever."""
         self._held[request_id] = (name, fence)
+        if not block_ids:
+            return
+        try:
+            grant = self._export.grant(block_ids, fence)
+            ttl_ms = max(1, fence - now_ms()) + RECORD_SLACK_MS
+            self._store.publish_handoff(grant_name(name, self._rank), grant, [], ttl_ms, timeout_ms=self._timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: the grant for %s could not be published (its decode computes): %s", request_id, e)
 
     def released(self) -> set[str]:
         """Requests whose blocks vLLM may free now: read by this rank's decode, or expired (and
@@ -171,6 +192,18 @@ class DecodeReads(_Counted):
                 self._exports[key] = found
         return found
 
+    def _grant(self, name: str, left_ms) -> bytes:
+        """The prefill worker's grant for the request's blocks: it publishes it as it starts
+        holding them (its next step), which may come a moment after the decode heard of them."""
+        key = grant_name(name, self._rank)
+        while True:
+            try:
+                return self._store.handoff(key, timeout_ms=left_ms())
+            except kvstash.Error as e:
+                if getattr(e, "code", None) != "not_found":
+                    raise
+            time.sleep(GRANT_POLL_S)
+
     def _read(self, name: str, first_block: int, local_blocks: list[int]) -> None:
         start = time.monotonic()
 
@@ -193,7 +226,8 @@ class DecodeReads(_Counted):
                 raise ValueError(f"the prefill holds {len(record['blocks'])} blocks, the decode reads "
                                  f"{first_block} + {len(local_blocks)}")
             read = self._import.begin_read(self._descriptor(engine), remote, local_blocks, fence=record["fence"],
-                                           ttl_ms=self._timeout_ms + 1000, timeout_ms=left_ms())
+                                           ttl_ms=self._timeout_ms + 1000, timeout_ms=left_ms(),
+                                           grant=self._grant(name, left_ms))
             read.wait()
         except Exception:
             if engine is not None:

@@ -232,7 +232,8 @@ class KvstashMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)
     saves: list[ChunkRun] = field(default_factory=list)
     reads: list[BlockRead] = field(default_factory=list)  # direct P/D, on a decode
-    holds: list[tuple[str, str, int]] = field(default_factory=list)  # direct P/D, on a prefill: (req, handoff, fence)
+    # direct P/D, on a prefill: (req, handoff, fence, blocks)
+    holds: list[tuple[str, str, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -268,7 +269,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._remote: dict[str, int] = {}  # direct: decode requests with a handoff -> computed tokens
         self._reads: list[BlockRead] = []  # direct: for the next step's workers
-        self._holds: list[tuple[str, str, int]] = []
+        self._holds: list[tuple[str, str, int, list[int]]] = []
         self._export: _handoff.PrefillExport | None = None
         self._import: _handoff.DecodeReads | None = None
         self._unheld: set[str] = set()  # holds no export can serve: freed at the next get_finished
@@ -510,7 +511,7 @@ class KvstashConnector(KVConnectorBase_V1):
             logger.warning("kvstash: the handoff of %s was not published; its decode computes it: %s",
                            request.request_id, e)
             return False, None
-        self._holds.append((request.request_id, name, fence))
+        self._holds.append((request.request_id, name, fence, list(block_ids)))
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "kvstash_handoff": name,
                       "remote_num_tokens": request.num_computed_tokens}
 
@@ -645,9 +646,9 @@ class KvstashConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
-        for req_id, name, fence in meta.holds:
+        for req_id, name, fence, block_ids in meta.holds:
             if self._export is not None:
-                self._export.hold(req_id, name, fence)
+                self._export.hold(req_id, name, fence, block_ids)
             else:
                 self._unheld.add(req_id)  # nothing can read them: vLLM frees them now
         for read in meta.reads:

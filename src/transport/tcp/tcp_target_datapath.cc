@@ -330,13 +330,12 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     } else if (!target_.fences.allowed(h_.lease, g->fence)) {
       why = "its grant is fenced already (or the lease revoked)";
     } else {
-      for (const RemoteRange& r : g->ranges) {
-        if (r.addr < base || r.addr - base > region_->length ||
-            r.length > region_->length - (r.addr - base)) {
-          why = "its grant names memory outside the region";
-          break;
-        }
-      }
+      // A grant may span several regions of its owner (a KvExport's layers): this lease keeps
+      // what lies in its own.
+      std::erase_if(g->ranges, [&](const RemoteRange& r) {
+        return r.addr < base || r.addr - base > region_->length || r.length > region_->length - (r.addr - base);
+      });
+      if (g->ranges.empty()) why = "its grant names nothing in the lease's region";
     }
     if (why != nullptr) {
       KVSTASH_LOG_INFO("tcp: refused lease {:#x}: {}{}", h_.lease, why,
