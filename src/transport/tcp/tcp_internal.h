@@ -26,7 +26,9 @@
 #include <array>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -176,6 +178,8 @@ class Fences {
   // the fence instead): a client cannot grow the target's memory without bound.
   bool revoke(std::uint64_t lease, std::uint64_t fence);
   static constexpr std::size_t kMaxRevoked = 65536;
+  // How long a revoke without a fence tag is remembered once the table is full.
+  static constexpr std::chrono::minutes kUntaggedLife{10};
 
  private:
   template <typename Busy>
@@ -185,6 +189,7 @@ class Fences {
   std::atomic<std::size_t> revoked_count_{0};
   mutable std::mutex mu_;                                     // revoked_, marks_
   std::unordered_map<std::uint64_t, std::uint64_t> revoked_;  // lease -> fence tag
+  std::deque<std::pair<std::uint64_t, std::chrono::steady_clock::time_point>> untagged_;  // fence 0, oldest first
   std::vector<std::weak_ptr<Mark>> marks_;
 };
 

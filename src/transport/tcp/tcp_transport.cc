@@ -396,10 +396,21 @@ bool Fences::revoke(std::uint64_t lease, std::uint64_t fence) {
   {
     std::lock_guard lock(mu_);
     if (fence == 0 || fence > fenced_.load()) {
-      // Without a fence tag the entry stays until the transport goes; such leases are the
-      // engine's point-to-point users', revoked rarely.
-      if (revoked_.size() >= kMaxRevoked && revoked_.count(lease) == 0) return false;
-      revoked_.emplace(lease, fence);
+      // Without a fence tag (the engine's point-to-point users', where no grant is checked:
+      // a granted lease always has one) the entry is kept kUntaggedLife, longer than any
+      // request can last (io_timeout drops a stalled one), so that a flood of made-up revokes
+      // fills the table only for that long.
+      if (revoked_.size() >= kMaxRevoked && revoked_.count(lease) == 0) {
+        const auto old = std::chrono::steady_clock::now() - kUntaggedLife;
+        while (!untagged_.empty() && untagged_.front().second <= old) {
+          revoked_.erase(untagged_.front().first);
+          untagged_.pop_front();
+        }
+        if (revoked_.size() >= kMaxRevoked) return false;
+      }
+      if (revoked_.emplace(lease, fence).second && fence == 0) {
+        untagged_.emplace_back(lease, std::chrono::steady_clock::now());
+      }
       revoked_count_.store(revoked_.size(), std::memory_order_seq_cst);
     }
   }
