@@ -162,6 +162,10 @@ class VllmForwardPass(unittest.TestCase):
             loader.status()  # started
             with open(os.path.join(cell.dir, "node-1.pid")) as f:
                 os.kill(int(f.read().split()[0]), signal.SIGKILL)
+            # Over shm the loader maps the node's pool itself and learns of the death from its
+            # socket: a load that starts within that moment still reads the (right) bytes of the
+            # dead node's memory. Past it (well within the heartbeat TTL) every load fails.
+            time.sleep(0.5)
             got = loader.generate([self.PROMPT])[0]
             self.assertEqual(got["tokens"], self.plain["prompt"], "a failed load changed the answer")
             counts = loader.status()["connector"]
