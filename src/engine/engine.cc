@@ -369,9 +369,13 @@ Result<RemoteMemory> Peer::lease(const RemoteMemory& region, std::span<const Rem
     return Status::invalid_argument("lease: the region was not imported through this peer");
   }
   if (region.state_->lease) return Status::invalid_argument("lease: a lease cannot be leased again");
-  if (ranges.empty() || ranges.size() > kMaxLeaseRanges) {
-    return Status::invalid_argument("lease: between 1 and " + std::to_string(kMaxLeaseRanges) +
-                                    " ranges, not " + std::to_string(ranges.size()));
+  // One message to the peer carries a lease that asks it (verbs: kMaxLeaseRanges); elsewhere
+  // it travels with the requests, as many ranges as an object has.
+  constexpr std::size_t kMaxLeaseRangesLocal = 1u << 20;
+  const std::size_t most = state_->caps.lease_asks_target ? kMaxLeaseRanges : kMaxLeaseRangesLocal;
+  if (ranges.empty() || ranges.size() > most) {
+    return Status::invalid_argument("lease: between 1 and " + std::to_string(most) + " ranges, not " +
+                                    std::to_string(ranges.size()));
   }
   if (options.ttl.count() <= 0) return Status::invalid_argument("lease: ttl must be positive");
   RemoteMemory::State::Lease l;

@@ -124,8 +124,11 @@ Status lease_pages(const LeasePolicy& policy, const metadata::Placement& p, Tran
       continue;
     }
     const std::vector<RemoteRange> runs = page_runs(p, p.nodes[ni].id, path->remote.base());
-    for (std::size_t at = 0; at < runs.size(); at += kMaxLeaseRanges) {
-      std::span<const RemoteRange> chunk(runs.data() + at, std::min(kMaxLeaseRanges, runs.size() - at));
+    // One lease per node where leasing is local (its grant then goes to the node once per
+    // connection); one per message's worth of ranges where it asks the node.
+    const std::size_t per_lease = path->peer->lease_asks_peer() ? kMaxLeaseRanges : runs.size();
+    for (std::size_t at = 0; at < runs.size(); at += per_lease) {
+      std::span<const RemoteRange> chunk(runs.data() + at, std::min(per_lease, runs.size() - at));
       const auto t0 = Clock::now();
       auto lease = path->peer->lease(path->remote, chunk,
                                      {.op = op,
