@@ -327,5 +327,94 @@ TEST(GrantsOfARealNode, AClientWithTheTokenReachesNothingTheCellDidNotGrant) {
   std::filesystem::remove_all(dir);
 }
 
+// ---- two tenants on one Redis ---------------------------------------------------------------
+
+// docs/operations.md's recipe: a cell, a Redis ACL user and a cluster token per tenant, on nodes
+// of its own. Each tenant's credentials reach its own objects and nothing of the other's:
+// not its metadata (the ACL), not its nodes (the token), not its pages (no grant).
+TEST(Tenants, OneTenantsCredentialsReachNothingOfTheOthers) {
+  auto redis = tools::LocalRedis::start({.password = "admin-password-1234"});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  const int port = (*redis)->port();
+  metadata::CellOptions admin;
+  admin.redis.url = (*redis)->url();
+  admin.redis.password = (*redis)->password();
+  auto cell = metadata::Cell::open(admin);
+  ASSERT_TRUE(cell.is_ok()) << cell.status().to_string();
+  char dir[] = "/tmp/kvstash-tenants-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+
+  struct Tenant {
+    std::string name, token, url;
+    std::unique_ptr<tools::LocalNode> node;
+    std::unique_ptr<Store> store;
+  };
+  auto open_tenant = [&](const std::string& name) {
+    Tenant t;
+    t.name = name;
+    t.token = "token-of-tenant-" + name + "-0123456789";
+    t.url = "redis://" + name + ":pw-" + name + "-0123456789@127.0.0.1:" + std::to_string(port) + "/0";
+    // The user may touch its own cell's keys alone.
+    EXPECT_TRUE((*cell)->redis()
+                    .command({"ACL", "SETUSER", name, "on", ">pw-" + name + "-0123456789",
+                              "~kvs:{kvs:" + name + "}*", "+@all"})
+                    .is_ok());
+    const std::string token_file = std::string(dir) + "/" + name;
+    std::ofstream(token_file) << t.token;
+    ::chmod(token_file.c_str(), 0600);
+    auto node = tools::LocalNode::start({.redis_url = t.url,
+                                         .capacity = "4MiB",
+                                         .page_size = "64KiB",
+                                         .node_id = "node-" + name,
+                                         .extra_args = {"--cell", name, "--transports", "tcp",
+                                                        "--cluster-token-file", token_file}});
+    EXPECT_TRUE(node.is_ok()) << node.status().to_string();
+    if (node.is_ok()) t.node = std::move(node).value();
+    StoreOptions so;
+    so.redis_url = t.url;
+    so.cell = name;
+    so.engine.transports = {TransportKind::kTcp};
+    so.engine.cluster_token = t.token;
+    auto store = Store::open(so);
+    EXPECT_TRUE(store.is_ok()) << store.status().to_string();
+    if (store.is_ok()) t.store = std::move(store).value();
+    return t;
+  };
+  Tenant a = open_tenant("a"), b = open_tenant("b");
+  ASSERT_TRUE(a.store && b.store && a.node && b.node);
+  std::vector<std::byte> secret(100'000), back(100'000);
+  test::fill_random(secret, 9);
+  const Slice in{secret.data(), secret.size()}, out{back.data(), back.size()};
+  ASSERT_TRUE(b.store->put("b-prompt", {&in, 1}).is_ok());
+
+  // a's Redis user against b's cell: refused by the ACL, before any script runs.
+  StoreOptions cross;
+  cross.redis_url = a.url;
+  cross.cell = "b";
+  cross.engine.transports = {TransportKind::kTcp};
+  cross.engine.cluster_token = a.token;
+  auto a_in_b = Store::open(cross);
+  EXPECT_EQ(a_in_b.status().code(), StatusCode::kPermissionDenied) << a_in_b.status().to_string();
+  // a's own store: b's keys are simply not in a's cell.
+  EXPECT_EQ(a.store->get("b-prompt", {&out, 1}).status().code(), StatusCode::kNotFound);
+  // a's token against b's node (its address known by other means): the handshake refuses it.
+  metadata::CellOptions b_admin = admin;
+  b_admin.cell = "b";
+  auto b_cell = metadata::Cell::open(b_admin);
+  ASSERT_TRUE(b_cell.is_ok());
+  auto b_nodes = (*b_cell)->catalog().live_nodes();
+  ASSERT_TRUE(b_nodes.is_ok() && b_nodes->size() == 1);
+  EngineOptions eo;
+  eo.transports = {TransportKind::kTcp};
+  eo.cluster_token = a.token;
+  auto engine = Engine::create(eo).value();
+  auto peer = engine->connect((*b_nodes)[0].address, deadline_after(5s));
+  EXPECT_EQ(peer.status().code(), StatusCode::kPermissionDenied) << peer.status().to_string();
+  // b reads its own, whole.
+  ASSERT_TRUE(b.store->get("b-prompt", {&out, 1}).is_ok());
+  EXPECT_EQ(back, secret);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace kvstash
