@@ -365,6 +365,20 @@ TEST_F(CatalogTest, PagesAllocatedTogetherAreOneRunAndReturnAsOne) {
   EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument) << huge.status().to_string();
 }
 
+// A cell knows at most 1,024 nodes, so that the scripts that walk its node lists stay bounded:
+// a new id beyond that is refused, one it knows still registers again.
+TEST_F(CatalogTest, ACellKnowsAtMost1024Nodes) {
+  for (int i = 0; i < 1024; ++i) {
+    std::string id = object_key(i);
+    id[0] = 'n';
+    ASSERT_TRUE(add_node(id, 1).is_ok()) << i;
+  }
+  const Status more = add_node("n1024", 1);
+  EXPECT_EQ(more.code(), StatusCode::kInvalidArgument) << more.to_string();
+  EXPECT_NE(more.message().find("kvstash node rm"), std::string::npos) << more.to_string();
+  EXPECT_TRUE(add_node("n7", 1).is_ok()) << "a known node registers again";
+}
+
 // No script's work grows faster than the runs of the object it touches, and no object spans
 // more than 4,096 pages, so no script holds Redis for long whatever the object (issue 28: a
 // 65,536-page object held it for 0.13-0.49 s per script, a commit of 4,096 scattered pages

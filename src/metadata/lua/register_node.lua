@@ -4,7 +4,8 @@
 -- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms, grant key (hex; the node's
 --          HMAC key for the grants its leases need, prelude: grant_for; fresh per registration)
 -- Returns  Redis's clock (ms); IN_USE while another epoch of the id is alive (two daemons sharing
---          an id would drop each other's objects)
+--          an id would drop each other's objects); INVALID for a new id in a cell that knows
+--          1,024 nodes already
 --
 -- A new epoch means the old incarnation's pages can no longer be written by anyone: a new
 -- process has new memory, and a node that registers again from the same process has first
@@ -16,6 +17,14 @@ local id, epoch = ARGV[1], ARGV[2]
 local ps, count = tonumber(ARGV[3]), tonumber(ARGV[4])
 if not count or count < 1 or not ps or ps < 1 then
   return redis.error_reply('INVALID page size and count must be positive')
+end
+-- The cell's node lists (P:known, P:nodes) bound what fence_master, known_nodes and list_nodes
+-- walk in one script: a node id the cell has never seen joins only while it knows fewer than
+-- MAX_NODES (forgetting dead ones, `kvstash node rm`, makes room).
+local MAX_NODES = 1024
+if redis.call('SISMEMBER', P .. ':known', id) == 0 and redis.call('SCARD', P .. ':known') >= MAX_NODES then
+  return redis.error_reply('INVALID the cell knows ' .. MAX_NODES .. ' nodes already, its most: forget dead ones ' ..
+                           '(kvstash node rm) or start another cell')
 end
 local cell = page_size()
 if cell > 0 and cell ~= ps then
