@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <fstream>
 #include <thread>
 
@@ -145,6 +146,38 @@ void write_file(const std::string& path, const std::string& content, mode_t mode
   ASSERT_EQ(::chmod(path.c_str(), mode), 0) << path;
 }
 
+// /healthz and /metrics answer at once while Redis is stopped (SIGSTOP): the node's loop is
+// then stuck in a Redis command for its whole timeout, and the probes must not wait for it.
+TEST(Kvstashd, HealthAndMetricsDoNotWaitForRedis) {
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  // A 6 s heartbeat TTL: each Redis command of the loop may take 2 s.
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
+                                       .capacity = "4MiB",
+                                       .page_size = "1MiB",
+                                       .extra_args = {"--heartbeat-ttl", "6s", "--transports", "tcp"}});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  const std::string admin = (*node)->admin();
+  ASSERT_EQ(http_get(admin, "/healthz").first, 200);
+  ASSERT_EQ(::kill((*redis)->pid(), SIGSTOP), 0);
+  std::chrono::nanoseconds slowest{};
+  const auto until = Clock::now() + 4500ms;  // more than two heartbeats: the loop is inside one
+  int probes = 0;
+  while (Clock::now() < until) {
+    for (const char* path : {"/healthz", "/metrics"}) {
+      const auto t0 = Clock::now();
+      const int code = http_get(admin, path).first;
+      slowest = std::max<std::chrono::nanoseconds>(slowest, Clock::now() - t0);
+      EXPECT_TRUE(code == 200 || code == 503) << path << ": " << code;
+      ++probes;
+    }
+    std::this_thread::sleep_for(100ms);
+  }
+  ::kill((*redis)->pid(), SIGCONT);
+  EXPECT_GT(probes, 20);
+  EXPECT_LT(slowest, 300ms) << "a probe waited for the node's Redis command";
+}
+
 Status put_and_get(Store& store, const std::string& key) {
   std::string data = "bytes of " + key, back(data.size(), '\0');
   Slice in{data.data(), data.size()}, out{back.data(), back.size()};
@@ -178,7 +211,7 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
 
   // Readable or writable by anyone but the owner: refused, naming the file, its mode and the fix.
   for (mode_t mode : {0644, 0640, 0604, 0620, 0602}) {
-    write_file(token, "s3cret-token\n", mode);
+    write_file(token, "s3cret-token-0123\n", mode);
     auto [rc, out] = run(with({"--cluster-token-file", token}), 10s);
     char octal[8];
     std::snprintf(octal, sizeof octal, "%04o", static_cast<unsigned>(mode));
@@ -195,6 +228,14 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
     EXPECT_EQ(rc, 2) << out;
     EXPECT_NE(out.find("empty"), std::string::npos) << out;
   }
+  // Shorter than 16 bytes, in a file or the environment: refused, saying how long it must be.
+  write_file(token, "s3cret\n", 0600);
+  auto [rc_short, out_short] = run(with({"--cluster-token-file", token}), 10s);
+  EXPECT_EQ(rc_short, 2) << out_short;
+  EXPECT_NE(out_short.find("at least 16 bytes"), std::string::npos) << out_short;
+  auto [rc_short_env, out_short_env] = run(with({}), 10s, "export KVSTASH_CLUSTER_TOKEN=s3cret; ");
+  EXPECT_EQ(rc_short_env, 2) << out_short_env;
+  EXPECT_NE(out_short_env.find("at least 16 bytes"), std::string::npos) << out_short_env;
   auto [rc_env, out_env] = run(with({}), 10s, "export KVSTASH_CLUSTER_TOKEN=; ");
   EXPECT_EQ(rc_env, 2) << "set but empty: " << out_env;
   EXPECT_NE(out_env.find("KVSTASH_CLUSTER_TOKEN"), std::string::npos) << out_env;
@@ -205,7 +246,7 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
   EXPECT_NE(out_missing.find(token + ".absent"), std::string::npos) << out_missing;
 
   // 0600 (and 0400) with a trailing newline: served, the newline not part of the token.
-  write_file(token, "s3cret-token\n", 0400);
+  write_file(token, "s3cret-token-0123\n", 0400);
   auto node = tools::LocalNode::start({.redis_url = url,
                                        .capacity = "4MiB",
                                        .page_size = "1MiB",
@@ -214,11 +255,11 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
   ::unlink(token.c_str());
   ASSERT_TRUE(node.is_ok()) << node.status().to_string();
 
-  auto right = open_tcp_store(url, "s3cret-token");
+  auto right = open_tcp_store(url, "s3cret-token-0123");
   ASSERT_TRUE(right.is_ok()) << right.status().to_string();
   Status ok = put_and_get(**right, "with-token");
   EXPECT_TRUE(ok.is_ok()) << ok.to_string();
-  for (const char* other : {"", "s3cret-token\n", "guess"}) {
+  for (const char* other : {"", "s3cret-token-0123\n", "guess-guess-guess-guess"}) {
     auto store = open_tcp_store(url, other);
     ASSERT_TRUE(store.is_ok()) << store.status().to_string();
     Status s = put_and_get(**store, std::string("token-") + other);

@@ -256,7 +256,7 @@ class ClusterToken(unittest.TestCase):
         return kvstash.Store(URL, cell="secured", transports="tcp", timeout_ms=10000, **kw)
 
     def test_the_data_path_needs_the_token(self):
-        plain, wrong = self.open(), self.open(cluster_token="guess")
+        plain, wrong = self.open(), self.open(cluster_token="guess-guess-guess-guess")
         for store in (plain, wrong):
             with self.assertRaises(kvstash.Error) as e:
                 store.put("py:guarded", b"x")
@@ -276,6 +276,12 @@ class ClusterToken(unittest.TestCase):
                 self.open(cluster_token=empty)
             self.assertEqual(e.exception.code, "invalid_argument")
             self.assertIn("cluster_token", e.exception.message)
+
+    def test_a_short_token_is_refused(self):
+        with self.assertRaises(kvstash.Error) as e:
+            self.open(cluster_token="guess")
+        self.assertEqual(e.exception.code, "invalid_argument")
+        self.assertIn("at least 16 bytes", e.exception.message)
 
 
 if __name__ == "__main__":

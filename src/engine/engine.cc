@@ -76,6 +76,10 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
 Engine::~Engine() = default;
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
+  // Empty means "no token"; any other must be one a guesser cannot reach.
+  if (!options.cluster_token.empty()) {
+    KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(options.cluster_token, "EngineOptions::cluster_token"));
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   std::vector<TransportKind> kinds = options.transports;

@@ -35,6 +35,7 @@ Status Session::credentials() {
   if (g_.token_file_given) {
     if (g_.token_file.empty()) return Status::invalid_argument("--cluster-token-file names no file");
     KVSTASH_ASSIGN_OR_RETURN(token_, sys::read_private_secret_file(g_.token_file));
+    KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(token_, "the token in " + g_.token_file));
   } else if (const char* env = std::getenv("KVSTASH_CLUSTER_TOKEN"); env != nullptr) {
     KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(env, "KVSTASH_CLUSTER_TOKEN"));
     token_ = env;

@@ -153,6 +153,8 @@ int main(int argc, char** argv) {
       if (token_file.empty()) throw CLI::ValidationError("--cluster-token-file", "names no file");
       opts.engine.cluster_token =
           read_secret("--cluster-token-file", sys::read_private_secret_file(token_file));
+      Status ok = sys::check_cluster_token(opts.engine.cluster_token, "the token in " + token_file);
+      if (!ok.is_ok()) throw CLI::ValidationError("--cluster-token-file", ok.message());
     } else if (const char* tok = std::getenv("KVSTASH_CLUSTER_TOKEN")) {
       Status ok = sys::check_cluster_token(tok, "KVSTASH_CLUSTER_TOKEN");
       if (!ok.is_ok()) throw CLI::ValidationError(ok.message());

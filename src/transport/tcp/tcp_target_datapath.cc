@@ -164,6 +164,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     timer_.async_wait(handler([](RequestServer& s, error_code ec) {
       if (ec || s.closed_) return;
       if (Clock::now() >= s.deadline_) {
+        ++s.target_.counters.idle_dropped;
         KVSTASH_LOG_INFO("tcp: {} for {} ms, dropping the connection", s.deadline_what_, s.timeout_.count());
         return s.close();
       }
