@@ -2,10 +2,12 @@
 // codes.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "http_get.h"
@@ -55,6 +57,70 @@ TEST(Kvstashd, HelpExplainsEveryOptionAndBadInputExitsTwo) {
   auto [rc3, out3] = run({"--redis", "redis://127.0.0.1:1/0", "--capacity", "4MiB", "--admin", "off"});
   EXPECT_EQ(rc3, 1);
   EXPECT_NE(out3.find("redis"), std::string::npos) << out3;
+}
+
+// The connection caps are flags, the help shows no password in a URL, and settings that expose
+// or endanger the node are said loudly at start: serving a network without a cluster token,
+// and caps the file-descriptor limit cannot hold.
+TEST(Kvstashd, CapsAreFlagsAndRiskySettingsAreSaidAtStart) {
+  ::unsetenv("KVSTASH_CLUSTER_TOKEN");
+  auto [rc, help] = run({"--help"});
+  EXPECT_EQ(rc, 0);
+  for (const char* flag : {"--max-connections", "--max-unproven-connections", "--redis-password-file /"}) {
+    EXPECT_NE(help.find(flag), std::string::npos) << flag << " in:\n" << help;
+  }
+  EXPECT_EQ(help.find(":secret@"), std::string::npos) << "the example puts a password in the URL";
+  EXPECT_NE(help.find("shows in `ps`"), std::string::npos) << help;
+
+  // A Redis that is not there: kvstashd checks its settings, says what it must, then fails.
+  const std::vector<std::string> base = {"--redis", "redis://127.0.0.1:1/0", "--capacity", "4MiB", "--admin",
+                                         "off", "--huge-pages", "off", "--transports", "tcp"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  auto [rc_open, open] = run(with({"--listen", "0.0.0.0:0"}), 10s);
+  EXPECT_EQ(rc_open, 1) << open;
+  EXPECT_NE(open.find("WARNING: serving 0.0.0.0:0 without a cluster token"), std::string::npos) << open;
+  auto [rc_lo, lo] = run(with({"--listen", "127.0.0.1:0"}), 10s);
+  EXPECT_EQ(lo.find("without a cluster token"), std::string::npos) << "loopback is the safe default: " << lo;
+
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  const std::string huge = std::to_string(limit.rlim_max == RLIM_INFINITY ? 1000000 : limit.rlim_max);
+  auto [rc_caps, caps] = run(with({"--max-connections", huge}), 10s);
+  EXPECT_NE(caps.find("RLIMIT_NOFILE"), std::string::npos) << caps;
+  EXPECT_NE(caps.find("--max-connections"), std::string::npos) << caps;
+  EXPECT_EQ(run(with({"--max-connections", "0"}), 10s).first, 2);
+}
+
+// kvstashd raises its soft descriptor limit to the hard one: the default caps need more than
+// the usual soft 1,024.
+TEST(Kvstashd, RaisesItsDescriptorLimit) {
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max <= 1024) GTEST_SKIP() << "the hard limit here is " << saved.rlim_max;
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  rlimit low = saved;
+  low.rlim_cur = 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);  // inherited by the node
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "4MiB", .page_size = "1MiB"});
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  std::ifstream limits("/proc/" + std::to_string((*node)->pid()) + "/limits");
+  std::string line;
+  bool found = false;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    found = true;
+    std::istringstream in(line.substr(std::string("Max open files").size()));
+    std::string soft, hard;
+    in >> soft >> hard;
+    EXPECT_EQ(soft, hard) << line;
+  }
+  EXPECT_TRUE(found);
 }
 
 TEST(Kvstashd, ConfigFileAdminEndpointAndHealth) {
