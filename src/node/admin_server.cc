@@ -376,7 +376,7 @@ class AdminServer::Impl {
         reading_.emplace(conn->seq, conn.get());
         asio::co_spawn(io_, serve(Tracked(this, std::move(conn))), asio::detached);
       } catch (const std::exception& e) {
-        KVSTASH_LOG_WARN("admin {}: accept loop caught: {}", address_, e.what());
+        KVSTASH_LOG_WARN_LIMITED("admin {}: accept loop caught: {}", address_, e.what());
       }
     }
   }
@@ -403,7 +403,7 @@ class AdminServer::Impl {
                                                              : route(parser.request());
       // The method is known whenever the request line parsed, even if a header was bad.
       const bool with_body = parser.request().method != "HEAD";
-      KVSTASH_LOG_DEBUG("admin {}: {} {} -> {}", address_, parser.request().method, parser.request().path,
+      KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} {} -> {}", address_, parser.request().method, parser.request().path,
                         response.status);
 
       arm_deadline(conn);  // writing the response gets a budget of its own

@@ -405,7 +405,7 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
       continue;
     }
     if (lane.status().code() == StatusCode::kPermissionDenied) return lane.status();
-    KVSTASH_LOG_WARN("verbs: no lane from {}: {}", devs_[ours]->device.name, lane.status().to_string());
+    KVSTASH_LOG_WARN_LIMITED("verbs: no lane from {}: {}", devs_[ours]->device.name, lane.status().to_string());
     if (first.is_ok()) first = lane.status();
   }
   if (lanes.empty()) return first;
