@@ -186,7 +186,8 @@ struct EngineOptions {
   // Shared cluster secret. When set, both sides of every tcp connection and every verbs
   // queue-pair setup prove they know it (HMAC-SHA256 challenge-response; the token itself
   // never crosses the wire). UCX cannot prove it, so UCX does not start while one is set.
-  // shm needs none: its peers are processes of this user on this host.
+  // shm needs none: its peers are processes of this user on this host. Empty: none; any
+  // other value must be at least 16 bytes and not blank (Engine::create: kInvalidArgument).
   std::string cluster_token;
   // Latency mode for small transfers, for hosts with a core to spare: a caller waiting for a
   // batch (Batch::wait) spins this long before it sleeps, and tcp's I/O threads spin this

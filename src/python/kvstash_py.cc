@@ -248,8 +248,8 @@ PYBIND11_MODULE(_native, m) {
            "Opens the cell's store (StoreOptions). transports: \"shm,tcp,verbs\", \"\" for every one built "
            "in. "
            "cluster_token: the cell's shared secret (kvstashd --cluster-token-file); None: none, and nodes "
-           "that require one refuse the data path (Error code 'permission_denied'); an empty string is "
-           "refused ('invalid_argument'). listen: host:port where peers reach this process's memory "
+           "that require one refuse the data path (Error code 'permission_denied'); an empty string, or one "
+           "shorter than 16 bytes, is refused ('invalid_argument'). listen: host:port where peers reach this process's memory "
            "(P/D's direct path: EngineOptions' tcp.listen, and verbs' queue-pair setup on that host, any "
            "port); \"\": loopback.")
       .def(
