@@ -94,6 +94,11 @@ struct TcpOptions {
   // A connection that has not finished the handshake this long after it was accepted is
   // closed.
   std::chrono::milliseconds handshake_timeout{2000};
+  // Failed cluster-token proofs back their address off, and the listener checks few proofs a
+  // second from addresses that have not proven the token (src/common/admission.h), so that
+  // guessing the token costs time. false only for harnesses that fail handshakes on purpose
+  // from one address and then need a good one through at once (the tcp target fuzzer).
+  bool guess_backoff = true;
 };
 
 struct ShmOptions {

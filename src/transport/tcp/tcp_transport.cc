@@ -247,8 +247,9 @@ class TcpTransport final : public Transport {
     std::string peer = ec ? std::string("?") : remote.address().to_string();
     std::string refused;
     std::uint64_t id = 0;
-    const admission::Verdict verdict =
-        target_->token.empty() ? admission::Verdict::kAdmit : target_->throttle.admit(peer);
+    const admission::Verdict verdict = target_->token.empty() || !options_.guess_backoff
+                                           ? admission::Verdict::kAdmit
+                                           : target_->throttle.admit(peer);
     if (verdict != admission::Verdict::kAdmit) {
       refused = admission::describe(verdict);
     } else {
@@ -531,14 +532,15 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
                              proof.on_peer_hello(client.nonce, false).is_ok();
     // A proof is checked only within the listener's allowance (admission.h): beyond it the
     // answer is "denied" whatever the proof, so guessing the token costs time.
+    const bool throttled = proof.token_required() && target.options.guess_backoff;
     bool spent = false;
-    const bool checked = well_formed && (!proof.token_required() || target.throttle.may_check(slot.peer(), &spent));
+    const bool checked = well_formed && (!throttled || target.throttle.may_check(slot.peer(), &spent));
     const bool ok = checked && proof.check_proof(client.mac).is_ok();
     bool full = false;
     if (ok) {
-      if (proof.token_required()) target.throttle.proven(slot.peer(), spent);
+      if (throttled) target.throttle.proven(slot.peer(), spent);
       full = !slot.promote();
-    } else if (proof.token_required()) {
+    } else if (throttled) {
       target.throttle.failed(slot.peer());
     }
     if (ok && !full) verdict.mac = proof.proof();
