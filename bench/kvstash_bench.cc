@@ -6,6 +6,7 @@
 
 #include "checksum.h"
 #include "churn.h"
+#include "common/system.h"
 #include "common/units.h"
 #include "kvcache.h"
 #include "kvstash/types.h"
@@ -18,6 +19,49 @@
 namespace {
 
 using namespace kvstash;
+
+// Where a subcommand's cluster token comes from: --token-file FILE, else KVSTASH_CLUSTER_TOKEN,
+// else the deprecated --token (its value shows in `ps`: warned). Each is checked (empty or
+// shorter than 16 bytes: refused, never taken as "no token").
+struct TokenSource {
+  std::string file;
+  std::string argv_token;
+  CLI::Option* file_opt = nullptr;
+  CLI::Option* argv_opt = nullptr;
+
+  void add_to(CLI::App* app, const char* what) {
+    file_opt = app->add_option("--token-file", file,
+                               std::string("File holding the cluster token ") + what +
+                                   " (chmod 600; else KVSTASH_CLUSTER_TOKEN)");
+    argv_opt = app->add_option("--token", argv_token,
+                               "Deprecated: the token on the command line shows in ps to every user of the "
+                               "host; use --token-file or KVSTASH_CLUSTER_TOKEN");
+  }
+
+  // The token ("" for none); throws CLI::ValidationError.
+  std::string resolve() const {
+    if (file_opt->count() > 0) {
+      auto t = sys::read_private_secret_file(file);
+      if (!t.is_ok()) throw CLI::ValidationError("--token-file", t.status().message());
+      Status ok = sys::check_cluster_token(*t, "the token in " + file);
+      if (!ok.is_ok()) throw CLI::ValidationError("--token-file", ok.message());
+      return *t;
+    }
+    if (argv_opt->count() > 0) {
+      Status ok = sys::check_cluster_token(argv_token, "--token");
+      if (!ok.is_ok()) throw CLI::ValidationError("--token", ok.message());
+      std::cerr << "kvstash-bench: warning: --token shows the cluster token in ps; use --token-file or "
+                   "KVSTASH_CLUSTER_TOKEN\n";
+      return argv_token;
+    }
+    if (const char* env = std::getenv("KVSTASH_CLUSTER_TOKEN"); env != nullptr) {
+      Status ok = sys::check_cluster_token(env, "KVSTASH_CLUSTER_TOKEN");
+      if (!ok.is_ok()) throw CLI::ValidationError(ok.message());
+      return env;
+    }
+    return {};
+  }
+};
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
@@ -72,7 +116,8 @@ int main(int argc, char** argv) {
   p->add_option("--seconds", p2p.seconds, "Measuring time per row")
       ->capture_default_str()
       ->check(CLI::Range(0.01, 60.0));
-  p->add_option("--token", p2p.token, "Cluster token for the tcp handshake");
+  TokenSource p2p_token;
+  p2p_token.add_to(p, "for the tcp handshake (the target it spawns gets it in its environment)");
   p->add_flag("--json", p2p.json, "One JSON object per row");
   p->add_option("--tcp-streams", p2p.tcp.streams, "tcp: parallel connections per peer")
       ->capture_default_str()
@@ -151,7 +196,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   t->add_option("--transports", target_transports, "Transports to serve: all, or a list")
       ->capture_default_str();
-  t->add_option("--token", target_token, "Cluster token required from initiators");
+  TokenSource target_token_source;
+  target_token_source.add_to(t, "required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
   unsigned target_busy_poll_us = 0;
   t->add_option("--busy-poll-us", target_busy_poll_us, "Latency mode: spin this many microseconds before sleeping")
@@ -192,8 +238,8 @@ int main(int argc, char** argv) {
                  "verbs: key the pool per connection or per lease (default: the cell's); JSON rows give the "
                  "lease round trips to the node per operation and the time they took")
       ->check(CLI::IsMember({"connection", "lease"}));
-  st->add_option("--token", store.token, "Cluster token for the tcp transport")
-      ->envname("KVSTASH_CLUSTER_TOKEN");
+  TokenSource store_token;
+  store_token.add_to(st, "for the tcp transport");
   st->footer(
       "Examples:\n  kvstash-bench store\n  kvstash-bench store --sessions 4 --tokens 256-4096 --json\n"
       "  kvstash-bench store --object-size 64MiB --backends kvstash-tcp,redis-bytes\n"
@@ -363,6 +409,9 @@ int main(int argc, char** argv) {
   std::vector<TransportKind> target_kinds;
   try {
     app.parse(argc, argv);
+    if (p->parsed()) p2p.token = p2p_token.resolve();
+    if (t->parsed()) target_token = target_token_source.resolve();
+    if (st->parsed()) store.token = store_token.resolve();
     if (t->parsed()) target_kinds = parse_transports(target_transports);
     if (cs->parsed()) {
       auto v = units::parse_size(sum_bytes);

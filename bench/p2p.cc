@@ -4,6 +4,7 @@
 #include <atomic>
 #include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -239,10 +240,16 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
   std::ifstream peer_stream;
   std::function<std::string()> read_line;
   if (o.peer_file.empty()) {
+    // The token reaches the target through its environment, not its command line (ps).
+    if (o.token.empty()) {
+      ::unsetenv("KVSTASH_CLUSTER_TOKEN");
+    } else {
+      ::setenv("KVSTASH_CLUSTER_TOKEN", o.token.c_str(), 1);
+    }
     target = std::make_unique<Child>(
         std::vector<std::string>{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
-                                 std::to_string(o.tcp.io_threads), "--token", o.token, "--transports", list,
-                                 "--busy-poll-us", std::to_string(o.busy_poll_us)});
+                                 std::to_string(o.tcp.io_threads), "--transports", list, "--busy-poll-us",
+                                 std::to_string(o.busy_poll_us)});
     read_line = [&] { return target->read_line(); };
   } else {
     if (o.peer_file != "-") peer_stream.open(o.peer_file);

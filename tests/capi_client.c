@@ -42,6 +42,10 @@ static int check_cluster_token(const char* url, const char* token) {
   so.cluster_token = " \n";
   CHECK(kvstash_store_open(&so, &store) == KVSTASH_INVALID_ARGUMENT && store == NULL,
         "a blank cluster token is refused");
+  so.cluster_token = "guess";
+  CHECK(kvstash_store_open(&so, &store) == KVSTASH_INVALID_ARGUMENT && store == NULL,
+        "a cluster token shorter than 16 bytes is refused");
+  CHECK(strstr(kvstash_last_error(), "at least 16 bytes") != NULL, "the message says how long");
 
   const char secret[] = "bytes behind the cluster token";
   char back[64];
@@ -53,7 +57,7 @@ static int check_cluster_token(const char* url, const char* token) {
   CHECK(strstr(kvstash_last_error(), "cluster token") != NULL, "the message says why");
 
   kvstash_store* wrong = NULL;
-  so.cluster_token = "guess";
+  so.cluster_token = "guess-guess-guess-guess";
   CHECK(kvstash_store_open(&so, &wrong) == KVSTASH_OK, "open with a wrong token");
   CHECK(kvstash_put(wrong, "c:guarded", secret, sizeof secret, 0) == KVSTASH_PERMISSION_DENIED,
         "a put with a wrong token is refused");

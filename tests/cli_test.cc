@@ -484,7 +484,7 @@ TEST_F(Cli, PasswordsComeFromAFileOrTheEnvironmentAndAreNeverEchoed) {
 TEST_F(Cli, TheClusterTokenComesFromAPrivateFileOrTheEnvironmentAndIsNeverEmpty) {
   ::unsetenv("KVSTASH_CLUSTER_TOKEN");
   const std::string token = (dir_ / "token").string();
-  std::ofstream(token) << "cell-t0ken\n";
+  std::ofstream(token) << "cell-t0ken-0123456789\n";
   ASSERT_EQ(::chmod(token.c_str(), 0600), 0);
   // The node serves tcp only: shm (same host, same user) needs no token.
   start_cell("8MiB", {}, {"--transports", "tcp", "--cluster-token-file", token});
@@ -495,7 +495,7 @@ TEST_F(Cli, TheClusterTokenComesFromAPrivateFileOrTheEnvironmentAndIsNeverEmpty)
   EXPECT_NE(none.err.find("permission_denied"), std::string::npos) << none.err;
   EXPECT_NE(none.err.find("--cluster-token-file"), std::string::npos)
       << "the fix names the option: " << none.err;
-  Outcome wrong = kv("put guarded " + blob, "KVSTASH_CLUSTER_TOKEN=guess");
+  Outcome wrong = kv("put guarded " + blob, "KVSTASH_CLUSTER_TOKEN=guess-guess-guess-guess");
   EXPECT_EQ(wrong.code, 1) << wrong.err;
   EXPECT_NE(wrong.err.find("permission_denied"), std::string::npos) << wrong.err;
 
@@ -505,7 +505,7 @@ TEST_F(Cli, TheClusterTokenComesFromAPrivateFileOrTheEnvironmentAndIsNeverEmpty)
   ASSERT_EQ(get.code, 0) << get.err;
   EXPECT_EQ(slurp(out), slurp(blob));
   std::filesystem::remove(out);
-  Outcome env = kv("get guarded -o " + out, "KVSTASH_CLUSTER_TOKEN=cell-t0ken");
+  Outcome env = kv("get guarded -o " + out, "KVSTASH_CLUSTER_TOKEN=cell-t0ken-0123456789");
   ASSERT_EQ(env.code, 0) << env.err;
   EXPECT_EQ(slurp(out), slurp(blob));
   Outcome refused = kv("get guarded -o " + out);
@@ -524,6 +524,10 @@ TEST_F(Cli, TheClusterTokenComesFromAPrivateFileOrTheEnvironmentAndIsNeverEmpty)
     EXPECT_NE(e.err.find("KVSTASH_CLUSTER_TOKEN"), std::string::npos) << e.err;
     EXPECT_EQ(kv("status", empty).code, 2) << empty;
   }
+  // Shorter than 16 bytes: refused, whatever the cell's token is.
+  Outcome short_token = kv("get guarded -o " + out, "KVSTASH_CLUSTER_TOKEN=cell-t0ken");
+  EXPECT_EQ(short_token.code, 2) << short_token.err;
+  EXPECT_NE(short_token.err.find("at least 16 bytes"), std::string::npos) << short_token.err;
   const std::string blank = (dir_ / "blank").string();
   std::ofstream(blank) << " \n";
   ASSERT_EQ(::chmod(blank.c_str(), 0600), 0);

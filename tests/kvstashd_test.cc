@@ -2,9 +2,12 @@
 // codes.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "http_get.h"
@@ -54,6 +57,70 @@ TEST(Kvstashd, HelpExplainsEveryOptionAndBadInputExitsTwo) {
   auto [rc3, out3] = run({"--redis", "redis://127.0.0.1:1/0", "--capacity", "4MiB", "--admin", "off"});
   EXPECT_EQ(rc3, 1);
   EXPECT_NE(out3.find("redis"), std::string::npos) << out3;
+}
+
+// The connection caps are flags, the help shows no password in a URL, and settings that expose
+// or endanger the node are said loudly at start: serving a network without a cluster token,
+// and caps the file-descriptor limit cannot hold.
+TEST(Kvstashd, CapsAreFlagsAndRiskySettingsAreSaidAtStart) {
+  ::unsetenv("KVSTASH_CLUSTER_TOKEN");
+  auto [rc, help] = run({"--help"});
+  EXPECT_EQ(rc, 0);
+  for (const char* flag : {"--max-connections", "--max-unproven-connections", "--redis-password-file /"}) {
+    EXPECT_NE(help.find(flag), std::string::npos) << flag << " in:\n" << help;
+  }
+  EXPECT_EQ(help.find(":secret@"), std::string::npos) << "the example puts a password in the URL";
+  EXPECT_NE(help.find("shows in `ps`"), std::string::npos) << help;
+
+  // A Redis that is not there: kvstashd checks its settings, says what it must, then fails.
+  const std::vector<std::string> base = {"--redis", "redis://127.0.0.1:1/0", "--capacity", "4MiB", "--admin",
+                                         "off", "--huge-pages", "off", "--transports", "tcp"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  auto [rc_open, open] = run(with({"--listen", "0.0.0.0:0"}), 10s);
+  EXPECT_EQ(rc_open, 1) << open;
+  EXPECT_NE(open.find("WARNING: serving 0.0.0.0:0 without a cluster token"), std::string::npos) << open;
+  auto [rc_lo, lo] = run(with({"--listen", "127.0.0.1:0"}), 10s);
+  EXPECT_EQ(lo.find("without a cluster token"), std::string::npos) << "loopback is the safe default: " << lo;
+
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  const std::string huge = std::to_string(limit.rlim_max == RLIM_INFINITY ? 1000000 : limit.rlim_max);
+  auto [rc_caps, caps] = run(with({"--max-connections", huge}), 10s);
+  EXPECT_NE(caps.find("RLIMIT_NOFILE"), std::string::npos) << caps;
+  EXPECT_NE(caps.find("--max-connections"), std::string::npos) << caps;
+  EXPECT_EQ(run(with({"--max-connections", "0"}), 10s).first, 2);
+}
+
+// kvstashd raises its soft descriptor limit to the hard one: the default caps need more than
+// the usual soft 1,024.
+TEST(Kvstashd, RaisesItsDescriptorLimit) {
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max <= 1024) GTEST_SKIP() << "the hard limit here is " << saved.rlim_max;
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  rlimit low = saved;
+  low.rlim_cur = 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);  // inherited by the node
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "4MiB", .page_size = "1MiB"});
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  std::ifstream limits("/proc/" + std::to_string((*node)->pid()) + "/limits");
+  std::string line;
+  bool found = false;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    found = true;
+    std::istringstream in(line.substr(std::string("Max open files").size()));
+    std::string soft, hard;
+    in >> soft >> hard;
+    EXPECT_EQ(soft, hard) << line;
+  }
+  EXPECT_TRUE(found);
 }
 
 TEST(Kvstashd, ConfigFileAdminEndpointAndHealth) {
@@ -145,6 +212,38 @@ void write_file(const std::string& path, const std::string& content, mode_t mode
   ASSERT_EQ(::chmod(path.c_str(), mode), 0) << path;
 }
 
+// /healthz and /metrics answer at once while Redis is stopped (SIGSTOP): the node's loop is
+// then stuck in a Redis command for its whole timeout, and the probes must not wait for it.
+TEST(Kvstashd, HealthAndMetricsDoNotWaitForRedis) {
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  // A 6 s heartbeat TTL: each Redis command of the loop may take 2 s.
+  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
+                                       .capacity = "4MiB",
+                                       .page_size = "1MiB",
+                                       .extra_args = {"--heartbeat-ttl", "6s", "--transports", "tcp"}});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  const std::string admin = (*node)->admin();
+  ASSERT_EQ(http_get(admin, "/healthz").first, 200);
+  ASSERT_EQ(::kill((*redis)->pid(), SIGSTOP), 0);
+  std::chrono::nanoseconds slowest{};
+  const auto until = Clock::now() + 4500ms;  // more than two heartbeats: the loop is inside one
+  int probes = 0;
+  while (Clock::now() < until) {
+    for (const char* path : {"/healthz", "/metrics"}) {
+      const auto t0 = Clock::now();
+      const int code = http_get(admin, path).first;
+      slowest = std::max<std::chrono::nanoseconds>(slowest, Clock::now() - t0);
+      EXPECT_TRUE(code == 200 || code == 503) << path << ": " << code;
+      ++probes;
+    }
+    std::this_thread::sleep_for(100ms);
+  }
+  ::kill((*redis)->pid(), SIGCONT);
+  EXPECT_GT(probes, 20);
+  EXPECT_LT(slowest, 300ms) << "a probe waited for the node's Redis command";
+}
+
 Status put_and_get(Store& store, const std::string& key) {
   std::string data = "bytes of " + key, back(data.size(), '\0');
   Slice in{data.data(), data.size()}, out{back.data(), back.size()};
@@ -178,7 +277,7 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
 
   // Readable or writable by anyone but the owner: refused, naming the file, its mode and the fix.
   for (mode_t mode : {0644, 0640, 0604, 0620, 0602}) {
-    write_file(token, "s3cret-token\n", mode);
+    write_file(token, "s3cret-token-0123\n", mode);
     auto [rc, out] = run(with({"--cluster-token-file", token}), 10s);
     char octal[8];
     std::snprintf(octal, sizeof octal, "%04o", static_cast<unsigned>(mode));
@@ -195,6 +294,14 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
     EXPECT_EQ(rc, 2) << out;
     EXPECT_NE(out.find("empty"), std::string::npos) << out;
   }
+  // Shorter than 16 bytes, in a file or the environment: refused, saying how long it must be.
+  write_file(token, "s3cret\n", 0600);
+  auto [rc_short, out_short] = run(with({"--cluster-token-file", token}), 10s);
+  EXPECT_EQ(rc_short, 2) << out_short;
+  EXPECT_NE(out_short.find("at least 16 bytes"), std::string::npos) << out_short;
+  auto [rc_short_env, out_short_env] = run(with({}), 10s, "export KVSTASH_CLUSTER_TOKEN=s3cret; ");
+  EXPECT_EQ(rc_short_env, 2) << out_short_env;
+  EXPECT_NE(out_short_env.find("at least 16 bytes"), std::string::npos) << out_short_env;
   auto [rc_env, out_env] = run(with({}), 10s, "export KVSTASH_CLUSTER_TOKEN=; ");
   EXPECT_EQ(rc_env, 2) << "set but empty: " << out_env;
   EXPECT_NE(out_env.find("KVSTASH_CLUSTER_TOKEN"), std::string::npos) << out_env;
@@ -205,7 +312,7 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
   EXPECT_NE(out_missing.find(token + ".absent"), std::string::npos) << out_missing;
 
   // 0600 (and 0400) with a trailing newline: served, the newline not part of the token.
-  write_file(token, "s3cret-token\n", 0400);
+  write_file(token, "s3cret-token-0123\n", 0400);
   auto node = tools::LocalNode::start({.redis_url = url,
                                        .capacity = "4MiB",
                                        .page_size = "1MiB",
@@ -214,11 +321,11 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
   ::unlink(token.c_str());
   ASSERT_TRUE(node.is_ok()) << node.status().to_string();
 
-  auto right = open_tcp_store(url, "s3cret-token");
+  auto right = open_tcp_store(url, "s3cret-token-0123");
   ASSERT_TRUE(right.is_ok()) << right.status().to_string();
   Status ok = put_and_get(**right, "with-token");
   EXPECT_TRUE(ok.is_ok()) << ok.to_string();
-  for (const char* other : {"", "s3cret-token\n", "guess"}) {
+  for (const char* other : {"", "s3cret-token-0123\n", "guess-guess-guess-guess"}) {
     auto store = open_tcp_store(url, other);
     ASSERT_TRUE(store.is_ok()) << store.status().to_string();
     Status s = put_and_get(**store, std::string("token-") + other);

@@ -590,18 +590,18 @@ TEST_P(P2PToken, TargetWithClusterTokenRefusesClientsWithoutIt) {
     const Status verbs = test::verbs_available();
     KVSTASH_REQUIRE_RDMA(verbs.is_ok(), verbs.to_string());
   }
-  PeerProcess peer(4096, std::string(to_string(kind)), "cluster-secret");
+  PeerProcess peer(4096, std::string(to_string(kind)), "cluster-secret-0123");
   ASSERT_TRUE(peer.ok());
   auto anon = Engine::create({.transports = {kind}}).value();
   auto r = anon->connect(peer.address(), deadline_after(5s));
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
   EngineOptions wrong{.transports = {kind}};
-  wrong.cluster_token = "guess";
+  wrong.cluster_token = "guess-guess-guess-guess";
   r = Engine::create(wrong).value()->connect(peer.address(), deadline_after(5s));
   EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
   EngineOptions o{.transports = {kind}};
-  o.cluster_token = "cluster-secret";
+  o.cluster_token = "cluster-secret-0123";
   auto member = Engine::create(o).value();
   auto conn = member->connect(peer.address(), deadline_after(5s));
   ASSERT_TRUE(conn.is_ok()) << conn.status().to_string();

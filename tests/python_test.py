@@ -28,23 +28,41 @@ class KvstashPython(unittest.TestCase):
         self.store.put("py:buffers", [(a, 4096), (a + 4096, len(src) - 4096)], ttl_ms=60000)
         self.assertEqual(self.store.get("py:buffers"), bytes(src))
         dst = bytearray(len(src))
-        dst_view = (ctypes.c_char * len(dst)).from_buffer(dst)
-        d = ctypes.addressof(dst_view)  # not registered: the store registers it for the call
-        self.assertEqual(self.store.get("py:buffers", into=[(d, 100), (d + 100, len(dst) - 100)]), len(src))
+        view = memoryview(dst)  # not registered: the store registers it for the call
+        self.assertEqual(self.store.get("py:buffers", into=[view[:100], view[100:]]), len(src))
         self.assertEqual(dst, src)
+        dst2 = bytearray(len(src))
+        self.store.register_memory(ctypes.addressof((ctypes.c_char * len(dst2)).from_buffer(dst2)), len(dst2))
+        d2 = ctypes.addressof((ctypes.c_char * len(dst2)).from_buffer(dst2))
+        self.assertEqual(self.store.get("py:buffers", into=[(d2, 100), (d2 + 100, len(dst2) - 100)]), len(src))
+        self.assertEqual(dst2, src)
         big = bytearray(len(src) + 8)
-        big_view = (ctypes.c_char * len(big)).from_buffer(big)
         with self.assertRaises(kvstash.Error) as e:
-            self.store.get("py:buffers", into=[(ctypes.addressof(big_view), len(big))])
+            self.store.get("py:buffers", into=[big])
         self.assertEqual(e.exception.code, "invalid_argument")
         with self.assertRaises(kvstash.Error) as e:
-            self.store.get("py:buffers", into=[(d, 64)])  # too small: nothing is read
+            self.store.get("py:buffers", into=[view[:64]])  # too small: nothing is read
         self.assertEqual(e.exception.code, "invalid_argument")
         with self.assertRaises(kvstash.Error) as e:
-            self.store.get("py:nothing", into=[(d, 64)])
+            self.store.get("py:nothing", into=[view[:64]])
         self.assertEqual(e.exception.code, "not_found")
+        with self.assertRaises(BufferError):
+            self.store.get("py:buffers", into=[bytes(len(src))])  # read-only
         self.store.remove("py:buffers")
-        del src_view, dst_view, big_view
+        del src_view, view
+
+    def test_an_address_outside_registered_memory_is_refused_not_a_crash(self):
+        # An integer is not memory: over shm a wrong one used to kill the interpreter (SIGSEGV).
+        self.store.put("py:addr", b"x" * 4096, ttl_ms=60000)
+        for bad in [(0x1000, 4096), (0, 4096), (2**63, 4096), (2**64 - 16, 4096)]:
+            with self.assertRaises(kvstash.Error) as e:
+                self.store.get("py:addr", into=[bad])
+            self.assertEqual(e.exception.code, "invalid_argument")
+            self.assertIn("register_memory", e.exception.message)
+            with self.assertRaises(kvstash.Error) as e:
+                self.store.put("py:addr2", [bad])
+            self.assertEqual(e.exception.code, "invalid_argument")
+        self.store.remove("py:addr")
 
     def test_objects_round_trip_and_errors_carry_their_code(self):
         self.store.put("py:k", b"\x00\x01hello", ttl_ms=60000)
@@ -260,7 +278,7 @@ class ClusterToken(unittest.TestCase):
         return kvstash.Store(URL, cell="secured", transports="tcp", timeout_ms=10000, **kw)
 
     def test_the_data_path_needs_the_token(self):
-        plain, wrong = self.open(), self.open(cluster_token="guess")
+        plain, wrong = self.open(), self.open(cluster_token="guess-guess-guess-guess")
         for store in (plain, wrong):
             with self.assertRaises(kvstash.Error) as e:
                 store.put("py:guarded", b"x")
@@ -280,6 +298,12 @@ class ClusterToken(unittest.TestCase):
                 self.open(cluster_token=empty)
             self.assertEqual(e.exception.code, "invalid_argument")
             self.assertIn("cluster_token", e.exception.message)
+
+    def test_a_short_token_is_refused(self):
+        with self.assertRaises(kvstash.Error) as e:
+            self.open(cluster_token="guess")
+        self.assertEqual(e.exception.code, "invalid_argument")
+        self.assertIn("at least 16 bytes", e.exception.message)
 
 
 if __name__ == "__main__":

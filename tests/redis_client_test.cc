@@ -3,6 +3,16 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+
 #include "redis_server.h"
 
 namespace kvstash::metadata {
@@ -133,6 +143,98 @@ TEST(RedisClient, ReconnectsAfterRedisRestarts) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(c->command({"PING"}).status().code(), StatusCode::kUnavailable);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+}  // namespace
+}  // namespace kvstash::metadata
+
+// ---- redirects and the password ---------------------------------------------------------------
+
+namespace kvstash::metadata {
+namespace {
+
+// A TCP listener on `host` that counts connections and keeps what they sent; answers every
+// read with `reply` (a RESP text), until the test ends.
+class FakeServer {
+ public:
+  FakeServer(const std::string& host, std::string reply) : reply_(std::move(reply)) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+    int one = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    ::listen(fd_, 8);
+    socklen_t len = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      for (;;) {
+        pollfd p{fd_, POLLIN, 0};
+        if (stop_) return;
+        if (::poll(&p, 1, 50) <= 0) continue;
+        const int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) continue;
+        ++connections_;
+        timeval tv{0, 300000};
+        ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        char buf[4096];
+        for (ssize_t n; (n = ::recv(c, buf, sizeof buf, 0)) > 0;) {
+          std::lock_guard lock(mu_);
+          received_.append(buf, static_cast<std::size_t>(n));
+          (void)!::send(c, reply_.data(), reply_.size(), MSG_NOSIGNAL);
+        }
+        ::close(c);
+      }
+    });
+  }
+  ~FakeServer() {
+    stop_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+  int port() const { return port_; }
+  int connections() const { return connections_; }
+  std::string received() {
+    std::lock_guard lock(mu_);
+    return received_;
+  }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::string reply_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> connections_{0};
+  std::mutex mu_;
+  std::string received_;
+  std::thread thread_;
+};
+
+std::string resp_array(const std::vector<std::string>& items) {
+  std::string out = "*" + std::to_string(items.size()) + "\r\n";
+  for (const auto& i : items) out += "$" + std::to_string(i.size()) + "\r\n" + i + "\r\n";
+  return out;
+}
+
+// A sentinel that names a master on a host the URL does not name gets no password sent there,
+// unless that host is allowed; without a password any host is followed.
+TEST(RedisClient, ASentinelCannotSendThePasswordToAHostTheUrlDoesNotName) {
+  FakeServer master("127.0.0.2", "-ERR not a real master\r\n");
+  FakeServer sentinel("127.0.0.1", resp_array({"127.0.0.2", std::to_string(master.port())}));
+  const std::string url = "redis+sentinel://:pw-0123456789@127.0.0.1:" + std::to_string(sentinel.port()) + "/svc";
+  auto refused = RedisClient::connect({.url = url, .connect_timeout = std::chrono::milliseconds(1000)});
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("redirect_hosts"), std::string::npos) << refused.status().to_string();
+  EXPECT_EQ(master.connections(), 0) << "the client connected to the host the sentinel named";
+  EXPECT_EQ(master.received().find("pw-0123456789"), std::string::npos);
+
+  RedisOptions allowed{.url = url, .connect_timeout = std::chrono::milliseconds(1000)};
+  allowed.redirect_hosts = {"127.0.0.2"};
+  (void)RedisClient::connect(allowed);  // the fake master answers nothing useful
+  EXPECT_GE(master.connections(), 1) << "an allowed host is followed";
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // user, so that is the real thing, not a fake. Peer death and foreign users need real
 // processes and use fork().
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -29,6 +31,8 @@
 #include "kvstash/memory.h"
 #include "recording_sink.h"
 #include "transport/shm/shm_internal.h"
+#include "transport/shm/shm_server.h"
+#include "transport/shm/shm_wire.h"
 #include "transport/shm/shm_transport.h"
 
 namespace kvstash::transport {
@@ -245,6 +249,91 @@ TEST_F(ShmTransportTest, NoDescriptorOrSocketFileOutlivesTheTransports) {
   }
   EXPECT_EQ(count_fds(), before);
   EXPECT_TRUE(std::filesystem::is_empty(dir_));
+}
+
+// ---- connection limits -------------------------------------------------------------------------
+
+// A socket created (and so holding a descriptor) but not yet connected: connect() then needs
+// no descriptor, so it works where the target can no longer accept.
+int unix_socket() { return ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0); }
+
+bool unix_connect(int fd, const std::string& path) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.data(), std::min(path.size(), sizeof sa.sun_path - 1));
+  return ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
+}
+
+// Whether the peer closed `fd` within `limit`.
+bool closed_within(int fd, std::chrono::milliseconds limit) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(limit.count())) <= 0) return false;
+  char c;
+  return ::recv(fd, &c, 1, MSG_DONTWAIT) <= 0;
+}
+
+// Out of file descriptors, accept() fails at once for as long as a connection waits: the
+// server must pause, not spin a core (it took 70% of one, 19k failed accepts in 2 s).
+TEST_F(ShmTransportTest, AcceptPausesWhenOutOfDescriptors) {
+  auto target = make();
+  ASSERT_TRUE(target);
+  const std::string path = shm::decode_address(target->local_address()).value().socket_path;
+  std::vector<int> fds;
+  for (int i = 0; i < 4; ++i) fds.push_back(unix_socket());
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  int highest = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1) highest = fd;
+  }
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(highest + 1);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  for (int fd : fds) EXPECT_TRUE(unix_connect(fd, path));  // queued: the target cannot accept them
+  rusage before{}, after{};
+  ::getrusage(RUSAGE_SELF, &before);
+  std::this_thread::sleep_for(1s);
+  ::getrusage(RUSAGE_SELF, &after);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  auto cpu = [](const rusage& u) {
+    return std::chrono::seconds(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           std::chrono::microseconds(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  EXPECT_LT(cpu(after) - cpu(before), 300ms) << "the shm server spun while out of descriptors";
+  std::uint64_t failures = 0;
+  for (const auto& c : target->counters()) {
+    if (c.name == "accept_failures") failures = c.value;
+  }
+  EXPECT_GE(failures, 1u);
+  EXPECT_LE(failures, 30u) << "about one failed accept per pause (100 ms), not a spin";
+  for (int fd : fds) ::close(fd);
+}
+
+// Connections that never say hello have their own small budget and a deadline: a flood of
+// them cannot keep out a peer that says hello at once.
+TEST_F(ShmTransportTest, SilentConnectionsCannotKeepOutOtherPeers) {
+  auto target = make();
+  auto initiator = make();
+  ASSERT_TRUE(target && initiator);
+  const std::string path = shm::decode_address(target->local_address()).value().socket_path;
+  std::vector<int> silent;
+  for (std::size_t i = 0; i < 2 * shm::Server::kMaxUnproven; ++i) {
+    silent.push_back(unix_socket());
+    ASSERT_TRUE(unix_connect(silent.back(), path));
+  }
+  EXPECT_TRUE(closed_within(silent.front(), 2s)) << "the oldest silent connection must make room";
+  Buffer remote = alloc(1 << 16);
+  Buffer local = alloc(1 << 16);
+  auto ep = connect(*initiator, *target);
+  ASSERT_TRUE(ep);
+  auto reg = target->register_memory(remote.region(), Access::kRemote);
+  ASSERT_TRUE(reg.is_ok());
+  auto key = import(*ep, remote, **reg);
+  ASSERT_TRUE(key);
+  EXPECT_TRUE(run_op(*ep, TransferOp::kWrite, local.data(), *key, key->base, 1 << 16).is_ok());
+  // The newest silent ones are dropped at their hello deadline.
+  EXPECT_TRUE(closed_within(silent.back(), shm::Server::kHelloTimeout + 2s));
+  for (int fd : silent) ::close(fd);
 }
 
 // ---- registration ----------------------------------------------------------------------------

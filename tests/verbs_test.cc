@@ -5,6 +5,7 @@
 // device (every machine here) the tests skip; the Soft-RoCE lane (scripts/rdma-vm) runs them
 // against rxe0 and rxe1 in a qemu guest.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -638,6 +639,39 @@ TEST(VerbsTransport, IdleSetupSocketsDelayNoConnectAndAreClosedAtTheHandshakeTim
   EXPECT_TRUE(m.read(**ep, **key, 8192, 4096).is_ok()) << "the connection that is up stays up";
 }
 
+// The target answers a hello with a challenge that proves nothing (no queue pair, no mac: a
+// proof over a nonce the client chose would be an offline oracle for the token), and closes
+// the connection on a wrong proof; it proves the token only after the client did.
+TEST(VerbsTransport, TheTargetProvesTheTokenOnlyAfterTheClientDid) {
+  VerbsOptions o;
+  START_VERBS(target, o, "verbs-test-cluster-token-0123");
+  Hello h;
+  h.qp = {2, 1, {}, 0, IBV_MTU_1024};
+  h.max_rd_atomic = 1;
+  h.nonce.fill(7);
+  // Setup frames: a u32 length in network order, then the message.
+  auto framed = [](std::string_view m) {
+    const std::uint32_t n = htonl(static_cast<std::uint32_t>(m.size()));
+    return std::string(reinterpret_cast<const char*>(&n), 4).append(m);
+  };
+  UniqueFd sock = raw_setup_socket(*target, framed(encode_hello(h)));
+  std::uint32_t n = 0;
+  ASSERT_TRUE(net::recv_all(sock.get(), &n, 4, deadline_after(5s), "raw").is_ok());
+  ASSERT_LE(ntohl(n), kMaxSetupFrame);
+  Result<std::string> reply = std::string(ntohl(n), '\0');
+  ASSERT_TRUE(net::recv_all(sock.get(), reply->data(), reply->size(), deadline_after(5s), "raw").is_ok());
+  auto challenge = decode_challenge(*reply);
+  ASSERT_TRUE(challenge.is_ok()) << challenge.status().to_string();
+  EXPECT_TRUE(challenge->token_required);
+  EXPECT_FALSE(decode_hello(*reply).is_ok()) << "the target sent a hello (a queue pair, a proof) first";
+  handshake::Mac wrong{};
+  wrong.fill(1);
+  const std::string proof = framed({reinterpret_cast<const char*>(wrong.data()), wrong.size()});
+  ASSERT_TRUE(net::send_all(sock.get(), proof.data(), proof.size(), deadline_after(5s), "raw").is_ok());
+  EXPECT_TRUE(closed_within(sock.get(), 2s)) << "a wrong proof must be refused";
+  EXPECT_GE(counter(*target, "handshakes_failed"), 1u);
+}
+
 TEST(VerbsTransport, ConnectionsOverTheCapsAreRefusedAtAccept) {
   VerbsOptions per_peer;
   per_peer.max_connections_per_peer = 3;
@@ -658,15 +692,27 @@ TEST(VerbsTransport, ConnectionsOverTheCapsAreRefusedAtAccept) {
   EXPECT_TRUE(
       eventually([&] { return client->connect(target->local_address(), deadline_after(5s)).is_ok(); }));
 
-  VerbsOptions total;
-  total.max_connections = 2;
-  START_VERBS(small, total);
+  // Connections in the handshake have their own budget: when it is full the oldest goes for
+  // the newcomer, so sockets that never prove the token cannot keep out a client that does.
+  VerbsOptions unproven;
+  unproven.max_unproven_connections = 2;
+  START_VERBS(small, unproven);
   held.push_back(raw_setup_socket(*small));
   held.push_back(raw_setup_socket(*small));
   over = raw_setup_socket(*small);
-  EXPECT_TRUE(closed_within(over.get(), 2s)) << "a third connection in all must be closed at accept";
-  EXPECT_FALSE(client->connect(small->local_address(), deadline_after(5s)).is_ok());
-  EXPECT_GE(counter(*small, "connections_refused"), 2u);
+  EXPECT_TRUE(closed_within(held[0].get(), 2s)) << "the oldest handshake must make room for a newer one";
+  EXPECT_TRUE(client->connect(small->local_address(), deadline_after(5s)).is_ok())
+      << "silent setup sockets kept out a client that proves the token";
+  EXPECT_GE(counter(*small, "unproven_evicted"), 2u);
+
+  // The main budget counts connections that are up only.
+  VerbsOptions total;
+  total.max_connections = 1;
+  START_VERBS(one, total);
+  auto first = client->connect(one->local_address(), deadline_after(5s));
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  EXPECT_FALSE(client->connect(one->local_address(), deadline_after(5s)).is_ok());
+  EXPECT_GE(counter(*one, "connections_refused"), 1u);
 }
 
 }  // namespace

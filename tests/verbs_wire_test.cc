@@ -94,6 +94,30 @@ TEST(VerbsWire, HellosRoundTripAndCarryOnlyValidQueuePairs) {
       << "another message's magic";
 }
 
+// The target's challenge carries its device, its nonce and whether it requires the token:
+// no queue pair and no mac (it proves nothing before the client proved the token).
+TEST(VerbsWire, ChallengesRoundTripAndAreNotHellos) {
+  Challenge c;
+  c.node_guid = 0xabcdef;
+  c.nonce[3] = 0x42;
+  c.token_required = true;
+  auto back = decode_challenge(encode_challenge(c));
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->node_guid, c.node_guid);
+  EXPECT_EQ(back->nonce, c.nonce);
+  EXPECT_TRUE(back->token_required);
+  EXPECT_EQ(decode_hello(encode_challenge(c)).status().code(), StatusCode::kInvalidArgument);
+  Hello h;
+  h.qp = {2, 1, {}, 0, IBV_MTU_1024};
+  EXPECT_EQ(decode_challenge(encode_hello(h)).status().code(), StatusCode::kInvalidArgument)
+      << "a hello where the challenge belongs: a target of the older handshake, which proves first";
+  std::string bytes = encode_challenge(c);
+  EXPECT_FALSE(decode_challenge(bytes.substr(0, bytes.size() - 1)).is_ok());
+  EXPECT_FALSE(decode_challenge(bytes + "x").is_ok());
+  bytes.back() = 2;
+  EXPECT_FALSE(decode_challenge(bytes).is_ok()) << "the token flag is 0 or 1";
+}
+
 TEST(VerbsWire, KeysRoundTripAndMalformedOnesAreRefused) {
   std::vector<KeyPart> parts{{0x1122, 0xdeadbeef, false}, {0x3344, 7, true}};
   std::string bytes = encode_key(parts);

@@ -79,8 +79,8 @@ typedef struct kvstash_store_options {
   /* engine.cluster_token. NULL: none. The cell's shared secret (kvstashd --cluster-token-file),
    * proved on every tcp connection and verbs queue-pair setup; without it, nodes that require
    * one refuse the data path with KVSTASH_PERMISSION_DENIED. An empty (or all-whitespace)
-   * string is refused with KVSTASH_INVALID_ARGUMENT: it would turn authentication off. UCX
-   * does not start with one. */
+   * string is refused with KVSTASH_INVALID_ARGUMENT: it would turn authentication off; so is
+   * one shorter than 16 bytes. UCX does not start with one. */
   const char* cluster_token;
 } kvstash_store_options;
 

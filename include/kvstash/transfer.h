@@ -79,11 +79,26 @@ struct TcpOptions {
   // A target drops a connection that sent no request for this long; initiators connect again
   // when they next need one.
   std::chrono::milliseconds idle_timeout{300000};
-  // A target serves at most this many connections in all, and this many from one peer
-  // address; more are closed as soon as they are accepted, so neither an unauthenticated
-  // flood nor one client can take every file descriptor. Each initiator opens `streams`.
+  // A target serves at most this many connections that proved the cluster token (or, without
+  // a token, finished the handshake), and this many from one peer address; more are closed as
+  // soon as they are accepted (or, past the handshake, refused with kUnavailable), so one
+  // client cannot take every file descriptor. Each initiator opens `streams`.
   std::uint32_t max_connections = 1024;
   std::uint32_t max_connections_per_peer = 256;
+  // Connections still in the handshake have a budget of their own, so a flood of them
+  // (unauthenticated: they have proven nothing yet) never takes the slots of clients that
+  // proved the token. When it is full, the oldest handshake in progress is dropped for the
+  // newcomer: a client that answers at once always gets through, while a flood only cycles
+  // its own connections.
+  std::uint32_t max_unproven_connections = 64;
+  // A connection that has not finished the handshake this long after it was accepted is
+  // closed.
+  std::chrono::milliseconds handshake_timeout{2000};
+  // Failed cluster-token proofs back their address off, and the listener checks few proofs a
+  // second from addresses that have not proven the token (src/common/admission.h), so that
+  // guessing the token costs time. false only for harnesses that fail handshakes on purpose
+  // from one address and then need a good one through at once (the tcp target fuzzer).
+  bool guess_backoff = true;
 };
 
 struct ShmOptions {
@@ -138,6 +153,10 @@ struct VerbsOptions {
   // connection that is up holds a queue pair; an engine opens one per device pair to a peer.
   std::uint32_t max_connections = 1024;
   std::uint32_t max_connections_per_peer = 256;
+  // Setup connections still in the handshake have a budget of their own (they hold no queue
+  // pair), so a flood of them never keeps out a client that proves the token: when it is
+  // full, the oldest handshake in progress is dropped for the newcomer.
+  std::uint32_t max_unproven_connections = 64;
   // Work requests in flight per connection; more wait in a queue inside the transport.
   std::uint32_t send_queue_depth = 256;
   // RDMA READs in flight per connection (bounded by the device's max_qp_rd_atom).
@@ -172,7 +191,8 @@ struct EngineOptions {
   // Shared cluster secret. When set, both sides of every tcp connection and every verbs
   // queue-pair setup prove they know it (HMAC-SHA256 challenge-response; the token itself
   // never crosses the wire). UCX cannot prove it, so UCX does not start while one is set.
-  // shm needs none: its peers are processes of this user on this host.
+  // shm needs none: its peers are processes of this user on this host. Empty: none; any
+  // other value must be at least 16 bytes and not blank (Engine::create: kInvalidArgument).
   std::string cluster_token;
   // Latency mode for small transfers, for hosts with a core to spare: a caller waiting for a
   // batch (Batch::wait) spins this long before it sleeps, and tcp's I/O threads spin this

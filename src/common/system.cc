@@ -95,7 +95,13 @@ Result<std::string> read_secret_file(const std::string& path) { return read_secr
 Result<std::string> read_private_secret_file(const std::string& path) { return read_secret(path, true); }
 
 Status check_cluster_token(std::string_view token, std::string_view source) {
-  if (!blank(token)) return {};
+  if (!blank(token)) {
+    if (token.size() >= kMinClusterTokenBytes) return {};
+    return Status::invalid_argument(std::string(source) + " is " + std::to_string(token.size()) +
+                                    " bytes: a cluster token must be at least " +
+                                    std::to_string(kMinClusterTokenBytes) +
+                                    " bytes, hard to guess (e.g. the output of `openssl rand -hex 32`)");
+  }
   std::string m(source);
   m += token.empty() ? " is empty" : " is only whitespace";
   m += ": an empty cluster token would turn authentication off; give the cell's token, or none at all";

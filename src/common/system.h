@@ -37,9 +37,14 @@ Result<std::string> read_secret_file(const std::string& path);
 // The mode is that of the file opened, so a rename in between cannot slip past the check.
 Result<std::string> read_private_secret_file(const std::string& path);
 
-// A cluster token supplied explicitly (KVSTASH_CLUSTER_TOKEN, an API argument): OK, or
-// kInvalidArgument naming `source` when it is empty or only whitespace. An empty token means
-// "no token" to EngineOptions, so accepting one would turn authentication off without a word.
+// The shortest cluster token accepted: a short token falls to an online guesser (and to an
+// offline one holding a transcript) long before the handshake's backoff matters.
+inline constexpr std::size_t kMinClusterTokenBytes = 16;
+
+// A cluster token supplied explicitly (KVSTASH_CLUSTER_TOKEN, a token file, an API argument):
+// OK, or kInvalidArgument naming `source` when it is empty or only whitespace (an empty token
+// means "no token" to EngineOptions, so accepting one would turn authentication off without
+// a word), or shorter than kMinClusterTokenBytes.
 Status check_cluster_token(std::string_view token, std::string_view source);
 
 // Tells the CPU that this thread spins (a pause on x86, a yield hint on Arm): the sibling

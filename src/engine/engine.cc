@@ -76,6 +76,10 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
 Engine::~Engine() = default;
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
+  // Empty means "no token"; any other must be one a guesser cannot reach.
+  if (!options.cluster_token.empty()) {
+    KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(options.cluster_token, "EngineOptions::cluster_token"));
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   std::vector<TransportKind> kinds = options.transports;
@@ -185,7 +189,7 @@ Result<std::unique_ptr<Peer>> Engine::connect(std::string_view peer_address, std
     auto ep = t->connect(addr, d);
     if (!ep.is_ok()) {
       last = ep.status().with_context(std::string("connect over ") + std::string(to_string(t->kind())));
-      KVSTASH_LOG_INFO("{}", last.to_string());
+      KVSTASH_LOG_INFO_LIMITED("{}", last.to_string());
       if (last.code() == StatusCode::kPermissionDenied) return last;  // don't downgrade past a refusal
       continue;
     }
@@ -337,7 +341,7 @@ Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> Peer::Sta
   if (!ep.is_ok()) return ep.status();
   endpoint = std::move(ep).value();
   ++generation;
-  KVSTASH_LOG_INFO("reconnected to peer over {}", to_string(transport->kind()));
+  KVSTASH_LOG_INFO_LIMITED("reconnected to peer over {}", to_string(transport->kind()));
   return std::make_pair(endpoint, generation);
 }
 

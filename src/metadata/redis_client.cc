@@ -346,7 +346,7 @@ Script::Script(std::string b) : body(std::move(b)) {
 // ---- RedisClient ----------------------------------------------------------------------------
 
 RedisClient::RedisClient(RedisOptions options, RedisUrl url)
-    : options_(std::move(options)), url_(std::move(url)), ctx_(nullptr, free_context) {}
+    : options_(std::move(options)), url_(std::move(url)), ctx_(nullptr, free_context), original_host_(url_.host) {}
 
 RedisClient::~RedisClient() = default;
 
@@ -409,6 +409,10 @@ Status RedisClient::open_through_sentinels() {
       last = Status::corrupt(where + " named a master with a bad port");
       continue;
     }
+    if (Status allowed = may_follow(master_host, where); !allowed.is_ok()) {
+      last = allowed;
+      continue;
+    }
     Status s = open_at(master_host, *master_port);
     // A sentinel that has not seen the failover yet still names the old master, a replica now.
     Result<Reply> role = s.is_ok() ? run_once({"ROLE"}) : Result<Reply>(s);
@@ -468,7 +472,10 @@ Status RedisClient::open_in_cluster() {
                                  " (a failover in progress?)");
       continue;
     }
-    if (*master != std::pair{host, port}) s = open_at(master->first, master->second);
+    if (*master != std::pair{host, port}) {
+      s = may_follow(master->first, where);
+      if (s.is_ok()) s = open_at(master->first, master->second);
+    }
     if (s.is_ok()) {
       std::tie(url_.host, url_.port) = *master;
       return {};
@@ -476,6 +483,21 @@ Status RedisClient::open_in_cluster() {
     last = s.with_context("the master of slot " + std::to_string(slot->integer()));
   }
   return last;
+}
+
+Status RedisClient::may_follow(const std::string& host, std::string_view who) const {
+  if (url_.password.empty() && options_.password.empty()) return {};
+  auto named = [&](const std::vector<std::pair<std::string, int>>& hosts) {
+    return std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.first == host; });
+  };
+  if (host == original_host_ || named(url_.sentinels) || named(url_.cluster_nodes) ||
+      std::find(options_.redirect_hosts.begin(), options_.redirect_hosts.end(), host) !=
+          options_.redirect_hosts.end()) {
+    return {};
+  }
+  return Status::permission_denied(std::string(who) + " sent this client to " + host +
+                                   ", a host the Redis URL does not name: refused, so as not to send the password "
+                                   "there (list the cell's Redis hosts in RedisOptions::redirect_hosts)");
 }
 
 Status RedisClient::redirect(std::string_view error) {
@@ -493,6 +515,7 @@ Status RedisClient::redirect(std::string_view error) {
     KVSTASH_RETURN_IF_ERROR(parse_host_port(target, host, port).with_context(std::string(error)));
   }
   KVSTASH_LOG_INFO("redis cluster: MOVED (slot now at {})", host_port_text(host, port));
+  KVSTASH_RETURN_IF_ERROR(may_follow(host, "a MOVED reply"));
   KVSTASH_RETURN_IF_ERROR(open_at(host, port));
   url_.host = host;
   url_.port = port;

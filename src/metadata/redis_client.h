@@ -75,6 +75,12 @@ struct RedisOptions {
   // fence a new master after a Sentinel failover.
   using Command = std::function<Result<Reply>(const std::vector<std::string_view>&)>;
   std::function<Status(const Command&)> on_connect;
+  // Hosts a Sentinel (the master it names) or a Redis Cluster node (CLUSTER SLOTS, MOVED) may
+  // send this client to while it has a password, besides the URL's own hosts (sentinels,
+  // seeds, host). Anywhere else is refused with kPermissionDenied before connecting: a lying
+  // or taken-over sentinel or node must not collect the password by naming its own host.
+  // Without a password there is nothing to hand over, and any host is followed.
+  std::vector<std::string> redirect_hosts;
   // redis+cluster://: the key whose hash slot every command of this connection addresses (a
   // cell's prefix: the cell's keys share its hash tag). The client connects to that slot's
   // master and follows it when the slot moves.
@@ -169,6 +175,9 @@ class RedisClient {
   // After a MOVED reply (`error` its text): connects to the node it names, the slot's master
   // from now on (on_connect runs).
   Status redirect(std::string_view error);
+  // OK, or kPermissionDenied when the client would AUTH to `host`, which neither the URL nor
+  // RedisOptions::redirect_hosts names (`who` named it).
+  Status may_follow(const std::string& host, std::string_view who) const;
   Result<Reply> run_once(const std::vector<std::string_view>& args);
   // `limit`, shortened to what is left of the deadline; zero or less once it has passed.
   std::chrono::milliseconds within_deadline(std::chrono::milliseconds limit) const;
@@ -180,6 +189,7 @@ class RedisClient {
   std::optional<Deadline> deadline_;
   std::chrono::milliseconds socket_timeout_{0};  // what the socket's timeout is set to now
   std::size_t sentinel_ = 0;                      // the sentinel that answered last
+  std::string original_host_;                     // the URL's host (url_.host follows redirects)
 };
 
 }  // namespace kvstash::metadata

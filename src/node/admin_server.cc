@@ -7,6 +7,7 @@
 #include <exception>
 #include <system_error>
 #include <thread>
+#include <map>
 #include <unordered_set>
 
 #include "common/asio.h"
@@ -244,6 +245,7 @@ struct Connection {
   explicit Connection(tcp::socket s) : socket(std::move(s)), deadline(socket.get_executor()) {}
   tcp::socket socket;
   asio::steady_timer deadline;
+  std::uint64_t seq = 0;  // accept order, while still reading its request head; 0 after
 };
 
 }  // namespace
@@ -332,6 +334,7 @@ class AdminServer::Impl {
     ~Tracked() {
       if (!c_) return;  // moved from
       impl_->live_.erase(c_.get());
+      impl_->head_done(*c_);
       c_->deadline.cancel();
     }
     const std::shared_ptr<Connection>& connection() const { return c_; }
@@ -349,20 +352,31 @@ class AdminServer::Impl {
         co_await acceptor_.async_accept(sock, redirect_error(use_awaitable, ec));
         if (stopping_) break;
         if (ec) {
-          KVSTASH_LOG_WARN("admin {}: accept failed: {}", address_, ec.message());
+          KVSTASH_LOG_WARN_LIMITED("admin {}: accept failed: {}", address_, ec.message());
           retry_timer_.expires_after(kAcceptRetryDelay);
           co_await retry_timer_.async_wait(redirect_error(use_awaitable, ec));
           continue;
         }
-        if (live_.size() >= kMaxConnections) {
-          KVSTASH_LOG_DEBUG("admin {}: {} connections open, closing a new one", address_, live_.size());
+        if (live_.size() >= kMaxConnections && !reading_.empty()) {
+          // The oldest unfinished request has had the longest to arrive; a probe sends its
+          // whole request at once, so only slow or silent clients lose their place.
+          Connection* oldest = reading_.begin()->second;
+          KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} connections open, dropping the oldest unfinished request",
+                                    address_, live_.size());
+          head_done(*oldest);
+          oldest->socket.close(ec);
+          oldest->deadline.cancel();
+        } else if (live_.size() >= kMaxConnections) {
+          KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} connections open, closing a new one", address_, live_.size());
           sock.close(ec);
           continue;
         }
-        asio::co_spawn(io_, serve(Tracked(this, std::make_shared<Connection>(std::move(sock)))),
-                       asio::detached);
+        auto conn = std::make_shared<Connection>(std::move(sock));
+        conn->seq = ++next_seq_;
+        reading_.emplace(conn->seq, conn.get());
+        asio::co_spawn(io_, serve(Tracked(this, std::move(conn))), asio::detached);
       } catch (const std::exception& e) {
-        KVSTASH_LOG_WARN("admin {}: accept loop caught: {}", address_, e.what());
+        KVSTASH_LOG_WARN_LIMITED("admin {}: accept loop caught: {}", address_, e.what());
       }
     }
   }
@@ -383,12 +397,13 @@ class AdminServer::Impl {
         if (ec) co_return;
         state = parser.feed(std::string_view(chunk, n));
       }
+      head_done(*conn);
 
       Response response = state == HeadParser::State::kError ? plain_response(parser.error_status())
                                                              : route(parser.request());
       // The method is known whenever the request line parsed, even if a header was bad.
       const bool with_body = parser.request().method != "HEAD";
-      KVSTASH_LOG_DEBUG("admin {}: {} {} -> {}", address_, parser.request().method, parser.request().path,
+      KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} {} -> {}", address_, parser.request().method, parser.request().path,
                         response.status);
 
       arm_deadline(conn);  // writing the response gets a budget of its own
@@ -403,7 +418,7 @@ class AdminServer::Impl {
         co_await conn->socket.async_read_some(asio::buffer(chunk), redirect_error(use_awaitable, ec));
       }
     } catch (const std::exception& e) {
-      KVSTASH_LOG_WARN("admin {}: connection caught: {}", address_, e.what());
+      KVSTASH_LOG_WARN_LIMITED("admin {}: connection caught: {}", address_, e.what());
     }
   }
 
@@ -434,6 +449,13 @@ class AdminServer::Impl {
     return plain_response(500);
   }
 
+  // The connection has its request head (or is gone): it may no longer be dropped for a newer one.
+  void head_done(Connection& c) {
+    if (c.seq == 0) return;
+    reading_.erase(c.seq);
+    c.seq = 0;
+  }
+
   // (Re)starts the connection's deadline; when it passes, the socket is closed, which ends
   // whatever read or write the coroutine is waiting on.
   void arm_deadline(const std::shared_ptr<Connection>& c) {
@@ -452,6 +474,9 @@ class AdminServer::Impl {
   // Non-owning: each serve() coroutine's Tracked removes its own entry. Declared
   // before io_ so it outlives anything io_ destroys. io thread only.
   std::unordered_set<Connection*> live_;
+  // The connections of live_ still reading their request head, oldest first. io thread only.
+  std::map<std::uint64_t, Connection*> reading_;
+  std::uint64_t next_seq_ = 0;
   asio::io_context io_{1};
   tcp::acceptor acceptor_{io_};
   asio::steady_timer retry_timer_{io_};

@@ -14,8 +14,11 @@
 //   - a handler that throws: 500, and the server keeps serving;
 //   - a client that has not sent a whole request head within the request timeout is dropped
 //     without a response; the same timeout then bounds writing the response;
-//   - beyond kMaxConnections open connections, new ones are closed at once, so a flood of
-//     idle clients cannot use up the daemon's file descriptors.
+//   - at most kMaxConnections connections are open, so a flood of idle clients cannot use up
+//     the daemon's file descriptors; when all are taken, the oldest one still sending its
+//     request head is dropped for the newcomer (closed only when every one is past its head),
+//     so a health probe, which sends its request at once, always gets an answer however many
+//     unfinished requests are open.
 // Request bodies are not read (nothing here takes one) and the Host header is not required:
 // probes and scrapers differ in what they send and nothing here depends on it.
 //

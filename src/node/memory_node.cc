@@ -13,14 +13,28 @@
 namespace kvstash::node {
 
 struct MemoryNode::Shared {
-  std::mutex mu;  // guards cell, catalog, epoch, state strings, last_error
+  // Guards cell, catalog, epoch, and the writes of state and last_error. The loop holds it
+  // across Redis commands (which may take up to their timeout while Redis is slow), so the
+  // readers that must answer at once, health() and metrics(), take only view_mu.
+  std::mutex mu;
   std::condition_variable wake;
   bool stopping = false;
   std::unique_ptr<metadata::Cell> cell;
   metadata::NodeCatalog* catalog = nullptr;  // the node's, over `cell`
   std::string epoch;
+  // Written under mu and view_mu both; read under either.
+  mutable std::mutex view_mu;
   std::string state = "up";
   std::string last_error;  // empty while Redis answers
+
+  void set_state(std::string to) {
+    std::lock_guard lock(view_mu);
+    state = std::move(to);
+  }
+  void set_error(std::string to) {
+    std::lock_guard lock(view_mu);
+    last_error = std::move(to);
+  }
 
   std::atomic<std::uint64_t> heartbeats{0}, heartbeat_failures{0}, registrations{0};
   std::atomic<std::uint64_t> free_pages{0}, objects{0}, reserved_pages{0}, limbo_pages{0};
@@ -144,7 +158,7 @@ Status MemoryNode::join() {
   ++s.registrations;
   s.free_pages = page_count_;
   s.objects = 0;
-  s.state = "up";
+  s.set_state("up");
   return {};
 }
 
@@ -205,7 +219,7 @@ void MemoryNode::loop() {
     }
     if (st.is_ok()) {
       ++s.heartbeats;
-      s.last_error.clear();
+      if (!s.last_error.empty()) s.set_error({});
       if (Clock::now() >= next_reclaim) {
         next_reclaim = Clock::now() + options_.reclaim_interval;
         // Each reclaim holds Redis about a millisecond; while it says work is left (a dead
@@ -238,7 +252,7 @@ void MemoryNode::loop() {
     } else if (s.state != "gone") {
       ++s.heartbeat_failures;
       if (s.last_error.empty()) KVSTASH_LOG_WARN("node {}: heartbeat failed: {}", id_, st.to_string());
-      s.last_error = st.to_string();
+      s.set_error(st.to_string());
     }
     s.wake.wait_for(lock, beat, [&] { return s.stopping; });
   }
@@ -247,10 +261,10 @@ void MemoryNode::loop() {
 Result<std::uint64_t> MemoryNode::drain() {
   auto& s = *shared_;
   std::lock_guard lock(s.mu);
-  s.state = "draining";
+  s.set_state("draining");
   KVSTASH_ASSIGN_OR_RETURN(std::uint64_t dropped, s.catalog->drain_node(id_, s.epoch));
   KVSTASH_RETURN_IF_ERROR(s.catalog->deregister_node(id_, s.epoch));
-  s.state = "gone";
+  s.set_state("gone");
   KVSTASH_LOG_INFO("node {}: drained, {} objects dropped, left the cell", id_, dropped);
   return dropped;
 }
@@ -268,7 +282,7 @@ std::string MemoryNode::metrics() const {
   auto& s = *shared_;
   std::string state;
   {
-    std::lock_guard lock(s.mu);
+    std::lock_guard lock(s.view_mu);
     state = s.state;
   }
   const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
@@ -327,7 +341,7 @@ std::string MemoryNode::metrics() const {
 
 std::pair<bool, std::string> MemoryNode::health() const {
   auto& s = *shared_;
-  std::lock_guard lock(s.mu);
+  std::lock_guard lock(s.view_mu);
   if (s.state != "up") return {false, s.state};
   if (!s.last_error.empty()) return {false, "redis unreachable: " + s.last_error};
   return {true, "ok"};

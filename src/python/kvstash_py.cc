@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -99,20 +100,56 @@ struct PyStore {
   const MemoryHandle* handle_for(std::uintptr_t addr, std::size_t length) {
     std::lock_guard lock(mu);
     for (const auto& r : registered) {
-      if (addr >= r->addr && addr + length <= r->addr + r->length) return &r->handle;
+      // Without overflow: addr + length may wrap for a hostile length.
+      if (addr >= r->addr && length <= r->length && addr - r->addr <= r->length - length) return &r->handle;
     }
     return nullptr;
   }
 };
 
-// Buffers given as (address, bytes) pairs (torch: t.data_ptr(), t.nbytes; the caller keeps the
-// memory alive and in place for the call), as slices with their registrations.
-std::vector<Slice> buffer_slices(PyStore& s, const py::sequence& buffers) {
-  std::vector<Slice> out;
+// The buffers of a put (read) or a get (written), as slices with their registrations, and
+// the buffer exports that keep the objects' memory in place for the call.
+struct Buffers {
+  std::vector<Slice> slices;
+  std::vector<py::buffer_info> exports;
+};
+
+// Each buffer is a Python buffer object (bytearray, memoryview, a C-contiguous numpy array;
+// writable for a get), or an (address, bytes) pair (torch: t.data_ptr(), t.nbytes) inside
+// memory registered with register_memory. A pair anywhere else is refused: an integer proves
+// nothing about memory, and a wrong one would crash the interpreter in the copy (over shm,
+// SIGSEGV) or hand another object's bytes to a put.
+Buffers buffer_slices(PyStore& s, const py::sequence& buffers, bool writable) {
+  Buffers out;
+  out.exports.reserve(buffers.size());
   for (const auto& b : buffers) {
+    if (py::isinstance<py::buffer>(b) && !py::isinstance<py::tuple>(b)) {
+      py::buffer_info info = b.cast<py::buffer>().request(writable);
+      // C-contiguous only: the bytes are moved as one range.
+      py::ssize_t expect = info.itemsize;
+      for (py::ssize_t d = info.ndim; d-- > 0;) {
+        if (info.shape[d] > 1 && info.strides[d] != expect) {
+          raise(Status::invalid_argument("a buffer that is not contiguous: pass a contiguous copy"));
+        }
+        expect *= info.shape[d];
+      }
+      const std::size_t length = static_cast<std::size_t>(info.size * info.itemsize);
+      const auto addr = reinterpret_cast<std::uintptr_t>(info.ptr);
+      out.slices.push_back({info.ptr, length, s.handle_for(addr, length)});
+      out.exports.push_back(std::move(info));
+      continue;
+    }
     auto [addr, length] = b.cast<std::pair<std::uintptr_t, std::size_t>>();
-    if (addr == 0 && length > 0) raise(Status::invalid_argument("a buffer at address 0"));
-    out.push_back({reinterpret_cast<void*>(addr), length, s.handle_for(addr, length)});
+    const MemoryHandle* handle = s.handle_for(addr, length);
+    if (handle == nullptr) {
+      char where[32];
+      std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(addr));
+      raise(Status::invalid_argument(
+          std::string("buffer (") + where + ", " + std::to_string(length) +
+          ") is not inside memory registered with Store.register_memory: register that memory first, or "
+          "pass a buffer object (bytearray, memoryview, numpy array)"));
+    }
+    out.slices.push_back({reinterpret_cast<void*>(addr), length, handle});
   }
   return out;
 }
@@ -211,8 +248,8 @@ PYBIND11_MODULE(_native, m) {
            "Opens the cell's store (StoreOptions). transports: \"shm,tcp,verbs\", \"\" for every one built "
            "in. "
            "cluster_token: the cell's shared secret (kvstashd --cluster-token-file); None: none, and nodes "
-           "that require one refuse the data path (Error code 'permission_denied'); an empty string is "
-           "refused ('invalid_argument'). listen: host:port where peers reach this process's memory "
+           "that require one refuse the data path (Error code 'permission_denied'); an empty string, or one "
+           "shorter than 16 bytes, is refused ('invalid_argument'). listen: host:port where peers reach this process's memory "
            "(P/D's direct path: EngineOptions' tcp.listen, and verbs' queue-pair setup on that host, any "
            "port); \"\": loopback.")
       .def(
@@ -227,13 +264,14 @@ PYBIND11_MODULE(_native, m) {
               check(nogil([&] { return s.store->put(key, {&slice, 1}, o); }));
               return;
             }
-            const std::vector<Slice> slices = buffer_slices(s, data);  // zero-copy: the bytes in place
-            check(nogil([&] { return s.store->put(key, slices, o); }));
+            const Buffers buffers = buffer_slices(s, data, false);  // zero-copy: the bytes in place
+            check(nogil([&] { return s.store->put(key, buffers.slices, o); }));
           },
           py::arg("key"), py::arg("data"), py::arg("ttl_ms") = 0, py::arg("timeout_ms") = 0,
           py::arg("replicas") = 1,
-          "data: bytes, or (address, bytes) buffers whose concatenation is the object (moved from "
-          "where they are). ttl_ms: 0 never expires. replicas: copies on distinct memory nodes (1-4).")
+          "data: bytes, or buffers whose concatenation is the object (moved from where they are): buffer "
+          "objects, or (address, bytes) pairs inside memory given to register_memory. ttl_ms: 0 never "
+          "expires. replicas: copies on distinct memory nodes (1-4).")
       .def(
           "get",
           [](PyStore& s, const std::string& key, const py::object& into,
@@ -256,10 +294,10 @@ PYBIND11_MODULE(_native, m) {
               }));
               return py::bytes(out);
             }
-            const std::vector<Slice> slices = buffer_slices(s, into);
+            const Buffers buffers = buffer_slices(s, into, true);
             std::uint64_t room = 0;
-            for (const Slice& sl : slices) room += sl.length;
-            const ObjectInfo info = unwrap(nogil([&] { return s.store->get(key, slices, o); }));
+            for (const Slice& sl : buffers.slices) room += sl.length;
+            const ObjectInfo info = unwrap(nogil([&] { return s.store->get(key, buffers.slices, o); }));
             if (info.size != room) {
               raise(Status::invalid_argument("object " + key + " has " + std::to_string(info.size) +
                                              " bytes, the buffers " + std::to_string(room)));
@@ -267,8 +305,9 @@ PYBIND11_MODULE(_native, m) {
             return py::int_(info.size);
           },
           py::arg("key"), py::arg("into") = py::none(), py::arg("timeout_ms") = 0,
-          "The object's bytes; with `into`, (address, bytes) buffers of exactly its size, read in place "
-          "(zero-copy), and its size.")
+          "The object's bytes; with `into`, buffers of exactly its size, read in place (zero-copy), and its "
+          "size: writable buffer objects, or (address, bytes) pairs inside memory given to register_memory "
+          "(any other address is refused with invalid_argument).")
       .def(
           "register_memory",
           [](PyStore& s, std::uintptr_t addr, std::size_t length) {

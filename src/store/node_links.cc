@@ -55,7 +55,7 @@ Result<std::shared_ptr<NodeLink>> NodeLinks::link(const metadata::NodeEndpoint& 
     Status second = connect_path(*l, true, deadline, fenced);
     if (second.code() == StatusCode::kUnsupported) {
       // No transport in common that holds leases: reads only (path() says why to puts).
-      KVSTASH_LOG_INFO("memory node {}: puts cannot reach it: {}", n.id, second.to_string());
+      KVSTASH_LOG_INFO_LIMITED("memory node {}: puts cannot reach it: {}", n.id, second.to_string());
     } else if (!second.is_ok()) {
       made = second;  // a passing failure: the next operation connects both again
     }

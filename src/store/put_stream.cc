@@ -522,7 +522,7 @@ void Store::Impl::abort_put(const std::string& key, const store::PutPages& pages
     // A queue that fell behind a stalled node does not wait again for each put.
     auto confirmed = store::revoke_all(key, nodes, leases, confirm_by);
     if (confirmed.size() < nodes.size()) {
-      KVSTASH_LOG_INFO("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
+      KVSTASH_LOG_INFO_LIMITED("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
     }
     end_put(key, pages, confirmed, deadline_after(options.redis_timeout * 2));
   });
@@ -547,7 +547,7 @@ void Store::Impl::end_put(const std::string& key, const store::PutPages& pages,
   auto c = borrow(*pages.cell, deadline);
   Result<std::uint64_t> waiting = c.is_ok() ? abort_pages(**c, pages, fenced) : c.status();
   if (!waiting.is_ok()) {
-    KVSTASH_LOG_WARN("put {}: abort failed, the lease will reclaim: {}", key, waiting.status().to_string());
+    KVSTASH_LOG_WARN_LIMITED("put {}: abort failed, the lease will reclaim: {}", key, waiting.status().to_string());
   }
   settle(pages, waiting.is_ok() && *waiting == 0);
 }

@@ -149,7 +149,7 @@ Result<std::size_t> Store::connect_nodes(std::optional<Deadline> deadline) {
       if (link.is_ok()) {
         ++connected;
       } else {
-        KVSTASH_LOG_WARN("store: node {} not connected ahead of use: {}", n.id, link.status().to_string());
+        KVSTASH_LOG_WARN_LIMITED("store: node {} not connected ahead of use: {}", n.id, link.status().to_string());
       }
     }
   }

@@ -1,6 +1,7 @@
 // Session, errors, tables and formatting for the kvstash CLI.
 #include "cli.h"
 
+#include <cctype>
 #include <unistd.h>
 
 #include <cstdio>
@@ -35,6 +36,7 @@ Status Session::credentials() {
   if (g_.token_file_given) {
     if (g_.token_file.empty()) return Status::invalid_argument("--cluster-token-file names no file");
     KVSTASH_ASSIGN_OR_RETURN(token_, sys::read_private_secret_file(g_.token_file));
+    KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(token_, "the token in " + g_.token_file));
   } else if (const char* env = std::getenv("KVSTASH_CLUSTER_TOKEN"); env != nullptr) {
     KVSTASH_RETURN_IF_ERROR(sys::check_cluster_token(env, "KVSTASH_CLUSTER_TOKEN"));
     token_ = env;
@@ -113,6 +115,14 @@ bool cluster_token_refused(const Status& s) {
   return s.code() == StatusCode::kPermissionDenied && s.message().find("cluster token") != std::string::npos;
 }
 
+// Whether the error came from the cell's Redis rather than from a memory node: the two need
+// different fixes.
+bool about_redis(const Status& s) {
+  std::string m = s.message();
+  for (char& c : m) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return m.find("redis") != std::string::npos || m.find("sentinel") != std::string::npos;
+}
+
 std::string_view fix_for(const Status& s) {
   if (cluster_token_refused(s)) {
     return "the memory nodes and this client must hold the same cluster token: --cluster-token-file FILE or "
@@ -120,6 +130,11 @@ std::string_view fix_for(const Status& s) {
   }
   switch (s.code()) {
     case StatusCode::kUnavailable:
+      if (!about_redis(s)) {
+        return "a memory node did not take the connection: check that its kvstashd runs and is reachable from "
+               "here (`kvstash nodes` lists them), and its /metrics for refused connections (a connection "
+               "limit, or a cluster-token backoff after failed handshakes)";
+      }
       return "is redis-server running there? Point --redis (or KVSTASH_REDIS_URL) at the cell's Redis";
     case StatusCode::kPermissionDenied:
       return "check the ACL user and password: redis://user:password@host:port/db, KVSTASH_REDIS_PASSWORD, "
@@ -141,7 +156,7 @@ int fail(const Status& s, std::string_view doing, const Session* session, std::s
   std::cerr << "kvstash: " << doing << ": " << s.message() << " (" << to_string(s.code()) << ")\n";
   if (auto fix = fix_text.empty() ? fix_for(s) : fix_text; !fix.empty()) {
     std::cerr << "  fix: " << fix;
-    if (session != nullptr && !cluster_token_refused(s) &&
+    if (session != nullptr && !cluster_token_refused(s) && about_redis(s) &&
         (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kPermissionDenied)) {
       std::cerr << " (now " << session->redis_display() << ")";
     }

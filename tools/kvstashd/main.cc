@@ -1,8 +1,10 @@
 // kvstashd: a kvstash memory node. Donates DRAM to a cell, serves it one-sided, keeps its
 // place in Redis, exposes /metrics and /healthz, and drains on SIGTERM.
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <iostream>
 
 #include "common/log.h"
@@ -22,6 +24,32 @@ using namespace kvstash;
 std::string read_secret(const std::string& option, Result<std::string> secret) {
   if (!secret.is_ok()) throw CLI::ValidationError(option, secret.status().message());
   return std::move(secret).value();
+}
+
+// Warns on stderr and in the log: a setting that works but exposes or endangers the node.
+void warn_loudly(const std::string& what) {
+  std::cerr << "kvstashd: WARNING: " << what << "\n";
+  KVSTASH_LOG_WARN("kvstashd: {}", what);
+}
+
+// Raises the soft RLIMIT_NOFILE to the hard limit (the usual soft 1,024 is below what the
+// connection caps allow) and returns the soft limit now in force.
+rlim_t raise_fd_limit() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return 1024;
+  if (r.rlim_cur < r.rlim_max) {
+    rlimit want = r;
+    want.rlim_cur = r.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &want) == 0) r = want;
+  }
+  return r.rlim_cur;
+}
+
+bool loopback_host(const std::string& listen) {
+  auto hp = net::parse_host_port(listen);
+  if (!hp.is_ok()) return false;
+  const std::string& h = hp->host;
+  return h.rfind("127.", 0) == 0 || h == "::1" || h == "[::1]" || h == "localhost";
 }
 
 // 2: the command line or configuration is wrong; 1: the node could not start or run.
@@ -45,6 +73,7 @@ int main(int argc, char** argv) {
   std::string heartbeat = "3s", reclaim = "1s", admin = "127.0.0.1:9745";
   std::string password_file, token_file;
   bool emulated_rma = false;
+  std::uint32_t max_connections = 1024, max_unproven = 64;
 
   app.add_option("--redis", opts.redis_url,
                  "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path, "
@@ -99,6 +128,17 @@ int main(int argc, char** argv) {
       "File holding the cluster token every tcp and verbs peer must prove it knows (else "
       "KVSTASH_CLUSTER_TOKEN). Refused when group or others may read or write it (chmod 600), or when it "
       "is empty. Clients need the same token");
+  app.add_option("--max-connections", max_connections,
+                 "tcp and verbs: connections that proved the cluster token served at once (each transport); "
+                 "a client engine opens 4 tcp streams, and one queue pair per device pair")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--max-unproven-connections", max_unproven,
+                 "tcp and verbs: connections still in the handshake (not yet proven) served at once; when they "
+                 "are all taken the oldest is dropped for a newcomer, so a flood of them cannot keep clients "
+                 "with the token out")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   app.add_flag("--ucx-allow-emulated-rma", emulated_rma,
                "Serve the pool through UCX even without RDMA hardware, where UCX cannot enforce remote keys "
                "(tests and benchmarks only)");
@@ -119,8 +159,10 @@ int main(int argc, char** argv) {
       "0.\n"
       "Prints `ready node=ID admin=HOST:PORT pages=N page_size=BYTES transports=LIST` on stdout once it "
       "serves.\n"
-      "Example: kvstashd --redis redis://kvstash:secret@10.0.0.5:6379/0 --capacity 64GiB --listen "
-      "10.0.0.7:7400");
+      "Example: kvstashd --redis redis://kvstash@10.0.0.5:6379/0 --redis-password-file /etc/kvstash/redis-pw "
+      "--cluster-token-file /etc/kvstash/token --capacity 64GiB --listen 10.0.0.7:7400\n"
+      "A password written in the --redis URL shows in `ps` and /proc/PID/cmdline to every user of the "
+      "host: pass it with --redis-password-file or KVSTASH_REDIS_PASSWORD instead.");
 
   try {
     app.parse(argc, argv);
@@ -140,6 +182,8 @@ int main(int argc, char** argv) {
     if (!kinds.is_ok()) throw CLI::ValidationError("--transports", kinds.status().message());
     opts.engine.transports = std::move(kinds).value();
     opts.engine.ucx.allow_emulated_rma = emulated_rma;
+    opts.engine.tcp.max_connections = opts.engine.verbs.max_connections = max_connections;
+    opts.engine.tcp.max_unproven_connections = opts.engine.verbs.max_unproven_connections = max_unproven;
     opts.engine.busy_poll = std::chrono::microseconds(busy_poll_us);
     // The verbs queue-pair setup listens on the --listen host too (any free port).
     opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
@@ -153,6 +197,8 @@ int main(int argc, char** argv) {
       if (token_file.empty()) throw CLI::ValidationError("--cluster-token-file", "names no file");
       opts.engine.cluster_token =
           read_secret("--cluster-token-file", sys::read_private_secret_file(token_file));
+      Status ok = sys::check_cluster_token(opts.engine.cluster_token, "the token in " + token_file);
+      if (!ok.is_ok()) throw CLI::ValidationError("--cluster-token-file", ok.message());
     } else if (const char* tok = std::getenv("KVSTASH_CLUSTER_TOKEN")) {
       Status ok = sys::check_cluster_token(tok, "KVSTASH_CLUSTER_TOKEN");
       if (!ok.is_ok()) throw CLI::ValidationError(ok.message());
@@ -171,6 +217,49 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGHUP);  // no reload: a hang-up must not kill the node undrained
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+
+  // Every connection the caps allow holds a descriptor: raise the soft limit to the hard one,
+  // and say so when even that cannot hold them all (accepts would then fail, and the
+  // transports pause their accept loops instead of serving).
+  {
+    const rlim_t limit = raise_fd_limit();
+    auto serves = [&](TransportKind k) {
+      return opts.engine.transports.empty() ||
+             std::find(opts.engine.transports.begin(), opts.engine.transports.end(), k) !=
+                 opts.engine.transports.end();
+    };
+    std::uint64_t need = 128;  // Redis, the pool, the process's own
+    std::string parts;
+    for (TransportKind k : {TransportKind::kTcp, TransportKind::kVerbs}) {
+      if (!serves(k)) continue;
+      need += std::uint64_t{max_connections} + max_unproven;
+      parts += std::string(to_string(k)) + " " + std::to_string(max_connections + max_unproven) + ", ";
+    }
+    if (serves(TransportKind::kShm)) {
+      need += 1024 + 64;
+      parts += "shm 1088, ";
+    }
+    if (admin != "off") {
+      need += 64;
+      parts += "admin 64, ";
+    }
+    if (limit != RLIM_INFINITY && need > limit) {
+      warn_loudly("the connection caps (" + parts + "and about 128 of its own) need about " +
+                  std::to_string(need) + " file descriptors, but RLIMIT_NOFILE allows " + std::to_string(limit) +
+                  " (raised to the hard limit already): raise it (ulimit -n, LimitNOFILE= in the unit) or "
+                  "lower --max-connections / --max-unproven-connections");
+    }
+  }
+  const bool network = std::find(opts.engine.transports.begin(), opts.engine.transports.end(),
+                                 TransportKind::kTcp) != opts.engine.transports.end() ||
+                       std::find(opts.engine.transports.begin(), opts.engine.transports.end(),
+                                 TransportKind::kVerbs) != opts.engine.transports.end() ||
+                       opts.engine.transports.empty();
+  if (network && opts.engine.cluster_token.empty() && !loopback_host(opts.engine.tcp.listen)) {
+    warn_loudly("serving " + opts.engine.tcp.listen +
+                " without a cluster token: anyone who can reach that address and read the node's keys "
+                "can read and write the pool. Give --cluster-token-file (or KVSTASH_CLUSTER_TOKEN)");
+  }
 
   if (opts.cell == "auto") {
     metadata::RedisOptions redis;
@@ -194,6 +283,14 @@ int main(int argc, char** argv) {
     if (!s.is_ok()) return fail(s.status(), "cannot serve the admin endpoint");
     server = std::move(s).value();
     admin_address = server->address();
+  }
+
+  if ((*node)->transports().find("ucx") != std::string::npos) {
+    // UCX checks neither the cluster token (it never runs with one) nor leases: whoever reads
+    // the node's packed key in Redis reaches the whole pool, unfenced.
+    warn_loudly("the pool is served over UCX, which cannot check a cluster token or leases: anyone who "
+                "can read this node's record in Redis can read and write the whole pool. Serve it over "
+                "verbs and tcp with a cluster token instead (--transports shm,tcp,verbs)");
   }
 
   std::cout << "ready node=" << (*node)->id() << " admin=" << admin_address

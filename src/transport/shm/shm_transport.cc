@@ -101,6 +101,7 @@ class ShmTransport final : public Transport {
   ShmTransport& operator=(const ShmTransport&) = delete;
 
   TransportKind kind() const override { return TransportKind::kShm; }
+  std::vector<TransportCounter> counters() const override { return server_.counters(); }
 
   Capabilities capabilities() const override {
     Capabilities c;

@@ -31,7 +31,7 @@ bool PeerConnection::gone() {
   pollfd p{socket.get(), POLLRDHUP, 0};
   // POLLIN alone (a late response to a timed-out request) is not death; only hang-ups are.
   if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0) {
-    if (healthy.exchange(false)) KVSTASH_LOG_INFO("shm: peer {} hung up", peer);
+    if (healthy.exchange(false)) KVSTASH_LOG_INFO_LIMITED("shm: peer {} hung up", peer);
     return true;
   }
   return false;

@@ -30,7 +30,9 @@
 #include <condition_variable>
 #include <deque>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -47,6 +49,7 @@
 #include "common/asio.h"
 #include "common/handler_arena.h"
 
+#include "common/admission.h"
 #include "common/handshake.h"
 #include "kvstash/transfer.h"
 #include "transport/transport.h"
@@ -193,6 +196,16 @@ class Fences {
   std::vector<std::weak_ptr<Mark>> marks_;
 };
 
+// The target's counts of what happened to connections, for Transport::counters().
+struct ConnectionCounters {
+  std::atomic<std::uint64_t> accepted{0};            // proved the token (or needed none)
+  std::atomic<std::uint64_t> refused{0};             // closed at accept: a cap or a backoff
+  std::atomic<std::uint64_t> handshakes_failed{0};   // a wrong or unchecked proof, bad hello
+  std::atomic<std::uint64_t> handshake_timeouts{0};  // no handshake within handshake_timeout
+  std::atomic<std::uint64_t> unproven_evicted{0};    // dropped for a newer handshake
+  std::atomic<std::uint64_t> idle_dropped{0};        // idle for idle_timeout, or stalled for io_timeout
+};
+
 // What a transport serves: its regions, their fences, and the rules for connections.
 struct Target {
   RegionTable regions;
@@ -206,25 +219,39 @@ struct Target {
   std::shared_ptr<const GrantCheck> grants;  // grant_mu
   std::string token;                         // cluster token; empty: none required
   TcpOptions options;
-  std::atomic<std::uint32_t> connections{0};
+  std::atomic<std::uint32_t> connections{0};  // proven ones
   std::mutex peers_mu;
   std::unordered_map<std::string, std::uint32_t> per_peer;  // address -> connections (peers_mu)
+  // Connections in the handshake, oldest first (ids grow), each with what drops it
+  // (peers_mu).
+  std::map<std::uint64_t, std::function<void()>> unproven;
+  std::uint64_t next_unproven = 0;  // peers_mu
+  admission::GuessThrottle throttle;
+  ConnectionCounters counters;
 };
 
-// An accepted connection's place under the target's caps (TcpOptions::max_connections and
-// max_connections_per_peer), taken by the accept loop and given back when the connection ends.
+// An accepted connection's place under the target's caps, taken by the accept loop and
+// given back when the connection ends: first in the unproven budget
+// (TcpOptions::max_unproven_connections), then, once the peer proved the token, in the main
+// one (max_connections). max_connections_per_peer counts both.
 class ConnectionSlot {
  public:
-  ConnectionSlot(std::shared_ptr<Target> target, std::string peer)
-      : target_(std::move(target)), peer_(std::move(peer)) {}
+  ConnectionSlot(std::shared_ptr<Target> target, std::string peer, std::uint64_t unproven_id)
+      : target_(std::move(target)), peer_(std::move(peer)), unproven_id_(unproven_id) {}
   ConnectionSlot(ConnectionSlot&&) = default;
   ConnectionSlot& operator=(ConnectionSlot&&) = delete;
   ~ConnectionSlot();
   Target& target() const { return *target_; }
+  const std::string& peer() const { return peer_; }
+  // Moves the connection from the unproven budget to the main one; false (the connection is
+  // to be refused) when the main one is full.
+  bool promote();
 
  private:
   std::shared_ptr<Target> target_;  // null once moved from
   std::string peer_;
+  std::uint64_t unproven_id_;
+  bool proven_ = false;
 };
 
 // One op in flight on a client stream, or a control request (no sink): a lease's grant or its
@@ -396,9 +423,25 @@ struct TcpRemoteKey final : RemoteKey {
   std::vector<std::weak_ptr<Stream>> streams;
 };
 
+// How the accept loop drops a connection still in its handshake (for a newer one, when the
+// unproven budget is full). Used on the connection's strand only.
+class HandshakeGate {
+ public:
+  // Closes the socket being watched, or the one about to be.
+  void drop();
+  bool dropped() const { return dropped_; }
+  // The socket to close; null once the handshake is over.
+  void watch(tcp::socket* socket) { socket_ = socket; }
+
+ private:
+  tcp::socket* socket_ = nullptr;
+  bool dropped_ = false;
+};
+
 // Serves one accepted connection: handshake, then requests against the target's regions.
 // Runs on `strand`, the connection's.
-asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot);
+asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot,
+                                       std::shared_ptr<HandshakeGate> gate);
 // Serves a connection's requests once its handshake passed, until it closes. Call on
 // `strand`; returns at once (the connection owns itself meanwhile).
 void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot);

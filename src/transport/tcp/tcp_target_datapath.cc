@@ -188,7 +188,8 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     timer_.async_wait(handler([](RequestServer& s, error_code ec) {
       if (ec || s.closed_) return;
       if (Clock::now() >= s.deadline_) {
-        KVSTASH_LOG_INFO("tcp: {} for {} ms, dropping the connection", s.deadline_what_, s.timeout_.count());
+        ++s.target_.counters.idle_dropped;
+        KVSTASH_LOG_INFO_LIMITED("tcp: {} for {} ms, dropping the connection", s.deadline_what_, s.timeout_.count());
         return s.close();
       }
       s.watch();
@@ -207,7 +208,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   Next on_error(int err, Next wait_for) {
     if (err == EAGAIN || err == EWOULDBLOCK) return wait_for;
     if (err == EINTR) return Next::kGoOn;
-    KVSTASH_LOG_DEBUG("tcp: connection ended: {}", std::strerror(err));
+    KVSTASH_LOG_DEBUG_LIMITED("tcp: connection ended: {}", std::strerror(err));
     return Next::kClose;
   }
 

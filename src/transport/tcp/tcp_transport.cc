@@ -29,7 +29,6 @@ using asio::use_awaitable;
 constexpr std::uint32_t kAddressMagic = 0x3154564b;  // "KVT1"
 // 2: a flags byte follows the key (1: the region is reachable through leases only).
 constexpr std::uint8_t kKeyVersion = 2;
-constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 
 std::string encode_address(const HostPort& hp) {
   wire::Writer w;
@@ -79,8 +78,13 @@ Status client_handshake(int fd, const std::string& token, Deadline deadline) {
   KVSTASH_RETURN_IF_ERROR(send_all(fd, &mine, sizeof mine, deadline));
   ServerVerdict verdict;
   KVSTASH_RETURN_IF_ERROR(recv_all(fd, &verdict, sizeof verdict, deadline));
+  if (verdict.status == static_cast<std::uint32_t>(StatusCode::kUnavailable)) {
+    return Status::unavailable("the target is serving its limit of connections (TcpOptions::max_connections)");
+  }
   if (verdict.status != static_cast<std::uint32_t>(StatusCode::kOk)) {
-    return Status::permission_denied("target refused this client's cluster token");
+    return Status::permission_denied(
+        "target refused this client's cluster token (a wrong token, or the target is backing off "
+        "after failed handshakes)");
   }
   return proof.check_proof(verdict.mac);
 }
@@ -151,6 +155,26 @@ class TcpTransport final : public Transport {
     target_->grants = std::move(check);
   }
 
+  std::vector<TransportCounter> counters() const override {
+    const ConnectionCounters& c = target_->counters;
+    auto one = [](const char* name, const char* help, const std::atomic<std::uint64_t>& v) {
+      return TransportCounter{TransportKind::kTcp, name, help, v.load(std::memory_order_relaxed)};
+    };
+    return {
+        one("connections_accepted", "connections that finished the handshake (proved the cluster token)",
+            c.accepted),
+        one("connections_refused", "connections closed at accept: a connection cap or a handshake backoff",
+            c.refused),
+        one("handshakes_failed", "handshakes that failed: a wrong, missing or unchecked token proof",
+            c.handshakes_failed),
+        one("handshake_timeouts", "connections closed for not finishing the handshake in time",
+            c.handshake_timeouts),
+        one("unproven_evicted", "handshakes in progress dropped for newer ones (the unproven budget was full)",
+            c.unproven_evicted),
+        one("connections_dropped_inactive", "connections closed for being idle or stalled", c.idle_dropped),
+    };
+  }
+
   Result<std::unique_ptr<LocalRegistration>> register_memory(const MemoryRegion& region,
                                                              Access access) override {
     if (region.kind != MemoryKind::kHost) return Status::unsupported("tcp moves host memory only");
@@ -194,7 +218,6 @@ class TcpTransport final : public Transport {
       accepting_ = true;
     }
     asio::steady_timer backoff(acceptor_.get_executor());
-    Clock::time_point last_warning{};
     for (;;) {
       boost::system::error_code ec;
       // The socket's own executor is the io_context's: an any_io_executor holds that without
@@ -204,21 +227,19 @@ class TcpTransport final : public Transport {
       co_await acceptor_.async_accept(sock, asio::redirect_error(use_awaitable, ec));
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) break;
       if (ec) {
-        if (Clock::now() - last_warning > std::chrono::seconds(10)) {
-          KVSTASH_LOG_WARN("tcp accept failed: {}", ec.message());
-          last_warning = Clock::now();
-        }
+        KVSTASH_LOG_WARN_LIMITED("tcp accept failed: {}", ec.message());
         // Out of descriptors or memory: the pending connection stays queued and would fail
         // again at once, so pause instead of spinning (closing connections frees some).
         backoff.expires_after(std::chrono::milliseconds(100));
         co_await backoff.async_wait(asio::redirect_error(use_awaitable, ec));
         continue;
       }
-      auto peer = admit(sock);
-      if (!peer) continue;
-      sock.set_option(tcp::no_delay(true), ec);
       Strand strand = asio::make_strand(runtime_->io());
-      asio::co_spawn(strand, serve_connection(strand, std::move(sock), ConnectionSlot(target_, std::move(*peer))),
+      auto gate = std::make_shared<HandshakeGate>();
+      auto slot = admit(sock, strand, gate);
+      if (!slot) continue;
+      sock.set_option(tcp::no_delay(true), ec);
+      asio::co_spawn(strand, serve_connection(strand, std::move(sock), std::move(*slot), std::move(gate)),
                      asio::detached);
     }
     std::lock_guard lock(mu_);
@@ -227,32 +248,50 @@ class TcpTransport final : public Transport {
     co_return;
   }
 
-  // Counts the connection against the caps and returns the peer's address, or closes it when
-  // a cap is reached.
-  std::optional<std::string> admit(tcp::socket& sock) {
+  // Takes the connection into the unproven budget (dropping the oldest handshake in progress
+  // when it is full) and returns its slot, or closes it when its address is over its cap or
+  // backing off after failed handshakes.
+  std::optional<ConnectionSlot> admit(tcp::socket& sock, const Strand& strand,
+                                      const std::shared_ptr<HandshakeGate>& gate) {
     boost::system::error_code ec;
     auto remote = sock.remote_endpoint(ec);
     std::string peer = ec ? std::string("?") : remote.address().to_string();
-    const char* refused = nullptr;
-    {
+    std::string refused;
+    std::uint64_t id = 0;
+    const admission::Verdict verdict = target_->token.empty() || !options_.guess_backoff
+                                           ? admission::Verdict::kAdmit
+                                           : target_->throttle.admit(peer);
+    if (verdict != admission::Verdict::kAdmit) {
+      refused = admission::describe(verdict);
+    } else {
       std::lock_guard lock(target_->peers_mu);
       auto& mine = target_->per_peer[peer];
-      if (target_->connections.load() >= std::max<std::uint32_t>(1, options_.max_connections)) {
-        refused = "the target's connection limit (TcpOptions::max_connections)";
-      } else if (mine >= std::max<std::uint32_t>(1, options_.max_connections_per_peer)) {
-        refused = "its per-peer connection limit (TcpOptions::max_connections_per_peer)";
+      if (mine >= std::max<std::uint32_t>(1, options_.max_connections_per_peer)) {
+        refused = "its per-peer connection limit (TcpOptions::max_connections_per_peer) is reached";
+        if (mine == 0) target_->per_peer.erase(peer);
       } else {
+        if (target_->unproven.size() >= std::max<std::uint32_t>(1, options_.max_unproven_connections)) {
+          // The oldest handshake has had the longest to answer; a client that proves the token
+          // answers within a round trip, so only connections that stall lose their place.
+          auto oldest = target_->unproven.begin();
+          oldest->second();
+          target_->unproven.erase(oldest);
+          ++target_->counters.unproven_evicted;
+        }
         ++mine;
-        ++target_->connections;
+        id = ++target_->next_unproven;
+        target_->unproven.emplace(id, [strand, gate] {
+          asio::post(strand, [gate] { gate->drop(); });
+        });
       }
-      if (refused != nullptr && mine == 0) target_->per_peer.erase(peer);
     }
-    if (refused != nullptr) {
-      KVSTASH_LOG_WARN("tcp: refused a connection from {}: {} is reached", peer, refused);
+    if (!refused.empty()) {
+      ++target_->counters.refused;
+      KVSTASH_LOG_WARN_LIMITED("tcp: refused a connection from {}: {}", peer, refused);
       sock.close(ec);
       return std::nullopt;
     }
-    return peer;
+    return ConnectionSlot(target_, std::move(peer), id);
   }
 
   TcpOptions options_;
@@ -456,19 +495,52 @@ Result<std::unique_ptr<RemoteKey>> Endpoint::import_key(std::uint64_t base, std:
 ConnectionSlot::~ConnectionSlot() {
   if (!target_) return;
   std::lock_guard lock(target_->peers_mu);
-  --target_->connections;
+  if (proven_) {
+    --target_->connections;
+  } else {
+    target_->unproven.erase(unproven_id_);
+  }
   auto it = target_->per_peer.find(peer_);
   if (it != target_->per_peer.end() && --it->second == 0) target_->per_peer.erase(it);
 }
 
-asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot) {
-  const Target* target = &slot.target();
-  handshake::Handshake proof(handshake::Role::kServer, target->token);
-  // A client that connects and says nothing is dropped after kHandshakeTimeout.
+bool ConnectionSlot::promote() {
+  std::lock_guard lock(target_->peers_mu);
+  if (proven_) return true;
+  if (target_->connections.load() >= std::max<std::uint32_t>(1, target_->options.max_connections)) return false;
+  target_->unproven.erase(unproven_id_);
+  ++target_->connections;
+  proven_ = true;
+  return true;
+}
+
+void HandshakeGate::drop() {
+  dropped_ = true;
+  if (socket_ != nullptr) {
+    boost::system::error_code ignored;
+    socket_->close(ignored);
+  }
+}
+
+asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot,
+                                       std::shared_ptr<HandshakeGate> gate) {
+  Target& target = slot.target();
+  // From here until the handshake ends, the accept loop may drop this connection for a newer
+  // one (HandshakeGate::drop, on this strand).
+  gate->watch(&socket);
+  struct Unwatch {
+    HandshakeGate& g;
+    ~Unwatch() { g.watch(nullptr); }
+  } unwatch{*gate};
+  if (gate->dropped()) co_return;
+  handshake::Handshake proof(handshake::Role::kServer, target.token);
+  // A client that connects and says nothing is dropped after the handshake timeout.
   auto done = std::make_shared<bool>(false);
-  asio::steady_timer timer(strand, kHandshakeTimeout);
-  timer.async_wait([&socket, done](boost::system::error_code ec) {
+  auto timed_out = std::make_shared<bool>(false);
+  asio::steady_timer timer(strand, target.options.handshake_timeout);
+  timer.async_wait([&socket, done, timed_out](boost::system::error_code ec) {
     if (!ec && !*done) {
+      *timed_out = true;
       boost::system::error_code ignored;
       socket.close(ignored);
     }
@@ -483,22 +555,59 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
     ClientHello client;
     co_await asio::async_read(socket, asio::buffer(&client, sizeof client), use_awaitable);
     ServerVerdict verdict{};
-    const bool ok = client.magic == kClientMagic && client.version == kProtocolVersion &&
-                    proof.on_peer_hello(client.nonce, false).is_ok() && proof.check_proof(client.mac).is_ok();
-    if (ok) verdict.mac = proof.proof();
-    verdict.status = static_cast<std::uint32_t>(ok ? StatusCode::kOk : StatusCode::kPermissionDenied);
+    const bool well_formed = client.magic == kClientMagic && client.version == kProtocolVersion &&
+                             proof.on_peer_hello(client.nonce, false).is_ok();
+    // A proof is checked only within the listener's allowance (admission.h): beyond it the
+    // answer is "denied" whatever the proof, so guessing the token costs time.
+    const bool throttled = proof.token_required() && target.options.guess_backoff;
+    bool spent = false;
+    const bool checked = well_formed && (!throttled || target.throttle.may_check(slot.peer(), &spent));
+    const bool ok = checked && proof.check_proof(client.mac).is_ok();
+    bool full = false;
+    if (ok) {
+      if (throttled) target.throttle.proven(slot.peer(), spent);
+      full = !slot.promote();
+    } else if (throttled) {
+      target.throttle.failed(slot.peer());
+    }
+    if (ok && !full) verdict.mac = proof.proof();
+    verdict.status = static_cast<std::uint32_t>(!ok  ? StatusCode::kPermissionDenied
+                                                : full ? StatusCode::kUnavailable
+                                                       : StatusCode::kOk);
     co_await asio::async_write(socket, asio::buffer(&verdict, sizeof verdict), use_awaitable);
     *done = true;
     timer.cancel();
     if (!ok) {
-      KVSTASH_LOG_WARN("tcp: refused a client that failed the cluster-token handshake");
+      ++target.counters.handshakes_failed;
+      KVSTASH_LOG_WARN_LIMITED("tcp: refused a client at {}: {}", slot.peer(),
+                               !well_formed ? "its hello is not a kvstash tcp client's"
+                               : !checked   ? "too many failed cluster-token handshakes (backing off)"
+                                            : "it failed the cluster-token handshake");
       co_return;
     }
+    if (full) {
+      ++target.counters.refused;
+      KVSTASH_LOG_WARN_LIMITED("tcp: refused a client at {}: the connection limit (TcpOptions::max_connections) "
+                               "is reached",
+                               slot.peer());
+      co_return;
+    }
+    ++target.counters.accepted;
     serve_requests(strand, std::move(socket), std::move(slot));
   } catch (const boost::system::system_error& e) {
     *done = true;
-    // The initiator went away or broke protocol; its requests are its own to retry.
-    if (e.code() != asio::error::eof) KVSTASH_LOG_DEBUG("tcp: connection ended: {}", e.what());
+    if (*timed_out) {
+      ++target.counters.handshake_timeouts;
+      KVSTASH_LOG_INFO_LIMITED("tcp: dropped a connection from {} that did not finish its handshake in time",
+                               slot.peer());
+    } else if (gate->dropped()) {
+      KVSTASH_LOG_INFO_LIMITED("tcp: dropped a handshake in progress from {} for a newer connection "
+                               "(TcpOptions::max_unproven_connections)",
+                               slot.peer());
+    } else if (e.code() != asio::error::eof) {
+      // The initiator went away or broke protocol; its requests are its own to retry.
+      KVSTASH_LOG_DEBUG_LIMITED("tcp: connection ended: {}", e.what());
+    }
   }
 }
 

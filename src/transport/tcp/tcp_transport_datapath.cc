@@ -437,9 +437,9 @@ void Stream::fail_all(const Status& status, bool deliberate) {
       failure_ = status;
       healthy_.store(false, std::memory_order_release);
       if (deliberate) {
-        KVSTASH_LOG_DEBUG("tcp stream closed: {}", status.to_string());
+        KVSTASH_LOG_DEBUG_LIMITED("tcp stream closed: {}", status.to_string());
       } else {
-        KVSTASH_LOG_WARN("tcp stream failed: {}", status.to_string());
+        KVSTASH_LOG_WARN_LIMITED("tcp stream failed: {}", status.to_string());
       }
     }
     for (auto& p : on_wire_) dead.push_back(std::move(p));

@@ -425,7 +425,7 @@ void EpState::sweep() {
 }
 
 void EpState::on_peer_failure(ucs_status_t status) {
-  KVSTASH_LOG_WARN("ucx: peer failed: {}", ucs_status_string(status));
+  KVSTASH_LOG_WARN_LIMITED("ucx: peer failed: {}", ucs_status_string(status));
   healthy = false;
   Status why = from_ucs(status, "ucx: peer failed");
   if (why.code() != StatusCode::kUnavailable) why = Status::unavailable(why.message());

@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/admission.h"
 #include "common/net.h"
 #include "kvstash/transfer.h"
 #include "transport/transport.h"
@@ -38,6 +39,7 @@ namespace kvstash::transport::verbs {
 struct Counters {
   std::atomic<std::uint64_t> connections_opened{0}, connections_accepted{0}, connections_broken{0};
   std::atomic<std::uint64_t> connections_refused{0}, handshakes_failed{0};
+  std::atomic<std::uint64_t> handshake_timeouts{0}, unproven_evicted{0}, connections_dropped_stalled{0};
   std::atomic<std::uint64_t> ops_posted{0}, bytes_read{0}, bytes_written{0};
   std::atomic<std::uint64_t> remote_access_errors{0}, retries_exhausted{0};
   std::atomic<std::uint64_t> leases_granted{0}, leases_refused{0}, leases_expired{0}, leases_released{0};
@@ -139,7 +141,9 @@ struct Target {
 // one thread with non-blocking sockets, so that a silent or slow client delays no one.
 // Bounds: the handshake must end within VerbsOptions::handshake_timeout of the accept, each
 // later message (and its answer) within message_timeout; at most max_connections in all and
-// max_connections_per_peer from one address, closed at accept beyond that.
+// max_connections_per_peer from one address, closed at accept beyond that. Connections in the
+// handshake have their own budget (max_unproven_connections; when it is full the oldest goes
+// for the newcomer), and cost no queue pair or memory until the peer proved the token.
 class SetupService {
  public:
   // Serves `listener` (listening, non-blocking) on its own thread until destroyed.
@@ -161,6 +165,8 @@ class SetupService {
   bool on_frame(Conn& c, std::string_view frame);
   bool on_hello(Conn& c, std::string_view frame);
   bool on_proof(Conn& c, std::string_view frame);
+  // Drops the oldest connection still in its handshake, for a newer one.
+  void evict_oldest_unproven();
   void close(Conn& c);
   // Logs at most one such line a second: a flood of refusals must not flood the log.
   void warn(const std::string& line);
@@ -172,6 +178,8 @@ class SetupService {
   std::string token_;
   std::list<Conn> conns_;  // the service thread's alone
   std::unordered_map<std::string, std::uint32_t> per_peer_;
+  std::size_t unproven_ = 0;  // connections of conns_ still in the handshake
+  admission::GuessThrottle throttle_;
   Clock::time_point accept_paused_until_{};  // out of file descriptors: accept again later
   Clock::time_point last_warning_{};
   std::uint64_t warnings_dropped_ = 0;

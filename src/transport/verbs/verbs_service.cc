@@ -1,10 +1,15 @@
 // The setup service: the target side of every setup connection, served at once by one thread
 // with non-blocking sockets. Each connection is a small state machine:
 //
-//   hello  --its hello-->  proof  --the token proof-->  up  --lease messages-->  ...
+//   hello  --its hello / our challenge-->  proof  --its token proof / our hello-->  up  --lease messages-->  ...
 //
 // In `hello` and `proof` the peer is not authenticated yet: its frames are small
-// (kMaxSetupFrame), and the whole handshake must end within handshake_timeout of the accept.
+// (kMaxSetupFrame), the whole handshake must end within handshake_timeout of the accept, and
+// it holds nothing but its socket and a few hundred bytes: the queue pair is created, and our
+// own proof of the token sent, only once the peer proved it (verbs_wire.h). Such connections
+// have their own budget (max_unproven_connections): when it is full, the oldest goes for the
+// newcomer, so a flood of them cannot keep out a client that proves the token at once. A
+// failed proof backs the peer's address (and, bounded, the listener) off (admission.h).
 // Once `up`, the queue pair is connected and the connection is in Target::accepted; each lease
 // message may be as large as kMaxLeaseFrame, must arrive whole and have its answer taken within
 // message_timeout, and is served before the next one is read (one answer in flight). Nothing
@@ -47,6 +52,7 @@ struct SetupService::Conn {
   std::size_t out_at = 0;  // of `out`, already sent
   bool closing = false;    // close once `out` is sent (the queue pair broke)
   // The handshake's state until the queue pair is up.
+  bool unproven = true;  // counted in SetupService::unproven_
   std::size_t dev = 0;
   QpConfig cfg;
   Qp qp;
@@ -167,20 +173,23 @@ void SetupService::accept_all() {
       return;
     }
     std::string peer = peer_address(sock.get());
-    const char* refused = nullptr;
+    std::string refused;
+    const admission::Verdict verdict = token_.empty() ? admission::Verdict::kAdmit : throttle_.admit(peer);
     auto& mine = per_peer_[peer];
-    if (conns_.size() >= std::max<std::uint32_t>(1, options_.max_connections)) {
-      refused = "the connection limit (VerbsOptions::max_connections)";
+    if (verdict != admission::Verdict::kAdmit) {
+      refused = admission::describe(verdict);
     } else if (mine >= std::max<std::uint32_t>(1, options_.max_connections_per_peer)) {
-      refused = "the per-peer connection limit (VerbsOptions::max_connections_per_peer)";
+      refused = "the per-peer connection limit (VerbsOptions::max_connections_per_peer) is reached";
     }
-    if (refused != nullptr) {
+    if (!refused.empty()) {
       if (mine == 0) per_peer_.erase(peer);
       Counters::add(target_->counters().connections_refused);
-      warn("verbs: refused a setup connection from " + peer + ": " + refused + " is reached");
+      warn("verbs: refused a setup connection from " + peer + ": " + refused);
       continue;  // closing the socket tells the peer
     }
+    if (unproven_ >= std::max<std::uint32_t>(1, options_.max_unproven_connections)) evict_oldest_unproven();
     ++mine;
+    ++unproven_;
     int one = 1;
     ::setsockopt(sock.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     Conn& c = conns_.emplace_back();
@@ -199,9 +208,12 @@ bool SetupService::step(Conn& c, short revents) {
   if (c.deadline && Clock::now() >= *c.deadline) {
     if (c.phase != Conn::Phase::kUp) {
       Counters::add(target_->counters().handshakes_failed);
+      Counters::add(target_->counters().handshake_timeouts);
       warn("verbs: dropped a setup connection from " + c.peer + " that did not finish its handshake in time");
     } else {
-      KVSTASH_LOG_WARN("verbs: dropped the connection of {}: a lease message or its answer stalled", c.peer);
+      Counters::add(target_->counters().connections_dropped_stalled);
+      KVSTASH_LOG_WARN_LIMITED("verbs: dropped the connection of {}: a lease message or its answer stalled",
+                               c.peer);
     }
     return false;
   }
@@ -280,7 +292,7 @@ bool SetupService::on_frame(Conn& c, std::string_view frame) {
   Target::Accepted& a = **c.accepted;
   auto answer = target_->serve(a, frame, *c.deadline);
   if (!answer.is_ok()) {
-    KVSTASH_LOG_WARN("verbs: dropped the connection of {}: {}", c.peer, answer.status().to_string());
+    KVSTASH_LOG_WARN_LIMITED("verbs: dropped the connection of {}: {}", c.peer, answer.status().to_string());
     return false;
   }
   if (!answer->empty()) append_frame(c.out, *answer);
@@ -300,25 +312,17 @@ bool SetupService::on_hello(Conn& c, std::string_view frame) {
   for (const auto& d : target_->devs) {
     if (d->device.node_guid == c.theirs.peer_guid) c.dev = d->index;
   }
-  const DeviceState& dev = *target_->devs[c.dev];
-  c.cfg = qp_config(options_, dev);
-  c.cfg.max_rd_atomic = std::min(c.cfg.max_rd_atomic, c.theirs.max_rd_atomic);
-  // Until the client proved the token the queue pair stays in RESET, which drops every
-  // request addressed to it.
-  auto qp = create_rc_qp(dev.pd.get(), target_->cqs[c.dev].get(), c.cfg);
-  if (!qp.is_ok()) {
-    warn("verbs: cannot create a QP for " + c.peer + ": " + qp.status().to_string());
-    return false;
-  }
-  c.qp = std::move(qp).value();
   c.proof.emplace(handshake::Role::kServer, token_);
-  c.mine = hello_for(dev, *c.qp, c.cfg.max_rd_atomic, *c.proof);
   if (Status heard = c.proof->on_peer_hello(c.theirs.nonce, false); !heard.is_ok()) {
     warn("verbs: queue-pair setup from " + c.peer + " abandoned: " + heard.to_string());
     return false;
   }
-  c.mine.mac = c.proof->proof();
-  append_frame(c.out, encode_hello(c.mine));
+  // Nothing is created for the peer yet, and nothing proven to it: it proves first.
+  Challenge challenge;
+  challenge.node_guid = target_->devs[c.dev]->device.node_guid;
+  challenge.nonce = c.proof->nonce();
+  challenge.token_required = c.proof->token_required();
+  append_frame(c.out, encode_challenge(challenge));
   c.phase = Conn::Phase::kProof;
   return true;
 }
@@ -326,15 +330,39 @@ bool SetupService::on_hello(Conn& c, std::string_view frame) {
 bool SetupService::on_proof(Conn& c, std::string_view frame) {
   if (frame.size() != handshake::kMacBytes) {
     Counters::add(target_->counters().handshakes_failed);
+    if (!token_.empty()) throttle_.failed(c.peer);
     warn("verbs: queue-pair setup from " + c.peer + " abandoned: no token proof");
     return false;
   }
-  if (!c.proof->check_proof(reinterpret_cast<const std::uint8_t*>(frame.data()), frame.size()).is_ok()) {
+  // A proof is checked only within the listener's allowance (admission.h): beyond it, it is
+  // refused unchecked, so guessing the token costs time however many addresses guess.
+  bool spent = false;
+  const bool checked = token_.empty() || throttle_.may_check(c.peer, &spent);
+  if (!checked ||
+      !c.proof->check_proof(reinterpret_cast<const std::uint8_t*>(frame.data()), frame.size()).is_ok()) {
     Counters::add(target_->counters().handshakes_failed);
-    warn("verbs: refused " + c.peer + ": it failed the cluster-token handshake");
+    throttle_.failed(c.peer);
+    warn("verbs: refused " + c.peer + (checked ? ": it failed the cluster-token handshake"
+                                               : ": too many failed cluster-token handshakes (backing off)"));
     return false;  // closing the socket tells it
   }
+  if (!token_.empty()) throttle_.proven(c.peer, spent);
+  if (conns_.size() - unproven_ >= std::max<std::uint32_t>(1, options_.max_connections)) {
+    Counters::add(target_->counters().connections_refused);
+    warn("verbs: refused " + c.peer + ": the connection limit (VerbsOptions::max_connections) is reached");
+    return false;
+  }
   const DeviceState& dev = *target_->devs[c.dev];
+  c.cfg = qp_config(options_, dev);
+  c.cfg.max_rd_atomic = std::min(c.cfg.max_rd_atomic, c.theirs.max_rd_atomic);
+  auto qp = create_rc_qp(dev.pd.get(), target_->cqs[c.dev].get(), c.cfg);
+  if (!qp.is_ok()) {
+    warn("verbs: cannot create a QP for " + c.peer + ": " + qp.status().to_string());
+    return false;
+  }
+  c.qp = std::move(qp).value();
+  c.mine = hello_for(dev, *c.qp, c.cfg.max_rd_atomic, *c.proof);
+  c.mine.mac = c.proof->proof();
   Status up = connect_rc_qp(c.qp.get(), dev.port, dev.gid, c.mine.qp.psn, c.theirs.qp, c.cfg);
   if (!up.is_ok()) {
     warn("verbs: queue-pair setup with " + c.peer + " failed: " + up.to_string());
@@ -350,9 +378,24 @@ bool SetupService::on_proof(Conn& c, std::string_view frame) {
   }
   Counters::add(target_->counters().connections_accepted);
   c.phase = Conn::Phase::kUp;
+  c.unproven = false;
+  --unproven_;
   c.deadline.reset();
-  append_frame(c.out, "\x01");
+  append_frame(c.out, encode_hello(c.mine));
   return true;
+}
+
+void SetupService::evict_oldest_unproven() {
+  // conns_ is in accept order: the first one in its handshake has had the longest to answer.
+  for (auto it = conns_.begin(); it != conns_.end(); ++it) {
+    if (!it->unproven) continue;
+    Counters::add(target_->counters().unproven_evicted);
+    warn("verbs: dropped a setup handshake in progress from " + it->peer +
+         " for a newer connection (VerbsOptions::max_unproven_connections)");
+    close(*it);
+    conns_.erase(it);
+    return;
+  }
 }
 
 void SetupService::close(Conn& c) {
@@ -360,6 +403,10 @@ void SetupService::close(Conn& c) {
     std::lock_guard lock(target_->mu);
     target_->drop(*c.accepted);
     c.accepted.reset();
+  }
+  if (c.unproven) {
+    c.unproven = false;
+    --unproven_;
   }
   auto it = per_peer_.find(c.peer);
   if (it != per_peer_.end() && --it->second == 0) per_peer_.erase(it);

@@ -44,6 +44,12 @@ std::vector<TransportCounter> Counters::snapshot() const {
       c("handshakes_failed",
         "Setup connections dropped before their queue pair came up (timeout, malformed hello, wrong token)",
         handshakes_failed),
+      c("handshake_timeouts", "Setup connections that did not finish the handshake in time (also in "
+        "handshakes_failed)", handshake_timeouts),
+      c("unproven_evicted", "Setup connections in the handshake dropped for newer ones (the unproven budget "
+        "was full)", unproven_evicted),
+      c("connections_dropped_stalled", "Connections dropped because a lease message or its answer stalled",
+        connections_dropped_stalled),
       c("ops_posted", "READ/WRITE ops posted", ops_posted),
       c("bytes_read", "Bytes asked for by posted READs", bytes_read),
       c("bytes_written", "Bytes sent by posted WRITEs", bytes_written),
@@ -403,7 +409,7 @@ Result<std::shared_ptr<Endpoint>> VerbsTransport::connect(std::string_view peer_
       continue;
     }
     if (lane.status().code() == StatusCode::kPermissionDenied) return lane.status();
-    KVSTASH_LOG_WARN("verbs: no lane from {}: {}", devs_[ours]->device.name, lane.status().to_string());
+    KVSTASH_LOG_WARN_LIMITED("verbs: no lane from {}: {}", devs_[ours]->device.name, lane.status().to_string());
     if (first.is_ok()) first = lane.status();
   }
   if (lanes.empty()) return first;
@@ -440,31 +446,39 @@ Result<std::shared_ptr<VerbsEndpoint>> VerbsTransport::connect_lane(const std::s
   handshake::Handshake proof(handshake::Role::kClient, cluster_token_);
   Hello mine = hello_for(*dev, **qp, cfg.max_rd_atomic, proof);
   mine.peer_guid = theirs.node_guid;
+  // The handshake (verbs_wire.h): our hello, the target's challenge, our proof, then the
+  // target's hello with its queue pair and its proof.
   Status s = write_frame(sock.get(), encode_hello(mine), deadline);
   Result<std::string> reply =
       s.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(s);
-  Result<Hello> theirs_hello = reply.is_ok() ? decode_hello(*reply) : Result<Hello>(reply.status());
-  if (theirs_hello.is_ok() && theirs_hello->node_guid != theirs.node_guid) {
-    theirs_hello =
-        Status::invalid_argument("verbs: the peer answered from another device than it advertises");
+  Result<Challenge> challenge = reply.is_ok() ? decode_challenge(*reply) : Result<Challenge>(reply.status());
+  if (challenge.is_ok() && challenge->node_guid != theirs.node_guid) {
+    challenge = Status::invalid_argument("verbs: the peer answered from another device than it advertises");
   }
-  if (theirs_hello.is_ok()) {
-    // The cluster token, both ways: the target proves it first, then we do; the target brings
-    // its queue pair up only after our proof, and says so with one byte.
-    Status proven = proof.on_peer_hello(theirs_hello->nonce, theirs_hello->token_required);
-    if (proven.is_ok()) proven = proof.check_proof(theirs_hello->mac);
-    if (!proven.is_ok()) theirs_hello = proven.with_context("verbs");
-    if (theirs_hello.is_ok()) {
-      const handshake::Mac mine_proof = proof.proof();
-      Status sent = write_frame(
-          sock.get(), {reinterpret_cast<const char*>(mine_proof.data()), mine_proof.size()}, deadline);
-      auto verdict =
-          sent.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(sent);
-      if (!verdict.is_ok() || *verdict != "\x01") {
-        theirs_hello =
-            verdict.is_ok() || verdict.status().code() == StatusCode::kUnavailable
-                ? Status::permission_denied("verbs: the target refused this client's cluster token")
-                : verdict.status();
+  Result<Hello> theirs_hello = challenge.status();
+  if (challenge.is_ok()) {
+    Status heard = proof.on_peer_hello(challenge->nonce, challenge->token_required);
+    const handshake::Mac mine_proof = proof.proof();
+    Status sent = heard.is_ok() ? write_frame(sock.get(),
+                                              {reinterpret_cast<const char*>(mine_proof.data()), mine_proof.size()},
+                                              deadline)
+                                : heard.with_context("verbs");
+    auto answer = sent.is_ok() ? read_frame(sock.get(), kMaxSetupFrame, deadline) : Result<std::string>(sent);
+    if (!answer.is_ok()) {
+      // The target closes the connection on a proof it refused.
+      theirs_hello = sent.is_ok() && answer.status().code() == StatusCode::kUnavailable
+                         ? Status::permission_denied(
+                               "verbs: the target refused this client's cluster token (a wrong token, the "
+                               "target backing off after failed handshakes, or its connection limit)")
+                         : answer.status();
+    } else {
+      theirs_hello = decode_hello(*answer);
+      if (theirs_hello.is_ok() && theirs_hello->node_guid != theirs.node_guid) {
+        theirs_hello = Status::invalid_argument("verbs: the peer answered from another device than it advertises");
+      }
+      if (theirs_hello.is_ok()) {
+        Status proven = proof.check_proof(theirs_hello->mac);
+        if (!proven.is_ok()) theirs_hello = proven.with_context("verbs");
       }
     }
   }

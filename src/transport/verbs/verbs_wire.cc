@@ -10,6 +10,7 @@ namespace {
 constexpr std::uint32_t kAddressMagic = 0x4256534b;  // "KSVB"
 constexpr std::uint32_t kHelloMagic = 0x4856534b;    // "KSVH"
 constexpr std::uint32_t kKeyMagic = 0x5256534b;      // "KSVR"
+constexpr std::uint32_t kChallengeMagic = 0x4356534b;  // "KSVC"
 constexpr std::uint32_t kLeaseMagic = 0x4c56534b;    // "KSVL"
 constexpr std::uint8_t kLeaseRequestType = 'L';
 constexpr std::uint8_t kLeaseReplyType = 'A';
@@ -163,6 +164,29 @@ Result<Hello> decode_hello(std::string_view bytes) {
   }
   h.qp.mtu = static_cast<ibv_mtu>(mtu);
   return h;
+}
+
+std::string encode_challenge(const Challenge& c) {
+  wire::Writer w;
+  w.u32(kChallengeMagic);
+  w.u8(kWireVersion);
+  w.u64(c.node_guid);
+  put_bytes(w, c.nonce.data(), c.nonce.size());
+  w.u8(c.token_required ? 1 : 0);
+  return w.take();
+}
+
+Result<Challenge> decode_challenge(std::string_view bytes) {
+  wire::Reader r(bytes);
+  Status why;
+  if (!header(r, kChallengeMagic, "challenge", &why)) return why;
+  Challenge c;
+  c.node_guid = r.u64();
+  get_bytes(r, c.nonce.data(), c.nonce.size());
+  const std::uint8_t token = r.u8();
+  if (!r.at_end() || token > 1) return invalid("challenge");
+  c.token_required = token == 1;
+  return c;
 }
 
 std::string encode_key(std::span<const KeyPart> parts) {

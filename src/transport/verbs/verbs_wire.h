@@ -46,10 +46,15 @@ struct Address {
 std::string encode_address(const Address& a);
 Result<Address> decode_address(std::string_view bytes);
 
-// The first connection message of each side: which device it uses, its queue pair, and its
-// half of the cluster-token handshake (common/handshake.h). The client's mac is empty; the
-// server's proves the token when it requires one. The client answers with its own mac, and
-// the server brings its queue pair up only after checking it.
+// The setup handshake, in this order:
+//   client -> target  Hello      its device, queue pair and nonce; mac empty
+//   target -> client  Challenge  the target's device and nonce, whether it requires the token
+//   client -> target  the client's mac (32 bytes) over both nonces
+//   target -> client  Hello      only once the client proved the token: the target's queue
+//                                pair, created and brought up just now, and its own mac
+// The target spends no queue pair or memory on a peer that has not proven the token, and
+// proves the token only to one that has: a target that proved first would hand anyone an
+// HMAC over a nonce of their choosing to attack offline.
 struct Hello {
   std::uint64_t node_guid = 0;  // the sender's device
   std::uint64_t peer_guid = 0;  // the client's: which of the target's devices it connects to
@@ -62,6 +67,15 @@ struct Hello {
 
 std::string encode_hello(const Hello& h);
 Result<Hello> decode_hello(std::string_view bytes);
+
+struct Challenge {
+  std::uint64_t node_guid = 0;  // the target's device that will serve the queue pair
+  handshake::Nonce nonce{};
+  bool token_required = false;
+};
+
+std::string encode_challenge(const Challenge& c);
+Result<Challenge> decode_challenge(std::string_view bytes);
 
 // A region's key: its rkey on each device that registered it. With `leases_only` the rkey
 // grants nothing remote by itself (the region was registered for memory windows only); it
