@@ -375,7 +375,9 @@ TEST_F(AdminServerTest, UnfinishedRequestsCannotShutOutAHealthProbe) {
   for (std::size_t i = 0; i < 2 * AdminServer::kMaxConnections; ++i) {
     idle.push_back(std::make_unique<Client>(address_));
     ASSERT_GE(idle.back()->fd(), 0);
-    if (i % 2 == 0) ASSERT_TRUE(idle.back()->send("GET /metrics HTTP/1.1\r\nHost: x\r\n"));  // never finished
+    if (i % 2 == 0) {
+      ASSERT_TRUE(idle.back()->send("GET /metrics HTTP/1.1\r\nHost: x\r\n"));  // never finished
+    }
   }
   std::this_thread::sleep_for(200ms);  // the server takes them all in
   for (int i = 0; i < 20; ++i) {
