@@ -178,7 +178,7 @@ class KvstashHiCacheStorage(HiCacheStorage):
     # ---- one tensor at a time (the generic interface)
 
     @staticmethod
-    def _tensor_buffer(t: torch.Tensor) -> list[tuple[int, int]]:
+    def _tensor_buffer(t: torch.Tensor) -> list:
         # SGLang hands storage its host pool's pages, written by its own device-to-host copy
         # before a backup and read by its host-to-device copy after a load: kvstash moves host
         # bytes only, and orders nothing against a GPU stream. A GPU tensor here would be read
@@ -188,7 +188,9 @@ class KvstashHiCacheStorage(HiCacheStorage):
                              "host pool first")
         if not t.is_contiguous():
             raise ValueError("kvstash: a page tensor must be contiguous")
-        return [(t.data_ptr(), t.numel() * t.element_size())]
+        # A buffer object over the tensor's bytes, not its address: the store takes raw
+        # addresses only inside memory registered with it (the host pool's pages are).
+        return [t.reshape(-1).view(torch.uint8).numpy()]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         if target_location is None:
