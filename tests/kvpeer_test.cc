@@ -273,8 +273,9 @@ TEST(KvPeerDeviceTest, OverVerbsTheNicReadsDeviceMemoryIntoDeviceMemory) {
   ASSERT_TRUE(in.is_ok()) << in.status().to_string();
   ASSERT_TRUE(a->seal().is_ok() && b->seal().is_ok());
   const std::vector<std::uint32_t> remote{3, 4, 17}, local{10, 0, 31};
-  auto read = (*in)->begin_read((*out)->descriptor(), remote, local, {.fence = now_ms() + 10000},
-                                deadline_after(5s));
+  const std::uint64_t fence = now_ms() + 10000;
+  auto read = (*in)->begin_read((*out)->descriptor(), remote, local,
+                                {.fence = fence, .grant = (*out)->grant(remote, fence).value()}, deadline_after(5s));
   ASSERT_TRUE(read.is_ok()) << read.status().to_string();
   ASSERT_TRUE(read->wait().is_ok());
   for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
