@@ -3,6 +3,7 @@
 
 #include "common/checksum_core.h"
 #include "common/log.h"
+#include "common/ranges.h"
 #include "common/system.h"
 #include "common/wire.h"
 #include "engine/blobs.h"
@@ -445,15 +446,6 @@ Status Peer::revoke(const RemoteMemory& lease, Deadline deadline) {
 
 namespace {
 
-// Whether [addr, addr + length) lies inside one of a lease's sorted ranges.
-bool inside_lease(const std::vector<RemoteRange>& ranges, std::uint64_t addr, std::uint64_t length) {
-  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
-                             [](std::uint64_t a, const RemoteRange& r) { return a < r.addr; });
-  if (it == ranges.begin()) return false;
-  --it;
-  return addr - it->addr <= it->length && length <= it->length - (addr - it->addr);
-}
-
 }  // namespace
 
 namespace {
@@ -505,7 +497,7 @@ Result<Batch> Peer::submit(std::span<const TransferEntry> entries, Deadline dead
     }
     if (const auto& l = e.remote->state_->lease) {
       if (Clock::now() >= l->until) return Status::stale(where() + "the lease's time is up");
-      if (!inside_lease(l->ranges, e.remote_addr, e.length)) {
+      if (!rangeset::covers(l->ranges, e.remote_addr, e.length)) {
         return Status::permission_denied(where() + "remote range is outside the lease's ranges");
       }
       if (e.op != l->terms.op) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/grant.h"
+#include "common/ranges.h"
 #include "common/system.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
@@ -247,15 +248,9 @@ Result<std::string> KvExport::grant(std::span<const std::uint32_t> blocks, std::
     KVSTASH_RETURN_IF_ERROR(impl_->layout->layer_runs(l, blocks, runs));
     for (const KvRun& r : runs) ranges.push_back({reinterpret_cast<std::uintptr_t>(r.addr), r.length});
   }
-  std::sort(ranges.begin(), ranges.end(), [](const RemoteRange& a, const RemoteRange& b) { return a.addr < b.addr; });
+  rangeset::merge(ranges);
   grant::Terms t{.issuer = impl_->issuer, .epoch = "0", .op = TransferOp::kRead, .deadline = fence};
-  for (const RemoteRange& r : ranges) {
-    if (!t.runs.empty() && r.addr <= t.runs.back().first + t.runs.back().second) {
-      t.runs.back().second = std::max(t.runs.back().second, r.addr + r.length - t.runs.back().first);
-    } else {
-      t.runs.emplace_back(r.addr, r.length);
-    }
-  }
+  for (const RemoteRange& r : ranges) t.runs.emplace_back(r.addr, r.length);
   std::string text = grant::sign(impl_->key, t);
   if (text.size() > kMaxGrantBytes) return Status::invalid_argument("kvpeer: too many blocks for one grant");
   return text;
@@ -413,18 +408,10 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
     auto& rs = ranges[r];
     if (rs.empty()) continue;
     for (RemoteRange& x : rs) x.addr = x.addr - d.regions[r].base + imported[r]->base();
-    std::sort(rs.begin(), rs.end(), [](const RemoteRange& a, const RemoteRange& b) { return a.addr < b.addr; });
-    std::vector<RemoteRange> merged;
-    for (const RemoteRange& x : rs) {
-      if (!merged.empty() && x.addr <= merged.back().addr + merged.back().length) {
-        merged.back().length = std::max(merged.back().length, x.addr + x.length - merged.back().addr);
-      } else {
-        merged.push_back(x);
-      }
-    }
-    for (std::size_t at = 0; at < merged.size(); at += kMaxLeaseRanges) {
-      const std::size_t n = std::min(kMaxLeaseRanges, merged.size() - at);
-      std::span<const RemoteRange> part(merged.data() + at, n);
+    rangeset::merge(rs);
+    for (std::size_t at = 0; at < rs.size(); at += kMaxLeaseRanges) {
+      const std::size_t n = std::min(kMaxLeaseRanges, rs.size() - at);
+      std::span<const RemoteRange> part(rs.data() + at, n);
       LeaseOptions lo{
           .op = TransferOp::kRead, .ttl = options.ttl, .fence = options.fence, .grant = options.grant, .deadline = deadline};
       KVSTASH_ASSIGN_OR_RETURN(RemoteMemory lease, state->peer->lease(*imported[r], part, lo));

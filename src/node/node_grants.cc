@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/grant.h"
+#include "common/ranges.h"
 
 namespace kvstash::node {
 
@@ -37,19 +38,13 @@ Result<Grant> NodeGrants::check(std::string_view text) const {
     g.ranges.push_back({base_, page_count_ * page_size_});
     return g;
   }
-  std::sort(t.runs.begin(), t.runs.end());
   for (const auto& [first, count] : t.runs) {
     if (first >= page_count_ || count > page_count_ - first) {
       return Status::permission_denied("a grant past the node's " + std::to_string(page_count_) + " pages");
     }
-    const std::uint64_t addr = base_ + first * page_size_, length = count * page_size_;
-    if (!g.ranges.empty() && g.ranges.back().addr + g.ranges.back().length >= addr) {
-      RemoteRange& last = g.ranges.back();
-      last.length = std::max(last.addr + last.length, addr + length) - last.addr;
-    } else {
-      g.ranges.push_back({addr, length});
-    }
+    g.ranges.push_back({base_ + first * page_size_, count * page_size_});
   }
+  rangeset::merge(g.ranges);
   return g;
 }
 

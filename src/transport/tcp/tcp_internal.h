@@ -217,6 +217,8 @@ struct Target {
   }
   mutable std::mutex grant_mu;
   std::shared_ptr<const GrantCheck> grants;  // grant_mu
+  // Whether `grants` is set: what every request on a leased region asks, without the lock.
+  std::atomic<bool> checks_grants{false};
   std::string token;                         // cluster token; empty: none required
   TcpOptions options;
   std::atomic<std::uint32_t> connections{0};  // proven ones

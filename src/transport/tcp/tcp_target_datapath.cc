@@ -14,6 +14,7 @@
 
 #include "common/handler_arena.h"
 #include "common/log.h"
+#include "common/ranges.h"
 #include "transport/tcp/tcp_internal.h"
 
 namespace kvstash::transport::tcp {
@@ -64,15 +65,6 @@ ResponseHeader check(const RequestHeader& h, const RegionTable::Region* region, 
   }
   *where = region->base + (h.addr - base);
   return ResponseHeader{};
-}
-
-// Whether [addr, addr + length) lies inside one of `ranges` (sorted, disjoint).
-bool inside(const std::vector<RemoteRange>& ranges, std::uint64_t addr, std::uint64_t length) {
-  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
-                             [](std::uint64_t a, const RemoteRange& r) { return a < r.addr; });
-  if (it == ranges.begin()) return false;
-  --it;
-  return addr - it->addr <= it->length && length <= it->length - (addr - it->addr);
 }
 
 // One syscall on a served region's memory, made only while the request may still touch it:
@@ -259,11 +251,9 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
       step_ = Step::kRespond;
       return;
     }
-    if (ok && region_->leased) {
-      if (auto checks = target_.grant_check()) {
-        r_ = within_grant();
-        ok = r_.status == static_cast<std::uint32_t>(StatusCode::kOk);
-      }
+    if (ok && region_->leased && target_.checks_grants.load(std::memory_order_acquire)) {
+      r_ = within_grant();
+      ok = r_.status == static_cast<std::uint32_t>(StatusCode::kOk);
     }
     if (h_.op == kRevokeOp) {
       // Answered once no request under the lease can move bytes, on any connection.
@@ -297,7 +287,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     h_.fence = g.grant.fence;
     if (g.region != h_.key) return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutsideGrant);
     if (h_.op == kRevokeOp) return ResponseHeader{};
-    if (h_.op != static_cast<std::uint8_t>(g.grant.op) || !inside(g.grant.ranges, h_.addr, h_.length)) {
+    if (h_.op != static_cast<std::uint8_t>(g.grant.op) || !rangeset::covers(g.grant.ranges, h_.addr, h_.length)) {
       return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutsideGrant);
     }
     return ResponseHeader{};

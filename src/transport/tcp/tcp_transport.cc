@@ -152,6 +152,7 @@ class TcpTransport final : public Transport {
 
   void set_grant_check(std::shared_ptr<const GrantCheck> check) override {
     std::lock_guard lock(target_->grant_mu);
+    target_->checks_grants.store(check != nullptr, std::memory_order_release);
     target_->grants = std::move(check);
   }
 

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/ranges.h"
 #include "transport/verbs/verbs_internal.h"
 
 namespace kvstash::transport::verbs {
@@ -51,15 +52,6 @@ Status wait_bind(ibv_cq* cq, std::uint64_t wr_id, Deadline deadline) {
     if (Clock::now() >= deadline) return Status::timeout("verbs: a memory-window bind did not complete");
     if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-}
-
-// Whether [addr, addr + length) lies inside one of `ranges` (sorted, disjoint).
-bool inside(const std::vector<RemoteRange>& ranges, std::uint64_t addr, std::uint64_t length) {
-  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
-                             [](std::uint64_t a, const RemoteRange& r) { return a < r.addr; });
-  if (it == ranges.begin()) return false;
-  --it;
-  return addr - it->addr <= it->length && length <= it->length - (addr - it->addr);
 }
 
 }  // namespace
@@ -116,7 +108,7 @@ Result<std::vector<std::uint32_t>> Target::bind(Accepted& a, const LeaseRequest&
                            " is fenced already)");
     }
     for (const LeaseRange& r : q.ranges) {
-      if (!inside(g->ranges, r.addr, r.length)) {
+      if (!rangeset::covers(g->ranges, r.addr, r.length)) {
         return Status::permission_denied(fmt::format(
             "verbs: a leased range [{:#x}, +{}) lies outside what its grant allows", r.addr, r.length));
       }
