@@ -12,6 +12,8 @@
 
 #include "http_get.h"
 #include "kvstash/store.h"
+#include "redis_server.h"
+#include "test_pki.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -334,6 +336,54 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
     Slice out{back.data(), back.size()};
     EXPECT_EQ((*store)->get("with-token", {&out, 1}).status().code(), StatusCode::kPermissionDenied) << other;
   }
+}
+
+// The whole product over TLS to Redis: a node registers, a store puts and gets, and the CLI
+// reads the cell, each through a rediss:// URL with a client certificate; a store that does
+// not trust the server's CA gets nothing from it.
+TEST(Kvstashd, NodeStoreAndCliReachRedisOverTls) {
+  test::TestPki pki;
+  if (!pki.ok()) GTEST_SKIP() << "the openssl CLI could not make a test PKI";
+  const int tls_port = test::RedisServer::free_port();
+  test::RedisServer redis({"--tls-port", std::to_string(tls_port), "--tls-cert-file", pki.file("server.crt"),
+                           "--tls-key-file", pki.file("server.key"), "--tls-ca-cert-file", pki.file("ca.crt"),
+                           "--tls-auth-clients", "yes", "--requirepass", "tls-secret-0123"});
+  if (!redis.running()) GTEST_SKIP() << "redis-server would not start with TLS (built without TLS?)";
+  const std::string where = "127.0.0.1:" + std::to_string(tls_port) + "/0?ca=" + pki.file("ca.crt") +
+                            "&cert=" + pki.file("client.crt") + "&key=" + pki.file("client.key");
+  const std::string url = "rediss://" + where;
+  auto node = tools::LocalNode::start({.redis_url = url,
+                                       .redis_password = "tls-secret-0123",
+                                       .capacity = "4MiB",
+                                       .page_size = "1MiB",
+                                       .node_id = "over-tls",
+                                       .extra_args = {"--transports", "tcp", "--huge-pages", "off"}});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  StoreOptions o;
+  o.redis_url = url;
+  o.redis_password = "tls-secret-0123";
+  o.engine.transports = {TransportKind::kTcp};
+  o.timeout = 10s;
+  auto store = Store::open(o);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  Status ok = put_and_get(**store, "over-tls");
+  EXPECT_TRUE(ok.is_ok()) << ok.to_string();
+
+  auto cli = tools::ChildProcess::start(
+      {.argv = {"/bin/sh", "-c", "exec '" + tools::find_tool("kvstash") + "' --redis '" + url + "' nodes 2>&1"},
+       .env = {{"KVSTASH_REDIS_PASSWORD", "tls-secret-0123"}}});
+  ASSERT_TRUE(cli.is_ok()) << cli.status().to_string();
+  std::string cli_out;
+  while (auto line = cli->read_line(deadline_after(20s))) cli_out += *line + "\n";
+  EXPECT_EQ(cli->wait(deadline_after(5s)).value_or(-1), 0) << cli_out;
+  EXPECT_NE(cli_out.find("over-tls"), std::string::npos) << cli_out;
+
+  StoreOptions untrusting = o;
+  untrusting.redis_url = "rediss://127.0.0.1:" + std::to_string(tls_port) + "/0?ca=" + pki.file("other-ca.crt");
+  auto refused = Store::open(untrusting);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
+  EXPECT_EQ((*node)->terminate(deadline_after(10s)).value_or(-1), 0);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "redis_server.h"
+#include "test_pki.h"
 
 namespace kvstash::metadata {
 namespace {
@@ -229,7 +230,7 @@ TEST(RedisClient, ASentinelCannotSendThePasswordToAHostTheUrlDoesNotName) {
   auto refused = RedisClient::connect({.url = url, .connect_timeout = std::chrono::milliseconds(1000)});
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
-  EXPECT_NE(refused.status().message().find("redirect_hosts"), std::string::npos) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("redirect="), std::string::npos) << refused.status().to_string();
   EXPECT_EQ(master.connections(), 0) << "the client connected to the host the sentinel named";
   EXPECT_EQ(master.received().find("pw-0123456789"), std::string::npos);
 
@@ -237,6 +238,186 @@ TEST(RedisClient, ASentinelCannotSendThePasswordToAHostTheUrlDoesNotName) {
   allowed.redirect_hosts = {"127.0.0.2"};
   (void)RedisClient::connect(allowed);  // the fake master answers nothing useful
   EXPECT_GE(master.connections(), 1) << "an allowed host is followed";
+
+  // The same allowance in the URL, where every tool that takes a URL can give it.
+  const int before = master.connections();
+  (void)RedisClient::connect({.url = url + "?redirect=127.0.0.9,127.0.0.2:7000",
+                              .connect_timeout = std::chrono::milliseconds(1000)});
+  EXPECT_GT(master.connections(), before) << "a host the URL's redirect= names is followed";
+}
+
+}  // namespace
+}  // namespace kvstash::metadata
+
+// ---- TLS (rediss://) --------------------------------------------------------------------------
+
+namespace kvstash::metadata {
+namespace {
+
+TEST(RedisUrl, TlsFormsAndOptions) {
+  auto u = RedisUrl::parse("rediss://:pw@127.0.0.1:6380/2?ca=/etc/ca%20file.crt&cert=/c.crt&key=/c.key&sni=redis.internal")
+               .value();
+  EXPECT_TRUE(u.tls);
+  EXPECT_EQ(u.port, 6380);
+  EXPECT_EQ(u.db, 2);
+  EXPECT_EQ(u.password, "pw");
+  EXPECT_EQ(u.tls_ca, "/etc/ca file.crt");
+  EXPECT_EQ(u.tls_cert, "/c.crt");
+  EXPECT_EQ(u.tls_key, "/c.key");
+  EXPECT_EQ(u.tls_server_name, "redis.internal");
+  EXPECT_EQ(u.redacted(), "rediss://:***@127.0.0.1:6380/2");
+
+  u = RedisUrl::parse("rediss+sentinel://s1,s2:5000/main?redirect=10.0.0.5,[::1]:6379").value();
+  EXPECT_TRUE(u.tls);
+  EXPECT_TRUE(u.sentinel());
+  EXPECT_EQ(u.sentinels.size(), 2u);
+  EXPECT_EQ(u.redirect_hosts, (std::vector<std::string>{"10.0.0.5", "::1"}));
+  EXPECT_EQ(RedisUrl::parse("rediss+cluster://a,b").value().cluster(), true);
+  EXPECT_FALSE(RedisUrl::parse("redis://h/0").value().tls);
+
+  for (const char* bad : {"redis://h/0?ca=/x.crt", "rediss://h/0?pem=/x", "rediss://h/0?ca=", "rediss://h/0?ca",
+                          "unixs:///s", "unix:///s?sni=x", "redis://h?db=1"}) {
+    auto r = RedisUrl::parse(bad);
+    ASSERT_FALSE(r.is_ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+// A redis-server with a plain port (the fixture's) and a TLS port, its certificate signed by
+// the test CA; `clients` is its tls-auth-clients (yes: a client certificate is required).
+class TlsRedis {
+ public:
+  explicit TlsRedis(const test::TestPki& pki, const std::string& clients = "yes", std::vector<std::string> more = {})
+      : tls_port_(test::RedisServer::free_port()), server_(args(pki, clients, std::move(more))) {}
+  bool running() const { return server_.running(); }
+  int plain_port() const { return server_.port(); }
+  std::string url(const std::string& options, const std::string& credentials = "") const {
+    return "rediss://" + credentials + (credentials.empty() ? "" : "@") + "127.0.0.1:" + std::to_string(tls_port_) +
+           "/0" + (options.empty() ? "" : "?") + options;
+  }
+  test::RedisServer& server() { return server_; }
+
+ private:
+  std::vector<std::string> args(const test::TestPki& pki, const std::string& clients, std::vector<std::string> more) {
+    std::vector<std::string> a{"--tls-port",         std::to_string(tls_port_), "--tls-cert-file", pki.file("server.crt"),
+                               "--tls-key-file",     pki.file("server.key"),    "--tls-ca-cert-file", pki.file("ca.crt"),
+                               "--tls-auth-clients", clients};
+    a.insert(a.end(), more.begin(), more.end());
+    return a;
+  }
+  int tls_port_;
+  test::RedisServer server_;
+};
+
+#define KVSTASH_NEED_TLS_REDIS(pki, redis)                                                               \
+  if (!(pki).ok()) GTEST_SKIP() << "the openssl CLI could not make a test PKI";                         \
+  if (!(redis).running()) GTEST_SKIP() << "redis-server would not start with TLS (built without TLS?)"
+
+TEST(RedisTls, CommandsScriptsAndPasswordsOverTlsWithAClientCertificate) {
+  test::TestPki pki;
+  TlsRedis redis(pki, "yes", {"--requirepass", "tls-secret-0123"});
+  KVSTASH_NEED_TLS_REDIS(pki, redis);
+  const std::string options = "ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt") +
+                              "&key=" + pki.file("client.key");
+  auto c = RedisClient::connect({.url = redis.url(options, ":tls-secret-0123")});
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+
+  // Binary values, one larger than many TLS records and reads.
+  std::string big(3 << 20, '\0');
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 + (i >> 12));
+  ASSERT_TRUE((*c)->command({"SET", "big", big}).is_ok());
+  auto got = (*c)->command({"GET", "big"});
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_TRUE(got->str() == big) << "3 MiB came back different over TLS";
+  for (int i = 0; i < 200; ++i) ASSERT_TRUE((*c)->command({"INCR", "n"}).is_ok());
+  EXPECT_EQ((*c)->command({"GET", "n"})->str(), "200");
+  Script script("return redis.call('GET', KEYS[1])");
+  auto r = (*c)->eval(script, {"n"}, {});
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->str(), "200");
+  // An error reply stays a reply, and the link stays usable.
+  EXPECT_EQ((*c)->command({"NOSUCHCOMMAND"}).status().code(), StatusCode::kInternal);
+  EXPECT_TRUE((*c)->command({"PING"}).is_ok());
+
+  // A restart of the server: the client reconnects over TLS.
+  ASSERT_TRUE(redis.server().restart());
+  auto after = (*c)->command({"SET", "k", "v"});
+  EXPECT_TRUE(after.is_ok()) << after.status().to_string();
+  EXPECT_GE((*c)->reconnects(), 1u);
+
+  // The wrong password is still the wrong password.
+  auto wrong = RedisClient::connect({.url = redis.url(options, ":not-it-0123456789")});
+  ASSERT_FALSE(wrong.is_ok());
+  EXPECT_EQ(wrong.status().code(), StatusCode::kPermissionDenied) << wrong.status().to_string();
+}
+
+TEST(RedisTls, AServerThatDoesNotVerifyIsRefusedBeforeAnythingIsSent) {
+  test::TestPki pki;
+  TlsRedis redis(pki, "no");
+  KVSTASH_NEED_TLS_REDIS(pki, redis);
+  // Another CA signed the server's certificate: refused, and no retrying.
+  const auto started = std::chrono::steady_clock::now();
+  auto other = RedisClient::connect({.url = redis.url("ca=" + pki.file("other-ca.crt"), ":some-password-0123")});
+  ASSERT_FALSE(other.is_ok());
+  EXPECT_EQ(other.status().code(), StatusCode::kPermissionDenied) << other.status().to_string();
+  EXPECT_NE(other.status().message().find("did not verify"), std::string::npos) << other.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 1500ms);
+  // The system's CAs do not know the test CA either.
+  auto system = RedisClient::connect({.url = redis.url("")});
+  EXPECT_EQ(system.status().code(), StatusCode::kPermissionDenied) << system.status().to_string();
+  // The certificate names 127.0.0.1 and localhost, not another name.
+  auto name = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&sni=redis.elsewhere")});
+  ASSERT_FALSE(name.is_ok());
+  EXPECT_EQ(name.status().code(), StatusCode::kPermissionDenied) << name.status().to_string();
+  auto localhost = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&sni=localhost")});
+  EXPECT_TRUE(localhost.is_ok()) << localhost.status().to_string();
+  // Without a client certificate, where the server does not ask for one.
+  auto plain_client = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt"))});
+  ASSERT_TRUE(plain_client.is_ok()) << plain_client.status().to_string();
+  EXPECT_TRUE((*plain_client)->command({"PING"}).is_ok());
+}
+
+TEST(RedisTls, AServerThatWantsAClientCertificateRefusesOneWithout) {
+  test::TestPki pki;
+  TlsRedis redis(pki, "yes");
+  KVSTASH_NEED_TLS_REDIS(pki, redis);
+  auto none = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt"))});
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kPermissionDenied) << none.status().to_string();
+  // A certificate the client cannot load, or without its key: a clear error before connecting.
+  auto missing = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt"))});
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument) << missing.status().to_string();
+  auto unreadable = RedisClient::connect({.url = redis.url("ca=" + pki.file("nothing-here.crt"))});
+  EXPECT_EQ(unreadable.status().code(), StatusCode::kInvalidArgument) << unreadable.status().to_string();
+  auto mismatched = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&cert=" +
+                                                           pki.file("client.crt") + "&key=" + pki.file("server.key"))});
+  EXPECT_EQ(mismatched.status().code(), StatusCode::kInvalidArgument) << mismatched.status().to_string();
+}
+
+TEST(RedisTls, TlsAndPlainPortsMixedUpFailFastAndSaySo) {
+  test::TestPki pki;
+  TlsRedis redis(pki, "no");
+  KVSTASH_NEED_TLS_REDIS(pki, redis);
+  const RedisOptions quick{.connect_timeout = 1000ms, .command_timeout = 1000ms, .reconnect_budget = 1000ms};
+  // rediss:// to the plain port.
+  RedisOptions o = quick;
+  o.url = "rediss://127.0.0.1:" + std::to_string(redis.plain_port()) + "/0?ca=" + pki.file("ca.crt");
+  auto started = std::chrono::steady_clock::now();
+  auto tls_to_plain = RedisClient::connect(o);
+  ASSERT_FALSE(tls_to_plain.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 2500ms);
+  EXPECT_NE(tls_to_plain.status().message().find("TLS"), std::string::npos) << tls_to_plain.status().to_string();
+  // redis:// to the TLS port.
+  o = quick;
+  o.url = redis.url("");
+  o.url.replace(0, 6, "redis");
+  o.url = o.url.substr(0, o.url.find('?'));
+  started = std::chrono::steady_clock::now();
+  auto plain_to_tls = RedisClient::connect(o);
+  Status first = plain_to_tls.is_ok() ? (*plain_to_tls)->command({"PING"}).status() : plain_to_tls.status();
+  ASSERT_FALSE(first.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 2500ms);
+  EXPECT_NE(first.message().find("rediss://"), std::string::npos) << first.to_string();
 }
 
 }  // namespace

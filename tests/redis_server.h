@@ -50,7 +50,7 @@ class RedisServer {
     return running();
   }
 
- private:
+  // A loopback port nothing listens on now.
   static int free_port() {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
@@ -63,6 +63,7 @@ class RedisServer {
     return ntohs(a.sin_port);
   }
 
+ private:
   // Ready when it answers PING (or NOAUTH, which also means it is up) on its port.
   bool answers() const {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -2,8 +2,6 @@
 
 #include <hiredis/hiredis.h>
 #include <openssl/sha.h>
-#include <pthread.h>
-#include <signal.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,18 +13,12 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "common/wire.h"
+#include "metadata/redis_link.h"
 
 namespace kvstash::metadata {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-timeval to_timeval(std::chrono::milliseconds ms) {
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
-  tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
-  return tv;
-}
 
 std::optional<std::string> percent_decode(std::string_view s) {
   std::string out;
@@ -53,42 +45,6 @@ std::optional<int> parse_int(std::string_view s, int lo, int hi) {
   }
   if (v < lo || v > hi) return std::nullopt;
   return v;
-}
-
-// hiredis writes with write(2): a Redis that went away would raise SIGPIPE and kill a
-// process that did not ignore it. Block it in this thread for the call and swallow one that
-// our write raised, leaving the process's signal disposition alone.
-class SigpipeGuard {
- public:
-  SigpipeGuard() {
-    sigemptyset(&pipe_);
-    sigaddset(&pipe_, SIGPIPE);
-    sigset_t pending;
-    sigpending(&pending);
-    already_pending_ = sigismember(&pending, SIGPIPE) == 1;
-    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
-  }
-  ~SigpipeGuard() {
-    if (!already_pending_) {
-      sigset_t pending;
-      sigpending(&pending);
-      if (sigismember(&pending, SIGPIPE) == 1) {
-        timespec zero{};
-        sigtimedwait(&pipe_, nullptr, &zero);
-      }
-    }
-    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-  SigpipeGuard(const SigpipeGuard&) = delete;
-  SigpipeGuard& operator=(const SigpipeGuard&) = delete;
-
- private:
-  sigset_t pipe_, old_;
-  bool already_pending_ = false;
-};
-
-void free_context(redisContext* c) {
-  if (c != nullptr) redisFree(c);
 }
 
 }  // namespace
@@ -207,24 +163,31 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
   RedisUrl u;
   std::string_view rest;
   bool sentinel = false, cluster = false;
-  if (url.rfind("redis://", 0) == 0) {
-    rest = url.substr(8);
+  if (url.rfind("rediss", 0) == 0) {
+    u.tls = true;
+    url.remove_prefix(6);
+  } else if (url.rfind("redis", 0) == 0) {
+    url.remove_prefix(5);
   } else if (url.rfind("unix://", 0) == 0) {
-    rest = url.substr(7);
     u.unix_socket = true;
-  } else if (url.rfind("redis+sentinel://", 0) == 0) {
-    rest = url.substr(17);
+    url.remove_prefix(4);
+  }
+  if (url.rfind("://", 0) == 0) {
+    rest = url.substr(3);
+  } else if (!u.unix_socket && url.rfind("+sentinel://", 0) == 0) {
+    rest = url.substr(12);
     sentinel = true;
-  } else if (url.rfind("redis+cluster://", 0) == 0) {
-    rest = url.substr(16);
+  } else if (!u.unix_socket && url.rfind("+cluster://", 0) == 0) {
+    rest = url.substr(11);
     cluster = true;
   } else {
     return Status::invalid_argument(
-        "redis URL must start with redis://, redis+sentinel://, redis+cluster:// or unix://");
+        "redis URL must start with redis://, redis+sentinel://, redis+cluster://, their TLS forms rediss://, "
+        "rediss+sentinel://, rediss+cluster://, or unix://");
   }
-  // Credentials end at the last '@' (passwords may contain '@' only percent-encoded, but be
-  // lenient).
-  if (auto at = rest.rfind('@'); at != std::string_view::npos && (u.unix_socket || rest.find('/') > at)) {
+  // Credentials end at the last '@' before the path (passwords may contain '@' only
+  // percent-encoded, but be lenient).
+  if (auto at = rest.rfind('@', rest.find('/')); at != std::string_view::npos) {
     std::string_view cred = rest.substr(0, at);
     rest = rest.substr(at + 1);
     auto colon = cred.find(':');
@@ -237,18 +200,14 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
     u.user = *user;
     u.password = *pass;
   }
+  if (const auto q = rest.find('?'); q != std::string_view::npos) {
+    KVSTASH_RETURN_IF_ERROR(u.parse_options(rest.substr(q + 1)));
+    rest = rest.substr(0, q);
+  }
   if (u.unix_socket) {
-    auto q = rest.find('?');
-    u.path = std::string(rest.substr(0, q));
+    u.path = std::string(rest);
     if (u.path.empty() || u.path.front() != '/') {
       return Status::invalid_argument("unix:// redis URL needs an absolute socket path");
-    }
-    if (q != std::string_view::npos) {
-      auto query = rest.substr(q + 1);
-      if (query.rfind("db=", 0) != 0) return Status::invalid_argument("unix:// redis URL accepts only ?db=N");
-      auto db = parse_int(query.substr(3), 0, 1 << 20);
-      if (!db) return Status::invalid_argument("bad database number in redis URL");
-      u.db = *db;
     }
     return u;
   }
@@ -282,12 +241,50 @@ Result<RedisUrl> RedisUrl::parse(std::string_view url) {
   return u;
 }
 
+Status RedisUrl::parse_options(std::string_view query) {
+  for (std::size_t from = 0; from <= query.size();) {
+    const std::size_t amp = std::min(query.find('&', from), query.size());
+    const std::string_view option = query.substr(from, amp - from);
+    from = amp + 1;
+    const auto eq = option.find('=');
+    const std::string_view name = option.substr(0, eq);
+    const auto value = percent_decode(eq == std::string_view::npos ? std::string_view() : option.substr(eq + 1));
+    if (!value || value->empty()) {
+      return Status::invalid_argument("redis URL option '" + std::string(name) + "' needs a value (name=value)");
+    }
+    const bool tls_option = name == "ca" || name == "cert" || name == "key" || name == "sni";
+    if (tls_option && !tls) {
+      return Status::invalid_argument("redis URL option '" + std::string(name) +
+                                      "' configures TLS: it takes a rediss:// URL");
+    }
+    if (name == "db" && unix_socket) {
+      auto n = parse_int(*value, 0, 1 << 20);
+      if (!n) return Status::invalid_argument("bad database number in redis URL");
+      db = *n;
+    } else if (name == "ca") {
+      tls_ca = *value;
+    } else if (name == "cert") {
+      tls_cert = *value;
+    } else if (name == "key") {
+      tls_key = *value;
+    } else if (name == "sni") {
+      tls_server_name = *value;
+    } else if (name == "redirect") {
+      std::vector<std::pair<std::string, int>> hosts;
+      KVSTASH_RETURN_IF_ERROR(parse_host_list(*value, kRedisPort, hosts));
+      for (auto& h : hosts) redirect_hosts.push_back(std::move(h.first));
+    } else {
+      return Status::invalid_argument("unknown redis URL option '" + std::string(name) +
+                                      "' (known: ca, cert, key, sni for rediss://; redirect; db for unix://)");
+    }
+  }
+  return {};
+}
+
 std::string RedisUrl::redacted() const {
   // Built with append(): GCC 12 at -O3 warns falsely (-Wrestrict) on chains of operator+.
-  std::string s = unix_socket  ? "unix://"
-                  : sentinel() ? "redis+sentinel://"
-                  : cluster()  ? "redis+cluster://"
-                               : "redis://";
+  std::string s = unix_socket ? "unix" : tls ? "rediss" : "redis";
+  s.append(sentinel() ? "+sentinel://" : cluster() ? "+cluster://" : "://");
   if (!user.empty() || !password.empty()) s.append(user).append(password.empty() ? "@" : ":***@");
   if (unix_socket) {
     s.append(path);
@@ -346,7 +343,7 @@ Script::Script(std::string b) : body(std::move(b)) {
 // ---- RedisClient ----------------------------------------------------------------------------
 
 RedisClient::RedisClient(RedisOptions options, RedisUrl url)
-    : options_(std::move(options)), url_(std::move(url)), ctx_(nullptr, free_context), original_host_(url_.host) {}
+    : options_(std::move(options)), url_(std::move(url)), original_host_(url_.host) {}
 
 RedisClient::~RedisClient() = default;
 
@@ -360,6 +357,9 @@ Result<std::unique_ptr<RedisClient>> RedisClient::connect(const RedisOptions& op
         "' needs a password (in the URL, or KVSTASH_REDIS_PASSWORD / a password file)");
   }
   std::unique_ptr<RedisClient> c(new RedisClient(options, std::move(url)));
+  if (c->url_.tls) {
+    KVSTASH_ASSIGN_OR_RETURN(c->tls_, TlsClientContext::create(c->url_));
+  }
   KVSTASH_RETURN_IF_ERROR(c->open());
   return c;
 }
@@ -370,13 +370,13 @@ std::chrono::milliseconds RedisClient::within_deadline(std::chrono::milliseconds
 }
 
 Status RedisClient::open() {
-  ctx_.reset();
+  link_.reset();
   Status s = url_.sentinel()  ? open_through_sentinels()
              : url_.cluster() ? open_in_cluster()
                               : open_at(url_.host, url_.port);
   if (s.is_ok() && options_.on_connect) {
     s = options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
-    if (!s.is_ok()) ctx_.reset();
+    if (!s.is_ok()) link_.reset();
   }
   return s;
 }
@@ -393,7 +393,7 @@ Status RedisClient::open_through_sentinels() {
     Status asked = open_at(host, port, Server::kSentinel);
     Result<Reply> master = asked.is_ok() ? run_once({"SENTINEL", "get-master-addr-by-name", url_.service})
                                          : Result<Reply>(asked);
-    ctx_.reset();
+    link_.reset();
     if (!master.is_ok()) {
       last = master.status().with_context(where);
       continue;
@@ -428,7 +428,7 @@ Status RedisClient::open_through_sentinels() {
       url_.port = *master_port;
       return {};
     }
-    ctx_.reset();
+    link_.reset();
     last = role.status();
   }
   return last;
@@ -449,7 +449,7 @@ Status RedisClient::open_in_cluster() {
         s.is_ok() ? run_once({"CLUSTER", "KEYSLOT", options_.cluster_key}) : Result<Reply>(s);
     Result<Reply> slots = slot.is_ok() ? run_once({"CLUSTER", "SLOTS"}) : Result<Reply>(slot.status());
     if (!slots.is_ok()) {
-      ctx_.reset();
+      link_.reset();
       last = slots.status().with_context(where);
       continue;
     }
@@ -467,7 +467,7 @@ Status RedisClient::open_in_cluster() {
       master.emplace(m_host.empty() ? host : m_host, static_cast<int>(m->element[1]->integer));
     }
     if (!master) {
-      ctx_.reset();
+      link_.reset();
       last = Status::unavailable(where + ": no master serves slot " + std::to_string(slot->integer()) +
                                  " (a failover in progress?)");
       continue;
@@ -490,14 +490,16 @@ Status RedisClient::may_follow(const std::string& host, std::string_view who) co
   auto named = [&](const std::vector<std::pair<std::string, int>>& hosts) {
     return std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.first == host; });
   };
+  auto listed = [&](const std::vector<std::string>& hosts) {
+    return std::find(hosts.begin(), hosts.end(), host) != hosts.end();
+  };
   if (host == original_host_ || named(url_.sentinels) || named(url_.cluster_nodes) ||
-      std::find(options_.redirect_hosts.begin(), options_.redirect_hosts.end(), host) !=
-          options_.redirect_hosts.end()) {
+      listed(options_.redirect_hosts) || listed(url_.redirect_hosts)) {
     return {};
   }
   return Status::permission_denied(std::string(who) + " sent this client to " + host +
                                    ", a host the Redis URL does not name: refused, so as not to send the password "
-                                   "there (list the cell's Redis hosts in RedisOptions::redirect_hosts)");
+                                   "there (list the cell's Redis hosts in the URL's redirect= option)");
 }
 
 Status RedisClient::redirect(std::string_view error) {
@@ -522,39 +524,30 @@ Status RedisClient::redirect(std::string_view error) {
   if (!options_.on_connect) return {};
   Status s =
       options_.on_connect([this](const std::vector<std::string_view>& args) { return run_once(args); });
-  if (!s.is_ok()) ctx_.reset();
+  if (!s.is_ok()) link_.reset();
   return s;
 }
 
 Status RedisClient::open_at(const std::string& address, int port, Server to) {
-  ctx_.reset();
+  link_.reset();
   const auto connect_timeout = within_deadline(options_.connect_timeout);
   if (connect_timeout.count() <= 0)
     return Status::timeout("redis " + url_.redacted() + ": the deadline passed");
-  const timeval tv = to_timeval(connect_timeout);
-  std::string host = address;
+  std::string numeric = address;
   if (!url_.unix_socket) {
     // hiredis resolves names without a timeout: resolve first, within the connect's time.
     auto addresses = net::resolve(address, Clock::now() + connect_timeout);
     if (!addresses.is_ok()) return addresses.status().with_context("redis " + url_.redacted());
-    host = addresses->front();
+    numeric = addresses->front();
   }
-  redisContext* c = url_.unix_socket ? redisConnectUnixWithTimeout(url_.path.c_str(), tv)
-                                     : redisConnectWithTimeout(host.c_str(), port, tv);
-  if (c == nullptr) return Status::no_space("redis: cannot allocate a connection");
-  ctx_.reset(c);
-  if (c->err != 0) {
-    std::string what = "redis " + url_.redacted() + ": " + c->errstr;
-    ctx_.reset();
-    if (what.find("timed out") != std::string::npos) return Status::timeout(std::move(what));
-    return Status::unavailable(std::move(what));
-  }
-  socket_timeout_ = within_deadline(options_.command_timeout);
-  redisSetTimeout(c, to_timeval(socket_timeout_));
+  auto link = tls_ ? connect_tls(*tls_, address, numeric, port, connect_timeout)
+                   : connect_plain(url_, numeric, port, connect_timeout);
+  if (!link.is_ok()) return link.status().with_context("redis " + url_.redacted());
+  link_ = std::move(*link);
   if (to == Server::kSentinel) {
     if (options_.sentinel_password.empty()) return {};
     Status s = run_once({"AUTH", options_.sentinel_password}).status();
-    if (!s.is_ok()) ctx_.reset();
+    if (!s.is_ok()) link_.reset();
     return s;
   }
   if (!url_.password.empty()) {
@@ -563,8 +556,9 @@ Status RedisClient::open_at(const std::string& address, int port, Server to) {
     auth.push_back(url_.password);
     auto r = run_once(auth);
     if (!r.is_ok()) {
-      ctx_.reset();
-      if (r.status().code() == StatusCode::kPermissionDenied) {
+      link_.reset();
+      if (r.status().code() == StatusCode::kPermissionDenied &&
+          r.status().message().find("certificate") == std::string::npos) {
         return Status::permission_denied("redis " + url_.redacted() + " refused the credentials of user '" +
                                          (url_.user.empty() ? std::string("default") : url_.user) + "'");
       }
@@ -575,7 +569,7 @@ Status RedisClient::open_at(const std::string& address, int port, Server to) {
     std::string db = std::to_string(url_.db);
     auto r = run_once({"SELECT", db});
     if (!r.is_ok()) {
-      ctx_.reset();
+      link_.reset();
       return r.status().with_context("redis SELECT " + db);
     }
   }
@@ -583,40 +577,20 @@ Status RedisClient::open_at(const std::string& address, int port, Server to) {
 }
 
 Result<Reply> RedisClient::run_once(const std::vector<std::string_view>& args) {
-  if (!ctx_) return Status::unavailable("redis: not connected");
+  if (!link_) return Status::unavailable("redis: not connected");
   // The socket's timeout is what is left of the deadline, when that is the shorter.
   const auto timeout = within_deadline(options_.command_timeout);
   if (timeout.count() <= 0) {
     return Status::timeout("redis " + url_.redacted() +
                            ": the operation's deadline passed before the command");
   }
-  if (timeout != socket_timeout_) {
-    redisSetTimeout(ctx_.get(), to_timeval(timeout));
-    socket_timeout_ = timeout;
-  }
-  std::vector<const char*> argv;
-  std::vector<std::size_t> lens;
-  argv.reserve(args.size());
-  lens.reserve(args.size());
-  for (auto a : args) {
-    argv.push_back(a.data());
-    lens.push_back(a.size());
-  }
-  redisReply* r;
-  {
-    SigpipeGuard no_sigpipe;
-    r = static_cast<redisReply*>(
-        redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-  }
-  if (r == nullptr) {
+  auto reply = link_->roundtrip(args, timeout);
+  if (!reply.is_ok()) {
     // The connection is unusable after an I/O error or timeout (hiredis' rule).
-    std::string what = "redis " + url_.redacted() + ": " + ctx_->errstr;
-    const bool timed_out = ctx_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK);
-    ctx_.reset();
-    return timed_out ? Status::timeout(what + " (command timed out)") : Status::unavailable(std::move(what));
+    link_.reset();
+    return reply.status().with_context("redis " + url_.redacted());
   }
-  Reply reply(r);
-  if (reply.type() == Reply::Type::kError) return error_status(reply.str());
+  if (reply->type() == Reply::Type::kError) return error_status(reply->str());
   return reply;
 }
 
@@ -625,10 +599,12 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
   if (deadline_) give_up = std::min(give_up, *deadline_);
   auto backoff = options_.backoff_initial;
   constexpr int kMaxRedirects = 5;
+  Status last;  // why the last attempt failed, for the final error
   for (int redirects = 0;;) {
-    if (ctx_) {
+    if (link_) {
       auto r = run_once(args);
       if (r.is_ok()) return r;
+      last = r.status();
       // A cluster's slot moved to another master: that one from now on. (ASK, a slot in
       // migration, is not followed: the target holds only part of the cell's keys, and a script
       // must see them all. It is retried below, as TRYAGAIN is, until MOVED comes.)
@@ -646,20 +622,22 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
       KVSTASH_LOG_INFO("{}", r.status().to_string());
     }
     if (Clock::now() + backoff > give_up) {
+      const std::string why = last.is_ok() ? std::string() : " (last: " + last.message() + ")";
       if (deadline_ && give_up == *deadline_) {
-        return Status::timeout("redis " + url_.redacted() + " unreachable until the operation's deadline");
+        return Status::timeout("redis " + url_.redacted() + " unreachable until the operation's deadline" + why);
       }
       return Status::unavailable("redis " + url_.redacted() + " unreachable for " +
-                                 std::to_string(options_.reconnect_budget.count()) + " ms");
+                                 std::to_string(options_.reconnect_budget.count()) + " ms" + why);
     }
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, options_.backoff_max);
     Status s = open();
+    if (!s.is_ok()) last = s;
     if (s.is_ok()) {
       ++reconnects_;
       KVSTASH_LOG_INFO("redis {}: reconnected", url_.redacted());
-    } else if (s.code() == StatusCode::kPermissionDenied) {
-      return s;  // credentials changed under us: retrying will not help
+    } else if (s.code() == StatusCode::kPermissionDenied || s.code() == StatusCode::kInvalidArgument) {
+      return s;  // credentials changed under us, or TLS meets a plain port: retrying will not help
     }
   }
 }

@@ -18,7 +18,6 @@
 #include "kvstash/status.h"
 #include "kvstash/types.h"
 
-struct redisContext;
 struct redisReply;
 
 namespace kvstash::metadata {
@@ -32,6 +31,20 @@ namespace kvstash::metadata {
 //   a Redis Cluster, reached through any of the nodes listed (6379 by default); the client
 //   talks to the master of one hash slot (RedisOptions::cluster_key), following MOVED (and
 //   waiting out ASK: a slot in migration)
+// rediss://, rediss+sentinel://, rediss+cluster://: the same over TLS, to every server (the
+//   master, the sentinels, the cluster's nodes), each of whose certificates must chain to the
+//   CA and name the host connected to (or sni=).
+// Options after '?', joined by '&', values %-escaped:
+//   ca=FILE          (rediss) the CA certificates servers are verified against; default: the
+//                    system's
+//   cert=FILE&key=FILE  (rediss) this client's certificate chain and key, for a server that
+//                    asks for one (Redis's tls-auth-clients)
+//   sni=NAME         (rediss) the name sent and checked in every server's certificate, instead
+//                    of the host connected to
+//   redirect=H1,H2   hosts a sentinel or cluster node may send this client to with its password,
+//                    besides the URL's own (RedisOptions::redirect_hosts)
+//   db=N             (unix:// only) the database
+// A password holding '/', '?' or '@' must be %-escaped.
 struct RedisUrl {
   bool unix_socket = false;
   std::string host = "127.0.0.1";
@@ -43,6 +56,9 @@ struct RedisUrl {
   std::vector<std::pair<std::string, int>> sentinels;  // redis+sentinel://: host, port of each
   std::string service;                                 // redis+sentinel://: the master's name
   std::vector<std::pair<std::string, int>> cluster_nodes;  // redis+cluster://: the seeds
+  bool tls = false;  // rediss...://
+  std::string tls_ca, tls_cert, tls_key, tls_server_name;
+  std::vector<std::string> redirect_hosts;  // redirect=
 
   bool sentinel() const { return !sentinels.empty(); }
   bool cluster() const { return !cluster_nodes.empty(); }
@@ -51,6 +67,8 @@ struct RedisUrl {
   static Result<RedisUrl> parse(std::string_view url);
   // The URL with the password replaced by "***", for logs and CLI output.
   std::string redacted() const;
+  // The options after '?' (parse's part).
+  Status parse_options(std::string_view query);
 };
 
 class Reply;
@@ -80,6 +98,7 @@ struct RedisOptions {
   // seeds, host). Anywhere else is refused with kPermissionDenied before connecting: a lying
   // or taken-over sentinel or node must not collect the password by naming its own host.
   // Without a password there is nothing to hand over, and any host is followed.
+  // The URL's redirect= adds to these.
   std::vector<std::string> redirect_hosts;
   // redis+cluster://: the key whose hash slot every command of this connection addresses (a
   // cell's prefix: the cell's keys share its hash tag). The client connects to that slot's
@@ -127,10 +146,15 @@ struct Script {
 Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
                         const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args);
 
+class RedisLink;
+class TlsClientContext;
+
 class RedisClient {
  public:
-  // Connects (and authenticates, and selects the db). Errors: kInvalidArgument (bad URL),
-  // kUnavailable (unreachable), kPermissionDenied (wrong password, unknown user), kTimeout.
+  // Connects (and authenticates, and selects the db). Errors: kInvalidArgument (bad URL, TLS
+  // files that do not load, TLS against a plain port or plain against a TLS port),
+  // kUnavailable (unreachable), kPermissionDenied (wrong password, unknown user, a server
+  // certificate that does not verify, a client certificate the server refuses), kTimeout.
   static Result<std::unique_ptr<RedisClient>> connect(const RedisOptions& options);
   ~RedisClient();
   RedisClient(const RedisClient&) = delete;
@@ -184,10 +208,10 @@ class RedisClient {
 
   RedisOptions options_;
   RedisUrl url_;
-  std::unique_ptr<redisContext, void (*)(redisContext*)> ctx_;
+  std::shared_ptr<TlsClientContext> tls_;  // rediss: the CA, certificate and name every connection uses
+  std::unique_ptr<RedisLink> link_;        // the connection; null while there is none
   std::uint64_t reconnects_ = 0;
   std::optional<Deadline> deadline_;
-  std::chrono::milliseconds socket_timeout_{0};  // what the socket's timeout is set to now
   std::size_t sentinel_ = 0;                      // the sentinel that answered last
   std::string original_host_;                     // the URL's host (url_.host follows redirects)
 };

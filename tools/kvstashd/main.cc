@@ -78,7 +78,8 @@ int main(int argc, char** argv) {
   app.add_option("--redis", opts.redis_url,
                  "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path, "
                  "redis+sentinel://[user:password@]sentinel[:port],.../service[/db] or "
-                 "redis+cluster://[user:password@]node[:port],.... "
+                 "redis+cluster://[user:password@]node[:port],...; rediss://... (and rediss+sentinel, rediss+cluster) for TLS, "
+                 "with ?ca=FILE&cert=FILE&key=FILE&sni=NAME; ?redirect=HOST,... for hosts a sentinel may name. "
                  "The password is better passed by KVSTASH_REDIS_PASSWORD or --redis-password-file")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
