@@ -6,11 +6,13 @@
 
 #include <atomic>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
 #include <hiredis/hiredis.h>
 
+#include "metadata/quotas.h"
 #include "metadata/read_releases.h"
 #include "redis_server.h"
 
@@ -755,6 +757,199 @@ TEST_F(CatalogTest, NoNodesIsNoSpace) {
 }  // namespace
 // The batching alone, no Redis: what queues while a batch is being ended goes in the next one,
 // every read is handed on exactly once, and one drain runs at a time.
+// ---- quotas per key prefix ---------------------------------------------------------------
+
+class QuotaTest : public CatalogTest {
+ protected:
+  void SetUp() override {
+    CatalogTest::SetUp();
+    quotas_ = std::make_unique<CellQuotas>(*redis_, admin_->prefix());
+    ASSERT_TRUE(add_node("a", 400).is_ok());
+    ASSERT_TRUE(add_node("b", 400).is_ok());
+  }
+  Status set(const std::string& prefix, std::uint64_t objects, std::uint64_t bytes) {
+    return quotas_->set(prefix, {objects, bytes}, deadline_after(30s));
+  }
+  QuotaUse use(const std::string& prefix) {
+    auto all = quotas_->list();
+    EXPECT_TRUE(all.is_ok()) << all.status().to_string();
+    if (!all.is_ok()) return {};
+    for (const auto& q : *all) {
+      if (q.prefix == prefix) return q;
+    }
+    ADD_FAILURE() << "no quota for " << prefix;
+    return {};
+  }
+  // A put that may be refused: begin and commit, or the first failure.
+  Status try_put(const std::string& key, std::uint64_t pages) {
+    const std::string token = "t-" + key + "-" + std::to_string(++puts_);
+    auto p = cat_->begin_put(token, key, pages * kPage, 30s);
+    if (!p.is_ok()) return p.status();
+    return cat_->commit_put(token, key, {0x1234}, "L", 0ms);
+  }
+  // The objects whose keys start with `prefix`, counted by scanning the cell.
+  std::pair<std::uint64_t, std::uint64_t> scanned(const std::string& prefix) {
+    std::uint64_t objects = 0, bytes = 0;
+    std::string cursor = "0";
+    do {
+      auto step = admin_->scan_objects(prefix + "*", cursor, 500);
+      EXPECT_TRUE(step.is_ok()) << step.status().to_string();
+      if (!step.is_ok()) break;
+      auto infos = admin_->describe(step->keys);
+      EXPECT_TRUE(infos.is_ok()) << infos.status().to_string();
+      if (!infos.is_ok()) break;
+      for (const auto& info : *infos) {
+        if (!info.exists || get_code(info.key) != StatusCode::kOk) continue;
+        ++objects;
+        bytes += (info.size + kPage - 1) / kPage * kPage;
+      }
+      cursor = step->cursor;
+    } while (cursor != "0");
+    return {objects, bytes};
+  }
+  std::unique_ptr<CellQuotas> quotas_;
+};
+
+// A prefix at its quota makes room from its own least recently used objects: the other
+// prefixes' objects, older still, stay.
+TEST_F(QuotaTest, APrefixAtItsQuotaEvictsItsOwnObjectsNotOthers) {
+  put("other/old", 1);
+  ASSERT_TRUE(set("t1/", 3, 0).is_ok());
+  for (const char* k : {"t1/a", "t1/b", "t1/c"}) put(k, 1);
+  EXPECT_EQ(use("t1/").objects, 3u);
+  ASSERT_TRUE(try_put("t1/d", 1).is_ok());
+  EXPECT_EQ(get_code("t1/a"), StatusCode::kNotFound) << "the prefix's least recently used object makes room";
+  for (const char* k : {"t1/b", "t1/c", "t1/d", "other/old"}) EXPECT_EQ(get_code(k), StatusCode::kOk) << k;
+  // A read moves an object to the back of its quota's order.
+  ASSERT_TRUE(cat_->touch("t1/b", 0ms).is_ok());
+  ASSERT_TRUE(try_put("t1/e", 1).is_ok());
+  EXPECT_EQ(get_code("t1/c"), StatusCode::kNotFound);
+  EXPECT_EQ(get_code("t1/b"), StatusCode::kOk);
+  auto q = use("t1/");
+  EXPECT_EQ(q.objects, 3u);
+  EXPECT_EQ(q.bytes, 3 * kPage);
+  EXPECT_EQ(q.evicted, 2u);
+  EXPECT_FALSE(q.counting);
+  // Overwriting a key at the limit replaces it: nothing else goes.
+  ASSERT_TRUE(try_put("t1/e", 2).is_ok());
+  for (const char* k : {"t1/b", "t1/d", "t1/e"}) EXPECT_EQ(get_code(k), StatusCode::kOk) << k;
+  EXPECT_EQ(use("t1/").bytes, 4 * kPage);
+}
+
+TEST_F(QuotaTest, BytesAreWholePagesAndAnObjectLargerThanItsQuotaIsRefused) {
+  ASSERT_TRUE(set("t2/", 0, 3 * kPage).is_ok());
+  ASSERT_TRUE(try_put("t2/a", 1).is_ok());
+  const std::string token = "t-small";
+  ASSERT_TRUE(cat_->begin_put(token, "t2/b", 100, 30s).is_ok());  // 100 bytes: one whole page
+  ASSERT_TRUE(cat_->commit_put(token, "t2/b", {1}, "L", 0ms).is_ok());
+  EXPECT_EQ(use("t2/").bytes, 2 * kPage);
+  ASSERT_TRUE(try_put("t2/c", 2).is_ok());
+  EXPECT_EQ(get_code("t2/a"), StatusCode::kNotFound);
+  EXPECT_EQ(get_code("t2/b"), StatusCode::kOk);
+  Status big = try_put("t2/huge", 4);
+  EXPECT_EQ(big.code(), StatusCode::kNoSpace) << big.to_string();
+  EXPECT_NE(big.message().find("quota of prefix t2/"), std::string::npos) << big.to_string();
+  EXPECT_EQ(get_code("t2/b"), StatusCode::kOk) << "a refused put evicts nothing";
+  EXPECT_EQ(use("t2/").refused, 1u);
+}
+
+// Objects under a read lease are never evicted for a quota: a prefix full of them refuses
+// the put, naming the quota, and its objects are intact.
+TEST_F(QuotaTest, AQuotaFullOfLeasedObjectsRefusesAndEvictsNothing) {
+  ASSERT_TRUE(set("t3/", 2, 0).is_ok());
+  put("t3/a", 1);
+  put("t3/b", 1);
+  ASSERT_TRUE(cat_->begin_get("t3/a", "r", 30s).is_ok());
+  ASSERT_TRUE(cat_->begin_get("t3/b", "r", 30s).is_ok());
+  Status refused = try_put("t3/c", 1);
+  EXPECT_EQ(refused.code(), StatusCode::kNoSpace) << refused.to_string();
+  EXPECT_NE(refused.message().find("quota"), std::string::npos) << refused.to_string();
+  EXPECT_EQ(get_code("t3/a"), StatusCode::kOk);
+  EXPECT_EQ(get_code("t3/b"), StatusCode::kOk);
+  EXPECT_EQ(use("t3/").refused, 1u);
+  // Other prefixes keep taking puts.
+  EXPECT_TRUE(try_put("t4/x", 1).is_ok());
+}
+
+// Two puts admitted together cannot both land past the quota: the commit checks again.
+TEST_F(QuotaTest, TheCommitHoldsTheQuotaAgainstPutsThatRaced) {
+  ASSERT_TRUE(set("r/", 2, 0).is_ok());
+  put("r/a", 1);
+  ASSERT_TRUE(cat_->begin_get("r/a", "r", 30s).is_ok());  // leased: it cannot make room
+  auto p1 = cat_->begin_put("p1", "r/b", kPage, 30s);
+  auto p2 = cat_->begin_put("p2", "r/c", kPage, 30s);
+  ASSERT_TRUE(p1.is_ok() && p2.is_ok()) << "each alone fits";
+  ASSERT_TRUE(cat_->commit_put("p1", "r/b", {1}, "L", 0ms).is_ok());
+  ASSERT_TRUE(cat_->begin_get("r/b", "r", 30s).is_ok());
+  Status second = cat_->commit_put("p2", "r/c", {1}, "L", 0ms);
+  EXPECT_EQ(second.code(), StatusCode::kNoSpace) << second.to_string();
+  EXPECT_EQ(get_code("r/c"), StatusCode::kNotFound);
+  EXPECT_EQ(use("r/").objects, 2u);
+  // A reserved put is held to it the same way.
+  auto res = cat_->reserve_pages("res", kPage, 0, 30s);
+  ASSERT_TRUE(res.is_ok()) << res.status().to_string();
+  Status reserved = cat_->commit_reserved({"res", 0, 1}, "p3", "r/d", kPage, {1}, "", 0ms);
+  EXPECT_EQ(reserved.code(), StatusCode::kNoSpace) << reserved.to_string();
+  EXPECT_EQ(use("r/").objects, 2u);
+}
+
+// A quota set over objects already in the cell counts them; the longest prefix governs; a
+// lowered quota comes down as the prefix's next puts evict; a removed and re-added quota
+// counts afresh.
+TEST_F(QuotaTest, QuotasCountWhatIsThereNestAndChange) {
+  for (int i = 0; i < 300; ++i) put("n/" + object_key(i), 1);
+  for (int i = 0; i < 20; ++i) put("n/vip/" + object_key(i), 1);
+  ASSERT_TRUE(set("n/", 1000, 0).is_ok());
+  EXPECT_EQ(use("n/").objects, 320u);
+  EXPECT_FALSE(use("n/").counting);
+  ASSERT_TRUE(set("n/vip/", 50, 0).is_ok());
+  EXPECT_EQ(use("n/").objects, 300u) << "the longer prefix governs its keys";
+  EXPECT_EQ(use("n/vip/").objects, 20u);
+  ASSERT_TRUE(set("n/", 100, 0).is_ok());
+  EXPECT_EQ(use("n/").objects, 300u) << "new limits keep the counts";
+  ASSERT_TRUE(try_put("n/new", 1).is_ok());
+  EXPECT_EQ(use("n/").objects, 100u) << "an over-quota prefix comes down on its next put";
+  EXPECT_EQ(scanned("n/").first, 120u);
+  EXPECT_EQ(use("n/vip/").objects, 20u) << "the nested quota's objects were not taken";
+  ASSERT_TRUE(set("n/vip/", 0, 0).is_ok());
+  EXPECT_EQ(use("n/").objects, 120u) << "a removed quota's objects fall to the shorter prefix";
+  ASSERT_TRUE(set("n/vip/", 10, 0).is_ok());
+  EXPECT_EQ(use("n/vip/").objects, 20u) << "re-added, it counts afresh";
+  EXPECT_EQ(use("n/").objects, 100u);
+  EXPECT_EQ(set("", 1, 0).code(), StatusCode::kInvalidArgument);
+}
+
+// The counters stay exact through puts, overwrites, removes, expiry, eviction and a dead node.
+TEST_F(QuotaTest, CountsStayExactThroughChurn) {
+  ASSERT_TRUE(add_node("mortal", 1000, 1s).is_ok());  // the most free: it takes the first puts
+  ASSERT_TRUE(set("c/", 40, 60 * kPage).is_ok());
+  std::mt19937 rng(7);
+  for (int i = 0; i < 400; ++i) {
+    const std::string key = "c/" + object_key(static_cast<int>(rng() % 60));
+    switch (rng() % 5) {
+      case 0: (void)cat_->remove(key); break;
+      case 1: {
+        const std::string token = "ttl-" + std::to_string(i);
+        if (cat_->begin_put(token, key, kPage, 30s).is_ok()) {
+          (void)cat_->commit_put(token, key, {1}, "L", std::chrono::milliseconds(1 + rng() % 20));
+        }
+        break;
+      }
+      default: (void)try_put(key, 1 + rng() % 3); break;
+    }
+    if (i == 200) std::this_thread::sleep_for(1200ms);  // "mortal" misses its heartbeat
+  }
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(node_->reclaim().is_ok());
+  const auto [objects, bytes] = scanned("c/");  // every expired or dead object is released by now
+  auto q = use("c/");
+  EXPECT_EQ(q.objects, objects);
+  EXPECT_EQ(q.bytes, bytes);
+  EXPECT_LE(q.objects, 40u);
+  EXPECT_LE(q.bytes, 60 * kPage);
+  EXPECT_GT(q.evicted, 0u);
+}
+
 TEST(ReadReleases, BatchesWhatQueuedMeanwhileAndHandsEachReadOnOnce) {
   metadata::ReadReleases releases;
   std::mutex mu;

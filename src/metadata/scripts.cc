@@ -198,6 +198,21 @@ const Script& reclaim() {
   return s;
 }
 
+const Script& set_quota() {
+  static const Script s = make(lua::kSetQuota);
+  return s;
+}
+
+const Script& quota_scan() {
+  static const Script s = make(lua::kQuotaScan);
+  return s;
+}
+
+const Script& list_quotas() {
+  static const Script s = make(lua::kListQuotas);
+  return s;
+}
+
 std::vector<const Script*> all() {
   return {&register_node(),
           &heartbeat(),
@@ -231,7 +246,10 @@ std::vector<const Script*> all() {
           &forget_node(),
           &cell_summary(),
           &describe_objects(),
-          &evict_lru()};
+          &evict_lru(),
+          &set_quota(),
+          &quota_scan(),
+          &list_quotas()};
 }
 
 }  // namespace kvstash::metadata::scripts

@@ -49,6 +49,11 @@ const Script& cell_summary();
 const Script& describe_objects();
 const Script& evict_lru();
 
+// Quotas per key prefix (quotas.h).
+const Script& set_quota();
+const Script& quota_scan();
+const Script& list_quotas();
+
 // Every script above but fence_master, which only Sentinel connections load (kvstash doctor
 // checks which ones Redis has cached).
 std::vector<const Script*> all();

@@ -26,7 +26,7 @@ if gone then
   drop_put(token, p[2])
   return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
 end
-local failed = condition_fails(key, ARGV[6])
+local failed = condition_fails(key, ARGV[6]) or quota_fit(key, p[4])
 if failed then
   drop_put(token, p[2])
   return redis.error_reply(failed)

@@ -219,12 +219,93 @@ local function drop_put(token, extents)
   redis.call('ZREM', P .. ':pending', token)
 end
 
+-- Quotas (docs/operations.md, "Quotas"): a key prefix may hold at most so many objects and
+-- so many bytes of the pool (whole pages: what its objects keep from others; a replica's copy
+-- counts as an object of its own). P:quotas maps a prefix to '<gen> <max objects> <max bytes>'
+-- (0: no limit); P:quota:<gen> counts what is charged to it (objects, bytes, evicted, refused;
+-- 'counting' until set_quota's first pass over the cell's objects is done) and
+-- P:quota:<gen>:lru orders its objects for its own eviction. A key is governed by the longest
+-- prefix with a quota. Its record says which quota it is charged to ('quota' = gen), so that
+-- its release takes back exactly what its publish charged, whatever quotas came and went (a
+-- removed quota's gen has no counters: nothing to take back).
+local MAX_QUOTAS = 256
+local quota_table = nil  -- prefix -> {gen, max objects, max bytes}, read once per script
+local function quotas()
+  if not quota_table then
+    quota_table = {}
+    local all = redis.call('HGETALL', P .. ':quotas')
+    for i = 1, #all, 2 do
+      local gen, o, b = string.match(all[i + 1], '^(%d+) (%d+) (%d+)$')
+      if gen then quota_table[all[i]] = {gen, tonumber(o), tonumber(b)} end
+    end
+  end
+  return quota_table
+end
+
+-- The quota that governs `key` (the longest prefix with one) and its prefix, or nil.
+local function quota_of(key)
+  local best, q = nil, nil
+  for prefix, v in pairs(quotas()) do
+    if (not best or #prefix > #best) and string.sub(key, 1, #prefix) == prefix then best, q = prefix, v end
+  end
+  return q, best
+end
+
+-- What an object of `size` bytes is charged: its whole pages.
+local quota_page = nil
+local function charged_bytes(size)
+  if not quota_page then quota_page = tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0 end
+  if quota_page <= 0 then return 0 end
+  return math.ceil((tonumber(size) or 0) / quota_page) * quota_page
+end
+local function decimal(n)
+  return string.format('%.0f', n)  -- never 1e+14
+end
+
+-- Charges object `key` of `size` bytes, last used at `last`, to quota `q` (nil: none).
+local function quota_charge(q, key, size, last)
+  if not q then return end
+  local qk = P .. ':quota:' .. q[1]
+  redis.call('HINCRBY', qk, 'objects', 1)
+  redis.call('HINCRBY', qk, 'bytes', decimal(charged_bytes(size)))
+  redis.call('ZADD', qk .. ':lru', last, key)
+  redis.call('HSET', P .. ':obj:' .. key, 'quota', q[1])
+end
+
+-- Takes back what object `key` of `size` bytes was charged to quota `gen` (nil: none).
+local function quota_uncharge(gen, key, size)
+  if not gen then return end
+  local qk = P .. ':quota:' .. gen
+  if redis.call('EXISTS', qk) == 0 then return end  -- the quota was removed since
+  redis.call('HINCRBY', qk, 'objects', -1)
+  redis.call('HINCRBY', qk, 'bytes', decimal(-charged_bytes(size)))
+  redis.call('ZREM', qk .. ':lru', key)
+end
+
+-- Marks `keys` (object keys, with their quota gens in `gens`) used now in their quotas' LRU.
+local function quota_touch(keys, gens)
+  local by = {}
+  for i, key in ipairs(keys) do
+    local gen = gens[i]
+    if gen and gen ~= '' then
+      by[gen] = by[gen] or {}
+      local l = by[gen]
+      l[#l + 1] = now
+      l[#l + 1] = key
+    end
+  end
+  for gen, l in pairs(by) do
+    if redis.call('EXISTS', P .. ':quota:' .. gen) == 1 then call_chunked('ZADD', P .. ':quota:' .. gen .. ':lru', l, 2) end
+  end
+end
+
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
 -- the last read lease on them ends. Returns the pages freed now.
 local function release(key)
   local ok = P .. ':obj:' .. key
-  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size')
+  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota')
   redis.call('DEL', ok)
+  quota_uncharge(o[5], key, o[4])
   -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
   if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
   redis.call('ZREM', P .. ':lru', key)
@@ -270,7 +351,7 @@ end
 
 -- The fields of a readable object (present, unexpired, its pages on live nodes), or nil. An
 -- expired object or one on a dead or restarted node is released on the spot.
-local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires', 'copies'}
+local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires', 'copies', 'quota'}
 local function lookup(key)
   local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
   if not o[1] then return nil end
@@ -414,11 +495,11 @@ end
 -- size) for each object no reader leases: leased objects are never evicted. visit returns true
 -- to stop. At most `max_visits` LRU entries are looked at, so the work is bounded by what
 -- the caller needs, never by the cell's size. Returns the LRU entries whose record is gone
--- (deleted by hand).
-local function walk_unleased_lru(visit, max_visits)
+-- (deleted by hand). `lru`: another LRU order to walk (a quota's), instead of the cell's.
+local function walk_unleased_lru(visit, max_visits, lru)
   local orphans, offset = {}, 0
   while offset < max_visits do
-    local batch = redis.call('ZRANGE', P .. ':lru', offset, math.min(offset + 63, max_visits - 1), 'WITHSCORES')
+    local batch = redis.call('ZRANGE', lru or (P .. ':lru'), offset, math.min(offset + 63, max_visits - 1), 'WITHSCORES')
     if #batch == 0 then return orphans end
     offset = offset + #batch / 2
     for i = 1, #batch, 2 do
@@ -465,6 +546,47 @@ local function evict(need, usable)
   if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
   if pages < need then return 0, 0 end
   return #victims, evict_keys(victims)
+end
+
+-- Makes room under the quota of `key` for its next object, of `size` bytes, which replaces
+-- the one `key` holds now: evicts the quota's least recently used objects that no reader
+-- leases (never `key` or its copies) until the quota holds it. All or nothing, as evict, unless
+-- the quota is over its limits already (lowered since): then what the search found goes
+-- anyway, so that the prefix comes down to its quota over the next puts. Looks at most 1,024
+-- objects. Returns nil when it fits (or no quota governs `key`), else the refusal's text.
+local function quota_fit(key, size)
+  local q, prefix = quota_of(key)
+  if not q or (q[2] == 0 and q[3] == 0) then return nil end
+  local qk = P .. ':quota:' .. q[1]
+  local use = redis.call('HMGET', qk, 'objects', 'bytes')
+  local objects, bytes = tonumber(use[1] or '0') or 0, tonumber(use[2] or '0') or 0
+  local old = redis.call('HMGET', P .. ':obj:' .. key, 'quota', 'size')
+  if old[1] == q[1] then objects, bytes = objects - 1, bytes - charged_bytes(old[2]) end
+  local add = charged_bytes(size)
+  local over = (q[2] > 0 and objects > q[2]) or (q[3] > 0 and bytes > q[3])
+  local function fits() return (q[2] == 0 or objects + 1 <= q[2]) and (q[3] == 0 or bytes + add <= q[3]) end
+  if fits() then return nil end
+  local refusal = 'NO_SPACE quota of prefix ' .. prefix .. ' ('
+  if q[3] > 0 and add > q[3] then
+    redis.call('HINCRBY', qk, 'refused', 1)
+    return refusal .. decimal(q[3]) .. ' bytes) is smaller than this object (' .. decimal(add) .. ' bytes in pages)'
+  end
+  local victims = {}
+  local orphans = walk_unleased_lru(function(victim, _, _, vsize)
+    if victim == key or string.sub(victim, 1, #key + 1) == key .. '\31' then return false end
+    victims[#victims + 1] = victim
+    objects, bytes = objects - 1, bytes - charged_bytes(vsize)
+    return fits()
+  end, 1024, qk .. ':lru')
+  if #orphans > 0 then call_chunked('ZREM', qk .. ':lru', orphans) end
+  if fits() or over then
+    evict_keys(victims)
+    redis.call('HINCRBY', qk, 'evicted', #victims)
+  end
+  if fits() then return nil end
+  redis.call('HINCRBY', qk, 'refused', 1)
+  return refusal .. decimal(q[2]) .. ' objects, ' .. decimal(q[3]) .. ' bytes; 0: no limit) is full, and ' ..
+         'its objects that no reader leases cannot make room'
 end
 
 -- Grants (docs/operations.md, "Threat model"): a memory node serves a lease only under a
@@ -522,7 +644,7 @@ end
 -- What a run's leases leave for lease_reads_done: hits, misses and LRU touches, so that many
 -- leases cost one command of each.
 local function new_read_batch()
-  return {hits = 0, misses = 0, lru = {}}
+  return {hits = 0, misses = 0, lru = {}, qkeys = {}, qgens = {}}
 end
 
 -- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
@@ -538,6 +660,10 @@ local function lease_read(key, reader, lease_ms, batch)
   batch.hits = batch.hits + 1
   batch.lru[#batch.lru + 1] = now
   batch.lru[#batch.lru + 1] = leased
+  if o[9] then
+    batch.qkeys[#batch.qkeys + 1] = leased
+    batch.qgens[#batch.qkeys] = o[9]
+  end
   return endpoints({page_size(), o[1], o[2] or '', o[3] or '', o[4] or '', o[5] or '', deadline}, o[6], 'r', o[3],
                    deadline)
 end
@@ -546,6 +672,7 @@ local function lease_reads_done(batch)
   if batch.hits > 0 then redis.call('HINCRBY', P .. ':stats', 'hits', batch.hits) end
   if batch.misses > 0 then redis.call('HINCRBY', P .. ':stats', 'misses', batch.misses) end
   if #batch.lru > 0 then call_chunked('ZADD', P .. ':lru', batch.lru, 2) end
+  quota_touch(batch.qkeys, batch.qgens)
 end
 
 -- The node ids of an extent list, space-separated, in order of first appearance.
@@ -583,6 +710,7 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   end
   if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
   redis.call('ZADD', P .. ':lru', now, key)
+  quota_charge(quota_of(key), key, size, now)
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end
 
@@ -710,7 +838,7 @@ local function commit_reserved_one(a, base)
   end
   local extents, why = carve(res, first, count, true)
   if not extents then return why end
-  local failed = condition_fails(key, a[base + 10])
+  local failed = condition_fails(key, a[base + 10]) or quota_fit(key, size)
   if failed then
     free_extents(extents)  -- the writes are done: nothing can land in them any more
     return failed
@@ -826,6 +954,10 @@ local function place_put(token, key, size, extra, lease, avoid, one_node, apart)
   if prev[1] then
     local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
     return endpoints({page_size(), prev[1], deadline}, prev[2], 'w', prev[1], tonumber(deadline))
+  end
+  if key ~= '' then
+    local refused = quota_fit(key, size)
+    if refused then return redis.error_reply(refused) end
   end
   -- The nodes apart are avoided whatever their pool key, and on the second try too.
   local strict = {}

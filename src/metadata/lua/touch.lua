@@ -18,4 +18,7 @@ for _, key in ipairs(keys) do
   end
   redis.call('ZADD', P .. ':lru', now, key)
 end
+local gens = {}
+for i, key in ipairs(keys) do gens[i] = redis.call('HGET', P .. ':obj:' .. key, 'quota') or '' end
+quota_touch(keys, gens)
 return 'OK'
