@@ -273,6 +273,42 @@ TEST_F(Cli, EvictIsADryRunUntilYesAndGoesInLruOrder) {
   EXPECT_EQ(kv("evict --older-than 1h --yes --json").j()["count"], 0);
 }
 
+// A tenant's quota through the CLI and real puts (kvstash put, through kvstashd): the tenant at
+// its quota evicts its own oldest objects, another tenant's stay, and status shows it all.
+TEST_F(Cli, AQuotaKeepsATenantWithinItsShareAndStatusShowsIt) {
+  start_cell("16MiB");
+  ASSERT_EQ(kv("put other/old " + file_of(1 << 20, 40)).code, 0);
+  Outcome set = kv("quota set tenant-a/ --bytes 3MiB --objects 10");
+  ASSERT_EQ(set.code, 0) << set.err;
+  for (int i = 0; i < 6; ++i) {
+    Outcome put = kv("put tenant-a/" + std::to_string(i) + " " + file_of(1 << 20, 50 + i));
+    ASSERT_EQ(put.code, 0) << put.err;
+    std::this_thread::sleep_for(20ms);
+  }
+  json q = kv("quota --json").j();
+  ASSERT_EQ(q.size(), 1u) << q.dump();
+  EXPECT_EQ(q[0]["prefix"], "tenant-a/");
+  EXPECT_EQ(q[0]["objects"], 3);
+  EXPECT_EQ(q[0]["bytes"], 3 << 20);
+  EXPECT_EQ(q[0]["evicted"], 3);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(kv("show tenant-a/" + std::to_string(i)).code, 3) << i;
+  for (int i = 3; i < 6; ++i) EXPECT_EQ(kv("show tenant-a/" + std::to_string(i)).code, 0) << i;
+  EXPECT_EQ(kv("show other/old").code, 0) << "another prefix's older object stays";
+  // An object larger than the whole quota is refused, and nothing of the tenant's goes.
+  Outcome big = kv("put tenant-a/big " + file_of(4 << 20, 60));
+  EXPECT_NE(big.code, 0);
+  EXPECT_NE(big.err.find("quota of prefix tenant-a/"), std::string::npos) << big.err;
+  EXPECT_EQ(kv("show tenant-a/5").code, 0);
+
+  Outcome status = kv("status");
+  EXPECT_NE(status.out.find("quotas    tenant-a/: 3 of 10 objects, 3 MiB of 3 MiB of the pool; 3 evicted, 1 refused"), std::string::npos)
+      << status.out;
+  EXPECT_EQ(kv("status --json").j()["quotas"][0]["refused"], 1);
+  EXPECT_EQ(kv("quota set tenant-a/").code, 2) << "a quota needs a limit";
+  ASSERT_EQ(kv("quota rm tenant-a/").code, 0);
+  EXPECT_EQ(kv("quota --json").j().size(), 0u);
+}
+
 TEST_F(Cli, DrainStopsPlacementsAndNodeRmForgetsADeadNode) {
   start_cell("8MiB");
   ASSERT_EQ(kv("put d:1 " + file_of(1000, 20)).code, 0);

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "kvstash/status.h"
 
 namespace CLI {
@@ -23,6 +25,7 @@ namespace metadata {
 class Cell;
 class CellAdmin;
 class RedisClient;
+struct QuotaUse;
 }  // namespace metadata
 }  // namespace kvstash
 
@@ -92,6 +95,12 @@ void add_object_commands(Registry& r);   // ls, show, rm, touch, evict, get, put
 void add_doctor_command(Registry& r);
 void add_plan_command(Registry& r);
 void add_cells_command(Registry& r);  // cells, cells set, cells settle
+void add_quota_commands(Registry& r);  // quota, quota set/rm/recount
+
+// The cell's quotas as `kvstash quota --json` and `kvstash status --json` show them, and one
+// quota as a line of `kvstash status` (quotas.cc).
+nlohmann::json quotas_json(const std::vector<metadata::QuotaUse>& quotas);
+std::string quota_line(const metadata::QuotaUse& quota);
 
 // A cell's memory as `kvstash status` counts it (cluster.cc): capacity and use of every node
 // not gone, free bytes of the nodes that take new objects (up), how many nodes are in each

@@ -8,6 +8,7 @@
 #include "common/units.h"
 #include "kvstash/store.h"
 #include "metadata/cell.h"
+#include "metadata/quotas.h"
 
 namespace kvstash::cli {
 namespace {
@@ -105,6 +106,8 @@ int status(Session& s) {
   const std::string version = redis_version((*cell)->redis());
   auto scope = admin.rkey_scope();
   if (!scope.is_ok()) return fail(scope.status(), "reading the cell", &s);
+  auto quotas = metadata::CellQuotas((*cell)->redis(), admin.prefix()).list();
+  if (!quotas.is_ok()) return fail(quotas.status(), "reading the quotas", &s);
   if (s.json()) {
     json j{{"redis", {{"url", s.redis_display()}, {"version", version}}},
            {"cell", s.globals().cell},
@@ -119,7 +122,8 @@ int status(Session& s) {
            {"misses", sum->misses},
            {"evicted", sum->evicted},
            {"expired", sum->expired},
-           {"rkey_scope", to_string(*scope)}};
+           {"rkey_scope", to_string(*scope)},
+           {"quotas", quotas_json(*quotas)}};
     for (const auto& n : *nodes) j["nodes"].push_back(node_json(n));
     std::cout << j.dump(2) << "\n";
     return kExitOk;
@@ -143,6 +147,9 @@ int status(Session& s) {
             << percent(sum->hits, sum->hits + sum->misses) << "); " << sum->evicted << " evicted, "
             << sum->expired << " expired\n";
   std::cout << "rkey      " << to_string(*scope) << " scope (kvstash rkey-scope)\n";
+  for (std::size_t i = 0; i < quotas->size(); ++i) {
+    std::cout << (i == 0 ? "quotas    " : "          ") << quota_line((*quotas)[i]) << "\n";
+  }
   if (!nodes->empty()) std::cout << "\n" << nodes_table(*nodes).str();
   return kExitOk;
 }

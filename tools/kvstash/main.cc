@@ -158,6 +158,7 @@ int main(int argc, char** argv) {
   add_doctor_command(reg);
   add_plan_command(reg);
   add_cells_command(reg);
+  add_quota_commands(reg);
 
   // `bench` hands everything after it to kvstash-bench untouched (see forward_bench); it is
   // declared here for --help and completion.
