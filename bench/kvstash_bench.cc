@@ -330,6 +330,11 @@ int main(int argc, char** argv) {
   md->add_option("--objects", meta.objects, "--scripts: one-page objects in the cell")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
+  md->add_option("--quotas", meta.quotas,
+                 "Throughput: set this many quotas per key prefix first (one over the gets' keys, one over the "
+                 "puts', the rest over other prefixes; none ever full): what quota accounting costs")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 256));
   md->add_option("--shards", meta.shards,
                  "Instead: the mix over a Redis Cluster of each shard count listed (one master per shard, "
                  "one cell per shard, clients spread over the cells), for how ops/s scale with shards")

@@ -20,6 +20,10 @@ struct MetadataBenchOptions {
   // Throughput over a Redis Cluster of these shard counts (one master each, a cell per
   // shard, the clients spread over the cells), instead of against one plain redis-server.
   std::vector<int> shards;
+  // Throughput: quotas set on the cell first (docs/operations.md, "Quotas"), one over the hot
+  // objects, one over the puts' keys, the rest over prefixes no key has; all with room to
+  // spare: what the scripts' accounting costs, without eviction.
+  int quotas = 0;
 };
 
 // Starts a private redis-server, prints the table (or JSON), stops it; 0 on success.

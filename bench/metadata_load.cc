@@ -37,6 +37,7 @@
 #include "measure.h"
 #include "metadata.h"
 #include "metadata/cell.h"
+#include "metadata/quotas.h"
 #include "metadata/read_releases.h"
 #include "metadata/records.h"
 #include "metadata/scripts.h"
@@ -367,6 +368,12 @@ Status LoadBench::prepare() {
   for (const char* id : {"n1", "n2"}) {
     KVSTASH_RETURN_IF_ERROR(
         cell_.node_catalog().register_node({id, "e1", kPage, kPoolPages, "addr", "key"}, 3600s).status());
+  }
+  metadata::CellQuotas quotas(cell_.redis(), cell_.prefix());
+  constexpr std::uint64_t kRoom = std::uint64_t{1} << 49;  // never full
+  for (int i = 0; i < o_.quotas; ++i) {
+    const std::string prefix = i == 0 ? "hot/" : i == 1 ? "new/" : "tenant-" + std::to_string(i) + "/";
+    KVSTASH_RETURN_IF_ERROR(quotas.set(prefix, {0, kRoom}, deadline_after(60s)));
   }
   for (std::size_t i = 0; i < kHotObjects; ++i) hot_.push_back("hot/" + std::to_string(i));
   // The hot objects, on a few connections at once, through the put the clients use.

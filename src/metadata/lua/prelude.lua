@@ -229,26 +229,47 @@ end
 -- its release takes back exactly what its publish charged, whatever quotas came and went (a
 -- removed quota's gen has no counters: nothing to take back).
 local MAX_QUOTAS = 256
-local quota_table = nil  -- prefix -> {gen, max objects, max bytes}, read once per script
-local function quotas()
-  if not quota_table then
-    quota_table = {}
-    local all = redis.call('HGETALL', P .. ':quotas')
-    for i = 1, #all, 2 do
-      local gen, o, b = string.match(all[i + 1], '^(%d+) (%d+) (%d+)$')
-      if gen then quota_table[all[i]] = {gen, tonumber(o), tonumber(b)} end
-    end
-  end
-  return quota_table
+local function parse_quota(text)
+  local gen, o, b = string.match(text or '', '^(%d+) (%d+) (%d+)$')
+  if not gen then return nil end
+  return {gen, tonumber(o), tonumber(b)}
 end
 
--- The quota that governs `key` (the longest prefix with one) and its prefix, or nil.
+-- Every quota: prefix -> {gen, max objects, max bytes} (the operator's views).
+local function quotas()
+  local t = {}
+  local all = redis.call('HGETALL', P .. ':quotas')
+  for i = 1, #all, 2 do t[all[i]] = parse_quota(all[i + 1]) end
+  return t
+end
+
+-- The quota that governs `key` (the longest prefix with one) and its prefix, or nil. One
+-- HMGET of the key's prefixes of the lengths quotas have (P:quota_lens: length -> how many
+-- quotas), never a walk over every quota.
+local quota_lens = nil  -- read once per script, longest first
+local quota_seen = {}   -- key -> {quota, prefix}: a put asks twice (quota_fit, publish)
 local function quota_of(key)
-  local best, q = nil, nil
-  for prefix, v in pairs(quotas()) do
-    if (not best or #prefix > #best) and string.sub(key, 1, #prefix) == prefix then best, q = prefix, v end
+  local seen = quota_seen[key]
+  if seen then return seen[1], seen[2] end
+  if not quota_lens then
+    quota_lens = {}
+    for _, l in ipairs(redis.call('HKEYS', P .. ':quota_lens')) do quota_lens[#quota_lens + 1] = tonumber(l) end
+    table.sort(quota_lens, function(a, b) return a > b end)
   end
-  return q, best
+  local prefixes = {}
+  for _, l in ipairs(quota_lens) do
+    if l <= #key then prefixes[#prefixes + 1] = string.sub(key, 1, l) end
+  end
+  if #prefixes == 0 then return nil end
+  local found = redis.call('HMGET', P .. ':quotas', unpack(prefixes))
+  for i, text in ipairs(prefixes) do
+    local q = found[i] and parse_quota(found[i])
+    if q then
+      quota_seen[key] = {q, text}
+      return q, text
+    end
+  end
+  return nil
 end
 
 -- What an object of `size` bytes is charged: its whole pages.

@@ -15,11 +15,12 @@ if not string.match(max_objects, '^%d+$') or not string.match(max_bytes, '^%d+$'
    #max_bytes > 15 then
   return redis.error_reply('INVALID quota limits are decimal numbers below 10^15')
 end
-local current = quotas()[prefix]
+local current = parse_quota(redis.call('HGET', P .. ':quotas', prefix))
 if tonumber(max_objects) == 0 and tonumber(max_bytes) == 0 then
   if not current then return {'0', '0'} end
   redis.call('DEL', P .. ':quota:' .. current[1], P .. ':quota:' .. current[1] .. ':lru')
   redis.call('HDEL', P .. ':quotas', prefix)
+  if redis.call('HINCRBY', P .. ':quota_lens', #prefix, -1) <= 0 then redis.call('HDEL', P .. ':quota_lens', #prefix) end
   -- Its objects now fall to a shorter prefix's quota, if one covers them.
   return {'0', redis.call('HLEN', P .. ':quotas') > 0 and '1' or '0'}
 end
@@ -32,5 +33,6 @@ if redis.call('HLEN', P .. ':quotas') >= MAX_QUOTAS then
 end
 local gen = tostring(redis.call('INCR', P .. ':quota_seq'))
 redis.call('HSET', P .. ':quotas', prefix, gen .. ' ' .. max_objects .. ' ' .. max_bytes)
+redis.call('HINCRBY', P .. ':quota_lens', #prefix, 1)
 redis.call('HSET', P .. ':quota:' .. gen, 'objects', 0, 'bytes', 0, 'evicted', 0, 'refused', 0, 'counting', 1)
 return {gen, '1'}
