@@ -28,6 +28,7 @@
 
 #include "fuzz_util.h"
 #include "metadata/cell.h"
+#include "metadata/quotas.h"
 #include "metadata/redis_client.h"
 #include "resp.h"
 
@@ -175,6 +176,18 @@ const std::vector<std::function<void(Cell&)>>& calls() {
         (void)c.admin().evict_lru(0ms, 1 << 20, true, 16, &now);
       },
       [](Cell& c) { (void)c.node_catalog().reclaim(64); },
+      [](Cell& c) {
+        if (auto q = metadata::CellQuotas(c.redis(), c.admin().prefix()).list(); q.is_ok()) {
+          for (std::size_t i = 1; i < q->size(); ++i) {
+            FUZZ_CHECK((*q)[i - 1].prefix <= (*q)[i].prefix, "list_quotas: not by prefix");
+          }
+        }
+      },
+      [](Cell& c) {
+        // set_quota, then quota_scan steps until the replies say the pass is done (or run out).
+        (void)metadata::CellQuotas(c.redis(), c.admin().prefix())
+            .set("tenant/", {10, 1 << 20}, deadline_after(std::chrono::seconds(1)));
+      },
   };
   return all;
 }

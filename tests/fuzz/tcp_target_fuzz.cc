@@ -14,6 +14,12 @@
 //   bit 2  requests are rewritten so they can land: a header whose key is 0, 1 or 2 names
 //          the remote region, the leased region, or a region deregistered at start-up, and
 //          its addr is then an offset from that region's base (payloads pass through as is)
+//   bit 3  serve through a transport that checks grants (kvstash/grant.h; no token): the
+//          leased region is reached only under a grant this harness signed
+//   bit 4  (with bit 3) the harness sends a grant of its own first: lease 7 may write the
+//          first half of the leased region (GRANT frames in the input ride along, forged)
+// With grants checked, nothing may change the leased region's second half, nor its first
+// half without bit 4: only a grant the harness signed lets a write land.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -24,12 +30,14 @@
 #include <thread>
 #include <vector>
 
+#include "common/grant.h"
 #include "common/handshake.h"
 #include "common/system.h"
 #include "common/wire.h"
 #include "fuzz_util.h"
 #include "health.h"
 #include "kvstash/engine.h"
+#include "kvstash/grant.h"
 #include "transport/tcp/tcp_internal.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -57,6 +65,40 @@ std::uint16_t port_of(const std::string& address) {
   return r.u16();
 }
 
+// Grants this harness signs with its own key: runs are byte offsets into the leased region.
+class HarnessGrants final : public GrantCheck {
+ public:
+  explicit HarnessGrants(std::uintptr_t leased_base) : base_(leased_base), key_(grant::new_key()) {}
+  Result<Grant> check(std::string_view text) const override {
+    KVSTASH_ASSIGN_OR_RETURN(grant::Terms t, grant::verify(key_, text));
+    if (t.issuer != "fuzz" || t.deadline == 0) return Status::permission_denied("not the harness's grant");
+    Grant g;
+    g.op = t.op;
+    g.fence = t.deadline;
+    if (t.whole) {
+      g.ranges.push_back({base_, kRegion});
+      return g;
+    }
+    for (auto [first, count] : t.runs) {
+      if (first >= kRegion || count > kRegion - first) return Status::permission_denied("outside the region");
+      g.ranges.push_back({base_ + first, count});
+    }
+    return g;
+  }
+  // A grant for `op` over [first, first + count) of the leased region (the whole of it for
+  // count 0).
+  std::string sign(TransferOp op, std::uint64_t first, std::uint64_t count) const {
+    grant::Terms t{.issuer = "fuzz", .epoch = "1", .op = op, .deadline = std::uint64_t{1} << 62};
+    t.whole = count == 0;
+    if (!t.whole) t.runs.emplace_back(first, count);
+    return grant::sign(key_, t);
+  }
+
+ private:
+  std::uintptr_t base_;
+  std::vector<std::uint8_t> key_;
+};
+
 // One served transport: [gap][remote region][gap][leased region][gap], the gaps canaries.
 struct Served {
   std::unique_ptr<transport::Transport> transport;
@@ -71,8 +113,9 @@ struct Served {
   std::unique_ptr<transport::LocalRegistration> scratch_reg;
   std::shared_ptr<transport::Endpoint> health;  // the health check's connection
   std::uint64_t checks = 0;
+  std::shared_ptr<const HarnessGrants> grants;  // checked, for the third transport
 
-  void start(std::string cluster_token) {
+  void start(std::string cluster_token, bool check_grants = false) {
     token = std::move(cluster_token);
     TcpOptions o;
     o.streams = 1;
@@ -92,6 +135,10 @@ struct Served {
                         "leased");
     keys[0] = key_of(*remote);
     keys[1] = key_of(*leased);
+    if (check_grants) {
+      grants = std::make_shared<HarnessGrants>(reinterpret_cast<std::uintptr_t>(bases[1]));
+      transport->set_grant_check(grants);
+    }
     {
       auto gone = fuzz::must(
           transport->register_memory({bases[0], kRegion, MemoryKind::kHost}, Access::kRemote), "gone");
@@ -115,15 +162,16 @@ struct Served {
   }
 };
 
-Served& served(bool with_token) {
+Served& served(bool with_token, bool grants = false) {
   static Served* s = [] {
     fuzz::quiet_logs();
-    auto* s = new Served[2];
+    auto* s = new Served[3];
     s[0].start("");
     s[1].start(kToken);
+    s[2].start("", true);
     return s;
   }();
-  return s[with_token ? 1 : 0];
+  return s[grants ? 2 : with_token ? 1 : 0];
 }
 
 // Rewrites requests so that they can reach the served regions (flags bit 2).
@@ -143,7 +191,7 @@ std::string rewrite(const Served& s, std::string_view in, bool hello_first) {
       h.addr += reinterpret_cast<std::uintptr_t>(s.bases[i]);
     }
     out.append(reinterpret_cast<const char*>(&h), sizeof h);
-    if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
+    if (h.op == static_cast<std::uint8_t>(TransferOp::kWrite) || h.op == tcpi::kGrantOp) {
       const std::size_t payload = static_cast<std::size_t>(std::min<std::uint64_t>(h.length, in.size()));
       out.append(in.substr(0, payload));
       in.remove_prefix(payload);
@@ -202,6 +250,7 @@ void check_healthy(Served& s) {
       terms.id = sys::random_u64() | 1;
       terms.op = TransferOp::kWrite;
       terms.ttl = std::chrono::seconds(10);
+      if (s.grants) terms.grant = s.grants->sign(TransferOp::kWrite, 0, 0);
       use = fuzz::must(ep.lease_key(*use, {&range, 1}, terms, deadline), "lease_key");
     }
     const std::string why =
@@ -218,19 +267,37 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static const int baseline_fds = [] {
     served(false);
     served(true);
+    served(false, true);
     return fuzz::open_fds();
   }();
   if (size == 0) return 0;
   const std::uint8_t flags = data[0];
   std::string_view rest(reinterpret_cast<const char*>(data) + 1, size - 1);
-  Served& s = served((flags & 1) != 0);
+  const bool grants = (flags & 8) != 0, granted = grants && (flags & 16) != 0;
+  Served& s = served((flags & 1) != 0 && !grants, grants);
+  // What no input may change: the leased region's second half (with grants checked), and its
+  // first half too unless the harness grants it.
+  const std::size_t kept_from = granted ? kRegion / 2 : 0;
+  const std::string kept = grants ? std::string(reinterpret_cast<const char*>(s.bases[1]) + kept_from,
+                                                kRegion - kept_from)
+                                  : std::string();
 
   const auto deadline = fuzz::Clock::now() + std::chrono::seconds(5);
   int fd = fuzz::connect_loopback(s.port);
   FUZZ_CHECK(fd >= 0, "cannot connect to the target: %s", std::strerror(errno));
   const bool ours = (flags & 2) != 0;
   if (ours) client_handshake(s, fd, deadline);
-  const std::string bytes = (flags & 4) != 0 ? rewrite(s, rest, !ours) : std::string(rest);
+  std::string bytes = (flags & 4) != 0 ? rewrite(s, rest, !ours) : std::string(rest);
+  if (granted && ours) {
+    const std::string text = s.grants->sign(TransferOp::kWrite, 0, kRegion / 2);
+    tcpi::RequestHeader h{};
+    h.op = tcpi::kGrantOp;
+    h.key = s.keys[1];
+    h.lease = 7;
+    h.length = text.size();
+    bytes.insert(0, reinterpret_cast<const char*>(&h), sizeof h);
+    bytes.insert(sizeof h, text);
+  }
   // The target may stop reading (a refused request closes the connection): not a failure.
   (void)fuzz::converse(fd, bytes, deadline);
   ::shutdown(fd, SHUT_WR);
@@ -240,6 +307,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
              "the target kept the connection open 5 s after the client's last byte");
 
   FUZZ_CHECK(s.canaries_intact(), "memory next to a served region was written");
+  FUZZ_CHECK(!grants || std::memcmp(kept.data(), s.bases[1] + kept_from, kept.size()) == 0,
+             "a write landed in the leased region where no grant the harness signed reached");
   check_healthy(s);
   FUZZ_CHECK(s.canaries_intact(), "memory next to a served region was written");
   FUZZ_CHECK(fuzz::open_fds() < baseline_fds + 64, "open descriptors pile up: %d, %d at start",
