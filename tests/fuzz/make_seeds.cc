@@ -146,6 +146,23 @@ void tcp_target() {
   seed(t, "raw_hello_version", u8(0) + raw(wrong));
   seed(t, "raw_short_hello", u8(0) + raw(hello).substr(0, 10));
   seed(t, "empty", u8(kHandshake));
+  // Grants checked (8); with 16 the harness grants lease 7 writes over the leased region's
+  // first 8 KiB. Inside, beside, forged, released, and a read under a write grant.
+  constexpr std::uint8_t kGrants = 8, kGranted = 16;
+  const std::uint8_t granted = kHandshake | kRewrite | kGrants | kGranted;
+  seed(t, "granted_write_inside",
+       u8(granted) + header(kWrite, 1, 0, 64, 7, 0) + payload + header(kRead, 1, 0, 64, 7, 0));
+  seed(t, "granted_write_beside", u8(granted) + header(kWrite, 1, (8 << 10) - 32, 64, 7, 0) + payload +
+                                      header(kWrite, 1, 12 << 10, 64, 7, 0) + payload);
+  seed(t, "granted_read_under_write_grant", u8(granted) + header(kRead, 1, 0, 64, 7, 0));
+  seed(t, "granted_then_released", u8(granted) + header(tcpi::kReleaseOp, 1, 0, 0, 7, 0) +
+                                       header(kWrite, 1, 0, 64, 7, 0) + payload);
+  const std::string forged = "g1 fuzz 1 w 4611686018427387904 * 0123456789abcdef0123456789abcdef01234567";
+  seed(t, "forged_grant", u8(kHandshake | kRewrite | kGrants) + header(tcpi::kGrantOp, 1, 0, forged.size(), 9, 0) +
+                              forged + header(kWrite, 1, 0, 64, 9, 0) + payload);
+  seed(t, "grant_without_lease", u8(kHandshake | kRewrite | kGrants) +
+                                     header(tcpi::kGrantOp, 1, 0, forged.size(), 0, 0) + forged);
+  seed(t, "lease_without_grant", u8(kHandshake | kRewrite | kGrants) + header(kWrite, 1, 0, 64, 9, 0) + payload);
 }
 
 // What a target answers a tcp initiator: a response header, and a read's payload.
@@ -245,6 +262,8 @@ void verbs_wire() {
   q.fence = 123456;
   q.ranges = {{0x10000, 4096}, {0x20000, 8192}};
   seed(t, "lease_request", v::encode_lease_request(q));
+  q.grant = "g1 node-1 e1 w 123456 16+1,32+2 0123456789abcdef0123456789abcdef01234567";
+  seed(t, "lease_request_granted", v::encode_lease_request(q));
   v::LeaseReply ok;
   ok.id = 42;
   ok.rkeys = {0x11, 0x22};

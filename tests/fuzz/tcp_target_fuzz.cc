@@ -250,7 +250,7 @@ void check_healthy(Served& s) {
       terms.id = sys::random_u64() | 1;
       terms.op = TransferOp::kWrite;
       terms.ttl = std::chrono::seconds(10);
-      if (s.grants) terms.grant = s.grants->sign(TransferOp::kWrite, 0, 0);
+      if (s.grants) terms.grant = std::make_shared<const std::string>(s.grants->sign(TransferOp::kWrite, 0, 0));
       use = fuzz::must(ep.lease_key(*use, {&range, 1}, terms, deadline), "lease_key");
     }
     const std::string why =
