@@ -87,6 +87,17 @@ TEST(Kvstashd, CapsAreFlagsAndRiskySettingsAreSaidAtStart) {
   EXPECT_NE(open.find("WARNING: serving 0.0.0.0:0 without a cluster token"), std::string::npos) << open;
   auto [rc_lo, lo] = run(with({"--listen", "127.0.0.1:0"}), 10s);
   EXPECT_EQ(lo.find("without a cluster token"), std::string::npos) << "loopback is the safe default: " << lo;
+  EXPECT_EQ(lo.find("holds a password"), std::string::npos) << lo;
+  // A password in a URL on the command line: said; the same URL from the environment: not.
+  std::vector<std::string> pw_args = with({});
+  pw_args[1] = "redis://:pw-0123456789@127.0.0.1:1/0";
+  auto [rc_pw, pw] = run(pw_args, 10s);
+  EXPECT_NE(pw.find("holds a password"), std::string::npos) << pw;
+  EXPECT_EQ(pw.find("pw-0123456789"), std::string::npos) << "the password is never echoed: " << pw;
+  std::vector<std::string> env_args = with({});
+  env_args.erase(env_args.begin(), env_args.begin() + 2);
+  auto [rc_env_pw, env_pw] = run(env_args, 10s, "export KVSTASH_REDIS_URL=redis://:pw-0123456789@127.0.0.1:1/0; ");
+  EXPECT_EQ(env_pw.find("holds a password"), std::string::npos) << env_pw;
 
   rlimit limit{};
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);

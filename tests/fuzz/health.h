@@ -42,7 +42,8 @@ class WaitSink final : public transport::CompletionSink {
 // what went wrong, or "" when the bytes came back.
 inline std::string write_read(transport::Endpoint& ep, const transport::RemoteKey& key, std::uint64_t base,
                               const std::string& pattern, std::byte* scratch,
-                              const transport::LocalRegistration* scratch_reg) {
+                              const transport::LocalRegistration* scratch_reg,
+                              const transport::RemoteKey* read_key = nullptr) {
   const Deadline deadline = deadline_after(std::chrono::seconds(5));
   std::memcpy(scratch, pattern.data(), pattern.size());
   std::memset(scratch + pattern.size(), 0, pattern.size());
@@ -64,7 +65,7 @@ inline std::string write_read(transport::Endpoint& ep, const transport::RemoteKe
             .local = scratch + pattern.size(),
             .local_reg = scratch_reg,
             .remote_addr = base,
-            .remote_key = &key,
+            .remote_key = read_key != nullptr ? read_key : &key,
             .length = pattern.size(),
             .sink = &read_sink,
             .tag = 1};

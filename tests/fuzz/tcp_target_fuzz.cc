@@ -244,17 +244,22 @@ void check_healthy(Served& s) {
     auto key = ep.import_key(base, kRegion, (i == 0 ? s.remote : s.leased)->packed_key(), deadline);
     FUZZ_CHECK(key.is_ok(), "import_key: %s", key.status().to_string().c_str());
     std::unique_ptr<transport::RemoteKey> use = std::move(key).value();
+    std::unique_ptr<transport::RemoteKey> read;  // under grants: a lease of its own, for reads
     if (i == 1) {
       const RemoteRange range{base, kRegion};
-      transport::LeaseTerms terms;
-      terms.id = sys::random_u64() | 1;
-      terms.op = TransferOp::kWrite;
-      terms.ttl = std::chrono::seconds(10);
-      if (s.grants) terms.grant = std::make_shared<const std::string>(s.grants->sign(TransferOp::kWrite, 0, 0));
-      use = fuzz::must(ep.lease_key(*use, {&range, 1}, terms, deadline), "lease_key");
+      auto lease = [&](TransferOp op) {
+        transport::LeaseTerms terms;
+        terms.id = sys::random_u64() | 1;
+        terms.op = op;
+        terms.ttl = std::chrono::seconds(10);
+        if (s.grants) terms.grant = std::make_shared<const std::string>(s.grants->sign(op, 0, 0));
+        return fuzz::must(ep.lease_key(*use, {&range, 1}, terms, deadline), "lease_key");
+      };
+      if (s.grants) read = lease(TransferOp::kRead);
+      use = lease(TransferOp::kWrite);
     }
     const std::string why =
-        fuzz::write_read(ep, *use, base + 512, pattern, s.scratch.data(), s.scratch_reg.get());
+        fuzz::write_read(ep, *use, base + 512, pattern, s.scratch.data(), s.scratch_reg.get(), read.get());
     FUZZ_CHECK(why.empty(), "region %d after the input: %s", i, why.c_str());
   }
 }

@@ -12,6 +12,7 @@
 
 #include "cli.h"
 #include "kvstash/store.h"
+#include "metadata/redis_client.h"
 
 namespace {
 
@@ -189,5 +190,15 @@ int main(int argc, char** argv) {
     return rc == 0 ? kExitOk : kExitUsage;
   }
   if (!action) return kExitUsage;
+  // A password in a URL typed on the command line is every local user's to read.
+  if (auto url = metadata::RedisUrl::parse(g.redis_url); url.is_ok() && !url->password.empty()) {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string_view(argv[i]).find(g.redis_url) != std::string_view::npos) {
+        std::cerr << "kvstash: warning: the --redis URL holds a password, which `ps` shows to every user of this "
+                     "host: use --redis-password-file or KVSTASH_REDIS_PASSWORD\n";
+        break;
+      }
+    }
+  }
   return action();
 }

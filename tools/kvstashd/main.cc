@@ -13,6 +13,7 @@
 #include "common/units.h"
 #include "kvstash/types.h"
 #include "metadata/cell_directory.h"
+#include "metadata/redis_client.h"
 #include "node/admin_server.h"
 #include "node/memory_node.h"
 
@@ -262,6 +263,17 @@ int main(int argc, char** argv) {
                 "can read and write the pool. Give --cluster-token-file (or KVSTASH_CLUSTER_TOKEN)");
   }
 
+  // A password in a URL typed on the command line is every local user's to read.
+  if (auto url = metadata::RedisUrl::parse(opts.redis_url); url.is_ok() && !url->password.empty()) {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string_view(argv[i]).find(opts.redis_url) != std::string_view::npos) {
+        warn_loudly("the --redis URL on the command line holds a password, which `ps` and /proc/PID/cmdline "
+                    "show to every user of this host: pass it with --redis-password-file or "
+                    "KVSTASH_REDIS_PASSWORD, and the URL without it (or in KVSTASH_REDIS_URL)");
+        break;
+      }
+    }
+  }
   if (opts.cell == "auto") {
     metadata::RedisOptions redis;
     redis.url = opts.redis_url;
