@@ -351,6 +351,11 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Sends queued requests from the calling thread while the socket takes them whole.
   // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
   bool send_inline();
+  // Through TLS, send_inline() encrypts and sends this much of a request from the caller's
+  // thread before it hands the rest to the writer (which holds no lock while it sends).
+  static constexpr std::size_t kInlineTlsBytes = 256u << 10;
+  // The bytes of `r` not sent yet, as iovecs into `iov`; returns how many.
+  static std::size_t unsent(const OutRequest& r, std::array<iovec, kMaxGroupOps + 1>& iov);
   // The writer, on the strand while writing_: sends resume_'s rest and the queued requests,
   // waiting for the socket when it is full; clears writing_ when nothing is left.
   void write_more();
