@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <openssl/err.h>
 #include <openssl/ssl.h>
@@ -94,6 +95,48 @@ bool certificate_alert(int reason) {
 
 }  // namespace
 
+// OpenSSL's records go through this BIO: non-blocking send and recv on the session's socket,
+// like OpenSSL's socket BIO, but a record with more of the same write behind it is sent with
+// MSG_MORE (a TLS write moves one 16 KiB record per call: pushed one by one, a 4 MiB payload
+// is 256 segments, each through loopback's whole receive path).
+struct SocketBio {
+  static int write(BIO* b, const char* data, int len) {
+    auto* s = static_cast<TlsSession*>(BIO_get_data(b));
+    BIO_clear_retry_flags(b);
+    const ssize_t n = ::send(s->fd_, data, static_cast<std::size_t>(len),
+                             MSG_NOSIGNAL | MSG_DONTWAIT | (s->more_ ? MSG_MORE : 0));
+    if (n >= 0) return static_cast<int>(n);
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) BIO_set_retry_write(b);
+    return -1;
+  }
+  static int read(BIO* b, char* out, int len) {
+    auto* s = static_cast<TlsSession*>(BIO_get_data(b));
+    BIO_clear_retry_flags(b);
+    const ssize_t n = ::recv(s->fd_, out, static_cast<std::size_t>(len), MSG_DONTWAIT);
+    if (n >= 0) return static_cast<int>(n);
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) BIO_set_retry_read(b);
+    return -1;
+  }
+  static long ctrl(BIO*, int cmd, long, void*) { return cmd == BIO_CTRL_FLUSH ? 1 : 0; }
+  static int create(BIO* b) {
+    BIO_set_init(b, 1);
+    return 1;
+  }
+  static BIO_METHOD* method() {
+    static BIO_METHOD* const m = [] {
+      BIO_METHOD* made = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "kvstash tcp socket");
+      if (made != nullptr) {
+        BIO_meth_set_write(made, &write);
+        BIO_meth_set_read(made, &read);
+        BIO_meth_set_ctrl(made, &ctrl);
+        BIO_meth_set_create(made, &create);
+      }
+      return made;
+    }();
+    return m;
+  }
+};
+
 Result<std::shared_ptr<TlsContext>> TlsContext::serving(const TlsOptions& o) {
   if (o.key_file.empty())
     return Status::invalid_argument("TlsOptions::cert_file is set without its key_file");
@@ -154,8 +197,11 @@ Result<std::unique_ptr<TlsSession>> TlsSession::make(const TlsContext& context, 
   ERR_clear_error();
   SSL* ssl = SSL_new(context.get());
   if (ssl == nullptr) return Status::internal("SSL_new: " + openssl_reason());
-  std::unique_ptr<TlsSession> s(new TlsSession(ssl, serving));
-  if (SSL_set_fd(ssl, fd) != 1) return Status::internal("SSL_set_fd: " + openssl_reason());
+  std::unique_ptr<TlsSession> s(new TlsSession(ssl, fd, serving));
+  BIO* bio = SocketBio::method() != nullptr ? BIO_new(SocketBio::method()) : nullptr;
+  if (bio == nullptr) return Status::internal("BIO_new: " + openssl_reason());
+  BIO_set_data(bio, s.get());
+  SSL_set_bio(ssl, bio, bio);  // the SSL owns it
   if (serving) {
     SSL_set_accept_state(ssl);
     return s;
@@ -183,6 +229,7 @@ TlsSession::~TlsSession() { SSL_free(ssl_); }
 
 int TlsSession::handshake() {
   std::lock_guard lock(mu_);
+  more_ = false;
   ERR_clear_error();
   const int r = SSL_do_handshake(ssl_);
   if (r == 1) return 1;
@@ -245,6 +292,7 @@ ssize_t TlsSession::read(void* data, std::size_t n) {
   auto* p = static_cast<std::byte*>(data);
   std::size_t got = 0;
   const std::size_t want = std::min<std::size_t>(n, 256u << 10);
+  more_ = false;  // a read may answer the peer (a key update): one record, pushed
   while (got < want) {
     ERR_clear_error();
     const int r = SSL_read(ssl_, p + got, static_cast<int>(std::min<std::size_t>(want - got, INT_MAX)));
@@ -280,6 +328,7 @@ ssize_t TlsSession::write(const void* data, std::size_t n) {
 }
 
 ssize_t TlsSession::write_locked(const void* data, std::size_t n) {
+  more_ = n > kStageBytes;  // the record going out is not this write's last
   ERR_clear_error();
   const int r = SSL_write(ssl_, data, static_cast<int>(std::min<std::size_t>(n, INT_MAX)));
   if (r > 0) {

@@ -98,14 +98,19 @@ class TlsSession {
   std::string describe() const;
 
  private:
-  TlsSession(ssl_st* ssl, bool serving) : ssl_(ssl), serving_(serving) {}
+  TlsSession(ssl_st* ssl, int fd, bool serving) : ssl_(ssl), fd_(fd), serving_(serving) {}
+  friend struct SocketBio;
   // Maps a call's result (<= 0) onto the errno convention, noting in `wants` what to wait
   // for; needs mu_.
   ssize_t failed(int ret, Wait& wants);
   ssize_t write_locked(const void* data, std::size_t n);
 
   ssl_st* ssl_;
+  int fd_;
   bool serving_;
+  // Set while a write has more records to send after the one going out: its send() carries
+  // MSG_MORE, so the kernel packs records into full segments instead of pushing each.
+  bool more_ = false;
   std::mutex mu_;
   Wait read_wants_ = Wait::kRead;
   Wait write_wants_ = Wait::kWrite;
