@@ -5,6 +5,10 @@
 // statuses; grants hold as they do in the clear.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +20,7 @@
 #include "recording_sink.h"
 #include "test_util.h"
 #include "tools/common/throwaway_tls.h"
+#include "transport/tcp/tcp_internal.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvstash::transport {
@@ -250,6 +255,64 @@ TEST_F(TcpTls, ANodeWithAClientCaRequiresAndChecksClientCertificates) {
   ASSERT_TRUE(sink.wait(1));
   EXPECT_TRUE(sink.status(0).is_ok()) << sink.status(0).to_string();
   EXPECT_EQ(test::first_mismatch(p.local.data(), p.remote.data(), 1u << 20), -1);
+}
+
+std::uint64_t counter(const Transport& t, const std::string& name) {
+  for (const auto& c : t.counters()) {
+    if (c.name == name) return c.value;
+  }
+  return 0;
+}
+
+// A raw connection to `target`'s listener (loopback).
+int raw_connect(const Transport& target) {
+  const std::string address = target.local_address();
+  // The address blob ends with the port, little-endian (tcp_transport.cc's encode_address).
+  const auto port = static_cast<std::uint16_t>(static_cast<std::uint8_t>(address[address.size() - 2]) |
+                                               static_cast<std::uint8_t>(address[address.size() - 1]) << 8);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whoever connects without finishing TLS, or speaks something else, holds its connection no
+// longer than the handshake timeout, and a client that does finish still gets in.
+TEST_F(TcpTls, NoUnfinishedHandshakeStallsTheNode) {
+  TcpOptions o = serving();
+  o.handshake_timeout = 300ms;
+  auto target = make_tcp_transport(o, "a-cluster-token-of-32-characters").value();
+  const int silent = raw_connect(*target);
+  const int babbler = raw_connect(*target);
+  ASSERT_GE(silent, 0);
+  ASSERT_GE(babbler, 0);
+  tcp::ServerHello hello{};
+  ASSERT_EQ(::recv(silent, &hello, sizeof hello, MSG_WAITALL), static_cast<ssize_t>(sizeof hello));
+  EXPECT_EQ(hello.magic, tcp::kTlsServerMagic) << "the clear-text hello says TLS follows";
+  const std::string junk(512, 'x');
+  ASSERT_EQ(::send(babbler, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
+  // Both end: the babbler at once (not TLS), the silent one at the timeout.
+  for (int fd : {babbler, silent}) {
+    char buf[256];
+    const auto t0 = std::chrono::steady_clock::now();
+    ssize_t n;
+    do {
+      n = ::recv(fd, buf, sizeof buf, 0);
+    } while (n > 0 && std::chrono::steady_clock::now() - t0 < 5s);
+    EXPECT_LE(n, 0);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+    ::close(fd);
+  }
+  EXPECT_TRUE(test::eventually([&] { return counter(*target, "handshakes_failed") >= 1; }));
+  EXPECT_TRUE(test::eventually([&] { return counter(*target, "handshake_timeouts") >= 1; }));
+  auto client = make_tcp_transport(connecting(), "a-cluster-token-of-32-characters").value();
+  EXPECT_TRUE(connect(*client, *target).first.is_ok());
 }
 
 TEST_F(TcpTls, TheClusterTokenIsStillProvedInsideTls) {
