@@ -413,6 +413,12 @@ TEST(Kvstashd, TlsFlagsServeThePoolOverTlsOnly) {
   EXPECT_EQ(rc_ca, 2) << out_ca;
   auto [rc_bad, out_bad] = run(with({"--tls-cert", tls->server_cert, "--tls-key", tls->client_key}), 10s);
   EXPECT_EQ(rc_bad, 2) << "a key that is not the certificate's: " << out_bad;
+  // A key others may read: refused as a token file would be.
+  ::chmod(tls->server_key.c_str(), 0644);
+  auto [rc_open, out_open] = run(with({"--tls-cert", tls->server_cert, "--tls-key", tls->server_key}), 10s);
+  EXPECT_EQ(rc_open, 2) << out_open;
+  EXPECT_NE(out_open.find("chmod 600"), std::string::npos) << out_open;
+  ::chmod(tls->server_key.c_str(), 0600);
 
   auto node = tools::LocalNode::start(
       {.redis_url = url,

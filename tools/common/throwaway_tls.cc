@@ -8,6 +8,8 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <memory>
@@ -73,6 +75,8 @@ Result<Cert> make_cert(EVP_PKEY* key, const char* cn, X509* issuer, EVP_PKEY* is
 Status write_pem(const std::string& path, X509* cert, EVP_PKEY* key) {
   std::unique_ptr<std::FILE, Free> f(std::fopen(path.c_str(), "w"));
   if (!f) return Status::from_errno("open " + path, errno);
+  // A key private to its owner, as kvstashd --tls-key requires.
+  if (key != nullptr && ::fchmod(::fileno(f.get()), 0600) != 0) return Status::from_errno("chmod " + path, errno);
   const int ok = cert != nullptr ? PEM_write_X509(f.get(), cert)
                                  : PEM_write_PrivateKey(f.get(), key, nullptr, nullptr, 0, nullptr, nullptr);
   if (ok != 1) return openssl_failed("PEM_write");

@@ -116,7 +116,8 @@ int main(int argc, char** argv) {
                  "tcp transport: PEM certificate chain (leaf first) to serve TLS with; with --tls-key the node "
                  "serves TLS only, and clients need the CA (KVSTASH_TLS_CA, TcpOptions::tls.ca_file)")
       ->check(CLI::ExistingFile);
-  app.add_option("--tls-key", opts.engine.tcp.tls.key_file, "tcp transport: PEM private key of --tls-cert")
+  app.add_option("--tls-key", opts.engine.tcp.tls.key_file,
+                 "tcp transport: PEM private key of --tls-cert; refused when group or others may read it (chmod 600)")
       ->check(CLI::ExistingFile);
   app.add_option("--tls-ca", opts.engine.tcp.tls.client_ca_file,
                  "tcp transport: PEM CA bundle clients' certificates must chain to (mutual TLS); needs --tls-cert")
@@ -204,6 +205,8 @@ int main(int argc, char** argv) {
     if (!tls.client_ca_file.empty() && tls.cert_file.empty()) {
       throw CLI::ValidationError("--tls-ca", "requires clients' certificates only over TLS: give --tls-cert too");
     }
+    // The node's private key is held to the token file's rule: private to its owner.
+    if (!tls.key_file.empty()) read_secret("--tls-key", sys::read_private_secret_file(tls.key_file));
     // The verbs queue-pair setup listens on the --listen host too (any free port).
     opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
     if (!password_file.empty()) {
