@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <openssl/ssl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -313,6 +315,53 @@ TEST_F(TcpTls, NoUnfinishedHandshakeStallsTheNode) {
   EXPECT_TRUE(test::eventually([&] { return counter(*target, "handshake_timeouts") >= 1; }));
   auto client = make_tcp_transport(connecting(), "a-cluster-token-of-32-characters").value();
   EXPECT_TRUE(connect(*client, *target).first.is_ok());
+}
+
+// TLS 1.3 by default; a peer that can only do 1.2 is still served (forward-secret AEAD
+// suites), and one that offers less than 1.2 is refused.
+TEST_F(TcpTls, TlsOneThreeByDefaultAndOneTwoAtLeast) {
+  auto target = make_tcp_transport(serving()).value();
+  auto handshake = [&](int max_version) -> Result<std::string> {
+    auto context = tcp::TlsContext::connecting(connecting().tls);
+    if (!context.is_ok()) return context.status();
+    if (max_version != 0) {
+      // A peer that offers up to `max_version` (older versions need OpenSSL's security level 0).
+      SSL_CTX_set_security_level((*context)->get(), 0);
+      SSL_CTX_set_cipher_list((*context)->get(), "DEFAULT:@SECLEVEL=0");
+      SSL_CTX_set_min_proto_version((*context)->get(), TLS1_VERSION);
+      SSL_CTX_set_max_proto_version((*context)->get(), max_version);
+    }
+    const int fd = raw_connect(*target);
+    tcp::ServerHello hello{};
+    if (::recv(fd, &hello, sizeof hello, MSG_WAITALL) != static_cast<ssize_t>(sizeof hello)) {
+      ::close(fd);
+      return Status::unavailable("no hello");
+    }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    auto session = tcp::connect_tls(**context, fd, "127.0.0.1", deadline_after(5s));
+    Result<std::string> out =
+        session.is_ok() ? Result<std::string>((*session)->describe()) : session.status();
+    if (session.is_ok()) {
+      // The kvstash hello follows inside TLS.
+      Status got = tcp::tls_recv_all(**session, fd, &hello, sizeof hello, deadline_after(5s));
+      if (!got.is_ok() || hello.magic != tcp::kServerMagic)
+        out = Status::corrupt("no kvstash hello inside TLS");
+    }
+    ::close(fd);
+    return out;
+  };
+  auto v13 = handshake(0);
+  ASSERT_TRUE(v13.is_ok()) << v13.status().to_string();
+  EXPECT_NE(v13->find("TLSv1.3"), std::string::npos) << *v13;
+  EXPECT_NE(v13->find("AES_128_GCM"), std::string::npos) << *v13;
+  auto v12 = handshake(TLS1_2_VERSION);
+  ASSERT_TRUE(v12.is_ok()) << v12.status().to_string();
+  EXPECT_NE(v12->find("TLSv1.2"), std::string::npos) << *v12;
+  EXPECT_NE(v12->find("ECDHE"), std::string::npos) << *v12;
+  EXPECT_NE(v12->find("GCM"), std::string::npos) << *v12;
+  auto v11 = handshake(TLS1_1_VERSION);
+  ASSERT_FALSE(v11.is_ok());
+  EXPECT_NE(v11.status().message().find("protocol version"), std::string::npos) << v11.status().to_string();
 }
 
 TEST_F(TcpTls, TheClusterTokenIsStillProvedInsideTls) {
