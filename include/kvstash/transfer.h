@@ -60,7 +60,7 @@ struct TransportFinding {
 // default. Paths name PEM files, read when the transport starts (unreadable or mismatched
 // files: Engine::create fails with kInvalidArgument). Peers are always verified: there is no
 // setting that accepts any certificate.
-struct TlsOptions {
+struct TcpTlsOptions {
   // Serving side. With a certificate chain (leaf first) and its private key, the listener
   // speaks TLS only: a plain client is told so and refused (kUnsupported).
   std::string cert_file;
@@ -127,7 +127,7 @@ struct TcpOptions {
   bool guess_backoff = true;
   // TLS for the bytes in transit (off by default): what this engine serves, what it connects
   // with. Costs CPU per byte on both sides (docs/benchmarks.md).
-  TlsOptions tls;
+  TcpTlsOptions tls;
 };
 
 struct ShmOptions {

@@ -10,7 +10,7 @@
 namespace kvstash::tools {
 
 struct ThrowawayTls {
-  std::string ca_cert;      // the CA's certificate: TlsOptions::ca_file / client_ca_file
+  std::string ca_cert;      // the CA's certificate: TcpTlsOptions::ca_file / client_ca_file
   std::string server_cert;  // a node's: subjectAltName IP:127.0.0.1, IP:::1, DNS:localhost
   std::string server_key;
   std::string client_cert;  // a client's, for nodes that require one

@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
     opts.engine.tcp.max_connections = opts.engine.verbs.max_connections = max_connections;
     opts.engine.tcp.max_unproven_connections = opts.engine.verbs.max_unproven_connections = max_unproven;
     opts.engine.busy_poll = std::chrono::microseconds(busy_poll_us);
-    const TlsOptions& tls = opts.engine.tcp.tls;
+    const TcpTlsOptions& tls = opts.engine.tcp.tls;
     if (tls.cert_file.empty() != tls.key_file.empty()) {
       throw CLI::ValidationError("--tls-cert", "--tls-cert and --tls-key go together");
     }

@@ -1,4 +1,4 @@
-// TLS under the tcp transport: contexts from TlsOptions, sessions over non-blocking sockets.
+// TLS under the tcp transport: contexts from TcpTlsOptions, sessions over non-blocking sockets.
 #include "transport/tcp/tcp_tls.h"
 
 #include <arpa/inet.h>
@@ -42,7 +42,7 @@ Status load_file(const std::string& path, const char* option, const char* what, 
   ERR_clear_error();
   if (load(path.c_str()) == 1) return {};
   return Status::invalid_argument(
-      fmt::format("TlsOptions::{} ({}): cannot use it as {}: {}", option, path, what, openssl_reason()));
+      fmt::format("TcpTlsOptions::{} ({}): cannot use it as {}: {}", option, path, what, openssl_reason()));
 }
 
 // What serving and connecting contexts share: TLS 1.2 and up, no renegotiation, no tickets
@@ -143,9 +143,9 @@ struct SocketBio {
   }
 };
 
-Result<std::shared_ptr<TlsContext>> TlsContext::serving(const TlsOptions& o) {
+Result<std::shared_ptr<TlsContext>> TlsContext::serving(const TcpTlsOptions& o) {
   if (o.key_file.empty())
-    return Status::invalid_argument("TlsOptions::cert_file is set without its key_file");
+    return Status::invalid_argument("TcpTlsOptions::cert_file is set without its key_file");
   KVSTASH_ASSIGN_OR_RETURN(SSL_CTX * raw, new_context(TLS_server_method()));
   std::unique_ptr<SSL_CTX, CtxFree> ctx(raw);
   KVSTASH_RETURN_IF_ERROR(load_file(o.cert_file, "cert_file", "a PEM certificate chain", [&](const char* p) {
@@ -170,9 +170,9 @@ Result<std::shared_ptr<TlsContext>> TlsContext::serving(const TlsOptions& o) {
   return std::shared_ptr<TlsContext>(new TlsContext(ctx.release()));
 }
 
-Result<std::shared_ptr<TlsContext>> TlsContext::connecting(const TlsOptions& o) {
+Result<std::shared_ptr<TlsContext>> TlsContext::connecting(const TcpTlsOptions& o) {
   if (o.client_cert_file.empty() != o.client_key_file.empty()) {
-    return Status::invalid_argument("TlsOptions::client_cert_file and client_key_file go together");
+    return Status::invalid_argument("TcpTlsOptions::client_cert_file and client_key_file go together");
   }
   KVSTASH_ASSIGN_OR_RETURN(SSL_CTX * raw, new_context(TLS_client_method()));
   std::unique_ptr<SSL_CTX, CtxFree> ctx(raw);
@@ -284,7 +284,7 @@ ssize_t TlsSession::failed(int ret, Wait& wants) {
   } else if (reason == SSL_R_PEER_DID_NOT_RETURN_A_CERTIFICATE) {
     failure_ = Status::permission_denied(
         "tcp TLS: the client presented no certificate, and this node requires one "
-        "(TlsOptions::client_ca_file)");
+        "(TcpTlsOptions::client_ca_file)");
   } else {
     failure_ = Status::unavailable("tcp TLS: " + why);
   }

@@ -40,8 +40,8 @@ class TlsContext {
  public:
   // Errors: kInvalidArgument naming the option and OpenSSL's reason (a file missing,
   // unreadable, not PEM, or a key that does not match its certificate).
-  static Result<std::shared_ptr<TlsContext>> serving(const TlsOptions& options);
-  static Result<std::shared_ptr<TlsContext>> connecting(const TlsOptions& options);
+  static Result<std::shared_ptr<TlsContext>> serving(const TcpTlsOptions& options);
+  static Result<std::shared_ptr<TlsContext>> connecting(const TcpTlsOptions& options);
   ~TlsContext();
   TlsContext(const TlsContext&) = delete;
   TlsContext& operator=(const TlsContext&) = delete;

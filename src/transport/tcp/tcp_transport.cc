@@ -723,8 +723,8 @@ namespace {
 // The connecting side's TLS options: the engine's, and where they name no CA, the environment's
 // (clients whose options are not plumbed: the C API, Python). The environment fills only what
 // the options leave empty.
-TlsOptions connecting_tls_options(const TlsOptions& options) {
-  TlsOptions o = options;
+TcpTlsOptions connecting_tls_options(const TcpTlsOptions& options) {
+  TcpTlsOptions o = options;
   if (!o.ca_file.empty()) return o;
   auto env = [](const char* name) {
     const char* v = std::getenv(name);
@@ -765,14 +765,14 @@ Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std
   if (!options.tls.cert_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(serving, TlsContext::serving(options.tls));
   } else if (!options.tls.key_file.empty() || !options.tls.client_ca_file.empty()) {
-    return Status::invalid_argument("TlsOptions: key_file and client_ca_file serve TLS only with a cert_file");
+    return Status::invalid_argument("TcpTlsOptions: key_file and client_ca_file serve TLS only with a cert_file");
   }
-  const TlsOptions connect_with = connecting_tls_options(options.tls);
+  const TcpTlsOptions connect_with = connecting_tls_options(options.tls);
   if (!connect_with.ca_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(connecting, TlsContext::connecting(connect_with));
   } else if (!connect_with.client_cert_file.empty() || !connect_with.server_name.empty()) {
     return Status::invalid_argument(
-        "TlsOptions: a client certificate or server_name needs ca_file (tcp never connects over TLS without "
+        "TcpTlsOptions: a client certificate or server_name needs ca_file (tcp never connects over TLS without "
         "verifying the node)");
   }
   return std::unique_ptr<Transport>(new TcpTransport(options, std::move(cluster_token), std::move(runtime),
