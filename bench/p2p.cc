@@ -245,6 +245,11 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     if (on_row) on_row(r);
     rows.push_back(std::move(r));
   };
+  // TLS is this benchmark's to choose per row (--tls): a client CA in the environment would turn
+  // the plain tcp rows into TLS ones that the plain listener refuses.
+  for (const char* name : {"KVSTASH_TLS_CA", "KVSTASH_TLS_CERT", "KVSTASH_TLS_KEY", "KVSTASH_TLS_SERVER_NAME"}) {
+    ::unsetenv(name);
+  }
   const std::size_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
   const std::size_t region = max_size * o.threads * o.depth;
   std::vector<TransportKind> kinds = o.transports;
