@@ -143,6 +143,11 @@ int main(int argc, char** argv) {
                 "Use a running `kvstash-bench p2p-target` (maybe on another host): a file, or - for stdin, "
                 "holding the three lines it printed");
   p->add_option("--plot", p2p.plot, "Also draw GB/s over request size into this SVG file (runs gnuplot)");
+  p->add_flag("--tls", p2p.tls,
+              "Also measure tcp over TLS (tcp+tls rows beside the plain tcp ones), against a TLS-only listener "
+              "of the target (a spawned one gets throwaway credentials)");
+  p->add_option("--tls-ca", p2p.tls_ca, "With --tls and --peer: the CA of the target's --tls-cert")
+      ->check(CLI::ExistingFile);
   p->footer(
       "Examples:\n  kvstash-bench p2p --transport shm,tcp --sizes 1MiB,64MiB --json\n"
       "  host A: kvstash-bench p2p-target --listen 10.0.0.1:7000 --region 1GiB > target.txt\n"
@@ -199,6 +204,10 @@ int main(int argc, char** argv) {
   TokenSource target_token_source;
   target_token_source.add_to(t, "required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
+  t->add_option("--tls-cert", target_tcp.tls.cert_file,
+                "Also serve the region over a TLS-only tcp listener with this PEM certificate chain (p2p --tls)")
+      ->check(CLI::ExistingFile);
+  t->add_option("--tls-key", target_tcp.tls.key_file, "The PEM private key of --tls-cert")->check(CLI::ExistingFile);
   unsigned target_busy_poll_us = 0;
   t->add_option("--busy-poll-us", target_busy_poll_us, "Latency mode: spin this many microseconds before sleeping")
       ->capture_default_str();

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -22,6 +24,7 @@
 #include "measure.h"
 #include "plot.h"
 #include "references.h"
+#include "tools/common/throwaway_tls.h"
 
 namespace kvstash::bench {
 namespace {
@@ -159,6 +162,7 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   eo.busy_poll = std::chrono::microseconds(busy_poll_us);
   eo.transports = transports;
   eo.tcp = tcp;
+  eo.tcp.tls = {};  // the TLS listener is an engine of its own, below
   eo.cluster_token = cluster_token;
   // The verbs queue-pair setup listens on the same host as tcp (any free port).
   eo.verbs.listen = net::same_host_any_port(tcp.listen);
@@ -187,6 +191,26 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
   }
   std::cout << "address " << to_text((*engine)->address()) << "\nkey " << to_text(mem->remote_key())
             << "\nsocket " << host << ":" << port << std::endl;
+  // The same region behind a tcp listener that serves TLS only.
+  std::unique_ptr<Engine> tls_engine;
+  MemoryHandle tls_mem;
+  if (!tcp.tls.cert_file.empty()) {
+    EngineOptions to = eo;
+    to.transports = {TransportKind::kTcp};
+    to.tcp = tcp;
+    to.tcp.listen = net::same_host_any_port(tcp.listen);
+    auto made = Engine::create(to);
+    auto registered = made.is_ok() ? (*made)->register_memory(buffer->region(), Access::kRemote)
+                                   : Result<MemoryHandle>(made.status());
+    if (!registered.is_ok()) {
+      std::cerr << "p2p-target: tls: " << registered.status().to_string() << "\n";
+      return 1;
+    }
+    tls_engine = std::move(made).value();
+    tls_mem = std::move(registered).value();
+    std::cout << "tls-address " << to_text(tls_engine->address()) << "\ntls-key " << to_text(tls_mem.remote_key())
+              << std::endl;
+  }
   std::string ignored;
   while (std::getline(std::cin, ignored)) {
   }
@@ -221,6 +245,11 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     if (on_row) on_row(r);
     rows.push_back(std::move(r));
   };
+  // TLS is this benchmark's to choose per row (--tls): a client CA in the environment would turn
+  // the plain tcp rows into TLS ones that the plain listener refuses.
+  for (const char* name : {"KVSTASH_TLS_CA", "KVSTASH_TLS_CERT", "KVSTASH_TLS_KEY", "KVSTASH_TLS_SERVER_NAME"}) {
+    ::unsetenv(name);
+  }
   const std::size_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
   const std::size_t region = max_size * o.threads * o.depth;
   std::vector<TransportKind> kinds = o.transports;
@@ -237,6 +266,18 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
   // The target: spawned here on loopback, or already running (possibly on another host)
   // and described by the three lines it printed.
   std::unique_ptr<Child> target;
+  // A spawned target's throwaway TLS credentials, removed at the end.
+  std::string tls_dir, tls_ca = o.tls_ca;
+  struct RemoveDir {
+    const std::string& dir;
+    ~RemoveDir() {
+      std::error_code ignored;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ignored);
+    }
+  } remove_tls_dir{tls_dir};
+  if (o.tls && !o.peer_file.empty() && tls_ca.empty()) {
+    return Status::invalid_argument("--tls with --peer needs --tls-ca: the CA of the target's --tls-cert");
+  }
   std::ifstream peer_stream;
   std::function<std::string()> read_line;
   if (o.peer_file.empty()) {
@@ -246,10 +287,20 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     } else {
       ::setenv("KVSTASH_CLUSTER_TOKEN", o.token.c_str(), 1);
     }
-    target = std::make_unique<Child>(
-        std::vector<std::string>{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
-                                 std::to_string(o.tcp.io_threads), "--transports", list, "--busy-poll-us",
-                                 std::to_string(o.busy_poll_us)});
+    std::vector<std::string> argv{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
+                                  std::to_string(o.tcp.io_threads), "--transports", list, "--busy-poll-us",
+                                  std::to_string(o.busy_poll_us)};
+    if (o.tls) {
+      // Throwaway credentials: a CA, and a certificate for 127.0.0.1 that the target serves.
+      std::string pattern = (std::filesystem::temp_directory_path() / "kvstash-bench-tls-XXXXXX").string();
+      if (::mkdtemp(pattern.data()) == nullptr) return Status::from_errno("mkdtemp", errno);
+      tls_dir = pattern;
+      auto made = tools::make_throwaway_tls(tls_dir);
+      if (!made.is_ok()) return made.status();
+      tls_ca = made->ca_cert;
+      argv.insert(argv.end(), {"--tls-cert", made->server_cert, "--tls-key", made->server_key});
+    }
+    target = std::make_unique<Child>(argv);
     read_line = [&] { return target->read_line(); };
   } else {
     if (o.peer_file != "-") peer_stream.open(o.peer_file);
@@ -276,6 +327,16 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     return Status::unavailable("no valid address, key and socket lines from " + from);
   }
   const std::string socket_host = socket_line.substr(7, colon - 7);
+  Result<std::string> tls_address = Status::not_found("no TLS"), tls_key = Status::not_found("no TLS");
+  if (o.tls) {
+    const std::string a = read_line(), k = read_line();
+    tls_address = from_text(a.rfind("tls-address ", 0) == 0 ? a.substr(12) : "");
+    tls_key = from_text(k.rfind("tls-key ", 0) == 0 ? k.substr(8) : "");
+    if (!tls_address.is_ok() || !tls_key.is_ok()) {
+      return Status::unavailable("--tls: no valid tls-address and tls-key lines from the target (p2p-target "
+                                 "prints them when it has --tls-cert and --tls-key)");
+    }
+  }
 
   // References, measured now, in this run, between these two processes: per size, the
   // median of three socket streams (at least 512 MiB each) and single-core memcpy.
@@ -305,17 +366,34 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
   }
 
   auto local = Buffer::allocate(region, {.shareable = false}).value();
+  // Each transport's rows; with --tls, tcp's over TLS right after its plain ones.
+  struct Pass {
+    TransportKind kind;
+    std::string name;
+    bool tls = false;
+  };
+  std::vector<Pass> passes;
   for (TransportKind kind : kinds) {
+    passes.push_back({kind, std::string(to_string(kind))});
+    if (kind == TransportKind::kTcp && o.tls) passes.push_back({kind, "tcp+tls", true});
+  }
+  if (o.tls && std::find(kinds.begin(), kinds.end(), TransportKind::kTcp) == kinds.end()) {
+    passes.push_back({TransportKind::kTcp, "tcp+tls", true});
+  }
+  for (const Pass& pass : passes) {
+    const TransportKind kind = pass.kind;
     EngineOptions eo;
     eo.transports = {kind};
     eo.tcp = o.tcp;
+    eo.tcp.tls = {};
+    if (pass.tls) eo.tcp.tls.ca_file = tls_ca;
     eo.cluster_token = o.token;
     eo.shm = o.shm;
     eo.busy_poll = std::chrono::microseconds(o.busy_poll_us);
     auto engine = Engine::create(eo);
     auto fail = [&](const Status& s) {
       Row r;
-      r.transport = std::string(to_string(kind));
+      r.transport = pass.name;
       r.error = s.to_string();
       add(std::move(r));
     };
@@ -324,12 +402,13 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
       continue;
     }
     auto mem = (*engine)->register_memory(local.region(), Access::kLocal);
-    auto peer = mem.is_ok() ? (*engine)->connect(*address, deadline_after(10s)) : mem.status();
+    auto peer = mem.is_ok() ? (*engine)->connect(pass.tls ? *tls_address : *address, deadline_after(10s))
+                            : mem.status();
     if (!peer.is_ok()) {
       fail(peer.status());
       continue;
     }
-    auto remote = (*peer)->import_key(*key);
+    auto remote = (*peer)->import_key(pass.tls ? *tls_key : *key);
     if (!remote.is_ok()) {
       fail(remote.status());
       continue;
@@ -344,7 +423,7 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
       Status v = verify(**peer, *mem, local, *remote, size);
       for (TransferOp op : o.ops) {
         Row r = v.is_ok() ? measure(**peer, *mem, local, *remote, op, size, o, target_pid) : Row{};
-        r.transport = std::string(to_string(kind));
+        r.transport = pass.name;
         r.op = std::string(to_string(op));
         r.size = size;
         r.threads = o.threads;

@@ -25,6 +25,12 @@ struct P2POptions {
   std::string peer_file;  // read a running p2p-target's three lines from here ("-": stdin)
   unsigned busy_poll_us = 0;  // EngineOptions::busy_poll of both processes (0: off)
   std::string plot;       // also draw GB/s over size into this SVG (gnuplot); empty: none
+  // Also measure tcp over TLS ("tcp+tls" rows, beside the plain "tcp" ones) against a second
+  // tcp listener of the target that serves TLS only. A spawned target gets throwaway
+  // credentials; a --peer target its own (p2p-target --tls-cert, --tls-key), whose CA is
+  // tls_ca.
+  bool tls = false;
+  std::string tls_ca;
 };
 
 // One row of `p2p`: a transfer measured between the two processes, or a reference measured in
@@ -63,7 +69,9 @@ int run_p2p(const P2POptions& options);
 
 // The target: serves one region over every transport plus the raw socket sink, prints
 // "address HEX", "key HEX", "socket HOST:PORT", and exits when stdin closes. The sink binds
-// the host of tcp.listen. A non-empty cluster_token is required from initiators.
+// the host of tcp.listen. A non-empty cluster_token is required from initiators. With
+// tcp.tls.cert_file it also serves the region over a second tcp listener (same host, any
+// port) that speaks TLS only, and prints its "tls-address HEX" and "tls-key HEX" too.
 int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& transports,
                    const TcpOptions& tcp, const std::string& cluster_token, unsigned busy_poll_us = 0);
 

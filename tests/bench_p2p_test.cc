@@ -19,6 +19,7 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "command.h"
 
@@ -70,6 +71,29 @@ TEST(BenchP2P, JsonRowsCarryTheDocumentedFieldsForEveryTransport) {
   EXPECT_EQ(rows["tcp-socket/pingpong"], 1);
   for (const char* key : {"tcp/write", "tcp/read", "shm/write", "shm/read"}) EXPECT_EQ(rows[key], 2) << key;
   EXPECT_EQ(n, 13u);
+}
+
+// --tls: tcp over TLS is measured in the same run, right after plain tcp, against the same
+// references, and its bytes verified too.
+TEST(BenchP2P, TlsRowsStandBesidePlainTcpRows) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  std::string out = run(bench() + " p2p --transport tcp --tls --sizes 64KiB --seconds 0.05 --json", &status);
+  ASSERT_EQ(status, 0) << out;
+  std::vector<std::string> order;
+  std::size_t start = 0;
+  while (start < out.size()) {
+    std::size_t end = out.find('\n', start);
+    std::string line = out.substr(start, end - start);
+    start = end == std::string::npos ? out.size() : end + 1;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (line.empty() || j.is_discarded() || j["transport"] == "memcpy" || j["transport"] == "tcp-socket") continue;
+    EXPECT_FALSE(j.contains("error")) << line;
+    EXPECT_EQ(j["verified"], true) << line;
+    EXPECT_TRUE(j.contains("vs_memcpy") && j.contains("vs_socket") && j.contains("p50_vs_pingpong")) << line;
+    order.push_back(std::string(j["transport"]) + "/" + std::string(j["op"]));
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"tcp/write", "tcp/read", "tcp+tls/write", "tcp+tls/read"})) << out;
 }
 
 TEST(BenchP2P, RunsAgainstASeparatelyStartedTarget) {

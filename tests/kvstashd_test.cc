@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "redis_server.h"
 #include "test_pki.h"
 #include "tools/common/local_cluster.h"
+#include "tools/common/throwaway_tls.h"
 
 namespace kvstash {
 namespace {
@@ -395,6 +397,77 @@ TEST(Kvstashd, NodeStoreAndCliReachRedisOverTls) {
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
   EXPECT_EQ((*node)->terminate(deadline_after(10s)).value_or(-1), 0);
+}
+
+// --tls-cert and --tls-key make the node's tcp TLS only; --tls-ca requires client
+// certificates. A store whose options carry the CA (and its certificate) puts and gets; a plain
+// one, or one without a certificate, is refused with a status that says which.
+TEST(Kvstashd, TlsFlagsServeThePoolOverTlsOnly) {
+  char dir_template[] = "/tmp/kvstashd-tls-XXXXXX";
+  const std::string dir = ::mkdtemp(dir_template);
+  auto tls = tools::make_throwaway_tls(dir);
+  ASSERT_TRUE(tls.is_ok()) << tls.status().to_string();
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  const std::string url = (*redis)->url();
+  const std::vector<std::string> base = {"--redis", url,   "--capacity",   "4MiB", "--page-size",  "1MiB",
+                                         "--admin", "off", "--huge-pages", "off",  "--transports", "tcp"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  auto [rc_alone, out_alone] = run(with({"--tls-cert", tls->server_cert}), 10s);
+  EXPECT_EQ(rc_alone, 2) << out_alone;
+  EXPECT_NE(out_alone.find("--tls-key"), std::string::npos) << out_alone;
+  auto [rc_ca, out_ca] = run(with({"--tls-ca", tls->ca_cert}), 10s);
+  EXPECT_EQ(rc_ca, 2) << out_ca;
+  auto [rc_bad, out_bad] = run(with({"--tls-cert", tls->server_cert, "--tls-key", tls->client_key}), 10s);
+  EXPECT_EQ(rc_bad, 2) << "a key that is not the certificate's: " << out_bad;
+  // A key others may read: refused as a token file would be.
+  ::chmod(tls->server_key.c_str(), 0644);
+  auto [rc_open, out_open] = run(with({"--tls-cert", tls->server_cert, "--tls-key", tls->server_key}), 10s);
+  EXPECT_EQ(rc_open, 2) << out_open;
+  EXPECT_NE(out_open.find("chmod 600"), std::string::npos) << out_open;
+  ::chmod(tls->server_key.c_str(), 0600);
+
+  auto node = tools::LocalNode::start(
+      {.redis_url = url,
+       .capacity = "4MiB",
+       .page_size = "1MiB",
+       .node_id = "tls",
+       .extra_args = {"--transports", "tcp", "--tls-cert", tls->server_cert, "--tls-key", tls->server_key,
+                      "--tls-ca", tls->ca_cert}});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  auto open = [&](bool ca, bool cert) {
+    StoreOptions o;
+    o.redis_url = url;
+    o.engine.transports = {TransportKind::kTcp};
+    o.timeout = 10s;
+    if (ca) o.engine.tcp.tls.ca_file = tls->ca_cert;
+    if (cert) {
+      o.engine.tcp.tls.client_cert_file = tls->client_cert;
+      o.engine.tcp.tls.client_key_file = tls->client_key;
+    }
+    return Store::open(o);
+  };
+  auto store = open(true, true);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  Status ok = put_and_get(**store, "over-tls");
+  EXPECT_TRUE(ok.is_ok()) << ok.to_string();
+
+  auto plain = open(false, false);
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  Status s = put_and_get(**plain, "in-the-clear");
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+  EXPECT_NE(s.message().find("serves TLS only"), std::string::npos) << s.to_string();
+
+  auto anonymous = open(true, false);
+  ASSERT_TRUE(anonymous.is_ok()) << anonymous.status().to_string();
+  s = put_and_get(**anonymous, "no-certificate");
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
 }
 
 }  // namespace

@@ -56,6 +56,32 @@ struct TransportFinding {
   std::string fix;     // how to fix it; empty when nothing is wrong
 };
 
+// TLS on the tcp transport (OpenSSL; TLS 1.2 at least, 1.3 preferred). Both halves are off by
+// default. Paths name PEM files, read when the transport starts (unreadable or mismatched
+// files: Engine::create fails with kInvalidArgument). Peers are always verified: there is no
+// setting that accepts any certificate.
+struct TcpTlsOptions {
+  // Serving side. With a certificate chain (leaf first) and its private key, the listener
+  // speaks TLS only: a plain client is told so and refused (kUnsupported).
+  std::string cert_file;
+  std::string key_file;
+  // Serving side: CA bundle clients' certificates must chain to (mutual TLS). Empty: clients
+  // present none.
+  std::string client_ca_file;
+  // Connecting side. With a CA bundle, this engine connects to every tcp peer over TLS and
+  // requires its certificate to chain to this bundle and to name the peer (server_name, else
+  // the host of the peer's address, IP or DNS). Empty: plain tcp, unless the environment
+  // names one (KVSTASH_TLS_CA, for clients whose options are not plumbed; see
+  // src/transport/tcp/README.md). A TLS client meeting a plain node fails with kUnsupported.
+  std::string ca_file;
+  // Connecting side: the certificate and key this engine presents when a node asks for one.
+  std::string client_cert_file;
+  std::string client_key_file;
+  // Connecting side: the name the node's certificate must carry (and the SNI sent). Empty:
+  // the host of the address the node advertises.
+  std::string server_name;
+};
+
 struct TcpOptions {
   // host:port the engine serves one-sided requests on. Port 0 picks a free port. Loopback
   // by default: serving the LAN is the operator's explicit choice.
@@ -99,6 +125,9 @@ struct TcpOptions {
   // guessing the token costs time. false only for harnesses that fail handshakes on purpose
   // from one address and then need a good one through at once (the tcp target fuzzer).
   bool guess_backoff = true;
+  // TLS for the bytes in transit (off by default): what this engine serves, what it connects
+  // with. Costs CPU per byte on both sides (docs/benchmarks.md).
+  TcpTlsOptions tls;
 };
 
 struct ShmOptions {

@@ -113,6 +113,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--advertise", opts.engine.tcp.advertise,
                  "tcp transport: address clients should connect to");
+  app.add_option("--tls-cert", opts.engine.tcp.tls.cert_file,
+                 "tcp transport: PEM certificate chain (leaf first) to serve TLS with; with --tls-key the node "
+                 "serves TLS only, and clients need the CA (KVSTASH_TLS_CA, TcpOptions::tls.ca_file)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", opts.engine.tcp.tls.key_file,
+                 "tcp transport: PEM private key of --tls-cert; refused when group or others may read it (chmod 600)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-ca", opts.engine.tcp.tls.client_ca_file,
+                 "tcp transport: PEM CA bundle clients' certificates must chain to (mutual TLS); needs --tls-cert")
+      ->check(CLI::ExistingFile);
   app.add_option("--tcp-io-threads", opts.engine.tcp.io_threads,
                  "tcp transport: socket I/O threads; 0 = one on hosts of up to 4 cores, two above")
       ->capture_default_str()
@@ -156,6 +166,8 @@ int main(int argc, char** argv) {
   app.footer(
       "Environment: KVSTASH_REDIS_URL, KVSTASH_REDIS_PASSWORD, KVSTASH_CLUSTER_TOKEN, KVSTASH_LOG "
       "(debug|info|warn|error).\n"
+      "TLS: --tls-cert and --tls-key make the tcp transport TLS only (the bytes in transit encrypted; "
+      "docs/operations.md says what it costs); clients set KVSTASH_TLS_CA or TcpOptions::tls.ca_file.\n"
       "Signals: SIGTERM, SIGINT or SIGHUP drains the node (no new pages, its objects leave the metadata) and "
       "exits "
       "0.\n"
@@ -187,6 +199,15 @@ int main(int argc, char** argv) {
     opts.engine.tcp.max_connections = opts.engine.verbs.max_connections = max_connections;
     opts.engine.tcp.max_unproven_connections = opts.engine.verbs.max_unproven_connections = max_unproven;
     opts.engine.busy_poll = std::chrono::microseconds(busy_poll_us);
+    const TcpTlsOptions& tls = opts.engine.tcp.tls;
+    if (tls.cert_file.empty() != tls.key_file.empty()) {
+      throw CLI::ValidationError("--tls-cert", "--tls-cert and --tls-key go together");
+    }
+    if (!tls.client_ca_file.empty() && tls.cert_file.empty()) {
+      throw CLI::ValidationError("--tls-ca", "requires clients' certificates only over TLS: give --tls-cert too");
+    }
+    // The node's private key is held to the token file's rule: private to its owner.
+    if (!tls.key_file.empty()) read_secret("--tls-key", sys::read_private_secret_file(tls.key_file));
     // The verbs queue-pair setup listens on the --listen host too (any free port).
     opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
     if (!password_file.empty()) {

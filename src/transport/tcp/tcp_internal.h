@@ -52,6 +52,7 @@
 #include "common/admission.h"
 #include "common/handshake.h"
 #include "kvstash/transfer.h"
+#include "transport/tcp/tcp_tls.h"
 #include "transport/transport.h"
 
 namespace kvstash::transport::tcp {
@@ -221,6 +222,7 @@ struct Target {
   std::atomic<bool> checks_grants{false};
   std::string token;                         // cluster token; empty: none required
   TcpOptions options;
+  std::shared_ptr<TlsContext> tls;           // null: plain tcp; else TLS only
   std::atomic<std::uint32_t> connections{0};  // proven ones
   std::mutex peers_mu;
   std::unordered_map<std::string, std::uint32_t> per_peer;  // address -> connections (peers_mu)
@@ -312,7 +314,8 @@ class IoRuntime {
 // warm stream allocates nothing per op.
 class Stream : public std::enable_shared_from_this<Stream> {
  public:
-  Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket);
+  // `tls`: the connection's TLS session, past its handshake; null: plain tcp.
+  Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket, std::unique_ptr<TlsSession> tls = nullptr);
   void start();
   // Queues `ops` (in order) and sends what the socket takes at once from this thread.
   void enqueue(std::span<const Op> ops);
@@ -348,6 +351,11 @@ class Stream : public std::enable_shared_from_this<Stream> {
   // Sends queued requests from the calling thread while the socket takes them whole.
   // Needs mu_ and writing_. Returns false when a request is left (partly) unsent in resume_.
   bool send_inline();
+  // Through TLS, send_inline() encrypts and sends this much of a request from the caller's
+  // thread before it hands the rest to the writer (which holds no lock while it sends).
+  static constexpr std::size_t kInlineTlsBytes = 256u << 10;
+  // The bytes of `r` not sent yet, as iovecs into `iov`; returns how many.
+  static std::size_t unsent(const OutRequest& r, std::array<iovec, kMaxGroupOps + 1>& iov);
   // The writer, on the strand while writing_: sends resume_'s rest and the queued requests,
   // waiting for the socket when it is full; clears writing_ when nothing is left.
   void write_more();
@@ -362,9 +370,18 @@ class Stream : public std::enable_shared_from_this<Stream> {
   void fail_all(const Status& status, bool deliberate = false);
   void finish(Pending& p, Status status);
 
+  // A send or receive of up to n bytes, without blocking, on the socket or through TLS: the
+  // syscall's convention (bytes moved, 0 at the peer's close, -1 and errno).
+  ssize_t send_some(const iovec* iov, std::size_t count);
+  ssize_t receive_some(const iovec* iov, std::size_t count);
+  // What to wait for after EAGAIN (`plain`: what the syscall waited for).
+  tcp::socket::wait_type wait_kind(tcp::socket::wait_type plain) const;
+  std::string error_text(int err) const;
+
   std::shared_ptr<IoRuntime> runtime_;
   Strand strand_;
   tcp::socket socket_;
+  std::unique_ptr<TlsSession> tls_;  // null: plain tcp
   std::mutex mu_;
   std::condition_variable drained_;
   // Rings, grown on demand and never shrunk: a warm stream queues ops without allocating.
@@ -446,6 +463,7 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
                                        std::shared_ptr<HandshakeGate> gate);
 // Serves a connection's requests once its handshake passed, until it closes. Call on
 // `strand`; returns at once (the connection owns itself meanwhile).
-void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot);
+// `tls`: the connection's TLS session, past its handshake; null: plain tcp.
+void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot, std::unique_ptr<TlsSession> tls);
 
 }  // namespace kvstash::transport::tcp

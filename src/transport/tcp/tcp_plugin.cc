@@ -1,4 +1,8 @@
 // The tcp transport in the registry: its start and its look at this host.
+#include <openssl/crypto.h>
+
+#include <fmt/format.h>
+
 #include "transport/registry.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -11,7 +15,10 @@ Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
 
 std::vector<TransportFinding> probe() {
   return {{"transport tcp", TransportFinding::Level::kOk,
-           "built in (Boost.Asio); kvstashd --listen sets where a node serves it", ""}};
+           fmt::format("built in (Boost.Asio, TLS by OpenSSL {}); kvstashd --listen sets where a node serves it, "
+                       "--tls-cert whether over TLS",
+                       OpenSSL_version(OPENSSL_VERSION_STRING)),
+           ""}};
 }
 
 }  // namespace

@@ -109,9 +109,10 @@ class Guard {
 // timer wakes at most once per min(io_timeout, idle_timeout) to look at it.
 class RequestServer : public std::enable_shared_from_this<RequestServer> {
  public:
-  RequestServer(Strand strand, tcp::socket socket, ConnectionSlot slot)
+  RequestServer(Strand strand, tcp::socket socket, ConnectionSlot slot, std::unique_ptr<TlsSession> tls)
       : strand_(std::move(strand)),
         socket_(std::move(socket)),
+        tls_(std::move(tls)),
         slot_(std::move(slot)),
         target_(slot_.target()),
         mark_(target_.fences.attach()),
@@ -196,12 +197,27 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     timer_.cancel();
   }
 
-  // What a failed syscall means: wait, try again, or the connection is over.
+  // What a failed syscall means: wait, try again, or the connection is over. `wait_for`: what
+  // the syscall waits for (a receive: kWaitRead); through TLS, what the session asks instead.
   Next on_error(int err, Next wait_for) {
-    if (err == EAGAIN || err == EWOULDBLOCK) return wait_for;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      if (!tls_) return wait_for;
+      const auto wants = wait_for == Next::kWaitRead ? tls_->read_wants() : tls_->write_wants();
+      return wants == TlsSession::Wait::kRead ? Next::kWaitRead : Next::kWaitWrite;
+    }
     if (err == EINTR) return Next::kGoOn;
-    KVSTASH_LOG_DEBUG_LIMITED("tcp: connection ended: {}", std::strerror(err));
+    KVSTASH_LOG_DEBUG_LIMITED("tcp: connection ended: {}", tls_ ? tls_->error_text(err) : std::strerror(err));
     return Next::kClose;
+  }
+
+  // One non-blocking receive (send) on the socket, or through the connection's TLS session.
+  ssize_t receive(void* into, std::size_t n) {
+    if (tls_) return tls_->read(into, n);
+    return ::recv(socket_.native_handle(), into, n, MSG_DONTWAIT);
+  }
+  ssize_t send(const void* from, std::size_t n) {
+    if (tls_) return tls_->write(from, n);
+    return ::send(socket_.native_handle(), from, n, MSG_DONTWAIT | MSG_NOSIGNAL);
   }
 
   Next advance() {
@@ -218,7 +234,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
 
   Next read_header() {
     auto* into = reinterpret_cast<std::byte*>(&h_) + header_got_;
-    const ssize_t n = ::recv(socket_.native_handle(), into, sizeof h_ - header_got_, MSG_DONTWAIT);
+    const ssize_t n = receive(into, sizeof h_ - header_got_);
     if (n == 0) return Next::kClose;  // the initiator went away between requests
     if (n < 0) return on_error(errno, Next::kWaitRead);
     header_got_ += static_cast<std::size_t>(n);
@@ -298,8 +314,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     if (grant_text_.size() < h_.length) {
       const std::size_t had = grant_text_.size();
       grant_text_.resize(h_.length);
-      const ssize_t n =
-          ::recv(socket_.native_handle(), grant_text_.data() + had, h_.length - had, MSG_DONTWAIT);
+      const ssize_t n = receive(grant_text_.data() + had, h_.length - had);
       grant_text_.resize(had + (n > 0 ? static_cast<std::size_t>(n) : 0));
       if (n == 0) return Next::kClose;
       if (n < 0) return on_error(errno, Next::kWaitRead);
@@ -381,7 +396,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
         drop(h_.length - moved_);
         return Next::kGoOn;
       }
-      n = ::recv(socket_.native_handle(), where_ + moved_, h_.length - moved_, MSG_DONTWAIT);
+      n = receive(where_ + moved_, h_.length - moved_);
     }
     if (n == 0) return Next::kClose;
     if (n < 0) return on_error(errno, Next::kWaitRead);
@@ -392,7 +407,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   Next discard() {
     if (scratch_.empty()) scratch_.resize(64u << 10);
     const std::size_t step = std::min<std::uint64_t>(discard_left_, scratch_.size());
-    const ssize_t n = ::recv(socket_.native_handle(), scratch_.data(), step, MSG_DONTWAIT);
+    const ssize_t n = receive(scratch_.data(), step);
     if (n == 0) return Next::kClose;
     if (n < 0) return on_error(errno, Next::kWaitRead);
     discard_left_ -= static_cast<std::uint64_t>(n);
@@ -417,12 +432,16 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     {
       Guard g(target_, *mark_, *region_, h_);
       if (!g.allowed()) {
-        if (moved_ > 0) return Next::kClose;
+        // Past the first byte (through TLS, past the first try: its record may be half out),
+        // a refusal would land inside the payload the initiator is reading.
+        if (moved_ > 0 || (tls_ && tls_->write_pending())) return Next::kClose;
         r_ = ended();
         step_ = Step::kRespond;
         return Next::kGoOn;
       }
-      n = ::sendmsg(socket_.native_handle(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      // Through TLS the header and the payload's first bytes go out as one record.
+      n = tls_ ? tls_->writev(iov.data(), static_cast<std::size_t>(count))
+               : ::sendmsg(socket_.native_handle(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
     }
     if (n < 0) return on_error(errno, Next::kWaitWrite);
     moved_ += static_cast<std::uint64_t>(n);
@@ -432,7 +451,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   Next respond() {
     if (r_sent_ == sizeof r_) return close_after_ ? Next::kClose : Next::kServed;
     const auto* from = reinterpret_cast<const std::byte*>(&r_) + r_sent_;
-    const ssize_t n = ::send(socket_.native_handle(), from, sizeof r_ - r_sent_, MSG_DONTWAIT | MSG_NOSIGNAL);
+    const ssize_t n = send(from, sizeof r_ - r_sent_);
     if (n < 0) return on_error(errno, Next::kWaitWrite);
     r_sent_ += static_cast<std::size_t>(n);
     return Next::kGoOn;
@@ -444,6 +463,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
 
   Strand strand_;
   tcp::socket socket_;
+  std::unique_ptr<TlsSession> tls_;  // null: plain tcp
   ConnectionSlot slot_;  // counts against the target's caps until the connection ends
   Target& target_;
   const std::shared_ptr<Fences::Mark> mark_;
@@ -479,8 +499,8 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
 
 }  // namespace
 
-void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot) {
-  std::make_shared<RequestServer>(std::move(strand), std::move(socket), std::move(slot))->start();
+void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot, std::unique_ptr<TlsSession> tls) {
+  std::make_shared<RequestServer>(std::move(strand), std::move(socket), std::move(slot), std::move(tls))->start();
 }
 
 }  // namespace kvstash::transport::tcp

@@ -8,13 +8,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+
+#include <fmt/format.h>
 
 #include "common/log.h"
 #include "common/net.h"
 #include "common/system.h"
 #include "common/wire.h"
 #include "transport/tcp/tcp_internal.h"
+#include "transport/tcp/tcp_tls.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvstash::transport::tcp {
@@ -59,10 +63,31 @@ Status recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
   return net::recv_all(fd, data, n, deadline, "tcp handshake receive");
 }
 
-// Client side: prove the token (when we have one) and require the target to prove it too.
-Status client_handshake(int fd, const std::string& token, Deadline deadline) {
+// Client side: over TLS when `tls` is set (the target must serve it, and its certificate must
+// verify as `host`), prove the token (when we have one) and require the target to prove it
+// too. Returns the TLS session (null on plain tcp).
+Result<std::unique_ptr<TlsSession>> client_handshake(int fd, const std::string& token, const TlsContext* tls,
+                                                     const HostPort& hp, Deadline deadline) {
   ServerHello hello;
   KVSTASH_RETURN_IF_ERROR(recv_all(fd, &hello, sizeof hello, deadline));
+  std::unique_ptr<TlsSession> session;
+  if (hello.magic == kTlsServerMagic) {
+    if (tls == nullptr) {
+      return Status::unsupported(fmt::format(
+          "tcp: the node at {}:{} serves TLS only, and this engine connects without it (set "
+          "TcpOptions::tls.ca_file, or KVSTASH_TLS_CA, to the cluster's CA)",
+          hp.host, hp.port));
+    }
+    KVSTASH_ASSIGN_OR_RETURN(session, connect_tls(*tls, fd, hp.host, deadline));
+    // The kvstash handshake, inside TLS.
+    KVSTASH_RETURN_IF_ERROR(tls_recv_all(*session, fd, &hello, sizeof hello, deadline));
+  } else if (hello.magic == kServerMagic && tls != nullptr) {
+    return Status::unsupported(fmt::format(
+        "tcp: the node at {}:{} serves plain tcp, and this engine connects with TLS only "
+        "(TcpOptions::tls.ca_file or KVSTASH_TLS_CA is set): the node needs a certificate (kvstashd "
+        "--tls-cert, --tls-key)",
+        hp.host, hp.port));
+  }
   if (hello.magic != kServerMagic) return Status::invalid_argument("peer is not a kvstash tcp target");
   if (hello.version != kProtocolVersion) {
     return Status::unsupported("peer speaks tcp protocol version " + std::to_string(hello.version) +
@@ -75,9 +100,14 @@ Status client_handshake(int fd, const std::string& token, Deadline deadline) {
   mine.version = kProtocolVersion;
   mine.nonce = proof.nonce();
   mine.mac = proof.proof();
-  KVSTASH_RETURN_IF_ERROR(send_all(fd, &mine, sizeof mine, deadline));
   ServerVerdict verdict;
-  KVSTASH_RETURN_IF_ERROR(recv_all(fd, &verdict, sizeof verdict, deadline));
+  if (session) {
+    KVSTASH_RETURN_IF_ERROR(tls_send_all(*session, fd, &mine, sizeof mine, deadline));
+    KVSTASH_RETURN_IF_ERROR(tls_recv_all(*session, fd, &verdict, sizeof verdict, deadline));
+  } else {
+    KVSTASH_RETURN_IF_ERROR(send_all(fd, &mine, sizeof mine, deadline));
+    KVSTASH_RETURN_IF_ERROR(recv_all(fd, &verdict, sizeof verdict, deadline));
+  }
   if (verdict.status == static_cast<std::uint32_t>(StatusCode::kUnavailable)) {
     return Status::unavailable("the target is serving its limit of connections (TcpOptions::max_connections)");
   }
@@ -86,7 +116,8 @@ Status client_handshake(int fd, const std::string& token, Deadline deadline) {
         "target refused this client's cluster token (a wrong token, or the target is backing off "
         "after failed handshakes)");
   }
-  return proof.check_proof(verdict.mac);
+  KVSTASH_RETURN_IF_ERROR(proof.check_proof(verdict.mac));
+  return session;
 }
 
 class Registration final : public LocalRegistration {
@@ -116,15 +147,18 @@ class Registration final : public LocalRegistration {
 class TcpTransport final : public Transport {
  public:
   TcpTransport(const TcpOptions& options, std::string cluster_token, std::shared_ptr<IoRuntime> runtime,
-               tcp::acceptor acceptor, std::string address)
+               tcp::acceptor acceptor, std::string address, std::shared_ptr<TlsContext> serving_tls,
+               std::shared_ptr<TlsContext> connecting_tls)
       : options_(options),
         cluster_token_(cluster_token),
         runtime_(std::move(runtime)),
         acceptor_(std::move(acceptor)),
         address_(std::move(address)),
+        connecting_tls_(std::move(connecting_tls)),
         target_(std::make_shared<Target>()) {
     target_->token = std::move(cluster_token);
     target_->options = options;
+    target_->tls = std::move(serving_tls);
     asio::co_spawn(acceptor_.get_executor(), accept_loop(), asio::detached);
   }
   ~TcpTransport() override {
@@ -196,12 +230,13 @@ class TcpTransport final : public Transport {
     for (std::uint32_t i = 0; i < stream_count(); ++i) {
       KVSTASH_ASSIGN_OR_RETURN(UniqueFd guard, connect_tcp(*hp, deadline));
       const int fd = guard.get();
-      KVSTASH_RETURN_IF_ERROR(client_handshake(fd, cluster_token_, deadline));
+      KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<TlsSession> tls,
+                               client_handshake(fd, cluster_token_, connecting_tls_.get(), *hp, deadline));
       tcp::socket sock(runtime_->io());
       boost::system::error_code ec;
       sock.assign(hp->host.find(':') == std::string::npos ? tcp::v4() : tcp::v6(), guard.release(), ec);
       if (ec) return Status::io_error("asio assign: " + ec.message());
-      streams.push_back(std::make_shared<Stream>(runtime_, std::move(sock)));
+      streams.push_back(std::make_shared<Stream>(runtime_, std::move(sock), std::move(tls)));
       streams.back()->index = i;
       streams.back()->endpoint_id = endpoint_id;
       streams.back()->start();
@@ -300,6 +335,7 @@ class TcpTransport final : public Transport {
   std::shared_ptr<IoRuntime> runtime_;
   tcp::acceptor acceptor_;
   std::string address_;
+  std::shared_ptr<TlsContext> connecting_tls_;  // null: plain tcp to peers
   std::shared_ptr<Target> target_;
   std::mutex mu_;
   std::condition_variable stopped_;
@@ -523,6 +559,34 @@ void HandshakeGate::drop() {
   }
 }
 
+namespace {
+
+// Moves exactly n bytes through the connection's TLS session (the handshake's messages),
+// waiting for the socket as the session asks. The wait throws when the socket is closed (the
+// handshake timed out, or was dropped). Returns the session's failure otherwise.
+asio::awaitable<Status> tls_exchange(tcp::socket& socket, TlsSession& tls, bool sending, void* data,
+                                     std::size_t n) {
+  auto* p = static_cast<std::byte*>(data);
+  while (n > 0) {
+    const ssize_t k = sending ? tls.write(p, n) : tls.read(p, n);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<std::size_t>(k);
+      continue;
+    }
+    if (k < 0 && errno == EAGAIN) {
+      const auto wants = sending ? tls.write_wants() : tls.read_wants();
+      co_await socket.async_wait(
+          wants == TlsSession::Wait::kRead ? tcp::socket::wait_read : tcp::socket::wait_write, use_awaitable);
+      continue;
+    }
+    co_return tls.failure();
+  }
+  co_return Status{};
+}
+
+}  // namespace
+
 asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, ConnectionSlot slot,
                                        std::shared_ptr<HandshakeGate> gate) {
   Target& target = slot.target();
@@ -547,14 +611,55 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
     }
   });
   try {
+    std::unique_ptr<TlsSession> tls;
+    if (target.tls) {
+      // In the clear first, so that a plain client learns at once that it needs TLS.
+      ServerHello preamble{};
+      preamble.magic = kTlsServerMagic;
+      preamble.version = kProtocolVersion;
+      co_await asio::async_write(socket, asio::buffer(&preamble, sizeof preamble), use_awaitable);
+      auto made = TlsSession::make(*target.tls, socket.native_handle(), true);
+      if (!made.is_ok()) {
+        KVSTASH_LOG_WARN_LIMITED("tcp: {}", made.status().to_string());
+        co_return;
+      }
+      tls = std::move(made).value();
+      while (tls->handshake() != 1) {
+        if (errno != EAGAIN) {
+          ++target.counters.handshakes_failed;
+          KVSTASH_LOG_INFO_LIMITED("tcp: TLS handshake with {} failed: {}", slot.peer(), tls->failure().to_string());
+          co_return;
+        }
+        co_await socket.async_wait(
+            tls->write_wants() == TlsSession::Wait::kRead ? tcp::socket::wait_read : tcp::socket::wait_write,
+            use_awaitable);
+      }
+    }
+    // The kvstash handshake, inside TLS where there is TLS.
+    auto send = [&](void* data, std::size_t n) -> asio::awaitable<Status> {
+      if (tls) co_return co_await tls_exchange(socket, *tls, true, data, n);
+      co_await asio::async_write(socket, asio::buffer(data, n), use_awaitable);
+      co_return Status{};
+    };
+    auto receive = [&](void* data, std::size_t n) -> asio::awaitable<Status> {
+      if (tls) co_return co_await tls_exchange(socket, *tls, false, data, n);
+      co_await asio::async_read(socket, asio::buffer(data, n), use_awaitable);
+      co_return Status{};
+    };
     ServerHello hello{};
     hello.magic = kServerMagic;
     hello.version = kProtocolVersion;
     hello.token_required = proof.token_required() ? 1 : 0;
     hello.nonce = proof.nonce();
-    co_await asio::async_write(socket, asio::buffer(&hello, sizeof hello), use_awaitable);
     ClientHello client;
-    co_await asio::async_read(socket, asio::buffer(&client, sizeof client), use_awaitable);
+    Status moved = co_await send(&hello, sizeof hello);
+    if (moved.is_ok()) moved = co_await receive(&client, sizeof client);
+    if (!moved.is_ok()) {
+      // A TLS client whose certificate or connection failed after the TLS handshake.
+      ++target.counters.handshakes_failed;
+      KVSTASH_LOG_INFO_LIMITED("tcp: handshake with {} failed: {}", slot.peer(), moved.to_string());
+      co_return;
+    }
     ServerVerdict verdict{};
     const bool well_formed = client.magic == kClientMagic && client.version == kProtocolVersion &&
                              proof.on_peer_hello(client.nonce, false).is_ok();
@@ -575,7 +680,8 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
     verdict.status = static_cast<std::uint32_t>(!ok  ? StatusCode::kPermissionDenied
                                                 : full ? StatusCode::kUnavailable
                                                        : StatusCode::kOk);
-    co_await asio::async_write(socket, asio::buffer(&verdict, sizeof verdict), use_awaitable);
+    moved = co_await send(&verdict, sizeof verdict);
+    if (!moved.is_ok()) co_return;
     *done = true;
     timer.cancel();
     if (!ok) {
@@ -594,7 +700,7 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
       co_return;
     }
     ++target.counters.accepted;
-    serve_requests(strand, std::move(socket), std::move(slot));
+    serve_requests(strand, std::move(socket), std::move(slot), std::move(tls));
   } catch (const boost::system::system_error& e) {
     *done = true;
     if (*timed_out) {
@@ -611,6 +717,28 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
     }
   }
 }
+
+namespace {
+
+// The connecting side's TLS options: the engine's, and where they name no CA, the environment's
+// (clients whose options are not plumbed: the C API, Python). The environment fills only what
+// the options leave empty.
+TcpTlsOptions connecting_tls_options(const TcpTlsOptions& options) {
+  TcpTlsOptions o = options;
+  if (!o.ca_file.empty()) return o;
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v != nullptr ? v : "");
+  };
+  o.ca_file = env("KVSTASH_TLS_CA");
+  if (o.ca_file.empty()) return o;
+  if (o.client_cert_file.empty()) o.client_cert_file = env("KVSTASH_TLS_CERT");
+  if (o.client_key_file.empty()) o.client_key_file = env("KVSTASH_TLS_KEY");
+  if (o.server_name.empty()) o.server_name = env("KVSTASH_TLS_SERVER_NAME");
+  return o;
+}
+
+}  // namespace
 
 Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std::string cluster_token,
                                                  std::chrono::microseconds busy_poll) {
@@ -633,8 +761,23 @@ Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std
     KVSTASH_ASSIGN_OR_RETURN(advertised, parse_host_port(options.advertise));
   }
   if (advertised.port == 0 || options.advertise.empty()) advertised.port = acceptor.local_endpoint().port();
+  std::shared_ptr<TlsContext> serving, connecting;
+  if (!options.tls.cert_file.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(serving, TlsContext::serving(options.tls));
+  } else if (!options.tls.key_file.empty() || !options.tls.client_ca_file.empty()) {
+    return Status::invalid_argument("TcpTlsOptions: key_file and client_ca_file serve TLS only with a cert_file");
+  }
+  const TcpTlsOptions connect_with = connecting_tls_options(options.tls);
+  if (!connect_with.ca_file.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(connecting, TlsContext::connecting(connect_with));
+  } else if (!connect_with.client_cert_file.empty() || !connect_with.server_name.empty()) {
+    return Status::invalid_argument(
+        "TcpTlsOptions: a client certificate or server_name needs ca_file (tcp never connects over TLS without "
+        "verifying the node)");
+  }
   return std::unique_ptr<Transport>(new TcpTransport(options, std::move(cluster_token), std::move(runtime),
-                                                     std::move(acceptor), encode_address(advertised)));
+                                                     std::move(acceptor), encode_address(advertised),
+                                                     std::move(serving), std::move(connecting)));
 }
 
 }  // namespace kvstash::transport::tcp

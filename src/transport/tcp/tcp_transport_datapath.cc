@@ -76,14 +76,41 @@ void push(boost::circular_buffer<Pending>& ring, Pending&& p) {
 
 }  // namespace
 
-Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket)
+Stream::Stream(std::shared_ptr<IoRuntime> runtime, tcp::socket socket, std::unique_ptr<TlsSession> tls)
     : runtime_(std::move(runtime)),
       strand_(asio::make_strand(runtime_->io())),
       socket_(std::move(socket)),
+      tls_(std::move(tls)),
       queued_(64),
       on_wire_(64) {
   answered_.reserve(kMaxGroupOps);
 }
+
+ssize_t Stream::send_some(const iovec* iov, std::size_t count) {
+  if (tls_) return tls_->writev(iov, count);
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec*>(iov);
+  msg.msg_iovlen = count;
+  // MSG_NOSIGNAL: a peer that died must turn into an error, not a SIGPIPE for the process.
+  return ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+ssize_t Stream::receive_some(const iovec* iov, std::size_t count) {
+  if (tls_) return tls_->readv(iov, count);
+  if (count == 1) return ::recv(socket_.native_handle(), iov[0].iov_base, iov[0].iov_len, MSG_DONTWAIT);
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec*>(iov);
+  msg.msg_iovlen = count;
+  return ::recvmsg(socket_.native_handle(), &msg, MSG_DONTWAIT);
+}
+
+tcp::socket::wait_type Stream::wait_kind(tcp::socket::wait_type plain) const {
+  if (!tls_) return plain;
+  const auto wants = plain == tcp::socket::wait_read ? tls_->read_wants() : tls_->write_wants();
+  return wants == TlsSession::Wait::kRead ? tcp::socket::wait_read : tcp::socket::wait_write;
+}
+
+std::string Stream::error_text(int err) const { return tls_ ? tls_->error_text(err) : std::strerror(err); }
 
 template <typename F>
 auto Stream::on_strand(F f) {
@@ -216,7 +243,6 @@ bool Stream::next_request(OutRequest& r) {
 bool Stream::send_inline() {
   // MSG_DONTWAIT (and the socket is non-blocking anyway): sendmsg never waits here. Holding mu_
   // keeps fail_all() from closing the descriptor under us.
-  const int fd = socket_.native_handle();
   OutRequest& r = resume_;
   while (next_request(r)) {
     std::array<iovec, kMaxGroupOps + 1> iov;
@@ -224,19 +250,40 @@ bool Stream::send_inline() {
     for (std::size_t i = 0; i < r.count; ++i) {
       iov[i + 1] = {const_cast<std::byte*>(r.pieces[i].first), r.pieces[i].second};
     }
-    msghdr msg{};
-    msg.msg_iov = iov.data();
-    msg.msg_iovlen = r.count + 1;
-    // MSG_NOSIGNAL: a peer that died must turn into an error, not a SIGPIPE for the process.
-    ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n = send_some(iov.data(), r.count + 1);
     if (n == static_cast<ssize_t>(r.total())) continue;
+    r.sent = n > 0 ? static_cast<std::size_t>(n) : 0;
+    // Through TLS a write moves one record (16 KiB), not what the socket takes: go on from this
+    // thread, up to kInlineTlsBytes, before handing the rest to the writer (a hop to the io
+    // thread costs a small request more than its records).
+    while (tls_ && n > 0 && r.sent < r.total() && r.sent <= kInlineTlsBytes) {
+      n = send_some(iov.data(), unsent(r, iov));
+      if (n > 0) r.sent += static_cast<std::size_t>(n);
+    }
+    if (r.sent == r.total()) continue;
     // Partly sent, would block, or failed: the writer coroutine finishes the job (and meets
     // the error itself, closing the stream on its strand).
-    r.sent = n > 0 ? static_cast<std::size_t>(n) : 0;
     resume_pending_ = true;
     return false;
   }
   return true;
+}
+
+std::size_t Stream::unsent(const OutRequest& r, std::array<iovec, kMaxGroupOps + 1>& iov) {
+  // The rest of the header, then the rest of the payload.
+  std::size_t count = 0;
+  std::size_t skip = r.sent;
+  auto add = [&](const void* p, std::size_t len) {
+    if (skip >= len) {
+      skip -= len;
+      return;
+    }
+    iov[count++] = {const_cast<std::byte*>(static_cast<const std::byte*>(p)) + skip, len - skip};
+    skip = 0;
+  };
+  add(&r.header, sizeof r.header);
+  for (std::size_t i = 0; i < r.count; ++i) add(r.pieces[i].first, r.pieces[i].second);
+  return count;
 }
 
 void Stream::write_more() {
@@ -258,29 +305,13 @@ void Stream::write_more() {
     }
     // Unlocked: the request's ops are on the wire, and only this strand (the reader, a reset)
     // completes those, so their buffers stay put while the syscall runs.
-    // The bytes not sent yet: the rest of the header, then the rest of the payload.
     std::array<iovec, kMaxGroupOps + 1> iov;
-    std::size_t count = 0;
-    std::size_t skip = r.sent;
-    auto add = [&](const void* p, std::size_t len) {
-      if (skip >= len) {
-        skip -= len;
-        return;
-      }
-      iov[count++] = {const_cast<std::byte*>(static_cast<const std::byte*>(p)) + skip, len - skip};
-      skip = 0;
-    };
-    add(&r.header, sizeof r.header);
-    for (std::size_t i = 0; i < r.count; ++i) add(r.pieces[i].first, r.pieces[i].second);
-    msghdr msg{};
-    msg.msg_iov = iov.data();
-    msg.msg_iovlen = count;
-    const ssize_t n = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n = send_some(iov.data(), unsent(r, iov));
     if (n < 0) {
       const int err = errno;
       if (err == EINTR) continue;
       if (err == EAGAIN || err == EWOULDBLOCK) {
-        socket_.async_wait(tcp::socket::wait_write, on_strand([](Stream& s, error_code ec) {
+        socket_.async_wait(wait_kind(tcp::socket::wait_write), on_strand([](Stream& s, error_code ec) {
           if (ec) {
             s.fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()),
                        ec == asio::error::operation_aborted);
@@ -292,7 +323,7 @@ void Stream::write_more() {
         }));
         return;
       }
-      fail_all(Status::unavailable(std::string("tcp send to peer failed: ") + std::strerror(err)));
+      fail_all(Status::unavailable("tcp send to peer failed: " + error_text(err)));
       std::lock_guard lock(mu_);
       writing_ = false;
       return;
@@ -312,7 +343,7 @@ void Stream::read_more() {
     switch (read_response()) {
       case Read::kAnswered: ++answered; break;
       case Read::kWait:
-        socket_.async_wait(tcp::socket::wait_read, on_strand([](Stream& s, error_code ec) {
+        socket_.async_wait(wait_kind(tcp::socket::wait_read), on_strand([](Stream& s, error_code ec) {
           if (ec) {
             s.fail_all(Status::unavailable("tcp receive failed: " + ec.message()), ec == asio::error::operation_aborted);
             return;
@@ -327,22 +358,21 @@ void Stream::read_more() {
 }
 
 Stream::Read Stream::read_response() {
-  const int fd = socket_.native_handle();
   // A receive that moved no bytes: try again (nullopt), wait for the socket, or the stream
   // failed (`during`: which part of the response).
   auto moved_nothing = [&](ssize_t n, std::string_view during) -> std::optional<Read> {
     if (n < 0 && errno == EINTR) return std::nullopt;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Read::kWait;
     std::string what = "tcp receive failed";
-    what.append(during).append(": ").append(n == 0 ? "peer closed the connection" : std::strerror(errno));
+    what.append(during).append(": ").append(n == 0 ? "peer closed the connection" : error_text(errno));
     fail_all(Status::unavailable(std::move(what)));
     return Read::kEnded;
   };
   for (;;) {
     if (!in_payload_) {
       // The header, then the request it answers: the group of ops at the front of the wire.
-      auto* into = reinterpret_cast<std::byte*>(&response_) + response_got_;
-      const ssize_t n = ::recv(fd, into, sizeof response_ - response_got_, MSG_DONTWAIT);
+      const iovec into{reinterpret_cast<std::byte*>(&response_) + response_got_, sizeof response_ - response_got_};
+      const ssize_t n = receive_some(&into, 1);
       if (n <= 0) {
         if (auto next = moved_nothing(n, "")) return *next;
         continue;
@@ -378,10 +408,7 @@ Stream::Read Stream::read_response() {
     }
     if (in_payload_) {
       // A READ's payload, straight into its ops' buffers.
-      msghdr msg{};
-      msg.msg_iov = payload_.data() + payload_first_;
-      msg.msg_iovlen = payload_count_ - payload_first_;
-      const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+      const ssize_t n = receive_some(payload_.data() + payload_first_, payload_count_ - payload_first_);
       if (n <= 0) {
         if (auto next = moved_nothing(n, " mid-payload")) return *next;
         continue;
