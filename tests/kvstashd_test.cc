@@ -356,7 +356,7 @@ TEST(Kvstashd, AClusterTokenFileMustBePrivateAndNotEmptyAndTheTokenGuardsThePool
 // not trust the server's CA gets nothing from it.
 TEST(Kvstashd, NodeStoreAndCliReachRedisOverTls) {
   test::TestPki pki;
-  if (!pki.ok()) GTEST_SKIP() << "the openssl CLI could not make a test PKI";
+  if (!pki.ok()) GTEST_SKIP() << "the test PKI could not be made";
   const int tls_port = test::RedisServer::free_port();
   test::RedisServer redis({"--tls-port", std::to_string(tls_port), "--tls-cert-file", pki.file("server.crt"),
                            "--tls-key-file", pki.file("server.key"), "--tls-ca-cert-file", pki.file("ca.crt"),

@@ -310,7 +310,7 @@ class TlsRedis {
 };
 
 #define KVSTASH_NEED_TLS_REDIS(pki, redis)                                                               \
-  if (!(pki).ok()) GTEST_SKIP() << "the openssl CLI could not make a test PKI";                         \
+  if (!(pki).ok()) GTEST_SKIP() << "the test PKI could not be made";                         \
   if (!(redis).running()) GTEST_SKIP() << "redis-server would not start with TLS (built without TLS?)"
 
 TEST(RedisTls, CommandsScriptsAndPasswordsOverTlsWithAClientCertificate) {

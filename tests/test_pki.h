@@ -1,13 +1,15 @@
-// A throwaway PKI for TLS tests, made with the openssl CLI in a temporary folder: a CA, a
-// server certificate for 127.0.0.1 and localhost, a client certificate, and a second CA that
-// signed none of them. Removed with the object.
+// A throwaway PKI for the TLS-to-Redis tests, in a temporary folder removed with the object:
+// a CA with a server certificate (127.0.0.1, ::1, localhost) and a client certificate
+// (tools/common/throwaway_tls.h), and a second CA that signed neither.
 #pragma once
 
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <string>
+
+#include "tools/common/throwaway_tls.h"
 
 namespace kvstash::test {
 
@@ -17,21 +19,15 @@ class TestPki {
     char dir[] = "/tmp/kvstash-pki-XXXXXX";
     if (::mkdtemp(dir) == nullptr) return;
     dir_ = dir;
-    // P-256 keys: quick to make; certificates valid for two days.
-    const std::string script = "cd '" + dir_ + "' && (" + R"(
-      key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1"; }
-      ca() { key "$1.key" && openssl req -x509 -new -key "$1.key" -out "$1.crt" -days 2 -subj "/CN=$1"; }
-      leaf() {  # name ca subject-alt-names
-        key "$1.key" && openssl req -new -key "$1.key" -out "$1.csr" -subj "/CN=$1" &&
-        printf 'subjectAltName=%s\n' "$3" > "$1.ext" &&
-        openssl x509 -req -in "$1.csr" -CA "$2.crt" -CAkey "$2.key" -CAcreateserial -out "$1.crt" -days 2 \
-          -extfile "$1.ext"
-      }
-      ca ca && ca other-ca &&
-      leaf server ca 'IP:127.0.0.1,DNS:localhost' &&
-      leaf client ca 'DNS:kvstash-client'
-    ) >/dev/null 2>&1)";
-    ok_ = std::system(script.c_str()) == 0;
+    const std::string other = dir_ + "/other";
+    std::filesystem::create_directory(other);
+    auto ours = tools::make_throwaway_tls(dir_);
+    auto theirs = tools::make_throwaway_tls(other, "another CA");
+    if (!ours.is_ok() || !theirs.is_ok()) return;
+    files_ = {{"ca.crt", ours->ca_cert},         {"server.crt", ours->server_cert},
+              {"server.key", ours->server_key},  {"client.crt", ours->client_cert},
+              {"client.key", ours->client_key},  {"other-ca.crt", theirs->ca_cert}};
+    ok_ = true;
   }
   ~TestPki() {
     if (!dir_.empty()) {
@@ -43,11 +39,16 @@ class TestPki {
   TestPki& operator=(const TestPki&) = delete;
 
   bool ok() const { return ok_; }
-  // "<dir>/<name>": ca.crt, other-ca.crt, server.crt, server.key, client.crt, client.key.
-  std::string file(const std::string& name) const { return dir_ + "/" + name; }
+  // ca.crt, other-ca.crt, server.crt, server.key, client.crt, client.key; any other name is a
+  // path in the folder where nothing is.
+  std::string file(const std::string& name) const {
+    auto it = files_.find(name);
+    return it != files_.end() ? it->second : dir_ + "/" + name;
+  }
 
  private:
   std::string dir_;
+  std::map<std::string, std::string> files_;
   bool ok_ = false;
 };
 
