@@ -405,6 +405,29 @@ TEST_F(Cli, DoctorExplainsWhatThisHostHasAndLacks) {
   for (const char* name : {"memlock", "hugepages", "cuda", "gpudirect", "clock skew", "transport shm"}) {
     EXPECT_TRUE(checks.count(name)) << name;
   }
+  EXPECT_EQ(checks.count("ssd"), 0u) << "the NVMe tier is checked only when named";
+
+  // --ssd: a file tier on this machine's disk is probed (O_DIRECT, io_uring) and the probe
+  // goes; a path whose folder is not there fails the check and doctor.
+  const std::filesystem::path tier = std::filesystem::current_path() / "doctor-tier";
+  Outcome ssd = kv("doctor --json --ssd " + tier.string());
+  const json ssd_report = ssd.j();  // held: a loop over a temporary's member would dangle
+  json ssd_check;
+  for (const auto& c : ssd_report["checks"]) {
+    if (c["check"] == "ssd") ssd_check = c;
+  }
+  ASSERT_FALSE(ssd_check.is_null()) << ssd.out;
+  const std::string status = ssd_check["status"];
+  EXPECT_TRUE(status == "ok" || status == "warn") << ssd_check.dump();  // warn: a rotational virtual disk
+  EXPECT_NE(ssd_check["detail"].get<std::string>().find("O_DIRECT and io_uring work"), std::string::npos)
+      << ssd_check.dump();
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::current_path())) {
+    EXPECT_EQ(entry.path().filename().string().rfind(".kvstash-doctor-probe", 0), std::string::npos)
+        << "the probe file stayed: " << entry.path();
+  }
+  Outcome missing = kv("doctor --ssd /nonexistent-dir/tier");
+  EXPECT_EQ(missing.code, 1) << missing.out;
+  EXPECT_NE(missing.out.find("/nonexistent-dir does not exist"), std::string::npos) << missing.out;
   // With the node gone, doctor fails and says how to fix it.
   node_->kill();
   std::this_thread::sleep_for(1500ms);

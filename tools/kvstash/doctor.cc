@@ -3,8 +3,13 @@
 // has none) do not fail it. It also prints the GPU x NIC matrix (PCIe distance from each GPU to
 // each RDMA device) that the verbs transport chooses the NICs for each GPU's memory by.
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <linux/magic.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysmacros.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -22,10 +27,12 @@
 #include "common/pci_topology.h"
 #include "common/units.h"
 #include "kvstash/engine.h"
+#include "kvstash/memory.h"
 #include "kvstash_config.h"
 #include "metadata/cell.h"
 #include "metadata/redis_client.h"
 #include "metadata/scripts.h"
+#include "node/ssd_device.h"
 
 namespace kvstash::cli {
 namespace {
@@ -76,13 +83,39 @@ std::string cell(const Affinity& a, std::size_t g, std::size_t n) {
   return std::string(pci::to_string(a.distance[g][n])) + (a.chosen[g][n] ? "*" : "");
 }
 
+// The file system type of `statfs`'s f_type, by name where it matters to O_DIRECT.
+std::string fs_name(long type) {
+  switch (static_cast<unsigned long>(type)) {
+    case EXT4_SUPER_MAGIC: return "ext4";  // also ext2/ext3
+    case XFS_SUPER_MAGIC: return "xfs";
+    case BTRFS_SUPER_MAGIC: return "btrfs";
+    case TMPFS_MAGIC: return "tmpfs";
+    case OVERLAYFS_SUPER_MAGIC: return "overlayfs";
+    case NFS_SUPER_MAGIC: return "nfs";
+    default: {
+      char hex[32];
+      std::snprintf(hex, sizeof hex, "0x%lx", static_cast<unsigned long>(type));
+      return hex;
+    }
+  }
+}
+
+// The first line of a sysfs file, or "" when there is none.
+std::string sysfs_line(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
 class Doctor {
  public:
-  explicit Doctor(Session& s) : s_(s) {}
+  Doctor(Session& s, std::string ssd) : s_(s), ssd_(std::move(ssd)) {}
 
   std::vector<Check> run() {
     redis_checks();
     host_checks();
+    if (!ssd_.empty()) ssd_check();
     return std::move(checks_);
   }
   const Affinity& affinity() const { return affinity_; }
@@ -357,7 +390,77 @@ class Doctor {
             : "");
   }
 
+  // The NVMe tier's device (docs/nvme-tier.md): a block device is looked at without a write;
+  // for a file, a probe file beside it takes a 64 KiB write and read through O_DIRECT and
+  // io_uring, and goes.
+  void ssd_check() {
+    struct stat st {};
+    const bool block = ::stat(ssd_.c_str(), &st) == 0 && S_ISBLK(st.st_mode);
+    std::string where = block ? ssd_ : std::filesystem::path(ssd_).parent_path().string();
+    if (where.empty()) where = ".";
+    struct stat dir {};
+    if (!block && ::stat(where.c_str(), &dir) != 0) {
+      add("ssd", "fail", where + " does not exist", "name a file on the NVMe's file system, or the device");
+      return;
+    }
+    // The queue behind it: the device's own, or the one holding the file system.
+    const dev_t dev = block ? st.st_rdev : dir.st_dev;
+    std::filesystem::path sys = "/sys/dev/block/" + std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
+    if (!std::filesystem::exists(sys / "queue") && std::filesystem::exists(sys / "..")) sys = sys / "..";
+    const std::string depth = sysfs_line(sys / "queue" / "nr_requests");
+    const std::string rotational = sysfs_line(sys / "queue" / "rotational");
+    const std::string queue = depth.empty() ? "queue depth unknown (no block device behind it)"
+                                            : "queue depth " + depth + (rotational == "1" ? ", rotational" : "");
+    if (block) {
+      const int fd = ::open(ssd_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+      if (fd < 0) {
+        add("ssd", "fail", ssd_ + ": " + std::strerror(errno), "run kvstashd as a user that may open it");
+        return;
+      }
+      ::close(fd);
+      add("ssd", rotational == "1" ? "warn" : "ok", ssd_ + ": a block device, O_DIRECT opens; " + queue,
+          rotational == "1" ? "a rotational disk: the tier wants NVMe" : "");
+      return;
+    }
+    struct statfs fs {};
+    const std::string type = ::statfs(where.c_str(), &fs) == 0 ? fs_name(fs.f_type) : "unknown";
+    const std::string probe = (std::filesystem::path(where) / ".kvstash-doctor-probe").string() + std::to_string(getpid());
+    auto device = node::SsdDevice::open({.path = probe, .capacity = 1 << 20});
+    Status io = device.status();
+    double us = 0;
+    if (io.is_ok()) {
+      auto buffer = Buffer::allocate(64 << 10);
+      io = buffer.status();
+      if (io.is_ok()) {
+        std::memset(buffer->data(), 0x6b, buffer->size());
+        const auto t0 = std::chrono::steady_clock::now();
+        io = (*device)->run({{.write = true, .offset = 0, .buffer = buffer->data(), .length = buffer->size()},
+                             {.write = false, .offset = 65536, .buffer = buffer->data(), .length = buffer->size()}},
+                            deadline_after(std::chrono::seconds(5)));
+        us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      }
+      device->reset();
+    }
+    ::unlink(probe.c_str());
+    if (!io.is_ok()) {
+      add("ssd", "fail", where + " (" + type + "): " + io.message(),
+          io.code() == StatusCode::kUnsupported ? "put the tier on ext4 or xfs on the NVMe, or give the device"
+                                                : "");
+      return;
+    }
+    const bool poor = type == "tmpfs" || type == "overlayfs" || type == "nfs" || rotational == "1";
+    char took[64];
+    std::snprintf(took, sizeof took, "%.0f us", us);
+    add("ssd", poor ? "warn" : "ok",
+        where + " (" + type + "): O_DIRECT and io_uring work (a 64 KiB write and read took " + took + "); " + queue,
+        !poor ? ""
+        : rotational == "1"
+            ? "its disk says it is rotational: the tier wants NVMe (a VM's virtual disk may say so wrongly)"
+            : "a " + type + " file is not an NVMe tier: put it on ext4 or xfs on the NVMe, or give the device");
+  }
+
   Session& s_;
+  std::string ssd_;
   std::vector<Check> checks_;
   Affinity affinity_;
 };
@@ -399,8 +502,8 @@ std::string affinity_table(const Affinity& a) {
          "node, SYS across NUMA nodes, ? not in the PCI tree\n";
 }
 
-int doctor(Session& s) {
-  Doctor doc(s);
+int doctor(Session& s, const std::string& ssd) {
+  Doctor doc(s, ssd);
   const std::vector<Check> checks = doc.run();
   bool failed = false;
   for (const auto& c : checks) failed |= c.status == "fail";
@@ -434,10 +537,17 @@ void add_doctor_command(Registry& r) {
       "Checks: Redis reachable and authenticated, eviction policy, schema, Lua scripts, clock skew, memory "
       "nodes' heartbeats, transports (shm, tcp, UCX, RDMA devices and ports), CUDA and GPUDirect, the GPU x "
       "NIC matrix (PCIe distance, the NICs each GPU's memory moves through), hugepages, "
-      "memlock.\n\nExamples:\n  kvstash doctor\n  kvstash doctor --json | jq '.checks[] | "
-      "select(.status != \"ok\")'");
+      "memlock; with --ssd, the NVMe tier's device (O_DIRECT, io_uring, its file system and queue depth)."
+      "\n\nExamples:\n  kvstash doctor\n  kvstash doctor --ssd /mnt/nvme0/kvstash.tier\n"
+      "  kvstash doctor --json | jq '.checks[] | select(.status != \"ok\")'");
+  auto ssd = std::make_shared<std::string>();
+  d->add_option("--ssd", *ssd,
+                "Check this NVMe tier: a block device (looked at, never written), or a file path (a probe file "
+                "beside it takes a 64 KiB write and read)");
   Session& s = r.session;
-  d->final_callback([&r, &s] { r.action = [&s] { return for_each_cell(s, doctor); }; });
+  d->final_callback([&r, &s, ssd] {
+    r.action = [&s, ssd] { return for_each_cell(s, [ssd](Session& one) { return doctor(one, *ssd); }); };
+  });
 }
 
 }  // namespace kvstash::cli
