@@ -339,6 +339,9 @@ int main(int argc, char** argv) {
   md->add_option("--objects", meta.objects, "--scripts: one-page objects in the cell")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
+  md->add_flag("--tls", meta.tls,
+               "Throughput: the kvstash clients reach Redis through a TLS port of the same server (rediss://, "
+               "throwaway certificates); redis-benchmark's references stay plain");
   md->add_option("--quotas", meta.quotas,
                  "Throughput: set this many quotas per key prefix first (one over the gets' keys, one over the "
                  "puts', the rest over other prefixes; none ever full): what quota accounting costs")

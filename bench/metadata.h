@@ -24,6 +24,9 @@ struct MetadataBenchOptions {
   // objects, one over the puts' keys, the rest over prefixes no key has; all with room to
   // spare: what the scripts' accounting costs, without eviction.
   int quotas = 0;
+  // Throughput: the kvstash clients reach Redis over TLS (rediss://, throwaway certificates;
+  // redis-benchmark's references stay plain): what TLS to Redis costs the metadata plane.
+  bool tls = false;
 };
 
 // Starts a private redis-server, prints the table (or JSON), stops it; 0 on success.

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <latch>
 #include <memory>
@@ -42,6 +43,7 @@
 #include "metadata/records.h"
 #include "metadata/scripts.h"
 #include "tools/common/local_cluster.h"
+#include "tools/common/throwaway_tls.h"
 
 namespace kvstash::bench {
 namespace {
@@ -589,13 +591,41 @@ void print_group(const std::vector<Row>& rows, bool json) {
 
 int run_metadata_load(const MetadataBenchOptions& o) {
   InterruptHandler interrupt;
-  auto redis = tools::LocalRedis::start({});
+  // --tls: the same server also listens on a TLS port, with certificates made for this run.
+  tools::LocalRedisOptions ro;
+  std::string tls_dir, tls_url;
+  if (o.tls) {
+    char dir[] = "/tmp/kvstash-bench-tls-XXXXXX";
+    if (::mkdtemp(dir) == nullptr) {
+      std::cerr << "metadata: cannot make a folder for the certificates\n";
+      return 1;
+    }
+    tls_dir = dir;
+    auto tls = tools::make_throwaway_tls(tls_dir);
+    if (!tls.is_ok()) {
+      std::cerr << "metadata: " << tls.status().to_string() << "\n";
+      return 1;
+    }
+    const int port = tools::free_port();
+    ro.extra_args = {"--tls-port",     std::to_string(port), "--tls-cert-file",    tls->server_cert,
+                     "--tls-key-file", tls->server_key,      "--tls-ca-cert-file", tls->ca_cert,
+                     "--tls-auth-clients", "no"};
+    tls_url = "rediss://127.0.0.1:" + std::to_string(port) + "/0?ca=" + tls->ca_cert;
+  }
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{tls_dir};
+  auto redis = tools::LocalRedis::start(ro);
   if (!redis.is_ok()) {
     std::cerr << "metadata: " << redis.status().to_string() << "\n";
     return 1;
   }
   metadata::CellOptions options;
-  options.redis.url = (*redis)->url();
+  options.redis.url = o.tls ? tls_url : (*redis)->url();
   options.redis.command_timeout = 10s;
   auto cell = Cell::open(options);
   if (!cell.is_ok()) {
@@ -615,9 +645,11 @@ int run_metadata_load(const MetadataBenchOptions& o) {
         v == std::string_view::npos ? "?" : std::string(info.substr(v + 14, info.find('\r', v) - v - 14));
     std::printf(
         "One private redis-server %s on 127.0.0.1, shared by everything below; %u CPUs on this host for "
-        "Redis, the clients and redis-benchmark together.\nThe mix: put, get, contains_prefix in turn, each "
+        "Redis, the clients and redis-benchmark together.%s\nThe mix: put, get, contains_prefix in turn, each "
         "client on its own connection; %zu hot objects for gets; no eviction; %.1f s per client count.\n\n",
-        version.c_str(), std::thread::hardware_concurrency(), kHotObjects, o.seconds);
+        version.c_str(), std::thread::hardware_concurrency(),
+        o.tls ? "\nThe kvstash clients reach it over TLS (rediss://); redis-benchmark over plain tcp." : "",
+        kHotObjects, o.seconds);
     print_header();
   }
   for (int clients : o.clients) {

@@ -97,6 +97,25 @@ TEST(BenchStore, JsonRowsForEveryBackendWithAPrivateCell) {
   expect_rows(json_lines(out), {"kvstash-shm", "kvstash-tcp", "redis-bytes"}, 4u << 20, 2);
 }
 
+// kvstash-bench metadata, over TLS to Redis and with quotas: every kind of operation ran,
+// without an error (a TLS or quota failure would stop the mix).
+TEST(BenchMetadata, TheMixRunsOverTlsToRedisAndUnderQuotas) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  const std::string out = run(bench() + " metadata --clients 2 --seconds 0.3 --tls --quotas 3 --json", &status);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  std::set<std::string> kinds;
+  for (const auto& j : json_lines(out)) {
+    const std::string what = j["what"];
+    if (what.rfind("kvstash", 0) != 0) continue;
+    EXPECT_FALSE(j.contains("error")) << j.dump();
+    EXPECT_GT(j.value("ops_per_s", 0.0), 0) << j.dump();
+    kinds.insert(what);
+  }
+  EXPECT_EQ(kinds.size(), 4u) << out;  // the mix and its three kinds
+}
+
 TEST(BenchStore, TokenRangesReportTheirSpread) {
   if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
   int status = -1;

@@ -32,10 +32,6 @@ namespace fs = std::filesystem;
 
 // ---- LocalRedis ---------------------------------------------------------------------------
 
-namespace {
-
-// A free TCP port on 127.0.0.1 right now (someone may take it before we bind it; callers
-// retry). 0 on failure.
 int free_port() {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return 0;
@@ -49,6 +45,8 @@ int free_port() {
   }
   return ntohs(a.sin_port);
 }
+
+namespace {
 
 // Whether `port` on 127.0.0.1 is free right now.
 bool port_free(int port) {

@@ -65,6 +65,10 @@ struct LocalRedisOptions {
   std::vector<std::string> wrapper;
 };
 
+// A free TCP port on 127.0.0.1 right now (someone may take it before it is bound: callers
+// retry). 0 on failure.
+int free_port();
+
 // A private redis-server on a free loopback port: bound to 127.0.0.1, working directory (and
 // log file) in a private mkdtemp directory removed at stop().
 class LocalRedis {
