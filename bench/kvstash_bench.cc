@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "checksum.h"
+#include "tier.h"
 #include "churn.h"
 #include "common/system.h"
 #include "common/units.h"
@@ -374,6 +375,23 @@ int main(int argc, char** argv) {
   cs->add_flag("--json", sums.json, "One JSON object per row");
   cs->footer("Example:\n  kvstash-bench checksum --bytes 256MiB --threads 2");
 
+  bench::TierBenchOptions tier;
+  std::string tier_bytes = "1GiB", tier_io = "4MiB";
+  auto* ti = app.add_subcommand(
+      "tier",
+      "The NVMe tier's device layer (O_DIRECT through io_uring) writing and reading a file sequentially, "
+      "against fio's O_DIRECT io_uring job of the same file in the same run");
+  ti->add_option("--path", tier.path, "A file on the tier's file system (created, and removed after)")->required();
+  ti->add_option("--bytes", tier_bytes, "The file's size: each pass writes, then reads, all of it")
+      ->capture_default_str();
+  ti->add_option("--io-size", tier_io, "One I/O (a page)")->capture_default_str();
+  ti->add_option("--depth", tier.depth, "I/Os in flight")->capture_default_str()->check(CLI::Range(1u, 256u));
+  ti->add_option("--rounds", tier.rounds, "Passes of each; the best counts")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 100u));
+  ti->add_flag("--json", tier.json, "One JSON object per row");
+  ti->footer("Example:\n  kvstash-bench tier --path /mnt/nvme0/bench.tier --bytes 4GiB --io-size 4MiB --depth 16");
+
   bench::ChurnBenchOptions churn;
   std::string churn_sizes = "mixed", churn_mix = "put=1", churn_capacity = "64MiB", churn_page = "1MiB",
               churn_transport = "shm";
@@ -527,6 +545,16 @@ int main(int argc, char** argv) {
   if (sv->parsed()) return bench::run_serve(serve);
   if (md->parsed()) return bench::run_metadata(meta);
   if (cs->parsed()) return bench::run_checksum(sums);
+  if (ti->parsed()) {
+    auto b = units::parse_size(tier_bytes), io = units::parse_size(tier_io);
+    if (!b.is_ok() || !io.is_ok() || *io == 0 || *io % 4096 != 0 || *b < *io) {
+      std::cerr << "tier: --bytes and --io-size are sizes, the I/O a multiple of 4 KiB and at most --bytes\n";
+      return 2;
+    }
+    tier.bytes = *b / *io * *io;
+    tier.io_bytes = *io;
+    return bench::run_tier(tier);
+  }
   if (ch->parsed()) return bench::run_churn(churn);
   if (pe->parsed()) return bench::run_peers(peers);
   return bench::run_p2p(p2p);

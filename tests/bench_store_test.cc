@@ -116,6 +116,30 @@ TEST(BenchMetadata, TheMixRunsOverTlsToRedisAndUnderQuotas) {
   EXPECT_EQ(kinds.size(), 4u) << out;  // the mix and its three kinds
 }
 
+// kvstash-bench tier: the NVMe tier's device layer and fio on the same file, each op measured;
+// the file is gone afterwards. (fio may be missing: its rows then say so.)
+TEST(BenchTier, TheDeviceLayerAndFioWriteAndReadTheSameFile) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  const std::string file = (std::filesystem::current_path() / "bench-tier-test").string();
+  int status = -1;
+  const std::string out =
+      run(bench() + " tier --path " + file + " --bytes 16MiB --io-size 1MiB --depth 4 --rounds 1 --json", &status);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  std::set<std::string> rows;
+  for (const auto& j : json_lines(out)) {
+    const std::string row = j["engine"].get<std::string>() + "/" + j["op"].get<std::string>();
+    rows.insert(row);
+    if (j["engine"] == "kvstash-ssd" || !j.contains("note")) {
+      EXPECT_GT(j["gbps"].get<double>(), 0) << j.dump();
+    }
+    EXPECT_EQ(j["bytes"], 16 << 20) << j.dump();
+  }
+  EXPECT_EQ(rows, (std::set<std::string>{"kvstash-ssd/write", "kvstash-ssd/read", "fio/write", "fio/read"})) << out;
+  EXPECT_FALSE(std::filesystem::exists(file)) << "the bench left its file";
+  EXPECT_EQ(WEXITSTATUS(std::system((bench() + " tier --path " + file + " --io-size 1000 >/dev/null 2>&1").c_str())), 2);
+}
+
 TEST(BenchStore, TokenRangesReportTheirSpread) {
   if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
   int status = -1;

@@ -37,7 +37,8 @@ RULES = {
     "src/capi": [PUBLIC, "src/common/system.h"],
     "src/python": [PUBLIC, "src/common/system.h"],
     "tools": [PUBLIC, "src/common", "src/metadata", "src/node", "tools/common"],
-    "bench": [PUBLIC, "src/common", "src/metadata", "src/kvcache/cuda", "tools/common"],
+    # bench: `kvstash-bench tier` measures the NVMe tier's device layer itself (and no more of the node).
+    "bench": [PUBLIC, "src/common", "src/metadata", "src/kvcache/cuda", "src/node/ssd_device.h", "tools/common"],
 }
 SEARCH = ["include", "src", ""]  # the build's include directories, in order
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
