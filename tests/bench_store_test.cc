@@ -123,8 +123,12 @@ TEST(BenchTier, TheDeviceLayerAndFioWriteAndReadTheSameFile) {
   const std::string file = (std::filesystem::current_path() / "bench-tier-test").string();
   int status = -1;
   const std::string out =
-      run(bench() + " tier --path " + file + " --bytes 16MiB --io-size 1MiB --depth 4 --rounds 1 --json", &status);
+      run(bench() + " tier --path " + file + " --bytes 16MiB --io-size 1MiB --depth 4 --rounds 1 --json 2>&1", &status);
   ASSERT_TRUE(WIFEXITED(status)) << out;
+  if (WEXITSTATUS(status) != 0 && (out.find("takes no O_DIRECT") != std::string::npos ||
+                                   out.find("io_uring is off") != std::string::npos)) {
+    GTEST_SKIP() << "no NVMe tier possible here: " << out;
+  }
   ASSERT_EQ(WEXITSTATUS(status), 0) << out;
   std::set<std::string> rows;
   for (const auto& j : json_lines(out)) {
