@@ -100,6 +100,13 @@ kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t ti
  * the keys of kvstash_kvcache_key. */
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
                                        uint32_t timeout_ms, size_t* count);
+/* kvstash_contains_prefix, and where each of those *count leading keys is: out[i] is
+ * KVSTASH_TIER_DRAM (in a memory node's pool) or KVSTASH_TIER_SSD (on its NVMe tier: a get
+ * stages it back first, one round trip and a device read more). `out` holds n_keys. */
+#define KVSTASH_TIER_DRAM 0
+#define KVSTASH_TIER_SSD 1
+kvstash_status kvstash_prefix_tiers(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                    uint32_t timeout_ms, uint8_t* out, size_t* count);
 
 /* KvDType; the names are the dtype's text form ("fp16", ...), as Python spells it. */
 typedef enum kvstash_dtype {

@@ -224,7 +224,15 @@ struct GetOptions {
   CancelToken cancel;
   // A batch of read leases that holds this key's (Store::lease_reads): no Redis round trip.
   const ReadLeases* leases = nullptr;
+  // An object on a memory node's NVMe tier is staged back into the node's pool first (one
+  // round trip more, and the device's read: docs/nvme-tier.md). false: such an object is
+  // kNotFound instead, its message saying it is on the tier (the caller would rather
+  // recompute); Store::prefix_tiers tells beforehand.
+  bool promote = true;
 };
+
+// Where an object is (Store::prefix_tiers): in a memory node's pool, or on its NVMe tier.
+enum class Tier : std::uint8_t { kDram, kSsd };
 
 // Where Store::get_unsized puts an object the caller did not know the size of: called once
 // with the object's size, before any byte moves; returns slices holding at least `size`
@@ -349,6 +357,9 @@ class Store {
   // prefix when keys are a sequence of prefix chunks. One Redis round trip.
   Result<std::size_t> contains_prefix(std::span<const std::string> keys,
                                       std::optional<Deadline> deadline = {});
+  // contains_prefix, and where each of those leading keys is: a get of one on a node's NVMe
+  // tier costs a promotion first (a load to weigh against a recompute). One round trip.
+  Result<std::vector<Tier>> prefix_tiers(std::span<const std::string> keys, std::optional<Deadline> deadline = {});
 
   // Deletes the object (its pages return to the pool once no reader holds them).
   // kNotFound when absent.

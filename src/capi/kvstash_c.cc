@@ -177,6 +177,24 @@ kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* 
   return report({});
 }
 
+kvstash_status kvstash_prefix_tiers(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                    uint32_t timeout_ms, uint8_t* out, size_t* count) {
+  if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr || (out == nullptr && n_keys != 0)) {
+    return invalid("kvstash_prefix_tiers: store, keys, out and count are required");
+  }
+  std::vector<std::string> k;
+  k.reserve(n_keys);
+  for (size_t i = 0; i < n_keys; ++i) {
+    if (keys[i] == nullptr) return invalid("kvstash_prefix_tiers: a key is NULL");
+    k.emplace_back(keys[i]);
+  }
+  auto where = store->store->prefix_tiers(k, deadline_of(timeout_ms));
+  if (!where.is_ok()) return report(where.status());
+  for (size_t i = 0; i < where->size(); ++i) out[i] = (*where)[i] == kvstash::Tier::kSsd ? KVSTASH_TIER_SSD : KVSTASH_TIER_DRAM;
+  *count = where->size();
+  return report({});
+}
+
 kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layout* layout,
                                     const kvstash_key_options* keys, kvstash_kvcache** out) {
   if (store == nullptr || layout == nullptr || keys == nullptr || out == nullptr || keys->model == nullptr) {

@@ -166,6 +166,12 @@ namespace {
 // A read lease from begin_get's reply, or one item of begin_gets': page_size, token, size,
 // extents, checksum, layout, deadline, nodes...
 Result<ReadLease> read_lease_of(std::span<const redisReply* const> r, std::string_view key) {
+  if (r.size() == 2 && text_of(r[0]) == "PROMOTING") {
+    ReadLease g;
+    g.promoting_node = std::string(text_of(r[1]));
+    if (!valid_node_id(g.promoting_node)) return corrupt("object " + std::string(key) + " is on a malformed node");
+    return g;
+  }
   if (r.size() < 7) return corrupt("unexpected reply to begin_get");
   ReadLease g;
   g.object_token = std::string(text_of(r[1]));
@@ -195,10 +201,11 @@ Result<ReadLease> read_lease_of(std::span<const redisReply* const> r, std::strin
 }  // namespace
 
 Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view reader,
-                                     std::chrono::milliseconds lease) {
+                                     std::chrono::milliseconds lease, bool promote) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l}));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                           redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l, promote ? "0" : "1"}));
   if (r.type() != Reply::Type::kArray) return corrupt("unexpected reply to begin_get");
   return read_lease_of(detail::items_of(r.raw()), key);
 }
@@ -244,7 +251,7 @@ Result<std::vector<Status>> Catalog::end_gets(std::span<const EndedRead> reads) 
 Result<ObjectRecord> Catalog::stat(std::string_view key) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::stat(), {prefix_}, {key}));
-  if (r.type() != Reply::Type::kArray || r.size() != 7) return corrupt("unexpected reply to stat");
+  if (r.type() != Reply::Type::kArray || r.size() != 8) return corrupt("unexpected reply to stat");
   ObjectRecord o;
   auto size = number<std::uint64_t>(text_of(r.element(0)));
   auto sum = sum::parse_object_sum(text_of(r.element(1)));
@@ -258,6 +265,7 @@ Result<ObjectRecord> Catalog::stat(std::string_view key) {
   o.nodes = detail::split_nodes(text_of(r.element(4)));
   o.ttl_ms = integer_of(r.element(5)).value_or(-1);
   o.version = std::string(text_of(r.element(6)));
+  o.tier = std::string(text_of(r.element(7)));
   return o;
 }
 
@@ -274,8 +282,8 @@ Status Catalog::touch(std::string_view key, std::chrono::milliseconds ttl) {
 
 Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) {
   if (keys.empty()) return std::size_t{0};
-  std::vector<std::string_view> args;
-  args.reserve(keys.size());
+  std::vector<std::string_view> args{"count"};
+  args.reserve(keys.size() + 1);
   for (const auto& k : keys) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(k));
     args.push_back(k);
@@ -287,6 +295,25 @@ Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) 
     return corrupt("unexpected reply to contains_prefix");
   }
   return static_cast<std::size_t>(r.integer());
+}
+
+Result<std::vector<bool>> Catalog::prefix_tiers(std::span<const std::string> keys) {
+  std::vector<bool> out;
+  if (keys.empty()) return out;
+  std::vector<std::string_view> args{"tiers"};
+  args.reserve(keys.size() + 1);
+  for (const auto& k : keys) {
+    KVSTASH_RETURN_IF_ERROR(validate_object_key(k));
+    args.push_back(k);
+  }
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
+  if (r.type() != Reply::Type::kArray || r.size() > keys.size()) return corrupt("unexpected reply to contains_prefix");
+  for (std::size_t i = 0; i < r.size(); ++i) {
+    const std::string_view t = text_of(r.element(i));
+    if (t != "ssd" && t != "dram") return corrupt("contains_prefix named tier '" + std::string(t) + "'");
+    out.push_back(t == "ssd");
+  }
+  return out;
 }
 
 Result<std::vector<NodeEndpoint>> Catalog::live_nodes() {

@@ -113,8 +113,11 @@ class Catalog {
   Result<std::uint64_t> release_reservation(std::string_view reservation, std::uint64_t from, bool drop = false);
 
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
-  // absent, expired or on a dead node; kCorrupt for a malformed record.
-  Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease);
+  // absent, expired or on a dead node; kCorrupt for a malformed record. An object on a node's
+  // NVMe tier gets no lease: its promotion is queued and the lease says `promoting_node` (ask
+  // again), or, without `promote`, kNotFound that says it is on the tier.
+  Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease,
+                              bool promote = true);
   // begin_get of many keys in one script (a KV load's chunks), `readers[i]` reading keys[i]:
   // per key its lease, or kNotFound (or kCorrupt for a malformed record).
   Result<std::vector<Result<ReadLease>>> begin_gets(std::span<const std::string> keys,
@@ -139,6 +142,8 @@ class Catalog {
   Status touch(std::string_view key, std::chrono::milliseconds ttl);
   // How many of `keys`, from the first, are present (the first missing one ends the count).
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
+  // Per leading key present, whether it is on a node's NVMe tier (true) or in a pool (false).
+  Result<std::vector<bool>> prefix_tiers(std::span<const std::string> keys);
 
   // The nodes a client may connect to now: live, and up or draining.
   Result<std::vector<NodeEndpoint>> live_nodes();

@@ -68,6 +68,14 @@ Result<CellSummary> CellAdmin::summary() {
     if (field == "misses") c.misses = v;
     if (field == "evicted") c.evicted = v;
     if (field == "expired") c.expired = v;
+    if (field == "tier_objects") c.tier_objects = v;
+    if (field == "tier_slots") c.tier_slots = v;
+    if (field == "tier_free") c.tier_free_slots = v;
+    if (field == "written_down") c.written_down = v;
+    if (field == "promoted") c.promoted = v;
+    if (field == "tier_hits") c.tier_hits = v;
+    if (field == "tier_evicted") c.tier_evicted = v;
+    if (field == "tier_lost") c.tier_lost = v;
   }
   return c;
 }
@@ -132,7 +140,7 @@ Result<ObjectScan> CellAdmin::scan_node_objects(std::string_view id, std::string
 Result<std::vector<ObjectInfo>> CellAdmin::describe(std::span<const std::string> keys, std::int64_t* now_ms) {
   std::vector<std::string_view> args(keys.begin(), keys.end());
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::describe_objects(), {prefix_}, args));
-  constexpr std::size_t kFields = 7;
+  constexpr std::size_t kFields = 8;
   if (r.type() != Reply::Type::kArray || r.size() != 1 + kFields * keys.size()) {
     return corrupt("unexpected reply to describe_objects");
   }
@@ -153,6 +161,7 @@ Result<std::vector<ObjectInfo>> CellAdmin::describe(std::span<const std::string>
       o.nodes = detail::split_nodes(at(4));
       o.checksum = sum::parse_object_sum(at(5));
       o.readers = static_cast<std::uint64_t>(integer_of(r.element(1 + i * kFields + 6)).value_or(0));
+      o.tier = std::string(at(7));
     }
     out.push_back(std::move(o));
   }

@@ -28,6 +28,7 @@ struct NodeRecord {
   std::string address;    // the node engine's address blob
   std::string key;        // the pool region's remote-key blob
   std::string grant_key;  // hex of the HMAC key the cell signs this node's grants with
+  std::uint64_t tier_slots = 0;  // slots (of one page) of its NVMe tier; 0: none
 };
 
 // How to reach a node's pool.
@@ -82,6 +83,9 @@ struct ReadLease {
   sum::ObjectSum checksum;
   std::string layout;
   Placement placement;
+  // Set instead of a placement when the object is on this node's NVMe tier: its promotion
+  // back into the pool is queued, and a get asks again (docs/nvme-tier.md).
+  std::string promoting_node;
 };
 
 struct ObjectRecord {
@@ -92,7 +96,8 @@ struct ObjectRecord {
   std::vector<std::string> nodes;
   std::int64_t ttl_ms = -1;     // time left; -1: no expiry
   std::string version;          // the token of the put that wrote it
-  std::vector<Extent> extents;  // in object order
+  std::vector<Extent> extents;  // in object order (none while on the NVMe tier)
+  std::string tier = "dram";    // or "ssd": on its node's NVMe tier
 };
 
 struct NodeStatus {
@@ -108,6 +113,10 @@ struct NodeStatus {
   // until the node fences it). The rest of the used pages hold objects.
   std::uint64_t reserved_pages = 0;
   std::uint64_t limbo_pages = 0;
+  // Its NVMe tier (all 0: none): slots of one page, free ones, objects on it.
+  std::uint64_t tier_slots = 0;
+  std::uint64_t tier_free_slots = 0;
+  std::uint64_t tier_objects = 0;
   std::uint64_t object_pages() const {
     const std::uint64_t other = free_pages + reserved_pages + limbo_pages;
     return page_count > other ? page_count - other : 0;
@@ -140,6 +149,17 @@ struct CellSummary {
   std::uint64_t evicted = 0;  // objects evicted (for room, or by an operator)
   std::uint64_t expired = 0;  // objects released at their TTL
   std::int64_t now_ms = 0;    // Redis's clock
+  // The nodes' NVMe tiers (docs/nvme-tier.md): objects and slots on them now; objects moved
+  // down, promoted back, gets that found theirs there, evicted from a full tier, and lost
+  // there (the device failed or the bytes did not match their sum).
+  std::uint64_t tier_objects = 0;
+  std::uint64_t tier_slots = 0;
+  std::uint64_t tier_free_slots = 0;
+  std::uint64_t written_down = 0;
+  std::uint64_t promoted = 0;
+  std::uint64_t tier_hits = 0;
+  std::uint64_t tier_evicted = 0;
+  std::uint64_t tier_lost = 0;
 };
 
 // One object as an operator sees it (read-only: looking does not touch it).
@@ -153,6 +173,7 @@ struct ObjectInfo {
   std::vector<std::string> nodes;
   std::optional<sum::ObjectSum> checksum;  // none when the record's is malformed
   std::uint64_t readers = 0;               // live read leases
+  std::string tier = "dram";               // or "ssd": on its node's NVMe tier
 };
 
 // A page of SCAN over object keys.

@@ -213,6 +213,36 @@ const Script& list_quotas() {
   return s;
 }
 
+const Script& begin_write_down() {
+  static const Script s = make(lua::kBeginWriteDown);
+  return s;
+}
+
+const Script& commit_write_down() {
+  static const Script s = make(lua::kCommitWriteDown);
+  return s;
+}
+
+const Script& abort_write_down() {
+  static const Script s = make(lua::kAbortWriteDown);
+  return s;
+}
+
+const Script& begin_promote() {
+  static const Script s = make(lua::kBeginPromote);
+  return s;
+}
+
+const Script& commit_promote() {
+  static const Script s = make(lua::kCommitPromote);
+  return s;
+}
+
+const Script& abort_promote() {
+  static const Script s = make(lua::kAbortPromote);
+  return s;
+}
+
 std::vector<const Script*> all() {
   return {&register_node(),
           &heartbeat(),
@@ -249,7 +279,13 @@ std::vector<const Script*> all() {
           &evict_lru(),
           &set_quota(),
           &quota_scan(),
-          &list_quotas()};
+          &list_quotas(),
+          &begin_write_down(),
+          &commit_write_down(),
+          &abort_write_down(),
+          &begin_promote(),
+          &commit_promote(),
+          &abort_promote()};
 }
 
 }  // namespace kvstash::metadata::scripts

@@ -54,6 +54,14 @@ const Script& set_quota();
 const Script& quota_scan();
 const Script& list_quotas();
 
+// The NVMe tier (tier_catalog.h).
+const Script& begin_write_down();
+const Script& commit_write_down();
+const Script& abort_write_down();
+const Script& begin_promote();
+const Script& commit_promote();
+const Script& abort_promote();
+
 // Every script above but fence_master, which only Sentinel connections load (kvstash doctor
 // checks which ones Redis has cached).
 std::vector<const Script*> all();

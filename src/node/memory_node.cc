@@ -40,6 +40,7 @@ struct MemoryNode::Shared {
   std::atomic<std::uint64_t> free_pages{0}, objects{0}, reserved_pages{0}, limbo_pages{0};
   std::atomic<std::uint64_t> expired{0}, abandoned_puts{0}, zombies{0}, dead_nodes{0}, orphaned{0};
   std::atomic<std::uint64_t> fencing_puts{0};  // at the last reclaim
+  std::atomic<std::uint64_t> tier_free_slots{0}, tier_objects{0};
 };
 
 namespace {
@@ -92,6 +93,9 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   if (options.require_huge_pages && !n->pool_.huge_pages()) {
     return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
   }
+  if (options.tier) {
+    KVSTASH_ASSIGN_OR_RETURN(n->tier_, NodeTier::open(*options.tier, options.page_size));
+  }
   KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
   // Every lease on the pool needs a grant of the cell (before the pool is reachable at all).
   n->grants_ = std::make_shared<NodeGrants>(n->id_, reinterpret_cast<std::uint64_t>(n->pool_.region().addr),
@@ -126,11 +130,18 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   KVSTASH_LOG_INFO("node {}: joined cell {} with {} pages of {} bytes (huge pages: {}, transports: {})",
                    n->id_, options.cell, n->page_count_, options.page_size, n->pool_.huge_pages(),
                    n->transports());
+  if (n->tier_) {
+    KVSTASH_RETURN_IF_ERROR(n->tier_->start(co, n->id_, static_cast<std::byte*>(n->pool_.region().addr),
+                                            n->page_count_));
+    KVSTASH_LOG_INFO("node {}: NVMe tier {} ({}): {} slots", n->id_, options.tier->path, n->tier_->device().kind(),
+                     n->tier_->slots());
+  }
   n->thread_ = std::thread([p = n.get()] { p->loop(); });
   return n;
 }
 
 MemoryNode::~MemoryNode() {
+  tier_.reset();
   if (shared_) {
     {
       std::lock_guard lock(shared_->mu);
@@ -152,13 +163,15 @@ Status MemoryNode::join() {
                            page_count_,
                            engine_->address(),
                            handle_.remote_key(),
-                           grants_->rotate(s.epoch)};
+                           grants_->rotate(s.epoch),
+                           tier_ ? tier_->slots() : 0};
   KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
   redis_clock_ = std::make_pair(now, Clock::now());
   ++s.registrations;
   s.free_pages = page_count_;
   s.objects = 0;
   s.set_state("up");
+  if (tier_) tier_->set_epoch(s.epoch);
   return {};
 }
 
@@ -168,6 +181,7 @@ Status MemoryNode::rejoin() {
   // the syscall a request may be in, verbs deallocates the windows and the MR, shm zeroes the
   // key peers check before each copy (copies already moving get kCopyGrace to finish).
   handle_ = MemoryHandle();
+  if (tier_) tier_->pause();  // its promotions write into the pool too
   std::this_thread::sleep_for(kCopyGrace);
   auto handle = engine_->register_memory(pool_.region(), Access::kLeased);
   if (!handle.is_ok()) return handle.status().with_context("registering the pool again");
@@ -193,6 +207,9 @@ std::int64_t MemoryNode::fence() {
     fenced_ready_ = std::max(fenced_ready_, f.first);
     return true;
   });
+  // The tier's promotion writes into pages of its own put lease: the cell must not free them
+  // (by this fence) before it is done.
+  if (tier_) return std::min(fenced_ready_, tier_->writing_until() - 1);
   return fenced_ready_;
 }
 
@@ -248,6 +265,8 @@ void MemoryNode::loop() {
         s.objects = ns->objects;
         s.reserved_pages = ns->reserved_pages;
         s.limbo_pages = ns->limbo_pages;
+        s.tier_free_slots = ns->tier_free_slots;
+        s.tier_objects = ns->tier_objects;
       }
     } else if (s.state != "gone") {
       ++s.heartbeat_failures;
@@ -262,6 +281,7 @@ Result<std::uint64_t> MemoryNode::drain() {
   auto& s = *shared_;
   std::lock_guard lock(s.mu);
   s.set_state("draining");
+  if (tier_) tier_->pause();
   KVSTASH_ASSIGN_OR_RETURN(std::uint64_t dropped, s.catalog->drain_node(id_, s.epoch));
   KVSTASH_RETURN_IF_ERROR(s.catalog->deregister_node(id_, s.epoch));
   s.set_state("gone");
@@ -336,7 +356,45 @@ std::string MemoryNode::metrics() const {
           "Failed puts past their lease waiting for a node's fence (last reclaim)",
           static_cast<double>(s.fencing_puts.load()));
   m.gauge("kvstash_node_uptime_seconds", "Seconds since the node started", secs);
+  if (tier_) tier_metrics(m);
   return m.str();
+}
+
+void MemoryNode::tier_metrics(MetricsText& m) const {
+  auto& s = *shared_;
+  const NodeTier::Counters c = tier_->counters();
+  const SsdDevice::Counters d = tier_->device().counters();
+  const double page = static_cast<double>(options_.page_size);
+  m.gauge("kvstash_tier_slots", "Slots (one page each) of the node's NVMe tier", static_cast<double>(tier_->slots()));
+  m.gauge("kvstash_tier_capacity_bytes", "Bytes of the NVMe tier's slots", static_cast<double>(tier_->slots()) * page);
+  m.gauge("kvstash_tier_free_slots", "Free slots of the NVMe tier at the last heartbeat",
+          static_cast<double>(s.tier_free_slots.load()));
+  m.gauge("kvstash_tier_objects", "Objects on the NVMe tier at the last heartbeat",
+          static_cast<double>(s.tier_objects.load()));
+  m.counter("kvstash_tier_write_downs_total", "Objects moved from the pool down to the NVMe tier",
+            static_cast<double>(c.written_down));
+  m.counter("kvstash_tier_write_down_bytes_total", "Bytes of the objects moved down",
+            static_cast<double>(c.written_down_bytes));
+  m.counter("kvstash_tier_write_down_failures_total",
+            "Write-downs that did not move their object (device error, or it changed meanwhile)",
+            static_cast<double>(c.write_down_failures));
+  m.counter("kvstash_tier_promotions_total", "Objects staged back from the NVMe tier into the pool for a get",
+            static_cast<double>(c.promoted));
+  m.counter("kvstash_tier_promotion_bytes_total", "Bytes of the objects promoted", static_cast<double>(c.promoted_bytes));
+  m.counter("kvstash_tier_promotion_failures_total", "Promotions that failed (the get sees an error, never bytes)",
+            static_cast<double>(c.promotion_failures));
+  m.counter("kvstash_tier_promotion_corrupt_total",
+            "Promotions whose bytes did not match the tier's sum (the object was dropped)",
+            static_cast<double>(c.promotion_corrupt));
+  m.counter("kvstash_tier_device_ios_total", "I/Os the NVMe tier's device completed", static_cast<double>(d.reads),
+            {{"op", "read"}});
+  m.counter("kvstash_tier_device_ios_total", "", static_cast<double>(d.writes), {{"op", "write"}});
+  m.counter("kvstash_tier_device_bytes_total", "Bytes the NVMe tier's device moved",
+            static_cast<double>(d.read_bytes), {{"op", "read"}});
+  m.counter("kvstash_tier_device_bytes_total", "", static_cast<double>(d.write_bytes), {{"op", "write"}});
+  m.counter("kvstash_tier_device_errors_total", "I/Os the device failed (EIO, ENOSPC)",
+            static_cast<double>(d.errors));
+  m.counter("kvstash_tier_device_timeouts_total", "I/Os cancelled at their deadline", static_cast<double>(d.timeouts));
 }
 
 std::pair<bool, std::string> MemoryNode::health() const {

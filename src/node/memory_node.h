@@ -30,8 +30,11 @@
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
 #include "node/node_grants.h"
+#include "node/tier.h"
 
 namespace kvstash::node {
+
+class MetricsText;
 
 struct MemoryNodeOptions {
   std::string redis_url = "redis://127.0.0.1:6379/0";
@@ -52,6 +55,9 @@ struct MemoryNodeOptions {
   std::chrono::milliseconds heartbeat_ttl{3000};
   // How often the cell's reclaim sweep runs from this node.
   std::chrono::milliseconds reclaim_interval{1000};
+  // An NVMe tier under the pool (kvstashd --ssd): cold objects move down instead of being
+  // evicted, and come back on a get (docs/nvme-tier.md).
+  std::optional<TierOptions> tier;
 };
 
 class MemoryNode {
@@ -72,6 +78,8 @@ class MemoryNode {
   std::uint64_t page_size() const { return options_.page_size; }
   bool huge_pages() const { return pool_.huge_pages(); }
   const Engine& engine() const { return *engine_; }
+  // The NVMe tier; null without one.
+  const NodeTier* tier() const { return tier_.get(); }
   // How far the node has fenced (ms of Redis time) and reported to the cell.
   std::int64_t fenced_ms() const { return fenced_reported_.load(); }
   // The transports serving the pool ("shm,tcp").
@@ -93,6 +101,7 @@ class MemoryNode {
   // report: the largest one made at least kCopyGrace ago (peers' shm copies that began
   // before it have ended).
   std::int64_t fence();
+  void tier_metrics(MetricsText& m) const;
 
   struct Shared;  // Redis state, touched by the loop and drain
   MemoryNodeOptions options_;
@@ -104,6 +113,7 @@ class MemoryNode {
   MemoryHandle handle_;                    // replaced on rejoin (under the lock)
   std::vector<TransportKind> transports_;  // serving the pool, fixed at start
   std::unique_ptr<Shared> shared_;
+  std::unique_ptr<NodeTier> tier_;  // its thread stops before shared_ goes
   std::thread thread_;
   Clock::time_point started_ = Clock::now();
   // The loop's view of Redis's clock: a reading (from register_node or heartbeat), and when it

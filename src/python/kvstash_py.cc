@@ -274,10 +274,11 @@ PYBIND11_MODULE(_native, m) {
           "expires. replicas: copies on distinct memory nodes (1-4).")
       .def(
           "get",
-          [](PyStore& s, const std::string& key, const py::object& into,
-             std::uint32_t timeout_ms) -> py::object {
+          [](PyStore& s, const std::string& key, const py::object& into, std::uint32_t timeout_ms,
+             bool promote) -> py::object {
             GetOptions o;
             o.deadline = deadline_of(timeout_ms);
+            o.promote = promote;
             if (into.is_none()) {
               std::string out;
               check(nogil([&] {
@@ -304,10 +305,11 @@ PYBIND11_MODULE(_native, m) {
             }
             return py::int_(info.size);
           },
-          py::arg("key"), py::arg("into") = py::none(), py::arg("timeout_ms") = 0,
+          py::arg("key"), py::arg("into") = py::none(), py::arg("timeout_ms") = 0, py::arg("promote") = true,
           "The object's bytes; with `into`, buffers of exactly its size, read in place (zero-copy), and its "
           "size: writable buffer objects, or (address, bytes) pairs inside memory given to register_memory "
-          "(any other address is refused with invalid_argument).")
+          "(any other address is refused with invalid_argument). promote=False: an object on a node's NVMe "
+          "tier is not_found instead of staged back.")
       .def(
           "register_memory",
           [](PyStore& s, std::uintptr_t addr, std::size_t length) {
@@ -333,6 +335,18 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).")
+      .def(
+          "prefix_tiers",
+          [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
+            auto where = unwrap(nogil([&] { return s.store->prefix_tiers(keys, deadline_of(timeout_ms)); }));
+            std::vector<std::string> out;
+            for (Tier t : where) out.emplace_back(t == Tier::kSsd ? "ssd" : "dram");
+            return out;
+          },
+          py::arg("keys"), py::arg("timeout_ms") = 0,
+          "Where each leading stored key of `keys` is: 'dram' (a memory node's pool) or 'ssd' (its NVMe "
+          "tier: a get stages it back first, a round trip and a device read more), to weigh a load against "
+          "a recompute.")
       .def(
           "connect_nodes",
           [](PyStore& s, std::uint32_t timeout_ms) {

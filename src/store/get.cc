@@ -4,6 +4,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include "common/log.h"
 #include "store/slices.h"
@@ -78,9 +79,24 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
     for (store::CellLink* looked : get_cells(key, deadline)) {
       KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*looked, deadline));
       MetadataClock mc(o.timings);
-      lease = c->begin_get(key, reader, options.read_lease);
+      lease = c->begin_get(key, reader, options.read_lease, o.promote);
       cell = looked;
       if (lease.status().code() != StatusCode::kNotFound) break;
+    }
+    // On a node's NVMe tier: its promotion is queued; ask again, more slowly each time, until
+    // it is back in the pool.
+    for (auto pause = std::chrono::microseconds(200); lease.is_ok() && !lease->promoting_node.empty();
+         pause = std::min(pause * 2, std::chrono::microseconds(5000))) {
+      if (Clock::now() + pause >= deadline) {
+        return Status::timeout("store: object " + std::string(key) + " was not promoted from the NVMe tier of node " +
+                               lease->promoting_node + " within the get's deadline");
+      }
+      if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
+      std::this_thread::sleep_for(pause);
+      KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*cell, deadline));
+      MetadataClock mc(o.timings);
+      leased_at = Clock::now();
+      lease = c->begin_get(key, reader, options.read_lease, o.promote);
     }
   }
   if (!lease.is_ok()) return lease.status().with_context(std::string(key));
@@ -272,6 +288,11 @@ Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::op
     }
     ++leased_cells;
     for (std::size_t i = 0; i < batch.size(); ++i) {
+      if ((*leased)[i].is_ok() && !(*leased)[i]->promoting_node.empty()) {
+        // On an NVMe tier: the script queued its promotion; the get waits for it itself.
+        state->entries.erase(batch[i]);
+        continue;
+      }
       auto& e = state->entries[batch[i]];
       e.lease = std::move((*leased)[i]);
       e.reader = std::move(readers[i]);

@@ -97,6 +97,19 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
   });
 }
 
+Result<std::vector<Tier>> Store::prefix_tiers(std::span<const std::string> keys, std::optional<Deadline> deadline) {
+  std::vector<Tier> out;
+  if (keys.empty()) return out;
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+  for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+    KVSTASH_ASSIGN_OR_RETURN(std::vector<bool> more, c->prefix_tiers(keys.subspan(out.size())));
+    for (bool ssd : more) out.push_back(ssd ? Tier::kSsd : Tier::kDram);
+    if (out.size() == keys.size()) break;
+  }
+  return out;
+}
+
 Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
                                            std::optional<Deadline> deadline) {
   if (keys.empty()) return std::size_t{0};

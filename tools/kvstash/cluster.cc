@@ -27,6 +27,9 @@ struct Node {
   std::uint64_t capacity() const { return s.page_size * s.page_count; }
   std::uint64_t free() const { return s.page_size * std::min(s.free_pages, s.page_count); }
   std::uint64_t used() const { return capacity() - free(); }
+  // Its NVMe tier (0: none).
+  std::uint64_t tier_capacity() const { return s.page_size * s.tier_slots; }
+  std::uint64_t tier_used() const { return s.page_size * (s.tier_slots - std::min(s.tier_free_slots, s.tier_slots)); }
 };
 
 Result<std::vector<Node>> load_nodes(metadata::CellAdmin& c) {
@@ -55,7 +58,18 @@ json node_json(const Node& n) {
           {"object_pages", n.s.object_pages()},
           {"reserved_pages", n.s.reserved_pages},
           {"limbo_pages", n.s.limbo_pages},
+          {"tier_slots", n.s.tier_slots},
+          {"tier_free_slots", n.s.tier_free_slots},
+          {"tier_objects", n.s.tier_objects},
+          {"tier_capacity_bytes", n.tier_capacity()},
+          {"tier_used_bytes", n.tier_used()},
           {"heartbeat_in_ms", n.s.heartbeat_in_ms}};
+}
+
+// "used/capacity" of a node's NVMe tier, or "-" without one.
+std::string tier_cell(const Node& n) {
+  if (n.s.tier_slots == 0) return "-";
+  return units::format_size(n.tier_used()) + "/" + units::format_size(n.tier_capacity());
 }
 
 std::string percent(std::uint64_t part, std::uint64_t whole) {
@@ -72,12 +86,12 @@ std::string heartbeat(const Node& n) {
 }
 
 Table nodes_table(const std::vector<Node>& nodes) {
-  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "RESERVED", "LIMBO", "HEARTBEAT"});
+  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "RESERVED", "LIMBO", "NVME", "HEARTBEAT"});
   for (const auto& n : nodes) {
     t.row({n.id, n.state(), units::format_size(n.capacity()), units::format_size(n.used()),
            units::format_size(n.free()), percent(n.used(), n.capacity()), std::to_string(n.s.objects),
            units::format_size(n.s.reserved_pages * n.s.page_size), units::format_size(n.s.limbo_pages * n.s.page_size),
-           heartbeat(n)});
+           tier_cell(n), heartbeat(n)});
   }
   return t;
 }
@@ -122,6 +136,15 @@ int status(Session& s) {
            {"misses", sum->misses},
            {"evicted", sum->evicted},
            {"expired", sum->expired},
+           {"tier",
+            {{"objects", sum->tier_objects},
+             {"capacity_bytes", sum->tier_slots * sum->page_size},
+             {"free_bytes", sum->tier_free_slots * sum->page_size},
+             {"written_down", sum->written_down},
+             {"promoted", sum->promoted},
+             {"hits", sum->tier_hits},
+             {"evicted", sum->tier_evicted},
+             {"lost", sum->tier_lost}}},
            {"rkey_scope", to_string(*scope)},
            {"quotas", quotas_json(*quotas)}};
     for (const auto& n : *nodes) j["nodes"].push_back(node_json(n));
@@ -146,6 +169,14 @@ int status(Session& s) {
   std::cout << "gets      " << sum->hits << " hits, " << sum->misses << " misses (hit ratio "
             << percent(sum->hits, sum->hits + sum->misses) << "); " << sum->evicted << " evicted, "
             << sum->expired << " expired\n";
+  if (sum->tier_slots > 0) {
+    const std::uint64_t tier_cap = sum->tier_slots * sum->page_size;
+    const std::uint64_t tier_used = (sum->tier_slots - std::min(sum->tier_free_slots, sum->tier_slots)) * sum->page_size;
+    std::cout << "nvme      " << sum->tier_objects << " objects, " << units::format_size(tier_used) << " of "
+              << units::format_size(tier_cap) << " (" << percent(tier_used, tier_cap) << "); " << sum->written_down
+              << " moved down, " << sum->promoted << " promoted for " << sum->tier_hits << " gets, "
+              << sum->tier_evicted << " evicted there, " << sum->tier_lost << " lost\n";
+  }
   std::cout << "rkey      " << to_string(*scope) << " scope (kvstash rkey-scope)\n";
   for (std::size_t i = 0; i < quotas->size(); ++i) {
     std::cout << (i == 0 ? "quotas    " : "          ") << quota_line((*quotas)[i]) << "\n";
@@ -202,6 +233,13 @@ int show_node(Session& s, const std::string& id) {
                          std::to_string(n->s.reserved_pages) + " pages of pending puts and reservations)"});
   t.row({"limbo", units::format_size(n->s.limbo_pages * n->s.page_size) + " (" + std::to_string(n->s.limbo_pages) +
                       " pages freed, not yet reusable: read leases, fences)"});
+  if (n->s.tier_slots > 0) {
+    t.row({"nvme", units::format_size(n->tier_used()) + " of " + units::format_size(n->tier_capacity()) + " (" +
+                       std::to_string(n->s.tier_objects) + " objects, " + std::to_string(n->s.tier_free_slots) +
+                       " of " + std::to_string(n->s.tier_slots) + " slots free)"});
+  } else {
+    t.row({"nvme", "none (kvstashd --ssd)"});
+  }
   t.row({"heartbeat", heartbeat(*n)});
   std::cout << t.str();
   return kExitOk;

@@ -58,7 +58,8 @@ json object_json(const metadata::ObjectInfo& o, std::int64_t now) {
           {"idle_ms", std::max<std::int64_t>(0, now - o.last_access_ms)},
           {"nodes", o.nodes},
           {"checksum", o.checksum ? wire::to_hex64(o.checksum->value) : "malformed"},
-          {"readers", o.readers}};
+          {"readers", o.readers},
+          {"tier", o.tier}};
 }
 
 struct LsOptions {
@@ -168,7 +169,13 @@ int show(Session& s, const std::string& key) {
   t.row({"last access", format_time(i.last_access_ms) + " (" + ago(i.last_access_ms, now) + ")"});
   t.row({"readers", std::to_string(i.readers)});
   t.row({"layout", rec->layout.empty() ? "-" : rec->layout});
-  t.row({"extents", std::to_string(rec->pages) + ": " + extents_text(rec->extents)});
+  if (rec->tier == "ssd") {
+    t.row({"tier", "nvme: on the NVMe tier of " + (rec->nodes.empty() ? std::string("?") : rec->nodes.front()) +
+                       " (a get promotes it back into the pool first)"});
+  } else {
+    t.row({"tier", "dram"});
+    t.row({"extents", std::to_string(rec->pages) + ": " + extents_text(rec->extents)});
+  }
   std::cout << t.str();
   return kExitOk;
 }

@@ -163,6 +163,20 @@ int main(int argc, char** argv) {
   app.add_option("--reclaim-interval", reclaim,
                  "How often this node sweeps the cell for expired objects, abandoned puts and dead nodes")
       ->capture_default_str();
+  std::string ssd, ssd_capacity, ssd_low_water = "12.5%", ssd_fault = "none";
+  app.add_option("--ssd", ssd,
+                 "An NVMe tier under the pool: a file (created, and given --ssd-capacity) or a block device, on a "
+                 "file system that takes O_DIRECT (`kvstash doctor --ssd PATH` checks). Cold objects move down "
+                 "to it instead of being evicted, and a get stages them back (docs/nvme-tier.md)");
+  app.add_option("--ssd-capacity", ssd_capacity,
+                 "Bytes of --ssd to use (e.g. 512GiB); required for a file, default all of a block device");
+  app.add_option("--ssd-low-water", ssd_low_water,
+                 "Objects move down to --ssd while fewer than this share of the pool's pages are free")
+      ->capture_default_str();
+  app.add_option("--ssd-fault", ssd_fault,
+                 "Tests only: the tier's device fails every read or write with EIO (or a write with ENOSPC)")
+      ->check(CLI::IsMember({"none", "read-eio", "write-eio", "write-enospc"}))
+      ->group("");
   app.footer(
       "Environment: KVSTASH_REDIS_URL, KVSTASH_REDIS_PASSWORD, KVSTASH_CLUSTER_TOKEN, KVSTASH_LOG "
       "(debug|info|warn|error).\n"
@@ -208,6 +222,32 @@ int main(int argc, char** argv) {
     }
     // The node's private key is held to the token file's rule: private to its owner.
     if (!tls.key_file.empty()) read_secret("--tls-key", sys::read_private_secret_file(tls.key_file));
+    if (!ssd.empty()) {
+      node::TierOptions tier;
+      tier.path = ssd;
+      if (!ssd_capacity.empty()) {
+        auto c = units::parse_size(ssd_capacity);
+        if (!c.is_ok()) throw CLI::ValidationError("--ssd-capacity", c.status().message());
+        tier.capacity = *c;
+      }
+      std::string share = ssd_low_water;
+      const bool percent = !share.empty() && share.back() == '%';
+      if (percent) share.pop_back();
+      char* end = nullptr;
+      const double v = std::strtod(share.c_str(), &end);
+      tier.low_water = percent ? v / 100 : v;
+      if (share.empty() || end == nullptr || *end != '\0' || !(tier.low_water > 0) || tier.low_water >= 1) {
+        throw CLI::ValidationError("--ssd-low-water", "a share of the pool above 0 and below 1, or a percentage");
+      }
+      if (ssd_fault != "none") {
+        const bool write = ssd_fault != "read-eio";
+        const int err = ssd_fault == "write-enospc" ? ENOSPC : EIO;
+        tier.fault = [write, err](const node::SsdIo& io) { return io.write == write ? err : 0; };
+      }
+      opts.tier = std::move(tier);
+    } else if (!ssd_capacity.empty()) {
+      throw CLI::ValidationError("--ssd-capacity", "needs --ssd");
+    }
     // The verbs queue-pair setup listens on the --listen host too (any free port).
     opts.engine.verbs.listen = net::same_host_any_port(opts.engine.tcp.listen);
     if (!password_file.empty()) {

@@ -3,12 +3,13 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     keys
 -- Returns  now, then per key: size ('' when absent), created, expires, last access, nodes,
---          checksum, live read leases
+--          checksum, live read leases, tier ('dram', or 'ssd': on its node's NVMe tier)
 
 local out = {now}
 for _, key in ipairs(ARGV) do
-  local o = redis.call('HMGET', P .. ':obj:' .. key, 'size', 'created', 'expires', 'nodes', 'checksum', 'token')
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'size', 'created', 'expires', 'nodes', 'checksum', 'token', 'tier')
   local last = redis.call('ZSCORE', P .. ':lru', key)
+  if o[7] == 'ssd' then last = redis.call('ZSCORE', P .. ':lru_ssd:' .. (o[4] or ''), key) end
   local readers = 0
   if o[6] then readers = redis.call('ZCOUNT', P .. ':readers:' .. o[6], now, '+inf') end
   out[#out + 1] = o[1] or ''
@@ -18,5 +19,6 @@ for _, key in ipairs(ARGV) do
   out[#out + 1] = o[4] or ''
   out[#out + 1] = o[5] or ''
   out[#out + 1] = readers
+  out[#out + 1] = o[7] or 'dram'
 end
 return out

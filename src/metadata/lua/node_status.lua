@@ -3,8 +3,8 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     id
 -- Returns  state, epoch, page_size, page_count, free pages, objects, heartbeat deadline (ms, -1
---          when not in the cell), now, reserved pages, pages in limbo; NOT_FOUND for an
---          unknown id
+--          when not in the cell), now, reserved pages, pages in limbo, then its NVMe tier's
+--          slots, free slots and objects (0, 0, 0: no tier); NOT_FOUND for an unknown id
 --
 -- Reserved: pages of pending puts and page reservations within their lease (being written,
 -- or waiting for a client's next puts). Limbo: pages no object holds that are not free yet:
@@ -33,4 +33,6 @@ for _, tok in ipairs(redis.call('ZRANGE', P .. ':zombies', 0, SCAN - 1)) do
   limbo = limbo + held_pages(redis.call('GET', P .. ':zombie:' .. tok), id)
 end
 return {n[1], n[2] or '', tonumber(n[3]) or 0, tonumber(n[4]) or 0, free,
-        redis.call('SCARD', P .. ':objs:' .. id), d and tonumber(d) or -1, now, reserved, limbo}
+        redis.call('SCARD', P .. ':objs:' .. id), d and tonumber(d) or -1, now, reserved, limbo,
+        tonumber(redis.call('HGET', P .. ':node:' .. slots_of(id), 'page_count') or '0') or 0,
+        free_pages(slots_of(id)), redis.call('ZCARD', P .. ':lru_ssd:' .. id)}

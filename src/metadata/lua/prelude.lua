@@ -320,13 +320,43 @@ local function quota_touch(keys, gens)
   end
 end
 
+-- The NVMe tier (docs/nvme-tier.md). A node's tier is cut into slots of one page each, handed
+-- out exactly as its pool's pages are (take_pages, new_runs, free_extents), under the pseudo
+-- node id <id>!ssd ('!' is in no node id): P:node:<id>!ssd (page_count, next_page, free_pages,
+-- gen_floor), P:free:<id>!ssd, P:gen:<id>!ssd. So every invariant of pages holds for slots: a
+-- slot is handed out once, and only the holder of its current generation frees it. An object
+-- on the tier has tier = ssd, its slots in ssd_extents and no pool page (extents ''), the
+-- node's own xxh3 of its bytes in ssd_sum, and sits in P:lru_ssd:<id> instead of P:lru. Only
+-- an object wholly on one node moves down. A write-down in progress is 'moving' (the slots it
+-- took) until 'moving_until'; a promotion queued or running is 'promoting' (until when).
+local function slots_of(id)
+  return id .. '!ssd'
+end
+
+-- Whether the slot runs of `list` are still the tier's current incarnation's (a node that
+-- registered again started its slots over, above a new floor).
+local function slots_live(list)
+  for id, _, gen in runs(list) do
+    local floor = tonumber(redis.call('HGET', P .. ':node:' .. id, 'gen_floor') or '') or math.huge
+    return gen > floor
+  end
+  return false
+end
+
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
--- the last read lease on them ends. Returns the pages freed now.
+-- the last read lease on them ends; its slots on the tier (and a write-down's) return at once:
+-- only the node's own tier thread reads or writes slots, one job at a time. Returns the pages
+-- freed now.
 local function release(key)
   local ok = P .. ':obj:' .. key
-  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota')
+  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving')
   redis.call('DEL', ok)
   quota_uncharge(o[5], key, o[4])
+  if o[6] or o[7] then
+    free_extents(o[6])
+    free_extents(o[7])
+    for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('ZREM', P .. ':lru_ssd:' .. id, key) end
+  end
   -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
   if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
   redis.call('ZREM', P .. ':lru', key)
@@ -372,12 +402,13 @@ end
 
 -- The fields of a readable object (present, unexpired, its pages on live nodes), or nil. An
 -- expired object or one on a dead or restarted node is released on the spot.
-local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires', 'copies', 'quota'}
+local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires', 'copies', 'quota', 'tier',
+                'ssd_extents'}
 local function lookup(key)
   local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
   if not o[1] then return nil end
   local exp = tonumber(o[7] or '0') or 0
-  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) then
+  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) or (o[10] == 'ssd' and not slots_live(o[11])) then
     release(key)
     return nil
   end
@@ -665,16 +696,44 @@ end
 -- What a run's leases leave for lease_reads_done: hits, misses and LRU touches, so that many
 -- leases cost one command of each.
 local function new_read_batch()
-  return {hits = 0, misses = 0, lru = {}, qkeys = {}, qgens = {}}
+  return {hits = 0, misses = 0, tier = 0, lru = {}, qkeys = {}, qgens = {}}
 end
 
 -- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
 -- of begin_get, or nil when there is none. Its hit or miss and LRU touch go into `batch`.
-local function lease_read(key, reader, lease_ms, batch)
+-- How long a queued promotion keeps others from queueing it again (a node that lost the job
+-- in a crash: the next get after this queues it afresh).
+local PROMOTE_MS = 5000
+-- At most this many promotions wait per node (the oldest go; their gets queue them again).
+local PROMOTE_QUEUE = 4096
+
+-- Queues the promotion of `key`, on the tier of node `id`, unless one is queued or running.
+-- Returns whether it queued one now.
+local function queue_promotion(key, id)
+  local ok = P .. ':obj:' .. key
+  if (tonumber(redis.call('HGET', ok, 'promoting') or '0') or 0) >= now then return false end
+  redis.call('HSET', ok, 'promoting', now + PROMOTE_MS)
+  local qk = P .. ':promote:' .. id
+  redis.call('LPUSH', qk, key)
+  redis.call('LTRIM', qk, 0, PROMOTE_QUEUE - 1)
+  return true
+end
+
+local function lease_read(key, reader, lease_ms, batch, no_promote)
   local o, leased = lookup_copy(key)
   if not o then
     batch.misses = batch.misses + 1
     return nil
+  end
+  if o[10] == 'ssd' then
+    -- On the tier: the node stages it back into pool pages (one more round trip for the get,
+    -- which asks again), or, with no_promote, a miss that says where it is.
+    if no_promote then
+      batch.tier = batch.tier + 1
+      return nil, 'ON_SSD ' .. o[6]
+    end
+    if queue_promotion(leased, o[6]) then batch.tier = batch.tier + 1 end
+    return {'PROMOTING', o[6]}
   end
   local deadline = now + lease_ms
   redis.call('ZADD', P .. ':readers:' .. o[1], deadline, reader)
@@ -692,6 +751,7 @@ end
 local function lease_reads_done(batch)
   if batch.hits > 0 then redis.call('HINCRBY', P .. ':stats', 'hits', batch.hits) end
   if batch.misses > 0 then redis.call('HINCRBY', P .. ':stats', 'misses', batch.misses) end
+  if batch.tier > 0 then redis.call('HINCRBY', P .. ':stats', 'tier_hits', batch.tier) end
   if #batch.lru > 0 then call_chunked('ZADD', P .. ':lru', batch.lru, 2) end
   quota_touch(batch.qkeys, batch.qgens)
 end

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms, grant key (hex; the node's
---          HMAC key for the grants its leases need, prelude: grant_for; fresh per registration)
+--          HMAC key for the grants its leases need, prelude: grant_for; fresh per registration),
+--          slots (of its NVMe tier, one page each; 0 or absent: none)
 -- Returns  Redis's clock (ms); IN_USE while another epoch of the id is alive (two daemons sharing
 --          an id would drop each other's objects); INVALID for a new id in a cell that knows
 --          1,024 nodes already
@@ -47,6 +48,18 @@ if held[1] ~= epoch then
   -- Nothing granted before now can still write here: the pool was fenced as a whole.
   redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'free_pages', 0, 'registered', now, 'gen_floor', floor,
              'fenced', now)
+  -- The NVMe tier starts over too (its objects went with the sweep above; docs/nvme-tier.md
+  -- says what a restart will keep once nodes re-offer their tier's objects): slots as pages.
+  local sk = P .. ':node:' .. slots_of(id)
+  redis.call('DEL', P .. ':free:' .. slots_of(id), P .. ':gen:' .. slots_of(id), P .. ':promote:' .. id)
+  local sfloor = (redis.call('HINCRBY', sk, 'epochs', 1) - 1) * 4294967296
+  redis.call('HSET', sk, 'next_page', 0, 'free_pages', 0, 'gen_floor', sfloor, 'page_count', 0)
+end
+local slots = tonumber(ARGV[9] or '0') or 0
+if slots > 0 then
+  redis.call('HSET', P .. ':node:' .. slots_of(id), 'page_count', slots)
+elseif held[1] ~= epoch then
+  redis.call('HDEL', P .. ':node:' .. slots_of(id), 'gen_floor')  -- no tier: begin_write_down sees none
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 -- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.

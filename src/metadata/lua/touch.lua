@@ -16,7 +16,12 @@ for _, key in ipairs(keys) do
   else
     redis.call('ZREM', P .. ':expiry', key)
   end
-  redis.call('ZADD', P .. ':lru', now, key)
+  local where = redis.call('HMGET', P .. ':obj:' .. key, 'tier', 'nodes')
+  if where[1] == 'ssd' then
+    redis.call('ZADD', P .. ':lru_ssd:' .. where[2], now, key)
+  else
+    redis.call('ZADD', P .. ':lru', now, key)
+  end
 end
 local gens = {}
 for i, key in ipairs(keys) do gens[i] = redis.call('HGET', P .. ':obj:' .. key, 'quota') or '' end

@@ -1,0 +1,78 @@
+-- begin_write_down.lua: a node with an NVMe tier picks cold objects to move down to it.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     id, epoch, low water (pages: act while fewer are free), most pages to move, lease_ms
+-- Returns  the write-down's deadline (ms of Redis time), then per object: key, token, size,
+--          extents (its pool pages, all on this node), slots (ssd extents); just the deadline
+--          when nothing needs to move; STALE when the node is not this epoch, alive and up
+--
+-- Picks least recently used objects no reader leases, wholly on this node's pool (an object
+-- that spans nodes is evicted as before), and takes slots for each, evicting the tier's own
+-- least recently used objects when it is full. Each object is marked moving (its slots, until
+-- the deadline): its pages are untouched, and it serves gets as before. commit_write_down
+-- moves it; a put or remove meanwhile simply releases it, slots and all.
+
+local id, epoch = ARGV[1], ARGV[2]
+local low, most, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
+if n[1] ~= epoch or n[2] ~= 'up' or not live(id) then
+  return redis.error_reply('STALE node ' .. id .. ' is not up under this epoch')
+end
+local deadline = now + lease
+local sid = slots_of(id)
+local floor = tonumber(redis.call('HGET', P .. ':node:' .. sid, 'gen_floor') or '')
+if not floor then return {deadline} end  -- no tier
+local want = math.min(low - free_pages(id), most)
+if want <= 0 then return {deadline} end
+
+local picked, pages = {}, 0
+walk_unleased_lru(function(key, _, extents, size)
+  local count, mine = 0, true
+  for node in runs(extents) do
+    if node ~= id then mine = false end
+  end
+  if not mine or extents == '' then return false end
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'moving', 'moving_until', 'token')
+  if o[1] and (tonumber(o[2] or '0') or 0) >= now then return false end  -- one is running
+  if o[1] then
+    free_extents(o[1])  -- an earlier write-down that never committed
+    redis.call('HDEL', P .. ':obj:' .. key, 'moving', 'moving_until')
+  end
+  for _, _, _, c in runs(extents) do count = count + c end
+  picked[#picked + 1] = {key, o[3], size, extents, count}
+  pages = pages + count
+  return pages >= want
+end, want + 1024)
+if #picked == 0 then return {deadline} end
+
+-- Room on the tier: its least recently used objects go (none is leased: a get promotes first).
+local free = free_pages(sid)
+if free < pages then
+  local lk = P .. ':lru_ssd:' .. id
+  local victims = redis.call('ZRANGE', lk, 0, 255)
+  local gone = 0
+  for _, key in ipairs(victims) do
+    if free >= pages then break end
+    if redis.call('EXISTS', P .. ':obj:' .. key) == 1 then
+      release(key)  -- its slots return at once
+      free = free_pages(sid)
+      gone = gone + 1
+    else
+      redis.call('ZREM', lk, key)
+    end
+  end
+  if gone > 0 then redis.call('HINCRBY', P .. ':stats', 'tier_evicted', gone) end
+end
+
+local out = {deadline}
+for _, p in ipairs(picked) do
+  if free_pages(sid) < p[5] then break end
+  local slots = table.concat(new_runs(sid, floor, take_pages(sid, p[5])), ';')
+  redis.call('HSET', P .. ':obj:' .. p[1], 'moving', slots, 'moving_until', deadline)
+  out[#out + 1] = p[1]
+  out[#out + 1] = p[2]
+  out[#out + 1] = p[3]
+  out[#out + 1] = p[4]
+  out[#out + 1] = slots
+end
+return out

@@ -1,0 +1,41 @@
+-- commit_promote.lua: an object a node read back from its NVMe tier (and checked) lives in
+-- its pool again.
+--
+-- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
+-- ARGV     id, epoch, key, token (the object's), put token (the promotion's), slots
+-- Returns  OK; STALE when the object changed (replaced, removed, its slots no longer its own)
+--          or the node or the promotion's lease is over: its pages are freed (the node's
+--          reads into them are done)
+
+local id, epoch, key, token, ptoken, slots = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local pk = P .. ':put:' .. ptoken
+local extents = redis.call('HGET', pk, 'extents')
+if not extents then return redis.error_reply('STALE the promotion of ' .. key .. ' lost its lease') end
+local ok = P .. ':obj:' .. key
+local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
+local o = redis.call('HMGET', ok, 'token', 'tier', 'ssd_extents')
+local deadline = tonumber(redis.call('ZSCORE', P .. ':pending', ptoken) or '0') or 0
+local why = nil
+if n[1] ~= epoch or (n[2] ~= 'up' and n[2] ~= 'draining') or not live(id) then
+  why = 'STALE node ' .. id .. ' is not serving under this epoch'
+elseif deadline < now then
+  why = 'STALE the promotion of ' .. key .. ' passed its deadline'
+elseif o[1] ~= token or o[2] ~= 'ssd' or o[3] ~= slots then
+  why = 'STALE object ' .. key .. ' changed during its promotion'
+elseif not current(extents) then
+  why = 'STALE the pages of the promotion of ' .. key .. ' were freed'
+end
+if why then
+  drop_put(ptoken, extents)
+  if o[1] then redis.call('HDEL', ok, 'promoting') end
+  return redis.error_reply(why)
+end
+free_extents(slots)
+redis.call('DEL', pk)
+redis.call('ZREM', P .. ':pending', ptoken)
+redis.call('HSET', ok, 'extents', extents)
+redis.call('HDEL', ok, 'tier', 'ssd_extents', 'ssd_sum', 'promoting')
+redis.call('ZREM', P .. ':lru_ssd:' .. id, key)
+redis.call('ZADD', P .. ':lru', now, key)
+redis.call('HINCRBY', P .. ':stats', 'promoted', 1)
+return 'OK'

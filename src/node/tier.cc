@@ -1,0 +1,265 @@
+#include "node/tier.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/checksum.h"
+#include "common/log.h"
+#include "common/system.h"
+#include "metadata/tier_catalog.h"
+#include "node/tier_headers.h"
+
+namespace kvstash::node {
+
+using metadata::PageRun;
+using metadata::TierCatalog;
+
+struct NodeTier::AtomicCounters {
+  std::atomic<std::uint64_t> written_down{0}, written_down_bytes{0}, write_down_failures{0};
+  std::atomic<std::uint64_t> promoted{0}, promoted_bytes{0}, promotion_failures{0}, promotion_corrupt{0};
+};
+
+namespace {
+
+// One I/O per stretch where a run of pool pages and a run of slots overlap, in object order:
+// `pages` and `slots` hold the same number of pages.
+std::vector<SsdIo> ios_for(bool write, std::span<const PageRun> pages, std::span<const PageRun> slots,
+                           std::byte* pool, std::uint64_t page_size, std::uint64_t slot_base) {
+  std::vector<SsdIo> out;
+  std::size_t pi = 0, si = 0;
+  std::uint64_t pdone = 0, sdone = 0;
+  while (pi < pages.size() && si < slots.size()) {
+    const std::uint64_t n = std::min(pages[pi].count - pdone, slots[si].count - sdone);
+    out.push_back({.write = write,
+                   .offset = slot_base + (slots[si].first + sdone) * page_size,
+                   .buffer = pool + (pages[pi].first + pdone) * page_size,
+                   .length = static_cast<std::size_t>(n * page_size)});
+    pdone += n;
+    sdone += n;
+    if (pdone == pages[pi].count) ++pi, pdone = 0;
+    if (sdone == slots[si].count) ++si, sdone = 0;
+  }
+  return out;
+}
+
+// The tier's own sum of an object's `size` bytes in pool pages `pages`: an xxh3 per page,
+// then one over those (pages are not contiguous in the pool).
+std::string tier_sum(std::span<const PageRun> pages, const std::byte* pool, std::uint64_t page_size,
+                     std::uint64_t size) {
+  std::vector<std::uint64_t> per_page;
+  std::uint64_t left = size;
+  for (const PageRun& r : pages) {
+    for (std::uint64_t i = 0; i < r.count && left > 0; ++i) {
+      const std::uint64_t n = std::min(left, page_size);
+      per_page.push_back(sum::segment_sum(pool + (r.first + i) * page_size, n));
+      left -= n;
+    }
+  }
+  return fmt::format("{:016x}", sum::segment_sum(per_page.data(), per_page.size() * sizeof(std::uint64_t)));
+}
+
+bool within_pool(std::span<const PageRun> pages, std::uint64_t pool_pages) {
+  return std::ranges::all_of(pages, [&](const PageRun& r) { return r.first + r.count <= pool_pages; });
+}
+
+}  // namespace
+
+Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std::uint64_t page_size) {
+  std::unique_ptr<NodeTier> t(new NodeTier());
+  t->options_ = options;
+  t->page_size_ = page_size;
+  t->counters_ = std::make_unique<AtomicCounters>();
+  KVSTASH_ASSIGN_OR_RETURN(t->device_, SsdDevice::open({.path = options.path, .capacity = options.capacity}));
+  const TierLayout layout(t->device_->capacity(), page_size, t->device_->block_size());
+  if (layout.slots == 0) {
+    return Status::invalid_argument(fmt::format("the NVMe tier {} ({} bytes) holds no page of {} bytes after its "
+                                                "header area",
+                                                options.path, t->device_->capacity(), page_size));
+  }
+  t->slots_ = layout.slots;
+  t->slot_base_ = layout.slot_offset(0);
+  if (options.fault) t->device_->set_fault(options.fault);
+  return t;
+}
+
+NodeTier::~NodeTier() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+Status NodeTier::start(metadata::CellOptions cell, std::string node_id, std::byte* pool, std::uint64_t pages) {
+  // A BRPOP waits `poll`: the connection's commands must outlast it.
+  cell.redis.command_timeout = std::max(cell.redis.command_timeout, options_.poll * 4 + std::chrono::seconds(1));
+  KVSTASH_ASSIGN_OR_RETURN(cell_, metadata::Cell::open(cell));
+  id_ = std::move(node_id);
+  pool_ = pool;
+  pool_pages_ = pages;
+  thread_ = std::thread([this] { loop(); });
+  return {};
+}
+
+void NodeTier::set_epoch(std::string epoch) {
+  std::lock_guard lock(mu_);
+  epoch_ = std::move(epoch);
+}
+
+void NodeTier::pause() {
+  set_epoch({});
+  std::lock_guard job(job_mu_);
+}
+
+NodeTier::Counters NodeTier::counters() const {
+  const auto& c = *counters_;
+  return {c.written_down.load(), c.written_down_bytes.load(), c.write_down_failures.load(), c.promoted.load(),
+          c.promoted_bytes.load(), c.promotion_failures.load(), c.promotion_corrupt.load()};
+}
+
+Deadline NodeTier::job_deadline() const {
+  // Well inside the cell's lease, whatever the clocks: the job ends (its I/O cancelled) first.
+  return deadline_after(std::min(options_.io_timeout, options_.lease / 2));
+}
+
+void NodeTier::loop() {
+  TierCatalog catalog(cell_->redis(), cell_->name());
+  bool busy = false;  // the last write-down moved something: look again at once
+  for (;;) {
+    std::string epoch;
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return;
+      epoch = epoch_;
+    }
+    if (epoch.empty()) {
+      std::this_thread::sleep_for(options_.poll);
+      continue;
+    }
+    // Promotions first: a get waits on each.
+    auto next = catalog.next_promotion(id_, busy ? std::chrono::milliseconds(1) : options_.poll);
+    if (!next.is_ok()) {
+      KVSTASH_LOG_WARN("node {}: NVMe tier: {}", id_, next.status().to_string());
+      std::this_thread::sleep_for(options_.poll);
+      continue;
+    }
+    std::lock_guard job(job_mu_);
+    {
+      std::lock_guard lock(mu_);
+      if (epoch_ != epoch) continue;  // paused meanwhile
+    }
+    if (next->has_value()) {
+      promote(epoch, **next);
+      continue;
+    }
+    busy = write_down(epoch);
+  }
+}
+
+bool NodeTier::write_down(const std::string& epoch) {
+  TierCatalog catalog(cell_->redis(), cell_->name());
+  const auto low = static_cast<std::uint64_t>(static_cast<double>(pool_pages_) * options_.low_water + 0.5);
+  auto batch = catalog.begin_write_down(id_, epoch, std::max<std::uint64_t>(low, 1), options_.batch_pages,
+                                        options_.lease);
+  if (!batch.is_ok()) {
+    if (batch.status().code() != StatusCode::kStale) {
+      KVSTASH_LOG_WARN("node {}: NVMe tier: write-down: {}", id_, batch.status().to_string());
+    }
+    return false;
+  }
+  if (batch->objects.empty()) return false;
+  std::vector<SsdIo> ios;
+  std::vector<std::string> sums;
+  std::uint64_t bytes = 0;
+  for (const auto& w : batch->objects) {
+    if (!within_pool(w.pages, pool_pages_)) {
+      (void)catalog.abort_write_down(id_, batch->objects);
+      KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages past the pool for {}", id_, w.key);
+      return false;
+    }
+    // The sum first: the bytes written are these, unless a put replaced the object meanwhile,
+    // and then its commit fails on the token.
+    sums.push_back(tier_sum(w.pages, pool_, page_size_, w.size));
+    auto more = ios_for(true, w.pages, w.slots, pool_, page_size_, slot_base_);
+    ios.insert(ios.end(), more.begin(), more.end());
+    bytes += w.size;
+  }
+  const Status wrote = device_->run(std::move(ios), job_deadline());
+  if (!wrote.is_ok()) {
+    counters_->write_down_failures += batch->objects.size();
+    KVSTASH_LOG_WARN("node {}: NVMe tier: a write-down of {} objects failed ({}); they stay in the pool", id_,
+                     batch->objects.size(), wrote.to_string());
+    (void)catalog.abort_write_down(id_, batch->objects);
+    return false;
+  }
+  std::vector<TierCatalog::Written> written;
+  for (std::size_t i = 0; i < batch->objects.size(); ++i) {
+    const auto& w = batch->objects[i];
+    written.push_back({w.key, w.token, w.slots_text, sums[i]});
+  }
+  auto committed = catalog.commit_write_down(id_, epoch, written);
+  if (!committed.is_ok()) {
+    // The slots stay marked until their deadline; the next write-down of the object frees them.
+    KVSTASH_LOG_WARN("node {}: NVMe tier: commit of a write-down: {}", id_, committed.status().to_string());
+    return false;
+  }
+  std::uint64_t moved = 0;
+  for (std::size_t i = 0; i < committed->size(); ++i) {
+    if ((*committed)[i].is_ok()) {
+      ++moved;
+      counters_->written_down_bytes += batch->objects[i].size;
+    } else {
+      ++counters_->write_down_failures;
+    }
+  }
+  counters_->written_down += moved;
+  return moved > 0;
+}
+
+void NodeTier::promote(const std::string& epoch, const std::string& key) {
+  TierCatalog catalog(cell_->redis(), cell_->name());
+  const std::string put_token = fmt::format("promote-{}-{:016x}", id_, sys::random_u64());
+  auto begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, false);
+  if (begun.status().code() == StatusCode::kNoSpace) {
+    // The pool is full: move its coldest objects down first, and evict only what that could
+    // not make room for.
+    write_down(epoch);
+    begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, true);
+  }
+  if (!begun.is_ok()) {
+    ++counters_->promotion_failures;
+    KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {}: {}", id_, key, begun.status().to_string());
+    return;
+  }
+  if (!begun->has_value()) return;  // promoted already, or gone
+  const TierCatalog::Promotion& p = **begun;
+  if (!within_pool(p.pages, pool_pages_) || p.slots.back().first + p.slots.back().count > slots_) {
+    ++counters_->promotion_failures;
+    (void)catalog.abort_promote(id_, p, false);
+    KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, key);
+    return;
+  }
+  // From here until run() gives the buffers back, this thread writes into the lease's pages.
+  writing_until_ = p.deadline_ms;
+  Status read = device_->run(ios_for(false, p.pages, p.slots, pool_, page_size_, slot_base_), job_deadline());
+  bool bad = !read.is_ok() && read.code() != StatusCode::kTimeout;
+  if (read.is_ok() && tier_sum(p.pages, pool_, page_size_, p.size) != p.sum) {
+    ++counters_->promotion_corrupt;
+    read = Status::corrupt(fmt::format("the bytes of {} on the NVMe tier do not match their sum", key));
+    bad = true;
+  }
+  Status done = read.is_ok() ? catalog.commit_promote(id_, epoch, p) : catalog.abort_promote(id_, p, bad);
+  writing_until_ = std::numeric_limits<std::int64_t>::max();
+  if (read.is_ok() && done.is_ok()) {
+    ++counters_->promoted;
+    counters_->promoted_bytes += p.size;
+    return;
+  }
+  ++counters_->promotion_failures;
+  KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, key,
+                   (read.is_ok() ? done : read).to_string(), bad ? " (the object is dropped)" : "");
+}
+
+}  // namespace kvstash::node

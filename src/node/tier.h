@@ -1,0 +1,109 @@
+// NodeTier: a memory node's NVMe tier (docs/nvme-tier.md). A thread of its own, with a Redis
+// connection of its own, moves the pool's cold objects down to the device before the pool runs
+// out (write-down: instead of their eviction), and stages them back into pool pages when a
+// get asks for one (promotion). The cell decides what moves and hands out slots as it hands
+// out pages (metadata/tier_catalog.h); this moves the bytes, with a sum of its own over them
+// (checked on every promotion, whatever the clients' checksum setting).
+//
+// One job at a time: a slot is read or written only by this thread, and a job's device I/O
+// has ended (SsdDevice::run gives its buffers back) before the next job starts, so a slot the
+// cell frees is never still being written. A promotion writes into pool pages under a put
+// lease of the cell: while it runs, writing_until() holds the node's reported fence below that
+// lease's deadline, so the cell frees those pages only once this thread is done with them.
+//
+// Thread safety: set_epoch, writing_until and counters from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "kvstash/status.h"
+#include "metadata/cell.h"
+#include "node/ssd_device.h"
+
+namespace kvstash::node {
+
+struct TierOptions {
+  // The device: a file (created with the capacity) or a block device (SsdOptions).
+  std::string path;
+  std::uint64_t capacity = 0;
+  // Objects move down while fewer than this share of the pool's pages are free.
+  double low_water = 0.125;
+  // The most pages one write-down moves (one script, one device batch).
+  std::uint32_t batch_pages = 64;
+  // A write-down's and a promotion's lease in the cell; the device's deadline for one job.
+  std::chrono::milliseconds lease{10000};
+  std::chrono::milliseconds io_timeout{5000};
+  // How long the thread waits for a promotion before it looks at the pool's free pages again.
+  std::chrono::milliseconds poll{50};
+  // Fault injection (SsdDevice::set_fault): the history checker's and the tests' failing device.
+  std::function<int(const SsdIo&)> fault;
+};
+
+class NodeTier {
+ public:
+  // Opens the device and lays it out for pages of `page_size`. Errors: SsdDevice::open's;
+  // kInvalidArgument when it holds no slot.
+  static Result<std::unique_ptr<NodeTier>> open(const TierOptions& options, std::uint64_t page_size);
+  ~NodeTier();  // stops the thread
+  NodeTier(const NodeTier&) = delete;
+  NodeTier& operator=(const NodeTier&) = delete;
+
+  std::uint64_t slots() const { return slots_; }
+  const SsdDevice& device() const { return *device_; }
+
+  // Starts the thread over the node's pool (`pages` pages at `pool`), connecting to the cell
+  // with `cell` (its command timeout is raised above the promotion wait).
+  Status start(metadata::CellOptions cell, std::string node_id, std::byte* pool, std::uint64_t pages);
+  // The node's registration: jobs run under it.
+  void set_epoch(std::string epoch);
+  // No job runs under any epoch until the next set_epoch, and the one running has ended (its
+  // device I/O too): the node is about to register again, and its pool to start over.
+  void pause();
+  // Redis time (ms) up to which this thread may still write into pool pages of a promotion's
+  // lease; the maximum when none runs. The node reports no fence at or past it.
+  std::int64_t writing_until() const { return writing_until_.load(); }
+
+  struct Counters {
+    std::uint64_t written_down = 0, written_down_bytes = 0, write_down_failures = 0;
+    std::uint64_t promoted = 0, promoted_bytes = 0, promotion_failures = 0, promotion_corrupt = 0;
+  };
+  Counters counters() const;
+
+ private:
+  NodeTier() = default;
+  void loop();
+  // One write-down batch; returns whether it moved anything (then the next one runs at once).
+  bool write_down(const std::string& epoch);
+  void promote(const std::string& epoch, const std::string& key);
+  Deadline job_deadline() const;
+
+  TierOptions options_;
+  std::uint64_t page_size_ = 0;
+  std::uint64_t slots_ = 0;
+  std::uint64_t slot_base_ = 0;  // byte offset of slot 0 on the device
+  std::unique_ptr<SsdDevice> device_;
+  std::unique_ptr<metadata::Cell> cell_;
+  std::string id_;
+  std::byte* pool_ = nullptr;
+  std::uint64_t pool_pages_ = 0;
+
+  std::mutex job_mu_;  // held by the thread through each job
+  mutable std::mutex mu_;
+  std::string epoch_;
+  bool stopping_ = false;
+  std::thread thread_;
+  std::atomic<std::int64_t> writing_until_{std::numeric_limits<std::int64_t>::max()};
+  struct AtomicCounters;
+  std::unique_ptr<AtomicCounters> counters_;
+};
+
+}  // namespace kvstash::node

@@ -1,0 +1,254 @@
+// The NVMe tier end to end (docs/nvme-tier.md): a real kvstashd with --ssd on a file of this
+// machine's disk, a private Redis, and a Store over tcp with its checksum off, so that every
+// byte-for-byte check here is the tier's own doing. Objects that outgrow the pool move down
+// instead of being evicted and come back on a get; a get may decline the promotion; prefix
+// tiers say where chunks are; a device that fails, or bytes changed under the node, make a get
+// fail, never return other bytes.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "http_get.h"
+#include "kvstash/store.h"
+#include "metadata/cell.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+using test::http_get;
+using test::metric;
+
+constexpr std::uint64_t kPage = 64 << 10;  // 16 pages of pool; the tier holds 254
+constexpr int kObjects = 48;                // 3x the pool
+
+std::string bytes_of(const std::string& key, int version = 0) {
+  std::string out(kPage, '\0');
+  std::mt19937_64 rng(std::hash<std::string>{}(key) + static_cast<std::uint64_t>(version));
+  for (std::size_t i = 0; i < out.size(); i += 8) {
+    const std::uint64_t v = rng();
+    std::memcpy(out.data() + i, &v, 8);
+  }
+  return out;
+}
+
+class TierTest : public ::testing::Test {
+ protected:
+  // A node with a 1 MiB pool of 64 KiB pages over a 16 MiB tier; `fault` is --ssd-fault's.
+  void start(const std::string& fault = "none") {
+    auto redis = tools::LocalRedis::start();
+    ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+    redis_ = std::move(redis).value();
+    // Beside the build: the disk, where O_DIRECT works (not a tmpfs /tmp).
+    path_ = (std::filesystem::current_path() / ("tier-test-" + std::to_string(::getpid()))).string();
+    auto node = tools::LocalNode::start({.redis_url = redis_->url(),
+                                         .capacity = "1MiB",
+                                         .page_size = "64KiB",
+                                         .node_id = "tiered",
+                                         .extra_args = {"--transports", "tcp", "--huge-pages", "off", "--ssd", path_,
+                                                        "--ssd-capacity", "16MiB", "--ssd-fault", fault}});
+    if (!node.is_ok() && node.status().message().find("exit") != std::string::npos &&
+        !std::filesystem::exists(path_)) {
+      GTEST_SKIP() << "kvstashd could not open an O_DIRECT tier here: " << node.status().to_string();
+    }
+    ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+    node_ = std::move(node).value();
+    StoreOptions o;
+    o.redis_url = redis_->url();
+    o.engine.transports = {TransportKind::kTcp};
+    o.verify_checksum = false;  // the tier must hold without it
+    o.timeout = 20s;
+    auto store = Store::open(o);
+    ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+    store_ = std::move(store).value();
+    metadata::CellOptions co;
+    co.redis.url = redis_->url();
+    auto cell = metadata::Cell::open(co);
+    ASSERT_TRUE(cell.is_ok()) << cell.status().to_string();
+    cell_ = std::move(cell).value();
+  }
+  void TearDown() override {
+    store_.reset();
+    if (node_) node_->stop();
+    ::unlink(path_.c_str());
+  }
+
+  metadata::NodeStatus node_status() { return cell_->admin().node_status("tiered").value(); }
+  metadata::CellSummary summary() { return cell_->admin().summary().value(); }
+  std::string metrics() { return http_get(node_->admin(), "/metrics").second; }
+
+  // Puts `key` (one page), first waiting until the node's write-down left a page free: the
+  // test then knows that no put had to evict.
+  Status put(const std::string& key, int version = 0) {
+    const Deadline until = deadline_after(20s);
+    while (node_status().free_pages < 2 && Clock::now() < until) std::this_thread::sleep_for(5ms);
+    const std::string data = bytes_of(key, version);
+    Slice in{const_cast<char*>(data.data()), data.size()};
+    return store_->put(key, {&in, 1});
+  }
+  // Gets `key` and says whether its bytes are exactly version `version`'s.
+  Result<bool> get_matches(const std::string& key, int version = 0, bool promote = true) {
+    std::string back(kPage, '\0');
+    Slice out{back.data(), back.size()};
+    GetOptions g;
+    g.promote = promote;
+    KVSTASH_RETURN_IF_ERROR(store_->get(key, {&out, 1}, g).status());
+    return back == bytes_of(key, version);
+  }
+
+  std::unique_ptr<tools::LocalRedis> redis_;
+  std::unique_ptr<tools::LocalNode> node_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<metadata::Cell> cell_;
+  std::string path_;
+};
+
+std::string key_of(int i) { return "tier/obj-" + std::to_string(i); }
+
+// Three pools' worth of objects: none is evicted, the cold ones are on the tier, and every one
+// comes back byte for byte (promoted: one round trip more), including twice over.
+TEST_F(TierTest, ObjectsOutgrowingThePoolMoveDownAndComeBackByteForByte) {
+  start();
+  if (IsSkipped()) return;
+  for (int i = 0; i < kObjects; ++i) ASSERT_TRUE(put(key_of(i)).is_ok()) << i;
+  const metadata::NodeStatus ns = node_status();
+  EXPECT_EQ(ns.tier_slots, 254u);
+  EXPECT_GE(ns.tier_objects, static_cast<std::uint64_t>(kObjects - 16));
+  EXPECT_EQ(ns.tier_slots - ns.tier_free_slots, ns.tier_objects);
+  EXPECT_EQ(store_->stat(key_of(0))->nodes, std::vector<std::string>{"tiered"});
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < kObjects; ++i) {
+      auto same = get_matches(key_of(i));
+      ASSERT_TRUE(same.is_ok()) << key_of(i) << ": " << same.status().to_string();
+      EXPECT_TRUE(*same) << key_of(i) << " came back with other bytes";
+    }
+  }
+  const metadata::CellSummary s = summary();
+  EXPECT_EQ(s.evicted, 0u) << "the tier was there: nothing had to be evicted";
+  EXPECT_EQ(s.objects, static_cast<std::uint64_t>(kObjects));
+  EXPECT_GE(s.promoted, static_cast<std::uint64_t>(kObjects));
+  EXPECT_GE(s.written_down, static_cast<std::uint64_t>(kObjects));
+  EXPECT_EQ(s.tier_lost, 0u);
+  const std::string m = metrics();
+  EXPECT_GE(metric(m, "kvstash_tier_promotions_total"), kObjects) << m;
+  EXPECT_GE(metric(m, "kvstash_tier_write_downs_total"), kObjects) << m;
+  EXPECT_EQ(metric(m, "kvstash_tier_promotion_failures_total"), 0) << m;
+  EXPECT_GT(metric(m, "kvstash_tier_device_bytes_total", "{op=\"read\"}"), 0) << m;
+}
+
+// A get may decline the promotion (kNotFound that says where the object is); prefix_tiers says
+// which chunks are in a pool and which on the tier; stat names the tier.
+TEST_F(TierTest, AGetMayDeclineThePromotionAndPrefixTiersSayWhereChunksAre) {
+  start();
+  if (IsSkipped()) return;
+  std::vector<std::string> keys;
+  for (int i = 0; i < 24; ++i) {
+    keys.push_back(key_of(i));
+    ASSERT_TRUE(put(keys.back()).is_ok());
+  }
+  const std::string cold = keys.front(), hot = keys.back();
+  auto where = store_->prefix_tiers(keys);
+  ASSERT_TRUE(where.is_ok()) << where.status().to_string();
+  ASSERT_EQ(where->size(), keys.size());
+  EXPECT_EQ(where->front(), Tier::kSsd);
+  EXPECT_EQ(where->back(), Tier::kDram);
+  auto absent = keys;
+  absent.insert(absent.begin() + 3, "tier/never-put");
+  EXPECT_EQ(store_->prefix_tiers(absent)->size(), 3u);
+  EXPECT_EQ(*store_->contains_prefix(keys), keys.size());
+
+  auto declined = get_matches(cold, 0, false);
+  ASSERT_FALSE(declined.is_ok());
+  EXPECT_EQ(declined.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(declined.status().message().find("NVMe tier"), std::string::npos) << declined.status().to_string();
+  EXPECT_EQ(store_->prefix_tiers({&cold, 1})->front(), Tier::kSsd) << "declining left it where it was";
+  EXPECT_EQ(*get_matches(hot, 0, false), true) << "a pool object needs no promotion";
+  EXPECT_EQ(*get_matches(cold), true);
+  EXPECT_EQ(store_->prefix_tiers({&cold, 1})->front(), Tier::kDram) << "promoted";
+}
+
+// A put over an object on the tier, and a remove of one, free its slots; the old bytes never
+// come back.
+TEST_F(TierTest, ReplacingOrRemovingAnObjectOnTheTierFreesItsSlots) {
+  start();
+  if (IsSkipped()) return;
+  for (int i = 0; i < 24; ++i) ASSERT_TRUE(put(key_of(i)).is_ok());
+  ASSERT_EQ(store_->prefix_tiers(std::vector<std::string>{key_of(0), key_of(1)})->at(1), Tier::kSsd);
+  const std::uint64_t on_tier = node_status().tier_objects;
+  ASSERT_TRUE(put(key_of(0), 1).is_ok());
+  EXPECT_TRUE(store_->remove(key_of(1)).is_ok());
+  EXPECT_EQ(*get_matches(key_of(0), 1), true) << "the new version, not the one on the tier";
+  EXPECT_EQ(get_matches(key_of(1)).status().code(), StatusCode::kNotFound);
+  const metadata::NodeStatus ns = node_status();
+  EXPECT_EQ(ns.tier_slots - ns.tier_free_slots, ns.tier_objects) << "a slot outlived its object";
+  EXPECT_LE(ns.tier_objects, on_tier);
+}
+
+// A device whose reads fail: objects move down, and a get of one fails (the object is dropped
+// as lost), never with other bytes; the cell keeps taking puts.
+TEST_F(TierTest, ADeviceThatFailsReadsFailsTheGetNeverWithOtherBytes) {
+  start("read-eio");
+  if (IsSkipped()) return;
+  for (int i = 0; i < 24; ++i) ASSERT_TRUE(put(key_of(i)).is_ok());
+  ASSERT_EQ(store_->prefix_tiers(std::vector<std::string>{key_of(0)})->front(), Tier::kSsd);
+  auto got = get_matches(key_of(0));
+  ASSERT_FALSE(got.is_ok()) << "a failed device gave bytes";
+  EXPECT_EQ(got.status().code(), StatusCode::kNotFound) << got.status().to_string();
+  EXPECT_GE(summary().tier_lost, 1u);
+  EXPECT_GE(metric(metrics(), "kvstash_tier_promotion_failures_total"), 1);
+  EXPECT_GE(metric(metrics(), "kvstash_tier_device_errors_total"), 1);
+  EXPECT_TRUE(put("tier/after", 0).is_ok());
+  EXPECT_EQ(*get_matches("tier/after"), true);
+}
+
+// A device whose writes fail: nothing moves down, the objects stay whole in the pool, and a full
+// pool evicts as it would without a tier.
+TEST_F(TierTest, ADeviceThatFailsWritesLeavesObjectsInThePool) {
+  start("write-eio");
+  if (IsSkipped()) return;
+  for (int i = 0; i < 24; ++i) {
+    const std::string data = bytes_of(key_of(i));
+    Slice in{const_cast<char*>(data.data()), data.size()};
+    ASSERT_TRUE(store_->put(key_of(i), {&in, 1}).is_ok()) << i;
+  }
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(node_status().tier_objects, 0u);
+  EXPECT_GE(metric(metrics(), "kvstash_tier_write_down_failures_total"), 1);
+  EXPECT_EQ(node_status().tier_free_slots, 254u) << "a failed write-down kept its slots";
+  EXPECT_EQ(*get_matches(key_of(23)), true);
+  EXPECT_GT(summary().evicted, 0u);
+}
+
+// Bytes changed on the device under the node (a torn or stray write): the promotion's own sum
+// catches them with the client's checksum off; the get fails and the object is dropped.
+TEST_F(TierTest, BytesChangedOnTheDeviceAreCaughtWithTheChecksumOff) {
+  start();
+  if (IsSkipped()) return;
+  for (int i = 0; i < 24; ++i) ASSERT_TRUE(put(key_of(i)).is_ok());
+  ASSERT_EQ(store_->prefix_tiers(std::vector<std::string>{key_of(0)})->front(), Tier::kSsd);
+  {
+    // Every slot's bytes after the header area (80 KiB) flipped, as a stray writer would.
+    const int fd = ::open(path_.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    std::string junk(1 << 20, '\x5a');
+    for (off_t at = 80 << 10; at < (16 << 20); at += static_cast<off_t>(junk.size())) {
+      ASSERT_EQ(::pwrite(fd, junk.data(), junk.size(), at), static_cast<ssize_t>(junk.size()));
+    }
+    ::fsync(fd);
+    ::close(fd);
+  }
+  auto got = get_matches(key_of(0));
+  ASSERT_FALSE(got.is_ok()) << "changed bytes were served";
+  EXPECT_EQ(got.status().code(), StatusCode::kNotFound) << got.status().to_string();
+  EXPECT_GE(metric(metrics(), "kvstash_tier_promotion_corrupt_total"), 1);
+  EXPECT_GE(summary().tier_lost, 1u);
+}
+
+}  // namespace
+}  // namespace kvstash
