@@ -390,7 +390,25 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1u, 100u));
   ti->add_flag("--json", tier.json, "One JSON object per row");
-  ti->footer("Example:\n  kvstash-bench tier --path /mnt/nvme0/bench.tier --bytes 4GiB --io-size 4MiB --depth 16");
+  bench::TierStoreBenchOptions tier_store;
+  bool tier_store_on = false, tier_no_checksum = false;
+  std::string tier_sizes = "4MiB,64MiB", tier_pool = "256MiB", tier_page = "4MiB";
+  ti->add_flag("--store", tier_store_on,
+               "The tier under a real kvstashd instead: puts (paced by the write-down), write-down and promoted "
+               "gets (checked byte for byte), against fio's write and read on the same file system");
+  ti->add_option("--object-sizes", tier_sizes, "--store: object sizes, a run each")->capture_default_str();
+  ti->add_option("--pool", tier_pool, "--store: the node's DRAM pool")->capture_default_str();
+  ti->add_option("--page-size", tier_page, "--store: the cell's page (and fio's I/O)")->capture_default_str();
+  ti->add_option("--pools", tier_store.pools_of_objects, "--store: objects put, in pools' worth")
+      ->capture_default_str()
+      ->check(CLI::Range(2u, 64u));
+  ti->add_option("--sessions", tier_store.sessions, "--store: promoted gets at once")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 64u));
+  ti->add_flag("--no-checksum", tier_no_checksum, "--store: the store's checksum off (the tier checks its own sum)");
+  ti->footer(
+      "Examples:\n  kvstash-bench tier --path /mnt/nvme0/bench.tier --bytes 4GiB --io-size 4MiB --depth 16\n"
+      "  kvstash-bench tier --store --path /mnt/nvme0/bench.tier --object-sizes 4MiB,64MiB --pool 1GiB");
 
   bench::ChurnBenchOptions churn;
   std::string churn_sizes = "mixed", churn_mix = "put=1", churn_capacity = "64MiB", churn_page = "1MiB",
@@ -545,6 +563,31 @@ int main(int argc, char** argv) {
   if (sv->parsed()) return bench::run_serve(serve);
   if (md->parsed()) return bench::run_metadata(meta);
   if (cs->parsed()) return bench::run_checksum(sums);
+  if (ti->parsed() && tier_store_on) {
+    tier_store.path = tier.path;
+    tier_store.json = tier.json;
+    tier_store.depth = tier.depth;
+    tier_store.verify_checksum = !tier_no_checksum;
+    auto pool = units::parse_size(tier_pool), page = units::parse_size(tier_page);
+    if (!pool.is_ok() || !page.is_ok()) {
+      std::cerr << "tier --store: --pool and --page-size are sizes\n";
+      return 2;
+    }
+    tier_store.pool = *pool;
+    tier_store.page = *page;
+    tier_store.object_sizes.clear();
+    for (std::string_view rest = tier_sizes; !rest.empty();) {
+      const std::size_t comma = rest.find(',');
+      auto sz = units::parse_size(std::string(rest.substr(0, comma)));
+      if (!sz.is_ok() || *sz == 0) {
+        std::cerr << "tier --store: --object-sizes is a list of sizes\n";
+        return 2;
+      }
+      tier_store.object_sizes.push_back(*sz);
+      rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    }
+    return bench::run_tier_store(tier_store);
+  }
   if (ti->parsed()) {
     auto b = units::parse_size(tier_bytes), io = units::parse_size(tier_io);
     if (!b.is_ok() || !io.is_ok() || *io == 0 || *io % 4096 != 0 || *b < *io) {

@@ -67,15 +67,20 @@ Result<double> pass(node::SsdDevice& device, bool write, const TierBenchOptions&
   return static_cast<double>(o.bytes) / s / 1e9;
 }
 
-// fio's bandwidth for `rw` (write or read) on the same file, O_DIRECT through io_uring; nullopt
-// with why when fio is missing or failed.
 std::pair<double, std::string> fio(const TierBenchOptions& o, const char* rw) {
+  return fio_gbps(o.path, rw, o.bytes, o.io_bytes, o.depth, o.rounds);
+}
+
+}  // namespace
+
+std::pair<double, std::string> fio_gbps(const std::string& path, const char* rw, std::uint64_t bytes,
+                                        std::uint64_t io_bytes, std::uint32_t depth, std::uint32_t loops) {
   char cmd[1024];
   std::snprintf(cmd, sizeof cmd,
                 "fio --name=kvstash-tier --filename='%s' --rw=%s --bs=%llu --iodepth=%u --ioengine=io_uring "
                 "--direct=1 --size=%llu --loops=%u --output-format=json 2>/dev/null",
-                o.path.c_str(), rw, static_cast<unsigned long long>(o.io_bytes), o.depth,
-                static_cast<unsigned long long>(o.bytes), o.rounds);
+                path.c_str(), rw, static_cast<unsigned long long>(io_bytes), depth,
+                static_cast<unsigned long long>(bytes), loops);
   std::FILE* p = ::popen(cmd, "r");
   if (p == nullptr) return {0, "fio could not be started"};
   std::string out;
@@ -88,8 +93,6 @@ std::pair<double, std::string> fio(const TierBenchOptions& o, const char* rw) {
   const double bytes_per_s = j["jobs"][0][rw]["bw_bytes"].get<double>();
   return {bytes_per_s / 1e9, ""};
 }
-
-}  // namespace
 
 int run_tier(const TierBenchOptions& o) {
   if (o.path.empty()) {

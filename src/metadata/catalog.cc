@@ -1,5 +1,7 @@
 #include "metadata/catalog.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "metadata/catalog_common.h"
@@ -166,9 +168,10 @@ namespace {
 // A read lease from begin_get's reply, or one item of begin_gets': page_size, token, size,
 // extents, checksum, layout, deadline, nodes...
 Result<ReadLease> read_lease_of(std::span<const redisReply* const> r, std::string_view key) {
-  if (r.size() == 2 && text_of(r[0]) == "PROMOTING") {
+  if (r.size() == 3 && text_of(r[0]) == "PROMOTING") {
     ReadLease g;
     g.promoting_node = std::string(text_of(r[1]));
+    g.object_token = std::string(text_of(r[2]));
     if (!valid_node_id(g.promoting_node)) return corrupt("object " + std::string(key) + " is on a malformed node");
     return g;
   }
@@ -232,6 +235,12 @@ Result<std::vector<Result<ReadLease>>> Catalog::begin_gets(std::span<const std::
     }
   }
   return out;
+}
+
+Status Catalog::wait_promotion(const ReadLease& promoting, std::chrono::milliseconds wait) {
+  const std::string list = prefix_ + ":woken:" + promoting.object_token;
+  const std::string secs = fmt::format("{:.3f}", static_cast<double>(std::max<std::int64_t>(1, wait.count())) / 1000);
+  return redis_.command({"BLPOP", list, secs}).status();
 }
 
 Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {

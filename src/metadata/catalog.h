@@ -123,6 +123,9 @@ class Catalog {
   Result<std::vector<Result<ReadLease>>> begin_gets(std::span<const std::string> keys,
                                                     std::span<const std::string> readers,
                                                     std::chrono::milliseconds lease);
+  // For a begin_get that found its object promoting: waits up to `wait` (shorter than the
+  // connection's command timeout) for the promotion to end, however it ends; ask again then.
+  Status wait_promotion(const ReadLease& promoting, std::chrono::milliseconds wait);
   // Ends the lease; kStale when a page was freed or reused while it was held.
   Status end_get(std::string_view reader, const ReadLease& lease);
   // A read lease to end: who read, and the object token and extents its lease named (empty:

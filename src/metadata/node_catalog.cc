@@ -19,10 +19,10 @@ Result<std::int64_t> NodeCatalog::register_node(const NodeRecord& n, std::chrono
   }
   if (n.epoch.empty()) return Status::invalid_argument("node epoch must be set");
   std::string size = std::to_string(n.page_size), count = std::to_string(n.page_count), t = ms(ttl);
-  std::string slots = std::to_string(n.tier_slots);
+  std::string slots = std::to_string(n.tier_slots), low = std::to_string(n.tier_low_water);
   KVSTASH_ASSIGN_OR_RETURN(Reply r,
                            redis_.eval(scripts::register_node(), {prefix_},
-                                       {n.id, n.epoch, size, count, n.address, n.key, t, n.grant_key, slots}));
+                                       {n.id, n.epoch, size, count, n.address, n.key, t, n.grant_key, slots, low}));
   auto now = integer_of(r.raw());
   if (!now) return corrupt("unexpected reply to register_node");
   return *now;

@@ -29,6 +29,7 @@ struct NodeRecord {
   std::string key;        // the pool region's remote-key blob
   std::string grant_key;  // hex of the HMAC key the cell signs this node's grants with
   std::uint64_t tier_slots = 0;  // slots (of one page) of its NVMe tier; 0: none
+  std::uint64_t tier_low_water = 0;  // pages: objects move down while fewer are free
 };
 
 // How to reach a node's pool.

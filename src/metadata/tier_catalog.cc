@@ -52,10 +52,13 @@ std::uint64_t pages_in(std::span<const PageRun> runs) {
 TierCatalog::TierCatalog(RedisClient& redis, std::string cell) : redis_(redis), prefix_(cell_prefix(cell)) {}
 
 Result<TierCatalog::WriteDowns> TierCatalog::begin_write_down(std::string_view id, std::string_view epoch,
-                                                              std::uint64_t low_water, std::uint64_t most_pages,
+                                                              std::uint64_t low_water, std::uint64_t high_water,
+                                                              std::uint64_t most_pages,
                                                               std::chrono::milliseconds lease) {
-  const std::string low = std::to_string(low_water), most = std::to_string(most_pages), l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_write_down(), {prefix_}, {id, epoch, low, most, l}));
+  const std::string low = std::to_string(low_water), high = std::to_string(high_water),
+                    most = std::to_string(most_pages), l = ms(lease);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                           redis_.eval(scripts::begin_write_down(), {prefix_}, {id, epoch, low, most, l, high}));
   const auto items = items_of(r.raw());
   if (items.empty() || (items.size() - 1) % 5 != 0) return corrupt("unexpected reply to begin_write_down");
   WriteDowns out;
@@ -151,7 +154,15 @@ Status TierCatalog::abort_promote(std::string_view id, const Promotion& p, bool 
 
 Result<std::optional<std::string>> TierCatalog::next_promotion(std::string_view id, std::chrono::milliseconds wait) {
   const std::string list = prefix_ + ":promote:" + std::string(id);
-  const std::string secs = fmt::format("{:.3f}", static_cast<double>(std::max<std::int64_t>(1, wait.count())) / 1000);
+  if (wait.count() <= 0) {
+    KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"RPOP", list}));
+    if (r.is_nil()) return std::optional<std::string>{};
+    if (r.type() != Reply::Type::kString) return corrupt("unexpected reply to RPOP");
+    return std::optional<std::string>(std::string(r.str()));
+  }
+  // Redis ends a blocking command's wait at its timers' pace (10 per second by default): a
+  // short wait may last 100 ms. A push ends it at once.
+  const std::string secs = fmt::format("{:.3f}", static_cast<double>(wait.count()) / 1000);
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"BRPOP", list, secs}));
   if (r.is_nil()) return std::optional<std::string>{};
   if (r.type() != Reply::Type::kArray || r.size() != 2) return corrupt("unexpected reply to BRPOP");

@@ -48,11 +48,12 @@ class TierCatalog {
     std::vector<WriteDown> objects;
   };
   // While node `id` has fewer than `low_water` free pages: its least recently used unleased
-  // objects of up to `most_pages` pages, each with slots on its tier (the tier's own LRU
-  // objects evicted for them when it is full). None when nothing needs to move. kStale when
-  // the node is not `epoch`, alive and up.
+  // objects of up to `most_pages` pages, enough to bring its free pages up to `high_water`,
+  // each with slots on its tier (the tier's own LRU objects evicted for them when it is full).
+  // None when nothing needs to move. kStale when the node is not `epoch`, alive and up.
   Result<WriteDowns> begin_write_down(std::string_view id, std::string_view epoch, std::uint64_t low_water,
-                                      std::uint64_t most_pages, std::chrono::milliseconds lease);
+                                      std::uint64_t high_water, std::uint64_t most_pages,
+                                      std::chrono::milliseconds lease);
   struct Written {
     std::string_view key, token, slots_text, sum;
   };
@@ -84,8 +85,9 @@ class TierCatalog {
   // The promotion's pages go back; with `bad` (EIO, a sum that does not match) the object goes
   // too.
   Status abort_promote(std::string_view id, const Promotion& p, bool bad);
-  // The next key whose promotion a get queued at node `id`, waiting up to `wait` (at least
-  // 1 ms); nullopt when none came. The connection's command timeout must exceed `wait`.
+  // The next key whose promotion a get queued at node `id`, waiting up to `wait` (0: not at
+  // all; Redis may let a short wait last 100 ms); nullopt when none came. The connection's
+  // command timeout must exceed `wait`.
   Result<std::optional<std::string>> next_promotion(std::string_view id, std::chrono::milliseconds wait);
 
  private:

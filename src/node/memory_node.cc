@@ -164,7 +164,8 @@ Status MemoryNode::join() {
                            engine_->address(),
                            handle_.remote_key(),
                            grants_->rotate(s.epoch),
-                           tier_ ? tier_->slots() : 0};
+                           tier_ ? tier_->slots() : 0,
+                           tier_ ? tier_->low_water(page_count_) : 0};
   KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
   redis_clock_ = std::make_pair(now, Clock::now());
   ++s.registrations;

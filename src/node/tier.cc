@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <span>
 #include <vector>
 
 #include "common/checksum.h"
@@ -15,6 +16,11 @@ namespace kvstash::node {
 
 using metadata::PageRun;
 using metadata::TierCatalog;
+
+// Promotions queued together that run as one device batch.
+constexpr std::size_t kPromotionBatch = 16;
+// The largest device I/O the tier submits.
+constexpr std::uint64_t kMaxIo = 1u << 20;
 
 struct NodeTier::AtomicCounters {
   std::atomic<std::uint64_t> written_down{0}, written_down_bytes{0}, write_down_failures{0};
@@ -32,10 +38,16 @@ std::vector<SsdIo> ios_for(bool write, std::span<const PageRun> pages, std::span
   std::uint64_t pdone = 0, sdone = 0;
   while (pi < pages.size() && si < slots.size()) {
     const std::uint64_t n = std::min(pages[pi].count - pdone, slots[si].count - sdone);
-    out.push_back({.write = write,
-                   .offset = slot_base + (slots[si].first + sdone) * page_size,
-                   .buffer = pool + (pages[pi].first + pdone) * page_size,
-                   .length = static_cast<std::size_t>(n * page_size)});
+    // I/Os of at most 1 MiB (pages are multiples of 4 KiB, so of the device's blocks): many
+    // in flight, as fio keeps them, and a page's parts read in parallel.
+    const std::uint64_t offset = slot_base + (slots[si].first + sdone) * page_size;
+    std::byte* buffer = pool + (pages[pi].first + pdone) * page_size;
+    for (std::uint64_t at = 0; at < n * page_size; at += kMaxIo) {
+      out.push_back({.write = write,
+                     .offset = offset + at,
+                     .buffer = buffer + at,
+                     .length = static_cast<std::size_t>(std::min(kMaxIo, n * page_size - at))});
+    }
     pdone += n;
     sdone += n;
     if (pdone == pages[pi].count) ++pi, pdone = 0;
@@ -108,6 +120,10 @@ void NodeTier::set_epoch(std::string epoch) {
   epoch_ = std::move(epoch);
 }
 
+std::uint64_t NodeTier::low_water(std::uint64_t pool_pages) const {
+  return std::max<std::uint64_t>(1, static_cast<std::uint64_t>(static_cast<double>(pool_pages) * options_.low_water + 0.5));
+}
+
 void NodeTier::pause() {
   set_epoch({});
   std::lock_guard job(job_mu_);
@@ -139,7 +155,7 @@ void NodeTier::loop() {
       continue;
     }
     // Promotions first: a get waits on each.
-    auto next = catalog.next_promotion(id_, busy ? std::chrono::milliseconds(1) : options_.poll);
+    auto next = catalog.next_promotion(id_, busy ? std::chrono::milliseconds(0) : options_.poll);
     if (!next.is_ok()) {
       KVSTASH_LOG_WARN("node {}: NVMe tier: {}", id_, next.status().to_string());
       std::this_thread::sleep_for(options_.poll);
@@ -150,18 +166,29 @@ void NodeTier::loop() {
       std::lock_guard lock(mu_);
       if (epoch_ != epoch) continue;  // paused meanwhile
     }
-    if (next->has_value()) {
-      promote(epoch, **next);
+    if (next->has_value() && !(*next)->empty()) {
+      // Every promotion queued now runs in one device batch (their reads in flight together).
+      std::vector<std::string> keys{std::move(**next)};
+      while (keys.size() < kPromotionBatch) {
+        auto more = catalog.next_promotion(id_, std::chrono::milliseconds(0));
+        if (!more.is_ok() || !more->has_value()) break;
+        if ((*more)->empty()) continue;  // a nudge: the write-down below runs anyway
+        keys.push_back(std::move(**more));
+      }
+      promote(epoch, keys);
       continue;
     }
+    // No promotion waits (or the cell nudged: the pool went below its low water).
     busy = write_down(epoch);
   }
 }
 
 bool NodeTier::write_down(const std::string& epoch) {
   TierCatalog catalog(cell_->redis(), cell_->name());
-  const auto low = static_cast<std::uint64_t>(static_cast<double>(pool_pages_) * options_.low_water + 0.5);
-  auto batch = catalog.begin_write_down(id_, epoch, std::max<std::uint64_t>(low, 1), options_.batch_pages,
+  // Below the low water, objects move until twice as many pages are free: batches large
+  // enough to keep the device busy, not one page per look.
+  const std::uint64_t low = low_water(pool_pages_);
+  auto batch = catalog.begin_write_down(id_, epoch, low, std::min(pool_pages_, 2 * low), options_.batch_pages,
                                         options_.lease);
   if (!batch.is_ok()) {
     if (batch.status().code() != StatusCode::kStale) {
@@ -218,48 +245,61 @@ bool NodeTier::write_down(const std::string& epoch) {
   return moved > 0;
 }
 
-void NodeTier::promote(const std::string& epoch, const std::string& key) {
+void NodeTier::promote(const std::string& epoch, std::span<const std::string> keys) {
   TierCatalog catalog(cell_->redis(), cell_->name());
-  const std::string put_token = fmt::format("promote-{}-{:016x}", id_, sys::random_u64());
-  auto begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, false);
-  if (begun.status().code() == StatusCode::kNoSpace) {
-    // The pool is full: move its coldest objects down first, and evict only what that could
-    // not make room for.
-    write_down(epoch);
-    begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, true);
+  std::vector<TierCatalog::Promotion> jobs;
+  std::vector<SsdIo> ios;
+  for (const std::string& key : keys) {
+    const std::string put_token = fmt::format("promote-{}-{:016x}", id_, sys::random_u64());
+    auto begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, false);
+    if (begun.status().code() == StatusCode::kNoSpace) {
+      // The pool is full: move its coldest objects down first, and evict only what that could
+      // not make room for.
+      write_down(epoch);
+      begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, true);
+    }
+    if (!begun.is_ok()) {
+      ++counters_->promotion_failures;
+      KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {}: {}", id_, key, begun.status().to_string());
+      continue;
+    }
+    if (!begun->has_value()) continue;  // promoted already, or gone
+    TierCatalog::Promotion& p = **begun;
+    if (!within_pool(p.pages, pool_pages_) || p.slots.back().first + p.slots.back().count > slots_) {
+      ++counters_->promotion_failures;
+      (void)catalog.abort_promote(id_, p, false);
+      KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, key);
+      continue;
+    }
+    // From here until run() gives the buffers back, this thread writes into the lease's pages.
+    writing_until_ = std::min(writing_until_.load(), p.deadline_ms);
+    auto more = ios_for(false, p.pages, p.slots, pool_, page_size_, slot_base_);
+    ios.insert(ios.end(), more.begin(), more.end());
+    jobs.push_back(std::move(p));
   }
-  if (!begun.is_ok()) {
+  if (jobs.empty()) return;
+  const Status read = device_->run(std::move(ios), job_deadline());
+  for (const TierCatalog::Promotion& p : jobs) {
+    Status failed = read;
+    bool bad = !read.is_ok() && read.code() != StatusCode::kTimeout;
+    if (read.is_ok() && tier_sum(p.pages, pool_, page_size_, p.size) != p.sum) {
+      ++counters_->promotion_corrupt;
+      failed = Status::corrupt(fmt::format("the bytes of {} on the NVMe tier do not match their sum", p.key));
+      bad = true;
+    }
+    // One batch: a device error fails each of its promotions (which one it hit, the batch does
+    // not say), and drops each object as lost.
+    const Status done = failed.is_ok() ? catalog.commit_promote(id_, epoch, p) : catalog.abort_promote(id_, p, bad);
+    if (failed.is_ok() && done.is_ok()) {
+      ++counters_->promoted;
+      counters_->promoted_bytes += p.size;
+      continue;
+    }
     ++counters_->promotion_failures;
-    KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {}: {}", id_, key, begun.status().to_string());
-    return;
+    KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, p.key,
+                     (failed.is_ok() ? done : failed).to_string(), bad ? " (the object is dropped)" : "");
   }
-  if (!begun->has_value()) return;  // promoted already, or gone
-  const TierCatalog::Promotion& p = **begun;
-  if (!within_pool(p.pages, pool_pages_) || p.slots.back().first + p.slots.back().count > slots_) {
-    ++counters_->promotion_failures;
-    (void)catalog.abort_promote(id_, p, false);
-    KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, key);
-    return;
-  }
-  // From here until run() gives the buffers back, this thread writes into the lease's pages.
-  writing_until_ = p.deadline_ms;
-  Status read = device_->run(ios_for(false, p.pages, p.slots, pool_, page_size_, slot_base_), job_deadline());
-  bool bad = !read.is_ok() && read.code() != StatusCode::kTimeout;
-  if (read.is_ok() && tier_sum(p.pages, pool_, page_size_, p.size) != p.sum) {
-    ++counters_->promotion_corrupt;
-    read = Status::corrupt(fmt::format("the bytes of {} on the NVMe tier do not match their sum", key));
-    bad = true;
-  }
-  Status done = read.is_ok() ? catalog.commit_promote(id_, epoch, p) : catalog.abort_promote(id_, p, bad);
   writing_until_ = std::numeric_limits<std::int64_t>::max();
-  if (read.is_ok() && done.is_ok()) {
-    ++counters_->promoted;
-    counters_->promoted_bytes += p.size;
-    return;
-  }
-  ++counters_->promotion_failures;
-  KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, key,
-                   (read.is_ok() ? done : read).to_string(), bad ? " (the object is dropped)" : "");
 }
 
 }  // namespace kvstash::node

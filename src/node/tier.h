@@ -22,6 +22,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 
@@ -43,7 +44,7 @@ struct TierOptions {
   std::chrono::milliseconds lease{10000};
   std::chrono::milliseconds io_timeout{5000};
   // How long the thread waits for a promotion before it looks at the pool's free pages again.
-  std::chrono::milliseconds poll{50};
+  std::chrono::milliseconds poll{20};
   // Fault injection (SsdDevice::set_fault): the history checker's and the tests' failing device.
   std::function<int(const SsdIo&)> fault;
 };
@@ -58,6 +59,8 @@ class NodeTier {
   NodeTier& operator=(const NodeTier&) = delete;
 
   std::uint64_t slots() const { return slots_; }
+  // Pages of a pool of `pool_pages`: objects move down while fewer are free (at least 1).
+  std::uint64_t low_water(std::uint64_t pool_pages) const;
   const SsdDevice& device() const { return *device_; }
 
   // Starts the thread over the node's pool (`pages` pages at `pool`), connecting to the cell
@@ -83,7 +86,8 @@ class NodeTier {
   void loop();
   // One write-down batch; returns whether it moved anything (then the next one runs at once).
   bool write_down(const std::string& epoch);
-  void promote(const std::string& epoch, const std::string& key);
+  // Promotes `keys` (queued by gets) in one device batch.
+  void promote(const std::string& epoch, std::span<const std::string> keys);
   Deadline job_deadline() const;
 
   TierOptions options_;

@@ -83,18 +83,23 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
       cell = looked;
       if (lease.status().code() != StatusCode::kNotFound) break;
     }
-    // On a node's NVMe tier: its promotion is queued; ask again, more slowly each time, until
-    // it is back in the pool.
-    for (auto pause = std::chrono::microseconds(200); lease.is_ok() && !lease->promoting_node.empty();
-         pause = std::min(pause * 2, std::chrono::microseconds(5000))) {
-      if (Clock::now() + pause >= deadline) {
+    // On a node's NVMe tier: its promotion is queued. Wait for its end (the node wakes the
+    // waiters), a short while at a time (a cancel is seen, and a wake-up lost with a node that
+    // died costs one wait), and ask again, until it is back in a pool.
+    while (lease.is_ok() && !lease->promoting_node.empty()) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left <= std::chrono::milliseconds(1)) {
         return Status::timeout("store: object " + std::string(key) + " was not promoted from the NVMe tier of node " +
                                lease->promoting_node + " within the get's deadline");
       }
       if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
-      std::this_thread::sleep_for(pause);
       KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*cell, deadline));
       MetadataClock mc(o.timings);
+      const auto wait = std::min({left - std::chrono::milliseconds(1), std::chrono::milliseconds(25),
+                                  options.redis_timeout / 2});
+      if (Status waited = c->wait_promotion(*lease, wait); !waited.is_ok()) {
+        KVSTASH_LOG_DEBUG("get {}: waiting for its promotion: {}", key, waited.to_string());
+      }
       leased_at = Clock::now();
       lease = c->begin_get(key, reader, options.read_lease, o.promote);
     }

@@ -13,6 +13,7 @@ local extents = redis.call('HGET', pk, 'extents')
 if extents then drop_put(ptoken, extents) end
 local ok = P .. ':obj:' .. key
 if redis.call('HGET', ok, 'token') == token then
+  wake_waiters(key, token)
   if bad then
     release(key)
     redis.call('HINCRBY', P .. ':stats', 'tier_lost', 1)

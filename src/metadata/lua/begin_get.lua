@@ -3,8 +3,9 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     key, reader, lease_ms, no_promote ('1': an object on the NVMe tier stays there)
 -- Returns  page_size, token, size, extents, checksum, layout, the lease's deadline (ms of Redis
---          time), then id, address, key per node; PROMOTING, node id when the object is on that
---          node's NVMe tier (its promotion is queued: ask again); NOT_FOUND (with no_promote,
+--          time), then id, address, key per node; PROMOTING, node id, object token when the object
+--          is on that node's NVMe tier (its promotion is queued: wait on P:woken:<token>, then ask
+--          again); NOT_FOUND (with no_promote,
 --          'NOT_FOUND ON_SSD <node>' for an object on the tier)
 --
 -- Of an object put with replicas, the readable copy with the fewest readers is leased.

@@ -4,7 +4,7 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     lease_ms, then key, reader per object
 -- Returns  one array per object, in order: begin_get's reply, or an empty array when there is
---          no such object; PROMOTING, node id for an object on that node's NVMe tier (its
+--          no such object; PROMOTING, node id, token for an object on that node's NVMe tier (its
 --          promotion queued)
 
 local lease_ms = tonumber(ARGV[1])

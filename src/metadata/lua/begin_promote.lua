@@ -20,7 +20,10 @@ end
 local ok = P .. ':obj:' .. key
 local o = redis.call('HMGET', ok, 'token', 'tier', 'ssd_extents', 'size', 'nodes', 'ssd_sum')
 if not o[1] or o[2] ~= 'ssd' or o[5] ~= id or not lookup(key) then
-  if o[1] then redis.call('HDEL', ok, 'promoting') end
+  if o[1] then
+    redis.call('HDEL', ok, 'promoting')
+    wake_waiters(key, o[1])
+  end
   return 'DONE'
 end
 local ps = page_size()
@@ -31,7 +34,10 @@ if free_pages(id) < need then
   if free < need and ARGV[6] == '1' then evict(need - free, {[id] = true}) end
 end
 if free_pages(id) < need then
-  if ARGV[6] == '1' then redis.call('HDEL', ok, 'promoting') end
+  if ARGV[6] == '1' then
+    redis.call('HDEL', ok, 'promoting')
+    wake_waiters(key, o[1])
+  end
   return redis.error_reply('NO_SPACE node ' .. id .. ' has ' .. free_pages(id) .. ' free pages, the promotion of ' ..
                            key .. ' needs ' .. need .. ', and what no reader leases cannot make room')
 end

@@ -1,7 +1,8 @@
 -- begin_write_down.lua: a node with an NVMe tier picks cold objects to move down to it.
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     id, epoch, low water (pages: act while fewer are free), most pages to move, lease_ms
+-- ARGV     id, epoch, low water (pages: act while fewer are free), most pages to move, lease_ms,
+--          high water (pages: move enough to free this many; default the low water)
 -- Returns  the write-down's deadline (ms of Redis time), then per object: key, token, size,
 --          extents (its pool pages, all on this node), slots (ssd extents); just the deadline
 --          when nothing needs to move; STALE when the node is not this epoch, alive and up
@@ -22,8 +23,10 @@ local deadline = now + lease
 local sid = slots_of(id)
 local floor = tonumber(redis.call('HGET', P .. ':node:' .. sid, 'gen_floor') or '')
 if not floor then return {deadline} end  -- no tier
-local want = math.min(low - free_pages(id), most)
-if want <= 0 then return {deadline} end
+redis.call('HDEL', P .. ':node:' .. sid, 'nudged')  -- the node looks now (prelude: nudge_tier)
+local free = free_pages(id)
+if free >= low then return {deadline} end
+local want = math.min(math.max(tonumber(ARGV[6] or '') or low, low) - free, most)
 
 local picked, pages = {}, 0
 walk_unleased_lru(function(key, _, extents, size)
@@ -46,7 +49,7 @@ end, want + 1024)
 if #picked == 0 then return {deadline} end
 
 -- Room on the tier: its least recently used objects go (none is leased: a get promotes first).
-local free = free_pages(sid)
+free = free_pages(sid)
 if free < pages then
   local lk = P .. ':lru_ssd:' .. id
   local victims = redis.call('ZRANGE', lk, 0, 255)

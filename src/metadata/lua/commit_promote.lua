@@ -27,7 +27,10 @@ elseif not current(extents) then
 end
 if why then
   drop_put(ptoken, extents)
-  if o[1] then redis.call('HDEL', ok, 'promoting') end
+  if o[1] then
+    redis.call('HDEL', ok, 'promoting')
+    wake_waiters(key, o[1])
+  end
   return redis.error_reply(why)
 end
 free_extents(slots)
@@ -35,6 +38,7 @@ redis.call('DEL', pk)
 redis.call('ZREM', P .. ':pending', ptoken)
 redis.call('HSET', ok, 'extents', extents)
 redis.call('HDEL', ok, 'tier', 'ssd_extents', 'ssd_sum', 'promoting')
+wake_waiters(key, token)
 redis.call('ZREM', P .. ':lru_ssd:' .. id, key)
 redis.call('ZADD', P .. ':lru', now, key)
 redis.call('HINCRBY', P .. ':stats', 'promoted', 1)

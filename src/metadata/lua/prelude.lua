@@ -708,6 +708,20 @@ local PROMOTE_MS = 5000
 local PROMOTE_QUEUE = 4096
 
 -- Queues the promotion of `key`, on the tier of node `id`, unless one is queued or running.
+-- Wakes the gets waiting for the promotion of `key` (object token `token`) to end, however it
+-- ended: they ask again. At most 64 items; a waiter not woken asks again after its wait.
+local function wake_waiters(key, token)
+  local ok = P .. ':obj:' .. key
+  local n = math.min(tonumber(redis.call('HGET', ok, 'waiters') or '0') or 0, 64)
+  if n <= 0 then return end
+  redis.call('HDEL', ok, 'waiters')
+  local wk = P .. ':woken:' .. token
+  local items = {}
+  for i = 1, n do items[i] = '1' end
+  redis.call('LPUSH', wk, unpack(items))
+  redis.call('PEXPIRE', wk, 10000)
+end
+
 -- Returns whether it queued one now.
 local function queue_promotion(key, id)
   local ok = P .. ':obj:' .. key
@@ -733,7 +747,10 @@ local function lease_read(key, reader, lease_ms, batch, no_promote)
       return nil, 'ON_SSD ' .. o[6]
     end
     if queue_promotion(leased, o[6]) then batch.tier = batch.tier + 1 end
-    return {'PROMOTING', o[6]}
+    -- The get waits on P:woken:<token> (BLPOP), where the promotion's end pushes one item per
+    -- waiter (wake_waiters).
+    redis.call('HINCRBY', P .. ':obj:' .. leased, 'waiters', 1)
+    return {'PROMOTING', o[6], o[1]}
   end
   local deadline = now + lease_ms
   redis.call('ZADD', P .. ':readers:' .. o[1], deadline, reader)
@@ -970,6 +987,19 @@ local function one_node_for(need, avoid)
   return nil
 end
 
+-- A node's NVMe tier moves objects down while its pool has fewer free pages than its low
+-- water (P:node:<id>!ssd 'low'). When an allocation takes it below, the node is told at once
+-- (an empty item on its promotion queue, ahead of the gets' keys), once until it looks
+-- ('nudged', cleared by begin_write_down), instead of finding out at its next look.
+local function nudge_tier(id)
+  local sk = P .. ':node:' .. slots_of(id)
+  local t = redis.call('HMGET', sk, 'low', 'nudged')
+  local low = tonumber(t[1] or '')
+  if not low or t[2] or free_pages(id) >= low then return end
+  redis.call('HSET', sk, 'nudged', 1)
+  redis.call('RPUSH', P .. ':promote:' .. id, '')
+end
+
 local function allocate(token, key, size, extra, lease, avoid, one_node)
   local ps = page_size()
   if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
@@ -1013,6 +1043,7 @@ local function allocate(token, key, size, extra, lease, avoid, one_node)
     local take = math.min(c[2], want - got)
     nodes[#nodes + 1] = id
     for _, e in ipairs(new_runs(id, c[3], take_pages(id, take))) do ext[#ext + 1] = e end
+    nudge_tier(id)
     got = got + take
   end
   local extents, node_list = table.concat(ext, ';'), table.concat(nodes, ' ')

@@ -3,7 +3,8 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms, grant key (hex; the node's
 --          HMAC key for the grants its leases need, prelude: grant_for; fresh per registration),
---          slots (of its NVMe tier, one page each; 0 or absent: none)
+--          slots (of its NVMe tier, one page each; 0 or absent: none), the tier's low water
+--          (pages: objects move down while fewer are free; prelude: nudge_tier)
 -- Returns  Redis's clock (ms); IN_USE while another epoch of the id is alive (two daemons sharing
 --          an id would drop each other's objects); INVALID for a new id in a cell that knows
 --          1,024 nodes already
@@ -57,9 +58,9 @@ if held[1] ~= epoch then
 end
 local slots = tonumber(ARGV[9] or '0') or 0
 if slots > 0 then
-  redis.call('HSET', P .. ':node:' .. slots_of(id), 'page_count', slots)
+  redis.call('HSET', P .. ':node:' .. slots_of(id), 'page_count', slots, 'low', tonumber(ARGV[10] or '1') or 1)
 elseif held[1] ~= epoch then
-  redis.call('HDEL', P .. ':node:' .. slots_of(id), 'gen_floor')  -- no tier: begin_write_down sees none
+  redis.call('HDEL', P .. ':node:' .. slots_of(id), 'gen_floor', 'low')  -- no tier: nothing moves down
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 -- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.
