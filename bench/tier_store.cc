@@ -89,7 +89,7 @@ class Bench {
     for (std::uint64_t i = 0; i < n; ++i) {
       if (i == pool_objects) past_pool = Clock::now();
       const Deadline until = deadline_after(60s);
-      while (i >= pool_objects && free_pages() < pages_per && Clock::now() < until) std::this_thread::sleep_for(1ms);
+      while (free_pages() < pages_per && Clock::now() < until) std::this_thread::sleep_for(1ms);
       fill(buf.data(), size, i);
       Slice in{buf.data(), size};
       const auto t0 = Clock::now();
@@ -114,7 +114,13 @@ class Bench {
     for (std::uint64_t i = 0; i < n; ++i) {
       const std::string key = fmt::format("tb/{}", i);
       auto where = store->prefix_tiers({&key, 1});
-      if (!where.is_ok() || where->empty()) return Status::internal("object " + key + " was lost");
+      if (!where.is_ok() || where->empty()) {
+        auto sum = cell->admin().summary();
+        return Status::internal(fmt::format("object {} was lost ({} evicted from the pool, {} from the tier, {} "
+                                            "lost there)",
+                                            key, sum.is_ok() ? sum->evicted : 0, sum.is_ok() ? sum->tier_evicted : 0,
+                                            sum.is_ok() ? sum->tier_lost : 0));
+      }
       if (where->front() == Tier::kSsd) {
         cold.push_back(key);
       } else {

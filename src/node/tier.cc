@@ -17,8 +17,10 @@ namespace kvstash::node {
 using metadata::PageRun;
 using metadata::TierCatalog;
 
-// Promotions queued together that run as one device batch.
+// Promotions queued together that run as one device job: at most this many, and no more once
+// they read this much.
 constexpr std::size_t kPromotionBatch = 16;
+constexpr std::uint64_t kPromotionBytes = 16u << 20;
 // The largest device I/O the tier submits.
 constexpr std::uint64_t kMaxIo = 1u << 20;
 
@@ -167,15 +169,7 @@ void NodeTier::loop() {
       if (epoch_ != epoch) continue;  // paused meanwhile
     }
     if (next->has_value() && !(*next)->empty()) {
-      // Every promotion queued now runs in one device batch (their reads in flight together).
-      std::vector<std::string> keys{std::move(**next)};
-      while (keys.size() < kPromotionBatch) {
-        auto more = catalog.next_promotion(id_, std::chrono::milliseconds(0));
-        if (!more.is_ok() || !more->has_value()) break;
-        if ((*more)->empty()) continue;  // a nudge: the write-down below runs anyway
-        keys.push_back(std::move(**more));
-      }
-      promote(epoch, keys);
+      promote(epoch, **next);
       continue;
     }
     // No promotion waits (or the cell nudged: the pool went below its low water).
@@ -245,11 +239,13 @@ bool NodeTier::write_down(const std::string& epoch) {
   return moved > 0;
 }
 
-void NodeTier::promote(const std::string& epoch, std::span<const std::string> keys) {
+void NodeTier::promote(const std::string& epoch, std::string first) {
   TierCatalog catalog(cell_->redis(), cell_->name());
   std::vector<TierCatalog::Promotion> jobs;
   std::vector<SsdIo> ios;
-  for (const std::string& key : keys) {
+  std::uint64_t bytes = 0;
+  // Stages `key`: its pool pages leased, its reads added to the job's.
+  auto stage = [&](const std::string& key) {
     const std::string put_token = fmt::format("promote-{}-{:016x}", id_, sys::random_u64());
     auto begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, false);
     if (begun.status().code() == StatusCode::kNoSpace) {
@@ -261,21 +257,31 @@ void NodeTier::promote(const std::string& epoch, std::span<const std::string> ke
     if (!begun.is_ok()) {
       ++counters_->promotion_failures;
       KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {}: {}", id_, key, begun.status().to_string());
-      continue;
+      return;
     }
-    if (!begun->has_value()) continue;  // promoted already, or gone
+    if (!begun->has_value()) return;  // promoted already, or gone
     TierCatalog::Promotion& p = **begun;
     if (!within_pool(p.pages, pool_pages_) || p.slots.back().first + p.slots.back().count > slots_) {
       ++counters_->promotion_failures;
       (void)catalog.abort_promote(id_, p, false);
       KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, key);
-      continue;
+      return;
     }
     // From here until run() gives the buffers back, this thread writes into the lease's pages.
     writing_until_ = std::min(writing_until_.load(), p.deadline_ms);
     auto more = ios_for(false, p.pages, p.slots, pool_, page_size_, slot_base_);
     ios.insert(ios.end(), more.begin(), more.end());
+    bytes += p.size;
     jobs.push_back(std::move(p));
+  };
+  // Promotions queued meanwhile join this job while it reads less than kPromotionBytes (their
+  // reads in flight together: small objects fill the device's queue); a large one runs alone,
+  // so that the next one's read overlaps this one's transfer to its get.
+  stage(first);
+  while (bytes < kPromotionBytes && jobs.size() < kPromotionBatch) {
+    auto more = catalog.next_promotion(id_, std::chrono::milliseconds(0));
+    if (!more.is_ok() || !more->has_value()) break;
+    if (!(*more)->empty()) stage(**more);  // empty: a nudge; the write-down runs after this job
   }
   if (jobs.empty()) return;
   const Status read = device_->run(std::move(ios), job_deadline());

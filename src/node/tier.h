@@ -86,8 +86,8 @@ class NodeTier {
   void loop();
   // One write-down batch; returns whether it moved anything (then the next one runs at once).
   bool write_down(const std::string& epoch);
-  // Promotes `keys` (queued by gets) in one device batch.
-  void promote(const std::string& epoch, std::span<const std::string> keys);
+  // Promotes `first` (queued by a get), and with it what else is queued, up to a job's size.
+  void promote(const std::string& epoch, std::string first);
   Deadline job_deadline() const;
 
   TierOptions options_;
