@@ -3,6 +3,8 @@
 // all of its bytes with what was put.
 #include "churn.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <charconv>
@@ -392,12 +394,19 @@ int run_churn(const ChurnBenchOptions& options) {
   }
   std::vector<std::unique_ptr<tools::LocalNode>> nodes;
   std::vector<std::string> ids;
+  std::vector<std::string> tier_files;
   for (std::uint32_t i = 0; i < o.nodes; ++i) {
+    std::vector<std::string> args{"--transports", "all"};
+    if (!o.ssd_dir.empty()) {
+      tier_files.push_back(fmt::format("{}/churn-{}-{}.tier", o.ssd_dir, ::getpid(), i));
+      const std::uint64_t cap = o.ssd_capacity > 0 ? o.ssd_capacity : 8 * o.node_capacity;
+      args.insert(args.end(), {"--ssd", tier_files.back(), "--ssd-capacity", std::to_string(cap)});
+    }
     auto n = tools::LocalNode::start({.redis_url = (*redis)->url(),
                                       .capacity = std::to_string(o.node_capacity),
                                       .page_size = std::to_string(o.page_size),
                                       .node_id = fmt::format("churn-{}", i),
-                                      .extra_args = {"--transports", "all"}});
+                                      .extra_args = args});
     if (!n.is_ok()) {
       std::cerr << "kvstash-bench churn: kvstashd: " << n.status().to_string() << "\n";
       return 1;
@@ -514,6 +523,8 @@ int run_churn(const ChurnBenchOptions& options) {
   }
 
   const Totals all = totals_of(counters);
+  nodes.clear();  // their tier files go with them
+  for (const std::string& f : tier_files) ::unlink(f.c_str());
   const double success = all.puts == 0 ? 1.0 : static_cast<double>(all.ok) / static_cast<double>(all.puts);
   // Steady state: the second half of the run.
   double eff_sum = 0;
@@ -529,15 +540,19 @@ int run_churn(const ChurnBenchOptions& options) {
                                 {"other_failures", all.other},
                                 {"steady_efficiency", efficiency},
                                 {"gets", all.gets},
+                                {"gets_per_s", static_cast<double>(all.gets) / o.seconds},
+                                {"tier", !o.ssd_dir.empty()},
                                 {"hit_ratio", all.gets == 0 ? 0.0 : static_cast<double>(all.hits) / static_cast<double>(all.gets)}}
                      .dump()
               << std::endl;
   } else {
     std::cout << fmt::format(
         "\nputs {} ({:.2f}% ok: {} kNoSpace, {} kTimeout, {} other), steady-state efficiency {:.3f} (mean of "
-        "the second half), gets {} ({:.1f}% hits)\n",
+        "the second half), gets {} ({:.0f}/s, {:.1f}% hits){}\n",
         all.puts, 100 * success, all.no_space, all.timeouts, all.other, efficiency, all.gets,
-        all.gets == 0 ? 0.0 : 100.0 * static_cast<double>(all.hits) / static_cast<double>(all.gets));
+        static_cast<double>(all.gets) / o.seconds,
+        all.gets == 0 ? 0.0 : 100.0 * static_cast<double>(all.hits) / static_cast<double>(all.gets),
+        o.ssd_dir.empty() ? "" : " with an NVMe tier under each node");
     std::cout << "efficiency: bytes of live objects over pool bytes; reserved: pages held by pending puts and page\n"
                  "reservations within their leases; limbo: pages freed but not yet reusable (waiting for a read\n"
                  "lease or a node's fence); pending: pending put records in Redis.\n";

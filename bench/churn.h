@@ -35,6 +35,10 @@ struct ChurnBenchOptions {
   // Of the stream puts: aborted midway; of the gets: cancelled from another thread.
   double cancel_fraction = 0;
   TransportKind transport = TransportKind::kShm;
+  // Give each node an NVMe tier: a file in this directory (on a file system with O_DIRECT) of
+  // ssd_capacity bytes (0: eight pools).
+  std::string ssd_dir;
+  std::uint64_t ssd_capacity = 0;
   std::uint64_t seed = 1;
   bool json = false;
   std::string plot;  // SVG: efficiency, put success and limbo over time

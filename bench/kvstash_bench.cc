@@ -425,6 +425,10 @@ int main(int argc, char** argv) {
   ch->add_option("--nodes", churn.nodes, "Memory nodes")->capture_default_str()->check(CLI::Range(1u, 16u));
   ch->add_option("--node-capacity", churn_capacity, "Pool of each node")->capture_default_str();
   ch->add_option("--page-size", churn_page, "Page size of the nodes")->capture_default_str();
+  ch->add_option("--ssd-dir", churn.ssd_dir,
+                 "Give each node an NVMe tier: a file in this directory (a file system with O_DIRECT)");
+  std::string churn_ssd_capacity;
+  ch->add_option("--ssd-capacity", churn_ssd_capacity, "Each node's tier (default: eight pools)");
   ch->add_option("--keys", churn.keys, "Keys the clients write over (0: three times the pool at the mean size)")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1000000u));
@@ -485,6 +489,11 @@ int main(int argc, char** argv) {
       }
       churn.node_capacity = *cap;
       churn.page_size = *page;
+      if (!churn_ssd_capacity.empty()) {
+        auto sc = units::parse_size(churn_ssd_capacity);
+        if (!sc.is_ok()) throw CLI::ValidationError("--ssd-capacity", "a size, such as 512MiB");
+        churn.ssd_capacity = *sc;
+      }
       const auto kinds = parse_transports(churn_transport);
       if (kinds.size() != 1) throw CLI::ValidationError("--transport", "one of shm, tcp, ucx");
       churn.transport = kinds.front();
