@@ -22,7 +22,8 @@ Result<std::int64_t> NodeCatalog::register_node(const NodeRecord& n, std::chrono
   std::string slots = std::to_string(n.tier_slots), low = std::to_string(n.tier_low_water);
   KVSTASH_ASSIGN_OR_RETURN(Reply r,
                            redis_.eval(scripts::register_node(), {prefix_},
-                                       {n.id, n.epoch, size, count, n.address, n.key, t, n.grant_key, slots, low}));
+                                       {n.id, n.epoch, size, count, n.address, n.key, t, n.grant_key, slots, low,
+                                        n.tier_id}));
   auto now = integer_of(r.raw());
   if (!now) return corrupt("unexpected reply to register_node");
   return *now;

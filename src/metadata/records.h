@@ -30,6 +30,9 @@ struct NodeRecord {
   std::string grant_key;  // hex of the HMAC key the cell signs this node's grants with
   std::uint64_t tier_slots = 0;  // slots (of one page) of its NVMe tier; 0: none
   std::uint64_t tier_low_water = 0;  // pages: objects move down while fewer are free
+  // The tier's identity (its superblock's): the same id at a new registration keeps the
+  // tier's objects; another one starts the tier over.
+  std::string tier_id;
 };
 
 // How to reach a node's pool.

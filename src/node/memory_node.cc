@@ -94,7 +94,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
     return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
   }
   if (options.tier) {
-    KVSTASH_ASSIGN_OR_RETURN(n->tier_, NodeTier::open(*options.tier, options.page_size));
+    KVSTASH_ASSIGN_OR_RETURN(n->tier_, NodeTier::open(*options.tier, options.page_size, n->id_));
   }
   KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
   // Every lease on the pool needs a grant of the cell (before the pool is reachable at all).
@@ -133,8 +133,9 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   if (n->tier_) {
     KVSTASH_RETURN_IF_ERROR(n->tier_->start(co, n->id_, static_cast<std::byte*>(n->pool_.region().addr),
                                             n->page_count_));
-    KVSTASH_LOG_INFO("node {}: NVMe tier {} ({}): {} slots", n->id_, options.tier->path, n->tier_->device().kind(),
-                     n->tier_->slots());
+    KVSTASH_LOG_INFO("node {}: NVMe tier {} ({}): {} slots, tier {} ({})", n->id_, options.tier->path,
+                     n->tier_->device().kind(), n->tier_->slots(), n->tier_->id(),
+                     n->tier_->found() ? "found: its objects in the cell are kept" : "new");
   }
   n->thread_ = std::thread([p = n.get()] { p->loop(); });
   return n;
@@ -165,7 +166,8 @@ Status MemoryNode::join() {
                            handle_.remote_key(),
                            grants_->rotate(s.epoch),
                            tier_ ? tier_->slots() : 0,
-                           tier_ ? tier_->low_water(page_count_) : 0};
+                           tier_ ? tier_->low_water(page_count_) : 0,
+                           tier_ ? tier_->id() : std::string()};
   KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
   redis_clock_ = std::make_pair(now, Clock::now());
   ++s.registrations;

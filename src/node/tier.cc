@@ -3,17 +3,21 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "common/checksum.h"
 #include "common/log.h"
 #include "common/system.h"
+#include "kvstash/memory.h"
 #include "metadata/tier_catalog.h"
 #include "node/tier_headers.h"
 
 namespace kvstash::node {
 
+using namespace std::chrono_literals;
 using metadata::PageRun;
 using metadata::TierCatalog;
 
@@ -74,13 +78,43 @@ std::string tier_sum(std::span<const PageRun> pages, const std::byte* pool, std:
   return fmt::format("{:016x}", sum::segment_sum(per_page.data(), per_page.size() * sizeof(std::uint64_t)));
 }
 
+// The superblock: block 0 of the header area (kept out of the headers' allocation):
+// "KVSTIER1", the tier id, page size, slots, the node id (length, bytes), and an xxh3 of all
+// of that.
+constexpr std::string_view kSuperMagic = "KVSTIER1";
+
+std::string superblock(std::uint64_t id, std::uint64_t page_size, std::uint64_t slots, const std::string& node) {
+  std::string b(kSuperMagic);
+  auto u64 = [&](std::uint64_t v) { b.append(reinterpret_cast<const char*>(&v), 8); };
+  u64(id);
+  u64(page_size);
+  u64(slots);
+  u64(node.size());
+  b += node;
+  u64(sum::segment_sum(b.data(), b.size()));
+  return b;
+}
+
+// The id in a superblock for this page size, slot count and node; nullopt for anything else.
+std::optional<std::uint64_t> read_superblock(const std::byte* block, std::size_t size, std::uint64_t page_size,
+                                             std::uint64_t slots, const std::string& node) {
+  const char* p = reinterpret_cast<const char*>(block);
+  if (size < kSuperMagic.size() + 40 || std::string_view(p, kSuperMagic.size()) != kSuperMagic) return std::nullopt;
+  std::uint64_t id = 0;
+  std::memcpy(&id, p + kSuperMagic.size(), 8);
+  const std::string expect = superblock(id, page_size, slots, node);
+  if (expect.size() > size || std::memcmp(p, expect.data(), expect.size()) != 0) return std::nullopt;
+  return id;
+}
+
 bool within_pool(std::span<const PageRun> pages, std::uint64_t pool_pages) {
   return std::ranges::all_of(pages, [&](const PageRun& r) { return r.first + r.count <= pool_pages; });
 }
 
 }  // namespace
 
-Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std::uint64_t page_size) {
+Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std::uint64_t page_size,
+                                                 const std::string& node_id) {
   std::unique_ptr<NodeTier> t(new NodeTier());
   t->options_ = options;
   t->page_size_ = page_size;
@@ -94,6 +128,25 @@ Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std
   }
   t->slots_ = layout.slots;
   t->slot_base_ = layout.slot_offset(0);
+  // The superblock: the same tier again, or a new one.
+  const std::size_t block = t->device_->block_size();
+  KVSTASH_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(block));
+  KVSTASH_RETURN_IF_ERROR(
+      t->device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
+          .with_context("reading the NVMe tier's superblock"));
+  std::optional<std::uint64_t> id = read_superblock(b.data(), block, page_size, t->slots_, node_id);
+  t->found_ = id.has_value();
+  if (!id) {
+    id = sys::random_u64();
+    const std::string text = superblock(*id, page_size, t->slots_, node_id);
+    std::memset(b.data(), 0, block);
+    std::memcpy(b.data(), text.data(), std::min(text.size(), block));
+    KVSTASH_RETURN_IF_ERROR(
+        t->device_->run({{.write = true, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
+            .with_context("writing the NVMe tier's superblock"));
+    KVSTASH_RETURN_IF_ERROR(t->device_->flush());
+  }
+  t->tier_id_ = fmt::format("{:016x}", *id);
   if (options.fault) t->device_->set_fault(options.fault);
   return t;
 }
@@ -212,6 +265,15 @@ bool NodeTier::write_down(const std::string& epoch) {
     counters_->write_down_failures += batch->objects.size();
     KVSTASH_LOG_WARN("node {}: NVMe tier: a write-down of {} objects failed ({}); they stay in the pool", id_,
                      batch->objects.size(), wrote.to_string());
+    (void)catalog.abort_write_down(id_, batch->objects);
+    return false;
+  }
+  // On the device before the cell says so: a power loss after the commit must not find the
+  // slots' bytes (or a file's extents) still in a cache.
+  if (Status flushed = device_->flush(); !flushed.is_ok()) {
+    counters_->write_down_failures += batch->objects.size();
+    KVSTASH_LOG_WARN("node {}: NVMe tier: flushing a write-down failed ({}); its objects stay in the pool", id_,
+                     flushed.to_string());
     (void)catalog.abort_write_down(id_, batch->objects);
     return false;
   }

@@ -51,14 +51,21 @@ struct TierOptions {
 
 class NodeTier {
  public:
-  // Opens the device and lays it out for pages of `page_size`. Errors: SsdDevice::open's;
+  // Opens the device and lays it out for pages of `page_size`, for node `node_id`. Its
+  // superblock (the header area's first block) names the tier: the same tier found again (the
+  // same node, page size and slots) keeps its id, and with it, in the cell, its objects; any
+  // other device gets a new id, and the cell starts its tier over. Errors: SsdDevice::open's;
   // kInvalidArgument when it holds no slot.
-  static Result<std::unique_ptr<NodeTier>> open(const TierOptions& options, std::uint64_t page_size);
+  static Result<std::unique_ptr<NodeTier>> open(const TierOptions& options, std::uint64_t page_size,
+                                                const std::string& node_id);
   ~NodeTier();  // stops the thread
   NodeTier(const NodeTier&) = delete;
   NodeTier& operator=(const NodeTier&) = delete;
 
   std::uint64_t slots() const { return slots_; }
+  // The tier's identity (16 hex digits), from its superblock; whether open() found it there.
+  const std::string& id() const { return tier_id_; }
+  bool found() const { return found_; }
   // Pages of a pool of `pool_pages`: objects move down while fewer are free (at least 1).
   std::uint64_t low_water(std::uint64_t pool_pages) const;
   const SsdDevice& device() const { return *device_; }
@@ -94,6 +101,8 @@ class NodeTier {
   std::uint64_t page_size_ = 0;
   std::uint64_t slots_ = 0;
   std::uint64_t slot_base_ = 0;  // byte offset of slot 0 on the device
+  std::string tier_id_;
+  bool found_ = false;
   std::unique_ptr<SsdDevice> device_;
   std::unique_ptr<metadata::Cell> cell_;
   std::string id_;

@@ -40,6 +40,7 @@ redis.call('HSET', ok, 'extents', extents)
 redis.call('HDEL', ok, 'tier', 'ssd_extents', 'ssd_sum', 'promoting')
 wake_waiters(key, token)
 redis.call('ZREM', P .. ':lru_ssd:' .. id, key)
+redis.call('SMOVE', P .. ':tier_objs:' .. id, P .. ':objs:' .. id, key)
 redis.call('ZADD', P .. ':lru', now, key)
 redis.call('HINCRBY', P .. ':stats', 'promoted', 1)
 return 'OK'

@@ -45,6 +45,7 @@ for i = 3, #ARGV - 3, 4 do
     local last = redis.call('ZSCORE', P .. ':lru', key) or now
     redis.call('ZREM', P .. ':lru', key)
     redis.call('ZADD', P .. ':lru_ssd:' .. id, last, key)
+    redis.call('SMOVE', P .. ':objs:' .. id, P .. ':tier_objs:' .. id, key)  -- outlives the pool
     moved = moved + 1
     out[#out + 1] = 'OK'
   end

@@ -15,7 +15,7 @@ if redis.call('EXISTS', nk) == 0 then return redis.error_reply('NOT_FOUND no nod
 if live(id) then
   return redis.error_reply('IN_USE node ' .. id .. ' is alive (its heartbeat is current): stop its kvstashd first')
 end
-local released = sweep_node_objects(id)
+local released = sweep_node_objects(id) + sweep_tier_objects(id)
 redis.call('DEL', P .. ':free:' .. id, P .. ':gen:' .. id, P .. ':grant:' .. id)
 redis.call('ZREM', P .. ':nodes', id)
 redis.call('SREM', P .. ':known', id)

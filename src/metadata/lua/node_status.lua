@@ -33,6 +33,7 @@ for _, tok in ipairs(redis.call('ZRANGE', P .. ':zombies', 0, SCAN - 1)) do
   limbo = limbo + held_pages(redis.call('GET', P .. ':zombie:' .. tok), id)
 end
 return {n[1], n[2] or '', tonumber(n[3]) or 0, tonumber(n[4]) or 0, free,
-        redis.call('SCARD', P .. ':objs:' .. id), d and tonumber(d) or -1, now, reserved, limbo,
+        redis.call('SCARD', P .. ':objs:' .. id) + redis.call('SCARD', P .. ':tier_objs:' .. id),
+        d and tonumber(d) or -1, now, reserved, limbo,
         tonumber(redis.call('HGET', P .. ':node:' .. slots_of(id), 'page_count') or '0') or 0,
         free_pages(slots_of(id)), redis.call('ZCARD', P .. ':lru_ssd:' .. id)}

@@ -355,7 +355,10 @@ local function release(key)
   if o[6] or o[7] then
     free_extents(o[6])
     free_extents(o[7])
-    for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('ZREM', P .. ':lru_ssd:' .. id, key) end
+    for id in string.gmatch(o[3] or '', '[^ ]+') do
+      redis.call('ZREM', P .. ':lru_ssd:' .. id, key)
+      redis.call('SREM', P .. ':tier_objs:' .. id, key)
+    end
   end
   -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
   if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
@@ -408,7 +411,18 @@ local function lookup(key)
   local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
   if not o[1] then return nil end
   local exp = tonumber(o[7] or '0') or 0
-  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) or (o[10] == 'ssd' and not slots_live(o[11])) then
+  if o[10] == 'ssd' then
+    -- On a tier: gone with the tier (another device, or the node forgotten), or expired; while
+    -- its node is down or restarting, unreadable but kept: the node finds its tier again.
+    if (exp > 0 and exp <= now) or not slots_live(o[11]) then
+      release(key)
+      return nil
+    end
+    local v = node_view(o[6])
+    if not v.alive or (v.state ~= 'up' and v.state ~= 'draining') then return nil end
+    return o
+  end
+  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) then
     release(key)
     return nil
   end
@@ -420,6 +434,25 @@ end
 -- script walks a million objects at once. Returns how many objects that was.
 local function sweep_node_objects(id)
   local ok = P .. ':objs:' .. id
+  local n = redis.call('SCARD', ok)
+  if n > 0 then
+    local batch = P .. ':sweep:' .. redis.call('INCR', P .. ':sweep_seq')
+    redis.call('RENAME', ok, batch)
+    redis.call('RPUSH', P .. ':sweep', batch)
+  end
+  return n
+end
+
+-- Starts node `id`'s NVMe tier over: its slots above a new floor (every object on it
+-- unreadable at once), its free list and generations gone, its objects (P:tier_objs:<id>) handed
+-- to the sweep. For a node whose device is not the tier the cell knew, or that is forgotten.
+-- Returns how many objects that was.
+local function sweep_tier_objects(id)
+  local sk = P .. ':node:' .. slots_of(id)
+  local floor = (redis.call('HINCRBY', sk, 'epochs', 1) - 1) * 4294967296
+  redis.call('DEL', P .. ':free:' .. slots_of(id), P .. ':gen:' .. slots_of(id), P .. ':promote:' .. id)
+  redis.call('HSET', sk, 'next_page', 0, 'free_pages', 0, 'gen_floor', floor)
+  local ok = P .. ':tier_objs:' .. id
   local n = redis.call('SCARD', ok)
   if n > 0 then
     local batch = P .. ':sweep:' .. redis.call('INCR', P .. ':sweep_seq')

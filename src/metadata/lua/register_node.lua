@@ -4,7 +4,8 @@
 -- ARGV     id, epoch, page_size, page_count, address, key, ttl_ms, grant key (hex; the node's
 --          HMAC key for the grants its leases need, prelude: grant_for; fresh per registration),
 --          slots (of its NVMe tier, one page each; 0 or absent: none), the tier's low water
---          (pages: objects move down while fewer are free; prelude: nudge_tier)
+--          (pages: objects move down while fewer are free; prelude: nudge_tier), the tier's id
+--          (its superblock's)
 -- Returns  Redis's clock (ms); IN_USE while another epoch of the id is alive (two daemons sharing
 --          an id would drop each other's objects); INVALID for a new id in a cell that knows
 --          1,024 nodes already
@@ -49,18 +50,24 @@ if held[1] ~= epoch then
   -- Nothing granted before now can still write here: the pool was fenced as a whole.
   redis.call('HSET', nk, 'epoch', epoch, 'next_page', 0, 'free_pages', 0, 'registered', now, 'gen_floor', floor,
              'fenced', now)
-  -- The NVMe tier starts over too (its objects went with the sweep above; docs/nvme-tier.md
-  -- says what a restart will keep once nodes re-offer their tier's objects): slots as pages.
-  local sk = P .. ':node:' .. slots_of(id)
-  redis.call('DEL', P .. ':free:' .. slots_of(id), P .. ':gen:' .. slots_of(id), P .. ':promote:' .. id)
-  local sfloor = (redis.call('HINCRBY', sk, 'epochs', 1) - 1) * 4294967296
-  redis.call('HSET', sk, 'next_page', 0, 'free_pages', 0, 'gen_floor', sfloor, 'page_count', 0)
 end
-local slots = tonumber(ARGV[9] or '0') or 0
+-- The NVMe tier outlives the pool: a node that finds the same tier again (its superblock's id,
+-- as many slots) keeps it, and its objects become readable again as soon as it serves (every
+-- promotion checks their bytes against the sum the write-down recorded). Any other device, or
+-- none, starts the tier over (its objects swept, its slots above a new floor).
+local sk = P .. ':node:' .. slots_of(id)
+local slots, tier_id = tonumber(ARGV[9] or '0') or 0, ARGV[11] or ''
+if held[1] ~= epoch then
+  local known = redis.call('HMGET', sk, 'tier_id', 'page_count')
+  if slots == 0 or tier_id == '' or known[1] ~= tier_id or tonumber(known[2] or '0') ~= slots then
+    sweep_tier_objects(id)
+  end
+  redis.call('DEL', P .. ':promote:' .. id)  -- queued before: their gets queue them again
+end
 if slots > 0 then
-  redis.call('HSET', P .. ':node:' .. slots_of(id), 'page_count', slots, 'low', tonumber(ARGV[10] or '1') or 1)
+  redis.call('HSET', sk, 'page_count', slots, 'low', tonumber(ARGV[10] or '1') or 1, 'tier_id', tier_id)
 elseif held[1] ~= epoch then
-  redis.call('HDEL', P .. ':node:' .. slots_of(id), 'gen_floor', 'low')  -- no tier: nothing moves down
+  redis.call('HDEL', sk, 'gen_floor', 'low', 'tier_id')  -- no tier: nothing moves down
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 -- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.
