@@ -37,6 +37,7 @@
 //   kvstash-history --seconds 120              the bounded run scripts/test makes
 //   kvstash-history --redis-mode sentinel --faults redis   failovers only
 //   kvstash-history --minutes 30 --json r.json what scripts/chaos runs
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -640,6 +641,10 @@ struct RunConfig {
   bool excuse_quiet_timeouts = false;
   std::string netns;  // the namespaces' prefix (scripts/netns-cell); empty: everything on loopback
   int hosts = 5;      // with netns: how many hosts the script made
+  // Give each node an NVMe tier: DIR/h<i>.tier (a file system with O_DIRECT), and the nemesis
+  // its faults: bytes overwritten or the file cut short under a node, a node restarted over a
+  // device that fails its reads (EIO) for a while.
+  std::string ssd_dir;
 };
 
 // Where the cell's processes run: all on this host's loopback, or (--netns P) on the hosts
@@ -925,6 +930,25 @@ bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds lim
   return false;
 }
 
+// The cell's NVMe tier counters (P:stats) now; empty when Redis does not answer.
+std::map<std::string, std::uint64_t> tier_counters(const std::string& url) {
+  static const char* const kFields[] = {"written_down", "promoted", "tier_hits", "tier_lost", "tier_evicted"};
+  std::map<std::string, std::uint64_t> out;
+  auto redis = metadata::RedisClient::connect({.url = url});
+  if (!redis.is_ok()) return out;
+  std::vector<std::string_view> args{"HMGET", metadata::cell_prefix("default") + ":stats"};
+  const std::string key(args[1]);
+  args[1] = key;
+  for (const char* f : kFields) args.push_back(f);
+  auto r = (*redis)->command(args);
+  if (!r.is_ok() || r->size() != std::size(kFields)) return out;
+  for (std::size_t i = 0; i < std::size(kFields); ++i) {
+    const redisReply* e = r->element(i);
+    out[kFields[i]] = e != nullptr && e->type == REDIS_REPLY_STRING ? std::stoull(std::string(e->str, e->len)) : 0;
+  }
+  return out;
+}
+
 std::vector<std::string> account_pages(const std::string& url) {
   auto redis = metadata::RedisClient::connect({.url = url});
   if (!redis.is_ok()) return {"page accounting: " + redis.status().to_string()};
@@ -958,10 +982,15 @@ int run(const RunConfig& rc, const std::string& self) {
   }
   const std::string url = (*redis)->url();
   // `initial`: before the run, where a node that does not start is a setup failure.
-  auto start_node = [&](int i, bool initial = false) -> std::unique_ptr<tools::LocalNode> {
+  auto tier_file = [&](int i) { return rc.ssd_dir + "/h" + std::to_string(i) + ".tier"; };
+  auto start_node = [&](int i, bool initial = false,
+                        const std::string& ssd_fault = "none") -> std::unique_ptr<tools::LocalNode> {
     std::vector<std::string> args{
         "--heartbeat-ttl", "2s", "--reclaim-interval", "200ms", "--ucx-allow-emulated-rma",
         "--huge-pages",    "off"};
+    if (!rc.ssd_dir.empty()) {
+      args.insert(args.end(), {"--ssd", tier_file(i), "--ssd-capacity", "64MiB", "--ssd-fault", ssd_fault});
+    }
     if (hosts.netns()) {
       const std::string at = hosts.addr(hosts.node_host(i));
       args.insert(args.end(), {"--listen", at + ":0", "--admin", at + ":0", "--transports", "tcp"});
@@ -1033,6 +1062,7 @@ int run(const RunConfig& rc, const std::string& self) {
     return std::chrono::milliseconds(std::uniform_int_distribution<int>(lo, hi)(rng));
   };
   auto last_redis_restart = Clock::now();
+  std::map<std::string, std::uint64_t> tier_before;  // the tiers' counters before Redis faults
   const auto began = Clock::now();
   // Each nemesis action as a window [start, end] named by what it did, for the phases.
   std::vector<std::tuple<std::int64_t, std::int64_t, std::string>> windows;
@@ -1070,10 +1100,15 @@ int run(const RunConfig& rc, const std::string& self) {
     // 0-5 a pause, 6-8 a kill -9, 9 a Redis fault, 10 a partition, 11 a degraded link. Across
     // hosts, the network and the master get a larger share.
     constexpr int kAcrossHosts[] = {0, 1, 3, 4, 6, 7, 9, 9, 10, 10, 11, 11};
+    // With tiers, 12 bytes overwritten or the file cut short under a node, 13 a node over a
+    // device that fails its reads for a while.
+    constexpr int kWithTiers[] = {0, 2, 4, 6, 7, 9, 12, 12, 12, 13, 13};
     const int action = rc.faults == "kill"    ? 6
                        : rc.faults == "redis" ? 9
                        : rc.faults == "net"   ? 10 + pick(2)
+                       : rc.faults == "ssd"   ? 12 + pick(2)
                        : hosts.netns()        ? kAcrossHosts[pick(12)]
+                       : !rc.ssd_dir.empty()  ? kWithTiers[pick(11)]
                                               : pick(10);
     if (!nodes[victim]) {
       nodes[victim] = start_node(victim);
@@ -1081,7 +1116,35 @@ int run(const RunConfig& rc, const std::string& self) {
       record();
       continue;
     }
-    if (action >= 10) {  // a host partitioned, or its link degraded, for a while
+    if (action == 12) {  // the tier's bytes changed under the node: junk, or the file cut short
+      const std::string path = tier_file(victim);
+      const int fd = ::open(path.c_str(), O_WRONLY);
+      bool done = fd >= 0;
+      if (done && pick(3) == 0) {
+        // Cut short: everything past a random point of the first half is gone.
+        done = ::ftruncate(fd, static_cast<off_t>(1 + pick(32)) << 20) == 0;
+        ++report.faults["tier file cut short under a node"];
+      } else if (done) {
+        std::string junk(static_cast<std::size_t>(64 + pick(4032)) << 10, '\0');
+        for (char& c : junk) c = static_cast<char>(pick(256));
+        const off_t at = (static_cast<off_t>(1) << 20) + (static_cast<off_t>(pick(60 << 8)) << 12);
+        done = ::pwrite(fd, junk.data(), junk.size(), at) == static_cast<ssize_t>(junk.size());
+        ++report.faults["tier bytes overwritten under a node"];
+      }
+      if (fd >= 0) {
+        ::fsync(fd);
+        ::close(fd);
+      }
+      if (!done) report.failures.push_back("tier fault on " + path + ": " + std::strerror(errno));
+    } else if (action == 13) {  // a node restarted over a device whose reads fail, then healed
+      nodes[victim]->kill();
+      nodes[victim] = start_node(victim, false, "read-eio");
+      ++report.faults["node restarted over a device failing its reads"];
+      std::this_thread::sleep_for(ms(1000, 3000));
+      if (nodes[victim]) nodes[victim]->kill();
+      nodes[victim] = start_node(victim);
+      if (nodes[victim]) ++report.faults["node restarted"];
+    } else if (action >= 10) {  // a host partitioned, or its link degraded, for a while
       const int host = pick(hosts.count);
       const std::string fault = network_fault(hosts, host, action == 10, ms(1000, 4000));
       if (fault.empty())
@@ -1101,7 +1164,11 @@ int run(const RunConfig& rc, const std::string& self) {
       nodes[victim] = start_node(victim);
       if (nodes[victim]) ++report.faults["node restarted"];
     } else if (Clock::now() - last_redis_restart > (rc.faults == "redis" ? 5s : hosts.netns() ? 8s : 15s)) {
-      // Redis restarts empty, or its master dies, now and then.
+      // Redis restarts empty, or its master dies, now and then. (The tiers' counters go with
+      // an emptied Redis: keep what they said.)
+      if (!rc.ssd_dir.empty()) {
+        for (const auto& [k, v] : tier_counters(url)) tier_before[k] += v;
+      }
       auto fault = (*redis)->fault(rng);
       if (!fault.is_ok()) report.failures.push_back("redis fault: " + fault.status().to_string());
       ++report.faults[fault.is_ok() ? *fault : std::string("redis fault failed")];
@@ -1134,6 +1201,17 @@ int run(const RunConfig& rc, const std::string& self) {
   }
   report.pages = account_pages(url);
   for (const auto& p : report.pages) report.failures.push_back("PAGES " + p);
+  std::map<std::string, std::uint64_t> tier;
+  if (!rc.ssd_dir.empty()) {
+    tier = tier_before;
+    for (const auto& [k, v] : tier_counters(url)) tier[k] += v;
+    // A run over tiers that never moved an object down and back proved nothing about them.
+    if (tier["written_down"] == 0 || tier["promoted"] == 0) {
+      report.failures.push_back("the tiers were not exercised: " + std::to_string(tier["written_down"]) +
+                                " objects moved down, " + std::to_string(tier["promoted"]) + " promoted");
+    }
+    for (int i = 0; i < rc.nodes; ++i) ::unlink(tier_file(i).c_str());
+  }
   nodes.clear();
   check(logs, report);
 
@@ -1151,6 +1229,7 @@ int run(const RunConfig& rc, const std::string& self) {
   j["gets_checked"] = report.gets_checked;
   j["faults"] = faults;
   j["faults_by_kind"] = report.faults;
+  if (!tier.empty()) j["tier"] = tier;
   j["wrong_bytes"] = report.wrong.size();
   j["overdue"] = report.overdue.size();
   j["violations"] = report.wrong;
@@ -1216,6 +1295,7 @@ int run(const RunConfig& rc, const std::string& self) {
   }
   for (const auto& [k, v] : report.ops) std::cout << "  " << k << ": " << v << "\n";
   for (const auto& [k, v] : report.faults) std::cout << "  fault " << k << ": " << v << "\n";
+  for (const auto& [k, v] : tier) std::cout << "  tier " << k << ": " << v << "\n";
   for (const auto& w : report.wrong) std::cout << "  WRONG BYTES " << w << "\n";
   for (std::size_t i = 0; i < std::min<std::size_t>(report.overdue.size(), 20); ++i) {
     std::cout << "  OVERDUE " << report.overdue[i] << "\n";
@@ -1268,8 +1348,9 @@ int main(int argc, char** argv) {
   app.add_option(
          "--faults", rc.faults,
          "mixed: pauses, kills, Redis faults (and with --netns partitions and degraded links); kill: only "
-         "kill -9 and restart nodes; redis: only Redis faults; net: only partitions and degraded links")
-      ->check(CLI::IsMember({"mixed", "kill", "redis", "net"}))
+         "kill -9 and restart nodes; redis: only Redis faults; net: only partitions and degraded links; ssd: "
+         "only the tiers' faults (with --ssd-dir)")
+      ->check(CLI::IsMember({"mixed", "kill", "redis", "net", "ssd"}))
       ->capture_default_str();
   app.add_option(
          "--redis-mode", rc.redis_mode,
@@ -1287,6 +1368,10 @@ int main(int argc, char** argv) {
       "faults in the nemesis");
   app.add_option("--hosts", rc.hosts, "With --netns: how many hosts there are (at least 4)")
       ->capture_default_str();
+  app.add_option("--ssd-dir", rc.ssd_dir,
+                 "Give each node an NVMe tier, a file DIR/h<i>.tier (a file system with O_DIRECT, not tmpfs), and "
+                 "the nemesis the tiers' faults: bytes overwritten or the file cut short under a node, a node over "
+                 "a device failing its reads");
   CLI11_PARSE(app, argc, argv);
   if (client) {
     cc.threads = rc.threads;
@@ -1297,6 +1382,10 @@ int main(int argc, char** argv) {
     return run_client(cc);
   }
   if (minutes > 0) rc.seconds = minutes * 60;
+  if (rc.faults == "ssd" && rc.ssd_dir.empty()) {
+    std::cerr << "history: --faults ssd needs --ssd-dir\n";
+    return 2;
+  }
   if (rc.seed == 0) rc.seed = std::random_device{}();
   rc.nemesis = !no_nemesis;
   if (!rc.netns.empty() && app.count("--transports") == 0)
