@@ -936,9 +936,8 @@ std::map<std::string, std::uint64_t> tier_counters(const std::string& url) {
   std::map<std::string, std::uint64_t> out;
   auto redis = metadata::RedisClient::connect({.url = url});
   if (!redis.is_ok()) return out;
-  std::vector<std::string_view> args{"HMGET", metadata::cell_prefix("default") + ":stats"};
-  const std::string key(args[1]);
-  args[1] = key;
+  const std::string key = metadata::cell_prefix("default") + ":stats";
+  std::vector<std::string_view> args{"HMGET", key};
   for (const char* f : kFields) args.push_back(f);
   auto r = (*redis)->command(args);
   if (!r.is_ok() || r->size() != std::size(kFields)) return out;

@@ -318,7 +318,8 @@ void NodeTier::promote(const std::string& epoch, std::string first) {
     }
     if (!begun.is_ok()) {
       ++counters_->promotion_failures;
-      KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {}: {}", id_, key, begun.status().to_string());
+      // No room (every page leased) or the node re-registering: its gets ask again.
+      KVSTASH_LOG_DEBUG("node {}: NVMe tier: promotion of {}: {}", id_, key, begun.status().to_string());
       return;
     }
     if (!begun->has_value()) return;  // promoted already, or gone
@@ -364,8 +365,14 @@ void NodeTier::promote(const std::string& epoch, std::string first) {
       continue;
     }
     ++counters_->promotion_failures;
-    KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, p.key,
-                     (failed.is_ok() ? done : failed).to_string(), bad ? " (the object is dropped)" : "");
+    const Status& why = failed.is_ok() ? done : failed;
+    if (why.code() == StatusCode::kStale) {
+      // Replaced or removed meanwhile: routine under churn (its gets ask again).
+      KVSTASH_LOG_DEBUG("node {}: NVMe tier: promotion of {}: {}", id_, p.key, why.to_string());
+    } else {
+      KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, p.key, why.to_string(),
+                       bad ? " (the object is dropped)" : "");
+    }
   }
   writing_until_ = std::numeric_limits<std::int64_t>::max();
 }
