@@ -119,6 +119,18 @@ TEST_F(Cli, PlanReproducesTheKvCacheArithmetic) {
   Outcome remote = kv("plan --model llama-2-7b --remote-mem 1TiB --batch 64 --json");
   EXPECT_EQ(remote.j()["remote_sequences"], 512);
   EXPECT_EQ(remote.j()["batch_waiting_sequences"], 64 - 30);
+  // DRAM and NVMe together: 2 GiB sequences; 8 TiB of tier holds 4,096 more; a restore from
+  // the tier reads 2.15 GB at 2 GB/s (1.07 s) before moving it at 10 GB/s (0.21 s); 4,096
+  // tokens of prefill at 2,000 tokens/s take 2.048 s, longer than either restore. At 1 GB/s
+  // against 4,000 tokens/s the tier loses to a recompute, and the plan says so.
+  Outcome tiers = kv("plan --model llama-2-7b --remote-mem 1TiB --nvme-mem 8TiB --nvme-gbps 2 --prefill-tps 2000 --json");
+  ASSERT_EQ(tiers.code, 0) << tiers.err;
+  EXPECT_EQ(tiers.j()["nvme_sequences"], 4096);
+  EXPECT_NEAR(tiers.j()["restore_seconds"].get<double>(), 0.2147, 0.001);
+  EXPECT_NEAR(tiers.j()["nvme_restore_seconds"].get<double>(), 1.0737 + 0.2147, 0.002);
+  EXPECT_NEAR(tiers.j()["recompute_seconds"].get<double>(), 2.048, 0.001);
+  Outcome slow = kv("plan --model llama-2-7b --nvme-mem 1TiB --nvme-gbps 1 --prefill-tps 4000");
+  EXPECT_NE(slow.out.find("from the NVMe slower"), std::string::npos) << slow.out;
   // Human output shows the arithmetic.
   Outcome human = kv("plan --model llama-2-7b");
   EXPECT_NE(human.out.find("524,288 bytes"), std::string::npos) << human.out;

@@ -34,7 +34,11 @@ struct PlanOptions {
   std::string model = "llama-2-7b";
   std::uint32_t context = 4096, batch = 0, layers = 0, kv_heads = 0, head_dim = 0;
   double params_billion = 0;
-  std::string gpu_mem = "80GB", kv_dtype = "fp16", weight_dtype = "fp16", remote_mem = "0";
+  std::string gpu_mem = "80GB", kv_dtype = "fp16", weight_dtype = "fp16", remote_mem = "0", nvme_mem = "0";
+  // What a restore and a recompute cost: the data path from remote DRAM (GB/s), an NVMe
+  // tier's read (GB/s, before that same transfer), and the engine's prefill (tokens/s; 0: not
+  // compared).
+  double restore_gbps = 10, nvme_gbps = 3, prefill_tps = 0;
   bool list = false;
 };
 
@@ -110,6 +114,12 @@ int plan(Session& s, const PlanOptions& o) {
   auto remote = units::parse_size(o.remote_mem);
   if (!gpu.is_ok()) return fail(gpu.status(), "plan --gpu-mem", &s);
   if (!remote.is_ok()) return fail(remote.status(), "plan --remote-mem", &s);
+  auto nvme = units::parse_size(o.nvme_mem);
+  if (!nvme.is_ok()) return fail(nvme.status(), "plan --nvme-mem", &s);
+  if (o.restore_gbps <= 0 || o.nvme_gbps <= 0 || o.prefill_tps < 0) {
+    return fail(Status::invalid_argument("--restore-gbps and --nvme-gbps must be positive, --prefill-tps at least 0"),
+                "plan", &s);
+  }
 
   const auto bytes_per_token =
       static_cast<std::uint64_t>(2.0 * m.layers * m.kv_heads * m.head_dim * kv_bytes);
@@ -120,6 +130,13 @@ int plan(Session& s, const PlanOptions& o) {
       static_cast<std::uint64_t>(std::floor(budget / static_cast<double>(bytes_per_sequence)));
   const std::uint64_t remote_sequences = *remote / bytes_per_sequence;
   const std::uint64_t waiting = o.batch > max_sequences ? o.batch - max_sequences : 0;
+  // DRAM and NVMe together: the tier keeps what the pools do not; a sequence restored from it
+  // is read from the NVMe into its node's pool first, then moves as any other.
+  const std::uint64_t nvme_sequences = *nvme / bytes_per_sequence;
+  const double seq_gb = static_cast<double>(bytes_per_sequence) / 1e9;
+  const double restore_s = seq_gb / o.restore_gbps;
+  const double nvme_restore_s = seq_gb / o.nvme_gbps + restore_s;
+  const double recompute_s = o.prefill_tps > 0 ? static_cast<double>(o.context) / o.prefill_tps : 0;
 
   if (s.json()) {
     json j{{"model", m.name},
@@ -135,7 +152,12 @@ int plan(Session& s, const PlanOptions& o) {
            {"kv_budget_bytes", static_cast<std::uint64_t>(budget)},
            {"max_sequences", max_sequences},
            {"remote_bytes", *remote},
-           {"remote_sequences", remote_sequences}};
+           {"remote_sequences", remote_sequences},
+           {"nvme_bytes", *nvme},
+           {"nvme_sequences", nvme_sequences},
+           {"restore_seconds", restore_s},
+           {"nvme_restore_seconds", nvme_restore_s}};
+    if (o.prefill_tps > 0) j["recompute_seconds"] = recompute_s;
     if (o.batch > 0) {
       j["batch"] = o.batch;
       j["batch_fits"] = waiting == 0;
@@ -166,9 +188,32 @@ int plan(Session& s, const PlanOptions& o) {
     }
     std::cout << "\n";
   }
+  auto secs = [](double v) {
+    char b[32];
+    std::snprintf(b, sizeof b, v < 0.01 ? "%.4f s" : "%.2f s", v);
+    return std::string(b);
+  };
   if (*remote > 0) {
     std::cout << "remote memory  " << units::format_size(*remote) << " keeps " << remote_sequences
-              << " more sequences warm (restored instead of recomputed)\n";
+              << " more sequences warm (restored instead of recomputed): " << secs(restore_s) << " each at "
+              << o.restore_gbps << " GB/s\n";
+  }
+  if (*nvme > 0) {
+    std::cout << "nvme tier      " << units::format_size(*nvme) << " keeps " << nvme_sequences
+              << " more behind them: " << secs(nvme_restore_s) << " each (" << secs(seq_gb / o.nvme_gbps)
+              << " from the NVMe at " << o.nvme_gbps << " GB/s, then the transfer)\n";
+  }
+  if (o.prefill_tps > 0) {
+    std::cout << "recompute      " << grouped(o.context) << " tokens at " << o.prefill_tps
+              << " tokens/s = " << secs(recompute_s);
+    if (*remote > 0 || *nvme > 0) {
+      std::cout << ": a restore from DRAM is " << (restore_s < recompute_s ? "faster" : "slower");
+      if (*nvme > 0) std::cout << ", from the NVMe " << (nvme_restore_s < recompute_s ? "faster" : "slower");
+      if (*nvme > 0 && nvme_restore_s >= recompute_s) {
+        std::cout << " (recompute those: Store::prefix_tiers, GetOptions::promote = false)";
+      }
+    }
+    std::cout << "\n";
   }
   return kExitOk;
 }
@@ -199,12 +244,21 @@ void add_plan_command(Registry& r) {
   p->add_option("--params", o->params_billion, "Parameters in billions (custom models, or an override)");
   p->add_option("--remote-mem", o->remote_mem, "Remote memory for offloaded sequences (1TiB)")
       ->capture_default_str();
+  p->add_option("--nvme-mem", o->nvme_mem, "The memory nodes' NVMe tiers, behind their DRAM (kvstashd --ssd)")
+      ->capture_default_str();
+  p->add_option("--restore-gbps", o->restore_gbps, "The data path from remote memory, GB/s (100 Gb/s: 12.5)")
+      ->capture_default_str();
+  p->add_option("--nvme-gbps", o->nvme_gbps, "An NVMe tier's read, GB/s")->capture_default_str();
+  p->add_option("--prefill-tps", o->prefill_tps,
+                "The engine's prefill, tokens/s: compares a restore with a recompute (0: not compared)")
+      ->capture_default_str();
   p->add_flag("--list-models", o->list, "List the presets");
   p->footer(
       "Examples:\n"
       "  kvstash plan --model llama-2-7b --context 4096\n"
       "  kvstash plan --model llama-2-7b --kv-heads 8 --kv-dtype int8\n"
       "  kvstash plan --model llama-3-70b --gpu-mem 141GB --batch 64 --remote-mem 2TiB\n"
+      "  kvstash plan --model llama-3-8b --remote-mem 512GiB --nvme-mem 8TiB --prefill-tps 12000\n"
       "  kvstash plan --model custom --layers 40 --kv-heads 8 --head-dim 128 --params 20 --json");
   p->final_callback([&r, &s, o] { r.action = [&s, o] { return plan(s, *o); }; });
 }
