@@ -289,14 +289,24 @@ Status Catalog::touch(std::string_view key, std::chrono::milliseconds ttl) {
   return redis_.eval(scripts::touch(), {prefix_}, {key, t}).status();
 }
 
-Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) {
-  if (keys.empty()) return std::size_t{0};
-  std::vector<std::string_view> args{"count"};
+namespace {
+
+// contains_prefix.lua's arguments: the mode ("count" or "tiers"), then the keys, each checked.
+Result<std::vector<std::string_view>> prefix_args(std::string_view mode, std::span<const std::string> keys) {
+  std::vector<std::string_view> args{mode};
   args.reserve(keys.size() + 1);
   for (const auto& k : keys) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(k));
     args.push_back(k);
   }
+  return args;
+}
+
+}  // namespace
+
+Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) {
+  if (keys.empty()) return std::size_t{0};
+  KVSTASH_ASSIGN_OR_RETURN(auto args, prefix_args("count", keys));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
   // Callers index their chunks with it: a count past the keys asked about is a foreign reply.
   if (r.type() != Reply::Type::kInteger || r.integer() < 0 ||
@@ -309,12 +319,7 @@ Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) 
 Result<std::vector<bool>> Catalog::prefix_tiers(std::span<const std::string> keys) {
   std::vector<bool> out;
   if (keys.empty()) return out;
-  std::vector<std::string_view> args{"tiers"};
-  args.reserve(keys.size() + 1);
-  for (const auto& k : keys) {
-    KVSTASH_RETURN_IF_ERROR(validate_object_key(k));
-    args.push_back(k);
-  }
+  KVSTASH_ASSIGN_OR_RETURN(auto args, prefix_args("tiers", keys));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
   if (r.type() != Reply::Type::kArray || r.size() > keys.size()) return corrupt("unexpected reply to contains_prefix");
   for (std::size_t i = 0; i < r.size(); ++i) {

@@ -429,11 +429,10 @@ local function lookup(key)
   return o
 end
 
--- Hands node `id`'s objects to the sweep: they are unreadable already (the node is gone or
--- registered again, which lookup sees), and reclaim releases them in bounded batches, so no
--- script walks a million objects at once. Returns how many objects that was.
-local function sweep_node_objects(id)
-  local ok = P .. ':objs:' .. id
+-- Hands the objects of set `ok` to the sweep (the set becomes a sweep batch in O(1)): they are
+-- unreadable already, and reclaim releases them in bounded batches, so no script walks a
+-- million objects at once. Returns how many objects that was.
+local function to_sweep(ok)
   local n = redis.call('SCARD', ok)
   if n > 0 then
     local batch = P .. ':sweep:' .. redis.call('INCR', P .. ':sweep_seq')
@@ -441,6 +440,12 @@ local function sweep_node_objects(id)
     redis.call('RPUSH', P .. ':sweep', batch)
   end
   return n
+end
+
+-- Hands node `id`'s pool objects to the sweep (the node is gone or registered again, which
+-- lookup sees).
+local function sweep_node_objects(id)
+  return to_sweep(P .. ':objs:' .. id)
 end
 
 -- Starts node `id`'s NVMe tier over: its slots above a new floor (every object on it
@@ -452,14 +457,7 @@ local function sweep_tier_objects(id)
   local floor = (redis.call('HINCRBY', sk, 'epochs', 1) - 1) * 4294967296
   redis.call('DEL', P .. ':free:' .. slots_of(id), P .. ':gen:' .. slots_of(id), P .. ':promote:' .. id)
   redis.call('HSET', sk, 'next_page', 0, 'free_pages', 0, 'gen_floor', floor)
-  local ok = P .. ':tier_objs:' .. id
-  local n = redis.call('SCARD', ok)
-  if n > 0 then
-    local batch = P .. ':sweep:' .. redis.call('INCR', P .. ':sweep_seq')
-    redis.call('RENAME', ok, batch)
-    redis.call('RPUSH', P .. ':sweep', batch)
-  end
-  return n
+  return to_sweep(P .. ':tier_objs:' .. id)
 end
 
 -- Releases up to `limit` objects from the sweep batches (each through lookup, which releases
