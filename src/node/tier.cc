@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <future>
 #include <cstring>
 #include <optional>
 #include <span>
@@ -301,11 +302,17 @@ bool NodeTier::write_down(const std::string& epoch) {
   return moved > 0;
 }
 
-void NodeTier::promote(const std::string& epoch, std::string first) {
-  TierCatalog catalog(cell_->redis(), cell_->name());
-  std::vector<TierCatalog::Promotion> jobs;
+// A device job of promotions: their leases, their reads, and the reads' outcome once done.
+struct NodeTier::PromotionJob {
+  std::vector<TierCatalog::Promotion> promotions;
   std::vector<SsdIo> ios;
   std::uint64_t bytes = 0;
+  std::future<Status> read;
+};
+
+std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& epoch, std::optional<std::string> first) {
+  TierCatalog catalog(cell_->redis(), cell_->name());
+  auto job = std::make_unique<PromotionJob>();
   // Stages `key`: its pool pages leased, its reads added to the job's.
   auto stage = [&](const std::string& key) {
     const std::string put_token = fmt::format("promote-{}-{:016x}", id_, sys::random_u64());
@@ -330,25 +337,33 @@ void NodeTier::promote(const std::string& epoch, std::string first) {
       KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, key);
       return;
     }
-    // From here until run() gives the buffers back, this thread writes into the lease's pages.
+    // From here until the device gives the buffers back, this thread writes into the lease's
+    // pages.
     writing_until_ = std::min(writing_until_.load(), p.deadline_ms);
     auto more = ios_for(false, p.pages, p.slots, pool_, page_size_, slot_base_);
-    ios.insert(ios.end(), more.begin(), more.end());
-    bytes += p.size;
-    jobs.push_back(std::move(p));
+    job->ios.insert(job->ios.end(), more.begin(), more.end());
+    job->bytes += p.size;
+    job->promotions.push_back(std::move(p));
   };
   // Promotions queued meanwhile join this job while it reads less than kPromotionBytes (their
-  // reads in flight together: small objects fill the device's queue); a large one runs alone,
-  // so that the next one's read overlaps this one's transfer to its get.
-  stage(first);
-  while (bytes < kPromotionBytes && jobs.size() < kPromotionBatch) {
+  // reads in flight together: small objects fill the device's queue); a large one runs alone.
+  if (first) stage(*first);
+  while (job->bytes < kPromotionBytes && job->promotions.size() < kPromotionBatch) {
     auto more = catalog.next_promotion(id_, std::chrono::milliseconds(0));
     if (!more.is_ok() || !more->has_value()) break;
-    if (!(*more)->empty()) stage(**more);  // empty: a nudge; the write-down runs after this job
+    if (!(*more)->empty()) stage(**more);  // empty: a nudge; the write-down runs after the jobs
   }
-  if (jobs.empty()) return;
-  const Status read = device_->run(std::move(ios), job_deadline());
-  for (const TierCatalog::Promotion& p : jobs) {
+  if (job->promotions.empty()) return nullptr;
+  auto done = std::make_shared<std::promise<Status>>();
+  job->read = done->get_future();
+  device_->submit(job->ios, job_deadline(), [done](Status s) { done->set_value(std::move(s)); });
+  return job;
+}
+
+void NodeTier::finish_job(const std::string& epoch, PromotionJob& job) {
+  TierCatalog catalog(cell_->redis(), cell_->name());
+  const Status read = job.read.get();  // the buffers are this thread's again
+  for (const TierCatalog::Promotion& p : job.promotions) {
     Status failed = read;
     bool bad = !read.is_ok() && read.code() != StatusCode::kTimeout;
     if (read.is_ok() && tier_sum(p.pages, pool_, page_size_, p.size) != p.sum) {
@@ -373,6 +388,17 @@ void NodeTier::promote(const std::string& epoch, std::string first) {
       KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, p.key, why.to_string(),
                        bad ? " (the object is dropped)" : "");
     }
+  }
+}
+
+void NodeTier::promote(const std::string& epoch, std::string first) {
+  // Two jobs at a time: the next one's reads are in flight while this one's bytes are checked
+  // and committed (and its gets read them), so the device does not wait for the scripts.
+  std::unique_ptr<PromotionJob> running = stage_job(epoch, std::move(first));
+  while (running) {
+    std::unique_ptr<PromotionJob> next = stage_job(epoch, std::nullopt);
+    finish_job(epoch, *running);
+    running = std::move(next);
   }
   writing_until_ = std::numeric_limits<std::int64_t>::max();
 }

@@ -5,11 +5,14 @@
 // out pages (metadata/tier_catalog.h); this moves the bytes, with a sum of its own over them
 // (checked on every promotion, whatever the clients' checksum setting).
 //
-// One job at a time: a slot is read or written only by this thread, and a job's device I/O
-// has ended (SsdDevice::run gives its buffers back) before the next job starts, so a slot the
-// cell frees is never still being written. A promotion writes into pool pages under a put
-// lease of the cell: while it runs, writing_until() holds the node's reported fence below that
-// lease's deadline, so the cell frees those pages only once this thread is done with them.
+// Slots are written only by this thread's write-downs, each of which waits for its device I/O
+// to end (SsdDevice::run gives its buffers back) before it commits or gives its slots back, so
+// a slot the cell frees is never still being written. Promotions only read slots (two device
+// jobs of them in flight at most); a slot freed and written again while a promotion reads it
+// (its object removed meanwhile) gives bytes that fail the sum, and the commit would fail on
+// the object's token anyway. A promotion writes into pool pages under a put lease of the cell:
+// while it runs, writing_until() holds the node's reported fence below that lease's deadline,
+// so the cell frees those pages only once the device is done with them.
 //
 // Thread safety: set_epoch, writing_until and counters from any thread.
 #pragma once
@@ -22,6 +25,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -93,8 +97,17 @@ class NodeTier {
   void loop();
   // One write-down batch; returns whether it moved anything (then the next one runs at once).
   bool write_down(const std::string& epoch);
-  // Promotes `first` (queued by a get), and with it what else is queued, up to a job's size.
+  // Promotes `first` (queued by a get), and whatever else is queued meanwhile, in device jobs
+  // of up to 16 MiB, the next one's reads in flight while the last one is checked and
+  // committed.
   void promote(const std::string& epoch, std::string first);
+  struct PromotionJob;
+  // Leases pages for `first` and what else is queued, up to a job's size, and starts their
+  // reads; null when none could be staged.
+  std::unique_ptr<PromotionJob> stage_job(const std::string& epoch, std::optional<std::string> first);
+  // Waits for the job's reads, checks each object's bytes against its sum, and commits (or
+  // aborts) each promotion.
+  void finish_job(const std::string& epoch, PromotionJob& job);
   Deadline job_deadline() const;
 
   TierOptions options_;
