@@ -247,7 +247,6 @@ bool NodeTier::write_down(const std::string& epoch) {
   if (batch->objects.empty()) return false;
   std::vector<SsdIo> ios;
   std::vector<std::string> sums;
-  std::uint64_t bytes = 0;
   for (const auto& w : batch->objects) {
     if (!within_pool(w.pages, pool_pages_)) {
       (void)catalog.abort_write_down(id_, batch->objects);
@@ -259,7 +258,6 @@ bool NodeTier::write_down(const std::string& epoch) {
     sums.push_back(tier_sum(w.pages, pool_, page_size_, w.size));
     auto more = ios_for(true, w.pages, w.slots, pool_, page_size_, slot_base_);
     ios.insert(ios.end(), more.begin(), more.end());
-    bytes += w.size;
   }
   const Status wrote = device_->run(std::move(ios), job_deadline());
   if (!wrote.is_ok()) {
