@@ -73,6 +73,7 @@
 #include "kvstash/store.h"
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
+#include "node/ssd_device.h"
 #include "tools/common/local_cluster.h"
 #include "watchdog.h"
 
@@ -1384,6 +1385,17 @@ int main(int argc, char** argv) {
   if (rc.faults == "ssd" && rc.ssd_dir.empty()) {
     std::cerr << "history: --faults ssd needs --ssd-dir\n";
     return 2;
+  }
+  if (!rc.ssd_dir.empty()) {
+    // A file system without O_DIRECT (tmpfs, overlayfs) or a kernel without io_uring: a skip
+    // (77), saying why, not a failure.
+    const std::string probe = rc.ssd_dir + "/history-probe-" + std::to_string(::getpid());
+    const kvstash::Status can = kvstash::node::SsdDevice::open({.path = probe, .capacity = 1 << 20}).status();
+    ::unlink(probe.c_str());
+    if (can.code() == kvstash::StatusCode::kUnsupported) {
+      std::cout << "history: SKIP: no NVMe tier can live in " << rc.ssd_dir << ": " << can.to_string() << "\n";
+      return 77;
+    }
   }
   if (rc.seed == 0) rc.seed = std::random_device{}();
   rc.nemesis = !no_nemesis;

@@ -17,6 +17,7 @@
 #include "http_get.h"
 #include "kvstash/store.h"
 #include "metadata/cell.h"
+#include "node/ssd_device.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -48,6 +49,13 @@ class TierTest : public ::testing::Test {
     redis_ = std::move(redis).value();
     // Beside the build: the disk, where O_DIRECT works (not a tmpfs /tmp).
     path_ = (std::filesystem::current_path() / ("tier-test-" + std::to_string(::getpid()))).string();
+    {
+      // A file system without O_DIRECT (tmpfs, overlayfs) or a kernel without io_uring: say so.
+      const std::string probe = path_ + ".probe";
+      const Status can = node::SsdDevice::open({.path = probe, .capacity = 1 << 20}).status();
+      ::unlink(probe.c_str());
+      if (can.code() == StatusCode::kUnsupported) GTEST_SKIP() << "no O_DIRECT tier beside the build: " << can.to_string();
+    }
     start_node(fault);
     if (IsSkipped() || HasFatalFailure()) return;
     StoreOptions o;
