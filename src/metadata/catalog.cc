@@ -1,7 +1,5 @@
 #include "metadata/catalog.h"
 
-#include <fmt/format.h>
-
 #include <algorithm>
 
 #include "metadata/catalog_common.h"
@@ -239,8 +237,7 @@ Result<std::vector<Result<ReadLease>>> Catalog::begin_gets(std::span<const std::
 
 Status Catalog::wait_promotion(const ReadLease& promoting, std::chrono::milliseconds wait) {
   const std::string list = prefix_ + ":woken:" + promoting.object_token;
-  const std::string secs = fmt::format("{:.3f}", static_cast<double>(std::max<std::int64_t>(1, wait.count())) / 1000);
-  return redis_.command({"BLPOP", list, secs}).status();
+  return redis_.command({"BLPOP", list, detail::wait_seconds(wait)}).status();
 }
 
 Status Catalog::end_get(std::string_view reader, const ReadLease& lease) {

@@ -11,6 +11,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -28,6 +29,13 @@ namespace kvstash::metadata::detail {
 
 // A duration as the scripts take it: whole milliseconds, in decimal.
 inline std::string ms(std::chrono::milliseconds d) { return std::to_string(d.count()); }
+
+// A blocking command's timeout as Redis takes it (BLPOP, BRPOP): seconds, to the millisecond,
+// at least 1 ms (0 would block for ever).
+inline std::string wait_seconds(std::chrono::milliseconds d) {
+  const auto m = std::max<std::int64_t>(1, d.count());
+  return std::to_string(m / 1000) + "." + std::to_string(1000 + m % 1000).substr(1);
+}
 
 // A reply element read as text (a string or a status); empty for anything else.
 inline std::string_view text_of(const redisReply* r) {

@@ -162,8 +162,7 @@ Result<std::optional<std::string>> TierCatalog::next_promotion(std::string_view 
   }
   // Redis ends a blocking command's wait at its timers' pace (10 per second by default): a
   // short wait may last 100 ms. A push ends it at once.
-  const std::string secs = fmt::format("{:.3f}", static_cast<double>(wait.count()) / 1000);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"BRPOP", list, secs}));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"BRPOP", list, detail::wait_seconds(wait)}));
   if (r.is_nil()) return std::optional<std::string>{};
   if (r.type() != Reply::Type::kArray || r.size() != 2) return corrupt("unexpected reply to BRPOP");
   return std::optional<std::string>(std::string(text_of(r.element(1))));

@@ -164,6 +164,7 @@ Status NodeTier::start(metadata::CellOptions cell, std::string node_id, std::byt
   // A BRPOP waits `poll`: the connection's commands must outlast it.
   cell.redis.command_timeout = std::max(cell.redis.command_timeout, options_.poll * 4 + std::chrono::seconds(1));
   KVSTASH_ASSIGN_OR_RETURN(cell_, metadata::Cell::open(cell));
+  catalog_ = std::make_unique<TierCatalog>(cell_->redis(), cell_->name());
   id_ = std::move(node_id);
   pool_ = pool;
   pool_pages_ = pages;
@@ -197,7 +198,6 @@ Deadline NodeTier::job_deadline() const {
 }
 
 void NodeTier::loop() {
-  TierCatalog catalog(cell_->redis(), cell_->name());
   bool busy = false;  // the last write-down moved something: look again at once
   for (;;) {
     std::string epoch;
@@ -211,7 +211,7 @@ void NodeTier::loop() {
       continue;
     }
     // Promotions first: a get waits on each.
-    auto next = catalog.next_promotion(id_, busy ? std::chrono::milliseconds(0) : options_.poll);
+    auto next = catalog_->next_promotion(id_, busy ? std::chrono::milliseconds(0) : options_.poll);
     if (!next.is_ok()) {
       KVSTASH_LOG_WARN("node {}: NVMe tier: {}", id_, next.status().to_string());
       std::this_thread::sleep_for(options_.poll);
@@ -232,11 +232,10 @@ void NodeTier::loop() {
 }
 
 bool NodeTier::write_down(const std::string& epoch) {
-  TierCatalog catalog(cell_->redis(), cell_->name());
   // Below the low water, objects move until twice as many pages are free: batches large
   // enough to keep the device busy, not one page per look.
   const std::uint64_t low = low_water(pool_pages_);
-  auto batch = catalog.begin_write_down(id_, epoch, low, std::min(pool_pages_, 2 * low), options_.batch_pages,
+  auto batch = catalog_->begin_write_down(id_, epoch, low, std::min(pool_pages_, 2 * low), options_.batch_pages,
                                         options_.lease);
   if (!batch.is_ok()) {
     if (batch.status().code() != StatusCode::kStale) {
@@ -249,7 +248,7 @@ bool NodeTier::write_down(const std::string& epoch) {
   std::vector<std::string> sums;
   for (const auto& w : batch->objects) {
     if (!within_pool(w.pages, pool_pages_)) {
-      (void)catalog.abort_write_down(id_, batch->objects);
+      (void)catalog_->abort_write_down(id_, batch->objects);
       KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages past the pool for {}", id_, w.key);
       return false;
     }
@@ -264,7 +263,7 @@ bool NodeTier::write_down(const std::string& epoch) {
     counters_->write_down_failures += batch->objects.size();
     KVSTASH_LOG_WARN("node {}: NVMe tier: a write-down of {} objects failed ({}); they stay in the pool", id_,
                      batch->objects.size(), wrote.to_string());
-    (void)catalog.abort_write_down(id_, batch->objects);
+    (void)catalog_->abort_write_down(id_, batch->objects);
     return false;
   }
   // On the device before the cell says so: a power loss after the commit must not find the
@@ -273,7 +272,7 @@ bool NodeTier::write_down(const std::string& epoch) {
     counters_->write_down_failures += batch->objects.size();
     KVSTASH_LOG_WARN("node {}: NVMe tier: flushing a write-down failed ({}); its objects stay in the pool", id_,
                      flushed.to_string());
-    (void)catalog.abort_write_down(id_, batch->objects);
+    (void)catalog_->abort_write_down(id_, batch->objects);
     return false;
   }
   std::vector<TierCatalog::Written> written;
@@ -281,7 +280,7 @@ bool NodeTier::write_down(const std::string& epoch) {
     const auto& w = batch->objects[i];
     written.push_back({w.key, w.token, w.slots_text, sums[i]});
   }
-  auto committed = catalog.commit_write_down(id_, epoch, written);
+  auto committed = catalog_->commit_write_down(id_, epoch, written);
   if (!committed.is_ok()) {
     // The slots stay marked until their deadline; the next write-down of the object frees them.
     KVSTASH_LOG_WARN("node {}: NVMe tier: commit of a write-down: {}", id_, committed.status().to_string());
@@ -309,17 +308,16 @@ struct NodeTier::PromotionJob {
 };
 
 std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& epoch, std::optional<std::string> first) {
-  TierCatalog catalog(cell_->redis(), cell_->name());
   auto job = std::make_unique<PromotionJob>();
   // Stages `key`: its pool pages leased, its reads added to the job's.
   auto stage = [&](const std::string& key) {
     const std::string put_token = fmt::format("promote-{}-{:016x}", id_, sys::random_u64());
-    auto begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, false);
+    auto begun = catalog_->begin_promote(id_, epoch, key, put_token, options_.lease, false);
     if (begun.status().code() == StatusCode::kNoSpace) {
       // The pool is full: move its coldest objects down first, and evict only what that could
       // not make room for.
       write_down(epoch);
-      begun = catalog.begin_promote(id_, epoch, key, put_token, options_.lease, true);
+      begun = catalog_->begin_promote(id_, epoch, key, put_token, options_.lease, true);
     }
     if (!begun.is_ok()) {
       ++counters_->promotion_failures;
@@ -331,7 +329,7 @@ std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& e
     TierCatalog::Promotion& p = **begun;
     if (!within_pool(p.pages, pool_pages_) || p.slots.back().first + p.slots.back().count > slots_) {
       ++counters_->promotion_failures;
-      (void)catalog.abort_promote(id_, p, false);
+      (void)catalog_->abort_promote(id_, p, false);
       KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, key);
       return;
     }
@@ -347,7 +345,7 @@ std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& e
   // reads in flight together: small objects fill the device's queue); a large one runs alone.
   if (first) stage(*first);
   while (job->bytes < kPromotionBytes && job->promotions.size() < kPromotionBatch) {
-    auto more = catalog.next_promotion(id_, std::chrono::milliseconds(0));
+    auto more = catalog_->next_promotion(id_, std::chrono::milliseconds(0));
     if (!more.is_ok() || !more->has_value()) break;
     if (!(*more)->empty()) stage(**more);  // empty: a nudge; the write-down runs after the jobs
   }
@@ -359,7 +357,6 @@ std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& e
 }
 
 void NodeTier::finish_job(const std::string& epoch, PromotionJob& job) {
-  TierCatalog catalog(cell_->redis(), cell_->name());
   const Status read = job.read.get();  // the buffers are this thread's again
   for (const TierCatalog::Promotion& p : job.promotions) {
     Status failed = read;
@@ -371,7 +368,7 @@ void NodeTier::finish_job(const std::string& epoch, PromotionJob& job) {
     }
     // One batch: a device error fails each of its promotions (which one it hit, the batch does
     // not say), and drops each object as lost.
-    const Status done = failed.is_ok() ? catalog.commit_promote(id_, epoch, p) : catalog.abort_promote(id_, p, bad);
+    const Status done = failed.is_ok() ? catalog_->commit_promote(id_, epoch, p) : catalog_->abort_promote(id_, p, bad);
     if (failed.is_ok() && done.is_ok()) {
       ++counters_->promoted;
       counters_->promoted_bytes += p.size;

@@ -34,6 +34,10 @@
 #include "metadata/cell.h"
 #include "node/ssd_device.h"
 
+namespace kvstash::metadata {
+class TierCatalog;
+}
+
 namespace kvstash::node {
 
 struct TierOptions {
@@ -118,6 +122,7 @@ class NodeTier {
   bool found_ = false;
   std::unique_ptr<SsdDevice> device_;
   std::unique_ptr<metadata::Cell> cell_;
+  std::unique_ptr<metadata::TierCatalog> catalog_;  // over cell_: this thread's only
   std::string id_;
   std::byte* pool_ = nullptr;
   std::uint64_t pool_pages_ = 0;

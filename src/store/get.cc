@@ -4,7 +4,6 @@
 #include <deque>
 #include <map>
 #include <optional>
-#include <thread>
 
 #include "common/log.h"
 #include "store/slices.h"

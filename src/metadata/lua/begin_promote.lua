@@ -13,10 +13,7 @@
 -- has fenced through the lease's deadline (its own writes into the pages included).
 
 local id, epoch, key, ptoken, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
-local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state', 'gen_floor')
-if n[1] ~= epoch or (n[2] ~= 'up' and n[2] ~= 'draining') or not live(id) then
-  return redis.error_reply('STALE node ' .. id .. ' is not serving under this epoch')
-end
+if not serves(id, epoch) then return redis.error_reply('STALE node ' .. id .. ' is not serving under this epoch') end
 local ok = P .. ':obj:' .. key
 local o = redis.call('HMGET', ok, 'token', 'tier', 'ssd_extents', 'size', 'nodes', 'ssd_sum')
 if not o[1] or o[2] ~= 'ssd' or o[5] ~= id or not lookup(key) then
@@ -41,7 +38,8 @@ if free_pages(id) < need then
   return redis.error_reply('NO_SPACE node ' .. id .. ' has ' .. free_pages(id) .. ' free pages, the promotion of ' ..
                            key .. ' needs ' .. need .. ', and what no reader leases cannot make room')
 end
-local extents = table.concat(new_runs(id, tonumber(n[3] or '0') or 0, take_pages(id, need)), ';')
+local floor = tonumber(redis.call('HGET', P .. ':node:' .. id, 'gen_floor') or '0') or 0
+local extents = table.concat(new_runs(id, floor, take_pages(id, need)), ';')
 local deadline = now + lease
 redis.call('HSET', P .. ':put:' .. ptoken, 'key', key, 'size', o[4], 'extents', extents, 'nodes', id)
 redis.call('ZADD', P .. ':pending', deadline, ptoken)

@@ -30,18 +30,18 @@ local want = math.min(math.max(tonumber(ARGV[6] or '') or low, low) - free, most
 
 local picked, pages = {}, 0
 walk_unleased_lru(function(key, _, extents, size)
-  local count, mine = 0, true
-  for node in runs(extents) do
-    if node ~= id then mine = false end
+  local count = 0
+  for node, _, _, c in runs(extents) do
+    if node ~= id then return false end
+    count = count + c
   end
-  if not mine or extents == '' then return false end
+  if count == 0 then return false end
   local o = redis.call('HMGET', P .. ':obj:' .. key, 'moving', 'moving_until', 'token')
   if o[1] and (tonumber(o[2] or '0') or 0) >= now then return false end  -- one is running
   if o[1] then
     free_extents(o[1])  -- an earlier write-down that never committed
     redis.call('HDEL', P .. ':obj:' .. key, 'moving', 'moving_until')
   end
-  for _, _, _, c in runs(extents) do count = count + c end
   picked[#picked + 1] = {key, o[3], size, extents, count}
   pages = pages + count
   return pages >= want

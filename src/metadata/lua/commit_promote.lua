@@ -12,11 +12,10 @@ local pk = P .. ':put:' .. ptoken
 local extents = redis.call('HGET', pk, 'extents')
 if not extents then return redis.error_reply('STALE the promotion of ' .. key .. ' lost its lease') end
 local ok = P .. ':obj:' .. key
-local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
 local o = redis.call('HMGET', ok, 'token', 'tier', 'ssd_extents')
 local deadline = tonumber(redis.call('ZSCORE', P .. ':pending', ptoken) or '0') or 0
 local why = nil
-if n[1] ~= epoch or (n[2] ~= 'up' and n[2] ~= 'draining') or not live(id) then
+if not serves(id, epoch) then
   why = 'STALE node ' .. id .. ' is not serving under this epoch'
 elseif deadline < now then
   why = 'STALE the promotion of ' .. key .. ' passed its deadline'

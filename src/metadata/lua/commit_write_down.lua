@@ -10,8 +10,7 @@
 -- now; then its pool pages return to the pool and it takes the tier's LRU place it had.
 
 local id, epoch = ARGV[1], ARGV[2]
-local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
-local serving = n[1] == epoch and (n[2] == 'up' or n[2] == 'draining') and live(id)
+local serving = serves(id, epoch)
 local out, moved = {}, 0
 for i = 3, #ARGV - 3, 4 do
   local key, token, slots, sum = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]

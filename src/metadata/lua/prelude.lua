@@ -40,6 +40,13 @@ local function live(id)
   return d ~= false and d ~= nil and tonumber(d) >= now
 end
 
+-- Whether node `id` serves under `epoch`: its record holds that epoch, it is up or draining,
+-- and its heartbeat is current (the tier's scripts run for the node itself).
+local function serves(id, epoch)
+  local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
+  return n[1] == epoch and (n[2] == 'up' or n[2] == 'draining') and live(id)
+end
+
 -- What a script reads of a node to serve its objects, read once per run (a get, a
 -- contains_prefix of many keys on few nodes): alive, state, generation floor, address, key.
 -- Scripts that change a node's record read it directly, never through here.
@@ -345,8 +352,8 @@ end
 
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
 -- the last read lease on them ends; its slots on the tier (and a write-down's) return at once:
--- only the node's own tier thread reads or writes slots, one job at a time. Returns the pages
--- freed now.
+-- only the node's own tier thread writes slots, and a promotion reading a slot freed meanwhile
+-- fails its sum (src/node/tier.h). Returns the pages freed now.
 local function release(key)
   local ok = P .. ':obj:' .. key
   local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving')
@@ -418,8 +425,7 @@ local function lookup(key)
       release(key)
       return nil
     end
-    local v = node_view(o[6])
-    if not v.alive or (v.state ~= 'up' and v.state ~= 'draining') then return nil end
+    if not on_live_pages('', o[6]) then return nil end
     return o
   end
   if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) then
@@ -730,15 +736,12 @@ local function new_read_batch()
   return {hits = 0, misses = 0, tier = 0, lru = {}, qkeys = {}, qgens = {}}
 end
 
--- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
--- of begin_get, or nil when there is none. Its hit or miss and LRU touch go into `batch`.
 -- How long a queued promotion keeps others from queueing it again (a node that lost the job
 -- in a crash: the next get after this queues it afresh).
 local PROMOTE_MS = 5000
 -- At most this many promotions wait per node (the oldest go; their gets queue them again).
 local PROMOTE_QUEUE = 4096
 
--- Queues the promotion of `key`, on the tier of node `id`, unless one is queued or running.
 -- Wakes the gets waiting for the promotion of `key` (object token `token`) to end, however it
 -- ended: they ask again. At most 64 items; a waiter not woken asks again after its wait.
 local function wake_waiters(key, token)
@@ -753,6 +756,7 @@ local function wake_waiters(key, token)
   redis.call('PEXPIRE', wk, 10000)
 end
 
+-- Queues the promotion of `key`, on the tier of node `id`, unless one is queued or running.
 -- Returns whether it queued one now.
 local function queue_promotion(key, id)
   local ok = P .. ':obj:' .. key
@@ -764,6 +768,9 @@ local function queue_promotion(key, id)
   return true
 end
 
+-- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
+-- of begin_get, or nil when there is none (and, for an object on a tier that `no_promote`
+-- leaves there, why). Its hit or miss and LRU touch go into `batch`.
 local function lease_read(key, reader, lease_ms, batch, no_promote)
   local o, leased = lookup_copy(key)
   if not o then

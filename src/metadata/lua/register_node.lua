@@ -57,8 +57,8 @@ end
 -- none, starts the tier over (its objects swept, its slots above a new floor).
 local sk = P .. ':node:' .. slots_of(id)
 local slots, tier_id = tonumber(ARGV[9] or '0') or 0, ARGV[11] or ''
-if held[1] ~= epoch then
-  local known = redis.call('HMGET', sk, 'tier_id', 'page_count')
+local known = redis.call('HMGET', sk, 'tier_id', 'page_count')
+if held[1] ~= epoch and (slots > 0 or known[2]) then  -- a node that never had a tier has nothing here
   if slots == 0 or tier_id == '' or known[1] ~= tier_id or tonumber(known[2] or '0') ~= slots then
     sweep_tier_objects(id)
   end
@@ -66,8 +66,8 @@ if held[1] ~= epoch then
 end
 if slots > 0 then
   redis.call('HSET', sk, 'page_count', slots, 'low', tonumber(ARGV[10] or '1') or 1, 'tier_id', tier_id)
-elseif held[1] ~= epoch then
-  redis.call('HDEL', sk, 'gen_floor', 'low', 'tier_id')  -- no tier: nothing moves down
+elseif held[1] ~= epoch and known[2] then
+  redis.call('HDEL', sk, 'gen_floor', 'low', 'tier_id', 'page_count')  -- no tier now: nothing moves down
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 -- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.
