@@ -18,6 +18,7 @@
 #include "kvstash/store.h"
 #include "metadata/cell.h"
 #include "node/ssd_device.h"
+#include "node/tier_headers.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -27,7 +28,9 @@ using namespace std::chrono_literals;
 using test::http_get;
 using test::metric;
 
-constexpr std::uint64_t kPage = 64 << 10;  // 16 pages of pool; the tier holds 254
+constexpr std::uint64_t kPage = 64 << 10;  // 16 pages of pool
+// A tier of 16 MiB: its superblock's 4 KiB, then per slot a header place of 4 KiB and a page.
+constexpr std::uint64_t kSlots = ((16 << 20) - 4096) / (kPage + 4096);
 constexpr int kObjects = 48;                // 3x the pool
 
 std::string bytes_of(const std::string& key, int version = 0) {
@@ -144,7 +147,7 @@ TEST_F(TierTest, ObjectsOutgrowingThePoolMoveDownAndComeBackByteForByte) {
   if (IsSkipped()) return;
   for (int i = 0; i < kObjects; ++i) ASSERT_TRUE(put(key_of(i)).is_ok()) << i;
   const metadata::NodeStatus ns = settled_status();
-  EXPECT_EQ(ns.tier_slots, 254u);
+  EXPECT_EQ(ns.tier_slots, kSlots);
   EXPECT_GE(ns.tier_objects, static_cast<std::uint64_t>(kObjects - 16));
   EXPECT_EQ(ns.tier_slots - ns.tier_free_slots, ns.tier_objects);
   EXPECT_EQ(store_->stat(key_of(0))->nodes, std::vector<std::string>{"tiered"});
@@ -250,7 +253,7 @@ TEST_F(TierTest, ADeviceThatFailsWritesLeavesObjectsInThePool) {
   // A write-down may be taking slots this moment; between tries they are all free again.
   bool all_free = false;
   for (const Deadline until = deadline_after(3s); !all_free && Clock::now() < until; std::this_thread::sleep_for(1ms)) {
-    all_free = node_status().tier_free_slots == 254u;
+    all_free = node_status().tier_free_slots == kSlots;
   }
   EXPECT_TRUE(all_free) << "a failed write-down kept its slots";
   EXPECT_EQ(*get_matches(key_of(23)), true);
@@ -265,7 +268,8 @@ TEST_F(TierTest, BytesChangedOnTheDeviceAreCaughtWithTheChecksumOff) {
   for (int i = 0; i < 24; ++i) ASSERT_TRUE(put(key_of(i)).is_ok());
   ASSERT_EQ(store_->prefix_tiers(std::vector<std::string>{key_of(0)})->front(), Tier::kSsd);
   {
-    // Every slot's bytes after the header area (80 KiB) flipped, as a stray writer would.
+    // Every slot's bytes (and most header places: from 80 KiB on) flipped, as a stray writer
+    // would.
     const int fd = ::open(path_.c_str(), O_RDWR);
     ASSERT_GE(fd, 0);
     std::string junk(1 << 20, '\x5a');
@@ -340,6 +344,107 @@ TEST_F(TierTest, ANodeBackOverAnotherDeviceStartsItsTierOver) {
   EXPECT_EQ(ns.tier_free_slots, ns.tier_slots);
   EXPECT_TRUE(put("tier/new").is_ok());
   EXPECT_EQ(*get_matches("tier/new"), true);
+}
+
+// A cell that lost its Redis (restarted empty, the node killed meanwhile) gets back from the
+// node's tier the objects of its recoverable keys ("kvp:", the KV cache's chunks, whose keys
+// name their content), each checked against its sum: byte for byte, under the node's new
+// registration. Keys of other prefixes are gone; a key written anew meanwhile keeps its new
+// bytes; bytes changed on the device are not offered. The tier then works on: new objects
+// move down around the recovered ones, which stay whole.
+TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
+  start();
+  if (IsSkipped()) return;
+  auto chunk = [](int i) { return "kvp:{m}chunk-" + std::to_string(i); };
+  auto tier_of = [&](const std::string& k) { return store_->prefix_tiers({&k, 1})->front(); };
+  for (int i = 0; i < 24; ++i) {
+    ASSERT_TRUE(put(chunk(i)).is_ok()) << i;
+    ASSERT_TRUE(put(key_of(i)).is_ok()) << i;
+  }
+  settled_status();
+  std::vector<std::string> tiered, plain;  // on the tier: chunks, other keys
+  for (int i = 0; i < 24; ++i) {
+    if (tier_of(chunk(i)) == Tier::kSsd) tiered.push_back(chunk(i));
+    if (tier_of(key_of(i)) == Tier::kSsd) plain.push_back(key_of(i));
+  }
+  ASSERT_GE(tiered.size(), 6u);
+  ASSERT_GE(plain.size(), 1u);
+  const std::string replaced = tiered[0], damaged = tiered[1];
+  node_->kill();
+  ASSERT_TRUE(redis_->restart().is_ok());  // no persistence: empty
+  {
+    // One chunk's bytes changed on the device while nothing ran: its header still verifies,
+    // its bytes no longer match the sum in it.
+    auto device = node::SsdDevice::open({.path = path_, .capacity = 16 << 20});
+    ASSERT_TRUE(device.is_ok()) << device.status().to_string();
+    const node::TierLayout layout((*device)->capacity(), kPage, (*device)->block_size());
+    auto headers = node::scan_tier_headers(**device, layout, deadline_after(10s));
+    ASSERT_TRUE(headers.is_ok()) << headers.status().to_string();
+    std::uint64_t at = 0;
+    for (const auto& [h, slot] : *headers) {
+      EXPECT_TRUE(h.key.starts_with("kvp:")) << "a header for " << h.key << ", not a recoverable key";
+      if (h.key == damaged) at = layout.slot_offset(slot);
+    }
+    ASSERT_GT(at, 0u) << "no header for " << damaged;
+    device->reset();
+    const int fd = ::open(path_.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const std::string junk(4096, '\x5a');
+    ASSERT_EQ(::pwrite(fd, junk.data(), junk.size(), static_cast<off_t>(at)), 4096);
+    ::fsync(fd);
+    ::close(fd);
+  }
+  // Before the node is back, another node takes a new version of one chunk.
+  auto other = tools::LocalNode::start({.redis_url = redis_->url(),
+                                        .capacity = "1MiB",
+                                        .page_size = "64KiB",
+                                        .node_id = "other",
+                                        .extra_args = {"--transports", "tcp", "--huge-pages", "off"}});
+  ASSERT_TRUE(other.is_ok()) << other.status().to_string();
+  Status again = Status::unavailable("not tried");
+  for (const Deadline until = deadline_after(10s); !again.is_ok() && Clock::now() < until;) {
+    const std::string data = bytes_of(replaced, 1);
+    Slice in{const_cast<char*>(data.data()), data.size()};
+    again = store_->put(replaced, {&in, 1});  // the first may meet the connection Redis dropped
+  }
+  ASSERT_TRUE(again.is_ok()) << again.to_string();
+  start_node();
+  ASSERT_FALSE(HasFatalFailure());
+  metadata::NodeStatus ns = node_status();
+  for (const Deadline until = deadline_after(20s); ns.recovery.state != "done" && Clock::now() < until;) {
+    std::this_thread::sleep_for(20ms);
+    ns = node_status();
+  }
+  ASSERT_EQ(ns.recovery.state, "done");
+  EXPECT_EQ(ns.recovery.found, tiered.size());
+  EXPECT_EQ(ns.recovery.checked, tiered.size());
+  EXPECT_EQ(ns.recovery.bad, 1u);
+  EXPECT_EQ(ns.recovery.admitted, tiered.size() - 2);
+  EXPECT_EQ(ns.recovery.refused, 1u) << "the chunk written anew";
+  EXPECT_EQ(metric(metrics(), "kvstash_tier_recovered_total"), static_cast<double>(tiered.size() - 2));
+  auto check_all = [&](const char* when) {
+    for (const std::string& k : tiered) {
+      auto same = get_matches(k, k == replaced ? 1 : 0);
+      if (k == damaged) {
+        EXPECT_EQ(same.status().code(), StatusCode::kNotFound) << when << ": changed bytes of " << k << " came back";
+        continue;
+      }
+      ASSERT_TRUE(same.is_ok()) << when << ": " << k << ": " << same.status().to_string();
+      EXPECT_TRUE(*same) << when << ": " << k << " came back with other bytes";
+    }
+  };
+  check_all("after the recovery");
+  for (const std::string& k : plain) {
+    EXPECT_EQ(get_matches(k).status().code(), StatusCode::kNotFound) << k << " is not a recoverable key";
+  }
+  // The tier works on, its free slots made around the recovered objects (the other node gone,
+  // so that every put lands here; the chunk written anew goes with it).
+  (*other)->stop();
+  std::erase(tiered, replaced);
+  for (int i = 100; i < 132; ++i) ASSERT_TRUE(put(key_of(i)).is_ok()) << i;
+  EXPECT_GT(settled_status().tier_objects, 8u);
+  check_all("after more objects moved down");
+  for (int i = 100; i < 132; ++i) EXPECT_EQ(*get_matches(key_of(i)), true) << key_of(i);
 }
 
 }  // namespace

@@ -73,7 +73,7 @@ Result<RkeyScope> rkey_scope(RedisClient& redis, const std::string& prefix) {
 
 Result<NodeStatus> node_status(RedisClient& redis, const std::string& prefix, std::string_view id) {
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis.eval(scripts::node_status(), {prefix}, {id}));
-  if (r.type() != Reply::Type::kArray || r.size() != 13) return corrupt("unexpected reply to node_status");
+  if (r.type() != Reply::Type::kArray || r.size() != 19) return corrupt("unexpected reply to node_status");
   NodeStatus s;
   s.state = std::string(text_of(r.element(0)));
   s.epoch = std::string(text_of(r.element(1)));
@@ -90,6 +90,12 @@ Result<NodeStatus> node_status(RedisClient& redis, const std::string& prefix, st
   s.tier_slots = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(10)).value_or(0)));
   s.tier_free_slots = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(11)).value_or(0)));
   s.tier_objects = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(12)).value_or(0)));
+  s.recovery.state = std::string(text_of(r.element(13)));
+  std::uint64_t* counts[] = {&s.recovery.found, &s.recovery.checked, &s.recovery.bad, &s.recovery.admitted,
+                             &s.recovery.refused};
+  for (std::size_t i = 0; i < std::size(counts); ++i) {
+    *counts[i] = static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(14 + i)).value_or(0)));
+  }
   return s;
 }
 

@@ -121,6 +121,15 @@ struct NodeStatus {
   std::uint64_t tier_slots = 0;
   std::uint64_t tier_free_slots = 0;
   std::uint64_t tier_objects = 0;
+  // Its tier's last recovery into the cell (docs/metadata.md, "A cell that lost its Redis"):
+  // state pending, running or done ('' when none ran), the headers its node found on the
+  // device, checked against their bytes, and found not matching, and the objects the cell
+  // admitted or refused (a newer object under the key, expired, a copy).
+  struct Recovery {
+    std::string state;
+    std::uint64_t found = 0, checked = 0, bad = 0, admitted = 0, refused = 0;
+  };
+  Recovery recovery;
   std::uint64_t object_pages() const {
     const std::uint64_t other = free_pages + reserved_pages + limbo_pages;
     return page_count > other ? page_count - other : 0;

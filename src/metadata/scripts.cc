@@ -243,6 +243,11 @@ const Script& abort_promote() {
   return s;
 }
 
+const Script& recover_tier() {
+  static const Script s = make(lua::kRecoverTier);
+  return s;
+}
+
 std::vector<const Script*> all() {
   return {&register_node(),
           &heartbeat(),
@@ -285,7 +290,8 @@ std::vector<const Script*> all() {
           &abort_write_down(),
           &begin_promote(),
           &commit_promote(),
-          &abort_promote()};
+          &abort_promote(),
+          &recover_tier()};
 }
 
 }  // namespace kvstash::metadata::scripts

@@ -58,6 +58,7 @@ const Script& list_quotas();
 const Script& begin_write_down();
 const Script& commit_write_down();
 const Script& abort_write_down();
+const Script& recover_tier();
 const Script& begin_promote();
 const Script& commit_promote();
 const Script& abort_promote();

@@ -60,11 +60,12 @@ Result<TierCatalog::WriteDowns> TierCatalog::begin_write_down(std::string_view i
   KVSTASH_ASSIGN_OR_RETURN(Reply r,
                            redis_.eval(scripts::begin_write_down(), {prefix_}, {id, epoch, low, most, l, high}));
   const auto items = items_of(r.raw());
-  if (items.empty() || (items.size() - 1) % 5 != 0) return corrupt("unexpected reply to begin_write_down");
+  constexpr std::size_t kFields = 8;
+  if (items.empty() || (items.size() - 1) % kFields != 0) return corrupt("unexpected reply to begin_write_down");
   WriteDowns out;
   out.deadline_ms = integer_of(items[0]).value_or(0);
   const std::string slot_node = std::string(id) + "!ssd";
-  for (std::size_t i = 1; i < items.size(); i += 5) {
+  for (std::size_t i = 1; i < items.size(); i += kFields) {
     WriteDown w;
     w.key = std::string(text_of(items[i]));
     w.token = std::string(text_of(items[i + 1]));
@@ -72,11 +73,15 @@ Result<TierCatalog::WriteDowns> TierCatalog::begin_write_down(std::string_view i
     auto pages = parse_runs(text_of(items[i + 3]), id);
     w.slots_text = std::string(text_of(items[i + 4]));
     auto slots = parse_runs(w.slots_text, slot_node);
+    w.checksum = std::string(text_of(items[i + 5]));
+    w.layout = std::string(text_of(items[i + 6]));
+    const auto expires = integer_of(items[i + 7]);
     if (w.key.empty() || w.token.empty() || !size || *size <= 0 || !pages.is_ok() || !slots.is_ok() ||
-        pages_in(*pages) != pages_in(*slots)) {
+        pages_in(*pages) != pages_in(*slots) || !expires || *expires < 0) {
       return corrupt("begin_write_down named a malformed object");
     }
     w.size = static_cast<std::uint64_t>(*size);
+    w.expires_ms = *expires;
     w.pages = std::move(pages).value();
     w.slots = std::move(slots).value();
     out.objects.push_back(std::move(w));
@@ -166,6 +171,56 @@ Result<std::optional<std::string>> TierCatalog::next_promotion(std::string_view 
   if (r.is_nil()) return std::optional<std::string>{};
   if (r.type() != Reply::Type::kArray || r.size() != 2) return corrupt("unexpected reply to BRPOP");
   return std::optional<std::string>(std::string(text_of(r.element(1))));
+}
+
+Result<bool> TierCatalog::begin_recovery(std::string_view id, std::string_view epoch) {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::recover_tier(), {prefix_}, {id, epoch, "begin"}));
+  if (r.str() == "RUN") return true;
+  if (r.str() == "NONE") return false;
+  return corrupt("unexpected reply to recover_tier begin");
+}
+
+Result<std::vector<TierCatalog::Offered>> TierCatalog::offer_recovered(std::string_view id, std::string_view epoch,
+                                                                       RecoveryCounts counts,
+                                                                       std::span<const Recovered> objects) {
+  const std::string f = std::to_string(counts.found), c = std::to_string(counts.checked),
+                    b = std::to_string(counts.bad);
+  std::vector<std::string> numbers;
+  numbers.reserve(2 * objects.size());
+  for (const Recovered& o : objects) {
+    numbers.push_back(std::to_string(o.size));
+    numbers.push_back(std::to_string(o.expires_ms));
+  }
+  std::vector<std::string_view> args{id, epoch, "offer", f, c, b};
+  for (std::size_t i = 0; i < objects.size(); ++i) {
+    const Recovered& o = objects[i];
+    args.insert(args.end(), {o.key, o.token, numbers[2 * i], o.checksum, o.layout, numbers[2 * i + 1], o.runs, o.sum});
+  }
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::recover_tier(), {prefix_}, args));
+  if (r.type() != Reply::Type::kArray || r.size() != objects.size()) {
+    return corrupt("unexpected reply to recover_tier offer");
+  }
+  std::vector<Offered> out;
+  for (std::size_t i = 0; i < r.size(); ++i) {
+    const std::string_view t = text_of(r.element(i));
+    if (t == "ADMITTED") out.push_back(Offered::kAdmitted);
+    else if (t == "KEPT") out.push_back(Offered::kKept);
+    else if (t == "TAKEN") out.push_back(Offered::kTaken);
+    else if (t == "EXPIRED") out.push_back(Offered::kExpired);
+    else if (t == "COPY") out.push_back(Offered::kCopy);
+    else return corrupt("unexpected reply to recover_tier offer");
+  }
+  return out;
+}
+
+Status TierCatalog::end_recovery(std::string_view id, std::string_view epoch, RecoveryCounts counts,
+                                 std::string_view claimed) {
+  const std::string f = std::to_string(counts.found), c = std::to_string(counts.checked),
+                    b = std::to_string(counts.bad);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                           redis_.eval(scripts::recover_tier(), {prefix_}, {id, epoch, "end", f, c, b, claimed}));
+  if (r.str() != "OK") return corrupt("unexpected reply to recover_tier end");
+  return {};
 }
 
 }  // namespace kvstash::metadata

@@ -36,10 +36,13 @@ class TierCatalog {
   // Over `redis`, which must outlive it; `cell` names the cell.
   explicit TierCatalog(RedisClient& redis, std::string cell = "default");
 
-  // One object a write-down moves: its pool pages (on this node) and the slots it got.
+  // One object a write-down moves: its pool pages (on this node) and the slots it got, and
+  // what its header on the tier records of its record.
   struct WriteDown {
     std::string key, token;
     std::uint64_t size = 0;
+    std::string checksum, layout;
+    std::int64_t expires_ms = 0;  // Redis time; 0: never
     std::vector<PageRun> pages, slots;
     std::string slots_text;  // as the cell wrote them: commit and abort name them so
   };
@@ -89,6 +92,30 @@ class TierCatalog {
   // all; Redis may let a short wait last 100 ms); nullopt when none came. The connection's
   // command timeout must exceed `wait`.
   Result<std::optional<std::string>> next_promotion(std::string_view id, std::chrono::milliseconds wait);
+
+  // Recovery (recover_tier.lua): a cell that started node `id`'s tier over gets back what the
+  // device holds of its recoverable keys. begin: whether one is to run now (the cell started
+  // the tier over, and nothing moves down until end).
+  Result<bool> begin_recovery(std::string_view id, std::string_view epoch);
+  // One object the node found whole on its device (its header, its bytes matching the sum).
+  struct Recovered {
+    std::string key, token, checksum, layout, runs, sum;  // runs: "first,count;..."
+    std::uint64_t size = 0;
+    std::int64_t expires_ms = 0;
+  };
+  enum class Offered { kAdmitted, kKept, kTaken, kExpired, kCopy };
+  // The node's counts of headers so far, for `kvstash status`: found on the device, checked
+  // against their bytes, and of those, not matching.
+  struct RecoveryCounts {
+    std::uint64_t found = 0, checked = 0, bad = 0;
+  };
+  // Per object, what the cell did with it: admitted (or kept, from a recovery before) under
+  // this epoch, or refused. kStale when the node or the recovery is no longer current.
+  Result<std::vector<Offered>> offer_recovered(std::string_view id, std::string_view epoch, RecoveryCounts counts,
+                                               std::span<const Recovered> objects);
+  // Ends the recovery: `claimed` (ascending "first,count;...") are the slots of what was
+  // admitted or kept; every other slot is free again.
+  Status end_recovery(std::string_view id, std::string_view epoch, RecoveryCounts counts, std::string_view claimed);
 
  private:
   RedisClient& redis_;

@@ -389,6 +389,12 @@ void MemoryNode::tier_metrics(MetricsText& m) const {
   m.counter("kvstash_tier_promotion_corrupt_total",
             "Promotions whose bytes did not match the tier's sum (the object was dropped)",
             static_cast<double>(c.promotion_corrupt));
+  m.counter("kvstash_tier_recovered_total",
+            "Objects of the NVMe tier given back to a cell that had started the tier over (its Redis lost them)",
+            static_cast<double>(c.recovered));
+  m.counter("kvstash_tier_recovery_corrupt_total",
+            "Objects found on the NVMe tier at a recovery whose bytes did not match their header's sum",
+            static_cast<double>(c.recovery_bad));
   m.counter("kvstash_tier_device_ios_total", "I/Os the NVMe tier's device completed", static_cast<double>(d.reads),
             {{"op", "read"}});
   m.counter("kvstash_tier_device_ios_total", "", static_cast<double>(d.writes), {{"op", "write"}});

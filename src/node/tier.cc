@@ -32,6 +32,7 @@ constexpr std::uint64_t kMaxIo = 1u << 20;
 struct NodeTier::AtomicCounters {
   std::atomic<std::uint64_t> written_down{0}, written_down_bytes{0}, write_down_failures{0};
   std::atomic<std::uint64_t> promoted{0}, promoted_bytes{0}, promotion_failures{0}, promotion_corrupt{0};
+  std::atomic<std::uint64_t> recovered{0}, recovery_bad{0};
 };
 
 namespace {
@@ -63,20 +64,29 @@ std::vector<SsdIo> ios_for(bool write, std::span<const PageRun> pages, std::span
   return out;
 }
 
-// The tier's own sum of an object's `size` bytes in pool pages `pages`: an xxh3 per page,
-// then one over those (pages are not contiguous in the pool).
+// The tier's own sum of an object: an xxh3 per page, then one over those (pages are not
+// contiguous in the pool). fold_pages adds the sums of the pages at `bytes` (`n` bytes; the
+// last page may be short) to `per_page`; tier_sum folds them.
+void fold_pages(std::vector<std::uint64_t>& per_page, const std::byte* bytes, std::uint64_t n,
+                std::uint64_t page_size) {
+  for (std::uint64_t at = 0; at < n; at += page_size) per_page.push_back(sum::segment_sum(bytes + at, std::min(page_size, n - at)));
+}
+
+std::string tier_sum(const std::vector<std::uint64_t>& per_page) {
+  return fmt::format("{:016x}", sum::segment_sum(per_page.data(), per_page.size() * sizeof(std::uint64_t)));
+}
+
+// The sum of an object's `size` bytes in pool pages `pages`.
 std::string tier_sum(std::span<const PageRun> pages, const std::byte* pool, std::uint64_t page_size,
                      std::uint64_t size) {
   std::vector<std::uint64_t> per_page;
   std::uint64_t left = size;
   for (const PageRun& r : pages) {
-    for (std::uint64_t i = 0; i < r.count && left > 0; ++i) {
-      const std::uint64_t n = std::min(left, page_size);
-      per_page.push_back(sum::segment_sum(pool + (r.first + i) * page_size, n));
-      left -= n;
-    }
+    const std::uint64_t n = std::min(left, r.count * page_size);
+    fold_pages(per_page, pool + r.first * page_size, n, page_size);
+    left -= n;
   }
-  return fmt::format("{:016x}", sum::segment_sum(per_page.data(), per_page.size() * sizeof(std::uint64_t)));
+  return tier_sum(per_page);
 }
 
 // The superblock: block 0 of the header area (kept out of the headers' allocation):
@@ -128,7 +138,12 @@ Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std
                                                 options.path, t->device_->capacity(), page_size));
   }
   t->slots_ = layout.slots;
-  t->slot_base_ = layout.slot_offset(0);
+  t->layout_ = layout;
+  // Headers are numbered on from the clock (microseconds): a restart never numbers a header
+  // below one it wrote before.
+  t->sequence_ = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
   // The superblock: the same tier again, or a new one.
   const std::size_t block = t->device_->block_size();
   KVSTASH_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(block));
@@ -189,7 +204,8 @@ void NodeTier::pause() {
 NodeTier::Counters NodeTier::counters() const {
   const auto& c = *counters_;
   return {c.written_down.load(), c.written_down_bytes.load(), c.write_down_failures.load(), c.promoted.load(),
-          c.promoted_bytes.load(), c.promotion_failures.load(), c.promotion_corrupt.load()};
+          c.promoted_bytes.load(), c.promotion_failures.load(), c.promotion_corrupt.load(), c.recovered.load(),
+          c.recovery_bad.load()};
 }
 
 Deadline NodeTier::job_deadline() const {
@@ -208,6 +224,24 @@ void NodeTier::loop() {
     }
     if (epoch.empty()) {
       std::this_thread::sleep_for(options_.poll);
+      continue;
+    }
+    // First, under each new registration: a cell that started the tier over gets back what
+    // the device holds (nothing moves down before).
+    if (epoch != recovered_epoch_) {
+      bool over = false;
+      {
+        std::lock_guard job(job_mu_);
+        std::unique_lock lock(mu_);
+        const bool current = epoch_ == epoch;
+        lock.unlock();
+        over = current && recover(epoch);
+      }
+      if (over) {
+        recovered_epoch_ = epoch;
+      } else {
+        std::this_thread::sleep_for(options_.poll);
+      }
       continue;
     }
     // Promotions first: a get waits on each.
@@ -246,17 +280,37 @@ bool NodeTier::write_down(const std::string& epoch) {
   if (batch->objects.empty()) return false;
   std::vector<SsdIo> ios;
   std::vector<std::string> sums;
-  for (const auto& w : batch->objects) {
-    if (!within_pool(w.pages, pool_pages_)) {
+  // Each object's header place (its first slot's) gets its header, or zeros: an older header
+  // there names slots this object now holds.
+  const std::uint64_t unit = layout_.header_unit;
+  auto headers = Buffer::allocate(batch->objects.size() * unit);
+  if (!headers.is_ok()) {
+    (void)catalog_->abort_write_down(id_, batch->objects);
+    return false;
+  }
+  std::memset(headers->data(), 0, headers->size());
+  for (std::size_t i = 0; i < batch->objects.size(); ++i) {
+    const auto& w = batch->objects[i];
+    if (!within_pool(w.pages, pool_pages_) || w.slots.back().first + w.slots.back().count > slots_) {
       (void)catalog_->abort_write_down(id_, batch->objects);
-      KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages past the pool for {}", id_, w.key);
+      KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, w.key);
       return false;
     }
     // The sum first: the bytes written are these, unless a put replaced the object meanwhile,
     // and then its commit fails on the token.
     sums.push_back(tier_sum(w.pages, pool_, page_size_, w.size));
-    auto more = ios_for(true, w.pages, w.slots, pool_, page_size_, slot_base_);
+    auto more = ios_for(true, w.pages, w.slots, pool_, page_size_, layout_.slot_offset(0));
     ios.insert(ios.end(), more.begin(), more.end());
+    std::byte* place = headers->data() + i * unit;
+    if (recoverable(w.key)) {
+      TierHeader h{.sequence = ++sequence_, .cell = cell_->name(), .key = w.key, .token = w.token, .size = w.size,
+                   .checksum = w.checksum, .layout = w.layout, .sum = sums.back(), .expires_ms = w.expires_ms};
+      for (const PageRun& r : w.slots) h.runs.emplace_back(r.first, r.count);
+      // One that does not fit its place (a layout of kilobytes) is not recoverable.
+      if (auto bytes = encode_tier_header(h, unit); bytes.is_ok()) std::memcpy(place, bytes->data(), bytes->size());
+    }
+    ios.push_back({.write = true, .offset = layout_.header_offset(w.slots.front().first), .buffer = place,
+                   .length = static_cast<std::size_t>(unit)});
   }
   const Status wrote = device_->run(std::move(ios), job_deadline());
   if (!wrote.is_ok()) {
@@ -336,7 +390,7 @@ std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& e
     // From here until the device gives the buffers back, this thread writes into the lease's
     // pages.
     writing_until_ = std::min(writing_until_.load(), p.deadline_ms);
-    auto more = ios_for(false, p.pages, p.slots, pool_, page_size_, slot_base_);
+    auto more = ios_for(false, p.pages, p.slots, pool_, page_size_, layout_.slot_offset(0));
     job->ios.insert(job->ios.end(), more.begin(), more.end());
     job->bytes += p.size;
     job->promotions.push_back(std::move(p));
@@ -396,6 +450,163 @@ void NodeTier::promote(const std::string& epoch, std::string first) {
     running = std::move(next);
   }
   writing_until_ = std::numeric_limits<std::int64_t>::max();
+}
+
+bool NodeTier::recoverable(std::string_view key) const {
+  return std::ranges::any_of(options_.recover_prefixes, [&](const std::string& p) { return key.starts_with(p); });
+}
+
+void NodeTier::promote_queued(const std::string& epoch) {
+  auto next = catalog_->next_promotion(id_, std::chrono::milliseconds(0));
+  if (next.is_ok() && next->has_value() && !(*next)->empty()) promote(epoch, **next);
+}
+
+bool NodeTier::recover(const std::string& epoch) {
+  auto begun = catalog_->begin_recovery(id_, epoch);
+  if (!begun.is_ok()) {
+    KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: {}", id_, begun.status().to_string());
+    return false;
+  }
+  if (!*begun) return true;
+  TierCatalog::RecoveryCounts counts;
+  std::vector<bool> claimed(slots_, false);
+  auto claimed_runs = [&] {
+    std::string out;
+    for (std::uint64_t s = 0; s < slots_;) {
+      if (!claimed[s]) {
+        ++s;
+        continue;
+      }
+      std::uint64_t e = s;
+      while (e < slots_ && claimed[e]) ++e;
+      out += fmt::format("{}{},{}", out.empty() ? "" : ";", s, e - s);
+      s = e;
+    }
+    return out;
+  };
+  auto finish = [&] {
+    const Status ended = catalog_->end_recovery(id_, epoch, counts, claimed_runs());
+    if (!ended.is_ok()) KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: {}", id_, ended.to_string());
+    return ended.is_ok();
+  };
+  // A device this node laid out afresh holds nothing of the cell's; without recoverable keys
+  // nothing is offered.
+  if (!found_ || options_.recover_prefixes.empty()) return finish();
+  const auto started = std::chrono::steady_clock::now();
+  auto scanned = scan_tier_headers(*device_, layout_, deadline_after(std::chrono::minutes(10)));
+  if (!scanned.is_ok()) {
+    KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: reading the headers failed ({}); nothing is recovered", id_,
+                     scanned.status().to_string());
+    return finish();
+  }
+  // What a header must say to be offered: this cell, a recoverable key, its slots on this
+  // tier starting at its place, as many as its size takes.
+  std::vector<std::pair<TierHeader, std::uint64_t>> found;
+  for (auto& [h, slot] : *scanned) {
+    sequence_ = std::max(sequence_, h.sequence);
+    std::uint64_t pages = 0;
+    bool in_range = !h.runs.empty() && h.runs.front().first == slot;
+    for (auto [first, count] : h.runs) {
+      in_range = in_range && count > 0 && first < slots_ && count <= slots_ - first;
+      pages += count;
+    }
+    if (h.cell != cell_->name() || !recoverable(h.key) || !in_range || h.size == 0 || h.sum.empty() ||
+        pages != (h.size + page_size_ - 1) / page_size_) {
+      continue;
+    }
+    found.emplace_back(std::move(h), slot);
+  }
+  // Of two that share a slot, the newer (the older's bytes there are overwritten).
+  std::ranges::sort(found, [](const auto& a, const auto& b) { return a.first.sequence > b.first.sequence; });
+  std::erase_if(found, [&](const auto& f) {
+    for (auto [first, count] : f.first.runs) {
+      for (std::uint64_t i = first; i < first + count; ++i) {
+        if (claimed[i]) return true;
+      }
+    }
+    for (auto [first, count] : f.first.runs) std::fill_n(claimed.begin() + static_cast<std::ptrdiff_t>(first), count, true);
+    return false;
+  });
+  std::ranges::sort(found, {}, [](const auto& f) { return f.second; });  // read in device order
+  counts.found = found.size();
+  KVSTASH_LOG_INFO("node {}: NVMe tier: the cell started the tier over; checking {} objects' bytes to offer them",
+                   id_, found.size());
+  auto unclaim = [&](const TierHeader& h) {
+    for (auto [first, count] : h.runs) std::fill_n(claimed.begin() + static_cast<std::ptrdiff_t>(first), count, false);
+  };
+  const std::uint64_t chunk_pages = std::max<std::uint64_t>(1, kPromotionBytes / page_size_);
+  auto buffer = Buffer::allocate(chunk_pages * page_size_);
+  if (!buffer.is_ok()) return false;
+  // Checks `h`'s bytes against its sum, a chunk of its slots at a time.
+  auto verify = [&](const TierHeader& h) -> Result<bool> {
+    std::vector<std::uint64_t> per_page;
+    std::uint64_t left = h.size;
+    for (auto [first, count] : h.runs) {
+      for (std::uint64_t at = 0; at < count; at += chunk_pages) {
+        const std::uint64_t n = std::min(chunk_pages, count - at);
+        const PageRun slots{first + at, n}, pages{0, n};
+        KVSTASH_RETURN_IF_ERROR(device_->run(
+            ios_for(false, {&pages, 1}, {&slots, 1}, buffer->data(), page_size_, layout_.slot_offset(0)),
+            job_deadline()));
+        const std::uint64_t bytes = std::min(left, n * page_size_);
+        fold_pages(per_page, buffer->data(), bytes, page_size_);
+        left -= bytes;
+      }
+    }
+    return tier_sum(per_page) == h.sum;
+  };
+  constexpr std::size_t kOffer = 32;
+  std::vector<TierCatalog::Recovered> offer;
+  std::vector<const TierHeader*> offered;
+  auto send = [&]() -> bool {
+    auto answers = catalog_->offer_recovered(id_, epoch, counts, offer);
+    if (!answers.is_ok()) {
+      KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: {}", id_, answers.status().to_string());
+      return false;
+    }
+    for (std::size_t i = 0; i < answers->size(); ++i) {
+      const auto a = (*answers)[i];
+      if (a == TierCatalog::Offered::kAdmitted) ++counters_->recovered;
+      if (a != TierCatalog::Offered::kAdmitted && a != TierCatalog::Offered::kKept) unclaim(*offered[i]);
+    }
+    offer.clear();
+    offered.clear();
+    return true;
+  };
+  for (const auto& [h, slot] : found) {
+    {
+      std::lock_guard lock(mu_);
+      if (epoch_ != epoch || stopping_) return false;  // registering again: it runs again then
+    }
+    auto ok = verify(h);
+    ++counts.checked;
+    if (!ok.is_ok() || !*ok) {
+      ++counts.bad;
+      ++counters_->recovery_bad;
+      unclaim(h);
+      if (!ok.is_ok()) {
+        KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: reading {} failed: {}", id_, h.key, ok.status().to_string());
+      }
+      continue;
+    }
+    std::string runs;
+    for (auto [first, count] : h.runs) runs += fmt::format("{}{},{}", runs.empty() ? "" : ";", first, count);
+    offer.push_back({.key = h.key, .token = h.token, .checksum = h.checksum, .layout = h.layout,
+                     .runs = std::move(runs), .sum = h.sum, .size = h.size, .expires_ms = h.expires_ms});
+    offered.push_back(&h);
+    if (offer.size() == kOffer) {
+      if (!send()) return false;
+      promote_queued(epoch);  // what is admitted is readable now: its gets need not wait
+    }
+  }
+  if (!offer.empty() && !send()) return false;
+  if (!finish()) return false;
+  KVSTASH_LOG_INFO("node {}: NVMe tier: recovery done in {} ms: {} objects checked, {} did not match their sum, "
+                   "{} admitted", id_,
+                   std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started)
+                       .count(),
+                   counts.checked, counts.bad, counters_->recovered.load());
+  return true;
 }
 
 }  // namespace kvstash::node

@@ -29,10 +29,12 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "kvstash/status.h"
 #include "metadata/cell.h"
 #include "node/ssd_device.h"
+#include "node/tier_headers.h"
 
 namespace kvstash::metadata {
 class TierCatalog;
@@ -53,6 +55,10 @@ struct TierOptions {
   std::chrono::milliseconds io_timeout{5000};
   // How long the thread waits for a promotion before it looks at the pool's free pages again.
   std::chrono::milliseconds poll{20};
+  // Key prefixes whose keys name their content (a KV cache's chunk keys: "kvp:"): their
+  // objects get a header on the device, and a cell that lost its Redis gets them back from it
+  // (docs/metadata.md, "A cell that lost its Redis"). Empty: none.
+  std::vector<std::string> recover_prefixes;
   // Fault injection (SsdDevice::set_fault): the history checker's and the tests' failing device.
   std::function<int(const SsdIo&)> fault;
 };
@@ -93,12 +99,22 @@ class NodeTier {
   struct Counters {
     std::uint64_t written_down = 0, written_down_bytes = 0, write_down_failures = 0;
     std::uint64_t promoted = 0, promoted_bytes = 0, promotion_failures = 0, promotion_corrupt = 0;
+    // Recoveries into a cell that started the tier over: objects it admitted, and headers
+    // whose bytes no longer matched their sum.
+    std::uint64_t recovered = 0, recovery_bad = 0;
   };
   Counters counters() const;
 
  private:
   NodeTier() = default;
   void loop();
+  // Offers what the device holds of the recoverable keys to a cell that started this tier over
+  // (TierCatalog::begin_recovery says whether it did). Returns whether the recovery is over
+  // (ran, or none was wanted); false to try again (Redis or the epoch changed meanwhile).
+  bool recover(const std::string& epoch);
+  bool recoverable(std::string_view key) const;
+  // Runs the promotions gets have queued, if any, without waiting for one.
+  void promote_queued(const std::string& epoch);
   // One write-down batch; returns whether it moved anything (then the next one runs at once).
   bool write_down(const std::string& epoch);
   // Promotes `first` (queued by a get), and whatever else is queued meanwhile, in device jobs
@@ -117,7 +133,9 @@ class NodeTier {
   TierOptions options_;
   std::uint64_t page_size_ = 0;
   std::uint64_t slots_ = 0;
-  std::uint64_t slot_base_ = 0;  // byte offset of slot 0 on the device
+  TierLayout layout_{0, 0, 4096};
+  std::uint64_t sequence_ = 0;  // the last header's (TierHeader::sequence)
+  std::string recovered_epoch_;  // the registration whose recovery is over
   std::string tier_id_;
   bool found_ = false;
   std::unique_ptr<SsdDevice> device_;

@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
   app.add_option("--reclaim-interval", reclaim,
                  "How often this node sweeps the cell for expired objects, abandoned puts and dead nodes")
       ->capture_default_str();
-  std::string ssd, ssd_capacity, ssd_low_water = "12.5%", ssd_fault = "none";
+  std::string ssd, ssd_capacity, ssd_low_water = "12.5%", ssd_fault = "none", ssd_recover = "kvp:";
   app.add_option("--ssd", ssd,
                  "An NVMe tier under the pool: a file (created, and given --ssd-capacity) or a block device, on a "
                  "file system that takes O_DIRECT (`kvstash doctor --ssd PATH` checks). Cold objects move down "
@@ -172,6 +172,11 @@ int main(int argc, char** argv) {
                  "Bytes of --ssd to use (e.g. 512GiB); required for a file, default all of a block device");
   app.add_option("--ssd-low-water", ssd_low_water,
                  "Objects move down to --ssd while fewer than this share of the pool's pages are free")
+      ->capture_default_str();
+  app.add_option("--ssd-recover", ssd_recover,
+                 "Comma-separated key prefixes whose keys name their content (the KV cache's chunks are "
+                 "\"kvp:\"): their objects on --ssd are given back to a cell that lost its Redis (docs/metadata.md, "
+                 "\"A cell that lost its Redis\"); \"\" for none")
       ->capture_default_str();
   app.add_option("--ssd-fault", ssd_fault,
                  "Tests only: the tier's device fails every read or write with EIO (or a write with ENOSPC)")
@@ -242,6 +247,11 @@ int main(int argc, char** argv) {
         const bool write = ssd_fault != "read-eio";
         const int err = ssd_fault == "write-enospc" ? ENOSPC : EIO;
         tier.fault = [write, err](const node::SsdIo& io) { return io.write == write ? err : 0; };
+      }
+      for (std::size_t at = 0; at < ssd_recover.size();) {
+        const std::size_t comma = std::min(ssd_recover.find(',', at), ssd_recover.size());
+        if (comma > at) tier.recover_prefixes.push_back(ssd_recover.substr(at, comma - at));
+        at = comma + 1;
       }
       opts.tier = std::move(tier);
     } else if (!ssd_capacity.empty()) {

@@ -4,7 +4,8 @@
 -- ARGV     id, epoch, low water (pages: act while fewer are free), most pages to move, lease_ms,
 --          high water (pages: move enough to free this many; default the low water)
 -- Returns  the write-down's deadline (ms of Redis time), then per object: key, token, size,
---          extents (its pool pages, all on this node), slots (ssd extents); just the deadline
+--          extents (its pool pages, all on this node), slots (ssd extents), checksum, layout,
+--          expires (what the tier's header of it records: docs/nvme-tier.md); just the deadline
 --          when nothing needs to move; STALE when the node is not this epoch, alive and up
 --
 -- Picks least recently used objects no reader leases, wholly on this node's pool (an object
@@ -21,8 +22,10 @@ if n[1] ~= epoch or n[2] ~= 'up' or not live(id) then
 end
 local deadline = now + lease
 local sid = slots_of(id)
-local floor = tonumber(redis.call('HGET', P .. ':node:' .. sid, 'gen_floor') or '')
+local t = redis.call('HMGET', P .. ':node:' .. sid, 'gen_floor', 'recovery')
+local floor = tonumber(t[1] or '')
 if not floor then return {deadline} end  -- no tier
+if t[2] == 'pending' or t[2] == 'running' then return {deadline} end  -- no slot is handed out before it ends
 redis.call('HDEL', P .. ':node:' .. sid, 'nudged')  -- the node looks now (prelude: nudge_tier)
 local free = free_pages(id)
 if free >= low then return {deadline} end
@@ -36,13 +39,14 @@ walk_unleased_lru(function(key, _, extents, size)
     count = count + c
   end
   if count == 0 then return false end
-  local o = redis.call('HMGET', P .. ':obj:' .. key, 'moving', 'moving_until', 'token')
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'moving', 'moving_until', 'token', 'checksum', 'layout',
+                       'expires')
   if o[1] and (tonumber(o[2] or '0') or 0) >= now then return false end  -- one is running
   if o[1] then
     free_extents(o[1])  -- an earlier write-down that never committed
     redis.call('HDEL', P .. ':obj:' .. key, 'moving', 'moving_until')
   end
-  picked[#picked + 1] = {key, o[3], size, extents, count}
+  picked[#picked + 1] = {key, o[3], size, extents, count, o[4] or '', o[5] or '', o[6] or '0'}
   pages = pages + count
   return pages >= want
 end, want + 1024)
@@ -77,5 +81,8 @@ for _, p in ipairs(picked) do
   out[#out + 1] = p[3]
   out[#out + 1] = p[4]
   out[#out + 1] = slots
+  out[#out + 1] = p[6]
+  out[#out + 1] = p[7]
+  out[#out + 1] = p[8]
 end
 return out

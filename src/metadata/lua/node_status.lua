@@ -4,7 +4,9 @@
 -- ARGV     id
 -- Returns  state, epoch, page_size, page_count, free pages, objects, heartbeat deadline (ms, -1
 --          when not in the cell), now, reserved pages, pages in limbo, then its NVMe tier's
---          slots, free slots and objects (0, 0, 0: no tier); NOT_FOUND for an unknown id
+--          slots, free slots and objects (0, 0, 0: no tier), and its recovery (recover_tier.lua):
+--          state ('' when none ran), headers found, checked, bad, objects admitted, refused;
+--          NOT_FOUND for an unknown id
 --
 -- Reserved: pages of pending puts and page reservations within their lease (being written,
 -- or waiting for a client's next puts). Limbo: pages no object holds that are not free yet:
@@ -32,8 +34,12 @@ end
 for _, tok in ipairs(redis.call('ZRANGE', P .. ':zombies', 0, SCAN - 1)) do
   limbo = limbo + held_pages(redis.call('GET', P .. ':zombie:' .. tok), id)
 end
+local rec = redis.call('HMGET', P .. ':node:' .. slots_of(id), 'recovery', 'recovery_found', 'recovery_checked',
+                      'recovery_bad', 'recovery_admitted', 'recovery_refused')
 return {n[1], n[2] or '', tonumber(n[3]) or 0, tonumber(n[4]) or 0, free,
         redis.call('SCARD', P .. ':objs:' .. id) + redis.call('SCARD', P .. ':tier_objs:' .. id),
         d and tonumber(d) or -1, now, reserved, limbo,
         tonumber(redis.call('HGET', P .. ':node:' .. slots_of(id), 'page_count') or '0') or 0,
-        free_pages(slots_of(id)), redis.call('ZCARD', P .. ':lru_ssd:' .. id)}
+        free_pages(slots_of(id)), redis.call('ZCARD', P .. ':lru_ssd:' .. id),
+        rec[1] or '', tonumber(rec[2] or '0') or 0, tonumber(rec[3] or '0') or 0, tonumber(rec[4] or '0') or 0,
+        tonumber(rec[5] or '0') or 0, tonumber(rec[6] or '0') or 0}

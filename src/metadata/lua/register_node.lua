@@ -54,20 +54,26 @@ end
 -- The NVMe tier outlives the pool: a node that finds the same tier again (its superblock's id,
 -- as many slots) keeps it, and its objects become readable again as soon as it serves (every
 -- promotion checks their bytes against the sum the write-down recorded). Any other device, or
--- none, starts the tier over (its objects swept, its slots above a new floor).
+-- none, starts the tier over (its objects swept, its slots above a new floor), and the node
+-- may then offer what its device holds of the cell's recoverable keys (recover_tier.lua): a
+-- cell that lost its Redis gets them back.
 local sk = P .. ':node:' .. slots_of(id)
 local slots, tier_id = tonumber(ARGV[9] or '0') or 0, ARGV[11] or ''
 local known = redis.call('HMGET', sk, 'tier_id', 'page_count')
 if held[1] ~= epoch and (slots > 0 or known[2]) then  -- a node that never had a tier has nothing here
   if slots == 0 or tier_id == '' or known[1] ~= tier_id or tonumber(known[2] or '0') ~= slots then
     sweep_tier_objects(id)
+    -- The node may offer what its device holds (recover_tier.lua): nothing moves down before.
+    if slots > 0 then redis.call('HSET', sk, 'recovery', 'pending') end
+  elseif redis.call('HGET', sk, 'recovery') == 'running' then
+    redis.call('HSET', sk, 'recovery', 'pending')  -- the node died during it: it runs again
   end
   redis.call('DEL', P .. ':promote:' .. id)  -- queued before: their gets queue them again
 end
 if slots > 0 then
   redis.call('HSET', sk, 'page_count', slots, 'low', tonumber(ARGV[10] or '1') or 1, 'tier_id', tier_id)
 elseif held[1] ~= epoch and known[2] then
-  redis.call('HDEL', sk, 'gen_floor', 'low', 'tier_id', 'page_count')  -- no tier now: nothing moves down
+  redis.call('HDEL', sk, 'gen_floor', 'low', 'tier_id', 'page_count', 'recovery')  -- no tier now: nothing moves down
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
 -- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.
