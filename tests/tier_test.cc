@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -422,6 +423,19 @@ TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
   EXPECT_EQ(ns.recovery.admitted, tiered.size() - 2);
   EXPECT_EQ(ns.recovery.refused, 1u) << "the chunk written anew";
   EXPECT_EQ(metric(metrics(), "kvstash_tier_recovered_total"), static_cast<double>(tiered.size() - 2));
+  {
+    // What an operator sees of it.
+    const std::string cmd = tools::find_tool("kvstash") + " --redis " + redis_->url() + " node show tiered 2>&1";
+    FILE* p = ::popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string shown;
+    for (char buf[512]; std::fgets(buf, sizeof buf, p) != nullptr;) shown += buf;
+    EXPECT_EQ(::pclose(p), 0) << shown;
+    const std::string want = "done: " + std::to_string(tiered.size()) + " of " + std::to_string(tiered.size()) +
+                             " objects on the device checked, " + std::to_string(tiered.size() - 2) + " admitted, 1 not "
+                             "matching their sum, 1 refused";
+    EXPECT_NE(shown.find(want), std::string::npos) << shown;
+  }
   auto check_all = [&](const char* when) {
     for (const std::string& k : tiered) {
       auto same = get_matches(k, k == replaced ? 1 : 0);

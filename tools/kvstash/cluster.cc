@@ -63,7 +63,24 @@ json node_json(const Node& n) {
           {"tier_objects", n.s.tier_objects},
           {"tier_capacity_bytes", n.tier_capacity()},
           {"tier_used_bytes", n.tier_used()},
+          {"tier_recovery",
+           {{"state", n.s.recovery.state},
+            {"found", n.s.recovery.found},
+            {"checked", n.s.recovery.checked},
+            {"bad", n.s.recovery.bad},
+            {"admitted", n.s.recovery.admitted},
+            {"refused", n.s.recovery.refused}}},
           {"heartbeat_in_ms", n.s.heartbeat_in_ms}};
+}
+
+// A tier's last recovery into the cell (docs/metadata.md, "A cell that lost its Redis"), or
+// "" when none ran.
+std::string recovery_text(const NodeStatus::Recovery& r) {
+  if (r.state.empty()) return "";
+  if (r.state == "pending") return "pending (the cell started the tier over; the node offers what it holds)";
+  return r.state + ": " + std::to_string(r.checked) + " of " + std::to_string(r.found) +
+         " objects on the device checked, " + std::to_string(r.admitted) + " admitted, " + std::to_string(r.bad) +
+         " not matching their sum, " + std::to_string(r.refused) + " refused (newer under the key, expired, a copy)";
 }
 
 // "used/capacity" of a node's NVMe tier, or "-" without one.
@@ -176,6 +193,12 @@ int status(Session& s) {
               << units::format_size(tier_cap) << " (" << percent(tier_used, tier_cap) << "); " << sum->written_down
               << " moved down, " << sum->promoted << " promoted for " << sum->tier_hits << " gets, "
               << sum->tier_evicted << " evicted there, " << sum->tier_lost << " lost\n";
+    // Recoveries under way: a cell that lost its Redis getting its objects back.
+    for (const auto& n : *nodes) {
+      if (n.s.recovery.state == "pending" || n.s.recovery.state == "running") {
+        std::cout << "recovery  " << n.id << " " << recovery_text(n.s.recovery) << "\n";
+      }
+    }
   }
   std::cout << "rkey      " << to_string(*scope) << " scope (kvstash rkey-scope)\n";
   for (std::size_t i = 0; i < quotas->size(); ++i) {
@@ -237,6 +260,7 @@ int show_node(Session& s, const std::string& id) {
     t.row({"nvme", units::format_size(n->tier_used()) + " of " + units::format_size(n->tier_capacity()) + " (" +
                        std::to_string(n->s.tier_objects) + " objects, " + std::to_string(n->s.tier_free_slots) +
                        " of " + std::to_string(n->s.tier_slots) + " slots free)"});
+    if (!n->s.recovery.state.empty()) t.row({"recovery", recovery_text(n->s.recovery)});
   } else {
     t.row({"nvme", "none (kvstashd --ssd)"});
   }
