@@ -347,6 +347,44 @@ TEST_F(TierTest, ANodeBackOverAnotherDeviceStartsItsTierOver) {
   EXPECT_EQ(*get_matches("tier/new"), true);
 }
 
+// Redis restarts empty under a running node: the node registers again into the empty cell,
+// which starts its tier over, and gives the recoverable keys' objects back (the other keys
+// are gone), byte for byte.
+TEST_F(TierTest, RedisRestartedEmptyUnderARunningNodeGetsTheRecoverableKeysBack) {
+  start();
+  if (IsSkipped()) return;
+  auto chunk = [](int i) { return "kvp:{m}chunk-" + std::to_string(i); };
+  for (int i = 0; i < 24; ++i) {
+    ASSERT_TRUE(put(chunk(i)).is_ok()) << i;
+    ASSERT_TRUE(put(key_of(i)).is_ok()) << i;
+  }
+  settled_status();
+  std::vector<std::string> tiered;
+  for (int i = 0; i < 24; ++i) {
+    const std::string k = chunk(i);
+    if (store_->prefix_tiers({&k, 1})->front() == Tier::kSsd) tiered.push_back(k);
+  }
+  ASSERT_GE(tiered.size(), 6u);
+  ASSERT_TRUE(redis_->restart().is_ok());
+  metadata::NodeStatus ns;
+  for (const Deadline until = deadline_after(20s); Clock::now() < until; std::this_thread::sleep_for(20ms)) {
+    auto s = cell_->admin().node_status("tiered");
+    if (s.is_ok() && s->recovery.state == "done") {
+      ns = *s;
+      break;
+    }
+  }
+  ASSERT_EQ(ns.recovery.state, "done") << "no recovery ended after Redis restarted empty";
+  EXPECT_EQ(ns.recovery.admitted, tiered.size());
+  EXPECT_EQ(ns.recovery.bad, 0u);
+  for (const std::string& k : tiered) {
+    auto same = get_matches(k);
+    ASSERT_TRUE(same.is_ok()) << k << ": " << same.status().to_string();
+    EXPECT_TRUE(*same) << k << " came back with other bytes";
+  }
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(get_matches(key_of(i)).status().code(), StatusCode::kNotFound) << key_of(i);
+}
+
 // A cell that lost its Redis (restarted empty, the node killed meanwhile) gets back from the
 // node's tier the objects of its recoverable keys ("kvp:", the KV cache's chunks, whose keys
 // name their content), each checked against its sum: byte for byte, under the node's new

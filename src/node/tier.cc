@@ -7,6 +7,7 @@
 #include <cstring>
 #include <optional>
 #include <span>
+#include <unordered_set>
 #include <vector>
 
 #include "common/checksum.h"
@@ -151,7 +152,7 @@ Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std
       t->device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
           .with_context("reading the NVMe tier's superblock"));
   std::optional<std::uint64_t> id = read_superblock(b.data(), block, page_size, t->slots_, node_id);
-  t->found_ = id.has_value();
+  t->found_ = t->holds_headers_ = id.has_value();
   if (!id) {
     id = sys::random_u64();
     const std::string text = superblock(*id, page_size, t->slots_, node_id);
@@ -307,7 +308,10 @@ bool NodeTier::write_down(const std::string& epoch) {
                    .checksum = w.checksum, .layout = w.layout, .sum = sums.back(), .expires_ms = w.expires_ms};
       for (const PageRun& r : w.slots) h.runs.emplace_back(r.first, r.count);
       // One that does not fit its place (a layout of kilobytes) is not recoverable.
-      if (auto bytes = encode_tier_header(h, unit); bytes.is_ok()) std::memcpy(place, bytes->data(), bytes->size());
+      if (auto bytes = encode_tier_header(h, unit); bytes.is_ok()) {
+        std::memcpy(place, bytes->data(), bytes->size());
+        holds_headers_ = true;
+      }
     }
     ios.push_back({.write = true, .offset = layout_.header_offset(w.slots.front().first), .buffer = place,
                    .length = static_cast<std::size_t>(unit)});
@@ -489,9 +493,9 @@ bool NodeTier::recover(const std::string& epoch) {
     if (!ended.is_ok()) KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: {}", id_, ended.to_string());
     return ended.is_ok();
   };
-  // A device this node laid out afresh holds nothing of the cell's; without recoverable keys
-  // nothing is offered.
-  if (!found_ || options_.recover_prefixes.empty()) return finish();
+  // A device laid out afresh at open, that this process has written no header to since,
+  // holds nothing of the cell's; without recoverable keys nothing is offered.
+  if (!holds_headers_ || options_.recover_prefixes.empty()) return finish();
   const auto started = std::chrono::steady_clock::now();
   auto scanned = scan_tier_headers(*device_, layout_, deadline_after(std::chrono::minutes(10)));
   if (!scanned.is_ok()) {
@@ -516,9 +520,12 @@ bool NodeTier::recover(const std::string& epoch) {
     }
     found.emplace_back(std::move(h), slot);
   }
-  // Of two that share a slot, the newer (the older's bytes there are overwritten).
+  // Of two that share a slot, the newer (the older's bytes there are overwritten); of two of
+  // one key, the newer (either is one of the key's puts; the newer is what the cell last had).
   std::ranges::sort(found, [](const auto& a, const auto& b) { return a.first.sequence > b.first.sequence; });
+  std::unordered_set<std::string> keys;
   std::erase_if(found, [&](const auto& f) {
+    if (!keys.insert(f.first.key).second) return true;
     for (auto [first, count] : f.first.runs) {
       for (std::uint64_t i = first; i < first + count; ++i) {
         if (claimed[i]) return true;

@@ -138,6 +138,7 @@ class NodeTier {
   std::string recovered_epoch_;  // the registration whose recovery is over
   std::string tier_id_;
   bool found_ = false;
+  bool holds_headers_ = false;  // found_, or a header written since: a recovery reads them
   std::unique_ptr<SsdDevice> device_;
   std::unique_ptr<metadata::Cell> cell_;
   std::unique_ptr<metadata::TierCatalog> catalog_;  // over cell_: this thread's only
