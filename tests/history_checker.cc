@@ -23,7 +23,11 @@
 //     returned OK was invoked after P returned and returned before the get was invoked.
 //
 // A put that failed may or may not have committed (a lost reply), within its own call: it
-// counts as a possible P. Anything else is wrong bytes. The run fails on wrong bytes, on an
+// counts as a possible P. With --ssd-dir, half the keys are recoverable ("kvp:"): a Redis loss
+// (restarted empty, a failover) may bring back an older put of one from a node's tier, so for
+// them a change that a loss may have undone (the loss ended after the change was invoked, and
+// began before the get returned) does not count as replacing P; such gets are counted, and
+// every other rule holds for them. Anything else is wrong bytes. The run fails on wrong bytes, on an
 // operation that outlived its deadline by more than a second, on a client that crashed or
 // hung, and on a setup failure.
 //
