@@ -12,6 +12,7 @@
 
 #include "kvstash/store.h"
 #include "metadata/cell.h"
+#include "metadata/tier_catalog.h"
 #include "redis_server.h"
 #include "tools/common/local_cluster.h"
 
@@ -153,8 +154,18 @@ TEST_F(SentinelTest, ANewMasterFencesTheCellsNodesOnce) {
   auto first = open();
   auto second = open();
   ASSERT_TRUE(first.is_ok() && second.is_ok()) << first.status().to_string();
-  const NodeRecord node{"n1", "e1", 1u << 20, 8, "addr-n1", "key-n1"};
+  // With an NVMe tier: its records on the new master cannot be trusted either.
+  const NodeRecord node{"n1", "e1", 1u << 20, 8, "addr-n1", "key-n1", "", 32, 1, "tier-n1"};
   ASSERT_TRUE((*first)->node_catalog().register_node(node, 60s).is_ok());
+  ASSERT_TRUE((*first)->admin().node_status("n1").is_ok());
+  {
+    // Its first registration started the tier (the node offers what its device holds); the
+    // node says that is over, as its tier thread would, holding nothing.
+    metadata::TierCatalog tiers((*first)->redis(), "c");
+    ASSERT_EQ(tiers.begin_recovery("n1", "e1").value(), true);
+    ASSERT_TRUE(tiers.end_recovery("n1", "e1", {}, "").is_ok());
+    ASSERT_EQ((*first)->admin().node_status("n1")->recovery.state, "done");
+  }
   auto before = (*first)->catalog().begin_put("t1", "k1", 1u << 20, 30s);
   ASSERT_TRUE(before.is_ok()) << before.status().to_string();
   ASSERT_TRUE((*first)->catalog().commit_put("t1", "k1", {0x1234}, "", 0ms).is_ok());
@@ -182,10 +193,14 @@ TEST_F(SentinelTest, ANewMasterFencesTheCellsNodesOnce) {
   ASSERT_TRUE(failovers.is_ok());
   EXPECT_EQ(failovers->str(), "1");
 
-  // Registered again (a new epoch), the node takes puts.
-  const NodeRecord again{"n1", "e2", 1u << 20, 8, "addr-n1", "key-n1-2"};
+  // Registered again (a new epoch), the node takes puts; its tier, the same device, starts
+  // over, and a recovery of what its device holds is to run (docs/metadata.md, "A cell that
+  // lost its Redis"): a replace or remove of an object on it may be missing here.
+  const NodeRecord again{"n1", "e2", 1u << 20, 8, "addr-n1", "key-n1-2", "", 32, 1, "tier-n1"};
   ASSERT_TRUE((*first)->node_catalog().register_node(again, 60s).is_ok());
   EXPECT_TRUE((*first)->catalog().begin_put("t5", "k5", 1u << 20, 30s).is_ok());
+  EXPECT_EQ((*first)->admin().node_status("n1")->recovery.state, "pending")
+      << "the new master kept the tier's records as the truth";
 }
 
 // A memory node and a store on the sentinel URL: after the master dies, the store's puts
