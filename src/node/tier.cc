@@ -262,15 +262,17 @@ void NodeTier::loop() {
       continue;
     }
     // No promotion waits (or the cell nudged: the pool went below its low water).
-    busy = write_down(epoch);
+    busy = write_down(epoch, busy);
   }
 }
 
-bool NodeTier::write_down(const std::string& epoch) {
+bool NodeTier::write_down(const std::string& epoch, bool eager) {
   // Below the low water, objects move until twice as many pages are free: batches large
-  // enough to keep the device busy, not one page per look.
-  const std::uint64_t low = low_water(pool_pages_);
-  auto batch = catalog_->begin_write_down(id_, epoch, low, std::min(pool_pages_, 2 * low), options_.batch_pages,
+  // enough to keep the device busy, not one page per look. While puts keep the pool short
+  // (the last batch moved something), the next batch starts at once below that high water,
+  // so the device does not wait for the pool to sink to its low water again.
+  const std::uint64_t low = low_water(pool_pages_), high = std::min(pool_pages_, 2 * low);
+  auto batch = catalog_->begin_write_down(id_, epoch, eager ? high : low, high, options_.batch_pages,
                                         options_.lease);
   if (!batch.is_ok()) {
     if (batch.status().code() != StatusCode::kStale) {
@@ -279,44 +281,54 @@ bool NodeTier::write_down(const std::string& epoch) {
     return false;
   }
   if (batch->objects.empty()) return false;
-  std::vector<SsdIo> ios;
-  std::vector<std::string> sums;
-  // Each object's header place (its first slot's) gets its header, or zeros: an older header
-  // there names slots this object now holds.
-  const std::uint64_t unit = layout_.header_unit;
-  auto headers = Buffer::allocate(batch->objects.size() * unit);
-  if (!headers.is_ok()) {
-    (void)catalog_->abort_write_down(id_, batch->objects);
-    return false;
-  }
-  std::memset(headers->data(), 0, headers->size());
-  for (std::size_t i = 0; i < batch->objects.size(); ++i) {
-    const auto& w = batch->objects[i];
+  for (const auto& w : batch->objects) {
     if (!within_pool(w.pages, pool_pages_) || w.slots.back().first + w.slots.back().count > slots_) {
       (void)catalog_->abort_write_down(id_, batch->objects);
       KVSTASH_LOG_ERROR("node {}: NVMe tier: the cell named pages or slots out of range for {}", id_, w.key);
       return false;
     }
-    // The sum first: the bytes written are these, unless a put replaced the object meanwhile,
-    // and then its commit fails on the token.
-    sums.push_back(tier_sum(w.pages, pool_, page_size_, w.size));
+  }
+  // The bytes go to the device while this thread sums them (both only read the pool pages):
+  // the sums cost no device time. The bytes written are these, unless a put replaced the
+  // object meanwhile, and then its commit fails on the token.
+  std::vector<SsdIo> ios;
+  for (const auto& w : batch->objects) {
     auto more = ios_for(true, w.pages, w.slots, pool_, page_size_, layout_.slot_offset(0));
     ios.insert(ios.end(), more.begin(), more.end());
-    std::byte* place = headers->data() + i * unit;
-    if (recoverable(w.key)) {
-      TierHeader h{.sequence = ++sequence_, .cell = cell_->name(), .key = w.key, .token = w.token, .size = w.size,
-                   .checksum = w.checksum, .layout = w.layout, .sum = sums.back(), .expires_ms = w.expires_ms};
-      for (const PageRun& r : w.slots) h.runs.emplace_back(r.first, r.count);
-      // One that does not fit its place (a layout of kilobytes) is not recoverable.
-      if (auto bytes = encode_tier_header(h, unit); bytes.is_ok()) {
-        std::memcpy(place, bytes->data(), bytes->size());
-        holds_headers_ = true;
-      }
-    }
-    ios.push_back({.write = true, .offset = layout_.header_offset(w.slots.front().first), .buffer = place,
-                   .length = static_cast<std::size_t>(unit)});
   }
-  const Status wrote = device_->run(std::move(ios), job_deadline());
+  auto done = std::make_shared<std::promise<Status>>();
+  std::future<Status> data = done->get_future();
+  device_->submit(std::move(ios), job_deadline(), [done](Status s) { done->set_value(std::move(s)); });
+  std::vector<std::string> sums;
+  for (const auto& w : batch->objects) sums.push_back(tier_sum(w.pages, pool_, page_size_, w.size));
+  // Then each object's header place (its first slot's): its header, or zeros (an older header
+  // there names slots this object now holds). After its bytes, before the flush.
+  const std::uint64_t unit = layout_.header_unit;
+  auto headers = Buffer::allocate(batch->objects.size() * unit);
+  Status wrote = data.get();
+  if (wrote.is_ok()) wrote = headers.status();
+  if (wrote.is_ok()) {
+    std::memset(headers->data(), 0, headers->size());
+    std::vector<SsdIo> places;
+    for (std::size_t i = 0; i < batch->objects.size(); ++i) {
+      const auto& w = batch->objects[i];
+      std::byte* place = headers->data() + i * unit;
+      if (recoverable(w.key)) {
+        TierHeader h{.sequence = ++sequence_, .cell = cell_->name(), .key = w.key, .token = w.token,
+                     .size = w.size, .checksum = w.checksum, .layout = w.layout, .sum = sums[i],
+                     .expires_ms = w.expires_ms};
+        for (const PageRun& r : w.slots) h.runs.emplace_back(r.first, r.count);
+        // One that does not fit its place (a layout of kilobytes) is not recoverable.
+        if (auto bytes = encode_tier_header(h, unit); bytes.is_ok()) {
+          std::memcpy(place, bytes->data(), bytes->size());
+          holds_headers_ = true;
+        }
+      }
+      places.push_back({.write = true, .offset = layout_.header_offset(w.slots.front().first), .buffer = place,
+                        .length = static_cast<std::size_t>(unit)});
+    }
+    wrote = device_->run(std::move(places), job_deadline());
+  }
   if (!wrote.is_ok()) {
     counters_->write_down_failures += batch->objects.size();
     KVSTASH_LOG_WARN("node {}: NVMe tier: a write-down of {} objects failed ({}); they stay in the pool", id_,
@@ -374,7 +386,7 @@ std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& e
     if (begun.status().code() == StatusCode::kNoSpace) {
       // The pool is full: move its coldest objects down first, and evict only what that could
       // not make room for.
-      write_down(epoch);
+      write_down(epoch, true);
       begun = catalog_->begin_promote(id_, epoch, key, put_token, options_.lease, true);
     }
     if (!begun.is_ok()) {

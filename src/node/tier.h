@@ -115,8 +115,9 @@ class NodeTier {
   bool recoverable(std::string_view key) const;
   // Runs the promotions gets have queued, if any, without waiting for one.
   void promote_queued(const std::string& epoch);
-  // One write-down batch; returns whether it moved anything (then the next one runs at once).
-  bool write_down(const std::string& epoch);
+  // One write-down batch, while fewer pages than the low water are free (`eager`: than the
+  // high water); returns whether it moved anything (then the next one runs at once, eager).
+  bool write_down(const std::string& epoch, bool eager);
   // Promotes `first` (queued by a get), and whatever else is queued meanwhile, in device jobs
   // of up to 16 MiB, the next one's reads in flight while the last one is checked and
   // committed.
