@@ -191,6 +191,68 @@ TEST_P(KvCacheTest, AChunkGoneMeanwhileFailsAloneAndEndsThePrefix) {
   EXPECT_EQ(kv->contains_prefix(tokens).value(), 4u);
 }
 
+// The value of the series `series` (name and labels, as the text writes them) in Prometheus
+// text `text`; -1 when it has none.
+double sample(const std::string& text, const std::string& series) {
+  const std::string at = "\n" + series + " ";
+  const std::size_t i = ("\n" + text).find(at);
+  return i == std::string::npos ? -1 : std::stod(text.substr(i + at.size() - 1));
+}
+
+// The store's own metrics (Store::metrics_text) count what happened: its operations by
+// outcome, with their latency, the bytes per transport, and a KvCache's chunks by outcome,
+// failed loads (which the engine computes again) included, and its layer waits.
+TEST_P(KvCacheTest, TheStoreCountsItsOperationsAndTheCachesChunks) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 7);
+  auto kv = open(a);
+  ASSERT_TRUE(kv);
+  const auto tokens = token_ids(4 * 64, 9);
+  const auto blocks = scattered_blocks(16, shape.num_blocks, 4);
+  for (const auto& s : kv->save(tokens, blocks, 0, 4)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  ASSERT_TRUE(store_->remove(kv->keys(tokens)[2]).is_ok());
+  auto load = kv->begin_load(tokens, blocks, 4);
+  ASSERT_TRUE(load.is_ok());
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) (void)load->wait_layer(l);
+  auto loaded = load->wait();
+  ASSERT_EQ(loaded.size(), 4u);
+  std::string data(1000, 'x'), back(1000, '\0');
+  Slice in{data.data(), data.size()}, out{back.data(), back.size()};
+  ASSERT_TRUE(store_->put("m/one", {&in, 1}).is_ok());
+  ASSERT_TRUE(store_->get("m/one", {&out, 1}).is_ok());
+  EXPECT_EQ(store_->get("m/none", {&out, 1}).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(store_->contains_prefix(kv->keys(tokens)).value(), 2u);
+
+  const std::string text = store_->metrics_text();
+  EXPECT_EQ(sample(text, R"(kvstash_kvcache_chunks_total{op="save",status="ok"})"), 4) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_kvcache_chunks_total{op="load",status="ok"})"), 3) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_kvcache_chunks_total{op="load",status="not_found"})"), 1) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_kvcache_layer_wait_duration_seconds_count)"), shape.num_layers) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="put",status="ok"})"), 1) << text;
+  // The cache's chunk loads are the store's gets too: 3 found and 1 not, and the plain ones.
+  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="get",status="ok"})"), 4) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="get",status="not_found"})"), 2) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="remove",status="ok"})"), 1) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="lookup",status="ok"})"), 1) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="put_stream",status="ok"})"), 4)
+      << "the cache's chunk puts, not Store::put's own stream\n" << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_op_bytes_total{op="get"})"), 3.0 * kv->chunk_bytes() + 1000) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_op_bytes_total{op="put"})"), 1000) << text;
+  // The bytes moved over shm: the 4 chunks and the put written, 3 chunks and the get read.
+  EXPECT_EQ(sample(text, R"(kvstash_client_transfer_bytes_total{op="write",transport="shm"})"),
+            4.0 * kv->chunk_bytes() + 1000) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="shm"})"),
+            3.0 * kv->chunk_bytes() + 1000) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="tcp"})"), 0) << text;
+  // A histogram as the format has it: cumulative buckets, +Inf the count, a sum.
+  EXPECT_NE(text.find("# TYPE kvstash_client_op_duration_seconds histogram\n"), std::string::npos) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="+Inf"})"), 6) << text;
+  EXPECT_EQ(sample(text, R"(kvstash_client_op_duration_seconds_count{op="get"})"), 6) << text;
+  EXPECT_LE(sample(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.001"})"),
+            sample(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.01"})"));
+  EXPECT_GT(sample(text, R"(kvstash_client_op_duration_seconds_sum{op="get"})"), 0) << text;
+}
+
 TEST_P(KvCacheTest, OtherLayoutsAndForeignObjectsNeverLoad) {
   const KvCacheShape shape = small_shape(GetParam());
   HostCache a(shape, 11);

@@ -193,6 +193,12 @@ typedef struct kvstash_key_options {
   const char* layout_tag;
 } kvstash_key_options;
 
+/* The store's own metrics in Prometheus' text exposition format (Store::metrics_text), for an
+ * engine to serve on its /metrics: `out` gets them NUL-terminated when `capacity` holds them,
+ * and `*size` says how many bytes they take with the NUL either way (KVSTASH_INVALID_ARGUMENT,
+ * nothing written, when `capacity` is smaller: call again with a buffer of `*size`). */
+kvstash_status kvstash_metrics_text(kvstash_store* store, char* out, size_t capacity, size_t* size);
+
 /* Bytes a chunk key takes with its NUL: "kvp:{" + the chain's root (16 hex) + "}" + 32 hex. */
 #define KVSTASH_KEY_SIZE 55
 

@@ -40,6 +40,10 @@
 
 namespace kvstash {
 
+namespace metrics {
+class Registry;  // src/common/metrics.h: the library's own, private
+}
+
 // How a client keys a memory node's pool where leasing asks the node (verbs binds a memory
 // window per lease): per operation, or once per connection (docs/architecture.md, "The
 // node's CPU and the rkey scope"). A cell's policy (its `rkey_scope`; `kvstash rkey-scope`).
@@ -411,15 +415,24 @@ class Store {
   // The engine moving the bytes (its transports, its address).
   Engine& engine();
 
+  // This client's own metrics in Prometheus' text exposition format (docs/operations.md,
+  // "Engine-side metrics"): its operations by outcome and latency, the bytes they moved, per
+  // transport what its transfers moved, and its KvCaches' chunks, failed loads and layer
+  // waits. For an engine to serve on its /metrics, or to hand to its own registry
+  // (kvstash.vllm and kvstash.sglang do). Counts since open.
+  std::string metrics_text() const;
+
  private:
   friend class PutStream;
   friend class ReadLeases;  // its state ends leases through the store
+  friend metrics::Registry& store_metrics(Store& store);  // src/store/store_metrics.h
   struct Impl;
   struct Copy;  // which copy of a put with replicas, and the nodes it keeps apart from
   explicit Store(std::unique_ptr<Impl> impl);
   Result<PutStream> begin_put(std::string_view key, std::uint64_t size, const PutOptions& options,
                               Copy* copy);
   Status put(std::string_view key, std::span<const Slice> data, const PutOptions& options, Copy* copy);
+  Status put_all(std::string_view key, std::span<const Slice> data, const PutOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 

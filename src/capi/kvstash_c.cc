@@ -280,6 +280,18 @@ const char* kvstash_kvcache_layout_tag(const kvstash_kvcache* kv) {
   return kv == nullptr ? "" : kv->kv->key_options().layout_tag.c_str();
 }
 
+kvstash_status kvstash_metrics_text(kvstash_store* store, char* out, size_t capacity, size_t* size) {
+  if (store == nullptr || size == nullptr || (out == nullptr && capacity > 0)) {
+    return invalid("kvstash_metrics_text: store and size are required (out with a capacity)");
+  }
+  const std::string text = store->store->metrics_text();
+  *size = text.size() + 1;
+  if (capacity < *size) return invalid("kvstash_metrics_text: out holds fewer bytes than *size");
+  text.copy(out, text.size());
+  out[text.size()] = '\0';
+  return report({});
+}
+
 kvstash_status kvstash_prefix_chunk_key(const uint32_t* tokens, size_t n_tokens, size_t index,
                                         const kvstash_key_options* options, char* out, size_t out_size) {
   if ((tokens == nullptr && n_tokens != 0) || options == nullptr || options->model == nullptr ||

@@ -8,6 +8,7 @@
 #include "common/log.h"
 #include "kvcache/data_path.h"
 #include "kvcache/kv_cache_internal.h"
+#include "store/store_metrics.h"
 
 #if KVSTASH_HAVE_CUDA_KERNELS
 #include "kvcache/cuda/cuda_device.h"
@@ -210,6 +211,9 @@ Result<KvLoad> KvCache::begin_load_range(std::span<const std::uint32_t> tokens,
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
   st->kv = impl_.get();
+  st->layer_waits = &store_metrics(*impl_->store)
+                         .histogram("kvstash_kvcache_layer_wait_duration_seconds",
+                                    "How long the engine waited for a layer of a load (KvLoad::wait_layer)");
   st->device = impl_->device;
   st->layers = impl_->layout.shape().num_layers;
   st->deadline = deadline;
@@ -271,6 +275,16 @@ std::vector<Status> KvCache::load(std::span<const std::uint32_t> tokens,
   auto l = begin_load(tokens, block_ids, count, deadline);
   if (!l.is_ok()) return std::vector<Status>(count, l.status());
   return l->wait();
+}
+
+void count_chunks(Store& store, std::string_view op, std::span<const Status> outcomes) {
+  metrics::Registry& r = store_metrics(store);
+  for (const Status& s : outcomes) {
+    r.counter("kvstash_kvcache_chunks_total",
+              "KV-cache chunks loaded or saved, by outcome (a load's failed chunks are computed again)",
+              {{"op", std::string(op)}, {"status", std::string(to_string(s.code()))}})
+        .add();
+  }
 }
 
 }  // namespace kvstash

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/thread_pool.h"
 #include "kvcache/bounce_pool.h"
 #include "kvstash/engine.h"
@@ -158,6 +159,7 @@ struct KvSave::State {
 // the first task runs and read-only after.
 struct KvLoad::State {
   KvCache::Impl* kv = nullptr;
+  metrics::Histogram* layer_waits = nullptr;  // how long wait_layer waited (the store's metrics)
   std::shared_ptr<KvDevice> device;
   std::uint32_t layers = 0;
   std::optional<Deadline> deadline;
@@ -226,5 +228,9 @@ struct KvLoad::State {
  private:
   class ChunkLoad;  // load_chunk's steps (kv_load.cc)
 };
+
+// Counts chunks of a load or save (`op`) by their outcome in the store's metrics
+// (kvstash_kvcache_chunks_total): a load's failed chunks are those its engine computes again.
+void count_chunks(Store& store, std::string_view op, std::span<const Status> outcomes);
 
 }  // namespace kvstash

@@ -387,8 +387,10 @@ Status KvLoad::wait_layer(std::uint32_t layer) {
   if (!state_) return Status::invalid_argument("kvcache: no load");
   State& st = *state_;
   if (layer >= st.layers) return Status::invalid_argument("kvcache: layer out of range");
+  const auto started = Clock::now();
   std::unique_lock lock(st.mu);
   st.cv.wait(lock, [&] { return st.streams ? st.ready_locked(layer) : st.placed_locked(layer); });
+  st.layer_waits->observe(std::chrono::duration<double>(Clock::now() - started).count());
   if (!st.streams) {
     // Host mode: a chunk placed at most up to `layer` ended; its status says why.
     for (std::size_t c = 0; c < st.done.size(); ++c) {
@@ -463,6 +465,7 @@ std::vector<Status> KvLoad::wait() {
   }
   st.result = out;
   if (!st.streams) st.give_bounces();  // every layer is in place: the bounce buffers go back now
+  count_chunks(*st.kv->store, "load", out);
   return out;
 }
 

@@ -155,6 +155,7 @@ std::vector<Status> KvSave::wait() {
   }
   const std::vector<Status> committed = st.kv->store->commit_all(ready);
   for (std::size_t i = 0; i < ready.size(); ++i) out[ready_at[i]] = committed[i];
+  count_chunks(*st.kv->store, "save", out);
   return out;
 }
 

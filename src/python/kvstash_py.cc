@@ -336,6 +336,11 @@ PYBIND11_MODULE(_native, m) {
           py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).")
       .def(
+          "metrics_text", [](PyStore& s) { return s.store->metrics_text(); },
+          "This client's metrics in Prometheus' text exposition format (operations by outcome and "
+          "latency, bytes per transport, KV-cache chunks, failed loads, layer waits), counted since "
+          "open.")
+      .def(
           "prefix_tiers",
           [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
             auto where = unwrap(nogil([&] { return s.store->prefix_tiers(keys, deadline_of(timeout_ms)); }));

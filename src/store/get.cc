@@ -147,7 +147,7 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
     std::chrono::nanoseconds hashing{0};
     for (std::size_t i = 0; moved.is_ok() && i < waves.size(); ++i) {
       // On an error the later waves are cancelled (their batches' destructors).
-      moved = store::fenced_is_stale(store::wait_all(waves[i]));
+      moved = store::fenced_is_stale(store::wait_all(waves[i], nullptr, &meters));
       if (moved.is_ok() && verify) {
         const auto c0 = Clock::now();
         hasher.advance_to(waves[i].end);

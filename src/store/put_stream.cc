@@ -64,6 +64,7 @@ struct PutStream::State {
   bool timed = false;            // OpTimings::transfer counted
   bool node_lost = false;        // writes failed because a node went away; it is avoided now
   std::uint32_t copies = 1;      // of a put with replicas (the commit of the object itself says it)
+  bool in_put = false;           // Store::put's own stream: that put is what its metrics count
 
   explicit State(std::uint64_t segment) : hash(segment) {}
 
@@ -96,6 +97,7 @@ struct PutStream::State {
     }
     if (committed.is_ok()) committed = impl->wait_for_replicas(cell.redis(), deadline);
     if (committed.is_ok()) committed = impl->remove_older_copy(key, *pages.cell, deadline);
+    if (!in_put) impl->meters.op("put_stream", committed, began, size);
     return committed.with_context(key);
   }
 
@@ -115,7 +117,7 @@ struct PutStream::State {
     // before `end`.
     std::vector<std::size_t> unreachable;
     for (; i < waves.size() && (i == 0 ? waited_end : waves[i - 1].end) < end; ++i) {
-      Status s = store::wait_all(waves[i], &unreachable);
+      Status s = store::wait_all(waves[i], &unreachable, &impl->meters);
       if (failed.is_ok() && !s.is_ok()) failed = store::fenced_is_stale(s).with_context(key);
     }
     for (std::size_t node : unreachable) node_lost |= impl->avoided->add(pages.placement.nodes[node]);
@@ -448,6 +450,13 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
 }
 
 Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
+  const auto started = Clock::now();
+  Status s = put_all(key, data, options);
+  impl_->meters.op("put", s, started, store::total_length(data));
+  return s;
+}
+
+Status Store::put_all(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
   KVSTASH_RETURN_IF_ERROR(store::host_only(data, "put"));
   PutOptions o = options;
   if (!o.deadline) o.deadline = deadline_after(impl_->options.timeout);  // one for every placement
@@ -471,6 +480,7 @@ Status Store::put(std::string_view key, std::span<const Slice> data, const PutOp
 Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& o, Copy* copy) {
   for (int attempt = 1;; ++attempt) {
     KVSTASH_ASSIGN_OR_RETURN(PutStream stream, begin_put(key, store::total_length(data), o, copy));
+    stream.state_->in_put = true;
     Status done = stream.append(data);
     if (done.is_ok()) {
       done = stream.commit();

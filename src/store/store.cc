@@ -12,6 +12,7 @@
 #include "common/system.h"
 #include "common/wire.h"
 #include "store/store_internal.h"
+#include "store/store_metrics.h"
 
 namespace kvstash {
 
@@ -22,6 +23,36 @@ std::optional<RkeyScope> parse_rkey_scope(std::string_view s) {
   if (s == "lease") return RkeyScope::kLease;
   return std::nullopt;
 }
+
+store::Meters::Meters() {
+  for (TransferOp op : {TransferOp::kRead, TransferOp::kWrite}) {
+    for (TransportKind kind : kTransportKinds) {
+      moved[op == TransferOp::kRead ? 0 : 1][static_cast<std::size_t>(kind)] = &registry.counter(
+          "kvstash_client_transfer_bytes_total", "Bytes the client's transfers moved to or from memory nodes",
+          {{"op", op == TransferOp::kRead ? "read" : "write"}, {"transport", std::string(to_string(kind))}});
+    }
+  }
+}
+
+void store::Meters::op(std::string_view op, const Status& s, Clock::time_point started, std::uint64_t bytes) {
+  const std::string name(op);
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  registry.counter("kvstash_client_ops_total", "Operations of this client, by outcome",
+                   {{"op", name}, {"status", std::string(to_string(s.code()))}})
+      .add();
+  registry.histogram("kvstash_client_op_duration_seconds", "How long this client's operations took, any outcome",
+                     {{"op", name}})
+      .observe(seconds);
+  if (s.is_ok() && bytes > 0) {
+    registry.counter("kvstash_client_op_bytes_total", "Bytes of the objects this client's operations put or got",
+                     {{"op", name}})
+        .add(bytes);
+  }
+}
+
+std::string Store::metrics_text() const { return impl_->meters.registry.text(); }
+
+metrics::Registry& store_metrics(Store& store) { return store.impl_->meters.registry; }
 
 std::string store::random_token() {
   char raw[16];
@@ -74,81 +105,112 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
 }
 
 Result<ObjectInfo> Store::get(std::string_view key, std::span<const Slice> into, const GetOptions& options) {
-  return impl_->get(key, into, nullptr, options);
+  const auto started = Clock::now();
+  auto r = impl_->get(key, into, nullptr, options);
+  impl_->meters.op("get", r.status(), started, r.is_ok() ? r->size : 0);
+  return r;
 }
 
 Result<ObjectInfo> Store::get_unsized(std::string_view key, const GetInto& into, const GetOptions& options) {
-  return impl_->get(key, {}, &into, options);
+  const auto started = Clock::now();
+  auto r = impl_->get(key, {}, &into, options);
+  impl_->meters.op("get", r.status(), started, r.is_ok() ? r->size : 0);
+  return r;
 }
 
 Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) -> Result<ObjectInfo> {
-    KVSTASH_ASSIGN_OR_RETURN(auto r, c.stat(key));
-    ObjectInfo info;
-    info.size = r.size;
-    info.checksum = r.checksum.value;
-    info.checksum_segment = r.checksum.segment;
-    info.object_layout = std::move(r.layout);
-    info.pages = r.pages;
-    info.nodes = std::move(r.nodes);
-    if (r.ttl_ms >= 0) info.ttl = std::chrono::milliseconds(r.ttl_ms);
-    info.version = std::move(r.version);
-    return info;
-  });
+  const auto started = Clock::now();
+  auto r = [&]() -> Result<ObjectInfo> {
+    return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) -> Result<ObjectInfo> {
+      KVSTASH_ASSIGN_OR_RETURN(auto r, c.stat(key));
+      ObjectInfo info;
+      info.size = r.size;
+      info.checksum = r.checksum.value;
+      info.checksum_segment = r.checksum.segment;
+      info.object_layout = std::move(r.layout);
+      info.pages = r.pages;
+      info.nodes = std::move(r.nodes);
+      if (r.ttl_ms >= 0) info.ttl = std::chrono::milliseconds(r.ttl_ms);
+      info.version = std::move(r.version);
+      return info;
+    });
+  }();
+  impl_->meters.op("stat", r.status(), started);
+  return r;
 }
 
 Result<std::vector<Tier>> Store::prefix_tiers(std::span<const std::string> keys, std::optional<Deadline> deadline) {
-  std::vector<Tier> out;
-  if (keys.empty()) return out;
-  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
-  for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
-    KVSTASH_ASSIGN_OR_RETURN(std::vector<bool> more, c->prefix_tiers(keys.subspan(out.size())));
-    for (bool ssd : more) out.push_back(ssd ? Tier::kSsd : Tier::kDram);
-    if (out.size() == keys.size()) break;
-  }
-  return out;
+  const auto started = Clock::now();
+  auto r = [&]() -> Result<std::vector<Tier>> {
+    std::vector<Tier> out;
+    if (keys.empty()) return out;
+    const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+    for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+      KVSTASH_ASSIGN_OR_RETURN(std::vector<bool> more, c->prefix_tiers(keys.subspan(out.size())));
+      for (bool ssd : more) out.push_back(ssd ? Tier::kSsd : Tier::kDram);
+      if (out.size() == keys.size()) break;
+    }
+    return out;
+  }();
+  impl_->meters.op("lookup", r.status(), started);
+  return r;
 }
 
 Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
                                            std::optional<Deadline> deadline) {
-  if (keys.empty()) return std::size_t{0};
-  // The chain lives where its first key routes (the keys share its route). While a change of
-  // the cells settles, its start may be in the previous choice and the rest in the current.
-  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
-  std::size_t found = 0;
-  for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
-    KVSTASH_ASSIGN_OR_RETURN(std::size_t more, c->contains_prefix(keys.subspan(found)));
-    found += more;
-    if (found == keys.size()) break;
-  }
-  return found;
+  const auto started = Clock::now();
+  auto r = [&]() -> Result<std::size_t> {
+    if (keys.empty()) return std::size_t{0};
+    // The chain lives where its first key routes (the keys share its route). While a change of
+    // the cells settles, its start may be in the previous choice and the rest in the current.
+    const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+    std::size_t found = 0;
+    for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+      KVSTASH_ASSIGN_OR_RETURN(std::size_t more, c->contains_prefix(keys.subspan(found)));
+      found += more;
+      if (found == keys.size()) break;
+    }
+    return found;
+  }();
+  impl_->meters.op("lookup", r.status(), started);
+  return r;
 }
 
 Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
-  // From every cell a get would look in: OK when one held it and none failed (a failure may
-  // have left a copy a get still finds).
-  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
-  Status failed, not_found;
-  bool removed = false;
-  for (store::CellLink* cell : impl_->get_cells(key, d)) {
-    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
-    Status s = c->remove(key);
-    if (s.is_ok()) {
-      removed = true;
-    } else if (s.code() == StatusCode::kNotFound) {
-      not_found = s;
-    } else if (failed.is_ok()) {
-      failed = s;
+  const auto started = Clock::now();
+  auto r = [&]() -> Status {
+    // From every cell a get would look in: OK when one held it and none failed (a failure may
+    // have left a copy a get still finds).
+    const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+    Status failed, not_found;
+    bool removed = false;
+    for (store::CellLink* cell : impl_->get_cells(key, d)) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+      Status s = c->remove(key);
+      if (s.is_ok()) {
+        removed = true;
+      } else if (s.code() == StatusCode::kNotFound) {
+        not_found = s;
+      } else if (failed.is_ok()) {
+        failed = s;
+      }
     }
-  }
-  if (!failed.is_ok()) return failed;
-  return removed ? Status() : not_found;
+    if (!failed.is_ok()) return failed;
+    return removed ? Status() : not_found;
+  }();
+  impl_->meters.op("remove", r, started);
+  return r;
 }
 
 Status Store::touch(std::string_view key, std::chrono::milliseconds ttl, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
+  const auto started = Clock::now();
+  auto r = [&]() -> Status {
+    return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
+  }();
+  impl_->meters.op("touch", r, started);
+  return r;
 }
 
 Result<std::size_t> Store::connect_nodes(std::optional<Deadline> deadline) {

@@ -10,6 +10,7 @@
 //   slices.*          the caller's slices: length, host check, checksums
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/thread_pool.h"
 #include "kvstash/store.h"
 #include "metadata/catalog.h"
@@ -31,6 +33,18 @@
 namespace kvstash {
 
 namespace store {
+
+// The Store's metrics (Store::metrics_text; docs/operations.md, "Engine-side metrics"): every
+// operation by its outcome and latency, the bytes it moved, and per transport the bytes the
+// transfers moved.
+struct Meters {
+  metrics::Registry registry;
+  // [read, write][TransportKind]: bytes of transfers that completed.
+  std::array<std::array<metrics::Counter*, 4>, 2> moved{};
+  Meters();
+  // One operation `op` ended with `s` after `started`, moving `bytes` (OK only).
+  void op(std::string_view op, const Status& s, Clock::time_point started, std::uint64_t bytes = 0);
+};
 
 // A put's or a reader's token in Redis: 128 random bits as hex.
 std::string random_token();
@@ -166,6 +180,7 @@ struct Store::Copy {
 
 struct Store::Impl {
   StoreOptions options;
+  store::Meters meters;
   RkeyScope scope = RkeyScope::kConnection;  // the cell's, or options.rkey_scope
   std::unique_ptr<Engine> engine;
   std::unique_ptr<store::NodeLinks> links;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "store/store_internal.h"
 #include "store/transfer_plan.h"
 
 namespace kvstash::store {
@@ -50,20 +51,29 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
     }
     Wave& w = waves.emplace_back();
     w.end = *wave_end;
+    w.op = op;
     for (std::size_t i = 0; i < entries.size(); ++i) {
       if (entries[i].empty()) continue;
       auto b = leased.paths[i]->peer->submit(entries[i], deadline);
       if (!b.is_ok()) return b.status().with_context("memory node " + p.nodes[i].id);
       w.batches.push_back(std::move(b).value());
       w.nodes.push_back(i);
+      std::uint64_t bytes = 0;
+      for (const TransferEntry& e : entries[i]) bytes += e.length;
+      w.bytes.push_back(bytes);
+      w.transports.push_back(leased.paths[i]->peer->transport());
     }
   }
 }
 
-Status wait_all(Wave& wave, std::vector<std::size_t>* unreachable) {
+Status wait_all(Wave& wave, std::vector<std::size_t>* unreachable, Meters* meters) {
   Status first;
   for (std::size_t i = 0; i < wave.batches.size(); ++i) {
     Status s = wave.batches[i].wait();
+    if (s.is_ok() && meters != nullptr) {
+      meters->moved[wave.op == TransferOp::kRead ? 0 : 1][static_cast<std::size_t>(wave.transports[i])]->add(
+          wave.bytes[i]);
+    }
     if (s.code() == StatusCode::kUnavailable && unreachable != nullptr) unreachable->push_back(wave.nodes[i]);
     if (first.is_ok() && !s.is_ok()) first = s;
   }

@@ -18,6 +18,9 @@ namespace kvstash::store {
 struct Wave {
   std::vector<Batch> batches;
   std::vector<std::size_t> nodes;  // each batch's node, an index into the placement's nodes
+  std::vector<std::uint64_t> bytes;       // each batch's
+  std::vector<TransportKind> transports;  // each batch's
+  TransferOp op = TransferOp::kRead;
   std::uint64_t end = 0;
 };
 
@@ -41,8 +44,9 @@ Status submit_range(Engine& engine, const Leased& leased, TransferOp op, const m
 
 // Waits for every batch of `wave`; the first error. Adds to `unreachable` the node (index into
 // the placement's nodes) of each batch that failed kUnavailable: the node went away, or the
-// link to it broke.
-Status wait_all(Wave& wave, std::vector<std::size_t>* unreachable = nullptr);
+// link to it broke. Counts the bytes of the batches that completed in `meters`.
+struct Meters;
+Status wait_all(Wave& wave, std::vector<std::size_t>* unreachable = nullptr, Meters* meters = nullptr);
 
 // The transfer deadline: the caller's, but never past the lease (minus a margin for the
 // commit or end_get), so a slow put cannot write into pages that were reclaimed.
