@@ -31,7 +31,7 @@ RULES = {
     "src/engine": [PUBLIC, "src/common", "src/transport/transport.h", "src/transport/registry.h"],
     "src/metadata": [PUBLIC, "src/common"],
     "src/store": [PUBLIC, "src/common", "src/metadata"],
-    "src/kvcache": [PUBLIC, "src/common"],
+    "src/kvcache": [PUBLIC, "src/common", "src/store/store_metrics.h"],  # counts into its store's metrics
     "src/node": [PUBLIC, "src/common", "src/metadata"],
     # The bindings: the public API (and the token check), nothing internal.
     "src/capi": [PUBLIC, "src/common/system.h"],
