@@ -120,6 +120,24 @@ def make_kv_cache_config():
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
+def parse_series(series):
+    """'name{a="x",b="y"}' -> (name, frozenset of its labels): labels in any order."""
+    import re
+
+    name, _, rest = series.partition("{")
+    return name, frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
+
+
+def samples_of(text):
+    """A Prometheus text's series and values."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, v = line.rpartition(" ")
+            out[series] = float(v)
+    return out
+
+
 class Engine:
     """One engine: vLLM's scheduler with the connector it loads, and one worker per TP rank,
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
@@ -280,6 +298,68 @@ class VllmConnector(unittest.TestCase):
             Engine(extra={"redis_host": "x"})
         with self.assertRaisesRegex(ValueError, "chunk_tokens 24 is not a multiple of the block size 16"):
             Engine(extra={"chunk_tokens": 24})
+
+    def test_the_connector_and_store_metrics_appear_in_vllms_prometheus_endpoint(self):
+        """vLLM's own Prometheus path (KVConnectorProm, as its PrometheusStatLogger builds it,
+        fed the stats its scheduler aggregates): the connector's counts and the store's own
+        metrics, under vLLM's labels, in what vLLM's /metrics serves."""
+        import prometheus_client
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+        from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+        def interval_stats(engine):
+            """What vLLM's scheduler gathers for one interval: every worker's and its own."""
+            out = None
+            for conn in [w for w, _, _ in engine.workers] + [engine.connector]:
+                s = conn.get_kv_connector_stats()
+                if s is not None:
+                    out = s if out is None else out.aggregate(s)
+            return out
+
+        shared = [17 + (i * 7) % 800 for i in range(5 * BLOCK)]
+        a = Engine()
+        a.run("a", shared + [1, 2])
+        b = Engine()
+        b.run("b", shared + [3, 4])
+        self.assertEqual(b.workers[0][0]._stats["chunks_loaded"], 5)
+        unregister_vllm_metrics()
+        prom = KVConnectorProm(b.config, ["model_name", "engine"], {0: ["kvstash-test", "0"]})
+        for engine in (a, b):
+            stats = interval_stats(engine)
+            self.assertIsNotNone(stats)
+            self.assertIn("chunks_saved", stats.reduce(), "vLLM's log line keeps the connector's counts")
+            prom.observe(stats.to_dict(), 0)
+        self.assertIsNone(interval_stats(b), "an interval with nothing done has nothing to say")
+        text = prometheus_client.generate_latest().decode()
+        served = {parse_series(k): v for k, v in samples_of(text).items()}
+        labels = 'model_name="kvstash-test",engine="0"'
+
+        def value(series):
+            got = served.get(parse_series(series))
+            if got is None:
+                self.fail(f"{series} is not in vLLM's metrics:\n" + "\n".join(
+                    line for line in text.splitlines() if "kvstash" in line))
+            return got
+
+        self.assertEqual(value(f"vllm:kvstash_connector_chunks_loaded_total{{{labels}}}"), 5)
+        self.assertGreaterEqual(value(f"vllm:kvstash_connector_chunks_saved_total{{{labels}}}"), 5)
+        self.assertEqual(value(f'vllm:kvstash_kvcache_chunks_total{{{labels},op="load",status="ok"}}'), 5)
+        # The store's counts, as its own text says them: both engines' stores, summed.
+        own = {}
+        for engine in (a, b):
+            for series, v in samples_of(engine.workers[0][0].store.metrics_text()).items():
+                own[series] = own.get(series, 0) + v
+        for series in ('kvstash_client_ops_total{op="get",status="ok"}',
+                       'kvstash_client_transfer_bytes_total{op="write",transport="shm"}',
+                       'kvstash_client_op_duration_seconds_count{op="get"}',
+                       'kvstash_client_op_duration_seconds_bucket{op="get",le="0.01"}',
+                       'kvstash_kvcache_chunks_total{op="save",status="ok"}'):
+            name, _, rest = series.partition("{")
+            self.assertGreater(own[series], 0, series)
+            self.assertEqual(value(f"vllm:{name}{{{labels},{rest}"), own[series], series)
+        # A histogram's sum comes through too (its observations placed inside their buckets).
+        got = value(f'vllm:kvstash_client_op_duration_seconds_sum{{{labels},op="get"}}')
+        self.assertAlmostEqual(got, own['kvstash_client_op_duration_seconds_sum{op="get"}'], places=4)
 
     def test_a_stored_prefix_loads_bit_exact_into_other_blocks(self):
         shared = [11 + (i * 13) % 900 for i in range(5 * BLOCK)]

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvstash
-from kvstash import _handoff
+from kvstash import _handoff, _metrics
 from kvstash._cell import CellConfig
 
 if TYPE_CHECKING:
@@ -292,6 +292,9 @@ class KvstashConnector(KVConnectorBase_V1):
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
                        "chunks_corrupt_removed": 0}
         self._totals: dict[str, int] = {}
+        # The store's own metrics (Store.metrics_text), handed to vLLM's Prometheus registry as
+        # their increments (KvstashStats, build_prom_metrics).
+        self._store_deltas: _metrics.Deltas | None = None
         if role == KVConnectorRole.SCHEDULER:
             # Opened at start, not by the first request's lookup (the workers open theirs when
             # vLLM registers the caches, and connect to the cell's nodes then).
@@ -784,15 +787,26 @@ class KvstashConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return KvstashStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvstashPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_kv_connector_stats(self):
         for side in (self._export, self._import):
             if side is not None:
                 for k, v in side.stats.items():
                     self._stats[k] = self._stats.get(k, 0) + v
                     side.stats[k] = 0
-        if not any(self._stats.values()):
+        # The store's metrics grew by these since the last interval (its own counters and
+        # latency histograms: docs/operations.md, "Engine-side metrics").
+        store: dict[str, float] = {}
+        if self._store is not None:
+            if self._store_deltas is None:
+                self._store_deltas = _metrics.Deltas(self._store.metrics_text)
+            store = {STORE_SERIES + k: v for k, v in self._store_deltas.take().items()}
+        if not any(self._stats.values()) and not store:
             return None
-        stats = KvstashStats(data=dict(self._stats))
+        stats = KvstashStats(data={**self._stats, **store})
         for k, v in self._stats.items():
             self._totals[k] = self._totals.get(k, 0) + v
             self._stats[k] = 0
@@ -815,8 +829,13 @@ def _stats_base():
     return KVConnectorStats
 
 
+# A KvstashStats key that is a series of the store's own metrics (its increment this interval).
+STORE_SERIES = "store:"
+
+
 class KvstashStats(_stats_base()):
-    """Counts of one interval: lookups, chunks found, loaded, saved and failed."""
+    """Counts of one interval: lookups, chunks found, loaded, saved and failed, and the
+    increments of the store's own metrics (keys "store:<series>"). Workers' add up."""
 
     def reset(self):
         self.data = {k: 0 for k in self.data}
@@ -827,7 +846,32 @@ class KvstashStats(_stats_base()):
         return self
 
     def reduce(self):
-        return dict(self.data)
+        return {k: v for k, v in self.data.items() if not k.startswith(STORE_SERIES)}
 
     def is_empty(self):
         return not any(self.data.values())
+
+
+def _prom_base():
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    return KVConnectorPromMetrics
+
+
+class KvstashPromMetrics(_prom_base()):
+    """The connector's counts and the store's own metrics in vLLM's Prometheus endpoint, next
+    to vLLM's, under vLLM's labels (model_name, engine): vllm:kvstash_connector_<count>_total
+    and vllm:kvstash_<the store's name> (docs/operations.md, "Engine-side metrics")."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._recorder = _metrics.Recorder(self._counter_cls, self._histogram_cls, labelnames, prefix="vllm:")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        deltas = {}
+        for k, v in transfer_stats_data.items():
+            if not v:
+                continue
+            deltas[k[len(STORE_SERIES):] if k.startswith(STORE_SERIES) else f"kvstash_connector_{k}_total"] = v
+        self._recorder.record(deltas, labelvalues)
