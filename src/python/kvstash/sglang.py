@@ -29,6 +29,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 import kvstash
+from kvstash import _metrics
 from kvstash._cell import CellConfig
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,21 @@ def _new_metrics():
     return StorageMetrics()
 
 
+_recorder: _metrics.Recorder | None = None
+
+
+def _store_recorder() -> _metrics.Recorder:
+    """The process's one recorder of stores' metrics into prometheus_client (which SGLang's
+    /metrics serves, across its processes in multiprocess mode): sglang:kvstash_*, labelled
+    with the model and the tensor-parallel rank."""
+    global _recorder
+    if _recorder is None:
+        from prometheus_client import Counter, Histogram
+
+        _recorder = _metrics.Recorder(Counter, Histogram, ["model_name", "tp_rank"], prefix="sglang:")
+    return _recorder
+
+
 class KvstashHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
         self.storage_config = storage_config
@@ -68,6 +84,7 @@ class KvstashHiCacheStorage(HiCacheStorage):
         self.stats = {"pages_got": 0, "pages_get_failed": 0, "pages_set": 0, "pages_set_failed": 0,
                       "pages_existed": 0}
         self._metrics = _new_metrics()
+        self._store_deltas = _metrics.Deltas(self.store.metrics_text)
         if kwargs and kwargs.get("mem_pool_host") is not None:
             self.register_mem_pool_host(kwargs["mem_pool_host"])
 
@@ -230,7 +247,11 @@ class KvstashHiCacheStorage(HiCacheStorage):
 
     def get_stats(self):
         """SGLang's StorageMetrics of the interval since the last call (with
-        --enable-storage-metrics); the counts since the start stay in `stats`."""
+        --enable-storage-metrics); the counts since the start stay in `stats`. The store's own
+        metrics (docs/operations.md, "Engine-side metrics") go to SGLang's Prometheus endpoint
+        at the same time, as sglang:kvstash_*."""
+        c = self.storage_config
+        _store_recorder().record(self._store_deltas.take(), [c.model_name or "", str(c.tp_rank)])
         out, self._metrics = self._metrics, _new_metrics()
         return out
 
