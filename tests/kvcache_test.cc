@@ -449,10 +449,25 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   check(dev_b, blocks_b, "staged load");
   for (const auto& st : kvc->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   check(host_c, blocks_b, "direct load");
+  const std::string cold = store_->metrics_text();
+  EXPECT_GT(sample(cold, R"(kvstash_kvcache_bounce_takes_total{from="new"})"), 0) << cold;
   // And again: the bounce buffers come back from their pools.
   for (const auto& st : (*kva)->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   for (const auto& st : (*kvb)->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   check(dev_b, blocks_b, "second staged load");
+  // A pool grows to the most buffers its cache had in use at once (here by the second round)
+  // and no further: a third round takes every buffer from the pools.
+  const std::string warm = store_->metrics_text();
+  for (const auto& st : (*kva)->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const auto& st : (*kvb)->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  const std::string third = store_->metrics_text();
+  EXPECT_EQ(sample(third, R"(kvstash_kvcache_bounce_takes_total{from="new"})"),
+            sample(warm, R"(kvstash_kvcache_bounce_takes_total{from="new"})"))
+      << third;
+  EXPECT_EQ(sample(third, "kvstash_kvcache_bounce_bytes_total"), sample(warm, "kvstash_kvcache_bounce_bytes_total"));
+  EXPECT_GT(sample(third, R"(kvstash_kvcache_bounce_takes_total{from="pool"})"),
+            sample(warm, R"(kvstash_kvcache_bounce_takes_total{from="pool"})"))
+      << third;
 }
 
 TEST_P(KvCacheTest, ALoadCanStartAfterTheChunksTheEngineHolds) {
