@@ -15,6 +15,8 @@
 #include "command.h"
 #include "fake_sysfs.h"
 #include "kvstash_config.h"
+#include "kvstash/kvcache.h"
+#include "kvstash/store.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -356,6 +358,94 @@ TEST_F(Cli, DrainStopsPlacementsAndNodeRmForgetsADeadNode) {
   EXPECT_EQ(kv("nodes --json").j().size(), 1u) << "node rm without --yes changes nothing";
   ASSERT_EQ(kv("node rm n1 --yes").code, 0);
   EXPECT_EQ(kv("nodes --json").j().size(), 0u);
+}
+
+// kvstash explain answers each reason a key can be missing for, from the cell's record of
+// removals: never stored, removed, removed as corrupt, its TTL ended, evicted (and under what
+// pressure), its node died, its node registered again; and for a prompt's tokens, the chunk
+// keys of a neighbour (another TP rank, another model) that exist.
+TEST_F(Cli, ExplainSaysWhyEachMissingKeyIsMissing) {
+  start_cell("4MiB");
+  auto why = [&](const std::string& args) -> json {
+    Outcome r = kv("explain " + args + " --json");
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.code == 0 ? r.j() : json::array();
+  };
+  const std::string mb = file_of(1000000, 31);
+  ASSERT_EQ(kv("put here " + file_of(1000, 30)).code, 0);
+  ASSERT_EQ(kv("put gone:rm " + file_of(1000, 32)).code, 0);
+  ASSERT_EQ(kv("rm gone:rm --yes").code, 0);
+  ASSERT_EQ(kv("put gone:ttl " + file_of(1000, 33) + " --ttl 1ms").code, 0);
+  {
+    StoreOptions o;
+    o.redis_url = redis_->url();
+    o.engine.transports = {TransportKind::kTcp};
+    auto store = Store::open(o);
+    ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+    std::string data(1000, 'c');
+    Slice in{data.data(), data.size()};
+    ASSERT_TRUE((*store)->put("gone:corrupt", {&in, 1}).is_ok());
+    ASSERT_TRUE((*store)->remove_corrupt("gone:corrupt").is_ok());
+  }
+  std::this_thread::sleep_for(50ms);
+  json j = why("here never:stored gone:rm gone:ttl gone:corrupt");
+  ASSERT_EQ(j.size(), 5u) << j.dump();
+  EXPECT_EQ(j[0]["present"], true);
+  EXPECT_EQ(j[0]["node"], "n1");
+  EXPECT_EQ(j[0]["tier"], "dram");
+  EXPECT_EQ(j[1]["reason"], "never_stored");
+  EXPECT_EQ(j[2]["reason"], "removed");
+  EXPECT_EQ(j[3]["reason"], "expired");
+  EXPECT_EQ(j[4]["reason"], "corrupt");
+  Outcome text = kv("explain gone:ttl never:stored");
+  EXPECT_NE(text.out.find("its TTL ended"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("never stored in this cell"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("0 of 2 present"), std::string::npos) << text.out;
+
+  // Five objects of a page into a pool of four: the first are evicted, and explain says why.
+  for (int i = 0; i < 5; ++i) ASSERT_EQ(kv("put full:" + std::to_string(i) + " " + mb).code, 0) << i;
+  j = why("full:0");
+  EXPECT_EQ(j[0]["reason"], "evicted") << j.dump();
+  EXPECT_NE(j[0]["detail"].get<std::string>().find("the pool was full: a put needed 1 page"), std::string::npos)
+      << j.dump();
+
+  // A prompt's chunk keys: stored for TP rank 1 of 2 and for another model, asked for as rank 0.
+  std::vector<std::uint32_t> tokens(64);
+  for (std::uint32_t i = 0; i < tokens.size(); ++i) tokens[i] = 100 + i;
+  PrefixKeyOptions mine{.model = "m", .layout_tag = "L2.P2.H1.D8.B16.fp16.nhd", .tp_rank = 0, .tp_size = 2,
+                        .chunk_tokens = 16};
+  PrefixKeyOptions rank1 = mine, other_model = mine;
+  rank1.tp_rank = 1;
+  other_model.model = "m-other";
+  ASSERT_EQ(kv("rm full:1 full:2 full:3 full:4 --yes").code, 0);
+  ASSERT_EQ(kv("put " + prefix_chunk_keys(tokens, rank1)[0] + " " + file_of(100, 34)).code, 0);
+  ASSERT_EQ(kv("put " + prefix_chunk_keys(tokens, other_model)[1] + " " + file_of(100, 35)).code, 0);
+  std::string ids;
+  for (auto t : tokens) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+  j = why("--tokens " + ids + " --model m --layout L2.P2.H1.D8.B16.fp16.nhd --chunk-tokens 16 --tp-rank 0 "
+          "--tp-size 2 --also-model m-other");
+  ASSERT_EQ(j.size(), 4u) << j.dump();
+  EXPECT_EQ(j[0]["key"], prefix_chunk_keys(tokens, mine)[0]);
+  EXPECT_EQ(j[0]["neighbours"], json::array({"TP rank 1"})) << j.dump();
+  EXPECT_EQ(j[1]["neighbours"], json::array({"model m-other"})) << j.dump();
+  EXPECT_FALSE(j[2].contains("neighbours"));
+
+  // Its node dies: a key on it is missing because of that; the node back, another key put
+  // before is missing because the node's pool started over.
+  ASSERT_EQ(kv("put on:n1:a " + file_of(1000, 36)).code, 0);
+  ASSERT_EQ(kv("put on:n1:b " + file_of(1000, 37)).code, 0);
+  node_->kill();
+  std::this_thread::sleep_for(1500ms);  // its heartbeat (1 s) ran out
+  j = why("on:n1:a");
+  EXPECT_EQ(j[0]["reason"], "node_down") << j.dump();
+  EXPECT_EQ(j[0]["detail"], "n1");
+  auto node = tools::LocalNode::start({.redis_url = redis_->url(), .capacity = "4MiB", .page_size = "1MiB",
+                                       .node_id = "n1", .extra_args = {"--heartbeat-ttl", "1s"}});
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  node_ = std::move(node).value();
+  j = why("on:n1:b");
+  EXPECT_EQ(j[0]["reason"], "node_restarted") << j.dump();
+  EXPECT_NE(kv("explain on:n1:b").out.find("registered again"), std::string::npos);
 }
 
 TEST_F(Cli, DrainMoveTakesTheObjectsToTheOtherNodesIntact) {

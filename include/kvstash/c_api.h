@@ -96,6 +96,8 @@ kvstash_status kvstash_put(kvstash_store* store, const char* key, const void* da
  * (Store::get_unsized): the size and the bytes are the same object's. */
 kvstash_status kvstash_get(kvstash_store* store, const char* key, void* out, size_t capacity, size_t* size);
 kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t timeout_ms);
+/* kvstash_remove of an object whose bytes the caller found bad: `kvstash explain` says corrupt. */
+kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uint32_t timeout_ms);
 /* How many of `keys`, from the first, are stored (*count): a scheduler's prefix check, with
  * the keys of kvstash_kvcache_key. */
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,

@@ -368,6 +368,9 @@ class Store {
   // Deletes the object (its pages return to the pool once no reader holds them).
   // kNotFound when absent.
   Status remove(std::string_view key, std::optional<Deadline> deadline = {});
+  // remove, of an object whose bytes the caller found bad (a load that failed its checksum):
+  // `kvstash explain` then says the key was removed as corrupt.
+  Status remove_corrupt(std::string_view key, std::optional<Deadline> deadline = {});
 
   // Sets a new time to live from now (0: no expiry) and marks the object recently used.
   // kNotFound when absent.
@@ -433,6 +436,7 @@ class Store {
                               Copy* copy);
   Status put(std::string_view key, std::span<const Slice> data, const PutOptions& options, Copy* copy);
   Status put_all(std::string_view key, std::span<const Slice> data, const PutOptions& options);
+  Status remove_as(std::string_view key, std::optional<Deadline> deadline, bool corrupt);
   std::unique_ptr<Impl> impl_;
 };
 

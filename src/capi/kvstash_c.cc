@@ -160,6 +160,11 @@ kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t ti
   return report(store->store->remove(key, deadline_of(timeout_ms)));
 }
 
+kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uint32_t timeout_ms) {
+  if (store == nullptr || key == nullptr) return invalid("kvstash_remove_corrupt: store and key are required");
+  return report(store->store->remove_corrupt(key, deadline_of(timeout_ms)));
+}
+
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
                                        uint32_t timeout_ms, size_t* count) {
   if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr) {

@@ -275,9 +275,9 @@ Result<ObjectRecord> Catalog::stat(std::string_view key) {
   return o;
 }
 
-Status Catalog::remove(std::string_view key) {
+Status Catalog::remove(std::string_view key, bool corrupt) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
-  return redis_.eval(scripts::remove(), {prefix_}, {key}).status();
+  return redis_.eval(scripts::remove(), {prefix_}, {key, corrupt ? "corrupt" : "removed"}).status();
 }
 
 Status Catalog::touch(std::string_view key, std::chrono::milliseconds ttl) {

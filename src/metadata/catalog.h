@@ -140,7 +140,8 @@ class Catalog {
 
   // The object's record (kNotFound when absent or expired).
   Result<ObjectRecord> stat(std::string_view key);
-  Status remove(std::string_view key);  // kNotFound when absent
+  // kNotFound when absent. `corrupt`: the client found its bytes bad (kvstash explain says so).
+  Status remove(std::string_view key, bool corrupt = false);
   // A new TTL (0: none) from now, and a touch of its LRU place. kNotFound when absent.
   Status touch(std::string_view key, std::chrono::milliseconds ttl);
   // How many of `keys`, from the first, are present (the first missing one ends the count).

@@ -329,6 +329,13 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("key"), py::arg("timeout_ms") = 0)
       .def(
+          "remove_corrupt",
+          [](PyStore& s, const std::string& key, std::uint32_t timeout_ms) {
+            check(nogil([&] { return s.store->remove_corrupt(key, deadline_of(timeout_ms)); }));
+          },
+          py::arg("key"), py::arg("timeout_ms") = 0,
+          "remove, of an object whose bytes were found bad: `kvstash explain` says it was corrupt.")
+      .def(
           "contains_prefix",
           [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
             return unwrap(nogil([&] { return s.store->contains_prefix(keys, deadline_of(timeout_ms)); }));

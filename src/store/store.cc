@@ -179,6 +179,14 @@ Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
 }
 
 Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
+  return remove_as(key, deadline, false);
+}
+
+Status Store::remove_corrupt(std::string_view key, std::optional<Deadline> deadline) {
+  return remove_as(key, deadline, true);
+}
+
+Status Store::remove_as(std::string_view key, std::optional<Deadline> deadline, bool corrupt) {
   const auto started = Clock::now();
   auto r = [&]() -> Status {
     // From every cell a get would look in: OK when one held it and none failed (a failure may
@@ -188,7 +196,7 @@ Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
     bool removed = false;
     for (store::CellLink* cell : impl_->get_cells(key, d)) {
       KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
-      Status s = c->remove(key);
+      Status s = c->remove(key, corrupt);
       if (s.is_ok()) {
         removed = true;
       } else if (s.code() == StatusCode::kNotFound) {
@@ -200,7 +208,7 @@ Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
     if (!failed.is_ok()) return failed;
     return removed ? Status() : not_found;
   }();
-  impl_->meters.op("remove", r, started);
+  impl_->meters.op(corrupt ? "remove_corrupt" : "remove", r, started);
   return r;
 }
 

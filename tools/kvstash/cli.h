@@ -96,6 +96,7 @@ void add_doctor_command(Registry& r);
 void add_plan_command(Registry& r);
 void add_cells_command(Registry& r);  // cells, cells set, cells settle
 void add_quota_commands(Registry& r);  // quota, quota set/rm/recount
+void add_explain_command(Registry& r);  // explain: why a key or a prompt missed
 
 // The cell's quotas as `kvstash quota --json` and `kvstash status --json` show them, and one
 // quota as a line of `kvstash status` (quotas.cc).

@@ -15,7 +15,7 @@ local ok = P .. ':obj:' .. key
 if redis.call('HGET', ok, 'token') == token then
   wake_waiters(key, token)
   if bad then
-    release(key)
+    release(key, 'corrupt', 'its bytes on the NVMe tier of ' .. id .. ' failed their sum, or the device failed')
     redis.call('HINCRBY', P .. ':stats', 'tier_lost', 1)
   else
     redis.call('HDEL', ok, 'promoting')

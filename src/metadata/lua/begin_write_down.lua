@@ -61,7 +61,7 @@ if free < pages then
   for _, key in ipairs(victims) do
     if free >= pages then break end
     if redis.call('EXISTS', P .. ':obj:' .. key) == 1 then
-      release(key)  -- its slots return at once
+      release(key, 'evicted', 'the NVMe tier was full')  -- its slots return at once
       free = free_pages(sid)
       gone = gone + 1
     else

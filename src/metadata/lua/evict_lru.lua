@@ -18,5 +18,5 @@ walk_unleased_lru(function(key, last, _, size)
   out[#out + 1] = last
   return (max_bytes > 0 and bytes >= max_bytes) or #chosen >= limit
 end, 2 * limit + 256)
-if not dry then evict_keys(chosen) end
+if not dry then evict_keys(chosen, 'an operator evicted it (kvstash evict)') end
 return out

@@ -350,14 +350,32 @@ local function slots_live(list)
   return false
 end
 
+-- Why objects left the cell (`kvstash explain`): P:gone:why maps a key to '<ms> <why>
+-- <detail>' of its last removal (expired, evicted, removed, corrupt, node_down,
+-- node_restarted, node_left, tier_lost). Bounded by generations: once it holds GONE_KEEP keys
+-- it becomes P:gone:old (the generation before is unlinked, freed off Redis's thread), so the
+-- record holds the last GONE_KEEP to 2 x GONE_KEEP removals whatever the churn, at two
+-- commands per removal. A key put again keeps its record until explain sees it present.
+local GONE_KEEP = 50000
+local function record_gone(key, why, detail)
+  local gk = P .. ':gone:why'
+  redis.call('HSET', gk, key, now .. ' ' .. why .. ' ' .. (detail or ''))
+  if redis.call('HLEN', gk) >= GONE_KEEP then
+    redis.call('UNLINK', P .. ':gone:old')
+    redis.call('RENAME', gk, P .. ':gone:old')
+  end
+end
+
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
 -- the last read lease on them ends; its slots on the tier (and a write-down's) return at once:
 -- only the node's own tier thread writes slots, and a promotion reading a slot freed meanwhile
--- fails its sum (src/node/tier.h). Returns the pages freed now.
-local function release(key)
+-- fails its sum (src/node/tier.h). `why` and `detail`: why it leaves, for record_gone (none:
+-- a new object replaces it). Returns the pages freed now.
+local function release(key, why, detail)
   local ok = P .. ':obj:' .. key
   local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving')
   redis.call('DEL', ok)
+  if why and o[1] then record_gone(key, why, detail) end
   quota_uncharge(o[5], key, o[4])
   if o[6] or o[7] then
     free_extents(o[6])
@@ -414,22 +432,39 @@ end
 -- expired object or one on a dead or restarted node is released on the spot.
 local FIELDS = {'token', 'size', 'extents', 'checksum', 'layout', 'nodes', 'expires', 'copies', 'quota', 'tier',
                 'ssd_extents'}
+-- Why the pages of an object on `nodes` are no longer readable (on_live_pages said so): a
+-- node past its heartbeat, one leaving the cell, or one that registered again since (a
+-- restart, a pause past its deadline, a failover's fence).
+local function why_unreadable(nodes)
+  for id in string.gmatch(nodes or '', '[^ ]+') do
+    local v = node_view(id)
+    if not v.alive then return 'node_down', id end
+    if v.state ~= 'up' and v.state ~= 'draining' then return 'node_left', id end
+  end
+  return 'node_restarted', (string.match(nodes or '', '[^ ]+') or '')
+end
+
 local function lookup(key)
   local o = redis.call('HMGET', P .. ':obj:' .. key, unpack(FIELDS))
   if not o[1] then return nil end
   local exp = tonumber(o[7] or '0') or 0
+  local expired = exp > 0 and exp <= now
   if o[10] == 'ssd' then
     -- On a tier: gone with the tier (another device, or the node forgotten), or expired; while
     -- its node is down or restarting, unreadable but kept: the node finds its tier again.
-    if (exp > 0 and exp <= now) or not slots_live(o[11]) then
-      release(key)
+    if expired or not slots_live(o[11]) then
+      release(key, expired and 'expired' or 'tier_lost', expired and '' or o[6])
       return nil
     end
     if not on_live_pages('', o[6]) then return nil end
     return o
   end
-  if (exp > 0 and exp <= now) or not on_live_pages(o[3], o[6]) then
-    release(key)
+  if expired then
+    release(key, 'expired')
+    return nil
+  end
+  if not on_live_pages(o[3], o[6]) then
+    release(key, why_unreadable(o[6]))
     return nil
   end
   return o
@@ -575,7 +610,7 @@ end
 -- Releases expired objects, oldest deadline first, at most `limit`.
 local function sweep_expired(limit)
   local keys = redis.call('ZRANGEBYSCORE', P .. ':expiry', '-inf', now, 'LIMIT', 0, limit)
-  for _, key in ipairs(keys) do release(key) end
+  for _, key in ipairs(keys) do release(key, 'expired') end
   if #keys > 0 then redis.call('HINCRBY', P .. ':stats', 'expired', #keys) end
   return #keys
 end
@@ -604,10 +639,11 @@ local function walk_unleased_lru(visit, max_visits, lru)
   return orphans
 end
 
--- Releases `victims` as evicted (counted in P:stats). Returns the pages freed now.
-local function evict_keys(victims)
+-- Releases `victims` as evicted (counted in P:stats), `pressure` saying what made room
+-- necessary (record_gone). Returns the pages freed now.
+local function evict_keys(victims, pressure)
   local freed = 0
-  for _, key in ipairs(victims) do freed = freed + release(key) end
+  for _, key in ipairs(victims) do freed = freed + release(key, 'evicted', pressure) end
   if #victims > 0 then redis.call('HINCRBY', P .. ':stats', 'evicted', #victims) end
   return freed
 end
@@ -634,7 +670,7 @@ local function evict(need, usable)
   end, need + 256)
   if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
   if pages < need then return 0, 0 end
-  return #victims, evict_keys(victims)
+  return #victims, evict_keys(victims, 'the pool was full: a put needed ' .. need .. (need == 1 and ' page' or ' pages'))
 end
 
 -- Makes room under the quota of `key` for its next object, of `size` bytes, which replaces
@@ -669,7 +705,7 @@ local function quota_fit(key, size)
   end, 1024, qk .. ':lru')
   if #orphans > 0 then call_chunked('ZREM', qk .. ':lru', orphans) end
   if fits() or over then
-    evict_keys(victims)
+    evict_keys(victims, 'the quota of prefix ' .. prefix .. ' was full')
     redis.call('HINCRBY', qk, 'evicted', #victims)
   end
   if fits() then return nil end

@@ -753,7 +753,7 @@ class KvstashConnector(KVConnectorBase_V1):
         for i in bad:
             key = keys[run.first + i]
             try:
-                self.store.remove(key, timeout_ms=self.config.timeout_ms)
+                self.store.remove_corrupt(key, timeout_ms=self.config.timeout_ms)
                 self._stats["chunks_corrupt_removed"] += 1
                 logger.warning("kvstash: chunk %d of %s was corrupt and is removed from the cell", run.first + i,
                                run.req_id)
