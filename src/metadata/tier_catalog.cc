@@ -152,9 +152,10 @@ Status TierCatalog::commit_promote(std::string_view id, std::string_view epoch, 
       .status();
 }
 
-Status TierCatalog::abort_promote(std::string_view id, const Promotion& p, bool bad) {
-  return redis_.eval(scripts::abort_promote(), {prefix_}, {id, p.key, p.token, p.put_token, bad ? "1" : "0"})
-      .status();
+Result<bool> TierCatalog::abort_promote(std::string_view id, const Promotion& p, bool bad) {
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::abort_promote(), {prefix_}, {id, p.key, p.token, p.put_token, bad ? "1" : "0"}));
+  return r.str() == "DROPPED";
 }
 
 Result<std::optional<std::string>> TierCatalog::next_promotion(std::string_view id, std::chrono::milliseconds wait) {

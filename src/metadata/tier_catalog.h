@@ -86,8 +86,8 @@ class TierCatalog {
   // The object lives in the pool again. kStale when it changed meanwhile (its pages are freed).
   Status commit_promote(std::string_view id, std::string_view epoch, const Promotion& p);
   // The promotion's pages go back; with `bad` (EIO, a sum that does not match) the object goes
-  // too.
-  Status abort_promote(std::string_view id, const Promotion& p, bool bad);
+  // too, if it is still the one promoted: whether it went.
+  Result<bool> abort_promote(std::string_view id, const Promotion& p, bool bad);
   // The next key whose promotion a get queued at node `id`, waiting up to `wait` (0: not at
   // all; Redis may let a short wait last 100 ms); nullopt when none came. The connection's
   // command timeout must exceed `wait`.

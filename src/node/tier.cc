@@ -438,7 +438,15 @@ void NodeTier::finish_job(const std::string& epoch, PromotionJob& job) {
     }
     // One batch: a device error fails each of its promotions (which one it hit, the batch does
     // not say), and drops each object as lost.
-    const Status done = failed.is_ok() ? catalog_->commit_promote(id_, epoch, p) : catalog_->abort_promote(id_, p, bad);
+    bool dropped = false;
+    Status done;
+    if (failed.is_ok()) {
+      done = catalog_->commit_promote(id_, epoch, p);
+    } else {
+      auto aborted = catalog_->abort_promote(id_, p, bad);
+      dropped = aborted.is_ok() && *aborted;
+      done = aborted.status();
+    }
     if (failed.is_ok() && done.is_ok()) {
       ++counters_->promoted;
       counters_->promoted_bytes += p.size;
@@ -446,12 +454,13 @@ void NodeTier::finish_job(const std::string& epoch, PromotionJob& job) {
     }
     ++counters_->promotion_failures;
     const Status& why = failed.is_ok() ? done : failed;
-    if (why.code() == StatusCode::kStale) {
-      // Replaced or removed meanwhile: routine under churn (its gets ask again).
+    if (why.code() == StatusCode::kStale || (bad && !dropped && done.is_ok())) {
+      // Replaced or removed meanwhile (its slots reused, so its bytes no longer matched):
+      // routine under churn, nothing dropped (its gets ask again).
       KVSTASH_LOG_DEBUG("node {}: NVMe tier: promotion of {}: {}", id_, p.key, why.to_string());
     } else {
       KVSTASH_LOG_WARN("node {}: NVMe tier: promotion of {} failed: {}{}", id_, p.key, why.to_string(),
-                       bad ? " (the object is dropped)" : "");
+                       dropped ? " (the object is dropped)" : "");
     }
   }
 }

@@ -5,7 +5,7 @@
 -- ARGV     id, key, token (the object's), put token (the promotion's), bad ('1': the device
 --          failed or the bytes did not match their sum: the object is removed, counted as
 --          tier_lost; '0': it stays on the tier, and the next get queues it again)
--- Returns  OK
+-- Returns  DROPPED when the object went (bad, and still the one promoted), else OK
 
 local id, key, token, ptoken, bad = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1'
 local pk = P .. ':put:' .. ptoken
@@ -17,6 +17,7 @@ if redis.call('HGET', ok, 'token') == token then
   if bad then
     release(key, 'corrupt', 'its bytes on the NVMe tier of ' .. id .. ' failed their sum, or the device failed')
     redis.call('HINCRBY', P .. ':stats', 'tier_lost', 1)
+    return 'DROPPED'
   else
     redis.call('HDEL', ok, 'promoting')
   end
