@@ -1,6 +1,7 @@
 // The metadata scripts against a real redis-server: allocation, commit, leases, zombies,
 // generations, eviction, expiry, reclaim, dead and restarted nodes, corrupt records.
 #include "metadata/cell.h"
+#include "metadata/tier_catalog.h"
 
 #include <gtest/gtest.h>
 
@@ -73,6 +74,44 @@ class CatalogTest : public ::testing::Test {
   CellAdmin* admin_ = nullptr;   // the operator's
   int puts_ = 0;
 };
+
+// The recovery scripts (recover_tier.lua) over a tier of 16 slots: a pending recovery hands
+// out no slot; objects offered are admitted unless their key holds one, kept when offered
+// again by a recovery that restarts; and at the end the free list is every slot no admitted
+// object holds, those freed during the recovery (an admitted object removed) included, once.
+TEST_F(CatalogTest, ARecoveryAdmitsWhatTheKeyDoesNotHoldAndFreesEverySlotElseOnce) {
+  NodeRecord n{"t", "e1", kPage, 8, "addr-t", "key-t", "", 16, 2, "tier-t"};
+  ASSERT_TRUE(node_->register_node(n, 30s).is_ok());
+  TierCatalog tiers(*redis_);
+  ASSERT_EQ(tiers.begin_recovery("t", "e1").value(), true) << "a tier the cell did not know starts over";
+  put("taken", 1);  // a put since the loss: newer than what the tier holds
+  auto offer = [&](std::vector<TierCatalog::Recovered> objects) {
+    return tiers.offer_recovered("t", "e1", {.found = 3, .checked = 3}, objects).value();
+  };
+  auto object = [](std::string key, std::string runs, std::uint64_t size) {
+    return TierCatalog::Recovered{.key = std::move(key), .token = "r-" + key, .checksum = "0000000000001234/4194304",
+                                  .layout = "", .runs = std::move(runs), .sum = "00000000000000ab", .size = size};
+  };
+  using O = TierCatalog::Offered;
+  EXPECT_EQ(offer({object("a", "0,2", 2 * kPage), object("b", "5,1", kPage), object("taken", "9,1", kPage)}),
+            (std::vector<O>{O::kAdmitted, O::kAdmitted, O::kTaken}));
+  EXPECT_EQ(offer({object("a", "0,2", 2 * kPage)}), std::vector<O>{O::kKept}) << "offered again: the same slots";
+  EXPECT_EQ(cat_->stat("a").value().tier, "ssd");
+  // While it runs, no write-down takes a slot.
+  auto down = tiers.begin_write_down("t", "e1", 100, 100, 8, 10s);
+  ASSERT_TRUE(down.is_ok()) << down.status().to_string();
+  EXPECT_TRUE(down->objects.empty());
+  ASSERT_TRUE(cat_->remove("a").is_ok());  // its slots 0-1 go to the free list now
+  ASSERT_TRUE(tiers.end_recovery("t", "e1", {.found = 3, .checked = 3}, "0,2;5,1").is_ok());
+  const NodeStatus st = admin_->node_status("t").value();
+  EXPECT_EQ(st.recovery.state, "done");
+  EXPECT_EQ(st.recovery.admitted, 2u);
+  EXPECT_EQ(st.recovery.refused, 1u);
+  EXPECT_EQ(st.tier_slots, 16u);
+  EXPECT_EQ(st.tier_free_slots, 15u) << "every slot but b's is free, a's freed slots counted once";
+  EXPECT_EQ(cat_->stat("b").value().tier, "ssd");
+  EXPECT_EQ(tiers.begin_recovery("t", "e1").value(), false) << "one recovery per start-over";
+}
 
 TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {
   ASSERT_TRUE(add_node("a", 10).is_ok());

@@ -95,17 +95,29 @@ if op == 'offer' then
 end
 
 if op == 'end' then
-  -- The slots no admitted object holds become the free list; the tier hands out slots again.
-  local fk, frees, free, at = P .. ':free:' .. sid, {}, 0, 0
-  for _, s in ipairs(spans_of(ARGV[7])) do
-    if s[1] > at then
-      frees[#frees + 1] = string.format('%d,%d', at, s[1] - at)
-      free = free + s[1] - at
-    end
-    at = math.max(at, s[1] + s[2])
+  -- The tier hands out slots again: every slot neither claimed (admitted or kept) nor already
+  -- on the free list joins it. Objects admitted and then promoted, removed or replaced during
+  -- the recovery freed their slots onto the list already (a slot is claimed and free then);
+  -- so did objects of an earlier, interrupted recovery. Nothing took a slot meanwhile.
+  local fk = P .. ':free:' .. sid
+  local spans = spans_of(ARGV[7])
+  local free = 0
+  for _, e in ipairs(redis.call('LRANGE', fk, 0, -1)) do
+    local page, n = string.match(e, '^(%d+),?(%d*)$')
+    n = tonumber(n) or 1
+    spans[#spans + 1] = {tonumber(page), n}
+    free = free + n
   end
-  redis.call('DEL', fk)
-  call_chunked('RPUSH', fk, frees)
+  table.sort(spans, function(a, b) return a[1] < b[1] end)
+  local holes, at = {}, 0
+  for _, sp in ipairs(spans) do
+    if sp[1] > at then
+      holes[#holes + 1] = string.format('%d,%d', at, sp[1] - at)
+      free = free + sp[1] - at
+    end
+    at = math.max(at, sp[1] + sp[2])
+  end
+  call_chunked('RPUSH', fk, holes)
   redis.call('HSET', sk, 'next_page', at, 'free_pages', free, 'recovery', 'done', 'recovery_ended', now,
              'recovery_found', tonumber(ARGV[4]) or 0, 'recovery_checked', tonumber(ARGV[5]) or 0,
              'recovery_bad', tonumber(ARGV[6]) or 0)
