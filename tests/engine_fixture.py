@@ -11,6 +11,7 @@ and a private cell (scripts/cluster) for the module's tests.
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -106,3 +107,19 @@ def corrupt_layer_sum(url, key):
     first, rest = sums.split(",", 1)
     bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + "," + rest
     subprocess.run(cli + ["HSET", obj, "layout", bad], capture_output=True, check=True)
+
+
+def prometheus_samples(text):
+    """A Prometheus text exposition's series ('name{a="x"}', as written) and their values."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, v = line.rpartition(" ")
+            out[series] = float(v)
+    return out
+
+
+def series_key(series):
+    """'name{a="x",b="y"}' -> (name, frozenset of its labels): a series, its labels in any order."""
+    name, _, rest = series.partition("{")
+    return name, frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))

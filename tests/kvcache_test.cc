@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 
+#include "http_get.h"
 #include "kvstash/store.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
@@ -191,14 +192,6 @@ TEST_P(KvCacheTest, AChunkGoneMeanwhileFailsAloneAndEndsThePrefix) {
   EXPECT_EQ(kv->contains_prefix(tokens).value(), 4u);
 }
 
-// The value of the series `series` (name and labels, as the text writes them) in Prometheus
-// text `text`; -1 when it has none.
-double sample(const std::string& text, const std::string& series) {
-  const std::string at = "\n" + series + " ";
-  const std::size_t i = ("\n" + text).find(at);
-  return i == std::string::npos ? -1 : std::stod(text.substr(i + at.size() - 1));
-}
-
 // The store's own metrics (Store::metrics_text) count what happened: its operations by
 // outcome, with their latency, the bytes per transport, and a KvCache's chunks by outcome,
 // failed loads (which the engine computes again) included, and its layer waits.
@@ -224,33 +217,33 @@ TEST_P(KvCacheTest, TheStoreCountsItsOperationsAndTheCachesChunks) {
   EXPECT_EQ(store_->contains_prefix(kv->keys(tokens)).value(), 2u);
 
   const std::string text = store_->metrics_text();
-  EXPECT_EQ(sample(text, R"(kvstash_kvcache_chunks_total{op="save",status="ok"})"), 4) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_kvcache_chunks_total{op="load",status="ok"})"), 3) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_kvcache_chunks_total{op="load",status="not_found"})"), 1) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_kvcache_layer_wait_duration_seconds_count)"), shape.num_layers) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="put",status="ok"})"), 1) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_chunks_total{op="save",status="ok"})"), 4) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_chunks_total{op="load",status="ok"})"), 3) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_chunks_total{op="load",status="not_found"})"), 1) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_layer_wait_duration_seconds_count)"), shape.num_layers) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="put",status="ok"})"), 1) << text;
   // The cache's chunk loads are the store's gets too: 3 found and 1 not, and the plain ones.
-  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="get",status="ok"})"), 4) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="get",status="not_found"})"), 2) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="remove",status="ok"})"), 1) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="lookup",status="ok"})"), 1) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_ops_total{op="put_stream",status="ok"})"), 4)
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="get",status="ok"})"), 4) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="get",status="not_found"})"), 2) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="remove",status="ok"})"), 1) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="lookup",status="ok"})"), 1) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="put_stream",status="ok"})"), 4)
       << "the cache's chunk puts, not Store::put's own stream\n" << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_op_bytes_total{op="get"})"), 3.0 * kv->chunk_bytes() + 1000) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_op_bytes_total{op="put"})"), 1000) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_bytes_total{op="get"})"), 3.0 * kv->chunk_bytes() + 1000) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_bytes_total{op="put"})"), 1000) << text;
   // The bytes moved over shm: the 4 chunks and the put written, 3 chunks and the get read.
-  EXPECT_EQ(sample(text, R"(kvstash_client_transfer_bytes_total{op="write",transport="shm"})"),
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="write",transport="shm"})"),
             4.0 * kv->chunk_bytes() + 1000) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="shm"})"),
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="shm"})"),
             3.0 * kv->chunk_bytes() + 1000) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="tcp"})"), 0) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="tcp"})"), 0) << text;
   // A histogram as the format has it: cumulative buckets, +Inf the count, a sum.
   EXPECT_NE(text.find("# TYPE kvstash_client_op_duration_seconds histogram\n"), std::string::npos) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="+Inf"})"), 6) << text;
-  EXPECT_EQ(sample(text, R"(kvstash_client_op_duration_seconds_count{op="get"})"), 6) << text;
-  EXPECT_LE(sample(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.001"})"),
-            sample(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.01"})"));
-  EXPECT_GT(sample(text, R"(kvstash_client_op_duration_seconds_sum{op="get"})"), 0) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="+Inf"})"), 6) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_duration_seconds_count{op="get"})"), 6) << text;
+  EXPECT_LE(test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.001"})"),
+            test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.01"})"));
+  EXPECT_GT(test::metric(text, R"(kvstash_client_op_duration_seconds_sum{op="get"})"), 0) << text;
 }
 
 TEST_P(KvCacheTest, OtherLayoutsAndForeignObjectsNeverLoad) {
@@ -450,7 +443,7 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   for (const auto& st : kvc->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   check(host_c, blocks_b, "direct load");
   const std::string cold = store_->metrics_text();
-  EXPECT_GT(sample(cold, R"(kvstash_kvcache_bounce_takes_total{from="new"})"), 0) << cold;
+  EXPECT_GT(test::metric(cold, R"(kvstash_kvcache_bounce_takes_total{from="new"})"), 0) << cold;
   // And again: the bounce buffers come back from their pools.
   for (const auto& st : (*kva)->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   for (const auto& st : (*kvb)->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -461,12 +454,13 @@ TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {
   for (const auto& st : (*kva)->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   for (const auto& st : (*kvb)->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
   const std::string third = store_->metrics_text();
-  EXPECT_EQ(sample(third, R"(kvstash_kvcache_bounce_takes_total{from="new"})"),
-            sample(warm, R"(kvstash_kvcache_bounce_takes_total{from="new"})"))
+  EXPECT_EQ(test::metric(third, R"(kvstash_kvcache_bounce_takes_total{from="new"})"),
+            test::metric(warm, R"(kvstash_kvcache_bounce_takes_total{from="new"})"))
       << third;
-  EXPECT_EQ(sample(third, "kvstash_kvcache_bounce_bytes_total"), sample(warm, "kvstash_kvcache_bounce_bytes_total"));
-  EXPECT_GT(sample(third, R"(kvstash_kvcache_bounce_takes_total{from="pool"})"),
-            sample(warm, R"(kvstash_kvcache_bounce_takes_total{from="pool"})"))
+  EXPECT_EQ(test::metric(third, "kvstash_kvcache_bounce_bytes_total"),
+            test::metric(warm, "kvstash_kvcache_bounce_bytes_total"));
+  EXPECT_GT(test::metric(third, R"(kvstash_kvcache_bounce_takes_total{from="pool"})"),
+            test::metric(warm, R"(kvstash_kvcache_bounce_takes_total{from="pool"})"))
       << third;
 }
 

@@ -80,16 +80,6 @@ def page_bytes(host, indices):
     return [bytes(flat[p - base:p - base + n].numpy()) for p, n in zip(ptrs, sizes)]
 
 
-def samples_of(text):
-    """A Prometheus text's series and values."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, v = line.rpartition(" ")
-            out[series] = float(v)
-    return out
-
-
 def make(config, host=None):
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     if host is not None:
@@ -128,18 +118,17 @@ class SglangBackend(unittest.TestCase):
                 import prometheus_client
 
                 puts = 'sglang:kvstash_client_ops_total{model_name="tiny-llama",op="put",status="ok",tp_rank="0"}'
-                before = samples_of(prometheus_client.generate_latest().decode()).get(puts, 0)
+                samples = engine_fixture.prometheus_samples
+                before = samples(prometheus_client.generate_latest().decode()).get(puts, 0)
                 self.assertEqual(a.get_stats().backup_pgs, [4])
-                served = samples_of(prometheus_client.generate_latest().decode())
-                self.assertEqual(served[puts], before + 4)
-                self.assertEqual(samples_of(a.store.metrics_text())['kvstash_client_ops_total{op="put",status="ok"}'], 4)
+                self.assertEqual(samples(prometheus_client.generate_latest().decode())[puts], before + 4)
+                self.assertEqual(samples(a.store.metrics_text())['kvstash_client_ops_total{op="put",status="ok"}'], 4)
                 got = b.get_stats()
                 self.assertEqual(got.prefetch_pgs, [4])
                 self.assertEqual(len(got.prefetch_bandwidth), 1)
                 self.assertEqual(b.get_stats().prefetch_pgs, [], "each interval starts empty")
-                served = samples_of(prometheus_client.generate_latest().decode())
                 self.assertIn('sglang:kvstash_client_op_duration_seconds_bucket{le="0.01",model_name="tiny-llama",'
-                              'op="get",tp_rank="0"}', served)
+                              'op="get",tp_rank="0"}', samples(prometheus_client.generate_latest().decode()))
 
     def test_a_missing_page_ends_the_prefix_and_fails_its_get(self):
         keys = [f"gap-{i}" for i in range(3)]

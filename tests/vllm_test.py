@@ -120,24 +120,6 @@ def make_kv_cache_config():
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
-def parse_series(series):
-    """'name{a="x",b="y"}' -> (name, frozenset of its labels): labels in any order."""
-    import re
-
-    name, _, rest = series.partition("{")
-    return name, frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
-
-
-def samples_of(text):
-    """A Prometheus text's series and values."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, v = line.rpartition(" ")
-            out[series] = float(v)
-    return out
-
-
 class Engine:
     """One engine: vLLM's scheduler with the connector it loads, and one worker per TP rank,
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
@@ -331,11 +313,12 @@ class VllmConnector(unittest.TestCase):
             prom.observe(stats.to_dict(), 0)
         self.assertIsNone(interval_stats(b), "an interval with nothing done has nothing to say")
         text = prometheus_client.generate_latest().decode()
-        served = {parse_series(k): v for k, v in samples_of(text).items()}
+        key, samples = engine_fixture.series_key, engine_fixture.prometheus_samples
+        served = {key(k): v for k, v in samples(text).items()}
         labels = 'model_name="kvstash-test",engine="0"'
 
         def value(series):
-            got = served.get(parse_series(series))
+            got = served.get(key(series))
             if got is None:
                 self.fail(f"{series} is not in vLLM's metrics:\n" + "\n".join(
                     line for line in text.splitlines() if "kvstash" in line))
@@ -347,7 +330,7 @@ class VllmConnector(unittest.TestCase):
         # The store's counts, as its own text says them: both engines' stores, summed.
         own = {}
         for engine in (a, b):
-            for series, v in samples_of(engine.workers[0][0].store.metrics_text()).items():
+            for series, v in samples(engine.workers[0][0].store.metrics_text()).items():
                 own[series] = own.get(series, 0) + v
         for series in ('kvstash_client_ops_total{op="get",status="ok"}',
                        'kvstash_client_transfer_bytes_total{op="write",transport="shm"}',
