@@ -150,9 +150,8 @@ int explain(Session& s, const ExplainOptions& o) {
     for (const auto& l : o.also_layouts) with("layout " + l, [&](PrefixKeyOptions& p) { p.layout_tag = l; });
   }
   auto present = [&](const std::string& key) { return c.catalog().stat(key); };
-  auto summary = c.admin().summary();  // Redis's clock, which the removal records use
-  if (!summary.is_ok()) return fail(summary.status(), "reading the cell", &s);
-  const std::int64_t now = summary->now_ms;
+  std::int64_t now = 0;  // Redis's clock, which the removal records use
+  if (auto clock = c.admin().describe({}, &now); !clock.is_ok()) return fail(clock.status(), "reading the cell", &s);
   std::string redis_age;
   if (auto info = c.redis().command({"INFO", "server"}); info.is_ok()) {
     const std::string text(info->str());
