@@ -47,27 +47,29 @@ Histogram& Registry::histogram(std::string_view name, std::string_view help, con
   return *slot;
 }
 
+void Registry::append_samples(const std::string& name, const Family& f, std::vector<Sample>& out) {
+  for (const auto& [labels, c] : f.counters) out.push_back({name, labels, static_cast<double>(c->value())});
+  for (const auto& [labels, h] : f.histograms) {
+    for (std::size_t i = 0; i < kLatencyBuckets.size(); ++i) {
+      Labels with = labels;
+      with.emplace_back("le", fmt::format("{}", kLatencyBuckets[i]));
+      out.push_back({name + "_bucket", std::move(with), static_cast<double>(h->at_or_below(i))});
+    }
+    // Observations that land meanwhile may reach the buckets before the count: +Inf and the
+    // count are never below the last bucket read.
+    const std::uint64_t count = std::max(h->count(), h->at_or_below(kLatencyBuckets.size() - 1));
+    Labels inf = labels;
+    inf.emplace_back("le", "+Inf");
+    out.push_back({name + "_bucket", std::move(inf), static_cast<double>(count)});
+    out.push_back({name + "_sum", labels, h->sum()});
+    out.push_back({name + "_count", labels, static_cast<double>(count)});
+  }
+}
+
 std::vector<Sample> Registry::samples() const {
   std::vector<Sample> out;
   std::lock_guard lock(mu_);
-  for (const auto& [name, f] : families_) {
-    for (const auto& [labels, c] : f.counters) out.push_back({name, labels, static_cast<double>(c->value())});
-    for (const auto& [labels, h] : f.histograms) {
-      // One read of the count first: the buckets read after it may hold a few more, never
-      // fewer, so +Inf (the count) is read last from the same buckets.
-      for (std::size_t i = 0; i < kLatencyBuckets.size(); ++i) {
-        Labels with = labels;
-        with.emplace_back("le", fmt::format("{}", kLatencyBuckets[i]));
-        out.push_back({name + "_bucket", std::move(with), static_cast<double>(h->at_or_below(i))});
-      }
-      const std::uint64_t count = std::max(h->count(), h->at_or_below(kLatencyBuckets.size() - 1));
-      Labels inf = labels;
-      inf.emplace_back("le", "+Inf");
-      out.push_back({name + "_bucket", std::move(inf), static_cast<double>(count)});
-      out.push_back({name + "_sum", labels, h->sum()});
-      out.push_back({name + "_count", labels, static_cast<double>(count)});
-    }
-  }
+  for (const auto& [name, f] : families_) append_samples(name, f, out);
   return out;
 }
 
@@ -91,32 +93,23 @@ std::string quoted(std::string_view v) {
 
 std::string Registry::text() const {
   std::string out;
-  std::map<std::string, std::pair<std::string, bool>, std::less<>> kinds;  // family -> help, histogram
-  {
-    std::lock_guard lock(mu_);
-    for (const auto& [name, f] : families_) kinds[name] = {f.help, f.histogram};
-  }
-  std::string at;
-  for (const Sample& s : samples()) {
-    // Each family's HELP and TYPE once, before its first series.
-    std::string_view family = s.name;
-    for (std::string_view suffix : {"_bucket", "_sum", "_count"}) {
-      if (!kinds.contains(family) && family.ends_with(suffix)) family.remove_suffix(suffix.size());
-    }
-    if (family != at) {
-      at = std::string(family);
-      const auto& [help, histogram] = kinds[at];
-      out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", at, help, at, histogram ? "histogram" : "counter");
-    }
-    out += s.name;
-    if (!s.labels.empty()) {
-      out += '{';
-      for (std::size_t i = 0; i < s.labels.size(); ++i) {
-        out += fmt::format("{}{}=\"{}\"", i ? "," : "", s.labels[i].first, quoted(s.labels[i].second));
+  std::vector<Sample> series;
+  std::lock_guard lock(mu_);
+  for (const auto& [name, f] : families_) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, f.help, name, f.histogram ? "histogram" : "counter");
+    series.clear();
+    append_samples(name, f, series);
+    for (const Sample& s : series) {
+      out += s.name;
+      if (!s.labels.empty()) {
+        out += '{';
+        for (std::size_t i = 0; i < s.labels.size(); ++i) {
+          out += fmt::format("{}{}=\"{}\"", i ? "," : "", s.labels[i].first, quoted(s.labels[i].second));
+        }
+        out += '}';
       }
-      out += '}';
+      out += fmt::format(" {}\n", s.value);
     }
-    out += fmt::format(" {}\n", s.value);
   }
   return out;
 }

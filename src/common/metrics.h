@@ -80,6 +80,8 @@ class Registry {
     std::map<Labels, std::unique_ptr<Histogram>> histograms;
   };
   Family& family(std::string_view name, std::string_view help, bool histogram);
+  // Family `name`'s series, a histogram's as its buckets, sum and count.
+  static void append_samples(const std::string& name, const Family& f, std::vector<Sample>& out);
   mutable std::mutex mu_;
   std::map<std::string, Family, std::less<>> families_;
 };

@@ -97,7 +97,7 @@ struct PutStream::State {
     }
     if (committed.is_ok()) committed = impl->wait_for_replicas(cell.redis(), deadline);
     if (committed.is_ok()) committed = impl->remove_older_copy(key, *pages.cell, deadline);
-    if (!in_put) impl->meters.op("put_stream", committed, began, size);
+    if (!in_put) impl->meters.op(store::MeteredOp::kPutStream, committed, began, size);
     return committed.with_context(key);
   }
 
@@ -452,7 +452,7 @@ Result<PutStream> Store::begin_put(std::string_view key, std::uint64_t size, con
 Status Store::put(std::string_view key, std::span<const Slice> data, const PutOptions& options) {
   const auto started = Clock::now();
   Status s = put_all(key, data, options);
-  impl_->meters.op("put", s, started, store::total_length(data));
+  impl_->meters.op(store::MeteredOp::kPut, s, started, store::total_length(data));
   return s;
 }
 

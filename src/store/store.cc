@@ -34,19 +34,42 @@ store::Meters::Meters() {
   }
 }
 
-void store::Meters::op(std::string_view op, const Status& s, Clock::time_point started, std::uint64_t bytes) {
-  const std::string name(op);
+namespace {
+
+constexpr std::string_view kOpNames[] = {"put", "put_stream", "get", "lookup", "remove", "remove_corrupt", "touch",
+                                         "stat"};
+
+// The series in `slot`, made by `make` (a registry lookup) the first time. Two threads that
+// both make it get the same series from the registry.
+template <typename T, typename Make>
+T& kept(std::atomic<T*>& slot, Make make) {
+  T* p = slot.load(std::memory_order_acquire);
+  if (p == nullptr) {
+    p = &make();
+    slot.store(p, std::memory_order_release);
+  }
+  return *p;
+}
+
+}  // namespace
+
+void store::Meters::op(MeteredOp op, const Status& s, Clock::time_point started, std::uint64_t bytes) {
+  const std::string_view name = kOpNames[static_cast<std::size_t>(op)];
+  OpSeries& series = ops_[static_cast<std::size_t>(op)];
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  registry.counter("kvstash_client_ops_total", "Operations of this client, by outcome",
-                   {{"op", name}, {"status", std::string(to_string(s.code()))}})
-      .add();
-  registry.histogram("kvstash_client_op_duration_seconds", "How long this client's operations took, any outcome",
-                     {{"op", name}})
-      .observe(seconds);
+  kept(series.outcomes[static_cast<std::size_t>(s.code())], [&]() -> metrics::Counter& {
+    return registry.counter("kvstash_client_ops_total", "Operations of this client, by outcome",
+                            {{"op", std::string(name)}, {"status", std::string(to_string(s.code()))}});
+  }).add();
+  kept(series.duration, [&]() -> metrics::Histogram& {
+    return registry.histogram("kvstash_client_op_duration_seconds",
+                              "How long this client's operations took, any outcome", {{"op", std::string(name)}});
+  }).observe(seconds);
   if (s.is_ok() && bytes > 0) {
-    registry.counter("kvstash_client_op_bytes_total", "Bytes of the objects this client's operations put or got",
-                     {{"op", name}})
-        .add(bytes);
+    kept(series.bytes, [&]() -> metrics::Counter& {
+      return registry.counter("kvstash_client_op_bytes_total",
+                              "Bytes of the objects this client's operations put or got", {{"op", std::string(name)}});
+    }).add(bytes);
   }
 }
 
@@ -107,14 +130,14 @@ Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
 Result<ObjectInfo> Store::get(std::string_view key, std::span<const Slice> into, const GetOptions& options) {
   const auto started = Clock::now();
   auto r = impl_->get(key, into, nullptr, options);
-  impl_->meters.op("get", r.status(), started, r.is_ok() ? r->size : 0);
+  impl_->meters.op(store::MeteredOp::kGet, r.status(), started, r.is_ok() ? r->size : 0);
   return r;
 }
 
 Result<ObjectInfo> Store::get_unsized(std::string_view key, const GetInto& into, const GetOptions& options) {
   const auto started = Clock::now();
   auto r = impl_->get(key, {}, &into, options);
-  impl_->meters.op("get", r.status(), started, r.is_ok() ? r->size : 0);
+  impl_->meters.op(store::MeteredOp::kGet, r.status(), started, r.is_ok() ? r->size : 0);
   return r;
 }
 
@@ -135,7 +158,7 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
       return info;
     });
   }();
-  impl_->meters.op("stat", r.status(), started);
+  impl_->meters.op(store::MeteredOp::kStat, r.status(), started);
   return r;
 }
 
@@ -153,7 +176,7 @@ Result<std::vector<Tier>> Store::prefix_tiers(std::span<const std::string> keys,
     }
     return out;
   }();
-  impl_->meters.op("lookup", r.status(), started);
+  impl_->meters.op(store::MeteredOp::kLookup, r.status(), started);
   return r;
 }
 
@@ -174,7 +197,7 @@ Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
     }
     return found;
   }();
-  impl_->meters.op("lookup", r.status(), started);
+  impl_->meters.op(store::MeteredOp::kLookup, r.status(), started);
   return r;
 }
 
@@ -208,7 +231,7 @@ Status Store::remove_as(std::string_view key, std::optional<Deadline> deadline, 
     if (!failed.is_ok()) return failed;
     return removed ? Status() : not_found;
   }();
-  impl_->meters.op(corrupt ? "remove_corrupt" : "remove", r, started);
+  impl_->meters.op(corrupt ? store::MeteredOp::kRemoveCorrupt : store::MeteredOp::kRemove, r, started);
   return r;
 }
 
@@ -217,7 +240,7 @@ Status Store::touch(std::string_view key, std::chrono::milliseconds ttl, std::op
   auto r = [&]() -> Status {
     return impl_->with_catalog(key, deadline, [&](metadata::Catalog& c) { return c.touch(key, ttl); });
   }();
-  impl_->meters.op("touch", r, started);
+  impl_->meters.op(store::MeteredOp::kTouch, r, started);
   return r;
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -37,13 +38,25 @@ namespace store {
 // The Store's metrics (Store::metrics_text; docs/operations.md, "Engine-side metrics"): every
 // operation by its outcome and latency, the bytes it moved, and per transport the bytes the
 // transfers moved.
+enum class MeteredOp : std::uint8_t { kPut, kPutStream, kGet, kLookup, kRemove, kRemoveCorrupt, kTouch, kStat };
+
 struct Meters {
   metrics::Registry registry;
   // [read, write][TransportKind]: bytes of transfers that completed.
   std::array<std::array<metrics::Counter*, 4>, 2> moved{};
   Meters();
   // One operation `op` ended with `s` after `started`, moving `bytes` (OK only).
-  void op(std::string_view op, const Status& s, Clock::time_point started, std::uint64_t bytes = 0);
+  void op(MeteredOp op, const Status& s, Clock::time_point started, std::uint64_t bytes = 0);
+
+ private:
+  // Each operation's series, made in the registry on first use (so that its text names only
+  // what happened) and kept here: after that an operation takes no lock.
+  struct OpSeries {
+    std::atomic<metrics::Histogram*> duration{nullptr};
+    std::atomic<metrics::Counter*> bytes{nullptr};
+    std::array<std::atomic<metrics::Counter*>, static_cast<std::size_t>(StatusCode::kInternal) + 1> outcomes{};
+  };
+  std::array<OpSeries, static_cast<std::size_t>(MeteredOp::kStat) + 1> ops_;
 };
 
 // A put's or a reader's token in Redis: 128 random bits as hex.
