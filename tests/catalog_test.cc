@@ -15,6 +15,7 @@
 
 #include "metadata/quotas.h"
 #include "metadata/read_releases.h"
+#include "metadata/scripts.h"
 #include "redis_server.h"
 
 namespace kvstash::metadata {
@@ -111,6 +112,52 @@ TEST_F(CatalogTest, ARecoveryAdmitsWhatTheKeyDoesNotHoldAndFreesEverySlotElseOnc
   EXPECT_EQ(st.tier_free_slots, 15u) << "every slot but b's is free, a's freed slots counted once";
   EXPECT_EQ(cat_->stat("b").value().tier, "ssd");
   EXPECT_EQ(tiers.begin_recovery("t", "e1").value(), false) << "one recovery per start-over";
+}
+
+// KV events (docs/events.md): while they are off an announce records nothing; on, each present
+// object takes its data and is logged stored (an absent one skipped); whatever removes it later
+// (a client, a put that replaces it, eviction) logs it removed with the same data, in the order
+// the scripts ran, and takes it out of the set a relay restates from. A failover's fence moves
+// the epoch on.
+TEST_F(CatalogTest, AnnouncedObjectsAreLoggedStoredThenRemovedWithTheirDataInOrder) {
+  ASSERT_TRUE(add_node("a", 3).is_ok());
+  put("x", 1);
+  put("y", 1);
+  const std::string p = cell_->prefix();
+  using Items = std::vector<std::pair<std::string, std::string>>;
+  const Items items{{"x", "ev-x"}, {"y", "ev-y"}, {"never", "ev-n"}};
+  EXPECT_EQ(cat_->announce(items).value(), std::nullopt) << "events off";
+  EXPECT_EQ(redis_->command({"EXISTS", p + ":events:log"}).value().integer(), 0);
+  ASSERT_TRUE(redis_->command({"HSET", p + ":events", "maxlen", "1000"}).is_ok());
+  EXPECT_EQ(cat_->announce(items).value(), 2u) << "a key never stored is skipped";
+  EXPECT_EQ(cat_->announce(Items{{"x", ""}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cat_->announce(Items{{"x", std::string(kMaxEventData + 1, 'e')}}).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(cat_->remove("x").is_ok());
+  put("y", 1);  // replaced: the new y was never announced
+  put("z", 1);
+  ASSERT_TRUE(cat_->announce(Items{{"z", "ev-z"}}).is_ok());
+  put("w", 3);  // a full pool: y and z go
+
+  auto log = redis_->command({"XRANGE", p + ":events:log", "-", "+"}).value();
+  std::vector<std::string> got;
+  for (std::size_t i = 0; i < log.size(); ++i) {
+    const redisReply* f = log.element(i)->element[1];
+    std::string line;
+    for (std::size_t j = 1; j < f->elements; j += 2) {
+      if (j > 1) line += ' ';
+      line.append(f->element[j]->str, f->element[j]->len);
+    }
+    got.push_back(line);
+  }
+  EXPECT_EQ(got, (std::vector<std::string>{"stored x ev-x ", "stored y ev-y ", "removed x ev-x removed",
+                                           "removed y ev-y replaced", "stored z ev-z ", "removed z ev-z evicted"}));
+  EXPECT_EQ(redis_->command({"SCARD", p + ":events:objs"}).value().integer(), 0);
+
+  ASSERT_TRUE(redis_->eval(scripts::fence_master(), {p}, {"master-1"}).is_ok());
+  EXPECT_TRUE(redis_->command({"HGET", p + ":events", "epoch"}).value().is_nil()) << "the first master seen";
+  ASSERT_TRUE(redis_->eval(scripts::fence_master(), {p}, {"master-2"}).is_ok());
+  EXPECT_EQ(redis_->command({"HGET", p + ":events", "epoch"}).value().str(), "1") << "a failover";
 }
 
 TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {

@@ -32,6 +32,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvstash/engine.h"
@@ -371,6 +372,15 @@ class Store {
   // remove, of an object whose bytes the caller found bad (a load that failed its checksum):
   // `kvstash explain` then says the key was removed as corrupt.
   Status remove_corrupt(std::string_view key, std::optional<Deadline> deadline = {});
+
+  // KV events for cache-aware routers (docs/events.md): each key of `items` present now
+  // carries its event data (key, data: msgpack of its block hashes, parent hash, token ids,
+  // block size and LoRA id) and is published as stored by the cell's `kvstash events` relay;
+  // its removal, whatever the reason, is published with the same data. A key absent now is
+  // skipped. Returns how many keys were announced; nullopt when the cell's events are off
+  // (nothing was recorded). kInvalidArgument for data empty or over 64 KiB.
+  Result<std::optional<std::size_t>> announce(std::span<const std::pair<std::string, std::string>> items,
+                                              std::optional<Deadline> deadline = {});
 
   // Sets a new time to live from now (0: no expiry) and marks the object recently used.
   // kNotFound when absent.

@@ -165,6 +165,24 @@ kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uin
   return report(store->store->remove_corrupt(key, deadline_of(timeout_ms)));
 }
 
+kvstash_status kvstash_announce(kvstash_store* store, const char* const* keys, const void* const* data,
+                                const size_t* lengths, size_t n, uint32_t timeout_ms, int64_t* announced) {
+  if (store == nullptr || (n != 0 && (keys == nullptr || data == nullptr || lengths == nullptr)) ||
+      announced == nullptr) {
+    return invalid("kvstash_announce: store, keys, data, lengths and announced are required");
+  }
+  std::vector<std::pair<std::string, std::string>> items;
+  items.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] == nullptr || data[i] == nullptr) return invalid("kvstash_announce: a key or its data is NULL");
+    items.emplace_back(keys[i], std::string(static_cast<const char*>(data[i]), lengths[i]));
+  }
+  auto r = store->store->announce(items, deadline_of(timeout_ms));
+  if (!r.is_ok()) return report(r.status());
+  *announced = r->has_value() ? static_cast<int64_t>(**r) : -1;
+  return report({});
+}
+
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
                                        uint32_t timeout_ms, size_t* count) {
   if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr) {

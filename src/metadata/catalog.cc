@@ -327,6 +327,28 @@ Result<std::vector<bool>> Catalog::prefix_tiers(std::span<const std::string> key
   return out;
 }
 
+Result<std::optional<std::size_t>> Catalog::announce(std::span<const std::pair<std::string, std::string>> items) {
+  std::vector<std::string_view> args;
+  args.reserve(items.size() * 2);
+  for (const auto& [key, ev] : items) {
+    KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
+    if (ev.empty() || ev.size() > kMaxEventData) {
+      return Status(StatusCode::kInvalidArgument, "event data of " + key + " must be 1.." +
+                                                      std::to_string(kMaxEventData) + " bytes");
+    }
+    args.push_back(key);
+    args.push_back(ev);
+  }
+  if (args.empty()) return std::optional<std::size_t>{0};
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::announce(), {prefix_}, args));
+  if (r.type() != Reply::Type::kInteger || r.integer() < -1 ||
+      r.integer() > static_cast<std::int64_t>(items.size())) {
+    return corrupt("unexpected reply to announce");
+  }
+  if (r.integer() < 0) return std::optional<std::size_t>{};
+  return std::optional<std::size_t>{static_cast<std::size_t>(r.integer())};
+}
+
 Result<std::vector<NodeEndpoint>> Catalog::live_nodes() {
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::live_nodes(), {prefix_}, {}));
   if (r.type() != Reply::Type::kArray || r.size() % 3) return corrupt("unexpected reply to live_nodes");

@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvstash/store.h"
@@ -27,6 +28,9 @@
 #include "metadata/redis_client.h"
 
 namespace kvstash::metadata {
+
+// The most event data one object carries (announce): a chunk's block hashes and token ids.
+inline constexpr std::size_t kMaxEventData = 64 * 1024;
 
 class Catalog {
  public:
@@ -148,6 +152,11 @@ class Catalog {
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
   // Per leading key present, whether it is on a node's NVMe tier (true) or in a pool (false).
   Result<std::vector<bool>> prefix_tiers(std::span<const std::string> keys);
+
+  // KV events (docs/events.md): each present key of `items` (key, event data) carries its data
+  // from now on and goes out as stored. How many were announced; nullopt when the cell's events
+  // are off.
+  Result<std::optional<std::size_t>> announce(std::span<const std::pair<std::string, std::string>> items);
 
   // The nodes a client may connect to now: live, and up or draining.
   Result<std::vector<NodeEndpoint>> live_nodes();

@@ -163,6 +163,11 @@ const Script& touch() {
   return s;
 }
 
+const Script& announce() {
+  static const Script s = make(lua::kAnnounce);
+  return s;
+}
+
 const Script& live_nodes() {
   static const Script s = make(lua::kLiveNodes);
   return s;
@@ -270,6 +275,7 @@ std::vector<const Script*> all() {
           &remove(),
           &touch(),
           &contains_prefix(),
+          &announce(),
           &live_nodes(),
           &grant_pool(),
           &publish_handoff(),

@@ -34,6 +34,7 @@ const Script& stat();
 const Script& remove();
 const Script& touch();
 const Script& contains_prefix();
+const Script& announce();  // KV events (docs/events.md)
 const Script& live_nodes();
 const Script& grant_pool();
 const Script& publish_handoff();

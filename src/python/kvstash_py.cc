@@ -336,6 +336,18 @@ PYBIND11_MODULE(_native, m) {
           py::arg("key"), py::arg("timeout_ms") = 0,
           "remove, of an object whose bytes were found bad: `kvstash explain` says it was corrupt.")
       .def(
+          "announce",
+          [](PyStore& s, const std::vector<std::pair<std::string, std::string>>& items,
+             std::uint32_t timeout_ms) -> py::object {
+            auto r = unwrap(nogil([&] { return s.store->announce(items, deadline_of(timeout_ms)); }));
+            if (!r) return py::none();
+            return py::int_(*r);
+          },
+          py::arg("items"), py::arg("timeout_ms") = 0,
+          "KV events for routers: each (key, event data) whose key is present is published as stored by "
+          "the cell's `kvstash events` relay, and its removal later with the same data. How many were "
+          "announced; None when the cell's events are off.")
+      .def(
           "contains_prefix",
           [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
             return unwrap(nogil([&] { return s.store->contains_prefix(keys, deadline_of(timeout_ms)); }));

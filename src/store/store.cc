@@ -201,6 +201,29 @@ Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
   return r;
 }
 
+Result<std::optional<std::size_t>> Store::announce(std::span<const std::pair<std::string, std::string>> items,
+                                                   std::optional<Deadline> deadline) {
+  // Each key is announced wherever a get would look for it (one cell, or two while a change
+  // of the cells settles); each cell gets its keys in one script.
+  const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+  std::vector<std::pair<store::CellLink*, std::vector<std::pair<std::string, std::string>>>> per_cell;
+  for (const auto& item : items) {
+    for (store::CellLink* cell : impl_->get_cells(item.first, d)) {
+      auto at = std::find_if(per_cell.begin(), per_cell.end(), [&](const auto& p) { return p.first == cell; });
+      if (at == per_cell.end()) at = per_cell.insert(per_cell.end(), {cell, {}});
+      at->second.push_back(item);
+    }
+  }
+  std::optional<std::size_t> announced;
+  for (auto& [cell, mine] : per_cell) {
+    KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+    KVSTASH_ASSIGN_OR_RETURN(std::optional<std::size_t> n, c->announce(mine));
+    if (n) announced = announced.value_or(0) + *n;
+  }
+  if (per_cell.empty()) return std::optional<std::size_t>{0};
+  return announced;
+}
+
 Status Store::remove(std::string_view key, std::optional<Deadline> deadline) {
   return remove_as(key, deadline, false);
 }

@@ -97,6 +97,7 @@ void add_plan_command(Registry& r);
 void add_cells_command(Registry& r);  // cells, cells set, cells settle
 void add_quota_commands(Registry& r);  // quota, quota set/rm/recount
 void add_explain_command(Registry& r);  // explain: why a key or a prompt missed
+void add_events_command(Registry& r);   // events, events on/off/serve: KV events for routers
 
 // The cell's quotas as `kvstash quota --json` and `kvstash status --json` show them, and one
 // quota as a line of `kvstash status` (quotas.cc).

@@ -161,6 +161,7 @@ int main(int argc, char** argv) {
   add_cells_command(reg);
   add_quota_commands(reg);
   add_explain_command(reg);
+  add_events_command(reg);
 
   // `bench` hands everything after it to kvstash-bench untouched (see forward_bench); it is
   // declared here for --help and completion.

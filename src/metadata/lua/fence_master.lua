@@ -27,5 +27,8 @@ for _, id in ipairs(redis.call('SMEMBERS', P .. ':known')) do
   local sk = P .. ':node:' .. slots_of(id)
   if redis.call('HEXISTS', sk, 'tier_id') == 1 then redis.call('HSET', sk, 'tier_id', 'distrusted') end
 end
+-- The events stream may lack what the old master appended since the replica last heard: the
+-- relay sees a new epoch, tells routers all is cleared, and starts over from P:events:objs.
+if redis.call('EXISTS', P .. ':events') == 1 then redis.call('HINCRBY', P .. ':events', 'epoch', 1) end
 redis.call('HINCRBY', P .. ':stats', 'failovers', 1)
 return 1

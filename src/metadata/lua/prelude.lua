@@ -366,6 +366,22 @@ local function record_gone(key, why, detail)
   end
 end
 
+-- KV events for cache-aware routers (docs/events.md). Off until `kvstash events` turns them on
+-- (P:events: maxlen, epoch). An object a client announced (announce.lua) carries `ev`, the
+-- event data its engine gave (msgpack: block hashes, parent hash, token ids, block size, LoRA
+-- id), and is in P:events:objs; its stored and removed events go to the stream P:events:log,
+-- capped at about maxlen entries, in the order the scripts ran. The relay (`kvstash events
+-- serve`) publishes them; epoch changes whenever the stream cannot be trusted to continue what
+-- the relay read (a failover), and the relay then starts over from P:events:objs.
+local function events_maxlen()
+  return tonumber(redis.call('HGET', P .. ':events', 'maxlen') or '')
+end
+local function emit_event(kind, key, ev, why)
+  local maxlen = events_maxlen()
+  if not maxlen then return end
+  redis.call('XADD', P .. ':events:log', 'MAXLEN', '~', maxlen, '*', 't', kind, 'k', key, 'ev', ev, 'why', why or '')
+end
+
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
 -- the last read lease on them ends; its slots on the tier (and a write-down's) return at once:
 -- only the node's own tier thread writes slots, and a promotion reading a slot freed meanwhile
@@ -373,9 +389,13 @@ end
 -- a new object replaces it). Returns the pages freed now.
 local function release(key, why, detail)
   local ok = P .. ':obj:' .. key
-  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving')
+  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving', 'ev')
   redis.call('DEL', ok)
   if why and o[1] then record_gone(key, why, detail) end
+  if o[8] then
+    redis.call('SREM', P .. ':events:objs', key)
+    emit_event('removed', key, o[8], why or 'replaced')
+  end
   quota_uncharge(o[5], key, o[4])
   if o[6] or o[7] then
     free_extents(o[6])

@@ -30,6 +30,7 @@ looked up nor saved: their tokens alone do not say what their KV holds.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+import msgspec.msgpack as _msgpack
 import kvstash
 from kvstash import _handoff, _metrics
 from kvstash._cell import CellConfig
@@ -75,6 +77,11 @@ class KvstashConfig(CellConfig):
     # one-sided, with no memory node in between (see _Handoffs).
     pd: str = "cell"
     handoff_ttl_ms: int = 30000  # direct: how long a prefill holds a request's blocks for its decode
+    # KV events for routers (docs/events.md): announce each saved chunk with vLLM's block hashes
+    # and its tokens, which the cell's `kvstash events` relay publishes as BlockStored (and as
+    # BlockRemoved when the chunk leaves). Costs nothing but a check a minute while the cell's
+    # events are off.
+    kv_events: bool = True
 
     WHERE: ClassVar[str] = "kv_connector_extra_config"
 
@@ -190,6 +197,14 @@ class Geometry:
                                          extra=self.extra(cache_salt))
 
 
+try:  # how vLLM's own KV events carry a block hash (bytes, or int when it is told to)
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as _external_hash
+except ImportError:  # a release that publishes its hashes as they are
+
+    def _external_hash(h: Any) -> Any:
+        return h
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -215,6 +230,7 @@ class ChunkRun:
     first: int
     count: int
     cache_salt: str = ""
+    events: list[bytes] | None = None  # saves: each chunk's event data (docs/events.md), when known
 
 
 @dataclass
@@ -290,7 +306,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._stats = {"lookups": 0, "chunks_found": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
-                       "chunks_corrupt_removed": 0}
+                       "chunks_corrupt_removed": 0, "chunks_announced": 0}
+        self._events_off_until = 0.0  # KV events: the cell's were off; ask again after this
         self._totals: dict[str, int] = {}
         # The store's own metrics (Store.metrics_text), handed to vLLM's Prometheus registry as
         # their increments (KvstashStats, build_prom_metrics).
@@ -462,7 +479,8 @@ class KvstashConnector(KVConnectorBase_V1):
             if ready > t.stored:
                 end = ready * chunk
                 meta.saves.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block],
-                                           t.stored, ready - t.stored, self._salt_of(t.request)))
+                                           t.stored, ready - t.stored, self._salt_of(t.request),
+                                           self._chunk_events(t.request, t.stored, ready - t.stored)))
                 t.stored = ready
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._tracked:
@@ -472,6 +490,28 @@ class KvstashConnector(KVConnectorBase_V1):
             self._matched.pop(req_id, None)
             self._lookups.pop(req_id, None)
         return meta
+
+    def _chunk_events(self, request: Request, first: int, count: int) -> list[bytes] | None:
+        """Chunks [first, first + count)'s event data as vLLM's own BlockStored would name their
+        blocks (its block hashes, converted as its publisher converts them, and the parent
+        block's), msgpack-encoded for Store.announce; None without block hashes (no prefix
+        caching) or with kv_events off."""
+        if not self.config.kv_events:
+            return None
+        per_block = self.geometry.block_size
+        blocks = self.geometry.chunk_tokens // per_block
+        hashes = request.block_hashes
+        if len(hashes) < (first + count) * blocks:
+            return None
+        lora = getattr(request.lora_request, "adapter_id", None) if request.lora_request else None
+        tokens = request.all_token_ids
+        out = []
+        for c in range(first, first + count):
+            b = c * blocks
+            parent = _external_hash(hashes[b - 1]) if b > 0 else None
+            out.append(_msgpack.encode([[_external_hash(h) for h in hashes[b : b + blocks]], parent,
+                                        list(tokens[b * per_block : (b + blocks) * per_block]), per_block, lora]))
+        return out
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks whose load failed are computed again: their chunks are no longer known to be
@@ -725,14 +765,37 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         for run, save in self._saves:
-            for code, message in save.wait():
+            saved = []
+            for i, (code, message) in enumerate(save.wait()):
                 if code == "ok":
                     self._stats["chunks_saved"] += 1
+                    saved.append(i)
                 else:
                     self._stats["chunks_save_failed"] += 1
                     logger.warning("kvstash: a chunk of %s was not saved: %s %s", run.req_id, code, message)
+            if run.events and saved:
+                self._announce(run, saved)
         self._saves.clear()
         self._finish_loads()
+
+    def _announce(self, run: ChunkRun, saved: list[int]) -> None:
+        """KV events: rank 0 announces its saved chunks (a router hears of a chunk once, by the
+        keys of rank 0; docs/events.md). While the cell's events are off it asks again a minute on."""
+        if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
+            return
+        g = self.geometry
+        rank, size = (0, 1) if g.stored_once else (0, g.tp_size)
+        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
+        items = [(keys[run.first + i], run.events[i]) for i in saved]
+        try:
+            n = self.store.announce(items, timeout_ms=self.config.timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: chunks of %s were saved but not announced to routers: %s", run.req_id, e)
+            return
+        if n is None:
+            self._events_off_until = time.monotonic() + 60
+        else:
+            self._stats["chunks_announced"] += n
 
     def _finish_loads(self) -> None:
         for run, load in self._loads:
