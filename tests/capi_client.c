@@ -109,6 +109,16 @@ int main(int argc, char** argv) {
   CHECK(kvstash_get(store, "c:hello", back, 4, &size) == KVSTASH_INVALID_ARGUMENT && size == sizeof hello,
         "a buffer too small says how much is needed");
   CHECK(kvstash_get(store, "c:absent", back, sizeof back, &size) == KVSTASH_NOT_FOUND, "absent key");
+  /* KV events: this cell's are off, so an announce records nothing and says so. */
+  const char* ev_key[] = {"c:hello"};
+  const void* ev_data[] = {"\x96"};
+  size_t ev_len[] = {1};
+  int64_t announced = 0;
+  CHECK(kvstash_announce(store, ev_key, ev_data, ev_len, 1, 0, &announced) == KVSTASH_OK && announced == -1,
+        "kvstash_announce: -1 while the cell's events are off");
+  ev_len[0] = 0;
+  CHECK(kvstash_announce(store, ev_key, ev_data, ev_len, 1, 0, &announced) == KVSTASH_INVALID_ARGUMENT,
+        "kvstash_announce: empty event data is refused");
   CHECK(kvstash_remove(store, "c:hello", 0) == KVSTASH_OK, "kvstash_remove");
 
   /* Two caches laid out like vLLM's per-layer tensors. */

@@ -83,6 +83,8 @@ class Relay:
         self.start(extra)
 
     def start(self, extra=()):
+        if getattr(self, "log", None) is not None:
+            self.log.close()
         self.log = open(os.path.join(engine_fixture.tempfile.mkdtemp(prefix="kvstash-events-"), "relay.log"), "w+")
         self.proc = subprocess.Popen([KVSTASH, "--redis", vllm_test.URL, "events", "serve", "--pub", self.pub,
                                       "--replay", self.replay, *extra], stdout=self.log, stderr=subprocess.STDOUT)
@@ -111,6 +113,7 @@ class Relay:
             self.stop()
         self.sub.close(0)
         self.ctx.term()
+        self.log.close()
 
     def replayed(self, start=0):
         """vLLM's replay request from sequence `start`: the batches, until the end marker."""
@@ -122,7 +125,7 @@ class Relay:
             while True:
                 if not dealer.poll(5000):
                     raise AssertionError("the replay did not end")
-                _, seq, payload = dealer.recv_multipart()
+                _, _topic, seq, payload = dealer.recv_multipart()
                 seq = int.from_bytes(seq, "big", signed=True)
                 if seq == -1:
                     return out
@@ -198,6 +201,8 @@ class KvEvents(unittest.TestCase):
             self.assertEqual(e.block_size, BLOCK)
             self.assertEqual(e.medium, "CPU")
             self.assertIsNone(e.lora_id)
+            self.assertIsNone(e.lora_name)
+            self.assertEqual(e.group_idx, 0)
 
     def test_saved_chunks_arrive_as_vllms_block_stored_and_leave_as_block_removed(self):
         # The relay's start: all cleared, then what the cell had (seen through replay: it went
@@ -256,7 +261,7 @@ class KvEvents(unittest.TestCase):
         _, keys, want = self.saved_prompt("c", 2, seed=3)
         self.relay.events(stored_all(want))
         cli("events", "on", "--maxlen", "20")
-        items = [(k, msgspec.msgpack.encode([[h], parent, tokens, BLOCK, None]))
+        items = [(k, msgspec.msgpack.encode([[h], parent, tokens, BLOCK, None, None]))
                  for k, (h, parent, tokens) in want.items()]
         store = kvstash.Store(vllm_test.URL, transports="shm,tcp")
         self.relay.proc.send_signal(signal.SIGSTOP)  # a relay that falls behind

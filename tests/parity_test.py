@@ -113,7 +113,9 @@ BINDING_ONLY_FIELDS = {"arrangement": "which KvLayout constructor", "store": "th
                        "listen": "EngineOptions' tcp.listen and verbs.listen's host, in one (Python)"}
 # C parameters that carry what C++ passes as spans and return values.
 C_PLUMBING = {"out", "out_size", "capacity", "size", "n", "per_chunk", "count", "chunks", "index", "event",
-              "length"}
+              "length",
+              # kvstash_announce: C++'s (key, data) pairs as three arrays, and what it returns
+              "item_keys", "item_data", "item_lengths", "announced"}
 
 # What the bindings may include besides include/kvstash/: the cluster-token check (C and Python
 # refuse an empty token, which C++ takes as none).

@@ -99,11 +99,11 @@ kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t ti
 /* kvstash_remove of an object whose bytes the caller found bad: `kvstash explain` says corrupt. */
 kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uint32_t timeout_ms);
 /* KV events for routers (Store::announce, docs/events.md): each of the n keys present now
- * carries its event data (data[i], lengths[i] bytes of msgpack) and is published as stored;
+ * carries its event data (item_data[i], item_lengths[i] bytes of msgpack) and is published as stored;
  * its removal later with the same data. *announced: how many were, or -1 when the cell's
  * events are off. */
-kvstash_status kvstash_announce(kvstash_store* store, const char* const* keys, const void* const* data,
-                                const size_t* lengths, size_t n, uint32_t timeout_ms, int64_t* announced);
+kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_keys, const void* const* item_data,
+                                const size_t* item_lengths, size_t n, uint32_t timeout_ms, int64_t* announced);
 /* How many of `keys`, from the first, are stored (*count): a scheduler's prefix check, with
  * the keys of kvstash_kvcache_key. */
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,

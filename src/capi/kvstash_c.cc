@@ -165,17 +165,17 @@ kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uin
   return report(store->store->remove_corrupt(key, deadline_of(timeout_ms)));
 }
 
-kvstash_status kvstash_announce(kvstash_store* store, const char* const* keys, const void* const* data,
-                                const size_t* lengths, size_t n, uint32_t timeout_ms, int64_t* announced) {
-  if (store == nullptr || (n != 0 && (keys == nullptr || data == nullptr || lengths == nullptr)) ||
+kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_keys, const void* const* item_data,
+                                const size_t* item_lengths, size_t n, uint32_t timeout_ms, int64_t* announced) {
+  if (store == nullptr || (n != 0 && (item_keys == nullptr || item_data == nullptr || item_lengths == nullptr)) ||
       announced == nullptr) {
     return invalid("kvstash_announce: store, keys, data, lengths and announced are required");
   }
   std::vector<std::pair<std::string, std::string>> items;
   items.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    if (keys[i] == nullptr || data[i] == nullptr) return invalid("kvstash_announce: a key or its data is NULL");
-    items.emplace_back(keys[i], std::string(static_cast<const char*>(data[i]), lengths[i]));
+    if (item_keys[i] == nullptr || item_data[i] == nullptr) return invalid("kvstash_announce: a key or its data is NULL");
+    items.emplace_back(item_keys[i], std::string(static_cast<const char*>(item_data[i]), item_lengths[i]));
   }
   auto r = store->store->announce(items, deadline_of(timeout_ms));
   if (!r.is_ok()) return report(r.status());

@@ -41,6 +41,7 @@ struct EventsOptions {
   std::string replay;  // vLLM's replay endpoint (ROUTER); none by default
   std::string topic;
   std::string medium = "CPU";
+  std::string format = "map";  // vLLM's events as msgspec encodes them: "map" (0.11 on), "array" (before)
   int dp_rank = -1;  // KVEventBatch.data_parallel_rank; omitted when negative
   std::uint64_t maxlen = 100000;
   std::size_t buffer = 10000;  // batches kept for replay
@@ -91,7 +92,7 @@ class Packer {
 };
 
 // An object's event data as the client gave it: msgpack [block_hashes, parent_block_hash,
-// token_ids, block_size, lora_id], checked for the types BlockStored needs.
+// token_ids, block_size, lora_id, lora_name], checked for the types BlockStored needs.
 class EventData {
  public:
   explicit EventData(std::string_view bytes) {
@@ -104,6 +105,10 @@ class EventData {
   EventData(const EventData&) = delete;
   EventData& operator=(const EventData&) = delete;
   bool ok() const { return ok_; }
+  static constexpr std::uint32_t kFields = 6;
+  // BlockStored's fields, in its order.
+  static constexpr const char* kNames[kFields] = {"block_hashes", "parent_block_hash", "token_ids",
+                                                  "block_size",   "lora_id",           "lora_name"};
   const msgpack_object& field(int i) const { return u_.data.via.array.ptr[i]; }
 
  private:
@@ -112,7 +117,7 @@ class EventData {
            o.type == MSGPACK_OBJECT_BIN || o.type == MSGPACK_OBJECT_STR;
   }
   static bool well_formed(const msgpack_object& o) {
-    if (o.type != MSGPACK_OBJECT_ARRAY || o.via.array.size != 5) return false;
+    if (o.type != MSGPACK_OBJECT_ARRAY || o.via.array.size != kFields) return false;
     const msgpack_object* f = o.via.array.ptr;
     if (f[0].type != MSGPACK_OBJECT_ARRAY || f[0].via.array.size == 0) return false;
     for (std::uint32_t i = 0; i < f[0].via.array.size; ++i) {
@@ -124,7 +129,8 @@ class EventData {
       if (f[2].via.array.ptr[i].type != MSGPACK_OBJECT_POSITIVE_INTEGER) return false;
     }
     if (f[3].type != MSGPACK_OBJECT_POSITIVE_INTEGER || f[3].via.u64 == 0) return false;
-    return f[4].type == MSGPACK_OBJECT_NIL || f[4].type == MSGPACK_OBJECT_POSITIVE_INTEGER;
+    if (f[4].type != MSGPACK_OBJECT_NIL && f[4].type != MSGPACK_OBJECT_POSITIVE_INTEGER) return false;
+    return f[5].type == MSGPACK_OBJECT_NIL || f[5].type == MSGPACK_OBJECT_STR;
   }
   msgpack_unpacked u_;
   bool ok_ = false;
@@ -135,30 +141,72 @@ struct Batch {
   std::vector<std::string> events;
 };
 
-std::string block_stored(const EventData& d, std::string_view medium) {
-  Packer p;
-  msgpack_pack_array(p.pk(), 7);
-  p.str("BlockStored");
-  for (int i = 0; i < 5; ++i) msgpack_pack_object(p.pk(), d.field(i));
-  p.str(medium);
-  return p.take();
-}
+// The events, as msgspec encodes vLLM's tagged structs: a map whose "type" is the tag (vLLM
+// 0.11 on), or an array that starts with it (array_like, before; no lora_name then).
+class EventEncoder {
+ public:
+  explicit EventEncoder(const EventsOptions& o) : medium_(o.medium), map_(o.format == "map") {}
 
-std::string block_removed(const EventData& d, std::string_view medium) {
-  Packer p;
-  msgpack_pack_array(p.pk(), 3);
-  p.str("BlockRemoved");
-  msgpack_pack_object(p.pk(), d.field(0));
-  p.str(medium);
-  return p.take();
-}
+  std::string stored(const EventData& d) const {
+    Packer p;
+    if (!map_) {
+      msgpack_pack_array(p.pk(), 7);
+      p.str("BlockStored");
+      for (int i = 0; i < 5; ++i) msgpack_pack_object(p.pk(), d.field(i));
+      p.str(medium_);
+      return p.take();
+    }
+    msgpack_pack_map(p.pk(), 2 + EventData::kFields + 1);
+    p.str("type");
+    p.str("BlockStored");
+    for (std::uint32_t i = 0; i < EventData::kFields; ++i) {
+      p.str(EventData::kNames[i]);
+      msgpack_pack_object(p.pk(), d.field(i));
+    }
+    p.str("medium");
+    p.str(medium_);
+    p.str("group_idx");  // kvstash keeps a model's one group of full-attention layers
+    msgpack_pack_int(p.pk(), 0);
+    return p.take();
+  }
 
-std::string all_cleared() {
-  Packer p;
-  msgpack_pack_array(p.pk(), 1);
-  p.str("AllBlocksCleared");
-  return p.take();
-}
+  std::string removed(const EventData& d) const {
+    Packer p;
+    if (!map_) {
+      msgpack_pack_array(p.pk(), 3);
+      p.str("BlockRemoved");
+      msgpack_pack_object(p.pk(), d.field(0));
+      p.str(medium_);
+      return p.take();
+    }
+    msgpack_pack_map(p.pk(), 4);
+    p.str("type");
+    p.str("BlockRemoved");
+    p.str("block_hashes");
+    msgpack_pack_object(p.pk(), d.field(0));
+    p.str("medium");
+    p.str(medium_);
+    p.str("group_idx");
+    msgpack_pack_int(p.pk(), 0);
+    return p.take();
+  }
+
+  std::string cleared() const {
+    Packer p;
+    if (map_) {
+      msgpack_pack_map(p.pk(), 1);
+      p.str("type");
+    } else {
+      msgpack_pack_array(p.pk(), 1);
+    }
+    p.str("AllBlocksCleared");
+    return p.take();
+  }
+
+ private:
+  std::string medium_;
+  bool map_;
+};
 
 // KVEventBatch [ts, events] (+ data_parallel_rank when there is one).
 std::string event_batch(const Batch& b, int dp_rank) {
@@ -186,8 +234,8 @@ std::string big_endian(std::int64_t v) {
 }
 
 // The PUB socket and vLLM's replay service: a ROUTER that answers [client, "", start seq] with
-// every kept batch from that sequence on, each as [client, "", seq, payload], then [client, "",
-// -1, ""].
+// every kept batch from that sequence on, each as [client, "", topic, seq, payload], then
+// [client, "", "", -1, ""].
 class Publisher {
  public:
   static Result<std::unique_ptr<Publisher>> open(const EventsOptions& o) {
@@ -259,9 +307,10 @@ class Publisher {
     return frames;
   }
 
-  void reply(const std::string& client, const std::string& seq, const std::string& payload) {
+  void reply(const std::string& client, std::string_view topic, const std::string& seq, const std::string& payload) {
     zmq_send(replay_, client.data(), client.size(), ZMQ_SNDMORE);
     zmq_send(replay_, "", 0, ZMQ_SNDMORE);
+    zmq_send(replay_, topic.data(), topic.size(), ZMQ_SNDMORE);
     zmq_send(replay_, seq.data(), seq.size(), ZMQ_SNDMORE);
     zmq_send(replay_, payload.data(), payload.size(), 0);
   }
@@ -285,8 +334,8 @@ class Publisher {
           if (seq >= start) out.emplace_back(seq, payload);
         }
       }
-      for (const auto& [seq, payload] : out) reply((*frames)[0], big_endian(seq), payload);
-      reply((*frames)[0], big_endian(-1), "");
+      for (const auto& [seq, payload] : out) reply((*frames)[0], o_.topic, big_endian(seq), payload);
+      reply((*frames)[0], "", big_endian(-1), "");
     }
   }
 
@@ -314,7 +363,7 @@ struct StreamPos {
 class Relay {
  public:
   Relay(metadata::Cell& cell, Publisher& pub, const EventsOptions& o)
-      : redis_(cell.redis()), pub_(pub), o_(o), p_(cell.prefix()) {}
+      : redis_(cell.redis()), pub_(pub), o_(o), enc_(o), p_(cell.prefix()) {}
 
   // One step: a resync when the stream cannot be trusted to go on from where this relay read,
   // else the entries since (waiting up to `wait`).
@@ -397,7 +446,7 @@ class Relay {
       if (malformed_++ == 0) say("an event with malformed data was skipped (docs/events.md)");
       return;
     }
-    b.events.push_back(kind == "stored" ? block_stored(d, o_.medium) : block_removed(d, o_.medium));
+    b.events.push_back(kind == "stored" ? enc_.stored(d) : enc_.removed(d));
     if (b.events.size() >= o_.batch) flush(b);
   }
 
@@ -414,7 +463,7 @@ class Relay {
     base_added_ = pos_.added;
     read_ = 0;
     Batch b;
-    b.events.push_back(all_cleared());
+    b.events.push_back(enc_.cleared());
     flush(b);
     std::string cursor = "0";
     std::size_t objects = 0;
@@ -431,7 +480,7 @@ class Relay {
           ++malformed_;
           continue;
         }
-        b.events.push_back(block_stored(d, o_.medium));
+        b.events.push_back(enc_.stored(d));
         ++objects;
         if (b.events.size() >= o_.batch) flush(b);
       }
@@ -446,6 +495,7 @@ class Relay {
   RedisClient& redis_;
   Publisher& pub_;
   const EventsOptions& o_;
+  const EventEncoder enc_;
   const std::string p_;
   bool synced_ = false;
   std::optional<std::string> epoch_;
@@ -561,6 +611,9 @@ void add_events_command(Registry& r) {
   sv->add_option("--replay", o->replay, "ZMQ endpoint of vLLM's replay socket (ROUTER); none when empty");
   sv->add_option("--topic", o->topic, "Topic frame of every message (vLLM's default: empty)");
   sv->add_option("--medium", o->medium, "BlockStored/BlockRemoved medium")->capture_default_str();
+  sv->add_option("--format", o->format, "Events as vLLM encodes them: map (vLLM 0.11 on), array (before)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"map", "array"}));
   sv->add_option("--dp-rank", o->dp_rank, "KVEventBatch data_parallel_rank (omitted when negative)")->capture_default_str();
   sv->add_option("--maxlen", o->maxlen, "When events are off in the cell: turn them on keeping about this many")
       ->capture_default_str();

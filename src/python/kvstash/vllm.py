@@ -503,14 +503,16 @@ class KvstashConnector(KVConnectorBase_V1):
         hashes = request.block_hashes
         if len(hashes) < (first + count) * blocks:
             return None
-        lora = getattr(request.lora_request, "adapter_id", None) if request.lora_request else None
+        lora = request.lora_request
+        lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
         tokens = request.all_token_ids
         out = []
         for c in range(first, first + count):
             b = c * blocks
             parent = _external_hash(hashes[b - 1]) if b > 0 else None
             out.append(_msgpack.encode([[_external_hash(h) for h in hashes[b : b + blocks]], parent,
-                                        list(tokens[b * per_block : (b + blocks) * per_block]), per_block, lora]))
+                                        list(tokens[b * per_block : (b + blocks) * per_block]), per_block, lora_id,
+                                        lora_name]))
         return out
 
     def update_connector_output(self, connector_output: Any) -> None:
