@@ -238,6 +238,13 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
     (void)cat.end_gets(ended);
   });
 
+  // KV events on (docs/events.md): an engine announces a save's chunks, each with its event
+  // data (a 256-token chunk's block hashes and token ids: about 1.3 KB).
+  (void)cell.redis().command({"HSET", cell.prefix() + ":events", "maxlen", "100000"});
+  std::vector<std::pair<std::string, std::string>> announced;
+  for (const auto& c : chunks) announced.emplace_back(c, std::string(1300, 'e'));
+  per_chunk("KV events on: announce of a save's 32 chunks (per chunk)", 20, [&](int) { (void)cat.announce(announced); });
+
   std::vector<std::string> chain;
   for (int i = 0; i < 64; ++i) chain.push_back("obj/" + std::to_string(i));
   measure("contains_prefix (64 keys)", 200, [&](int) { (void)cat.contains_prefix(chain); });
@@ -253,6 +260,18 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   }
   measure("begin_put evicting one object", 100, [&](int i) {
     (void)cat.begin_put("e-" + std::to_string(i), "evicting/" + std::to_string(i), kPage, 30s);
+  });
+  // The same with the objects next in the LRU announced: each eviction logs a removed event.
+  {
+    auto head = cell.redis().command({"ZRANGE", cell.prefix() + ":lru", "0", "99"});
+    std::vector<std::pair<std::string, std::string>> next;
+    for (std::size_t i = 0; head.is_ok() && i < head->size(); ++i) {
+      next.emplace_back(std::string(head->element(i)->str, head->element(i)->len), std::string(1300, 'e'));
+    }
+    (void)cat.announce(next);
+  }
+  measure("KV events on: begin_put evicting one announced object", 100, [&](int i) {
+    (void)cat.begin_put("ea-" + std::to_string(i), "evicting-announced/" + std::to_string(i), kPage, 30s);
   });
   // The LRU's head leased by readers: a put that cannot find room within its bounded walk.
   {

@@ -299,6 +299,52 @@ class KvEvents(unittest.TestCase):
         _, _, more = self.saved_prompt("f", 2, seed=6)
         self.assert_stored(self.relay.events(stored_all(more)), more)
 
+    def test_the_array_format_of_earlier_vllm_releases_and_a_dp_rank(self):
+        _, _, want = self.saved_prompt("g", 2, seed=7)
+        self.relay.events(stored_all(want))
+        old = Relay(extra=("--format", "array", "--dp-rank", "3"))
+        try:
+            old.decoder = msgspec.msgpack.Decoder(type=_ArrayBatch)
+            batches = [b for _, b in old.replayed(0)]
+            self.assertTrue(all(b.data_parallel_rank == 3 for b in batches))
+            events = [e for b in batches for e in b.events]
+            self.assertIsInstance(events[0], _ArrayCleared)
+            got = {e.block_hashes[0]: e for e in events if isinstance(e, _ArrayStored)}
+            for h, parent, tokens in want.values():
+                self.assertEqual((got[h].parent_block_hash, got[h].token_ids, got[h].block_size, got[h].medium),
+                                 (parent, tokens, BLOCK, "CPU"))
+        finally:
+            old.close()
+
+# vLLM's events before they became tagged maps (KVCacheEvent array_like, as in the subscriber
+# example of those releases): what `--format array` publishes.
+class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class _ArrayStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+    block_size: int
+    lora_id: object
+    medium: object
+
+
+class _ArrayRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list
+    medium: object
+
+
+class _ArrayCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: object = None
+
 
 def stored_all(want):
     """Until a BlockStored of every block in `want` came."""

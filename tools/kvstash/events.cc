@@ -41,7 +41,7 @@ struct EventsOptions {
   std::string replay;  // vLLM's replay endpoint (ROUTER); none by default
   std::string topic;
   std::string medium = "CPU";
-  std::string format = "map";  // vLLM's events as msgspec encodes them: "map" (0.11 on), "array" (before)
+  std::string format = "map";  // vLLM's events as msgspec encodes them: "map" (0.32-0.34), "array" (older)
   int dp_rank = -1;  // KVEventBatch.data_parallel_rank; omitted when negative
   std::uint64_t maxlen = 100000;
   std::size_t buffer = 10000;  // batches kept for replay
@@ -142,7 +142,8 @@ struct Batch {
 };
 
 // The events, as msgspec encodes vLLM's tagged structs: a map whose "type" is the tag (vLLM
-// 0.11 on), or an array that starts with it (array_like, before; no lora_name then).
+// 0.32 to 0.34, the releases tested), or an array that starts with it (older releases, whose
+// KVCacheEvent was array_like; no lora_name then).
 class EventEncoder {
  public:
   explicit EventEncoder(const EventsOptions& o) : medium_(o.medium), map_(o.format == "map") {}
@@ -611,7 +612,7 @@ void add_events_command(Registry& r) {
   sv->add_option("--replay", o->replay, "ZMQ endpoint of vLLM's replay socket (ROUTER); none when empty");
   sv->add_option("--topic", o->topic, "Topic frame of every message (vLLM's default: empty)");
   sv->add_option("--medium", o->medium, "BlockStored/BlockRemoved medium")->capture_default_str();
-  sv->add_option("--format", o->format, "Events as vLLM encodes them: map (vLLM 0.11 on), array (before)")
+  sv->add_option("--format", o->format, "Events as vLLM encodes them: map (vLLM 0.32-0.34), array (older releases)")
       ->capture_default_str()
       ->check(CLI::IsMember({"map", "array"}));
   sv->add_option("--dp-rank", o->dp_rank, "KVEventBatch data_parallel_rank (omitted when negative)")->capture_default_str();
