@@ -213,7 +213,12 @@ class KvEvents(unittest.TestCase):
         _, keys, want = self.saved_prompt("a", 4, seed=1)
         events = self.relay.events(stored_all(want))
         self.assert_stored(events, want)
-        self.assertGreaterEqual(self.engine.workers[0][0]._stats["chunks_announced"], 4)
+        worker = self.engine.workers[0][0]
+        deadline = time.monotonic() + 5  # counted by the announcing thread once its script returned
+        while worker._announced < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.get_kv_connector_stats()
+        self.assertGreaterEqual(worker.totals()["chunks_announced"], 4)
 
         # Removed by a client.
         kvstash.Store(vllm_test.URL, transports="shm,tcp").remove(keys[3])

@@ -605,7 +605,7 @@ void add_events_command(Registry& r) {
   auto* on = ev->add_subcommand("on", "Log announced objects' stored and removed events in the cell");
   on->add_option("--maxlen", o->maxlen, "Events the cell's log keeps, about")->capture_default_str();
   on->final_callback([&r, &s, o] { r.action = [&s, o] { return turn(s, true, o->maxlen); }; });
-  auto* off = ev->add_subcommand("off", "Stop logging events and drop the log");
+  auto* off = ev->add_subcommand("off", "Stop logging events and drop the log (a running relay turns them on again)");
   off->final_callback([&r, &s] { r.action = [&s] { return turn(s, false, 0); }; });
   auto* sv = ev->add_subcommand("serve", "Publish the cell's KV events as vLLM does (msgpack KVEventBatch over ZMQ PUB)");
   sv->add_option("--pub", o->pub, "ZMQ endpoint the PUB socket binds")->capture_default_str();

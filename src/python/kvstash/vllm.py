@@ -308,6 +308,9 @@ class KvstashConnector(KVConnectorBase_V1):
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
                        "chunks_corrupt_removed": 0, "chunks_announced": 0}
         self._events_off_until = 0.0  # KV events: the cell's were off; ask again after this
+        self._announcer: ThreadPoolExecutor | None = None  # KV events: announces, in order
+        self._announced = 0  # chunks announced (the announcer's count)
+        self._announced_reported = 0
         self._totals: dict[str, int] = {}
         # The store's own metrics (Store.metrics_text), handed to vLLM's Prometheus registry as
         # their increments (KvstashStats, build_prom_metrics).
@@ -782,22 +785,28 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _announce(self, run: ChunkRun, saved: list[int]) -> None:
         """KV events: rank 0 announces its saved chunks (a router hears of a chunk once, by the
-        keys of rank 0; docs/events.md). While the cell's events are off it asks again a minute on."""
+        keys of rank 0; docs/events.md), off the forward pass: a hint for routers, which nothing
+        waits for. While the cell's events are off it asks again a minute on."""
         if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
             return
         g = self.geometry
         rank, size = (0, 1) if g.stored_once else (0, g.tp_size)
         keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
         items = [(keys[run.first + i], run.events[i]) for i in saved]
+        if self._announcer is None:
+            self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-announce")
+        self._announcer.submit(self._announce_now, run.req_id, items)
+
+    def _announce_now(self, req_id: str, items: list[tuple[str, bytes]]) -> None:
         try:
             n = self.store.announce(items, timeout_ms=self.config.timeout_ms)
         except kvstash.Error as e:
-            logger.warning("kvstash: chunks of %s were saved but not announced to routers: %s", run.req_id, e)
+            logger.warning("kvstash: chunks of %s were saved but not announced to routers: %s", req_id, e)
             return
         if n is None:
             self._events_off_until = time.monotonic() + 60
         else:
-            self._stats["chunks_announced"] += n
+            self._announced += n  # this thread's alone; get_kv_connector_stats reads it
 
     def _finish_loads(self) -> None:
         for run, load in self._loads:
@@ -845,6 +854,8 @@ class KvstashConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=True)
+        if self._announcer is not None:
+            self._announcer.shutdown(wait=True)
         if self._import is not None:
             self._import.close()
 
@@ -857,6 +868,9 @@ class KvstashConnector(KVConnectorBase_V1):
         return KvstashPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self):
+        announced = self._announced
+        self._stats["chunks_announced"] += announced - self._announced_reported
+        self._announced_reported = announced
         for side in (self._export, self._import):
             if side is not None:
                 for k, v in side.stats.items():
