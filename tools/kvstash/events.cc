@@ -6,19 +6,17 @@
 // one more instance. Whenever it cannot know that the stream continues what it published (its
 // own start, a failover, a Redis that lost its data, entries trimmed before it read them) it
 // publishes AllBlocksCleared and then every announced object present as BlockStored.
-#include <CLI/CLI.hpp>
 #include <hiredis/hiredis.h>
 #include <msgpack.h>
 #include <pthread.h>
 #include <zmq.h>
+#include <CLI/CLI.hpp>
 
+#include <fmt/format.h>
 #include <atomic>
-#include <cerrno>
 #include <charconv>
 #include <csignal>
-#include <cstring>
 #include <deque>
-#include <fmt/format.h>
 #include <iostream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -42,7 +40,7 @@ struct EventsOptions {
   std::string topic;
   std::string medium = "CPU";
   std::string format = "map";  // vLLM's events as msgspec encodes them: "map" (0.32-0.34), "array" (older)
-  int dp_rank = -1;  // KVEventBatch.data_parallel_rank; omitted when negative
+  int dp_rank = -1;            // KVEventBatch.data_parallel_rank; omitted when negative
   std::uint64_t maxlen = 100000;
   std::size_t buffer = 10000;  // batches kept for replay
   std::size_t batch = 256;     // events per batch at most
@@ -213,7 +211,8 @@ class EventEncoder {
 std::string event_batch(const Batch& b, int dp_rank) {
   Packer p;
   msgpack_pack_array(p.pk(), dp_rank >= 0 ? 3 : 2);
-  const double ts = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double ts =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   msgpack_pack_double(p.pk(), ts);
   msgpack_pack_array(p.pk(), b.events.size());
   std::string out = p.take();
@@ -308,7 +307,8 @@ class Publisher {
     return frames;
   }
 
-  void reply(const std::string& client, std::string_view topic, const std::string& seq, const std::string& payload) {
+  void reply(const std::string& client, std::string_view topic, const std::string& seq,
+             const std::string& payload) {
     zmq_send(replay_, client.data(), client.size(), ZMQ_SNDMORE);
     zmq_send(replay_, "", 0, ZMQ_SNDMORE);
     zmq_send(replay_, topic.data(), topic.size(), ZMQ_SNDMORE);
@@ -371,12 +371,15 @@ class Relay {
   Status step(milliseconds wait) {
     KVSTASH_ASSIGN_OR_RETURN(std::optional<std::string> epoch, current_epoch());
     if (!synced_ || epoch != epoch_) {
-      if (synced_) say(fmt::format("the cell's epoch changed ({} -> {}): all cleared, resync", epoch_.value_or("none"), epoch.value_or("none")));
+      if (synced_) {
+        say(fmt::format("the cell's epoch changed ({} -> {}): all cleared, resync", epoch_.value_or("none"),
+                        epoch.value_or("none")));
+      }
       return resync();
     }
-    KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"XREAD", "COUNT", std::to_string(o_.batch), "BLOCK",
-                                                      std::to_string(wait.count()), "STREAMS", p_ + ":events:log",
-                                                      pos_.last_id}));
+    KVSTASH_ASSIGN_OR_RETURN(
+        Reply r, redis_.command({"XREAD", "COUNT", std::to_string(o_.batch), "BLOCK",
+                                 std::to_string(wait.count()), "STREAMS", p_ + ":events:log", pos_.last_id}));
     Batch b;
     if (r.type() == Reply::Type::kArray && r.size() == 1) {
       const redisReply* entries = r.element(0)->element[1];
@@ -387,14 +390,14 @@ class Relay {
         add(b, e->element[1]);
       }
     }
+    pub_.publish(b);  // before anything else can fail: these entries are read
     // Entries trimmed before this relay read them: what routers know may have gaps.
     KVSTASH_ASSIGN_OR_RETURN(StreamPos now, position());
     if (now.added - base_added_ - read_ > now.length || now.added < base_added_) {
       say(fmt::format("{} events were trimmed before they were read (raise --maxlen): all cleared, resync",
-                now.added - base_added_ - read_ - now.length));
+                      now.added - base_added_ - read_ - now.length));
       return resync();
     }
-    pub_.publish(b);
     return {};
   }
 
@@ -406,7 +409,8 @@ class Relay {
   Result<std::optional<std::string>> current_epoch() {
     const std::string k = p_ + ":events";
     KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"HMGET", k, "maxlen", "epoch"}));
-    if (r.type() != Reply::Type::kArray || r.size() != 2) return Status::corrupt("unexpected reply to HMGET " + k);
+    if (r.type() != Reply::Type::kArray || r.size() != 2)
+      return Status::corrupt("unexpected reply to HMGET " + k);
     if (r.element(0)->type == REDIS_REPLY_NIL) {
       // Off (never on, or a Redis that lost its data): on again, in a new epoch.
       say(fmt::format("events were off in the cell: on, keeping about {} events", o_.maxlen));
@@ -469,12 +473,15 @@ class Relay {
     std::string cursor = "0";
     std::size_t objects = 0;
     do {
-      KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.command({"SSCAN", p_ + ":events:objs", cursor, "COUNT", "512"}));
-      if (r.type() != Reply::Type::kArray || r.size() != 2) return Status::corrupt("unexpected reply to SSCAN");
+      KVSTASH_ASSIGN_OR_RETURN(Reply r,
+                               redis_.command({"SSCAN", p_ + ":events:objs", cursor, "COUNT", "512"}));
+      if (r.type() != Reply::Type::kArray || r.size() != 2)
+        return Status::corrupt("unexpected reply to SSCAN");
       cursor = std::string(text(r.element(0)));
       const redisReply* keys = r.element(1);
       for (std::size_t i = 0; i < keys->elements; ++i) {
-        KVSTASH_ASSIGN_OR_RETURN(Reply ev, redis_.command({"HGET", p_ + ":obj:" + std::string(text(keys->element[i])), "ev"}));
+        KVSTASH_ASSIGN_OR_RETURN(
+            Reply ev, redis_.command({"HGET", p_ + ":obj:" + std::string(text(keys->element[i])), "ev"}));
         if (ev.is_nil()) continue;  // removed since: its removed event follows
         EventData d(ev.str());
         if (!d.ok()) {
@@ -532,9 +539,10 @@ int serve(Session& s, const EventsOptions& o) {
   Relay relay(**cell, **pub, o);
   std::cerr << "kvstash events: publishing cell " << (*cell)->name() << "'s KV events on " << o.pub
             << (o.replay.empty() ? "" : ", replay on " + o.replay) << "\n";
-  const auto until = o.seconds > 0 ? std::chrono::steady_clock::now() + std::chrono::duration_cast<milliseconds>(
-                                                                             std::chrono::duration<double>(o.seconds))
-                                   : std::chrono::steady_clock::time_point::max();
+  const auto until =
+      o.seconds > 0 ? std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<milliseconds>(std::chrono::duration<double>(o.seconds))
+                    : std::chrono::steady_clock::time_point::max();
   milliseconds backoff{100};
   while (!stop && std::chrono::steady_clock::now() < until) {
     Status st = relay.step(milliseconds(200));
@@ -572,10 +580,11 @@ int show(Session& s) {
   if (s.json()) {
     std::cout << j.dump(2) << "\n";
   } else {
-    std::cout << "events:            " << (on ? "on" : "off (`kvstash events on`, or a running `kvstash events serve`)")
-              << "\n";
-    if (on) std::cout << "log:               " << j["log_entries"] << " entries, about " << j["maxlen"] << " kept\n"
-                      << "epoch:             " << j["epoch"] << "\n";
+    std::cout << "events:            "
+              << (on ? "on" : "off (`kvstash events on`, or a running `kvstash events serve`)") << "\n";
+    if (on)
+      std::cout << "log:               " << j["log_entries"] << " entries, about " << j["maxlen"] << " kept\n"
+                << "epoch:             " << j["epoch"] << "\n";
     std::cout << "announced objects: " << j["announced_objects"] << "\n";
   }
   return kExitOk;
@@ -598,29 +607,40 @@ int turn(Session& s, bool on, std::uint64_t maxlen) {
 void add_events_command(Registry& r) {
   Session& s = r.session;
   auto o = std::make_shared<EventsOptions>();
-  auto* ev = r.app.add_subcommand("events", "KV events for cache-aware routers: state, on/off, and the relay (serve)");
+  auto* ev = r.app.add_subcommand("events",
+                                  "KV events for cache-aware routers: state, on/off, and the relay (serve)");
   ev->final_callback([&r, &s, ev] {
     if (ev->get_subcommands().empty()) r.action = [&s] { return show(s); };
   });
   auto* on = ev->add_subcommand("on", "Log announced objects' stored and removed events in the cell");
   on->add_option("--maxlen", o->maxlen, "Events the cell's log keeps, about")->capture_default_str();
   on->final_callback([&r, &s, o] { r.action = [&s, o] { return turn(s, true, o->maxlen); }; });
-  auto* off = ev->add_subcommand("off", "Stop logging events and drop the log (a running relay turns them on again)");
+  auto* off =
+      ev->add_subcommand("off", "Stop logging events and drop the log (a running relay turns them on again)");
   off->final_callback([&r, &s] { r.action = [&s] { return turn(s, false, 0); }; });
-  auto* sv = ev->add_subcommand("serve", "Publish the cell's KV events as vLLM does (msgpack KVEventBatch over ZMQ PUB)");
+  auto* sv = ev->add_subcommand(
+      "serve", "Publish the cell's KV events as vLLM does (msgpack KVEventBatch over ZMQ PUB)");
   sv->add_option("--pub", o->pub, "ZMQ endpoint the PUB socket binds")->capture_default_str();
   sv->add_option("--replay", o->replay, "ZMQ endpoint of vLLM's replay socket (ROUTER); none when empty");
   sv->add_option("--topic", o->topic, "Topic frame of every message (vLLM's default: empty)");
   sv->add_option("--medium", o->medium, "BlockStored/BlockRemoved medium")->capture_default_str();
-  sv->add_option("--format", o->format, "Events as vLLM encodes them: map (vLLM 0.32-0.34), array (older releases)")
+  sv->add_option("--format", o->format,
+                 "Events as vLLM encodes them: map (vLLM 0.32-0.34), array (older releases)")
       ->capture_default_str()
       ->check(CLI::IsMember({"map", "array"}));
-  sv->add_option("--dp-rank", o->dp_rank, "KVEventBatch data_parallel_rank (omitted when negative)")->capture_default_str();
-  sv->add_option("--maxlen", o->maxlen, "When events are off in the cell: turn them on keeping about this many")
+  sv->add_option("--dp-rank", o->dp_rank, "KVEventBatch data_parallel_rank (omitted when negative)")
       ->capture_default_str();
-  sv->add_option("--buffer", o->buffer, "Batches kept for replay")->capture_default_str()->check(CLI::PositiveNumber);
-  sv->add_option("--batch", o->batch, "Events per batch at most")->capture_default_str()->check(CLI::PositiveNumber);
-  sv->add_option("--seconds", o->seconds, "Serve this long (0: until SIGINT or SIGTERM)")->capture_default_str();
+  sv->add_option("--maxlen", o->maxlen,
+                 "When events are off in the cell: turn them on keeping about this many")
+      ->capture_default_str();
+  sv->add_option("--buffer", o->buffer, "Batches kept for replay")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--batch", o->batch, "Events per batch at most")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sv->add_option("--seconds", o->seconds, "Serve this long (0: until SIGINT or SIGTERM)")
+      ->capture_default_str();
   sv->footer(
       "Examples:\n"
       "  kvstash events serve --pub tcp://0.0.0.0:5557 --replay tcp://0.0.0.0:5558\n"
