@@ -463,6 +463,7 @@ class Relay {
   // AllBlocksCleared, then every announced object present as BlockStored, then on from the
   // stream position taken before the scan (what changed during it comes again, in order).
   Status resync() {
+    synced_ = false;  // until the restatement is whole: a failure part way starts it over
     KVSTASH_ASSIGN_OR_RETURN(epoch_, current_epoch());
     KVSTASH_ASSIGN_OR_RETURN(pos_, position());
     base_added_ = pos_.added;
