@@ -333,8 +333,8 @@ Result<std::optional<std::size_t>> Catalog::announce(std::span<const std::pair<s
   for (const auto& [key, ev] : items) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
     if (ev.empty() || ev.size() > kMaxEventData) {
-      return Status(StatusCode::kInvalidArgument, "event data of " + key + " must be 1.." +
-                                                      std::to_string(kMaxEventData) + " bytes");
+      return Status::invalid_argument("event data of " + key + " must be 1.." + std::to_string(kMaxEventData) +
+                                      " bytes");
     }
     args.push_back(key);
     args.push_back(ev);

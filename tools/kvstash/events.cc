@@ -391,7 +391,9 @@ class Relay {
       }
     }
     pub_.publish(b);  // before anything else can fail: these entries are read
-    // Entries trimmed before this relay read them: what routers know may have gaps.
+    // Entries trimmed before this relay read them, or the log gone (turned off and on again
+    // between two steps, in the same epoch): what routers know may have gaps. Checked when
+    // nothing came too.
     KVSTASH_ASSIGN_OR_RETURN(StreamPos now, position());
     if (now.added - base_added_ - read_ > now.length || now.added < base_added_) {
       say(fmt::format("{} events were trimmed before they were read (raise --maxlen): all cleared, resync",
@@ -446,13 +448,20 @@ class Relay {
       if (f == "t") kind = text(fields->element[i + 1]);
       if (f == "ev") ev = text(fields->element[i + 1]);
     }
+    push(b, kind, ev);
+  }
+
+  // A stored or removed event of `ev` (an object's event data) into the batch, which goes out
+  // once full; false, counted and said once, for anything malformed.
+  bool push(Batch& b, std::string_view kind, std::string_view ev) {
     EventData d(ev);
     if (!d.ok() || (kind != "stored" && kind != "removed")) {
       if (malformed_++ == 0) say("an event with malformed data was skipped (docs/events.md)");
-      return;
+      return false;
     }
     b.events.push_back(kind == "stored" ? enc_.stored(d) : enc_.removed(d));
     if (b.events.size() >= o_.batch) flush(b);
+    return true;
   }
 
   void flush(Batch& b) {
@@ -484,14 +493,7 @@ class Relay {
         KVSTASH_ASSIGN_OR_RETURN(
             Reply ev, redis_.command({"HGET", p_ + ":obj:" + std::string(text(keys->element[i])), "ev"}));
         if (ev.is_nil()) continue;  // removed since: its removed event follows
-        EventData d(ev.str());
-        if (!d.ok()) {
-          ++malformed_;
-          continue;
-        }
-        b.events.push_back(enc_.stored(d));
-        ++objects;
-        if (b.events.size() >= o_.batch) flush(b);
+        objects += push(b, "stored", ev.str());
       }
     } while (cursor != "0");
     flush(b);

@@ -8,14 +8,15 @@
 -- ARGV     key, event data, key, event data... (the data: msgpack, as docs/events.md says)
 -- Returns  how many objects were announced; -1 when the cell's events are off
 
-if not events_maxlen() then return -1 end
+local maxlen = events_maxlen()
+if not maxlen then return -1 end
 local n = 0
 for i = 1, #ARGV - 1, 2 do
   local key, ev = ARGV[i], ARGV[i + 1]
   if present(key) then
     redis.call('HSET', P .. ':obj:' .. key, 'ev', ev)
     redis.call('SADD', P .. ':events:objs', key)
-    emit_event('stored', key, ev)
+    emit_event('stored', key, ev, nil, maxlen)
     n = n + 1
   end
 end

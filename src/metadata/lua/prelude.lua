@@ -376,8 +376,9 @@ end
 local function events_maxlen()
   return tonumber(redis.call('HGET', P .. ':events', 'maxlen') or '')
 end
-local function emit_event(kind, key, ev, why)
-  local maxlen = events_maxlen()
+-- `maxlen`: events_maxlen() when the caller has it already.
+local function emit_event(kind, key, ev, why, maxlen)
+  maxlen = maxlen or events_maxlen()
   if not maxlen then return end
   redis.call('XADD', P .. ':events:log', 'MAXLEN', '~', maxlen, '*', 't', kind, 'k', key, 'ev', ev, 'why', why or '')
 end

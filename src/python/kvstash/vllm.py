@@ -789,9 +789,7 @@ class KvstashConnector(KVConnectorBase_V1):
         waits for. While the cell's events are off it asks again a minute on."""
         if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
             return
-        g = self.geometry
-        rank, size = (0, 1) if g.stored_once else (0, g.tp_size)
-        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
+        keys = self._keys_of(run)
         items = [(keys[run.first + i], run.events[i]) for i in saved]
         if self._announcer is None:
             self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-announce")
@@ -818,12 +816,16 @@ class KvstashConnector(KVConnectorBase_V1):
                 self._remove_corrupt(run, [i for i, code in enumerate(codes) if code == "corrupt"])
         self._loads.clear()
 
+    def _keys_of(self, run: ChunkRun) -> list[str]:
+        """This rank's keys of the run's chunks, from the first chunk of its tokens on."""
+        g = self.geometry
+        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
+        return g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
+
     def _remove_corrupt(self, run: ChunkRun, bad: list[int]) -> None:
         """Chunks whose bytes did not match their checksum leave the cell: a later lookup
         misses them instead of failing every load, and the recompute's save puts them anew."""
-        g = self.geometry
-        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
-        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
+        keys = self._keys_of(run)
         for i in bad:
             key = keys[run.first + i]
             try:
