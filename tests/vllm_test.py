@@ -34,6 +34,7 @@ except ImportError as e:
     engine_fixture.run_in_venv_or_skip("vllm", "vLLM", e, __file__)
 
 import kvstash  # noqa: E402
+from kvstash import _vllm_keys  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -146,9 +147,10 @@ class Engine:
         storage = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=DTYPE)
         return storage.permute(0, 2, 1, 3)
 
-    def request(self, rid, tokens, max_tokens=4, cache_salt=None):
+    def request(self, rid, tokens, max_tokens=4, cache_salt=None, **inputs):
+        """inputs: Request's other inputs (mm_features, prompt_embeds, lora_request)."""
         return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                       cache_salt=cache_salt, block_hasher=self.hasher)
+                       cache_salt=cache_salt, block_hasher=self.hasher, **inputs)
 
     def step(self, fail_loads=False):
         """One scheduler step and its 'forward pass'. Returns the scheduler output."""
@@ -448,6 +450,95 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(loads, {"same": [(0, 2)], "other": [], "none": []})
         g = a.connector.geometry
         self.assertNotEqual(g.keys(shared, 0, 1, "tenant-a"), g.keys(shared, 0, 1))
+
+    def test_multimodal_items_are_named_by_their_hash_and_placeholder(self):
+        """Equal token ids (an image's placeholder tokens are alike whatever the image): a
+        request with another image, or the same image at another place, shares the chunks
+        before the image only; the same image at the same place shares them all."""
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        def image(ident, offset, length=20):
+            return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                          mm_position=PlaceholderRange(offset=offset, length=length))]
+
+        tokens = [301 + (i * 13) % 600 for i in range(4 * BLOCK)]
+        keys = _vllm_keys.RequestKeys(BLOCK)
+        e = Engine()
+        g = e.connector.geometry
+
+        def chunk_keys(**inputs):
+            req = e.request("r", tokens, **inputs)
+            return g.keys(tokens, 0, 1, keys.request_salt(req), keys.chunk_salts(req))
+
+        plain, cat = chunk_keys(), chunk_keys(mm_features=image("cat", BLOCK + 3))
+        dog, moved = chunk_keys(mm_features=image("dog", BLOCK + 3)), chunk_keys(mm_features=image("cat", BLOCK + 4))
+        self.assertEqual(cat[0], plain[0], "the chunk before the image keeps its key")
+        for other in (plain, dog, moved):
+            self.assertTrue(all(a != b for a, b in zip(cat[1:], other[1:])), "a chunk from the image on is shared")
+        self.assertEqual(chunk_keys(mm_features=image("cat", BLOCK + 3)), cat, "the same image, other keys")
+        # Through the connector: what one engine saved with the cat, another finds with the cat
+        # only, and loads bit-exact.
+        a = Engine()
+        a.connector._naming(a.request("a", tokens + [1], mm_features=image("cat", BLOCK + 3)))
+        naming = a.connector._named["a"]
+        self.assertEqual(naming[1][:4], keys.chunk_salts(a.request("x", tokens, mm_features=image("cat", BLOCK + 3))))
+        store = kvstash.Store(URL, transports="shm,tcp")
+        w = a.workers[0][0]
+        blocks = list(range(4))
+        for i, name in enumerate(LAYERS):
+            for b in blocks:
+                a.workers[0][1][name][b] = expected_block(tokens, b, i, 0)
+        save = w._cache_for(naming[0]).begin_save(tokens, blocks, 0, 4, chunk_salts=naming[1])
+        for layer in range(len(LAYERS)):
+            save.save_layer(layer)
+        self.assertEqual([c for c, _ in save.wait()], ["ok"] * 4)
+        self.assertEqual(store.contains_prefix(cat), 4)
+        self.assertEqual(store.contains_prefix(dog), 1, "another image finds the chunk before it only")
+        b = Engine()
+        for rid, ident, want in (("dog", "dog", 1), ("cat", "cat", 4)):
+            req = b.request(rid, tokens + [2], mm_features=image(ident, BLOCK + 3))
+            self.assertEqual(b.connector.get_num_new_matched_tokens(req, 0), (want * BLOCK, False), rid)
+        req = b.request("plain", tokens + [2])
+        self.assertEqual(b.connector.get_num_new_matched_tokens(req, 0), (BLOCK, False))
+
+    def test_prompt_embeddings_and_lora_adapters_are_named_by_content(self):
+        """Prompt embeddings by their bytes, chunk by chunk; an adapter by its files, not by its
+        name, id or path; a request whose adapter is not here to be read is not served."""
+        from vllm.lora.request import LoRARequest
+
+        tokens = [0] * (3 * BLOCK)  # vLLM's ids for a prompt of embeddings
+        keys = _vllm_keys.RequestKeys(BLOCK)
+        e = Engine()
+        g = e.connector.geometry
+        embeds = torch.randn(3 * BLOCK, 64, generator=torch.Generator().manual_seed(1))
+        changed = embeds.clone()
+        changed[BLOCK + 5, 7] += 1e-3
+
+        def chunk_keys(**inputs):
+            req = e.request("r", tokens, **inputs)
+            return g.keys(tokens, 0, 1, keys.request_salt(req), keys.chunk_salts(req))
+
+        one, two = chunk_keys(prompt_embeds=embeds), chunk_keys(prompt_embeds=changed)
+        self.assertEqual(one[0], two[0], "the chunk before the changed row keeps its key")
+        self.assertTrue(one[1] != two[1] and one[2] != two[2], "one changed value in chunk 1 must change it")
+        self.assertEqual(chunk_keys(prompt_embeds=embeds.clone()), one, "equal embeddings, other keys")
+        self.assertNotEqual(chunk_keys()[0], one[0], "embeddings and ids [0, 0, ...] share a key")
+        d = tempfile.mkdtemp(prefix="kvstash-lora-")
+        paths = {n: os.path.join(d, n) for n in ("a", "b", "a2")}
+        for n, content in (("a", b"A"), ("b", b"B"), ("a2", b"A")):
+            os.makedirs(paths[n])
+            with open(os.path.join(paths[n], "adapter_model.safetensors"), "wb") as f:
+                f.write(content * 1000)
+        lora_a = chunk_keys(lora_request=LoRARequest("a", 1, paths["a"]))
+        lora_b = chunk_keys(lora_request=LoRARequest("a", 1, paths["b"]))  # A's name and id, B's files
+        copy = _vllm_keys.RequestKeys(BLOCK)  # another engine: A's files under another name and id
+        req = e.request("r", tokens, lora_request=LoRARequest("a-copy", 9, paths["a2"]))
+        self.assertNotEqual(lora_a[0], lora_b[0])
+        self.assertNotEqual(lora_a[0], chunk_keys()[0])
+        self.assertEqual(g.keys(tokens, 0, 1, copy.request_salt(req)), lora_a, "A's content under another name")
+        missing = e.request("m", tokens, lora_request=LoRARequest("gone", 3, os.path.join(d, "nowhere")))
+        self.assertEqual(e.connector.get_num_new_matched_tokens(missing, 0), (0, False))
+        self.assertIsNone(e.connector._named["m"], "a request with an unreadable adapter was served")
 
     def test_a_load_error_becomes_recomputed_blocks(self):
         shared = [21 + (i * 17) % 900 for i in range(3 * BLOCK)]

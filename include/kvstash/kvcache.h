@@ -26,6 +26,7 @@
 // Thread safety: KvLayout is a value; KvCache is safe to use from several threads.
 #pragma once
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -146,12 +147,33 @@ struct PrefixKeyOptions {
   std::string extra;  // anything else that changes the bytes (a LoRA adapter, ...)
 };
 
+// A request's tokens as its chunk keys name them: the token ids and, for a chunk whose KV
+// was computed from more than its ids and the chunks before it (a multimodal item whose
+// placeholder tokens it holds, prompt embeddings in place of ids), a salt that names that
+// input by its content (a digest). chunk_salts[c] goes into chunk c's link of the key chain,
+// so it reaches every later chunk's key too; an empty salt, or none past the span's end, adds
+// nothing. Both spans are the caller's and must outlive the call.
+struct KvTokens {
+  std::span<const std::uint32_t> ids;
+  std::span<const std::string> chunk_salts;
+
+  KvTokens() = default;
+  KvTokens(std::span<const std::uint32_t> token_ids, std::span<const std::string> salts = {})
+      : ids(token_ids), chunk_salts(salts) {}
+  // Any contiguous range of token ids (a std::vector<std::uint32_t>, ...), without salts.
+  template <class Range>
+  requires std::convertible_to<const Range&, std::span<const std::uint32_t>> KvTokens(const Range& token_ids)
+      : ids(token_ids) {}  // NOLINT(google-explicit-constructor)
+
+  // The first `n` ids, with the salts of the chunks they hold.
+  KvTokens first(std::size_t n) const { return {ids.first(n), chunk_salts}; }
+};
+
 // The keys of the full chunks of `tokens` ("kvp:" + 32 hex digits each): a SHA-256 chain
-// over the token ids, so chunk i's key depends on every earlier token, salted with the
-// options. Deterministic across processes, hosts and restarts; the exact bytes hashed are
-// in docs/integration.md. A trailing partial chunk has no key.
-std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens,
-                                           const PrefixKeyOptions& options);
+// over the token ids and chunk salts, so chunk i's key depends on everything before its end,
+// salted with the options. Deterministic across processes, hosts and restarts; the exact
+// bytes hashed are in docs/integration.md. A trailing partial chunk has no key.
+std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
 
 class KvCache;
 
@@ -422,44 +444,42 @@ class KvCache {
   std::string_view data_path() const;
   // The device that owns the cache's memory ("host", "cuda", ...).
   const KvDevice& device() const;
-  std::vector<std::string> keys(std::span<const std::uint32_t> tokens) const;
+  std::vector<std::string> keys(const KvTokens& tokens) const;
   // Bytes of one chunk's object.
   std::uint64_t chunk_bytes() const;
 
   // How many leading full chunks of `tokens` the store holds.
-  Result<std::size_t> contains_prefix(std::span<const std::uint32_t> tokens,
-                                      std::optional<Deadline> deadline = {});
+  Result<std::size_t> contains_prefix(const KvTokens& tokens, std::optional<Deadline> deadline = {});
 
   // Saves chunks [first, first + count) of a request: `block_ids[i]` holds tokens
   // [i * block_size, (i + 1) * block_size). One Status per chunk: a chunk that failed can be
   // saved again (or recomputed) alone. kInvalidArgument for every chunk when the tokens or
   // blocks do not cover them.
-  std::vector<Status> save(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+  std::vector<Status> save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                            std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
 
   // Loads the first `count` chunks into `block_ids`' blocks. One Status per chunk
   // (kNotFound for one evicted meanwhile: recompute from there).
-  std::vector<Status> load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+  std::vector<Status> load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                            std::size_t count, std::optional<Deadline> deadline = {});
 
   // Layer-wise forms. begin_save reserves chunks [first, first + count) (the tokens and
   // blocks are copied; the blocks' memory must not change until wait() returned). Errors
   // for the whole request: kInvalidArgument (tokens or blocks do not cover the chunks);
   // per chunk (kNoSpace, ...) through wait().
-  Result<KvSave> begin_save(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+  Result<KvSave> begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                             std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
   // Starts loading the first `count` chunks; every chunk's transfer runs at once. No byte of
   // the blocks is written before the engine's work up to `after` is done (the blocks may have
   // belonged to a request whose kernels still read them; the default is the legacy default
   // stream, as KvSync says). kInvalidArgument for a handle the device cannot use.
-  Result<KvLoad> begin_load(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
+  Result<KvLoad> begin_load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                             std::size_t count, std::optional<Deadline> deadline = {},
                             const KvSync& after = {});
   // Chunks [first, first + count) only (the engine already holds the ones before, e.g. in
   // its own prefix cache); the KvLoad's statuses count from chunk `first`.
-  Result<KvLoad> begin_load_range(std::span<const std::uint32_t> tokens,
-                                  std::span<const std::uint32_t> block_ids, std::size_t first,
-                                  std::size_t count, std::optional<Deadline> deadline = {},
+  Result<KvLoad> begin_load_range(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
+                                  std::size_t first, std::size_t count, std::optional<Deadline> deadline = {},
                                   const KvSync& after = {});
 
  private:

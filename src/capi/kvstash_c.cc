@@ -161,20 +161,24 @@ kvstash_status kvstash_remove(kvstash_store* store, const char* key, uint32_t ti
 }
 
 kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uint32_t timeout_ms) {
-  if (store == nullptr || key == nullptr) return invalid("kvstash_remove_corrupt: store and key are required");
+  if (store == nullptr || key == nullptr)
+    return invalid("kvstash_remove_corrupt: store and key are required");
   return report(store->store->remove_corrupt(key, deadline_of(timeout_ms)));
 }
 
-kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_keys, const void* const* item_data,
-                                const size_t* item_lengths, size_t n, uint32_t timeout_ms, int64_t* announced) {
-  if (store == nullptr || (n != 0 && (item_keys == nullptr || item_data == nullptr || item_lengths == nullptr)) ||
+kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_keys,
+                                const void* const* item_data, const size_t* item_lengths, size_t n,
+                                uint32_t timeout_ms, int64_t* announced) {
+  if (store == nullptr ||
+      (n != 0 && (item_keys == nullptr || item_data == nullptr || item_lengths == nullptr)) ||
       announced == nullptr) {
     return invalid("kvstash_announce: store, keys, data, lengths and announced are required");
   }
   std::vector<std::pair<std::string, std::string>> items;
   items.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    if (item_keys[i] == nullptr || item_data[i] == nullptr) return invalid("kvstash_announce: a key or its data is NULL");
+    if (item_keys[i] == nullptr || item_data[i] == nullptr)
+      return invalid("kvstash_announce: a key or its data is NULL");
     items.emplace_back(item_keys[i], std::string(static_cast<const char*>(item_data[i]), item_lengths[i]));
   }
   auto r = store->store->announce(items, deadline_of(timeout_ms));
@@ -202,7 +206,8 @@ kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* 
 
 kvstash_status kvstash_prefix_tiers(kvstash_store* store, const char* const* keys, size_t n_keys,
                                     uint32_t timeout_ms, uint8_t* out, size_t* count) {
-  if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr || (out == nullptr && n_keys != 0)) {
+  if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr ||
+      (out == nullptr && n_keys != 0)) {
     return invalid("kvstash_prefix_tiers: store, keys, out and count are required");
   }
   std::vector<std::string> k;
@@ -213,7 +218,8 @@ kvstash_status kvstash_prefix_tiers(kvstash_store* store, const char* const* key
   }
   auto where = store->store->prefix_tiers(k, deadline_of(timeout_ms));
   if (!where.is_ok()) return report(where.status());
-  for (size_t i = 0; i < where->size(); ++i) out[i] = (*where)[i] == kvstash::Tier::kSsd ? KVSTASH_TIER_SSD : KVSTASH_TIER_DRAM;
+  for (size_t i = 0; i < where->size(); ++i)
+    out[i] = (*where)[i] == kvstash::Tier::kSsd ? KVSTASH_TIER_SSD : KVSTASH_TIER_DRAM;
   *count = where->size();
   return report({});
 }
@@ -322,7 +328,7 @@ kvstash_status kvstash_prefix_chunk_key(const uint32_t* tokens, size_t n_tokens,
     return invalid("kvstash_prefix_chunk_key: tokens, options (with a model) and out are required");
   }
   const std::vector<std::string> all =
-      kvstash::prefix_chunk_keys({tokens, n_tokens}, key_options_of(*options));
+      kvstash::prefix_chunk_keys(std::span<const std::uint32_t>(tokens, n_tokens), key_options_of(*options));
   if (index >= all.size()) return invalid("kvstash_prefix_chunk_key: the tokens hold no such full chunk");
   if (out_size <= all[index].size())
     return invalid("kvstash_prefix_chunk_key: out is smaller than KVSTASH_KEY_SIZE bytes");
@@ -336,7 +342,7 @@ kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* to
   if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || out == nullptr) {
     return invalid("kvstash_kvcache_key: kv, tokens and out are required");
   }
-  auto keys = kv->kv->keys({tokens, n_tokens});
+  auto keys = kv->kv->keys(std::span<const std::uint32_t>(tokens, n_tokens));
   if (index >= keys.size()) return invalid("kvstash_kvcache_key: the tokens hold no such full chunk");
   if (out_size <= keys[index].size())
     return invalid("kvstash_kvcache_key: out is smaller than KVSTASH_KEY_SIZE bytes");
@@ -350,7 +356,7 @@ kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32
   if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || chunks == nullptr) {
     return invalid("kvstash_kvcache_contains_prefix: kv, tokens and chunks are required");
   }
-  auto n = kv->kv->contains_prefix({tokens, n_tokens}, deadline_of(timeout_ms));
+  auto n = kv->kv->contains_prefix(std::span<const std::uint32_t>(tokens, n_tokens), deadline_of(timeout_ms));
   if (!n.is_ok()) return report(n.status());
   *chunks = *n;
   return report({});
@@ -363,8 +369,8 @@ kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* t
     return invalid("kvstash_kvcache_begin_save: kv, tokens, block_ids and out are required");
   }
   *out = nullptr;
-  auto s =
-      kv->kv->begin_save({tokens, n_tokens}, {block_ids, n_block_ids}, first, count, deadline_of(timeout_ms));
+  auto s = kv->kv->begin_save(std::span<const std::uint32_t>(tokens, n_tokens), {block_ids, n_block_ids},
+                              first, count, deadline_of(timeout_ms));
   if (!s.is_ok()) return report(s.status());
   *out = new kvstash_save{std::move(s).value(), count};
   return report({});
@@ -407,8 +413,8 @@ kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint3
   *out = nullptr;
   auto sync = sync_of(after);
   if (!sync.is_ok()) return report(sync.status());
-  auto l = kv->kv->begin_load_range({tokens, n_tokens}, {block_ids, n_block_ids}, first, count,
-                                    deadline_of(timeout_ms), *sync);
+  auto l = kv->kv->begin_load_range(std::span<const std::uint32_t>(tokens, n_tokens),
+                                    {block_ids, n_block_ids}, first, count, deadline_of(timeout_ms), *sync);
   if (!l.is_ok()) return report(l.status());
   *out = new kvstash_load{std::move(l).value(), count};
   return report({});

@@ -148,23 +148,21 @@ std::string_view KvCache::data_path() const { return impl_->staged() ? "staged" 
 const KvDevice& KvCache::device() const { return *impl_->device; }
 const PrefixKeyOptions& KvCache::key_options() const { return impl_->keys; }
 
-std::vector<std::string> KvCache::keys(std::span<const std::uint32_t> tokens) const {
+std::vector<std::string> KvCache::keys(const KvTokens& tokens) const {
   return prefix_chunk_keys(tokens, impl_->keys);
 }
 
 std::uint64_t KvCache::chunk_bytes() const { return impl_->chunk_bytes(); }
 
-Result<std::size_t> KvCache::contains_prefix(std::span<const std::uint32_t> tokens,
-                                             std::optional<Deadline> deadline) {
+Result<std::size_t> KvCache::contains_prefix(const KvTokens& tokens, std::optional<Deadline> deadline) {
   auto k = keys(tokens);
   if (k.empty()) return std::size_t{0};
   return impl_->store->contains_prefix(k, deadline);
 }
 
-Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
-                                   std::span<const std::uint32_t> block_ids, std::size_t first,
-                                   std::size_t count, std::optional<Deadline> deadline) {
-  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
+Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
+                                   std::size_t first, std::size_t count, std::optional<Deadline> deadline) {
+  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens.ids, block_ids, first, count));
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_unique<KvSave::State>();
   st->kv = impl_.get();
@@ -196,17 +194,15 @@ Result<KvSave> KvCache::begin_save(std::span<const std::uint32_t> tokens,
   return save;
 }
 
-Result<KvLoad> KvCache::begin_load(std::span<const std::uint32_t> tokens,
-                                   std::span<const std::uint32_t> block_ids, std::size_t count,
-                                   std::optional<Deadline> deadline, const KvSync& after) {
+Result<KvLoad> KvCache::begin_load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
+                                   std::size_t count, std::optional<Deadline> deadline, const KvSync& after) {
   return begin_load_range(tokens, block_ids, 0, count, deadline, after);
 }
 
-Result<KvLoad> KvCache::begin_load_range(std::span<const std::uint32_t> tokens,
-                                         std::span<const std::uint32_t> block_ids, std::size_t first,
-                                         std::size_t count, std::optional<Deadline> deadline,
-                                         const KvSync& after) {
-  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens, block_ids, first, count));
+Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
+                                         std::size_t first, std::size_t count,
+                                         std::optional<Deadline> deadline, const KvSync& after) {
+  KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens.ids, block_ids, first, count));
   impl_->reap();  // earlier loads' bounce buffers the engine's streams are done with
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
@@ -260,18 +256,16 @@ Result<KvLoad> KvCache::begin_load_range(std::span<const std::uint32_t> tokens,
   return load;
 }
 
-std::vector<Status> KvCache::save(std::span<const std::uint32_t> tokens,
-                                  std::span<const std::uint32_t> block_ids, std::size_t first,
-                                  std::size_t count, std::optional<Deadline> deadline) {
+std::vector<Status> KvCache::save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
+                                  std::size_t first, std::size_t count, std::optional<Deadline> deadline) {
   auto s = begin_save(tokens, block_ids, first, count, deadline);
   if (!s.is_ok()) return std::vector<Status>(count, s.status());
   for (std::uint32_t l = 0; l < impl_->layout.shape().num_layers; ++l) (void)s->save_layer(l);
   return s->wait();
 }
 
-std::vector<Status> KvCache::load(std::span<const std::uint32_t> tokens,
-                                  std::span<const std::uint32_t> block_ids, std::size_t count,
-                                  std::optional<Deadline> deadline) {
+std::vector<Status> KvCache::load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
+                                  std::size_t count, std::optional<Deadline> deadline) {
   auto l = begin_load(tokens, block_ids, count, deadline);
   if (!l.is_ok()) return std::vector<Status>(count, l.status());
   return l->wait();

@@ -25,7 +25,7 @@ void put_string(wire::Writer& w, std::string_view s) { w.bytes(s); }
 
 }  // namespace
 
-std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens, const PrefixKeyOptions& o) {
+std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
   std::vector<std::string> keys;
   if (o.chunk_tokens == 0) return keys;
   wire::Writer salt;
@@ -39,7 +39,7 @@ std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens
   Digest h = sha256(salt.take());
 
   static constexpr char kHex[] = "0123456789abcdef";
-  const std::size_t chunks = tokens.size() / o.chunk_tokens;
+  const std::size_t chunks = tokens.ids.size() / o.chunk_tokens;
   keys.reserve(chunks);
   // Every key carries its chain's root (the first chunk's first 64 bits) as its route tag:
   // in a deployment of several cells a chain lives in one (metadata/cell_routes.h).
@@ -47,7 +47,13 @@ std::vector<std::string> prefix_chunk_keys(std::span<const std::uint32_t> tokens
   for (std::size_t c = 0; c < chunks; ++c) {
     wire::Writer w;
     w.raw({reinterpret_cast<const char*>(h.data()), h.size()});
-    for (std::size_t i = c * o.chunk_tokens; i < (c + 1) * o.chunk_tokens; ++i) w.u32(tokens[i]);
+    for (std::size_t i = c * o.chunk_tokens; i < (c + 1) * o.chunk_tokens; ++i) w.u32(tokens.ids[i]);
+    // A chunk's salt follows its ids, which are of fixed length: no two (ids, salt) pairs
+    // hash alike, and a chunk without one hashes as before salts existed.
+    if (c < tokens.chunk_salts.size() && !tokens.chunk_salts[c].empty()) {
+      w.raw(std::string_view("salt", 4));
+      put_string(w, tokens.chunk_salts[c]);
+    }
     h = sha256(w.take());
     std::string name;
     for (std::size_t i = 0; i < 16; ++i) {  // 128 bits name a chunk

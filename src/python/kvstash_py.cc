@@ -249,7 +249,8 @@ PYBIND11_MODULE(_native, m) {
            "in. "
            "cluster_token: the cell's shared secret (kvstashd --cluster-token-file); None: none, and nodes "
            "that require one refuse the data path (Error code 'permission_denied'); an empty string, or one "
-           "shorter than 16 bytes, is refused ('invalid_argument'). listen: host:port where peers reach this process's memory "
+           "shorter than 16 bytes, is refused ('invalid_argument'). listen: host:port where peers reach this "
+           "process's memory "
            "(P/D's direct path: EngineOptions' tcp.listen, and verbs' queue-pair setup on that host, any "
            "port); \"\": loopback.")
       .def(
@@ -380,15 +381,16 @@ PYBIND11_MODULE(_native, m) {
           "Connects to every live node of the cell now (off a first request's path); how many.")
       .def(
           "publish_handoff",
-          [](PyStore& s, const std::string& name, const py::bytes& descriptor, const std::vector<std::string>& readers,
-             std::uint64_t ttl_ms, std::uint32_t timeout_ms) {
+          [](PyStore& s, const std::string& name, const py::bytes& descriptor,
+             const std::vector<std::string>& readers, std::uint64_t ttl_ms, std::uint32_t timeout_ms) {
             const std::string d = descriptor;
             check(nogil([&] {
               return s.store->publish_handoff(name, d, readers, std::chrono::milliseconds(ttl_ms),
                                               deadline_of(timeout_ms));
             }));
           },
-          py::arg("name"), py::arg("descriptor"), py::arg("readers"), py::arg("ttl_ms"), py::arg("timeout_ms") = 0,
+          py::arg("name"), py::arg("descriptor"), py::arg("readers"), py::arg("ttl_ms"),
+          py::arg("timeout_ms") = 0,
           "A handoff record: where this process holds memory for `readers`, for ttl_ms.")
       .def(
           "handoff",
@@ -407,7 +409,8 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "handoff_pending",
           [](PyStore& s, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
-            return unwrap(nogil([&] { return s.store->handoff_pending(name, reader, deadline_of(timeout_ms)); }));
+            return unwrap(
+                nogil([&] { return s.store->handoff_pending(name, reader, deadline_of(timeout_ms)); }));
           },
           py::arg("name"), py::arg("reader"), py::arg("timeout_ms") = 0,
           "Whether `reader` has yet to end the handoff.");
@@ -579,55 +582,67 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("device", [](const PyKvCache& k) { return std::string(k.kv->device().name()); })
       .def(
           "keys",
-          [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens) { return k.kv->keys(tokens); },
-          py::arg("tokens"))
+          [](const PyKvCache& k, const std::vector<std::uint32_t>& tokens,
+             const std::vector<std::string>& chunk_salts) {
+            return k.kv->keys({tokens, chunk_salts});
+          },
+          py::arg("tokens"), py::arg("chunk_salts") = std::vector<std::string>{})
       .def(
           "contains_prefix",
-          [](PyKvCache& k, const std::vector<std::uint32_t>& tokens, std::uint32_t timeout_ms) {
-            return unwrap(nogil([&] { return k.kv->contains_prefix(tokens, deadline_of(timeout_ms)); }));
+          [](PyKvCache& k, const std::vector<std::uint32_t>& tokens, std::uint32_t timeout_ms,
+             const std::vector<std::string>& chunk_salts) {
+            return unwrap(nogil([&] {
+              return k.kv->contains_prefix({tokens, chunk_salts}, deadline_of(timeout_ms));
+            }));
           },
-          py::arg("tokens"), py::arg("timeout_ms") = 0)
+          py::arg("tokens"), py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{})
       .def(
           "begin_save",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
-             std::uint32_t timeout_ms) {
+             std::uint32_t timeout_ms, const std::vector<std::string>& chunk_salts) {
             auto s = std::make_shared<PySave>();
             s->kv = k;
-            s->save = unwrap(nogil(
-                [&] { return k->kv->begin_save(tokens, block_ids, first, count, deadline_of(timeout_ms)); }));
+            s->save = unwrap(nogil([&] {
+              return k->kv->begin_save({tokens, chunk_salts}, block_ids, first, count,
+                                       deadline_of(timeout_ms));
+            }));
             return s;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
-          py::arg("timeout_ms") = 0)
+          py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{})
       .def(
           "begin_load",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t count, std::uint32_t timeout_ms,
-             const KvSync& after) {
+             const KvSync& after, const std::vector<std::string>& chunk_salts) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
-            l->load = unwrap(nogil(
-                [&] { return k->kv->begin_load(tokens, block_ids, count, deadline_of(timeout_ms), after); }));
+            l->load = unwrap(nogil([&] {
+              return k->kv->begin_load({tokens, chunk_salts}, block_ids, count, deadline_of(timeout_ms),
+                                       after);
+            }));
             return l;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout_ms") = 0,
-          py::arg("after") = KvSync{},
+          py::arg("after") = KvSync{}, py::arg("chunk_salts") = std::vector<std::string>{},
           "Loads the first `count` chunks, writing no block before the engine's work up to `after`.")
       .def(
           "begin_load_range",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
-             std::uint32_t timeout_ms, const KvSync& after) {
+             std::uint32_t timeout_ms, const KvSync& after, const std::vector<std::string>& chunk_salts) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
             l->load = unwrap(nogil([&] {
-              return k->kv->begin_load_range(tokens, block_ids, first, count, deadline_of(timeout_ms), after);
+              return k->kv->begin_load_range({tokens, chunk_salts}, block_ids, first, count,
+                                             deadline_of(timeout_ms), after);
             }));
             return l;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
           py::arg("timeout_ms") = 0, py::arg("after") = KvSync{},
+          py::arg("chunk_salts") = std::vector<std::string>{},
           "Loads chunks [first, first + count) only; statuses count from `first`.");
 
   py::class_<PyKvExport, std::shared_ptr<PyKvExport>>(m, "KvExport")
@@ -675,30 +690,37 @@ PYBIND11_MODULE(_native, m) {
             const std::string d = descriptor;
             auto r = std::make_shared<PyPeerRead>();
             r->in = in;
-            const KvPeerReadOptions o{.fence = fence, .ttl = std::chrono::milliseconds(ttl_ms), .grant = grant};
-            const Deadline deadline = deadline_of(timeout_ms).value_or(deadline_after(kStoreDefaults.timeout));
-            r->read = unwrap(nogil([&] { return in->in->begin_read(d, remote_blocks, local_blocks, o, deadline); }));
+            const KvPeerReadOptions o{
+                .fence = fence, .ttl = std::chrono::milliseconds(ttl_ms), .grant = grant};
+            const Deadline deadline =
+                deadline_of(timeout_ms).value_or(deadline_after(kStoreDefaults.timeout));
+            r->read = unwrap(
+                nogil([&] { return in->in->begin_read(d, remote_blocks, local_blocks, o, deadline); }));
             return r;
           },
           py::arg("descriptor"), py::arg("remote_blocks"), py::arg("local_blocks"),
           py::arg("fence") = KvPeerReadOptions{}.fence,
-          py::arg("ttl_ms") = static_cast<std::uint64_t>(KvPeerReadOptions{}.ttl.count()), py::arg("timeout_ms") = 0,
-          py::arg("grant") = py::bytes(),
-          "Reads remote_blocks of the export into local_blocks, every layer (KvImport::begin_read), under the "
+          py::arg("ttl_ms") = static_cast<std::uint64_t>(KvPeerReadOptions{}.ttl.count()),
+          py::arg("timeout_ms") = 0, py::arg("grant") = py::bytes(),
+          "Reads remote_blocks of the export into local_blocks, every layer (KvImport::begin_read), under "
+          "the "
           "exporter's grant (KvExport.grant).");
 
   m.def(
       "prefix_chunk_keys",
       [](const std::vector<std::uint32_t>& tokens, const std::string& model, const std::string& layout_tag,
-         std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra) {
-        return prefix_chunk_keys(tokens, {.model = model,
-                                          .layout_tag = layout_tag,
-                                          .tp_rank = tp_rank,
-                                          .tp_size = tp_size,
-                                          .chunk_tokens = chunk_tokens,
-                                          .extra = extra});
+         std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
+         const std::vector<std::string>& chunk_salts) {
+        return prefix_chunk_keys({tokens, chunk_salts}, {.model = model,
+                                                         .layout_tag = layout_tag,
+                                                         .tp_rank = tp_rank,
+                                                         .tp_size = tp_size,
+                                                         .chunk_tokens = chunk_tokens,
+                                                         .extra = extra});
       },
       py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = kKeyDefaults.tp_rank,
       py::arg("tp_size") = kKeyDefaults.tp_size, py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens,
-      py::arg("extra") = kKeyDefaults.extra);
+      py::arg("extra") = kKeyDefaults.extra, py::arg("chunk_salts") = std::vector<std::string>{},
+      "The keys of the full chunks of `tokens` (prefix_chunk_keys); chunk_salts[c], bytes, names what chunk "
+      "c's KV was computed from besides its tokens (KvTokens).");
 }

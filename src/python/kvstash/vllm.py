@@ -7,8 +7,11 @@ Load it as shipped, with no code in vLLM:
         "kv_connector_extra_config": {"redis_url": "redis://10.0.0.5:6379", "cell": "prod"}}'
 
 What it does. Every full chunk of a request's tokens (``chunk_tokens``, by default one vLLM
-block) is one kvstash object, keyed by a SHA-256 chain over the tokens before it, salted with
-the model, the cache geometry, vLLM's KV-cache layout and the tensor-parallel rank. After each
+block) is one kvstash object, keyed by a SHA-256 chain over the tokens before it and
+everything else its KV was computed from: the model by its weights' content, the cache
+geometry, vLLM's KV-cache layout and the tensor-parallel rank, the request's ``cache_salt`` and
+LoRA adapter (by content), and the multimodal items and prompt embeddings each chunk holds
+(kvstash._vllm_keys; docs/integration.md, "What a key names"). After each
 forward step the chunks whose KV became complete are saved layer by layer from vLLM's paged
 cache (prompt chunks, and with ``save_decode`` the chunks decode fills). When a request comes
 in, the scheduler asks the cell how many leading chunks beyond vLLM's own prefix-cache hit are
@@ -22,9 +25,8 @@ Config keys (``kv_connector_extra_config``), all optional: see ``KvstashConfig``
 
 Limits, refused with a clear error rather than served wrong: one KV-cache group (no hybrid
 models), block-compact layouts (each layer's blocks dense, as vLLM's default), no pipeline
-parallelism. A request's ``cache_salt`` (vLLM's per-tenant isolation) salts its keys too, so
-only requests with the same salt share chunks. Requests with multimodal inputs are neither
-looked up nor saved: their tokens alone do not say what their KV holds.
+parallelism, KV scales computed at run time. A request whose LoRA adapter's files are not on
+this host (so not to be named by content) is neither looked up nor saved.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import msgspec.msgpack as _msgpack
 import kvstash
-from kvstash import _handoff, _metrics
+from kvstash import _handoff, _metrics, _vllm_keys
 from kvstash._cell import CellConfig
 
 if TYPE_CHECKING:
@@ -67,8 +69,11 @@ class KvstashConfig(CellConfig):
 
     chunk_tokens: int = 0  # tokens per stored object; 0: vLLM's block size (a multiple of it)
     staging: str = "auto"  # "auto", "none" (direct), "host", "cuda": KvCacheOptions' path
-    model: str = ""  # the model's identity in the keys; "": vLLM's model name and revision
-    extra: str = ""  # anything else that changes the KV bytes (a LoRA adapter, ...)
+    model: str = ""  # a label for the model in the keys, besides what names it by content
+    # A string that names the weights' content (a digest the operator vouches for): the weights'
+    # files are then not read. "": their SHA-256, computed at start (cached across restarts).
+    weights_id: str = ""
+    extra: str = ""  # anything else that changes the KV bytes and vLLM's config does not say
     save_decode: bool = True  # also save the full chunks decode produces
     async_lookup: bool = True  # look up off the scheduler's thread: the request waits a step, not Redis
     allow_untested_vllm: bool = False  # run on a vLLM release not in TESTED_VLLM (at the user's risk)
@@ -140,7 +145,7 @@ class Geometry:
     dtype: str
     page_bytes: int
     chunk_tokens: int
-    model: str
+    model: str  # by content: kvstash._vllm_keys.model_identity
     salt: str  # the layout, the heads, MLA, the user's extra
     layout: str  # vLLM's KV-cache layout name ("LBNHC")
     tp_size: int
@@ -171,7 +176,8 @@ class Geometry:
         layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
                   or "LBNHC")
         layout = {"NHD": "LBNHC", "HND": "LBHNC"}.get(layout, layout)
-        model = config.model or _model_identity(vllm_config)
+        _vllm_keys.check_servable(vllm_config)
+        model = _vllm_keys.model_identity(vllm_config, config.weights_id, config.model)
         heads = getattr(spec, "num_kv_heads", 1)
         salt = f"vllm:{layout}:H{heads}:{'mla' if mla else 'kv'}" + (f":{config.extra}" if config.extra else "")
         return cls(num_layers=len(groups[0].layer_names), num_blocks=kv_cache_config.num_blocks,
@@ -187,14 +193,16 @@ class Geometry:
         """(tp_rank, tp_size) of every rank's keys: one set when the cache is stored once."""
         return [(0, 1)] if self.stored_once else [(r, self.tp_size) for r in range(self.tp_size)]
 
-    def extra(self, cache_salt: str = "") -> str:
-        """What salts the keys of requests with `cache_salt` (vLLM's per-request salt)."""
-        return self.salt + (f":cache_salt={cache_salt}" if cache_salt else "")
+    def extra(self, request_salt: str = "") -> str:
+        """What salts the keys of requests whose request salt is `request_salt`
+        (RequestKeys.request_salt: their cache_salt and LoRA adapter)."""
+        return self.salt + (f":{request_salt}" if request_salt else "")
 
-    def keys(self, tokens: list[int], tp_rank: int, tp_size: int, cache_salt: str = "") -> list[str]:
+    def keys(self, tokens: list[int], tp_rank: int, tp_size: int, request_salt: str = "",
+             chunk_salts: list[bytes] | None = None) -> list[str]:
         return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(), tp_rank=tp_rank,
                                          tp_size=tp_size, chunk_tokens=self.chunk_tokens,
-                                         extra=self.extra(cache_salt))
+                                         extra=self.extra(request_salt), chunk_salts=chunk_salts or [])
 
 
 try:  # how vLLM's own KV events carry a block hash (bytes, or int when it is told to)
@@ -211,12 +219,6 @@ def _vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def _model_identity(vllm_config: VllmConfig) -> str:
-    m = vllm_config.model_config
-    revision = getattr(m, "revision", None) or getattr(m, "code_revision", None)
-    return f"{m.model}@{revision}" if revision else str(m.model)
-
-
 # ---- What the scheduler hands the workers each step --------------------------------------------
 
 
@@ -229,7 +231,8 @@ class ChunkRun:
     block_ids: list[int]
     first: int
     count: int
-    cache_salt: str = ""
+    salt: str = ""  # the request's (RequestKeys.request_salt)
+    chunk_salts: list[bytes] = field(default_factory=list)  # its chunks' (RequestKeys.chunk_salts)
     events: list[bytes] | None = None  # saves: each chunk's event data (docs/events.md), when known
 
 
@@ -272,6 +275,12 @@ class KvstashConnector(KVConnectorBase_V1):
         self.config = KvstashConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         check_vllm_version(_vllm_version(), self.config.allow_untested_vllm)
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
+        lora_config = getattr(vllm_config, "lora_config", None)
+        self._request_keys = _vllm_keys.RequestKeys(
+            self.geometry.chunk_tokens, str(getattr(lora_config, "lora_dtype", "")) if lora_config else "")
+        # Scheduler side: each request's (request salt, chunk salts), or None when its KV
+        # depends on what cannot be named (then vLLM alone serves it).
+        self._named: dict[str, tuple[str, list[bytes]] | None] = {}
         self._store: kvstash.Store | None = None
         # Roles (vLLM's kv_role). kv_both is a cache: it looks chunks up, loads and saves them.
         # In P/D through the cell a kv_producer only saves and a kv_consumer only loads; with
@@ -297,7 +306,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._tracked: dict[str, _Tracked] = {}
         # Worker side.
-        self._caches: OrderedDict[str, kvstash.KvCache] = OrderedDict()  # by cache_salt; "" first
+        self._caches: OrderedDict[str, kvstash.KvCache] = OrderedDict()  # by request salt; "" first
         self._tensors: list[Any] = []
         self._layer_index: dict[str, int] = {}
         self._tp_rank = 0
@@ -306,7 +315,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._stats = {"lookups": 0, "chunks_found": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
-                       "chunks_corrupt_removed": 0, "chunks_announced": 0}
+                       "chunks_corrupt_removed": 0, "chunks_announced": 0,
+                       "requests_unnamed": 0}
         self._events_off_until = 0.0  # KV events: the cell's were off; ask again after this
         self._announcer: ThreadPoolExecutor | None = None  # KV events: announces, in order
         self._announced = 0  # chunks announced (the announcer's count)
@@ -335,20 +345,33 @@ class KvstashConnector(KVConnectorBase_V1):
 
     # ---- scheduler side
 
-    def _eligible(self, request: Request) -> bool:
-        return not getattr(request, "mm_features", None)
+    def _naming(self, request: Request) -> tuple[str, list[bytes]] | None:
+        """The request's salt and its chunks' salts (kvstash._vllm_keys), computed once per
+        request; None when its KV depends on an input that cannot be named by its content."""
+        req_id = request.request_id
+        if req_id not in self._named:
+            try:
+                self._named[req_id] = (self._request_keys.request_salt(request),
+                                       self._request_keys.chunk_salts(request))
+            except _vllm_keys.Unnameable as e:
+                logger.warning("kvstash: request %s is neither looked up nor saved: %s", req_id, e)
+                self._stats["requests_unnamed"] += 1
+                self._named[req_id] = None
+        return self._named[req_id]
 
-    @staticmethod
-    def _salt_of(request: Request) -> str:
-        return getattr(request, "cache_salt", None) or ""
+    def _forget(self, req_id: str) -> None:
+        self._tracked.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        self._named.pop(req_id, None)
 
-    def _found_chunks(self, tokens: list[int], limit: int, cache_salt: str = "") -> int:
+    def _found_chunks(self, tokens: list[int], limit: int, naming: tuple[str, list[bytes]]) -> int:
         """Leading chunks of `tokens` stored for every rank (at most `limit`); 0 when the cell
         cannot be asked (a miss, not a failed request)."""
         found = limit
         try:
             for rank, size in self.geometry.key_ranks():
-                keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size, cache_salt)
+                keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size, *naming)
                 found = min(found, self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms))
                 if found == 0:
                     break
@@ -372,7 +395,10 @@ class KvstashConnector(KVConnectorBase_V1):
             count = len(request.prompt_token_ids or []) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         chunk = self.geometry.chunk_tokens
-        if not self._cell_load or not self._eligible(request) or num_computed_tokens % chunk:
+        if not self._cell_load or num_computed_tokens % chunk:
+            return 0, False
+        naming = self._naming(request)
+        if naming is None:
             return 0, False
         tokens = list(request.all_token_ids)
         limit = (len(tokens) - 1) // chunk
@@ -389,14 +415,14 @@ class KvstashConnector(KVConnectorBase_V1):
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-lookup")
                 self._lookups[request.request_id] = (
-                    asked, self._lookup_pool.submit(self._found_chunks, tokens, limit, self._salt_of(request)))
+                    asked, self._lookup_pool.submit(self._found_chunks, tokens, limit, naming))
                 self._stats["lookups"] += 1
                 return None, False
             if not pending[1].done():
                 return None, False
             found = pending[1].result()
         else:
-            found = self._found_chunks(tokens, limit, self._salt_of(request))
+            found = self._found_chunks(tokens, limit, naming)
             self._stats["lookups"] += 1
         external = max(0, found - first) * chunk
         self._matched[request.request_id] = (num_computed_tokens, external, found, limit)
@@ -414,7 +440,7 @@ class KvstashConnector(KVConnectorBase_V1):
             local = list(blocks.get_block_ids()[0][first:end]) if num_external_tokens > 0 else []
             self._reads.append(BlockRead(request.request_id, handoff, first, local))
             return
-        if not self._eligible(request):
+        if self._naming(request) is None:
             return
         t = self._tracked.setdefault(request.request_id, _Tracked(request))
         t.request = request
@@ -458,11 +484,13 @@ class KvstashConnector(KVConnectorBase_V1):
         for req_id, after in computed_after.items():
             t = self._tracked[req_id]
             tokens = t.request.all_token_ids
+            naming = self._naming(t.request)
+            assert naming is not None  # tracked only when named
             if t.load is not None:
                 first, count = t.load
                 end = (first + count) * chunk
                 meta.loads.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block], first, count,
-                                           self._salt_of(t.request)))
+                                           *naming))
                 t.load = None
             # The chunks whose every token has its KV in the cache once this step ran.
             ready = min(after, len(tokens)) // chunk
@@ -474,7 +502,7 @@ class KvstashConnector(KVConnectorBase_V1):
             if ready > t.stored and ready > t.asked:
                 # Chunks no lookup asked about (vLLM's own prefix cache had them, or decode
                 # filled them): the cell may hold them already, put by this engine or another.
-                found = self._found_chunks(list(tokens[: ready * chunk]), ready, self._salt_of(t.request))
+                found = self._found_chunks(list(tokens[: ready * chunk]), ready, naming)
                 t.asked = ready
                 if found > t.stored:
                     self._stats["chunks_already_stored"] += found - t.stored
@@ -482,16 +510,14 @@ class KvstashConnector(KVConnectorBase_V1):
             if ready > t.stored:
                 end = ready * chunk
                 meta.saves.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block],
-                                           t.stored, ready - t.stored, self._salt_of(t.request),
-                                           self._chunk_events(t.request, t.stored, ready - t.stored)))
+                                           t.stored, ready - t.stored, *naming,
+                                           events=self._chunk_events(t.request, t.stored, ready - t.stored)))
                 t.stored = ready
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._tracked:
                 self._tracked[req_id].block_ids = []  # freed; a resumed request gets its list anew
         for req_id in scheduler_output.finished_req_ids:
-            self._tracked.pop(req_id, None)
-            self._matched.pop(req_id, None)
-            self._lookups.pop(req_id, None)
+            self._forget(req_id)
         return meta
 
     def _chunk_events(self, request: Request, first: int, count: int) -> list[bytes] | None:
@@ -534,9 +560,7 @@ class KvstashConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves run within the step that computed their chunks (wait_for_save), so no save is
         # in flight here and vLLM may free the blocks at once.
-        self._tracked.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        self._forget(request.request_id)
         self._remote.pop(request.request_id, None)
         params = getattr(request, "kv_transfer_params", None) or {}
         if not self._direct or not params:
@@ -634,23 +658,23 @@ class KvstashConnector(KVConnectorBase_V1):
             logger.warning("kvstash: the direct P/D path is closed on this worker (prefills free at once, "
                            "decodes compute): %s", e)
 
-    # Caches over the same tensors for other cache_salts: a KvCache salts its keys once, at open.
-    # The few most recent are kept open.
+    # Caches over the same tensors for other request salts (cache_salt, LoRA adapter): a KvCache
+    # salts its keys once, at open. The few most recent are kept open.
     _SALTED_CACHES = 8
 
-    def _cache_for(self, cache_salt: str) -> kvstash.KvCache:
-        cache = self._caches.get(cache_salt)
+    def _cache_for(self, request_salt: str) -> kvstash.KvCache:
+        cache = self._caches.get(request_salt)
         if cache is not None:
-            self._caches.move_to_end(cache_salt)
+            self._caches.move_to_end(request_salt)
             return cache
         g = self.geometry
         rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
         cache = kvstash.KvCache(
             self.store, [t.data_ptr() for t in self._tensors], num_blocks=g.num_blocks, block_size=g.block_size,
             num_kv_heads=1, head_dim=g.token_width, dtype=g.dtype, order="nhd", mla=True, model=g.model,
-            tp_rank=rank, tp_size=size, chunk_tokens=g.chunk_tokens, extra=g.extra(cache_salt),
+            tp_rank=rank, tp_size=size, chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt),
             memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging)
-        self._caches[cache_salt] = cache
+        self._caches[request_salt] = cache
         if len(self._caches) > self._SALTED_CACHES + 1:
             oldest = next(k for k in self._caches if k)  # never the unsalted one
             del self._caches[oldest]  # loads and saves in flight keep theirs alive
@@ -709,9 +733,9 @@ class KvstashConnector(KVConnectorBase_V1):
             try:
                 # The blocks may have been a finished request's, whose kernels vLLM queued before
                 # this step: no byte is written into them before that work is done.
-                load = self._cache_for(run.cache_salt).begin_load_range(
+                load = self._cache_for(run.salt).begin_load_range(
                     run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms,
-                    after=self._after())
+                    after=self._after(), chunk_salts=run.chunk_salts)
             except kvstash.Error as e:
                 logger.warning("kvstash: load of %s did not start: %s", run.req_id, e)
                 self._fail_load(run)
@@ -754,8 +778,9 @@ class KvstashConnector(KVConnectorBase_V1):
         if layer == 0:
             for run in meta.saves:
                 try:
-                    save = self._cache_for(run.cache_salt).begin_save(
-                        run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms)
+                    save = self._cache_for(run.salt).begin_save(
+                        run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms,
+                        chunk_salts=run.chunk_salts)
                 except kvstash.Error as e:
                     logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
                     self._stats["chunks_save_failed"] += run.count
@@ -820,7 +845,7 @@ class KvstashConnector(KVConnectorBase_V1):
         """This rank's keys of the run's chunks, from the first chunk of its tokens on."""
         g = self.geometry
         rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
-        return g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.cache_salt)
+        return g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.salt, run.chunk_salts)
 
     def _remove_corrupt(self, run: ChunkRun, bad: list[int]) -> None:
         """Chunks whose bytes did not match their checksum leave the cell: a later lookup

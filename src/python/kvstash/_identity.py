@@ -1,0 +1,153 @@
+"""What a stored chunk's KV was computed from, by content: the engines' connectors salt their
+keys with it, so that two requests share a chunk only when their KV bytes are the same.
+
+- ``content_digest(path)``: a file's or a directory's bytes, as one SHA-256 digest. A model's
+  weights or a LoRA adapter are named by what they hold, never by their path: a checkpoint
+  rewritten in place, or another one mounted at the same path, gets other keys. Digests are
+  kept in a small cache beside the engines' venvs (``~/.cache/kvstash/digests.json``, or
+  ``KVSTASH_DIGEST_CACHE``), each under the file's path and its stat (device, inode, size,
+  modification and change times in ns), so a restart reads no weight byte again and a file
+  rewritten in any way is read anew. Hugging Face's cache names each blob by its content
+  already (LFS blobs by their SHA-256): such a file's digest is its blob name, read from no
+  byte.
+- ``tensor_digest(t)``: a tensor's dtype, shape and bytes (prompt embeddings).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+_CACHE_VERSION = 1
+_lock = threading.Lock()
+_memo: dict[str, tuple[list[int], str]] = {}  # path -> (stat signature, digest), this process's
+_loaded = False
+# A blob in Hugging Face's cache: .../blobs/<sha256 of an LFS file, or the git sha1 of another>.
+_HUB_BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def _cache_path() -> str:
+    return os.environ.get("KVSTASH_DIGEST_CACHE") or os.path.join(
+        os.environ.get("KVSTASH_ENGINES_DIR") or os.path.expanduser("~/.cache/kvstash"), "digests.json")
+
+
+def _signature(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _load_cache() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    try:
+        with open(_cache_path()) as f:
+            data = json.load(f)
+        if data.get("version") == _CACHE_VERSION:
+            for path, (sig, digest) in data.get("files", {}).items():
+                _memo.setdefault(path, (list(sig), str(digest)))
+    except (OSError, ValueError, TypeError):
+        pass  # no cache yet, or one this release does not read: digests are computed again
+
+
+def _save_cache() -> None:
+    """Written whole to a temporary file and renamed: a reader sees the old cache or the new one;
+    two processes that write at once lose one's entries, which are computed again later."""
+    path = _cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _lock:
+            data = {"version": _CACHE_VERSION, "files": {p: [s, d] for p, (s, d) in _memo.items()}}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".digests-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the digests are this process's only
+
+
+def _file_digest(path: str) -> tuple[str, bool]:
+    """(digest, computed now) of one regular file."""
+    real = os.path.realpath(path)
+    name = os.path.basename(real)
+    if os.path.basename(os.path.dirname(real)) == "blobs" and _HUB_BLOB.fullmatch(name):
+        return f"hub:{name}", False
+    st = os.stat(real)
+    sig = _signature(st)
+    with _lock:
+        known = _memo.get(real)
+    if known is not None and known[0] == sig:
+        return known[1], False
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    after = _signature(os.stat(real))
+    digest = h.hexdigest()
+    if after == sig:  # not changed while it was read; else not kept, and read again next time
+        with _lock:
+            _memo[real] = (sig, digest)
+    return digest, True
+
+
+def _files(root: str) -> list[str]:
+    """Every regular file under `root`, relative to it and in a fixed order, less hidden entries
+    (a checkout's .git, a hub download's .cache): what a loader could read."""
+    out = []
+    for base, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if not name.startswith("."):
+                p = os.path.join(base, name)
+                if os.path.isfile(p):
+                    out.append(os.path.relpath(p, root))
+    return sorted(out)
+
+
+def content_digest(path: str, threads: int = 4) -> str:
+    """The SHA-256 (hex) of what `path` holds: a file's bytes, or a directory's files, each by
+    its relative path and digest. Raises OSError when the path cannot be read."""
+    _load_cache()
+    if os.path.isfile(path):
+        digest, computed = _file_digest(path)
+        if computed:
+            _save_cache()
+        return hashlib.sha256(f"file:{digest}".encode()).hexdigest()
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is neither a file nor a directory")
+    files = _files(path)
+    with ThreadPoolExecutor(max(1, min(threads, len(files) or 1))) as pool:
+        results = list(pool.map(lambda rel: _file_digest(os.path.join(path, rel)), files))
+    if any(computed for _, computed in results):
+        _save_cache()
+    h = hashlib.sha256(b"kvstash.dir.v1\0")
+    for rel, (digest, _) in zip(files, results):
+        h.update(f"{len(rel)}:{rel}={digest}\n".encode())
+    return h.hexdigest()
+
+
+def tensor_digest(t: Any, rows: slice | None = None) -> bytes:
+    """A torch tensor's dtype, shape and bytes (`rows` of its first axis), as a 32-byte digest."""
+    if rows is not None:
+        t = t[rows]
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    h.update(t.view(-1).view(dtype=_byte_dtype()).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def _byte_dtype():
+    import torch
+
+    return torch.uint8
+
+
+def short(digest: str) -> str:
+    """What goes into a key's salt: 128 bits of a hex digest."""
+    return digest[:32]
