@@ -540,6 +540,21 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(e.connector.get_num_new_matched_tokens(missing, 0), (0, False))
         self.assertIsNone(e.connector._named["m"], "a request with an unreadable adapter was served")
 
+    def test_a_reset_of_the_connectors_cache_stops_sharing(self):
+        """After reset_prefix_cache(reset_connector=True) (weights updated in place, which no key
+        names) the engine finds none of the chunks stored before; other engines still do."""
+        shared = [53 + (i * 29) % 900 for i in range(2 * BLOCK)]
+        a = Engine()
+        a.run("a", shared + [1])
+        self.assertEqual(a.saved(), 2)
+        self.assertTrue(a.scheduler.reset_prefix_cache(reset_connector=True))
+        a.scheduler.add_request(a.request("again", shared + [3]))
+        self.assertEqual(a.connector.get_num_new_matched_tokens(a.scheduler.requests["again"], 0), (0, False),
+                         "the reset engine found what was saved before")
+        b = Engine()
+        req = b.request("b", shared + [2])
+        self.assertEqual(b.connector.get_num_new_matched_tokens(req, 0), (2 * BLOCK, False))
+
     def test_a_load_error_becomes_recomputed_blocks(self):
         shared = [21 + (i * 17) % 900 for i in range(3 * BLOCK)]
         a = Engine()

@@ -281,6 +281,7 @@ class KvstashConnector(KVConnectorBase_V1):
         # Scheduler side: each request's (request salt, chunk salts), or None when its KV
         # depends on what cannot be named (then vLLM alone serves it).
         self._named: dict[str, tuple[str, list[bytes]] | None] = {}
+        self._epoch = ""  # after reset_cache: this engine's keys are its own (see there)
         self._store: kvstash.Store | None = None
         # Roles (vLLM's kv_role). kv_both is a cache: it looks chunks up, loads and saves them.
         # In P/D through the cell a kv_producer only saves and a kv_consumer only loads; with
@@ -351,13 +352,29 @@ class KvstashConnector(KVConnectorBase_V1):
         req_id = request.request_id
         if req_id not in self._named:
             try:
-                self._named[req_id] = (self._request_keys.request_salt(request),
-                                       self._request_keys.chunk_salts(request))
+                salt = self._request_keys.request_salt(request)
+                if self._epoch:
+                    salt = f"epoch={self._epoch}" + (f":{salt}" if salt else "")
+                self._named[req_id] = (salt, self._request_keys.chunk_salts(request))
             except _vllm_keys.Unnameable as e:
                 logger.warning("kvstash: request %s is neither looked up nor saved: %s", req_id, e)
                 self._stats["requests_unnamed"] += 1
                 self._named[req_id] = None
         return self._named[req_id]
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its prefix cache and asks its connector to (reset_prefix_cache with
+        reset_connector, and sleep by default): what an engine does once its weights were
+        updated in place (an RL trainer's sleep, update, wake-up), which no key can name by their
+        content. The cell is shared, so nothing is removed from it: this engine's keys become
+        its own from now on (a new epoch in every request's salt), so it loads no chunk saved
+        before, and no other engine loads one it saves after."""
+        import uuid
+
+        self._epoch = uuid.uuid4().hex
+        self._named.clear()
+        logger.info("kvstash: the connector's cache was reset: this engine no longer shares chunks with others")
+        return True
 
     def _forget(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
