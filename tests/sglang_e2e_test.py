@@ -19,8 +19,11 @@ all and 11 GB of memory at the peak on 2 cores. The test checks:
 - a fresh engine gets 24 of them back from the cell (SGLang's cached_tokens: 384, all from
   storage; the last page is computed, as SGLang always computes a prompt's last token),
   answers the same, and puts none of them again;
-- negative control: an engine with other weights under the same model name answers otherwise
-  with the first model's pages than with its own: the loaded bytes are the ones used.
+- an engine with other weights under the same served model name finds none of the first
+  model's pages (the model is named by its weights' content) and answers as it does alone;
+- negative control: the same engine, its operator vouching (weights_id) that its weights are
+  the first model's, loads them and answers otherwise than with its own: the loaded bytes are
+  the ones used, and only the content naming kept them out.
 
 Usage (meson test `sglang_e2e`): PYTHON tests/sglang_e2e_test.py BUILD_DIR
 Exit 77 (skipped) when SGLang cannot be imported.
@@ -41,13 +44,13 @@ import engine_fixture
 
 BUILD = engine_fixture.build_dir()
 
-import kvstash  # noqa: E402  (from BUILD)
+from kvstash import _identity  # noqa: E402  (from BUILD)
 from vllm_engine import VOCAB, make_model  # noqa: E402
 
 SHIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_cpu")
 PAGE = 16  # tokens per HiCache page: one kvstash object
 MAX_TOKENS = 8
-MODEL_NAME = "tiny-llama"  # served_model_name: the model part of each page's key
+MODEL_NAME = "tiny-llama"  # served_model_name: the same for every engine, whatever its weights
 ENGINE_SECONDS = 300  # one command, the engine's start included (four starting at once: about 100 s here)
 PAGE_RECORDS = engine_fixture.CELL_PREFIX + ":obj:sgl:"  # the cell's records of SGLang pages
 
@@ -57,9 +60,9 @@ class Engine(engine_fixture.EngineProcess):
     stdin and stdout by JSON lines: {"prompt": [ids]} answers RESULT {"tokens", "cached",
     "storage"} (cached: SGLang's cached_tokens; storage: those of them from the storage tier);
     {"flush": 1} answers FLUSHED; the end of its stdin shuts it down. With `url`, kvstash.sglang
-    is its HiCache storage."""
+    is its HiCache storage, with `extra` in its extra config."""
 
-    def __init__(self, model, url=None):
+    def __init__(self, model, url=None, extra=None):
         # A temporary folder of its own: SGLang names its sockets there and leaves them behind.
         self.tmp = tempfile.mkdtemp(prefix="kvstash-sglang-engine-")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([SHIMS, os.path.join(BUILD, "src", "python")]),
@@ -67,7 +70,7 @@ class Engine(engine_fixture.EngineProcess):
         self.err = tempfile.TemporaryFile("w+")
         # Its own process group: SGLang's scheduler and detokenizer processes go with it.
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine",
-                                   json.dumps({"model": model, "url": url})],
+                                   json.dumps({"model": model, "url": url, "extra": extra or {}})],
                                   env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
                                   start_new_session=True)
 
@@ -118,7 +121,7 @@ def engine_main(spec):
             hicache_storage_backend="dynamic",
             hicache_storage_backend_extra_config=json.dumps({
                 "backend_name": "kvstash", "module_path": "kvstash.sglang", "class_name": "KvstashHiCacheStorage",
-                "interface_v1": 1, "redis_url": spec["url"], "transports": "shm,tcp"}))
+                "interface_v1": 1, "redis_url": spec["url"], "transports": "shm,tcp", **spec.get("extra", {})}))
     engine = sglang.Engine(model_path=spec["model"], device="cpu", dtype="float32", attention_backend="torch_native",
                            disable_cuda_graph=True, max_total_tokens=2048, skip_server_warmup=True, random_seed=0,
                            sleep_on_idle=True,  # the engines waiting for their turn leave the CPU to the others
@@ -182,6 +185,7 @@ class SglangForwardPass(unittest.TestCase):
         cls.models = tempfile.mkdtemp(prefix="kvstash-sglang-e2e-")
         cls.addClassCleanup(shutil.rmtree, cls.models, ignore_errors=True)
         model, other_weights = os.path.join(cls.models, "model"), os.path.join(cls.models, "other-weights")
+        cls.model, cls.other_weights = model, other_weights
         # Seed 0's greedy answers repeat one token; seed 1's change from token to token.
         make_model(model, seed=1)
         make_model(other_weights, seed=2)
@@ -197,6 +201,10 @@ class SglangForwardPass(unittest.TestCase):
         plain = cls.engines["plain"]
         cls.plain = {"prompt": plain.generate(cls.PROMPT)["tokens"], "other": plain.generate(cls.OTHER)["tokens"]}
         plain.stop()
+        # The negative control's engine: other weights, vouched for as the first model's
+        # (weights_id). It starts in the plain engine's place.
+        cls.engines["vouched"] = Engine(other_weights, url, {"weights_id": _identity.weights_name(model)})
+        cls.addClassCleanup(cls.engines["vouched"].stop)
         # An engine with kvstash stores both prompts' pages: what the tests below find in the cell.
         storer = cls.engines["storer"]
         cls.stored = {}
@@ -225,21 +233,16 @@ class SglangForwardPass(unittest.TestCase):
                          f"24 pages from storage, the last one computed:\n{loader.log()[-3000:]}")
         self.assertEqual(new_pages(self.cell.url, before, 0), {}, "the engine that got the pages put pages again")
 
-    def test_other_weights_under_the_same_name_answer_otherwise_with_those_pages(self):
-        """The negative control: the pages loaded are what the answer is computed from."""
-        engine = self.engines["other_weights"]
-        with_theirs = engine.generate(self.OTHER)
-        self.assertEqual(with_theirs["storage"], 304, "19 of the first model's pages loaded")
-        # Its own answer: the same prompt again, with those pages gone from the cell and from
-        # the engine's own caches.
-        store = kvstash.Store(self.cell.url, transports="shm,tcp")
-        for key in self.stored["other"]["records"]:
-            store.remove(key.removeprefix(engine_fixture.CELL_PREFIX + ":obj:"))
-        engine.flush()
-        with_its_own = engine.generate(self.OTHER)
-        self.assertEqual(with_its_own["storage"], 0, "the pages were removed from the cell")
-        self.assertNotEqual(with_theirs["tokens"], with_its_own["tokens"],
-                            "the other model's pages made no difference: were they used?")
+    def test_other_weights_under_the_same_name_share_no_page(self):
+        # The negative control first: the same weights, vouched for as the first model's, load
+        # its pages (and store none: they are there).
+        vouched = self.engines["vouched"]
+        theirs = vouched.generate(self.OTHER)
+        self.assertEqual(theirs["storage"], 304, f"19 of the first model's pages loaded:\n{vouched.log()[-3000:]}")
+        own = self.engines["other_weights"].generate(self.OTHER)
+        self.assertEqual(own["storage"], 0, "other weights under the same name loaded the first model's pages")
+        self.assertNotEqual(theirs["tokens"], own["tokens"],
+                            "the first model's pages made no difference: were they used?")
 
 
 if __name__ == "__main__":

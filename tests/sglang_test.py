@@ -10,7 +10,9 @@ Usage (meson test `sglang`): [VENV/bin/]python tests/sglang_test.py BUILD_DIR
 Exit 77 (skipped) when SGLang cannot be imported.
 """
 
+import os
 import sys
+import tempfile
 import unittest
 
 import engine_fixture
@@ -52,7 +54,7 @@ def storage_config(tp_rank=0, tp_size=1, mla=False, attn_cp_rank=0, attn_cp_size
         enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny-llama",
         extra_config={"backend_name": "kvstash", "module_path": "kvstash.sglang",
                       "class_name": "KvstashHiCacheStorage", "interface_v1": 1, "redis_url": URL,
-                      "transports": "shm,tcp", **extra})
+                      "transports": "shm,tcp", "weights_id": "tiny-llama-test-weights", **extra})
 
 
 def host_pool(layout, seed=None):
@@ -94,6 +96,60 @@ class SglangBackend(unittest.TestCase):
         self.assertIsInstance(b, KvstashHiCacheStorage)
         with self.assertRaisesRegex(ValueError, "unknown HiCache extra config keys.*redis_url"):
             make(storage_config(redis_host="x"))
+
+    def test_the_model_is_named_by_content_and_a_clear_stops_sharing(self):
+        """Outside a server (no SGLang server arguments) a backend needs weights_id; with it,
+        other weights (another weights_id) share no page, and a clear() leaves this engine's
+        keys its own from then on."""
+        with self.assertRaisesRegex(ValueError, "weights_id"):
+            make(storage_config(weights_id=""))
+        host = host_pool("page_first", seed=11)
+        a = make(storage_config(), host)
+        keys = [f"content-{i}" for i in range(3)]
+        self.assertEqual(a.batch_set_v1(keys, torch.arange(3 * PAGE)), [True] * 3)
+        self.assertEqual(make(storage_config(), host_pool("page_first")).batch_exists(keys), 3)
+        other = make(storage_config(weights_id="other-weights"), host_pool("page_first"))
+        self.assertEqual(other.batch_exists(keys), 0, "other weights found this model's pages")
+        a.clear()
+        self.assertEqual(a.batch_exists(keys), 0, "a cleared engine found the pages stored before")
+        self.assertEqual(make(storage_config(), host_pool("page_first")).batch_exists(keys), 3,
+                         "a clear removed the shared cell's pages")
+
+    def test_a_servers_model_and_adapters_are_named_by_content(self):
+        """Inside a server: the weights' files and every --lora-paths adapter's, not their paths
+        or names; the served name does not enter."""
+        import types
+
+        import kvstash.sglang as ks
+
+        d = tempfile.mkdtemp(prefix="kvstash-sglang-identity-")
+
+        def files(name, content):
+            os.makedirs(os.path.join(d, name), exist_ok=True)
+            with open(os.path.join(d, name, "weights.safetensors"), "wb") as f:
+                f.write(content)
+            return os.path.join(d, name)
+
+        model, lora = files("model", b"W" * 4096), files("lora", b"A" * 512)
+        args = types.SimpleNamespace(model_path=model, dtype="float16", quantization=None, kv_cache_dtype="auto",
+                                     load_format="auto", json_model_override_args="{}", revision=None,
+                                     served_model_name="x", lora_paths=[f"a={lora}"])
+        saved = ks._server_args
+        ks._server_args = lambda: args
+        try:
+            first = ks.engine_identity()
+            args.served_model_name = "y"
+            self.assertEqual(ks.engine_identity(), first, "the served name changed the keys")
+            files("lora", b"B" * 512)  # the adapter rewritten under its name and path
+            rewritten = ks.engine_identity()
+            self.assertNotEqual(rewritten, first, "a rewritten adapter kept the keys")
+            files("model", b"V" * 4096)  # the weights rewritten in place
+            self.assertNotEqual(ks.engine_identity(), rewritten, "rewritten weights kept the keys")
+            args.lora_paths = [f"a={os.path.join(d, 'nowhere')}"]
+            with self.assertRaisesRegex(ValueError, "not on this host"):
+                ks.engine_identity()
+        finally:
+            ks._server_args = saved
 
     def test_pages_move_in_place_between_two_engines_pools_bit_exact(self):
         for layout in ("page_first", "layer_first"):

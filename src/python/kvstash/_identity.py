@@ -10,7 +10,11 @@ keys with it, so that two requests share a chunk only when their KV bytes are th
   rewritten in any way is read anew. Hugging Face's cache names each blob by its content
   already (LFS blobs by their SHA-256): such a file's digest is its blob name, read from no
   byte.
+- ``local_path(name)``: where a model or adapter named by a path or a hub id is on this host.
 - ``tensor_digest(t)``: a tensor's dtype, shape and bytes (prompt embeddings).
+
+``python -m kvstash._identity PATH`` prints the weights' name as the engines' keys take it
+("sha256:<hex>"): what an operator who sets ``weights_id`` instead writes there.
 """
 
 from __future__ import annotations
@@ -132,6 +136,26 @@ def content_digest(path: str, threads: int = 4) -> str:
     return h.hexdigest()
 
 
+def local_path(name: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
+    """`name` itself when it is a path here, else the directory a hub id was downloaded to on
+    this host (Hugging Face's cache, `cache_dir` or its default); None when neither."""
+    if name and os.path.exists(name):
+        return name
+    if not name:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=name, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except Exception:  # not a hub id, not downloaded, no huggingface_hub: not found
+        return None
+
+
+def weights_name(path: str) -> str:
+    """The weights at `path` as keys name them: "sha256:" and their content_digest."""
+    return "sha256:" + content_digest(path)
+
+
 def tensor_digest(t: Any, rows: slice | None = None) -> bytes:
     """A torch tensor's dtype, shape and bytes (`rows` of its first axis), as a 32-byte digest."""
     if rows is not None:
@@ -151,3 +175,11 @@ def _byte_dtype():
 def short(digest: str) -> str:
     """What goes into a key's salt: 128 bits of a hex digest."""
     return digest[:32]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kvstash._identity PATH")
+    print(weights_name(sys.argv[1]))

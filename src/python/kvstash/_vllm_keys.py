@@ -52,30 +52,21 @@ def _config_json(hf_config: Any) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
-def _local_snapshot(name: str, revision: str | None, cache_dir: str | None) -> str | None:
-    """The directory a hub model id was downloaded to, when it is on this host."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id=name, revision=revision, cache_dir=cache_dir, local_files_only=True)
-    except Exception:  # not a hub id, not downloaded, no huggingface_hub: not found
-        return None
-
-
 def weights_path(vllm_config: VllmConfig) -> str | None:
     """Where the files vLLM loaded the model's weights from are, on this host."""
     m = vllm_config.model_config
-    for p in (getattr(m, "model_weights", "") or "", str(m.model)):
-        if p and os.path.exists(p):
-            return p
+    weights = getattr(m, "model_weights", "") or ""
+    if weights and os.path.exists(weights):
+        return weights
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    return _local_snapshot(str(m.model), getattr(m, "revision", None), download_dir)
+    return _identity.local_path(str(m.model), getattr(m, "revision", None), download_dir)
 
 
 def model_identity(vllm_config: VllmConfig, weights_id: str = "", label: str = "") -> str:
     """The model as its chunks' keys name it: "[label#]vllm:<128-bit digest>" of what changes
     the KV bytes. `weights_id`: a string the operator vouches names the weights' content (no
-    file is read). ValueError when the weights cannot be found to be read."""
+    file is read; "sha256:<hex>" as `python -m kvstash._identity` prints it stands for the
+    files it names). ValueError when the weights cannot be found to be read."""
     m = vllm_config.model_config
     cache = vllm_config.cache_config
     load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
@@ -88,7 +79,7 @@ def model_identity(vllm_config: VllmConfig, weights_id: str = "", label: str = "
         "kv_cache_dtype_skip_layers": list(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
     }
     if weights_id:
-        parts["weights"] = f"id:{weights_id}"
+        parts["weights"] = weights_id
     elif load_format == "dummy":  # random weights, from vLLM's fixed seed
         parts["weights"] = f"dummy:{getattr(m, 'seed', None)}"
     else:
@@ -97,7 +88,7 @@ def model_identity(vllm_config: VllmConfig, weights_id: str = "", label: str = "
             raise ValueError(f"kvstash: the weights of {m.model} are not on this host to be named by their content; "
                              f"set weights_id in kv_connector_extra_config to a string that names them (a digest "
                              f"of the checkpoint)")
-        parts["weights"] = "sha256:" + _identity.content_digest(path)
+        parts["weights"] = _identity.weights_name(path)
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     return (f"{label}#" if label else "") + "vllm:" + _identity.short(digest)
 
@@ -141,7 +132,7 @@ class RequestKeys:
         known = self._lora.get(lora_id)
         if known is not None and known[0] == path and not getattr(lora, "load_inplace", False):
             return known[1]
-        where = path if path and os.path.exists(path) else (_local_snapshot(path, None, None) if path else None)
+        where = _identity.local_path(path)
         if where is None:
             raise Unnameable(f"LoRA adapter {getattr(lora, 'lora_name', lora_id)!r}: its files ({path or 'no path'}) "
                              f"are not on this host to be named by their content")

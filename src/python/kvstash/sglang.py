@@ -7,10 +7,14 @@ SGLang loads it as shipped, as a dynamic backend:
           "backend_name": "kvstash", "module_path": "kvstash.sglang",
           "class_name": "KvstashHiCacheStorage", "redis_url": "redis://10.0.0.5:6379"}'
 
-SGLang names each page of its host KV cache by a hash chain over the tokens (its own keys);
-each page is one kvstash object, under that key prefixed with the model, the host pool's layout
-and dtype, and, except for MLA (one copy that every rank reads, per context-parallel shard), the
-tensor-, pipeline- and context-parallel rank. A page moves between
+SGLang names each page of its host KV cache by a hash chain over the tokens (its own keys,
+seeded with the request's LoRA adapter id and cache salt; multimodal items enter as their
+hashes in the token ids); each page is one kvstash object, under that key prefixed with the
+engine's model by content (``engine_identity``: the weights' bytes, not their path or served
+name, the dtype, quantization, KV-cache dtype and config overrides, and the content of every
+adapter of ``--lora-paths``), the host pool's layout and dtype, and, except for MLA (one copy
+that every rank reads, per context-parallel shard), the tensor-, pipeline- and context-parallel
+rank. A page moves between
 SGLang's host pool and the cell in place (``batch_get_v1`` / ``batch_set_v1``: the pool's
 buffers registered once, no copy through Python); ``get`` / ``set`` move one tensor.
 
@@ -28,8 +32,12 @@ from typing import Any, ClassVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+import hashlib
+import json
+import uuid
+
 import kvstash
-from kvstash import _metrics
+from kvstash import _identity, _metrics
 from kvstash._cell import CellConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +48,11 @@ class KvstashHiCacheConfig(CellConfig):
     (CellConfig), and how many pages of a batch move at once."""
 
     threads: int = 8  # pages in flight at once in a batch
+    # A string that names the weights' content ("sha256:<hex>" as `python -m kvstash._identity`
+    # prints it, or a digest the operator vouches for): the weights' files are then not read.
+    # "": their SHA-256, computed at start (cached across restarts). Needed where SGLang's
+    # server arguments are not at hand (a backend made outside a server).
+    weights_id: str = ""
 
     WHERE: ClassVar[str] = "HiCache extra config"
     # Keys SGLang itself reads (interface_v1: 1 selects the in-place page variants).
@@ -48,6 +61,72 @@ class KvstashHiCacheConfig(CellConfig):
     def check(self) -> None:
         if self.threads < 1:
             raise ValueError("kvstash: threads must be > 0")
+
+
+def _server_args() -> Any:
+    """SGLang's server arguments in this process (its scheduler's), or None outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:
+        return None
+
+
+def _adapters(lora_paths: Any) -> list[tuple[str, str]]:
+    """(name, path) of every adapter of --lora-paths, in whichever form SGLang holds them."""
+    if not lora_paths:
+        return []
+    items = lora_paths.items() if isinstance(lora_paths, dict) else lora_paths
+    out = []
+    for item in items:
+        if isinstance(item, tuple):
+            name, path = item
+        elif isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        elif isinstance(item, dict):
+            name, path = item.get("lora_name", ""), item.get("lora_path", "")
+        else:
+            name, path = getattr(item, "lora_name", ""), getattr(item, "lora_path", "")
+        out.append((str(name), str(path)))
+    return sorted(out)
+
+
+def engine_identity(weights_id: str = "") -> str:
+    """The engine's model as its pages' keys name it: a 128-bit digest of the weights' content
+    (or `weights_id`), dtype, quantization, KV-cache dtype, load format, config overrides, and
+    the content of each adapter SGLang loads at start (--lora-paths: their ids there are the
+    adapter's name and path, which a rewritten adapter keeps; adapters loaded later get ids of
+    their own, which no other engine shares). ValueError when what names it cannot be read."""
+    args = _server_args()
+    if args is None and not weights_id:
+        raise ValueError("kvstash: SGLang's server arguments are not set in this process, so the model cannot be "
+                         "named by its content: set weights_id in the HiCache extra config")
+    parts: dict[str, Any] = {}
+    if args is not None:
+        for name in ("dtype", "quantization", "kv_cache_dtype", "load_format", "json_model_override_args"):
+            parts[name] = str(getattr(args, name, None))
+        adapters = []
+        for name, path in _adapters(getattr(args, "lora_paths", None)):
+            where = _identity.local_path(path)
+            if where is None:
+                raise ValueError(f"kvstash: LoRA adapter {name!r} ({path}) is not on this host to be named by its "
+                                 f"content")
+            adapters.append([name, _identity.content_digest(where)])
+        parts["lora"] = adapters
+    if weights_id:
+        parts["weights"] = weights_id
+    elif str(getattr(args, "load_format", "")) == "dummy":
+        parts["weights"] = "dummy"
+    else:
+        path = _identity.local_path(str(args.model_path), getattr(args, "revision", None))
+        if path is None:
+            raise ValueError(f"kvstash: the weights of {args.model_path} are not on this host to be named by their "
+                             f"content; set weights_id in the HiCache extra config")
+        parts["weights"] = _identity.weights_name(path)
+    identity = _identity.short(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest())
+    logger.info("kvstash: this engine's pages are keyed by model %s (weights %s)", identity, parts["weights"])
+    return identity
 
 
 def _new_metrics():
@@ -76,6 +155,7 @@ class KvstashHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = KvstashHiCacheConfig.from_extra(storage_config.extra_config)
         self.store = self.config.open_store()
+        self.identity = engine_identity(self.config.weights_id)
         self.prefix = self._prefix(storage_config, None)
         self.writer = storage_config.is_storage_writer
         self.mem_pool_host = None
@@ -91,12 +171,12 @@ class KvstashHiCacheStorage(HiCacheStorage):
     def _key(self, key: str) -> str:
         return self.prefix + key
 
-    @staticmethod
-    def _prefix(s: HiCacheStorageConfig, pool: Any) -> str:
-        """What a page's key is salted with besides SGLang's own key: the model, the rank's
-        shard, and (once the host pool is known) its layout and dtype, so that pools laying the
-        same tokens out differently never share a page (the sizes can match: a layer_first
-        page loaded into a page_first pool would be scrambled, not refused)."""
+    def _prefix(self, s: HiCacheStorageConfig, pool: Any) -> str:
+        """What a page's key is salted with besides SGLang's own key: the model by content
+        (engine_identity), the rank's shard, and (once the host pool is known) its layout and
+        dtype, so that pools laying the same tokens out differently never share a page (the
+        sizes can match: a layer_first page loaded into a page_first pool would be scrambled,
+        not refused)."""
         if s.is_mla_model:
             shard = "mla"  # one latent copy every rank reads, unless context parallelism splits it
             cp, dcp = getattr(s, "attn_cp_size", 1) or 1, getattr(s, "dcp_size", 1) or 1
@@ -112,7 +192,7 @@ class KvstashHiCacheStorage(HiCacheStorage):
         if pool is not None:
             dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
             pool_part = f"{getattr(pool, 'layout', 'layout?')}.{dtype}:"
-        return f"sgl:{s.model_name or 'model'}:{shard}:{pool_part}"
+        return f"sgl:{self.identity}:{shard}:{pool_part}"
 
     # ---- the host pool, registered once (zero-copy for RDMA)
 
@@ -233,8 +313,14 @@ class KvstashHiCacheStorage(HiCacheStorage):
         return all(self.set(k, v) for k, v in zip(keys, values))
 
     def clear(self) -> None:
-        # The cell is shared with other engines: pages go by TTL and eviction, never all at once.
-        logger.info("kvstash: clear() leaves the cell's pages to their TTL and eviction")
+        """SGLang's clear of its storage (the clear_hicache_storage request): the cell is shared
+        with other engines, so its pages go by TTL and eviction, never all at once; this engine's
+        keys become its own from now on (a new epoch in their prefix), so it finds none of the
+        pages stored before, and no other engine finds the ones it stores after."""
+        self.identity = f"{self.identity}.epoch-{uuid.uuid4().hex[:16]}"
+        self.prefix = self._prefix(self.storage_config, self.mem_pool_host)
+        logger.info("kvstash: clear(): this engine's pages are its own from now on; the cell's go by TTL and "
+                    "eviction")
 
     @staticmethod
     def _record(pgs: list, bandwidth: list, pages: list, done: list[bool], t0: float) -> None:
