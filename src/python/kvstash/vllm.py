@@ -275,6 +275,11 @@ class KvstashConnector(KVConnectorBase_V1):
         self.config = KvstashConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         check_vllm_version(_vllm_version(), self.config.allow_untested_vllm)
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
+        if role == KVConnectorRole.SCHEDULER:
+            g = self.geometry
+            logger.info("kvstash: chunk keys name the model as %s (`kvstash explain --tokens ... --model %s --layout %s "
+                        "--salt %s --chunk-tokens %d` finds a prompt's chunks)", g.model, g.model, g.layout_tag(),
+                        g.extra(), g.chunk_tokens)
         lora_config = getattr(vllm_config, "lora_config", None)
         self._request_keys = _vllm_keys.RequestKeys(
             self.geometry.chunk_tokens, str(getattr(lora_config, "lora_dtype", "")) if lora_config else "")
