@@ -7,9 +7,11 @@ keys with it, so that two requests share a chunk only when their KV bytes are th
   kept in a small cache beside the engines' venvs (``~/.cache/kvstash/digests.json``, or
   ``KVSTASH_DIGEST_CACHE``), each under the file's path and its stat (device, inode, size,
   modification and change times in ns), so a restart reads no weight byte again and a file
-  rewritten in any way is read anew. Hugging Face's cache names each blob by its content
-  already (LFS blobs by their SHA-256): such a file's digest is its blob name, read from no
-  byte.
+  rewritten in any way is read anew. The processes of one host that start at once (an
+  engine's scheduler and its tensor-parallel workers) read a checkpoint once: one takes the
+  cache's lock and reads, the others wait for it and take its digests. Hugging Face's cache
+  names each blob by its content already (LFS blobs by their SHA-256): such a file's digest is
+  its blob name, read from no byte.
 - ``local_path(name)``: where a model or adapter named by a path or a hub id is on this host.
 - ``tensor_digest(t)``: a tensor's dtype, shape and bytes (prompt embeddings).
 
@@ -19,12 +21,15 @@ keys with it, so that two requests share a chunk only when their KV bytes are th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,19 +50,50 @@ def _signature(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _load_cache() -> None:
+def _load_cache(again: bool = False) -> None:
+    """The cache file's digests into this process's (once, or `again`: what others wrote since)."""
     global _loaded
-    if _loaded:
+    if _loaded and not again:
         return
     _loaded = True
     try:
         with open(_cache_path()) as f:
             data = json.load(f)
         if data.get("version") == _CACHE_VERSION:
-            for path, (sig, digest) in data.get("files", {}).items():
-                _memo.setdefault(path, (list(sig), str(digest)))
+            with _lock:
+                for path, (sig, digest) in data.get("files", {}).items():
+                    _memo[path] = (list(sig), str(digest))
     except (OSError, ValueError, TypeError):
         pass  # no cache yet, or one this release does not read: digests are computed again
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """The host's lock on reading checkpoints: one process reads, the others wait for its
+    digests. Without a writable cache folder, no lock (each process reads for itself)."""
+    path = _cache_path() + ".lock"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _load_cache(again=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _known(path: str) -> bool:
+    """Whether the file's digest is at hand without reading it."""
+    real = os.path.realpath(path)
+    if os.path.basename(os.path.dirname(real)) == "blobs" and _HUB_BLOB.fullmatch(os.path.basename(real)):
+        return True
+    with _lock:
+        known = _memo.get(real)
+    return known is not None and known[0] == _signature(os.stat(real))
 
 
 def _save_cache() -> None:
@@ -119,17 +155,20 @@ def content_digest(path: str, threads: int = 4) -> str:
     its relative path and digest. Raises OSError when the path cannot be read."""
     _load_cache()
     if os.path.isfile(path):
-        digest, computed = _file_digest(path)
-        if computed:
-            _save_cache()
+        with _reading() if not _known(path) else contextlib.nullcontext():
+            digest, computed = _file_digest(path)
+            if computed:
+                _save_cache()
         return hashlib.sha256(f"file:{digest}".encode()).hexdigest()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is neither a file nor a directory")
     files = _files(path)
-    with ThreadPoolExecutor(max(1, min(threads, len(files) or 1))) as pool:
-        results = list(pool.map(lambda rel: _file_digest(os.path.join(path, rel)), files))
-    if any(computed for _, computed in results):
-        _save_cache()
+    unknown = not all(_known(os.path.join(path, rel)) for rel in files)
+    with _reading() if unknown else contextlib.nullcontext():
+        with ThreadPoolExecutor(max(1, min(threads, len(files) or 1))) as pool:
+            results = list(pool.map(lambda rel: _file_digest(os.path.join(path, rel)), files))
+        if any(computed for _, computed in results):
+            _save_cache()
     h = hashlib.sha256(b"kvstash.dir.v1\0")
     for rel, (digest, _) in zip(files, results):
         h.update(f"{len(rel)}:{rel}={digest}\n".encode())
