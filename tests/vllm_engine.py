@@ -44,6 +44,29 @@ def make_model(path, layers=4, hidden=256, heads=4, kv_heads=2, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
 
 
+def make_gemma3(path, seed=0, window=128, layers=6):
+    """A random-weight Gemma-3-like model: five sliding-window layers (a window of `window`
+    tokens) to one full-attention layer, with make_model's tokenizer. Its weights are drawn
+    wider than Gemma's default, so that its greedy answers change from token to token."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=window,
+                              max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False,
+                              final_logit_softcapping=None,
+                              layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(layers)])
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
+    vocab.update({"<unk>": VOCAB - 2, "</s>": VOCAB - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
+
+
 def make_vlm(path, seed=0):
     """A random-weight LLaVA (a 2-layer CLIP tower over 32x32 images, 16 tokens an image, and the
     Llama above) with its processor, saved as vLLM loads it; "<image>" in a prompt's text is
