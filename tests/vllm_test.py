@@ -540,6 +540,34 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(e.connector.get_num_new_matched_tokens(missing, 0), (0, False))
         self.assertIsNone(e.connector._named["m"], "a request with an unreadable adapter was served")
 
+    def test_the_model_is_named_by_content_and_resolved_config(self):
+        """The same files under another path name the same model; a changed config value, an
+        override, another KV-cache dtype or a vouched weights_id name another."""
+        import shutil
+
+        def identity(model_dir, weights_id="", **kwargs):
+            cache = kwargs.pop("cache", {})
+            model = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float16",
+                                max_model_len=1024, seed=0, **kwargs)
+            cfg = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK, **cache),
+                             device_config=DeviceConfig("cpu"))
+            return _vllm_keys.model_identity(cfg, weights_id)
+
+        base = model_dir()
+        first = identity(base)
+        moved = os.path.join(tempfile.mkdtemp(prefix="kvstash-mounted-"), "current")
+        shutil.copytree(base, moved)
+        self.assertEqual(identity(moved), first, "the same files under another path")
+        self.assertNotEqual(identity(base, hf_overrides={"rope_theta": 5e5}), first, "an override")
+        self.assertNotEqual(identity(base, cache={"cache_dtype": "fp8"}), first, "the KV-cache dtype")
+        self.assertNotEqual(identity(base, weights_id="sha256:vouched"), first, "a vouched weights_id")
+        with open(os.path.join(moved, "config.json")) as f:
+            config = json.load(f)
+        config["rms_norm_eps"] = 1e-6
+        with open(os.path.join(moved, "config.json"), "w") as f:
+            json.dump(config, f)
+        self.assertNotEqual(identity(moved), first, "a config value changed in place")
+
     def test_a_reset_of_the_connectors_cache_stops_sharing(self):
         """After reset_prefix_cache(reset_connector=True) (weights updated in place, which no key
         names) the engine finds none of the chunks stored before; other engines still do."""
