@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-
 class Unnameable(Exception):
     """A request's KV depends on an input kvstash cannot name by its content."""
 
