@@ -90,12 +90,31 @@ def model_dir():
 
 
 MODEL_DIR = None
+MLA_DIR = None
+LATENT = 48  # an MLA layer's bytes per token: the compressed KV (32) and the rotary key (16)
 
 
-def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both"):
-    global MODEL_DIR
-    MODEL_DIR = MODEL_DIR or model_dir()
-    model = ModelConfig(model=MODEL_DIR, tokenizer=MODEL_DIR, skip_tokenizer_init=True, dtype="float16",
+def mla_model_dir():
+    """A tiny DeepSeek-V2's config.json: one latent cache per layer, the same on every rank."""
+    d = tempfile.mkdtemp(prefix="kvstash-vllm-mla-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
+                   "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+                   "num_key_value_heads": 4, "num_hidden_layers": len(LAYERS), "vocab_size": 1000,
+                   "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                   "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 2,
+                   "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
+    return d
+
+
+def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False):
+    global MODEL_DIR, MLA_DIR
+    if mla:
+        MLA_DIR = MLA_DIR or mla_model_dir()
+    else:
+        MODEL_DIR = MODEL_DIR or model_dir()
+    where = MLA_DIR if mla else MODEL_DIR
+    model = ModelConfig(model=where, tokenizer=where, skip_tokenizer_init=True, dtype="float16",
                         max_model_len=1024, seed=0)
     cfg = VllmConfig(
         model_config=model,
@@ -115,8 +134,13 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, ro
     return cfg
 
 
-def make_kv_cache_config():
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+def make_kv_cache_config(mla=False):
+    if mla:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=DTYPE)
+    else:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
@@ -125,10 +149,12 @@ class Engine:
     """One engine: vLLM's scheduler with the connector it loads, and one worker per TP rank,
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
 
-    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both"):
-        self.config = make_config(tp_size, extra, policy, batch_tokens, role)
+    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False):
+        """mla: a DeepSeek-like model, one latent cache per layer that every rank holds alike."""
+        self.mla = mla
+        self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla)
         self.params = {}  # request -> the kv_transfer_params its output carried
-        self.kv_cache_config = make_kv_cache_config()
+        self.kv_cache_config = make_kv_cache_config(mla)
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK)
         self.connector = self.scheduler.connector
@@ -141,8 +167,9 @@ class Engine:
             _with_rank(rank, lambda: w.register_kv_caches(caches))
             self.workers.append((w, caches, rank))
 
-    @staticmethod
-    def paged_cache():
+    def paged_cache(self):
+        if self.mla:  # vLLM's MLA view: [blocks, tokens, latent]
+            return torch.zeros(NUM_BLOCKS, BLOCK, LATENT, dtype=DTYPE)
         # vLLM's per-layer view [blocks, heads, tokens, K and V of a head], NHD in memory.
         storage = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=DTYPE)
         return storage.permute(0, 2, 1, 3)
@@ -221,7 +248,10 @@ class Engine:
             for pos in range(start, start + n):
                 if pos >= len(req.all_token_ids):
                     break
-                cache[blocks[pos // BLOCK], :, pos % BLOCK, :] = kv_value(req.all_token_ids[pos], pos, layer, rank)
+                if self.mla:  # the same latent on every rank
+                    cache[blocks[pos // BLOCK], pos % BLOCK, :] = kv_value(req.all_token_ids[pos], pos, layer, 0)
+                else:
+                    cache[blocks[pos // BLOCK], :, pos % BLOCK, :] = kv_value(req.all_token_ids[pos], pos, layer, rank)
 
 
 def kv_value(token, pos, layer, rank):
@@ -567,6 +597,27 @@ class VllmConnector(unittest.TestCase):
         with open(os.path.join(moved, "config.json"), "w") as f:
             json.dump(config, f)
         self.assertNotEqual(identity(moved), first, "a config value changed in place")
+
+    def test_an_mla_model_is_stored_once_and_every_rank_loads_that_copy(self):
+        """TP=2, MLA: rank 0 stores each chunk's latent cache, rank 1 stores nothing; a lookup
+        asks for rank 0's copy only, and both ranks of another engine load it, bit-exact."""
+        tokens = [71 + (i * 23) % 900 for i in range(2 * BLOCK)]
+        a = Engine(tp_size=2, mla=True)
+        self.assertTrue(a.connector.geometry.stored_once)
+        a.run("a", tokens + [1])
+        self.assertEqual([w._stats["chunks_saved"] for w, _, _ in a.workers], [2, 0], "rank 0 stores the one copy")
+        b = Engine(tp_size=2, mla=True)
+        b.scheduler.add_request(b.request("b", tokens + [2]))
+        out = b.step()
+        loads = out.kv_connector_metadata.loads
+        self.assertEqual([(r.first, r.count) for r in loads], [(0, 2)])
+        for w, caches, rank in b.workers:
+            self.assertEqual(w._stats["chunks_loaded"], 2, f"rank {rank}")
+            for layer, name in enumerate(LAYERS):
+                for i in range(2):
+                    want = torch.tensor([kv_value(tokens[i * BLOCK + j], i * BLOCK + j, layer, 0)
+                                         for j in range(BLOCK)], dtype=DTYPE)[:, None].expand(BLOCK, LATENT)
+                    self.assertTrue(torch.equal(caches[name][loads[0].block_ids[i]], want), f"rank {rank}")
 
     def test_a_reset_of_the_connectors_cache_stops_sharing(self):
         """After reset_prefix_cache(reset_connector=True) (weights updated in place, which no key
