@@ -368,6 +368,17 @@ class Families(unittest.TestCase):
         self.assertEqual(vouched[0]["cached"], 640)
         self.assertNotEqual(vouched[0]["tokens"], own, "the loaded chunks made no difference: were they used?")
 
+    def test_a_sliding_window_model_at_two_tensor_parallel_ranks(self):
+        model = os.path.join(self.dir, "gemma3-tp")
+        make_gemma3(model, seed=2)
+        before = chunk_records(self.cell.url)
+        saver = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
+        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 10,
+                         "5 chunks, a shard per rank")
+        loader = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
+        self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded shards differ")
+        self.assertEqual(loader[0]["cached"], 640)
+
 
 def handoff_records(url, name):
     """Whether the handoff record `name` is in Redis (1) or not (0)."""
