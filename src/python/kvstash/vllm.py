@@ -25,9 +25,9 @@ Config keys (``kv_connector_extra_config``), all optional: see ``KvstashConfig``
 
 Limits, refused with a clear error rather than served wrong: one KV-cache group (vLLM turns its
 hybrid allocator off for this connector, so sliding-window models run with one group; Mamba
-hybrids are refused), block-compact layouts (each layer's blocks dense, as vLLM's default), no pipeline
-parallelism, KV scales computed at run time. A request whose LoRA adapter's files are not on
-this host (so not to be named by content) is neither looked up nor saved.
+hybrids do not start), block-compact layouts (each layer's blocks dense, as vLLM's default), no
+pipeline parallelism, KV scales computed at run time. A request whose LoRA adapter's files are
+not on this host (so not to be named by content) is neither looked up nor saved.
 """
 
 from __future__ import annotations
