@@ -278,9 +278,9 @@ class KvstashConnector(KVConnectorBase_V1):
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
         if role == KVConnectorRole.SCHEDULER:
             g = self.geometry
-            logger.info("kvstash: chunk keys name the model as %s (`kvstash explain --tokens ... --model %s --layout %s "
-                        "--salt %s --chunk-tokens %d` finds a prompt's chunks)", g.model, g.model, g.layout_tag(),
-                        g.extra(), g.chunk_tokens)
+            logger.info("kvstash: chunk keys name the model as %s (`kvstash explain --tokens ... --model %s "
+                        "--layout %s --salt %s --chunk-tokens %d` finds a prompt's chunks)", g.model, g.model,
+                        g.layout_tag(), g.extra(), g.chunk_tokens)
         lora_config = getattr(vllm_config, "lora_config", None)
         self._request_keys = _vllm_keys.RequestKeys(
             self.geometry.chunk_tokens, str(getattr(lora_config, "lora_dtype", "")) if lora_config else "")
