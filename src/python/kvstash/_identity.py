@@ -86,14 +86,21 @@ def _reading() -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def _at_hand(real: str, sig: list[int]) -> str | None:
+    """The digest of the file at `real` (a resolved path) whose stat is `sig`, without reading
+    it: a hub blob's name, or the digest known for that stat; None when it must be read."""
+    name = os.path.basename(real)
+    if os.path.basename(os.path.dirname(real)) == "blobs" and _HUB_BLOB.fullmatch(name):
+        return f"hub:{name}"
+    with _lock:
+        known = _memo.get(real)
+    return known[1] if known is not None and known[0] == sig else None
+
+
 def _known(path: str) -> bool:
     """Whether the file's digest is at hand without reading it."""
     real = os.path.realpath(path)
-    if os.path.basename(os.path.dirname(real)) == "blobs" and _HUB_BLOB.fullmatch(os.path.basename(real)):
-        return True
-    with _lock:
-        known = _memo.get(real)
-    return known is not None and known[0] == _signature(os.stat(real))
+    return _at_hand(real, _signature(os.stat(real))) is not None
 
 
 def _save_cache() -> None:
@@ -115,15 +122,10 @@ def _save_cache() -> None:
 def _file_digest(path: str) -> tuple[str, bool]:
     """(digest, computed now) of one regular file."""
     real = os.path.realpath(path)
-    name = os.path.basename(real)
-    if os.path.basename(os.path.dirname(real)) == "blobs" and _HUB_BLOB.fullmatch(name):
-        return f"hub:{name}", False
-    st = os.stat(real)
-    sig = _signature(st)
-    with _lock:
-        known = _memo.get(real)
-    if known is not None and known[0] == sig:
-        return known[1], False
+    sig = _signature(os.stat(real))
+    known = _at_hand(real, sig)
+    if known is not None:
+        return known, False
     h = hashlib.sha256()
     with open(real, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -153,26 +155,27 @@ def _files(root: str) -> list[str]:
 def content_digest(path: str, threads: int = 4) -> str:
     """The SHA-256 (hex) of what `path` holds: a file's bytes, or a directory's files, each by
     its relative path and digest. Raises OSError when the path cannot be read."""
-    _load_cache()
     if os.path.isfile(path):
-        with _reading() if not _known(path) else contextlib.nullcontext():
-            digest, computed = _file_digest(path)
-            if computed:
-                _save_cache()
-        return hashlib.sha256(f"file:{digest}".encode()).hexdigest()
+        return hashlib.sha256(f"file:{_digests([path], threads)[0]}".encode()).hexdigest()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is neither a file nor a directory")
     files = _files(path)
-    unknown = not all(_known(os.path.join(path, rel)) for rel in files)
-    with _reading() if unknown else contextlib.nullcontext():
-        with ThreadPoolExecutor(max(1, min(threads, len(files) or 1))) as pool:
-            results = list(pool.map(lambda rel: _file_digest(os.path.join(path, rel)), files))
-        if any(computed for _, computed in results):
-            _save_cache()
     h = hashlib.sha256(b"kvstash.dir.v1\0")
-    for rel, (digest, _) in zip(files, results):
+    for rel, digest in zip(files, _digests([os.path.join(path, rel) for rel in files], threads)):
         h.update(f"{len(rel)}:{rel}={digest}\n".encode())
     return h.hexdigest()
+
+
+def _digests(paths: list[str], threads: int) -> list[str]:
+    """Each file's digest, reading (under the host's lock, `threads` at a time) those not at
+    hand, and keeping what was read in the cache."""
+    _load_cache()
+    with _reading() if not all(_known(p) for p in paths) else contextlib.nullcontext():
+        with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
+            results = list(pool.map(_file_digest, paths))
+        if any(computed for _, computed in results):
+            _save_cache()
+    return [digest for digest, _ in results]
 
 
 def local_path(name: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
@@ -195,20 +198,30 @@ def weights_name(path: str) -> str:
     return "sha256:" + content_digest(path)
 
 
+def weights_name_at(path: str | None, model: str, where: str) -> str:
+    """weights_name of the files found for `model` at `path`; ValueError saying to set
+    weights_id in `where` (the engine's config) when they are not on this host."""
+    if path is None:
+        raise ValueError(f"kvstash: the weights of {model} are not on this host to be named by their content; set "
+                         f"weights_id in {where} to a string that names them (a digest of the checkpoint)")
+    return weights_name(path)
+
+
+def digest_of(parts: dict[str, Any]) -> str:
+    """What names an engine's model in its keys: 128 bits of the SHA-256 of `parts` (JSON)."""
+    return short(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest())
+
+
 def tensor_digest(t: Any, rows: slice | None = None) -> bytes:
     """A torch tensor's dtype, shape and bytes (`rows` of its first axis), as a 32-byte digest."""
     if rows is not None:
         t = t[rows]
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
-    h.update(t.view(-1).view(dtype=_byte_dtype()).numpy().tobytes() if t.numel() else b"")
-    return h.digest()
-
-
-def _byte_dtype():
     import torch
 
-    return torch.uint8
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    h.update(t.view(-1).view(dtype=torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
 
 
 def short(digest: str) -> str:

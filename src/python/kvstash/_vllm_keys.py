@@ -17,7 +17,6 @@ the request to vLLM alone.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -75,19 +74,10 @@ def model_identity(vllm_config: VllmConfig, weights_id: str = "", label: str = "
         "kv_cache_dtype": str(cache.cache_dtype),
         "kv_cache_dtype_skip_layers": list(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
     }
-    if weights_id:
-        parts["weights"] = weights_id
-    elif load_format == "dummy":  # random weights, from vLLM's fixed seed
-        parts["weights"] = f"dummy:{getattr(m, 'seed', None)}"
-    else:
-        path = weights_path(vllm_config)
-        if path is None:
-            raise ValueError(f"kvstash: the weights of {m.model} are not on this host to be named by their content; "
-                             f"set weights_id in kv_connector_extra_config to a string that names them (a digest "
-                             f"of the checkpoint)")
-        parts["weights"] = _identity.weights_name(path)
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    return (f"{label}#" if label else "") + "vllm:" + _identity.short(digest)
+    dummy = f"dummy:{getattr(m, 'seed', None)}" if load_format == "dummy" else ""  # vLLM's seeded random weights
+    parts["weights"] = weights_id or dummy or _identity.weights_name_at(weights_path(vllm_config), str(m.model),
+                                                                       "kv_connector_extra_config")
+    return (f"{label}#" if label else "") + "vllm:" + _identity.digest_of(parts)
 
 
 def check_servable(vllm_config: VllmConfig) -> None:
@@ -152,6 +142,8 @@ class RequestKeys:
             return []
         c = self.chunk_tokens
         n = int(getattr(request, "num_prompt_tokens", 0) or len(request.prompt_token_ids or []))
+        mask = getattr(request, "prompt_is_token_ids", None)
+        mask = None if mask is None else bytes(bool(x) for x in mask)  # mixed prompts: which positions are ids
         chunks = -(-n // c)
         entries: list[list[bytes]] = [[] for _ in range(chunks)]
         for f in features:
@@ -164,10 +156,9 @@ class RequestKeys:
             for i in range(first, last + 1):
                 entries[i].append(f"mm:{modality}:{ident}@{pos.offset - i * c}+{pos.length}".encode())
         if embeds is not None:
-            mask = getattr(request, "prompt_is_token_ids", None)
             for i in range(chunks):
                 rows = slice(i * c, min(n, (i + 1) * c))
                 entries[i].append(b"embeds:" + _identity.tensor_digest(embeds, rows))
                 if mask is not None:
-                    entries[i].append(b"ids:" + bytes(bool(x) for x in list(mask)[rows]))
+                    entries[i].append(b"ids:" + mask[rows])
         return [_packed(e) if e else b"" for e in entries]

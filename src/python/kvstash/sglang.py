@@ -32,8 +32,6 @@ from typing import Any, ClassVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-import hashlib
-import json
 import uuid
 
 import kvstash
@@ -114,17 +112,11 @@ def engine_identity(weights_id: str = "") -> str:
                                  f"content")
             adapters.append([name, _identity.content_digest(where)])
         parts["lora"] = adapters
-    if weights_id:
-        parts["weights"] = weights_id
-    elif str(getattr(args, "load_format", "")) == "dummy":
-        parts["weights"] = "dummy"
-    else:
-        path = _identity.local_path(str(args.model_path), getattr(args, "revision", None))
-        if path is None:
-            raise ValueError(f"kvstash: the weights of {args.model_path} are not on this host to be named by their "
-                             f"content; set weights_id in the HiCache extra config")
-        parts["weights"] = _identity.weights_name(path)
-    identity = _identity.short(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest())
+    dummy = "dummy" if str(getattr(args, "load_format", "")) == "dummy" else ""
+    parts["weights"] = weights_id or dummy or _identity.weights_name_at(
+        _identity.local_path(str(args.model_path), getattr(args, "revision", None)), str(args.model_path),
+        "the HiCache extra config")
+    identity = _identity.digest_of(parts)
     logger.info("kvstash: this engine's pages are keyed by model %s (weights %s)", identity, parts["weights"])
     return identity
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -375,8 +376,6 @@ class KvstashConnector(KVConnectorBase_V1):
         content. The cell is shared, so nothing is removed from it: this engine's keys become
         its own from now on (a new epoch in every request's salt), so it loads no chunk saved
         before, and no other engine loads one it saves after."""
-        import uuid
-
         self._epoch = uuid.uuid4().hex
         self._named.clear()
         logger.info("kvstash: the connector's cache was reset: this engine no longer shares chunks with others")
