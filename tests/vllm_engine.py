@@ -25,23 +25,34 @@ MAX_TOKENS = 8
 ENGINE_SECONDS = 240  # one engine: start (10-25 s here), its prompts, the answer
 
 
+def word_tokenizer(specials=()):
+    """An offline word-level tokenizer of VOCAB ids: words "w0", "w1", ..., then `specials`
+    (special tokens, such as an image's placeholder), "<unk>" and "</s>"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = VOCAB - 2 - len(specials)
+    vocab = {f"w{i}": i for i in range(words)}
+    vocab.update({s: words + i for i, s in enumerate(specials)})
+    vocab.update({"<unk>": VOCAB - 2, "</s>": VOCAB - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    extra = {"additional_special_tokens": list(specials)} if specials else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", **extra)
+
+
 def make_model(path, layers=4, hidden=256, heads=4, kv_heads=2, seed=0):
     """A random-weight Llama (float32) and an offline word-level tokenizer, saved as vLLM loads
     them. The tests' model is the default; the TTFT benchmark's is larger."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=8192, torch_dtype="float32", tie_word_embeddings=False)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
-    vocab.update({"<unk>": VOCAB - 2, "</s>": VOCAB - 1})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
 
 
 def make_gemma3(path, seed=0, window=128, layers=6):
@@ -49,8 +60,7 @@ def make_gemma3(path, seed=0, window=128, layers=6):
     tokens) to one full-attention layer, with make_model's tokenizer. Its weights are drawn
     wider than Gemma's default, so that its greedy answers change from token to token."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
     config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
@@ -60,11 +70,7 @@ def make_gemma3(path, seed=0, window=128, layers=6):
                               layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention"
                                            for i in range(layers)])
     Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path)
-    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
-    vocab.update({"<unk>": VOCAB - 2, "</s>": VOCAB - 1})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
 
 
 def make_vlm(path, seed=0):
@@ -73,9 +79,8 @@ def make_vlm(path, seed=0):
     where an image goes."""
     import torch
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+                              LlavaForConditionalGeneration, LlavaProcessor)
 
     torch.manual_seed(seed)
     text = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -100,15 +105,10 @@ def make_vlm(path, seed=0):
             k = "vision_tower.vision_model." + rest
         out[k] = v.contiguous()
     save_file(out, weights, metadata={"format": "pt"})
-    vocab = {f"w{i}": i for i in range(VOCAB - 3)}
-    vocab.update({"<image>": VOCAB - 3, "<unk>": VOCAB - 2, "</s>": VOCAB - 1})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
-                                   additional_special_tokens=["<image>"])
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=8, vision_feature_select_strategy="default",
-                   image_token="<image>", num_additional_image_tokens=1,
+    # The placeholder's id is the one the config names: the last before "<unk>" and "</s>".
+    LlavaProcessor(image_processor=images, tokenizer=word_tokenizer(["<image>"]), patch_size=8,
+                   vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(path)
 
 
