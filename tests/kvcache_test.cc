@@ -220,7 +220,8 @@ TEST_P(KvCacheTest, TheStoreCountsItsOperationsAndTheCachesChunks) {
   EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_chunks_total{op="save",status="ok"})"), 4) << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_chunks_total{op="load",status="ok"})"), 3) << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_chunks_total{op="load",status="not_found"})"), 1) << text;
-  EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_layer_wait_duration_seconds_count)"), shape.num_layers) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_kvcache_layer_wait_duration_seconds_count)"), shape.num_layers)
+      << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="put",status="ok"})"), 1) << text;
   // The cache's chunk loads are the store's gets too: 3 found and 1 not, and the plain ones.
   EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="get",status="ok"})"), 4) << text;
@@ -228,18 +229,24 @@ TEST_P(KvCacheTest, TheStoreCountsItsOperationsAndTheCachesChunks) {
   EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="remove",status="ok"})"), 1) << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="lookup",status="ok"})"), 1) << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_client_ops_total{op="put_stream",status="ok"})"), 4)
-      << "the cache's chunk puts, not Store::put's own stream\n" << text;
-  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_bytes_total{op="get"})"), 3.0 * kv->chunk_bytes() + 1000) << text;
+      << "the cache's chunk puts, not Store::put's own stream\n"
+      << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_bytes_total{op="get"})"), 3.0 * kv->chunk_bytes() + 1000)
+      << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_client_op_bytes_total{op="put"})"), 1000) << text;
   // The bytes moved over shm: the 4 chunks and the put written, 3 chunks and the get read.
   EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="write",transport="shm"})"),
-            4.0 * kv->chunk_bytes() + 1000) << text;
+            4.0 * kv->chunk_bytes() + 1000)
+      << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="shm"})"),
-            3.0 * kv->chunk_bytes() + 1000) << text;
-  EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="tcp"})"), 0) << text;
+            3.0 * kv->chunk_bytes() + 1000)
+      << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_transfer_bytes_total{op="read",transport="tcp"})"), 0)
+      << text;
   // A histogram as the format has it: cumulative buckets, +Inf the count, a sum.
   EXPECT_NE(text.find("# TYPE kvstash_client_op_duration_seconds histogram\n"), std::string::npos) << text;
-  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="+Inf"})"), 6) << text;
+  EXPECT_EQ(test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="+Inf"})"), 6)
+      << text;
   EXPECT_EQ(test::metric(text, R"(kvstash_client_op_duration_seconds_count{op="get"})"), 6) << text;
   EXPECT_LE(test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.001"})"),
             test::metric(text, R"(kvstash_client_op_duration_seconds_bucket{op="get",le="0.01"})"));
@@ -609,6 +616,147 @@ TEST_P(KvCacheTest, BadInputIsRefusedPerChunk) {
   EXPECT_EQ(KvCache::open(*store_, layout, {.model = ""}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(KvCache::open(*store_, layout, {.model = "m", .tp_rank = 2, .tp_size = 2}).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// The bytes of one head of one token of (layer, part, block), in either block order.
+std::span<const std::byte> head_of(const HostCache& c, std::uint32_t l, std::uint32_t part, std::uint32_t b,
+                                   std::uint32_t token, std::uint32_t head) {
+  const KvCacheShape& s = c.shape;
+  const std::size_t hb = std::size_t{s.head_dim} * dtype_bytes(s.dtype);
+  const std::size_t at = s.order == KvBlockOrder::kNHD ? (token * s.num_kv_heads + head) * hb
+                                                       : (head * s.block_size + token) * hb;
+  return c.block(l, part, b).subspan(at, hb);
+}
+
+// Whether heads [to_first, +heads) of `to`'s blocks equal heads [from_first, +heads) of
+// `from`'s, block for block (as many blocks as both lists have).
+::testing::AssertionResult same_heads(const HostCache& from, const std::vector<std::uint32_t>& from_blocks,
+                                      const HostCache& to, const std::vector<std::uint32_t>& to_blocks,
+                                      std::uint32_t from_first, std::uint32_t to_first, std::uint32_t heads) {
+  for (std::size_t i = 0; i < std::min(from_blocks.size(), to_blocks.size()); ++i) {
+    for (std::uint32_t l = 0; l < to.shape.num_layers; ++l) {
+      for (std::uint32_t p = 0; p < 2; ++p) {
+        for (std::uint32_t t = 0; t < to.shape.block_size; ++t) {
+          for (std::uint32_t h = 0; h < heads; ++h) {
+            auto want = head_of(from, l, p, from_blocks[i], t, from_first + h);
+            auto got = head_of(to, l, p, to_blocks[i], t, to_first + h);
+            if (std::memcmp(want.data(), got.data(), want.size()) != 0) {
+              return ::testing::AssertionFailure() << "block " << i << " layer " << l << " part " << p
+                                                   << " token " << t << " head " << to_first + h;
+            }
+          }
+        }
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST_P(KvCacheTest, KeysByHeadsAreReadAtAnyTensorParallelDegree) {
+  // A model of 4 KV heads: one engine at TP=1 holds all 4 in its blocks, one at TP=2 holds 2
+  // per rank, one at TP=4 one per rank. Keys by heads, one head per object.
+  KvCacheShape whole = small_shape(GetParam());
+  whole.num_kv_heads = 4;
+  auto of_degree = [&](std::uint32_t tp) {
+    KvCacheShape s = whole;
+    s.num_kv_heads = 4 / tp;
+    return s;
+  };
+  auto open_rank = [&](HostCache& c, std::uint32_t first, std::uint32_t per_object = 1) {
+    auto kv = KvCache::open(*store_, KvLayout::per_layer(c.shape, c.ptrs).value(),
+                            {.model = "test-model",
+                             .chunk_tokens = 64,
+                             .heads_total = 4,
+                             .head_first = first,
+                             .head_count = per_object});
+    EXPECT_TRUE(kv.is_ok()) << kv.status().to_string();
+    return kv.is_ok() ? std::move(kv).value() : nullptr;
+  };
+  HostCache tp1(whole, 300);
+  HostCache tp2_0(of_degree(2), 310), tp2_1(of_degree(2), 311);
+  HostCache tp4_3(of_degree(4), 323);
+  auto kv1 = open_rank(tp1, 0);
+  auto kv2_0 = open_rank(tp2_0, 0), kv2_1 = open_rank(tp2_1, 2);
+  auto kv4_3 = open_rank(tp4_3, 3);
+  ASSERT_TRUE(kv1 && kv2_0 && kv2_1 && kv4_3);
+  EXPECT_EQ(kv1->objects_per_chunk(), 4u);
+  EXPECT_EQ(kv2_1->objects_per_chunk(), 2u);
+  EXPECT_EQ(kv1->chunk_bytes(), kv4_3->chunk_bytes()) << "an object is one head at every degree";
+  EXPECT_EQ(kv1->key_options().layout_tag, kv2_0->key_options().layout_tag)
+      << "an object's tag names its heads";
+
+  const auto tokens = token_ids(3 * 64, 30);
+  const auto keys = kv1->keys(tokens);
+  ASSERT_EQ(keys.size(), 12u);
+  EXPECT_TRUE(keys[1].ends_with(":h1+1/4")) << keys[1];
+  EXPECT_EQ(kv2_1->keys(tokens)[1], keys[3]) << "rank 1 of 2 holds heads 2 and 3: the same objects";
+  EXPECT_EQ(kv4_3->keys(tokens)[2], keys[11]);
+
+  // Saved at TP=1, read at TP=2 and TP=4: each rank gets exactly its heads.
+  const auto blocks_1 = scattered_blocks(12, whole.num_blocks, 31);
+  for (const auto& s : kv1->save(tokens, blocks_1, 0, 3)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(kv2_1->contains_prefix(tokens).value(), 3u);
+  const auto blocks_2 = scattered_blocks(12, whole.num_blocks, 32);
+  for (auto* kv : {kv2_0.get(), kv2_1.get(), kv4_3.get()}) {
+    for (const auto& s : kv->load(tokens, blocks_2, 3)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  EXPECT_TRUE(same_heads(tp1, blocks_1, tp2_0, blocks_2, 0, 0, 2));
+  EXPECT_TRUE(same_heads(tp1, blocks_1, tp2_1, blocks_2, 2, 0, 2));
+  EXPECT_TRUE(same_heads(tp1, blocks_1, tp4_3, blocks_2, 3, 0, 1));
+
+  // Saved at TP=2 (other tokens, each rank its own bytes), read at TP=1, layer by layer.
+  const auto other = token_ids(2 * 64, 33);
+  const auto blocks_3 = scattered_blocks(8, whole.num_blocks, 34);
+  for (auto* kv : {kv2_0.get(), kv2_1.get()}) {
+    for (const auto& s : kv->save(other, blocks_3, 0, 2)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  HostCache tp1_b(whole, 340);
+  auto kv1_b = open_rank(tp1_b, 0);
+  EXPECT_EQ(kv1_b->contains_prefix(other).value(), 2u);
+  auto load = kv1_b->begin_load(other, blocks_1, 2);
+  ASSERT_TRUE(load.is_ok()) << load.status().to_string();
+  for (std::uint32_t l = 0; l < whole.num_layers; ++l) ASSERT_TRUE(load->wait_layer(l).is_ok()) << l;
+  for (const auto& s : load->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(same_heads(tp2_0, blocks_3, tp1_b, blocks_1, 0, 0, 2));
+  EXPECT_TRUE(same_heads(tp2_1, blocks_3, tp1_b, blocks_1, 0, 2, 2));
+
+  // A chunk is whole only with every head: rank 1 of 2 saving alone is no hit at TP=1, and
+  // a load of it fails whole, naming all its blocks for recompute.
+  const auto half = token_ids(64, 35);
+  for (const auto& s : kv2_1->save(half, blocks_3, 0, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(kv1_b->contains_prefix(half).value(), 0u);
+  auto partial = kv1_b->begin_load(half, blocks_1, 1);
+  ASSERT_TRUE(partial.is_ok());
+  auto st = partial->wait();
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].code(), StatusCode::kNotFound) << st[0].to_string();
+  EXPECT_EQ(partial->failed_blocks(), std::vector<std::uint32_t>(blocks_1.begin(), blocks_1.begin() + 4));
+
+  // Keys by rank: a TP=2 rank's chunks are nothing to a TP=1 reader.
+  auto by_rank = KvCache::open(*store_, KvLayout::per_layer(tp2_0.shape, tp2_0.ptrs).value(),
+                               {.model = "test-model", .tp_rank = 0, .tp_size = 2, .chunk_tokens = 64});
+  ASSERT_TRUE(by_rank.is_ok());
+  const auto ranked = token_ids(64, 36);
+  for (const auto& s : (*by_rank)->save(ranked, blocks_3, 0, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ((*by_rank)->contains_prefix(ranked).value(), 1u);
+  EXPECT_EQ(kv1_b->contains_prefix(ranked).value(), 0u);
+
+  // Heads that do not fit are refused by name.
+  auto refused = [&](const HostCache& c, PrefixKeyOptions o) {
+    o.model = "test-model";
+    o.chunk_tokens = 64;
+    return KvCache::open(*store_, KvLayout::per_layer(c.shape, c.ptrs).value(), o).status();
+  };
+  EXPECT_EQ(refused(tp2_0, {.heads_total = 4, .head_first = 0, .head_count = 3}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(tp2_0, {.heads_total = 4, .head_first = 3, .head_count = 1}).code(),
+            StatusCode::kInvalidArgument)
+      << "heads 3 and 4 of a model of 4";
+  EXPECT_EQ(
+      refused(tp2_0, {.tp_rank = 1, .tp_size = 2, .heads_total = 4, .head_first = 2, .head_count = 1}).code(),
+      StatusCode::kInvalidArgument)
+      << "a key by heads names no rank";
+  EXPECT_EQ(refused(tp2_0, {.head_first = 2, .head_count = 1}).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

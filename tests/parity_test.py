@@ -45,7 +45,9 @@ STRUCTS = [
     dict(cpp="KvCacheShape", c="kvstash_kv_layout", py="KvCache.__init__"),
     dict(cpp="PrefixKeyOptions", c="kvstash_key_options", py="KvCache.__init__",
          omit={"py": {"layout_tag": "KvCache.open sets it from the layout (a scheduler passes it to "
-                                    "prefix_chunk_keys)"}}),
+                                    "prefix_chunk_keys)"},
+               "c": {f: "keys by heads are several objects per chunk, and C's key functions name one "
+                        "key per chunk: C++ and Python" for f in ("heads_total", "head_first", "head_count")}}),
     dict(cpp="KvCacheOptions", c="kvstash_kv_layout", py="KvCache.__init__",
          translate={"device": ["staging"], "path": ["staging"]},  # a binding cannot pass a KvDevice
          omit={"both": {"bounce_slots": "tuning: the C++ default"}}),
@@ -76,6 +78,7 @@ CLASSES = [
     dict(cpp="KvCache", c_prefix="kvstash_kvcache_", py="KvCache",
          translate={"open": {"py": ["__init__"]},
                     "keys": {"c": ["key"]},  # C returns no lists: one key per call
+                    "objects_per_chunk": {"c": []},  # C keys by rank: one object per chunk
                     "key_options": {"both": ["chunk_tokens", "layout_tag"]}},  # its fields
          omit={"layout": "the bindings describe the layout at open",
                "save": "the one-call form: begin_save, save_layer, wait",

@@ -187,6 +187,7 @@ typedef struct kvstash_kv_layout {
   void* base;                 /* the region (cross-layer) */
   kvstash_memory_kind memory_kind;
   kvstash_staging staging;
+  int joint_kv; /* 1: one part per layer, K and V side by side in each head (head_dim: both) */
 } kvstash_kv_layout;
 
 /* PrefixKeyOptions. */

@@ -63,8 +63,11 @@ struct KvCacheShape {
   KvDType dtype = KvDType::kFloat16;
   KvBlockOrder order = KvBlockOrder::kNHD;
   bool mla = false;  // one latent tensor per layer, no K/V split
+  // One part per layer with K and V side by side in each token's head: head_dim is K's and V's
+  // widths together (vLLM's pages, [blocks, heads, tokens, content]).
+  bool joint_kv = false;
 
-  std::uint32_t parts() const { return mla ? 1 : 2; }
+  std::uint32_t parts() const { return mla || joint_kv ? 1 : 2; }
   // Bytes of one block of one part (K, V or latent) of one layer.
   std::uint64_t block_bytes() const;
   // Bytes one token takes over all layers and parts: 2 x layers x kv_heads x head_dim x dtype.
@@ -104,6 +107,14 @@ class KvLayout {
                                  std::uint64_t part_stride, std::uint64_t block_stride,
                                  std::vector<MemoryRegion> regions);
 
+  // The same memory seen as heads [first, first + count) only: its shape has `count` heads, and
+  // its runs hold of each block just those heads' bytes (one run per block in HND order, one
+  // per token in NHD order). A view of a view is not taken. kInvalidArgument for an MLA cache
+  // or heads out of range.
+  Result<KvLayout> heads(std::uint32_t first, std::uint32_t count) const;
+  // Whether this is a view of some heads of wider blocks (heads()).
+  bool is_head_view() const { return tensor_heads_ != 0; }
+
   const KvCacheShape& shape() const { return shape_; }
   const std::vector<MemoryRegion>& regions() const { return regions_; }
 
@@ -135,16 +146,29 @@ class KvLayout {
   std::uint64_t block_stride_ = 0;
   std::vector<MemoryRegion> regions_;
   std::vector<std::uint32_t> layer_region_;  // region holding each layer's blocks
+  std::uint32_t tensor_heads_ = 0;           // a head view: the heads of the blocks in memory
+  std::uint32_t head_first_ = 0;             // and the first of them it holds
 };
 
 // How chunk keys are salted: everything that changes a chunk's bytes besides its tokens.
+//
+// Tensor parallelism, two ways. By rank (heads_total 0): each rank's keys name its rank and
+// degree, so only a reader of the same degree finds them. By heads (heads_total set): an
+// object holds `head_count` of the model's `heads_total` KV heads, from `head_first` on, and
+// its key says which ("...:h4+2/8"), not who wrote it; a rank of any degree reads the
+// objects of exactly the heads it holds. A KvCache over a rank's tensors takes head_first as
+// the global index of the rank's first head and head_count as the heads per object, which
+// must divide the rank's heads: each chunk is then (rank's heads / head_count) objects.
 struct PrefixKeyOptions {
   std::string model;       // the model's identity ("meta-llama/Llama-2-7b-hf@<revision>")
   std::string layout_tag;  // KvLayout::tag(); KvCache fills it in
   std::uint32_t tp_rank = 0;
   std::uint32_t tp_size = 1;
   std::uint32_t chunk_tokens = 256;
-  std::string extra;  // anything else that changes the bytes (a LoRA adapter, ...)
+  std::string extra;              // anything else that changes the bytes (a LoRA adapter, ...)
+  std::uint32_t heads_total = 0;  // the model's KV heads; 0: keys name the rank
+  std::uint32_t head_first = 0;
+  std::uint32_t head_count = 0;
 };
 
 // A request's tokens as its chunk keys name them: the token ids and, for a chunk whose KV
@@ -172,7 +196,8 @@ struct KvTokens {
 // The keys of the full chunks of `tokens` ("kvp:" + 32 hex digits each): a SHA-256 chain
 // over the token ids and chunk salts, so chunk i's key depends on everything before its end,
 // salted with the options. Deterministic across processes, hosts and restarts; the exact
-// bytes hashed are in docs/integration.md. A trailing partial chunk has no key.
+// bytes hashed are in docs/integration.md. A trailing partial chunk has no key. Keys by heads
+// end in ":h<head_first>+<head_count>/<heads_total>".
 std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
 
 class KvCache;
@@ -431,21 +456,25 @@ class KvLoad {
 class KvCache {
  public:
   // Registers the layout's regions with the store's engine. `keys.layout_tag` is set from the
-  // layout. Errors: kInvalidArgument (chunk_tokens not a positive multiple of block_size,
-  // empty model), registration errors.
+  // layout (by heads: from one object's heads). Errors: kInvalidArgument (chunk_tokens not a
+  // positive multiple of block_size, empty model, heads that do not fit: see
+  // PrefixKeyOptions), registration errors.
   static Result<std::unique_ptr<KvCache>> open(Store& store, KvLayout layout, PrefixKeyOptions keys,
                                                KvCacheOptions options = {});
   ~KvCache();
 
-  const KvLayout& layout() const;
+  const KvLayout& layout() const;  // the whole of the cache's memory
   const PrefixKeyOptions& key_options() const;
   // "direct" (the transports reach the cache's memory), or "staged" (through host bounce
   // buffers, by the device).
   std::string_view data_path() const;
   // The device that owns the cache's memory ("host", "cuda", ...).
   const KvDevice& device() const;
+  // The keys of the objects of every full chunk, chunk by chunk: objects_per_chunk() each.
   std::vector<std::string> keys(const KvTokens& tokens) const;
-  // Bytes of one chunk's object.
+  // Objects one chunk is stored as: 1, or by heads, the cache's heads / heads per object.
+  std::size_t objects_per_chunk() const;
+  // Bytes of one object of a chunk.
   std::uint64_t chunk_bytes() const;
 
   // How many leading full chunks of `tokens` the store holds.

@@ -243,7 +243,8 @@ kvstash_status kvstash_kvcache_open(kvstash_store* store, const kvstash_kv_layou
                               .head_dim = layout->head_dim,
                               .dtype = static_cast<kvstash::KvDType>(layout->dtype),
                               .order = static_cast<kvstash::KvBlockOrder>(layout->order),
-                              .mla = layout->mla != 0};
+                              .mla = layout->mla != 0,
+                              .joint_kv = layout->joint_kv != 0};
   const auto kind = static_cast<kvstash::MemoryKind>(layout->memory_kind);
   kvstash::Result<kvstash::KvLayout> l = kvstash::Status::internal("unset");
   switch (layout->arrangement) {

@@ -36,6 +36,52 @@ Result<std::shared_ptr<KvDevice>> cuda_device_of(const KvLayout& layout) {
 #endif
 }
 
+Status kvcache::split_by_heads(const KvLayout& layout, const PrefixKeyOptions& keys,
+                               std::vector<KvLayout>& objects, std::vector<std::string>& suffixes) {
+  if (keys.heads_total == 0) {
+    if (keys.head_first != 0 || keys.head_count != 0)
+      return Status::invalid_argument("kvcache: head_first and head_count name heads of heads_total: set it");
+    objects = {layout};
+    suffixes = {""};
+    return {};
+  }
+  const KvCacheShape& shape = layout.shape();
+  const std::uint32_t heads = shape.num_kv_heads;
+  if (shape.mla) return Status::invalid_argument("kvcache: an MLA cache has one latent, not heads to key by");
+  if (keys.tp_rank != 0 || keys.tp_size != 1)
+    return Status::invalid_argument("kvcache: keys by heads name no rank (tp_rank 0, tp_size 1)");
+  if (keys.head_count == 0 || heads % keys.head_count != 0) {
+    return Status::invalid_argument("kvcache: " + std::to_string(keys.head_count) +
+                                    " heads per object do not divide the cache's " + std::to_string(heads) +
+                                    " heads");
+  }
+  if (keys.head_first > keys.heads_total || heads > keys.heads_total - keys.head_first) {
+    return Status::invalid_argument("kvcache: the cache's " + std::to_string(heads) + " heads from head " +
+                                    std::to_string(keys.head_first) + " on are not among the model's " +
+                                    std::to_string(keys.heads_total));
+  }
+  objects.clear();
+  suffixes.clear();
+  for (std::uint32_t h = 0; h < heads; h += keys.head_count) {
+    KVSTASH_ASSIGN_OR_RETURN(KvLayout view, layout.heads(h, keys.head_count));
+    objects.push_back(std::move(view));
+    suffixes.push_back(head_suffix(keys.head_first + h, keys.head_count, keys.heads_total));
+  }
+  return {};
+}
+
+std::vector<Status> kvcache::fold_objects(const std::vector<Status>& objects, std::size_t per_chunk) {
+  std::vector<Status> out;
+  for (std::size_t u = 0; u < objects.size(); ++u) {
+    if (u % per_chunk == 0) {
+      out.push_back(objects[u]);
+    } else if (out.back().is_ok()) {
+      out.back() = objects[u];
+    }
+  }
+  return out;
+}
+
 Status KvCache::Impl::covers(std::span<const std::uint32_t> tokens, std::span<const std::uint32_t> block_ids,
                              std::size_t first, std::size_t count) const {
   const std::size_t end = first + count;
@@ -116,7 +162,8 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   }
   auto impl = std::make_unique<Impl>();
   impl->store = &store;
-  keys.layout_tag = layout.tag();
+  KVSTASH_RETURN_IF_ERROR(kvcache::split_by_heads(layout, keys, impl->objects, impl->suffixes));
+  keys.layout_tag = impl->objects.front().tag();
   impl->keys = std::move(keys);
   impl->blocks_per_chunk = impl->keys.chunk_tokens / bs;
   if (options.bounce_slots == 0) return Status::invalid_argument("kvcache: bounce_slots must be at least 1");
@@ -127,17 +174,20 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   impl->staged_path = path.staged;
   impl->device_memory = path.device_memory;
   if (impl->staged()) {
-    const std::uint64_t lb = layout.layer_bytes(impl->blocks_per_chunk);
+    const std::uint64_t lb = impl->layer_bytes();
     impl->save_bounces = std::make_unique<kvcache::BouncePool>(
         &store, impl->device.get(), static_cast<std::size_t>(lb * impl->options.bounce_slots));
     impl->load_bounces = std::make_unique<kvcache::BouncePool>(
         &store, impl->device.get(), static_cast<std::size_t>(lb * layout.shape().num_layers));
   }
-  // Everything a warm save or load uses on the device, sized now.
+  // Everything a warm save or load uses on the device, sized now: an object's layer is a
+  // run per block and part, or by heads in NHD order, a run per token.
   const KvCacheShape& shape = layout.shape();
+  const bool per_token = impl->per_chunk() > 1 && shape.order == KvBlockOrder::kNHD;
   KVSTASH_RETURN_IF_ERROR(
-      impl->device->reserve({.runs_per_layer = std::size_t{shape.parts()} * impl->blocks_per_chunk,
-                             .layer_bytes = layout.layer_bytes(impl->blocks_per_chunk),
+      impl->device->reserve({.runs_per_layer = std::size_t{shape.parts()} * impl->blocks_per_chunk *
+                                               (per_token ? shape.block_size : 1),
+                             .layer_bytes = impl->layer_bytes(),
                              .layers = shape.num_layers}));
   impl->layout = std::move(layout);
   return std::unique_ptr<KvCache>(new KvCache(std::move(impl)));
@@ -148,16 +198,31 @@ std::string_view KvCache::data_path() const { return impl_->staged() ? "staged" 
 const KvDevice& KvCache::device() const { return *impl_->device; }
 const PrefixKeyOptions& KvCache::key_options() const { return impl_->keys; }
 
-std::vector<std::string> KvCache::keys(const KvTokens& tokens) const {
-  return prefix_chunk_keys(tokens, impl_->keys);
+std::vector<std::string> KvCache::Impl::object_keys(const KvTokens& tokens) const {
+  if (keys.heads_total == 0) return prefix_chunk_keys(tokens, keys);
+  PrefixKeyOptions chain = keys;
+  chain.heads_total = 0;  // the chain alone (the salt is the same: by heads, rank 0 of 1)
+  chain.tp_rank = 0;
+  chain.tp_size = 1;
+  std::vector<std::string> out;
+  for (const std::string& k : prefix_chunk_keys(tokens, chain)) {
+    for (const std::string& suffix : suffixes) out.push_back(k + suffix);
+  }
+  return out;
 }
+
+std::vector<std::string> KvCache::keys(const KvTokens& tokens) const { return impl_->object_keys(tokens); }
+
+std::size_t KvCache::objects_per_chunk() const { return impl_->per_chunk(); }
 
 std::uint64_t KvCache::chunk_bytes() const { return impl_->chunk_bytes(); }
 
 Result<std::size_t> KvCache::contains_prefix(const KvTokens& tokens, std::optional<Deadline> deadline) {
   auto k = keys(tokens);
   if (k.empty()) return std::size_t{0};
-  return impl_->store->contains_prefix(k, deadline);
+  // Chunk by chunk, every object: the leading objects stored, in whole chunks.
+  KVSTASH_ASSIGN_OR_RETURN(const std::size_t objects, impl_->store->contains_prefix(k, deadline));
+  return objects / impl_->per_chunk();
 }
 
 Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
@@ -167,10 +232,12 @@ Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::
   auto st = std::make_unique<KvSave::State>();
   st->kv = impl_.get();
   st->deadline = deadline.value_or(deadline_after(std::chrono::seconds(30)));
-  for (std::size_t c = first; c < first + count; ++c) {
+  const std::size_t per_chunk = impl_->per_chunk();
+  for (std::size_t u = first * per_chunk; u < (first + count) * per_chunk; ++u) {
     auto& chunk = st->chunks.emplace_back();
-    chunk.key = k[c];
-    chunk.blocks = impl_->chunk_blocks(block_ids, c);
+    chunk.key = k[u];
+    chunk.object = u % per_chunk;
+    chunk.blocks = impl_->chunk_blocks(block_ids, u / per_chunk);
     if (impl_->staged()) {
       auto b = impl_->save_bounces->take();
       if (!b.is_ok()) {
@@ -180,9 +247,8 @@ Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::
       chunk.bounce = std::move(b).value();
     }
     // One checksum segment per layer: each layer's sum is the one its device computed.
-    auto stream = impl_->store->begin_put(
-        chunk.key, impl_->chunk_bytes(),
-        {.deadline = deadline, .checksum_segment = impl_->layout.layer_bytes(impl_->blocks_per_chunk)});
+    auto stream = impl_->store->begin_put(chunk.key, impl_->chunk_bytes(),
+                                          {.deadline = deadline, .checksum_segment = impl_->layer_bytes()});
     if (stream.is_ok()) {
       chunk.stream = std::move(stream).value();
     } else {
@@ -214,23 +280,26 @@ Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const
   st->layers = impl_->layout.shape().num_layers;
   st->deadline = deadline;
   KVSTASH_ASSIGN_OR_RETURN(st->after, impl_->device->mark(after));
-  st->landed.assign(count, 0);
-  st->placed.assign(count, 0);
-  st->done.assign(count, std::nullopt);
-  st->late.assign(count, Status::ok());
-  st->bounces.resize(count);
-  st->tainted.assign(count, 0);
-  st->sums.resize(count);
-  st->unusable.assign(count, Status::ok());
+  // The load's units are objects: per_chunk of them a chunk.
+  const std::size_t per_chunk = impl_->per_chunk();
+  const std::size_t units = count * per_chunk;
+  st->landed.assign(units, 0);
+  st->placed.assign(units, 0);
+  st->done.assign(units, std::nullopt);
+  st->late.assign(units, Status::ok());
+  st->bounces.resize(units);
+  st->tainted.assign(units, 0);
+  st->sums.resize(units);
+  st->unusable.assign(units, Status::ok());
   st->queued.assign(st->layers, 0);
   st->host_placed.assign(st->layers, 0);
-  // Every chunk's blocks and runs are in place before any task runs (the tasks read them).
-  st->runs.resize(count);
-  for (std::size_t c = 0; c < count; ++c) {
-    st->blocks.push_back(impl_->chunk_blocks(block_ids, first + c));
+  // Every object's blocks and runs are in place before any task runs (the tasks read them).
+  st->runs.resize(units);
+  for (std::size_t c = 0; c < units; ++c) {
+    st->blocks.push_back(impl_->chunk_blocks(block_ids, first + c / per_chunk));
     st->runs[c].resize(st->layers);
     for (std::uint32_t l = 0; l < st->layers && st->unusable[c].is_ok(); ++l) {
-      auto r = impl_->layer_runs(l, st->blocks[c]);
+      auto r = impl_->layer_runs(c % per_chunk, l, st->blocks[c]);
       if (r.is_ok()) {
         st->runs[c][l] = std::move(r).value();
       } else {
@@ -240,16 +309,17 @@ Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const
     }
   }
   // One Redis round trip leases every chunk (a chunk's get without one leases for itself).
-  if (auto leases = impl_->store->lease_reads(std::span(k).subspan(first, count), deadline); leases.is_ok()) {
+  const auto unit_keys = std::span(k).subspan(first * per_chunk, units);
+  if (auto leases = impl_->store->lease_reads(unit_keys, deadline); leases.is_ok()) {
     st->leases = std::move(leases).value();
   } else {
     KVSTASH_LOG_DEBUG("kvcache: leasing {} chunks at once failed, each leases for itself: {}", count,
                       leases.status().to_string());
   }
   // The tasks hold the state by address: ~KvLoad waits for them before it goes.
-  for (std::size_t c = 0; c < count; ++c) {  // status c is chunk first + c
+  for (std::size_t c = 0; c < units; ++c) {  // unit c is object c % per_chunk of chunk first + c / per_chunk
     st->tasks.push_back(
-        impl_->loaders->submit([s = st.get(), c, key = k[first + c]] { s->load_chunk(c, key); }));
+        impl_->loaders->submit([s = st.get(), c, key = unit_keys[c]] { s->load_chunk(c, key); }));
   }
   KvLoad load;
   load.state_ = std::move(st);

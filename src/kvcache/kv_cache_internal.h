@@ -32,6 +32,15 @@ namespace kvstash {
 
 namespace kvcache {
 
+// The end of a key by heads: ":h<first>+<count>/<total>" (PrefixKeyOptions).
+std::string head_suffix(std::uint32_t first, std::uint32_t count, std::uint32_t total);
+
+// What each object of a chunk of `layout` holds under `keys`: the whole layout (keys by
+// rank), or by heads a view of head_count heads each, with its keys' ends. kInvalidArgument
+// for heads that do not fit (PrefixKeyOptions).
+Status split_by_heads(const KvLayout& layout, const PrefixKeyOptions& keys, std::vector<KvLayout>& objects,
+                      std::vector<std::string>& suffixes);
+
 // Loads in flight at once per cache (each is one store get, its transfers already parallel).
 inline constexpr unsigned kLoadThreads = 4;
 // Threads submitting saves' layers (and checksumming them while the writes fly).
@@ -52,8 +61,12 @@ struct RetiredLoad {
 struct KvCache::Impl {
   ~Impl();
   Store* store = nullptr;
-  KvLayout layout;
-  PrefixKeyOptions keys;
+  KvLayout layout;  // the whole cache
+  // What each object of a chunk holds: the whole layout, or by heads one view per object
+  // (KvLayout::heads), each with the end of its keys.
+  std::vector<KvLayout> objects;
+  std::vector<std::string> suffixes;
+  PrefixKeyOptions keys;                              // layout_tag: one object's
   KvCacheOptions options;                             // .device: see `device`
   std::vector<MemoryHandle> handles;                  // one per layout region (direct data path)
   std::unique_ptr<kvcache::BouncePool> save_bounces;  // bounce_slots layers each (staged data path)
@@ -62,12 +75,22 @@ struct KvCache::Impl {
   std::unique_ptr<ThreadPool> loaders = std::make_unique<ThreadPool>(kvcache::kLoadThreads);
   std::unique_ptr<ThreadPool> savers = std::make_unique<ThreadPool>(kvcache::kSaveThreads);
 
-  // Layer `l` of a chunk's blocks, as runs of the cache's memory.
-  Result<std::vector<KvRun>> layer_runs(std::uint32_t l, std::span<const std::uint32_t> blocks) const {
+  // A save's or load's units are objects: unit u is object u % per_chunk() of its chunk.
+  std::size_t per_chunk() const { return objects.size(); }
+
+  // Layer `l` of object `object` of a chunk's blocks, as runs of the cache's memory.
+  Result<std::vector<KvRun>> layer_runs(std::size_t object, std::uint32_t l,
+                                        std::span<const std::uint32_t> blocks) const {
     std::vector<KvRun> runs;
-    KVSTASH_RETURN_IF_ERROR(layout.layer_runs(l, blocks, runs));
+    KVSTASH_RETURN_IF_ERROR(objects[object].layer_runs(l, blocks, runs));
     return runs;
   }
+
+  // The keys of chunks [0, chunks) of `tokens`, per_chunk() per chunk in object order.
+  std::vector<std::string> object_keys(const KvTokens& tokens) const;
+
+  // Bytes of one layer of one object.
+  std::uint64_t layer_bytes() const { return objects.front().layer_bytes(blocks_per_chunk); }
 
   // Appends `runs` to `out` as slices of the cache's registered memory (the direct data path).
   void append_slices(std::span<const KvRun> runs, std::vector<Slice>& out) const {
@@ -81,9 +104,7 @@ struct KvCache::Impl {
     return out;
   }
 
-  std::uint64_t chunk_bytes() const {
-    return layout.layer_bytes(blocks_per_chunk) * layout.shape().num_layers;
-  }
+  std::uint64_t chunk_bytes() const { return layer_bytes() * layout.shape().num_layers; }
   bool staged() const { return staged_path; }
   // The cache's bytes, on the direct path, are summed by the device (the host must not read
   // them); host memory is summed by the store while its writes fly.
@@ -112,13 +133,23 @@ struct KvCache::Impl {
   std::vector<RetiredLoad> retired;
 };
 
-// A save's chunks. save_layer (the caller's thread) queues one task per chunk and layer on
-// the cache's savers; a chunk's tasks run one after another (each waits for `last`), so a
-// Chunk is touched by one thread at a time. `cancelled` is the one field read across threads.
+namespace kvcache {
+
+// One status per chunk from one per object (`per_chunk` objects a chunk, in order): a chunk
+// is whole when every object of it is; else the first object's failure.
+std::vector<Status> fold_objects(const std::vector<Status>& objects, std::size_t per_chunk);
+
+}  // namespace kvcache
+
+// A save's objects ("chunks" below: KvCache::Impl::per_chunk() of them make one of the
+// request's chunks). save_layer (the caller's thread) queues one task per object and layer
+// on the cache's savers; an object's tasks run one after another (each waits for `last`), so
+// a Chunk is touched by one thread at a time. `cancelled` is the one field read across threads.
 struct KvSave::State {
   const KvCache::Impl* kv = nullptr;
   struct Chunk {
     std::string key;
+    std::size_t object = 0;  // which object of its chunk (KvCache::Impl::objects)
     std::vector<std::uint32_t> blocks;
     PutStream stream;
     Status status;                            // the first failure
@@ -147,7 +178,9 @@ struct KvSave::State {
   ~State();
 };
 
-// A load's chunks and layers. Each chunk is one store get on a loader thread (load_chunk);
+// A load's chunks and layers. A "chunk" here is one object (KvCache::Impl::per_chunk() of
+// them make one of the request's chunks; the public statuses are folded per chunk). Each is
+// one store get on a loader thread (load_chunk);
 // as its layers land they become final on the host (`landed`: landed, and staged, checked)
 // and, until the load hands layers to the engine's streams, are placed at once by the
 // cache's own device streams (`placed`: scattered, staged; checked on the device, direct).

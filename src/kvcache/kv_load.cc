@@ -31,12 +31,7 @@ namespace kvstash {
 class KvLoad::State::ChunkLoad {
  public:
   ChunkLoad(State& st, std::size_t c, const std::string& key)
-      : kv_(*st.kv),
-        st_(st),
-        c_(c),
-        key_(key),
-        layers_(st.layers),
-        layer_bytes_(kv_.layout.layer_bytes(kv_.blocks_per_chunk)) {}
+      : kv_(*st.kv), st_(st), c_(c), key_(key), layers_(st.layers), layer_bytes_(kv_.layer_bytes()) {}
 
   void run() {
     Status final = prepare();
@@ -237,7 +232,7 @@ Status KvLoad::State::to_streams() {
   KvHandoverPlan plan;
   plan.staged = kv->staged();
   plan.layers = layers;
-  plan.layer_bytes = kv->layout.layer_bytes(kv->blocks_per_chunk);
+  plan.layer_bytes = kv->layer_bytes();
   plan.runs = runs;
   plan.after = after.get();
   auto made = device->handover(plan);
@@ -272,7 +267,7 @@ void KvLoad::State::place_on_host(std::unique_lock<std::mutex>& lock, std::uint3
 
 void KvLoad::State::place_layer(std::uint32_t l) {
   const Deadline until = deadline.value_or(deadline_after(std::chrono::seconds(30)));
-  const std::uint64_t layer_bytes = kv->layout.layer_bytes(kv->blocks_per_chunk);
+  const std::uint64_t layer_bytes = kv->layer_bytes();
   for (std::size_t c = 0; c < runs.size(); ++c) {
     const std::byte* src = nullptr;
     std::uint64_t want = 0;
@@ -415,10 +410,12 @@ void KvLoad::cancel() {
 }
 
 std::vector<std::uint32_t> KvLoad::failed_blocks() {
-  const std::vector<Status> statuses = wait();
+  const std::vector<Status> statuses = wait();  // per chunk; blocks are per object
+  const std::size_t per_chunk = state_ ? state_->kv->per_chunk() : 1;
   std::vector<std::uint32_t> out;
   for (std::size_t c = 0; c < statuses.size(); ++c) {
-    if (!statuses[c].is_ok()) out.insert(out.end(), state_->blocks[c].begin(), state_->blocks[c].end());
+    const auto& blocks = state_->blocks[c * per_chunk];
+    if (!statuses[c].is_ok()) out.insert(out.end(), blocks.begin(), blocks.end());
   }
   return out;
 }
@@ -463,6 +460,7 @@ std::vector<Status> KvLoad::wait() {
     const Status& d = st.done[c] ? *st.done[c] : Status::internal("kvcache: load not finished");
     out.push_back(!d.is_ok() ? d : st.late[c]);
   }
+  out = kvcache::fold_objects(out, st.kv->per_chunk());
   st.result = out;
   if (!st.streams) st.give_bounces();  // every layer is in place: the bounce buffers go back now
   count_chunks(*st.kv->store, "load", out);

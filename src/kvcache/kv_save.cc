@@ -46,7 +46,7 @@ void KvSave::State::write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& wri
         c.status.with_context("kvcache: waiting for the engine to write layer " + std::to_string(layer));
     return;
   }
-  auto runs = kv->layer_runs(layer, c.blocks);
+  auto runs = kv->layer_runs(c.object, layer, c.blocks);
   if (!runs.is_ok()) {
     c.status = runs.status();
     return;
@@ -61,7 +61,7 @@ void KvSave::State::write_layer(Chunk& c, std::uint32_t layer, KvDeviceMark& wri
     c.status = c.stream.append(kv->slices(*runs));  // summed as shm copies it, or here
   } else {
     // Through a bounce slot: the one this layer reuses must have reached the nodes.
-    const std::uint64_t lb = kv->layout.layer_bytes(kv->blocks_per_chunk);
+    const std::uint64_t lb = kv->layer_bytes();
     const std::uint32_t slots = kv->options.bounce_slots;
     if (layer >= slots) c.status = c.stream.wait_written(lb * (layer - slots + 1));
     std::byte* slot = c.bounce->mem.get() + (layer % slots) * lb;
@@ -125,7 +125,7 @@ std::vector<Status> KvSave::wait() {
   if (st.cancelled) {
     std::vector<Status> out;
     for (const auto& c : st.chunks) out.push_back(c.status);
-    return out;
+    return kvcache::fold_objects(out, st.kv->per_chunk());
   }
   const std::uint32_t layers = st.kv->layout.shape().num_layers;
   std::vector<Status> out;
@@ -155,6 +155,7 @@ std::vector<Status> KvSave::wait() {
   }
   const std::vector<Status> committed = st.kv->store->commit_all(ready);
   for (std::size_t i = 0; i < ready.size(); ++i) out[ready_at[i]] = committed[i];
+  out = kvcache::fold_objects(out, st.kv->per_chunk());
   count_chunks(*st.kv->store, "save", out);
   return out;
 }

@@ -72,6 +72,7 @@ Status KvCacheShape::validate() const {
   }
   if (dtype_bytes(dtype) == 0) return invalid("unknown dtype");
   if (mla && num_kv_heads != 1) return invalid("an MLA cache has one latent head (num_kv_heads = 1)");
+  if (mla && joint_kv) return invalid("an MLA cache has no K and V to keep side by side (joint_kv)");
   // A whole layer must be addressable.
   auto layer = mul(block_bytes(), std::uint64_t{num_blocks});
   if (!layer || !mul(*layer, std::uint64_t{parts()} * num_layers))
@@ -170,22 +171,51 @@ Result<KvLayout> KvLayout::custom(const KvCacheShape& shape, std::vector<std::by
   return out;
 }
 
+Result<KvLayout> KvLayout::heads(std::uint32_t first, std::uint32_t count) const {
+  if (shape_.mla) return invalid("an MLA cache has no heads to divide");
+  if (is_head_view()) return invalid("a view of some heads is not divided again");
+  if (count == 0 || first >= shape_.num_kv_heads || count > shape_.num_kv_heads - first) {
+    return invalid("heads [" + std::to_string(first) + ", +" + std::to_string(count) + ") of " +
+                   std::to_string(shape_.num_kv_heads));
+  }
+  KvLayout view = *this;
+  view.shape_.num_kv_heads = count;
+  view.tensor_heads_ = shape_.num_kv_heads;
+  view.head_first_ = first;
+  return view;
+}
+
 Status KvLayout::layer_runs(std::uint32_t layer, std::span<const std::uint32_t> blocks,
                             std::vector<KvRun>& out) const {
   if (layer >= shape_.num_layers) return invalid("layer " + std::to_string(layer) + " out of range");
   for (std::uint32_t b : blocks) {
     if (b >= shape_.num_blocks) return invalid("block id " + std::to_string(b) + " out of range");
   }
-  const std::uint64_t bb = shape_.block_bytes();
   const std::uint32_t region = layer_region_[layer];
   const std::size_t first = out.size();
+  // Appends `n` bytes at `addr`, merged with the run before when it ends there.
+  auto add = [&](std::byte* addr, std::uint64_t n) {
+    if (out.size() > first && out.back().addr + out.back().length == addr) {
+      out.back().length += n;
+    } else {
+      out.push_back({addr, n, region});
+    }
+  };
+  // Of each block, the heads this layout holds: the whole block, one run of the block (HND:
+  // heads outermost), or one run per token (NHD: heads within each token).
+  const std::uint64_t head_bytes = std::uint64_t{shape_.head_dim} * dtype_bytes(shape_.dtype);
+  const bool whole = !is_head_view() || shape_.num_kv_heads == tensor_heads_;
   for (std::uint32_t p = 0; p < shape_.parts(); ++p) {
     for (std::uint32_t b : blocks) {
-      std::byte* addr = layer_base_[layer] + p * part_stride_ + b * block_stride_;
-      if (out.size() > first && out.back().addr + out.back().length == addr) {
-        out.back().length += bb;  // the next block in memory too: one run
+      std::byte* block = layer_base_[layer] + p * part_stride_ + b * block_stride_;
+      if (whole) {
+        add(block, shape_.block_bytes());
+      } else if (shape_.order == KvBlockOrder::kHND) {
+        add(block + head_first_ * shape_.block_size * head_bytes, shape_.block_bytes());
       } else {
-        out.push_back({addr, bb, region});
+        for (std::uint32_t t = 0; t < shape_.block_size; ++t)
+          add(block + (std::uint64_t{t} * tensor_heads_ + head_first_) * head_bytes,
+              shape_.num_kv_heads * head_bytes);
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/wire.h"
+#include "kvcache/kv_cache_internal.h"
 #include "kvstash/kvcache.h"
 
 namespace kvstash {
@@ -25,14 +26,22 @@ void put_string(wire::Writer& w, std::string_view s) { w.bytes(s); }
 
 }  // namespace
 
+std::string kvcache::head_suffix(std::uint32_t first, std::uint32_t count, std::uint32_t total) {
+  return ":h" + std::to_string(first) + "+" + std::to_string(count) + "/" + std::to_string(total);
+}
+
 std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
   std::vector<std::string> keys;
   if (o.chunk_tokens == 0) return keys;
+  // By heads, the chain is every head's (a rank's salt would tie it to its writer); the key's
+  // end names the heads.
+  const std::string suffix =
+      o.heads_total == 0 ? "" : kvcache::head_suffix(o.head_first, o.head_count, o.heads_total);
   wire::Writer salt;
   salt.raw(std::string_view("kvstash.prefix.v1\0", 18));
   salt.u32(o.chunk_tokens);
-  salt.u32(o.tp_rank);
-  salt.u32(o.tp_size);
+  salt.u32(o.heads_total == 0 ? o.tp_rank : 0);  // by heads, as rank 0 of 1: no writer's rank
+  salt.u32(o.heads_total == 0 ? o.tp_size : 1);
   put_string(salt, o.model);
   put_string(salt, o.layout_tag);
   put_string(salt, o.extra);
@@ -62,7 +71,7 @@ std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixK
     }
     if (c == 0) root = name.substr(0, 16);
     std::string key = "kvp:{";
-    key.append(root).append("}").append(name);
+    key.append(root).append("}").append(name).append(suffix);
     keys.push_back(std::move(key));
   }
   return keys;

@@ -489,7 +489,8 @@ PYBIND11_MODULE(_native, m) {
                        const std::string& arrangement, const std::string& model, std::uint32_t tp_rank,
                        std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
                        const std::string& memory_kind, const std::string& staging, const py::object& base,
-                       std::uint32_t num_layers) {
+                       std::uint32_t num_layers, bool joint_kv, std::uint32_t heads_total,
+                       std::uint32_t head_first, std::uint32_t head_count) {
              auto dt = parse_kv_dtype(dtype);
              if (!dt) raise(Status::invalid_argument("unknown dtype '" + dtype + "'"));
              if (order != "nhd" && order != "hnd") raise(Status::invalid_argument("order is 'nhd' or 'hnd'"));
@@ -516,7 +517,8 @@ PYBIND11_MODULE(_native, m) {
                                 .head_dim = head_dim,
                                 .dtype = *dt,
                                 .order = order == "hnd" ? KvBlockOrder::kHND : KvBlockOrder::kNHD,
-                                .mla = mla};
+                                .mla = mla,
+                                .joint_kv = joint_kv};
              check(shape.validate());
              auto out = std::make_shared<PyKvCache>();
              out->store = store;
@@ -553,7 +555,10 @@ PYBIND11_MODULE(_native, m) {
                                    .tp_rank = tp_rank,
                                    .tp_size = tp_size,
                                    .chunk_tokens = chunk_tokens,
-                                   .extra = extra};
+                                   .extra = extra,
+                                   .heads_total = heads_total,
+                                   .head_first = head_first,
+                                   .head_count = head_count};
              out->kv = unwrap(nogil([&] {
                return KvCache::open(*store->store, std::move(l), std::move(keys), std::move(options));
              }));
@@ -568,7 +573,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens, py::arg("extra") = kKeyDefaults.extra,
            py::arg("memory_kind") = std::string(memory_kind_name(MemoryKind::kHost)),
            py::arg("staging") = "auto", py::arg("base") = py::none(),
-           py::arg("num_layers") = kShapeDefaults.num_layers,
+           py::arg("num_layers") = kShapeDefaults.num_layers, py::arg("joint_kv") = kShapeDefaults.joint_kv,
+           py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
+           py::arg("head_count") = kKeyDefaults.head_count,
            "A KV cache over the engine's tensors: KvCacheShape's fields, the KvLayout constructor's "
            "(arrangement 'per_layer', 'per_layer_blocks_first': layer_tensors, one per layer, as ints "
            "(data_ptr()) or writable buffers; 'cross_layer': base, the one region, and num_layers; "
@@ -577,6 +584,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("chunk_tokens",
                              [](const PyKvCache& k) { return k.kv->key_options().chunk_tokens; })
       .def_property_readonly("chunk_bytes", [](const PyKvCache& k) { return k.kv->chunk_bytes(); })
+      .def_property_readonly("objects_per_chunk",
+                             [](const PyKvCache& k) { return k.kv->objects_per_chunk(); })
       .def_property_readonly("layout_tag", [](const PyKvCache& k) { return k.kv->key_options().layout_tag; })
       .def_property_readonly("data_path", [](const PyKvCache& k) { return std::string(k.kv->data_path()); })
       .def_property_readonly("device", [](const PyKvCache& k) { return std::string(k.kv->device().name()); })
@@ -710,17 +719,24 @@ PYBIND11_MODULE(_native, m) {
       "prefix_chunk_keys",
       [](const std::vector<std::uint32_t>& tokens, const std::string& model, const std::string& layout_tag,
          std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
-         const std::vector<std::string>& chunk_salts) {
+         const std::vector<std::string>& chunk_salts, std::uint32_t heads_total, std::uint32_t head_first,
+         std::uint32_t head_count) {
         return prefix_chunk_keys({tokens, chunk_salts}, {.model = model,
                                                          .layout_tag = layout_tag,
                                                          .tp_rank = tp_rank,
                                                          .tp_size = tp_size,
                                                          .chunk_tokens = chunk_tokens,
-                                                         .extra = extra});
+                                                         .extra = extra,
+                                                         .heads_total = heads_total,
+                                                         .head_first = head_first,
+                                                         .head_count = head_count});
       },
       py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = kKeyDefaults.tp_rank,
       py::arg("tp_size") = kKeyDefaults.tp_size, py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens,
       py::arg("extra") = kKeyDefaults.extra, py::arg("chunk_salts") = std::vector<std::string>{},
+      py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
+      py::arg("head_count") = kKeyDefaults.head_count,
       "The keys of the full chunks of `tokens` (prefix_chunk_keys); chunk_salts[c], bytes, names what chunk "
-      "c's KV was computed from besides its tokens (KvTokens).");
+      "c's KV was computed from besides its tokens (KvTokens). heads_total set: the keys of the objects "
+      "of heads [head_first, head_first + head_count) (PrefixKeyOptions).");
 }
