@@ -169,6 +169,41 @@ TEST(TcpTransport, ScatteredPiecesOfOneRemoteRangeMoveIntact) {
   EXPECT_TRUE(p.ep->healthy());
 }
 
+TEST(TcpTransport, ThousandsOfSmallPiecesInRunsOfEveryLengthMoveIntact) {
+  // A KV-cache layer of one head group: a small piece per token, runs of pieces that continue
+  // each other remotely broken by pieces that do not. The stream keeps every request it sent
+  // until its response, in a ring that grows as it fills, also in the middle of gathering a
+  // run: growing it must not move what the run is being gathered from. 1,200 runs (39,000
+  // pieces) grow the ring to megabytes, which malloc maps and unmaps whole: a reference into
+  // the old ring then faults rather than reading stale bytes.
+  constexpr std::size_t kRuns = 1200, kPiece = 64;
+  std::vector<std::size_t> remote_off;
+  std::size_t at = 0;
+  for (std::size_t run = 0; run < kRuns; ++run) {
+    const std::size_t n = 1 + run % 64;  // 1, 2, ... 64 pieces that continue each other
+    for (std::size_t i = 0; i < n; ++i) remote_off.push_back(at + i * kPiece);
+    at += n * kPiece + kPiece;  // a gap: the next run is a request of its own
+  }
+  const std::size_t pieces = remote_off.size();
+  Pair p = make_pair(std::max(at, pieces * kPiece), {}, {.streams = 1});
+  ASSERT_TRUE(p.ep);
+  test::fill_random(p.remote.bytes(), 43);
+  std::memset(p.local.data(), 0, pieces * kPiece);
+  Sink sink;
+  std::vector<Op> ops;
+  for (std::size_t i = 0; i < pieces; ++i)
+    ops.push_back(make_op(p, TransferOp::kRead, i * kPiece, remote_off[i], kPiece, sink,
+                          static_cast<std::uint32_t>(i)));
+  p.ep->post(ops);
+  ASSERT_TRUE(sink.wait(pieces));
+  for (std::uint32_t i = 0; i < pieces; ++i) {
+    ASSERT_TRUE(sink.status(i).is_ok()) << i;
+    ASSERT_EQ(test::first_mismatch(p.local.data() + i * kPiece, p.remote.data() + remote_off[i], kPiece), -1)
+        << "piece " << i;
+  }
+  EXPECT_TRUE(p.ep->healthy());
+}
+
 TEST(TcpTransport, RefusedRunOfPiecesFailsEveryPieceAndTheStreamStaysInSync) {
   // Four writes that continue each other go out as one request; the last passes the region
   // (a forged key length), so the target refuses the request and every piece of it fails.

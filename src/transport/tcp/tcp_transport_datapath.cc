@@ -139,7 +139,8 @@ void Stream::queue(const Op& op) {
     // A key made through an earlier endpoint (the engine revokes through the one it has now)
     // knows nothing of this connection: its grant goes ahead of each such request.
     const std::uint64_t bit = std::uint64_t{1} << index;
-    if (key->endpoint_id != endpoint_id || (key->presented.fetch_or(bit, std::memory_order_relaxed) & bit) == 0) {
+    if (key->endpoint_id != endpoint_id ||
+        (key->presented.fetch_or(bit, std::memory_order_relaxed) & bit) == 0) {
       Pending g;
       g.kind = Pending::Kind::kGrant;
       g.region = key->key;
@@ -190,6 +191,10 @@ void Stream::start_writing(std::unique_lock<std::mutex> lock) {
 
 bool Stream::next_request(OutRequest& r) {
   if (queued_.empty() || failed_) return false;
+  // Room for a whole group first: `first` and `op` below are references into the ring, which
+  // a push that grew it would leave dangling.
+  if (on_wire_.capacity() - on_wire_.size() < kMaxGroupOps)
+    on_wire_.set_capacity(std::max(2 * on_wire_.capacity(), on_wire_.size() + kMaxGroupOps));
   // On the wire before the header is sent, so the response always finds it.
   push(on_wire_, std::move(queued_.front()));
   queued_.pop_front();
@@ -312,15 +317,15 @@ void Stream::write_more() {
       if (err == EINTR) continue;
       if (err == EAGAIN || err == EWOULDBLOCK) {
         socket_.async_wait(wait_kind(tcp::socket::wait_write), on_strand([](Stream& s, error_code ec) {
-          if (ec) {
-            s.fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()),
-                       ec == asio::error::operation_aborted);
-            std::lock_guard lock(s.mu_);
-            s.writing_ = false;
-            return;
-          }
-          s.write_more();
-        }));
+                             if (ec) {
+                               s.fail_all(Status::unavailable("tcp send to peer failed: " + ec.message()),
+                                          ec == asio::error::operation_aborted);
+                               std::lock_guard lock(s.mu_);
+                               s.writing_ = false;
+                               return;
+                             }
+                             s.write_more();
+                           }));
         return;
       }
       fail_all(Status::unavailable("tcp send to peer failed: " + error_text(err)));
@@ -344,12 +349,13 @@ void Stream::read_more() {
       case Read::kAnswered: ++answered; break;
       case Read::kWait:
         socket_.async_wait(wait_kind(tcp::socket::wait_read), on_strand([](Stream& s, error_code ec) {
-          if (ec) {
-            s.fail_all(Status::unavailable("tcp receive failed: " + ec.message()), ec == asio::error::operation_aborted);
-            return;
-          }
-          s.read_more();
-        }));
+                             if (ec) {
+                               s.fail_all(Status::unavailable("tcp receive failed: " + ec.message()),
+                                          ec == asio::error::operation_aborted);
+                               return;
+                             }
+                             s.read_more();
+                           }));
         return;
       case Read::kEnded: return;
     }
@@ -371,7 +377,8 @@ Stream::Read Stream::read_response() {
   for (;;) {
     if (!in_payload_) {
       // The header, then the request it answers: the group of ops at the front of the wire.
-      const iovec into{reinterpret_cast<std::byte*>(&response_) + response_got_, sizeof response_ - response_got_};
+      const iovec into{reinterpret_cast<std::byte*>(&response_) + response_got_,
+                       sizeof response_ - response_got_};
       const ssize_t n = receive_some(&into, 1);
       if (n <= 0) {
         if (auto next = moved_nothing(n, "")) return *next;
