@@ -23,6 +23,9 @@ struct KvCacheBenchOptions {
   std::vector<TransportKind> transports{TransportKind::kShm, TransportKind::kTcp};
   bool json = false;
   bool gpu = false;  // the caches in GPU memory, staged (run_kvcache_gpu)
+  // Both set: saved by the ranks of one tensor-parallel degree, loaded at another
+  // (run_kvcache_tp).
+  std::uint32_t save_tp = 0, load_tp = 0;
 };
 
 // What both forms measure: one Llama-2-7B session (fp16, vLLM's per-layer tensors with twice
@@ -66,11 +69,17 @@ class RedisMeter {
 // and *load_s, and with a meter what Redis spent on each to *save_cost and *load_cost.
 // Returns 1 when a chunk failed (said on stderr), else 0.
 int time_save_and_load(KvCache& src, KvCache& dst, const BenchSession& s, double* save_s, double* load_s,
-                       RedisMeter* meter = nullptr, RedisCost* save_cost = nullptr, RedisCost* load_cost = nullptr);
+                       RedisMeter* meter = nullptr, RedisCost* save_cost = nullptr,
+                       RedisCost* load_cost = nullptr);
 
 // Runs it (a private redis-server and kvstashd on loopback) and prints its rows. Returns the
 // exit code: 0, or 1 on a failed or corrupted operation.
 int run_kvcache(const KvCacheBenchOptions& options);
+
+// Saved at TP=save_tp, loaded at TP=load_tp (a thread per rank), keys by KV heads, against a
+// same-degree load (keys by heads, and by rank) in the same run. Returns as run_kvcache; 2
+// for degrees that do not divide the model's heads.
+int run_kvcache_tp(const KvCacheBenchOptions& options);
 
 // The same with both caches in GPU memory, staged through pinned bounce buffers by the CUDA
 // copier, against cudaMemcpy device-to-host and host-to-device of the same bytes. Built only

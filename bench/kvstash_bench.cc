@@ -5,7 +5,6 @@
 #include <sstream>
 
 #include "checksum.h"
-#include "tier.h"
 #include "churn.h"
 #include "common/system.h"
 #include "common/units.h"
@@ -16,6 +15,7 @@
 #include "peers.h"
 #include "serve.h"
 #include "store.h"
+#include "tier.h"
 
 namespace {
 
@@ -31,9 +31,9 @@ struct TokenSource {
   CLI::Option* argv_opt = nullptr;
 
   void add_to(CLI::App* app, const char* what) {
-    file_opt = app->add_option("--token-file", file,
-                               std::string("File holding the cluster token ") + what +
-                                   " (chmod 600; else KVSTASH_CLUSTER_TOKEN)");
+    file_opt = app->add_option(
+        "--token-file", file,
+        std::string("File holding the cluster token ") + what + " (chmod 600; else KVSTASH_CLUSTER_TOKEN)");
     argv_opt = app->add_option("--token", argv_token,
                                "Deprecated: the token on the command line shows in ps to every user of the "
                                "host; use --token-file or KVSTASH_CLUSTER_TOKEN");
@@ -135,18 +135,20 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   p->add_option("--shm-slice", shm_slice, "shm: requests above this are split over the copy threads")
       ->capture_default_str();
-  p->add_option("--busy-poll-us", p2p.busy_poll_us,
-                "Latency mode in both processes: waiting callers and tcp I/O threads spin this many microseconds "
-                "before they sleep (EngineOptions::busy_poll); 0 = off")
+  p->add_option(
+       "--busy-poll-us", p2p.busy_poll_us,
+       "Latency mode in both processes: waiting callers and tcp I/O threads spin this many microseconds "
+       "before they sleep (EngineOptions::busy_poll); 0 = off")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000000));
   p->add_option("--peer", p2p.peer_file,
                 "Use a running `kvstash-bench p2p-target` (maybe on another host): a file, or - for stdin, "
                 "holding the three lines it printed");
   p->add_option("--plot", p2p.plot, "Also draw GB/s over request size into this SVG file (runs gnuplot)");
-  p->add_flag("--tls", p2p.tls,
-              "Also measure tcp over TLS (tcp+tls rows beside the plain tcp ones), against a TLS-only listener "
-              "of the target (a spawned one gets throwaway credentials)");
+  p->add_flag(
+      "--tls", p2p.tls,
+      "Also measure tcp over TLS (tcp+tls rows beside the plain tcp ones), against a TLS-only listener "
+      "of the target (a spawned one gets throwaway credentials)");
   p->add_option("--tls-ca", p2p.tls_ca, "With --tls and --peer: the CA of the target's --tls-cert")
       ->check(CLI::ExistingFile);
   p->footer(
@@ -205,12 +207,15 @@ int main(int argc, char** argv) {
   TokenSource target_token_source;
   target_token_source.add_to(t, "required from initiators");
   t->add_option("--tcp-io-threads", target_tcp.io_threads, "tcp: socket I/O threads")->capture_default_str();
-  t->add_option("--tls-cert", target_tcp.tls.cert_file,
-                "Also serve the region over a TLS-only tcp listener with this PEM certificate chain (p2p --tls)")
+  t->add_option(
+       "--tls-cert", target_tcp.tls.cert_file,
+       "Also serve the region over a TLS-only tcp listener with this PEM certificate chain (p2p --tls)")
       ->check(CLI::ExistingFile);
-  t->add_option("--tls-key", target_tcp.tls.key_file, "The PEM private key of --tls-cert")->check(CLI::ExistingFile);
+  t->add_option("--tls-key", target_tcp.tls.key_file, "The PEM private key of --tls-cert")
+      ->check(CLI::ExistingFile);
   unsigned target_busy_poll_us = 0;
-  t->add_option("--busy-poll-us", target_busy_poll_us, "Latency mode: spin this many microseconds before sleeping")
+  t->add_option("--busy-poll-us", target_busy_poll_us,
+                "Latency mode: spin this many microseconds before sleeping")
       ->capture_default_str();
 
   bench::StoreBenchOptions store;
@@ -276,8 +281,15 @@ int main(int argc, char** argv) {
   kc->add_flag("--gpu", kvc.gpu,
                "Both caches in GPU memory, staged through pinned bounce buffers, against cudaMemcpy "
                "(builds with CUDA; needs a GPU)");
+  kc->add_option("--save-tp", kvc.save_tp,
+                 "With --load-tp: the session is saved by this many tensor-parallel ranks (keys by KV heads)")
+      ->check(CLI::Range(1u, 32u));
+  kc->add_option("--load-tp", kvc.load_tp,
+                 "With --save-tp: and loaded by this many, against a load at the same degree")
+      ->check(CLI::Range(1u, 32u));
   kc->footer(
-      "Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json");
+      "Examples:\n  kvstash-bench kvcache\n  kvstash-bench kvcache --tokens 1024 --transport tcp --json\n"
+      "  kvstash-bench kvcache --tokens 1024 --save-tp 2 --load-tp 1");
 
   bench::ServeBenchOptions serve;
   std::string serve_transport = "shm";
@@ -340,12 +352,14 @@ int main(int argc, char** argv) {
   md->add_option("--objects", meta.objects, "--scripts: one-page objects in the cell")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{10000}, std::uint64_t{20000000}));
-  md->add_flag("--tls", meta.tls,
-               "Throughput: the kvstash clients reach Redis through a TLS port of the same server (rediss://, "
-               "throwaway certificates); redis-benchmark's references stay plain");
-  md->add_option("--quotas", meta.quotas,
-                 "Throughput: set this many quotas per key prefix first (one over the gets' keys, one over the "
-                 "puts', the rest over other prefixes; none ever full): what quota accounting costs")
+  md->add_flag(
+      "--tls", meta.tls,
+      "Throughput: the kvstash clients reach Redis through a TLS port of the same server (rediss://, "
+      "throwaway certificates); redis-benchmark's references stay plain");
+  md->add_option(
+        "--quotas", meta.quotas,
+        "Throughput: set this many quotas per key prefix first (one over the gets' keys, one over the "
+        "puts', the rest over other prefixes; none ever full): what quota accounting costs")
       ->capture_default_str()
       ->check(CLI::Range(0, 256));
   md->add_option("--shards", meta.shards,
@@ -381,7 +395,8 @@ int main(int argc, char** argv) {
       "tier",
       "The NVMe tier's device layer (O_DIRECT through io_uring) writing and reading a file sequentially, "
       "against fio's O_DIRECT io_uring job of the same file in the same run");
-  ti->add_option("--path", tier.path, "A file on the tier's file system (created, and removed after)")->required();
+  ti->add_option("--path", tier.path, "A file on the tier's file system (created, and removed after)")
+      ->required();
   ti->add_option("--bytes", tier_bytes, "The file's size: each pass writes, then reads, all of it")
       ->capture_default_str();
   ti->add_option("--io-size", tier_io, "One I/O (a page)")->capture_default_str();
@@ -393,9 +408,10 @@ int main(int argc, char** argv) {
   bench::TierStoreBenchOptions tier_store;
   bool tier_store_on = false, tier_no_checksum = false;
   std::string tier_sizes = "4MiB,64MiB", tier_pool = "256MiB", tier_page = "4MiB";
-  ti->add_flag("--store", tier_store_on,
-               "The tier under a real kvstashd instead: puts (paced by the write-down), write-down and promoted "
-               "gets (checked byte for byte), against fio's write and read on the same file system");
+  ti->add_flag(
+      "--store", tier_store_on,
+      "The tier under a real kvstashd instead: puts (paced by the write-down), write-down and promoted "
+      "gets (checked byte for byte), against fio's write and read on the same file system");
   ti->add_option("--object-sizes", tier_sizes, "--store: object sizes, a run each")->capture_default_str();
   ti->add_option("--pool", tier_pool, "--store: the node's DRAM pool")->capture_default_str();
   ti->add_option("--page-size", tier_page, "--store: the cell's page (and fio's I/O)")->capture_default_str();
@@ -405,7 +421,8 @@ int main(int argc, char** argv) {
   ti->add_option("--sessions", tier_store.sessions, "--store: promoted gets at once")
       ->capture_default_str()
       ->check(CLI::Range(1u, 64u));
-  ti->add_flag("--no-checksum", tier_no_checksum, "--store: the store's checksum off (the tier checks its own sum)");
+  ti->add_flag("--no-checksum", tier_no_checksum,
+               "--store: the store's checksum off (the tier checks its own sum)");
   ti->footer(
       "Examples:\n  kvstash-bench tier --path /mnt/nvme0/bench.tier --bytes 4GiB --io-size 4MiB --depth 16\n"
       "  kvstash-bench tier --store --path /mnt/nvme0/bench.tier --object-sizes 4MiB,64MiB --pool 1GiB");
@@ -429,17 +446,21 @@ int main(int argc, char** argv) {
                  "Give each node an NVMe tier: a file in this directory (a file system with O_DIRECT)");
   std::string churn_ssd_capacity;
   ch->add_option("--ssd-capacity", churn_ssd_capacity, "Each node's tier (default: eight pools)");
-  ch->add_option("--keys", churn.keys, "Keys the clients write over (0: three times the pool at the mean size)")
+  ch->add_option("--keys", churn.keys,
+                 "Keys the clients write over (0: three times the pool at the mean size)")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1000000u));
   ch->add_option("--clients", churn.clients, "Client threads (one Store)")
       ->capture_default_str()
       ->check(CLI::Range(1u, 64u));
-  ch->add_option("--seconds", churn.seconds, "Length of the run")->capture_default_str()->check(CLI::Range(1.0, 86400.0));
+  ch->add_option("--seconds", churn.seconds, "Length of the run")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 86400.0));
   ch->add_option("--interval", churn.interval, "Seconds per reported row")
       ->capture_default_str()
       ->check(CLI::Range(0.1, 600.0));
-  ch->add_option("--mix", churn_mix, "Operation weights: put, stream, get, remove, touch (put=4,get=3,stream=1)")
+  ch->add_option("--mix", churn_mix,
+                 "Operation weights: put, stream, get, remove, touch (put=4,get=3,stream=1)")
       ->capture_default_str();
   ch->add_option("--ttl-fraction", churn.ttl_fraction, "Puts with a TTL of 0.2-2 s")
       ->capture_default_str()
@@ -454,14 +475,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   ch->add_option("--transport", churn_transport, "shm, tcp or ucx")->capture_default_str();
   ch->add_option("--seed", churn.seed, "The clients' seed")->capture_default_str();
-  ch->add_option("--min-put-success", churn.min_put_success, "Exit 1 when the run's put success is below this")
+  ch->add_option("--min-put-success", churn.min_put_success,
+                 "Exit 1 when the run's put success is below this")
       ->check(CLI::Range(0.0, 1.0));
   ch->add_flag("--json", churn.json, "One JSON object per interval, then a summary");
-  ch->add_option("--plot", churn.plot, "Also draw efficiency, put success and limbo over time (SVG, gnuplot)");
+  ch->add_option("--plot", churn.plot,
+                 "Also draw efficiency, put success and limbo over time (SVG, gnuplot)");
   ch->footer(
       "Examples:\n  kvstash-bench churn --seconds 45 --keys 20   (the case issue 26 began from)\n"
       "  kvstash-bench churn --mix put=4,stream=1,get=4,remove=1,touch=1 --cancel-fraction 0.1\n"
-      "  kvstash-bench churn --sizes kv --nodes 2 --node-capacity 1GiB --page-size 4MiB --keys 40 --plot churn.svg");
+      "  kvstash-bench churn --sizes kv --nodes 2 --node-capacity 1GiB --page-size 4MiB --keys 40 --plot "
+      "churn.svg");
 
   std::vector<TransportKind> target_kinds;
   try {
@@ -567,6 +591,13 @@ int main(int argc, char** argv) {
     std::cerr << "kvstash-bench kvcache --gpu: this build has no CUDA (meson -Dcuda=enabled with nvcc)\n";
     return 2;
 #endif
+  }
+  if (kc->parsed() && (kvc.save_tp != 0 || kvc.load_tp != 0)) {
+    if (kvc.save_tp == 0 || kvc.load_tp == 0 || kvc.gpu) {
+      std::cerr << "kvstash-bench kvcache: --save-tp and --load-tp go together, on host caches\n";
+      return 2;
+    }
+    return bench::run_kvcache_tp(kvc);
   }
   if (kc->parsed()) return bench::run_kvcache(kvc);
   if (sv->parsed()) return bench::run_serve(serve);

@@ -184,7 +184,7 @@ class KvEvents(unittest.TestCase):
         tokens = [(seed * 97 + i * 13) % 900 + 1 for i in range(chunks * BLOCK + 3)]
         self.engine.run(rid, tokens)
         hashes = [maybe_convert_block_hash(h) for h in self.engine.request(rid, tokens).block_hashes]
-        keys = self.engine.workers[0][0].geometry.keys(tokens, 0, 1)
+        keys = self.engine.workers[0][0].geometry.keys(tokens)
         want = {}
         for c in range(chunks):
             want[keys[c]] = (hashes[c], hashes[c - 1] if c else None, tokens[c * BLOCK:(c + 1) * BLOCK])

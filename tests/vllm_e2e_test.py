@@ -12,6 +12,7 @@ The test checks:
 - a chunk whose load fails its checksum is computed again (same tokens), leaves the cell and
   is put anew, while the chunks before it load;
 - a memory node killed before the load: every load fails, the engine computes, same tokens;
+- keys name KV heads: TP=1 loads what TP=2 saved and the reverse, each with its own tokens;
 - prefill/decode disaggregation, through the cell (kv_producer saves, kv_consumer loads) and
   direct (the decode reads the prefill's blocks; an expired handoff is fenced and freed; a
   killed prefill leaves the decode computing), with the same tokens as one engine.
@@ -41,6 +42,10 @@ from vllm_engine import (BUILD, VOCAB, Engine, chunk_records, make_gemma3, make_
 
 from kvstash import _identity  # noqa: E402  (from BUILD, on the path vllm_engine set)
 
+# Objects a chunk is stored as: the test models' 2 KV heads, one per object (keys name heads,
+# so engines of any tensor-parallel degree share them).
+OBJECTS = 2
+
 class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
     SHARED = PROMPT[:520] + [(i * 53 + 7) % (VOCAB - 2) for i in range(180)]
@@ -68,7 +73,7 @@ class VllmForwardPass(unittest.TestCase):
         self.assertEqual(saver[0]["tokens"], plain["prompt"], "the connector changed the answer")
         self.assertEqual(saver[1]["tokens"], plain["prompt"])
         records = {k: v for k, v in saver[0]["records"].items() if k not in known}
-        self.assertEqual(len(records), 5, "701 tokens are 5 chunks of 128 (vLLM's CPU block size)")
+        self.assertEqual(len(records), 5 * OBJECTS, "701 tokens are 5 chunks of 128 (vLLM's CPU block size)")
         self.assertEqual({k: v for k, v in saver[1]["records"].items() if k not in known}, records,
                          "the same prompt again put chunks again")
         loader = run_engine(self.model, [self.PROMPT, self.SHARED], url=self.cell.url)
@@ -84,22 +89,23 @@ class VllmForwardPass(unittest.TestCase):
         known = set(chunk_records(self.cell.url))
         saver = run_engine(self.model, [self.OTHER[:129], self.OTHER[:257], self.OTHER], url=self.cell.url)
         self.assertEqual(saver[2]["tokens"], self.plain["other"])
-        chunks = []
+        chunks = []  # each chunk's objects
         for r in saver:
-            new = [k for k in r["records"] if k not in known]
-            self.assertEqual(len(new), 1, "each prompt adds one chunk of 128 tokens")
-            chunks += new
+            new = sorted(k for k in r["records"] if k not in known)
+            self.assertEqual(len(new), OBJECTS, "each prompt adds one chunk of 128 tokens")
+            chunks.append(new)
             known |= set(new)
         before = saver[2]["records"]
-        key = chunks[2].removeprefix(engine_fixture.CELL_PREFIX + ":obj:")
+        key = chunks[2][1].removeprefix(engine_fixture.CELL_PREFIX + ":obj:")  # one head's object
         engine_fixture.corrupt_layer_sum(self.cell.url, key)
         loader = run_engine(self.model, [self.OTHER], url=self.cell.url)
         self.assertEqual(loader[0]["tokens"], self.plain["other"], "a failed load changed the answer")
         after = loader[0]["records"]
-        self.assertEqual(after[chunks[0]], before[chunks[0]], "a chunk that loaded was put again")
-        self.assertEqual(after[chunks[1]], before[chunks[1]], "a chunk that loaded was put again")
-        self.assertIn(chunks[2], after, "the corrupt chunk was not put anew")
-        self.assertNotEqual(after[chunks[2]], before[chunks[2]], "the corrupt chunk was not replaced")
+        for k in chunks[0] + chunks[1]:
+            self.assertEqual(after[k], before[k], "a chunk that loaded was put again")
+        for k in chunks[2]:
+            self.assertIn(k, after, "the corrupt chunk was not put anew")
+            self.assertNotEqual(after[k], before[k], "the corrupt chunk was not replaced whole")
 
 
     def test_prefill_and_decode_through_the_cell(self):
@@ -213,17 +219,30 @@ class VllmForwardPass(unittest.TestCase):
                                 f"the resumed request loaded none of its saved chunks: {counts}")
         self.assertEqual(counts.get("chunks_load_failed", 0), 0, counts)
 
-    def test_two_tensor_parallel_ranks_store_and_load_their_shards(self):
-        """TP=2 (each rank a worker process): each rank stores its shard of every chunk, and a
-        fresh TP=2 engine loads them and answers as the engine that computed them."""
+    def test_tensor_parallel_degrees_read_each_others_chunks(self):
+        """Keys name KV heads, not ranks: what TP=2 saved (each rank a worker process storing its
+        head) a TP=1 engine loads, and what TP=1 saved a TP=2 engine loads, each answering as
+        an engine of its own degree without kvstash."""
+        first = [(i * 43 + 17) % (VOCAB - 2) for i in range(701)]
+        second = [(i * 47 + 19) % (VOCAB - 2) for i in range(701)]
+        want = {tp: run_engine(self.model, [first, second], tp=tp) for tp in (1, 2)}
         known = chunk_records(self.cell.url)
-        saver = run_engine(self.model, [self.PROMPT], url=self.cell.url, tp=2)
+        saver = run_engine(self.model, [first], url=self.cell.url, tp=2)
+        self.assertEqual(saver[0]["tokens"], want[2][0]["tokens"])
         new = {k for k, v in saver[0]["records"].items() if known.get(k) != v}
-        self.assertEqual(len(new), 10, "5 chunks, a shard per rank")
-        loader = run_engine(self.model, [self.PROMPT], url=self.cell.url, tp=2)
-        self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded shards differ")
-        self.assertEqual(loader[0]["cached"], 640, "both ranks' shards of 5 chunks loaded")
-        self.assertEqual(loader[0]["records"], saver[0]["records"], "a loaded shard was put again")
+        self.assertEqual(len(new), 5 * OBJECTS, "5 chunks, a head per rank")
+        loader = run_engine(self.model, [first], url=self.cell.url, tp=1)
+        self.assertEqual(loader[0]["cached"], 640, "TP=1 loaded both heads of 5 chunks TP=2 saved")
+        self.assertEqual(loader[0]["tokens"], want[1][0]["tokens"], "TP=1 from TP=2's chunks answers otherwise")
+        self.assertEqual(loader[0]["records"], saver[0]["records"], "a loaded chunk was put again")
+        known = chunk_records(self.cell.url)
+        saver = run_engine(self.model, [second], url=self.cell.url, tp=1)
+        self.assertEqual(saver[0]["tokens"], want[1][1]["tokens"])
+        self.assertEqual(len({k for k, v in saver[0]["records"].items() if known.get(k) != v}), 5 * OBJECTS)
+        loader = run_engine(self.model, [second], url=self.cell.url, tp=2)
+        self.assertEqual(loader[0]["cached"], 640, "each TP=2 rank loaded its head of 5 chunks TP=1 saved")
+        self.assertEqual(loader[0]["tokens"], want[2][1]["tokens"], "TP=2 from TP=1's chunks answers otherwise")
+        self.assertEqual(loader[0]["records"], saver[0]["records"], "a loaded chunk was put again")
 
     @staticmethod
     def wait_released(prefill, seconds=20):
@@ -272,7 +291,7 @@ class KeysName(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("a", 1, a))
         self.assertEqual(saver[0]["tokens"], want_a)
-        self.assertEqual(len(self.new_records(before, saver[0])), 5, "adapter A's 5 chunks saved")
+        self.assertEqual(len(self.new_records(before, saver[0])), 5 * OBJECTS, "adapter A's 5 chunks saved")
         loader = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("b", 1, b))
         self.assertEqual(loader[0]["tokens"], want_b, "adapter B's answer differs from the engine's own")
         self.assertEqual(loader[0]["cached"], 0, "adapter B (under A's id) loaded adapter A's chunks")
@@ -285,7 +304,7 @@ class KeysName(unittest.TestCase):
         make_model(model, seed=0)
         before = chunk_records(self.cell.url)
         old = run_engine(model, [self.PROMPT], url=self.cell.url)
-        self.assertEqual(len(self.new_records(before, old[0])), 5, "the old weights' 5 chunks saved")
+        self.assertEqual(len(self.new_records(before, old[0])), 5 * OBJECTS, "the old weights' 5 chunks saved")
         make_model(model, seed=1)  # a new checkpoint deployed in place
         want = run_engine(model, [self.PROMPT])[0]["tokens"]
         self.assertNotEqual(want, old[0]["tokens"], "the weights do not change the answer: the test could not fail")
@@ -303,7 +322,7 @@ class KeysName(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(self.model, [one], url=self.cell.url, embeds=True)
         self.assertEqual(saver[0]["tokens"], plain[0]["tokens"])
-        self.assertEqual(len(self.new_records(before, saver[0])), 4, "the embeddings' 4 full chunks saved")
+        self.assertEqual(len(self.new_records(before, saver[0])), 4 * OBJECTS, "the embeddings' 4 full chunks saved")
         loader = run_engine(self.model, [two, one], url=self.cell.url, embeds=True)
         self.assertEqual(loader[0]["tokens"], plain[1]["tokens"], "other embeddings' answer differs")
         self.assertEqual(loader[0]["cached"], 0, "other embeddings loaded the first ones' chunks")
@@ -324,7 +343,7 @@ class KeysName(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(vlm, [cat], url=self.cell.url)
         self.assertEqual(saver[0]["tokens"], plain[0]["tokens"])
-        self.assertEqual(len(self.new_records(before, saver[0])), 5, "the image prompt's 5 chunks saved")
+        self.assertEqual(len(self.new_records(before, saver[0])), 5 * OBJECTS, "the image prompt's 5 chunks saved")
         loader = run_engine(vlm, [dog, cat], url=self.cell.url)
         self.assertEqual(loader[0]["tokens"], plain[1]["tokens"], "another image's answer differs")
         self.assertEqual(loader[0]["cached"], 256, "another image loads the 2 chunks before it, and no more")
@@ -356,7 +375,7 @@ class Families(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(model, [self.PROMPT], url=self.cell.url)
         self.assertEqual(saver[0]["tokens"], want)
-        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5)
+        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5 * OBJECTS)
         loader = run_engine(model, [self.PROMPT], url=self.cell.url)
         self.assertEqual(loader[0]["tokens"], want, "tokens from loaded chunks differ")
         self.assertEqual(loader[0]["cached"], 640)
@@ -373,8 +392,8 @@ class Families(unittest.TestCase):
         make_gemma3(model, seed=2)
         before = chunk_records(self.cell.url)
         saver = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
-        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 10,
-                         "5 chunks, a shard per rank")
+        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5 * OBJECTS,
+                         "5 chunks, a head per rank")
         loader = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
         self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded shards differ")
         self.assertEqual(loader[0]["cached"], 640)

@@ -78,18 +78,19 @@ def tearDownModule():
     _cell.stop()
 
 
-def model_dir():
-    """A tiny Llama's config.json: vLLM reads the model's geometry from it, never its weights."""
+def model_dir(tp_size=1):
+    """A tiny Llama's config.json: vLLM reads the model's geometry from it, never its weights. Its
+    KV heads are HEADS per rank at `tp_size`."""
     d = tempfile.mkdtemp(prefix="kvstash-vllm-model-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS * tp_size,
                    "head_dim": HEAD, "num_hidden_layers": len(LAYERS), "vocab_size": 1000,
                    "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
     return d
 
 
-MODEL_DIR = None
+MODEL_DIRS = {}  # per TP degree
 MLA_DIR = None
 LATENT = 48  # an MLA layer's bytes per token: the compressed KV (32) and the rotary key (16)
 
@@ -108,12 +109,12 @@ def mla_model_dir():
 
 
 def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False):
-    global MODEL_DIR, MLA_DIR
+    global MLA_DIR
     if mla:
         MLA_DIR = MLA_DIR or mla_model_dir()
-    else:
-        MODEL_DIR = MODEL_DIR or model_dir()
-    where = MLA_DIR if mla else MODEL_DIR
+    elif tp_size not in MODEL_DIRS:
+        MODEL_DIRS[tp_size] = model_dir(tp_size)
+    where = MLA_DIR if mla else MODEL_DIRS[tp_size]
     model = ModelConfig(model=where, tokenizer=where, skip_tokenizer_init=True, dtype="float16",
                         max_model_len=1024, seed=0)
     cfg = VllmConfig(
@@ -285,7 +286,7 @@ class VllmConnector(unittest.TestCase):
         w = e.workers[0][0]
         self.assertEqual(w._cache_for("").layout_tag, e.connector.geometry.layout_tag())
         tokens = list(range(100, 100 + 3 * BLOCK))
-        self.assertEqual(w._cache_for("").keys(tokens), e.connector.geometry.keys(tokens, 0, 1))
+        self.assertEqual(w._cache_for("").keys(tokens), e.connector.geometry.all_keys(tokens))
 
     def test_register_reads_vllms_views_and_refuses_what_it_cannot_move(self):
         e = Engine()
@@ -450,14 +451,14 @@ class VllmConnector(unittest.TestCase):
         tokens = list(a.scheduler.requests["a"].all_token_ids)
         self.assertGreater(len(tokens), 2 * BLOCK)
         store = kvstash.Store(URL, transports="shm,tcp")
-        keys = a.connector.geometry.keys(tokens[: 2 * BLOCK], 0, 1)
+        keys = a.connector.geometry.keys(tokens[: 2 * BLOCK])
         self.assertEqual(store.contains_prefix(keys), 2, "the chunk decode completed is stored")
         quiet = Engine(extra={"save_decode": False})
         quiet.scheduler.add_request(quiet.request("q", [t + 1 for t in prompt], max_tokens=6))
         for _ in range(4):
             quiet.step()
         qtokens = list(quiet.scheduler.requests["q"].all_token_ids)
-        self.assertEqual(store.contains_prefix(quiet.connector.geometry.keys(qtokens[: 2 * BLOCK], 0, 1)), 1)
+        self.assertEqual(store.contains_prefix(quiet.connector.geometry.keys(qtokens[: 2 * BLOCK])), 1)
 
     def test_a_cache_salt_keeps_tenants_apart(self):
         shared = [81 + (i * 41) % 900 for i in range(2 * BLOCK)]
@@ -479,7 +480,7 @@ class VllmConnector(unittest.TestCase):
                                                     expected_block(shared, i, layer, 0)))
         self.assertEqual(loads, {"same": [(0, 2)], "other": [], "none": []})
         g = a.connector.geometry
-        self.assertNotEqual(g.keys(shared, 0, 1, "tenant-a"), g.keys(shared, 0, 1))
+        self.assertNotEqual(g.keys(shared, 0, "tenant-a"), g.keys(shared))
 
     def test_multimodal_items_are_named_by_their_hash_and_placeholder(self):
         """Equal token ids (an image's placeholder tokens are alike whatever the image): a
@@ -498,7 +499,7 @@ class VllmConnector(unittest.TestCase):
 
         def chunk_keys(**inputs):
             req = e.request("r", tokens, **inputs)
-            return g.keys(tokens, 0, 1, keys.request_salt(req), keys.chunk_salts(req))
+            return g.keys(tokens, 0, keys.request_salt(req), keys.chunk_salts(req))
 
         plain, cat = chunk_keys(), chunk_keys(mm_features=image("cat", BLOCK + 3))
         dog, moved = chunk_keys(mm_features=image("dog", BLOCK + 3)), chunk_keys(mm_features=image("cat", BLOCK + 4))
@@ -546,7 +547,7 @@ class VllmConnector(unittest.TestCase):
 
         def chunk_keys(**inputs):
             req = e.request("r", tokens, **inputs)
-            return g.keys(tokens, 0, 1, keys.request_salt(req), keys.chunk_salts(req))
+            return g.keys(tokens, 0, keys.request_salt(req), keys.chunk_salts(req))
 
         one, two = chunk_keys(prompt_embeds=embeds), chunk_keys(prompt_embeds=changed)
         self.assertEqual(one[0], two[0], "the chunk before the changed row keeps its key")
@@ -565,7 +566,7 @@ class VllmConnector(unittest.TestCase):
         req = e.request("r", tokens, lora_request=LoRARequest("a-copy", 9, paths["a2"]))
         self.assertNotEqual(lora_a[0], lora_b[0])
         self.assertNotEqual(lora_a[0], chunk_keys()[0])
-        self.assertEqual(g.keys(tokens, 0, 1, copy.request_salt(req)), lora_a, "A's content under another name")
+        self.assertEqual(g.keys(tokens, 0, copy.request_salt(req)), lora_a, "A's content under another name")
         missing = e.request("m", tokens, lora_request=LoRARequest("gone", 3, os.path.join(d, "nowhere")))
         self.assertEqual(e.connector.get_num_new_matched_tokens(missing, 0), (0, False))
         self.assertIsNone(e.connector._named["m"], "a request with an unreadable adapter was served")
@@ -701,7 +702,7 @@ class VllmConnector(unittest.TestCase):
         a.run("a", shared + [5])
         self.assertEqual(a.saved(), 3)
         g = a.connector.geometry
-        keys = g.keys(shared, 0, 1)
+        keys = g.keys(shared)
         engine_fixture.corrupt_layer_sum(URL, keys[1])
         b = Engine()
         b.run("b", shared + [6])
@@ -830,7 +831,7 @@ class VllmConnector(unittest.TestCase):
             for i in range(4):
                 self.assertTrue(torch.equal(caches[name][blocks[i]], expected_block(shared, i, layer, 0)))
 
-    def test_two_tensor_parallel_ranks_store_their_shards_and_a_lookup_needs_both(self):
+    def test_two_tensor_parallel_ranks_store_their_heads_and_a_lookup_needs_both(self):
         shared = [41 + (i * 23) % 900 for i in range(2 * BLOCK)]
         a = Engine(tp_size=2)
         a.scheduler.add_request(a.request("a", shared + [1]))
@@ -839,7 +840,7 @@ class VllmConnector(unittest.TestCase):
             self.assertEqual(w._stats["chunks_saved"], 2, f"rank {rank}")
         g = a.connector.geometry
         store = kvstash.Store(URL, transports="shm,tcp")
-        k0, k1 = g.keys(shared, 0, 2), g.keys(shared, 1, 2)
+        k0, k1 = g.keys(shared, 0), g.keys(shared, g.parts() - 1)  # rank 0's first heads, rank 1's last
         self.assertNotEqual(k0, k1)
         self.assertEqual(store.contains_prefix(k0), 2)
         store.remove(k1[1])  # rank 1's second chunk goes: only one chunk is whole on every rank

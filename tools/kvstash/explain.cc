@@ -7,6 +7,7 @@
 // of a neighbour exist: another TP rank, no salt, another model or layout.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -27,6 +28,7 @@ struct ExplainOptions {
   std::string keys_file;
   std::string tokens;  // "1,2,3" or @FILE
   PrefixKeyOptions prefix;
+  std::string heads;  // "FIRST+COUNT/TOTAL": keys by heads
   std::vector<std::string> also_models, also_layouts;
 };
 
@@ -63,7 +65,8 @@ std::string reason_text(const Gone& g, const std::string& ago) {
            " (restarted, paused past its deadline, or fenced by a Redis failover): its pool started over";
   }
   if (g.why == "tier_lost") {
-    return "the NVMe tier of its node " + d + " started over " + ago + " (another device, or the node forgotten)";
+    return "the NVMe tier of its node " + d + " started over " + ago +
+           " (another device, or the node forgotten)";
   }
   return g.why + " " + ago + because;
 }
@@ -87,7 +90,8 @@ Result<std::vector<std::uint32_t>> parse_tokens(std::string text) {
         cur.clear();
       }
     } else {
-      return Status::invalid_argument(std::string("--tokens: unexpected '") + c + "' (token ids, comma-separated)");
+      return Status::invalid_argument(std::string("--tokens: unexpected '") + c +
+                                      "' (token ids, comma-separated)");
     }
   }
   return out;
@@ -112,20 +116,33 @@ int explain(Session& s, const ExplainOptions& o) {
     auto t = parse_tokens(o.tokens);
     if (!t.is_ok()) return fail(t.status(), "explain", &s);
     tokens = std::move(t).value();
+    if (!o.heads.empty()) {
+      char plus = 0, slash = 0, rest = 0;
+      auto& p = o.prefix;
+      if (std::sscanf(o.heads.c_str(), "%u%c%u%c%u%c", &p.head_first, &plus, &p.head_count, &slash,
+                      &p.heads_total, &rest) != 5 ||
+          plus != '+' || slash != '/' || p.head_count == 0 || p.heads_total == 0) {
+        return fail(
+            Status::invalid_argument("--heads is FIRST+COUNT/TOTAL (0+1/8: the object of head 0 of 8)"),
+            "explain", &s);
+      }
+    }
     if (o.prefix.model.empty() || o.prefix.layout_tag.empty()) {
-      return fail(Status::invalid_argument("--tokens needs --model and --layout (the KvCache's layout tag, as "
-                                           "`kvstash show` of one of its chunks prints it)"),
-                  "explain", &s);
+      return fail(
+          Status::invalid_argument("--tokens needs --model and --layout (the KvCache's layout tag, as "
+                                   "`kvstash show` of one of its chunks prints it)"),
+          "explain", &s);
     }
     const auto keys = prefix_chunk_keys(tokens, o.prefix);
     if (keys.empty()) {
-      return fail(Status::invalid_argument("the tokens hold no full chunk of " + std::to_string(o.prefix.chunk_tokens) +
-                                           " tokens"),
+      return fail(Status::invalid_argument("the tokens hold no full chunk of " +
+                                           std::to_string(o.prefix.chunk_tokens) + " tokens"),
                   "explain", &s);
     }
     for (std::size_t i = 0; i < keys.size(); ++i) items.push_back({"chunk " + std::to_string(i), keys[i], i});
   }
-  if (items.empty()) return fail(Status::invalid_argument("name keys, --keys-file or --tokens"), "explain", &s);
+  if (items.empty())
+    return fail(Status::invalid_argument("name keys, --keys-file or --tokens"), "explain", &s);
   auto cell = s.cell();
   if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
   metadata::Cell& c = **cell;
@@ -142,16 +159,19 @@ int explain(Session& s, const ExplainOptions& o) {
       neighbours.push_back({std::move(what), prefix_chunk_keys(tokens, p)});
     };
     for (std::uint32_t r = 0; r < o.prefix.tp_size; ++r) {
-      if (r != o.prefix.tp_rank) with("TP rank " + std::to_string(r), [&](PrefixKeyOptions& p) { p.tp_rank = r; });
+      if (r != o.prefix.tp_rank)
+        with("TP rank " + std::to_string(r), [&](PrefixKeyOptions& p) { p.tp_rank = r; });
     }
-    if (o.prefix.tp_size > 1) with("no tensor parallelism", [](PrefixKeyOptions& p) { p.tp_rank = 0, p.tp_size = 1; });
+    if (o.prefix.tp_size > 1)
+      with("no tensor parallelism", [](PrefixKeyOptions& p) { p.tp_rank = 0, p.tp_size = 1; });
     if (!o.prefix.extra.empty()) with("no salt", [](PrefixKeyOptions& p) { p.extra.clear(); });
     for (const auto& m : o.also_models) with("model " + m, [&](PrefixKeyOptions& p) { p.model = m; });
     for (const auto& l : o.also_layouts) with("layout " + l, [&](PrefixKeyOptions& p) { p.layout_tag = l; });
   }
   auto present = [&](const std::string& key) { return c.catalog().stat(key); };
   std::int64_t now = 0;  // Redis's clock, which the removal records use
-  if (auto clock = c.admin().describe({}, &now); !clock.is_ok()) return fail(clock.status(), "reading the cell", &s);
+  if (auto clock = c.admin().describe({}, &now); !clock.is_ok())
+    return fail(clock.status(), "reading the cell", &s);
   std::string redis_age;
   if (auto info = c.redis().command({"INFO", "server"}); info.is_ok()) {
     const std::string text(info->str());
@@ -179,11 +199,16 @@ int explain(Session& s, const ExplainOptions& o) {
     std::string why;
     j["present"] = false;
     if (auto g = gone_of(c, it.key)) {
-      why = reason_text(*g, format_duration(milliseconds(std::max<std::int64_t>(0, now - g->at_ms))) + " ago");
-      j.update({{"reason", g->why}, {"detail", g->detail}, {"since_ms", std::max<std::int64_t>(0, now - g->at_ms)}});
+      why =
+          reason_text(*g, format_duration(milliseconds(std::max<std::int64_t>(0, now - g->at_ms))) + " ago");
+      j.update({{"reason", g->why},
+                {"detail", g->detail},
+                {"since_ms", std::max<std::int64_t>(0, now - g->at_ms)}});
     } else {
-      why = "never stored in this cell (its record keeps the last 50,000 removals at least; its Redis has run for " +
-            (redis_age.empty() ? std::string("?") : redis_age) + ")";
+      why =
+          "never stored in this cell (its record keeps the last 50,000 removals at least; its Redis has run "
+          "for " +
+          (redis_age.empty() ? std::string("?") : redis_age) + ")";
       j["reason"] = "never_stored";
     }
     json near = json::array();
@@ -213,18 +238,30 @@ void add_explain_command(Registry& r) {
   Session& s = r.session;
   auto o = std::make_shared<ExplainOptions>();
   auto* ex = r.app.add_subcommand(
-      "explain", "Why a key or a prompt's chunks missed: present where, or why gone (evicted, TTL, node, corrupt, ...)");
+      "explain",
+      "Why a key or a prompt's chunks missed: present where, or why gone (evicted, TTL, node, corrupt, ...)");
   ex->add_option("KEY", o->keys, "Object keys");
   ex->add_option("--keys-file", o->keys_file, "A file of keys, one per line (a request's chunk keys)");
-  ex->add_option("--tokens", o->tokens, "Token ids (comma-separated, or @FILE): their chunk keys are explained");
-  ex->add_option("--model", o->prefix.model, "With --tokens: the model's identity as the KvCache was given it");
-  ex->add_option("--layout", o->prefix.layout_tag, "With --tokens: the KvCache's layout tag (`kvstash show CHUNK`)");
-  ex->add_option("--salt", o->prefix.extra, "With --tokens: the keys' extra salt (vLLM: salt and cache_salt)");
-  ex->add_option("--tp-rank", o->prefix.tp_rank, "With --tokens: the tensor-parallel rank")->capture_default_str();
-  ex->add_option("--tp-size", o->prefix.tp_size, "With --tokens: the tensor-parallel size")->capture_default_str();
-  ex->add_option("--chunk-tokens", o->prefix.chunk_tokens, "With --tokens: tokens per chunk")->capture_default_str();
-  ex->add_option("--also-model", o->also_models, "With --tokens: another model whose keys to look for (repeatable)");
-  ex->add_option("--also-layout", o->also_layouts, "With --tokens: another layout tag to look for (repeatable)");
+  ex->add_option("--tokens", o->tokens,
+                 "Token ids (comma-separated, or @FILE): their chunk keys are explained");
+  ex->add_option("--model", o->prefix.model,
+                 "With --tokens: the model's identity as the KvCache was given it");
+  ex->add_option("--layout", o->prefix.layout_tag,
+                 "With --tokens: the KvCache's layout tag (`kvstash show CHUNK`)");
+  ex->add_option("--salt", o->prefix.extra,
+                 "With --tokens: the keys' extra salt (vLLM: salt and cache_salt)");
+  ex->add_option("--tp-rank", o->prefix.tp_rank, "With --tokens: the tensor-parallel rank")
+      ->capture_default_str();
+  ex->add_option("--tp-size", o->prefix.tp_size, "With --tokens: the tensor-parallel size")
+      ->capture_default_str();
+  ex->add_option("--heads", o->heads,
+                 "With --tokens: keys by heads, FIRST+COUNT/TOTAL (the end of a chunk key: h0+1/8)");
+  ex->add_option("--chunk-tokens", o->prefix.chunk_tokens, "With --tokens: tokens per chunk")
+      ->capture_default_str();
+  ex->add_option("--also-model", o->also_models,
+                 "With --tokens: another model whose keys to look for (repeatable)");
+  ex->add_option("--also-layout", o->also_layouts,
+                 "With --tokens: another layout tag to look for (repeatable)");
   ex->footer(
       "Examples:\n"
       "  kvstash explain session:42\n"

@@ -76,6 +76,10 @@ class KvstashConfig(CellConfig):
     # files are then not read. "": their SHA-256, computed at start (cached across restarts).
     weights_id: str = ""
     extra: str = ""  # anything else that changes the KV bytes and vLLM's config does not say
+    # KV heads per stored object (keys name heads, so any TP degree reads what any other
+    # saved): every rank's heads must be a multiple of it. 0: the model's heads / 8 where
+    # that is whole, else 1 (at most 8 objects a chunk).
+    kv_heads_per_object: int = 0
     save_decode: bool = True  # also save the full chunks decode produces
     async_lookup: bool = True  # look up off the scheduler's thread: the request waits a step, not Redis
     allow_untested_vllm: bool = False  # run on a vLLM release not in TESTED_VLLM (at the user's risk)
@@ -97,6 +101,8 @@ class KvstashConfig(CellConfig):
             raise ValueError("kvstash: staging is 'auto', 'none', 'host' or 'cuda'")
         if self.chunk_tokens < 0:
             raise ValueError("kvstash: chunk_tokens must be >= 0")
+        if self.kv_heads_per_object < 0:
+            raise ValueError("kvstash: kv_heads_per_object must be >= 0")
         if self.pd not in ("cell", "direct"):
             raise ValueError("kvstash: pd is 'cell' or 'direct'")
         if not 1000 <= self.handoff_ttl_ms <= 600000:
@@ -133,12 +139,15 @@ _DTYPES = {
 @dataclass(frozen=True)
 class Geometry:
     """What the scheduler and every worker agree on, from vLLM's config alone: the shape kvstash
-    sees (each block of a layer as one run of bytes) and what salts the keys.
+    sees and what salts the keys.
 
-    kvstash is handed vLLM's block as it is in memory: one part (no K/V split), one head, as
-    many bytes per token as the page holds (K and V and every head, in vLLM's layout). vLLM's
-    layout name and head count go into the keys' salt, so caches that lay the same tokens out
-    differently never share a chunk."""
+    kvstash is handed vLLM's block as it is in memory: one part (K and V side by side in each
+    head: joint_kv), the rank's KV heads, each head's tokens as vLLM keeps them (its layout:
+    heads outermost, LBHNC, or tokens outermost, LBNHC). Keys name the heads an object holds
+    (kv_heads_per_object of them), not the rank, so an engine of any tensor-parallel degree
+    reads what one of another degree saved. An MLA latent is one head that every rank holds
+    alike: stored once, by rank 0. vLLM's layout name goes into the keys' salt, so caches that
+    lay the same tokens out differently never share a chunk."""
 
     num_layers: int
     num_blocks: int
@@ -148,10 +157,13 @@ class Geometry:
     page_bytes: int
     chunk_tokens: int
     model: str  # by content: kvstash._vllm_keys.model_identity
-    salt: str  # the layout, the heads, MLA, the user's extra
+    salt: str  # the layout, MLA, the user's extra
     layout: str  # vLLM's KV-cache layout name ("LBNHC")
     tp_size: int
     stored_once: bool  # MLA: every rank holds the same latent cache, rank 0's is stored
+    heads_total: int  # the model's KV heads (MLA: 0, keys by rank 0 of 1)
+    rank_heads: int  # the heads a rank's blocks hold
+    heads_per_object: int
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KvstashConfig) -> Geometry:
@@ -180,31 +192,75 @@ class Geometry:
         layout = {"NHD": "LBNHC", "HND": "LBHNC"}.get(layout, layout)
         _vllm_keys.check_servable(vllm_config)
         model = _vllm_keys.model_identity(vllm_config, config.weights_id, config.model)
-        heads = getattr(spec, "num_kv_heads", 1)
-        salt = f"vllm:{layout}:H{heads}:{'mla' if mla else 'kv'}" + (f":{config.extra}" if config.extra else "")
+        token_width = page // (spec.block_size * item)
+        rank_heads = 1 if mla else getattr(spec, "num_kv_heads", 1)
+        total = 0 if mla else vllm_config.model_config.get_total_num_kv_heads()
+        per_object = 1
+        if not mla:
+            per_object = config.kv_heads_per_object or (total // 8 if total >= 8 and total % 8 == 0 else 1)
+            if token_width % rank_heads or rank_heads % per_object:
+                raise ValueError(f"kvstash: kv_heads_per_object {per_object} does not divide a rank's "
+                                 f"{rank_heads} KV heads (of {total}): set kv_heads_per_object to a divisor")
+        salt = f"vllm:{layout}:{'mla' if mla else 'kv'}" + (f":{config.extra}" if config.extra else "")
         return cls(num_layers=len(groups[0].layer_names), num_blocks=kv_cache_config.num_blocks,
-                   block_size=spec.block_size, token_width=page // (spec.block_size * item), dtype=dtype,
-                   page_bytes=page, chunk_tokens=chunk, model=model, salt=salt, layout=layout,
-                   tp_size=parallel.tensor_parallel_size, stored_once=mla)
+                   block_size=spec.block_size, token_width=token_width, dtype=dtype, page_bytes=page,
+                   chunk_tokens=chunk, model=model, salt=salt, layout=layout,
+                   tp_size=parallel.tensor_parallel_size, stored_once=mla, heads_total=total,
+                   rank_heads=rank_heads, heads_per_object=per_object)
+
+    @property
+    def order(self) -> str:
+        """Within a block: heads outermost ("hnd", LBHNC) or tokens outermost ("nhd")."""
+        return "hnd" if self.layout in ("LBHNC", "BLHNC") else "nhd"
+
+    @property
+    def head_width(self) -> int:
+        """Elements of one token of one head: its K and V."""
+        return self.token_width // self.rank_heads
 
     def layout_tag(self) -> str:
-        """KvLayout::tag() of the shape open_cache() gives kvstash (checked by the tests)."""
-        return f"L{self.num_layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
+        """KvLayout::tag() of one object's heads, as the worker's cache has it (checked by the tests)."""
+        if self.stored_once:
+            return f"L{self.num_layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
+        return (f"L{self.num_layers}.P1.H{self.heads_per_object}.D{self.head_width}.B{self.block_size}."
+                f"{self.dtype}.{self.order}")
 
-    def key_ranks(self) -> list[tuple[int, int]]:
-        """(tp_rank, tp_size) of every rank's keys: one set when the cache is stored once."""
-        return [(0, 1)] if self.stored_once else [(r, self.tp_size) for r in range(self.tp_size)]
+    def parts(self) -> int:
+        """Objects a chunk is stored as, over every rank: the model's heads / heads per object."""
+        return 1 if self.stored_once else self.heads_total // self.heads_per_object
+
+    def rank_first_head(self, tp_rank: int) -> int:
+        """The model's head that rank `tp_rank`'s blocks start with. With more ranks than KV heads,
+        vLLM gives each rank one head and several ranks the same."""
+        if self.tp_size <= self.heads_total:
+            return tp_rank * self.rank_heads
+        return tp_rank * self.heads_total // self.tp_size
+
+    def saves_on(self, tp_rank: int) -> bool:
+        """Whether rank `tp_rank` stores its objects: one rank of those that hold the same heads."""
+        if self.stored_once:
+            return tp_rank == 0
+        return self.tp_size <= self.heads_total or tp_rank % (self.tp_size // self.heads_total) == 0
 
     def extra(self, request_salt: str = "") -> str:
         """What salts the keys of requests whose request salt is `request_salt`
         (RequestKeys.request_salt: their cache_salt and LoRA adapter)."""
         return self.salt + (f":{request_salt}" if request_salt else "")
 
-    def keys(self, tokens: list[int], tp_rank: int, tp_size: int, request_salt: str = "",
+    def keys(self, tokens: list[int], part: int = 0, request_salt: str = "",
              chunk_salts: list[bytes] | None = None) -> list[str]:
-        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(), tp_rank=tp_rank,
-                                         tp_size=tp_size, chunk_tokens=self.chunk_tokens,
-                                         extra=self.extra(request_salt), chunk_salts=chunk_salts or [])
+        """The keys of object `part` (of parts()) of every full chunk of `tokens`."""
+        heads = {} if self.stored_once else dict(heads_total=self.heads_total,
+                                                 head_first=part * self.heads_per_object,
+                                                 head_count=self.heads_per_object)
+        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(),
+                                         chunk_tokens=self.chunk_tokens, extra=self.extra(request_salt),
+                                         chunk_salts=chunk_salts or [], **heads)
+
+    def all_keys(self, tokens: list[int], request_salt: str = "", chunk_salts: list[bytes] | None = None) -> list[str]:
+        """Every object's key, chunk by chunk: parts() per chunk (what a lookup asks for)."""
+        per_part = [self.keys(tokens, p, request_salt, chunk_salts) for p in range(self.parts())]
+        return [k for chunk in zip(*per_part) for k in chunk]
 
 
 try:  # how vLLM's own KV events carry a block hash (bytes, or int when it is told to)
@@ -279,9 +335,10 @@ class KvstashConnector(KVConnectorBase_V1):
         self.geometry = Geometry.of(vllm_config, kv_cache_config, self.config)
         if role == KVConnectorRole.SCHEDULER:
             g = self.geometry
+            heads = "" if g.stored_once else f" --heads 0+{g.heads_per_object}/{g.heads_total}"
             logger.info("kvstash: chunk keys name the model as %s (`kvstash explain --tokens ... --model %s "
-                        "--layout %s --salt %s --chunk-tokens %d` finds a prompt's chunks)", g.model, g.model,
-                        g.layout_tag(), g.extra(), g.chunk_tokens)
+                        "--layout %s --salt %s --chunk-tokens %d%s` finds a prompt's chunks)", g.model, g.model,
+                        g.layout_tag(), g.extra(), g.chunk_tokens, heads)
         lora_config = getattr(vllm_config, "lora_config", None)
         self._request_keys = _vllm_keys.RequestKeys(
             self.geometry.chunk_tokens, str(getattr(lora_config, "lora_dtype", "")) if lora_config else "")
@@ -388,19 +445,15 @@ class KvstashConnector(KVConnectorBase_V1):
         self._named.pop(req_id, None)
 
     def _found_chunks(self, tokens: list[int], limit: int, naming: tuple[str, list[bytes]]) -> int:
-        """Leading chunks of `tokens` stored for every rank (at most `limit`); 0 when the cell
-        cannot be asked (a miss, not a failed request)."""
-        found = limit
+        """Leading chunks of `tokens` stored whole, every head (at most `limit`): one round trip.
+        0 when the cell cannot be asked (a miss, not a failed request)."""
+        g = self.geometry
         try:
-            for rank, size in self.geometry.key_ranks():
-                keys = self.geometry.keys(tokens[: limit * self.geometry.chunk_tokens], rank, size, *naming)
-                found = min(found, self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms))
-                if found == 0:
-                    break
+            keys = g.all_keys(tokens[: limit * g.chunk_tokens], *naming)
+            return self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms) // g.parts()
         except kvstash.Error as e:
             logger.warning("kvstash: a lookup failed, computing instead: %s", e)
             return 0
-        return found
 
     @staticmethod
     def _handoff_of(request: Request) -> str | None:
@@ -690,12 +743,16 @@ class KvstashConnector(KVConnectorBase_V1):
             self._caches.move_to_end(request_salt)
             return cache
         g = self.geometry
-        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
+        if g.stored_once:
+            shape = dict(num_kv_heads=1, head_dim=g.token_width, order="nhd", mla=True)
+        else:
+            shape = dict(num_kv_heads=g.rank_heads, head_dim=g.head_width, order=g.order, joint_kv=True,
+                         heads_total=g.heads_total, head_first=g.rank_first_head(self._tp_rank),
+                         head_count=g.heads_per_object)
         cache = kvstash.KvCache(
             self.store, [t.data_ptr() for t in self._tensors], num_blocks=g.num_blocks, block_size=g.block_size,
-            num_kv_heads=1, head_dim=g.token_width, dtype=g.dtype, order="nhd", mla=True, model=g.model,
-            tp_rank=rank, tp_size=size, chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt),
-            memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging)
+            dtype=g.dtype, model=g.model, chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt),
+            memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging, **shape)
         self._caches[request_salt] = cache
         if len(self._caches) > self._SALTED_CACHES + 1:
             oldest = next(k for k in self._caches if k)  # never the unsalted one
@@ -795,8 +852,8 @@ class KvstashConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if layer is None or not isinstance(meta, KvstashMetadata) or not meta.saves:
             return
-        if self.geometry.stored_once and self._tp_rank != 0:
-            return  # MLA: rank 0 stores the one copy
+        if not self.geometry.saves_on(self._tp_rank):
+            return  # MLA, or heads several ranks hold: one of them stores them
         if layer == 0:
             for run in meta.saves:
                 try:
@@ -832,11 +889,12 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _announce(self, run: ChunkRun, saved: list[int]) -> None:
         """KV events: rank 0 announces its saved chunks (a router hears of a chunk once, by the
-        keys of rank 0; docs/events.md), off the forward pass: a hint for routers, which nothing
-        waits for. While the cell's events are off it asks again a minute on."""
+        key of its first object; docs/events.md), off the forward pass: a hint for routers, which
+        nothing waits for. While the cell's events are off it asks again a minute on."""
         if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
             return
-        keys = self._keys_of(run)
+        g = self.geometry
+        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], 0, run.salt, run.chunk_salts)
         items = [(keys[run.first + i], run.events[i]) for i in saved]
         if self._announcer is None:
             self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-announce")
@@ -863,20 +921,18 @@ class KvstashConnector(KVConnectorBase_V1):
                 self._remove_corrupt(run, [i for i, code in enumerate(codes) if code == "corrupt"])
         self._loads.clear()
 
-    def _keys_of(self, run: ChunkRun) -> list[str]:
-        """This rank's keys of the run's chunks, from the first chunk of its tokens on."""
-        g = self.geometry
-        rank, size = (0, 1) if g.stored_once else (self._tp_rank, g.tp_size)
-        return g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], rank, size, run.salt, run.chunk_salts)
-
     def _remove_corrupt(self, run: ChunkRun, bad: list[int]) -> None:
-        """Chunks whose bytes did not match their checksum leave the cell: a later lookup
-        misses them instead of failing every load, and the recompute's save puts them anew."""
-        keys = self._keys_of(run)
+        """Chunks whose bytes did not match their checksum leave the cell (this rank's objects
+        of them): a later lookup misses them instead of failing every load, and the recompute's
+        save puts them anew."""
+        g = self.geometry
+        cache = self._cache_for(run.salt)
+        keys = cache.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], chunk_salts=run.chunk_salts)
+        per = cache.objects_per_chunk
         for i in bad:
-            key = keys[run.first + i]
             try:
-                self.store.remove_corrupt(key, timeout_ms=self.config.timeout_ms)
+                for key in keys[(run.first + i) * per: (run.first + i + 1) * per]:
+                    self.store.remove_corrupt(key, timeout_ms=self.config.timeout_ms)
                 self._stats["chunks_corrupt_removed"] += 1
                 logger.warning("kvstash: chunk %d of %s was corrupt and is removed from the cell", run.first + i,
                                run.req_id)
