@@ -759,5 +759,72 @@ TEST_P(KvCacheTest, KeysByHeadsAreReadAtAnyTensorParallelDegree) {
   EXPECT_EQ(refused(tp2_0, {.head_first = 2, .head_count = 1}).code(), StatusCode::kInvalidArgument);
 }
 
+TEST_P(KvCacheTest, PipelineStagesStoreTheirOwnLayersUnderOneChain) {
+  // A model of 4 layers and 2 KV heads in two pipeline stages of 2 layers each, keys by heads.
+  KvCacheShape stage = small_shape(GetParam());
+  stage.num_layers = 2;
+  auto open_stage = [&](HostCache& c, std::uint32_t first) {
+    auto kv = KvCache::open(*store_, KvLayout::per_layer(c.shape, c.ptrs).value(),
+                            {.model = "test-model",
+                             .chunk_tokens = 64,
+                             .heads_total = 2,
+                             .head_first = 0,
+                             .head_count = 1,
+                             .layers_total = 4,
+                             .layer_first = first});
+    EXPECT_TRUE(kv.is_ok()) << kv.status().to_string();
+    return kv.is_ok() ? std::move(kv).value() : nullptr;
+  };
+  HostCache s0(stage, 400), s1(stage, 401), r0(stage, 402), r1(stage, 403);
+  auto kv0 = open_stage(s0, 0), kv1 = open_stage(s1, 2), kr0 = open_stage(r0, 0), kr1 = open_stage(r1, 2);
+  ASSERT_TRUE(kv0 && kv1 && kr0 && kr1);
+  const auto tokens = token_ids(2 * 64, 40);
+  const auto k0 = kv0->keys(tokens), k1 = kv1->keys(tokens);
+  ASSERT_EQ(k0.size(), 4u);
+  EXPECT_TRUE(k0[1].ends_with(":l0+2/4:h1+1/2")) << k0[1];
+  EXPECT_TRUE(k1[1].ends_with(":l2+2/4:h1+1/2")) << k1[1];
+  EXPECT_EQ(k0[1].substr(0, k0[1].find(":l")), k1[1].substr(0, k1[1].find(":l")))
+      << "both stages' objects of a chunk are one chain's: one cell, one lookup";
+  EXPECT_EQ(prefix_chunk_keys(tokens, {.model = "test-model",
+                                       .layout_tag = kv1->key_options().layout_tag,
+                                       .chunk_tokens = 64,
+                                       .heads_total = 2,
+                                       .head_first = 1,
+                                       .head_count = 1,
+                                       .layers_total = 4,
+                                       .layer_first = 2,
+                                       .layer_count = 2})[0],
+            k1[1])
+      << "a scheduler computes a stage's keys without its cache";
+
+  const auto blocks_a = scattered_blocks(8, stage.num_blocks, 41),
+             blocks_b = scattered_blocks(8, stage.num_blocks, 42);
+  for (auto* kv : {kv0.get(), kv1.get()}) {
+    for (const auto& st : kv->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  std::vector<std::string> both;  // chunk by chunk, every object of every stage
+  for (std::size_t c = 0; c < 2; ++c) {
+    for (const auto* k : {&k0, &k1}) both.insert(both.end(), k->begin() + 2 * c, k->begin() + 2 * c + 2);
+  }
+  EXPECT_EQ(store_->contains_prefix(both).value(), 8u);
+  for (const auto& st : kr1->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const auto& st : kr0->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_TRUE(same_heads(s0, blocks_a, r0, blocks_b, 0, 0, 2)) << "stage 0 loaded stage 0's layers";
+  EXPECT_TRUE(same_heads(s1, blocks_a, r1, blocks_b, 0, 0, 2)) << "stage 1 loaded stage 1's layers";
+
+  // The whole model in one stage holds other objects (every layer in each): no hit.
+  HostCache whole(small_shape(GetParam()), 404);
+  auto kw = KvCache::open(*store_, KvLayout::per_layer(whole.shape, whole.ptrs).value(),
+                          {.model = "test-model", .chunk_tokens = 64, .heads_total = 2, .head_count = 1});
+  ASSERT_TRUE(kw.is_ok());
+  EXPECT_EQ((*kw)->contains_prefix(tokens).value(), 0u);
+  // Layers past the model's are refused.
+  EXPECT_EQ(KvCache::open(*store_, KvLayout::per_layer(s1.shape, s1.ptrs).value(),
+                          {.model = "test-model", .chunk_tokens = 64, .layers_total = 4, .layer_first = 3})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvstash

@@ -45,9 +45,11 @@ STRUCTS = [
     dict(cpp="KvCacheShape", c="kvstash_kv_layout", py="KvCache.__init__"),
     dict(cpp="PrefixKeyOptions", c="kvstash_key_options", py="KvCache.__init__",
          omit={"py": {"layout_tag": "KvCache.open sets it from the layout (a scheduler passes it to "
-                                    "prefix_chunk_keys)"},
-               "c": {f: "keys by heads are several objects per chunk, and C's key functions name one "
-                        "key per chunk: C++ and Python" for f in ("heads_total", "head_first", "head_count")}}),
+                                    "prefix_chunk_keys)",
+                      "layer_count": "KvCache.open sets it from the layout (prefix_chunk_keys takes it)"},
+               "c": {f: "keys by heads and of pipeline stages: C++ and Python (C keys by rank, one object "
+                        "a chunk)" for f in ("heads_total", "head_first", "head_count", "layers_total",
+                                              "layer_first", "layer_count")}}),
     dict(cpp="KvCacheOptions", c="kvstash_kv_layout", py="KvCache.__init__",
          translate={"device": ["staging"], "path": ["staging"]},  # a binding cannot pass a KvDevice
          omit={"both": {"bounce_slots": "tuning: the C++ default"}}),

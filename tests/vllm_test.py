@@ -108,7 +108,7 @@ def mla_model_dir():
     return d
 
 
-def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False):
+def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False, pp_size=1):
     global MLA_DIR
     if mla:
         MLA_DIR = MLA_DIR or mla_model_dir()
@@ -131,11 +131,12 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, ro
                                        "timeout_ms": 5000, "async_lookup": False, **(extra or {})}),
     )
     cfg.parallel_config.tensor_parallel_size = tp_size
+    cfg.parallel_config.pipeline_parallel_size = pp_size
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
     return cfg
 
 
-def make_kv_cache_config(mla=False):
+def make_kv_cache_config(mla=False, layers=tuple(LAYERS)):
     if mla:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -143,30 +144,37 @@ def make_kv_cache_config(mla=False):
     else:
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+                         kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
 
 
 class Engine:
     """One engine: vLLM's scheduler with the connector it loads, and one worker per TP rank,
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
 
-    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False):
-        """mla: a DeepSeek-like model, one latent cache per layer that every rank holds alike."""
+    def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False,
+                 pp_size=1):
+        """mla: a DeepSeek-like model, one latent cache per layer that every rank holds alike.
+        pp_size: pipeline stages, each with its share of LAYERS (a worker per stage and rank, each
+        with its stage's KV-cache config; the scheduler gets stage 0's, as vLLM's engine core
+        gives it)."""
         self.mla = mla
-        self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla)
+        self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size)
         self.params = {}  # request -> the kv_transfer_params its output carried
-        self.kv_cache_config = make_kv_cache_config(mla)
+        per_stage = len(LAYERS) // pp_size
+        stages = [LAYERS[s * per_stage:(s + 1) * per_stage] for s in range(pp_size)]
+        self.kv_cache_config = make_kv_cache_config(mla, stages[0])
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK)
         self.connector = self.scheduler.connector
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.workers = []
-        for rank in range(tp_size):
-            w = KVConnectorFactory.create_connector(config=self.config, role=KVConnectorRole.WORKER,
-                                                   kv_cache_config=self.kv_cache_config)
-            caches = {name: self.paged_cache() for name in LAYERS}
-            _with_rank(rank, lambda: w.register_kv_caches(caches))
-            self.workers.append((w, caches, rank))
+        for layers in stages:
+            for rank in range(tp_size):
+                w = KVConnectorFactory.create_connector(config=self.config, role=KVConnectorRole.WORKER,
+                                                       kv_cache_config=make_kv_cache_config(mla, layers))
+                caches = {name: self.paged_cache() for name in layers}
+                _with_rank(rank, lambda: w.register_kv_caches(caches))
+                self.workers.append((w, caches, rank))
 
     def paged_cache(self):
         if self.mla:  # vLLM's MLA view: [blocks, tokens, latent]
@@ -192,6 +200,8 @@ class Engine:
                     run.tokens = [t + 1 for t in run.tokens]  # other keys: every chunk misses
             w.start_load_kv(None)
             for i, name in enumerate(LAYERS):
+                if name not in caches:
+                    continue  # another pipeline stage's
                 w.wait_for_layer_load(name)
                 self.compute(out, caches[name], i, rank)
                 w.save_kv_layer(name, caches[name], None)
@@ -852,6 +862,33 @@ class VllmConnector(unittest.TestCase):
             blocks = out.kv_connector_metadata.loads[0].block_ids
             for layer, name in enumerate(LAYERS):
                 self.assertTrue(torch.equal(caches[name][blocks[0]], expected_block(shared, 0, layer, rank)))
+
+    def test_pipeline_stages_store_their_own_layers_and_a_lookup_needs_every_stage(self):
+        shared = [43 + (i * 29) % 900 for i in range(2 * BLOCK)]
+        a = Engine(pp_size=2)
+        a.scheduler.add_request(a.request("a", shared + [1]))
+        a.step()
+        for w, caches, _ in a.workers:
+            self.assertEqual(w._stats["chunks_saved"], 2, f"stage of {list(caches)}")
+        g = a.connector.geometry
+        self.assertEqual(g.stages, ((0, 1), (1, 1)))
+        store = kvstash.Store(URL, transports="shm,tcp")
+        per_stage = g.head_groups()
+        first, second = g.keys(shared, 0), g.keys(shared, per_stage)  # stage 0's and stage 1's first heads
+        self.assertTrue(first[0].endswith(":l0+1/2:h0+1/2") and second[0].endswith(":l1+1/2:h0+1/2"), first[0])
+        self.assertEqual(store.contains_prefix(g.all_keys(shared)) // g.parts(), 2)
+        self.assertEqual(Engine().connector._found_chunks(shared + [2], 2, ("", [])), 0,
+                         "one stage's objects are not a whole model's")
+        store.remove(second[1])  # stage 1's second chunk goes: only the first is whole
+        b = Engine(pp_size=2)
+        b.scheduler.add_request(b.request("b", shared + [2]))
+        out = b.step()
+        self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 1)])
+        blocks = out.kv_connector_metadata.loads[0].block_ids
+        for w, caches, rank in b.workers:
+            for name, cache in caches.items():
+                self.assertTrue(torch.equal(cache[blocks[0]], expected_block(shared, 0, LAYERS.index(name), rank)),
+                                f"{name} loaded another stage's layer")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,12 @@ class KvLayout {
 // objects of exactly the heads it holds. A KvCache over a rank's tensors takes head_first as
 // the global index of the rank's first head and head_count as the heads per object, which
 // must divide the rank's heads: each chunk is then (rank's heads / head_count) objects.
+//
+// Pipeline parallelism (layers_total set): each stage's objects hold its layers,
+// [layer_first, layer_first + layer_count) of the model's layers_total, and their keys say so
+// (":l0+16/32" before any heads). The chain is the whole model's (the layout tag is hashed
+// with layers_total layers), so every stage's objects of a chunk live in one cell and a lookup
+// asks for all of them at once. A KvCache takes layer_count from its layout.
 struct PrefixKeyOptions {
   std::string model;       // the model's identity ("meta-llama/Llama-2-7b-hf@<revision>")
   std::string layout_tag;  // KvLayout::tag(); KvCache fills it in
@@ -169,6 +175,9 @@ struct PrefixKeyOptions {
   std::uint32_t heads_total = 0;  // the model's KV heads; 0: keys name the rank
   std::uint32_t head_first = 0;
   std::uint32_t head_count = 0;
+  std::uint32_t layers_total = 0;  // the model's layers; 0: an object holds every layer
+  std::uint32_t layer_first = 0;
+  std::uint32_t layer_count = 0;
 };
 
 // A request's tokens as its chunk keys name them: the token ids and, for a chunk whose KV
@@ -196,8 +205,9 @@ struct KvTokens {
 // The keys of the full chunks of `tokens` ("kvp:" + 32 hex digits each): a SHA-256 chain
 // over the token ids and chunk salts, so chunk i's key depends on everything before its end,
 // salted with the options. Deterministic across processes, hosts and restarts; the exact
-// bytes hashed are in docs/integration.md. A trailing partial chunk has no key. Keys by heads
-// end in ":h<head_first>+<head_count>/<heads_total>".
+// bytes hashed are in docs/integration.md. A trailing partial chunk has no key. Keys of a
+// pipeline stage end in ":l<layer_first>+<layer_count>/<layers_total>", keys by heads in
+// ":h<head_first>+<head_count>/<heads_total>" (both: layers first).
 std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
 
 class KvCache;

@@ -16,7 +16,8 @@ void count_take(Store& store, bool made, std::size_t bytes) {
             {{"from", made ? "new" : "pool"}})
       .add();
   if (made) {
-    r.counter("kvstash_kvcache_bounce_bytes_total", "Bytes of host bounce buffers made (page-locked, registered)")
+    r.counter("kvstash_kvcache_bounce_bytes_total",
+              "Bytes of host bounce buffers made (page-locked, registered)")
         .add(bytes);
   }
 }

@@ -38,11 +38,12 @@ Result<std::shared_ptr<KvDevice>> cuda_device_of(const KvLayout& layout) {
 
 Status kvcache::split_by_heads(const KvLayout& layout, const PrefixKeyOptions& keys,
                                std::vector<KvLayout>& objects, std::vector<std::string>& suffixes) {
+  const std::string layers = layer_suffix(keys);
   if (keys.heads_total == 0) {
     if (keys.head_first != 0 || keys.head_count != 0)
       return Status::invalid_argument("kvcache: head_first and head_count name heads of heads_total: set it");
     objects = {layout};
-    suffixes = {""};
+    suffixes = {layers};
     return {};
   }
   const KvCacheShape& shape = layout.shape();
@@ -65,7 +66,7 @@ Status kvcache::split_by_heads(const KvLayout& layout, const PrefixKeyOptions& k
   for (std::uint32_t h = 0; h < heads; h += keys.head_count) {
     KVSTASH_ASSIGN_OR_RETURN(KvLayout view, layout.heads(h, keys.head_count));
     objects.push_back(std::move(view));
-    suffixes.push_back(head_suffix(keys.head_first + h, keys.head_count, keys.heads_total));
+    suffixes.push_back(layers + head_suffix(keys.head_first + h, keys.head_count, keys.heads_total));
   }
   return {};
 }
@@ -162,6 +163,17 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   }
   auto impl = std::make_unique<Impl>();
   impl->store = &store;
+  if (keys.layers_total != 0) {
+    keys.layer_count = layout.shape().num_layers;  // a stage's layers are its layout's
+    if (keys.layer_first > keys.layers_total || keys.layer_count > keys.layers_total - keys.layer_first) {
+      return Status::invalid_argument("kvcache: the cache's " + std::to_string(keys.layer_count) +
+                                      " layers from layer " + std::to_string(keys.layer_first) +
+                                      " on are not among the model's " + std::to_string(keys.layers_total));
+    }
+  } else if (keys.layer_first != 0 || keys.layer_count != 0) {
+    return Status::invalid_argument(
+        "kvcache: layer_first and layer_count name layers of layers_total: set it");
+  }
   KVSTASH_RETURN_IF_ERROR(kvcache::split_by_heads(layout, keys, impl->objects, impl->suffixes));
   keys.layout_tag = impl->objects.front().tag();
   impl->keys = std::move(keys);
@@ -199,13 +211,8 @@ const KvDevice& KvCache::device() const { return *impl_->device; }
 const PrefixKeyOptions& KvCache::key_options() const { return impl_->keys; }
 
 std::vector<std::string> KvCache::Impl::object_keys(const KvTokens& tokens) const {
-  if (keys.heads_total == 0) return prefix_chunk_keys(tokens, keys);
-  PrefixKeyOptions chain = keys;
-  chain.heads_total = 0;  // the chain alone (the salt is the same: by heads, rank 0 of 1)
-  chain.tp_rank = 0;
-  chain.tp_size = 1;
   std::vector<std::string> out;
-  for (const std::string& k : prefix_chunk_keys(tokens, chain)) {
+  for (const std::string& k : kvcache::chain_keys(tokens, keys)) {
     for (const std::string& suffix : suffixes) out.push_back(k + suffix);
   }
   return out;

@@ -34,6 +34,10 @@ namespace kvcache {
 
 // The end of a key by heads: ":h<first>+<count>/<total>" (PrefixKeyOptions).
 std::string head_suffix(std::uint32_t first, std::uint32_t count, std::uint32_t total);
+// The end of a pipeline stage's key: ":l<first>+<count>/<total>", or "" (layers_total 0).
+std::string layer_suffix(const PrefixKeyOptions& keys);
+// The chain's keys alone, without the ends that name an object's layers and heads.
+std::vector<std::string> chain_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
 
 // What each object of a chunk of `layout` holds under `keys`: the whole layout (keys by
 // rank), or by heads a view of head_count heads each, with its keys' ends. kInvalidArgument

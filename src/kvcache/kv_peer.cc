@@ -38,7 +38,9 @@ constexpr std::size_t kMaxDescriptor = 4 << 20;
 // Peers (and their imported keys) a reader keeps; past it they are all dropped and made anew.
 constexpr std::size_t kMaxPeers = 64;
 
-Status bad(std::string_view what) { return Status::invalid_argument("kvpeer descriptor: " + std::string(what)); }
+Status bad(std::string_view what) {
+  return Status::invalid_argument("kvpeer descriptor: " + std::string(what));
+}
 
 std::string_view next_line(std::string_view& text) {
   const std::size_t nl = text.find('\n');
@@ -87,7 +89,8 @@ Result<Described> parse(std::string_view text) {
     const auto w = words(next_line(text));
     if (w.empty()) continue;
     auto num = [&](std::size_t i) { return i < w.size() ? number(w[i]) : std::nullopt; };
-    if (w[0] == "tag" && w.size() == 4 && w[2] == "blocks" && num(3) && *num(3) > 0 && *num(3) <= UINT32_MAX) {
+    if (w[0] == "tag" && w.size() == 4 && w[2] == "blocks" && num(3) && *num(3) > 0 &&
+        *num(3) <= UINT32_MAX) {
       d.tag = std::string(w[1]);
       d.num_blocks = static_cast<std::uint32_t>(*num(3));
     } else if (w[0] == "address" && w.size() == 2) {
@@ -131,7 +134,8 @@ Status zip_runs(std::span<const KvRun> remote, std::span<const KvRun> local, Fn 
     if (ri == remote[i].length) ++i, ri = 0;
     if (lj == local[j].length) ++j, lj = 0;
   }
-  if (i != remote.size() || j != local.size()) return Status::internal("kvpeer: the two sides' runs differ in size");
+  if (i != remote.size() || j != local.size())
+    return Status::internal("kvpeer: the two sides' runs differ in size");
   return {};
 }
 
@@ -165,7 +169,8 @@ class ExportGrants final : public GrantCheck {
   Result<Grant> check(std::string_view text) const override {
     // The issuer is the text's second word; the MAC decides whether any of it holds.
     const auto a = text.find(' '), b = a == std::string_view::npos ? a : text.find(' ', a + 1);
-    if (b == std::string_view::npos) return Status::permission_denied("kvpeer: a read needs the exporter's grant");
+    if (b == std::string_view::npos)
+      return Status::permission_denied("kvpeer: a read needs the exporter's grant");
     grant::Terms t;
     {
       std::lock_guard lock(mu_);
@@ -210,8 +215,8 @@ Result<std::unique_ptr<KvExport>> KvExport::open(Store& store, const KvLayout& l
   impl->engine->set_grant_check(ExportGrants::instance());
   std::ostringstream d;
   d << kMagic << "\ntag " << layout.tag() << " blocks " << layout.shape().num_blocks << "\naddress "
-    << to_text(impl->engine->address()) << "\nstrides " << layout.part_stride() << ' ' << layout.block_stride()
-    << '\n';
+    << to_text(impl->engine->address()) << "\nstrides " << layout.part_stride() << ' '
+    << layout.block_stride() << '\n';
   std::ostringstream regions;
   std::vector<TransportKind> every = impl->engine->transports();  // those every region took
   for (const MemoryRegion& r : layout.regions()) {
@@ -219,7 +224,8 @@ Result<std::unique_ptr<KvExport>> KvExport::open(Store& store, const KvLayout& l
     regions << "region " << reinterpret_cast<std::uintptr_t>(r.addr) << ' ' << r.length << ' '
             << to_text(h.remote_key()) << '\n';
     const auto took = h.transports();
-    std::erase_if(every, [&](TransportKind k) { return std::find(took.begin(), took.end(), k) == took.end(); });
+    std::erase_if(every,
+                  [&](TransportKind k) { return std::find(took.begin(), took.end(), k) == took.end(); });
     impl->handles.push_back(std::move(h));
   }
   if (every.empty()) return Status::unsupported("kvpeer: no transport of this engine serves every region");
@@ -227,7 +233,8 @@ Result<std::unique_ptr<KvExport>> KvExport::open(Store& store, const KvLayout& l
   for (TransportKind k : every) d << ' ' << to_string(k);
   d << '\n' << regions.str();
   for (std::uint32_t l = 0; l < layout.shape().num_layers; ++l) {
-    d << "layer " << layout.layer_region(l) << ' ' << reinterpret_cast<std::uintptr_t>(layout.layer_base(l)) << '\n';
+    d << "layer " << layout.layer_region(l) << ' ' << reinterpret_cast<std::uintptr_t>(layout.layer_base(l))
+      << '\n';
   }
   impl->descriptor = d.str();
   return std::unique_ptr<KvExport>(new KvExport(std::move(impl)));
@@ -272,7 +279,9 @@ KvPeerRead::KvPeerRead(KvPeerRead&&) noexcept = default;
 KvPeerRead& KvPeerRead::operator=(KvPeerRead&&) noexcept = default;
 KvPeerRead::~KvPeerRead() = default;
 bool KvPeerRead::poll() { return !state_ || state_->batch.poll(); }
-Status KvPeerRead::wait() { return state_ ? state_->batch.wait() : Status::invalid_argument("an empty read"); }
+Status KvPeerRead::wait() {
+  return state_ ? state_->batch.wait() : Status::invalid_argument("an empty read");
+}
 void KvPeerRead::cancel() {
   if (state_) state_->batch.cancel();
 }
@@ -305,7 +314,8 @@ struct KvImport::Impl {
     const auto ours = engine->transports();
     for (TransportKind k : served) {
       if (p.is_ok() && std::find(served.begin(), served.end(), (*p)->transport()) != served.end()) break;
-      if (std::find(ours.begin(), ours.end(), k) != ours.end()) p = engine->connect(address, deadline, k, true);
+      if (std::find(ours.begin(), ours.end(), k) != ours.end())
+        p = engine->connect(address, deadline, k, true);
     }
     if (p.is_ok() && std::find(served.begin(), served.end(), (*p)->transport()) == served.end()) {
       return Status::unsupported("kvpeer: no transport in common that serves the export's memory");
@@ -350,13 +360,15 @@ Result<std::unique_ptr<KvImport>> KvImport::open(Store& store, const KvLayout& l
 KvImport::KvImport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KvImport::~KvImport() = default;
 
-Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<const std::uint32_t> remote_blocks,
+Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor,
+                                        std::span<const std::uint32_t> remote_blocks,
                                         std::span<const std::uint32_t> local_blocks,
                                         const KvPeerReadOptions& options, Deadline deadline) {
   Impl& im = *impl_;
   if (remote_blocks.size() != local_blocks.size() || remote_blocks.empty()) {
-    return Status::invalid_argument("kvpeer: " + std::to_string(remote_blocks.size()) + " remote blocks and " +
-                                    std::to_string(local_blocks.size()) + " local ones");
+    return Status::invalid_argument("kvpeer: " + std::to_string(remote_blocks.size()) +
+                                    " remote blocks and " + std::to_string(local_blocks.size()) +
+                                    " local ones");
   }
   KVSTASH_ASSIGN_OR_RETURN(Described d, parse(descriptor));
   if (d.tag != im.layout.tag()) {
@@ -370,7 +382,8 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
   for (const auto& r : d.regions) regions.push_back({reinterpret_cast<void*>(r.base), r.length});
   std::vector<std::byte*> bases;
   for (const auto& [region, base] : d.layers) bases.push_back(reinterpret_cast<std::byte*>(base));
-  KVSTASH_ASSIGN_OR_RETURN(KvLayout remote, KvLayout::custom(shape, bases, d.part_stride, d.block_stride, regions));
+  KVSTASH_ASSIGN_OR_RETURN(KvLayout remote,
+                           KvLayout::custom(shape, bases, d.part_stride, d.block_stride, regions));
 
   // Every layer's runs on both sides (both in object order).
   std::vector<std::vector<KvRun>> remote_runs(shape.num_layers), local_runs(shape.num_layers);
@@ -412,8 +425,11 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
     for (std::size_t at = 0; at < rs.size(); at += kMaxLeaseRanges) {
       const std::size_t n = std::min(kMaxLeaseRanges, rs.size() - at);
       std::span<const RemoteRange> part(rs.data() + at, n);
-      LeaseOptions lo{
-          .op = TransferOp::kRead, .ttl = options.ttl, .fence = options.fence, .grant = options.grant, .deadline = deadline};
+      LeaseOptions lo{.op = TransferOp::kRead,
+                      .ttl = options.ttl,
+                      .fence = options.fence,
+                      .grant = options.grant,
+                      .deadline = deadline};
       KVSTASH_ASSIGN_OR_RETURN(RemoteMemory lease, state->peer->lease(*imported[r], part, lo));
       leased[r].push_back({part.front().addr, state->leases.size()});
       state->leases.push_back(std::move(lease));
@@ -428,17 +444,17 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor, std::span<c
 
   std::vector<TransferEntry> entries;
   for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
-    KVSTASH_RETURN_IF_ERROR(zip_runs(remote_runs[l], local_runs[l],
-                                     [&](const KvRun& r, std::uint64_t ro, const KvRun& loc, std::uint64_t lo,
-                                         std::uint64_t n) {
-                                       entries.push_back({.op = TransferOp::kRead,
-                                                          .local = &im.handles[loc.region],
-                                                          .local_addr = loc.addr + lo,
-                                                          .remote_addr = peer_address(r) + ro,
-                                                          .remote = lease_of(r),
-                                                          .length = static_cast<std::size_t>(n)});
-                                       state->bytes += n;
-                                     }));
+    KVSTASH_RETURN_IF_ERROR(
+        zip_runs(remote_runs[l], local_runs[l],
+                 [&](const KvRun& r, std::uint64_t ro, const KvRun& loc, std::uint64_t lo, std::uint64_t n) {
+                   entries.push_back({.op = TransferOp::kRead,
+                                      .local = &im.handles[loc.region],
+                                      .local_addr = loc.addr + lo,
+                                      .remote_addr = peer_address(r) + ro,
+                                      .remote = lease_of(r),
+                                      .length = static_cast<std::size_t>(n)});
+                   state->bytes += n;
+                 }));
   }
   KVSTASH_ASSIGN_OR_RETURN(state->batch, state->peer->submit(entries, deadline));
   KvPeerRead out;

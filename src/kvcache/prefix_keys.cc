@@ -2,6 +2,7 @@
 // The exact bytes hashed are documented in docs/integration.md; keep the two in step.
 #include <openssl/evp.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -30,20 +31,38 @@ std::string kvcache::head_suffix(std::uint32_t first, std::uint32_t count, std::
   return ":h" + std::to_string(first) + "+" + std::to_string(count) + "/" + std::to_string(total);
 }
 
+std::string kvcache::layer_suffix(const PrefixKeyOptions& o) {
+  if (o.layers_total == 0) return "";
+  return ":l" + std::to_string(o.layer_first) + "+" + std::to_string(o.layer_count) + "/" +
+         std::to_string(o.layers_total);
+}
+
 std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
+  std::vector<std::string> keys = kvcache::chain_keys(tokens, o);
+  // The chain is every stage's and every head's (a rank's salt would tie it to its writer); the
+  // key's end names the layers and heads.
+  const std::string suffix =
+      kvcache::layer_suffix(o) +
+      (o.heads_total == 0 ? "" : kvcache::head_suffix(o.head_first, o.head_count, o.heads_total));
+  for (auto& k : keys) k += suffix;
+  return keys;
+}
+
+std::vector<std::string> kvcache::chain_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
   std::vector<std::string> keys;
   if (o.chunk_tokens == 0) return keys;
-  // By heads, the chain is every head's (a rank's salt would tie it to its writer); the key's
-  // end names the heads.
-  const std::string suffix =
-      o.heads_total == 0 ? "" : kvcache::head_suffix(o.head_first, o.head_count, o.heads_total);
+  // A stage's tag counts its layers; the chain hashes the whole model's ("L<layers_total>...").
+  std::string tag = o.layout_tag;
+  if (o.layers_total != 0 && tag.starts_with('L')) {
+    tag = "L" + std::to_string(o.layers_total) + tag.substr(std::min(tag.find('.'), tag.size()));
+  }
   wire::Writer salt;
   salt.raw(std::string_view("kvstash.prefix.v1\0", 18));
   salt.u32(o.chunk_tokens);
   salt.u32(o.heads_total == 0 ? o.tp_rank : 0);  // by heads, as rank 0 of 1: no writer's rank
   salt.u32(o.heads_total == 0 ? o.tp_size : 1);
   put_string(salt, o.model);
-  put_string(salt, o.layout_tag);
+  put_string(salt, tag);
   put_string(salt, o.extra);
   Digest h = sha256(salt.take());
 
@@ -71,7 +90,7 @@ std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixK
     }
     if (c == 0) root = name.substr(0, 16);
     std::string key = "kvp:{";
-    key.append(root).append("}").append(name).append(suffix);
+    key.append(root).append("}").append(name);
     keys.push_back(std::move(key));
   }
   return keys;

@@ -490,7 +490,8 @@ PYBIND11_MODULE(_native, m) {
                        std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
                        const std::string& memory_kind, const std::string& staging, const py::object& base,
                        std::uint32_t num_layers, bool joint_kv, std::uint32_t heads_total,
-                       std::uint32_t head_first, std::uint32_t head_count) {
+                       std::uint32_t head_first, std::uint32_t head_count, std::uint32_t layers_total,
+                       std::uint32_t layer_first) {
              auto dt = parse_kv_dtype(dtype);
              if (!dt) raise(Status::invalid_argument("unknown dtype '" + dtype + "'"));
              if (order != "nhd" && order != "hnd") raise(Status::invalid_argument("order is 'nhd' or 'hnd'"));
@@ -558,7 +559,9 @@ PYBIND11_MODULE(_native, m) {
                                    .extra = extra,
                                    .heads_total = heads_total,
                                    .head_first = head_first,
-                                   .head_count = head_count};
+                                   .head_count = head_count,
+                                   .layers_total = layers_total,
+                                   .layer_first = layer_first};
              out->kv = unwrap(nogil([&] {
                return KvCache::open(*store->store, std::move(l), std::move(keys), std::move(options));
              }));
@@ -576,6 +579,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("num_layers") = kShapeDefaults.num_layers, py::arg("joint_kv") = kShapeDefaults.joint_kv,
            py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
            py::arg("head_count") = kKeyDefaults.head_count,
+           py::arg("layers_total") = kKeyDefaults.layers_total,
+           py::arg("layer_first") = kKeyDefaults.layer_first,
            "A KV cache over the engine's tensors: KvCacheShape's fields, the KvLayout constructor's "
            "(arrangement 'per_layer', 'per_layer_blocks_first': layer_tensors, one per layer, as ints "
            "(data_ptr()) or writable buffers; 'cross_layer': base, the one region, and num_layers; "
@@ -720,7 +725,8 @@ PYBIND11_MODULE(_native, m) {
       [](const std::vector<std::uint32_t>& tokens, const std::string& model, const std::string& layout_tag,
          std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
          const std::vector<std::string>& chunk_salts, std::uint32_t heads_total, std::uint32_t head_first,
-         std::uint32_t head_count) {
+         std::uint32_t head_count, std::uint32_t layers_total, std::uint32_t layer_first,
+         std::uint32_t layer_count) {
         return prefix_chunk_keys({tokens, chunk_salts}, {.model = model,
                                                          .layout_tag = layout_tag,
                                                          .tp_rank = tp_rank,
@@ -729,14 +735,19 @@ PYBIND11_MODULE(_native, m) {
                                                          .extra = extra,
                                                          .heads_total = heads_total,
                                                          .head_first = head_first,
-                                                         .head_count = head_count});
+                                                         .head_count = head_count,
+                                                         .layers_total = layers_total,
+                                                         .layer_first = layer_first,
+                                                         .layer_count = layer_count});
       },
       py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = kKeyDefaults.tp_rank,
       py::arg("tp_size") = kKeyDefaults.tp_size, py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens,
       py::arg("extra") = kKeyDefaults.extra, py::arg("chunk_salts") = std::vector<std::string>{},
       py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
-      py::arg("head_count") = kKeyDefaults.head_count,
+      py::arg("head_count") = kKeyDefaults.head_count, py::arg("layers_total") = kKeyDefaults.layers_total,
+      py::arg("layer_first") = kKeyDefaults.layer_first, py::arg("layer_count") = kKeyDefaults.layer_count,
       "The keys of the full chunks of `tokens` (prefix_chunk_keys); chunk_salts[c], bytes, names what chunk "
       "c's KV was computed from besides its tokens (KvTokens). heads_total set: the keys of the objects "
-      "of heads [head_first, head_first + head_count) (PrefixKeyOptions).");
+      "of heads [head_first, head_first + head_count); layers_total set: of a pipeline stage's layers "
+      "(PrefixKeyOptions).");
 }

@@ -7,15 +7,16 @@ Load it as shipped, with no code in vLLM:
         "kv_connector_extra_config": {"redis_url": "redis://10.0.0.5:6379", "cell": "prod"}}'
 
 What it does. Every full chunk of a request's tokens (``chunk_tokens``, by default one vLLM
-block) is one kvstash object, keyed by a SHA-256 chain over the tokens before it and
-everything else its KV was computed from: the model by its weights' content, the cache
-geometry, vLLM's KV-cache layout and the tensor-parallel rank, the request's ``cache_salt`` and
+block) is stored as kvstash objects of a group of KV heads each (so that engines of any
+tensor-parallel degree share them), per pipeline stage its layers, keyed by a SHA-256 chain
+over the tokens before it and everything else its KV was computed from: the model by its
+weights' content, the cache geometry, vLLM's KV-cache layout, the request's ``cache_salt`` and
 LoRA adapter (by content), and the multimodal items and prompt embeddings each chunk holds
 (kvstash._vllm_keys; docs/integration.md, "What a key names"). After each
 forward step the chunks whose KV became complete are saved layer by layer from vLLM's paged
 cache (prompt chunks, and with ``save_decode`` the chunks decode fills). When a request comes
 in, the scheduler asks the cell how many leading chunks beyond vLLM's own prefix-cache hit are
-stored (one Redis round trip per tensor-parallel rank, no data moved, nothing changed), and
+stored, every object of them (one Redis round trip, no data moved, nothing changed), and
 the workers load those chunks layer by layer into the blocks vLLM allocated, each layer waited
 for just before its attention runs. A chunk that fails to load (evicted meanwhile, its node
 dead, its checksum wrong) is reported through ``get_block_ids_with_load_errors`` and vLLM
@@ -25,8 +26,9 @@ Config keys (``kv_connector_extra_config``), all optional: see ``KvstashConfig``
 
 Limits, refused with a clear error rather than served wrong: one KV-cache group (vLLM turns its
 hybrid allocator off for this connector, so sliding-window models run with one group; Mamba
-hybrids do not start), block-compact layouts (each layer's blocks dense, as vLLM's default), no
-pipeline parallelism, KV scales computed at run time. A request whose LoRA adapter's files are
+hybrids do not start), block-compact layouts (each layer's blocks dense, as vLLM's default),
+pipeline stages that are not the model's hidden layers one KV cache each, KV scales computed at
+run time. A request whose LoRA adapter's files are
 not on this host (so not to be named by content) is neither looked up nor saved.
 """
 
@@ -164,6 +166,10 @@ class Geometry:
     heads_total: int  # the model's KV heads (MLA: 0, keys by rank 0 of 1)
     rank_heads: int  # the heads a rank's blocks hold
     heads_per_object: int
+    # Pipeline parallelism: each stage's (first layer, layers), as vLLM splits the model; its
+    # objects hold its layers. One stage: ((0, num_layers),), and keys name no layers.
+    stages: tuple[tuple[int, int], ...] = ((0, 0),)
+    layers_total: int = 0  # the model's layers with several stages, else 0
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KvstashConfig) -> Geometry:
@@ -179,8 +185,9 @@ class Geometry:
         if page % (spec.block_size * item):
             raise ValueError(f"kvstash: a page of {page} bytes is not whole tokens of block size {spec.block_size}")
         parallel = vllm_config.parallel_config
+        stages, layers_total = ((0, len(groups[0].layer_names)),), 0
         if parallel.pipeline_parallel_size > 1:
-            raise ValueError("kvstash: pipeline parallelism is not supported (each stage's layers differ)")
+            stages, layers_total = cls.pipeline_stages(vllm_config)
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         chunk = config.chunk_tokens or spec.block_size
         if chunk % spec.block_size:
@@ -206,7 +213,32 @@ class Geometry:
                    block_size=spec.block_size, token_width=token_width, dtype=dtype, page_bytes=page,
                    chunk_tokens=chunk, model=model, salt=salt, layout=layout,
                    tp_size=parallel.tensor_parallel_size, stored_once=mla, heads_total=total,
-                   rank_heads=rank_heads, heads_per_object=per_object)
+                   rank_heads=rank_heads, heads_per_object=per_object, stages=stages, layers_total=layers_total)
+
+    @staticmethod
+    def pipeline_stages(vllm_config: VllmConfig) -> tuple[tuple[tuple[int, int], ...], int]:
+        """Each stage's (first layer, layers) as vLLM splits the model's hidden layers
+        (get_pp_indices: VLLM_PP_LAYER_PARTITION, or evenly), and the model's layers."""
+        from vllm.distributed.utils import get_pp_indices
+
+        total = vllm_config.model_config.get_total_num_hidden_layers()
+        size = vllm_config.parallel_config.pipeline_parallel_size
+        stages = []
+        for stage in range(size):
+            start, end = get_pp_indices(total, stage, size)
+            stages.append((start, end - start))
+        return tuple(stages), total
+
+    def stage_of(self, layer_indices: list[int]) -> int:
+        """The stage whose layers a worker's KV-cache tensors are (by the layers' indices)."""
+        if len(self.stages) == 1:
+            return 0
+        for stage, (first, count) in enumerate(self.stages):
+            if sorted(layer_indices) == list(range(first, first + count)):
+                return stage
+        raise ValueError(f"kvstash: this worker's KV-cache layers {sorted(layer_indices)} are no pipeline stage's "
+                         f"{list(self.stages)} (only models whose every hidden layer has one KV cache are served "
+                         "with pipeline parallelism)")
 
     @property
     def order(self) -> str:
@@ -218,16 +250,27 @@ class Geometry:
         """Elements of one token of one head: its K and V."""
         return self.token_width // self.rank_heads
 
-    def layout_tag(self) -> str:
-        """KvLayout::tag() of one object's heads, as the worker's cache has it (checked by the tests)."""
+    def layout_tag(self, stage: int = 0) -> str:
+        """KvLayout::tag() of one object of `stage`, as the worker's cache has it (checked by the tests)."""
+        layers = self.stages[stage][1] if self.layers_total else self.num_layers
         if self.stored_once:
-            return f"L{self.num_layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
-        return (f"L{self.num_layers}.P1.H{self.heads_per_object}.D{self.head_width}.B{self.block_size}."
+            return f"L{layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
+        return (f"L{layers}.P1.H{self.heads_per_object}.D{self.head_width}.B{self.block_size}."
                 f"{self.dtype}.{self.order}")
 
-    def parts(self) -> int:
-        """Objects a chunk is stored as, over every rank: the model's heads / heads per object."""
+    def head_groups(self) -> int:
+        """Objects a stage's chunk is stored as, over every rank: the model's heads / heads per object."""
         return 1 if self.stored_once else self.heads_total // self.heads_per_object
+
+    def parts(self) -> int:
+        """Objects a chunk is stored as: every stage's head groups."""
+        return len(self.stages) * self.head_groups()
+
+    def key_options(self, stage: int = 0) -> dict[str, int]:
+        """The keys' layers of `stage` (several stages only), as KvCache and prefix_chunk_keys take them."""
+        if not self.layers_total:
+            return {}
+        return dict(layers_total=self.layers_total, layer_first=self.stages[stage][0])
 
     def rank_first_head(self, tp_rank: int) -> int:
         """The model's head that rank `tp_rank`'s blocks start with. With more ranks than KV heads,
@@ -249,13 +292,17 @@ class Geometry:
 
     def keys(self, tokens: list[int], part: int = 0, request_salt: str = "",
              chunk_salts: list[bytes] | None = None) -> list[str]:
-        """The keys of object `part` (of parts()) of every full chunk of `tokens`."""
+        """The keys of object `part` (of parts(): stage by stage, head group by head group) of
+        every full chunk of `tokens`."""
+        stage, group = divmod(part, self.head_groups())
         heads = {} if self.stored_once else dict(heads_total=self.heads_total,
-                                                 head_first=part * self.heads_per_object,
+                                                 head_first=group * self.heads_per_object,
                                                  head_count=self.heads_per_object)
-        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(),
+        if self.layers_total:
+            heads["layer_count"] = self.stages[stage][1]
+        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(stage),
                                          chunk_tokens=self.chunk_tokens, extra=self.extra(request_salt),
-                                         chunk_salts=chunk_salts or [], **heads)
+                                         chunk_salts=chunk_salts or [], **heads, **self.key_options(stage))
 
     def all_keys(self, tokens: list[int], request_salt: str = "", chunk_salts: list[bytes] | None = None) -> list[str]:
         """Every object's key, chunk by chunk: parts() per chunk (what a lookup asks for)."""
@@ -375,6 +422,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._tensors: list[Any] = []
         self._layer_index: dict[str, int] = {}
         self._tp_rank = 0
+        self._stage = 0  # pipeline parallelism: the stage whose layers this worker holds
         self._loads: list[tuple[ChunkRun, Any]] = []
         self._saves: list[tuple[ChunkRun, Any]] = []
         self._load_errors: set[int] = set()
@@ -673,8 +721,10 @@ class KvstashConnector(KVConnectorBase_V1):
             from vllm.model_executor.models.utils import extract_layer_index
 
             names.sort(key=extract_layer_index)
+            indices = [extract_layer_index(n) for n in names]
         except (ImportError, ValueError):
-            pass  # registration order
+            indices = list(range(len(names)))  # registration order
+        self._stage = g.stage_of(indices)  # pipeline parallelism: which stage's layers these are
         self._layer_index = {name: i for i, name in enumerate(names)}
         tensors = [kv_caches[n] for n in names]
         for name, t in zip(names, tensors):
@@ -701,9 +751,9 @@ class KvstashConnector(KVConnectorBase_V1):
         self._tensors = tensors  # the caches hold their addresses: keep them alive
         self._caches.clear()
         cache = self._cache_for("")
-        if cache.layout_tag != g.layout_tag():
+        if cache.layout_tag != g.layout_tag(self._stage):
             raise RuntimeError(f"kvstash: the cache's layout tag {cache.layout_tag} is not the scheduler's "
-                               f"{g.layout_tag()}")
+                               f"{g.layout_tag(self._stage)}")
         self._open_direct(cache)
         self._connect_nodes()
 
@@ -752,7 +802,8 @@ class KvstashConnector(KVConnectorBase_V1):
         cache = kvstash.KvCache(
             self.store, [t.data_ptr() for t in self._tensors], num_blocks=g.num_blocks, block_size=g.block_size,
             dtype=g.dtype, model=g.model, chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt),
-            memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging, **shape)
+            memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging, **shape,
+            **g.key_options(self._stage))
         self._caches[request_salt] = cache
         if len(self._caches) > self._SALTED_CACHES + 1:
             oldest = next(k for k in self._caches if k)  # never the unsalted one
