@@ -9,9 +9,9 @@
 #include <cstring>
 #include <thread>
 
+#include "device_standin.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
-#include "device_standin.h"
 #include "rdma_lane.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
@@ -22,19 +22,26 @@ namespace {
 using namespace std::chrono_literals;
 
 // 3 layers of (2, 32 blocks, 16 tokens, 2 heads, 64) fp16: 4 KiB per block and part.
-const KvCacheShape kShape{.num_layers = 3, .num_blocks = 32, .block_size = 16, .num_kv_heads = 2, .head_dim = 64};
+const KvCacheShape kShape{
+    .num_layers = 3, .num_blocks = 32, .block_size = 16, .num_kv_heads = 2, .head_dim = 64};
 
 // Per-layer tensors in memfd-backed buffers (shm can serve them).
 struct HostCache {
-  explicit HostCache(std::uint64_t seed) {
-    for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
-      layers.push_back(Buffer::allocate(2 * kShape.num_blocks * kShape.block_bytes()).value());
+  explicit HostCache(std::uint64_t seed, KvCacheShape s = kShape) : shape(s) {
+    for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
+      layers.push_back(Buffer::allocate(2 * shape.num_blocks * shape.block_bytes()).value());
       test::fill_random(layers.back().bytes(), seed + l);
       ptrs.push_back(layers.back().data());
     }
   }
   std::span<const std::byte> block(std::uint32_t l, std::uint32_t part, std::uint32_t b) const {
-    return {layers[l].data() + (part * kShape.num_blocks + b) * kShape.block_bytes(), kShape.block_bytes()};
+    return {layers[l].data() + (part * shape.num_blocks + b) * shape.block_bytes(), shape.block_bytes()};
+  }
+  // One head of one token of a block (NHD).
+  std::span<const std::byte> head(std::uint32_t l, std::uint32_t part, std::uint32_t b, std::uint32_t t,
+                                  std::uint32_t h) const {
+    const std::size_t hb = std::size_t{shape.head_dim} * dtype_bytes(shape.dtype);
+    return block(l, part, b).subspan((t * shape.num_kv_heads + h) * hb, hb);
   }
   // vLLM's per-layer kv-first arrangement, over the buffers' own regions (with their fds).
   KvLayout layout() const {
@@ -44,9 +51,11 @@ struct HostCache {
       bases.push_back(b.data());
       regions.push_back(b.region());
     }
-    return KvLayout::custom(kShape, bases, kShape.num_blocks * kShape.block_bytes(), kShape.block_bytes(), regions)
+    return KvLayout::custom(shape, bases, shape.num_blocks * shape.block_bytes(), shape.block_bytes(),
+                            regions)
         .value();
   }
+  KvCacheShape shape;
   std::vector<Buffer> layers;
   std::vector<void*> ptrs;
 };
@@ -56,7 +65,8 @@ bool same(std::span<const std::byte> a, std::span<const std::byte> b) {
 }
 
 std::uint64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
@@ -90,7 +100,8 @@ class KvPeerTest : public ::testing::TestWithParam<TransportKind> {
   std::unique_ptr<Store> prefill_, decode_;
 };
 
-INSTANTIATE_TEST_SUITE_P(Transports, KvPeerTest, ::testing::Values(TransportKind::kShm, TransportKind::kTcp, TransportKind::kVerbs),
+INSTANTIATE_TEST_SUITE_P(Transports, KvPeerTest,
+                         ::testing::Values(TransportKind::kShm, TransportKind::kTcp, TransportKind::kVerbs),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST_P(KvPeerTest, ReadsScatteredBlocksIntoOtherBlocksBitExact) {
@@ -102,8 +113,9 @@ TEST_P(KvPeerTest, ReadsScatteredBlocksIntoOtherBlocksBitExact) {
   const std::vector<std::uint32_t> remote{7, 8, 9, 30, 2}, local{0, 1, 2, 11, 20};
   const HostCache before(2);  // b's bytes as they were (same seed)
   const std::uint64_t fence = now_ms() + 10000;
-  auto read = (*in)->begin_read((*out)->descriptor(), remote, local,
-                                {.fence = fence, .grant = (*out)->grant(remote, fence).value()}, deadline_after(5s));
+  auto read =
+      (*in)->begin_read((*out)->descriptor(), remote, local,
+                        {.fence = fence, .grant = (*out)->grant(remote, fence).value()}, deadline_after(5s));
   ASSERT_TRUE(read.is_ok()) << read.status().to_string();
   ASSERT_TRUE(read->wait().is_ok());
   EXPECT_EQ(read->bytes(), kShape.num_layers * 2 * remote.size() * kShape.block_bytes());
@@ -117,23 +129,94 @@ TEST_P(KvPeerTest, ReadsScatteredBlocksIntoOtherBlocksBitExact) {
   }
 }
 
+TEST_P(KvPeerTest, AReaderOfAnotherTensorParallelDegreeReadsItsHeadsOnly) {
+  // A model of 4 KV heads: a prefill at TP=2 (2 heads a rank), a decode at TP=1 (4 heads),
+  // then the reverse: a prefill at TP=1 read by rank 1 of a decode at TP=2.
+  KvCacheShape four = kShape;
+  four.num_kv_heads = 4;
+  HostCache rank0(11), rank1(12), whole(13, four);
+  auto out0 = KvExport::open(*prefill_, rank0.layout()).value();
+  auto out1 = KvExport::open(*prefill_, rank1.layout()).value();
+  auto in = KvImport::open(*decode_, whole.layout()).value();
+  const std::vector<std::uint32_t> remote{3, 9, 4}, local{20, 1, 6};
+  const HostCache before(13, four);
+  const std::uint64_t fence = now_ms() + 10000;
+  for (auto [out, first] : {std::pair{out0.get(), 0u}, std::pair{out1.get(), 2u}}) {
+    auto read = in->begin_read(out->descriptor(), remote, local,
+                               {.fence = fence,
+                                .grant = out->grant(remote, fence).value(),
+                                .heads = 2,
+                                .remote_head_first = 0,
+                                .local_head_first = first},
+                               deadline_after(5s));
+    ASSERT_TRUE(read.is_ok()) << read.status().to_string();
+    ASSERT_TRUE(read->wait().is_ok());
+    EXPECT_EQ(read->bytes(), kShape.num_layers * 2 * remote.size() * kShape.block_bytes())
+        << "its heads only";
+  }
+  for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {
+    for (std::uint32_t p = 0; p < 2; ++p) {
+      for (std::size_t i = 0; i < remote.size(); ++i) {
+        for (std::uint32_t t = 0; t < kShape.block_size; ++t) {
+          for (std::uint32_t h = 0; h < 4; ++h) {
+            const HostCache& from = h < 2 ? rank0 : rank1;
+            ASSERT_TRUE(same(whole.head(l, p, local[i], t, h), from.head(l, p, remote[i], t, h % 2)))
+                << l << "/" << p << "/" << i << " token " << t << " head " << h;
+          }
+        }
+      }
+      EXPECT_TRUE(same(whole.block(l, p, 5), before.block(l, p, 5))) << "a block not read was written";
+    }
+  }
+
+  // The reverse: rank 1 of a TP=2 decode reads heads 2 and 3 of a TP=1 prefill's blocks.
+  auto out = KvExport::open(*prefill_, whole.layout()).value();
+  HostCache half(14);
+  auto in_half = KvImport::open(*decode_, half.layout()).value();
+  auto read = in_half->begin_read(out->descriptor(), local, remote,
+                                  {.fence = fence,
+                                   .grant = out->grant(local, fence).value(),
+                                   .heads = 2,
+                                   .remote_head_first = 2,
+                                   .local_head_first = 0},
+                                  deadline_after(5s));
+  ASSERT_TRUE(read.is_ok()) << read.status().to_string();
+  ASSERT_TRUE(read->wait().is_ok());
+  for (std::size_t i = 0; i < remote.size(); ++i) {
+    for (std::uint32_t t = 0; t < kShape.block_size; ++t) {
+      for (std::uint32_t h = 0; h < 2; ++h)
+        ASSERT_TRUE(same(half.head(1, 1, remote[i], t, h), whole.head(1, 1, local[i], t, 2 + h)))
+            << i << "/" << t;
+    }
+  }
+  // Without heads the shapes must match; heads past either side's are refused.
+  auto whole_read =
+      in_half->begin_read(out->descriptor(), local, remote, {.fence = fence}, deadline_after(2s));
+  EXPECT_EQ(whole_read.status().code(), StatusCode::kInvalidArgument) << whole_read.status().to_string();
+  auto past = in_half->begin_read(out->descriptor(), local, remote,
+                                  {.fence = fence, .heads = 2, .remote_head_first = 3, .local_head_first = 0},
+                                  deadline_after(2s));
+  EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument) << past.status().to_string();
+}
+
 TEST_P(KvPeerTest, AFenceEndsTheReadsUnderItsTagOnly) {
   HostCache a(3), b(4);
   auto out = KvExport::open(*prefill_, a.layout()).value();
   auto in = KvImport::open(*decode_, b.layout()).value();
   const std::uint64_t tag = now_ms();
   const std::vector<std::uint32_t> blocks{4, 5};
-  auto first = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag, .grant = out->grant(blocks, tag).value()},
-                              deadline_after(5s));
+  auto first = in->begin_read(out->descriptor(), blocks, blocks,
+                              {.fence = tag, .grant = out->grant(blocks, tag).value()}, deadline_after(5s));
   ASSERT_TRUE(first.is_ok()) << first.status().to_string();
   ASSERT_TRUE(first->wait().is_ok());
   out->fence(tag);  // the prefill gives the blocks of every handoff up to `tag` back
-  auto late = in->begin_read(out->descriptor(), blocks, blocks, {.fence = tag, .grant = out->grant(blocks, tag).value()},
-                             deadline_after(5s));
+  auto late = in->begin_read(out->descriptor(), blocks, blocks,
+                             {.fence = tag, .grant = out->grant(blocks, tag).value()}, deadline_after(5s));
   const Status s = late.is_ok() ? late->wait() : late.status();
   EXPECT_TRUE(s.code() == StatusCode::kPermissionDenied || s.code() == StatusCode::kStale) << s.to_string();
-  auto later = in->begin_read(out->descriptor(), blocks, blocks,
-                              {.fence = tag + 1, .grant = out->grant(blocks, tag + 1).value()}, deadline_after(5s));
+  auto later =
+      in->begin_read(out->descriptor(), blocks, blocks,
+                     {.fence = tag + 1, .grant = out->grant(blocks, tag + 1).value()}, deadline_after(5s));
   ASSERT_TRUE(later.is_ok()) << later.status().to_string();
   EXPECT_TRUE(later->wait().is_ok()) << "a handoff with a later deadline was fenced too";
 }
@@ -150,7 +233,8 @@ TEST_P(KvPeerTest, AReadReachesOnlyTheBlocksItsGrantNames) {
   const std::uint64_t fence = now_ms() + 10000;
   const std::vector<std::uint32_t> granted{4, 5}, beside{6}, some_of_them{5};
   auto read = [&](std::span<const std::uint32_t> blocks, const std::string& grant) {
-    auto r = in->begin_read(out->descriptor(), blocks, blocks, {.fence = fence, .grant = grant}, deadline_after(5s));
+    auto r = in->begin_read(out->descriptor(), blocks, blocks, {.fence = fence, .grant = grant},
+                            deadline_after(5s));
     return r.is_ok() ? r->wait() : r.status();
   };
   const std::string g = out->grant(granted, fence).value();
@@ -223,7 +307,8 @@ TEST_P(KvPeerTest, HandoffRecordsGoWithTheirLastReaderOrTheirTtl) {
   EXPECT_FALSE(prefill_->handoff_pending("e1:req:a", "0").value());
   EXPECT_TRUE(prefill_->handoff_pending("e1:req:a", "1").value());
   EXPECT_TRUE(decode_->end_handoff("e1:req:a", "1").value());
-  EXPECT_EQ(decode_->handoff("e1:req:a").status().code(), StatusCode::kNotFound) << "the last reader ended it";
+  EXPECT_EQ(decode_->handoff("e1:req:a").status().code(), StatusCode::kNotFound)
+      << "the last reader ended it";
 
   ASSERT_TRUE(prefill_->publish_handoff("e1:req:b", "d", readers, 200ms).is_ok());
   std::this_thread::sleep_for(400ms);
@@ -274,8 +359,9 @@ TEST(KvPeerDeviceTest, OverVerbsTheNicReadsDeviceMemoryIntoDeviceMemory) {
   ASSERT_TRUE(a->seal().is_ok() && b->seal().is_ok());
   const std::vector<std::uint32_t> remote{3, 4, 17}, local{10, 0, 31};
   const std::uint64_t fence = now_ms() + 10000;
-  auto read = (*in)->begin_read((*out)->descriptor(), remote, local,
-                                {.fence = fence, .grant = (*out)->grant(remote, fence).value()}, deadline_after(5s));
+  auto read =
+      (*in)->begin_read((*out)->descriptor(), remote, local,
+                        {.fence = fence, .grant = (*out)->grant(remote, fence).value()}, deadline_after(5s));
   ASSERT_TRUE(read.is_ok()) << read.status().to_string();
   ASSERT_TRUE(read->wait().is_ok());
   for (std::uint32_t l = 0; l < kShape.num_layers; ++l) {

@@ -78,19 +78,19 @@ def tearDownModule():
     _cell.stop()
 
 
-def model_dir(tp_size=1):
-    """A tiny Llama's config.json: vLLM reads the model's geometry from it, never its weights. Its
-    KV heads are HEADS per rank at `tp_size`."""
+def model_dir(kv_heads=HEADS):
+    """A tiny Llama's config.json with `kv_heads` KV heads: vLLM reads the model's geometry from
+    it, never its weights."""
     d = tempfile.mkdtemp(prefix="kvstash-vllm-model-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS * tp_size,
+                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
                    "head_dim": HEAD, "num_hidden_layers": len(LAYERS), "vocab_size": 1000,
                    "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
     return d
 
 
-MODEL_DIRS = {}  # per TP degree
+MODEL_DIRS = {}  # by KV heads
 MLA_DIR = None
 LATENT = 48  # an MLA layer's bytes per token: the compressed KV (32) and the rotary key (16)
 
@@ -108,13 +108,14 @@ def mla_model_dir():
     return d
 
 
-def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False, pp_size=1):
+def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False, pp_size=1,
+                heads=HEADS):
     global MLA_DIR
     if mla:
         MLA_DIR = MLA_DIR or mla_model_dir()
-    elif tp_size not in MODEL_DIRS:
-        MODEL_DIRS[tp_size] = model_dir(tp_size)
-    where = MLA_DIR if mla else MODEL_DIRS[tp_size]
+    elif heads * tp_size not in MODEL_DIRS:
+        MODEL_DIRS[heads * tp_size] = model_dir(heads * tp_size)
+    where = MLA_DIR if mla else MODEL_DIRS[heads * tp_size]
     model = ModelConfig(model=where, tokenizer=where, skip_tokenizer_init=True, dtype="float16",
                         max_model_len=1024, seed=0)
     cfg = VllmConfig(
@@ -136,13 +137,13 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, ro
     return cfg
 
 
-def make_kv_cache_config(mla=False, layers=tuple(LAYERS)):
+def make_kv_cache_config(mla=False, layers=tuple(LAYERS), heads=HEADS):
     if mla:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=DTYPE)
     else:
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=DTYPE)
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
 
@@ -152,17 +153,17 @@ class Engine:
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
 
     def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False,
-                 pp_size=1):
+                 pp_size=1, heads=HEADS):
         """mla: a DeepSeek-like model, one latent cache per layer that every rank holds alike.
         pp_size: pipeline stages, each with its share of LAYERS (a worker per stage and rank, each
         with its stage's KV-cache config; the scheduler gets stage 0's, as vLLM's engine core
-        gives it)."""
-        self.mla = mla
-        self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size)
+        gives it). heads: KV heads per rank (the model has heads x tp_size)."""
+        self.mla, self.heads = mla, heads
+        self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size, heads)
         self.params = {}  # request -> the kv_transfer_params its output carried
         per_stage = len(LAYERS) // pp_size
         stages = [LAYERS[s * per_stage:(s + 1) * per_stage] for s in range(pp_size)]
-        self.kv_cache_config = make_kv_cache_config(mla, stages[0])
+        self.kv_cache_config = make_kv_cache_config(mla, stages[0], heads)
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK)
         self.connector = self.scheduler.connector
@@ -171,7 +172,7 @@ class Engine:
         for layers in stages:
             for rank in range(tp_size):
                 w = KVConnectorFactory.create_connector(config=self.config, role=KVConnectorRole.WORKER,
-                                                       kv_cache_config=make_kv_cache_config(mla, layers))
+                                                       kv_cache_config=make_kv_cache_config(mla, layers, heads))
                 caches = {name: self.paged_cache() for name in layers}
                 _with_rank(rank, lambda: w.register_kv_caches(caches))
                 self.workers.append((w, caches, rank))
@@ -180,7 +181,7 @@ class Engine:
         if self.mla:  # vLLM's MLA view: [blocks, tokens, latent]
             return torch.zeros(NUM_BLOCKS, BLOCK, LATENT, dtype=DTYPE)
         # vLLM's per-layer view [blocks, heads, tokens, K and V of a head], NHD in memory.
-        storage = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=DTYPE)
+        storage = torch.zeros(NUM_BLOCKS, BLOCK, self.heads, 2 * HEAD, dtype=DTYPE)
         return storage.permute(0, 2, 1, 3)
 
     def request(self, rid, tokens, max_tokens=4, cache_salt=None, **inputs):
@@ -261,12 +262,14 @@ class Engine:
                     break
                 if self.mla:  # the same latent on every rank
                     cache[blocks[pos // BLOCK], pos % BLOCK, :] = kv_value(req.all_token_ids[pos], pos, layer, 0)
-                else:
-                    cache[blocks[pos // BLOCK], :, pos % BLOCK, :] = kv_value(req.all_token_ids[pos], pos, layer, rank)
+                else:  # each head its own value: the model's head rank x heads + h
+                    for h in range(self.heads):
+                        cache[blocks[pos // BLOCK], h, pos % BLOCK, :] = kv_value(
+                            req.all_token_ids[pos], pos, layer, rank * self.heads + h)
 
 
-def kv_value(token, pos, layer, rank):
-    return float((token * 31 + pos * 7 + layer * 3 + rank) % 251) / 8.0
+def kv_value(token, pos, layer, head):
+    return float((token * 31 + pos * 7 + layer * 3 + head * 5) % 251) / 8.0
 
 
 def _with_rank(rank, fn):
@@ -280,11 +283,13 @@ def _with_rank(rank, fn):
         ps.get_tensor_model_parallel_rank = saved
 
 
-def expected_block(tokens, block_index, layer, rank):
-    want = torch.empty(HEADS, BLOCK, 2 * HEAD, dtype=DTYPE)
-    for j in range(BLOCK):
-        pos = block_index * BLOCK + j
-        want[:, j, :] = kv_value(tokens[pos], pos, layer, rank)
+def expected_block(tokens, block_index, layer, rank, heads=HEADS):
+    """A block of rank `rank` of an engine of `heads` KV heads per rank, as compute() wrote it."""
+    want = torch.empty(heads, BLOCK, 2 * HEAD, dtype=DTYPE)
+    for h in range(heads):
+        for j in range(BLOCK):
+            pos = block_index * BLOCK + j
+            want[h, j, :] = kv_value(tokens[pos], pos, layer, rank * heads + h)
     return want
 
 
@@ -761,6 +766,34 @@ class VllmConnector(unittest.TestCase):
         p.step_until(lambda: p.free_blocks() == free)  # the decode ended the handoff: freed well before the ttl
         self.assertEqual(p.workers[0][0]._export.stats["handoffs_read"], 1)
 
+    def test_direct_pd_between_tensor_parallel_degrees_reads_each_rank_its_heads(self):
+        """A prefill at TP=2 (a head per rank) read by a decode at TP=1 (both heads), and the
+        reverse: each decode rank reads its heads from the prefill ranks that hold them, and
+        every prefill rank frees once the readers of its heads ended, well before the ttl."""
+        extra = {"pd": "direct", "handoff_ttl_ms": 5000}
+        for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+            p = Engine(tp_size=prefill_tp, heads=2 // prefill_tp, extra=extra, role="kv_producer")
+            d = Engine(tp_size=decode_tp, heads=2 // decode_tp, extra=extra, role="kv_consumer")
+            rid = f"pd{prefill_tp}{decode_tp}"
+            prompt = [9 + (i * 23) % 900 for i in range(3 * BLOCK + 5)]  # 4 blocks, the last partial
+            free = p.free_blocks()
+            params = self.prefill_for_decode(p, rid, prompt)
+            req = d.request(rid, prompt, max_tokens=2)
+            req.kv_transfer_params = params
+            d.scheduler.add_request(req)
+            d.step_until(lambda: len(d.scheduler.requests[rid].output_token_ids) >= 1)
+            blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            for w, caches, rank in d.workers:
+                self.assertEqual(w._import.stats, {"blocks_read": 4, "reads_failed": 0}, (prefill_tp, rank))
+                for layer, name in enumerate(LAYERS):
+                    for i in range(3):
+                        self.assertTrue(torch.equal(caches[name][blocks[i]],
+                                                    expected_block(prompt, i, layer, rank, d.heads)),
+                                        f"TP={prefill_tp} to TP={decode_tp}: rank {rank} layer {layer} block {i}")
+            p.step_until(lambda: p.free_blocks() == free, seconds=3)  # freed by the reads, not the 5 s ttl
+            for w, _, rank in p.workers:
+                self.assertEqual(w._export.stats["handoffs_read"], 1, f"prefill rank {rank}")
+
     def test_direct_pd_a_closed_path_frees_the_prefill_at_once_and_the_decode_computes(self):
         # shm alone cannot serve torch's (not fd-backed) memory: the export does not open.
         p = Engine(extra={"pd": "direct", "transports": "shm"}, role="kv_producer")
@@ -862,6 +895,22 @@ class VllmConnector(unittest.TestCase):
             blocks = out.kv_connector_metadata.loads[0].block_ids
             for layer, name in enumerate(LAYERS):
                 self.assertTrue(torch.equal(caches[name][blocks[0]], expected_block(shared, 0, layer, rank)))
+
+    def test_tensor_parallel_degrees_read_each_others_chunks_through_the_cell(self):
+        shared = [47 + (i * 31) % 900 for i in range(2 * BLOCK)]
+        a = Engine(tp_size=2, heads=1)  # a model of 2 KV heads: one a rank
+        a.run("a", shared + [1])
+        self.assertEqual(a.saved(), 4, "2 chunks, a head per rank")
+        b = Engine(tp_size=1, heads=2)  # the same model at TP=1
+        b.scheduler.add_request(b.request("b", shared + [2]))
+        out = b.step()
+        self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 2)])
+        blocks = out.kv_connector_metadata.loads[0].block_ids
+        _, caches, _ = b.workers[0]
+        for layer, name in enumerate(LAYERS):
+            for i in range(2):
+                self.assertTrue(torch.equal(caches[name][blocks[i]], expected_block(shared, i, layer, 0, heads=2)),
+                                f"layer {layer} block {i}: the heads TP=2's ranks saved, in their places")
 
     def test_pipeline_stages_store_their_own_layers_and_a_lookup_needs_every_stage(self):
         shared = [43 + (i * 29) % 900 for i in range(2 * BLOCK)]

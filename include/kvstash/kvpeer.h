@@ -100,6 +100,12 @@ struct KvPeerReadOptions {
   std::chrono::milliseconds ttl{30000};
   // The exporter's grant for the blocks read (KvExport::grant, with this fence).
   std::string grant;
+  // Tensor parallelism across degrees: heads [remote_head_first, + heads) of the peer's blocks
+  // land in heads [local_head_first, + heads) of this cache's, the rest of each block is left
+  // as it is. 0 heads: every head, both caches of one shape.
+  std::uint32_t heads = 0;
+  std::uint32_t remote_head_first = 0;
+  std::uint32_t local_head_first = 0;
 };
 
 // A cache that reads blocks out of peers' exports.
@@ -110,9 +116,11 @@ class KvImport {
   ~KvImport();
 
   // Reads `remote_blocks` of the export `descriptor` into `local_blocks` (the same count; block
-  // i into block i), every layer and part. The peer's connection and keys are kept for later
-  // reads. Errors before anything moves: kInvalidArgument (a malformed descriptor, another
-  // shape than this cache's, a block out of range, counts that differ), the peer's errors
+  // i into block i), every layer and part, or with options.heads those heads only (the peer's
+  // blocks may then hold another number of heads). The peer's connection and keys are kept for
+  // later reads. Errors before anything moves: kInvalidArgument (a malformed descriptor, another
+  // shape than this cache's or heads out of either's range, a block out of range, counts that
+  // differ), the peer's errors
   // (kUnavailable, kPermissionDenied, kUnsupported: no transport in common that leases),
   // kStale (the exporter fenced the tag already), kTimeout at `deadline`.
   Result<KvPeerRead> begin_read(std::string_view descriptor, std::span<const std::uint32_t> remote_blocks,

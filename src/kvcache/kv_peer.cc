@@ -42,6 +42,17 @@ Status bad(std::string_view what) {
   return Status::invalid_argument("kvpeer descriptor: " + std::string(what));
 }
 
+// The KV heads a layout tag names ("L32.P2.H8.D128..." -> 8).
+std::optional<std::uint32_t> heads_of(std::string_view tag) {
+  const std::size_t at = tag.find(".H");
+  if (at == std::string_view::npos) return std::nullopt;
+  std::uint32_t n = 0;
+  const char* end = tag.data() + tag.size();
+  auto [p, ec] = std::from_chars(tag.data() + at + 2, end, n);
+  if (ec != std::errc() || n == 0 || (p != end && *p != '.')) return std::nullopt;
+  return n;
+}
+
 std::string_view next_line(std::string_view& text) {
   const std::size_t nl = text.find('\n');
   std::string_view line = text.substr(0, nl);
@@ -371,12 +382,15 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor,
                                     " local ones");
   }
   KVSTASH_ASSIGN_OR_RETURN(Described d, parse(descriptor));
-  if (d.tag != im.layout.tag()) {
-    return Status::invalid_argument("kvpeer: the peer's cache is " + d.tag + ", this one " + im.layout.tag());
-  }
-  // The peer's layout, in its addresses (never dereferenced here).
+  // The peer's layout, in its addresses (never dereferenced here): this cache's shape, with
+  // the peer's heads when only some heads are read.
   KvCacheShape shape = im.layout.shape();
   shape.num_blocks = d.num_blocks;
+  if (options.heads != 0) {
+    auto heads = heads_of(d.tag);
+    if (!heads) return bad("its tag names no heads");
+    shape.num_kv_heads = *heads;
+  }
   if (d.layers.size() != shape.num_layers) return bad("its layers are not the tag's");
   std::vector<MemoryRegion> regions;
   for (const auto& r : d.regions) regions.push_back({reinterpret_cast<void*>(r.base), r.length});
@@ -384,12 +398,25 @@ Result<KvPeerRead> KvImport::begin_read(std::string_view descriptor,
   for (const auto& [region, base] : d.layers) bases.push_back(reinterpret_cast<std::byte*>(base));
   KVSTASH_ASSIGN_OR_RETURN(KvLayout remote,
                            KvLayout::custom(shape, bases, d.part_stride, d.block_stride, regions));
+  // Every dimension but the heads (when some are read) is this cache's.
+  if (remote.tag() != d.tag) {
+    return Status::invalid_argument("kvpeer: the peer's cache is " + d.tag + ", this one " + im.layout.tag());
+  }
+  KvLayout local = im.layout;
+  if (options.heads != 0) {
+    KVSTASH_ASSIGN_OR_RETURN(remote, remote.heads(options.remote_head_first, options.heads));
+    KVSTASH_ASSIGN_OR_RETURN(local, local.heads(options.local_head_first, options.heads));
+  }
+  if (remote.tag() != local.tag()) {
+    return Status::invalid_argument("kvpeer: the peer's cache is " + d.tag + ", this one " + im.layout.tag() +
+                                    (options.heads != 0 ? " (some heads of each)" : ""));
+  }
 
   // Every layer's runs on both sides (both in object order).
   std::vector<std::vector<KvRun>> remote_runs(shape.num_layers), local_runs(shape.num_layers);
   for (std::uint32_t l = 0; l < shape.num_layers; ++l) {
     KVSTASH_RETURN_IF_ERROR(remote.layer_runs(l, remote_blocks, remote_runs[l]));
-    KVSTASH_RETURN_IF_ERROR(im.layout.layer_runs(l, local_blocks, local_runs[l]));
+    KVSTASH_RETURN_IF_ERROR(local.layer_runs(l, local_blocks, local_runs[l]));
   }
 
   auto state = std::make_unique<KvPeerRead::State>();

@@ -700,12 +700,17 @@ PYBIND11_MODULE(_native, m) {
           "begin_read",
           [](std::shared_ptr<PyKvImport> in, const py::bytes& descriptor,
              const std::vector<std::uint32_t>& remote_blocks, const std::vector<std::uint32_t>& local_blocks,
-             std::uint64_t fence, std::uint64_t ttl_ms, std::uint32_t timeout_ms, const py::bytes& grant) {
+             std::uint64_t fence, std::uint64_t ttl_ms, std::uint32_t timeout_ms, const py::bytes& grant,
+             std::uint32_t heads, std::uint32_t remote_head_first, std::uint32_t local_head_first) {
             const std::string d = descriptor;
             auto r = std::make_shared<PyPeerRead>();
             r->in = in;
-            const KvPeerReadOptions o{
-                .fence = fence, .ttl = std::chrono::milliseconds(ttl_ms), .grant = grant};
+            const KvPeerReadOptions o{.fence = fence,
+                                      .ttl = std::chrono::milliseconds(ttl_ms),
+                                      .grant = grant,
+                                      .heads = heads,
+                                      .remote_head_first = remote_head_first,
+                                      .local_head_first = local_head_first};
             const Deadline deadline =
                 deadline_of(timeout_ms).value_or(deadline_after(kStoreDefaults.timeout));
             r->read = unwrap(
@@ -716,9 +721,12 @@ PYBIND11_MODULE(_native, m) {
           py::arg("fence") = KvPeerReadOptions{}.fence,
           py::arg("ttl_ms") = static_cast<std::uint64_t>(KvPeerReadOptions{}.ttl.count()),
           py::arg("timeout_ms") = 0, py::arg("grant") = py::bytes(),
+          py::arg("heads") = KvPeerReadOptions{}.heads,
+          py::arg("remote_head_first") = KvPeerReadOptions{}.remote_head_first,
+          py::arg("local_head_first") = KvPeerReadOptions{}.local_head_first,
           "Reads remote_blocks of the export into local_blocks, every layer (KvImport::begin_read), under "
-          "the "
-          "exporter's grant (KvExport.grant).");
+          "the exporter's grant (KvExport.grant); with `heads`, those heads of each block only (a peer of "
+          "another tensor-parallel degree).");
 
   m.def(
       "prefix_chunk_keys",

@@ -5,8 +5,11 @@ KvImport), with no memory node in between. Redis holds only handoff records
 
   <engine>:export:<rank>   a prefill worker's KvExport descriptor: its engine's address, its
                            cache's regions and keys. Published when the caches are registered.
-  <engine>:req:<request>   a finished prefill's blocks: JSON {"engine", "blocks", "fence", "tp"},
-                           with one reader per decode rank ("0", "1", ...).
+  <engine>:req:<request>   a finished prefill's blocks: JSON {"engine", "blocks", "fence", "tp",
+                           "readers"}, with one reader per KV head ("h0", "h1", ...: a decode of
+                           any tensor-parallel degree reads them), or where heads are not
+                           divided among the ranks (MLA's one latent, more ranks than heads)
+                           one per rank ("0", "1", ...: a decode of the prefill's degree).
   <engine>:req:<request>:grant:<rank>
                            the prefill worker's grant for those blocks (KvExport.grant): its
                            export serves a read of them under it and serves nothing else.
@@ -14,13 +17,15 @@ KvImport), with no memory node in between. Redis holds only handoff records
 What happens, and what each side does when the other fails:
 - The prefill's scheduler publishes a request's record when the request ends, and vLLM holds
   the request's blocks (delayed free). The request's kv_transfer_params name the record.
-- Each decode rank reads its blocks from the prefill rank of the same index, under a lease whose
-  fence tag is the record's "fence" (the prefill's deadline, ms of its clock), then ends its part
-  of the record. A read that fails, or does not finish by the decode's own deadline, is a load
-  error: vLLM computes those tokens instead. A decode never waits for the prefill past it.
-- Each prefill worker gives the blocks back once its decode rank ended the record, or at the
-  deadline after fencing through it (KvExport.fence): from then on no read of the record can
-  touch the blocks, so a stalled or dead decode never holds them, and none is leaked.
+- Each decode rank reads the heads it holds from the prefill ranks that hold them (at the same
+  degree: the rank of the same index, whole blocks; at another: those heads of each block,
+  KvImport's head ranges), under a lease whose fence tag is the record's "fence" (the prefill's
+  deadline, ms of its clock), then ends its readers (its heads, or its rank). A read that fails,
+  or does not finish by the decode's own deadline, is a load error: vLLM computes those tokens
+  instead. A decode never waits for the prefill past it.
+- Each prefill worker gives the blocks back once every reader of its heads (or its rank) ended,
+  or at the deadline after fencing through it (KvExport.fence): from then on no read of the
+  record can touch the blocks, so a stalled or dead decode never holds them, and none is leaked.
 """
 
 from __future__ import annotations
@@ -63,24 +68,35 @@ def grant_name(record: str, rank: int) -> str:
 
 
 def publish_request(store: kvstash.Store, engine_id: str, request_id: str, block_ids: list[int], tp_size: int,
-                    ttl_ms: int, timeout_ms: int) -> tuple[str, int]:
-    """The prefill scheduler's part: the record of a finished request's blocks. Returns its
-    name and fence (the deadline by which every decode rank must have read)."""
+                    readers: list[str], ttl_ms: int, timeout_ms: int) -> tuple[str, int]:
+    """The prefill scheduler's part: the record of a finished request's blocks, read by
+    `readers` (Geometry.pd_readers). Returns its name and fence (the deadline by which every
+    decode rank must have read)."""
     name = request_name(engine_id, request_id)
     fence = now_ms() + ttl_ms
-    record = json.dumps({"engine": engine_id, "blocks": list(block_ids), "fence": fence, "tp": tp_size})
-    store.publish_handoff(name, record.encode(), [str(r) for r in range(tp_size)], ttl_ms + RECORD_SLACK_MS,
-                          timeout_ms=timeout_ms)
+    record = json.dumps({"engine": engine_id, "blocks": list(block_ids), "fence": fence, "tp": tp_size,
+                         "readers": readers})
+    store.publish_handoff(name, record.encode(), readers, ttl_ms + RECORD_SLACK_MS, timeout_ms=timeout_ms)
     return name, fence
 
 
-def end_unread(store: kvstash.Store, name: str, tp_size: int, timeout_ms: int) -> None:
-    """A decode request that ended before its read (aborted): the prefill may free at once."""
-    for rank in range(tp_size):
+def end_readers(store: kvstash.Store, name: str, readers: list[str], timeout_ms: int) -> None:
+    for reader in readers:
         try:
-            store.end_handoff(name, str(rank), timeout_ms=timeout_ms)
+            store.end_handoff(name, reader, timeout_ms=timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: could not end handoff %s (the prefill frees at its deadline): %s", name, e)
+
+
+def end_unread(store: kvstash.Store, name: str, timeout_ms: int) -> None:
+    """A decode request that ended before its read (aborted): the prefill may free at once."""
+    try:
+        record = json.loads(store.handoff(name, timeout_ms=timeout_ms))
+    except (kvstash.Error, ValueError) as e:
+        logger.warning("kvstash: handoff %s could not be read to end it (the prefill frees at its deadline): %s",
+                       name, e)
+        return
+    end_readers(store, name, [str(r) for r in record.get("readers", [])], timeout_ms)
 
 
 class _Counted:
@@ -93,8 +109,10 @@ class _Counted:
 class PrefillExport(_Counted):
     """A prefill worker's cache, readable by decodes, and the requests whose blocks it holds."""
 
-    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, engine_id: str, rank: int, timeout_ms: int):
-        self._store, self._rank, self._timeout_ms = store, rank, timeout_ms
+    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, engine_id: str, rank: int, readers: list[str],
+                 timeout_ms: int):
+        """readers: those whose end frees this rank's blocks (its heads', or its rank's)."""
+        self._store, self._rank, self._readers, self._timeout_ms = store, rank, readers, timeout_ms
         self._export = kvstash.KvExport(cache)
         self._name = export_name(engine_id, rank)
         self._published = 0.0
@@ -131,8 +149,8 @@ class PrefillExport(_Counted):
             logger.warning("kvstash: the grant for %s could not be published (its decode computes): %s", request_id, e)
 
     def released(self) -> set[str]:
-        """Requests whose blocks vLLM may free now: read by this rank's decode, or expired (and
-        fenced: no read can touch them any more)."""
+        """Requests whose blocks vLLM may free now: read by every decode rank that reads this
+        rank's heads, or expired (and fenced: no read can touch them any more)."""
         self.refresh()
         if not self._held or time.monotonic() - self._polled < POLL_S:
             return set()
@@ -150,7 +168,8 @@ class PrefillExport(_Counted):
             if request_id in done:
                 continue
             try:
-                if not self._store.handoff_pending(name, str(self._rank), timeout_ms=self._timeout_ms):
+                # In order, stopping at the first still pending: one round trip while unread.
+                if not any(self._store.handoff_pending(name, r, timeout_ms=self._timeout_ms) for r in self._readers):
                     done.add(request_id)
                     self._count("handoffs_read", 1)
             except kvstash.Error as e:
@@ -166,8 +185,10 @@ class DecodeReads(_Counted):
 
     _EXPORTS_KEPT = 64
 
-    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, rank: int, tp_size: int, timeout_ms: int):
-        self._store, self._rank, self._tp, self._timeout_ms = store, rank, tp_size, timeout_ms
+    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, rank: int, plan, timeout_ms: int):
+        """plan(record) -> [(prefill rank, heads, its first head, this rank's first head, readers)]:
+        what this rank reads of a record, and whose end it says (Geometry.pd_reads)."""
+        self._store, self._rank, self._plan, self._timeout_ms = store, rank, plan, timeout_ms
         self._import = kvstash.KvImport(cache)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-pd-read")
         self._exports: dict[str, bytes] = {}  # export record name -> descriptor
@@ -180,8 +201,8 @@ class DecodeReads(_Counted):
         if local_blocks:  # else nothing waits for it: it only ends the handoff
             self._reads[request_id] = (future, local_blocks)
 
-    def _descriptor(self, engine: str) -> bytes:
-        key = export_name(engine, self._rank)
+    def _descriptor(self, engine: str, rank: int) -> bytes:
+        key = export_name(engine, rank)
         with self._lock:
             found = self._exports.get(key)
         if found is None:
@@ -192,10 +213,10 @@ class DecodeReads(_Counted):
                 self._exports[key] = found
         return found
 
-    def _grant(self, name: str, left_ms) -> bytes:
-        """The prefill worker's grant for the request's blocks: it publishes it as it starts
+    def _grant(self, name: str, rank: int, left_ms) -> bytes:
+        """Prefill rank `rank`'s grant for the request's blocks: it publishes it as it starts
         holding them (its next step), which may come a moment after the decode heard of them."""
-        key = grant_name(name, self._rank)
+        key = grant_name(name, rank)
         while True:
             try:
                 return self._store.handoff(key, timeout_ms=left_ms())
@@ -213,32 +234,39 @@ class DecodeReads(_Counted):
                 raise kvstash.Error(f"timeout: the read of {name} ran out of its {self._timeout_ms} ms")
             return left
 
-        engine = None
+        engine, readers, plan = None, [], []
         try:
+            record = json.loads(self._store.handoff(name, timeout_ms=left_ms()))
+            try:
+                plan = self._plan(record)
+            except ValueError:
+                readers = [str(r) for r in record.get("readers", [])]  # no rank of this decode reads it
+                raise
+            readers = [r for *_, rs in plan for r in rs]
             if not local_blocks:
                 return  # the decode's own prefix cache had every block: nothing to read
-            record = json.loads(self._store.handoff(name, timeout_ms=left_ms()))
-            if record["tp"] != self._tp:
-                raise ValueError(f"the prefill ran {record['tp']} tensor-parallel ranks, this decode {self._tp}")
             engine = record["engine"]
             remote = record["blocks"][first_block:first_block + len(local_blocks)]
             if len(remote) != len(local_blocks):
                 raise ValueError(f"the prefill holds {len(record['blocks'])} blocks, the decode reads "
                                  f"{first_block} + {len(local_blocks)}")
-            read = self._import.begin_read(self._descriptor(engine), remote, local_blocks, fence=record["fence"],
-                                           ttl_ms=self._timeout_ms + 1000, timeout_ms=left_ms(),
-                                           grant=self._grant(name, left_ms))
-            read.wait()
+            reads = [self._import.begin_read(self._descriptor(engine, rank), remote, local_blocks,
+                                             fence=record["fence"], ttl_ms=self._timeout_ms + 1000,
+                                             timeout_ms=left_ms(), grant=self._grant(name, rank, left_ms),
+                                             heads=heads, remote_head_first=theirs, local_head_first=ours)
+                     for rank, heads, theirs, ours, _ in plan]
+            for read in reads:
+                read.wait()
         except Exception:
             if engine is not None:
                 with self._lock:
-                    self._exports.pop(export_name(engine, self._rank), None)  # the prefill may be gone
+                    for rank, *_ in plan:
+                        self._exports.pop(export_name(engine, rank), None)  # the prefill may be gone
             raise
         finally:
-            try:
-                self._store.end_handoff(name, str(self._rank), timeout_ms=self._timeout_ms)
-            except kvstash.Error as e:
-                logger.warning("kvstash: could not end handoff %s (the prefill frees at its deadline): %s", name, e)
+            # Every reader this rank answers for, read or not: the prefill frees now, not at its
+            # deadline (a record no rank can read: all of them).
+            end_readers(self._store, name, readers, self._timeout_ms)
 
     def finished(self) -> tuple[set[str], set[int]]:
         """Requests whose read ended, and the blocks of those that failed (to recompute)."""

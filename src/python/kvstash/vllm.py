@@ -279,6 +279,50 @@ class Geometry:
             return tp_rank * self.rank_heads
         return tp_rank * self.heads_total // self.tp_size
 
+    def by_heads(self) -> bool:
+        """Whether the ranks divide the heads among them (keys and direct reads by heads)."""
+        return not self.stored_once and self.tp_size <= self.heads_total
+
+    def pd_readers(self) -> list[str]:
+        """Direct P/D: the readers of a prefill's record: a reader per KV head (decodes of any
+        degree), or per rank (MLA, replicated heads: decodes of this degree)."""
+        if self.by_heads():
+            return [f"h{h}" for h in range(self.heads_total)]
+        return [str(r) for r in range(self.tp_size)]
+
+    def rank_readers(self, tp_rank: int) -> list[str]:
+        """Direct P/D, a prefill rank: the readers whose end frees its blocks."""
+        if self.by_heads():
+            first = self.rank_first_head(tp_rank)
+            return [f"h{h}" for h in range(first, first + self.rank_heads)]
+        return [str(tp_rank)]
+
+    def pd_reads(self, tp_rank: int, record: dict[str, Any]) -> list[tuple[int, int, int, int, list[str]]]:
+        """Direct P/D, a decode rank: what it reads of a prefill's record, as (prefill rank,
+        heads (0: whole blocks), the prefill rank's first head read, this rank's first head
+        written, the readers it ends). ValueError for a prefill it cannot read."""
+        prefill_tp = int(record["tp"])
+        if not all(str(r).startswith("h") for r in record.get("readers", [])) or not record.get("readers"):
+            if prefill_tp != self.tp_size:
+                raise ValueError(f"the prefill ran {prefill_tp} tensor-parallel ranks, this decode {self.tp_size}, "
+                                 "and its heads are not divided among its ranks (MLA, or more ranks than heads)")
+            return [(tp_rank, 0, 0, 0, [str(tp_rank)])]
+        if not self.by_heads():
+            raise ValueError("this decode's heads are not divided among its ranks (MLA, or more ranks than heads)")
+        if len(record["readers"]) != self.heads_total:
+            raise ValueError(f"the prefill's model has {len(record['readers'])} KV heads, this one {self.heads_total}")
+        if prefill_tp == self.tp_size:
+            first = self.rank_first_head(tp_rank)
+            return [(tp_rank, 0, 0, 0, [f"h{h}" for h in range(first, first + self.rank_heads)])]
+        theirs = self.heads_total // prefill_tp
+        first, end = self.rank_first_head(tp_rank), self.rank_first_head(tp_rank) + self.rank_heads
+        plan = []
+        for rank in range(prefill_tp):
+            lo, hi = max(first, rank * theirs), min(end, (rank + 1) * theirs)
+            if lo < hi:
+                plan.append((rank, hi - lo, lo - rank * theirs, lo - first, [f"h{h}" for h in range(lo, hi)]))
+        return plan
+
     def saves_on(self, tp_rank: int) -> bool:
         """Whether rank `tp_rank` stores its objects: one rank of those that hold the same heads."""
         if self.stored_once:
@@ -401,6 +445,9 @@ class KvstashConnector(KVConnectorBase_V1):
         if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
             raise ValueError(f"kvstash: kv_role {kv_role!r} is kv_both, kv_producer or kv_consumer")
         self._direct = self.config.pd == "direct"
+        if self._direct and len(self.geometry.stages) > 1:
+            raise ValueError("kvstash: pd 'direct' reads a prefill rank's blocks by its tensor-parallel rank alone: "
+                             "it is not served with pipeline parallelism (pd 'cell' is)")
         self._cell_load = kv_role == "kv_both" or (kv_role == "kv_consumer" and not self._direct)
         self._cell_save = kv_role == "kv_both" or (kv_role == "kv_producer" and not self._direct)
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
@@ -691,7 +738,7 @@ class KvstashConnector(KVConnectorBase_V1):
         handoff = self._handoff_of(request)
         if handoff:  # a decode request that ended before its read: the prefill may free now
             params["do_remote_prefill"] = False
-            _handoff.end_unread(self.store, handoff, self.geometry.tp_size, self.config.timeout_ms)
+            _handoff.end_unread(self.store, handoff, self.config.timeout_ms)
             return False, None
         from vllm.v1.request import RequestStatus
 
@@ -700,8 +747,8 @@ class KvstashConnector(KVConnectorBase_V1):
             return False, None  # not a prefill for a decode, or aborted: nothing to hand off
         try:
             name, fence = _handoff.publish_request(self.store, self._engine_id, request.request_id, block_ids,
-                                                   self.geometry.tp_size, self.config.handoff_ttl_ms,
-                                                   self.config.timeout_ms)
+                                                   self.geometry.tp_size, self.geometry.pd_readers(),
+                                                   self.config.handoff_ttl_ms, self.config.timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: the handoff of %s was not published; its decode computes it: %s",
                            request.request_id, e)
@@ -775,9 +822,12 @@ class KvstashConnector(KVConnectorBase_V1):
         try:
             if role != "kv_consumer" and self._export is None:
                 self._export = _handoff.PrefillExport(self.store, cache, self._engine_id, self._tp_rank,
+                                                      self.geometry.rank_readers(self._tp_rank),
                                                       self.config.timeout_ms)
             if role != "kv_producer" and self._import is None:
-                self._import = _handoff.DecodeReads(self.store, cache, self._tp_rank, self.geometry.tp_size,
+                rank = self._tp_rank
+                self._import = _handoff.DecodeReads(self.store, cache, rank,
+                                                    lambda record: self.geometry.pd_reads(rank, record),
                                                     self.config.timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: the direct P/D path is closed on this worker (prefills free at once, "
