@@ -387,16 +387,22 @@ class Families(unittest.TestCase):
         self.assertEqual(vouched[0]["cached"], 640)
         self.assertNotEqual(vouched[0]["tokens"], own, "the loaded chunks made no difference: were they used?")
 
-    def test_a_sliding_window_model_at_two_tensor_parallel_ranks(self):
+    def test_a_sliding_window_model_at_two_tensor_parallel_degrees(self):
+        """Saved at TP=2 (a head per rank), loaded at TP=2 and at TP=1, each with its degree's
+        own tokens."""
         model = os.path.join(self.dir, "gemma3-tp")
         make_gemma3(model, seed=2)
+        want = run_engine(model, [self.PROMPT])[0]["tokens"]
         before = chunk_records(self.cell.url)
         saver = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
         self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5 * OBJECTS,
                          "5 chunks, a head per rank")
         loader = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
-        self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded shards differ")
+        self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded heads differ")
         self.assertEqual(loader[0]["cached"], 640)
+        single = run_engine(model, [self.PROMPT], url=self.cell.url, tp=1)
+        self.assertEqual(single[0]["cached"], 640, "TP=1 loaded the heads TP=2 saved")
+        self.assertEqual(single[0]["tokens"], want, "TP=1 from TP=2's chunks answers otherwise")
 
 
 def handoff_records(url, name):

@@ -522,6 +522,12 @@ class VllmConnector(unittest.TestCase):
         for other in (plain, dog, moved):
             self.assertTrue(all(a != b for a, b in zip(cat[1:], other[1:])), "a chunk from the image on is shared")
         self.assertEqual(chunk_keys(mm_features=image("cat", BLOCK + 3)), cat, "the same image, other keys")
+        # The chunk salts come from the scheduler and name no rank: an engine of the same model
+        # at TP=2 (a head a rank) names the image's chunks as TP=1 does, object for object.
+        g2 = Engine(tp_size=2, heads=1).connector.geometry
+        req = e.request("r", tokens, mm_features=image("cat", BLOCK + 3))
+        self.assertEqual(g2.all_keys(tokens, keys.request_salt(req), keys.chunk_salts(req)),
+                         g.all_keys(tokens, keys.request_salt(req), keys.chunk_salts(req)))
         # Through the connector: what one engine saved with the cat, another finds with the cat
         # only, and loads bit-exact.
         a = Engine()
@@ -634,6 +640,25 @@ class VllmConnector(unittest.TestCase):
                     want = torch.tensor([kv_value(tokens[i * BLOCK + j], i * BLOCK + j, layer, 0)
                                          for j in range(BLOCK)], dtype=DTYPE)[:, None].expand(BLOCK, LATENT)
                     self.assertTrue(torch.equal(caches[name][loads[0].block_ids[i]], want), f"rank {rank}")
+        # The one copy names no rank: an engine at TP=1 loads it too; and with two pipeline
+        # stages each stage's rank 0 stores its layer's copy, which another such engine loads.
+        c = Engine(tp_size=1, mla=True)
+        c.scheduler.add_request(c.request("c", tokens + [3]))
+        self.assertEqual([(r.first, r.count) for r in c.step().kv_connector_metadata.loads], [(0, 2)])
+        self.assertEqual(c.workers[0][0]._stats["chunks_loaded"], 2)
+        d = Engine(tp_size=2, mla=True, pp_size=2)
+        d.run("d", tokens + [4])
+        self.assertEqual([w._stats["chunks_saved"] for w, _, _ in d.workers], [2, 0, 2, 0])
+        f = Engine(tp_size=1, mla=True, pp_size=2)
+        f.scheduler.add_request(f.request("f", tokens + [5]))
+        out = f.step()
+        self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 2)])
+        for w, caches, _ in f.workers:
+            self.assertEqual(w._stats["chunks_loaded"], 2)
+            for name, cache in caches.items():
+                want = torch.tensor([kv_value(tokens[j], j, LAYERS.index(name), 0) for j in range(BLOCK)],
+                                    dtype=DTYPE)[:, None].expand(BLOCK, LATENT)
+                self.assertTrue(torch.equal(cache[out.kv_connector_metadata.loads[0].block_ids[0]], want), name)
 
     def test_a_reset_of_the_connectors_cache_stops_sharing(self):
         """After reset_prefix_cache(reset_connector=True) (weights updated in place, which no key
