@@ -114,7 +114,7 @@ class VllmForwardPass(unittest.TestCase):
         prefill = run_engine(self.model, [self.THIRD], url=self.cell.url, role="kv_producer", max_tokens=1)
         self.assertEqual(prefill[0]["tokens"], self.plain["third"][:1])
         saved = {k: v for k, v in prefill[0]["records"].items() if known.get(k) != v}
-        self.assertEqual(len(saved), 4, "the prefill saves the 600-token prompt's 4 full chunks")
+        self.assertEqual(len(saved), 4 * OBJECTS, "the prefill saves the 600-token prompt's 4 full chunks")
         decode = run_engine(self.model, [self.THIRD], url=self.cell.url, role="kv_consumer")
         self.assertEqual(decode[0]["tokens"], self.plain["third"], "the decode's tokens differ")
         self.assertEqual(decode[0]["cached"], 512, "the decode loads the 4 chunks and computes 88 tokens")
