@@ -102,7 +102,8 @@ TEST(BenchStore, JsonRowsForEveryBackendWithAPrivateCell) {
 TEST(BenchMetadata, TheMixRunsOverTlsToRedisAndUnderQuotas) {
   if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
   int status = -1;
-  const std::string out = run(bench() + " metadata --clients 2 --seconds 0.3 --tls --quotas 3 --json", &status);
+  const std::string out =
+      run(bench() + " metadata --clients 2 --seconds 0.3 --tls --quotas 3 --json", &status);
   ASSERT_TRUE(WIFEXITED(status)) << out;
   ASSERT_EQ(WEXITSTATUS(status), 0) << out;
   std::set<std::string> kinds;
@@ -123,7 +124,8 @@ TEST(BenchTier, TheDeviceLayerAndFioWriteAndReadTheSameFile) {
   const std::string file = (std::filesystem::current_path() / "bench-tier-test").string();
   int status = -1;
   const std::string out =
-      run(bench() + " tier --path " + file + " --bytes 16MiB --io-size 1MiB --depth 4 --rounds 1 --json 2>&1", &status);
+      run(bench() + " tier --path " + file + " --bytes 16MiB --io-size 1MiB --depth 4 --rounds 1 --json 2>&1",
+          &status);
   ASSERT_TRUE(WIFEXITED(status)) << out;
   if (WEXITSTATUS(status) != 0 && (out.find("takes no O_DIRECT") != std::string::npos ||
                                    out.find("io_uring is off") != std::string::npos)) {
@@ -139,9 +141,12 @@ TEST(BenchTier, TheDeviceLayerAndFioWriteAndReadTheSameFile) {
     }
     EXPECT_EQ(j["bytes"], 16 << 20) << j.dump();
   }
-  EXPECT_EQ(rows, (std::set<std::string>{"kvstash-ssd/write", "kvstash-ssd/read", "fio/write", "fio/read"})) << out;
+  EXPECT_EQ(rows, (std::set<std::string>{"kvstash-ssd/write", "kvstash-ssd/read", "fio/write", "fio/read"}))
+      << out;
   EXPECT_FALSE(std::filesystem::exists(file)) << "the bench left its file";
-  EXPECT_EQ(WEXITSTATUS(std::system((bench() + " tier --path " + file + " --io-size 1000 >/dev/null 2>&1").c_str())), 2);
+  EXPECT_EQ(WEXITSTATUS(
+                std::system((bench() + " tier --path " + file + " --io-size 1000 >/dev/null 2>&1").c_str())),
+            2);
 }
 
 TEST(BenchStore, TokenRangesReportTheirSpread) {
@@ -268,6 +273,35 @@ TEST(BenchKvCache, JsonRowsForEachTransportAndOpVerified) {
   run(bench() + " kvcache --tokens 100", &status);
   EXPECT_EQ(WEXITSTATUS(status), 2) << "not a multiple of 256";
   run(bench() + " kvcache --block-size 3", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+}
+
+TEST(BenchKvCache, AcrossTensorParallelDegreesEveryHeadVerified) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  int status = -1;
+  const std::string out = run(
+      bench() + " kvcache --tokens 256 --rounds 1 --transport tcp --save-tp 2 --load-tp 1 --json", &status);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  const auto rows = json_lines(out);
+  ASSERT_EQ(rows.size(), 3u) << out;
+  std::set<std::string> seen;
+  for (const auto& j : rows) {
+    const std::string line = j.dump();
+    EXPECT_EQ(j["verified"], true) << line;
+    EXPECT_EQ(j["load_tp"], 1u) << line;
+    EXPECT_GT(j["gbps"].get<double>(), 0) << line;
+    EXPECT_NEAR(j["vs_same_degree"].get<double>(), j["gbps"].get<double>() / rows[0]["gbps"].get<double>(),
+                1e-9)
+        << line;
+    seen.insert(j["keys"].get<std::string>() + "/" + std::to_string(j["save_tp"].get<int>()));
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"heads/1", "heads/2", "rank/1"}));
+  EXPECT_EQ(rows[1]["heads_per_object"], 16u) << "32 heads over the wider degree's 2 ranks";
+  // Usage errors exit 2: a degree that does not divide the 32 heads, one degree alone.
+  run(bench() + " kvcache --save-tp 3 --load-tp 1", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  run(bench() + " kvcache --save-tp 2", &status);
   EXPECT_EQ(WEXITSTATUS(status), 2);
 }
 

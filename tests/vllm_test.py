@@ -16,6 +16,7 @@ Usage (meson test `vllm`): VENV/bin/python tests/vllm_test.py BUILD_DIR
 Exit 77 (skipped) when vLLM cannot be imported.
 """
 
+import collections
 import json
 import os
 import sys
@@ -161,6 +162,8 @@ class Engine:
         self.mla, self.heads = mla, heads
         self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size, heads)
         self.params = {}  # request -> the kv_transfer_params its output carried
+        # Requests some ranks finished sending or receiving: how many ranks so far.
+        self._finished = {"sending": collections.Counter(), "recving": collections.Counter()}
         per_stage = len(LAYERS) // pp_size
         stages = [LAYERS[s * per_stage:(s + 1) * per_stage] for s in range(pp_size)]
         self.kv_cache_config = make_kv_cache_config(mla, stages[0], heads)
@@ -193,7 +196,7 @@ class Engine:
         """One scheduler step and its 'forward pass'. Returns the scheduler output."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        invalid, sending, receiving = set(), None, None
+        invalid = set()
         for w, caches, rank in self.workers:
             w.bind_connector_metadata(meta)
             if fail_loads:
@@ -209,10 +212,18 @@ class Engine:
             w.wait_for_save()
             sent, received = w.get_finished(out.finished_req_ids)
             invalid |= w.get_block_ids_with_load_errors()
-            # As vLLM's output aggregator: a request is done when every rank says so.
-            sending = set(sent or ()) if sending is None else sending & set(sent or ())
-            receiving = set(received or ()) if receiving is None else receiving & set(received or ())
+            # As vLLM's output aggregator: a request is done once every rank said so, in
+            # whichever steps each did.
+            for req_id in sent or ():
+                self._finished["sending"][req_id] += 1
+            for req_id in received or ():
+                self._finished["recving"][req_id] += 1
             w.clear_connector_metadata()
+        sending, receiving = ({r for r, n in self._finished[k].items() if n == len(self.workers)}
+                              for k in ("sending", "recving"))
+        for k, done in (("sending", sending), ("recving", receiving)):
+            for r in done:
+                del self._finished[k][r]
         reqs = list(out.num_scheduled_tokens)
         fields = dict(req_ids=reqs, sampled_token_ids=[[7] for _ in reqs],
                       kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending or None,

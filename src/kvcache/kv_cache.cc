@@ -1,7 +1,7 @@
-// KvCache: a request's chunks saved to and loaded from the store, one object per chunk,
-// layer by layer. This file opens a cache (its options and keys checked, its data path
-// chosen: data_path.cc), finds the CUDA device of GPU memory, and starts saves and loads:
-// their state machines are kv_save.cc and kv_load.cc.
+// KvCache: a request's chunks saved to and loaded from the store, one object per chunk (keys
+// by heads: one per group of heads, each saved and loaded as a unit), layer by layer. This file opens a cache
+// (its options and keys checked, its data path chosen: data_path.cc), finds the CUDA device of GPU memory,
+// and starts saves and loads: their state machines are kv_save.cc and kv_load.cc.
 #include <chrono>
 #include <thread>
 
