@@ -13,6 +13,7 @@ The test checks:
   is put anew, while the chunks before it load;
 - a memory node killed before the load: every load fails, the engine computes, same tokens;
 - keys name KV heads: TP=1 loads what TP=2 saved and the reverse, each with its own tokens;
+  direct P/D between a TP=2 and a TP=1 engine, both ways;
 - prefill/decode disaggregation, through the cell (kv_producer saves, kv_consumer loads) and
   direct (the decode reads the prefill's blocks; an expired handoff is fenced and freed; a
   killed prefill leaves the decode computing), with the same tokens as one engine.
@@ -171,6 +172,42 @@ class VllmForwardPass(unittest.TestCase):
             prefill.stop()
             if decode is not None:
                 decode.stop()
+
+    def test_prefill_and_decode_direct_between_tensor_parallel_degrees(self):
+        """A TP=2 prefill read directly by a TP=1 decode, and a TP=1 prefill by a TP=2 decode:
+        each decode rank reads its heads from the prefill ranks that hold them, answers as an
+        engine of its degree alone, and the prefill gets its blocks back."""
+        extra = {"pd": "direct", "handoff_ttl_ms": 8000}
+        want = {1: self.plain["prompt"], 2: run_engine(self.model, [self.PROMPT], tp=2)[0]["tokens"]}
+        # A TP=2 engine's ranks take both cores; the TP=1 engine beside it one of them.
+        for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+            prefill = Engine(self.model, self.cell.url, extra, role="kv_producer", tp=prefill_tp,
+                             cores="1" if prefill_tp == 1 else None)
+            decode = None
+            try:
+                idle = prefill.status()
+                decode = Engine(self.model, self.cell.url, extra, role="kv_consumer", tp=decode_tp,
+                                cores="1" if decode_tp == 1 else None)
+                decode.status()
+                out = prefill.generate([self.PROMPT], {"do_remote_decode": True}, max_tokens=1)[0]
+                params = out["params"]
+                self.assertTrue(params and params.get("kvstash_handoff"), f"no handoff in {params}")
+                got = decode.generate([self.PROMPT], params)[0]
+                self.assertEqual(got["tokens"], want[decode_tp],
+                                 f"TP={prefill_tp} prefill, TP={decode_tp} decode: the decode's tokens differ")
+                if decode_tp == 1:  # the engine's own connector (a TP=2 engine's are in its workers)
+                    counts = decode.status()["connector"]
+                    self.assertEqual((counts.get("blocks_read"), counts.get("reads_failed")), (6, 0),
+                                     f"the decode did not read the prompt's 6 blocks:\n{decode.log()[-3000:]}")
+                self.assertNotIn("failed, computing them", decode.log(), "a decode rank computed instead of reading")
+                started = time.monotonic()
+                self.assertEqual(self.wait_released(prefill), idle["free_blocks"], "the prefill leaked blocks")
+                self.assertLess(time.monotonic() - started, 6, "the prefill held its blocks to the deadline: the "
+                                "reads did not free them")
+            finally:
+                prefill.stop()
+                if decode is not None:
+                    decode.stop()
 
     def test_a_memory_node_killed_before_the_load_means_a_recompute(self):
         """kill -9 of the node holding the chunks, after the lookup can still find them (its
