@@ -339,6 +339,12 @@ class VllmConnector(unittest.TestCase):
             Engine(extra={"redis_host": "x"})
         with self.assertRaisesRegex(ValueError, "chunk_tokens 24 is not a multiple of the block size 16"):
             Engine(extra={"chunk_tokens": 24})
+        # A rank of 1 head (TP=2 of a 2-head model) cannot hold objects of 2 heads.
+        with self.assertRaisesRegex(ValueError, "kv_heads_per_object 2 does not divide a rank's 1 KV heads"):
+            Engine(tp_size=2, heads=1, extra={"kv_heads_per_object": 2})
+        self.assertEqual(Engine(extra={"kv_heads_per_object": 2}).connector.geometry.parts(), 1)
+        with self.assertRaisesRegex(ValueError, "pd 'direct'.*pipeline parallelism"):
+            Engine(pp_size=2, extra={"pd": "direct"}, role="kv_producer")
 
     def test_the_connector_and_store_metrics_appear_in_vllms_prometheus_endpoint(self):
         """vLLM's own Prometheus path (KVConnectorProm, as its PrometheusStatLogger builds it,
