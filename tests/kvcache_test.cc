@@ -719,6 +719,25 @@ TEST_P(KvCacheTest, KeysByHeadsAreReadAtAnyTensorParallelDegree) {
   for (const auto& s : load->wait()) ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_TRUE(same_heads(tp2_0, blocks_3, tp1_b, blocks_1, 0, 0, 2));
   EXPECT_TRUE(same_heads(tp2_1, blocks_3, tp1_b, blocks_1, 0, 2, 2));
+  // The same through host bounce buffers (the staged path a GPU cache takes): the device
+  // gathers and scatters each object's runs of heads.
+  HostCache staged(whole, 341);
+  auto kv_staged = KvCache::open(
+      *store_, KvLayout::per_layer(staged.shape, staged.ptrs, MemoryKind::kCuda).value(),
+      {.model = "test-model", .chunk_tokens = 64, .heads_total = 4, .head_first = 0, .head_count = 1},
+      {.device = host_device(), .path = KvPath::kStaged});
+  ASSERT_TRUE(kv_staged.is_ok()) << kv_staged.status().to_string();
+  EXPECT_EQ((*kv_staged)->data_path(), "staged");
+  for (const auto& s : (*kv_staged)->load(other, blocks_2, 2)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(same_heads(tp2_0, blocks_3, staged, blocks_2, 0, 0, 2));
+  EXPECT_TRUE(same_heads(tp2_1, blocks_3, staged, blocks_2, 0, 2, 2));
+  const auto staged_tokens = token_ids(64, 37);
+  for (const auto& s : (*kv_staged)->save(staged_tokens, blocks_2, 0, 1))
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (const auto& s : kv2_1->load(staged_tokens, blocks_3, 1)) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const std::vector<std::uint32_t> chunk_2(blocks_2.begin(), blocks_2.begin() + 4);
+  EXPECT_TRUE(same_heads(staged, chunk_2, tp2_1, blocks_3, 2, 0, 2))
+      << "a staged save's heads 2 and 3, at rank 1";
 
   // A chunk is whole only with every head: rank 1 of 2 saving alone is no hit at TP=1, and
   // a load of it fails whole, naming all its blocks for recompute.
