@@ -750,6 +750,10 @@ TEST_P(KvCacheTest, KeysByHeadsAreReadAtAnyTensorParallelDegree) {
   ASSERT_EQ(st.size(), 1u);
   EXPECT_EQ(st[0].code(), StatusCode::kNotFound) << st[0].to_string();
   EXPECT_EQ(partial->failed_blocks(), std::vector<std::uint32_t>(blocks_1.begin(), blocks_1.begin() + 4));
+  const auto objects = partial->object_statuses();
+  ASSERT_EQ(objects.size(), 4u) << "a chunk of 4 heads, one per object";
+  for (std::size_t h = 0; h < 4; ++h)
+    EXPECT_EQ(objects[h].code(), h < 2 ? StatusCode::kNotFound : StatusCode::kOk) << "head " << h;
 
   // Keys by rank: a TP=2 rank's chunks are nothing to a TP=1 reader.
   auto by_rank = KvCache::open(*store_, KvLayout::per_layer(tp2_0.shape, tp2_0.ptrs).value(),

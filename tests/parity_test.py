@@ -89,7 +89,8 @@ CLASSES = [
          translate={"wait": {"c": ["finish"]},  # waits, and frees the handle
                     "save_layer": {"c": ["layer", "layer_after"]}}),  # kvstash_save_layer[_after]
     dict(cpp="KvLoad", c_prefix="kvstash_load_", py="KvLoad",
-         translate={"wait": {"c": ["finish"]}}),
+         translate={"wait": {"c": ["finish"]},
+                    "object_statuses": {"c": []}}),  # C keys by rank: an object a chunk
     # P/D's direct path: no C face yet. Python opens both over a KvCache (its store and layout).
     dict(cpp="KvExport", c_prefix="kvstash_export_", py="KvExport",
          translate={"open": {"c": [], "py": ["__init__"]}, "descriptor": {"c": []}, "fence": {"c": []},

@@ -451,6 +451,9 @@ class KvLoad {
   // corrupt, cancelled, timed out), in chunk order: what the engine must recompute. Empty
   // when every chunk landed.
   std::vector<std::uint32_t> failed_blocks();
+  // Waits for everything: one Status per object (KvCache::objects_per_chunk() a chunk, in
+  // order), where wait() folds them per chunk: which object of a chunk failed, and how.
+  std::vector<Status> object_statuses();
   // Stops the load: returns once nothing writes into the cache's memory any more. Chunks
   // that had landed keep their status; the rest end kCancelled (their blocks hold partial
   // data: recompute them), and so does wait_layer for a layer they had not reached.

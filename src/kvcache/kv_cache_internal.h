@@ -226,6 +226,7 @@ struct KvLoad::State {
   std::vector<std::uint8_t> queued;           // per layer: handed to a stream
   std::vector<std::uint8_t> host_placed;      // per layer: 1 being, 2 placed by a host waiter
   std::optional<std::vector<Status>> result;  // wait()'s, once known
+  std::vector<Status> objects;                // per object, once `result` is known
 
   // A loader task: chunk `c` from the object `key` (its contract is in kv_load.cc).
   void load_chunk(std::size_t c, const std::string& key);

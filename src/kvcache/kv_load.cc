@@ -420,6 +420,13 @@ std::vector<std::uint32_t> KvLoad::failed_blocks() {
   return out;
 }
 
+std::vector<Status> KvLoad::object_statuses() {
+  if (!state_) return {};
+  wait();
+  std::lock_guard lock(state_->mu);
+  return state_->objects;
+}
+
 std::vector<Status> KvLoad::wait() {
   if (!state_) return {};
   State& st = *state_;
@@ -460,6 +467,7 @@ std::vector<Status> KvLoad::wait() {
     const Status& d = st.done[c] ? *st.done[c] : Status::internal("kvcache: load not finished");
     out.push_back(!d.is_ok() ? d : st.late[c]);
   }
+  st.objects = out;
   out = kvcache::fold_objects(out, st.kv->per_chunk());
   st.result = out;
   if (!st.streams) st.give_bounces();  // every layer is in place: the bounce buffers go back now

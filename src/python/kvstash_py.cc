@@ -477,6 +477,10 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("layer"))
       .def("wait", [](PyLoad& l) { return statuses(nogil([&] { return l.load.wait(); })); })
+      .def(
+          "object_statuses",
+          [](PyLoad& l) { return statuses(nogil([&] { return l.load.object_statuses(); })); },
+          "Waits, then (code, message) per object (KvCache.objects_per_chunk a chunk), unfolded.")
       .def("cancel", [](PyLoad& l) { nogil([&] { l.load.cancel(); }); })
       .def(
           "failed_blocks", [](PyLoad& l) { return nogil([&] { return l.load.failed_blocks(); }); },

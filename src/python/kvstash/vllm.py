@@ -1019,24 +1019,24 @@ class KvstashConnector(KVConnectorBase_V1):
             self._stats["chunks_loaded"] += codes.count("ok")
             self._stats["chunks_load_failed"] += len(codes) - codes.count("ok")
             if "corrupt" in codes:
-                self._remove_corrupt(run, [i for i, code in enumerate(codes) if code == "corrupt"])
+                self._remove_corrupt(run, [i for i, (code, _) in enumerate(load.object_statuses())
+                                           if code == "corrupt"])
         self._loads.clear()
 
     def _remove_corrupt(self, run: ChunkRun, bad: list[int]) -> None:
-        """Chunks whose bytes did not match their checksum leave the cell (this rank's objects
-        of them): a later lookup misses them instead of failing every load, and the recompute's
-        save puts them anew."""
+        """Objects whose bytes did not match their checksum (`bad`: their indices in the run's
+        load) leave the cell: a later lookup misses their chunk instead of failing every load,
+        and the recompute's save puts it anew. The chunk's other objects stay as they are."""
         g = self.geometry
         cache = self._cache_for(run.salt)
         keys = cache.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], chunk_salts=run.chunk_salts)
         per = cache.objects_per_chunk
         for i in bad:
             try:
-                for key in keys[(run.first + i) * per: (run.first + i + 1) * per]:
-                    self.store.remove_corrupt(key, timeout_ms=self.config.timeout_ms)
+                self.store.remove_corrupt(keys[run.first * per + i], timeout_ms=self.config.timeout_ms)
                 self._stats["chunks_corrupt_removed"] += 1
-                logger.warning("kvstash: chunk %d of %s was corrupt and is removed from the cell", run.first + i,
-                               run.req_id)
+                logger.warning("kvstash: object %d of chunk %d of %s was corrupt and is removed from the cell",
+                               i % per, run.first + i // per, run.req_id)
             except kvstash.Error as e:
                 logger.warning("kvstash: a corrupt chunk of %s could not be removed: %s", run.req_id, e)
 
