@@ -26,6 +26,7 @@ struct KvCacheBenchOptions {
   // Both set: saved by the ranks of one tensor-parallel degree, loaded at another
   // (run_kvcache_tp).
   std::uint32_t save_tp = 0, load_tp = 0;
+  bool hnd = false;  // blocks with heads outermost (HND) rather than tokens (NHD)
 };
 
 // What both forms measure: one Llama-2-7B session (fp16, vLLM's per-layer tensors with twice

@@ -84,7 +84,7 @@ double on_every_rank(std::size_t ranks, const std::function<void(std::size_t)>& 
   return seconds_since(t0);
 }
 
-// Whether every head of every block `to` loaded is the head `from` saved (NHD blocks).
+// Whether every head of every block `to` loaded is the head `from` saved (either order).
 bool same_session(const Ranks& from, const std::vector<std::uint32_t>& from_blocks, const Ranks& to,
                   const std::vector<std::uint32_t>& to_blocks) {
   const KvCacheShape& s = to.shape;
@@ -99,7 +99,10 @@ bool same_session(const Ranks& from, const std::vector<std::uint32_t>& from_bloc
               const std::uint32_t rank = h / r.shape.num_kv_heads, local = h % r.shape.num_kv_heads;
               const std::byte* block = r.layers[rank][l].data() +
                                        (std::uint64_t{p} * r.shape.num_blocks + b) * r.shape.block_bytes();
-              return block + (std::uint64_t{t} * r.shape.num_kv_heads + local) * hb;
+              return block + (r.shape.order == KvBlockOrder::kNHD
+                                  ? std::uint64_t{t} * r.shape.num_kv_heads + local
+                                  : std::uint64_t{local} * r.shape.block_size + t) *
+                                 hb;
             };
             if (std::memcmp(at(from, from_blocks[i]), at(to, to_blocks[i]), hb) != 0) return false;
           }
@@ -125,7 +128,8 @@ int run_kvcache_tp(const KvCacheBenchOptions& o) {
     std::cerr << "kvstash-bench kvcache: " << planned.status().message() << "\n";
     return 2;
   }
-  const KvCacheShape& whole = planned->shape;
+  KvCacheShape whole = planned->shape;
+  whole.order = o.hnd ? KvBlockOrder::kHND : KvBlockOrder::kNHD;
   const std::uint32_t heads = whole.num_kv_heads;
   for (std::uint32_t tp : {o.save_tp, o.load_tp}) {
     if (tp == 0 || heads % tp != 0) {
@@ -158,9 +162,11 @@ int run_kvcache_tp(const KvCacheBenchOptions& o) {
   }
   if (!o.json) {
     std::printf(
-        "one Llama-2-7B session of %u tokens (%s, %u KV heads), saved at TP=%u and loaded at TP=%u, keys by "
-        "heads (%u a object), a thread per rank\n",
-        o.tokens, units::format_size(session).c_str(), heads, o.save_tp, o.load_tp, per_object);
+        "one Llama-2-7B session of %u tokens (%s, %u KV heads, %s blocks), saved at TP=%u and loaded at "
+        "TP=%u, "
+        "keys by heads (%u a object), a thread per rank\n",
+        o.tokens, units::format_size(session).c_str(), heads, o.hnd ? "HND" : "NHD", o.save_tp, o.load_tp,
+        per_object);
     std::printf("%-9s %-26s %8s %8s %12s %9s\n", "transport", "load", "save tp", "load tp", "GB/s",
                 "vs same");
   }
@@ -223,6 +229,7 @@ int run_kvcache_tp(const KvCacheBenchOptions& o) {
                                     {"op", "load"},
                                     {"phase", p.name},
                                     {"keys", p.by_heads ? "heads" : "rank"},
+                                    {"order", o.hnd ? "hnd" : "nhd"},
                                     {"save_tp", p.save_tp},
                                     {"load_tp", p.load_tp},
                                     {"heads_per_object", p.by_heads ? per_object : heads / p.save_tp},

@@ -284,6 +284,8 @@ int main(int argc, char** argv) {
   kc->add_option("--save-tp", kvc.save_tp,
                  "With --load-tp: the session is saved by this many tensor-parallel ranks (keys by KV heads)")
       ->check(CLI::Range(1u, 32u));
+  kc->add_flag("--hnd", kvc.hnd,
+               "With --save-tp: blocks with heads outermost (HND), as vLLM's CPU backend keeps them");
   kc->add_option("--load-tp", kvc.load_tp,
                  "With --save-tp: and loaded by this many, against a load at the same degree")
       ->check(CLI::Range(1u, 32u));

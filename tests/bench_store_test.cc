@@ -298,6 +298,12 @@ TEST(BenchKvCache, AcrossTensorParallelDegreesEveryHeadVerified) {
   }
   EXPECT_EQ(seen, (std::set<std::string>{"heads/1", "heads/2", "rank/1"}));
   EXPECT_EQ(rows[1]["heads_per_object"], 16u) << "32 heads over the wider degree's 2 ranks";
+  // Heads outermost in each block (HND): every head verified in that order too.
+  const std::string hnd =
+      run(bench() + " kvcache --tokens 256 --rounds 1 --transport shm --save-tp 1 --load-tp 2 --hnd --json",
+          &status);
+  ASSERT_EQ(WEXITSTATUS(status), 0) << hnd;
+  for (const auto& j : json_lines(hnd)) EXPECT_TRUE(j["verified"] == true && j["order"] == "hnd") << j.dump();
   // Usage errors exit 2: a degree that does not divide the 32 heads, one degree alone.
   run(bench() + " kvcache --save-tp 3 --load-tp 1", &status);
   EXPECT_EQ(WEXITSTATUS(status), 2);
