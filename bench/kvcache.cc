@@ -24,13 +24,10 @@ namespace {
 
 constexpr std::uint32_t kChunkTokens = 256;
 
-struct Cache {
-  std::vector<Buffer> layers;
-  std::vector<void*> ptrs;
-};
+}  // namespace
 
-Result<Cache> allocate(const KvCacheShape& s, std::uint64_t seed) {
-  Cache c;
+Result<HostKvCache> allocate_host_cache(const KvCacheShape& s, std::uint64_t seed) {
+  HostKvCache c;
   std::mt19937_64 rng(seed);
   for (std::uint32_t l = 0; l < s.num_layers; ++l) {
     KVSTASH_ASSIGN_OR_RETURN(auto b,
@@ -42,6 +39,34 @@ Result<Cache> allocate(const KvCacheShape& s, std::uint64_t seed) {
   }
   return c;
 }
+
+BenchCell::BenchCell() = default;
+BenchCell::BenchCell(BenchCell&&) noexcept = default;
+BenchCell::~BenchCell() = default;
+
+Result<BenchCell> start_bench_cell(std::uint64_t capacity) {
+  BenchCell cell;
+  auto redis = tools::LocalRedis::start({});
+  if (!redis.is_ok()) return redis.status().with_context("redis-server");
+  cell.redis = std::move(redis).value();
+  auto node = tools::LocalNode::start({.redis_url = cell.redis->url(),
+                                       .capacity = std::to_string(capacity),
+                                       .extra_args = {"--transports", "all"}});
+  if (!node.is_ok()) return node.status().with_context("kvstashd");
+  cell.node = std::move(node).value();
+  return cell;
+}
+
+Result<std::unique_ptr<Store>> open_bench_store(const BenchCell& cell, TransportKind kind) {
+  StoreOptions so;
+  so.redis_url = cell.redis->url();
+  so.engine.prefer = kind;
+  so.engine.ucx.allow_emulated_rma = true;
+  so.timeout = std::chrono::seconds(120);
+  return Store::open(so);
+}
+
+namespace {
 
 struct Row {
   std::string transport, op;
@@ -66,8 +91,8 @@ void print(const Row& r, bool json) {
     return;
   }
   std::printf("%-9s %-5s %10s %12.2f %14.2f %8.2fx %10.1f %10.1f\n", r.transport.c_str(), r.op.c_str(),
-              units::format_size(r.bytes).c_str(), r.kvcache_gbps, r.contiguous_gbps, ratio, r.per_chunk.commands_us,
-              r.per_chunk.cpu_us);
+              units::format_size(r.bytes).c_str(), r.kvcache_gbps, r.contiguous_gbps, ratio,
+              r.per_chunk.commands_us, r.per_chunk.cpu_us);
 }
 
 }  // namespace
@@ -88,7 +113,8 @@ RedisMeter::~RedisMeter() = default;
 RedisCost RedisMeter::read() {
   RedisCost c;
   if (!impl_->redis) return c;
-  auto field = [](std::string_view text, std::string_view name, std::size_t from = 0) -> std::optional<double> {
+  auto field = [](std::string_view text, std::string_view name,
+                  std::size_t from = 0) -> std::optional<double> {
     const auto at = text.find(name, from);
     if (at == std::string_view::npos) return std::nullopt;
     return std::strtod(std::string(text.substr(at + name.size(), 32)).c_str(), nullptr);
@@ -103,7 +129,8 @@ RedisCost RedisMeter::read() {
     }
   }
   if (auto r = impl_->redis->command({"INFO", "cpu"}); r.is_ok()) {
-    c.cpu_us = 1e6 * (field(r->str(), "used_cpu_user:").value_or(0) + field(r->str(), "used_cpu_sys:").value_or(0));
+    c.cpu_us =
+        1e6 * (field(r->str(), "used_cpu_user:").value_or(0) + field(r->str(), "used_cpu_sys:").value_or(0));
   }
   return c;
 }
@@ -178,21 +205,14 @@ int run_kvcache(const KvCacheBenchOptions& o) {
   const auto& blocks_dst = planned->blocks_dst;
   const std::size_t used = blocks_src.size();
 
-  auto redis = tools::LocalRedis::start({});
-  if (!redis.is_ok()) {
-    std::cerr << "kvstash-bench kvcache: redis-server: " << redis.status().to_string() << "\n";
-    return 1;
-  }
   // Room for the session twice over: the contiguous objects and the chunks live side by side
   // until overwritten.
-  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
-                                       .capacity = std::to_string(2 * session + (64ull << 20)),
-                                       .extra_args = {"--transports", "all"}});
-  if (!node.is_ok()) {
-    std::cerr << "kvstash-bench kvcache: kvstashd: " << node.status().to_string() << "\n";
+  auto cell = start_bench_cell(2 * session + (64ull << 20));
+  if (!cell.is_ok()) {
+    std::cerr << "kvstash-bench kvcache: " << cell.status().to_string() << "\n";
     return 1;
   }
-  auto src = allocate(shape, 1), dst = allocate(shape, 2);
+  auto src = allocate_host_cache(shape, 1), dst = allocate_host_cache(shape, 2);
   auto flat = Buffer::allocate(session, {.populate = true});
   if (!src.is_ok() || !dst.is_ok() || !flat.is_ok()) {
     std::cerr << "kvstash-bench kvcache: cannot allocate the caches (" << units::format_size(5 * session)
@@ -209,12 +229,7 @@ int run_kvcache(const KvCacheBenchOptions& o) {
   }
   int rc = 0;
   for (TransportKind kind : o.transports) {
-    StoreOptions so;
-    so.redis_url = (*redis)->url();
-    so.engine.prefer = kind;
-    so.engine.ucx.allow_emulated_rma = true;
-    so.timeout = std::chrono::seconds(120);
-    auto store = Store::open(so);
+    auto store = open_bench_store(*cell, kind);
     if (!store.is_ok()) {
       std::cerr << "kvstash-bench kvcache: " << store.status().to_string() << "\n";
       return 1;
@@ -231,7 +246,7 @@ int run_kvcache(const KvCacheBenchOptions& o) {
     Row save{std::string(to_string(kind)), "save", session},
         load{std::string(to_string(kind)), "load", session};
     double save_s = 0, load_s = 0, put_s = 0, get_s = 0;
-    RedisMeter meter((*redis)->url());
+    RedisMeter meter(cell->redis->url());
     RedisCost save_cost, load_cost;
     for (std::uint32_t round = 0; round < o.rounds; ++round) {
       // Contiguous: the same bytes as chunk-sized objects, all in flight at once.
@@ -254,7 +269,8 @@ int run_kvcache(const KvCacheBenchOptions& o) {
       get_s += seconds_since(t0);
 
       // KvCache: scattered blocks, layer by layer.
-      rc |= time_save_and_load(**kv_src, **kv_dst, *planned, &save_s, &load_s, &meter, &save_cost, &load_cost);
+      rc |=
+          time_save_and_load(**kv_src, **kv_dst, *planned, &save_s, &load_s, &meter, &save_cost, &load_cost);
     }
     // Every block of every layer, K and V.
     const std::uint64_t bb = shape.block_bytes();
@@ -288,8 +304,10 @@ int run_kvcache(const KvCacheBenchOptions& o) {
         "\nkvcache: KvCache save/load (per-layer streams, a checksum segment per layer, %zu-way chunk "
         "parallelism); "
         "contiguous: the same bytes as %zu objects of %s put/got at once. Every loaded block verified.\n"
-        "redis us: Redis's time in kvstash's scripts (INFO commandstats, EVALSHA) per chunk saved or loaded;\n"
-        "redis cpu: its process's CPU (INFO cpu, user + system) per chunk, which adds the network, the event\n"
+        "redis us: Redis's time in kvstash's scripts (INFO commandstats, EVALSHA) per chunk saved or "
+        "loaded;\n"
+        "redis cpu: its process's CPU (INFO cpu, user + system) per chunk, which adds the network, the "
+        "event\n"
         "loop and the memory node's heartbeats.\n",
         chunks, chunks, units::format_size(session / chunks).c_str());
   }

@@ -14,6 +14,14 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/types.h"
 
+namespace kvstash {
+class Store;
+namespace tools {
+class LocalRedis;
+class LocalNode;
+}  // namespace tools
+}  // namespace kvstash
+
 namespace kvstash::bench {
 
 struct KvCacheBenchOptions {
@@ -42,6 +50,27 @@ struct BenchSession {
 // kInvalidArgument (say so, exit 2) unless the tokens are a positive multiple of 256 and the
 // block size divides 256.
 Result<BenchSession> plan_session(const KvCacheBenchOptions& options);
+
+// An engine's cache in host memory: vLLM's per-layer (2, num_blocks, ...) tensors, populated
+// with random bytes from `seed`.
+struct HostKvCache {
+  std::vector<Buffer> layers;
+  std::vector<void*> ptrs;
+};
+Result<HostKvCache> allocate_host_cache(const KvCacheShape& shape, std::uint64_t seed);
+
+// The private cell the host benches run against: a redis-server and a kvstashd of `capacity`
+// bytes serving every transport, on loopback; stopped when it goes.
+struct BenchCell {
+  BenchCell();
+  BenchCell(BenchCell&&) noexcept;
+  ~BenchCell();
+  std::unique_ptr<tools::LocalRedis> redis;
+  std::unique_ptr<tools::LocalNode> node;
+};
+Result<BenchCell> start_bench_cell(std::uint64_t capacity);
+// A store of `cell` preferring `kind` (UCX's emulated RMA allowed), with a 2-minute timeout.
+Result<std::unique_ptr<Store>> open_bench_store(const BenchCell& cell, TransportKind kind);
 
 // Redis's own time spent in a phase of the run: its scripts' (INFO commandstats, EVALSHA: every
 // kvstash metadata change is a script) and its process's CPU (INFO cpu, user + system), read

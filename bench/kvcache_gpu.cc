@@ -19,7 +19,6 @@
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
 #include "measure.h"
-#include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -74,17 +73,9 @@ int run_kvcache_gpu(const KvCacheBenchOptions& o) {
     return 1;
   }
 
-  auto redis = tools::LocalRedis::start({});
-  if (!redis.is_ok()) return std::cerr << redis.status().to_string() << "\n", 1;
-  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
-                                       .capacity = std::to_string(session + (64ull << 20)),
-                                       .extra_args = {"--transports", "all"}});
-  if (!node.is_ok()) return std::cerr << node.status().to_string() << "\n", 1;
-  StoreOptions so;
-  so.redis_url = (*redis)->url();
-  so.engine.prefer = o.transports.empty() ? TransportKind::kShm : o.transports.front();
-  so.timeout = std::chrono::seconds(120);
-  auto store = Store::open(so);
+  auto cell = start_bench_cell(session + (64ull << 20));
+  if (!cell.is_ok()) return std::cerr << cell.status().to_string() << "\n", 1;
+  auto store = open_bench_store(*cell, o.transports.empty() ? TransportKind::kShm : o.transports.front());
   if (!store.is_ok()) return std::cerr << store.status().to_string() << "\n", 1;
   auto kv_src = KvCache::open(**store, KvLayout::per_layer(shape, src, MemoryKind::kCuda).value(),
                               {.model = "llama-2-7b"}, {.device = *gpu, .path = KvPath::kStaged});

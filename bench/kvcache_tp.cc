@@ -10,7 +10,6 @@
 #include <functional>
 #include <iostream>
 #include <numeric>
-#include <random>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -19,7 +18,6 @@
 #include "kvcache.h"
 #include "kvstash/store.h"
 #include "measure.h"
-#include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -28,8 +26,7 @@ namespace {
 struct Ranks {
   std::uint32_t tp = 1;
   KvCacheShape shape;  // one rank's
-  std::vector<std::vector<Buffer>> layers;
-  std::vector<std::vector<void*>> ptrs;
+  std::vector<HostKvCache> caches;
 };
 
 Result<Ranks> allocate_ranks(const KvCacheShape& whole, std::uint32_t tp, std::uint64_t seed) {
@@ -37,18 +34,9 @@ Result<Ranks> allocate_ranks(const KvCacheShape& whole, std::uint32_t tp, std::u
   r.tp = tp;
   r.shape = whole;
   r.shape.num_kv_heads = whole.num_kv_heads / tp;
-  std::mt19937_64 rng(seed);
   for (std::uint32_t rank = 0; rank < tp; ++rank) {
-    auto& layers = r.layers.emplace_back();
-    auto& ptrs = r.ptrs.emplace_back();
-    for (std::uint32_t l = 0; l < whole.num_layers; ++l) {
-      KVSTASH_ASSIGN_OR_RETURN(
-          auto b, Buffer::allocate(2ull * r.shape.num_blocks * r.shape.block_bytes(), {.populate = true}));
-      auto* w = reinterpret_cast<std::uint64_t*>(b.data());
-      for (std::size_t i = 0; i < b.size() / 8; ++i) w[i] = rng();
-      ptrs.push_back(b.data());
-      layers.push_back(std::move(b));
-    }
+    KVSTASH_ASSIGN_OR_RETURN(HostKvCache c, allocate_host_cache(r.shape, seed * 64 + rank));
+    r.caches.push_back(std::move(c));
   }
   return r;
 }
@@ -68,7 +56,7 @@ Result<std::vector<std::unique_ptr<KvCache>>> open_ranks(Store& store, const Ran
       keys.head_first = rank * r.shape.num_kv_heads;
       keys.head_count = per_object;
     }
-    KVSTASH_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::per_layer(r.shape, r.ptrs[rank]));
+    KVSTASH_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::per_layer(r.shape, r.caches[rank].ptrs));
     KVSTASH_ASSIGN_OR_RETURN(auto kv, KvCache::open(store, std::move(layout), std::move(keys)));
     out.push_back(std::move(kv));
   }
@@ -97,7 +85,7 @@ bool same_session(const Ranks& from, const std::vector<std::uint32_t>& from_bloc
           for (std::uint32_t h = 0; h < heads; ++h) {
             auto at = [&](const Ranks& r, std::uint32_t b) {
               const std::uint32_t rank = h / r.shape.num_kv_heads, local = h % r.shape.num_kv_heads;
-              const std::byte* block = r.layers[rank][l].data() +
+              const std::byte* block = r.caches[rank].layers[l].data() +
                                        (std::uint64_t{p} * r.shape.num_blocks + b) * r.shape.block_bytes();
               return block + (r.shape.order == KvBlockOrder::kNHD
                                   ? std::uint64_t{t} * r.shape.num_kv_heads + local
@@ -141,16 +129,9 @@ int run_kvcache_tp(const KvCacheBenchOptions& o) {
   // Objects of as many heads as the wider degree's ranks hold: both degrees read them whole.
   const std::uint32_t per_object = heads / std::max(o.save_tp, o.load_tp);
   const std::uint64_t session = planned->bytes;
-  auto redis = tools::LocalRedis::start({});
-  if (!redis.is_ok()) {
-    std::cerr << "kvstash-bench kvcache: redis-server: " << redis.status().to_string() << "\n";
-    return 1;
-  }
-  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
-                                       .capacity = std::to_string(3 * session + (64ull << 20)),
-                                       .extra_args = {"--transports", "all"}});
-  if (!node.is_ok()) {
-    std::cerr << "kvstash-bench kvcache: kvstashd: " << node.status().to_string() << "\n";
+  auto cell = start_bench_cell(3 * session + (64ull << 20));
+  if (!cell.is_ok()) {
+    std::cerr << "kvstash-bench kvcache: " << cell.status().to_string() << "\n";
     return 1;
   }
   auto savers = allocate_ranks(whole, o.save_tp, 1), same = allocate_ranks(whole, o.load_tp, 2),
@@ -172,12 +153,7 @@ int run_kvcache_tp(const KvCacheBenchOptions& o) {
   }
   int rc = 0;
   for (TransportKind kind : o.transports) {
-    StoreOptions so;
-    so.redis_url = (*redis)->url();
-    so.engine.prefer = kind;
-    so.engine.ucx.allow_emulated_rma = true;
-    so.timeout = std::chrono::seconds(120);
-    auto store = Store::open(so);
+    auto store = open_bench_store(*cell, kind);
     if (!store.is_ok()) {
       std::cerr << "kvstash-bench kvcache: " << store.status().to_string() << "\n";
       return 1;
