@@ -14,9 +14,9 @@
 
 #include "command.h"
 #include "fake_sysfs.h"
-#include "kvstash_config.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"
+#include "kvstash_config.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash {
@@ -125,7 +125,8 @@ TEST_F(Cli, PlanReproducesTheKvCacheArithmetic) {
   // the tier reads 2.15 GB at 2 GB/s (1.07 s) before moving it at 10 GB/s (0.21 s); 4,096
   // tokens of prefill at 2,000 tokens/s take 2.048 s, longer than either restore. At 1 GB/s
   // against 4,000 tokens/s the tier loses to a recompute, and the plan says so.
-  Outcome tiers = kv("plan --model llama-2-7b --remote-mem 1TiB --nvme-mem 8TiB --nvme-gbps 2 --prefill-tps 2000 --json");
+  Outcome tiers =
+      kv("plan --model llama-2-7b --remote-mem 1TiB --nvme-mem 8TiB --nvme-gbps 2 --prefill-tps 2000 --json");
   ASSERT_EQ(tiers.code, 0) << tiers.err;
   EXPECT_EQ(tiers.j()["nvme_sequences"], 4096);
   EXPECT_NEAR(tiers.j()["restore_seconds"].get<double>(), 0.2147, 0.001);
@@ -315,7 +316,9 @@ TEST_F(Cli, AQuotaKeepsATenantWithinItsShareAndStatusShowsIt) {
   EXPECT_EQ(kv("show tenant-a/5").code, 0);
 
   Outcome status = kv("status");
-  EXPECT_NE(status.out.find("quotas    tenant-a/: 3 of 10 objects, 3 MiB of 3 MiB of the pool; 3 evicted, 1 refused"), std::string::npos)
+  EXPECT_NE(status.out.find(
+                "quotas    tenant-a/: 3 of 10 objects, 3 MiB of 3 MiB of the pool; 3 evicted, 1 refused"),
+            std::string::npos)
       << status.out;
   EXPECT_EQ(kv("status --json").j()["quotas"][0]["refused"], 1);
   EXPECT_EQ(kv("quota set tenant-a/").code, 2) << "a quota needs a limit";
@@ -406,14 +409,15 @@ TEST_F(Cli, ExplainSaysWhyEachMissingKeyIsMissing) {
   for (int i = 0; i < 5; ++i) ASSERT_EQ(kv("put full:" + std::to_string(i) + " " + mb).code, 0) << i;
   j = why("full:0");
   EXPECT_EQ(j[0]["reason"], "evicted") << j.dump();
-  EXPECT_NE(j[0]["detail"].get<std::string>().find("the pool was full: a put needed 1 page"), std::string::npos)
+  EXPECT_NE(j[0]["detail"].get<std::string>().find("the pool was full: a put needed 1 page"),
+            std::string::npos)
       << j.dump();
 
   // A prompt's chunk keys: stored for TP rank 1 of 2 and for another model, asked for as rank 0.
   std::vector<std::uint32_t> tokens(64);
   for (std::uint32_t i = 0; i < tokens.size(); ++i) tokens[i] = 100 + i;
-  PrefixKeyOptions mine{.model = "m", .layout_tag = "L2.P2.H1.D8.B16.fp16.nhd", .tp_rank = 0, .tp_size = 2,
-                        .chunk_tokens = 16};
+  PrefixKeyOptions mine{
+      .model = "m", .layout_tag = "L2.P2.H1.D8.B16.fp16.nhd", .tp_rank = 0, .tp_size = 2, .chunk_tokens = 16};
   PrefixKeyOptions rank1 = mine, other_model = mine;
   rank1.tp_rank = 1;
   other_model.model = "m-other";
@@ -422,13 +426,29 @@ TEST_F(Cli, ExplainSaysWhyEachMissingKeyIsMissing) {
   ASSERT_EQ(kv("put " + prefix_chunk_keys(tokens, other_model)[1] + " " + file_of(100, 35)).code, 0);
   std::string ids;
   for (auto t : tokens) ids += (ids.empty() ? "" : ",") + std::to_string(t);
-  j = why("--tokens " + ids + " --model m --layout L2.P2.H1.D8.B16.fp16.nhd --chunk-tokens 16 --tp-rank 0 "
+  j = why("--tokens " + ids +
+          " --model m --layout L2.P2.H1.D8.B16.fp16.nhd --chunk-tokens 16 --tp-rank 0 "
           "--tp-size 2 --also-model m-other");
   ASSERT_EQ(j.size(), 4u) << j.dump();
   EXPECT_EQ(j[0]["key"], prefix_chunk_keys(tokens, mine)[0]);
   EXPECT_EQ(j[0]["neighbours"], json::array({"TP rank 1"})) << j.dump();
   EXPECT_EQ(j[1]["neighbours"], json::array({"model m-other"})) << j.dump();
   EXPECT_FALSE(j[2].contains("neighbours"));
+  // Keys by heads: --heads names the object (of head 1 of 2), and its key is the one asked for.
+  PrefixKeyOptions head1{.model = "m",
+                         .layout_tag = "L2.P2.H1.D8.B16.fp16.nhd",
+                         .chunk_tokens = 16,
+                         .heads_total = 2,
+                         .head_first = 1,
+                         .head_count = 1};
+  ASSERT_EQ(kv("put " + prefix_chunk_keys(tokens, head1)[0] + " " + file_of(100, 38)).code, 0);
+  j = why("--tokens " + ids + " --model m --layout L2.P2.H1.D8.B16.fp16.nhd --chunk-tokens 16 --heads 1+1/2");
+  ASSERT_EQ(j.size(), 4u) << j.dump();
+  EXPECT_EQ(j[0]["key"], prefix_chunk_keys(tokens, head1)[0]);
+  EXPECT_EQ(j[0]["present"], true) << j.dump();
+  EXPECT_EQ(j[1]["present"], false) << j.dump();
+  EXPECT_NE(kv("explain --tokens " + ids + " --model m --layout L2 --heads 1/2").code, 0)
+      << "not FIRST+COUNT/TOTAL";
 
   // Its node dies: a key on it is missing because of that; the node back, another key put
   // before is missing because the node's pool started over.
@@ -439,8 +459,11 @@ TEST_F(Cli, ExplainSaysWhyEachMissingKeyIsMissing) {
   j = why("on:n1:a");
   EXPECT_EQ(j[0]["reason"], "node_down") << j.dump();
   EXPECT_EQ(j[0]["detail"], "n1");
-  auto node = tools::LocalNode::start({.redis_url = redis_->url(), .capacity = "4MiB", .page_size = "1MiB",
-                                       .node_id = "n1", .extra_args = {"--heartbeat-ttl", "1s"}});
+  auto node = tools::LocalNode::start({.redis_url = redis_->url(),
+                                       .capacity = "4MiB",
+                                       .page_size = "1MiB",
+                                       .node_id = "n1",
+                                       .extra_args = {"--heartbeat-ttl", "1s"}});
   ASSERT_TRUE(node.is_ok()) << node.status().to_string();
   node_ = std::move(node).value();
   j = why("on:n1:b");

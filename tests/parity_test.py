@@ -103,7 +103,9 @@ CLASSES = [
 
 # Free functions: C++ name -> binding names.
 FUNCTIONS = {"prefix_chunk_keys": {"c": ["kvstash_prefix_chunk_key"],  # one key per call, as above
-                                   "py": ["prefix_chunk_keys"]}}
+                                   "py": []},
+             # Python's prefix_chunk_keys is both (groups=1: prefix_chunk_keys); C keys by rank.
+             "prefix_object_keys": {"c": [], "py": ["prefix_chunk_keys"]}}
 
 # Names only a binding has.
 C_ONLY_FUNCTIONS = {

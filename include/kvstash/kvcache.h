@@ -209,6 +209,11 @@ struct KvTokens {
 // pipeline stage end in ":l<layer_first>+<layer_count>/<layers_total>", keys by heads in
 // ":h<head_first>+<head_count>/<heads_total>" (both: layers first).
 std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
+// By heads: the keys of `groups` objects of head_count heads each from head_first on (a
+// rank's objects, or with head_first 0 every object of the model), chunk by chunk, the chain
+// hashed once. groups 1 is prefix_chunk_keys.
+std::vector<std::string> prefix_object_keys(const KvTokens& tokens, const PrefixKeyOptions& options,
+                                            std::uint32_t groups);
 
 class KvCache;
 

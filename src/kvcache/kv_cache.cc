@@ -37,13 +37,11 @@ Result<std::shared_ptr<KvDevice>> cuda_device_of(const KvLayout& layout) {
 }
 
 Status kvcache::split_by_heads(const KvLayout& layout, const PrefixKeyOptions& keys,
-                               std::vector<KvLayout>& objects, std::vector<std::string>& suffixes) {
-  const std::string layers = layer_suffix(keys);
+                               std::vector<KvLayout>& objects) {
   if (keys.heads_total == 0) {
     if (keys.head_first != 0 || keys.head_count != 0)
       return Status::invalid_argument("kvcache: head_first and head_count name heads of heads_total: set it");
     objects = {layout};
-    suffixes = {layers};
     return {};
   }
   const KvCacheShape& shape = layout.shape();
@@ -62,11 +60,9 @@ Status kvcache::split_by_heads(const KvLayout& layout, const PrefixKeyOptions& k
                                     std::to_string(keys.heads_total));
   }
   objects.clear();
-  suffixes.clear();
   for (std::uint32_t h = 0; h < heads; h += keys.head_count) {
     KVSTASH_ASSIGN_OR_RETURN(KvLayout view, layout.heads(h, keys.head_count));
     objects.push_back(std::move(view));
-    suffixes.push_back(layers + head_suffix(keys.head_first + h, keys.head_count, keys.heads_total));
   }
   return {};
 }
@@ -174,7 +170,7 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
     return Status::invalid_argument(
         "kvcache: layer_first and layer_count name layers of layers_total: set it");
   }
-  KVSTASH_RETURN_IF_ERROR(kvcache::split_by_heads(layout, keys, impl->objects, impl->suffixes));
+  KVSTASH_RETURN_IF_ERROR(kvcache::split_by_heads(layout, keys, impl->objects));
   keys.layout_tag = impl->objects.front().tag();
   impl->keys = std::move(keys);
   impl->blocks_per_chunk = impl->keys.chunk_tokens / bs;
@@ -210,15 +206,9 @@ std::string_view KvCache::data_path() const { return impl_->staged() ? "staged" 
 const KvDevice& KvCache::device() const { return *impl_->device; }
 const PrefixKeyOptions& KvCache::key_options() const { return impl_->keys; }
 
-std::vector<std::string> KvCache::Impl::object_keys(const KvTokens& tokens) const {
-  std::vector<std::string> out;
-  for (const std::string& k : kvcache::chain_keys(tokens, keys)) {
-    for (const std::string& suffix : suffixes) out.push_back(k + suffix);
-  }
-  return out;
+std::vector<std::string> KvCache::keys(const KvTokens& tokens) const {
+  return prefix_object_keys(tokens, impl_->keys, static_cast<std::uint32_t>(impl_->per_chunk()));
 }
-
-std::vector<std::string> KvCache::keys(const KvTokens& tokens) const { return impl_->object_keys(tokens); }
 
 std::size_t KvCache::objects_per_chunk() const { return impl_->per_chunk(); }
 

@@ -32,18 +32,10 @@ namespace kvstash {
 
 namespace kvcache {
 
-// The end of a key by heads: ":h<first>+<count>/<total>" (PrefixKeyOptions).
-std::string head_suffix(std::uint32_t first, std::uint32_t count, std::uint32_t total);
-// The end of a pipeline stage's key: ":l<first>+<count>/<total>", or "" (layers_total 0).
-std::string layer_suffix(const PrefixKeyOptions& keys);
-// The chain's keys alone, without the ends that name an object's layers and heads.
-std::vector<std::string> chain_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
-
 // What each object of a chunk of `layout` holds under `keys`: the whole layout (keys by
-// rank), or by heads a view of head_count heads each, with its keys' ends. kInvalidArgument
-// for heads that do not fit (PrefixKeyOptions).
-Status split_by_heads(const KvLayout& layout, const PrefixKeyOptions& keys, std::vector<KvLayout>& objects,
-                      std::vector<std::string>& suffixes);
+// rank), or by heads a view of head_count heads each, in key order (prefix_object_keys).
+// kInvalidArgument for heads that do not fit (PrefixKeyOptions).
+Status split_by_heads(const KvLayout& layout, const PrefixKeyOptions& keys, std::vector<KvLayout>& objects);
 
 // Loads in flight at once per cache (each is one store get, its transfers already parallel).
 inline constexpr unsigned kLoadThreads = 4;
@@ -67,9 +59,8 @@ struct KvCache::Impl {
   Store* store = nullptr;
   KvLayout layout;  // the whole cache
   // What each object of a chunk holds: the whole layout, or by heads one view per object
-  // (KvLayout::heads), each with the end of its keys.
+  // (KvLayout::heads), in key order.
   std::vector<KvLayout> objects;
-  std::vector<std::string> suffixes;
   PrefixKeyOptions keys;                              // layout_tag: one object's
   KvCacheOptions options;                             // .device: see `device`
   std::vector<MemoryHandle> handles;                  // one per layout region (direct data path)
@@ -89,9 +80,6 @@ struct KvCache::Impl {
     KVSTASH_RETURN_IF_ERROR(objects[object].layer_runs(l, blocks, runs));
     return runs;
   }
-
-  // The keys of chunks [0, chunks) of `tokens`, per_chunk() per chunk in object order.
-  std::vector<std::string> object_keys(const KvTokens& tokens) const;
 
   // Bytes of one layer of one object.
   std::uint64_t layer_bytes() const { return objects.front().layer_bytes(blocks_per_chunk); }

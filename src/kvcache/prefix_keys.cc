@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "common/wire.h"
-#include "kvcache/kv_cache_internal.h"
 #include "kvstash/kvcache.h"
 
 namespace kvstash {
@@ -25,36 +24,14 @@ Digest sha256(std::string_view bytes) {
 // Length-prefixed (u32 little-endian) so that no two option sets serialize alike.
 void put_string(wire::Writer& w, std::string_view s) { w.bytes(s); }
 
-}  // namespace
-
-std::string kvcache::head_suffix(std::uint32_t first, std::uint32_t count, std::uint32_t total) {
-  return ":h" + std::to_string(first) + "+" + std::to_string(count) + "/" + std::to_string(total);
-}
-
-std::string kvcache::layer_suffix(const PrefixKeyOptions& o) {
-  if (o.layers_total == 0) return "";
-  return ":l" + std::to_string(o.layer_first) + "+" + std::to_string(o.layer_count) + "/" +
-         std::to_string(o.layers_total);
-}
-
-std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
-  std::vector<std::string> keys = kvcache::chain_keys(tokens, o);
-  // The chain is every stage's and every head's (a rank's salt would tie it to its writer); the
-  // key's end names the layers and heads.
-  const std::string suffix =
-      kvcache::layer_suffix(o) +
-      (o.heads_total == 0 ? "" : kvcache::head_suffix(o.head_first, o.head_count, o.heads_total));
-  for (auto& k : keys) k += suffix;
-  return keys;
-}
-
-std::vector<std::string> kvcache::chain_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
+// The chain's keys alone, without the ends that name an object's layers and heads.
+std::vector<std::string> chain_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
   std::vector<std::string> keys;
   if (o.chunk_tokens == 0) return keys;
   // A stage's tag counts its layers; the chain hashes the whole model's ("L<layers_total>...").
   std::string tag = o.layout_tag;
   if (o.layers_total != 0 && tag.starts_with('L')) {
-    tag = "L" + std::to_string(o.layers_total) + tag.substr(std::min(tag.find('.'), tag.size()));
+    tag.replace(1, std::min(tag.find('.'), tag.size()) - 1, std::to_string(o.layers_total));
   }
   wire::Writer salt;
   salt.raw(std::string_view("kvstash.prefix.v1\0", 18));
@@ -94,6 +71,35 @@ std::vector<std::string> kvcache::chain_keys(const KvTokens& tokens, const Prefi
     keys.push_back(std::move(key));
   }
   return keys;
+}
+
+}  // namespace
+
+std::vector<std::string> prefix_object_keys(const KvTokens& tokens, const PrefixKeyOptions& o,
+                                            std::uint32_t groups) {
+  // The chain is every stage's and every head's (a rank's salt would tie it to its writer); a
+  // key's end names its layers and heads.
+  std::string layers;
+  if (o.layers_total != 0) {
+    layers = ":l" + std::to_string(o.layer_first) + "+" + std::to_string(o.layer_count) + "/" +
+             std::to_string(o.layers_total);
+  }
+  std::vector<std::string> ends;
+  for (std::uint32_t g = 0; g < std::max(groups, 1u); ++g) {
+    ends.push_back(layers);
+    if (o.heads_total == 0) continue;
+    ends.back().append(":h" + std::to_string(o.head_first + g * o.head_count) + "+" +
+                       std::to_string(o.head_count) + "/" + std::to_string(o.heads_total));
+  }
+  std::vector<std::string> keys;
+  for (const std::string& chain : chain_keys(tokens, o)) {
+    for (const std::string& end : ends) keys.push_back(chain + end);
+  }
+  return keys;
+}
+
+std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& o) {
+  return prefix_object_keys(tokens, o, 1);
 }
 
 }  // namespace kvstash

@@ -738,19 +738,21 @@ PYBIND11_MODULE(_native, m) {
          std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
          const std::vector<std::string>& chunk_salts, std::uint32_t heads_total, std::uint32_t head_first,
          std::uint32_t head_count, std::uint32_t layers_total, std::uint32_t layer_first,
-         std::uint32_t layer_count) {
-        return prefix_chunk_keys({tokens, chunk_salts}, {.model = model,
-                                                         .layout_tag = layout_tag,
-                                                         .tp_rank = tp_rank,
-                                                         .tp_size = tp_size,
-                                                         .chunk_tokens = chunk_tokens,
-                                                         .extra = extra,
-                                                         .heads_total = heads_total,
-                                                         .head_first = head_first,
-                                                         .head_count = head_count,
-                                                         .layers_total = layers_total,
-                                                         .layer_first = layer_first,
-                                                         .layer_count = layer_count});
+         std::uint32_t layer_count, std::uint32_t groups) {
+        return prefix_object_keys({tokens, chunk_salts},
+                                  {.model = model,
+                                   .layout_tag = layout_tag,
+                                   .tp_rank = tp_rank,
+                                   .tp_size = tp_size,
+                                   .chunk_tokens = chunk_tokens,
+                                   .extra = extra,
+                                   .heads_total = heads_total,
+                                   .head_first = head_first,
+                                   .head_count = head_count,
+                                   .layers_total = layers_total,
+                                   .layer_first = layer_first,
+                                   .layer_count = layer_count},
+                                  groups);
       },
       py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = kKeyDefaults.tp_rank,
       py::arg("tp_size") = kKeyDefaults.tp_size, py::arg("chunk_tokens") = kKeyDefaults.chunk_tokens,
@@ -758,8 +760,9 @@ PYBIND11_MODULE(_native, m) {
       py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
       py::arg("head_count") = kKeyDefaults.head_count, py::arg("layers_total") = kKeyDefaults.layers_total,
       py::arg("layer_first") = kKeyDefaults.layer_first, py::arg("layer_count") = kKeyDefaults.layer_count,
+      py::arg("groups") = 1,
       "The keys of the full chunks of `tokens` (prefix_chunk_keys); chunk_salts[c], bytes, names what chunk "
       "c's KV was computed from besides its tokens (KvTokens). heads_total set: the keys of the objects "
-      "of heads [head_first, head_first + head_count); layers_total set: of a pipeline stage's layers "
-      "(PrefixKeyOptions).");
+      "of heads [head_first, head_first + head_count), and with `groups` of that many such groups, chunk by "
+      "chunk (prefix_object_keys); layers_total set: of a pipeline stage's layers (PrefixKeyOptions).");
 }

@@ -112,13 +112,14 @@ int explain(Session& s, const ExplainOptions& o) {
     }
   }
   std::vector<std::uint32_t> tokens;
+  PrefixKeyOptions prefix = o.prefix;  // with --heads parsed into it
   if (!o.tokens.empty()) {
     auto t = parse_tokens(o.tokens);
     if (!t.is_ok()) return fail(t.status(), "explain", &s);
     tokens = std::move(t).value();
     if (!o.heads.empty()) {
       char plus = 0, slash = 0, rest = 0;
-      auto& p = o.prefix;
+      auto& p = prefix;
       if (std::sscanf(o.heads.c_str(), "%u%c%u%c%u%c", &p.head_first, &plus, &p.head_count, &slash,
                       &p.heads_total, &rest) != 5 ||
           plus != '+' || slash != '/' || p.head_count == 0 || p.heads_total == 0) {
@@ -127,16 +128,16 @@ int explain(Session& s, const ExplainOptions& o) {
             "explain", &s);
       }
     }
-    if (o.prefix.model.empty() || o.prefix.layout_tag.empty()) {
+    if (prefix.model.empty() || prefix.layout_tag.empty()) {
       return fail(
           Status::invalid_argument("--tokens needs --model and --layout (the KvCache's layout tag, as "
                                    "`kvstash show` of one of its chunks prints it)"),
           "explain", &s);
     }
-    const auto keys = prefix_chunk_keys(tokens, o.prefix);
+    const auto keys = prefix_chunk_keys(tokens, prefix);
     if (keys.empty()) {
       return fail(Status::invalid_argument("the tokens hold no full chunk of " +
-                                           std::to_string(o.prefix.chunk_tokens) + " tokens"),
+                                           std::to_string(prefix.chunk_tokens) + " tokens"),
                   "explain", &s);
     }
     for (std::size_t i = 0; i < keys.size(); ++i) items.push_back({"chunk " + std::to_string(i), keys[i], i});
@@ -154,17 +155,17 @@ int explain(Session& s, const ExplainOptions& o) {
   std::vector<Neighbour> neighbours;
   if (!tokens.empty()) {
     auto with = [&](std::string what, auto change) {
-      PrefixKeyOptions p = o.prefix;
+      PrefixKeyOptions p = prefix;
       change(p);
       neighbours.push_back({std::move(what), prefix_chunk_keys(tokens, p)});
     };
-    for (std::uint32_t r = 0; r < o.prefix.tp_size; ++r) {
-      if (r != o.prefix.tp_rank)
+    for (std::uint32_t r = 0; r < prefix.tp_size; ++r) {
+      if (r != prefix.tp_rank)
         with("TP rank " + std::to_string(r), [&](PrefixKeyOptions& p) { p.tp_rank = r; });
     }
-    if (o.prefix.tp_size > 1)
+    if (prefix.tp_size > 1)
       with("no tensor parallelism", [](PrefixKeyOptions& p) { p.tp_rank = 0, p.tp_size = 1; });
-    if (!o.prefix.extra.empty()) with("no salt", [](PrefixKeyOptions& p) { p.extra.clear(); });
+    if (!prefix.extra.empty()) with("no salt", [](PrefixKeyOptions& p) { p.extra.clear(); });
     for (const auto& m : o.also_models) with("model " + m, [&](PrefixKeyOptions& p) { p.model = m; });
     for (const auto& l : o.also_layouts) with("layout " + l, [&](PrefixKeyOptions& p) { p.layout_tag = l; });
   }

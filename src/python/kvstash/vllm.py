@@ -335,9 +335,10 @@ class Geometry:
         return self.salt + (f":{request_salt}" if request_salt else "")
 
     def keys(self, tokens: list[int], part: int = 0, request_salt: str = "",
-             chunk_salts: list[bytes] | None = None) -> list[str]:
+             chunk_salts: list[bytes] | None = None, groups: int = 1) -> list[str]:
         """The keys of object `part` (of parts(): stage by stage, head group by head group) of
-        every full chunk of `tokens`."""
+        every full chunk of `tokens`; with `groups`, of that many objects from `part` on (in one
+        stage), chunk by chunk."""
         stage, group = divmod(part, self.head_groups())
         heads = {} if self.stored_once else dict(heads_total=self.heads_total,
                                                  head_first=group * self.heads_per_object,
@@ -346,12 +347,17 @@ class Geometry:
             heads["layer_count"] = self.stages[stage][1]
         return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(stage),
                                          chunk_tokens=self.chunk_tokens, extra=self.extra(request_salt),
-                                         chunk_salts=chunk_salts or [], **heads, **self.key_options(stage))
+                                         chunk_salts=chunk_salts or [], groups=groups, **heads,
+                                         **self.key_options(stage))
 
     def all_keys(self, tokens: list[int], request_salt: str = "", chunk_salts: list[bytes] | None = None) -> list[str]:
-        """Every object's key, chunk by chunk: parts() per chunk (what a lookup asks for)."""
-        per_part = [self.keys(tokens, p, request_salt, chunk_salts) for p in range(self.parts())]
-        return [k for chunk in zip(*per_part) for k in chunk]
+        """Every object's key, chunk by chunk: parts() per chunk (what a lookup asks for), the
+        chain hashed once per stage."""
+        groups = self.head_groups()
+        per_stage = [self.keys(tokens, stage * groups, request_salt, chunk_salts, groups)
+                     for stage in range(len(self.stages))]
+        return [k for c in range(len(per_stage[0]) // groups) for keys in per_stage
+                for k in keys[c * groups:(c + 1) * groups]]
 
 
 try:  # how vLLM's own KV events carry a block hash (bytes, or int when it is told to)
