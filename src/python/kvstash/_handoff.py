@@ -185,10 +185,10 @@ class DecodeReads(_Counted):
 
     _EXPORTS_KEPT = 64
 
-    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, rank: int, plan, timeout_ms: int):
+    def __init__(self, store: kvstash.Store, cache: kvstash.KvCache, plan, timeout_ms: int):
         """plan(record) -> [(prefill rank, heads, its first head, this rank's first head, readers)]:
         what this rank reads of a record, and whose end it says (Geometry.pd_reads)."""
-        self._store, self._rank, self._plan, self._timeout_ms = store, rank, plan, timeout_ms
+        self._store, self._plan, self._timeout_ms = store, plan, timeout_ms
         self._import = kvstash.KvImport(cache)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-pd-read")
         self._exports: dict[str, bytes] = {}  # export record name -> descriptor

@@ -311,11 +311,10 @@ class Geometry:
             raise ValueError("this decode's heads are not divided among its ranks (MLA, or more ranks than heads)")
         if len(record["readers"]) != self.heads_total:
             raise ValueError(f"the prefill's model has {len(record['readers'])} KV heads, this one {self.heads_total}")
-        if prefill_tp == self.tp_size:
-            first = self.rank_first_head(tp_rank)
-            return [(tp_rank, 0, 0, 0, [f"h{h}" for h in range(first, first + self.rank_heads)])]
+        # At the same degree this is the rank of the same index, every head of its blocks.
         theirs = self.heads_total // prefill_tp
-        first, end = self.rank_first_head(tp_rank), self.rank_first_head(tp_rank) + self.rank_heads
+        first = self.rank_first_head(tp_rank)
+        end = first + self.rank_heads
         plan = []
         for rank in range(prefill_tp):
             lo, hi = max(first, rank * theirs), min(end, (rank + 1) * theirs)
@@ -832,7 +831,7 @@ class KvstashConnector(KVConnectorBase_V1):
                                                       self.config.timeout_ms)
             if role != "kv_producer" and self._import is None:
                 rank = self._tp_rank
-                self._import = _handoff.DecodeReads(self.store, cache, rank,
+                self._import = _handoff.DecodeReads(self.store, cache,
                                                     lambda record: self.geometry.pd_reads(rank, record),
                                                     self.config.timeout_ms)
         except kvstash.Error as e:
