@@ -214,6 +214,11 @@ int main(int argc, char** argv) {
   hit = 99;
   CHECK(kvstash_contains_prefix(store, chunk_keys, 3, 0, &hit) == KVSTASH_OK && hit == 2,
         "the store's prefix check");
+  const char* gapped[] = {"kvp:absent", key1, key0};
+  uint8_t each[3] = {9, 9, 9};
+  CHECK(kvstash_contains_each(store, gapped, 3, 0, each) == KVSTASH_OK && each[0] == 0 && each[1] == 1 &&
+            each[2] == 1,
+        "the store's check of each key, past a gap");
 
   kvstash_load* load = NULL;
   CHECK(kvstash_kvcache_begin_load(kvb, tokens, n_tokens, blocks_b, 4, 2, 0, legacy, &load) == KVSTASH_OK,

@@ -782,6 +782,67 @@ TEST_P(KvCacheTest, KeysByHeadsAreReadAtAnyTensorParallelDegree) {
   EXPECT_EQ(refused(tp2_0, {.head_first = 2, .head_count = 1}).code(), StatusCode::kInvalidArgument);
 }
 
+TEST_P(KvCacheTest, AHybridModelsGroupsShareOneChainAndNameTheirLayout) {
+  // Two KV-cache groups of a hybrid model (a window's layers and full attention's), each a
+  // cache of its own layers: one chain, keys whose ends name the group and its layout.
+  KvCacheShape shape = small_shape(GetParam());
+  HostCache full(shape, 500), window(shape, 501), full_r(shape, 502), window_r(shape, 503);
+  auto open_group = [&](HostCache& c, const std::string& group) {
+    auto kv = KvCache::open(*store_, KvLayout::per_layer(c.shape, c.ptrs).value(),
+                            {.model = "test-model", .chunk_tokens = 64, .group = group});
+    EXPECT_TRUE(kv.is_ok()) << kv.status().to_string();
+    return kv.is_ok() ? std::move(kv).value() : nullptr;
+  };
+  auto kf = open_group(full, "full.0a"), kw = open_group(window, "swa128.0b");
+  auto rf = open_group(full_r, "full.0a"), rw = open_group(window_r, "swa128.0b");
+  ASSERT_TRUE(kf && kw && rf && rw);
+  const auto tokens = token_ids(2 * 64, 50);
+  const auto f = kf->keys(tokens), w = kw->keys(tokens);
+  ASSERT_EQ(f.size(), 2u);
+  EXPECT_EQ(f[1].substr(0, f[1].find(":g")), w[1].substr(0, w[1].find(":g")))
+      << "every group's object of a chunk is one chain's: one cell, one lookup";
+  EXPECT_TRUE(w[1].find(":gswa128.0b.") != std::string::npos) << w[1];
+  EXPECT_NE(f[1], w[1]);
+  EXPECT_EQ(prefix_chunk_keys(tokens, {.model = "test-model",
+                                       .layout_tag = kw->key_options().layout_tag,
+                                       .chunk_tokens = 64,
+                                       .group = "swa128.0b"})[1],
+            w[1])
+      << "a scheduler computes a group's keys without its cache";
+  auto other_layout = prefix_chunk_keys(tokens, {.model = "test-model",
+                                                 .layout_tag = kw->key_options().layout_tag + "x",
+                                                 .chunk_tokens = 64,
+                                                 .group = "swa128.0b"});
+  EXPECT_NE(other_layout[1], w[1]) << "the key's end names the group's layout";
+
+  // The window group saves its second chunk only (its first is out of every window); each
+  // group loads what it saved, into its own layers.
+  const auto blocks_a = scattered_blocks(8, shape.num_blocks, 51),
+             blocks_b = scattered_blocks(8, shape.num_blocks, 52);
+  for (const auto& st : kf->save(tokens, blocks_a, 0, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const auto& st : kw->save(tokens, blocks_a, 1, 1)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(store_->contains_each(std::vector<std::string>{f[0], w[0], f[1], w[1]}).value(),
+            (std::vector<bool>{true, false, true, true}));
+  for (const auto& st : rf->load(tokens, blocks_b, 2)) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  auto load = rw->begin_load_range(tokens, blocks_b, 1, 1);
+  ASSERT_TRUE(load.is_ok()) << load.status().to_string();
+  for (const auto& st : load->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  const std::size_t per = 64 / shape.block_size;
+  EXPECT_TRUE(same_heads(full, blocks_a, full_r, blocks_b, 0, 0, shape.num_kv_heads))
+      << "the full group's chunks";
+  EXPECT_TRUE(same_heads(window, {blocks_a.begin() + per, blocks_a.end()}, window_r,
+                         {blocks_b.begin() + per, blocks_b.end()}, 0, 0, shape.num_kv_heads))
+      << "the window's chunk";
+  EXPECT_FALSE(same_heads(window, blocks_a, window_r, blocks_b, 0, 0, shape.num_kv_heads))
+      << "the window's first chunk was neither saved nor loaded";
+  EXPECT_EQ(KvCache::open(*store_, KvLayout::per_layer(shape, full.ptrs).value(),
+                          {.model = "test-model", .chunk_tokens = 64, .group = "full:0"})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument)
+      << "a group's name cannot forge another key end";
+}
+
 TEST_P(KvCacheTest, PipelineStagesStoreTheirOwnLayersUnderOneChain) {
   // A model of 4 layers and 2 KV heads in two pipeline stages of 2 layers each, keys by heads.
   KvCacheShape stage = small_shape(GetParam());

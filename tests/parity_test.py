@@ -47,9 +47,10 @@ STRUCTS = [
          omit={"py": {"layout_tag": "KvCache.open sets it from the layout (a scheduler passes it to "
                                     "prefix_chunk_keys)",
                       "layer_count": "KvCache.open sets it from the layout (prefix_chunk_keys takes it)"},
-               "c": {f: "keys by heads and of pipeline stages: C++ and Python (C keys by rank, one object "
-                        "a chunk)" for f in ("heads_total", "head_first", "head_count", "layers_total",
-                                              "layer_first", "layer_count")}}),
+               "c": {f: "keys by heads, of pipeline stages and of hybrid models' groups: C++ and Python (C "
+                        "keys by rank, one object a chunk)" for f in ("heads_total", "head_first", "head_count",
+                                                                       "layers_total", "layer_first",
+                                                                       "layer_count", "group")}}),
     dict(cpp="KvCacheOptions", c="kvstash_kv_layout", py="KvCache.__init__",
          translate={"device": ["staging"], "path": ["staging"]},  # a binding cannot pass a KvDevice
          omit={"both": {"bounce_slots": "tuning: the C++ default"}}),

@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <future>
 #include <map>
 #include <random>
-#include <cmath>
 #include <set>
 #include <string>
 #include <thread>
@@ -887,7 +887,8 @@ TEST_F(StoreTest, AFullCellKeepsTakingPutsWhateverTheirDeadlines) {
   std::map<StatusCode, int> outcomes, short_outcomes;
   int puts = 0;
   for (const auto end = Clock::now() + 6s; Clock::now() < end; ++puts) {
-    const auto size = static_cast<std::size_t>(std::exp(std::log(4096.0) + (std::log(8.0 * kPage) - std::log(4096.0)) * u(rng)));
+    const auto size = static_cast<std::size_t>(
+        std::exp(std::log(4096.0) + (std::log(8.0 * kPage) - std::log(4096.0)) * u(rng)));
     PutOptions o;
     if (u(rng) < 0.1) o.ttl = std::chrono::milliseconds(200 + rng() % 1800);
     if (u(rng) < 0.25) o.deadline = Clock::now() + std::chrono::milliseconds(1 + rng() % 50);
@@ -1241,7 +1242,8 @@ TEST_F(StoreTest, APutWithReplicasFindsNodesApartInAFullCell) {
     auto copy = store->stat(metadata::copy_key(key, 1)), self = store->stat(key);
     ASSERT_TRUE(copy.is_ok() && self.is_ok());
     for (const auto& id : copy->nodes) {
-      EXPECT_EQ(std::count(self->nodes.begin(), self->nodes.end(), id), 0) << key << ": copies share node " << id;
+      EXPECT_EQ(std::count(self->nodes.begin(), self->nodes.end(), id), 0)
+          << key << ": copies share node " << id;
     }
   }
 }
@@ -1513,6 +1515,23 @@ TEST_F(StoreTest, AsyncFormsRunConcurrently) {
   EXPECT_TRUE(store->touch_async("a0", 10s).get().is_ok());
   EXPECT_TRUE(store->remove_async("a0").get().is_ok());
   EXPECT_EQ(store->remove_async("a0").get().code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, ContainsEachSaysOfEveryKeyWhetherItIsStored) {
+  auto n = node("n1", "16MiB");
+  ASSERT_TRUE(n);
+  auto store = open();
+  std::vector<std::byte> data(kPage);
+  fill(data);
+  for (const char* k : {"c0", "c2", "c3"}) ASSERT_TRUE(put_bytes(*store, k, data).is_ok());
+  const std::vector<std::string> keys{"c0", "c1", "c2", "c3", "c4"};
+  EXPECT_EQ(store->contains_prefix(keys).value(), 1u) << "a prefix count stops at the first gap";
+  EXPECT_EQ(store->contains_each(keys).value(), (std::vector<bool>{true, false, true, true, false}))
+      << "past a gap, each key is still answered";
+  ASSERT_TRUE(store->remove("c2").is_ok());
+  EXPECT_EQ(store->contains_each(keys).value(), (std::vector<bool>{true, false, false, true, false}));
+  EXPECT_TRUE(store->contains_each(std::vector<std::string>{}).value().empty());
+  EXPECT_EQ(store->contains_each(std::vector<std::string>{""}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(StoreTest, RedisOverAUnixSocket) {

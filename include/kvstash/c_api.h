@@ -102,12 +102,18 @@ kvstash_status kvstash_remove_corrupt(kvstash_store* store, const char* key, uin
  * carries its event data (item_data[i], item_lengths[i] bytes of msgpack) and is published as stored;
  * its removal later with the same data. *announced: how many were, or -1 when the cell's
  * events are off. */
-kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_keys, const void* const* item_data,
-                                const size_t* item_lengths, size_t n, uint32_t timeout_ms, int64_t* announced);
+kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_keys,
+                                const void* const* item_data, const size_t* item_lengths, size_t n,
+                                uint32_t timeout_ms, int64_t* announced);
 /* How many of `keys`, from the first, are stored (*count): a scheduler's prefix check, with
  * the keys of kvstash_kvcache_key. */
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
                                        uint32_t timeout_ms, size_t* count);
+/* Whether each of `keys` (one chain's objects) is stored: out[i] is 1 or 0 (`out`
+ * holds n_keys). One round trip: a hybrid model's lookup, whose KV-cache groups need
+ * different chunks of a prefix. */
+kvstash_status kvstash_contains_each(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                     uint32_t timeout_ms, uint8_t* out);
 /* kvstash_contains_prefix, and where each of those *count leading keys is: out[i] is
  * KVSTASH_TIER_DRAM (in a memory node's pool) or KVSTASH_TIER_SSD (on its NVMe tier: a get
  * stages it back first, one round trip and a device read more). `out` holds n_keys. */

@@ -178,6 +178,10 @@ struct PrefixKeyOptions {
   std::uint32_t layers_total = 0;  // the model's layers; 0: an object holds every layer
   std::uint32_t layer_first = 0;
   std::uint32_t layer_count = 0;
+  // A KV-cache group of a hybrid model (its kind and layers, "swa128.<digest>"): the objects of
+  // one chunk's groups share its chain (one route, one lookup), and each key ends in
+  // ":g<group>.<the layout tag's digest>". Empty: a model of one group.
+  std::string group;
 };
 
 // A request's tokens as its chunk keys name them: the token ids and, for a chunk whose KV
@@ -206,8 +210,9 @@ struct KvTokens {
 // over the token ids and chunk salts, so chunk i's key depends on everything before its end,
 // salted with the options. Deterministic across processes, hosts and restarts; the exact
 // bytes hashed are in docs/integration.md. A trailing partial chunk has no key. Keys of a
-// pipeline stage end in ":l<layer_first>+<layer_count>/<layers_total>", keys by heads in
-// ":h<head_first>+<head_count>/<heads_total>" (both: layers first).
+// pipeline stage end in ":l<layer_first>+<layer_count>/<layers_total>", keys of a KV-cache
+// group in ":g<group>.<8 hex digits of the layout tag's SHA-256>", keys by heads in
+// ":h<head_first>+<head_count>/<heads_total>" (in that order).
 std::vector<std::string> prefix_chunk_keys(const KvTokens& tokens, const PrefixKeyOptions& options);
 // By heads: the keys of `groups` objects of head_count heads each from head_first on (a
 // rank's objects, or with head_first 0 every object of the model), chunk by chunk, the chain

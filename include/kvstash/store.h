@@ -364,7 +364,13 @@ class Store {
                                       std::optional<Deadline> deadline = {});
   // contains_prefix, and where each of those leading keys is: a get of one on a node's NVMe
   // tier costs a promotion first (a load to weigh against a recompute). One round trip.
-  Result<std::vector<Tier>> prefix_tiers(std::span<const std::string> keys, std::optional<Deadline> deadline = {});
+  Result<std::vector<Tier>> prefix_tiers(std::span<const std::string> keys,
+                                         std::optional<Deadline> deadline = {});
+  // Whether each of `keys` is present, one Redis round trip: a hybrid model's lookup, whose
+  // KV-cache groups need different chunks of a prefix (a window's last ones, a state's last).
+  // The keys share a route (one chain's objects).
+  Result<std::vector<bool>> contains_each(std::span<const std::string> keys,
+                                          std::optional<Deadline> deadline = {});
 
   // Deletes the object (its pages return to the pool once no reader holds them).
   // kNotFound when absent.
@@ -399,13 +405,15 @@ class Store {
   // metadata: the bytes move one-sided. It expires after `ttl` (> 0) by Redis's clock, and goes
   // with its last reader's end_handoff. Names and readers: 1..256 printable bytes, no spaces.
   // Publishing a name again replaces its record.
-  Status publish_handoff(std::string_view name, std::string_view descriptor, std::span<const std::string> readers,
-                         std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
+  Status publish_handoff(std::string_view name, std::string_view descriptor,
+                         std::span<const std::string> readers, std::chrono::milliseconds ttl,
+                         std::optional<Deadline> deadline = {});
   // The descriptor. kNotFound once the record expired or went with its last reader.
   Result<std::string> handoff(std::string_view name, std::optional<Deadline> deadline = {});
   // `reader` is done with the memory: true when it was pending, false when it had ended
   // already or the record expired.
-  Result<bool> end_handoff(std::string_view name, std::string_view reader, std::optional<Deadline> deadline = {});
+  Result<bool> end_handoff(std::string_view name, std::string_view reader,
+                           std::optional<Deadline> deadline = {});
   // Whether `reader` has yet to end it (false once it did, or the record expired): what the
   // holder polls before it gives the memory up.
   Result<bool> handoff_pending(std::string_view name, std::string_view reader,
@@ -437,7 +445,7 @@ class Store {
 
  private:
   friend class PutStream;
-  friend class ReadLeases;  // its state ends leases through the store
+  friend class ReadLeases;                                // its state ends leases through the store
   friend metrics::Registry& store_metrics(Store& store);  // src/store/store_metrics.h
   struct Impl;
   struct Copy;  // which copy of a put with replicas, and the nodes it keeps apart from

@@ -187,20 +187,43 @@ kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_ke
   return report({});
 }
 
+namespace {
+
+// The C strings of a key list as C++ strings; false on a NULL key.
+bool copy_keys(const char* const* keys, size_t n_keys, std::vector<std::string>& out) {
+  out.reserve(n_keys);
+  for (size_t i = 0; i < n_keys; ++i) {
+    if (keys[i] == nullptr) return false;
+    out.emplace_back(keys[i]);
+  }
+  return true;
+}
+
+}  // namespace
+
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
                                        uint32_t timeout_ms, size_t* count) {
   if (store == nullptr || (keys == nullptr && n_keys != 0) || count == nullptr) {
     return invalid("kvstash_contains_prefix: store, keys and count are required");
   }
   std::vector<std::string> k;
-  k.reserve(n_keys);
-  for (size_t i = 0; i < n_keys; ++i) {
-    if (keys[i] == nullptr) return invalid("kvstash_contains_prefix: a key is NULL");
-    k.emplace_back(keys[i]);
-  }
+  if (!copy_keys(keys, n_keys, k)) return invalid("kvstash_contains_prefix: a key is NULL");
   auto n = store->store->contains_prefix(k, deadline_of(timeout_ms));
   if (!n.is_ok()) return report(n.status());
   *count = *n;
+  return report({});
+}
+
+kvstash_status kvstash_contains_each(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                     uint32_t timeout_ms, uint8_t* out) {
+  if (store == nullptr || (keys == nullptr && n_keys != 0) || (out == nullptr && n_keys != 0)) {
+    return invalid("kvstash_contains_each: store, keys and out are required");
+  }
+  std::vector<std::string> k;
+  if (!copy_keys(keys, n_keys, k)) return invalid("kvstash_contains_each: a key is NULL");
+  auto each = store->store->contains_each(k, deadline_of(timeout_ms));
+  if (!each.is_ok()) return report(each.status());
+  for (size_t i = 0; i < each->size(); ++i) out[i] = (*each)[i] ? 1 : 0;
   return report({});
 }
 
@@ -211,11 +234,7 @@ kvstash_status kvstash_prefix_tiers(kvstash_store* store, const char* const* key
     return invalid("kvstash_prefix_tiers: store, keys, out and count are required");
   }
   std::vector<std::string> k;
-  k.reserve(n_keys);
-  for (size_t i = 0; i < n_keys; ++i) {
-    if (keys[i] == nullptr) return invalid("kvstash_prefix_tiers: a key is NULL");
-    k.emplace_back(keys[i]);
-  }
+  if (!copy_keys(keys, n_keys, k)) return invalid("kvstash_prefix_tiers: a key is NULL");
   auto where = store->store->prefix_tiers(k, deadline_of(timeout_ms));
   if (!where.is_ok()) return report(where.status());
   for (size_t i = 0; i < where->size(); ++i)

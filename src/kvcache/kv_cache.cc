@@ -2,6 +2,7 @@
 // by heads: one per group of heads, each saved and loaded as a unit), layer by layer. This file opens a cache
 // (its options and keys checked, its data path chosen: data_path.cc), finds the CUDA device of GPU memory,
 // and starts saves and loads: their state machines are kv_save.cc and kv_load.cc.
+#include <cctype>
 #include <chrono>
 #include <thread>
 
@@ -169,6 +170,11 @@ Result<std::unique_ptr<KvCache>> KvCache::open(Store& store, KvLayout layout, Pr
   } else if (keys.layer_first != 0 || keys.layer_count != 0) {
     return Status::invalid_argument(
         "kvcache: layer_first and layer_count name layers of layers_total: set it");
+  }
+  for (char c : keys.group) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      return Status::invalid_argument("kvcache: group '" + keys.group + "' is not of [A-Za-z0-9._-]");
+    }
   }
   KVSTASH_RETURN_IF_ERROR(kvcache::split_by_heads(layout, keys, impl->objects));
   keys.layout_tag = impl->objects.front().tag();

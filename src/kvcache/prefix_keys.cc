@@ -21,6 +21,17 @@ Digest sha256(std::string_view bytes) {
   return d;
 }
 
+// The first `bytes` bytes of `d` in lowercase hex.
+std::string hex(const Digest& d, std::size_t bytes) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < bytes; ++i) {
+    out.push_back(kHex[d[i] >> 4]);
+    out.push_back(kHex[d[i] & 15]);
+  }
+  return out;
+}
+
 // Length-prefixed (u32 little-endian) so that no two option sets serialize alike.
 void put_string(wire::Writer& w, std::string_view s) { w.bytes(s); }
 
@@ -29,8 +40,10 @@ std::vector<std::string> chain_keys(const KvTokens& tokens, const PrefixKeyOptio
   std::vector<std::string> keys;
   if (o.chunk_tokens == 0) return keys;
   // A stage's tag counts its layers; the chain hashes the whole model's ("L<layers_total>...").
-  std::string tag = o.layout_tag;
-  if (o.layers_total != 0 && tag.starts_with('L')) {
+  // A group's objects differ in layout (a window's layers, a Mamba state): its key's end names
+  // its layout, and the chain is every group's.
+  std::string tag = o.group.empty() ? o.layout_tag : std::string("groups");
+  if (o.group.empty() && o.layers_total != 0 && tag.starts_with('L')) {
     tag.replace(1, std::min(tag.find('.'), tag.size()) - 1, std::to_string(o.layers_total));
   }
   wire::Writer salt;
@@ -43,7 +56,6 @@ std::vector<std::string> chain_keys(const KvTokens& tokens, const PrefixKeyOptio
   put_string(salt, o.extra);
   Digest h = sha256(salt.take());
 
-  static constexpr char kHex[] = "0123456789abcdef";
   const std::size_t chunks = tokens.ids.size() / o.chunk_tokens;
   keys.reserve(chunks);
   // Every key carries its chain's root (the first chunk's first 64 bits) as its route tag:
@@ -60,11 +72,7 @@ std::vector<std::string> chain_keys(const KvTokens& tokens, const PrefixKeyOptio
       put_string(w, tokens.chunk_salts[c]);
     }
     h = sha256(w.take());
-    std::string name;
-    for (std::size_t i = 0; i < 16; ++i) {  // 128 bits name a chunk
-      name.push_back(kHex[h[i] >> 4]);
-      name.push_back(kHex[h[i] & 15]);
-    }
+    const std::string name = hex(h, 16);  // 128 bits name a chunk
     if (c == 0) root = name.substr(0, 16);
     std::string key = "kvp:{";
     key.append(root).append("}").append(name);
@@ -84,6 +92,7 @@ std::vector<std::string> prefix_object_keys(const KvTokens& tokens, const Prefix
     layers = ":l" + std::to_string(o.layer_first) + "+" + std::to_string(o.layer_count) + "/" +
              std::to_string(o.layers_total);
   }
+  if (!o.group.empty()) layers.append(":g").append(o.group).append(".").append(hex(sha256(o.layout_tag), 4));
   std::vector<std::string> ends;
   for (std::uint32_t g = 0; g < std::max(groups, 1u); ++g) {
     ends.push_back(layers);

@@ -60,8 +60,8 @@ Result<Placement> Catalog::place_put(std::string_view token, std::string_view ke
                                      const std::string& placement) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string n = std::to_string(size), l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(
-      Reply r, redis_.eval(scripts::begin_put(), {prefix_}, with_avoided({token, key, n, l, placement}, avoid)));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_put(), {prefix_},
+                                                with_avoided({token, key, n, l, placement}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to begin_put");
   // page_size, extents, deadline, nodes...
   KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(detail::items_of(r.raw()), 0, 1, 2, 3));
@@ -88,7 +88,8 @@ Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const
 }
 
 Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
-                                         std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid) {
+                                         std::chrono::milliseconds lease,
+                                         std::span<const NodeEndpoint> avoid) {
   std::string n = std::to_string(size), x = std::to_string(extra), l = ms(lease);
   KVSTASH_ASSIGN_OR_RETURN(
       Reply r, redis_.eval(scripts::reserve_pages(), {prefix_}, with_avoided({token, n, x, l}, avoid)));
@@ -154,7 +155,8 @@ Result<std::uint64_t> Catalog::abort_reserved(const ReservedPages& pages,
   return static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.integer()));
 }
 
-Result<std::uint64_t> Catalog::release_reservation(std::string_view reservation, std::uint64_t from, bool drop) {
+Result<std::uint64_t> Catalog::release_reservation(std::string_view reservation, std::uint64_t from,
+                                                   bool drop) {
   std::string f = std::to_string(from);
   KVSTASH_ASSIGN_OR_RETURN(
       Reply r, redis_.eval(scripts::release_reservation(), {prefix_}, {reservation, f, drop ? "1" : "0"}));
@@ -170,7 +172,8 @@ Result<ReadLease> read_lease_of(std::span<const redisReply* const> r, std::strin
     ReadLease g;
     g.promoting_node = std::string(text_of(r[1]));
     g.object_token = std::string(text_of(r[2]));
-    if (!valid_node_id(g.promoting_node)) return corrupt("object " + std::string(key) + " is on a malformed node");
+    if (!valid_node_id(g.promoting_node))
+      return corrupt("object " + std::string(key) + " is on a malformed node");
     return g;
   }
   if (r.size() < 7) return corrupt("unexpected reply to begin_get");
@@ -205,8 +208,8 @@ Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view read
                                      std::chrono::milliseconds lease, bool promote) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r,
-                           redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l, promote ? "0" : "1"}));
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l, promote ? "0" : "1"}));
   if (r.type() != Reply::Type::kArray) return corrupt("unexpected reply to begin_get");
   return read_lease_of(detail::items_of(r.raw()), key);
 }
@@ -221,7 +224,8 @@ Result<std::vector<Result<ReadLease>>> Catalog::begin_gets(std::span<const std::
   args.reserve(1 + 2 * keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) args.insert(args.end(), {keys[i], readers[i]});
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_gets(), {prefix_}, args));
-  if (r.type() != Reply::Type::kArray || r.size() != keys.size()) return corrupt("unexpected reply to begin_gets");
+  if (r.type() != Reply::Type::kArray || r.size() != keys.size())
+    return corrupt("unexpected reply to begin_gets");
   std::vector<Result<ReadLease>> out;
   out.reserve(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -318,7 +322,8 @@ Result<std::vector<bool>> Catalog::prefix_tiers(std::span<const std::string> key
   if (keys.empty()) return out;
   KVSTASH_ASSIGN_OR_RETURN(auto args, prefix_args("tiers", keys));
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
-  if (r.type() != Reply::Type::kArray || r.size() > keys.size()) return corrupt("unexpected reply to contains_prefix");
+  if (r.type() != Reply::Type::kArray || r.size() > keys.size())
+    return corrupt("unexpected reply to contains_prefix");
   for (std::size_t i = 0; i < r.size(); ++i) {
     const std::string_view t = text_of(r.element(i));
     if (t != "ssd" && t != "dram") return corrupt("contains_prefix named tier '" + std::string(t) + "'");
@@ -327,14 +332,30 @@ Result<std::vector<bool>> Catalog::prefix_tiers(std::span<const std::string> key
   return out;
 }
 
-Result<std::optional<std::size_t>> Catalog::announce(std::span<const std::pair<std::string, std::string>> items) {
+Result<std::vector<bool>> Catalog::contains_each(std::span<const std::string> keys) {
+  std::vector<bool> out;
+  if (keys.empty()) return out;
+  KVSTASH_ASSIGN_OR_RETURN(auto args, prefix_args("each", keys));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
+  if (r.type() != Reply::Type::kArray || r.size() != keys.size())
+    return corrupt("unexpected reply to contains_each");
+  for (std::size_t i = 0; i < r.size(); ++i) {
+    const std::optional<std::int64_t> present = integer_of(r.element(i));
+    if (!present || (*present != 0 && *present != 1)) return corrupt("unexpected reply to contains_each");
+    out.push_back(*present == 1);
+  }
+  return out;
+}
+
+Result<std::optional<std::size_t>> Catalog::announce(
+    std::span<const std::pair<std::string, std::string>> items) {
   std::vector<std::string_view> args;
   args.reserve(items.size() * 2);
   for (const auto& [key, ev] : items) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
     if (ev.empty() || ev.size() > kMaxEventData) {
-      return Status::invalid_argument("event data of " + key + " must be 1.." + std::to_string(kMaxEventData) +
-                                      " bytes");
+      return Status::invalid_argument("event data of " + key + " must be 1.." +
+                                      std::to_string(kMaxEventData) + " bytes");
     }
     args.push_back(key);
     args.push_back(ev);
@@ -380,9 +401,11 @@ Result<Catalog::PoolGrant> Catalog::grant_pool(std::string_view node, TransferOp
 namespace {
 // Names and readers: 1..256 printable bytes, no spaces (they are parts of keys and fields).
 Status validate_handoff_word(std::string_view what, std::string_view w) {
-  if (w.empty() || w.size() > 256) return Status::invalid_argument(std::string(what) + " must be 1..256 bytes");
+  if (w.empty() || w.size() > 256)
+    return Status::invalid_argument(std::string(what) + " must be 1..256 bytes");
   for (char c : w) {
-    if (c <= ' ' || c > '~') return Status::invalid_argument(std::string(what) + " must be printable, no spaces");
+    if (c <= ' ' || c > '~')
+      return Status::invalid_argument(std::string(what) + " must be printable, no spaces");
   }
   return {};
 }

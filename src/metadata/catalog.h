@@ -114,7 +114,8 @@ class Catalog {
   // Frees the reservation's pages from `from` on (never handed to a put). Returns how many.
   // With `drop`, also ends the reservation's record, unless a page handed to a put is still
   // the reservation's (neither committed nor freed): the record then stays until reclaim.
-  Result<std::uint64_t> release_reservation(std::string_view reservation, std::uint64_t from, bool drop = false);
+  Result<std::uint64_t> release_reservation(std::string_view reservation, std::uint64_t from,
+                                            bool drop = false);
 
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
   // absent, expired or on a dead node; kCorrupt for a malformed record. An object on a node's
@@ -152,6 +153,8 @@ class Catalog {
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
   // Per leading key present, whether it is on a node's NVMe tier (true) or in a pool (false).
   Result<std::vector<bool>> prefix_tiers(std::span<const std::string> keys);
+  // Whether each key is present.
+  Result<std::vector<bool>> contains_each(std::span<const std::string> keys);
 
   // KV events (docs/events.md): each present key of `items` (key, event data) carries its data
   // from now on and goes out as stored. How many were announced; nullopt when the cell's events

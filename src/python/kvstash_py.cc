@@ -356,6 +356,14 @@ PYBIND11_MODULE(_native, m) {
           py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).")
       .def(
+          "contains_each",
+          [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return s.store->contains_each(keys, deadline_of(timeout_ms)); }));
+          },
+          py::arg("keys"), py::arg("timeout_ms") = 0,
+          "Whether each of `keys` (one chain's objects) is stored, in one round trip: a hybrid model's "
+          "lookup, whose KV-cache groups need different chunks.")
+      .def(
           "metrics_text", [](PyStore& s) { return s.store->metrics_text(); },
           "This client's metrics in Prometheus' text exposition format (operations by outcome and "
           "latency, bytes per transport, KV-cache chunks, failed loads, layer waits), counted since "
@@ -495,7 +503,7 @@ PYBIND11_MODULE(_native, m) {
                        const std::string& memory_kind, const std::string& staging, const py::object& base,
                        std::uint32_t num_layers, bool joint_kv, std::uint32_t heads_total,
                        std::uint32_t head_first, std::uint32_t head_count, std::uint32_t layers_total,
-                       std::uint32_t layer_first) {
+                       std::uint32_t layer_first, const std::string& group) {
              auto dt = parse_kv_dtype(dtype);
              if (!dt) raise(Status::invalid_argument("unknown dtype '" + dtype + "'"));
              if (order != "nhd" && order != "hnd") raise(Status::invalid_argument("order is 'nhd' or 'hnd'"));
@@ -565,7 +573,8 @@ PYBIND11_MODULE(_native, m) {
                                    .head_first = head_first,
                                    .head_count = head_count,
                                    .layers_total = layers_total,
-                                   .layer_first = layer_first};
+                                   .layer_first = layer_first,
+                                   .group = group};
              out->kv = unwrap(nogil([&] {
                return KvCache::open(*store->store, std::move(l), std::move(keys), std::move(options));
              }));
@@ -584,7 +593,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
            py::arg("head_count") = kKeyDefaults.head_count,
            py::arg("layers_total") = kKeyDefaults.layers_total,
-           py::arg("layer_first") = kKeyDefaults.layer_first,
+           py::arg("layer_first") = kKeyDefaults.layer_first, py::arg("group") = kKeyDefaults.group,
            "A KV cache over the engine's tensors: KvCacheShape's fields, the KvLayout constructor's "
            "(arrangement 'per_layer', 'per_layer_blocks_first': layer_tensors, one per layer, as ints "
            "(data_ptr()) or writable buffers; 'cross_layer': base, the one region, and num_layers; "
@@ -738,7 +747,7 @@ PYBIND11_MODULE(_native, m) {
          std::uint32_t tp_rank, std::uint32_t tp_size, std::uint32_t chunk_tokens, const std::string& extra,
          const std::vector<std::string>& chunk_salts, std::uint32_t heads_total, std::uint32_t head_first,
          std::uint32_t head_count, std::uint32_t layers_total, std::uint32_t layer_first,
-         std::uint32_t layer_count, std::uint32_t groups) {
+         std::uint32_t layer_count, std::uint32_t groups, const std::string& group) {
         return prefix_object_keys({tokens, chunk_salts},
                                   {.model = model,
                                    .layout_tag = layout_tag,
@@ -751,7 +760,8 @@ PYBIND11_MODULE(_native, m) {
                                    .head_count = head_count,
                                    .layers_total = layers_total,
                                    .layer_first = layer_first,
-                                   .layer_count = layer_count},
+                                   .layer_count = layer_count,
+                                   .group = group},
                                   groups);
       },
       py::arg("tokens"), py::arg("model"), py::arg("layout_tag"), py::arg("tp_rank") = kKeyDefaults.tp_rank,
@@ -760,9 +770,10 @@ PYBIND11_MODULE(_native, m) {
       py::arg("heads_total") = kKeyDefaults.heads_total, py::arg("head_first") = kKeyDefaults.head_first,
       py::arg("head_count") = kKeyDefaults.head_count, py::arg("layers_total") = kKeyDefaults.layers_total,
       py::arg("layer_first") = kKeyDefaults.layer_first, py::arg("layer_count") = kKeyDefaults.layer_count,
-      py::arg("groups") = 1,
+      py::arg("groups") = 1, py::arg("group") = kKeyDefaults.group,
       "The keys of the full chunks of `tokens` (prefix_chunk_keys); chunk_salts[c], bytes, names what chunk "
       "c's KV was computed from besides its tokens (KvTokens). heads_total set: the keys of the objects "
       "of heads [head_first, head_first + head_count), and with `groups` of that many such groups, chunk by "
-      "chunk (prefix_object_keys); layers_total set: of a pipeline stage's layers (PrefixKeyOptions).");
+      "chunk (prefix_object_keys); layers_total set: of a pipeline stage's layers; group set: of a "
+      "hybrid model's KV-cache group (PrefixKeyOptions).");
 }

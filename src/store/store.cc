@@ -36,8 +36,8 @@ store::Meters::Meters() {
 
 namespace {
 
-constexpr std::string_view kOpNames[] = {"put", "put_stream", "get", "lookup", "remove", "remove_corrupt", "touch",
-                                         "stat"};
+constexpr std::string_view kOpNames[] = {"put",    "put_stream",     "get",   "lookup",
+                                         "remove", "remove_corrupt", "touch", "stat"};
 
 // The series in `slot`, made by `make` (a registry lookup) the first time. Two threads that
 // both make it get the same series from the registry.
@@ -63,12 +63,14 @@ void store::Meters::op(MeteredOp op, const Status& s, Clock::time_point started,
   }).add();
   kept(series.duration, [&]() -> metrics::Histogram& {
     return registry.histogram("kvstash_client_op_duration_seconds",
-                              "How long this client's operations took, any outcome", {{"op", std::string(name)}});
+                              "How long this client's operations took, any outcome",
+                              {{"op", std::string(name)}});
   }).observe(seconds);
   if (s.is_ok() && bytes > 0) {
     kept(series.bytes, [&]() -> metrics::Counter& {
       return registry.counter("kvstash_client_op_bytes_total",
-                              "Bytes of the objects this client's operations put or got", {{"op", std::string(name)}});
+                              "Bytes of the objects this client's operations put or got",
+                              {{"op", std::string(name)}});
     }).add(bytes);
   }
 }
@@ -162,7 +164,8 @@ Result<ObjectInfo> Store::stat(std::string_view key, std::optional<Deadline> dea
   return r;
 }
 
-Result<std::vector<Tier>> Store::prefix_tiers(std::span<const std::string> keys, std::optional<Deadline> deadline) {
+Result<std::vector<Tier>> Store::prefix_tiers(std::span<const std::string> keys,
+                                              std::optional<Deadline> deadline) {
   const auto started = Clock::now();
   auto r = [&]() -> Result<std::vector<Tier>> {
     std::vector<Tier> out;
@@ -173,6 +176,25 @@ Result<std::vector<Tier>> Store::prefix_tiers(std::span<const std::string> keys,
       KVSTASH_ASSIGN_OR_RETURN(std::vector<bool> more, c->prefix_tiers(keys.subspan(out.size())));
       for (bool ssd : more) out.push_back(ssd ? Tier::kSsd : Tier::kDram);
       if (out.size() == keys.size()) break;
+    }
+    return out;
+  }();
+  impl_->meters.op(store::MeteredOp::kLookup, r.status(), started);
+  return r;
+}
+
+Result<std::vector<bool>> Store::contains_each(std::span<const std::string> keys,
+                                               std::optional<Deadline> deadline) {
+  const auto started = Clock::now();
+  auto r = [&]() -> Result<std::vector<bool>> {
+    std::vector<bool> out(keys.size(), false);
+    if (keys.empty()) return out;
+    // While a change of the cells settles, a key may be in the previous choice or the current.
+    const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+    for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+      KVSTASH_ASSIGN_OR_RETURN(std::vector<bool> here, c->contains_each(keys));
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = out[i] || here[i];
     }
     return out;
   }();
@@ -209,7 +231,8 @@ Result<std::optional<std::size_t>> Store::announce(std::span<const std::pair<std
   std::vector<std::pair<store::CellLink*, std::vector<std::pair<std::string, std::string>>>> per_cell;
   for (const auto& item : items) {
     for (store::CellLink* cell : impl_->get_cells(item.first, d)) {
-      auto at = std::find_if(per_cell.begin(), per_cell.end(), [&](const auto& p) { return p.first == cell; });
+      auto at =
+          std::find_if(per_cell.begin(), per_cell.end(), [&](const auto& p) { return p.first == cell; });
       if (at == per_cell.end()) at = per_cell.insert(per_cell.end(), {cell, {}});
       at->second.push_back(item);
     }
@@ -278,7 +301,8 @@ Result<std::size_t> Store::connect_nodes(std::optional<Deadline> deadline) {
       if (link.is_ok()) {
         ++connected;
       } else {
-        KVSTASH_LOG_WARN_LIMITED("store: node {} not connected ahead of use: {}", n.id, link.status().to_string());
+        KVSTASH_LOG_WARN_LIMITED("store: node {} not connected ahead of use: {}", n.id,
+                                 link.status().to_string());
       }
     }
   }
@@ -299,8 +323,10 @@ Result<std::string> Store::handoff(std::string_view name, std::optional<Deadline
   return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) { return c.handoff(name); });
 }
 
-Result<bool> Store::end_handoff(std::string_view name, std::string_view reader, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) { return c.end_handoff(name, reader); });
+Result<bool> Store::end_handoff(std::string_view name, std::string_view reader,
+                                std::optional<Deadline> deadline) {
+  return impl_->with_catalog(name, deadline,
+                             [&](metadata::Catalog& c) { return c.end_handoff(name, reader); });
 }
 
 Result<bool> Store::handoff_pending(std::string_view name, std::string_view reader,

@@ -1,11 +1,17 @@
 -- contains_prefix.lua: how much of a key sequence is cached, and where.
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     'count' or 'tiers', then keys
+-- ARGV     'count', 'tiers' or 'each', then keys
 -- Returns  how many leading keys are present ('count'); or, per leading key present, in
 --          order, 'dram' (in a node's pool) or 'ssd' (on a node's NVMe tier: a get promotes it
---          first, one round trip more) ('tiers')
+--          first, one round trip more) ('tiers'); or, per key, 1 if present, else 0 ('each':
+--          a hybrid model's lookup, whose groups need different chunks)
 
+if ARGV[1] == 'each' then
+  local each = {}
+  for i = 2, #ARGV do each[i - 1] = lookup_copy(ARGV[i]) and 1 or 0 end
+  return each
+end
 local tiers = ARGV[1] == 'tiers'
 local out = {}
 for i = 2, #ARGV do
