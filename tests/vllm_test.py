@@ -45,7 +45,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -138,7 +138,19 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, ro
     return cfg
 
 
-def make_kv_cache_config(mla=False, layers=tuple(LAYERS), heads=HEADS):
+WINDOW = 2 * BLOCK  # a hybrid model's sliding window: a hit reads its last two chunks of that group
+
+
+def make_kv_cache_config(mla=False, layers=tuple(LAYERS), heads=HEADS, hybrid=False):
+    if hybrid:  # as vLLM's hybrid allocator groups a Gemma-like model: layer 0 a window's, layer 1 full
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=DTYPE,
+                                   sliding_window=WINDOW)
+        full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=DTYPE)
+        return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], window),
+                                              KVCacheGroupSpec([LAYERS[1]], full)])
     if mla:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -154,19 +166,21 @@ class Engine:
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
 
     def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False,
-                 pp_size=1, heads=HEADS):
+                 pp_size=1, heads=HEADS, hybrid=False):
         """mla: a DeepSeek-like model, one latent cache per layer that every rank holds alike.
         pp_size: pipeline stages, each with its share of LAYERS (a worker per stage and rank, each
         with its stage's KV-cache config; the scheduler gets stage 0's, as vLLM's engine core
-        gives it). heads: KV heads per rank (the model has heads x tp_size)."""
-        self.mla, self.heads = mla, heads
+        gives it). heads: KV heads per rank (the model has heads x tp_size). hybrid: vLLM's hybrid
+        allocator over a Gemma-like model, layer 0 a sliding window's group, layer 1 full
+        attention's, both layers in one paged tensor (each group its own blocks of it)."""
+        self.mla, self.heads, self.hybrid = mla, heads, hybrid
         self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size, heads)
         self.params = {}  # request -> the kv_transfer_params its output carried
         # Requests some ranks finished sending or receiving: how many ranks so far.
         self._finished = {"sending": collections.Counter(), "recving": collections.Counter()}
         per_stage = len(LAYERS) // pp_size
         stages = [LAYERS[s * per_stage:(s + 1) * per_stage] for s in range(pp_size)]
-        self.kv_cache_config = make_kv_cache_config(mla, stages[0], heads)
+        self.kv_cache_config = make_kv_cache_config(mla, stages[0], heads, hybrid)
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK)
         self.connector = self.scheduler.connector
@@ -175,8 +189,10 @@ class Engine:
         for layers in stages:
             for rank in range(tp_size):
                 w = KVConnectorFactory.create_connector(config=self.config, role=KVConnectorRole.WORKER,
-                                                       kv_cache_config=make_kv_cache_config(mla, layers, heads))
-                caches = {name: self.paged_cache() for name in layers}
+                                                       kv_cache_config=make_kv_cache_config(mla, layers, heads,
+                                                                                            hybrid))
+                shared = self.paged_cache()
+                caches = {name: shared if hybrid else self.paged_cache() for name in layers}
                 _with_rank(rank, lambda: w.register_kv_caches(caches))
                 self.workers.append((w, caches, rank))
 
@@ -196,11 +212,11 @@ class Engine:
         """One scheduler step and its 'forward pass'. Returns the scheduler output."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        invalid = set()
+        invalid, failed = set(), set()
         for w, caches, rank in self.workers:
             w.bind_connector_metadata(meta)
             if fail_loads:
-                for run in meta.loads:
+                for run in meta.loads + meta.fetches:
                     run.tokens = [t + 1 for t in run.tokens]  # other keys: every chunk misses
             w.start_load_kv(None)
             for i, name in enumerate(LAYERS):
@@ -210,7 +226,9 @@ class Engine:
                 self.compute(out, caches[name], i, rank)
                 w.save_kv_layer(name, caches[name], None)
             w.wait_for_save()
-            sent, received = w.get_finished(out.finished_req_ids)
+            results = w.get_transfer_results(out.finished_req_ids)
+            sent, received = results.finished_sending, results.finished_recving
+            failed |= results.failed_recving
             invalid |= w.get_block_ids_with_load_errors()
             # As vLLM's output aggregator: a request is done once every rank said so, in
             # whichever steps each did.
@@ -227,7 +245,8 @@ class Engine:
         reqs = list(out.num_scheduled_tokens)
         fields = dict(req_ids=reqs, sampled_token_ids=[[7] for _ in reqs],
                       kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid, finished_sending=sending or None,
-                                                            finished_recving=receiving or None))
+                                                            finished_recving=receiving or None,
+                                                            failed_recving=failed))
         if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM 0.33 (0.34 dropped it)
             fields["req_id_to_index"] = {r: i for i, r in enumerate(reqs)}
         runner = ModelRunnerOutput(**fields)
@@ -266,7 +285,8 @@ class Engine:
         the layer and the rank, so that a load can be checked against what compute would give."""
         for rid, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            # Layer 1's group is the second with the hybrid allocator.
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[1 if self.hybrid and layer == 1 else 0]
             start = req.num_computed_tokens - n  # schedule() counted them computed already
             for pos in range(start, start + n):
                 if pos >= len(req.all_token_ids):
@@ -428,7 +448,7 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual((load.first, load.count), (0, 5))
         self.assertEqual(first.num_scheduled_tokens["b"], 2, "only the tokens after the loaded prefix are computed")
         self.assertEqual(w._stats["chunks_loaded"], 5)
-        blocks = load.block_ids
+        blocks = load.block_ids[0]
         for layer, name in enumerate(LAYERS):
             for i in range(5):
                 got = caches[name][blocks[i]]
@@ -450,7 +470,7 @@ class VllmConnector(unittest.TestCase):
             time.sleep(0.01)
         self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 3)])
         self.assertEqual(out.num_scheduled_tokens["b"], 1)
-        blocks = out.kv_connector_metadata.loads[0].block_ids
+        blocks = out.kv_connector_metadata.loads[0].block_ids[0]
         for layer, name in enumerate(LAYERS):
             for i in range(3):
                 self.assertTrue(torch.equal(b.workers[0][1][name][blocks[i]], expected_block(shared, i, layer, 0)))
@@ -469,7 +489,7 @@ class VllmConnector(unittest.TestCase):
         b.scheduler.add_request(b.request("b", prompt))
         out = b.step()
         self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 6)])
-        blocks = out.kv_connector_metadata.loads[0].block_ids
+        blocks = out.kv_connector_metadata.loads[0].block_ids[0]
         for layer, name in enumerate(LAYERS):
             for i in range(6):
                 self.assertTrue(torch.equal(b.workers[0][1][name][blocks[i]], expected_block(prompt, i, layer, 0)))
@@ -505,7 +525,7 @@ class VllmConnector(unittest.TestCase):
             out = b.step()
             loads[rid] = [(r.first, r.count) for r in out.kv_connector_metadata.loads]
             if rid == "same":
-                blocks = out.kv_connector_metadata.loads[0].block_ids
+                blocks = out.kv_connector_metadata.loads[0].block_ids[0]
                 for layer, name in enumerate(LAYERS):
                     for i in range(2):
                         self.assertTrue(torch.equal(b.workers[0][1][name][blocks[i]],
@@ -656,7 +676,7 @@ class VllmConnector(unittest.TestCase):
                 for i in range(2):
                     want = torch.tensor([kv_value(tokens[i * BLOCK + j], i * BLOCK + j, layer, 0)
                                          for j in range(BLOCK)], dtype=DTYPE)[:, None].expand(BLOCK, LATENT)
-                    self.assertTrue(torch.equal(caches[name][loads[0].block_ids[i]], want), f"rank {rank}")
+                    self.assertTrue(torch.equal(caches[name][loads[0].block_ids[0][i]], want), f"rank {rank}")
         # The one copy names no rank: an engine at TP=1 loads it too; and with two pipeline
         # stages each stage's rank 0 stores its layer's copy, which another such engine loads.
         c = Engine(tp_size=1, mla=True)
@@ -675,7 +695,7 @@ class VllmConnector(unittest.TestCase):
             for name, cache in caches.items():
                 want = torch.tensor([kv_value(tokens[j], j, LAYERS.index(name), 0) for j in range(BLOCK)],
                                     dtype=DTYPE)[:, None].expand(BLOCK, LATENT)
-                self.assertTrue(torch.equal(cache[out.kv_connector_metadata.loads[0].block_ids[0]], want), name)
+                self.assertTrue(torch.equal(cache[out.kv_connector_metadata.loads[0].block_ids[0][0]], want), name)
 
     def test_a_reset_of_the_connectors_cache_stops_sharing(self):
         """After reset_prefix_cache(reset_connector=True) (weights updated in place, which no key
@@ -874,7 +894,7 @@ class VllmConnector(unittest.TestCase):
         self.assertEqual(w._stats["chunks_loaded"], 2)
         for layer, name in enumerate(LAYERS):
             for i in range(2):
-                self.assertTrue(torch.equal(caches[name][load.block_ids[i]], expected_block(shared, i, layer, 0)))
+                self.assertTrue(torch.equal(caches[name][load.block_ids[0][i]], expected_block(shared, i, layer, 0)))
 
     def test_an_untested_vllm_release_is_refused_by_name(self):
         from kvstash.vllm import TESTED_VLLM, check_vllm_version
@@ -934,7 +954,7 @@ class VllmConnector(unittest.TestCase):
         out = b.step()
         self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 1)])
         for w, caches, rank in b.workers:
-            blocks = out.kv_connector_metadata.loads[0].block_ids
+            blocks = out.kv_connector_metadata.loads[0].block_ids[0]
             for layer, name in enumerate(LAYERS):
                 self.assertTrue(torch.equal(caches[name][blocks[0]], expected_block(shared, 0, layer, rank)))
 
@@ -947,7 +967,7 @@ class VllmConnector(unittest.TestCase):
         b.scheduler.add_request(b.request("b", shared + [2]))
         out = b.step()
         self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 2)])
-        blocks = out.kv_connector_metadata.loads[0].block_ids
+        blocks = out.kv_connector_metadata.loads[0].block_ids[0]
         _, caches, _ = b.workers[0]
         for layer, name in enumerate(LAYERS):
             for i in range(2):
@@ -975,12 +995,87 @@ class VllmConnector(unittest.TestCase):
         b.scheduler.add_request(b.request("b", shared + [2]))
         out = b.step()
         self.assertEqual([(r.first, r.count) for r in out.kv_connector_metadata.loads], [(0, 1)])
-        blocks = out.kv_connector_metadata.loads[0].block_ids
+        blocks = out.kv_connector_metadata.loads[0].block_ids[0]
         for w, caches, rank in b.workers:
             for name, cache in caches.items():
                 self.assertTrue(torch.equal(cache[blocks[0]], expected_block(shared, 0, LAYERS.index(name), rank)),
                                 f"{name} loaded another stage's layer")
 
+    def test_a_hybrid_models_window_group_stores_and_loads_only_the_chunks_its_window_reads(self):
+        """vLLM's hybrid allocator (SupportsHMA): a sliding window's group and full attention's, in
+        one paged tensor. A chunk the window no longer reads (vLLM's null block in that group) is
+        not stored; a lookup needs every full-attention chunk and the window's last ones only; a
+        load fills exactly the blocks vLLM gives each group, bit for bit, while the request waits
+        (vLLM takes a hybrid model's load failures per request, not per block)."""
+        a = Engine(hybrid=True)
+        g = a.connector.geometry
+        self.assertEqual([group.window for group in g.groups], [WINDOW, 0])
+        self.assertTrue(g.groups[0].name.startswith(f"swa{WINDOW}.") and g.groups[1].name.startswith("full."))
+        self.assertIsInstance(a.connector, SupportsHMA)
+        store = kvstash.Store(URL, transports="shm,tcp")
+        head = [53 + (i * 41) % 900 for i in range(4 * BLOCK)]
+        a.run("p1", head + [1, 2, 3])
+        # The cell loses the first request's chunks; the engine's own prefix cache keeps them, and
+        # its window's group holds only the last two of them (the first two are null blocks).
+        for key in g.all_keys(head):
+            store.remove(key)
+        longer = head + [61 + (i * 43) % 900 for i in range(2 * BLOCK)]
+        a.run("p2", longer + [4, 5, 6])
+        per, objects = g.parts(), g.head_groups()
+        present = store.contains_each(g.all_keys(longer))
+
+        def stored(c, group):
+            return all(present[c * per + group * objects:c * per + (group + 1) * objects])
+
+        self.assertEqual([stored(c, 1) for c in range(6)], [True] * 6, "full attention: every chunk")
+        self.assertEqual([stored(c, 0) for c in range(6)], [False, False, True, True, True, True],
+                         "the window: only the chunks whose blocks it still held")
+
+        def load(engine, rid, tokens):
+            """The request's load (the step it runs in: the request waits), and its first step."""
+            engine.scheduler.add_request(engine.request(rid, tokens))
+            fetches = engine.step().kv_connector_metadata.fetches
+            self.assertEqual(len(fetches), 1)
+            return fetches[0], engine.step()
+
+        b = Engine(hybrid=True)
+        run, first = load(b, "q", longer + [9])
+        self.assertEqual((run.first, run.count), (0, 6), "the window's last two chunks and every full one suffice")
+        self.assertEqual(first.num_scheduled_tokens["q"], 1, "only the token after the loaded prefix is computed")
+        window_blocks, full_blocks = run.block_ids
+        self.assertEqual(window_blocks[:4], [0] * 4, "vLLM nulls the window's blocks it no longer reads")
+        cache = b.workers[0][1][LAYERS[0]]  # both layers' tensor
+        for i in range(6):
+            self.assertTrue(torch.equal(cache[full_blocks[i]], expected_block(longer, i, 1, 0)), f"full block {i}")
+        for i in (4, 5):
+            self.assertTrue(torch.equal(cache[window_blocks[i]], expected_block(longer, i, 0, 0)), f"window block {i}")
+        self.assertEqual(b.workers[0][0]._stats["chunks_loaded"], 6)
+
+        # Without the window's last chunk a hit of 6 chunks lacks its window; one of 5 reads
+        # chunks 3 and 4 of it, and is what loads, into the two blocks vLLM gives the window.
+        store.remove(g.keys(longer, 0)[5])
+        c = Engine(hybrid=True)
+        run, first = load(c, "r", longer + [8])
+        self.assertEqual((run.first, run.count), (0, 5))
+        self.assertEqual(first.num_scheduled_tokens["r"], BLOCK + 1)
+        window_blocks = run.block_ids[0]
+        self.assertEqual([b != 0 for b in window_blocks[:5]], [False, False, False, True, True])
+        cache = c.workers[0][1][LAYERS[0]]
+        for i in (3, 4):
+            self.assertTrue(torch.equal(cache[window_blocks[i]], expected_block(longer, i, 0, 0)), f"window block {i}")
+
+    def test_a_hybrid_models_failed_load_is_its_requests_and_vllm_computes_it_whole(self):
+        shared = [67 + (i * 47) % 900 for i in range(3 * BLOCK)]
+        a = Engine(hybrid=True)
+        a.run("a", shared + [1])
+        b = Engine(hybrid=True)
+        b.scheduler.add_request(b.request("b", shared + [2]))
+        out = b.step(fail_loads=True)  # every chunk misses: vLLM must not be handed blocks
+        self.assertEqual(len(out.kv_connector_metadata.fetches), 1)
+        self.assertEqual(b.workers[0][0]._stats["chunks_load_failed"], 3)
+        out = b.step()
+        self.assertEqual(out.num_scheduled_tokens["b"], 3 * BLOCK + 1, "computed from its first token")
+        b.step_until(lambda: b.scheduler.get_num_unfinished_requests() == 0)
 
 if __name__ == "__main__":
     unittest.main(argv=sys.argv[:1], verbosity=2)

@@ -34,6 +34,7 @@ not on this host (so not to be named by content) is neither looked up nor saved.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -46,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 import msgspec.msgpack as _msgpack
@@ -139,6 +141,32 @@ _DTYPES = {
 
 
 @dataclass(frozen=True)
+class Group:
+    """One of vLLM's KV-cache groups (a hybrid model has several: sliding-window layers and full
+    attention's, each group its own blocks): its layers, and which of a prefix's chunks a hit
+    needs of it. Full attention reads every chunk; a window of W tokens only those holding the
+    W - 1 tokens before the first one computed (vLLM frees, and nulls in the block table, the
+    rest), so only those are stored and looked for."""
+
+    layers: tuple[str, ...]
+    window: int = 0  # sliding window tokens; 0: full attention
+    name: str = ""  # what keys name it by ("" for a model of one group)
+
+    @classmethod
+    def named(cls, layers: list[str], window: int) -> Group:
+        """A group of a hybrid model, named by its kind and a digest of its layers' names: a
+        key cannot be read by another group's layers, whatever order vLLM lists groups in."""
+        digest = hashlib.sha256("\0".join(layers).encode()).hexdigest()[:8]
+        return cls(tuple(layers), window, f"{f'swa{window}' if window else 'full'}.{digest}")
+
+    def first_needed(self, end: int, chunk_tokens: int) -> int:
+        """The first chunk a hit of `end` chunks needs of this group (vLLM's skipped tokens)."""
+        if not self.window:
+            return 0
+        return max(0, end * chunk_tokens - self.window + 1) // chunk_tokens
+
+
+@dataclass(frozen=True)
 class Geometry:
     """What the scheduler and every worker agree on, from vLLM's config alone: the shape kvstash
     sees and what salts the keys.
@@ -170,13 +198,14 @@ class Geometry:
     # objects hold its layers. One stage: ((0, num_layers),), and keys name no layers.
     stages: tuple[tuple[int, int], ...] = ((0, 0),)
     layers_total: int = 0  # the model's layers with several stages, else 0
+    # vLLM's KV-cache groups (a hybrid model's, with its hybrid allocator on: several), each
+    # stored as objects of its own, on one chain.
+    groups: tuple[Group, ...] = ()
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KvstashConfig) -> Geometry:
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"kvstash: {len(groups)} KV-cache groups (a hybrid model); one is supported")
-        spec = groups[0].kv_cache_spec
+        groups = cls.groups_of(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         item = spec.dtype.itemsize
         dtype = _DTYPES.get(str(spec.dtype))
         if dtype is None:
@@ -185,13 +214,21 @@ class Geometry:
         if page % (spec.block_size * item):
             raise ValueError(f"kvstash: a page of {page} bytes is not whole tokens of block size {spec.block_size}")
         parallel = vllm_config.parallel_config
-        stages, layers_total = ((0, len(groups[0].layer_names)),), 0
+        num_layers = sum(len(group.layers) for group in groups)
+        stages, layers_total = ((0, num_layers),), 0
         if parallel.pipeline_parallel_size > 1:
+            if len(groups) > 1:
+                raise ValueError("kvstash: a hybrid model (several KV-cache groups) is not served with pipeline "
+                                 "parallelism")
             stages, layers_total = cls.pipeline_stages(vllm_config)
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         chunk = config.chunk_tokens or spec.block_size
         if chunk % spec.block_size:
             raise ValueError(f"kvstash: chunk_tokens {chunk} is not a multiple of the block size {spec.block_size}")
+        if len(groups) > 1 and chunk != spec.block_size:
+            raise ValueError(f"kvstash: a hybrid model's chunks are one block (chunk_tokens {chunk}, block size "
+                             f"{spec.block_size}): a window's first block is freed while the rest of its chunk "
+                             "is read")
         # The layout the engine core resolved (KVCacheConfig carries it to every worker), by
         # its canonical name: "NHD" is "LBNHC".
         layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
@@ -209,11 +246,43 @@ class Geometry:
                 raise ValueError(f"kvstash: kv_heads_per_object {per_object} does not divide a rank's "
                                  f"{rank_heads} KV heads (of {total}): set kv_heads_per_object to a divisor")
         salt = f"vllm:{layout}:{'mla' if mla else 'kv'}" + (f":{config.extra}" if config.extra else "")
-        return cls(num_layers=len(groups[0].layer_names), num_blocks=kv_cache_config.num_blocks,
+        return cls(num_layers=num_layers, num_blocks=kv_cache_config.num_blocks,
                    block_size=spec.block_size, token_width=token_width, dtype=dtype, page_bytes=page,
                    chunk_tokens=chunk, model=model, salt=salt, layout=layout,
                    tp_size=parallel.tensor_parallel_size, stored_once=mla, heads_total=total,
-                   rank_heads=rank_heads, heads_per_object=per_object, stages=stages, layers_total=layers_total)
+                   rank_heads=rank_heads, heads_per_object=per_object, stages=stages, layers_total=layers_total,
+                   groups=groups)
+
+    @staticmethod
+    def groups_of(kv_cache_config: KVCacheConfig) -> tuple[Group, ...]:
+        """vLLM's KV-cache groups as kvstash stores them: full attention and sliding windows,
+        alike in every byte but their layers; any other kind refused by name."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) == 1:
+            return (Group(tuple(groups[0].layer_names)),)
+        first = groups[0].kv_cache_spec
+        out = []
+        for i, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            kind = type(spec).__name__
+            # By exact type: FullAttentionSpec's subclasses (MLA, attention sinks) are other kinds.
+            if not (isinstance(spec, SlidingWindowSpec) or type(spec) is FullAttentionSpec):
+                raise ValueError(f"kvstash: KV-cache group {i} ({kind}, layers {list(group.layer_names)[:4]}...) is "
+                                 "not one kvstash stores: it stores full-attention and sliding-window groups "
+                                 "(Mamba and linear-attention state, chunked local attention, MLA with other "
+                                 "groups and any other kind are not served)")
+            mine = [getattr(spec, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
+                                                     "page_size_bytes")]
+            theirs = [getattr(first, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
+                                                        "page_size_bytes")]
+            if mine != theirs:
+                raise ValueError(f"kvstash: KV-cache group {i} ({kind}) has blocks of another shape than group 0's "
+                                 f"(block size, KV heads, head size, dtype, page bytes: {mine} vs {theirs})")
+            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
+            out.append(Group.named(list(group.layer_names), window))
+        return tuple(out)
 
     @staticmethod
     def pipeline_stages(vllm_config: VllmConfig) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -250,9 +319,10 @@ class Geometry:
         """Elements of one token of one head: its K and V."""
         return self.token_width // self.rank_heads
 
-    def layout_tag(self, stage: int = 0) -> str:
-        """KvLayout::tag() of one object of `stage`, as the worker's cache has it (checked by the tests)."""
-        layers = self.stages[stage][1] if self.layers_total else self.num_layers
+    def layout_tag(self, stage: int = 0, group: int = 0) -> str:
+        """KvLayout::tag() of one object of `stage` or `group`, as the worker's cache has it
+        (checked by the tests)."""
+        layers = self.stages[stage][1] if self.layers_total else len(self.groups[group].layers)
         if self.stored_once:
             return f"L{layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
         return (f"L{layers}.P1.H{self.heads_per_object}.D{self.head_width}.B{self.block_size}."
@@ -263,14 +333,44 @@ class Geometry:
         return 1 if self.stored_once else self.heads_total // self.heads_per_object
 
     def parts(self) -> int:
-        """Objects a chunk is stored as: every stage's head groups."""
-        return len(self.stages) * self.head_groups()
+        """Objects a chunk is stored as: every stage's (or KV-cache group's) head groups."""
+        return len(self.stages) * len(self.groups) * self.head_groups()
 
-    def key_options(self, stage: int = 0) -> dict[str, int]:
-        """The keys' layers of `stage` (several stages only), as KvCache and prefix_chunk_keys take them."""
+    def hybrid(self) -> bool:
+        """Several KV-cache groups (vLLM's hybrid allocator on a hybrid model)."""
+        return len(self.groups) > 1
+
+    def key_options(self, stage: int = 0, group: int = 0) -> dict[str, Any]:
+        """The keys' layers of `stage` (several stages) or `group` (several groups), as KvCache and
+        prefix_chunk_keys take them."""
+        if self.hybrid():
+            return dict(group=self.groups[group].name)
         if not self.layers_total:
             return {}
         return dict(layers_total=self.layers_total, layer_first=self.stages[stage][0])
+
+    def hit(self, present: list[bool], first: int, limit: int) -> int:
+        """A hybrid model's lookup: the leading chunks (at most `limit`) a request can load from
+        chunk `first` on, given whether each object of all_keys() is stored: every full-attention
+        group's chunks from 0, and each window's last chunks (those from `first` on)."""
+        per_group = self.head_groups()
+        per_chunk = self.parts()
+        chunks = min(limit, len(present) // per_chunk)
+
+        def has(c: int, group: int) -> bool:
+            at = c * per_chunk + group * per_group
+            return all(present[at:at + per_group])
+
+        full = [i for i, group in enumerate(self.groups) if not group.window]
+        windows = [i for i, group in enumerate(self.groups) if group.window]
+        end = 0
+        while end < chunks and all(has(end, i) for i in full):
+            end += 1
+        for n in range(end, 0, -1):
+            if all(has(c, i) for i in windows
+                   for c in range(max(first, self.groups[i].first_needed(n, self.chunk_tokens)), n)):
+                return n
+        return 0
 
     def rank_first_head(self, tp_rank: int) -> int:
         """The model's head that rank `tp_rank`'s blocks start with. With more ranks than KV heads,
@@ -334,29 +434,29 @@ class Geometry:
         return self.salt + (f":{request_salt}" if request_salt else "")
 
     def keys(self, tokens: list[int], part: int = 0, request_salt: str = "",
-             chunk_salts: list[bytes] | None = None, groups: int = 1) -> list[str]:
-        """The keys of object `part` (of parts(): stage by stage, head group by head group) of
-        every full chunk of `tokens`; with `groups`, of that many objects from `part` on (in one
-        stage), chunk by chunk."""
-        stage, group = divmod(part, self.head_groups())
+             chunk_salts: list[bytes] | None = None, objects: int = 1) -> list[str]:
+        """The keys of object `part` (of parts(): stage by stage or KV-cache group by group, then
+        head group by head group) of every full chunk of `tokens`; with `objects`, of that many
+        objects from `part` on (in one stage or group), chunk by chunk."""
+        layers, heads_group = divmod(part, self.head_groups())
+        stage, group = (layers, 0) if len(self.stages) > 1 else (0, layers)
         heads = {} if self.stored_once else dict(heads_total=self.heads_total,
-                                                 head_first=group * self.heads_per_object,
+                                                 head_first=heads_group * self.heads_per_object,
                                                  head_count=self.heads_per_object)
         if self.layers_total:
             heads["layer_count"] = self.stages[stage][1]
-        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(stage),
+        return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(stage, group),
                                          chunk_tokens=self.chunk_tokens, extra=self.extra(request_salt),
-                                         chunk_salts=chunk_salts or [], groups=groups, **heads,
-                                         **self.key_options(stage))
+                                         chunk_salts=chunk_salts or [], groups=objects, **heads,
+                                         **self.key_options(stage, group))
 
     def all_keys(self, tokens: list[int], request_salt: str = "", chunk_salts: list[bytes] | None = None) -> list[str]:
         """Every object's key, chunk by chunk: parts() per chunk (what a lookup asks for), the
-        chain hashed once per stage."""
-        groups = self.head_groups()
-        per_stage = [self.keys(tokens, stage * groups, request_salt, chunk_salts, groups)
-                     for stage in range(len(self.stages))]
-        return [k for c in range(len(per_stage[0]) // groups) for keys in per_stage
-                for k in keys[c * groups:(c + 1) * groups]]
+        chain hashed once per stage or group."""
+        per = self.head_groups()
+        each = [self.keys(tokens, i * per, request_salt, chunk_salts, per)
+                for i in range(len(self.stages) * len(self.groups))]
+        return [k for c in range(len(each[0]) // per) for keys in each for k in keys[c * per:(c + 1) * per]]
 
 
 try:  # how vLLM's own KV events carry a block hash (bytes, or int when it is told to)
@@ -378,11 +478,12 @@ def _vllm_version() -> str:
 
 @dataclass
 class ChunkRun:
-    """Chunks [first, first + count) of a request: its tokens up to their end, and its blocks."""
+    """Chunks [first, first + count) of a request: its tokens up to their end, and its blocks,
+    each KV-cache group's (vLLM's null block, 0, where a window no longer reads them)."""
 
     req_id: str
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     first: int
     count: int
     salt: str = ""  # the request's (RequestKeys.request_salt)
@@ -405,6 +506,9 @@ class KvstashMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)
     saves: list[ChunkRun] = field(default_factory=list)
     reads: list[BlockRead] = field(default_factory=list)  # direct P/D, on a decode
+    # A hybrid model's loads: asynchronous, the request waits for them (its failure is the
+    # request's: vLLM cannot map a failed block to a request with several KV-cache groups)
+    fetches: list[ChunkRun] = field(default_factory=list)
     # direct P/D, on a prefill: (req, handoff, fence, blocks)
     holds: list[tuple[str, str, int, list[int]]] = field(default_factory=list)
 
@@ -412,7 +516,7 @@ class KvstashMetadata(KVConnectorMetadata):
 @dataclass
 class _Tracked:
     request: Request  # the scheduler's own: its all_token_ids grow as decode runs
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # each KV-cache group's
     stored: int = 0  # leading chunks known to be in the cell (found, loaded or saved)
     # Leading chunks whose presence in the cell was asked (the lookup, or a check before a
     # save): chunks past it are checked before they are saved, so none is put twice.
@@ -423,7 +527,7 @@ class _Tracked:
 # ---- The connector ----------------------------------------------------------------------------
 
 
-class KvstashConnector(KVConnectorBase_V1):
+class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = KvstashConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
@@ -453,11 +557,16 @@ class KvstashConnector(KVConnectorBase_V1):
         if self._direct and len(self.geometry.stages) > 1:
             raise ValueError("kvstash: pd 'direct' reads a prefill rank's blocks by its tensor-parallel rank alone: "
                              "it is not served with pipeline parallelism (pd 'cell' is)")
+        if self._direct and self.geometry.hybrid():
+            raise ValueError("kvstash: pd 'direct' hands off one KV-cache group's blocks: a hybrid model is served "
+                             "with pd 'cell'")
         self._cell_load = kv_role == "kv_both" or (kv_role == "kv_consumer" and not self._direct)
         self._cell_save = kv_role == "kv_both" or (kv_role == "kv_producer" and not self._direct)
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._remote: dict[str, int] = {}  # direct: decode requests with a handoff -> computed tokens
         self._reads: list[BlockRead] = []  # direct: for the next step's workers
+        self._to_fetch: list[ChunkRun] = []  # a hybrid model's loads, for the next step's workers
+        self._unloadable: set[str] = set()  # a hybrid model's requests whose load failed
         self._holds: list[tuple[str, str, int, list[int]]] = []
         self._export: _handoff.PrefillExport | None = None
         self._import: _handoff.DecodeReads | None = None
@@ -470,13 +579,18 @@ class KvstashConnector(KVConnectorBase_V1):
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._tracked: dict[str, _Tracked] = {}
         # Worker side.
-        self._caches: OrderedDict[str, kvstash.KvCache] = OrderedDict()  # by request salt; "" first
-        self._tensors: list[Any] = []
-        self._layer_index: dict[str, int] = {}
+        self._caches: OrderedDict[str, list[kvstash.KvCache]] = OrderedDict()  # by request salt; "" first
+        self._tensors: list[list[Any]] = []  # each KV-cache group's layers' tensors
+        self._layer_index: dict[str, tuple[int, int]] = {}  # layer -> (its group, its index there)
         self._tp_rank = 0
         self._stage = 0  # pipeline parallelism: the stage whose layers this worker holds
-        self._loads: list[tuple[ChunkRun, Any]] = []
-        self._saves: list[tuple[ChunkRun, Any]] = []
+        # (run, KV-cache group, its first chunk, the KvLoad or KvSave)
+        self._loads: list[tuple[ChunkRun, int, int, Any]] = []
+        self._saves: list[tuple[ChunkRun, int, int, Any]] = []
+        self._saving = False  # this step's saves have begun
+        # A hybrid model's loads, by request: (its groups' loads, whether some block is unfilled)
+        self._fetches: dict[str, tuple[list[tuple[ChunkRun, int, int, Any]], bool]] = {}
+        self._failed_fetches: set[str] = set()
         self._load_errors: set[int] = set()
         self._stats = {"lookups": 0, "chunks_found": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
                        "chunks_saved": 0, "chunks_save_failed": 0, "chunks_already_stored": 0,
@@ -539,17 +653,21 @@ class KvstashConnector(KVConnectorBase_V1):
         return True
 
     def _forget(self, req_id: str) -> None:
+        self._unloadable.discard(req_id)
         self._tracked.pop(req_id, None)
         self._matched.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._named.pop(req_id, None)
 
-    def _found_chunks(self, tokens: list[int], limit: int, naming: tuple[str, list[bytes]]) -> int:
+    def _found_chunks(self, tokens: list[int], limit: int, naming: tuple[str, list[bytes]], first: int = 0) -> int:
         """Leading chunks of `tokens` stored whole, every head (at most `limit`): one round trip.
+        A hybrid model's: what a hit from chunk `first` on needs of each group (Geometry.hit).
         0 when the cell cannot be asked (a miss, not a failed request)."""
         g = self.geometry
         try:
             keys = g.all_keys(tokens[: limit * g.chunk_tokens], *naming)
+            if g.hybrid():
+                return g.hit(self.store.contains_each(keys, timeout_ms=self.config.timeout_ms), first, limit)
             return self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms) // g.parts()
         except kvstash.Error as e:
             logger.warning("kvstash: a lookup failed, computing instead: %s", e)
@@ -570,7 +688,7 @@ class KvstashConnector(KVConnectorBase_V1):
             count = len(request.prompt_token_ids or []) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         chunk = self.geometry.chunk_tokens
-        if not self._cell_load or num_computed_tokens % chunk:
+        if not self._cell_load or num_computed_tokens % chunk or request.request_id in self._unloadable:
             return 0, False
         naming = self._naming(request)
         if naming is None:
@@ -590,18 +708,18 @@ class KvstashConnector(KVConnectorBase_V1):
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-lookup")
                 self._lookups[request.request_id] = (
-                    asked, self._lookup_pool.submit(self._found_chunks, tokens, limit, naming))
+                    asked, self._lookup_pool.submit(self._found_chunks, tokens, limit, naming, first))
                 self._stats["lookups"] += 1
                 return None, False
             if not pending[1].done():
                 return None, False
             found = pending[1].result()
         else:
-            found = self._found_chunks(tokens, limit, naming)
+            found = self._found_chunks(tokens, limit, naming, first)
             self._stats["lookups"] += 1
         external = max(0, found - first) * chunk
         self._matched[request.request_id] = (num_computed_tokens, external, found, limit)
-        return external, False
+        return external, external > 0 and self.geometry.hybrid()
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         handoff = self._handoff_of(request) if self._direct else None
@@ -630,15 +748,23 @@ class KvstashConnector(KVConnectorBase_V1):
             chunk = self.geometry.chunk_tokens
             t.load = (computed // chunk, external // chunk)
             self._stats["chunks_found"] += external // chunk
+            if self.geometry.hybrid():  # loaded now, while the request waits (KvstashMetadata.fetches)
+                first, count = t.load
+                end = (first + count) * chunk
+                per_block = self.geometry.block_size
+                self._to_fetch.append(ChunkRun(request.request_id, list(request.all_token_ids[:end]),
+                                              [list(b[: end // per_block]) for b in blocks.get_block_ids()],
+                                              first, count, *self._naming(request)))
+                t.load = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvstashMetadata(reads=self._reads, holds=self._holds)
-        self._reads, self._holds = [], []
+        meta = KvstashMetadata(reads=self._reads, holds=self._holds, fetches=self._to_fetch)
+        self._reads, self._holds, self._to_fetch = [], [], []
         computed_after: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
             if t is not None:
-                t.block_ids = list(new.block_ids[0])
+                t.block_ids = [list(b) for b in new.block_ids]
                 computed_after[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
         cached = scheduler_output.scheduled_cached_reqs
         # vLLM 0.33 lists resumed requests among the cached ones (with their whole block list);
@@ -650,9 +776,12 @@ class KvstashConnector(KVConnectorBase_V1):
                 continue
             added = cached.new_block_ids[i]
             if req_id in resumed:
-                t.block_ids = list(added[0]) if added else []  # a resumed request's whole list
+                t.block_ids = [list(b) for b in added] if added else []  # a resumed request's whole list
             elif added:
-                t.block_ids.extend(added[0])
+                if not t.block_ids:
+                    t.block_ids = [[] for _ in added]
+                for mine, more in zip(t.block_ids, added):
+                    mine.extend(more)
             computed_after[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
 
         chunk, per_block = self.geometry.chunk_tokens, self.geometry.block_size
@@ -664,14 +793,14 @@ class KvstashConnector(KVConnectorBase_V1):
             if t.load is not None:
                 first, count = t.load
                 end = (first + count) * chunk
-                meta.loads.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block], first, count,
-                                           *naming))
+                meta.loads.append(ChunkRun(req_id, list(tokens[:end]), [b[: end // per_block] for b in t.block_ids],
+                                           first, count, *naming))
                 t.load = None
             # The chunks whose every token has its KV in the cache once this step ran.
             ready = min(after, len(tokens)) // chunk
             if not self.config.save_decode:
                 ready = min(ready, len(t.request.prompt_token_ids or []) // chunk)
-            ready = min(ready, len(t.block_ids) * per_block // chunk)
+            ready = min(ready, len(t.block_ids[0]) * per_block // chunk if t.block_ids else 0)
             if not self._cell_save:
                 continue
             if ready > t.stored and ready > t.asked:
@@ -684,7 +813,7 @@ class KvstashConnector(KVConnectorBase_V1):
                     t.stored = found
             if ready > t.stored:
                 end = ready * chunk
-                meta.saves.append(ChunkRun(req_id, list(tokens[:end]), t.block_ids[: end // per_block],
+                meta.saves.append(ChunkRun(req_id, list(tokens[:end]), [b[: end // per_block] for b in t.block_ids],
                                            t.stored, ready - t.stored, *naming,
                                            events=self._chunk_events(t.request, t.stored, ready - t.stored)))
                 t.stored = ready
@@ -721,16 +850,29 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks whose load failed are computed again: their chunks are no longer known to be
-        stored, so the recomputed ones are saved (replacing what failed to load)."""
+        stored, so the recomputed ones are saved (replacing what failed to load). A hybrid
+        model's request whose load failed is computed whole, and not looked up again (a chunk
+        the cell lists but cannot serve would fail it again)."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._unloadable.add(req_id)
+            if req_id in self._tracked:
+                self._tracked[req_id].stored = 0
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
         per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
         for t in self._tracked.values():
-            for i, block in enumerate(t.block_ids):
-                if block in invalid:
-                    t.stored = min(t.stored, i // per_chunk)
-                    break
+            for blocks in t.block_ids:
+                for i, block in enumerate(blocks):
+                    if block in invalid:
+                        t.stored = min(t.stored, i // per_chunk)
+                        break
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with its hybrid allocator (SupportsHMA): every group's blocks. Only the
+        direct path hands blocks off, and it serves one group."""
+        return self.request_finished(request, block_ids[0])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves run within the step that computed their chunks (wait_for_save), so no save is
@@ -777,9 +919,12 @@ class KvstashConnector(KVConnectorBase_V1):
         except (ImportError, ValueError):
             indices = list(range(len(names)))  # registration order
         self._stage = g.stage_of(indices)  # pipeline parallelism: which stage's layers these are
-        self._layer_index = {name: i for i, name in enumerate(names)}
-        tensors = [kv_caches[n] for n in names]
-        for name, t in zip(names, tensors):
+        # Each KV-cache group's layers in the model's order (one group: every tensor here).
+        members = [names] if not g.hybrid() else [sorted(group.layers, key=names.index) for group in g.groups]
+        if g.hybrid() and sorted(n for m in members for n in m) != sorted(names):
+            raise ValueError(f"kvstash: the KV-cache tensors {sorted(names)} are not the groups' layers")
+        self._layer_index = {name: (group, i) for group, layers in enumerate(members) for i, name in enumerate(layers)}
+        for name, t in kv_caches.items():
             # vLLM's view is [blocks, heads, tokens, content]; an attention kernel with smaller
             # blocks than the manager's sees each block as `split` kernel blocks, dense in a page.
             split = t.shape[0] // g.num_blocks if t.shape[0] % g.num_blocks == 0 else 0
@@ -800,13 +945,16 @@ class KvstashConnector(KVConnectorBase_V1):
             self._tp_rank = get_tensor_model_parallel_rank()
         except (ImportError, AssertionError, AttributeError):
             self._tp_rank = 0  # no model-parallel groups (a single process)
-        self._tensors = tensors  # the caches hold their addresses: keep them alive
+        # The caches hold their addresses: keep them alive. With vLLM's hybrid allocator, layers
+        # of different groups share a tensor, each group in blocks of its own.
+        self._tensors = [[kv_caches[n] for n in layers] for layers in members]
         self._caches.clear()
-        cache = self._cache_for("")
-        if cache.layout_tag != g.layout_tag(self._stage):
-            raise RuntimeError(f"kvstash: the cache's layout tag {cache.layout_tag} is not the scheduler's "
-                               f"{g.layout_tag(self._stage)}")
-        self._open_direct(cache)
+        caches = self._caches_for("")
+        for group, cache in enumerate(caches):
+            if cache.layout_tag != g.layout_tag(self._stage, group):
+                raise RuntimeError(f"kvstash: the cache's layout tag {cache.layout_tag} is not the scheduler's "
+                                   f"{g.layout_tag(self._stage, group)}")
+        self._open_direct(caches[0])
         self._connect_nodes()
 
     def _connect_nodes(self) -> None:
@@ -843,10 +991,15 @@ class KvstashConnector(KVConnectorBase_V1):
     _SALTED_CACHES = 8
 
     def _cache_for(self, request_salt: str) -> kvstash.KvCache:
-        cache = self._caches.get(request_salt)
-        if cache is not None:
+        """The cache of a model of one KV-cache group (or a hybrid's first group)."""
+        return self._caches_for(request_salt)[0]
+
+    def _caches_for(self, request_salt: str) -> list[kvstash.KvCache]:
+        """Each KV-cache group's cache for requests of `request_salt`."""
+        caches = self._caches.get(request_salt)
+        if caches is not None:
             self._caches.move_to_end(request_salt)
-            return cache
+            return caches
         g = self.geometry
         if g.stored_once:
             shape = dict(num_kv_heads=1, head_dim=g.token_width, order="nhd", mla=True)
@@ -854,16 +1007,31 @@ class KvstashConnector(KVConnectorBase_V1):
             shape = dict(num_kv_heads=g.rank_heads, head_dim=g.head_width, order=g.order, joint_kv=True,
                          heads_total=g.heads_total, head_first=g.rank_first_head(self._tp_rank),
                          head_count=g.heads_per_object)
-        cache = kvstash.KvCache(
-            self.store, [t.data_ptr() for t in self._tensors], num_blocks=g.num_blocks, block_size=g.block_size,
+        caches = [kvstash.KvCache(
+            self.store, [t.data_ptr() for t in tensors], num_blocks=g.num_blocks, block_size=g.block_size,
             dtype=g.dtype, model=g.model, chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt),
-            memory_kind="cuda" if self._tensors[0].is_cuda else "host", staging=self.config.staging, **shape,
-            **g.key_options(self._stage))
-        self._caches[request_salt] = cache
+            memory_kind="cuda" if self._on_gpu() else "host", staging=self.config.staging, **shape,
+            **g.key_options(self._stage, group)) for group, tensors in enumerate(self._tensors)]
+        self._caches[request_salt] = caches
         if len(self._caches) > self._SALTED_CACHES + 1:
             oldest = next(k for k in self._caches if k)  # never the unsalted one
             del self._caches[oldest]  # loads and saves in flight keep theirs alive
-        return cache
+        return caches
+
+    def _span(self, run: ChunkRun, group: int) -> tuple[int, int]:
+        """The chunks of `run` that KV-cache group `group` moves, (first, count): the run's
+        trailing chunks whose every block the group holds. A window's group holds only the
+        blocks its window still reads; the others are vLLM's null block (0)."""
+        per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
+        blocks = run.block_ids[group]
+        first = end = run.first + run.count
+        while first > run.first and 0 not in blocks[(first - 1) * per_chunk:first * per_chunk]:
+            first -= 1
+        return first, end - first
+
+    def _primary(self) -> int:
+        """The group whose chunks the counts and KV events follow: the first of full attention."""
+        return next((i for i, group in enumerate(self.geometry.groups) if not group.window), 0)
 
     # Sleep mode (vLLM's --enable-sleep-mode): the KV cache's memory is released and mapped
     # again on wake-up, so the caches registered over it (direct RDMA and GPU registrations)
@@ -885,7 +1053,7 @@ class KvstashConnector(KVConnectorBase_V1):
             self._open_direct(self._cache_for(""))  # registers the memory again, as mapped now
 
     def _on_gpu(self) -> bool:
-        return bool(self._tensors) and self._tensors[0].is_cuda
+        return bool(self._tensors) and self._tensors[0][0].is_cuda
 
     @staticmethod
     def _current_stream() -> int:
@@ -916,28 +1084,51 @@ class KvstashConnector(KVConnectorBase_V1):
                 self._load_errors.update(read.block_ids)
         for run in meta.loads:
             try:
-                # The blocks may have been a finished request's, whose kernels vLLM queued before
-                # this step: no byte is written into them before that work is done.
-                load = self._cache_for(run.salt).begin_load_range(
-                    run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms,
-                    after=self._after(), chunk_salts=run.chunk_salts)
+                loads, unfilled = self._begin_loads(run)
             except kvstash.Error as e:
                 logger.warning("kvstash: load of %s did not start: %s", run.req_id, e)
                 self._fail_load(run)
                 continue
-            self._loads.append((run, load))
+            self._loads.extend(loads)
+            self._load_errors |= unfilled
+        for run in meta.fetches:
+            try:
+                loads, unfilled = self._begin_loads(run)
+            except kvstash.Error as e:
+                logger.warning("kvstash: load of %s did not start: %s", run.req_id, e)
+                loads, unfilled = [], {-1}
+            self._fetches[run.req_id] = (loads, bool(unfilled))
+
+    def _begin_loads(self, run: ChunkRun) -> tuple[list[tuple[ChunkRun, int, int, Any]], set[int]]:
+        """Each KV-cache group's load of the chunks of `run` it holds, begun; and the blocks that
+        no load fills (a window vLLM reads further back than the lookup asked for)."""
+        per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
+        loads, unfilled = [], set()
+        for group, cache in enumerate(self._caches_for(run.salt)):
+            first, count = self._span(run, group)
+            unfilled.update(b for b in run.block_ids[group][run.first * per_chunk:first * per_chunk] if b)
+            if count:
+                # The blocks may have been a finished request's, whose kernels vLLM queued before
+                # this step: no byte is written into them before that work is done.
+                loads.append((run, group, first, cache.begin_load_range(
+                    run.tokens, run.block_ids[group], first, count, timeout_ms=self.config.timeout_ms,
+                    after=self._after(), chunk_salts=run.chunk_salts)))
+        return loads, unfilled
 
     def _fail_load(self, run: ChunkRun) -> None:
         per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
-        self._load_errors.update(run.block_ids[run.first * per_chunk:])
+        for blocks in run.block_ids:
+            self._load_errors.update(b for b in blocks[run.first * per_chunk:] if b)
         self._stats["chunks_load_failed"] += run.count
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
+        if layer_name not in self._layer_index:
             return
+        group, layer = self._layer_index[layer_name]
         stream = self._current_stream() if self._on_gpu() else None
-        for _, load in self._loads:
+        for _, load_group, _, load in self._loads:
+            if load_group != group:
+                continue
             if stream is not None:
                 # The engine's stream waits on the GPU and places the layer itself; this thread
                 # does not block (0, torch's default stream, is a stream like any other).
@@ -954,43 +1145,58 @@ class KvstashConnector(KVConnectorBase_V1):
                 pass  # reported per chunk once the load ends (_finish_loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        layer = self._layer_index.get(layer_name)
         meta = self._get_connector_metadata()
-        if layer is None or not isinstance(meta, KvstashMetadata) or not meta.saves:
+        if layer_name not in self._layer_index or not isinstance(meta, KvstashMetadata) or not meta.saves:
             return
         if not self.geometry.saves_on(self._tp_rank):
             return  # MLA, or heads several ranks hold: one of them stores them
-        if layer == 0:
+        group, layer = self._layer_index[layer_name]
+        if not self._saving:  # the step's first layer: every group's saves begin
+            self._saving = True
             for run in meta.saves:
-                try:
-                    save = self._cache_for(run.salt).begin_save(
-                        run.tokens, run.block_ids, run.first, run.count, timeout_ms=self.config.timeout_ms,
-                        chunk_salts=run.chunk_salts)
-                except kvstash.Error as e:
-                    logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
-                    self._stats["chunks_save_failed"] += run.count
-                    continue
-                self._saves.append((run, save))
+                self._begin_save(run)
         after = self._after()  # the attention that wrote this layer, as queued
-        for run, save in self._saves:
+        for run, save_group, _, save in self._saves:
+            if save_group != group:
+                continue
             try:
                 save.save_layer(layer, after=after)
             except kvstash.Error as e:
                 logger.warning("kvstash: saving layer %d of %s failed: %s", layer, run.req_id, e)
 
+    def _begin_save(self, run: ChunkRun) -> None:
+        """Each group's save of the chunks of `run` it holds (a window's: those it still reads)."""
+        for group, cache in enumerate(self._caches_for(run.salt)):
+            first, count = self._span(run, group)
+            if count == 0:
+                continue
+            try:
+                save = cache.begin_save(run.tokens, run.block_ids[group], first, count,
+                                        timeout_ms=self.config.timeout_ms, chunk_salts=run.chunk_salts)
+            except kvstash.Error as e:
+                logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
+                if group == self._primary():
+                    self._stats["chunks_save_failed"] += run.count
+                continue
+            self._saves.append((run, group, first, save))
+
     def wait_for_save(self):
-        for run, save in self._saves:
+        for run, group, first, save in self._saves:
             saved = []
             for i, (code, message) in enumerate(save.wait()):
+                if code != "ok":
+                    logger.warning("kvstash: a chunk of %s was not saved: %s %s", run.req_id, code, message)
+                if group != self._primary():
+                    continue  # counted and announced by the primary group's chunks
                 if code == "ok":
                     self._stats["chunks_saved"] += 1
-                    saved.append(i)
+                    saved.append(first - run.first + i)
                 else:
                     self._stats["chunks_save_failed"] += 1
-                    logger.warning("kvstash: a chunk of %s was not saved: %s %s", run.req_id, code, message)
             if run.events and saved:
                 self._announce(run, saved)
         self._saves.clear()
+        self._saving = False
         self._finish_loads()
 
     def _announce(self, run: ChunkRun, saved: list[int]) -> None:
@@ -1000,7 +1206,8 @@ class KvstashConnector(KVConnectorBase_V1):
         if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
             return
         g = self.geometry
-        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], 0, run.salt, run.chunk_salts)
+        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], self._primary() * g.head_groups(),
+                      run.salt, run.chunk_salts)
         items = [(keys[run.first + i], run.events[i]) for i in saved]
         if self._announcer is None:
             self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-announce")
@@ -1018,44 +1225,72 @@ class KvstashConnector(KVConnectorBase_V1):
             self._announced += n  # this thread's alone; get_kv_connector_stats reads it
 
     def _finish_loads(self) -> None:
-        for run, load in self._loads:
-            self._load_errors.update(load.failed_blocks())
-            codes = [code for code, _ in load.wait()]
-            self._stats["chunks_loaded"] += codes.count("ok")
-            self._stats["chunks_load_failed"] += len(codes) - codes.count("ok")
-            if "corrupt" in codes:
-                self._remove_corrupt(run, [i for i, (code, _) in enumerate(load.object_statuses())
-                                           if code == "corrupt"])
+        for run, group, first, load in self._loads:
+            self._load_errors |= self._end_load(run, group, first, load)
         self._loads.clear()
 
-    def _remove_corrupt(self, run: ChunkRun, bad: list[int]) -> None:
-        """Objects whose bytes did not match their checksum (`bad`: their indices in the run's
-        load) leave the cell: a later lookup misses their chunk instead of failing every load,
-        and the recompute's save puts it anew. The chunk's other objects stay as they are."""
+    def _end_load(self, run: ChunkRun, group: int, first: int, load: Any) -> set[int]:
+        """Waits for a load; counts its chunks, removes its corrupt objects from the cell.
+        Returns the blocks it did not fill."""
+        failed = set(load.failed_blocks())
+        codes = [code for code, _ in load.wait()]
+        if group == self._primary():
+            self._stats["chunks_loaded"] += codes.count("ok")
+            self._stats["chunks_load_failed"] += len(codes) - codes.count("ok")
+        if "corrupt" in codes:
+            self._remove_corrupt(run, group, first, [i for i, (code, _) in enumerate(load.object_statuses())
+                                                     if code == "corrupt"])
+        return failed
+
+    def _finish_fetches(self) -> set[str]:
+        """A hybrid model's loads (asynchronous: vLLM maps a failed block to its request only with
+        one KV-cache group): every request's, ended. Returns the requests whose load failed
+        (vLLM computes them from the start); all of them are finished receiving."""
+        failed = set()
+        for req_id, (loads, unfilled) in self._fetches.items():
+            if unfilled or any([self._end_load(*load) for load in loads]):
+                failed.add(req_id)
+        self._fetches.clear()
+        return failed
+
+    def _remove_corrupt(self, run: ChunkRun, group: int, first: int, bad: list[int]) -> None:
+        """Objects whose bytes did not match their checksum (`bad`: their indices in a load of
+        `group`'s chunks from `first` on) leave the cell: a later lookup misses their chunk
+        instead of failing every load, and the recompute's save puts it anew. The chunk's other
+        objects stay as they are."""
         g = self.geometry
-        cache = self._cache_for(run.salt)
+        cache = self._caches_for(run.salt)[group]
         keys = cache.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], chunk_salts=run.chunk_salts)
         per = cache.objects_per_chunk
         for i in bad:
             try:
-                self.store.remove_corrupt(keys[run.first * per + i], timeout_ms=self.config.timeout_ms)
+                self.store.remove_corrupt(keys[first * per + i], timeout_ms=self.config.timeout_ms)
                 self._stats["chunks_corrupt_removed"] += 1
                 logger.warning("kvstash: object %d of chunk %d of %s was corrupt and is removed from the cell",
-                               i % per, run.first + i // per, run.req_id)
+                               i % per, first + i // per, run.req_id)
             except kvstash.Error as e:
                 logger.warning("kvstash: a corrupt chunk of %s could not be removed: %s", run.req_id, e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finish_loads()  # a step with loads and no saves ends them here
         sending = self._export.released() if self._export is not None else set()
-        receiving: set[str] = set()
+        receiving: set[str] = set(self._fetches)
+        self._failed_fetches |= self._finish_fetches()
         if self._import is not None:
-            receiving, failed = self._import.finished()
+            read, failed = self._import.finished()
+            receiving |= read
             self._load_errors |= failed
         sending |= self._unheld
         receiving |= self._unread
         self._unheld, self._unread = set(), set()
         return sending or None, receiving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """get_finished's, and the hybrid model's requests whose load failed (failed_recving)."""
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving |= self._failed_fetches
+        self._failed_fetches = set()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()
