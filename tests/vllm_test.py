@@ -354,6 +354,31 @@ class VllmConnector(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "3 KV-cache tensors"):
             w.register_kv_caches({**split, "model.layers.2.self_attn.attn": split[LAYERS[0]]})
 
+    def test_a_hybrid_model_with_what_kvstash_does_not_store_is_refused_at_start_by_name(self):
+        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
+
+        hybrid = make_kv_cache_config(hybrid=True)
+        page = hybrid.kv_cache_groups[1].kv_cache_spec.page_size_bytes
+        mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16, 16)), dtypes=(DTYPE, DTYPE),
+                          page_size_padded=page)
+        local = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE,
+                                          attention_chunk_size=64)
+        for spec, kind in ((mamba, "MambaSpec"), (local, "ChunkedLocalAttentionSpec")):
+            groups = [hybrid.kv_cache_groups[1], KVCacheGroupSpec([LAYERS[0]], spec)]
+            config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+            with self.assertRaisesRegex(ValueError, f"KV-cache group 1 \\({kind}, layers .*{LAYERS[0]}.*not one "
+                                                    "kvstash stores"):
+                KVConnectorFactory.create_connector(config=make_config(), role=KVConnectorRole.SCHEDULER,
+                                                    kv_cache_config=config)
+        for extra, what in (({"chunk_tokens": 2 * BLOCK}, "a hybrid model's chunks are one block"),
+                            ({"pd": "direct"}, "a hybrid model is served with pd 'cell'")):
+            with self.assertRaisesRegex(ValueError, what):
+                KVConnectorFactory.create_connector(config=make_config(extra=extra), role=KVConnectorRole.SCHEDULER,
+                                                    kv_cache_config=hybrid)
+        with self.assertRaisesRegex(ValueError, "not served with pipeline parallelism"):
+            KVConnectorFactory.create_connector(config=make_config(pp_size=2), role=KVConnectorRole.SCHEDULER,
+                                                kv_cache_config=hybrid)
+
     def test_bad_config_is_refused_at_start_naming_the_keys(self):
         with self.assertRaisesRegex(ValueError, "unknown kv_connector_extra_config keys.*redis_url"):
             Engine(extra={"redis_host": "x"})
