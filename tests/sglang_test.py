@@ -74,12 +74,28 @@ def host_pool(layout, seed=None):
     return host
 
 
+def mamba_pool(seed=None):
+    """SGLang's own host pool of Mamba state (2 layers: a temporal state of 4x8 fp32, a conv state
+    of 3x16 fp16, a state a page), page_first as its storage needs; random when `seed` is given."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(2, 9, 3, 16, dtype=torch.float16),))
+    host = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
+    g = torch.Generator().manual_seed(seed or 0)
+    for t in (host.temporal_buffer, *host.conv_buffer):
+        t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.view(torch.int16).shape, generator=g,
+                                                dtype=torch.int16) if seed is not None else 0)
+    return host
+
+
 def page_bytes(host, indices):
     """The bytes of the pages at `indices`, as SGLang's zero-copy metadata names them."""
+    import ctypes
+
     ptrs, sizes = host.get_page_buffer_meta(indices)
-    base = host.kv_buffer.data_ptr()
-    flat = host.kv_buffer.view(-1).view(torch.uint8)
-    return [bytes(flat[p - base:p - base + n].numpy()) for p, n in zip(ptrs, sizes)]
+    return [ctypes.string_at(p, n) for p, n in zip(ptrs, sizes)]
 
 
 def make(config, host=None):
@@ -233,6 +249,64 @@ class SglangBackend(unittest.TestCase):
         cp1 = make(storage_config(mla=True, attn_cp_rank=1, attn_cp_size=2), host_pool("page_first"))
         self.assertEqual(cp0.batch_set_v1(["cp-0"], torch.arange(0, PAGE)), [True])
         self.assertEqual(cp1.batch_exists(["cp-0"]), 0, "context-parallel ranks hold different shards")
+
+    def test_a_hybrid_models_pools_are_stored_each_and_a_lookup_folds_them_as_hicache_does(self):
+        """HiCache's v2 interface: a sliding window's KV pool and Mamba's state pool beside the KV
+        pool, registered as SGLang's hybrid controller registers them. Each pool's pages are
+        objects of their own under the same page hashes; a lookup needs the KV pool's pages
+        and only the trailing ones of a window or a state; pages come back bit for bit into
+        other slots of another engine's pools."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        kv, swa, mamba = host_pool("page_first", seed=21), host_pool("page_first", seed=22), mamba_pool(seed=23)
+        a = make(storage_config(), kv)
+        a.register_mem_host_pool_v2(swa, PoolName.SWA)
+        a.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        keys = [f"hybrid-{i}" for i in range(4)]
+        self.assertEqual(a.batch_set_v1(keys, torch.arange(4 * PAGE)), [True] * 4)
+        # What a window of two pages still holds, and the state at pages 1 and 3.
+        done = a.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=torch.arange(2 * PAGE, 4 * PAGE), keys=keys[2:]),
+                               PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([1, 3]),
+                                            keys=[keys[1], keys[3]])])
+        self.assertEqual(done, {PoolName.SWA: [True, True], PoolName.MAMBA: [True, True]})
+
+        b = make(storage_config(), host_pool("page_first"))
+        swa_b, mamba_b = host_pool("page_first"), mamba_pool()
+        b.register_mem_host_pool_v2(swa_b, PoolName.SWA)
+        b.register_mem_host_pool_v2(mamba_b, PoolName.MAMBA)
+
+        def query():
+            return b.batch_exists_v2(keys, [
+                PoolTransfer(PoolName.SWA, keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                PoolTransfer(PoolName.MAMBA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+
+        hit = query()
+        self.assertEqual((hit.kv_hit_pages, hit.extra_pool_hit_pages),
+                         (4, {PoolName.KV: 4, PoolName.SWA: 4, PoolName.MAMBA: 4}))
+        got = b.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=torch.arange(6 * PAGE, 8 * PAGE), keys=keys[2:]),
+                              PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([5]), keys=keys[3:])])
+        self.assertEqual(got, {PoolName.SWA: [True, True], PoolName.MAMBA: [True]})
+        self.assertEqual(page_bytes(swa_b, torch.arange(6 * PAGE, 8 * PAGE)),
+                         page_bytes(swa, torch.arange(2 * PAGE, 4 * PAGE)))
+        self.assertEqual(page_bytes(mamba_b, torch.tensor([5])), page_bytes(mamba, torch.tensor([3])))
+        self.assertNotEqual(page_bytes(mamba, torch.tensor([3])), page_bytes(mamba, torch.tensor([1])))
+        # Put again: nothing is written twice.
+        self.assertEqual(a.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([3]),
+                                                      keys=keys[3:])]), {PoolName.MAMBA: [True]})
+        self.assertEqual(a.stats["pages_set"], 4 + 4)
+
+        # The state at page 3 goes: the longest prefix with its state is 2 pages.
+        store = kvstash.Store(URL, transports="shm,tcp")
+        store.remove(a._pool_keys(PoolName.MAMBA, keys[3:])[0])
+        hit = query()
+        self.assertEqual((hit.kv_hit_pages, hit.extra_pool_hit_pages[PoolName.MAMBA]), (2, 2))
+        # The window's last page goes: no prefix has its window.
+        store.remove(a._pool_keys(PoolName.SWA, keys[3:])[0])
+        self.assertEqual(query().kv_hit_pages, 0)
+        self.assertEqual(b.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=torch.arange(2 * PAGE),
+                                                      keys=keys[2:])]), {PoolName.SWA: [True, False]})
+        with self.assertRaisesRegex(ValueError, "never registered"):
+            b.batch_get_v2([PoolTransfer(PoolName.INDEXER, host_indices=torch.arange(PAGE), keys=keys[:1])])
 
     def test_the_generic_interface_moves_one_tensor(self):
         b = make(storage_config())

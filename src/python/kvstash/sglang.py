@@ -191,13 +191,137 @@ class KvstashHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host):
         super().register_mem_pool_host(mem_pool_host)
         self.prefix = self._prefix(self.storage_config, mem_pool_host)
-        buffers = mem_pool_host.kv_buffer
-        for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
-            if isinstance(t, torch.Tensor) and t.numel() > 0 and not t.is_cuda:
-                self.store.register_memory(t.data_ptr(), t.numel() * t.element_size())
+        self._register_buffers(mem_pool_host)
 
-    def _page_buffers(self, keys: list[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+    def _register_buffers(self, pool: Any) -> None:
+        """A host pool's buffers registered with the store once: its pages move in place."""
+        for name in ("kv_buffer", "temporal_buffer", "conv_buffer"):  # KV pools; Mamba's state
+            buffers = getattr(pool, name, None)
+            for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
+                if isinstance(t, torch.Tensor) and t.numel() > 0 and not t.is_cuda:
+                    self.store.register_memory(t.data_ptr(), t.numel() * t.element_size())
+
+    # ---- a hybrid model's other host pools (HiCache's v2 interface: SWA, Mamba, indexer...)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        """Another pool of a hybrid model (a sliding window's KV, Mamba state, ...): its pages are
+        objects of their own, keyed by the same page hash, the pool's name, layout and dtype."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._register_buffers(host_pool)
+
+    def _pool(self, name: Any) -> Any:
+        if str(name) == "kv":
+            return self.mem_pool_host
+        pool = getattr(self, "registered_pools", {}).get(name)
+        if pool is None:
+            raise ValueError(f"kvstash: HiCache pool {name} was never registered (register_mem_host_pool_v2)")
+        return pool
+
+    def _pool_keys(self, name: Any, keys: list[str]) -> list[str]:
+        """The cell's keys of pool `name`'s pages (the KV pool's are v1's)."""
+        if str(name) == "kv":
+            return [self._key(k) for k in keys]
+        prefix = self._prefix(self.storage_config, self._pool(name))
+        return [f"{prefix}{name}:{k}" for k in keys]
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The usable prefix of `keys` (HiCache's fold): the KV pool's leading pages, cut by each
+        other pool's: every page for ALL_PAGES, the last len(transfer.keys) pages before the
+        cut for TRAILING_PAGES (a window's KV, Mamba state). One round trip for every pool."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
+
+        transfers = list(pool_transfers or [])
+        if not keys:
+            return PoolTransferResult(0, {})
+        asked = self._pool_keys(PoolName.KV, keys)
+        for t in transfers:
+            asked += self._pool_keys(t.name, keys)
+        try:
+            present = self.store.contains_each(asked, timeout_ms=self.config.timeout_ms)
+        except kvstash.Error as e:
+            logger.warning("kvstash: exists of %d pages failed, treating them as missing: %s", len(keys), e)
+            return PoolTransferResult(0, {})
+        n = len(keys)
+        kv = next((i for i in range(n) if not present[i]), n)
+        hits: dict[Any, int] = {PoolName.KV: kv} if kv else {}
+        final = kv
+        for j, t in enumerate(transfers):
+            if final == 0:
+                break
+            has = present[(j + 1) * n:(j + 2) * n]
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                cut = next((i for i in range(kv) if not has[i]), kv)
+            else:  # the trailing pages of some prefix: the longest whose tail is stored
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                cut = next((end for end in range(kv, 0, -1) if all(has[max(0, end - trailing):end])), 0)
+            if cut:
+                hits[t.name] = cut
+            final = min(final, cut)
+        return PoolTransferResult(final, hits)
+
+    def _move_v2(self, transfers: list, move: Any, skip_stored: bool = False) -> dict[str, list[bool]]:
+        """Each transfer's pages moved by `move` (a cell key, the page's buffers); with
+        `skip_stored`, those the cell holds already (one round trip a pool) count as moved."""
+        out = {}
+        for t in transfers:
+            keys = self._pool_keys(t.name, list(t.keys or []))
+            if not keys:
+                out[t.name] = []
+                continue
+            pages = self._page_buffers(keys, t.host_indices, self._pool(t.name))
+            done = [False] * len(keys)
+            if skip_stored:
+                try:
+                    done = self.store.contains_each(keys, timeout_ms=self.config.timeout_ms)
+                except kvstash.Error as e:
+                    logger.warning("kvstash: exists of %d pages failed, storing them all: %s", len(keys), e)
+                self.stats["pages_existed"] += sum(done)
+            todo = [i for i, ok in enumerate(done) if not ok]
+            for i, ok in zip(todo, self._io.map(move, [keys[i] for i in todo], [pages[i] for i in todo])):
+                done[i] = ok
+            out[t.name] = done
+        return out
+
+    def batch_get_v2(self, transfers: list, extra_info: Any = None) -> dict[str, list[bool]]:
+        """Each pool's pages into its host pool's slots; per pool, which arrived."""
+        done = self._move_v2(transfers, self._get_key)
+        got = sum(sum(v) for v in done.values())
+        self.stats["pages_got"] += got
+        self.stats["pages_get_failed"] += sum(len(v) for v in done.values()) - got
+        return done
+
+    def batch_set_v2(self, transfers: list, extra_info: Any = None) -> dict[str, list[bool]]:
+        """Each pool's pages from its host pool into the cell (those stored already are not put
+        again); per pool, which are stored."""
+        existed = self.stats["pages_existed"]
+        done = self._move_v2(transfers, self._put_key, skip_stored=True)
+        stored = sum(sum(v) for v in done.values())
+        self.stats["pages_set"] += stored - (self.stats["pages_existed"] - existed)
+        self.stats["pages_set_failed"] += sum(len(v) for v in done.values()) - stored
+        return done
+
+    def _get_key(self, key: str, buffers: list[tuple[int, int]]) -> bool:
+        """A page by its cell key into `buffers` (no prefix added)."""
+        try:
+            self.store.get(key, into=buffers, timeout_ms=self.config.timeout_ms)
+            return True
+        except kvstash.Error as e:
+            if e.code != "not_found":
+                logger.warning("kvstash: page %s did not load: %s", key, e)
+            return False
+
+    def _put_key(self, key: str, buffers: list[tuple[int, int]]) -> bool:
+        """A page from `buffers` under its cell key (no prefix added)."""
+        try:
+            self.store.put(key, buffers, ttl_ms=self.config.ttl_ms, timeout_ms=self.config.timeout_ms)
+            return True
+        except kvstash.Error as e:
+            logger.warning("kvstash: page %s was not stored: %s", key, e)
+            return False
+
+    def _page_buffers(self, keys: list[str], host_indices: torch.Tensor,
+                      pool: Any = None) -> list[list[tuple[int, int]]]:
+        ptrs, sizes = (pool or self.mem_pool_host).get_page_buffer_meta(host_indices)
         if not keys or len(ptrs) % len(keys):
             raise ValueError(f"kvstash: {len(ptrs)} page buffers for {len(keys)} keys")
         per = len(ptrs) // len(keys)
@@ -221,21 +345,10 @@ class KvstashHiCacheStorage(HiCacheStorage):
     # ---- pages in place (SGLang's zero-copy variants)
 
     def _get_one(self, key: str, buffers: list[tuple[int, int]]) -> bool:
-        try:
-            self.store.get(self._key(key), into=buffers, timeout_ms=self.config.timeout_ms)
-            return True
-        except kvstash.Error as e:
-            if e.code != "not_found":
-                logger.warning("kvstash: page %s did not load: %s", key, e)
-            return False
+        return self._get_key(self._key(key), buffers)
 
     def _set_one(self, key: str, buffers: list[tuple[int, int]]) -> bool:
-        try:
-            self.store.put(self._key(key), buffers, ttl_ms=self.config.ttl_ms, timeout_ms=self.config.timeout_ms)
-            return True
-        except kvstash.Error as e:
-            logger.warning("kvstash: page %s was not stored: %s", key, e)
-            return False
+        return self._put_key(self._key(key), buffers)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         if not keys:
