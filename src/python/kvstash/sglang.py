@@ -16,7 +16,9 @@ adapter of ``--lora-paths``), the host pool's layout and dtype, and, except for 
 that every rank reads, per context-parallel shard), the tensor-, pipeline- and context-parallel
 rank. A page moves between
 SGLang's host pool and the cell in place (``batch_get_v1`` / ``batch_set_v1``: the pool's
-buffers registered once, no copy through Python); ``get`` / ``set`` move one tensor.
+buffers registered once, no copy through Python); ``get`` / ``set`` move one tensor. A hybrid
+model's other pools (a sliding window's KV, Mamba state: HiCache's v2 pool transfers) store
+their pages as objects of their own, and a lookup folds every pool in one round trip.
 
 Config keys (besides the three SGLang reads): see ``KvstashHiCacheConfig``.
 """
