@@ -449,6 +449,16 @@ TEST_F(Cli, ExplainSaysWhyEachMissingKeyIsMissing) {
   EXPECT_EQ(j[1]["present"], false) << j.dump();
   EXPECT_NE(kv("explain --tokens " + ids + " --model m --layout L2 --heads 1/2").code, 0)
       << "not FIRST+COUNT/TOTAL";
+  // A hybrid model's group: --group names the group's objects.
+  PrefixKeyOptions window{
+      .model = "m", .layout_tag = "L2.P2.H1.D8.B16.fp16.nhd", .chunk_tokens = 16, .group = "swa64.0a1b2c3d"};
+  ASSERT_EQ(kv("put " + prefix_chunk_keys(tokens, window)[1] + " " + file_of(100, 39)).code, 0);
+  j = why("--tokens " + ids +
+          " --model m --layout L2.P2.H1.D8.B16.fp16.nhd --chunk-tokens 16 --group swa64.0a1b2c3d");
+  ASSERT_EQ(j.size(), 4u) << j.dump();
+  EXPECT_EQ(j[1]["key"], prefix_chunk_keys(tokens, window)[1]);
+  EXPECT_EQ(j[0]["present"], false) << j.dump();
+  EXPECT_EQ(j[1]["present"], true) << j.dump();
 
   // Its node dies: a key on it is missing because of that; the node back, another key put
   // before is missing because the node's pool started over.

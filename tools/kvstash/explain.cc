@@ -257,8 +257,9 @@ void add_explain_command(Registry& r) {
       ->capture_default_str();
   ex->add_option("--heads", o->heads,
                  "With --tokens: keys by heads, FIRST+COUNT/TOTAL (the end of a chunk key: h0+1/8)");
-  ex->add_option("--group", o->prefix.group,
-                 "With --tokens: a hybrid model's KV-cache group (the end of a chunk key: gswa128.1f2e3d4c)");
+  ex->add_option(
+      "--group", o->prefix.group,
+      "With --tokens: a hybrid model's KV-cache group, as the vLLM connector logs it (swa128.1f2e3d4c)");
   ex->add_option("--chunk-tokens", o->prefix.chunk_tokens, "With --tokens: tokens per chunk")
       ->capture_default_str();
   ex->add_option("--also-model", o->also_models,

@@ -541,9 +541,11 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             g = self.geometry
             heads = "" if g.stored_once else f" --heads 0+{g.heads_per_object}/{g.heads_total}"
-            logger.info("kvstash: chunk keys name the model as %s (`kvstash explain --tokens ... --model %s "
-                        "--layout %s --salt %s --chunk-tokens %d%s` finds a prompt's chunks)", g.model, g.model,
-                        g.layout_tag(), g.extra(), g.chunk_tokens, heads)
+            for i, group in enumerate(g.groups):
+                named = f" --group {group.name}" if group.name else ""
+                logger.info("kvstash: chunk keys name the model as %s (`kvstash explain --tokens ... --model %s "
+                            "--layout %s --salt %s --chunk-tokens %d%s%s` finds a prompt's chunks)", g.model, g.model,
+                            g.layout_tag(0, i), g.extra(), g.chunk_tokens, heads, named)
         lora_config = getattr(vllm_config, "lora_config", None)
         self._request_keys = _vllm_keys.RequestKeys(
             self.geometry.chunk_tokens, str(getattr(lora_config, "lora_dtype", "")) if lora_config else "")
