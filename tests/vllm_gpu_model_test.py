@@ -137,7 +137,7 @@ class VllmOnTheDefaultStream(unittest.TestCase):
         from_blocks, to_blocks = [5, 9, 2], [11, 3, 7]
 
         # vLLM's step with saves: each layer's attention queued on stream 0, then save_kv_layer.
-        saver.bind_connector_metadata(KvstashMetadata(saves=[ChunkRun("r1", tokens, from_blocks, 0, 3)]))
+        saver.bind_connector_metadata(KvstashMetadata(saves=[ChunkRun("r1", tokens, [from_blocks], 0, 3)]))
         saver.start_load_kv(None)
         for i, name in enumerate(LAYERS):
             saver.wait_for_layer_load(name)
@@ -150,7 +150,7 @@ class VllmOnTheDefaultStream(unittest.TestCase):
         self.assertEqual(saver._stats["chunks_saved"], 3, saver._stats)
 
         # vLLM's step with loads: each layer handed to stream 0 before its attention runs there.
-        loader.bind_connector_metadata(KvstashMetadata(loads=[ChunkRun("r2", tokens, to_blocks, 0, 3)]))
+        loader.bind_connector_metadata(KvstashMetadata(loads=[ChunkRun("r2", tokens, [to_blocks], 0, 3)]))
         loader.start_load_kv(None)
         for name in LAYERS:
             loader.wait_for_layer_load(name)
