@@ -104,8 +104,8 @@ def corrupt_layer_sum(url, key):
     old = subprocess.run(cli + ["HGET", obj, "layout"], capture_output=True, text=True, check=True).stdout.strip()
     assert ";xxh3=" in old, f"no chunk record of {key}: {old!r}"
     head, sums = old.split(";xxh3=", 1)
-    first, rest = sums.split(",", 1)
-    bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + "," + rest
+    first, comma, rest = sums.partition(",")  # an object of one layer has one sum
+    bad = head + ";xxh3=" + format(int(first, 16) ^ 1, "016x") + comma + rest
     subprocess.run(cli + ["HSET", obj, "layout", bad], capture_output=True, check=True)
 
 

@@ -400,7 +400,9 @@ class Families(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.cell = engine_fixture.Cell(BUILD)
+        # Room for every object these tests store (a tiny model's chunk object still takes a
+        # 4 MiB page; a step's saves, 60 objects, are all in flight at once).
+        cls.cell = engine_fixture.Cell(BUILD, capacity="1GiB")
         cls.dir = tempfile.mkdtemp(prefix="kvstash-vllm-families-")
 
     @classmethod
@@ -433,11 +435,23 @@ class Families(unittest.TestCase):
             saver.stop()
         self.assertEqual(second["cached"], 3 * 128, "vLLM's own prefix cache")
         self.assertEqual(second["tokens"], want)
-        self.assertEqual(len(new_records(before, second)), (5 + 5 * 3) * OBJECTS,
-                         "full attention's 5 chunks, each window's 3 it still held")
+        stored = new_records(before, second)
+        self.assertEqual(len(stored), (5 + 5 * 3) * OBJECTS, "full attention's 5 chunks, each window's 3 it still held")
         loader = run_engine(model, [self.PROMPT], url=self.cell.url)
         self.assertEqual(loader[0]["cached"], 640, "a window's last chunk is all a hit needs of it")
         self.assertEqual(loader[0]["tokens"], want, "tokens from loaded chunks differ")
+        # Every window's objects fail their checksum: the load is the request's (vLLM takes no
+        # failed blocks with several groups), which is computed whole and answers the same; its
+        # recomputed chunks are put anew, the corrupt ones among them.
+        windows = {k: v for k, v in stored.items() if ":gswa" in k}
+        self.assertEqual(len(windows), 5 * 3 * OBJECTS)
+        for record in windows:
+            engine_fixture.corrupt_layer_sum(self.cell.url, record.split(":obj:", 1)[1])
+        failed = run_engine(model, [self.PROMPT], url=self.cell.url)
+        self.assertEqual(failed[0]["tokens"], want, "a failed load changed the answer")
+        self.assertEqual(failed[0]["cached"], 0, "computed whole")
+        replaced = [k for k, v in windows.items() if failed[0]["records"].get(k) != v]
+        self.assertEqual(len(replaced), len(windows), "the recompute's chunks were not put anew")
         # The negative control: other weights, their operator vouching that they are the first
         # model's (weights_id), load its chunks and answer otherwise than they do alone.
         own = run_engine(other, [self.PROMPT])[0]["tokens"]
