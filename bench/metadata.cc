@@ -248,6 +248,8 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   std::vector<std::string> chain;
   for (int i = 0; i < 64; ++i) chain.push_back("obj/" + std::to_string(i));
   measure("contains_prefix (64 keys)", 200, [&](int) { (void)cat.contains_prefix(chain); });
+  // A hybrid model's lookup: each key's presence (every group's objects of 8 chunks).
+  measure("contains_each (64 keys)", 200, [&](int) { (void)cat.contains_each(chain); });
 
   // The pool full: every further put evicts the least recently used object.
   {
