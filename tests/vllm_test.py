@@ -1089,6 +1089,37 @@ class VllmConnector(unittest.TestCase):
         for i in (3, 4):
             self.assertTrue(torch.equal(cache[window_blocks[i]], expected_block(longer, i, 0, 0)), f"window block {i}")
 
+    def test_a_hybrid_lookup_is_the_longest_hit_every_group_can_serve(self):
+        """Geometry.hit (prefix sums, linear in the chunks) against the rule itself, checked chunk
+        by chunk: full attention every chunk, each window the chunks holding its W - 1 tokens
+        before the hit's end, none before `first`; on random presence."""
+        import dataclasses
+        import random
+
+        from kvstash.vllm import Group
+
+        g = Engine(hybrid=True).connector.geometry
+        g = dataclasses.replace(g, groups=(Group(("w",), 5 * BLOCK + 3, "w"), Group(("f",), 0, "f")))
+        per, objects = g.parts(), g.head_groups()
+
+        def rule(present, first, limit):
+            def has(c, group):
+                return all(present[c * per + group * objects:(c + 1) * per][:objects])
+            end = 0
+            while end < limit and has(end, 1):
+                end += 1
+            for n in range(end, 0, -1):
+                if all(has(c, 0) for c in range(max(first, g.groups[0].first_needed(n, g.chunk_tokens)), n)):
+                    return n
+            return 0
+
+        rng = random.Random(7)
+        for _ in range(300):
+            chunks = rng.randint(0, 14)
+            present = [rng.random() < 0.85 for _ in range(chunks * per)]
+            first, limit = rng.randint(0, chunks), rng.randint(0, chunks)
+            self.assertEqual(g.hit(present, first, limit), rule(present, first, limit), (present, first, limit))
+
     def test_a_hybrid_models_failed_load_is_its_requests_and_vllm_computes_it_whole(self):
         shared = [67 + (i * 47) % 900 for i in range(3 * BLOCK)]
         a = Engine(hybrid=True)

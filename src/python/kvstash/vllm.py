@@ -361,19 +361,22 @@ class Geometry:
         per_group = self.head_groups()
         per_chunk = self.parts()
         chunks = min(limit, len(present) // per_chunk)
-
-        def has(c: int, group: int) -> bool:
-            at = c * per_chunk + group * per_group
-            return all(present[at:at + per_group])
-
-        full = [i for i, group in enumerate(self.groups) if not group.window]
-        windows = [i for i, group in enumerate(self.groups) if group.window]
+        # missing[g][c]: how many of group g's chunks before chunk c lack an object (a prefix
+        # sum, so that each candidate hit is checked in constant time per group).
+        missing = []
+        for g in range(len(self.groups)):
+            counts = [0]
+            for c in range(chunks):
+                at = c * per_chunk + g * per_group
+                counts.append(counts[-1] + (not all(present[at:at + per_group])))
+            missing.append(counts)
+        full = [g for g, group in enumerate(self.groups) if not group.window]
         end = 0
-        while end < chunks and all(has(end, i) for i in full):
+        while end < chunks and all(missing[g][end + 1] == 0 for g in full):
             end += 1
         for n in range(end, 0, -1):
-            if all(has(c, i) for i in windows
-                   for c in range(max(first, self.groups[i].first_needed(n, self.chunk_tokens)), n)):
+            if all(missing[g][n] == missing[g][min(n, max(first, group.first_needed(n, self.chunk_tokens)))]
+                   for g, group in enumerate(self.groups) if group.window):
                 return n
         return 0
 
