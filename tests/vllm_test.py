@@ -141,7 +141,22 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, ro
 WINDOW = 2 * BLOCK  # a hybrid model's sliding window: a hit reads its last two chunks of that group
 
 
-def make_kv_cache_config(mla=False, layers=tuple(LAYERS), heads=HEADS, hybrid=False):
+PAGE = BLOCK * HEADS * 2 * HEAD * 2  # bytes of a block of one layer: every group's page
+
+
+def make_kv_cache_config(mla=False, layers=tuple(LAYERS), heads=HEADS, hybrid=False, mamba=False):
+    if mamba:  # a Mamba hybrid (Granite-4-, Nemotron-H-like): layer 0 a Mamba layer, layer 1 attention
+        from vllm.v1.kv_cache_interface import KVCacheTensor, MambaSpec
+
+        state = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16, 16)), dtypes=(DTYPE, DTYPE),
+                          page_size_padded=PAGE, mamba_cache_mode="align")
+        full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=DTYPE)
+        # The Mamba layer's place in its backing buffer (vLLM 0.34 hands the layer the buffer).
+        place = KVCacheTensor(size=NUM_BLOCKS * PAGE, layers=[LAYERS[0]], layer_stride=NUM_BLOCKS * PAGE,
+                              block_stride=PAGE)
+        return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[place],
+                             kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], state),
+                                              KVCacheGroupSpec([LAYERS[1]], full)])
     if hybrid:  # as vLLM's hybrid allocator groups a Gemma-like model: layer 0 a window's, layer 1 full
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -166,21 +181,25 @@ class Engine:
     each with its own connector (role WORKER) and its own paged cache on the CPU."""
 
     def __init__(self, tp_size=1, extra=None, policy="recompute", batch_tokens=1024, role="kv_both", mla=False,
-                 pp_size=1, heads=HEADS, hybrid=False):
+                 pp_size=1, heads=HEADS, hybrid=False, mamba=False):
         """mla: a DeepSeek-like model, one latent cache per layer that every rank holds alike.
         pp_size: pipeline stages, each with its share of LAYERS (a worker per stage and rank, each
         with its stage's KV-cache config; the scheduler gets stage 0's, as vLLM's engine core
         gives it). heads: KV heads per rank (the model has heads x tp_size). hybrid: vLLM's hybrid
         allocator over a Gemma-like model, layer 0 a sliding window's group, layer 1 full
-        attention's, both layers in one paged tensor (each group its own blocks of it)."""
-        self.mla, self.heads, self.hybrid = mla, heads, hybrid
+        attention's, both layers in one paged tensor (each group its own blocks of it). mamba: a
+        Mamba hybrid, layer 0 a Mamba layer (its state a page a block, vLLM's mamba_cache_mode
+        "align"), layer 1 full attention."""
+        self.mla, self.heads, self.hybrid, self.mamba = mla, heads, hybrid or mamba, mamba
         self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size, heads)
+        if mamba:
+            self.config.cache_config.mamba_cache_mode = "align"
         self.params = {}  # request -> the kv_transfer_params its output carried
         # Requests some ranks finished sending or receiving: how many ranks so far.
         self._finished = {"sending": collections.Counter(), "recving": collections.Counter()}
         per_stage = len(LAYERS) // pp_size
         stages = [LAYERS[s * per_stage:(s + 1) * per_stage] for s in range(pp_size)]
-        self.kv_cache_config = make_kv_cache_config(mla, stages[0], heads, hybrid)
+        self.kv_cache_config = make_kv_cache_config(mla, stages[0], heads, hybrid, mamba)
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK)
         self.connector = self.scheduler.connector
@@ -190,9 +209,11 @@ class Engine:
             for rank in range(tp_size):
                 w = KVConnectorFactory.create_connector(config=self.config, role=KVConnectorRole.WORKER,
                                                        kv_cache_config=make_kv_cache_config(mla, layers, heads,
-                                                                                            hybrid))
+                                                                                            hybrid, mamba))
                 shared = self.paged_cache()
                 caches = {name: shared if hybrid else self.paged_cache() for name in layers}
+                if mamba:  # the Mamba layer gets its backing buffer, as vLLM 0.34 hands it
+                    caches[LAYERS[0]] = torch.zeros(NUM_BLOCKS * PAGE, dtype=torch.int8)
                 _with_rank(rank, lambda: w.register_kv_caches(caches))
                 self.workers.append((w, caches, rank))
 
@@ -222,6 +243,9 @@ class Engine:
             for i, name in enumerate(LAYERS):
                 if name not in caches:
                     continue  # another pipeline stage's
+                if self.mamba and i == 0:  # vLLM calls no connector hook around a Mamba layer
+                    self.compute_state(out, caches[name])
+                    continue
                 w.wait_for_layer_load(name)
                 self.compute(out, caches[name], i, rank)
                 w.save_kv_layer(name, caches[name], None)
@@ -280,6 +304,17 @@ class Engine:
     def saved(self):
         return sum(w._stats["chunks_saved"] for w, _, _ in self.workers)
 
+    def compute_state(self, out, buffer):
+        """A Mamba layer's step, as vLLM's "align" mode keeps it: the state after the step's last
+        token in the block of the group's table that holds that token."""
+        for rid in out.num_scheduled_tokens:
+            req = self.scheduler.requests[rid]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            end = min(req.num_computed_tokens, len(req.all_token_ids))
+            block = blocks[(end - 1) // BLOCK]
+            assert block != 0, "the block holding the step's last token is not the null block"
+            buffer[block * PAGE:(block + 1) * PAGE] = state_page(req.all_token_ids[:end])
+
     def compute(self, out, cache, layer, rank):
         """Writes the KV of every token scheduled this step: a value of the token, its position,
         the layer and the rank, so that a load can be checked against what compute would give."""
@@ -297,6 +332,14 @@ class Engine:
                     for h in range(self.heads):
                         cache[blocks[pos // BLOCK], h, pos % BLOCK, :] = kv_value(
                             req.all_token_ids[pos], pos, layer, rank * self.heads + h)
+
+
+def state_page(tokens):
+    """The Mamba state after `tokens`, as compute_state writes it: a page of bytes of their digest."""
+    import hashlib
+
+    digest = hashlib.sha256(str(list(tokens)).encode()).digest()
+    return torch.frombuffer(bytearray(digest * (PAGE // len(digest))), dtype=torch.int8)
 
 
 def kv_value(token, pos, layer, head):
@@ -363,11 +406,15 @@ class VllmConnector(unittest.TestCase):
                           page_size_padded=page)
         local = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE,
                                           attention_chunk_size=64)
-        for spec, kind in ((mamba, "MambaSpec"), (local, "ChunkedLocalAttentionSpec")):
+        speculative = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16, 16)), dtypes=(DTYPE, DTYPE),
+                                page_size_padded=page, mamba_cache_mode="align", num_speculative_blocks=1)
+        for spec, why in ((local, f"KV-cache group 1 \\(ChunkedLocalAttentionSpec, layers .*{LAYERS[0]}.*not one "
+                                  "kvstash stores"),
+                          (mamba, "KV-cache group 1 \\(MambaSpec\\) is not stored: .*mamba_cache_mode 'align'"),
+                          (speculative, "KV-cache group 1 \\(MambaSpec\\) is not stored: speculative")):
             groups = [hybrid.kv_cache_groups[1], KVCacheGroupSpec([LAYERS[0]], spec)]
             config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-            with self.assertRaisesRegex(ValueError, f"KV-cache group 1 \\({kind}, layers .*{LAYERS[0]}.*not one "
-                                                    "kvstash stores"):
+            with self.assertRaisesRegex(ValueError, why):
                 KVConnectorFactory.create_connector(config=make_config(), role=KVConnectorRole.SCHEDULER,
                                                     kv_cache_config=config)
         for extra, what in (({"chunk_tokens": 2 * BLOCK}, "a hybrid model's chunks are one block"),
@@ -1119,6 +1166,42 @@ class VllmConnector(unittest.TestCase):
             present = [rng.random() < 0.85 for _ in range(chunks * per)]
             first, limit = rng.randint(0, chunks), rng.randint(0, chunks)
             self.assertEqual(g.hit(present, first, limit), rule(present, first, limit), (present, first, limit))
+
+    def test_a_mamba_hybrid_stores_the_state_a_step_ended_on_and_loads_it_at_the_hits_end(self):
+        """A Mamba group (vLLM's mamba_cache_mode "align") beside full attention: a chunk's state
+        is stored when a step ends on its last token (its block holds it then), a hit needs the
+        state at its end, and the load puts it in the block vLLM gives it, bit for bit."""
+        a = Engine(mamba=True)
+        g = a.connector.geometry
+        self.assertEqual([(group.state, group.name.split(".")[0]) for group in g.groups], [(True, "state"),
+                                                                                           (False, "full")])
+        prompt = [71 + (i * 31) % 900 for i in range(3 * BLOCK + 5)]
+        a.run("a", prompt)  # its first step computes 3 blocks and ends on chunk 2's last token
+        store = kvstash.Store(URL, transports="shm,tcp")
+        states, full = g.group_keys(prompt, 0), g.group_keys(prompt, 1)
+        self.assertEqual(store.contains_each(states), [False, False, True], "the state the step ended on only")
+        self.assertEqual(store.contains_each(full), [True] * (3 * g.head_groups()))
+
+        b = Engine(mamba=True)
+        b.scheduler.add_request(b.request("b", prompt[:3 * BLOCK] + [9, 9]))
+        fetches = b.step().kv_connector_metadata.fetches
+        self.assertEqual([(r.first, r.count) for r in fetches], [(0, 3)])
+        state_blocks, full_blocks = fetches[0].block_ids
+        self.assertEqual(state_blocks[:2], [0, 0], "vLLM keeps only the state at the hit's end")
+        _, caches, _ = b.workers[0]
+        page = caches[LAYERS[0]][state_blocks[2] * PAGE:(state_blocks[2] + 1) * PAGE]
+        self.assertTrue(torch.equal(page, state_page(prompt[:3 * BLOCK])), "the state after 3 chunks")
+        for i in range(3):
+            self.assertTrue(torch.equal(caches[LAYERS[1]][full_blocks[i]], expected_block(prompt, i, 1, 0)))
+        self.assertEqual(b.step().num_scheduled_tokens["b"], 2, "computed from the loaded state on")
+
+        # Without the state at its end no hit serves: the states before it were never stored.
+        store.remove(states[2])
+        c = Engine(mamba=True)
+        c.scheduler.add_request(c.request("c", prompt[:3 * BLOCK] + [8]))
+        out = c.step()
+        self.assertEqual(out.kv_connector_metadata.fetches, [])
+        self.assertEqual(out.num_scheduled_tokens["c"], 3 * BLOCK, "computed")
 
     def test_a_hybrid_models_failed_load_is_its_requests_and_vllm_computes_it_whole(self):
         shared = [67 + (i * 47) % 900 for i in range(3 * BLOCK)]

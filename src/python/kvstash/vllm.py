@@ -148,24 +148,34 @@ _DTYPES = {
 @dataclass(frozen=True)
 class Group:
     """One of vLLM's KV-cache groups (a hybrid model has several: sliding-window layers and full
-    attention's, each group its own blocks): its layers, and which of a prefix's chunks a hit
-    needs of it. Full attention reads every chunk; a window of W tokens only those holding the
-    W - 1 tokens before the first one computed (vLLM frees, and nulls in the block table, the
-    rest), so only those are stored and looked for."""
+    attention's, Mamba's, each group its own blocks): its layers, and which of a prefix's chunks
+    a hit needs of it. Full attention reads every chunk; a window of W tokens only those holding
+    the W - 1 tokens before the first one computed (vLLM frees, and nulls in the block table, the
+    rest), so only those are stored and looked for; a Mamba state only the one at the hit's end
+    (each block holds the state after its last token, vLLM's mamba_cache_mode "align")."""
 
     layers: tuple[str, ...]
     window: int = 0  # sliding window tokens; 0: full attention
     name: str = ""  # what keys name it by ("" for a model of one group)
+    state: bool = False  # a Mamba (or linear-attention) state per block, not tokens' KV
 
     @classmethod
-    def named(cls, layers: list[str], window: int) -> Group:
+    def named(cls, layers: list[str], window: int = 0, state: bool = False) -> Group:
         """A group of a hybrid model, named by its kind and a digest of its layers' names: a
         key cannot be read by another group's layers, whatever order vLLM lists groups in."""
         digest = hashlib.sha256("\0".join(layers).encode()).hexdigest()[:8]
-        return cls(tuple(layers), window, f"{f'swa{window}' if window else 'full'}.{digest}")
+        kind = "state" if state else f"swa{window}" if window else "full"
+        return cls(tuple(layers), window, f"{kind}.{digest}", state)
+
+    @property
+    def partial(self) -> bool:
+        """Whether a hit needs only the last chunks of this group (a window, a state)."""
+        return bool(self.window) or self.state
 
     def first_needed(self, end: int, chunk_tokens: int) -> int:
         """The first chunk a hit of `end` chunks needs of this group (vLLM's skipped tokens)."""
+        if self.state:
+            return max(0, end - 1)
         if not self.window:
             return 0
         return max(0, end * chunk_tokens - self.window + 1) // chunk_tokens
@@ -210,7 +220,7 @@ class Geometry:
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KvstashConfig) -> Geometry:
         groups = cls.groups_of(kv_cache_config)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = cls.attention_spec(kv_cache_config)
         item = spec.dtype.itemsize
         dtype = _DTYPES.get(str(spec.dtype))
         if dtype is None:
@@ -262,32 +272,66 @@ class Geometry:
     def groups_of(kv_cache_config: KVCacheConfig) -> tuple[Group, ...]:
         """vLLM's KV-cache groups as kvstash stores them: full attention and sliding windows,
         alike in every byte but their layers; any other kind refused by name."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         groups = kv_cache_config.kv_cache_groups
         if len(groups) == 1:
             return (Group(tuple(groups[0].layer_names)),)
-        first = groups[0].kv_cache_spec
+        first = Geometry.attention_spec(kv_cache_config)
         out = []
         for i, group in enumerate(groups):
             spec = group.kv_cache_spec
             kind = type(spec).__name__
+            layers = list(group.layer_names)
+            if isinstance(spec, MambaSpec):
+                Geometry.check_state(i, spec, first)
+                out.append(Group.named(layers, state=True))
+                continue
             # By exact type: FullAttentionSpec's subclasses (MLA, attention sinks) are other kinds.
             if not (isinstance(spec, SlidingWindowSpec) or type(spec) is FullAttentionSpec):
-                raise ValueError(f"kvstash: KV-cache group {i} ({kind}, layers {list(group.layer_names)[:4]}...) is "
-                                 "not one kvstash stores: it stores full-attention and sliding-window groups "
-                                 "(Mamba and linear-attention state, chunked local attention, MLA with other "
-                                 "groups and any other kind are not served)")
+                raise ValueError(f"kvstash: KV-cache group {i} ({kind}, layers {layers[:4]}...) is not one kvstash "
+                                 "stores: it stores full-attention, sliding-window and Mamba groups (chunked local "
+                                 "attention, MLA with other groups and any other kind are not served)")
             mine = [getattr(spec, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
                                                      "page_size_bytes")]
             theirs = [getattr(first, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
                                                         "page_size_bytes")]
             if mine != theirs:
-                raise ValueError(f"kvstash: KV-cache group {i} ({kind}) has blocks of another shape than group 0's "
-                                 f"(block size, KV heads, head size, dtype, page bytes: {mine} vs {theirs})")
+                raise ValueError(f"kvstash: KV-cache group {i} ({kind}) has blocks of another shape than the first "
+                                 f"attention group's (block size, KV heads, head size, dtype, page bytes: {mine} vs "
+                                 f"{theirs})")
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
-            out.append(Group.named(list(group.layer_names), window))
+            out.append(Group.named(layers, window))
         return tuple(out)
+
+    @staticmethod
+    def attention_spec(kv_cache_config: KVCacheConfig) -> Any:
+        """The first attention group's spec: the KV geometry (a hybrid's first group may be Mamba's)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        spec = next((s for s in specs if not isinstance(s, MambaSpec)), None)
+        if spec is None:
+            raise ValueError("kvstash: a model without attention layers (only Mamba state) is not served")
+        return spec
+
+    @staticmethod
+    def check_state(i: int, spec: Any, attention: Any) -> None:
+        """A Mamba group kvstash stores: each block the state after its last token (vLLM's
+        mamba_cache_mode "align", where the state of block c is in block c only at the end of
+        the step that ended on its last token), pages as the attention groups'."""
+        why = None
+        if getattr(spec, "mamba_cache_mode", "none") != "align":
+            why = "its state is kept per block only with mamba_cache_mode 'align' (vLLM's prefix caching of Mamba)"
+        elif getattr(spec, "num_speculative_blocks", 0) or getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            why = "speculative and prefill-checkpoint blocks move states between blocks"
+        elif spec.block_size != attention.block_size or spec.page_size_bytes != attention.page_size_bytes:
+            why = (f"its blocks ({spec.block_size} tokens, {spec.page_size_bytes} bytes) are not the attention "
+                   f"groups' ({attention.block_size}, {attention.page_size_bytes})")
+        elif spec.page_size_bytes % spec.block_size:
+            why = f"its page of {spec.page_size_bytes} bytes is not whole bytes per token of {spec.block_size}"
+        if why:
+            raise ValueError(f"kvstash: KV-cache group {i} (MambaSpec) is not stored: {why}")
 
     @staticmethod
     def pipeline_stages(vllm_config: VllmConfig) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -328,6 +372,8 @@ class Geometry:
         """KvLayout::tag() of one object of `stage` or `group`, as the worker's cache has it
         (checked by the tests)."""
         layers = self.stages[stage][1] if self.layers_total else len(self.groups[group].layers)
+        if self.groups[group].state:  # a rank's state shard, a page a block, as bytes
+            return f"L{layers}.P1.H1.D{self.page_bytes // self.block_size}.B{self.block_size}.int8.nhd"
         if self.stored_once:
             return f"L{layers}.P1.H1.D{self.token_width}.B{self.block_size}.{self.dtype}.nhd"
         return (f"L{layers}.P1.H{self.heads_per_object}.D{self.head_width}.B{self.block_size}."
@@ -337,9 +383,19 @@ class Geometry:
         """Objects a stage's chunk is stored as, over every rank: the model's heads / heads per object."""
         return 1 if self.stored_once else self.heads_total // self.heads_per_object
 
+    def group_objects(self, group: int) -> int:
+        """Objects a chunk of KV-cache group `group` is stored as: its head groups (a Mamba state:
+        each rank's shard)."""
+        return self.tp_size if self.groups[group].state else self.head_groups()
+
     def parts(self) -> int:
-        """Objects a chunk is stored as: every stage's (or KV-cache group's) head groups."""
-        return len(self.stages) * len(self.groups) * self.head_groups()
+        """Objects a chunk is stored as: every stage's (or KV-cache group's) objects."""
+        return len(self.stages) * sum(self.group_objects(g) for g in range(len(self.groups)))
+
+    def state_options(self, group: int, tp_rank: int = 0) -> dict[str, Any]:
+        """A Mamba group's keys by rank shard (a state is split by the ranks' heads, and no other
+        degree reads it): as heads `tp_rank` of tp_size, one chain with the attention objects."""
+        return dict(heads_total=self.tp_size, head_first=tp_rank, head_count=1, **self.key_options(0, group))
 
     def hybrid(self) -> bool:
         """Several KV-cache groups (vLLM's hybrid allocator on a hybrid model)."""
@@ -358,25 +414,25 @@ class Geometry:
         """A hybrid model's lookup: the leading chunks (at most `limit`) a request can load from
         chunk `first` on, given whether each object of all_keys() is stored: every full-attention
         group's chunks from 0, and each window's last chunks (those from `first` on)."""
-        per_group = self.head_groups()
         per_chunk = self.parts()
         chunks = min(limit, len(present) // per_chunk)
         # missing[g][c]: how many of group g's chunks before chunk c lack an object (a prefix
         # sum, so that each candidate hit is checked in constant time per group).
-        missing = []
+        missing, offset = [], 0
         for g in range(len(self.groups)):
-            counts = [0]
+            counts, per_group = [0], self.group_objects(g)
             for c in range(chunks):
-                at = c * per_chunk + g * per_group
+                at = c * per_chunk + offset
                 counts.append(counts[-1] + (not all(present[at:at + per_group])))
             missing.append(counts)
-        full = [g for g, group in enumerate(self.groups) if not group.window]
+            offset += per_group
+        full = [g for g, group in enumerate(self.groups) if not group.partial]
         end = 0
         while end < chunks and all(missing[g][end + 1] == 0 for g in full):
             end += 1
         for n in range(end, 0, -1):
             if all(missing[g][n] == missing[g][min(n, max(first, group.first_needed(n, self.chunk_tokens)))]
-                   for g, group in enumerate(self.groups) if group.window):
+                   for g, group in enumerate(self.groups) if group.partial):
                 return n
         return 0
 
@@ -458,13 +514,26 @@ class Geometry:
                                          chunk_salts=chunk_salts or [], groups=objects, **heads,
                                          **self.key_options(stage, group))
 
+    def group_keys(self, tokens: list[int], group: int, request_salt: str = "",
+                   chunk_salts: list[bytes] | None = None) -> list[str]:
+        """Every object's key of KV-cache group `group` (of stage `group` with several stages),
+        chunk by chunk: group_objects() per chunk."""
+        if len(self.groups) > 1 and self.groups[group].state:
+            return kvstash.prefix_chunk_keys(tokens, model=self.model, layout_tag=self.layout_tag(0, group),
+                                             chunk_tokens=self.chunk_tokens, extra=self.extra(request_salt),
+                                             chunk_salts=chunk_salts or [], groups=self.tp_size,
+                                             **self.state_options(group))
+        per = self.head_groups()
+        return self.keys(tokens, group * per, request_salt, chunk_salts, per)
+
     def all_keys(self, tokens: list[int], request_salt: str = "", chunk_salts: list[bytes] | None = None) -> list[str]:
         """Every object's key, chunk by chunk: parts() per chunk (what a lookup asks for), the
         chain hashed once per stage or group."""
-        per = self.head_groups()
-        each = [self.keys(tokens, i * per, request_salt, chunk_salts, per)
+        each = [self.group_keys(tokens, i, request_salt, chunk_salts)
                 for i in range(len(self.stages) * len(self.groups))]
-        return [k for c in range(len(each[0]) // per) for keys in each for k in keys[c * per:(c + 1) * per]]
+        per = [self.group_objects(i) if len(self.stages) == 1 else self.head_groups() for i in range(len(each))]
+        return [k for c in range(len(each[0]) // per[0]) for i, keys in enumerate(each)
+                for k in keys[c * per[i]:(c + 1) * per[i]]]
 
 
 try:  # how vLLM's own KV events carry a block hash (bytes, or int when it is told to)
@@ -497,6 +566,9 @@ class ChunkRun:
     salt: str = ""  # the request's (RequestKeys.request_salt)
     chunk_salts: list[bytes] = field(default_factory=list)  # its chunks' (RequestKeys.chunk_salts)
     events: list[bytes] | None = None  # saves: each chunk's event data (docs/events.md), when known
+    # saves: the chunk on whose last token this step ended, whose Mamba state its block holds
+    # now (-1: none; a state is stored only then)
+    state_chunk: int = -1
 
 
 @dataclass
@@ -591,6 +663,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         # Worker side.
         self._caches: OrderedDict[str, list[kvstash.KvCache]] = OrderedDict()  # by request salt; "" first
         self._tensors: list[list[Any]] = []  # each KV-cache group's layers' tensors
+        self._pointers: list[list[int]] = []  # and where each layer's block 0 is
+        self._kv_config = kv_cache_config
         self._layer_index: dict[str, tuple[int, int]] = {}  # layer -> (its group, its index there)
         self._tp_rank = 0
         self._stage = 0  # pipeline parallelism: the stage whose layers this worker holds
@@ -825,7 +899,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                 end = ready * chunk
                 meta.saves.append(ChunkRun(req_id, list(tokens[:end]), [b[: end // per_block] for b in t.block_ids],
                                            t.stored, ready - t.stored, *naming,
-                                           events=self._chunk_events(t.request, t.stored, ready - t.stored)))
+                                           events=self._chunk_events(t.request, t.stored, ready - t.stored),
+                                           state_chunk=ready - 1 if after == end else -1))
                 t.stored = ready
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._tracked:
@@ -934,7 +1009,10 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         if g.hybrid() and sorted(n for m in members for n in m) != sorted(names):
             raise ValueError(f"kvstash: the KV-cache tensors {sorted(names)} are not the groups' layers")
         self._layer_index = {name: (group, i) for group, layers in enumerate(members) for i, name in enumerate(layers)}
+        states = {n for group, layers in zip(g.groups, members) if group.state for n in layers}
         for name, t in kv_caches.items():
+            if name in states:
+                continue  # a Mamba layer's pages: _state_page_base
             # vLLM's view is [blocks, heads, tokens, content]; an attention kernel with smaller
             # blocks than the manager's sees each block as `split` kernel blocks, dense in a page.
             split = t.shape[0] // g.num_blocks if t.shape[0] % g.num_blocks == 0 else 0
@@ -958,6 +1036,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         # The caches hold their addresses: keep them alive. With vLLM's hybrid allocator, layers
         # of different groups share a tensor, each group in blocks of its own.
         self._tensors = [[kv_caches[n] for n in layers] for layers in members]
+        self._pointers = [[self._state_page_base(kv_caches[n], n) if n in states else kv_caches[n].data_ptr()
+                           for n in layers] for layers in members]
         self._caches.clear()
         caches = self._caches_for("")
         for group, cache in enumerate(caches):
@@ -1017,11 +1097,16 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             shape = dict(num_kv_heads=g.rank_heads, head_dim=g.head_width, order=g.order, joint_kv=True,
                          heads_total=g.heads_total, head_first=g.rank_first_head(self._tp_rank),
                          head_count=g.heads_per_object)
+        # A Mamba group: a rank's state shard, a page a block, moved as bytes.
+        state = dict(num_kv_heads=1, head_dim=g.page_bytes // g.block_size, order="nhd", joint_kv=True,
+                     dtype="int8")
         caches = [kvstash.KvCache(
-            self.store, [t.data_ptr() for t in tensors], num_blocks=g.num_blocks, block_size=g.block_size,
-            dtype=g.dtype, model=g.model, chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt),
-            memory_kind="cuda" if self._on_gpu() else "host", staging=self.config.staging, **shape,
-            **g.key_options(self._stage, group)) for group, tensors in enumerate(self._tensors)]
+            self.store, pointers, num_blocks=g.num_blocks, block_size=g.block_size, model=g.model,
+            chunk_tokens=g.chunk_tokens, extra=g.extra(request_salt), memory_kind="cuda" if self._on_gpu() else "host",
+            staging=self.config.staging,
+            **(dict(**state, **g.state_options(group, self._tp_rank)) if g.groups[group].state
+               else dict(dtype=g.dtype, **shape, **g.key_options(self._stage, group))))
+            for group, pointers in enumerate(self._pointers)]
         self._caches[request_salt] = caches
         if len(self._caches) > self._SALTED_CACHES + 1:
             oldest = next(k for k in self._caches if k)  # never the unsalted one
@@ -1041,7 +1126,7 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _primary(self) -> int:
         """The group whose chunks the counts and KV events follow: the first of full attention."""
-        return next((i for i, group in enumerate(self.geometry.groups) if not group.window), 0)
+        return next((i for i, group in enumerate(self.geometry.groups) if not group.partial), 0)
 
     # Sleep mode (vLLM's --enable-sleep-mode): the KV cache's memory is released and mapped
     # again on wake-up, so the caches registered over it (direct RDMA and GPU registrations)
@@ -1063,7 +1148,26 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             self._open_direct(self._cache_for(""))  # registers the memory again, as mapped now
 
     def _on_gpu(self) -> bool:
-        return bool(self._tensors) and self._tensors[0][0].is_cuda
+        tensor = next((t for ts in self._tensors for t in ts if hasattr(t, "is_cuda")), None)
+        return tensor is not None and tensor.is_cuda
+
+    def _state_page_base(self, t: Any, name: str) -> int:
+        """Where block 0 of Mamba layer `name` starts: vLLM hands the layer either its state views
+        (each block a page apart) or the backing buffer it lies in (its place in it a
+        KVCacheTensor's). Its blocks must be a page apart, as kvstash moves them."""
+        if isinstance(t, (list, tuple)):
+            base, stride = t[0].data_ptr(), t[0].stride(0) * t[0].element_size()
+        else:
+            place = next((x for x in self._kv_config.kv_cache_tensors if name in (getattr(x, "layers", None) or ())),
+                         None)
+            if place is None or not hasattr(place, "block_stride"):
+                raise ValueError(f"kvstash: Mamba layer {name}'s place in the KV cache is not known")
+            base = t.data_ptr() + place.offset + place.layers.index(name) * place.layer_stride
+            stride = place.block_stride
+        if stride != self.geometry.page_bytes:
+            raise ValueError(f"kvstash: Mamba layer {name}'s blocks are {stride} bytes apart, not a page "
+                             f"({self.geometry.page_bytes}): a layer-compact KV-cache layout is needed")
+        return base
 
     @staticmethod
     def _current_stream() -> int:
@@ -1158,8 +1262,6 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if layer_name not in self._layer_index or not isinstance(meta, KvstashMetadata) or not meta.saves:
             return
-        if not self.geometry.saves_on(self._tp_rank):
-            return  # MLA, or heads several ranks hold: one of them stores them
         group, layer = self._layer_index[layer_name]
         if not self._saving:  # the step's first layer: every group's saves begin
             self._saving = True
@@ -1175,9 +1277,19 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvstash: saving layer %d of %s failed: %s", layer, run.req_id, e)
 
     def _begin_save(self, run: ChunkRun) -> None:
-        """Each group's save of the chunks of `run` it holds (a window's: those it still reads)."""
+        """Each group's save of the chunks of `run` it holds (a window's: those it still reads; a
+        Mamba group's: the state at the step's end, when it ended on a chunk's last token)."""
+        per_chunk = self.geometry.chunk_tokens // self.geometry.block_size
         for group, cache in enumerate(self._caches_for(run.salt)):
-            first, count = self._span(run, group)
+            if self.geometry.groups[group].state:
+                first, count = run.state_chunk, 1
+                blocks = run.block_ids[group][first * per_chunk:(first + 1) * per_chunk]
+                if first < run.first or not blocks or 0 in blocks:
+                    continue
+            elif not self.geometry.saves_on(self._tp_rank):
+                continue  # MLA, or heads several ranks hold: one of them stores them
+            else:
+                first, count = self._span(run, group)
             if count == 0:
                 continue
             try:
@@ -1191,6 +1303,15 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             self._saves.append((run, group, first, save))
 
     def wait_for_save(self):
+        # Mamba layers call no save_kv_layer: their group's layers are saved now, the step done.
+        after = self._after() if self._saves else None
+        for run, group, _, save in self._saves:
+            if self.geometry.groups[group].state:
+                for layer in range(len(self.geometry.groups[group].layers)):
+                    try:
+                        save.save_layer(layer, after=after)
+                    except kvstash.Error as e:
+                        logger.warning("kvstash: saving state layer %d of %s failed: %s", layer, run.req_id, e)
         for run, group, first, save in self._saves:
             saved = []
             for i, (code, message) in enumerate(save.wait()):
@@ -1216,8 +1337,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
             return
         g = self.geometry
-        keys = g.keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], self._primary() * g.head_groups(),
-                      run.salt, run.chunk_salts)
+        keys = g.group_keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], self._primary(), run.salt,
+                            run.chunk_salts)[::g.group_objects(self._primary())]
         items = [(keys[run.first + i], run.events[i]) for i in saved]
         if self._announcer is None:
             self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-announce")
