@@ -25,12 +25,14 @@ recomputes it; a failed save is a future miss.
 Config keys (``kv_connector_extra_config``), all optional: see ``KvstashConfig``.
 
 Hybrid models (SupportsHMA: vLLM's hybrid allocator stays on): each KV-cache group, full
-attention or a sliding window, is stored as objects of its own; a window's group only the
-chunks its window still reads (Group, Geometry.hit), and its loads run while the request
-waits, so that a failed one is the request's (vLLM takes no failed blocks with several groups).
+attention, a sliding window or Mamba state, is stored as objects of its own; a window's group
+only the chunks its window still reads, a Mamba group the state a step ended on (Group,
+Geometry.hit), and their loads run while the request waits, so that a failed one is the
+request's (vLLM takes no failed blocks with several groups).
 
 Limits, refused with a clear error rather than served wrong: KV-cache groups of another kind
-(Mamba and linear-attention state, chunked local attention, MLA beside other groups),
+(Mamba outside mamba_cache_mode "align" or with speculative blocks, chunked local attention,
+MLA beside other groups),
 block-compact layouts (each layer's blocks dense, as vLLM's default), pipeline stages that are
 not the model's hidden layers one KV cache each, a hybrid model with pipeline parallelism or the
 direct P/D path, KV scales computed at run time. A request whose LoRA adapter's files are not on
