@@ -141,19 +141,22 @@ def make_config(tp_size=1, extra=None, policy="recompute", batch_tokens=1024, ro
 WINDOW = 2 * BLOCK  # a hybrid model's sliding window: a hit reads its last two chunks of that group
 
 
-PAGE = BLOCK * HEADS * 2 * HEAD * 2  # bytes of a block of one layer: every group's page
+def page_bytes(heads=HEADS):
+    """Bytes of a block of one layer of `heads` KV heads (fp16): every group's page."""
+    return BLOCK * heads * 2 * HEAD * 2
 
 
 def make_kv_cache_config(mla=False, layers=tuple(LAYERS), heads=HEADS, hybrid=False, mamba=False):
     if mamba:  # a Mamba hybrid (Granite-4-, Nemotron-H-like): layer 0 a Mamba layer, layer 1 attention
         from vllm.v1.kv_cache_interface import KVCacheTensor, MambaSpec
 
+        page = page_bytes(heads)
         state = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16, 16)), dtypes=(DTYPE, DTYPE),
-                          page_size_padded=PAGE, mamba_cache_mode="align")
+                          page_size_padded=page, mamba_cache_mode="align")
         full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=DTYPE)
         # The Mamba layer's place in its backing buffer (vLLM 0.34 hands the layer the buffer).
-        place = KVCacheTensor(size=NUM_BLOCKS * PAGE, layers=[LAYERS[0]], layer_stride=NUM_BLOCKS * PAGE,
-                              block_stride=PAGE)
+        place = KVCacheTensor(size=NUM_BLOCKS * page, layers=[LAYERS[0]], layer_stride=NUM_BLOCKS * page,
+                              block_stride=page)
         return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[place],
                              kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], state),
                                               KVCacheGroupSpec([LAYERS[1]], full)])
@@ -191,6 +194,7 @@ class Engine:
         Mamba hybrid, layer 0 a Mamba layer (its state a page a block, vLLM's mamba_cache_mode
         "align"), layer 1 full attention."""
         self.mla, self.heads, self.hybrid, self.mamba = mla, heads, hybrid or mamba, mamba
+        self.page = page_bytes(heads)
         self.config = make_config(tp_size, extra, policy, batch_tokens, role, mla, pp_size, heads)
         if mamba:
             self.config.cache_config.mamba_cache_mode = "align"
@@ -213,7 +217,7 @@ class Engine:
                 shared = self.paged_cache()
                 caches = {name: shared if hybrid else self.paged_cache() for name in layers}
                 if mamba:  # the Mamba layer gets its backing buffer, as vLLM 0.34 hands it
-                    caches[LAYERS[0]] = torch.zeros(NUM_BLOCKS * PAGE, dtype=torch.int8)
+                    caches[LAYERS[0]] = torch.zeros(NUM_BLOCKS * self.page, dtype=torch.int8)
                 _with_rank(rank, lambda: w.register_kv_caches(caches))
                 self.workers.append((w, caches, rank))
 
@@ -244,7 +248,7 @@ class Engine:
                 if name not in caches:
                     continue  # another pipeline stage's
                 if self.mamba and i == 0:  # vLLM calls no connector hook around a Mamba layer
-                    self.compute_state(out, caches[name])
+                    self.compute_state(out, caches[name], rank)
                     continue
                 w.wait_for_layer_load(name)
                 self.compute(out, caches[name], i, rank)
@@ -304,7 +308,7 @@ class Engine:
     def saved(self):
         return sum(w._stats["chunks_saved"] for w, _, _ in self.workers)
 
-    def compute_state(self, out, buffer):
+    def compute_state(self, out, buffer, rank):
         """A Mamba layer's step, as vLLM's "align" mode keeps it: the state after the step's last
         token in the block of the group's table that holds that token."""
         for rid in out.num_scheduled_tokens:
@@ -313,7 +317,7 @@ class Engine:
             end = min(req.num_computed_tokens, len(req.all_token_ids))
             block = blocks[(end - 1) // BLOCK]
             assert block != 0, "the block holding the step's last token is not the null block"
-            buffer[block * PAGE:(block + 1) * PAGE] = state_page(req.all_token_ids[:end])
+            buffer[block * self.page:(block + 1) * self.page] = state_page(req.all_token_ids[:end], rank, self.page)
 
     def compute(self, out, cache, layer, rank):
         """Writes the KV of every token scheduled this step: a value of the token, its position,
@@ -334,12 +338,13 @@ class Engine:
                             req.all_token_ids[pos], pos, layer, rank * self.heads + h)
 
 
-def state_page(tokens):
-    """The Mamba state after `tokens`, as compute_state writes it: a page of bytes of their digest."""
+def state_page(tokens, rank=0, page=page_bytes()):
+    """Rank `rank`'s shard of the Mamba state after `tokens`, as compute_state writes it: a page of
+    bytes of their digest."""
     import hashlib
 
-    digest = hashlib.sha256(str(list(tokens)).encode()).digest()
-    return torch.frombuffer(bytearray(digest * (PAGE // len(digest))), dtype=torch.int8)
+    digest = hashlib.sha256(f"{rank}:{list(tokens)}".encode()).digest()
+    return torch.frombuffer(bytearray(digest * (page // len(digest))), dtype=torch.int8)
 
 
 def kv_value(token, pos, layer, head):
@@ -1189,7 +1194,7 @@ class VllmConnector(unittest.TestCase):
         state_blocks, full_blocks = fetches[0].block_ids
         self.assertEqual(state_blocks[:2], [0, 0], "vLLM keeps only the state at the hit's end")
         _, caches, _ = b.workers[0]
-        page = caches[LAYERS[0]][state_blocks[2] * PAGE:(state_blocks[2] + 1) * PAGE]
+        page = caches[LAYERS[0]][state_blocks[2] * b.page:(state_blocks[2] + 1) * b.page]
         self.assertTrue(torch.equal(page, state_page(prompt[:3 * BLOCK])), "the state after 3 chunks")
         for i in range(3):
             self.assertTrue(torch.equal(caches[LAYERS[1]][full_blocks[i]], expected_block(prompt, i, 1, 0)))
@@ -1202,6 +1207,27 @@ class VllmConnector(unittest.TestCase):
         out = c.step()
         self.assertEqual(out.kv_connector_metadata.fetches, [])
         self.assertEqual(out.num_scheduled_tokens["c"], 3 * BLOCK, "computed")
+
+    def test_a_mamba_hybrids_state_is_each_ranks_shard_and_no_other_degree_reads_it(self):
+        prompt = [83 + (i * 29) % 900 for i in range(2 * BLOCK + 3)]
+        a = Engine(mamba=True, tp_size=2)
+        a.run("a", prompt)
+        g = a.connector.geometry
+        states = g.group_keys(prompt, 0)
+        self.assertTrue(states[2].endswith(":h0+1/2") and states[3].endswith(":h1+1/2"), states[2])
+        store = kvstash.Store(URL, transports="shm,tcp")
+        self.assertEqual(store.contains_each(states), [False, False, True, True], "each rank's shard of chunk 1")
+        b = Engine(mamba=True, tp_size=2)
+        b.scheduler.add_request(b.request("b", prompt[:2 * BLOCK] + [5]))
+        fetch = b.step().kv_connector_metadata.fetches[0]
+        block = fetch.block_ids[0][1]
+        for _, caches, rank in b.workers:
+            self.assertTrue(torch.equal(caches[LAYERS[0]][block * b.page:(block + 1) * b.page],
+                                        state_page(prompt[:2 * BLOCK], rank)), f"rank {rank}'s shard")
+        # A TP=1 engine holds the whole state: the shards are not its object, it computes.
+        c = Engine(mamba=True, heads=2 * HEADS)
+        c.scheduler.add_request(c.request("c", prompt[:2 * BLOCK] + [5]))
+        self.assertEqual(c.step().kv_connector_metadata.fetches, [])
 
     def test_a_hybrid_models_failed_load_is_its_requests_and_vllm_computes_it_whole(self):
         shared = [67 + (i * 47) % 900 for i in range(3 * BLOCK)]
