@@ -13,6 +13,7 @@
 #include "metadata.h"
 #include "p2p.h"
 #include "peers.h"
+#include "replay_model.h"
 #include "serve.h"
 #include "store.h"
 #include "tier.h"
@@ -391,6 +392,26 @@ int main(int argc, char** argv) {
   cs->add_flag("--json", sums.json, "One JSON object per row");
   cs->footer("Example:\n  kvstash-bench checksum --bytes 256MiB --threads 2");
 
+  bench::ReplayBenchOptions replay;
+  auto* rp = app.add_subcommand(
+      "replay",
+      "A production trace (JSON lines of requests and their chained prompt blocks) through the in-process "
+      "model of each eviction policy at each capacity, Belady's offline rule as the bound: the token "
+      "and block hit rates a cell of that capacity would give");
+  rp->add_option("--trace", replay.trace, "The trace (../shared/traces/kimi-conversation.jsonl's format)")
+      ->required();
+  rp->add_option("--capacities", replay.capacities, "Cache capacities, in blocks")
+      ->delimiter(',')
+      ->capture_default_str();
+  rp->add_option("--requests", replay.requests, "The first N requests (0: all)")->capture_default_str();
+  rp->add_option("--block-tokens", replay.block_tokens, "Tokens a block of the trace holds")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
+  rp->add_flag("--json", replay.json, "One JSON object per row");
+  rp->footer(
+      "Example:\n  kvstash-bench replay --trace ../shared/traces/kimi-conversation.jsonl --capacities "
+      "2000,6000");
+
   bench::TierBenchOptions tier;
   std::string tier_bytes = "1GiB", tier_io = "4MiB";
   auto* ti = app.add_subcommand(
@@ -605,6 +626,7 @@ int main(int argc, char** argv) {
   if (sv->parsed()) return bench::run_serve(serve);
   if (md->parsed()) return bench::run_metadata(meta);
   if (cs->parsed()) return bench::run_checksum(sums);
+  if (rp->parsed()) return bench::run_replay(replay);
   if (ti->parsed() && tier_store_on) {
     tier_store.path = tier.path;
     tier_store.json = tier.json;

@@ -1,0 +1,97 @@
+// The in-process cache kvstash-bench replays traces through: prefix hits, LRU's order, Belady's
+// rule, against small traces worked out by hand, and the published figures of the production
+// trace in ../shared/traces where it is present.
+#include "replay_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+namespace kvstash::bench {
+namespace {
+
+TraceRequest request(std::vector<std::uint64_t> blocks, std::uint32_t tokens = 0) {
+  TraceRequest r;
+  r.input_tokens = tokens ? tokens : static_cast<std::uint32_t>(blocks.size() * 512);
+  r.blocks = std::move(blocks);
+  return r;
+}
+
+TEST(ReplayModel, APrefixHitsOnlyItsLeadingBlocksAndCountsTheirTokens) {
+  // The second request finds blocks 1 and 2; block 9 is new, so 4 (held) is past its prefix.
+  std::vector<TraceRequest> trace{request({1, 2, 4}), request({1, 2, 9, 4}, 3 * 512 + 100)};
+  const ModelResult r = replay_model(trace, 100, ReplayPolicy::kLru);
+  EXPECT_EQ(r.hit_tokens, 2u * 512);
+  EXPECT_EQ(r.prompt_tokens, 3u * 512 + 3 * 512 + 100);
+  EXPECT_EQ(r.blocks_saved, 4u);  // 1, 2, 4, then 9
+  EXPECT_EQ(r.evictions, 0u);
+  // A partial last block counts what the prompt has of it.
+  std::vector<TraceRequest> partial{request({5, 6}, 600), request({5, 6}, 600)};
+  EXPECT_EQ(replay_model(partial, 10, ReplayPolicy::kLru).hit_tokens, 600u);
+}
+
+TEST(ReplayModel, LruEvictsTheLeastRecentAndBeladyTheFarthestAhead) {
+  // Capacity 2, uses A B A C B C. LRU: A hits (its use renews it), C evicts B, B evicts A, C
+  // hits: 2 hits. Belady: A hits; at C, A is never used again: it goes; B and C hit: 3.
+  std::vector<TraceRequest> trace{request({10}), request({11}), request({10}),
+                                  request({12}), request({11}), request({12})};
+  const ModelResult lru = replay_model(trace, 2, ReplayPolicy::kLru);
+  EXPECT_EQ(lru.hit_tokens, 2u * 512);
+  EXPECT_EQ(lru.evictions, 2u);
+  const ModelResult belady = replay_model(trace, 2, ReplayPolicy::kBelady);
+  EXPECT_EQ(belady.hit_tokens, 3u * 512);
+  EXPECT_EQ(belady.evictions, 1u);
+  EXPECT_GT(belady.hit_rate(), lru.hit_rate());
+  EXPECT_EQ(replay_model(trace, 0, ReplayPolicy::kLru).hit_tokens, 0u) << "no capacity, no hit";
+  EXPECT_EQ(replay_model(trace, 3, ReplayPolicy::kLru).hit_tokens, 3u * 512) << "room for all";
+}
+
+TEST(ReplayModel, ReadsTheTraceFormatAndRefusesWhatIsNotIt) {
+  const std::string path = std::filesystem::temp_directory_path() / "kvstash-replay-model-test.jsonl";
+  {
+    std::ofstream out(path);
+    out << R"({"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]})"
+        << "\n"
+        << R"({"timestamp": 7, "input_length": 512, "output_length": 3, "hash_ids": [0]})"
+        << "\n";
+  }
+  auto t = read_trace(path);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_EQ(t->size(), 2u);
+  EXPECT_EQ((*t)[1].at_ms, 7u);
+  EXPECT_EQ((*t)[0].blocks, (std::vector<std::uint64_t>{0, 1}));
+  EXPECT_EQ(read_trace(path, 1)->size(), 1u);
+  {
+    std::ofstream out(path, std::ios::app);
+    out << R"({"timestamp": 9, "hash_ids": "x"})"
+        << "\n";
+  }
+  auto bad = read_trace(path);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status().to_string();
+  std::remove(path.c_str());
+}
+
+TEST(ReplayModel, TheProductionTraceGivesItsPublishedFigures) {
+  const std::string path = KVSTASH_TRACES_DIR "/kimi-conversation.jsonl";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no production trace at " << path;
+  auto trace = read_trace(path);
+  ASSERT_TRUE(trace.is_ok()) << trace.status().to_string();
+  ASSERT_EQ(trace->size(), 12031u);
+  // The trace's README (measured on the trace alone, in whole blocks), to its three decimals.
+  const struct {
+    std::uint64_t capacity;
+    double lru, belady;
+  } published[] = {{2000, 0.054, 0.255}, {6000, 0.139, 0.355}, {20000, 0.287, 0.366}};
+  for (const auto& p : published) {
+    EXPECT_NEAR(replay_model(*trace, p.capacity, ReplayPolicy::kLru).block_hit_rate(), p.lru, 0.0005)
+        << p.capacity;
+    EXPECT_NEAR(replay_model(*trace, p.capacity, ReplayPolicy::kBelady).block_hit_rate(), p.belady, 0.0005)
+        << p.capacity;
+  }
+}
+
+}  // namespace
+}  // namespace kvstash::bench
