@@ -2,11 +2,14 @@
 #include "replay_model.h"
 
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <limits>
 #include <list>
+#include <memory>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -52,65 +55,156 @@ std::uint64_t block_tokens_of(const TraceRequest& r, std::size_t i, std::uint32_
   return std::min<std::uint64_t>(block_tokens, r.input_tokens - before);
 }
 
-// The cache's order of eviction: LRU keeps a recency list, Belady a set ordered by next use.
+// A cache of blocks under one eviction policy. `next` is the step of the block's next use
+// (kNever: none), which only the offline rule reads.
 class Cache {
  public:
-  Cache(std::uint64_t capacity, ReplayPolicy policy) : capacity_(capacity), policy_(policy) {}
+  virtual ~Cache() = default;
+  virtual bool contains(std::uint64_t block) const = 0;
+  // A hit, or a block past a request's first miss that the cache holds: used now.
+  virtual void use(std::uint64_t block, std::uint64_t next) = 0;
+  // A miss saved, evicting first when full (each eviction counted).
+  virtual void insert(std::uint64_t block, std::uint64_t next, std::uint64_t& evictions) = 0;
+};
 
-  bool contains(std::uint64_t block) const { return where_.contains(block); }
-
-  // A hit: the block was used now (at step `now`) and is next used at `next`.
-  void use(std::uint64_t block, std::uint64_t next) {
-    auto it = where_.find(block);
-    if (policy_ == ReplayPolicy::kLru) {
-      recency_.splice(recency_.end(), recency_, it->second.lru);
-    } else {
-      ahead_.erase({it->second.next, block});
-      it->second.next = next;
-      ahead_.insert({next, block});
-    }
+// Evicts the block used longest ago.
+class LruCache final : public Cache {
+ public:
+  explicit LruCache(std::uint64_t capacity) : capacity_(capacity) {}
+  bool contains(std::uint64_t block) const override { return where_.contains(block); }
+  void use(std::uint64_t block, std::uint64_t) override {
+    recency_.splice(recency_.end(), recency_, where_.at(block));
   }
-
-  // A miss saved: evicts first when full. Returns whether the block is kept (Belady keeps no
-  // block used later than every cached one) and counts evictions.
-  bool insert(std::uint64_t block, std::uint64_t next, std::uint64_t& evictions) {
-    if (capacity_ == 0) return false;
+  void insert(std::uint64_t block, std::uint64_t, std::uint64_t& evictions) override {
+    if (capacity_ == 0) return;
     if (where_.size() >= capacity_) {
-      std::uint64_t victim = 0;
-      if (policy_ == ReplayPolicy::kLru) {
-        victim = recency_.front();
-        recency_.pop_front();
-      } else {
-        auto last = std::prev(ahead_.end());
-        if (last->first <= next) return false;  // the incoming block is used farthest ahead
-        victim = last->second;
-        ahead_.erase(last);
-      }
-      where_.erase(victim);
+      where_.erase(recency_.front());
+      recency_.pop_front();
       ++evictions;
     }
-    Entry e;
-    if (policy_ == ReplayPolicy::kLru) {
-      e.lru = recency_.insert(recency_.end(), block);
-    } else {
-      e.next = next;
-      ahead_.insert({next, block});
-    }
-    where_.emplace(block, e);
-    return true;
+    where_.emplace(block, recency_.insert(recency_.end(), block));
   }
 
  private:
-  struct Entry {
-    std::list<std::uint64_t>::iterator lru;
-    std::uint64_t next = kNever;
-  };
   std::uint64_t capacity_;
-  ReplayPolicy policy_;
-  std::unordered_map<std::uint64_t, Entry> where_;
-  std::list<std::uint64_t> recency_;                         // LRU: least recent first
-  std::set<std::pair<std::uint64_t, std::uint64_t>> ahead_;  // Belady: (next use, block)
+  std::list<std::uint64_t> recency_;  // least recent first
+  std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where_;
 };
+
+// Offline: evicts the block used farthest ahead, the incoming one included (then it is not kept).
+class BeladyCache final : public Cache {
+ public:
+  explicit BeladyCache(std::uint64_t capacity) : capacity_(capacity) {}
+  bool contains(std::uint64_t block) const override { return next_.contains(block); }
+  void use(std::uint64_t block, std::uint64_t next) override {
+    auto it = next_.find(block);
+    ahead_.erase({it->second, block});
+    it->second = next;
+    ahead_.insert({next, block});
+  }
+  void insert(std::uint64_t block, std::uint64_t next, std::uint64_t& evictions) override {
+    if (capacity_ == 0) return;
+    if (next_.size() >= capacity_) {
+      auto last = std::prev(ahead_.end());
+      if (last->first <= next) return;  // the incoming block is used farthest ahead
+      next_.erase(last->second);
+      ahead_.erase(last);
+      ++evictions;
+    }
+    next_.emplace(block, next);
+    ahead_.insert({next, block});
+  }
+
+ private:
+  std::uint64_t capacity_;
+  std::unordered_map<std::uint64_t, std::uint64_t> next_;    // block -> its next use
+  std::set<std::pair<std::uint64_t, std::uint64_t>> ahead_;  // (next use, block)
+};
+
+// S3-FIFO (Yang et al., SOSP 2023): a small FIFO (a tenth of the capacity) that new blocks
+// enter, a main FIFO for blocks used again while in it (or remembered by the ghost FIFO of
+// blocks the small one evicted), each block's use count (up to 3) buying it another pass
+// through the main FIFO.
+class S3FifoCache final : public Cache {
+ public:
+  explicit S3FifoCache(std::uint64_t capacity)
+      : capacity_(capacity), small_cap_(std::max<std::uint64_t>(1, capacity / 10)) {}
+  bool contains(std::uint64_t block) const override { return freq_.contains(block); }
+  void use(std::uint64_t block, std::uint64_t) override {
+    auto& f = freq_.at(block);
+    f = std::min(f + 1, 3);
+  }
+  void insert(std::uint64_t block, std::uint64_t, std::uint64_t& evictions) override {
+    if (capacity_ == 0) return;
+    while (freq_.size() >= capacity_) evict(evictions);
+    freq_.emplace(block, 0);
+    if (ghost_set_.erase(block)) {
+      main_.push_back(block);
+    } else {
+      small_.push_back(block);
+    }
+  }
+
+ private:
+  void evict(std::uint64_t& evictions) {
+    if (small_.size() >= small_cap_ || main_.empty()) {
+      evict_small(evictions);
+    } else {
+      evict_main(evictions);
+    }
+  }
+  void evict_small(std::uint64_t& evictions) {
+    while (!small_.empty()) {
+      const std::uint64_t tail = small_.front();
+      small_.pop_front();
+      if (freq_.at(tail) > 1) {  // used again while new: it stays, in the main FIFO
+        main_.push_back(tail);
+        if (main_.size() > capacity_ - small_cap_) evict_main(evictions);
+        continue;
+      }
+      freq_.erase(tail);
+      remember(tail);
+      ++evictions;
+      return;
+    }
+  }
+  void evict_main(std::uint64_t& evictions) {
+    while (!main_.empty()) {
+      const std::uint64_t tail = main_.front();
+      main_.pop_front();
+      if (auto& f = freq_.at(tail); f > 0) {
+        --f;
+        main_.push_back(tail);
+        continue;
+      }
+      freq_.erase(tail);
+      ++evictions;
+      return;
+    }
+  }
+  void remember(std::uint64_t block) {
+    ghost_.push_back(block);
+    ghost_set_.insert(block);
+    while (ghost_.size() > capacity_ - small_cap_) {
+      ghost_set_.erase(ghost_.front());
+      ghost_.pop_front();
+    }
+  }
+
+  std::uint64_t capacity_, small_cap_;
+  std::unordered_map<std::uint64_t, int> freq_;     // the blocks held, each with its use count
+  std::deque<std::uint64_t> small_, main_, ghost_;  // oldest first
+  std::unordered_set<std::uint64_t> ghost_set_;
+};
+
+std::unique_ptr<Cache> make_cache(ReplayPolicy policy, std::uint64_t capacity) {
+  switch (policy) {
+    case ReplayPolicy::kBelady: return std::make_unique<BeladyCache>(capacity);
+    case ReplayPolicy::kS3Fifo: return std::make_unique<S3FifoCache>(capacity);
+    case ReplayPolicy::kLru: break;
+  }
+  return std::make_unique<LruCache>(capacity);
+}
 
 }  // namespace
 
@@ -130,24 +224,24 @@ ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capa
     }
   }
   ModelResult out;
-  Cache cache(capacity_blocks, policy);
+  const std::unique_ptr<Cache> cache = make_cache(policy, capacity_blocks);
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
     out.prompt_tokens += r.input_tokens;
     std::size_t hit = 0;
-    while (hit < r.blocks.size() && cache.contains(r.blocks[hit])) ++hit;
+    while (hit < r.blocks.size() && cache->contains(r.blocks[hit])) ++hit;
     out.hit_blocks += hit;
     out.block_uses += r.blocks.size();
     for (std::size_t b = 0; b < r.blocks.size(); ++b) {
       const std::uint64_t next = policy == ReplayPolicy::kBelady ? next_use[i][b] : kNever;
       if (b < hit) {
         out.hit_tokens += block_tokens_of(r, b, block_tokens);
-        cache.use(r.blocks[b], next);
-      } else if (!cache.contains(r.blocks[b])) {
+        cache->use(r.blocks[b], next);
+      } else if (!cache->contains(r.blocks[b])) {
         ++out.blocks_saved;
-        cache.insert(r.blocks[b], next, out.evictions);
+        cache->insert(r.blocks[b], next, out.evictions);
       } else {
-        cache.use(r.blocks[b], next);  // past the first miss: computed, but the cache holds it
+        cache->use(r.blocks[b], next);  // past the first miss: computed, but the cache holds it
       }
     }
   }
@@ -172,8 +266,10 @@ int run_replay(const ReplayBenchOptions& o) {
   }
   for (std::uint64_t capacity : o.capacities) {
     const ModelResult lru = replay_model(*trace, capacity, ReplayPolicy::kLru, o.block_tokens);
+    const ModelResult s3fifo = replay_model(*trace, capacity, ReplayPolicy::kS3Fifo, o.block_tokens);
     const ModelResult belady = replay_model(*trace, capacity, ReplayPolicy::kBelady, o.block_tokens);
-    for (const auto& [name, r] : {std::pair{"lru", lru}, std::pair{"belady", belady}}) {
+    for (const auto& [name, r] :
+         {std::pair{"lru", lru}, std::pair{"s3-fifo", s3fifo}, std::pair{"belady", belady}}) {
       const double x_lru = lru.hit_rate() > 0 ? r.hit_rate() / lru.hit_rate() : 0.0;
       const double of_belady = belady.hit_rate() > 0 ? r.hit_rate() / belady.hit_rate() : 0.0;
       if (o.json) {

@@ -29,6 +29,7 @@ Result<std::vector<TraceRequest>> read_trace(const std::string& path, std::size_
 enum class ReplayPolicy : std::uint8_t {
   kLru,     // evict the block used longest ago
   kBelady,  // offline: evict the block (the incoming one included) used farthest ahead
+  kS3Fifo,  // S3-FIFO: a small FIFO for new blocks, a main one for blocks used again, a ghost
 };
 
 struct ModelResult {

@@ -48,6 +48,24 @@ TEST(ReplayModel, LruEvictsTheLeastRecentAndBeladyTheFarthestAhead) {
   EXPECT_EQ(replay_model(trace, 3, ReplayPolicy::kLru).hit_tokens, 3u * 512) << "room for all";
 }
 
+TEST(ReplayModel, S3FifoKeepsAReusedSetThatOneShotBlocksFlushOutOfLru) {
+  // Capacity 10: five blocks used again and again, six new blocks between their uses. LRU sees
+  // 11 blocks between two uses of one and never hits; S3-FIFO lets the new ones pass through
+  // its small FIFO and keeps the five, remembered by its ghost, in the main one.
+  std::vector<TraceRequest> trace;
+  std::uint64_t fresh = 1000;
+  for (int round = 0; round < 20; ++round) {
+    for (std::uint64_t hot = 1; hot <= 5; ++hot) trace.push_back(request({hot}));
+    for (int i = 0; i < 6; ++i) trace.push_back(request({fresh++}));
+  }
+  EXPECT_EQ(replay_model(trace, 10, ReplayPolicy::kLru).hit_blocks, 0u);
+  const ModelResult s3 = replay_model(trace, 10, ReplayPolicy::kS3Fifo);
+  EXPECT_GE(s3.hit_blocks, 5u * 17) << "the five hit from the third round on";
+  EXPECT_LE(s3.hit_blocks, 5u * 19);
+  EXPECT_LE(s3.hit_rate(), replay_model(trace, 10, ReplayPolicy::kBelady).hit_rate());
+  EXPECT_EQ(replay_model(trace, 0, ReplayPolicy::kS3Fifo).hit_blocks, 0u);
+}
+
 TEST(ReplayModel, ReadsTheTraceFormatAndRefusesWhatIsNotIt) {
   const std::string path = std::filesystem::temp_directory_path() / "kvstash-replay-model-test.jsonl";
   {
