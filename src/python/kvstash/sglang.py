@@ -261,10 +261,11 @@ class KvstashHiCacheStorage(HiCacheStorage):
             final = min(final, cut)
         return PoolTransferResult(final, hits)
 
-    def _move_v2(self, transfers: list, move: Any, skip_stored: bool = False) -> dict[str, list[bool]]:
-        """Each transfer's pages moved by `move` (a cell key, the page's buffers); with
-        `skip_stored`, those the cell holds already (one round trip a pool) count as moved."""
-        out = {}
+    def _move_v2(self, transfers: list, move: Any, skip_stored: bool = False) -> tuple[dict[str, list[bool]], int]:
+        """Each transfer's pages moved by `move` (a cell key, the page's buffers), and how many
+        were skipped: with `skip_stored`, those the cell holds already (one round trip a pool)
+        count as moved."""
+        out, skipped = {}, 0
         for t in transfers:
             keys = self._pool_keys(t.name, list(t.keys or []))
             if not keys:
@@ -277,16 +278,16 @@ class KvstashHiCacheStorage(HiCacheStorage):
                     done = self.store.contains_each(keys, timeout_ms=self.config.timeout_ms)
                 except kvstash.Error as e:
                     logger.warning("kvstash: exists of %d pages failed, storing them all: %s", len(keys), e)
-                self.stats["pages_existed"] += sum(done)
+                skipped += sum(done)
             todo = [i for i, ok in enumerate(done) if not ok]
             for i, ok in zip(todo, self._io.map(move, [keys[i] for i in todo], [pages[i] for i in todo])):
                 done[i] = ok
             out[t.name] = done
-        return out
+        return out, skipped
 
     def batch_get_v2(self, transfers: list, extra_info: Any = None) -> dict[str, list[bool]]:
         """Each pool's pages into its host pool's slots; per pool, which arrived."""
-        done = self._move_v2(transfers, self._get_key)
+        done, _ = self._move_v2(transfers, self._get_key)
         got = sum(sum(v) for v in done.values())
         self.stats["pages_got"] += got
         self.stats["pages_get_failed"] += sum(len(v) for v in done.values()) - got
@@ -295,10 +296,10 @@ class KvstashHiCacheStorage(HiCacheStorage):
     def batch_set_v2(self, transfers: list, extra_info: Any = None) -> dict[str, list[bool]]:
         """Each pool's pages from its host pool into the cell (those stored already are not put
         again); per pool, which are stored."""
-        existed = self.stats["pages_existed"]
-        done = self._move_v2(transfers, self._put_key, skip_stored=True)
+        done, existed = self._move_v2(transfers, self._put_key, skip_stored=True)
         stored = sum(sum(v) for v in done.values())
-        self.stats["pages_set"] += stored - (self.stats["pages_existed"] - existed)
+        self.stats["pages_existed"] += existed
+        self.stats["pages_set"] += stored - existed
         self.stats["pages_set_failed"] += sum(len(v) for v in done.values()) - stored
         return done
 

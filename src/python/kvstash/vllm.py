@@ -294,10 +294,8 @@ class Geometry:
                 raise ValueError(f"kvstash: KV-cache group {i} ({kind}, layers {layers[:4]}...) is not one kvstash "
                                  "stores: it stores full-attention, sliding-window and Mamba groups (chunked local "
                                  "attention, MLA with other groups and any other kind are not served)")
-            mine = [getattr(spec, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
-                                                     "page_size_bytes")]
-            theirs = [getattr(first, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
-                                                        "page_size_bytes")]
+            mine, theirs = ([getattr(s, a, None) for a in ("block_size", "num_kv_heads", "head_size", "dtype",
+                                                           "page_size_bytes")] for s in (spec, first))
             if mine != theirs:
                 raise ValueError(f"kvstash: KV-cache group {i} ({kind}) has blocks of another shape than the first "
                                  f"attention group's (block size, KV heads, head size, dtype, page bytes: {mine} vs "
@@ -666,7 +664,6 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         self._caches: OrderedDict[str, list[kvstash.KvCache]] = OrderedDict()  # by request salt; "" first
         self._tensors: list[list[Any]] = []  # each KV-cache group's layers' tensors
         self._pointers: list[list[int]] = []  # and where each layer's block 0 is
-        self._kv_config = kv_cache_config
         self._layer_index: dict[str, tuple[int, int]] = {}  # layer -> (its group, its index there)
         self._tp_rank = 0
         self._stage = 0  # pipeline parallelism: the stage whose layers this worker holds
@@ -832,16 +829,22 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                 raise RuntimeError(f"kvstash: vLLM allocated {num_external_tokens} external tokens for "
                                    f"{request.request_id}, the lookup offered {external}")
             chunk = self.geometry.chunk_tokens
-            t.load = (computed // chunk, external // chunk)
-            self._stats["chunks_found"] += external // chunk
+            first, count = computed // chunk, external // chunk
+            self._stats["chunks_found"] += count
             if self.geometry.hybrid():  # loaded now, while the request waits (KvstashMetadata.fetches)
-                first, count = t.load
-                end = (first + count) * chunk
-                per_block = self.geometry.block_size
-                self._to_fetch.append(ChunkRun(request.request_id, list(request.all_token_ids[:end]),
-                                              [list(b[: end // per_block]) for b in blocks.get_block_ids()],
-                                              first, count, *self._naming(request)))
-                t.load = None
+                self._to_fetch.append(self._run(request.request_id, request.all_token_ids, blocks.get_block_ids(),
+                                                first, count, self._naming(request)))
+            else:
+                t.load = (first, count)
+
+    def _run(self, req_id: str, tokens: Any, block_ids: Any, first: int, count: int,
+             naming: tuple[str, list[bytes]], **more: Any) -> ChunkRun:
+        """Chunks [first, first + count) of a request: its tokens and each group's blocks up to
+        their end."""
+        end = (first + count) * self.geometry.chunk_tokens
+        blocks = end // self.geometry.block_size
+        return ChunkRun(req_id, list(tokens[:end]), [list(b[:blocks]) for b in block_ids], first, count, *naming,
+                        **more)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvstashMetadata(reads=self._reads, holds=self._holds, fetches=self._to_fetch)
@@ -877,10 +880,7 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             naming = self._naming(t.request)
             assert naming is not None  # tracked only when named
             if t.load is not None:
-                first, count = t.load
-                end = (first + count) * chunk
-                meta.loads.append(ChunkRun(req_id, list(tokens[:end]), [b[: end // per_block] for b in t.block_ids],
-                                           first, count, *naming))
+                meta.loads.append(self._run(req_id, tokens, t.block_ids, *t.load, naming))
                 t.load = None
             # The chunks whose every token has its KV in the cache once this step ran.
             ready = min(after, len(tokens)) // chunk
@@ -898,11 +898,9 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                     self._stats["chunks_already_stored"] += found - t.stored
                     t.stored = found
             if ready > t.stored:
-                end = ready * chunk
-                meta.saves.append(ChunkRun(req_id, list(tokens[:end]), [b[: end // per_block] for b in t.block_ids],
-                                           t.stored, ready - t.stored, *naming,
-                                           events=self._chunk_events(t.request, t.stored, ready - t.stored),
-                                           state_chunk=ready - 1 if after == end else -1))
+                meta.saves.append(self._run(req_id, tokens, t.block_ids, t.stored, ready - t.stored, naming,
+                                            events=self._chunk_events(t.request, t.stored, ready - t.stored),
+                                            state_chunk=ready - 1 if after == ready * chunk else -1))
                 t.stored = ready
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._tracked:
@@ -1160,8 +1158,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(t, (list, tuple)):
             base, stride = t[0].data_ptr(), t[0].stride(0) * t[0].element_size()
         else:
-            place = next((x for x in self._kv_config.kv_cache_tensors if name in (getattr(x, "layers", None) or ())),
-                         None)
+            tensors = self._kv_cache_config.kv_cache_tensors
+            place = next((x for x in tensors if name in (getattr(x, "layers", None) or ())), None)
             if place is None or not hasattr(place, "block_stride"):
                 raise ValueError(f"kvstash: Mamba layer {name}'s place in the KV cache is not known")
             base = t.data_ptr() + place.offset + place.layers.index(name) * place.layer_stride
@@ -1381,7 +1379,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         (vLLM computes them from the start); all of them are finished receiving."""
         failed = set()
         for req_id, (loads, unfilled) in self._fetches.items():
-            if unfilled or any([self._end_load(*load) for load in loads]):
+            missed = [self._end_load(*load) for load in loads]  # every load ended, not the first failed
+            if unfilled or any(missed):
                 failed.add(req_id)
         self._fetches.clear()
         return failed
