@@ -13,7 +13,7 @@
 #include "metadata.h"
 #include "p2p.h"
 #include "peers.h"
-#include "replay_model.h"
+#include "replay.h"
 #include "serve.h"
 #include "store.h"
 #include "tier.h"
@@ -393,11 +393,13 @@ int main(int argc, char** argv) {
   cs->footer("Example:\n  kvstash-bench checksum --bytes 256MiB --threads 2");
 
   bench::ReplayBenchOptions replay;
+  std::string replay_block_bytes = "16KiB", replay_transport = "shm", replay_saves = "connector";
   auto* rp = app.add_subcommand(
       "replay",
-      "A production trace (JSON lines of requests and their chained prompt blocks) through the in-process "
-      "model of each eviction policy at each capacity, Belady's offline rule as the bound: the token "
-      "and block hit rates a cell of that capacity would give");
+      "A production trace (JSON lines of requests and their chained prompt blocks) through a real cell "
+      "(a private Redis and kvstashd on loopback), each request's prefix lookup, loads and saves as a "
+      "connector makes them, beside the in-process model of each eviction policy at the same capacity, "
+      "Belady's offline rule as the bound: token hit rates, latencies, bytes moved and a TTFT estimate");
   rp->add_option("--trace", replay.trace, "The trace (../shared/traces/kimi-conversation.jsonl's format)")
       ->required();
   rp->add_option("--capacities", replay.capacities, "Cache capacities, in blocks")
@@ -407,10 +409,36 @@ int main(int argc, char** argv) {
   rp->add_option("--block-tokens", replay.block_tokens, "Tokens a block of the trace holds")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1u << 20));
+  rp->add_option(
+        "--saves", replay_saves,
+        "connector: only whole blocks are looked up and saved, every block from the hit on is put "
+        "(as kvstash's connectors do); every-block: the partial last block too, a held block not put "
+        "again (as the trace's README counts)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"connector", "every-block"}));
+  rp->add_flag("--model-only", replay.model_only, "The model's rows alone: no cell");
+  rp->add_option("--block-bytes", replay_block_bytes,
+                 "Bytes of a block in the cell (a power of two: one page of the node)")
+      ->capture_default_str();
+  rp->add_option("--transport", replay_transport, "shm, tcp or ucx")->capture_default_str();
+  rp->add_option("--speed", replay.speed,
+                 "Issue requests at the trace's times divided by this (0: each as soon as the last ended)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  rp->add_option("--prefill-tokens-per-s", replay.prefill_tokens_per_s,
+                 "The TTFT estimate's prefill speed, in tokens per second")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  rp->add_option(
+        "--kv-bytes-per-token", replay.kv_bytes_per_token,
+        "The TTFT estimate's KV bytes per token (131072: an 8B model of 32 layers, 8 KV heads, bf16)")
+      ->capture_default_str();
   rp->add_flag("--json", replay.json, "One JSON object per row");
+  rp->add_option("--plot", replay.plot, "Write an SVG of the token hit rate over capacity (gnuplot)");
   rp->footer(
-      "Example:\n  kvstash-bench replay --trace ../shared/traces/kimi-conversation.jsonl --capacities "
-      "2000,6000");
+      "Examples:\n  kvstash-bench replay --trace ../shared/traces/kimi-conversation.jsonl\n"
+      "  kvstash-bench replay --trace ../shared/traces/kimi-conversation.jsonl --model-only --capacities "
+      "1000,2000,4000,6000,10000,20000,40000 --plot hit-rate.svg");
 
   bench::TierBenchOptions tier;
   std::string tier_bytes = "1GiB", tier_io = "4MiB";
@@ -546,6 +574,18 @@ int main(int argc, char** argv) {
       churn.transport = kinds.front();
     }
     if (kc->parsed()) kvc.transports = parse_transports(kvc_transports);
+    if (rp->parsed()) {
+      const auto kinds = parse_transports(replay_transport);
+      if (kinds.size() != 1) throw CLI::ValidationError("--transport", "one of shm, tcp, ucx");
+      replay.transport = kinds.front();
+      auto bytes = units::parse_size(replay_block_bytes);
+      if (!bytes.is_ok() || *bytes == 0 || (*bytes & (*bytes - 1)) != 0) {
+        throw CLI::ValidationError("--block-bytes", "a power of two, such as 16KiB");
+      }
+      replay.block_bytes = *bytes;
+      replay.saves =
+          replay_saves == "connector" ? bench::ReplaySaves::kConnector : bench::ReplaySaves::kEveryBlock;
+    }
     if (sv->parsed()) {
       const auto kinds = parse_transports(serve_transport);
       if (kinds.size() != 1) throw CLI::ValidationError("--transport", "one of shm, tcp, ucx");

@@ -173,4 +173,14 @@ Status plot_over_time(const std::string& path, const std::string& title, const s
   return run_gnuplot(path, script + series_lines(series));
 }
 
+Status plot_xy(const std::string& path, const std::string& title, const std::string& xlabel,
+               const std::string& ylabel, const std::vector<PlotSeries>& series) {
+  if (no_points(series)) return Status::invalid_argument("nothing to plot: no row was measured");
+  std::string script = script_head(path, title);
+  fmt::format_to(std::back_inserter(script),
+                 "set xlabel {}\nset ylabel {}\nset logscale x 10\nset yrange [0:*]\n", quoted(xlabel),
+                 quoted(ylabel));
+  return run_gnuplot(path, script + series_lines(series));
+}
+
 }  // namespace kvstash::bench

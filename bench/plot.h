@@ -36,4 +36,9 @@ Status plot_gbps(const std::string& path, const std::string& title, const std::v
 Status plot_over_time(const std::string& path, const std::string& title, const std::string& ylabel,
                       const std::vector<PlotSeries>& series);
 
+// As plot_gbps, for any y over any x: x on a logarithmic axis (capacities that span decades),
+// y linear from 0, each labelled.
+Status plot_xy(const std::string& path, const std::string& title, const std::string& xlabel,
+               const std::string& ylabel, const std::vector<PlotSeries>& series);
+
 }  // namespace kvstash::bench

@@ -1,7 +1,6 @@
 // The in-process cache a trace replays through (replay_model.h).
 #include "replay_model.h"
 
-#include <cstdio>
 #include <deque>
 #include <fstream>
 #include <limits>
@@ -14,6 +13,16 @@
 #include <nlohmann/json.hpp>
 
 namespace kvstash::bench {
+
+const char* policy_name(ReplayPolicy policy) {
+  switch (policy) {
+    case ReplayPolicy::kBelady: return "belady";
+    case ReplayPolicy::kS3Fifo: return "s3-fifo";
+    case ReplayPolicy::kArc: return "arc";
+    case ReplayPolicy::kLru: break;
+  }
+  return "lru";
+}
 
 Result<std::vector<TraceRequest>> read_trace(const std::string& path, std::size_t limit) {
   std::ifstream in(path);
@@ -55,40 +64,66 @@ std::uint64_t block_tokens_of(const TraceRequest& r, std::size_t i, std::uint32_
   return std::min<std::uint64_t>(block_tokens, r.input_tokens - before);
 }
 
+// Blocks in an order, oldest first: LRU's recency, ARC's lists and their ghosts.
+class Ordered {
+ public:
+  bool contains(std::uint64_t block) const { return where_.contains(block); }
+  std::size_t size() const { return where_.size(); }
+  bool empty() const { return where_.empty(); }
+  std::uint64_t oldest() const { return order_.front(); }
+  void push_newest(std::uint64_t block) { where_.emplace(block, order_.insert(order_.end(), block)); }
+  void make_newest(std::uint64_t block) { order_.splice(order_.end(), order_, where_.at(block)); }
+  void erase(std::uint64_t block) {
+    auto it = where_.find(block);
+    order_.erase(it->second);
+    where_.erase(it);
+  }
+  std::uint64_t pop_oldest() {
+    const std::uint64_t block = order_.front();
+    erase(block);
+    return block;
+  }
+
+ private:
+  std::list<std::uint64_t> order_;
+  std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where_;
+};
+
 // A cache of blocks under one eviction policy. `next` is the step of the block's next use
 // (kNever: none), which only the offline rule reads.
 class Cache {
  public:
   virtual ~Cache() = default;
   virtual bool contains(std::uint64_t block) const = 0;
+  virtual std::uint64_t size() const = 0;
   // A hit, or a block past a request's first miss that the cache holds: used now.
   virtual void use(std::uint64_t block, std::uint64_t next) = 0;
-  // A miss saved, evicting first when full (each eviction counted).
+  // A block the cache does not hold saved, evicting first when full (each eviction counted).
   virtual void insert(std::uint64_t block, std::uint64_t next, std::uint64_t& evictions) = 0;
+  // Evicts the block the policy would evict for a put now (the cache is not empty).
+  virtual void evict_one(std::uint64_t& evictions) = 0;
 };
 
 // Evicts the block used longest ago.
 class LruCache final : public Cache {
  public:
   explicit LruCache(std::uint64_t capacity) : capacity_(capacity) {}
-  bool contains(std::uint64_t block) const override { return where_.contains(block); }
-  void use(std::uint64_t block, std::uint64_t) override {
-    recency_.splice(recency_.end(), recency_, where_.at(block));
-  }
+  bool contains(std::uint64_t block) const override { return recency_.contains(block); }
+  std::uint64_t size() const override { return recency_.size(); }
+  void use(std::uint64_t block, std::uint64_t) override { recency_.make_newest(block); }
   void insert(std::uint64_t block, std::uint64_t, std::uint64_t& evictions) override {
     if (capacity_ == 0) return;
-    if (where_.size() >= capacity_) {
-      where_.erase(recency_.front());
-      recency_.pop_front();
-      ++evictions;
-    }
-    where_.emplace(block, recency_.insert(recency_.end(), block));
+    if (recency_.size() >= capacity_) evict_one(evictions);
+    recency_.push_newest(block);
+  }
+  void evict_one(std::uint64_t& evictions) override {
+    recency_.pop_oldest();
+    ++evictions;
   }
 
  private:
   std::uint64_t capacity_;
-  std::list<std::uint64_t> recency_;  // least recent first
-  std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where_;
+  Ordered recency_;
 };
 
 // Offline: evicts the block used farthest ahead, the incoming one included (then it is not kept).
@@ -96,6 +131,7 @@ class BeladyCache final : public Cache {
  public:
   explicit BeladyCache(std::uint64_t capacity) : capacity_(capacity) {}
   bool contains(std::uint64_t block) const override { return next_.contains(block); }
+  std::uint64_t size() const override { return next_.size(); }
   void use(std::uint64_t block, std::uint64_t next) override {
     auto it = next_.find(block);
     ahead_.erase({it->second, block});
@@ -105,14 +141,17 @@ class BeladyCache final : public Cache {
   void insert(std::uint64_t block, std::uint64_t next, std::uint64_t& evictions) override {
     if (capacity_ == 0) return;
     if (next_.size() >= capacity_) {
-      auto last = std::prev(ahead_.end());
-      if (last->first <= next) return;  // the incoming block is used farthest ahead
-      next_.erase(last->second);
-      ahead_.erase(last);
-      ++evictions;
+      if (std::prev(ahead_.end())->first <= next) return;  // the incoming block is used farthest ahead
+      evict_one(evictions);
     }
     next_.emplace(block, next);
     ahead_.insert({next, block});
+  }
+  void evict_one(std::uint64_t& evictions) override {
+    auto last = std::prev(ahead_.end());
+    next_.erase(last->second);
+    ahead_.erase(last);
+    ++evictions;
   }
 
  private:
@@ -130,13 +169,14 @@ class S3FifoCache final : public Cache {
   explicit S3FifoCache(std::uint64_t capacity)
       : capacity_(capacity), small_cap_(std::max<std::uint64_t>(1, capacity / 10)) {}
   bool contains(std::uint64_t block) const override { return freq_.contains(block); }
+  std::uint64_t size() const override { return freq_.size(); }
   void use(std::uint64_t block, std::uint64_t) override {
     auto& f = freq_.at(block);
     f = std::min(f + 1, 3);
   }
   void insert(std::uint64_t block, std::uint64_t, std::uint64_t& evictions) override {
     if (capacity_ == 0) return;
-    while (freq_.size() >= capacity_) evict(evictions);
+    while (freq_.size() >= capacity_) evict_one(evictions);
     freq_.emplace(block, 0);
     if (ghost_set_.erase(block)) {
       main_.push_back(block);
@@ -144,15 +184,15 @@ class S3FifoCache final : public Cache {
       small_.push_back(block);
     }
   }
-
- private:
-  void evict(std::uint64_t& evictions) {
+  void evict_one(std::uint64_t& evictions) override {
     if (small_.size() >= small_cap_ || main_.empty()) {
       evict_small(evictions);
     } else {
       evict_main(evictions);
     }
   }
+
+ private:
   void evict_small(std::uint64_t& evictions) {
     while (!small_.empty()) {
       const std::uint64_t tail = small_.front();
@@ -197,106 +237,142 @@ class S3FifoCache final : public Cache {
   std::unordered_set<std::uint64_t> ghost_set_;
 };
 
+// ARC (Megiddo and Modha, FAST 2003): T1 holds blocks used once lately, T2 blocks used at least
+// twice, each in LRU order; B1 and B2 remember the blocks evicted from each (names only). A
+// miss found in B1 says T1 was too small (its target share p grows), one in B2 that T2 was.
+class ArcCache final : public Cache {
+ public:
+  explicit ArcCache(std::uint64_t capacity) : c_(capacity) {}
+  bool contains(std::uint64_t block) const override { return t1_.contains(block) || t2_.contains(block); }
+  std::uint64_t size() const override { return t1_.size() + t2_.size(); }
+  void use(std::uint64_t block, std::uint64_t) override {
+    if (t1_.contains(block)) {
+      t1_.erase(block);
+      t2_.push_newest(block);
+    } else {
+      t2_.make_newest(block);
+    }
+  }
+  void insert(std::uint64_t block, std::uint64_t, std::uint64_t& evictions) override {
+    if (c_ == 0) return;
+    const double c = static_cast<double>(c_);
+    if (b1_.contains(block)) {
+      p_ = std::min(c, p_ + std::max(1.0, double(b2_.size()) / double(b1_.size())));
+      replace(false, evictions);
+      b1_.erase(block);
+      t2_.push_newest(block);
+      return;
+    }
+    if (b2_.contains(block)) {
+      p_ = std::max(0.0, p_ - std::max(1.0, double(b1_.size()) / double(b2_.size())));
+      replace(true, evictions);
+      b2_.erase(block);
+      t2_.push_newest(block);
+      return;
+    }
+    const std::uint64_t l1 = t1_.size() + b1_.size();
+    if (l1 == c_) {
+      if (t1_.size() < c_) {
+        b1_.pop_oldest();
+        replace(false, evictions);
+      } else {
+        t1_.pop_oldest();
+        ++evictions;
+      }
+    } else if (l1 + t2_.size() + b2_.size() >= c_) {
+      if (l1 + t2_.size() + b2_.size() == 2 * c_) b2_.pop_oldest();
+      replace(false, evictions);
+    }
+    t1_.push_newest(block);
+  }
+  void evict_one(std::uint64_t& evictions) override { replace(false, evictions); }
+
+ private:
+  // Evicts T1's oldest into B1 when T1 is over its share, else T2's oldest into B2.
+  void replace(bool found_in_b2, std::uint64_t& evictions) {
+    if (size() < c_) return;  // room already (a replaced block freed one)
+    const double t1 = static_cast<double>(t1_.size());
+    if (!t1_.empty() && (t1 > p_ || (found_in_b2 && t1 == p_))) {
+      b1_.push_newest(t1_.pop_oldest());
+    } else if (!t2_.empty()) {
+      b2_.push_newest(t2_.pop_oldest());
+    } else {
+      b1_.push_newest(t1_.pop_oldest());
+    }
+    ++evictions;
+  }
+
+  std::uint64_t c_;
+  double p_ = 0;  // T1's target size
+  Ordered t1_, t2_, b1_, b2_;
+};
+
 std::unique_ptr<Cache> make_cache(ReplayPolicy policy, std::uint64_t capacity) {
   switch (policy) {
     case ReplayPolicy::kBelady: return std::make_unique<BeladyCache>(capacity);
     case ReplayPolicy::kS3Fifo: return std::make_unique<S3FifoCache>(capacity);
+    case ReplayPolicy::kArc: return std::make_unique<ArcCache>(capacity);
     case ReplayPolicy::kLru: break;
   }
   return std::make_unique<LruCache>(capacity);
 }
 
+// The blocks a request looks up and saves: all, or only the whole ones.
+std::size_t blocks_kept(const TraceRequest& r, std::uint32_t block_tokens, ReplaySaves saves) {
+  if (saves == ReplaySaves::kEveryBlock) return r.blocks.size();
+  return std::min<std::size_t>(r.blocks.size(), r.input_tokens / block_tokens);
+}
+
 }  // namespace
 
 ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capacity_blocks,
-                         ReplayPolicy policy, std::uint32_t block_tokens) {
+                         ReplayPolicy policy, std::uint32_t block_tokens, ReplaySaves saves) {
   // Each use's next use (a request's index), for Belady: from the end backwards.
   std::vector<std::vector<std::uint64_t>> next_use(trace.size());
   if (policy == ReplayPolicy::kBelady) {
     std::unordered_map<std::uint64_t, std::uint64_t> seen;
     for (std::size_t i = trace.size(); i-- > 0;) {
-      next_use[i].resize(trace[i].blocks.size());
-      for (std::size_t b = 0; b < trace[i].blocks.size(); ++b) {
+      const std::size_t kept = blocks_kept(trace[i], block_tokens, saves);
+      next_use[i].resize(kept);
+      for (std::size_t b = 0; b < kept; ++b) {
         auto it = seen.find(trace[i].blocks[b]);
         next_use[i][b] = it == seen.end() ? kNever : it->second;
       }
-      for (auto block : trace[i].blocks) seen[block] = i;
+      for (std::size_t b = 0; b < kept; ++b) seen[trace[i].blocks[b]] = i;
     }
   }
   ModelResult out;
   const std::unique_ptr<Cache> cache = make_cache(policy, capacity_blocks);
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
+    const std::size_t kept = blocks_kept(r, block_tokens, saves);
     out.prompt_tokens += r.input_tokens;
     std::size_t hit = 0;
-    while (hit < r.blocks.size() && cache->contains(r.blocks[hit])) ++hit;
+    while (hit < kept && cache->contains(r.blocks[hit])) ++hit;
     out.hit_blocks += hit;
     out.block_uses += r.blocks.size();
-    for (std::size_t b = 0; b < r.blocks.size(); ++b) {
+    for (std::size_t b = 0; b < kept; ++b) {
+      const std::uint64_t block = r.blocks[b];
       const std::uint64_t next = policy == ReplayPolicy::kBelady ? next_use[i][b] : kNever;
       if (b < hit) {
         out.hit_tokens += block_tokens_of(r, b, block_tokens);
-        cache->use(r.blocks[b], next);
-      } else if (!cache->contains(r.blocks[b])) {
+        cache->use(block, next);
+        continue;
+      }
+      if (cache->contains(block) && saves == ReplaySaves::kConnector && capacity_blocks > 0 &&
+          cache->size() >= capacity_blocks) {
+        cache->evict_one(out.evictions);  // the new copy's page, before the old one is freed
+      }
+      if (!cache->contains(block)) {
         ++out.blocks_saved;
-        cache->insert(r.blocks[b], next, out.evictions);
+        cache->insert(block, next, out.evictions);
       } else {
-        cache->use(r.blocks[b], next);  // past the first miss: computed, but the cache holds it
+        if (saves == ReplaySaves::kConnector) ++out.blocks_saved;
+        cache->use(block, next);  // past the first miss: computed, but the cache holds it
       }
     }
   }
   return out;
-}
-
-}  // namespace kvstash::bench
-
-namespace kvstash::bench {
-
-int run_replay(const ReplayBenchOptions& o) {
-  auto trace = read_trace(o.trace, o.requests);
-  if (!trace.is_ok()) {
-    std::fprintf(stderr, "kvstash-bench replay: %s\n", trace.status().to_string().c_str());
-    return 2;
-  }
-  if (!o.json) {
-    std::printf("%zu requests of %s, blocks of %u tokens; the in-process model of each policy\n\n",
-                trace->size(), o.trace.c_str(), o.block_tokens);
-    std::printf("%-10s %-8s %10s %10s %9s %9s %10s %10s\n", "capacity", "policy", "token hit", "block hit",
-                "x LRU", "of Belady", "saved", "evictions");
-  }
-  for (std::uint64_t capacity : o.capacities) {
-    const ModelResult lru = replay_model(*trace, capacity, ReplayPolicy::kLru, o.block_tokens);
-    const ModelResult s3fifo = replay_model(*trace, capacity, ReplayPolicy::kS3Fifo, o.block_tokens);
-    const ModelResult belady = replay_model(*trace, capacity, ReplayPolicy::kBelady, o.block_tokens);
-    for (const auto& [name, r] :
-         {std::pair{"lru", lru}, std::pair{"s3-fifo", s3fifo}, std::pair{"belady", belady}}) {
-      const double x_lru = lru.hit_rate() > 0 ? r.hit_rate() / lru.hit_rate() : 0.0;
-      const double of_belady = belady.hit_rate() > 0 ? r.hit_rate() / belady.hit_rate() : 0.0;
-      if (o.json) {
-        nlohmann::json j{{"capacity_blocks", capacity},
-                         {"policy", name},
-                         {"token_hit_rate", r.hit_rate()},
-                         {"block_hit_rate", r.block_hit_rate()},
-                         {"x_lru", x_lru},
-                         {"of_belady", of_belady},
-                         {"blocks_saved", r.blocks_saved},
-                         {"evictions", r.evictions}};
-        std::printf("%s\n", j.dump().c_str());
-      } else {
-        std::printf("%-10llu %-8s %10.3f %10.3f %8.2fx %8.2fx %10llu %10llu\n",
-                    static_cast<unsigned long long>(capacity), name, r.hit_rate(), r.block_hit_rate(), x_lru,
-                    of_belady, static_cast<unsigned long long>(r.blocks_saved),
-                    static_cast<unsigned long long>(r.evictions));
-      }
-    }
-  }
-  if (!o.json) {
-    std::printf(
-        "\ntoken hit: prompt tokens found as a prefix over all prompt tokens; block hit: the same in\n"
-        "whole blocks (the trace's README figures); x LRU, of Belady: token hit rate over theirs.\n"
-        "Belady's rule is offline (it knows the future): the bound no online policy reaches.\n");
-  }
-  return 0;
 }
 
 }  // namespace kvstash::bench

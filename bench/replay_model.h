@@ -30,6 +30,22 @@ enum class ReplayPolicy : std::uint8_t {
   kLru,     // evict the block used longest ago
   kBelady,  // offline: evict the block (the incoming one included) used farthest ahead
   kS3Fifo,  // S3-FIFO: a small FIFO for new blocks, a main one for blocks used again, a ghost
+  kArc,     // ARC: recency and frequency lists whose split adapts to hits on their ghosts
+};
+
+// The policy's name in the bench's rows ("lru", "belady", "s3-fifo", "arc").
+const char* policy_name(ReplayPolicy policy);
+
+// Which blocks a request looks up and saves.
+enum class ReplaySaves : std::uint8_t {
+  // As the trace's README measures it: every block, the partial last one too; a block past the
+  // first miss that the cache holds is used, not saved again.
+  kEveryBlock,
+  // As kvstash's connectors run: only whole blocks are looked up and saved (a partial last
+  // block is computed, never stored), and every block from the hit on is put, one the cache
+  // holds replaced: when the cache is full, a put evicts first (the cell reserves the new
+  // copy's page before it frees the old one).
+  kConnector,
 };
 
 struct ModelResult {
@@ -46,28 +62,12 @@ struct ModelResult {
   double block_hit_rate() const { return block_uses ? double(hit_blocks) / double(block_uses) : 0.0; }
 };
 
-// Each request in turn, as the connector runs it: the leading blocks the cache holds are hits
-// (used again: their recency renewed), the rest are computed and saved, each evicting one
-// block when the cache holds `capacity_blocks`. A block is `block_tokens` tokens, the last one
-// of a prompt what is left of it.
+// Each request in turn: the leading blocks the cache holds are hits (used again: their recency
+// renewed), the rest are computed and saved (`saves` says which), each evicting one block when
+// the cache holds `capacity_blocks`. A block is `block_tokens` tokens, the last one of a prompt
+// what is left of it.
 ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capacity_blocks,
-                         ReplayPolicy policy, std::uint32_t block_tokens = 512);
-
-}  // namespace kvstash::bench
-
-namespace kvstash::bench {
-
-struct ReplayBenchOptions {
-  std::string trace;                                         // the trace's path
-  std::vector<std::uint64_t> capacities{2000, 6000, 20000};  // in blocks
-  std::size_t requests = 0;                                  // the first N requests (0: all)
-  std::uint32_t block_tokens = 512;
-  bool json = false;
-};
-
-// `kvstash-bench replay`: the trace through the in-process model of each policy at each
-// capacity, with Belady's rule as the bound: one row per (capacity, policy). 0 on success, 2
-// for a trace that cannot be read.
-int run_replay(const ReplayBenchOptions& options);
+                         ReplayPolicy policy, std::uint32_t block_tokens = 512,
+                         ReplaySaves saves = ReplaySaves::kEveryBlock);
 
 }  // namespace kvstash::bench

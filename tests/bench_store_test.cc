@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -115,6 +117,79 @@ TEST(BenchMetadata, TheMixRunsOverTlsToRedisAndUnderQuotas) {
     kinds.insert(what);
   }
   EXPECT_EQ(kinds.size(), 4u) << out;  // the mix and its three kinds
+}
+
+// A trace of conversations in the production trace's format: a system prompt's block every
+// request shares, then each conversation's own blocks, a turn extending the one before (its
+// prompt ends in a partial block), one-shot prompts between them. Deterministic.
+std::string write_conversation_trace(const std::string& path, int requests) {
+  std::mt19937_64 rng(7);
+  std::vector<std::vector<std::uint64_t>> conversations;
+  std::uint64_t next_block = 1;
+  std::ofstream out(path);
+  for (int i = 0; i < requests; ++i) {
+    std::vector<std::uint64_t>* c = nullptr;
+    if (!conversations.empty() && rng() % 3 != 0) {
+      c = &conversations[rng() % conversations.size()];
+    } else {
+      conversations.push_back({0});
+      c = &conversations.back();
+    }
+    for (std::uint64_t n = 1 + rng() % 4; n > 0; --n) c->push_back(next_block++);
+    nlohmann::json j{{"timestamp", i * 10},
+                     {"input_length", (c->size() - 1) * 512 + 100},
+                     {"output_length", 20},
+                     {"hash_ids", *c}};
+    out << j.dump() << "\n";
+    c->back() = next_block++;  // the partial block is not the next turn's
+  }
+  return path;
+}
+
+// kvstash-bench replay: a trace through a private cell, beside the model of each policy. The
+// cell's LRU gives the model's hit rate (a lost touch, a leaked page or an evicted leased
+// object would part them), every loaded byte was checked, and latencies and the TTFT
+// estimate are reported.
+TEST(BenchReplay, TheCellMatchesItsModelRequestForRequest) {
+  if (bench().empty()) GTEST_SKIP() << "KVSTASH_BENCH not set (run via meson test)";
+  const std::string trace =
+      write_conversation_trace((std::filesystem::current_path() / "bench-replay-test.jsonl").string(), 600);
+  int status = -1;
+  const std::string out =
+      run(bench() + " replay --trace " + trace + " --capacities 120,400 --block-bytes 4KiB --json", &status);
+  std::filesystem::remove(trace);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << out;
+  std::map<std::pair<std::uint64_t, std::string>, nlohmann::json> rows;
+  for (const auto& j : json_lines(out)) rows[{j["capacity_blocks"], j["policy"]}] = j;
+  for (std::uint64_t capacity : {120u, 400u}) {
+    for (const char* policy : {"lru", "s3-fifo", "arc", "belady", "cell-lru"}) {
+      ASSERT_TRUE(rows.contains({capacity, policy})) << capacity << " " << policy << " missing:\n" << out;
+    }
+    const auto& model = rows[{capacity, "lru"}];
+    const auto& cell = rows[{capacity, "cell-lru"}];
+    const auto& belady = rows[{capacity, "belady"}];
+    const std::string line = cell.dump();
+    EXPECT_GT(model["token_hit_rate"].get<double>(), 0.05) << model.dump();
+    EXPECT_NEAR(cell["token_hit_rate"].get<double>(), model["token_hit_rate"].get<double>(),
+                0.01 * model["token_hit_rate"].get<double>())
+        << line;
+    EXPECT_NEAR(cell["evictions"].get<double>(), model["evictions"].get<double>(),
+                0.01 * model["evictions"].get<double>())
+        << line;
+    EXPECT_GT(cell["evictions"].get<std::uint64_t>(), 0u) << "the cell was never full: " << line;
+    EXPECT_GE(belady["token_hit_rate"].get<double>(), model["token_hit_rate"].get<double>()) << belady.dump();
+    EXPECT_EQ(cell["failed_loads"], 0) << line;
+    EXPECT_EQ(cell["failed_saves"], 0) << line;
+    EXPECT_EQ(cell["bytes_loaded"].get<std::uint64_t>(), 4096 * cell["hit_blocks"].get<std::uint64_t>())
+        << line;
+    EXPECT_EQ(cell["bytes_saved"].get<std::uint64_t>(), 4096 * cell["blocks_saved"].get<std::uint64_t>())
+        << line;
+    EXPECT_GT(cell["hit_blocks"].get<std::uint64_t>(), 0u) << line;
+    EXPECT_GE(cell["lookup_us"]["p99"].get<double>(), cell["lookup_us"]["p50"].get<double>()) << line;
+    EXPECT_GT(cell["load_bytes_per_s"].get<double>(), 0) << line;
+    EXPECT_LT(cell["ttft_s"]["mean"].get<double>(), cell["ttft_no_cache_s"]["mean"].get<double>()) << line;
+  }
 }
 
 // kvstash-bench tier: the NVMe tier's device layer and fio on the same file, each op measured;

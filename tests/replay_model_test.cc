@@ -66,6 +66,54 @@ TEST(ReplayModel, S3FifoKeepsAReusedSetThatOneShotBlocksFlushOutOfLru) {
   EXPECT_EQ(replay_model(trace, 0, ReplayPolicy::kS3Fifo).hit_blocks, 0u);
 }
 
+TEST(ReplayModel, ArcKeepsBlocksUsedTwiceAgainstAScanOfOneShotOnes) {
+  // Capacity 10: each round uses five blocks twice in a row, then scans eight new ones. LRU
+  // hits only the repeats (13 blocks pass between rounds); ARC moves the five to its frequency
+  // list at their repeat, and the scan only passes through its recency list. (A block used
+  // once per round, 11 blocks apart, ARC never keeps: its recency list drops it unremembered.)
+  std::vector<TraceRequest> trace;
+  std::uint64_t fresh = 1000;
+  for (int round = 0; round < 20; ++round) {
+    for (std::uint64_t hot = 1; hot <= 5; ++hot) {
+      trace.push_back(request({hot}));
+      trace.push_back(request({hot}));
+    }
+    for (int i = 0; i < 8; ++i) trace.push_back(request({fresh++}));
+  }
+  const ModelResult lru = replay_model(trace, 10, ReplayPolicy::kLru);
+  EXPECT_EQ(lru.hit_blocks, 5u * 20) << "only the repeats";
+  const ModelResult arc = replay_model(trace, 10, ReplayPolicy::kArc);
+  EXPECT_GE(arc.hit_blocks, lru.hit_blocks + 5u * 18) << "the five from the second or third round on";
+  EXPECT_LE(arc.hit_rate(), replay_model(trace, 10, ReplayPolicy::kBelady).hit_rate());
+  EXPECT_EQ(replay_model(trace, 0, ReplayPolicy::kArc).hit_blocks, 0u);
+  // With room for everything, every policy hits every block used again.
+  for (ReplayPolicy p : {ReplayPolicy::kLru, ReplayPolicy::kS3Fifo, ReplayPolicy::kArc}) {
+    EXPECT_EQ(replay_model(trace, 1000, p).hit_blocks, 5u * 20 + 5u * 19) << policy_name(p);
+  }
+}
+
+TEST(ReplayModel, TheConnectorSavesWholeBlocksAndPutsAHeldOneAgain) {
+  // 3 whole blocks and a partial one: the connector neither saves nor finds the partial one.
+  std::vector<TraceRequest> twice{request({1, 2, 3, 4}, 3 * 512 + 100), request({1, 2, 3, 4}, 3 * 512 + 100)};
+  const ModelResult connector = replay_model(twice, 10, ReplayPolicy::kLru, 512, ReplaySaves::kConnector);
+  EXPECT_EQ(connector.hit_tokens, 3u * 512);
+  EXPECT_EQ(connector.blocks_saved, 3u);
+  const ModelResult every = replay_model(twice, 10, ReplayPolicy::kLru, 512, ReplaySaves::kEveryBlock);
+  EXPECT_EQ(every.hit_tokens, 3u * 512 + 100);
+  EXPECT_EQ(every.blocks_saved, 4u);
+  // Capacity 3, blocks 1 2 3, then 9 2 3: 9 misses, evicting 1; 2 and 3 are past the miss. The
+  // connector puts them again: a full cell reserves each new copy's page first, evicting the
+  // least recent block (2, then 3: each its own old copy), so three evictions and six saves;
+  // counted the README's way they are only used: one eviction, four saves.
+  std::vector<TraceRequest> past{request({1, 2, 3}), request({9, 2, 3})};
+  const ModelResult replaced = replay_model(past, 3, ReplayPolicy::kLru, 512, ReplaySaves::kConnector);
+  EXPECT_EQ(replaced.evictions, 3u);
+  EXPECT_EQ(replaced.blocks_saved, 6u);
+  const ModelResult used = replay_model(past, 3, ReplayPolicy::kLru, 512, ReplaySaves::kEveryBlock);
+  EXPECT_EQ(used.evictions, 1u);
+  EXPECT_EQ(used.blocks_saved, 4u);
+}
+
 TEST(ReplayModel, ReadsTheTraceFormatAndRefusesWhatIsNotIt) {
   const std::string path = std::filesystem::temp_directory_path() / "kvstash-replay-model-test.jsonl";
   {

@@ -1,0 +1,392 @@
+// `kvstash-bench replay` (replay.h): the model's rows, then the trace through a real cell.
+#include "replay.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <thread>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/units.h"
+#include "kvstash/memory.h"
+#include "kvstash/store.h"
+#include "measure.h"
+#include "metadata/cell.h"
+#include "plot.h"
+#include "sessions.h"
+#include "tools/common/local_cluster.h"
+
+namespace kvstash::bench {
+namespace {
+
+constexpr ReplayPolicy kModelPolicies[] = {ReplayPolicy::kLru, ReplayPolicy::kS3Fifo, ReplayPolicy::kArc,
+                                           ReplayPolicy::kBelady};
+// The bytes of a trace block: its id seeds them, so a get that returns another block fails.
+constexpr std::uint64_t kPatternTag = 0x7265706c6179;  // "replay"
+
+std::string block_key(std::uint64_t block) { return fmt::format("replay/{:x}", block); }
+
+// What one capacity's replay through the cell measured.
+struct CellRun {
+  ModelResult counts;
+  std::uint64_t bytes_loaded = 0, bytes_saved = 0;
+  std::uint64_t cell_evictions = 0;
+  std::uint64_t failed_loads = 0, failed_saves = 0;
+  std::vector<double> lookup_us, load_us, save_us;  // per request (loads and saves: those with any)
+  double load_seconds = 0;
+  // The TTFT estimate's load bandwidth: one object as large as a real block (or the pool) put and
+  // read back before the replay.
+  double calibration_bps = 0;
+  std::uint64_t calibration_bytes = 0;
+  double wall_seconds = 0;
+  double max_lag_seconds = 0;  // how far behind the trace's clock (with --speed)
+  std::vector<double> ttft_s, ttft_none_s;
+};
+
+// The trace's tokens up to block `n` of a request (the last one what the prompt has of it).
+std::uint64_t tokens_of_blocks(const TraceRequest& r, std::size_t n, std::uint32_t block_tokens) {
+  return std::min<std::uint64_t>(r.input_tokens, std::uint64_t{block_tokens} * n);
+}
+
+std::size_t whole_blocks(const TraceRequest& r, const ReplayBenchOptions& o) {
+  if (o.saves == ReplaySaves::kEveryBlock) return r.blocks.size();
+  return std::min<std::size_t>(r.blocks.size(), r.input_tokens / o.block_tokens);
+}
+
+// One private cell of `capacity` blocks: its Redis, its node, a store.
+struct PrivateCell {
+  std::unique_ptr<tools::LocalRedis> redis;
+  std::unique_ptr<tools::LocalNode> node;
+  std::unique_ptr<metadata::Cell> cell;
+  std::unique_ptr<Store> store;
+};
+
+Result<PrivateCell> start_cell(std::uint64_t capacity, const ReplayBenchOptions& o) {
+  PrivateCell c;
+  KVSTASH_ASSIGN_OR_RETURN(c.redis, tools::LocalRedis::start({}));
+  KVSTASH_ASSIGN_OR_RETURN(c.node,
+                           tools::LocalNode::start({.redis_url = c.redis->url(),
+                                                    .capacity = std::to_string(capacity * o.block_bytes),
+                                                    .page_size = std::to_string(o.block_bytes),
+                                                    .node_id = "replay",
+                                                    .extra_args = {"--transports", "all"}}));
+  if (c.node->pages() != capacity) {
+    return Status::internal(fmt::format("the node holds {} pages, not {}", c.node->pages(), capacity));
+  }
+  metadata::CellOptions co;
+  co.redis.url = c.redis->url();
+  KVSTASH_ASSIGN_OR_RETURN(c.cell, metadata::Cell::open(co));
+  StoreOptions so;
+  so.redis_url = c.redis->url();
+  so.engine.prefer = o.transport;
+  KVSTASH_ASSIGN_OR_RETURN(c.store, Store::open(so));
+  return c;
+}
+
+// The cell's load bandwidth for the TTFT estimate, before the replay, while the pool is empty:
+// an object of a real block's KV (or of the whole pool, if smaller) put, read three times (the
+// best read counts) and removed. Returns bytes per second and the object's size.
+Result<std::pair<double, std::uint64_t>> calibrate_load(Store& store, std::uint64_t pool_bytes,
+                                                        const ReplayBenchOptions& o) {
+  const std::uint64_t size =
+      std::min<std::uint64_t>(pool_bytes, std::uint64_t{o.block_tokens} * o.kv_bytes_per_token);
+  KVSTASH_ASSIGN_OR_RETURN(Buffer buffer, Buffer::allocate(size));
+  KVSTASH_ASSIGN_OR_RETURN(auto handle, store.register_memory(buffer.region()));
+  fill_pattern(buffer.data(), size, kPatternTag, 1, 0);
+  Slice s{buffer.data(), size, &handle};
+  const std::string key = "replay-calibration";
+  KVSTASH_RETURN_IF_ERROR(store.put(key, {&s, 1}));
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    KVSTASH_RETURN_IF_ERROR(store.get(key, {&s, 1}).status());
+    best = std::max(best, static_cast<double>(size) / seconds_since(t0));
+  }
+  KVSTASH_RETURN_IF_ERROR(store.remove(key));
+  return std::pair{best, size};
+}
+
+// The trace through a fresh cell of `capacity` blocks, as a connector runs it: per request, one
+// prefix lookup, the found blocks loaded (each checked byte for byte), the rest saved.
+Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_t capacity,
+                            const ReplayBenchOptions& o, Progress& progress) {
+  KVSTASH_ASSIGN_OR_RETURN(PrivateCell c, start_cell(capacity, o));
+  std::size_t most = 1;
+  for (const auto& r : trace) most = std::max(most, r.blocks.size());
+  KVSTASH_ASSIGN_OR_RETURN(Buffer source, Buffer::allocate(most * o.block_bytes));
+  KVSTASH_ASSIGN_OR_RETURN(Buffer into, Buffer::allocate(most * o.block_bytes));
+  KVSTASH_ASSIGN_OR_RETURN(auto source_handle, c.store->register_memory(source.region()));
+  KVSTASH_ASSIGN_OR_RETURN(auto into_handle, c.store->register_memory(into.region()));
+  CellRun run;
+  KVSTASH_ASSIGN_OR_RETURN(auto calibration, calibrate_load(*c.store, capacity * o.block_bytes, o));
+  std::tie(run.calibration_bps, run.calibration_bytes) = calibration;
+  KVSTASH_ASSIGN_OR_RETURN(auto before, c.cell->admin().summary());
+
+  std::vector<std::byte> expected(o.block_bytes);
+  std::vector<std::string> keys;
+  const auto start = Clock::now();
+  auto shown = start;
+  for (std::size_t i = 0; i < trace.size() && !interrupted(); ++i) {
+    const TraceRequest& r = trace[i];
+    if (o.speed > 0) {
+      const auto due = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                                   static_cast<double>(r.at_ms) / 1000 / o.speed));
+      if (Clock::now() < due) std::this_thread::sleep_until(due);
+      run.max_lag_seconds =
+          std::max(run.max_lag_seconds, std::chrono::duration<double>(Clock::now() - due).count());
+    }
+    const std::size_t kept = whole_blocks(r, o);
+    keys.clear();
+    for (std::size_t b = 0; b < kept; ++b) keys.push_back(block_key(r.blocks[b]));
+    run.counts.prompt_tokens += r.input_tokens;
+    run.counts.block_uses += r.blocks.size();
+
+    auto t0 = Clock::now();
+    KVSTASH_ASSIGN_OR_RETURN(std::size_t hit, c.store->contains_prefix(keys));
+    const double lookup_us = us_since(t0);
+    run.lookup_us.push_back(lookup_us);
+
+    // Loads: the found blocks, under one batch of read leases. A block gone since the lookup
+    // ends the hit there (the connector recomputes from it).
+    std::size_t loaded = 0;
+    if (hit > 0) {
+      t0 = Clock::now();
+      KVSTASH_ASSIGN_OR_RETURN(ReadLeases leases, c.store->lease_reads(std::span(keys).first(hit)));
+      for (; loaded < hit; ++loaded) {
+        std::byte* at = into.data() + loaded * o.block_bytes;
+        Slice s{at, o.block_bytes, &into_handle};
+        GetOptions go;
+        go.leases = &leases;
+        auto got = c.store->get(keys[loaded], {&s, 1}, go);
+        if (!got.is_ok()) {
+          ++run.failed_loads;
+          break;
+        }
+        fill_pattern(expected.data(), expected.size(), kPatternTag, 0, r.blocks[loaded]);
+        if (std::memcmp(at, expected.data(), o.block_bytes) != 0) {
+          return Status::corrupt(
+              fmt::format("block {} of request {} ({}) came back with other bytes (at byte {})", loaded, i,
+                          keys[loaded], first_difference(at, expected.data(), o.block_bytes)));
+        }
+      }
+      const double us = us_since(t0);
+      run.load_us.push_back(us);
+      run.load_seconds += us / 1e6;
+      run.bytes_loaded += loaded * o.block_bytes;
+    }
+    run.counts.hit_blocks += loaded;
+    const std::uint64_t hit_tokens = tokens_of_blocks(r, loaded, o.block_tokens);
+    run.counts.hit_tokens += hit_tokens;
+
+    // Saves: every block from the hit on, one put each (a held one is replaced).
+    if (loaded < kept) {
+      t0 = Clock::now();
+      for (std::size_t b = loaded; b < kept; ++b) {
+        std::byte* at = source.data() + b * o.block_bytes;
+        fill_pattern(at, o.block_bytes, kPatternTag, 0, r.blocks[b]);
+        Slice s{at, o.block_bytes, &source_handle};
+        if (Status st = c.store->put(keys[b], {&s, 1}); st.is_ok()) {
+          ++run.counts.blocks_saved;
+          run.bytes_saved += o.block_bytes;
+        } else {
+          ++run.failed_saves;
+        }
+      }
+      run.save_us.push_back(us_since(t0));
+    }
+
+    // TTFT: the lookup, the hit tokens' KV at the measured load bandwidth, the rest computed.
+    const double kv_bytes = static_cast<double>(hit_tokens) * static_cast<double>(o.kv_bytes_per_token);
+    run.ttft_s.push_back(lookup_us / 1e6 + kv_bytes / run.calibration_bps +
+                         static_cast<double>(r.input_tokens - hit_tokens) / o.prefill_tokens_per_s);
+    run.ttft_none_s.push_back(static_cast<double>(r.input_tokens) / o.prefill_tokens_per_s);
+
+    if (Clock::now() - shown > std::chrono::milliseconds(200) || i + 1 == trace.size()) {
+      shown = Clock::now();
+      const double done = static_cast<double>(i + 1) / static_cast<double>(trace.size());
+      const int bar = static_cast<int>(done * 30);
+      const double elapsed = seconds_since(start);
+      progress.show(
+          fmt::format("cell of {} blocks [{}{}] {:5.1f}%  {}/{} requests  token hit {:.3f}  {:.0f} s left",
+                      capacity, std::string(bar, '#'), std::string(30 - bar, '.'), 100 * done, i + 1,
+                      trace.size(), run.counts.hit_rate(), elapsed / done - elapsed));
+    }
+  }
+  progress.clear();
+  run.wall_seconds = seconds_since(start);
+  if (interrupted()) return Status::cancelled("interrupted");
+  KVSTASH_ASSIGN_OR_RETURN(auto after, c.cell->admin().summary());
+  run.cell_evictions = after.evicted - before.evicted;
+  run.counts.evictions = run.cell_evictions;
+  return run;
+}
+
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+}
+
+void print_row(std::uint64_t capacity, const std::string& name, const ModelResult& r, const ModelResult& lru,
+               const ModelResult& belady) {
+  const double x_lru = lru.hit_rate() > 0 ? r.hit_rate() / lru.hit_rate() : 0.0;
+  const double of_belady = belady.hit_rate() > 0 ? r.hit_rate() / belady.hit_rate() : 0.0;
+  std::cout << fmt::format("{:<10} {:<10} {:>10.4f} {:>10.4f} {:>8.2f}x {:>8.2f}x {:>10} {:>10}\n", capacity,
+                           name, r.hit_rate(), r.block_hit_rate(), x_lru, of_belady, r.blocks_saved,
+                           r.evictions);
+}
+
+nlohmann::json row_json(std::uint64_t capacity, const std::string& name, const ModelResult& r,
+                        const ModelResult& lru, const ModelResult& belady) {
+  return {{"capacity_blocks", capacity},
+          {"policy", name},
+          {"token_hit_rate", r.hit_rate()},
+          {"block_hit_rate", r.block_hit_rate()},
+          {"hit_tokens", r.hit_tokens},
+          {"hit_blocks", r.hit_blocks},
+          {"x_lru", lru.hit_rate() > 0 ? r.hit_rate() / lru.hit_rate() : 0.0},
+          {"of_belady", belady.hit_rate() > 0 ? r.hit_rate() / belady.hit_rate() : 0.0},
+          {"blocks_saved", r.blocks_saved},
+          {"evictions", r.evictions}};
+}
+
+void print_cell(const CellRun& run, const ModelResult& model_lru, const ReplayBenchOptions& o) {
+  const double gap = model_lru.hit_rate() > 0 ? run.counts.hit_rate() / model_lru.hit_rate() - 1 : 0.0;
+  std::cout << fmt::format(
+      "           the cell against the model's LRU: {:+.2f}% (relative); {:.1f} s, {:.0f} requests/s{}\n",
+      100 * gap, run.wall_seconds,
+      static_cast<double>(run.lookup_us.size()) / std::max(1e-9, run.wall_seconds),
+      o.speed > 0 ? fmt::format(", at most {:.2f} s behind the trace's clock", run.max_lag_seconds) : "");
+  std::cout << fmt::format(
+      "           lookup p50 {:.0f} us p99 {:.0f} us; load (a request's blocks) p50 {:.0f} us p99 {:.0f} us, "
+      "{}/s; "
+      "save p50 {:.0f} us p99 {:.0f} us\n",
+      percentile(run.lookup_us, 0.5), percentile(run.lookup_us, 0.99), percentile(run.load_us, 0.5),
+      percentile(run.load_us, 0.99),
+      units::format_size(static_cast<std::uint64_t>(static_cast<double>(run.bytes_loaded) /
+                                                    std::max(1e-9, run.load_seconds))),
+      percentile(run.save_us, 0.5), percentile(run.save_us, 0.99));
+  std::cout << fmt::format(
+      "           loaded {}, saved {}; {} loads and {} saves failed\n"
+      "           TTFT estimate mean {:.3f} s p99 {:.3f} s, against {:.3f} s and {:.3f} s without the cache "
+      "({:.3f}x "
+      "faster on the mean; loads at {}/s, a {} object's best read)\n",
+      units::format_size(run.bytes_loaded), units::format_size(run.bytes_saved), run.failed_loads,
+      run.failed_saves, mean(run.ttft_s), percentile(run.ttft_s, 0.99), mean(run.ttft_none_s),
+      percentile(run.ttft_none_s, 0.99), mean(run.ttft_none_s) / std::max(1e-9, mean(run.ttft_s)),
+      units::format_size(static_cast<std::uint64_t>(run.calibration_bps)),
+      units::format_size(run.calibration_bytes));
+}
+
+nlohmann::json cell_json(std::uint64_t capacity, const CellRun& run, const ModelResult& model_lru,
+                         const ModelResult& belady) {
+  nlohmann::json j = row_json(capacity, "cell-lru", run.counts, model_lru, belady);
+  j["vs_model"] = model_lru.hit_rate() > 0 ? run.counts.hit_rate() / model_lru.hit_rate() - 1 : 0.0;
+  j["seconds"] = run.wall_seconds;
+  j["lookup_us"] = {{"p50", percentile(run.lookup_us, 0.5)}, {"p99", percentile(run.lookup_us, 0.99)}};
+  j["load_us"] = {{"p50", percentile(run.load_us, 0.5)}, {"p99", percentile(run.load_us, 0.99)}};
+  j["save_us"] = {{"p50", percentile(run.save_us, 0.5)}, {"p99", percentile(run.save_us, 0.99)}};
+  j["bytes_loaded"] = run.bytes_loaded;
+  j["bytes_saved"] = run.bytes_saved;
+  j["failed_loads"] = run.failed_loads;
+  j["failed_saves"] = run.failed_saves;
+  j["max_lag_s"] = run.max_lag_seconds;
+  j["ttft_s"] = {{"mean", mean(run.ttft_s)}, {"p99", percentile(run.ttft_s, 0.99)}};
+  j["ttft_no_cache_s"] = {{"mean", mean(run.ttft_none_s)}, {"p99", percentile(run.ttft_none_s, 0.99)}};
+  j["load_bytes_per_s"] = run.calibration_bps;
+  j["calibration_bytes"] = run.calibration_bytes;
+  return j;
+}
+
+}  // namespace
+
+int run_replay(const ReplayBenchOptions& o) {
+  auto trace = read_trace(o.trace, o.requests);
+  if (!trace.is_ok()) {
+    std::cerr << "kvstash-bench replay: " << trace.status().to_string() << "\n";
+    return 2;
+  }
+  InterruptHandler on_interrupt;
+  Progress progress(!o.json && ::isatty(STDERR_FILENO) == 1);
+  if (!o.json) {
+    std::cout << fmt::format(
+        "{} requests of {}, blocks of {} tokens ({}); the in-process model of each policy{}\n\n",
+        trace->size(), o.trace, o.block_tokens,
+        o.saves == ReplaySaves::kConnector ? "whole blocks saved, as the connectors do" : "every block saved",
+        o.model_only ? ""
+                     : fmt::format(", then a cell (kvstashd over {}, blocks of {}, LRU)",
+                                   to_string(o.transport), units::format_size(o.block_bytes)));
+    std::cout << fmt::format("{:<10} {:<10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>10}\n", "capacity", "policy",
+                             "token hit", "block hit", "x LRU", "of Belady", "saved", "evictions");
+  }
+  std::vector<PlotSeries> series;
+  for (ReplayPolicy p : kModelPolicies) {
+    series.push_back(
+        {.title = std::string(policy_name(p)) + " (model)", .group = policy_name(p), .dashed = true});
+  }
+  series.push_back({.title = "lru (cell)", .group = "lru"});
+  int exit_code = 0;
+  for (std::uint64_t capacity : o.capacities) {
+    std::vector<std::pair<std::string, ModelResult>> rows;
+    for (ReplayPolicy p : kModelPolicies) {
+      rows.emplace_back(policy_name(p), replay_model(*trace, capacity, p, o.block_tokens, o.saves));
+    }
+    const ModelResult& lru = rows.front().second;
+    const ModelResult& belady = rows.back().second;
+    for (std::size_t k = 0; k < rows.size(); ++k) {
+      series[k].points.emplace_back(static_cast<double>(capacity), rows[k].second.hit_rate());
+      if (o.json) {
+        std::cout << row_json(capacity, rows[k].first, rows[k].second, lru, belady).dump() << "\n";
+      } else {
+        print_row(capacity, rows[k].first, rows[k].second, lru, belady);
+      }
+    }
+    if (o.model_only) continue;
+    auto run = replay_cell(*trace, capacity, o, progress);
+    if (!run.is_ok()) {
+      std::cerr << "kvstash-bench replay: the cell of " << capacity << " blocks: " << run.status().to_string()
+                << "\n";
+      return 1;
+    }
+    series.back().points.emplace_back(static_cast<double>(capacity), run->counts.hit_rate());
+    if (run->failed_loads + run->failed_saves > 0) exit_code = 1;
+    if (o.json) {
+      std::cout << cell_json(capacity, *run, lru, belady).dump() << std::endl;
+    } else {
+      print_row(capacity, "cell-lru", run->counts, lru, belady);
+      print_cell(*run, lru, o);
+      std::cout << std::flush;
+    }
+  }
+  if (!o.json) {
+    std::cout << fmt::format(
+        "\ntoken hit: prompt tokens found as a prefix over all prompt tokens; block hit: the same in whole\n"
+        "blocks (the trace's README figures count every block); x LRU, of Belady: token hit rate over "
+        "theirs.\n"
+        "Belady's rule is offline (it knows the future): the bound no online policy reaches.{}\n",
+        o.model_only
+            ? ""
+            : fmt::format("\nTTFT estimate: the lookup, a hit token's {} of KV at the load bandwidth "
+                          "measured in the cell\n(one object of a real block's KV, or of the pool if "
+                          "smaller), the other tokens computed at {:.0f} tokens/s.",
+                          units::format_size(o.kv_bytes_per_token), o.prefill_tokens_per_s));
+  }
+  if (!o.plot.empty()) {
+    if (Status s = plot_xy(o.plot, plot_title("kvstash-bench replay: token hit rate"), "capacity (blocks)",
+                           "token hit rate", series);
+        !s.is_ok()) {
+      std::cerr << "kvstash-bench replay: --plot: " << s.to_string() << "\n";
+      return 1;
+    }
+  }
+  return exit_code;
+}
+
+}  // namespace kvstash::bench
