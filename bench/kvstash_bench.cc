@@ -370,6 +370,9 @@ int main(int argc, char** argv) {
                  "one cell per shard, clients spread over the cells), for how ops/s scale with shards")
       ->delimiter(',')
       ->check(CLI::Range(1, 16));
+  md->add_option("--policy", meta.policy, "--scripts: the cell's eviction policy (kvstash policy)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"lru", "arc"}));
   md->add_flag("--json", meta.json, "One JSON object per row (--scripts: the table as one JSON object too)");
   md->footer(
       "Examples:\n  kvstash-bench metadata --clients 1,4,16,64 --seconds 2\n"
@@ -417,6 +420,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"connector", "every-block"}));
   rp->add_flag("--model-only", replay.model_only, "The model's rows alone: no cell");
+  std::vector<std::string> replay_cell_policies{"lru"};
+  rp->add_option(
+        "--cell-policies", replay_cell_policies,
+        "The eviction policies (kvstash policy) a cell replays the trace under, each in a cell of its own")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::IsMember({"lru", "arc"}));
   rp->add_option("--block-bytes", replay_block_bytes,
                  "Bytes of a block in the cell (a power of two: one page of the node)")
       ->capture_default_str();
@@ -585,6 +595,10 @@ int main(int argc, char** argv) {
       replay.block_bytes = *bytes;
       replay.saves =
           replay_saves == "connector" ? bench::ReplaySaves::kConnector : bench::ReplaySaves::kEveryBlock;
+      replay.cell_policies.clear();
+      for (const auto& name : replay_cell_policies) {
+        replay.cell_policies.push_back(name == "arc" ? bench::ReplayPolicy::kArc : bench::ReplayPolicy::kLru);
+      }
     }
     if (sv->parsed()) {
       const auto kinds = parse_transports(serve_transport);

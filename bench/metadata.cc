@@ -13,6 +13,7 @@
 #include <atomic>
 #include <iomanip>
 #include <iostream>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -36,6 +37,7 @@ constexpr std::uint64_t kPage = 4096;
 struct Sample {
   std::string what;
   std::vector<double> us;  // server time of each run
+  double commands = 0;     // Redis commands the scripts ran, per run: a cost the machine's noise leaves alone
 };
 
 // The server time of the last command (SLOWLOG with a threshold of 0 logs every command).
@@ -46,6 +48,25 @@ class ServerClock {
     (void)r_.command({"CONFIG", "SET", "slowlog-max-len", "100000"});
   }
   void reset() { (void)r_.command({"SLOWLOG", "RESET"}); }
+  // Commands Redis ran since it started (INFO commandstats: the scripts' own redis.call()s
+  // included), leaving out the scripts themselves and this clock's.
+  std::uint64_t commands() {
+    auto r = r_.command({"INFO", "commandstats"});
+    if (!r.is_ok() || r->type() != metadata::Reply::Type::kString) return 0;
+    std::uint64_t calls = 0;
+    std::istringstream in(std::string(r->str()));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("cmdstat_", 0) != 0) continue;
+      const std::string name = line.substr(8, line.find(':') - 8);
+      if (name == "evalsha" || name == "eval" || name == "slowlog" || name == "info" || name == "config" ||
+          name == "script") {
+        continue;
+      }
+      const auto at = line.find("calls=");
+      if (at != std::string::npos) calls += std::strtoull(line.c_str() + at + 6, nullptr, 10);
+    }
+    return calls;
+  }
   // The longest EVALSHA since reset(), in microseconds.
   double longest_eval() { return evals(false); }
   // Every EVALSHA since reset(), summed, in microseconds.
@@ -68,7 +89,6 @@ class ServerClock {
   }
 
  public:
-
  private:
   RedisClient& r_;
 };
@@ -105,6 +125,10 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   metadata::NodeCatalog& node = cell.node_catalog();
   metadata::CellAdmin& op = cell.admin();
   const std::uint64_t per_node = o.objects / 2 + 4096;
+  if (auto p = op.set_policy(o.policy); !p.is_ok()) {
+    std::cerr << "metadata: " << p.status().to_string() << "\n";
+    return 1;
+  }
   for (const char* id : {"n1", "n2"}) {
     if (auto s = node.register_node({id, "e1", kPage, per_node, "addr", "key"}, 3600s); !s.is_ok()) {
       std::cerr << "metadata: " << s.status().to_string() << "\n";
@@ -148,11 +172,13 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   std::vector<Sample> samples;
   auto measure = [&](const std::string& what, int runs, auto op) {
     Sample s{what, {}};
+    const std::uint64_t commands_before = clock.commands();
     for (int i = 0; i < runs; ++i) {
       clock.reset();
       op(i);
       s.us.push_back(clock.longest_eval());
     }
+    s.commands = static_cast<double>(clock.commands() - commands_before) / runs;
     samples.push_back(std::move(s));
   };
 
@@ -177,11 +203,13 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   }
   auto per_chunk = [&](const std::string& what, int runs, auto op) {
     Sample s{what, {}};
+    const std::uint64_t commands_before = clock.commands();
     for (int i = 0; i < runs; ++i) {
       clock.reset();
       op(i);
       s.us.push_back(clock.total_evals() / kChunks);
     }
+    s.commands = static_cast<double>(clock.commands() - commands_before) / runs / kChunks;
     samples.push_back(std::move(s));
   };
   // A save: pages from reservations (each at most 256 pages beyond its first put's), each
@@ -215,12 +243,15 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
     if (together) {
       (void)cat.commit_reserveds(puts);
     } else {
-      for (const auto& p : puts) (void)cat.commit_reserved(p.pages, p.token, p.key, p.size, p.checksum, "", 0ms);
+      for (const auto& p : puts)
+        (void)cat.commit_reserved(p.pages, p.token, p.key, p.size, p.checksum, "", 0ms);
     }
     for (const auto& r : runs) (void)cat.release_reservation(r.res, 1u << 20, true);
   };
-  per_chunk("KV save, 32 chunks of 32 pages: a commit per chunk (per chunk)", 20, [&](int i) { save(i, false); });
-  per_chunk("KV save, 32 chunks of 32 pages: one commit (per chunk)", 20, [&](int i) { save(100 + i, true); });
+  per_chunk("KV save, 32 chunks of 32 pages: a commit per chunk (per chunk)", 20,
+            [&](int i) { save(i, false); });
+  per_chunk("KV save, 32 chunks of 32 pages: one commit (per chunk)", 20,
+            [&](int i) { save(100 + i, true); });
   per_chunk("KV load, 32 chunks: begin_get per chunk, end_gets (per chunk)", 20, [&](int) {
     std::vector<metadata::Catalog::EndedRead> ended;
     for (int c = 0; c < kChunks; ++c) {
@@ -243,7 +274,8 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   (void)cell.redis().command({"HSET", cell.prefix() + ":events", "maxlen", "100000"});
   std::vector<std::pair<std::string, std::string>> announced;
   for (const auto& c : chunks) announced.emplace_back(c, std::string(1300, 'e'));
-  per_chunk("KV events on: announce of a save's 32 chunks (per chunk)", 20, [&](int) { (void)cat.announce(announced); });
+  per_chunk("KV events on: announce of a save's 32 chunks (per chunk)", 20,
+            [&](int) { (void)cat.announce(announced); });
 
   std::vector<std::string> chain;
   for (int i = 0; i < 64; ++i) chain.push_back("obj/" + std::to_string(i));
@@ -251,18 +283,36 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   // A hybrid model's lookup: each key's presence (every group's objects of 8 chunks).
   measure("contains_each (64 keys)", 200, [&](int) { (void)cat.contains_each(chain); });
 
-  // The pool full: every further put evicts the least recently used object.
-  {
+  // The pool full: every further put evicts (the object the cell's policy gives up first). The
+  // free pages go to leases of puts that never commit, of at most 4,096 pages each (an
+  // object's most).
+  for (int part = 0;; ++part) {
     std::uint64_t left = 0;
     for (const char* id : {"n1", "n2"}) {
       auto f = op.free_pages(id);
       if (f.is_ok()) left += *f;
     }
-    (void)cat.begin_put("hog", "hog", left * kPage, 3600s);
+    if (left == 0) break;
+    const std::uint64_t pages = std::min<std::uint64_t>(left, 4096);
+    if (auto hog =
+            cat.begin_put("hog-" + std::to_string(part), "hog/" + std::to_string(part), pages * kPage, 3600s);
+        !hog.is_ok()) {
+      std::cerr << "metadata: filling the pool: " << hog.status().to_string() << "\n";
+      return 1;
+    }
   }
+  auto evicted_now = [&] {
+    auto sum = op.summary();
+    return sum.is_ok() ? sum->evicted : 0;
+  };
+  const std::uint64_t evicted_before = evicted_now();
   measure("begin_put evicting one object", 100, [&](int i) {
     (void)cat.begin_put("e-" + std::to_string(i), "evicting/" + std::to_string(i), kPage, 30s);
   });
+  if (evicted_now() < evicted_before + 100) {
+    std::cerr << "metadata: the puts into a full pool did not evict\n";
+    return 1;
+  }
   // The same with the objects next in the LRU announced: each eviction logs a removed event.
   {
     auto head = cell.redis().command({"ZRANGE", cell.prefix() + ":lru", "0", "99"});
@@ -311,19 +361,26 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   std::cout << "\n"
             << std::left << std::setw(58) << "script (server time per run)" << std::right << std::setw(10)
             << "p50 us" << std::setw(10) << "p99 us" << std::setw(10) << "max us" << std::setw(8) << "runs"
+            << std::setw(10) << "commands"
             << "\n";
   for (const auto& s : samples) {
     const double p50 = percentile(s.us, 0.5), p99 = percentile(s.us, 0.99),
                  max = s.us.empty() ? 0 : *std::max_element(s.us.begin(), s.us.end());
     std::cout << std::left << std::setw(58) << s.what << std::right << std::fixed << std::setprecision(0)
               << std::setw(10) << p50 << std::setw(10) << p99 << std::setw(10) << max << std::setw(8)
-              << s.us.size() << "\n";
-    rows.push_back(
-        {{"script", s.what}, {"p50_us", p50}, {"p99_us", p99}, {"max_us", max}, {"runs", s.us.size()}});
+              << s.us.size() << std::setw(10) << std::setprecision(1) << s.commands << "\n";
+    rows.push_back({{"script", s.what},
+                    {"p50_us", p50},
+                    {"p99_us", p99},
+                    {"max_us", max},
+                    {"runs", s.us.size()},
+                    {"commands", s.commands}});
   }
-  std::cout << "(cell of " << o.objects << " objects; the dead node's were swept in " << sweeps
-            << " reclaims)\n";
-  if (o.json) std::cout << nlohmann::json{{"objects", o.objects}, {"rows", rows}}.dump() << "\n";
+  std::cout << "(cell of " << o.objects << " objects, eviction policy " << o.policy
+            << "; the dead node's were swept in " << sweeps << " reclaims)\n";
+  if (o.json) {
+    std::cout << nlohmann::json{{"objects", o.objects}, {"policy", o.policy}, {"rows", rows}}.dump() << "\n";
+  }
   return 0;
 }
 

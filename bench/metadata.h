@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace kvstash::bench {
@@ -16,6 +17,8 @@ struct MetadataBenchOptions {
   double seconds = 2;
   // --scripts: one-page objects in the cell (100,000 fill in about ten seconds here).
   std::uint64_t objects = 100000;
+  // --scripts: the cell's eviction policy (kvstash policy): what each costs per operation.
+  std::string policy = "lru";
   bool json = false;
   // Throughput over a Redis Cluster of these shard counts (one master each, a cell per
   // shard, the clients spread over the cells), instead of against one plain redis-server.

@@ -68,7 +68,7 @@ struct PrivateCell {
   std::unique_ptr<Store> store;
 };
 
-Result<PrivateCell> start_cell(std::uint64_t capacity, const ReplayBenchOptions& o) {
+Result<PrivateCell> start_cell(std::uint64_t capacity, ReplayPolicy policy, const ReplayBenchOptions& o) {
   PrivateCell c;
   KVSTASH_ASSIGN_OR_RETURN(c.redis, tools::LocalRedis::start({}));
   KVSTASH_ASSIGN_OR_RETURN(c.node,
@@ -83,6 +83,7 @@ Result<PrivateCell> start_cell(std::uint64_t capacity, const ReplayBenchOptions&
   metadata::CellOptions co;
   co.redis.url = c.redis->url();
   KVSTASH_ASSIGN_OR_RETURN(c.cell, metadata::Cell::open(co));
+  KVSTASH_RETURN_IF_ERROR(c.cell->admin().set_policy(policy_name(policy)).status());
   StoreOptions so;
   so.redis_url = c.redis->url();
   so.engine.prefer = o.transport;
@@ -116,8 +117,8 @@ Result<std::pair<double, std::uint64_t>> calibrate_load(Store& store, std::uint6
 // The trace through a fresh cell of `capacity` blocks, as a connector runs it: per request, one
 // prefix lookup, the found blocks loaded (each checked byte for byte), the rest saved.
 Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_t capacity,
-                            const ReplayBenchOptions& o, Progress& progress) {
-  KVSTASH_ASSIGN_OR_RETURN(PrivateCell c, start_cell(capacity, o));
+                            ReplayPolicy policy, const ReplayBenchOptions& o, Progress& progress) {
+  KVSTASH_ASSIGN_OR_RETURN(PrivateCell c, start_cell(capacity, policy, o));
   std::size_t most = 1;
   for (const auto& r : trace) most = std::max(most, r.blocks.size());
   KVSTASH_ASSIGN_OR_RETURN(Buffer source, Buffer::allocate(most * o.block_bytes));
@@ -257,17 +258,17 @@ nlohmann::json row_json(std::uint64_t capacity, const std::string& name, const M
           {"evictions", r.evictions}};
 }
 
-void print_cell(const CellRun& run, const ModelResult& model_lru, const ReplayBenchOptions& o) {
-  const double gap = model_lru.hit_rate() > 0 ? run.counts.hit_rate() / model_lru.hit_rate() - 1 : 0.0;
+void print_cell(const CellRun& run, ReplayPolicy policy, const ModelResult& model,
+                const ReplayBenchOptions& o) {
+  const double gap = model.hit_rate() > 0 ? run.counts.hit_rate() / model.hit_rate() - 1 : 0.0;
   std::cout << fmt::format(
-      "           the cell against the model's LRU: {:+.2f}% (relative); {:.1f} s, {:.0f} requests/s{}\n",
-      100 * gap, run.wall_seconds,
+      "           the cell against the model's {}: {:+.2f}% (relative); {:.1f} s, {:.0f} requests/s{}\n",
+      policy_name(policy), 100 * gap, run.wall_seconds,
       static_cast<double>(run.lookup_us.size()) / std::max(1e-9, run.wall_seconds),
       o.speed > 0 ? fmt::format(", at most {:.2f} s behind the trace's clock", run.max_lag_seconds) : "");
   std::cout << fmt::format(
       "           lookup p50 {:.0f} us p99 {:.0f} us; load (a request's blocks) p50 {:.0f} us p99 {:.0f} us, "
-      "{}/s; "
-      "save p50 {:.0f} us p99 {:.0f} us\n",
+      "{}/s; save p50 {:.0f} us p99 {:.0f} us\n",
       percentile(run.lookup_us, 0.5), percentile(run.lookup_us, 0.99), percentile(run.load_us, 0.5),
       percentile(run.load_us, 0.99),
       units::format_size(static_cast<std::uint64_t>(static_cast<double>(run.bytes_loaded) /
@@ -276,8 +277,7 @@ void print_cell(const CellRun& run, const ModelResult& model_lru, const ReplayBe
   std::cout << fmt::format(
       "           loaded {}, saved {}; {} loads and {} saves failed\n"
       "           TTFT estimate mean {:.3f} s p99 {:.3f} s, against {:.3f} s and {:.3f} s without the cache "
-      "({:.3f}x "
-      "faster on the mean; loads at {}/s, a {} object's best read)\n",
+      "({:.3f}x faster on the mean; loads at {}/s, a {} object's best read)\n",
       units::format_size(run.bytes_loaded), units::format_size(run.bytes_saved), run.failed_loads,
       run.failed_saves, mean(run.ttft_s), percentile(run.ttft_s, 0.99), mean(run.ttft_none_s),
       percentile(run.ttft_none_s, 0.99), mean(run.ttft_none_s) / std::max(1e-9, mean(run.ttft_s)),
@@ -285,10 +285,10 @@ void print_cell(const CellRun& run, const ModelResult& model_lru, const ReplayBe
       units::format_size(run.calibration_bytes));
 }
 
-nlohmann::json cell_json(std::uint64_t capacity, const CellRun& run, const ModelResult& model_lru,
-                         const ModelResult& belady) {
-  nlohmann::json j = row_json(capacity, "cell-lru", run.counts, model_lru, belady);
-  j["vs_model"] = model_lru.hit_rate() > 0 ? run.counts.hit_rate() / model_lru.hit_rate() - 1 : 0.0;
+nlohmann::json cell_json(std::uint64_t capacity, const CellRun& run, ReplayPolicy policy,
+                         const ModelResult& model, const ModelResult& lru, const ModelResult& belady) {
+  nlohmann::json j = row_json(capacity, std::string("cell-") + policy_name(policy), run.counts, lru, belady);
+  j["vs_model"] = model.hit_rate() > 0 ? run.counts.hit_rate() / model.hit_rate() - 1 : 0.0;
   j["seconds"] = run.wall_seconds;
   j["lookup_us"] = {{"p50", percentile(run.lookup_us, 0.5)}, {"p99", percentile(run.lookup_us, 0.99)}};
   j["load_us"] = {{"p50", percentile(run.load_us, 0.5)}, {"p99", percentile(run.load_us, 0.99)}};
@@ -321,7 +321,7 @@ int run_replay(const ReplayBenchOptions& o) {
         trace->size(), o.trace, o.block_tokens,
         o.saves == ReplaySaves::kConnector ? "whole blocks saved, as the connectors do" : "every block saved",
         o.model_only ? ""
-                     : fmt::format(", then a cell (kvstashd over {}, blocks of {}, LRU)",
+                     : fmt::format(", then a cell per policy (kvstashd over {}, blocks of {})",
                                    to_string(o.transport), units::format_size(o.block_bytes)));
     std::cout << fmt::format("{:<10} {:<10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>10}\n", "capacity", "policy",
                              "token hit", "block hit", "x LRU", "of Belady", "saved", "evictions");
@@ -331,38 +331,46 @@ int run_replay(const ReplayBenchOptions& o) {
     series.push_back(
         {.title = std::string(policy_name(p)) + " (model)", .group = policy_name(p), .dashed = true});
   }
-  series.push_back({.title = "lru (cell)", .group = "lru"});
+  for (ReplayPolicy p : o.cell_policies) {
+    series.push_back({.title = std::string(policy_name(p)) + " (cell)", .group = policy_name(p)});
+  }
   int exit_code = 0;
   for (std::uint64_t capacity : o.capacities) {
-    std::vector<std::pair<std::string, ModelResult>> rows;
+    std::vector<std::pair<ReplayPolicy, ModelResult>> rows;
     for (ReplayPolicy p : kModelPolicies) {
-      rows.emplace_back(policy_name(p), replay_model(*trace, capacity, p, o.block_tokens, o.saves));
+      rows.emplace_back(p, replay_model(*trace, capacity, p, o.block_tokens, o.saves));
     }
     const ModelResult& lru = rows.front().second;
     const ModelResult& belady = rows.back().second;
     for (std::size_t k = 0; k < rows.size(); ++k) {
       series[k].points.emplace_back(static_cast<double>(capacity), rows[k].second.hit_rate());
       if (o.json) {
-        std::cout << row_json(capacity, rows[k].first, rows[k].second, lru, belady).dump() << "\n";
+        std::cout << row_json(capacity, policy_name(rows[k].first), rows[k].second, lru, belady).dump()
+                  << "\n";
       } else {
-        print_row(capacity, rows[k].first, rows[k].second, lru, belady);
+        print_row(capacity, policy_name(rows[k].first), rows[k].second, lru, belady);
       }
     }
     if (o.model_only) continue;
-    auto run = replay_cell(*trace, capacity, o, progress);
-    if (!run.is_ok()) {
-      std::cerr << "kvstash-bench replay: the cell of " << capacity << " blocks: " << run.status().to_string()
-                << "\n";
-      return 1;
-    }
-    series.back().points.emplace_back(static_cast<double>(capacity), run->counts.hit_rate());
-    if (run->failed_loads + run->failed_saves > 0) exit_code = 1;
-    if (o.json) {
-      std::cout << cell_json(capacity, *run, lru, belady).dump() << std::endl;
-    } else {
-      print_row(capacity, "cell-lru", run->counts, lru, belady);
-      print_cell(*run, lru, o);
-      std::cout << std::flush;
+    for (std::size_t k = 0; k < o.cell_policies.size(); ++k) {
+      const ReplayPolicy policy = o.cell_policies[k];
+      const ModelResult model = replay_model(*trace, capacity, policy, o.block_tokens, o.saves);
+      auto run = replay_cell(*trace, capacity, policy, o, progress);
+      if (!run.is_ok()) {
+        std::cerr << fmt::format("kvstash-bench replay: the {} cell of {} blocks: {}\n", policy_name(policy),
+                                 capacity, run.status().to_string());
+        return 1;
+      }
+      series[std::size(kModelPolicies) + k].points.emplace_back(static_cast<double>(capacity),
+                                                                run->counts.hit_rate());
+      if (run->failed_loads + run->failed_saves > 0) exit_code = 1;
+      if (o.json) {
+        std::cout << cell_json(capacity, *run, policy, model, lru, belady).dump() << std::endl;
+      } else {
+        print_row(capacity, std::string("cell-") + policy_name(policy), run->counts, lru, belady);
+        print_cell(*run, policy, model, o);
+        std::cout << std::flush;
+      }
     }
   }
   if (!o.json) {

@@ -19,6 +19,9 @@ struct ReplayBenchOptions {
   std::uint32_t block_tokens = 512;
   ReplaySaves saves = ReplaySaves::kConnector;
   bool model_only = false;  // no cell: the model's rows alone
+  // The eviction policies the cell replays the trace under (kvstash policy), each in a cell of
+  // its own, each compared with the model's run of the same policy.
+  std::vector<ReplayPolicy> cell_policies{ReplayPolicy::kLru};
   // The cell: a block of the trace is an object of block_bytes (a 512-token block of a real
   // model is tens of MiB; scaled down so that thousands fit here), one page of a node whose pool
   // holds `capacity` blocks.

@@ -237,9 +237,14 @@ class S3FifoCache final : public Cache {
   std::unordered_set<std::uint64_t> ghost_set_;
 };
 
-// ARC (Megiddo and Modha, FAST 2003): T1 holds blocks used once lately, T2 blocks used at least
-// twice, each in LRU order; B1 and B2 remember the blocks evicted from each (names only). A
-// miss found in B1 says T1 was too small (its target share p grows), one in B2 that T2 was.
+// ARC (Megiddo and Modha, FAST 2003), as a cell runs it: T1 holds blocks used once lately, T2
+// blocks used at least twice, each in LRU order; B1 and B2 remember the blocks evicted from
+// each (names only). A new block found in B1 says T1 was too small (its target share p grows),
+// one found in B2 that T2 was; either enters T2. An eviction takes T1's least recent block
+// while T1 is over p (or T2 is empty), else T2's; the ghosts are then trimmed so that T1 and
+// B1 hold at most the capacity, and all four twice it. (The paper evicts inside the miss that
+// needs the room; a cell evicts when it reserves pages, before it knows the key: the same
+// rule, apart from the paper's tie-break on a B2 hit.)
 class ArcCache final : public Cache {
  public:
   explicit ArcCache(std::uint64_t capacity) : c_(capacity) {}
@@ -255,53 +260,32 @@ class ArcCache final : public Cache {
   }
   void insert(std::uint64_t block, std::uint64_t, std::uint64_t& evictions) override {
     if (c_ == 0) return;
+    if (size() >= c_) evict_one(evictions);
     const double c = static_cast<double>(c_);
     if (b1_.contains(block)) {
       p_ = std::min(c, p_ + std::max(1.0, double(b2_.size()) / double(b1_.size())));
-      replace(false, evictions);
       b1_.erase(block);
       t2_.push_newest(block);
-      return;
-    }
-    if (b2_.contains(block)) {
+    } else if (b2_.contains(block)) {
       p_ = std::max(0.0, p_ - std::max(1.0, double(b1_.size()) / double(b2_.size())));
-      replace(true, evictions);
       b2_.erase(block);
       t2_.push_newest(block);
-      return;
-    }
-    const std::uint64_t l1 = t1_.size() + b1_.size();
-    if (l1 == c_) {
-      if (t1_.size() < c_) {
-        b1_.pop_oldest();
-        replace(false, evictions);
-      } else {
-        t1_.pop_oldest();
-        ++evictions;
-      }
-    } else if (l1 + t2_.size() + b2_.size() >= c_) {
-      if (l1 + t2_.size() + b2_.size() == 2 * c_) b2_.pop_oldest();
-      replace(false, evictions);
-    }
-    t1_.push_newest(block);
-  }
-  void evict_one(std::uint64_t& evictions) override { replace(false, evictions); }
-
- private:
-  // Evicts T1's oldest into B1 when T1 is over its share, else T2's oldest into B2.
-  void replace(bool found_in_b2, std::uint64_t& evictions) {
-    if (size() < c_) return;  // room already (a replaced block freed one)
-    const double t1 = static_cast<double>(t1_.size());
-    if (!t1_.empty() && (t1 > p_ || (found_in_b2 && t1 == p_))) {
-      b1_.push_newest(t1_.pop_oldest());
-    } else if (!t2_.empty()) {
-      b2_.push_newest(t2_.pop_oldest());
     } else {
+      t1_.push_newest(block);
+    }
+  }
+  void evict_one(std::uint64_t& evictions) override {
+    if (!t1_.empty() && (static_cast<double>(t1_.size()) > p_ || t2_.empty())) {
       b1_.push_newest(t1_.pop_oldest());
+    } else {
+      b2_.push_newest(t2_.pop_oldest());
     }
     ++evictions;
+    while (t1_.size() + b1_.size() > c_) b1_.pop_oldest();
+    while (size() + b1_.size() + b2_.size() > 2 * c_) b2_.pop_oldest();
   }
 
+ private:
   std::uint64_t c_;
   double p_ = 0;  // T1's target size
   Ordered t1_, t2_, b1_, b2_;

@@ -90,13 +90,19 @@ TEST_F(CatalogTest, ARecoveryAdmitsWhatTheKeyDoesNotHoldAndFreesEverySlotElseOnc
     return tiers.offer_recovered("t", "e1", {.found = 3, .checked = 3}, objects).value();
   };
   auto object = [](std::string key, std::string runs, std::uint64_t size) {
-    return TierCatalog::Recovered{.key = std::move(key), .token = "r-" + key, .checksum = "0000000000001234/4194304",
-                                  .layout = "", .runs = std::move(runs), .sum = "00000000000000ab", .size = size};
+    return TierCatalog::Recovered{.key = std::move(key),
+                                  .token = "r-" + key,
+                                  .checksum = "0000000000001234/4194304",
+                                  .layout = "",
+                                  .runs = std::move(runs),
+                                  .sum = "00000000000000ab",
+                                  .size = size};
   };
   using O = TierCatalog::Offered;
   EXPECT_EQ(offer({object("a", "0,2", 2 * kPage), object("b", "5,1", kPage), object("taken", "9,1", kPage)}),
             (std::vector<O>{O::kAdmitted, O::kAdmitted, O::kTaken}));
-  EXPECT_EQ(offer({object("a", "0,2", 2 * kPage)}), std::vector<O>{O::kKept}) << "offered again: the same slots";
+  EXPECT_EQ(offer({object("a", "0,2", 2 * kPage)}), std::vector<O>{O::kKept})
+      << "offered again: the same slots";
   EXPECT_EQ(cat_->stat("a").value().tier, "ssd");
   // While it runs, no write-down takes a slot.
   auto down = tiers.begin_write_down("t", "e1", 100, 100, 8, 10s);
@@ -150,8 +156,9 @@ TEST_F(CatalogTest, AnnouncedObjectsAreLoggedStoredThenRemovedWithTheirDataInOrd
     }
     got.push_back(line);
   }
-  EXPECT_EQ(got, (std::vector<std::string>{"stored x ev-x ", "stored y ev-y ", "removed x ev-x removed",
-                                           "removed y ev-y replaced", "stored z ev-z ", "removed z ev-z evicted"}));
+  EXPECT_EQ(
+      got, (std::vector<std::string>{"stored x ev-x ", "stored y ev-y ", "removed x ev-x removed",
+                                     "removed y ev-y replaced", "stored z ev-z ", "removed z ev-z evicted"}));
   EXPECT_EQ(redis_->command({"SCARD", p + ":events:objs"}).value().integer(), 0);
 
   ASSERT_TRUE(redis_->eval(scripts::fence_master(), {p}, {"master-1"}).is_ok());
@@ -347,6 +354,64 @@ TEST_F(CatalogTest, FullPoolEvictsLeastRecentlyUsedObjectsWithoutReaders) {
   EXPECT_GE(free_of("a"), 3u);
 }
 
+// The arc policy (prelude.lua, "Eviction policy"): objects used twice outlive a scan of new
+// ones that LRU would keep instead; a leased object is never evicted; ghosts move p; the
+// state reads back; a policy kvstash does not know is refused.
+TEST_F(CatalogTest, ArcKeepsObjectsUsedTwiceThroughAScanThatLruKeepsInstead) {
+  auto run = [&](const std::string& policy) {
+    EXPECT_EQ(admin_->set_policy(policy)->name, policy);
+    // Four objects each used once more (T2 under arc), then a scan of eight new ones through a
+    // pool of six pages: LRU keeps the last six of the scan, ARC the four and two of the scan.
+    for (int i = 0; i < 4; ++i) put(policy + "-hot" + std::to_string(i), 1);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(get_code(policy + "-hot" + std::to_string(i)), StatusCode::kOk);
+    for (int i = 0; i < 8; ++i) put(policy + "-scan" + std::to_string(i), 1);
+    int hot = 0;
+    for (int i = 0; i < 4; ++i) hot += cat_->stat(policy + "-hot" + std::to_string(i)).is_ok() ? 1 : 0;
+    return hot;
+  };
+  ASSERT_TRUE(add_node("a", 6).is_ok());
+  EXPECT_EQ(admin_->policy()->name, "lru") << "a new cell's policy";
+  EXPECT_EQ(run("lru"), 0);
+  // Switching drops the scan's objects from the order arc builds: they go first, oldest first.
+  EXPECT_EQ(run("arc"), 4);
+  auto state = admin_->policy().value();
+  EXPECT_EQ(state.t1 + state.t2, 6u);
+  EXPECT_EQ(state.t2, 4u);
+  EXPECT_GT(state.b1, 0u) << "the scan's evicted keys are remembered";
+
+  // A key B1 remembers comes back: p grows, and it enters T2.
+  const std::string ghost = "arc-scan5";  // the last evicted (B1 holds the objects held at most)
+  ASSERT_EQ(get_code(ghost), StatusCode::kNotFound);
+  const double p_before = state.t1_target;
+  put(ghost, 1);
+  state = admin_->policy().value();
+  EXPECT_GT(state.t1_target, p_before);
+  EXPECT_EQ(state.t2, 5u) << "a remembered key enters T2";
+
+  // A get is a use (into T2), and so is a put over a key held, whose new copy's page comes
+  // first: with T1 empty, T2's least recent object (hot0) goes for it.
+  EXPECT_EQ(get_code("arc-scan7"), StatusCode::kOk);
+  put("arc-scan7", 1);
+  state = admin_->policy().value();
+  EXPECT_EQ(state.t1, 0u);
+  EXPECT_EQ(state.t2, 5u);
+  EXPECT_EQ(get_code("arc-hot0"), StatusCode::kNotFound);
+  // A leased object at the head of the list that goes next is skipped.
+  auto lease = cat_->begin_get("arc-hot1", "reader", 30s).value();
+  for (const char* key : {"arc-hot2", "arc-hot3", "arc-scan5", "arc-scan7"})
+    EXPECT_EQ(get_code(key), StatusCode::kOk);
+  put("arc-new1", 1);  // the free page
+  put("arc-new2", 1);  // T1 holds no more than p: T2's least recent, hot1, but it is leased: hot2
+  EXPECT_TRUE(cat_->stat("arc-hot1").is_ok()) << "a leased object must not be evicted";
+  EXPECT_EQ(get_code("arc-hot2"), StatusCode::kNotFound);
+  EXPECT_TRUE(cat_->end_get("reader", lease).is_ok());
+
+  // Back to lru: ARC's lists are gone; eviction is least recently used again.
+  EXPECT_EQ(admin_->set_policy("lru")->t1, 0u);
+  EXPECT_EQ(admin_->set_policy("fifo").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(admin_->policy()->name, "lru");
+}
+
 TEST_F(CatalogTest, ExpiredObjectsVanishAndReclaimReturnsTheirPages) {
   ASSERT_TRUE(add_node("a", 4).is_ok());
   put("short", 1, 100ms);
@@ -445,7 +510,8 @@ TEST_F(CatalogTest, PagesAllocatedTogetherAreOneRunAndReturnAsOne) {
   Placement k2 = put("k2", 16), k3 = put("k3", 16);
   EXPECT_EQ(k2.extents.front().page, 0u);
   EXPECT_EQ(k3.extents.front().page, 16u);
-  EXPECT_GT(k2.extents.front().generation, k.extents.front().generation) << "page 0 again: a later generation";
+  EXPECT_GT(k2.extents.front().generation, k.extents.front().generation)
+      << "page 0 again: a later generation";
   EXPECT_EQ(free_runs(), 0);
   EXPECT_EQ(text({"HGET", prefix + ":node:a", "free_pages"}), "0");
   EXPECT_EQ(free_of("a"), 32u);
@@ -482,19 +548,22 @@ TEST_F(CatalogTest, ScriptTimeGrowsWithTheRunsOfAnObjectNotTheirSquareAndObjects
   auto slowest_commit = [&](const std::string& node, std::uint64_t runs) -> std::int64_t {
     EXPECT_TRUE(add_node(node, 2 * runs).is_ok());
     for (std::uint64_t i = 0; i < 2 * runs; ++i) put(node + "-s" + std::to_string(i), 1);
-    for (std::uint64_t i = 0; i < 2 * runs; i += 2) EXPECT_TRUE(cat_->remove(node + "-s" + std::to_string(i)).is_ok());
+    for (std::uint64_t i = 0; i < 2 * runs; i += 2)
+      EXPECT_TRUE(cat_->remove(node + "-s" + std::to_string(i)).is_ok());
     // The node's free pages are `runs` single pages, none next to another.
     const std::string res = "res-" + node;
     auto r = cat_->reserve_pages(res, runs * kPage, 0, 30s);
     EXPECT_TRUE(r.is_ok()) << r.status().to_string();
     EXPECT_TRUE(redis_->command({"SLOWLOG", "RESET"}).is_ok());
-    EXPECT_TRUE(cat_->commit_reserved({res, 0, runs}, "t-big-" + node, "big-" + node, runs * kPage, {1}, "", 0ms)
-                    .is_ok());
+    EXPECT_TRUE(
+        cat_->commit_reserved({res, 0, runs}, "t-big-" + node, "big-" + node, runs * kPage, {1}, "", 0ms)
+            .is_ok());
     auto log = redis_->command({"SLOWLOG", "GET", "16"});
     std::int64_t most = 0;
     for (std::size_t i = 0; log.is_ok() && i < log->size(); ++i) {
       const redisReply* entry = log->element(i);  // id, time, microseconds, command, ...
-      if (entry->type == REDIS_REPLY_ARRAY && entry->elements > 2) most = std::max<std::int64_t>(most, entry->element[2]->integer);
+      if (entry->type == REDIS_REPLY_ARRAY && entry->elements > 2)
+        most = std::max<std::int64_t>(most, entry->element[2]->integer);
     }
     auto stopped = node_->drain_node(node, "e1");  // its pages out of the next round's way
     EXPECT_TRUE(stopped.is_ok());
@@ -505,7 +574,8 @@ TEST_F(CatalogTest, ScriptTimeGrowsWithTheRunsOfAnObjectNotTheirSquareAndObjects
   EXPECT_LT(large, 8 * small) << "1,024 scattered pages: " << small << " us, 4,096: " << large << " us";
   auto huge = cat_->begin_put("huge", "huge", 4097 * kPage, 30s);
   EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument) << huge.status().to_string();
-  EXPECT_NE(huge.status().message().find("at most 4096 pages"), std::string::npos) << huge.status().to_string();
+  EXPECT_NE(huge.status().message().find("at most 4096 pages"), std::string::npos)
+      << huge.status().to_string();
 }
 
 // Commits carve their pages out of a reservation in any order; pages a commit took, an abort
@@ -793,7 +863,8 @@ TEST_F(CatalogTest, CorruptAndForeignRecordsAreCorruptNotACrash) {
   EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
   cmd({"HSET", obj + "k", "extents", "a,0,1,3"});  // a run of 3 pages for 100 bytes
   EXPECT_EQ(get_code("k"), StatusCode::kCorrupt);
-  for (std::string_view bad : {"a,0,1,0", "a,0,1,1,1", "a,0,1,", "a,0,1,99999999999", "a,18446744073709551615,1,2"}) {
+  for (std::string_view bad :
+       {"a,0,1,0", "a,0,1,1,1", "a,0,1,", "a,0,1,99999999999", "a,18446744073709551615,1,2"}) {
     cmd({"HSET", obj + "k", "extents", bad});
     EXPECT_EQ(get_code("k"), StatusCode::kCorrupt) << bad;
   }

@@ -213,6 +213,21 @@ TEST_F(Cli, StatusAndNodesDescribeTheCell) {
   EXPECT_EQ(set.j()["changed"], true);
   EXPECT_EQ(kv("status --json").j()["rkey_scope"], "lease");
   EXPECT_EQ(kv("rkey-scope window").code, 2) << "not a scope";
+
+  // The eviction policy: lru unless set; a dry run until --yes; status shows it.
+  EXPECT_EQ(j["eviction_policy"]["name"], "lru");
+  EXPECT_NE(human.out.find("policy    lru"), std::string::npos) << human.out;
+  Outcome would = kv("policy arc");
+  ASSERT_EQ(would.code, 0) << would.err;
+  EXPECT_NE(would.out.find("--yes"), std::string::npos) << would.out;
+  EXPECT_EQ(kv("policy --json").j()["name"], "lru") << "unchanged by a dry run";
+  Outcome arc = kv("policy arc --yes --json");
+  ASSERT_EQ(arc.code, 0) << arc.err;
+  EXPECT_EQ(arc.j()["changed"], true);
+  EXPECT_EQ(arc.j()["t1"], 0);
+  EXPECT_EQ(kv("status --json").j()["eviction_policy"]["name"], "arc");
+  EXPECT_NE(kv("status").out.find("policy    arc: "), std::string::npos);
+  EXPECT_EQ(kv("policy fifo").code, 2) << "not a policy";
 }
 
 TEST_F(Cli, ObjectsCanBeListedShownTouchedReadAndRemoved) {

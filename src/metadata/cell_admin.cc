@@ -1,6 +1,7 @@
 #include "metadata/cell_admin.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "metadata/catalog_common.h"
 #include "metadata/scripts.h"
@@ -78,6 +79,36 @@ Result<CellSummary> CellAdmin::summary() {
     if (field == "tier_lost") c.tier_lost = v;
   }
   return c;
+}
+
+namespace {
+
+Result<EvictionPolicyState> policy_state_of(const Reply& r) {
+  if (r.type() != Reply::Type::kArray || r.size() != 6) return corrupt("unexpected reply to set_policy");
+  EvictionPolicyState p;
+  p.name = std::string(text_of(r.element(0)));
+  p.t1 = static_cast<std::uint64_t>(integer_of(r.element(1)).value_or(0));
+  p.t2 = static_cast<std::uint64_t>(integer_of(r.element(2)).value_or(0));
+  p.b1 = static_cast<std::uint64_t>(integer_of(r.element(3)).value_or(0));
+  p.b2 = static_cast<std::uint64_t>(integer_of(r.element(4)).value_or(0));
+  const std::string_view target = text_of(r.element(5));
+  double t1_target = 0;
+  if (std::from_chars(target.data(), target.data() + target.size(), t1_target).ec == std::errc()) {
+    p.t1_target = t1_target;
+  }
+  return p;
+}
+
+}  // namespace
+
+Result<EvictionPolicyState> CellAdmin::policy() {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::set_policy(), {prefix_}, {std::string_view()}));
+  return policy_state_of(r);
+}
+
+Result<EvictionPolicyState> CellAdmin::set_policy(std::string_view name) {
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::set_policy(), {prefix_}, {name}));
+  return policy_state_of(r);
 }
 
 Result<RkeyScope> CellAdmin::rkey_scope() { return detail::rkey_scope(redis_, prefix_); }

@@ -39,6 +39,11 @@ class CellAdmin {
   // know. set_rkey_scope changes it for clients that open their store from then on.
   Result<RkeyScope> rkey_scope();
   Status set_rkey_scope(RkeyScope scope);
+  // The cell's eviction policy (docs/operations.md, "Choosing an eviction policy") and its
+  // state; set_policy changes it ("lru" or "arc"; kInvalidArgument for another) and returns
+  // the state after.
+  Result<EvictionPolicyState> policy();
+  Result<EvictionPolicyState> set_policy(std::string_view name);
 
   // --- Nodes ---------------------------------------------------------------------------
   // Every node the cell knows (live, draining, dead, not yet forgotten), sorted.
@@ -73,8 +78,8 @@ class CellAdmin {
   Result<std::vector<EvictedObject>> evict_lru(std::chrono::milliseconds idle, std::uint64_t max_bytes,
                                                bool dry_run, std::uint32_t limit,
                                                std::int64_t* now_ms = nullptr);
-  // Makes `bytes` of room: evicts least recently used unleased objects until that much came
-  // free (all or nothing).
+  // Makes `bytes` of room: evicts unleased objects, in the order of the cell's policy, until
+  // that much came free (all or nothing).
   Result<EvictCounts> evict(std::uint64_t bytes);
 
  private:

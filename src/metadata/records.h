@@ -25,10 +25,10 @@ struct NodeRecord {
   std::string epoch;  // random per start: a new epoch means the old memory is gone
   std::uint64_t page_size = 0;
   std::uint64_t page_count = 0;
-  std::string address;    // the node engine's address blob
-  std::string key;        // the pool region's remote-key blob
-  std::string grant_key;  // hex of the HMAC key the cell signs this node's grants with
-  std::uint64_t tier_slots = 0;  // slots (of one page) of its NVMe tier; 0: none
+  std::string address;               // the node engine's address blob
+  std::string key;                   // the pool region's remote-key blob
+  std::string grant_key;             // hex of the HMAC key the cell signs this node's grants with
+  std::uint64_t tier_slots = 0;      // slots (of one page) of its NVMe tier; 0: none
   std::uint64_t tier_low_water = 0;  // pages: objects move down while fewer are free
   // The tier's identity (its superblock's): the same id at a new registration keeps the
   // tier's objects; another one starts the tier over.
@@ -173,6 +173,16 @@ struct CellSummary {
   std::uint64_t tier_hits = 0;
   std::uint64_t tier_evicted = 0;
   std::uint64_t tier_lost = 0;
+};
+
+// The cell's eviction policy: "lru" or "arc", and ARC's lists (empty under lru).
+struct EvictionPolicyState {
+  std::string name = "lru";
+  std::uint64_t t1 = 0;  // objects used once lately
+  std::uint64_t t2 = 0;  // objects used at least twice
+  std::uint64_t b1 = 0;  // keys evicted from T1 that ARC remembers
+  std::uint64_t b2 = 0;  // and from T2
+  double t1_target = 0;  // p: how many objects T1 should hold
 };
 
 // One object as an operator sees it (read-only: looking does not touch it).

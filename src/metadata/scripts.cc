@@ -203,6 +203,11 @@ const Script& reclaim() {
   return s;
 }
 
+const Script& set_policy() {
+  static const Script s = make(lua::kSetPolicy);
+  return s;
+}
+
 const Script& set_quota() {
   static const Script s = make(lua::kSetQuota);
   return s;
@@ -288,6 +293,7 @@ std::vector<const Script*> all() {
           &cell_summary(),
           &describe_objects(),
           &evict_lru(),
+          &set_policy(),
           &set_quota(),
           &quota_scan(),
           &list_quotas(),

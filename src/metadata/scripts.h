@@ -49,6 +49,7 @@ const Script& forget_node();
 const Script& cell_summary();
 const Script& describe_objects();
 const Script& evict_lru();
+const Script& set_policy();
 
 // Quotas per key prefix (quotas.h).
 const Script& set_quota();

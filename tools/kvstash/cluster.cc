@@ -1,4 +1,5 @@
 // kvstash status, nodes, node show, node rm, drain: the cell and its memory nodes.
+#include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -29,7 +30,9 @@ struct Node {
   std::uint64_t used() const { return capacity() - free(); }
   // Its NVMe tier (0: none).
   std::uint64_t tier_capacity() const { return s.page_size * s.tier_slots; }
-  std::uint64_t tier_used() const { return s.page_size * (s.tier_slots - std::min(s.tier_free_slots, s.tier_slots)); }
+  std::uint64_t tier_used() const {
+    return s.page_size * (s.tier_slots - std::min(s.tier_free_slots, s.tier_slots));
+  }
 };
 
 Result<std::vector<Node>> load_nodes(metadata::CellAdmin& c) {
@@ -79,8 +82,9 @@ std::string recovery_text(const NodeStatus::Recovery& r) {
   if (r.state.empty()) return "";
   if (r.state == "pending") return "pending (the cell started the tier over; the node offers what it holds)";
   return r.state + ": " + std::to_string(r.checked) + " of " + std::to_string(r.found) +
-         " objects on the device checked, " + std::to_string(r.admitted) + " admitted, " + std::to_string(r.bad) +
-         " not matching their sum, " + std::to_string(r.refused) + " refused (newer under the key, expired, a copy)";
+         " objects on the device checked, " + std::to_string(r.admitted) + " admitted, " +
+         std::to_string(r.bad) + " not matching their sum, " + std::to_string(r.refused) +
+         " refused (newer under the key, expired, a copy)";
 }
 
 // "used/capacity" of a node's NVMe tier, or "-" without one.
@@ -103,12 +107,13 @@ std::string heartbeat(const Node& n) {
 }
 
 Table nodes_table(const std::vector<Node>& nodes) {
-  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "RESERVED", "LIMBO", "NVME", "HEARTBEAT"});
+  Table t({"NODE", "STATE", "CAPACITY", "USED", "FREE", "USED%", "OBJECTS", "RESERVED", "LIMBO", "NVME",
+           "HEARTBEAT"});
   for (const auto& n : nodes) {
     t.row({n.id, n.state(), units::format_size(n.capacity()), units::format_size(n.used()),
            units::format_size(n.free()), percent(n.used(), n.capacity()), std::to_string(n.s.objects),
-           units::format_size(n.s.reserved_pages * n.s.page_size), units::format_size(n.s.limbo_pages * n.s.page_size),
-           tier_cell(n), heartbeat(n)});
+           units::format_size(n.s.reserved_pages * n.s.page_size),
+           units::format_size(n.s.limbo_pages * n.s.page_size), tier_cell(n), heartbeat(n)});
   }
   return t;
 }
@@ -125,6 +130,27 @@ CellMemory tally(const std::vector<Node>& nodes) {
   return m;
 }
 
+json policy_json(const metadata::EvictionPolicyState& p) {
+  json j{{"name", p.name}};
+  if (p.name == "arc") {
+    j["t1"] = p.t1;
+    j["t2"] = p.t2;
+    j["b1"] = p.b1;
+    j["b2"] = p.b2;
+    j["t1_target"] = p.t1_target;
+  }
+  return j;
+}
+
+// "arc: 812 objects used once lately (target 640), 1,210 used again; remembers 800 + 1,500
+// evicted keys", or "lru".
+std::string policy_text(const metadata::EvictionPolicyState& p) {
+  if (p.name != "arc") return p.name + ": the least recently used object goes first";
+  return fmt::format(
+      "arc: {} objects used once lately (target {:.0f}), {} used again; remembers {} + {} evicted keys", p.t1,
+      p.t1_target, p.t2, p.b1, p.b2);
+}
+
 int status(Session& s) {
   auto cell = s.cell();
   if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
@@ -139,6 +165,8 @@ int status(Session& s) {
   if (!scope.is_ok()) return fail(scope.status(), "reading the cell", &s);
   auto quotas = metadata::CellQuotas((*cell)->redis(), admin.prefix()).list();
   if (!quotas.is_ok()) return fail(quotas.status(), "reading the quotas", &s);
+  auto policy = admin.policy();
+  if (!policy.is_ok()) return fail(policy.status(), "reading the eviction policy", &s);
   if (s.json()) {
     json j{{"redis", {{"url", s.redis_display()}, {"version", version}}},
            {"cell", s.globals().cell},
@@ -163,6 +191,7 @@ int status(Session& s) {
              {"evicted", sum->tier_evicted},
              {"lost", sum->tier_lost}}},
            {"rkey_scope", to_string(*scope)},
+           {"eviction_policy", policy_json(*policy)},
            {"quotas", quotas_json(*quotas)}};
     for (const auto& n : *nodes) j["nodes"].push_back(node_json(n));
     std::cout << j.dump(2) << "\n";
@@ -188,11 +217,12 @@ int status(Session& s) {
             << sum->expired << " expired\n";
   if (sum->tier_slots > 0) {
     const std::uint64_t tier_cap = sum->tier_slots * sum->page_size;
-    const std::uint64_t tier_used = (sum->tier_slots - std::min(sum->tier_free_slots, sum->tier_slots)) * sum->page_size;
+    const std::uint64_t tier_used =
+        (sum->tier_slots - std::min(sum->tier_free_slots, sum->tier_slots)) * sum->page_size;
     std::cout << "nvme      " << sum->tier_objects << " objects, " << units::format_size(tier_used) << " of "
-              << units::format_size(tier_cap) << " (" << percent(tier_used, tier_cap) << "); " << sum->written_down
-              << " moved down, " << sum->promoted << " promoted for " << sum->tier_hits << " gets, "
-              << sum->tier_evicted << " evicted there, " << sum->tier_lost << " lost\n";
+              << units::format_size(tier_cap) << " (" << percent(tier_used, tier_cap) << "); "
+              << sum->written_down << " moved down, " << sum->promoted << " promoted for " << sum->tier_hits
+              << " gets, " << sum->tier_evicted << " evicted there, " << sum->tier_lost << " lost\n";
     // Recoveries under way: a cell that lost its Redis getting its objects back.
     for (const auto& n : *nodes) {
       if (n.s.recovery.state == "pending" || n.s.recovery.state == "running") {
@@ -201,6 +231,7 @@ int status(Session& s) {
     }
   }
   std::cout << "rkey      " << to_string(*scope) << " scope (kvstash rkey-scope)\n";
+  std::cout << "policy    " << policy_text(*policy) << " (kvstash policy)\n";
   for (std::size_t i = 0; i < quotas->size(); ++i) {
     std::cout << (i == 0 ? "quotas    " : "          ") << quota_line((*quotas)[i]) << "\n";
   }
@@ -254,12 +285,14 @@ int show_node(Session& s, const std::string& id) {
   t.row({"objects", std::to_string(n->s.objects) + " (" + std::to_string(n->s.object_pages()) + " pages)"});
   t.row({"reserved", units::format_size(n->s.reserved_pages * n->s.page_size) + " (" +
                          std::to_string(n->s.reserved_pages) + " pages of pending puts and reservations)"});
-  t.row({"limbo", units::format_size(n->s.limbo_pages * n->s.page_size) + " (" + std::to_string(n->s.limbo_pages) +
+  t.row({"limbo", units::format_size(n->s.limbo_pages * n->s.page_size) + " (" +
+                      std::to_string(n->s.limbo_pages) +
                       " pages freed, not yet reusable: read leases, fences)"});
   if (n->s.tier_slots > 0) {
-    t.row({"nvme", units::format_size(n->tier_used()) + " of " + units::format_size(n->tier_capacity()) + " (" +
-                       std::to_string(n->s.tier_objects) + " objects, " + std::to_string(n->s.tier_free_slots) +
-                       " of " + std::to_string(n->s.tier_slots) + " slots free)"});
+    t.row({"nvme", units::format_size(n->tier_used()) + " of " + units::format_size(n->tier_capacity()) +
+                       " (" + std::to_string(n->s.tier_objects) + " objects, " +
+                       std::to_string(n->s.tier_free_slots) + " of " + std::to_string(n->s.tier_slots) +
+                       " slots free)"});
     if (!n->s.recovery.state.empty()) t.row({"recovery", recovery_text(n->s.recovery)});
   } else {
     t.row({"nvme", "none (kvstashd --ssd)"});
@@ -417,6 +450,33 @@ int drain(Session& s, const DrainOptions& o) {
   return kExitOk;
 }
 
+// Shows the cell's eviction policy, or sets it.
+int policy(Session& s, const std::string& want, bool yes) {
+  auto cell = s.cell();
+  if (!cell.is_ok()) return fail(cell.status(), "connecting to Redis", &s);
+  metadata::CellAdmin& admin = (*cell)->admin();
+  auto now = admin.policy();
+  if (!now.is_ok()) return fail(now.status(), "reading the eviction policy", &s);
+  const bool change = !want.empty() && want != now->name;
+  if (change && yes) {
+    now = admin.set_policy(want);
+    if (!now.is_ok()) return fail(now.status(), "setting the eviction policy", &s);
+  }
+  if (s.json()) {
+    json j = policy_json(*now);
+    j["changed"] = change && yes;
+    std::cout << j.dump(2) << "\n";
+    return kExitOk;
+  }
+  if (change && !yes) {
+    std::cout << "would set the eviction policy from " << now->name << " to " << want
+              << (want == "arc" ? " (the objects stored until then go first)" : "") << "; --yes to do it\n";
+  } else {
+    std::cout << (change ? "eviction policy set to " : "eviction policy ") << policy_text(*now) << "\n";
+  }
+  return kExitOk;
+}
+
 // Shows the cell's rkey scope, or sets it (clients read it when they open their store).
 int rkey_scope(Session& s, const std::string& want, bool yes) {
   auto cell = s.cell();
@@ -467,6 +527,8 @@ void add_cluster_commands(Registry& r) {
     DrainOptions drain;
     std::string scope;
     bool scope_yes = false;
+    std::string policy;
+    bool policy_yes = false;
   };
   auto o = std::make_shared<Options>();  // outlives parsing: the callbacks hold it
 
@@ -521,6 +583,18 @@ void add_cluster_commands(Registry& r) {
       "lease "
       "--yes");
   rk->final_callback([&r, &s, o] { r.action = [&s, o] { return rkey_scope(s, o->scope, o->scope_yes); }; });
+
+  auto* pol = r.app.add_subcommand(
+      "policy",
+      "Show or set which object a full pool evicts first: lru (the least recently used; the default) or arc "
+      "(ARC: recency and frequency lists whose split adapts to the keys evicted from each)");
+  pol->add_option("POLICY", o->policy, "lru or arc")->check(CLI::IsMember({"lru", "arc"}));
+  pol->add_flag("--yes,-y", o->policy_yes, "Do it (without: say what would change)");
+  pol->footer(
+      "docs/operations.md (\"Choosing an eviction policy\") compares them on a production trace; "
+      "kvstash-bench replay measures them on yours.\n\nExamples:\n  kvstash policy\n  kvstash policy arc "
+      "--yes");
+  pol->final_callback([&r, &s, o] { r.action = [&s, o] { return policy(s, o->policy, o->policy_yes); }; });
 }
 
 }  // namespace kvstash::cli

@@ -40,6 +40,6 @@ redis.call('HDEL', ok, 'tier', 'ssd_extents', 'ssd_sum', 'promoting')
 wake_waiters(key, token)
 redis.call('ZREM', P .. ':lru_ssd:' .. id, key)
 redis.call('SMOVE', P .. ':tier_objs:' .. id, P .. ':objs:' .. id, key)
-redis.call('ZADD', P .. ':lru', now, key)
+mark_used({key})  -- a get asked for it
 redis.call('HINCRBY', P .. ':stats', 'promoted', 1)
 return 'OK'

@@ -42,7 +42,7 @@ for i = 3, #ARGV - 3, 4 do
     redis.call('HSET', ok, 'tier', 'ssd', 'ssd_extents', slots, 'ssd_sum', sum, 'extents', '')
     redis.call('HDEL', ok, 'moving', 'moving_until')
     local last = redis.call('ZSCORE', P .. ':lru', key) or now
-    redis.call('ZREM', P .. ':lru', key)
+    mark_gone(key, false)
     redis.call('ZADD', P .. ':lru_ssd:' .. id, last, key)
     redis.call('SMOVE', P .. ':objs:' .. id, P .. ':tier_objs:' .. id, key)  -- outlives the pool
     moved = moved + 1

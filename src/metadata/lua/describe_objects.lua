@@ -15,7 +15,7 @@ for _, key in ipairs(ARGV) do
   out[#out + 1] = o[1] or ''
   out[#out + 1] = o[2] or '0'
   out[#out + 1] = o[3] or '0'
-  out[#out + 1] = last or '0'
+  out[#out + 1] = last and string.format('%.0f', math.floor(tonumber(last))) or '0'  -- whole ms
   out[#out + 1] = o[4] or ''
   out[#out + 1] = o[5] or ''
   out[#out + 1] = readers

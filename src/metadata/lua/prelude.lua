@@ -11,6 +11,9 @@
 local P = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- The same with its microseconds as a fraction: the order of uses (P:lru), which uses a
+-- millisecond apart keep.
+local now_fine = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
 -- Commands in one script cost a few microseconds each: the helpers below touch a node's
 -- pages with one command per node (chunked under Lua's unpack limit), never one per page.
@@ -383,6 +386,96 @@ local function emit_event(kind, key, ev, why, maxlen)
   redis.call('XADD', P .. ':events:log', 'MAXLEN', '~', maxlen, '*', 't', kind, 'k', key, 'ev', ev, 'why', why or '')
 end
 
+-- ---- Eviction policy ----------------------------------------------------------------------
+-- Which object a full pool gives up first (docs/operations.md, "Choosing an eviction policy")
+-- is the cell's policy, P:cell 'policy' (kvstash policy; lru unless set):
+--   lru  the least recently used object: P:lru, key -> its last use (now_fine).
+--   arc  ARC (Megiddo and Modha, FAST 2003): P:arc:t1 holds the objects used once lately,
+--        P:arc:t2 those used at least twice (key -> last use); P:arc:b1 and P:arc:b2 the keys
+--        evicted from each (ghosts: names only, key -> when); P:arc 'p', T1's target size. A
+--        new object whose key B1 remembers raises p, one B2 remembers lowers it; either enters
+--        T2. An eviction takes T1's least recent object while T1 holds more than p (or T2 is
+--        empty), else T2's; the ghosts are then trimmed to the objects held (T1 and B1
+--        together) and twice that (all four). Objects stored before arc was chosen go first.
+-- Under either, P:lru keeps every pool object's last use, for operators (kvstash evict), quotas
+-- and the NVMe tier's write-down. bench/replay_model.cc runs the same rules in process.
+local POLICIES = {lru = true, arc = true}
+local ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC = P .. ':arc:t1', P .. ':arc:t2', P .. ':arc:b1', P .. ':arc:b2', P .. ':arc'
+
+local policy_of_cell
+local function policy()
+  if policy_of_cell == nil then policy_of_cell = redis.call('HGET', P .. ':cell', 'policy') or 'lru' end
+  return policy_of_cell
+end
+
+-- Objects ARC holds (T1 and T2), the one being stored or evicted counted in.
+local function arc_capacity()
+  return redis.call('ZCARD', ARC_T1) + redis.call('ZCARD', ARC_T2) + 1
+end
+
+-- `keys` (pool objects) were used now.
+local function mark_used(keys)
+  if #keys == 0 then return end
+  -- In their order: a step of 2^-12 ms apart (a double this size has no finer one), less than
+  -- a script takes per key, so the next script's uses still come after.
+  local scored = {}
+  for i, key in ipairs(keys) do
+    scored[#scored + 1] = now_fine + (i - 1) / 4096
+    scored[#scored + 1] = key
+  end
+  call_chunked('ZADD', P .. ':lru', scored, 2)
+  if policy() == 'arc' then
+    call_chunked('ZREM', ARC_T1, keys)
+    call_chunked('ZADD', ARC_T2, scored, 2)
+  end
+end
+
+-- Whether the policy holds `key` (an object about to be replaced: its new one is a use).
+local function policy_holds(key)
+  if policy() ~= 'arc' then return false end
+  return redis.call('ZSCORE', ARC_T1, key) ~= false or redis.call('ZSCORE', ARC_T2, key) ~= false
+end
+
+-- `key` is a pool object now (a put, a promotion from the tier): a use if `replaced` one the
+-- policy held, else new to it.
+local function mark_stored(key, replaced)
+  if replaced or policy() ~= 'arc' then return mark_used({key}) end
+  redis.call('ZADD', P .. ':lru', now_fine, key)
+  local enter = ARC_T1
+  if redis.call('ZREM', ARC_B1, key) == 1 then
+    local b1, b2 = redis.call('ZCARD', ARC_B1) + 1, redis.call('ZCARD', ARC_B2)
+    local p = tonumber(redis.call('HGET', ARC, 'p') or '0') or 0
+    redis.call('HSET', ARC, 'p', tostring(math.min(arc_capacity(), p + math.max(1, b2 / b1))))
+    enter = ARC_T2
+  elseif redis.call('ZREM', ARC_B2, key) == 1 then
+    local b1, b2 = redis.call('ZCARD', ARC_B1), redis.call('ZCARD', ARC_B2) + 1
+    local p = tonumber(redis.call('HGET', ARC, 'p') or '0') or 0
+    redis.call('HSET', ARC, 'p', tostring(math.max(0, p - math.max(1, b1 / b2))))
+    enter = ARC_T2
+  end
+  redis.call('ZADD', enter, now_fine, key)
+end
+
+-- `key` leaves the pool (released, or moved down to the tier); `evicted`: to make room, which
+-- ARC's ghosts remember.
+local function mark_gone(key, evicted)
+  redis.call('ZREM', P .. ':lru', key)
+  if policy() ~= 'arc' then return end
+  local ghost
+  if redis.call('ZREM', ARC_T1, key) == 1 then
+    ghost = ARC_B1
+  elseif redis.call('ZREM', ARC_T2, key) == 1 then
+    ghost = ARC_B2
+  end
+  if not (evicted and ghost) then return end
+  redis.call('ZADD', ghost, now_fine, key)
+  local c = arc_capacity()
+  local t1, b1, b2 = redis.call('ZCARD', ARC_T1), redis.call('ZCARD', ARC_B1), redis.call('ZCARD', ARC_B2)
+  if t1 + b1 > c then redis.call('ZPOPMIN', ARC_B1, t1 + b1 - c) end
+  b1 = math.min(b1, math.max(0, c - t1))
+  if c - 1 + b1 + b2 > 2 * c then redis.call('ZPOPMIN', ARC_B2, c - 1 + b1 + b2 - 2 * c) end
+end
+
 -- Drops an object from every index. Its pages return to the pool, or wait as a zombie until
 -- the last read lease on them ends; its slots on the tier (and a write-down's) return at once:
 -- only the node's own tier thread writes slots, and a promotion reading a slot freed meanwhile
@@ -408,7 +501,7 @@ local function release(key, why, detail)
   end
   -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
   if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
-  redis.call('ZREM', P .. ':lru', key)
+  mark_gone(key, why == 'evicted')
   redis.call('ZREM', P .. ':expiry', key)
   for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('SREM', P .. ':objs:' .. id, key) end
   if not o[1] then return 0 end
@@ -669,16 +762,68 @@ local function evict_keys(victims, pressure)
   return freed
 end
 
--- Evicts least recently used objects that no reader leases until `need` pages came free on
--- the nodes in `usable` (id -> true: those that take allocations; pages on a draining or
--- dead node free nothing a put can use). All or nothing: when the unleased objects cannot
--- free enough, nothing is evicted (a put that fails anyway must not empty the cache). Looks
--- at most `need` + 256 objects: leased ones in front are skipped, a longer search fails.
+-- Walks ARC's order of eviction as walk_unleased_lru walks LRU's: objects stored before arc
+-- was chosen first (least recent first), then each time T1's least recent object while T1 holds
+-- more than p (or T2 has none left), else T2's. Returns the entries whose record is gone, per
+-- list.
+local function walk_unleased_arc(visit, max_visits)
+  local orphans = {}
+  local visits = 0
+  local held1, held2 = redis.call('ZCARD', ARC_T1), redis.call('ZCARD', ARC_T2)
+  if redis.call('ZCARD', P .. ':lru') > held1 + held2 then
+    local stop = false
+    orphans[P .. ':lru'] = walk_unleased_lru(function(key, last, extents, size)
+      visits = visits + 1
+      if redis.call('ZSCORE', ARC_T1, key) or redis.call('ZSCORE', ARC_T2, key) then return visits >= 256 end
+      stop = visit(key, last, extents, size)
+      return stop or visits >= 256
+    end, math.min(max_visits, 256))
+    if stop then return orphans end
+  end
+  local p = tonumber(redis.call('HGET', ARC, 'p') or '0') or 0
+  local lists = {{key = ARC_T1, held = held1, at = 0, orphans = {}}, {key = ARC_T2, held = held2, at = 0, orphans = {}}}
+  orphans[ARC_T1], orphans[ARC_T2] = lists[1].orphans, lists[2].orphans
+  while visits < max_visits do
+    local l = lists[2]
+    if lists[1].held > 0 and (lists[1].held > p or lists[2].held <= 0) then l = lists[1] end
+    if l.held <= 0 then return orphans end
+    local e = redis.call('ZRANGE', l.key, l.at, l.at, 'WITHSCORES')
+    if #e == 0 then
+      l.held = 0  -- the rest of this list is leased
+    else
+      l.at = l.at + 1
+      visits = visits + 1
+      local key = e[1]
+      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents', 'size')
+      if not o[1] then
+        l.orphans[#l.orphans + 1] = key
+        l.held = l.held - 1
+      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
+        l.held = l.held - 1
+        if visit(key, tonumber(e[2]), o[2], o[3]) then return orphans end
+      end
+    end
+  end
+  return orphans
+end
+
+-- Walks the cell's policy's order of eviction (walk_unleased_lru's visit and bound); returns
+-- the entries whose record is gone, per list.
+local function walk_victims(visit, max_visits)
+  if policy() == 'arc' then return walk_unleased_arc(visit, max_visits) end
+  return {[P .. ':lru'] = walk_unleased_lru(visit, max_visits)}
+end
+
+-- Evicts objects that no reader leases, in the order of the cell's policy, until `need` pages
+-- came free on the nodes in `usable` (id -> true: those that take allocations; pages on a
+-- draining or dead node free nothing a put can use). All or nothing: when the unleased objects
+-- cannot free enough, nothing is evicted (a put that fails anyway must not empty the cache).
+-- Looks at most `need` + 256 objects: leased ones in front are skipped, a longer search fails.
 -- Returns objects evicted and pages freed.
 local function evict(need, usable)
   if need <= 0 then return 0, 0 end
   local victims, pages = {}, 0
-  local orphans = walk_unleased_lru(function(key, _, extents)
+  local orphans = walk_victims(function(key, _, extents)
     local n = 0
     for id, _, _, count in runs(extents) do
       if usable[id] then n = n + count end
@@ -689,7 +834,9 @@ local function evict(need, usable)
     end
     return pages >= need
   end, need + 256)
-  if #orphans > 0 then call_chunked('ZREM', P .. ':lru', orphans) end
+  for list, keys in pairs(orphans) do
+    if #keys > 0 then call_chunked('ZREM', list, keys) end
+  end
   if pages < need then return 0, 0 end
   return #victims, evict_keys(victims, 'the pool was full: a put needed ' .. need .. (need == 1 and ' page' or ' pages'))
 end
@@ -850,7 +997,6 @@ local function lease_read(key, reader, lease_ms, batch, no_promote)
   local deadline = now + lease_ms
   redis.call('ZADD', P .. ':readers:' .. o[1], deadline, reader)
   batch.hits = batch.hits + 1
-  batch.lru[#batch.lru + 1] = now
   batch.lru[#batch.lru + 1] = leased
   if o[9] then
     batch.qkeys[#batch.qkeys + 1] = leased
@@ -864,7 +1010,7 @@ local function lease_reads_done(batch)
   if batch.hits > 0 then redis.call('HINCRBY', P .. ':stats', 'hits', batch.hits) end
   if batch.misses > 0 then redis.call('HINCRBY', P .. ':stats', 'misses', batch.misses) end
   if batch.tier > 0 then redis.call('HINCRBY', P .. ':stats', 'tier_hits', batch.tier) end
-  if #batch.lru > 0 then call_chunked('ZADD', P .. ':lru', batch.lru, 2) end
+  mark_used(batch.lru)
   quota_touch(batch.qkeys, batch.qgens)
 end
 
@@ -890,7 +1036,11 @@ end
 -- put wrote; copies numbered that or more are released.
 local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms, copies)
   local ok = P .. ':obj:' .. key
-  if redis.call('EXISTS', ok) == 1 then release(key) end
+  local replaced = false
+  if redis.call('EXISTS', ok) == 1 then
+    replaced = policy_holds(key)
+    release(key)
+  end
   local expires = 0
   if ttl_ms > 0 then expires = now + ttl_ms end
   redis.call('HSET', ok, 'size', size, 'token', token, 'extents', extents, 'nodes', nodes, 'checksum', checksum,
@@ -902,7 +1052,7 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
     release_copies(key, copies)
   end
   if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
-  redis.call('ZADD', P .. ':lru', now, key)
+  mark_stored(key, replaced)
   quota_charge(quota_of(key), key, size, now)
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end

@@ -20,7 +20,7 @@ for _, key in ipairs(keys) do
   if where[1] == 'ssd' then
     redis.call('ZADD', P .. ':lru_ssd:' .. where[2], now, key)
   else
-    redis.call('ZADD', P .. ':lru', now, key)
+    mark_used({key})
   end
 end
 local gens = {}
