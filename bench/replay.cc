@@ -27,7 +27,7 @@ namespace kvstash::bench {
 namespace {
 
 constexpr ReplayPolicy kModelPolicies[] = {ReplayPolicy::kLru, ReplayPolicy::kS3Fifo, ReplayPolicy::kArc,
-                                           ReplayPolicy::kBelady};
+                                           ReplayPolicy::kTurnTtl, ReplayPolicy::kBelady};
 // The bytes of a trace block: its id seeds them, so a get that returns another block fails.
 constexpr std::uint64_t kPatternTag = 0x7265706c6179;  // "replay"
 

@@ -31,9 +31,13 @@ enum class ReplayPolicy : std::uint8_t {
   kBelady,  // offline: evict the block (the incoming one included) used farthest ahead
   kS3Fifo,  // S3-FIFO: a small FIFO for new blocks, a main one for blocks used again, a ghost
   kArc,     // ARC: recency and frequency lists whose split adapts to hits on their ghosts
+  // Prefix-aware, learned: each request's blocks are kept for a time learned online per class
+  // of (its conversation's turn, its prompt's length, the prompt's last block), the times
+  // chosen to fill the capacity with the most hits per block-second (replay_model.cc).
+  kTurnTtl,
 };
 
-// The policy's name in the bench's rows ("lru", "belady", "s3-fifo", "arc").
+// The policy's name in the bench's rows ("lru", "belady", "s3-fifo", "arc", "turn-ttl").
 const char* policy_name(ReplayPolicy policy);
 
 // Which blocks a request looks up and saves.
