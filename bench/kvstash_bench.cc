@@ -420,6 +420,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"connector", "every-block"}));
   rp->add_flag("--model-only", replay.model_only, "The model's rows alone: no cell");
+  rp->add_option(
+        "--tier-capacities", replay.tier_capacities,
+        "NVMe tier capacities, in blocks: the model of a pool of each --capacities over a tier of each")
+      ->delimiter(',');
   std::vector<std::string> replay_cell_policies{"lru"};
   rp->add_option(
         "--cell-policies", replay_cell_policies,

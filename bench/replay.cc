@@ -305,6 +305,39 @@ nlohmann::json cell_json(std::uint64_t capacity, const CellRun& run, ReplayPolic
   return j;
 }
 
+// The pool over an NVMe tier (the model, LRU in both): a row per pool and tier capacity.
+void print_tiers(const std::vector<TraceRequest>& trace, const ReplayBenchOptions& o) {
+  if (!o.json) {
+    std::cout << fmt::format(
+        "\na pool over an NVMe tier (the model: LRU in both, a block the pool gives up moves down, a hit on "
+        "the "
+        "tier is promoted)\n{:<10} {:<10} {:>10} {:>12} {:>12} {:>12} {:>14}\n",
+        "pool", "tier", "token hit", "x pool alone", "promoted", "written down", "tier evictions");
+  }
+  for (std::uint64_t pool : o.capacities) {
+    const double alone = replay_tiers(trace, pool, 0, o.block_tokens).total.hit_rate();
+    for (std::uint64_t tier : o.tier_capacities) {
+      const TierResult t = replay_tiers(trace, pool, tier, o.block_tokens);
+      const double x = alone > 0 ? t.total.hit_rate() / alone : 0.0;
+      if (o.json) {
+        std::cout << nlohmann::json{{"capacity_blocks", pool},
+                                    {"tier_blocks", tier},
+                                    {"policy", "lru+tier"},
+                                    {"token_hit_rate", t.total.hit_rate()},
+                                    {"x_pool_alone", x},
+                                    {"tier_hit_blocks", t.tier_hit_blocks},
+                                    {"written_down", t.written_down},
+                                    {"tier_evictions", t.tier_evictions}}
+                         .dump()
+                  << "\n";
+      } else {
+        std::cout << fmt::format("{:<10} {:<10} {:>10.4f} {:>11.2f}x {:>12} {:>12} {:>14}\n", pool, tier,
+                                 t.total.hit_rate(), x, t.tier_hit_blocks, t.written_down, t.tier_evictions);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int run_replay(const ReplayBenchOptions& o) {
@@ -373,6 +406,7 @@ int run_replay(const ReplayBenchOptions& o) {
       }
     }
   }
+  if (!o.tier_capacities.empty()) print_tiers(*trace, o);
   if (!o.json) {
     std::cout << fmt::format(
         "\ntoken hit: prompt tokens found as a prefix over all prompt tokens; block hit: the same in whole\n"

@@ -19,6 +19,9 @@ struct ReplayBenchOptions {
   std::uint32_t block_tokens = 512;
   ReplaySaves saves = ReplaySaves::kConnector;
   bool model_only = false;  // no cell: the model's rows alone
+  // Capacities of an NVMe tier under the pool, in blocks: rows of the model of a pool over a
+  // tier (replay_tiers) at each capacity and each of these.
+  std::vector<std::uint64_t> tier_capacities;
   // The eviction policies the cell replays the trace under (kvstash policy), each in a cell of
   // its own, each compared with the model's run of the same policy.
   std::vector<ReplayPolicy> cell_policies{ReplayPolicy::kLru};

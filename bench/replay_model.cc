@@ -643,4 +643,58 @@ ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capa
   return out;
 }
 
+TierResult replay_tiers(std::span<const TraceRequest> trace, std::uint64_t pool_blocks,
+                        std::uint64_t tier_blocks, std::uint32_t block_tokens) {
+  TierResult out;
+  Ordered pool, tier;  // least recent first
+  // Makes room in the pool for one block: its least recent moves down (the tier's least
+  // recent going first when the tier is full too).
+  auto make_room = [&] {
+    if (pool.size() < pool_blocks) return;
+    const std::uint64_t down = pool.pop_oldest();
+    ++out.total.evictions;
+    if (tier_blocks == 0) return;
+    if (tier.size() >= tier_blocks) {
+      tier.pop_oldest();
+      ++out.tier_evictions;
+    }
+    tier.push_newest(down);
+    ++out.written_down;
+  };
+  auto into_pool = [&](std::uint64_t block) {
+    if (pool_blocks == 0) return;
+    make_room();
+    pool.push_newest(block);
+  };
+  for (const TraceRequest& r : trace) {
+    const std::size_t kept = blocks_kept(r, block_tokens, ReplaySaves::kConnector);
+    out.total.prompt_tokens += r.input_tokens;
+    out.total.block_uses += r.blocks.size();
+    std::size_t hit = 0;
+    while (hit < kept && (pool.contains(r.blocks[hit]) || tier.contains(r.blocks[hit]))) ++hit;
+    out.total.hit_blocks += hit;
+    for (std::size_t b = 0; b < kept; ++b) {
+      const std::uint64_t block = r.blocks[b];
+      if (b < hit) {
+        out.total.hit_tokens += block_tokens_of(r, b, block_tokens);
+        if (pool.contains(block)) {
+          pool.make_newest(block);
+        } else {  // promoted: read back from the tier into the pool
+          ++out.tier_hit_blocks;
+          tier.erase(block);
+          into_pool(block);
+        }
+        continue;
+      }
+      // Saved (a held copy replaced: the new one's page first).
+      ++out.total.blocks_saved;
+      if (pool.contains(block)) make_room();  // it may be the block itself, moving down
+      if (pool.contains(block)) pool.erase(block);
+      if (tier.contains(block)) tier.erase(block);
+      into_pool(block);
+    }
+  }
+  return out;
+}
+
 }  // namespace kvstash::bench

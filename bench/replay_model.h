@@ -74,4 +74,20 @@ ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capa
                          ReplayPolicy policy, std::uint32_t block_tokens = 512,
                          ReplaySaves saves = ReplaySaves::kEveryBlock);
 
+// What a pool over an NVMe tier gives (the tier's own counts beside ModelResult's).
+struct TierResult {
+  ModelResult total;                  // hits found in either
+  std::uint64_t tier_hit_blocks = 0;  // of total.hit_blocks, found on the tier: promoted back
+  std::uint64_t written_down = 0;     // blocks the pool gave up, moved down to the tier
+  std::uint64_t tier_evictions = 0;   // blocks the tier gave up (gone from both)
+};
+
+// The trace through a pool of `pool_blocks` over a tier of `tier_blocks`, each least recently
+// used first, as the connectors save (whole blocks): a block the pool gives up moves down to
+// the tier (the node's write-down keeping ahead of the puts), the tier's own least recent one
+// going when it is full; a hit on the tier is promoted back into the pool (one more block
+// moving down when the pool is full). A prefix hit runs over blocks in either.
+TierResult replay_tiers(std::span<const TraceRequest> trace, std::uint64_t pool_blocks,
+                        std::uint64_t tier_blocks, std::uint32_t block_tokens = 512);
+
 }  // namespace kvstash::bench

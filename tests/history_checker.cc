@@ -75,6 +75,7 @@
 
 #include "kvstash/status.h"
 #include "kvstash/store.h"
+#include "metadata/cell_admin.h"
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
 #include "node/ssd_device.h"
@@ -476,7 +477,9 @@ struct Phase {
   std::vector<std::string> faults;  // empty: quiet
   std::uint64_t puts = 0, puts_ok = 0;
   std::map<int, std::uint64_t> failed;  // StatusCode -> puts that ended with it
-  double success() const { return puts == 0 ? 1.0 : static_cast<double>(puts_ok) / static_cast<double>(puts); }
+  double success() const {
+    return puts == 0 ? 1.0 : static_cast<double>(puts_ok) / static_cast<double>(puts);
+  }
 };
 
 // After a fault ends, the cell settles: a dead node's heartbeat TTL runs out (2 s), clients
@@ -623,8 +626,9 @@ void check(const std::vector<std::string>& logs, Report& report,
       for (const Change& c : changes[g.key]) {
         if (c.t_ret >= g.t_inv) break;
         if (c.t_inv <= p.t_ret) continue;
-        if (recoverable(g.key) &&
-            std::ranges::any_of(losses, [&](const auto& r) { return r.second > c.t_inv && r.first < g.t_ret; })) {
+        if (recoverable(g.key) && std::ranges::any_of(losses, [&](const auto& r) {
+              return r.second > c.t_inv && r.first < g.t_ret;
+            })) {
           brought_back = true;
           continue;
         }
@@ -655,7 +659,8 @@ struct RunConfig {
   std::string json_path;
   std::string dir;
   std::string rkey_scope;
-  int avoid_ms = -1;  // passed to the clients
+  std::string policy = "lru";  // the cell's eviction policy
+  int avoid_ms = -1;           // passed to the clients
   // The nemesis rests for the last quiet_seconds of every quiet_every seconds (0: never).
   double quiet_seconds = 15;
   double quiet_every = 45;
@@ -954,9 +959,16 @@ bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds lim
 }
 
 // The cell's NVMe tier counters (P:stats) now; empty when Redis does not answer.
+// Sets the cell's eviction policy (kvstash policy): at the start, and again after a Redis that
+// came back empty forgot it.
+Status set_policy(const std::string& url, const std::string& policy) {
+  KVSTASH_ASSIGN_OR_RETURN(auto redis, metadata::RedisClient::connect({.url = url}));
+  return metadata::CellAdmin(*redis).set_policy(policy).status();
+}
+
 std::map<std::string, std::uint64_t> tier_counters(const std::string& url) {
-  static const char* const kFields[] = {"written_down", "promoted", "tier_hits", "tier_lost", "tier_evicted",
-                                        "recovered"};
+  static const char* const kFields[] = {"written_down", "promoted",     "tier_hits",
+                                        "tier_lost",    "tier_evicted", "recovered"};
   std::map<std::string, std::uint64_t> out;
   auto redis = metadata::RedisClient::connect({.url = url});
   if (!redis.is_ok()) return out;
@@ -967,7 +979,8 @@ std::map<std::string, std::uint64_t> tier_counters(const std::string& url) {
   if (!r.is_ok() || r->size() != std::size(kFields)) return out;
   for (std::size_t i = 0; i < std::size(kFields); ++i) {
     const redisReply* e = r->element(i);
-    out[kFields[i]] = e != nullptr && e->type == REDIS_REPLY_STRING ? std::stoull(std::string(e->str, e->len)) : 0;
+    out[kFields[i]] =
+        e != nullptr && e->type == REDIS_REPLY_STRING ? std::stoull(std::string(e->str, e->len)) : 0;
   }
   return out;
 }
@@ -1053,6 +1066,10 @@ int run(const RunConfig& rc, const std::string& self) {
     }
   }
 
+  if (Status s = set_policy(url, rc.policy); !s.is_ok()) {
+    std::cerr << "history: setting the eviction policy: " << s.to_string() << "\n";
+    return 2;
+  }
   std::mt19937_64 rng(rc.seed);
   const std::int64_t run_start = now_ns();
   std::vector<tools::ChildProcess> clients;
@@ -1199,8 +1216,10 @@ int run(const RunConfig& rc, const std::string& self) {
       if (fault.is_ok()) std::printf("  at %" PRId64 " ms: %s\n", now_ns() / 1000000, fault->c_str());
       // The fault lasts until the cell is whole again (the phases settle from then on).
       if (fault.is_ok() && !wait_cell_whole(url, rc.nodes, 30s)) {
-        std::printf("  at %" PRId64 " ms: the cell's nodes had not all rejoined after 30 s\n", now_ns() / 1000000);
+        std::printf("  at %" PRId64 " ms: the cell's nodes had not all rejoined after 30 s\n",
+                    now_ns() / 1000000);
       }
+      if (rc.policy != "lru") (void)set_policy(url, rc.policy);  // a Redis that came back empty forgot it
       last_redis_restart = Clock::now();
     }
     record();
@@ -1292,13 +1311,15 @@ int run(const RunConfig& rc, const std::string& self) {
                            {"put_success", ph.success()}});
   }
   quiet_puts -= excused;
-  const double quiet_success = quiet_puts == 0 ? 1.0 : static_cast<double>(quiet_ok) / static_cast<double>(quiet_puts);
+  const double quiet_success =
+      quiet_puts == 0 ? 1.0 : static_cast<double>(quiet_ok) / static_cast<double>(quiet_puts);
   j["quiet_timeouts_excused"] = excused;
   j["quiet_puts"] = quiet_puts;
   j["quiet_put_success"] = quiet_success;
   if (quiet_puts >= kMinQuietPuts && quiet_success < kQuietPutSuccess) {
     char line[200];
-    std::snprintf(line, sizeof line, "put success %.2f%% in the fault-free phases (%" PRIu64 " puts), below %.0f%%",
+    std::snprintf(line, sizeof line,
+                  "put success %.2f%% in the fault-free phases (%" PRIu64 " puts), below %.0f%%",
                   100 * quiet_success, quiet_puts, 100 * kQuietPutSuccess);
     report.failures.push_back(line);
   }
@@ -1313,16 +1334,20 @@ int run(const RunConfig& rc, const std::string& self) {
     for (std::size_t i = 0; i < ph.faults.size() && i < 3; ++i) what += (i == 0 ? " " : ", ") + ph.faults[i];
     if (ph.faults.size() > 3) what += ", ...";
     std::string failed;
-    for (const auto& [code, n] : ph.failed) failed += (failed.empty() ? "; failed: " : ", ") + code_name(code) + " " + std::to_string(n);
+    for (const auto& [code, n] : ph.failed)
+      failed += (failed.empty() ? "; failed: " : ", ") + code_name(code) + " " + std::to_string(n);
     std::printf("  phase %5.1f-%5.1f s: puts OK %" PRIu64 " of %" PRIu64 " (%.1f%%), %s%s\n",
-                static_cast<double>(ph.from_ns - run_start) / 1e9, static_cast<double>(ph.to_ns - run_start) / 1e9,
-                ph.puts_ok, ph.puts, 100 * ph.success(), what.c_str(), failed.c_str());
+                static_cast<double>(ph.from_ns - run_start) / 1e9,
+                static_cast<double>(ph.to_ns - run_start) / 1e9, ph.puts_ok, ph.puts, 100 * ph.success(),
+                what.c_str(), failed.c_str());
   }
   if (quiet_puts < kMinQuietPuts) {
-    std::printf("  (fewer than %" PRIu64 " puts in quiet phases: their success is reported, not held)\n", kMinQuietPuts);
+    std::printf("  (fewer than %" PRIu64 " puts in quiet phases: their success is reported, not held)\n",
+                kMinQuietPuts);
   }
   if (rc.excuse_quiet_timeouts) {
-    std::printf("  (quiet phases held to %.0f%% without their %" PRIu64 " kTimeouts: --excuse-quiet-timeouts)\n",
+    std::printf("  (quiet phases held to %.0f%% without their %" PRIu64
+                " kTimeouts: --excuse-quiet-timeouts)\n",
                 100 * kQuietPutSuccess, excused);
   }
   for (const auto& [k, v] : report.ops) std::cout << "  " << k << ": " << v << "\n";
@@ -1400,10 +1425,14 @@ int main(int argc, char** argv) {
       "faults in the nemesis");
   app.add_option("--hosts", rc.hosts, "With --netns: how many hosts there are (at least 4)")
       ->capture_default_str();
-  app.add_option("--ssd-dir", rc.ssd_dir,
-                 "Give each node an NVMe tier, a file DIR/h<i>.tier (a file system with O_DIRECT, not tmpfs), and "
-                 "the nemesis the tiers' faults: bytes overwritten or the file cut short under a node, a node over "
-                 "a device failing its reads");
+  app.add_option("--policy", rc.policy, "The cell's eviction policy (kvstash policy)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"lru", "arc"}));
+  app.add_option(
+      "--ssd-dir", rc.ssd_dir,
+      "Give each node an NVMe tier, a file DIR/h<i>.tier (a file system with O_DIRECT, not tmpfs), and "
+      "the nemesis the tiers' faults: bytes overwritten or the file cut short under a node, a node over "
+      "a device failing its reads");
   CLI11_PARSE(app, argc, argv);
   if (client) {
     cc.threads = rc.threads;
@@ -1425,7 +1454,8 @@ int main(int argc, char** argv) {
     const kvstash::Status can = kvstash::node::SsdDevice::open({.path = probe, .capacity = 1 << 20}).status();
     ::unlink(probe.c_str());
     if (can.code() == kvstash::StatusCode::kUnsupported) {
-      std::cout << "history: SKIP: no NVMe tier can live in " << rc.ssd_dir << ": " << can.to_string() << "\n";
+      std::cout << "history: SKIP: no NVMe tier can live in " << rc.ssd_dir << ": " << can.to_string()
+                << "\n";
       return 77;
     }
   }

@@ -154,6 +154,23 @@ TEST(ReplayModel, TheConnectorSavesWholeBlocksAndPutsAHeldOneAgain) {
   EXPECT_EQ(used.blocks_saved, 4u);
 }
 
+TEST(ReplayModel, APoolOverATierMovesWhatItGivesUpDownAndPromotesHits) {
+  // Pool 2, tier 2: 1 and 2 fill the pool, 3 moves 1 down, 1 comes back from the tier (moving
+  // 2 down).
+  std::vector<TraceRequest> trace{request({1}), request({2}), request({3}), request({1})};
+  const TierResult t = replay_tiers(trace, 2, 2);
+  EXPECT_EQ(t.total.hit_blocks, 1u);
+  EXPECT_EQ(t.tier_hit_blocks, 1u);
+  EXPECT_EQ(t.written_down, 2u);
+  EXPECT_EQ(t.tier_evictions, 0u);
+  EXPECT_EQ(replay_tiers(trace, 2, 0).total.hit_blocks, 0u) << "no tier: 1 is gone";
+  // Pool 1, tier 1: 3 moves 2 down and the tier gives 1 up; 1 misses, moving 3 down, 2 goes.
+  const TierResult small = replay_tiers(trace, 1, 1);
+  EXPECT_EQ(small.total.hit_blocks, 0u);
+  EXPECT_EQ(small.tier_evictions, 2u);
+  EXPECT_EQ(small.written_down, 3u);
+}
+
 TEST(ReplayModel, ReadsTheTraceFormatAndRefusesWhatIsNotIt) {
   const std::string path = std::filesystem::temp_directory_path() / "kvstash-replay-model-test.jsonl";
   {
@@ -205,10 +222,20 @@ TEST(ReplayModel, TheProductionTraceGivesItsPublishedFigures) {
     const double learned =
         replay_model(*trace, capacity, ReplayPolicy::kTurnTtl, 512, ReplaySaves::kConnector).hit_rate();
     EXPECT_GT(learned, lru) << capacity;
-    if (capacity == 2000) EXPECT_GE(learned, 1.5 * lru);
+    if (capacity == 2000) {
+      EXPECT_GE(learned, 1.5 * lru);
+    }
     EXPECT_LT(learned,
               replay_model(*trace, capacity, ReplayPolicy::kBelady, 512, ReplaySaves::kConnector).hit_rate());
   }
+  // A pool over a tier, both LRU, holds what one LRU pool of both sizes holds: the pool the most
+  // recent blocks, the tier the next ones (apart from a block put again while on the tier).
+  const TierResult tiers = replay_tiers(*trace, 2000, 18000);
+  const double one_pool =
+      replay_model(*trace, 20000, ReplayPolicy::kLru, 512, ReplaySaves::kConnector).hit_rate();
+  EXPECT_NEAR(tiers.total.hit_rate(), one_pool, 0.005 * one_pool);
+  EXPECT_GT(tiers.tier_hit_blocks, 0u);
+  EXPECT_GT(tiers.total.hit_rate(), 5 * replay_tiers(*trace, 2000, 0).total.hit_rate());
 }
 
 }  // namespace
