@@ -8,9 +8,19 @@
 #include <vector>
 
 #include "kvstash/types.h"
-#include "replay_model.h"
+#include "tools/common/replay_model.h"
 
 namespace kvstash::bench {
+
+using tools::ModelResult;
+using tools::policy_name;
+using tools::read_trace;
+using tools::replay_model;
+using tools::replay_tiers;
+using tools::ReplayPolicy;
+using tools::ReplaySaves;
+using tools::TierResult;
+using tools::TraceRequest;
 
 struct ReplayBenchOptions {
   std::string trace;                                         // the trace's path

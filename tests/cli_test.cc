@@ -147,6 +147,43 @@ TEST_F(Cli, PlanReproducesTheKvCacheArithmetic) {
   EXPECT_NE(unknown.err.find("--list-models"), std::string::npos) << unknown.err;
 }
 
+TEST_F(Cli, PlanSizesDramAndNvmeForAHitRateOnATrace) {
+  // Ten uses of a 4-block prompt, a new 1-block prompt after each: the 4 blocks hit from the
+  // second use on (18,432 of 25,600 tokens: 0.72) once the cache holds 5 blocks (with 4 the
+  // new prompt evicts the first block, and a prefix without its first block finds nothing).
+  const std::string trace = (dir_ / "trace.jsonl").string();
+  {
+    std::ofstream out(trace);
+    for (int i = 0; i < 10; ++i) {
+      out << R"({"timestamp": )" << i * 2000 << R"(, "input_length": 2048, "hash_ids": [1, 2, 3, 4]})" << "\n";
+      out << R"({"timestamp": )" << i * 2000 + 1000 << R"(, "input_length": 512, "hash_ids": [)" << 100 + i
+          << "]}\n";
+    }
+  }
+  Outcome r = kv("plan --model llama-2-7b --trace " + trace + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json j = r.j();
+  EXPECT_DOUBLE_EQ(j["unlimited_hit_rate"].get<double>(), 0.72);
+  EXPECT_DOUBLE_EQ(j["target_hit_rate"].get<double>(), 0.95 * 0.72);
+  EXPECT_EQ(j["block_bytes"], 524288ull * 512);
+  ASSERT_EQ(j["layouts"].size(), 4u);
+  EXPECT_EQ(j["layouts"][0]["layout"], "DRAM alone");
+  EXPECT_EQ(j["layouts"][0]["dram_blocks"], 5);
+  EXPECT_EQ(j["layouts"][0]["dram_bytes"], 5 * 524288ull * 512);
+  for (const auto& l : j["layouts"]) {
+    EXPECT_EQ(l["reached"], true) << l.dump();
+    EXPECT_GE(l["hit_rate"].get<double>(), 0.95 * 0.72) << l.dump();
+    EXPECT_GE(l["dram_blocks"].get<int>() + l["nvme_blocks"].get<int>(), 5) << l.dump();
+  }
+  EXPECT_EQ(j["layouts"][1]["dram_blocks"], 2) << "half of DRAM alone";
+  EXPECT_GT(j["layouts"][1]["nvme_blocks"].get<int>(), 0);
+  // More than an unlimited cache finds: not reachable, and said so.
+  Outcome beyond = kv("plan --model llama-2-7b --trace " + trace + " --hit-rate 0.9");
+  EXPECT_EQ(beyond.code, 1);
+  EXPECT_NE(beyond.out.find("not reachable"), std::string::npos) << beyond.out;
+  EXPECT_EQ(kv("plan --trace " + (dir_ / "absent.jsonl").string()).code, 3) << "no such trace";
+}
+
 TEST_F(Cli, BadArgumentsAreUsageErrorsAndHelpHasExamples) {
   EXPECT_EQ(kv("").code, 2);
   EXPECT_EQ(kv("frobnicate").code, 2);

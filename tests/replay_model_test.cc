@@ -1,7 +1,7 @@
 // The in-process cache kvstash-bench replays traces through: prefix hits, LRU's order, Belady's
 // rule, against small traces worked out by hand, and the published figures of the production
 // trace in ../shared/traces where it is present.
-#include "replay_model.h"
+#include "tools/common/replay_model.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
-namespace kvstash::bench {
+namespace kvstash::tools {
 namespace {
 
 TraceRequest request(std::vector<std::uint64_t> blocks, std::uint32_t tokens = 0) {
@@ -239,4 +239,4 @@ TEST(ReplayModel, TheProductionTraceGivesItsPublishedFigures) {
 }
 
 }  // namespace
-}  // namespace kvstash::bench
+}  // namespace kvstash::tools

@@ -3,11 +3,16 @@
 // sequences remote memory keeps warm.
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <cstdio>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 
 #include "cli.h"
 #include "common/units.h"
+#include "tools/common/replay_model.h"
 
 namespace kvstash::cli {
 namespace {
@@ -40,6 +45,11 @@ struct PlanOptions {
   // compared).
   double restore_gbps = 10, nvme_gbps = 3, prefill_tps = 0;
   bool list = false;
+  // --trace: the DRAM and NVMe a trace's traffic needs for a token hit rate (0: 95% of what an
+  // unlimited cache gets), from its replay through the model (LRU, as the connectors save).
+  std::string trace;
+  double hit_rate = 0;
+  std::uint32_t block_tokens = 512;
 };
 
 double dtype_bytes(const std::string& d) {
@@ -84,6 +94,128 @@ int list_models(Session& s) {
   return kExitOk;
 }
 
+// The smallest capacity in [lo, hi] blocks whose hit rate `hit_at` reaches `target` (LRU's hit
+// rate grows with its capacity: a bisection), or nullopt when even hi does not.
+std::optional<std::uint64_t> smallest(std::uint64_t lo, std::uint64_t hi, double target,
+                                      const std::function<double(std::uint64_t)>& hit_at) {
+  if (hit_at(hi) < target) return std::nullopt;
+  while (lo < hi) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    if (hit_at(mid) >= target) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+// kvstash plan --trace: per layout (DRAM alone; DRAM of a share of that over an NVMe tier), the
+// capacity that reaches the hit rate, in blocks and in bytes of this model's KV cache.
+int plan_trace(Session& s, const PlanOptions& o, std::uint64_t bytes_per_token) {
+  auto trace = tools::read_trace(o.trace);
+  if (!trace.is_ok()) return fail(trace.status(), "plan --trace", &s);
+  if (trace->empty())
+    return fail(Status::invalid_argument("trace " + o.trace + " has no request"), "plan", &s);
+  std::set<std::uint64_t> distinct;
+  for (const auto& r : *trace) distinct.insert(r.blocks.begin(), r.blocks.end());
+  const std::uint64_t all = distinct.size();
+  const double hours = static_cast<double>(trace->back().at_ms - trace->front().at_ms) / 3.6e6;
+  auto lru = [&](std::uint64_t blocks) {
+    return tools::replay_model(*trace, blocks, tools::ReplayPolicy::kLru, o.block_tokens,
+                               tools::ReplaySaves::kConnector)
+        .hit_rate();
+  };
+  const double ceiling = lru(all);
+  const double target = o.hit_rate > 0 ? o.hit_rate : 0.95 * ceiling;
+  const std::uint64_t block_bytes = bytes_per_token * o.block_tokens;
+  struct Layout {
+    std::string name;
+    std::uint64_t dram = 0, nvme = 0, promoted = 0;
+    double hit = 0;
+    bool reached = false;
+  };
+  std::vector<Layout> layouts;
+  const auto dram_alone = smallest(1, all, target, lru);
+  layouts.push_back(
+      {.name = "DRAM alone", .dram = dram_alone.value_or(0), .reached = dram_alone.has_value()});
+  if (dram_alone) {
+    layouts.back().hit = lru(*dram_alone);
+    for (std::uint64_t share : {2, 4, 10}) {
+      const std::uint64_t dram = std::max<std::uint64_t>(1, *dram_alone / share);
+      auto tiered = [&](std::uint64_t nvme) {
+        return tools::replay_tiers(*trace, dram, nvme, o.block_tokens).total.hit_rate();
+      };
+      const auto nvme = smallest(0, all, target, tiered);
+      Layout l{
+          .name = "DRAM 1/" + std::to_string(share) + " + NVMe", .dram = dram, .reached = nvme.has_value()};
+      if (nvme) {
+        const tools::TierResult t = tools::replay_tiers(*trace, dram, *nvme, o.block_tokens);
+        l.nvme = *nvme;
+        l.hit = t.total.hit_rate();
+        l.promoted = t.tier_hit_blocks;
+      }
+      layouts.push_back(l);
+    }
+  }
+  if (s.json()) {
+    json j{{"trace", o.trace},
+           {"requests", trace->size()},
+           {"hours", hours},
+           {"distinct_blocks", all},
+           {"block_tokens", o.block_tokens},
+           {"block_bytes", block_bytes},
+           {"unlimited_hit_rate", ceiling},
+           {"target_hit_rate", target},
+           {"layouts", json::array()}};
+    for (const auto& l : layouts) {
+      j["layouts"].push_back(
+          {{"layout", l.name},
+           {"reached", l.reached},
+           {"dram_blocks", l.dram},
+           {"dram_bytes", l.dram * block_bytes},
+           {"nvme_blocks", l.nvme},
+           {"nvme_bytes", l.nvme * block_bytes},
+           {"hit_rate", l.hit},
+           {"promoted_blocks_per_s", hours > 0 ? static_cast<double>(l.promoted) / (hours * 3600) : 0}});
+    }
+    std::cout << j.dump(2) << "\n";
+    return target > ceiling ? kExitError : kExitOk;
+  }
+  std::printf("trace          %s: %zu requests over %.2f h, %s distinct blocks of %u tokens (%s each here)\n",
+              o.trace.c_str(), trace->size(), hours, grouped(all).c_str(), o.block_tokens,
+              units::format_size(block_bytes).c_str());
+  std::printf(
+      "hit rate       %.4f of prompt tokens wanted; an unlimited cache finds %.4f (LRU, as the connectors "
+      "save)\n",
+      target, ceiling);
+  if (!dram_alone) {
+    std::printf("               not reachable: no capacity finds more than %.4f of this trace's tokens\n",
+                ceiling);
+    return kExitError;
+  }
+  Table t({"LAYOUT", "DRAM", "NVME", "HIT RATE", "PROMOTED/S"});
+  for (const auto& l : layouts) {
+    if (!l.reached) {
+      t.row({l.name, units::format_size(l.dram * block_bytes), "not reachable", "", ""});
+      continue;
+    }
+    char hit[16], promoted[32];
+    std::snprintf(hit, sizeof hit, "%.4f", l.hit);
+    std::snprintf(promoted, sizeof promoted, "%.1f",
+                  hours > 0 ? static_cast<double>(l.promoted) / (hours * 3600) : 0.0);
+    t.row({l.name, units::format_size(l.dram * block_bytes) + " (" + grouped(l.dram) + ")",
+           l.nvme ? units::format_size(l.nvme * block_bytes) + " (" + grouped(l.nvme) + ")" : "-", hit,
+           l.nvme ? promoted : "-"});
+  }
+  std::cout << t.str();
+  std::cout
+      << "(capacities in bytes of this model's KV cache, blocks in brackets; the model of the cell: LRU "
+         "in DRAM and on the tier, a block DRAM gives up written down, a hit on the tier promoted; "
+         "kvstash-bench replay measures a cell)\n";
+  return kExitOk;
+}
+
 int plan(Session& s, const PlanOptions& o) {
   if (o.list) return list_models(s);
   Model m{"custom", o.layers, o.kv_heads, o.head_dim, o.params_billion, ""};
@@ -117,12 +249,14 @@ int plan(Session& s, const PlanOptions& o) {
   auto nvme = units::parse_size(o.nvme_mem);
   if (!nvme.is_ok()) return fail(nvme.status(), "plan --nvme-mem", &s);
   if (o.restore_gbps <= 0 || o.nvme_gbps <= 0 || o.prefill_tps < 0) {
-    return fail(Status::invalid_argument("--restore-gbps and --nvme-gbps must be positive, --prefill-tps at least 0"),
-                "plan", &s);
+    return fail(
+        Status::invalid_argument("--restore-gbps and --nvme-gbps must be positive, --prefill-tps at least 0"),
+        "plan", &s);
   }
 
   const auto bytes_per_token =
       static_cast<std::uint64_t>(2.0 * m.layers * m.kv_heads * m.head_dim * kv_bytes);
+  if (!o.trace.empty()) return plan_trace(s, o, bytes_per_token);
   const std::uint64_t bytes_per_sequence = bytes_per_token * o.context;
   const double weights = m.params_billion * 1e9 * w_bytes;
   const double budget = std::max(0.0, static_cast<double>(*gpu) - weights);
@@ -253,13 +387,25 @@ void add_plan_command(Registry& r) {
                 "The engine's prefill, tokens/s: compares a restore with a recompute (0: not compared)")
       ->capture_default_str();
   p->add_flag("--list-models", o->list, "List the presets");
+  p->add_option(
+      "--trace", o->trace,
+      "A trace of requests (kvstash-bench replay's format): the DRAM, and DRAM over NVMe, its traffic "
+      "needs for --hit-rate, from a replay through the model");
+  p->add_option("--hit-rate", o->hit_rate,
+                "--trace: the share of prompt tokens to find (0: 95% of what an unlimited cache finds)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  p->add_option("--block-tokens", o->block_tokens, "--trace: tokens per block of the trace")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
   p->footer(
       "Examples:\n"
       "  kvstash plan --model llama-2-7b --context 4096\n"
       "  kvstash plan --model llama-2-7b --kv-heads 8 --kv-dtype int8\n"
       "  kvstash plan --model llama-3-70b --gpu-mem 141GB --batch 64 --remote-mem 2TiB\n"
       "  kvstash plan --model llama-3-8b --remote-mem 512GiB --nvme-mem 8TiB --prefill-tps 12000\n"
-      "  kvstash plan --model custom --layers 40 --kv-heads 8 --head-dim 128 --params 20 --json");
+      "  kvstash plan --model custom --layers 40 --kv-heads 8 --head-dim 128 --params 20 --json\n"
+      "  kvstash plan --model llama-3-8b --trace conversations.jsonl --hit-rate 0.3");
   p->final_callback([&r, &s, o] { r.action = [&s, o] { return plan(s, *o); }; });
 }
 

@@ -10,7 +10,7 @@
 
 #include "kvstash/status.h"
 
-namespace kvstash::bench {
+namespace kvstash::tools {
 
 // One request of a trace (docs/benchmarks.md, "Real workload"): when it arrived, its prompt's
 // tokens, and its prompt's blocks, chained: two requests that begin with the same block ids
@@ -90,4 +90,4 @@ struct TierResult {
 TierResult replay_tiers(std::span<const TraceRequest> trace, std::uint64_t pool_blocks,
                         std::uint64_t tier_blocks, std::uint32_t block_tokens = 512);
 
-}  // namespace kvstash::bench
+}  // namespace kvstash::tools

@@ -1,5 +1,5 @@
 // The in-process cache a trace replays through (replay_model.h).
-#include "replay_model.h"
+#include "tools/common/replay_model.h"
 
 #include <algorithm>
 #include <array>
@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace kvstash::bench {
+namespace kvstash::tools {
 
 const char* policy_name(ReplayPolicy policy) {
   switch (policy) {
@@ -697,4 +697,4 @@ TierResult replay_tiers(std::span<const TraceRequest> trace, std::uint64_t pool_
   return out;
 }
 
-}  // namespace kvstash::bench
+}  // namespace kvstash::tools
