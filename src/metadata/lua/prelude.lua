@@ -398,7 +398,7 @@ end
 --        empty), else T2's; the ghosts are then trimmed to the objects held (T1 and B1
 --        together) and twice that (all four). Objects stored before arc was chosen go first.
 -- Under either, P:lru keeps every pool object's last use, for operators (kvstash evict), quotas
--- and the NVMe tier's write-down. bench/replay_model.cc runs the same rules in process.
+-- and the NVMe tier's write-down. tools/common/replay_model.cc runs the same rules in process.
 local POLICIES = {lru = true, arc = true}
 local ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC = P .. ':arc:t1', P .. ':arc:t2', P .. ':arc:b1', P .. ':arc:b2', P .. ':arc'
 
