@@ -50,16 +50,6 @@ struct CellRun {
   std::vector<double> ttft_s, ttft_none_s;
 };
 
-// The trace's tokens up to block `n` of a request (the last one what the prompt has of it).
-std::uint64_t tokens_of_blocks(const TraceRequest& r, std::size_t n, std::uint32_t block_tokens) {
-  return std::min<std::uint64_t>(r.input_tokens, std::uint64_t{block_tokens} * n);
-}
-
-std::size_t whole_blocks(const TraceRequest& r, const ReplayBenchOptions& o) {
-  if (o.saves == ReplaySaves::kEveryBlock) return r.blocks.size();
-  return std::min<std::size_t>(r.blocks.size(), r.input_tokens / o.block_tokens);
-}
-
 // One private cell of `capacity` blocks: its Redis, its node, a store.
 struct PrivateCell {
   std::unique_ptr<tools::LocalRedis> redis;
@@ -143,7 +133,7 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
       run.max_lag_seconds =
           std::max(run.max_lag_seconds, std::chrono::duration<double>(Clock::now() - due).count());
     }
-    const std::size_t kept = whole_blocks(r, o);
+    const std::size_t kept = tools::blocks_kept(r, o.block_tokens, o.saves);
     keys.clear();
     for (std::size_t b = 0; b < kept; ++b) keys.push_back(block_key(r.blocks[b]));
     run.counts.prompt_tokens += r.input_tokens;
@@ -183,7 +173,7 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
       run.bytes_loaded += loaded * o.block_bytes;
     }
     run.counts.hit_blocks += loaded;
-    const std::uint64_t hit_tokens = tokens_of_blocks(r, loaded, o.block_tokens);
+    const std::uint64_t hit_tokens = tools::prefix_tokens(r, loaded, o.block_tokens);
     run.counts.hit_tokens += hit_tokens;
 
     // Saves: every block from the hit on, one put each (a held one is replaced).

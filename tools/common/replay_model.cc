@@ -60,6 +60,15 @@ Result<std::vector<TraceRequest>> read_trace(const std::string& path, std::size_
   return out;
 }
 
+std::size_t blocks_kept(const TraceRequest& r, std::uint32_t block_tokens, ReplaySaves saves) {
+  if (saves == ReplaySaves::kEveryBlock) return r.blocks.size();
+  return std::min<std::size_t>(r.blocks.size(), r.input_tokens / block_tokens);
+}
+
+std::uint64_t prefix_tokens(const TraceRequest& r, std::size_t blocks, std::uint32_t block_tokens) {
+  return std::min<std::uint64_t>(r.input_tokens, std::uint64_t{block_tokens} * blocks);
+}
+
 namespace {
 
 constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
@@ -571,10 +580,18 @@ std::unique_ptr<Cache> make_cache(ReplayPolicy policy, std::uint64_t capacity) {
   return std::make_unique<LruCache>(capacity);
 }
 
-// The blocks a request looks up and saves: all, or only the whole ones.
-std::size_t blocks_kept(const TraceRequest& r, std::uint32_t block_tokens, ReplaySaves saves) {
-  if (saves == ReplaySaves::kEveryBlock) return r.blocks.size();
-  return std::min<std::size_t>(r.blocks.size(), r.input_tokens / block_tokens);
+// The request's leading blocks (of its first `kept`) that `held` finds, counted into `out`: its
+// prompt and blocks, the hit's blocks and tokens. Returns the hit's length.
+template <typename Held>
+std::size_t count_prefix(const TraceRequest& r, std::size_t kept, std::uint32_t block_tokens,
+                         ModelResult& out, Held held) {
+  std::size_t hit = 0;
+  while (hit < kept && held(r.blocks[hit])) ++hit;
+  out.prompt_tokens += r.input_tokens;
+  out.block_uses += r.blocks.size();
+  out.hit_blocks += hit;
+  out.hit_tokens += prefix_tokens(r, hit, block_tokens);
+  return hit;
 }
 
 }  // namespace
@@ -600,12 +617,8 @@ ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capa
     TurnTtlCache cache(capacity_blocks);
     for (const TraceRequest& r : trace) {
       const std::span<const std::uint64_t> kept(r.blocks.data(), blocks_kept(r, block_tokens, saves));
-      out.prompt_tokens += r.input_tokens;
-      out.block_uses += r.blocks.size();
-      std::size_t hit = 0;
-      while (hit < kept.size() && cache.contains(kept[hit])) ++hit;
-      out.hit_blocks += hit;
-      for (std::size_t b = 0; b < hit; ++b) out.hit_tokens += block_tokens_of(r, b, block_tokens);
+      const std::size_t hit =
+          count_prefix(r, kept.size(), block_tokens, out, [&](std::uint64_t b) { return cache.contains(b); });
       cache.request(r, kept, hit, block_tokens, saves, out);
     }
     return out;
@@ -614,16 +627,12 @@ ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capa
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
     const std::size_t kept = blocks_kept(r, block_tokens, saves);
-    out.prompt_tokens += r.input_tokens;
-    std::size_t hit = 0;
-    while (hit < kept && cache->contains(r.blocks[hit])) ++hit;
-    out.hit_blocks += hit;
-    out.block_uses += r.blocks.size();
+    const std::size_t hit =
+        count_prefix(r, kept, block_tokens, out, [&](std::uint64_t b) { return cache->contains(b); });
     for (std::size_t b = 0; b < kept; ++b) {
       const std::uint64_t block = r.blocks[b];
       const std::uint64_t next = policy == ReplayPolicy::kBelady ? next_use[i][b] : kNever;
       if (b < hit) {
-        out.hit_tokens += block_tokens_of(r, b, block_tokens);
         cache->use(block, next);
         continue;
       }
@@ -668,15 +677,12 @@ TierResult replay_tiers(std::span<const TraceRequest> trace, std::uint64_t pool_
   };
   for (const TraceRequest& r : trace) {
     const std::size_t kept = blocks_kept(r, block_tokens, ReplaySaves::kConnector);
-    out.total.prompt_tokens += r.input_tokens;
-    out.total.block_uses += r.blocks.size();
-    std::size_t hit = 0;
-    while (hit < kept && (pool.contains(r.blocks[hit]) || tier.contains(r.blocks[hit]))) ++hit;
-    out.total.hit_blocks += hit;
+    const std::size_t hit = count_prefix(r, kept, block_tokens, out.total, [&](std::uint64_t b) {
+      return pool.contains(b) || tier.contains(b);
+    });
     for (std::size_t b = 0; b < kept; ++b) {
       const std::uint64_t block = r.blocks[b];
       if (b < hit) {
-        out.total.hit_tokens += block_tokens_of(r, b, block_tokens);
         if (pool.contains(block)) {
           pool.make_newest(block);
         } else {  // promoted: read back from the tier into the pool

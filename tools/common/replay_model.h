@@ -66,6 +66,13 @@ struct ModelResult {
   double block_hit_rate() const { return block_uses ? double(hit_blocks) / double(block_uses) : 0.0; }
 };
 
+// The blocks of a request that are looked up and saved (its first ones): all, or only the
+// whole ones (a partial last block is never saved by a connector).
+std::size_t blocks_kept(const TraceRequest& r, std::uint32_t block_tokens, ReplaySaves saves);
+
+// The prompt tokens of a request's first `blocks` blocks (the last one what the prompt has).
+std::uint64_t prefix_tokens(const TraceRequest& r, std::size_t blocks, std::uint32_t block_tokens);
+
 // Each request in turn: the leading blocks the cache holds are hits (used again: their recency
 // renewed), the rest are computed and saved (`saves` says which), each evicting one block when
 // the cache holds `capacity_blocks`. A block is `block_tokens` tokens, the last one of a prompt
