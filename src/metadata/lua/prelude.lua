@@ -441,19 +441,21 @@ end
 local function mark_stored(key, replaced)
   if replaced or policy() ~= 'arc' then return mark_used({key}) end
   redis.call('ZADD', P .. ':lru', now_fine, key)
-  local enter = ARC_T1
-  if redis.call('ZREM', ARC_B1, key) == 1 then
-    local b1, b2 = redis.call('ZCARD', ARC_B1) + 1, redis.call('ZCARD', ARC_B2)
+  local in_b1 = redis.call('ZREM', ARC_B1, key) == 1
+  local in_b2 = not in_b1 and redis.call('ZREM', ARC_B2, key) == 1
+  if in_b1 or in_b2 then
+    -- The ghosts' sizes before the key left its own.
+    local b1 = redis.call('ZCARD', ARC_B1) + (in_b1 and 1 or 0)
+    local b2 = redis.call('ZCARD', ARC_B2) + (in_b2 and 1 or 0)
     local p = tonumber(redis.call('HGET', ARC, 'p') or '0') or 0
-    redis.call('HSET', ARC, 'p', tostring(math.min(arc_capacity(), p + math.max(1, b2 / b1))))
-    enter = ARC_T2
-  elseif redis.call('ZREM', ARC_B2, key) == 1 then
-    local b1, b2 = redis.call('ZCARD', ARC_B1), redis.call('ZCARD', ARC_B2) + 1
-    local p = tonumber(redis.call('HGET', ARC, 'p') or '0') or 0
-    redis.call('HSET', ARC, 'p', tostring(math.max(0, p - math.max(1, b1 / b2))))
-    enter = ARC_T2
+    if in_b1 then
+      p = math.min(arc_capacity(), p + math.max(1, b2 / b1))
+    else
+      p = math.max(0, p - math.max(1, b1 / b2))
+    end
+    redis.call('HSET', ARC, 'p', tostring(p))
   end
-  redis.call('ZADD', enter, now_fine, key)
+  redis.call('ZADD', (in_b1 or in_b2) and ARC_T2 or ARC_T1, now_fine, key)
 end
 
 -- `key` leaves the pool (released, or moved down to the tier); `evicted`: to make room, which
@@ -734,6 +736,15 @@ end
 -- to stop. At most `max_visits` LRU entries are looked at, so the work is bounded by what
 -- the caller needs, never by the cell's size. Returns the LRU entries whose record is gone
 -- (deleted by hand). `lru`: another LRU order to walk (a quota's), instead of the cell's.
+-- The record of `key` (token, extents, size) for an eviction's walk: nil when a reader leases
+-- it, false when the record is gone (an order's entry left behind: deleted by hand).
+local function unleased_record(key)
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents', 'size')
+  if not o[1] then return false end
+  if redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then return o end
+  return nil
+end
+
 local function walk_unleased_lru(visit, max_visits, lru)
   local orphans, offset = {}, 0
   while offset < max_visits do
@@ -742,11 +753,11 @@ local function walk_unleased_lru(visit, max_visits, lru)
     offset = offset + #batch / 2
     for i = 1, #batch, 2 do
       local key = batch[i]
-      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents', 'size')
-      if not o[1] then
+      local o = unleased_record(key)
+      if o == false then
         orphans[#orphans + 1] = key
-      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
-        if visit(key, tonumber(batch[i + 1]), o[2], o[3]) then return orphans end
+      elseif o and visit(key, tonumber(batch[i + 1]), o[2], o[3]) then
+        return orphans
       end
     end
   end
@@ -794,13 +805,12 @@ local function walk_unleased_arc(visit, max_visits)
       l.at = l.at + 1
       visits = visits + 1
       local key = e[1]
-      local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'extents', 'size')
-      if not o[1] then
+      local o = unleased_record(key)
+      if o ~= nil then l.held = l.held - 1 end  -- gone, or visited: T1's share counts it out
+      if o == false then
         l.orphans[#l.orphans + 1] = key
-        l.held = l.held - 1
-      elseif redis.call('ZCOUNT', P .. ':readers:' .. o[1], now, '+inf') == 0 then
-        l.held = l.held - 1
-        if visit(key, tonumber(e[2]), o[2], o[3]) then return orphans end
+      elseif o and visit(key, tonumber(e[2]), o[2], o[3]) then
+        return orphans
       end
     end
   end
