@@ -123,7 +123,7 @@ RedisCost RedisMeter::read() {
     // Scripts only: a script's own commands are counted in its time and again under their
     // names, and every kvstash metadata change is a script.
     const std::string_view text = r->str();
-    for (std::string_view name : {"cmdstat_evalsha:", "cmdstat_eval:"}) {
+    for (std::string_view name : {"cmdstat_fcall:", "cmdstat_evalsha:", "cmdstat_eval:"}) {
       const auto at = text.find(name);
       if (at != std::string_view::npos) c.commands_us += field(text, "usec=", at).value_or(0);
     }
@@ -304,7 +304,7 @@ int run_kvcache(const KvCacheBenchOptions& o) {
         "\nkvcache: KvCache save/load (per-layer streams, a checksum segment per layer, %zu-way chunk "
         "parallelism); "
         "contiguous: the same bytes as %zu objects of %s put/got at once. Every loaded block verified.\n"
-        "redis us: Redis's time in kvstash's scripts (INFO commandstats, EVALSHA) per chunk saved or "
+        "redis us: Redis's time in kvstash's scripts (INFO commandstats: FCALL, EVALSHA) per chunk saved or "
         "loaded;\n"
         "redis cpu: its process's CPU (INFO cpu, user + system) per chunk, which adds the network, the "
         "event\n"

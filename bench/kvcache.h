@@ -72,7 +72,7 @@ Result<BenchCell> start_bench_cell(std::uint64_t capacity);
 // A store of `cell` preferring `kind` (UCX's emulated RMA allowed), with a 2-minute timeout.
 Result<std::unique_ptr<Store>> open_bench_store(const BenchCell& cell, TransportKind kind);
 
-// Redis's own time spent in a phase of the run: its scripts' (INFO commandstats, EVALSHA: every
+// Redis's own time spent in a phase of the run: its scripts' (INFO commandstats, FCALL and EVALSHA: every
 // kvstash metadata change is a script) and its process's CPU (INFO cpu, user + system), read
 // before and after.
 struct RedisCost {

@@ -339,8 +339,8 @@ int main(int argc, char** argv) {
   auto* md = app.add_subcommand(
       "metadata",
       "Metadata operations per second against one private redis-server: N clients, each on its own "
-      "connection, putting, getting and asking contains_prefix, next to redis-benchmark's SET, GET and "
-      "EVALSHA on the same Redis in the same run. With --scripts: how long each script holds Redis "
+      "connection, putting, getting and asking contains_prefix, next to redis-benchmark's SET, GET, "
+      "EVALSHA and FCALL on the same Redis in the same run. With --scripts: how long each script holds Redis "
       "(server time, from SLOWLOG) in a cell of many objects");
   md->add_option("--clients", meta.clients, "Client counts, one group of rows each (comma-separated)")
       ->delimiter(',')
@@ -372,7 +372,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 16));
   md->add_option("--policy", meta.policy, "--scripts: the cell's eviction policy (kvstash policy)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"lru", "arc"}));
+      ->check(CLI::IsMember({"lru", "arc", "turn-ttl"}));
   md->add_flag("--json", meta.json, "One JSON object per row (--scripts: the table as one JSON object too)");
   md->footer(
       "Examples:\n  kvstash-bench metadata --clients 1,4,16,64 --seconds 2\n"
@@ -422,15 +422,20 @@ int main(int argc, char** argv) {
   rp->add_flag("--model-only", replay.model_only, "The model's rows alone: no cell");
   rp->add_option(
         "--tier-capacities", replay.tier_capacities,
-        "NVMe tier capacities, in blocks: the model of a pool of each --capacities over a tier of each")
+        "NVMe tier capacities, in blocks: the model of a pool of each --capacities over a tier of each, "
+        "and (unless --model-only) a cell whose node runs such a tier under LRU (kvstashd --ssd)")
       ->delimiter(',');
+  rp->add_option(
+        "--tier-dir", replay.tier_dir,
+        "Where a cell's NVMe tier file goes (removed afterwards; its file system must take O_DIRECT)")
+      ->capture_default_str();
   std::vector<std::string> replay_cell_policies{"lru"};
   rp->add_option(
         "--cell-policies", replay_cell_policies,
         "The eviction policies (kvstash policy) a cell replays the trace under, each in a cell of its own")
       ->delimiter(',')
       ->capture_default_str()
-      ->check(CLI::IsMember({"lru", "arc"}));
+      ->check(CLI::IsMember({"lru", "arc", "turn-ttl"}));
   rp->add_option("--block-bytes", replay_block_bytes,
                  "Bytes of a block in the cell (a power of two: one page of the node)")
       ->capture_default_str();
@@ -601,7 +606,15 @@ int main(int argc, char** argv) {
           replay_saves == "connector" ? bench::ReplaySaves::kConnector : bench::ReplaySaves::kEveryBlock;
       replay.cell_policies.clear();
       for (const auto& name : replay_cell_policies) {
-        replay.cell_policies.push_back(name == "arc" ? bench::ReplayPolicy::kArc : bench::ReplayPolicy::kLru);
+        replay.cell_policies.push_back(name == "arc"        ? bench::ReplayPolicy::kArc
+                                       : name == "turn-ttl" ? bench::ReplayPolicy::kTurnTtl
+                                                            : bench::ReplayPolicy::kLru);
+        if (name == "turn-ttl" && !(replay.speed > 0) && !replay.model_only) {
+          throw CLI::ValidationError(
+              "--cell-policies",
+              "turn-ttl keeps blocks for times learned on the trace's clock: give --speed "
+              "(the cell's policy clock then runs that many times as fast)");
+        }
       }
     }
     if (sv->parsed()) {

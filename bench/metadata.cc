@@ -2,7 +2,7 @@
 //
 // Starts a private redis-server, fills a cell with N one-page objects on two (fake) memory
 // nodes through the real scripts, then measures, with Redis's own SLOWLOG (the time the
-// server spent in one EVALSHA, so the client and the loopback do not count), the scripts that
+// server spent in one FCALL or EVALSHA, so the client and the loopback do not count), the scripts that
 // could scale with the cell: a get and a put, a put that must evict, a put that cannot get
 // room because leased objects block the LRU's head, contains_prefix, the sweep of a dead node
 // holding half the objects, a node registering again over its earlier life, and the CLI's
@@ -58,8 +58,8 @@ class ServerClock {
     for (std::string line; std::getline(in, line);) {
       if (line.rfind("cmdstat_", 0) != 0) continue;
       const std::string name = line.substr(8, line.find(':') - 8);
-      if (name == "evalsha" || name == "eval" || name == "slowlog" || name == "info" || name == "config" ||
-          name == "script") {
+      if (name == "fcall" || name == "evalsha" || name == "eval" || name == "slowlog" || name == "info" ||
+          name == "config" || name.rfind("script", 0) == 0 || name.rfind("function", 0) == 0) {
         continue;
       }
       const auto at = line.find("calls=");
@@ -67,9 +67,9 @@ class ServerClock {
     }
     return calls;
   }
-  // The longest EVALSHA since reset(), in microseconds.
+  // The longest script (FCALL or EVALSHA) since reset(), in microseconds.
   double longest_eval() { return evals(false); }
-  // Every EVALSHA since reset(), summed, in microseconds.
+  // Every script since reset(), summed, in microseconds.
   double total_evals() { return evals(true); }
 
  private:
@@ -81,7 +81,8 @@ class ServerClock {
       const redisReply* e = r->element(i);
       if (e->elements < 4 || e->element[3]->elements == 0) continue;
       const redisReply* cmd = e->element[3]->element[0];
-      if (std::string_view(cmd->str, cmd->len) != "EVALSHA") continue;
+      const std::string_view verb(cmd->str, cmd->len);
+      if (verb != "FCALL" && verb != "EVALSHA") continue;
       const auto us = static_cast<double>(e->element[2]->integer);
       out = sum ? out + us : std::max(out, us);
     }
@@ -152,7 +153,7 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
       metadata::Catalog& c = (*r)->catalog();
       for (std::uint64_t i; (i = next++) < o.objects;) {
         const std::string key = "obj/" + std::to_string(i), token = "fill-" + std::to_string(i);
-        if (!c.begin_put(token, key, kPage, 3600s).is_ok() ||
+        if (!c.begin_put(token, key, kPage, 600s).is_ok() ||
             !c.commit_put(token, key, {1}, "", 0ms).is_ok()) {
           failed = true;
           return;
@@ -182,24 +183,34 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
     samples.push_back(std::move(s));
   };
 
+  // Under turn-ttl, the hints a KV cache's requests carry (a 32-chunk prompt's chunks; one in
+  // eight sampled to learn from); other policies get none.
+  const auto hint = [&](std::uint64_t key_hash, std::uint32_t index) {
+    if (o.policy != "turn-ttl") return std::string();
+    return metadata::keep_hint_text(KeepHint{
+        .turn = 2, .chunks = 32, .index = index, .tokens = 512, .key_hash = key_hash, .split_hash = 1});
+  };
   measure("begin_get + end_get", 200, [&](int i) {
-    auto g = cat.begin_get("obj/" + std::to_string(i * 7919 % o.objects), "reader", 30s);
+    auto g = cat.begin_get("obj/" + std::to_string(i * 7919 % o.objects), "reader", 30s, true,
+                           hint(static_cast<std::uint64_t>(i), static_cast<std::uint32_t>(i % 32)));
     if (g.is_ok()) (void)cat.end_get("reader", *g);
   });
   measure("begin_put + commit_put (room free)", 200, [&](int i) {
     const std::string token = "m-" + std::to_string(i);
     if (cat.begin_put(token, "fresh/" + std::to_string(i), kPage, 30s).is_ok()) {
-      (void)cat.commit_put(token, "fresh/" + std::to_string(i), {1}, "", 0ms);
+      (void)cat.commit_put(token, "fresh/" + std::to_string(i), {1}, "", 0ms, std::nullopt, 1,
+                           hint(static_cast<std::uint64_t>(i), static_cast<std::uint32_t>(i % 32)));
     }
   });
   // A KV request of 32 chunks of 32 pages each (128 MiB chunks in 4 MiB pages), saved and
   // loaded as KvCache did (a script per chunk) and does (one per request): Redis's time per chunk.
   constexpr int kChunks = 32;
   constexpr std::uint64_t kChunkPages = 32;
-  std::vector<std::string> chunks, readers;
+  std::vector<std::string> chunks, readers, hints;
   for (int i = 0; i < kChunks; ++i) {
     chunks.push_back("chunk/" + std::to_string(i));
     readers.push_back("reader-" + std::to_string(i));
+    hints.push_back(hint(static_cast<std::uint64_t>(i), static_cast<std::uint32_t>(i)));
   }
   auto per_chunk = [&](const std::string& what, int runs, auto op) {
     Sample s{what, {}};
@@ -238,13 +249,15 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
                       .token = runs[c].token,
                       .key = chunks[c],
                       .size = kChunkPages * kPage,
-                      .checksum = {1}});
+                      .checksum = {1},
+                      .keep = hints[c]});
     }
     if (together) {
       (void)cat.commit_reserveds(puts);
     } else {
       for (const auto& p : puts)
-        (void)cat.commit_reserved(p.pages, p.token, p.key, p.size, p.checksum, "", 0ms);
+        (void)cat.commit_reserved(p.pages, p.token, p.key, p.size, p.checksum, "", 0ms, std::nullopt, 1,
+                                  p.keep);
     }
     for (const auto& r : runs) (void)cat.release_reservation(r.res, 1u << 20, true);
   };
@@ -261,7 +274,8 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
     (void)cat.end_gets(ended);
   });
   per_chunk("KV load, 32 chunks: begin_gets, end_gets (per chunk)", 20, [&](int) {
-    auto leases = cat.begin_gets(chunks, readers, 30s);
+    auto leases =
+        cat.begin_gets(chunks, readers, 30s, o.policy == "turn-ttl" ? hints : std::vector<std::string>{});
     std::vector<metadata::Catalog::EndedRead> ended;
     for (int c = 0; leases.is_ok() && c < kChunks; ++c) {
       if ((*leases)[c].is_ok()) ended.push_back({readers[c], (*leases)[c]->object_token, ""});
@@ -295,7 +309,7 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
     if (left == 0) break;
     const std::uint64_t pages = std::min<std::uint64_t>(left, 4096);
     if (auto hog =
-            cat.begin_put("hog-" + std::to_string(part), "hog/" + std::to_string(part), pages * kPage, 3600s);
+            cat.begin_put("hog-" + std::to_string(part), "hog/" + std::to_string(part), pages * kPage, 600s);
         !hog.is_ok()) {
       std::cerr << "metadata: filling the pool: " << hog.status().to_string() << "\n";
       return 1;
@@ -329,7 +343,7 @@ int run_metadata_scripts(const MetadataBenchOptions& o) {
   {
     auto r = cell.redis().command({"ZRANGE", cell.prefix() + ":lru", "0", "2999"});
     for (std::size_t i = 0; r.is_ok() && i < r->size(); ++i) {
-      (void)cat.begin_get(std::string(r->element(i)->str, r->element(i)->len), "blocker", 3600s);
+      (void)cat.begin_get(std::string(r->element(i)->str, r->element(i)->len), "blocker", 600s);
     }
   }
   measure("begin_put blocked by 3,000 leased objects (no space)", 50, [&](int i) {

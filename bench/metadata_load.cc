@@ -7,12 +7,13 @@
 // table. Then kHotObjects one-page objects are put for the gets to read.
 //
 // Per client count N: redis-benchmark (-c N, -P 1) runs SET and GET, EVALSHA of a script that
-// returns 1 (the floor of any script) and EVALSHA of kvstash's contains_prefix (one real script
-// without our client); then N threads, each with its own connection and Catalog as a store's
-// connection has, run the mix put, get, contains_prefix in turn for --seconds. Latency is the
-// client's wall time per operation; round trips per operation are counted by the operation, and
-// for the whole mix by Redis itself (INFO commandstats: EVALSHA calls, and the redis.call()s run
-// inside them); INFO's and getrusage's CPU times say who was busy. Nothing here asserts on time.
+// returns 1 (the floor of any script), and kvstash's contains_prefix (one real script without
+// our client) as clients run it (FCALL of its function) and as its EVAL text (EVALSHA: the
+// prelude run on every call, where Redis has no Functions); then N threads, each with its own connection and
+// Catalog as a store's connection has, run the mix put, get, contains_prefix in turn for --seconds. Latency
+// is the client's wall time per operation; round trips per operation are counted by the operation, and for
+// the whole mix by Redis itself (INFO commandstats: FCALL and EVALSHA calls, and the redis.call()s run inside
+// them); INFO's and getrusage's CPU times say who was busy. Nothing here asserts on time.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -145,12 +146,15 @@ struct Tally {
 // One client: its own connection and catalog, as a store's connection has.
 class Client {
  public:
-  Client(std::unique_ptr<Cell> cell, int index, std::span<const std::string> hot, Releaser& releaser)
+  // `serial` is unique in the run: its put tokens are never an earlier client's (a reused
+  // reservation token is a retry, answered with what that reservation has left).
+  Client(std::unique_ptr<Cell> cell, int index, std::uint64_t serial, std::span<const std::string> hot,
+         Releaser& releaser)
       : cell_(std::move(cell)),
         releaser_(releaser),
         index_(static_cast<std::size_t>(index)),
         hot_(hot),
-        put_(cell_->catalog(), std::to_string(index)),
+        put_(cell_->catalog(), std::to_string(serial)),
         reader_("reader-" + std::to_string(index)),
         key_prefix_("new/" + std::to_string(index) + "/"),
         rng_(static_cast<std::uint32_t>(index) + 1) {}
@@ -233,10 +237,10 @@ struct Row {
 
 // What Redis says it did (INFO), and what this process spent.
 struct Counters {
-  double requests = 0;    // EVALSHA, EVAL and SCRIPT LOAD calls: the clients' round trips
+  double requests = 0;    // FCALL, EVALSHA, EVAL, FUNCTION and SCRIPT LOAD calls: the clients' round trips
   double commands = 0;    // total_commands_processed: requests, and what scripts call
   double cpu_s = 0;       // used_cpu_user + used_cpu_sys of redis-server
-  double script_us = 0;   // time inside EVALSHA
+  double script_us = 0;   // time inside FCALL and EVALSHA
   double self_cpu_s = 0;  // this process (the clients), getrusage
 };
 
@@ -258,12 +262,14 @@ Result<Counters> counters(metadata::RedisClient& redis) {
   const std::string_view info = r.str();
   Counters c;
   // total_commands_processed counts what scripts call too: the requests are these.
-  for (const char* cmd : {"\ncmdstat_evalsha:", "\ncmdstat_eval:", "\ncmdstat_script|load:"}) {
+  for (const char* cmd : {"\ncmdstat_fcall:", "\ncmdstat_evalsha:", "\ncmdstat_eval:",
+                          "\ncmdstat_function|load:", "\ncmdstat_script|load:"}) {
     c.requests += info_number(info, cmd, "calls=");
   }
   c.commands = info_number(info, "", "\ntotal_commands_processed:");
   c.cpu_s = info_number(info, "", "\nused_cpu_user:") + info_number(info, "", "\nused_cpu_sys:");
-  c.script_us = info_number(info, "\ncmdstat_evalsha:", "usec=");
+  c.script_us =
+      info_number(info, "\ncmdstat_fcall:", "usec=") + info_number(info, "\ncmdstat_evalsha:", "usec=");
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
   auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
@@ -362,6 +368,7 @@ class LoadBench {
   Cell& cell_;
   const metadata::CellOptions options_;
   std::vector<std::string> hot_;
+  std::uint64_t next_client_ = 0;  // every client of the run its own serial (Client)
   std::string noop_sha_;
   Status missing_;  // redis-benchmark is not installed
 };
@@ -400,16 +407,18 @@ Status LoadBench::prepare() {
   }
   for (auto& t : fillers) t.join();
   for (const Status& s : failed) KVSTASH_RETURN_IF_ERROR(s);
-  // Loads contains_prefix into Redis's script cache: redis-benchmark runs it by SHA before any
-  // client has.
+  // Loads the scripts' library (and contains_prefix's EVAL text, into the script cache):
+  // redis-benchmark runs them by name and by SHA before any client has.
   KVSTASH_RETURN_IF_ERROR(cell_.catalog().contains_prefix(std::span(hot_).first(kChain)).status());
+  KVSTASH_RETURN_IF_ERROR(
+      cell_.redis().command({"SCRIPT", "LOAD", metadata::scripts::contains_prefix().body}).status());
   KVSTASH_ASSIGN_OR_RETURN(metadata::Reply sha, cell_.redis().command({"SCRIPT", "LOAD", "return 1"}));
   noop_sha_ = std::string(sha.str());
   return {};
 }
 
 void LoadBench::reference_rows(int clients, std::vector<Row>* rows) {
-  const std::string& contains_sha = metadata::scripts::contains_prefix().sha;
+  const metadata::Script& contains = metadata::scripts::contains_prefix();
   // Its -n: one test lasts about one to two seconds (for --seconds 2) at the rates of a small machine.
   const auto requests = static_cast<std::uint64_t>(std::max(10000.0, 25000.0 * o_.seconds));
   struct Test {
@@ -419,7 +428,9 @@ void LoadBench::reference_rows(int clients, std::vector<Row>* rows) {
   const std::vector<Test> tests = {
       {{"-t", "set,get"}, ""},
       {{"EVALSHA", noop_sha_, "0"}, "EVALSHA (return 1)"},
-      {{"EVALSHA", contains_sha, "1", cell_.prefix(), hot_[0], hot_[1], hot_[2], hot_[3]},
+      {{"FCALL", contains.function, "1", cell_.prefix(), hot_[0], hot_[1], hot_[2], hot_[3]},
+       "FCALL contains_prefix (4)"},
+      {{"EVALSHA", contains.sha, "1", cell_.prefix(), hot_[0], hot_[1], hot_[2], hot_[3]},
        "EVALSHA contains_prefix (4)"},
   };
   for (const Test& t : tests) {
@@ -455,7 +466,7 @@ void LoadBench::kvstash_rows(int clients, std::vector<Row>* rows) {
   for (int i = 0; i < clients; ++i) {
     auto c = connect();
     if (!c.is_ok()) return fail(c.status());
-    cs.push_back(std::make_unique<Client>(std::move(c).value(), i, hot_, releaser));
+    cs.push_back(std::make_unique<Client>(std::move(c).value(), i, next_client_++, hot_, releaser));
   }
   std::atomic<bool> stop{false};
   std::latch ready(clients), go(1);
@@ -607,9 +618,9 @@ int run_metadata_load(const MetadataBenchOptions& o) {
       return 1;
     }
     const int port = tools::free_port();
-    ro.extra_args = {"--tls-port",     std::to_string(port), "--tls-cert-file",    tls->server_cert,
-                     "--tls-key-file", tls->server_key,      "--tls-ca-cert-file", tls->ca_cert,
-                     "--tls-auth-clients", "no"};
+    ro.extra_args = {
+        "--tls-port",    std::to_string(port), "--tls-cert-file", tls->server_cert,     "--tls-key-file",
+        tls->server_key, "--tls-ca-cert-file", tls->ca_cert,      "--tls-auth-clients", "no"};
     tls_url = "rediss://127.0.0.1:" + std::to_string(port) + "/0?ca=" + tls->ca_cert;
   }
   struct Cleanup {
@@ -645,7 +656,8 @@ int run_metadata_load(const MetadataBenchOptions& o) {
         v == std::string_view::npos ? "?" : std::string(info.substr(v + 14, info.find('\r', v) - v - 14));
     std::printf(
         "One private redis-server %s on 127.0.0.1, shared by everything below; %u CPUs on this host for "
-        "Redis, the clients and redis-benchmark together.%s\nThe mix: put, get, contains_prefix in turn, each "
+        "Redis, the clients and redis-benchmark together.%s\nThe mix: put, get, contains_prefix in turn, "
+        "each "
         "client on its own connection; %zu hot objects for gets; no eviction; %.1f s per client count.\n\n",
         version.c_str(), std::thread::hardware_concurrency(),
         o.tls ? "\nThe kvstash clients reach it over TLS (rediss://); redis-benchmark over plain tcp." : "",

@@ -6,9 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <system_error>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -39,6 +42,10 @@ struct CellRun {
   std::uint64_t bytes_loaded = 0, bytes_saved = 0;
   std::uint64_t cell_evictions = 0;
   std::uint64_t failed_loads = 0, failed_saves = 0;
+  // Blocks the lookup found that were gone when loaded (a tier that evicted them meanwhile):
+  // the hit ends there, as a connector recomputes from it. Not a failure.
+  std::uint64_t gone_since_lookup = 0;
+  std::string first_failure;                        // the first failed load's or save's error
   std::vector<double> lookup_us, load_us, save_us;  // per request (loads and saves: those with any)
   double load_seconds = 0;
   // The TTFT estimate's load bandwidth: one object as large as a real block (or the pool) put and
@@ -48,32 +55,72 @@ struct CellRun {
   double wall_seconds = 0;
   double max_lag_seconds = 0;  // how far behind the trace's clock (with --speed)
   std::vector<double> ttft_s, ttft_none_s;
+  // Over an NVMe tier: blocks moved down, promoted back, and evicted from the full tier.
+  std::uint64_t written_down = 0, promoted = 0, tier_evicted = 0;
 };
 
-// One private cell of `capacity` blocks: its Redis, its node, a store.
+// A file that is removed when this goes (the cell's NVMe tier).
+struct RemovedFile {
+  std::string path;
+  RemovedFile() = default;
+  RemovedFile(RemovedFile&& o) noexcept : path(std::exchange(o.path, {})) {}
+  RemovedFile& operator=(RemovedFile&&) = delete;
+  ~RemovedFile() {
+    std::error_code ignored;
+    if (!path.empty()) std::filesystem::remove(path, ignored);
+  }
+};
+
+// One private cell of `capacity` blocks (over an NVMe tier of `tier` blocks: kvstashd --ssd):
+// its Redis, its node, a store.
 struct PrivateCell {
+  RemovedFile tier_file;  // destroyed last: after the node that uses it
   std::unique_ptr<tools::LocalRedis> redis;
   std::unique_ptr<tools::LocalNode> node;
   std::unique_ptr<metadata::Cell> cell;
   std::unique_ptr<Store> store;
 };
 
-Result<PrivateCell> start_cell(std::uint64_t capacity, ReplayPolicy policy, const ReplayBenchOptions& o) {
+Result<PrivateCell> start_cell(std::uint64_t capacity, std::uint64_t tier, const ReplayBenchOptions& o) {
   PrivateCell c;
   KVSTASH_ASSIGN_OR_RETURN(c.redis, tools::LocalRedis::start({}));
+  std::vector<std::string> args{"--transports", "all"};
+  if (tier > 0) {
+    // Write-down keeps 1% of the pool free (the model's pool holds it all), at least 4 pages.
+    c.tier_file.path = (std::filesystem::path(o.tier_dir) /
+                        fmt::format("kvstash-replay-tier-{}-{}-{}", ::getpid(), capacity, tier))
+                           .string();
+    const double low_water = 100.0 * static_cast<double>(std::max<std::uint64_t>(4, capacity / 100)) /
+                             static_cast<double>(capacity);
+    // The tier's bytes: a 4 KiB header place per slot and one before them (docs/nvme-tier.md).
+    const std::uint64_t tier_bytes = 4096 + tier * (4096 + o.block_bytes);
+    args.insert(args.end(), {"--ssd", c.tier_file.path, "--ssd-capacity", std::to_string(tier_bytes),
+                             "--ssd-low-water", fmt::format("{:.3f}%", low_water)});
+  }
   KVSTASH_ASSIGN_OR_RETURN(c.node,
                            tools::LocalNode::start({.redis_url = c.redis->url(),
                                                     .capacity = std::to_string(capacity * o.block_bytes),
                                                     .page_size = std::to_string(o.block_bytes),
                                                     .node_id = "replay",
-                                                    .extra_args = {"--transports", "all"}}));
+                                                    .extra_args = args}));
   if (c.node->pages() != capacity) {
     return Status::internal(fmt::format("the node holds {} pages, not {}", c.node->pages(), capacity));
   }
   metadata::CellOptions co;
   co.redis.url = c.redis->url();
   KVSTASH_ASSIGN_OR_RETURN(c.cell, metadata::Cell::open(co));
-  KVSTASH_RETURN_IF_ERROR(c.cell->admin().set_policy(policy_name(policy)).status());
+  if (tier > 0) {
+    // The node announces its tier to the cell just after it is ready.
+    KVSTASH_ASSIGN_OR_RETURN(auto summary, c.cell->admin().summary());
+    for (int i = 0; i < 100 && summary.tier_slots == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      KVSTASH_ASSIGN_OR_RETURN(summary, c.cell->admin().summary());
+    }
+    if (summary.tier_slots != tier) {
+      return Status::internal(
+          fmt::format("the node's tier holds {} slots, not {}", summary.tier_slots, tier));
+    }
+  }
   StoreOptions so;
   so.redis_url = c.redis->url();
   so.engine.prefer = o.transport;
@@ -104,11 +151,13 @@ Result<std::pair<double, std::uint64_t>> calibrate_load(Store& store, std::uint6
   return std::pair{best, size};
 }
 
-// The trace through a fresh cell of `capacity` blocks, as a connector runs it: per request, one
-// prefix lookup, the found blocks loaded (each checked byte for byte), the rest saved.
+// The trace through a fresh cell of `capacity` blocks (over a tier of `tier`), as a connector
+// runs it: per request, one prefix lookup, the found blocks loaded (each checked byte for byte;
+// one on the tier promoted first), the rest saved.
 Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_t capacity,
-                            ReplayPolicy policy, const ReplayBenchOptions& o, Progress& progress) {
-  KVSTASH_ASSIGN_OR_RETURN(PrivateCell c, start_cell(capacity, policy, o));
+                            ReplayPolicy policy, const ReplayBenchOptions& o, Progress& progress,
+                            std::uint64_t tier = 0) {
+  KVSTASH_ASSIGN_OR_RETURN(PrivateCell c, start_cell(capacity, tier, o));
   std::size_t most = 1;
   for (const auto& r : trace) most = std::max(most, r.blocks.size());
   KVSTASH_ASSIGN_OR_RETURN(Buffer source, Buffer::allocate(most * o.block_bytes));
@@ -119,9 +168,14 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
   KVSTASH_ASSIGN_OR_RETURN(auto calibration, calibrate_load(*c.store, capacity * o.block_bytes, o));
   std::tie(run.calibration_bps, run.calibration_bytes) = calibration;
   KVSTASH_ASSIGN_OR_RETURN(auto before, c.cell->admin().summary());
+  // The policy from the trace's start on: turn-ttl's times are the trace's, its clock running as
+  // fast as the replay.
+  const double clock_rate = policy == ReplayPolicy::kTurnTtl && o.speed > 0 ? o.speed : 1;
+  KVSTASH_RETURN_IF_ERROR(c.cell->admin().set_policy(policy_name(policy), clock_rate).status());
 
   std::vector<std::byte> expected(o.block_bytes);
   std::vector<std::string> keys;
+  const std::vector<double> times = tools::request_times(trace);
   const auto start = Clock::now();
   auto shown = start;
   for (std::size_t i = 0; i < trace.size() && !interrupted(); ++i) {
@@ -140,7 +194,27 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
     run.counts.block_uses += r.blocks.size();
 
     auto t0 = Clock::now();
-    KVSTASH_ASSIGN_OR_RETURN(std::size_t hit, c.store->contains_prefix(keys));
+    std::size_t hit = 0;
+    std::vector<KeepHint> hints;  // turn-ttl's, per block
+    if (policy == ReplayPolicy::kTurnTtl) {
+      KVSTASH_ASSIGN_OR_RETURN(PrefixLookup found, c.store->lookup_prefix(keys));
+      hit = found.hit;
+      const std::uint64_t split = kept == 0 ? 0 : r.blocks[std::min(hit, kept - 1)];
+      for (std::size_t b = 0; b < kept; ++b) {
+        hints.push_back({.turn = found.turn,
+                         .chunks = static_cast<std::uint32_t>(kept),
+                         .index = static_cast<std::uint32_t>(b),
+                         .tokens = static_cast<std::uint32_t>(tools::prefix_tokens(r, b + 1, o.block_tokens) -
+                                                              tools::prefix_tokens(r, b, o.block_tokens)),
+                         .key_hash = r.blocks[b],
+                         .split_hash = split,
+                         // The trace's time (the model's), as the cell's clock would have it
+                         // had the replay kept pace: the cell's figures are not the lag's.
+                         .looked_up = std::max(times[i], 1e-9)});
+      }
+    } else {
+      KVSTASH_ASSIGN_OR_RETURN(hit, c.store->contains_prefix(keys));
+    }
     const double lookup_us = us_since(t0);
     run.lookup_us.push_back(lookup_us);
 
@@ -149,7 +223,9 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
     std::size_t loaded = 0;
     if (hit > 0) {
       t0 = Clock::now();
-      KVSTASH_ASSIGN_OR_RETURN(ReadLeases leases, c.store->lease_reads(std::span(keys).first(hit)));
+      KVSTASH_ASSIGN_OR_RETURN(ReadLeases leases,
+                               c.store->lease_reads(std::span(keys).first(hit), {},
+                                                    std::span(hints).first(hints.empty() ? 0 : hit)));
       for (; loaded < hit; ++loaded) {
         std::byte* at = into.data() + loaded * o.block_bytes;
         Slice s{at, o.block_bytes, &into_handle};
@@ -157,7 +233,12 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
         go.leases = &leases;
         auto got = c.store->get(keys[loaded], {&s, 1}, go);
         if (!got.is_ok()) {
-          ++run.failed_loads;
+          if (got.status().code() == StatusCode::kNotFound) {
+            ++run.gone_since_lookup;
+          } else {
+            ++run.failed_loads;
+            if (run.first_failure.empty()) run.first_failure = got.status().to_string();
+          }
           break;
         }
         fill_pattern(expected.data(), expected.size(), kPatternTag, 0, r.blocks[loaded]);
@@ -183,11 +264,14 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
         std::byte* at = source.data() + b * o.block_bytes;
         fill_pattern(at, o.block_bytes, kPatternTag, 0, r.blocks[b]);
         Slice s{at, o.block_bytes, &source_handle};
-        if (Status st = c.store->put(keys[b], {&s, 1}); st.is_ok()) {
+        PutOptions po;
+        if (!hints.empty()) po.keep = hints[b];
+        if (Status st = c.store->put(keys[b], {&s, 1}, po); st.is_ok()) {
           ++run.counts.blocks_saved;
           run.bytes_saved += o.block_bytes;
         } else {
           ++run.failed_saves;
+          if (run.first_failure.empty()) run.first_failure = st.to_string();
         }
       }
       run.save_us.push_back(us_since(t0));
@@ -216,6 +300,9 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
   KVSTASH_ASSIGN_OR_RETURN(auto after, c.cell->admin().summary());
   run.cell_evictions = after.evicted - before.evicted;
   run.counts.evictions = run.cell_evictions;
+  run.written_down = after.written_down - before.written_down;
+  run.promoted = after.promoted - before.promoted;
+  run.tier_evicted = after.tier_evicted - before.tier_evicted;
   return run;
 }
 
@@ -265,11 +352,12 @@ void print_cell(const CellRun& run, ReplayPolicy policy, const ModelResult& mode
                                                     std::max(1e-9, run.load_seconds))),
       percentile(run.save_us, 0.5), percentile(run.save_us, 0.99));
   std::cout << fmt::format(
-      "           loaded {}, saved {}; {} loads and {} saves failed\n"
+      "           loaded {}, saved {}; {} loads and {} saves failed{}\n"
       "           TTFT estimate mean {:.3f} s p99 {:.3f} s, against {:.3f} s and {:.3f} s without the cache "
       "({:.3f}x faster on the mean; loads at {}/s, a {} object's best read)\n",
       units::format_size(run.bytes_loaded), units::format_size(run.bytes_saved), run.failed_loads,
-      run.failed_saves, mean(run.ttft_s), percentile(run.ttft_s, 0.99), mean(run.ttft_none_s),
+      run.failed_saves, run.first_failure.empty() ? "" : " (the first: " + run.first_failure + ")",
+      mean(run.ttft_s), percentile(run.ttft_s, 0.99), mean(run.ttft_none_s),
       percentile(run.ttft_none_s, 0.99), mean(run.ttft_none_s) / std::max(1e-9, mean(run.ttft_s)),
       units::format_size(static_cast<std::uint64_t>(run.calibration_bps)),
       units::format_size(run.calibration_bytes));
@@ -286,6 +374,8 @@ nlohmann::json cell_json(std::uint64_t capacity, const CellRun& run, ReplayPolic
   j["bytes_loaded"] = run.bytes_loaded;
   j["bytes_saved"] = run.bytes_saved;
   j["failed_loads"] = run.failed_loads;
+  j["gone_since_lookup"] = run.gone_since_lookup;
+  if (!run.first_failure.empty()) j["first_failure"] = run.first_failure;
   j["failed_saves"] = run.failed_saves;
   j["max_lag_s"] = run.max_lag_seconds;
   j["ttft_s"] = {{"mean", mean(run.ttft_s)}, {"p99", percentile(run.ttft_s, 0.99)}};
@@ -295,8 +385,9 @@ nlohmann::json cell_json(std::uint64_t capacity, const CellRun& run, ReplayPolic
   return j;
 }
 
-// The pool over an NVMe tier (the model, LRU in both): a row per pool and tier capacity.
-void print_tiers(const std::vector<TraceRequest>& trace, const ReplayBenchOptions& o) {
+// The pool over an NVMe tier (the model, LRU in both): a row per pool and tier capacity, and
+// unless --model-only a cell's (kvstashd --ssd) below each. Returns 1 when a cell failed.
+int print_tiers(const std::vector<TraceRequest>& trace, const ReplayBenchOptions& o, Progress& progress) {
   if (!o.json) {
     std::cout << fmt::format(
         "\na pool over an NVMe tier (the model: LRU in both, a block the pool gives up moves down, a hit on "
@@ -324,8 +415,54 @@ void print_tiers(const std::vector<TraceRequest>& trace, const ReplayBenchOption
         std::cout << fmt::format("{:<10} {:<10} {:>10.4f} {:>11.2f}x {:>12} {:>12} {:>14}\n", pool, tier,
                                  t.total.hit_rate(), x, t.tier_hit_blocks, t.written_down, t.tier_evictions);
       }
+      if (o.model_only || tier == 0) continue;
+      auto run = replay_cell(trace, pool, ReplayPolicy::kLru, o, progress, tier);
+      if (!run.is_ok()) {
+        std::cerr << fmt::format("kvstash-bench replay: the cell of {} blocks over a tier of {}: {}\n", pool,
+                                 tier, run.status().to_string());
+        return 1;
+      }
+      const double cell_x = alone > 0 ? run->counts.hit_rate() / alone : 0.0;
+      const double vs = t.total.hit_rate() > 0 ? run->counts.hit_rate() / t.total.hit_rate() - 1 : 0.0;
+      if (o.json) {
+        std::cout << nlohmann::json{{"capacity_blocks", pool},
+                                    {"tier_blocks", tier},
+                                    {"policy", "cell-lru+tier"},
+                                    {"token_hit_rate", run->counts.hit_rate()},
+                                    {"x_pool_alone", cell_x},
+                                    {"vs_model", vs},
+                                    {"tier_hit_blocks", run->promoted},
+                                    {"written_down", run->written_down},
+                                    {"tier_evictions", run->tier_evicted},
+                                    {"evictions", run->cell_evictions},
+                                    {"failed_loads", run->failed_loads},
+                                    {"gone_since_lookup", run->gone_since_lookup},
+                                    {"first_failure", run->first_failure},
+                                    {"failed_saves", run->failed_saves},
+                                    {"load_us",
+                                     {{"p50", percentile(run->load_us, 0.5)},
+                                      {"p99", percentile(run->load_us, 0.99)}}},
+                                    {"seconds", run->wall_seconds}}
+                         .dump()
+                  << std::endl;
+      } else {
+        std::cout
+            << fmt::format(
+                   "{:<10} {:<10} {:>10.4f} {:>11.2f}x {:>12} {:>12} {:>14}  (cell: {:+.2f}% against "
+                   "the model; {} evicted from the pool; {} found by the lookup gone from the tier by the "
+                   "load; loads p50 {:.0f} us p99 {:.0f} us; {} loads and {} saves failed{}; {:.1f} s)\n",
+                   "  cell", "", run->counts.hit_rate(), cell_x, run->promoted, run->written_down,
+                   run->tier_evicted, 100 * vs, run->cell_evictions, run->gone_since_lookup,
+                   percentile(run->load_us, 0.5), percentile(run->load_us, 0.99), run->failed_loads,
+                   run->failed_saves,
+                   run->first_failure.empty() ? "" : " (the first: " + run->first_failure + ")",
+                   run->wall_seconds)
+            << std::flush;
+      }
+      if (run->failed_loads + run->failed_saves > 0) return 1;
     }
   }
+  return 0;
 }
 
 }  // namespace
@@ -396,7 +533,7 @@ int run_replay(const ReplayBenchOptions& o) {
       }
     }
   }
-  if (!o.tier_capacities.empty()) print_tiers(*trace, o);
+  if (!o.tier_capacities.empty() && print_tiers(*trace, o, progress) != 0) exit_code = 1;
   if (!o.json) {
     std::cout << fmt::format(
         "\ntoken hit: prompt tokens found as a prefix over all prompt tokens; block hit: the same in whole\n"

@@ -30,8 +30,11 @@ struct ReplayBenchOptions {
   ReplaySaves saves = ReplaySaves::kConnector;
   bool model_only = false;  // no cell: the model's rows alone
   // Capacities of an NVMe tier under the pool, in blocks: rows of the model of a pool over a
-  // tier (replay_tiers) at each capacity and each of these.
+  // tier (replay_tiers) at each capacity and each of these, and (unless model_only) of a cell
+  // whose node runs such a tier (kvstashd --ssd: a file in tier_dir, removed afterwards; the
+  // file system must take O_DIRECT).
   std::vector<std::uint64_t> tier_capacities;
+  std::string tier_dir = ".";
   // The eviction policies the cell replays the trace under (kvstash policy), each in a cell of
   // its own, each compared with the model's run of the same policy.
   std::vector<ReplayPolicy> cell_policies{ReplayPolicy::kLru};

@@ -13,13 +13,16 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "node/admin_server.h"
@@ -36,8 +39,9 @@ using Clock = std::chrono::steady_clock;
 
 class Client {
  public:
-  // Connects to "a.b.c.d:port" or "[v6]:port"; fd() < 0 when that fails.
-  explicit Client(const std::string& address) {
+  // Connects to "a.b.c.d:port" or "[v6]:port" (an IPv4 one from `source` when given); fd() < 0
+  // when that fails.
+  explicit Client(const std::string& address, const std::string& source = "") {
     auto colon = address.rfind(':');
     std::string host = address.substr(0, colon);
     int port = std::atoi(address.c_str() + colon + 1);
@@ -54,6 +58,15 @@ class Client {
       sa.sin_port = htons(static_cast<std::uint16_t>(port));
       if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1) return;
       fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd_ >= 0 && !source.empty()) {
+        sockaddr_in from{};
+        from.sin_family = AF_INET;
+        if (inet_pton(AF_INET, source.c_str(), &from.sin_addr) != 1 ||
+            ::bind(fd_, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0) {
+          close_fd();
+          return;
+        }
+      }
       if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) close_fd();
     }
   }
@@ -391,6 +404,66 @@ TEST_F(AdminServerTest, UnfinishedRequestsCannotShutOutAHealthProbe) {
     if (c->closed()) ++closed;
   }
   EXPECT_GE(closed, idle.size() - AdminServer::kMaxConnections);
+}
+
+// Clients that send a whole request and then never read their answer nor close hold their
+// connections until the deadline; kMaxConnections of them, renewed as fast as they are dropped
+// (from several addresses, to stay within each address's share), cannot shut a health probe
+// out: the oldest answered one makes room for it.
+TEST_F(AdminServerTest, AnsweredClientsThatNeverCloseCannotShutOutAHealthProbe) {
+  start();
+  std::atomic<bool> stop{false};
+  std::atomic<int> opened{0};
+  std::thread holders([&] {
+    std::vector<std::unique_ptr<Client>> held;  // all kept open until the end
+    for (int i = 0; !stop && i < 400; ++i) {
+      const std::string from = "127.0.0." + std::to_string(2 + i % 4);
+      held.push_back(std::make_unique<Client>(address_, from));
+      if (held.back()->fd() >= 0 && held.back()->send("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")) ++opened;
+      if (i >= static_cast<int>(AdminServer::kMaxConnections)) std::this_thread::sleep_for(5ms);
+    }
+    while (!stop) std::this_thread::sleep_for(5ms);
+  });
+  while (opened < static_cast<int>(AdminServer::kMaxConnections)) std::this_thread::sleep_for(5ms);
+  std::this_thread::sleep_for(100ms);  // every one answered, none read
+  int answered = 0;
+  const int probes = 40;
+  for (int i = 0; i < probes; ++i) {
+    Reply r = get(address_, "/healthz");
+    if (r.status == 200) ++answered;
+    std::this_thread::sleep_for(50ms);
+  }
+  stop = true;
+  holders.join();
+  std::printf("health probes answered while %d connections held their answers unread: %d/%d\n", opened.load(),
+              answered, probes);
+  EXPECT_GT(opened.load(), static_cast<int>(2 * AdminServer::kMaxConnections)) << "the holders did not hold";
+  EXPECT_EQ(answered, probes);
+}
+
+// One address cannot take every connection: its oldest makes room for its newest, and another
+// address's unfinished request keeps its place.
+TEST_F(AdminServerTest, OneAddressHoldsAtMostItsShareOfConnections) {
+  start();
+  Client other(address_, "127.0.0.9");
+  ASSERT_GE(other.fd(), 0);
+  ASSERT_TRUE(other.send("GET /healthz HTTP/1.1\r\n"));  // unfinished, the oldest of all
+  std::this_thread::sleep_for(50ms);
+  std::vector<std::unique_ptr<Client>> mine;
+  for (std::size_t i = 0; i < AdminServer::kMaxConnections; ++i) {
+    mine.push_back(std::make_unique<Client>(address_, "127.0.0.8"));
+    ASSERT_GE(mine.back()->fd(), 0);
+  }
+  std::this_thread::sleep_for(200ms);
+  std::size_t closed = 0;
+  for (auto& c : mine) {
+    (void)c->read_until_closed(10ms);
+    if (c->closed()) ++closed;
+  }
+  EXPECT_EQ(closed, AdminServer::kMaxConnections - AdminServer::kMaxConnectionsPerPeer);
+  ASSERT_TRUE(other.send("Host: x\r\n\r\n"));
+  EXPECT_EQ(parse_reply(other.read_until_closed(), other.closed()).status, 200)
+      << "the other address kept its place";
 }
 
 TEST_F(AdminServerTest, SilentClientIsDroppedAtTheDeadline) {

@@ -214,6 +214,23 @@ int main(int argc, char** argv) {
   hit = 99;
   CHECK(kvstash_contains_prefix(store, chunk_keys, 3, 0, &hit) == KVSTASH_OK && hit == 2,
         "the store's prefix check");
+  kvstash_prefix_lookup found = {99, 99, -1};
+  CHECK(kvstash_lookup_prefix(store, chunk_keys, 3, 0, &found) == KVSTASH_OK && found.hit == 2 &&
+            found.turn == 1 && found.clock == 0,
+        "the store's prefix lookup: under lru, a first turn and no turn-ttl clock");
+  size_t chunks = 99;
+  kvstash_kv_keep keep = {99, -1, 99, 0};
+  CHECK(kvstash_kvcache_lookup_prefix(kvb, tokens, n_tokens, 0, &chunks, &keep) == KVSTASH_OK &&
+            chunks == 2 && keep.turn == 1 && keep.looked_up == 0 && keep.chunks == 2,
+        "the cache's prefix lookup: 2 chunks, a first turn, no turn-ttl clock under lru");
+  kvstash_load* kept = NULL;
+  kvstash_status kept_chunks[1];
+  CHECK(kvstash_kvcache_begin_load_range_keep(kvb, tokens, n_tokens, blocks_b, 4, 1, 1, 0, legacy, &keep,
+                                              &kept) == KVSTASH_OK &&
+            kvstash_load_finish(kept, kept_chunks) == KVSTASH_OK && kept_chunks[0] == KVSTASH_OK,
+        "a load with the lookup's keep");
+  CHECK(kvstash_kvcache_lookup_prefix(kvb, tokens, n_tokens, 0, &chunks, NULL) == KVSTASH_INVALID_ARGUMENT,
+        "a lookup needs somewhere to put the keep");
   const char* gapped[] = {"kvp:absent", key1, key0};
   uint8_t each[3] = {9, 9, 9};
   CHECK(kvstash_contains_each(store, gapped, 3, 0, each) == KVSTASH_OK && each[0] == 0 && each[1] == 1 &&

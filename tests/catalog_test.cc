@@ -13,6 +13,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include "common/grant.h"
 #include "metadata/quotas.h"
 #include "metadata/read_releases.h"
 #include "metadata/scripts.h"
@@ -215,6 +216,26 @@ TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {
   EXPECT_EQ(cat_->remove("obj").code(), StatusCode::kNotFound);
 }
 
+// Every lease the cell grants lasts 1 ms to its longest lease (so does every grant it signs):
+// gets, batched gets, puts and reservations refuse a longer one, or none, with kInvalidArgument.
+TEST_F(CatalogTest, NoScriptLeasesLongerThanTheCellsLongestLease) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  put("obj", 1);
+  const std::vector<std::string> keys{"obj"}, readers{"r"};
+  for (const auto lease : {grant::kMaxLease + 1ms, 0ms, std::chrono::milliseconds(315'360'000'000)}) {
+    SCOPED_TRACE(std::to_string(lease.count()) + " ms");
+    EXPECT_EQ(cat_->begin_get("obj", "r", lease).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(cat_->begin_gets(keys, readers, lease).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(cat_->begin_put("t-long", "long", kPage, lease).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(cat_->reserve_pages("r-long", kPage, 0, lease).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(free_of("a"), 7u) << "a refused put or reservation takes no page";
+  auto g = cat_->begin_get("obj", "r", grant::kMaxLease);
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  EXPECT_TRUE(cat_->end_get("r", *g).is_ok());
+  EXPECT_TRUE(cat_->begin_put("t-longest", "longest", kPage, grant::kMaxLease).is_ok());
+}
+
 TEST_F(CatalogTest, PagesComeFromNoNodeTheClientAvoidsWhileOthersHaveRoom) {
   ASSERT_TRUE(add_node("a", 10).is_ok());
   ASSERT_TRUE(add_node("b", 6).is_ok());
@@ -410,6 +431,109 @@ TEST_F(CatalogTest, ArcKeepsObjectsUsedTwiceThroughAScanThatLruKeepsInstead) {
   EXPECT_EQ(admin_->set_policy("lru")->t1, 0u);
   EXPECT_EQ(admin_->set_policy("fifo").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(admin_->policy()->name, "lru");
+}
+
+// turn-ttl (prelude.lua, "Eviction policy") before it has learned anything: a request's
+// chunks count from its lookup, a parent outlives its child, a chunk of the next turn finds
+// the turn its prefix ends in (or a ghost remembers), objects stored before the switch go
+// first, a leased one never.
+TEST_F(CatalogTest, TurnTtlEvictsAChildBeforeItsParentAndCountsTurnsAlongTheChain) {
+  ASSERT_TRUE(add_node("a", 6).is_ok());
+  put("before", 1);  // stored under lru
+  EXPECT_EQ(admin_->set_policy("turn-ttl")->name, "turn-ttl");
+  const auto put_kept = [&](const std::string& key, const KeepHint& hint) {
+    const std::string token = "t-" + key + "-" + std::to_string(++puts_);
+    ASSERT_TRUE(cat_->begin_put(token, key, kPage, 30s).is_ok());
+    ASSERT_TRUE(
+        cat_->commit_put(token, key, {0x1234}, "", 0ms, std::nullopt, 1, keep_hint_text(hint)).is_ok());
+  };
+  // A first turn of three chunks, saved in the prompt's order.
+  const std::vector<std::string> chain{"c0", "c1", "c2", "c3"};
+  auto first = cat_->lookup_prefix(chain).value();
+  EXPECT_EQ(first.hit, 0u);
+  EXPECT_EQ(first.turn, 1u);
+  for (std::uint32_t j = 0; j < 3; ++j) {
+    put_kept(chain[j],
+             {.turn = first.turn, .chunks = 3, .index = j, .tokens = 512, .looked_up = first.clock});
+  }
+  auto second = cat_->lookup_prefix(chain).value();
+  EXPECT_EQ(second.hit, 3u);
+  EXPECT_EQ(second.turn, 2u) << "the next turn of the conversation";
+  EXPECT_GE(second.clock, first.clock);
+  put("x1", 1);
+  auto lease = cat_->begin_get("x1", "reader", 30s).value();
+  put("x2", 1);  // the pool is full now
+  put("x3", 1);
+  EXPECT_EQ(get_code("before"), StatusCode::kNotFound) << "stored before turn-ttl: it goes first";
+  put("x4", 1);
+  EXPECT_EQ(get_code("c2"), StatusCode::kNotFound) << "the child goes before its parents";
+  EXPECT_EQ(get_code("c0"), StatusCode::kOk);
+  EXPECT_EQ(get_code("c1"), StatusCode::kOk);
+  // c2's ghost keeps its turn: a request ending at c1 is still the conversation's second turn.
+  auto third = cat_->lookup_prefix(chain).value();
+  EXPECT_EQ(third.hit, 2u);
+  EXPECT_EQ(third.turn, 2u);
+  EXPECT_EQ(admin_->policy()->ghosts, 1u);
+  put("x5", 1);  // x1 was used first, but it is leased: x2 goes
+  EXPECT_TRUE(cat_->stat("x1").is_ok()) << "a leased object must not be evicted";
+  EXPECT_EQ(get_code("x2"), StatusCode::kNotFound);
+  EXPECT_TRUE(cat_->end_get("reader", lease).is_ok());
+  auto state = admin_->policy().value();
+  EXPECT_EQ(state.ordered, 6u);
+  EXPECT_EQ(state.clock_rate, 1.0);
+  EXPECT_EQ(admin_->set_policy("turn-ttl", 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(admin_->set_policy("lru")->ordered, 0u) << "turn-ttl's order is dropped";
+}
+
+// turn-ttl learns: chunks of a class that comes back (a conversation's next turn, two minutes
+// later) are kept through a scan of one-shot prompts that LRU keeps instead. Its clock runs a
+// thousand times as fast here: reuse gaps of minutes in a fraction of a second.
+TEST_F(CatalogTest, TurnTtlLearnsToKeepChunksThatComeBackThroughAScanOfOneShotPrompts) {
+  const auto run = [&](const std::string& policy, const std::string& p) {
+    EXPECT_EQ(admin_->set_policy(policy, 1000)->name, policy);
+    const auto put_kept = [&](const std::string& key, const KeepHint& hint) {
+      const std::string token = "t-" + key + "-" + std::to_string(++puts_);
+      auto placed = cat_->begin_put(token, key, kPage, 30s);
+      ASSERT_TRUE(placed.is_ok()) << placed.status().to_string();
+      ASSERT_TRUE(
+          cat_->commit_put(token, key, {0x1234}, "", 0ms, std::nullopt, 1, keep_hint_text(hint)).is_ok());
+    };
+    const auto use_kept = [&](const std::string& key, const KeepHint& hint) {
+      const std::vector<std::string> keys{key}, readers{"reader"}, hints{keep_hint_text(hint)};
+      auto got = cat_->begin_gets(keys, readers, 30s, hints).value();
+      if (!got[0].is_ok()) return false;
+      using Ended = metadata::Catalog::EndedRead;
+      const std::vector<Ended> done{{"reader", got[0]->object_token, got[0]->placement.extents_text}};
+      (void)cat_->end_gets(done);
+      return true;
+    };
+    // A conversation's chunk (a second turn) and a one-shot prompt's (a first), each its
+    // prompt's last.
+    const auto conversation = [](std::uint64_t i) {
+      return KeepHint{.turn = 2, .chunks = 1, .index = 0, .tokens = 512, .key_hash = i, .split_hash = i};
+    };
+    const auto one_shot = [](std::uint64_t i) {
+      return KeepHint{.turn = 1, .chunks = 1, .index = 0, .tokens = 512, .key_hash = i, .split_hash = i};
+    };
+    // Learning: each round a new chunk of each, and the conversation chunk of twenty rounds
+    // ago used again; 1,500 policy seconds (900 before a reuse gap counts).
+    const auto start = std::chrono::steady_clock::now();
+    int reused = 0;
+    for (std::uint64_t i = 0; std::chrono::steady_clock::now() - start < 1500ms; ++i) {
+      put_kept(p + "conv" + std::to_string(i), conversation(i));
+      put_kept(p + "once" + std::to_string(i), one_shot(1000000 + i));
+      if (i >= 20 && use_kept(p + "conv" + std::to_string(i - 20), conversation(i - 20))) ++reused;
+      std::this_thread::sleep_for(3ms);
+    }
+    EXPECT_GT(reused, 50);
+    // Then a conversation's chunk, and a scan of one-shot prompts as many as the pool holds.
+    put_kept(p + "kept", conversation(7));
+    for (int i = 0; i < 64; ++i) put_kept(p + "scan" + std::to_string(i), one_shot(2000000 + i));
+    return cat_->stat(p + "kept").is_ok();
+  };
+  ASSERT_TRUE(add_node("a", 64).is_ok());
+  EXPECT_FALSE(run("lru", "l-")) << "LRU keeps the scan";
+  EXPECT_TRUE(run("turn-ttl", "t-")) << "turn-ttl keeps the conversation's chunk";
 }
 
 TEST_F(CatalogTest, ExpiredObjectsVanishAndReclaimReturnsTheirPages) {
@@ -1054,6 +1178,47 @@ TEST_F(QuotaTest, TheCommitHoldsTheQuotaAgainstPutsThatRaced) {
   Status reserved = cat_->commit_reserved({"res", 0, 1}, "p3", "r/d", kPage, {1}, "", 0ms);
   EXPECT_EQ(reserved.code(), StatusCode::kNoSpace) << reserved.to_string();
   EXPECT_EQ(use("r/").objects, 2u);
+}
+
+// Pages not committed yet are the quota's too, from their allocation until the put commits,
+// aborts or its lease ends: puts in flight and page reservations cannot hold more of the pool
+// than their prefix may (before, a prefix with a 1 MiB quota held 15 MiB this way and the
+// quota read 0 B), and what they held comes back.
+TEST_F(QuotaTest, UncommittedPagesAreChargedToTheirQuotaUntilTheyEnd) {
+  ASSERT_TRUE(set("u/", 0, 4 * kPage).is_ok());
+  ASSERT_TRUE(cat_->begin_put("pa", "u/a", 3 * kPage, 30s).is_ok());
+  EXPECT_EQ(use("u/").reserved, 3 * kPage);
+  EXPECT_EQ(use("u/").bytes, 0u);
+  auto over = cat_->begin_put("pb", "u/b", 2 * kPage, 30s);
+  EXPECT_EQ(over.status().code(), StatusCode::kNoSpace) << "3 pages in flight and 2 more: past 4";
+  EXPECT_TRUE(try_put("other/x", 2).is_ok()) << "another prefix is not held to it";
+
+  const std::vector<std::string> none;
+  ASSERT_TRUE(cat_->abort_put("pa", none).is_ok());
+  EXPECT_EQ(use("u/").reserved, 0u) << "an abort gives the quota back at once, fenced or not";
+  ASSERT_TRUE(cat_->begin_put("pb", "u/b", 2 * kPage, 30s).is_ok());
+  ASSERT_TRUE(cat_->commit_put("pb", "u/b", {1}, "L", 0ms).is_ok());
+  EXPECT_EQ(use("u/").reserved, 0u);
+  EXPECT_EQ(use("u/").bytes, 2 * kPage);
+
+  // A reservation for a key of the prefix: its spare pages stay within the quota's room.
+  auto res = cat_->reserve_pages("res", kPage, 8 * kPage, 30s, {}, "u/c");
+  ASSERT_TRUE(res.is_ok()) << res.status().to_string();
+  EXPECT_EQ(res->extents.size(), 2u) << "4 pages of quota, 2 in objects: the put's page and one spare";
+  EXPECT_EQ(use("u/").reserved, 2 * kPage);
+  ASSERT_TRUE(cat_->commit_reserved({"res", 0, 1}, "pc", "u/c", kPage, {1}, "", 0ms).is_ok());
+  EXPECT_EQ(use("u/").reserved, kPage);
+  EXPECT_EQ(use("u/").bytes, 3 * kPage);
+  ASSERT_TRUE(cat_->release_reservation("res", 1, true).is_ok());
+  EXPECT_EQ(use("u/").reserved, 0u);
+
+  // A put whose lease ended holds nothing of the quota, even while its pages wait for a fence.
+  ASSERT_TRUE(cat_->begin_put("pd", "u/d", kPage, 100ms).is_ok());
+  EXPECT_EQ(use("u/").reserved, kPage);
+  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(node_->reclaim().is_ok());
+  EXPECT_EQ(use("u/").reserved, 0u);
+  EXPECT_TRUE(try_put("u/e", 1).is_ok());
 }
 
 // A quota set over objects already in the cell counts them; the longest prefix governs; a

@@ -155,7 +155,8 @@ TEST_F(Cli, PlanSizesDramAndNvmeForAHitRateOnATrace) {
   {
     std::ofstream out(trace);
     for (int i = 0; i < 10; ++i) {
-      out << R"({"timestamp": )" << i * 2000 << R"(, "input_length": 2048, "hash_ids": [1, 2, 3, 4]})" << "\n";
+      out << R"({"timestamp": )" << i * 2000 << R"(, "input_length": 2048, "hash_ids": [1, 2, 3, 4]})"
+          << "\n";
       out << R"({"timestamp": )" << i * 2000 + 1000 << R"(, "input_length": 512, "hash_ids": [)" << 100 + i
           << "]}\n";
     }
@@ -264,6 +265,11 @@ TEST_F(Cli, StatusAndNodesDescribeTheCell) {
   EXPECT_EQ(arc.j()["t1"], 0);
   EXPECT_EQ(kv("status --json").j()["eviction_policy"]["name"], "arc");
   EXPECT_NE(kv("status").out.find("policy    arc: "), std::string::npos);
+  Outcome ttl = kv("policy turn-ttl --yes --json");
+  ASSERT_EQ(ttl.code, 0) << ttl.err;
+  EXPECT_EQ(ttl.j()["name"], "turn-ttl");
+  EXPECT_EQ(ttl.j()["clock_rate"], 1.0);
+  EXPECT_NE(kv("status").out.find("policy    turn-ttl: "), std::string::npos);
   EXPECT_EQ(kv("policy fifo").code, 2) << "not a policy";
 }
 

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <deque>
@@ -69,17 +70,41 @@ int connect_from(const std::string& source, int port, bool wait) {
   return fd;
 }
 
+// Opens connections from `source` that never say a word, `rate` a second from `start` until
+// `length` has passed or `stop`, holding at most `hold` open (the oldest closes); counts them.
+void flood_from(const std::string& source, int port, int rate, int hold, Clock::time_point start,
+                Clock::duration length, const std::atomic<bool>& stop, std::atomic<std::uint64_t>& opened) {
+  using namespace std::chrono_literals;
+  std::deque<int> held;
+  for (int n = 0; !stop.load() && Clock::now() - start < length; ++n) {
+    std::this_thread::sleep_until(start + n * (1000000us / rate));
+    const int fd = connect_from(source, port, false);
+    if (fd < 0) continue;
+    ++opened;
+    held.push_back(fd);
+    if (held.size() > static_cast<std::size_t>(hold)) {
+      ::close(held.front());
+      held.pop_front();
+    }
+  }
+  for (int fd : held) ::close(fd);
+}
+
 enum class Outcome { kClosed, kDenied, kAccepted };
 
 // One tcp handshake from `source` proving `token` (right or wrong): kClosed when the target
-// closed the connection before its hello (refused at accept), else its verdict.
-Outcome attempt(const std::string& source, int port, const std::string& token) {
+// closed the connection before its hello (refused at accept), else its verdict. With `rtt`,
+// the client answers the target's hello that much later: what the target sees of a client a
+// round trip of `rtt` away (loopback has no tc netem here: the kernel lacks sch_netem).
+Outcome attempt(const std::string& source, int port, const std::string& token,
+                std::chrono::milliseconds rtt = std::chrono::milliseconds(0)) {
   using namespace transport::tcp;
   const int fd = connect_from(source, port, true);
   if (fd < 0) return Outcome::kClosed;
   Outcome out = Outcome::kClosed;
   ServerHello hello{};
   if (::recv(fd, &hello, sizeof hello, MSG_WAITALL) == static_cast<ssize_t>(sizeof hello)) {
+    std::this_thread::sleep_for(rtt);
     handshake::Handshake me(handshake::Role::kClient, token);
     (void)me.on_peer_hello(hello.nonce, hello.token_required != 0);
     ClientHello mine{};
@@ -90,7 +115,8 @@ Outcome attempt(const std::string& source, int port, const std::string& token) {
     ServerVerdict verdict{};
     if (::send(fd, &mine, sizeof mine, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof mine) &&
         ::recv(fd, &verdict, sizeof verdict, MSG_WAITALL) == static_cast<ssize_t>(sizeof verdict)) {
-      out = verdict.status == static_cast<std::uint32_t>(StatusCode::kOk) ? Outcome::kAccepted : Outcome::kDenied;
+      out = verdict.status == static_cast<std::uint32_t>(StatusCode::kOk) ? Outcome::kAccepted
+                                                                          : Outcome::kDenied;
     }
   }
   ::close(fd);
@@ -105,9 +131,7 @@ class Flood : public ::testing::Test {
     ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
     redis_ = std::move(redis).value();
     const std::string token_file = "/tmp/kvstash-flood-token-" + std::to_string(::getpid());
-    {
-      std::ofstream(token_file) << kToken << "\n";
-    }
+    { std::ofstream(token_file) << kToken << "\n"; }
     ASSERT_EQ(::chmod(token_file.c_str(), 0600), 0);
     port_ = free_port();
     auto node = tools::LocalNode::start(
@@ -176,21 +200,8 @@ TEST_F(Flood, UnprovenConnectionsCannotKeepOutClientsThatProveTheToken) {
   std::vector<std::thread> flooders;
   for (int t = 0; t < kFloodThreads; ++t) {
     flooders.emplace_back([&, t] {
-      const std::string source = "127.0.0." + std::to_string(2 + t);
-      std::deque<int> held;
-      const auto start = Clock::now();
-      for (int n = 0; !stop.load() && Clock::now() - start < kFlood; ++n) {
-        std::this_thread::sleep_until(start + n * (1000000us / kFloodRate));
-        const int fd = connect_from(source, port_, false);
-        if (fd < 0) continue;
-        ++opened;
-        held.push_back(fd);
-        if (held.size() > static_cast<std::size_t>(kHeld)) {
-          ::close(held.front());
-          held.pop_front();
-        }
-      }
-      for (int fd : held) ::close(fd);
+      flood_from("127.0.0." + std::to_string(2 + t), port_, kFloodRate, kHeld, Clock::now(), kFlood, stop,
+                 opened);
     });
   }
 
@@ -205,7 +216,8 @@ TEST_F(Flood, UnprovenConnectionsCannotKeepOutClientsThatProveTheToken) {
       // A fresh client: its engine connects (and proves the token) during the flood.
       const auto t0 = Clock::now();
       auto store = open_store();
-      Status s = store.is_ok() ? put_and_check(**store, "fresh-" + std::to_string(round), data) : store.status();
+      Status s =
+          store.is_ok() ? put_and_check(**store, "fresh-" + std::to_string(round), data) : store.status();
       ++fresh_total;
       if (s.is_ok()) {
         ++fresh_ok;
@@ -248,6 +260,67 @@ TEST_F(Flood, UnprovenConnectionsCannotKeepOutClientsThatProveTheToken) {
   EXPECT_GT(evicted + timeouts, 0) << "the target never felt the flood";
 }
 
+// A fast flood (the attacker that let 0 of 48 clients in at 10 ms of round trip, when a full
+// budget dropped the oldest handshake): 6,000 connections a second keep a handshake in the
+// budget of 64 for about 11 ms, far less than the clients' 50 ms round trip, and the node
+// still accepts them all on a busy two-core machine (at 20,000 a second it fell behind, the
+// flood's connections died in the listen queue and never filled the budget). Clients that
+// know the token, a 50 ms round trip away, one from an address new to the node and one from
+// an address that proved the token before, all get in, because a full budget displaces the
+// handshakes of the source holding the most places.
+TEST_F(Flood, ClientsFiftyMillisecondsAwayGetInDuringAFastFlood) {
+  constexpr auto kRtt = 50ms;
+  constexpr auto kFlood = 7s;
+  constexpr int kHeld = 300;       // open at once per flooding address
+  constexpr int kMaxRate = 3'000;  // connections a second per address
+  ASSERT_EQ(attempt("127.0.0.1", port_, kToken), Outcome::kAccepted) << "127.0.0.1 proves the token first";
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> opened{0};
+  std::vector<std::thread> flooders;
+  const auto start = Clock::now();
+  for (int t = 0; t < 2; ++t) {
+    flooders.emplace_back([&, t] {
+      flood_from("127.0.0." + std::to_string(2 + t), port_, kMaxRate, kHeld, start, kFlood, stop, opened);
+    });
+  }
+  std::this_thread::sleep_for(1s);  // the budget is full of the flood's handshakes by then
+  const double evicted_before = tcp_event("unproven_evicted");
+  const double refused_before = tcp_event("connections_refused");
+  std::vector<double> fresh_ms, known_ms;
+  int fresh_ok = 0, known_ok = 0, tries = 0;
+  const auto timed = [&](const std::string& source, std::vector<double>& ms) {
+    const auto t0 = Clock::now();
+    const bool ok = attempt(source, port_, kToken, kRtt) == Outcome::kAccepted;
+    if (ok) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    return ok;
+  };
+  while (Clock::now() - start < kFlood - 1s) {
+    ++tries;
+    fresh_ok += timed("127.0.0.40", fresh_ms);
+    known_ok += timed("127.0.0.1", known_ms);
+  }
+  const double evicted_during = tcp_event("unproven_evicted") - evicted_before;
+  const double refused_during = tcp_event("connections_refused") - refused_before;
+  stop = true;
+  for (auto& t : flooders) t.join();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::printf(
+      "fast flood: %llu unproven connections from 2 addresses in %.1f s (%.0f/s), %.0f handshakes displaced "
+      "while the clients tried; clients %lld ms of round trip away:\n"
+      "  new address:    %d/%d in, p50 %.1f ms, p99 %.1f ms\n"
+      "  proven address: %d/%d in, p50 %.1f ms, p99 %.1f ms\n",
+      static_cast<unsigned long long>(opened.load()), seconds, static_cast<double>(opened.load()) / seconds,
+      evicted_during, static_cast<long long>(kRtt.count()), fresh_ok, tries, percentile(fresh_ms, 0.5),
+      percentile(fresh_ms, 0.99), known_ok, tries, percentile(known_ms, 0.5), percentile(known_ms, 0.99));
+  // The flood kept the node full while the clients tried: its handshakes displaced (or refused
+  // at accept once an address held its cap).
+  EXPECT_GT(evicted_during + refused_during, 1000) << "the flood did not fill the budget";
+  // A try takes 0.1-1.4 s on a busy two-core machine (the flood shares its cores).
+  EXPECT_GE(tries, 3) << "the clients had too few tries to tell";
+  EXPECT_EQ(fresh_ok, tries);
+  EXPECT_EQ(known_ok, tries);
+}
+
 // Wrong guesses back their address off, and the listener as a whole checks only a few proofs
 // a second from addresses that never proved the token; one that did keeps getting in.
 TEST_F(Flood, WrongTokenGuessesAreSlowed) {
@@ -255,8 +328,10 @@ TEST_F(Flood, WrongTokenGuessesAreSlowed) {
   // 127.0.0.1 proves the token once, before the attack.
   ASSERT_EQ(attempt("127.0.0.1", port_, kToken), Outcome::kAccepted);
 
-  // Four addresses guess as fast as they can for 3 s.
+  // Four addresses guess as fast as they can for 3 s. Each counts the verdicts it got (a
+  // verdict is a checked proof: a failure the target holds against the address).
   std::atomic<int> tries{0}, answered{0};
+  std::array<std::atomic<int>, 4> verdicts{};
   std::vector<std::thread> guessers;
   const auto start = Clock::now();
   for (int t = 0; t < 4; ++t) {
@@ -264,18 +339,34 @@ TEST_F(Flood, WrongTokenGuessesAreSlowed) {
       const std::string source = "127.0.0." + std::to_string(20 + t);
       while (Clock::now() - start < 3s) {
         ++tries;
-        if (attempt(source, port_, wrong) != Outcome::kClosed) ++answered;
+        if (attempt(source, port_, wrong) != Outcome::kClosed) ++answered, ++verdicts[t];
       }
     });
   }
   for (auto& t : guessers) t.join();
-  std::printf("guessing: %d handshakes tried from 4 addresses in 3 s, %d of them got a verdict\n", tries.load(),
-              answered.load());
+  std::printf(
+      "guessing: %d handshakes tried from 4 addresses in 3 s, %d of them got a verdict (%d %d %d %d)\n",
+      tries.load(), answered.load(), verdicts[0].load(), verdicts[1].load(), verdicts[2].load(),
+      verdicts[3].load());
   EXPECT_GT(tries.load(), 100) << "the guessers did not try hard";
   // The listener checks at most 16 + 4/s proofs of addresses that have not proven the token
   // (and each address gets 8 failures free, then a backoff from 250 ms doubling).
   EXPECT_LE(answered.load(), 75);
+
   // A guessing address is refused at once, even with the right token, until its backoff ends.
+  // Which of the four got how many verdicts is the scheduler's choice, so 127.0.0.20 guesses on
+  // until a fresh verdict makes its 11th failure or more: that backoff is at least 1 s long.
+  int fresh = 0;
+  for (const auto until = Clock::now() + 15s; (fresh == 0 || verdicts[0] < 11) && Clock::now() < until;) {
+    if (attempt("127.0.0.20", port_, wrong) != Outcome::kClosed) {
+      ++fresh, ++verdicts[0];
+    } else {
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  ASSERT_GE(verdicts[0].load(), 11) << "127.0.0.20 never got its proofs checked";
+  // The listener's allowance refills a proof in 250 ms: only the address's own backoff refuses.
+  std::this_thread::sleep_for(300ms);
   EXPECT_EQ(attempt("127.0.0.20", port_, kToken), Outcome::kClosed);
 
   // Many addresses, one wrong guess each: the listener's allowance runs out, and then even a

@@ -8,11 +8,13 @@
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+#include <hiredis/hiredis.h>
 
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "common/grant.h"
 #include "kvstash/engine.h"
@@ -71,8 +73,8 @@ TEST(GrantText, VerifiesWhatItsKeySignedAndNothingElse) {
   EXPECT_EQ(grant::verify(key, "").status().code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(grant::verify(key, "g1 n1 7 r 5 1+1").status().code(), StatusCode::kPermissionDenied) << "no MAC";
   // A signed text of the wrong shape is refused as malformed, never half-read.
-  for (const char* bad : {"g1 n1 7 x 5 1+1", "g1 n1 7 r 0 1+1", "g1 n1 7 r 5 1+0", "g1 n1 7 r 5 1-1", "g2 n1 7 r 5 *",
-                          "g1 n1 7 r 5 1+1 extra"}) {
+  for (const char* bad : {"g1 n1 7 x 5 1+1", "g1 n1 7 r 0 1+1", "g1 n1 7 r 5 1+0", "g1 n1 7 r 5 1-1",
+                          "g2 n1 7 r 5 *", "g1 n1 7 r 5 1+1 extra"}) {
     const std::string msg(bad);
     auto signed_bad = grant::sign(key, terms("x", "y", TransferOp::kRead, 1, {}));
     signed_bad = msg + signed_bad.substr(signed_bad.rfind(' '));  // a MAC, but not over this text
@@ -106,13 +108,84 @@ TEST(NodeGrantsCheck, MapsPagesToThePoolAndRefusesOtherNodesAndIncarnations) {
             StatusCode::kPermissionDenied);
   EXPECT_EQ(check.check(grant::sign(key, terms("n1", "e0", TransferOp::kRead, 99, {{1, 1}}))).status().code(),
             StatusCode::kPermissionDenied);
-  EXPECT_EQ(check.check(grant::sign(key, terms("n1", "e1", TransferOp::kRead, 99, {{99, 2}}))).status().code(),
-            StatusCode::kPermissionDenied)
+  EXPECT_EQ(
+      check.check(grant::sign(key, terms("n1", "e1", TransferOp::kRead, 99, {{99, 2}}))).status().code(),
+      StatusCode::kPermissionDenied)
       << "past the last page";
   // A new registration: the earlier key's grants stop verifying at once.
   const std::string old = grant::sign(key, terms("n1", "e1", TransferOp::kRead, 99, {{1, 1}}));
   check.rotate("e2");
   EXPECT_EQ(check.check(old).status().code(), StatusCode::kPermissionDenied);
+}
+
+// Once the node has heard its cell's clock, a grant ending further than the cell's longest lease
+// past that clock (now) is no cell's: refused, however well signed.
+TEST(NodeGrantsCheck, RefusesAGrantThatOutlivesTheCellsLongestLease) {
+  node::NodeGrants check("n1", 1ull << 30, 4096, 100);
+  const auto key = unhex(check.rotate("e1"));
+  const auto grant_until = [&](std::uint64_t deadline) {
+    return check.check(grant::sign(key, terms("n1", "e1", TransferOp::kRead, deadline, {{1, 1}})));
+  };
+  const std::uint64_t decade = 10ull * 365 * 24 * 3600 * 1000;
+  ASSERT_TRUE(grant_until(decade).is_ok()) << "before the node heard the cell's clock, only the MAC counts";
+  const std::uint64_t redis_ms = 5'000'000;
+  check.set_clock(static_cast<std::int64_t>(redis_ms), Clock::now());
+  const std::uint64_t longest = redis_ms + grant::kMaxLease.count();
+  EXPECT_TRUE(grant_until(longest).is_ok()) << "the longest lease the cell signs";
+  EXPECT_EQ(grant_until(longest + 60'000).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(grant_until(decade).status().code(), StatusCode::kPermissionDenied);
+  // The clock heard a minute ago reads a minute later now.
+  check.set_clock(static_cast<std::int64_t>(redis_ms), Clock::now() - 60s);
+  EXPECT_TRUE(grant_until(longest + 50'000).is_ok());
+}
+
+// The cell signs with a key for the rotation period, then with the next the node hands it;
+// a retired key verifies only grants within the longest lease of its retirement (the ones
+// the cell signed with it), a key the node never handed out nothing.
+TEST(NodeGrantsCheck, RotatesItsKeyAndKeepsTheRetiredOneOnlyForGrantsInFlight) {
+  node::NodeGrants check("n1", 1ull << 30, 4096, 100, 0ms);
+  const auto first = unhex(check.rotate("e1"));
+  const auto grant_by = [&](const std::vector<std::uint8_t>& key, const std::string& word,
+                            std::uint64_t deadline) {
+    return check.check(grant::sign(key, terms("n1", word, TransferOp::kRead, deadline, {{1, 1}})))
+        .status()
+        .code();
+  };
+  const std::uint64_t redis_ms = 5'000'000;
+  check.set_clock(static_cast<std::int64_t>(redis_ms), Clock::now());
+  const auto next = check.next_key();
+  ASSERT_TRUE(next.has_value()) << "a rotation period of 0 is always due";
+  EXPECT_EQ(next->word, "e1/1");
+  EXPECT_EQ(check.next_key()->hex, next->hex) << "the same key is offered until the cell took it";
+  const auto second = unhex(next->hex);
+  EXPECT_EQ(grant_by(second, "e1/1", redis_ms + 1000), StatusCode::kOk) << "an offered key may be in Redis";
+  EXPECT_EQ(grant_by(first, "e1", redis_ms + 1000), StatusCode::kOk);
+
+  check.installed("e1/1", static_cast<std::int64_t>(redis_ms));
+  EXPECT_EQ(check.live_keys(), 2u);
+  const std::uint64_t last_signed = redis_ms + grant::kMaxLease.count();
+  EXPECT_EQ(grant_by(first, "e1", last_signed), StatusCode::kOk) << "signed just before the rotation";
+  EXPECT_EQ(grant_by(first, "e1", last_signed + 30'000), StatusCode::kPermissionDenied)
+      << "a retired key minting past what it signed";
+  EXPECT_EQ(grant_by(second, "e1/1", last_signed + 30'000), StatusCode::kPermissionDenied)
+      << "the clock bound still holds for the current key";
+  check.set_clock(static_cast<std::int64_t>(redis_ms + 60'000), Clock::now());
+  EXPECT_EQ(grant_by(second, "e1/1", last_signed + 30'000), StatusCode::kOk)
+      << "a minute later, it is in reach";
+  EXPECT_EQ(grant_by(first, "e1", last_signed + 30'000), StatusCode::kPermissionDenied);
+
+  EXPECT_EQ(grant_by(first, "e1/1", redis_ms + 1000), StatusCode::kPermissionDenied) << "another key's name";
+  EXPECT_EQ(grant_by(second, "e1/2", redis_ms + 1000), StatusCode::kPermissionDenied)
+      << "a key not handed out";
+  EXPECT_EQ(grant_by(second, "e0/1", redis_ms + 1000), StatusCode::kPermissionDenied)
+      << "another incarnation";
+  check.installed("e1/7", static_cast<std::int64_t>(redis_ms));  // never offered: ignored
+  EXPECT_EQ(check.live_keys(), 2u);
+
+  check.rotate("e2");
+  EXPECT_EQ(check.live_keys(), 1u);
+  EXPECT_EQ(grant_by(second, "e1/1", redis_ms + 1000), StatusCode::kPermissionDenied) << "a new registration";
+  EXPECT_EQ(grant_by(first, "e1", redis_ms + 1000), StatusCode::kPermissionDenied);
 }
 
 // ---- two engines: a leased region behind a grant check ---------------------------------------
@@ -133,7 +206,8 @@ class GrantedLeases : public ::testing::TestWithParam<TransportKind> {
     initiator_ = Engine::create(o).value();
     pool_ = Buffer::allocate(kPages * kPage).value();
     test::fill_random(pool_.bytes(), 11);
-    check_ = std::make_shared<node::NodeGrants>("n1", reinterpret_cast<std::uint64_t>(pool_.data()), kPage, kPages);
+    check_ = std::make_shared<node::NodeGrants>("n1", reinterpret_cast<std::uint64_t>(pool_.data()), kPage,
+                                                kPages);
     key_ = unhex(check_->rotate("e1"));
     target_->set_grant_check(check_);
     handle_ = target_->register_memory(pool_.region(), Access::kLeased).value();
@@ -147,7 +221,9 @@ class GrantedLeases : public ::testing::TestWithParam<TransportKind> {
     local_handle_ = initiator_->register_memory(local_.region(), Access::kLocal).value();
   }
 
-  std::uint64_t page(std::uint64_t i) const { return reinterpret_cast<std::uint64_t>(pool_.data()) + i * kPage; }
+  std::uint64_t page(std::uint64_t i) const {
+    return reinterpret_cast<std::uint64_t>(pool_.data()) + i * kPage;
+  }
 
   std::string sign(TransferOp op, std::vector<std::pair<std::uint64_t, std::uint64_t>> runs,
                    std::uint64_t deadline = 1'000'000, const std::string& node = "n1") const {
@@ -178,7 +254,8 @@ class GrantedLeases : public ::testing::TestWithParam<TransportKind> {
   RemoteMemory region_;
 };
 
-INSTANTIATE_TEST_SUITE_P(Transports, GrantedLeases, ::testing::Values(TransportKind::kTcp, TransportKind::kVerbs),
+INSTANTIATE_TEST_SUITE_P(Transports, GrantedLeases,
+                         ::testing::Values(TransportKind::kTcp, TransportKind::kVerbs),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST_P(GrantedLeases, ALeaseReachesExactlyWhatItsGrantAllows) {
@@ -190,20 +267,22 @@ TEST_P(GrantedLeases, ALeaseReachesExactlyWhatItsGrantAllows) {
   // grant, the whole pool, and a write under a read grant.
   const auto before = std::vector<std::byte>(pool_.data(), pool_.data() + pool_.size());
   test::fill_random(local_.bytes(), 99);
-  const std::string forged = grant::sign(grant::new_key(), terms("n1", "e1", TransferOp::kRead, 1'000'000, {}));
+  const std::string forged =
+      grant::sign(grant::new_key(), terms("n1", "e1", TransferOp::kRead, 1'000'000, {}));
   struct Case {
     const char* what;
     TransferOp op;
     std::uint64_t first, count;
     std::string grant;
   };
-  for (const Case& c : std::vector<Case>{{"no grant", TransferOp::kRead, 2, 2, ""},
-                                         {"a forged grant", TransferOp::kRead, 0, kPages, forged},
-                                         {"another node's", TransferOp::kRead, 2, 2, sign(TransferOp::kRead, {{2, 2}}, 1'000'000, "n2")},
-                                         {"a page beside", TransferOp::kRead, 4, 1, g},
-                                         {"the whole pool", TransferOp::kRead, 0, kPages, g},
-                                         {"a write under a read grant", TransferOp::kWrite, 2, 1, g},
-                                         {"a write with no grant", TransferOp::kWrite, 0, kPages, ""}}) {
+  for (const Case& c : std::vector<Case>{
+           {"no grant", TransferOp::kRead, 2, 2, ""},
+           {"a forged grant", TransferOp::kRead, 0, kPages, forged},
+           {"another node's", TransferOp::kRead, 2, 2, sign(TransferOp::kRead, {{2, 2}}, 1'000'000, "n2")},
+           {"a page beside", TransferOp::kRead, 4, 1, g},
+           {"the whole pool", TransferOp::kRead, 0, kPages, g},
+           {"a write under a read grant", TransferOp::kWrite, 2, 1, g},
+           {"a write with no grant", TransferOp::kWrite, 0, kPages, ""}}) {
     const Status s = reach(c.op, c.first, c.count, c.grant);
     EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << c.what << ": " << s.to_string();
   }
@@ -236,95 +315,241 @@ TEST_P(GrantedLeases, RevokesOfLeasesNeverGrantedAreRefusedAndTakeNoRoom) {
     const Status s = peer_->revoke(*made_up, deadline_after(5s));
     ASSERT_EQ(s.code(), StatusCode::kPermissionDenied) << i << ": " << s.to_string();
   }
-  auto granted = peer_->lease(region_, {&r, 1},
-                              {.op = TransferOp::kWrite, .ttl = 5s, .fence = 1'000'000, .grant = sign(TransferOp::kWrite, {{3, 1}})});
+  auto granted = peer_->lease(
+      region_, {&r, 1},
+      {.op = TransferOp::kWrite, .ttl = 5s, .fence = 1'000'000, .grant = sign(TransferOp::kWrite, {{3, 1}})});
   ASSERT_TRUE(granted.is_ok());
   EXPECT_TRUE(peer_->revoke(*granted, deadline_after(5s)).is_ok()) << "a real revoke after the flood";
 }
 
 // ---- a real memory node, and a raw client with the token ------------------------------------
 
-TEST(GrantsOfARealNode, AClientWithTheTokenReachesNothingTheCellDidNotGrant) {
-  auto redis = tools::LocalRedis::start({});
-  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
-  const std::string token = "a-cluster-token-of-32-characters";
-  char dir[] = "/tmp/kvstash-grants-XXXXXX";
-  ASSERT_NE(::mkdtemp(dir), nullptr);
-  const std::string token_file = std::string(dir) + "/token";
-  {
-    std::ofstream(token_file) << token;
-    ::chmod(token_file.c_str(), 0600);
+// A real kvstashd on tcp, an object put through it, and the attacker: the cluster token, read
+// access to Redis (the node's address and pool key), and a raw engine connected to the node.
+class GrantsOfARealNode : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto redis = tools::LocalRedis::start({});
+    ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+    redis_ = std::move(redis).value();
+    const std::string token = "a-cluster-token-of-32-characters";
+    ASSERT_NE(::mkdtemp(dir_.data()), nullptr);
+    const std::string token_file = dir_ + "/token";
+    {
+      std::ofstream(token_file) << token;
+      ::chmod(token_file.c_str(), 0600);
+    }
+    auto node = tools::LocalNode::start({.redis_url = redis_->url(),
+                                         .redis_password = redis_->password(),
+                                         .capacity = "4MiB",
+                                         .page_size = "64KiB",
+                                         .extra_args = {"--transports", "tcp", "--cluster-token-file",
+                                                        token_file, "--grant-key-rotation", "1s"}});
+    ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+    node_ = std::move(node).value();
+
+    StoreOptions so;
+    so.redis_url = redis_->url();
+    so.redis_password = redis_->password();
+    so.engine.transports = {TransportKind::kTcp};
+    so.engine.cluster_token = token;
+    auto store = Store::open(so);
+    ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+    store_ = std::move(store).value();
+    object_.resize(200'000);
+    test::fill_random(object_, 5);
+    const Slice in{object_.data(), object_.size()};
+    ASSERT_TRUE(store_->put("secret-prompt", {&in, 1}).is_ok());
+
+    metadata::CellOptions co;
+    co.redis.url = redis_->url();
+    co.redis.password = redis_->password();
+    auto cell = metadata::Cell::open(co);
+    ASSERT_TRUE(cell.is_ok()) << cell.status().to_string();
+    cell_ = std::move(cell).value();
+    auto nodes = cell_->catalog().live_nodes();
+    ASSERT_TRUE(nodes.is_ok() && nodes->size() == 1) << nodes.status().to_string();
+    node_id_ = (*nodes)[0].id;
+    EngineOptions eo;
+    eo.transports = {TransportKind::kTcp};
+    eo.cluster_token = token;
+    engine_ = Engine::create(eo).value();
+    auto peer = engine_->connect((*nodes)[0].address, deadline_after(5s));
+    ASSERT_TRUE(peer.is_ok()) << peer.status().to_string();
+    peer_ = std::move(peer).value();
+    into_ = Buffer::allocate(4u << 20).value();
+    local_ = engine_->register_memory(into_.region(), Access::kLocal).value();
+    // The pool's base and length travel in the key; find them the way a client does: a grant
+    // names the object's pages (a legit reader's), and the key says where the pool lies.
+    auto legit = cell_->catalog().begin_get("secret-prompt", "a-legit-reader", 5000ms);
+    ASSERT_TRUE(legit.is_ok()) << legit.status().to_string();
+    placement_ = legit->placement;
+    ASSERT_FALSE(placement_.nodes[0].grant.empty()) << "the cell signs a grant per node";
+    auto pool = peer_->import_key(placement_.nodes[0].key);
+    ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+    pool_ = std::move(pool).value();
   }
-  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
-                                       .redis_password = (*redis)->password(),
-                                       .capacity = "4MiB",
-                                       .page_size = "64KiB",
-                                       .extra_args = {"--transports", "tcp", "--cluster-token-file", token_file}});
-  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  void TearDown() override {
+    // Nothing was overwritten: the object reads back whole.
+    if (store_ != nullptr) {
+      std::vector<std::byte> back(object_.size());
+      const Slice out{back.data(), back.size()};
+      ASSERT_TRUE(store_->get("secret-prompt", {&out, 1}).is_ok());
+      EXPECT_EQ(back, object_);
+    }
+    std::filesystem::remove_all(dir_);
+  }
 
-  StoreOptions so;
-  so.redis_url = (*redis)->url();
-  so.redis_password = (*redis)->password();
-  so.engine.transports = {TransportKind::kTcp};
-  so.engine.cluster_token = token;
-  auto store = Store::open(so);
-  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
-  std::vector<std::byte> object(200'000);
-  test::fill_random(object, 5);
-  const Slice in{object.data(), object.size()};
-  ASSERT_TRUE((*store)->put("secret-prompt", {&in, 1}).is_ok());
+  // The node's grant key as Redis holds it now (out of its inner pad), and the word grants
+  // name it by: what whoever reads P:grant:<id> (a backup, a replica) has.
+  std::pair<std::vector<std::uint8_t>, std::string> copied_grant_key() {
+    auto r =
+        cell_->redis().command({"HMGET", cell_->admin().prefix() + ":grant:" + node_id_, "ipad", "epoch"});
+    EXPECT_TRUE(r.is_ok() && r->size() == 2) << r.status().to_string();
+    if (!r.is_ok() || r->size() != 2) return {};
+    std::vector<std::uint8_t> key;
+    for (char c : std::string(r->element(0)->str, r->element(0)->len).substr(0, grant::kKeyBytes))
+      key.push_back(static_cast<std::uint8_t>(c) ^ 0x36);
+    return {key, std::string(r->element(1)->str, r->element(1)->len)};
+  }
 
-  // The attacker: the token, and read access to Redis (the node's address and pool key).
-  metadata::CellOptions co;
-  co.redis.url = (*redis)->url();
-  co.redis.password = (*redis)->password();
-  auto cell = metadata::Cell::open(co);
-  ASSERT_TRUE(cell.is_ok()) << cell.status().to_string();
-  auto nodes = (*cell)->catalog().live_nodes();
-  ASSERT_TRUE(nodes.is_ok() && nodes->size() == 1) << nodes.status().to_string();
-  EngineOptions eo;
-  eo.transports = {TransportKind::kTcp};
-  eo.cluster_token = token;
-  auto engine = Engine::create(eo).value();
-  auto peer = engine->connect((*nodes)[0].address, deadline_after(5s));
-  ASSERT_TRUE(peer.is_ok()) << peer.status().to_string();
-  auto region_key = Buffer::allocate(4u << 20).value();
-  auto local = engine->register_memory(region_key.region(), Access::kLocal).value();
-  // The pool's base and length travel in the key; find them the way a client does: a grant
-  // names the object's pages (a legit reader's), and the key says where the pool lies.
-  auto legit = (*cell)->catalog().begin_get("secret-prompt", "a-legit-reader", 5000ms);
-  ASSERT_TRUE(legit.is_ok()) << legit.status().to_string();
-  const auto& p = legit->placement;
-  ASSERT_FALSE(p.nodes[0].grant.empty()) << "the cell signs a grant per node";
-  auto pool = (*peer)->import_key(p.nodes[0].key);
-  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
-
-  auto read = [&](std::uint64_t addr, std::uint64_t length, TransferOp op, const std::string& grant) {
+  // [addr, addr + length) of the pool read into into_ (or written from it) under a lease with
+  // `grant`, fenced at `fence` (0: the legit reader's deadline).
+  Status reach(std::uint64_t addr, std::uint64_t length, TransferOp op, const std::string& grant,
+               std::uint64_t fence = 0) {
     const RemoteRange r{addr, length};
-    auto lease = (*peer)->lease(*pool, {&r, 1}, {.op = op, .ttl = 5s, .fence = static_cast<std::uint64_t>(p.lease_deadline_ms), .grant = grant});
+    if (fence == 0) fence = static_cast<std::uint64_t>(placement_.lease_deadline_ms);
+    auto lease = peer_->lease(pool_, {&r, 1}, {.op = op, .ttl = 5s, .fence = fence, .grant = grant});
     if (!lease.is_ok()) return lease.status();
-    const TransferEntry e{
-        .op = op, .local = &local, .local_addr = region_key.data(), .remote_addr = addr, .remote = &*lease, .length = length};
-    return (*peer)->transfer({&e, 1}, deadline_after(5s));
-  };
-  const std::uint64_t base = pool->base(), whole = pool->length();
+    const TransferEntry e{.op = op,
+                          .local = &local_,
+                          .local_addr = into_.data(),
+                          .remote_addr = addr,
+                          .remote = &*lease,
+                          .length = length};
+    return peer_->transfer({&e, 1}, deadline_after(5s));
+  }
+
+  std::unique_ptr<tools::LocalRedis> redis_;
+  std::string dir_ = "/tmp/kvstash-grants-XXXXXX";
+  std::unique_ptr<tools::LocalNode> node_;
+  std::unique_ptr<Store> store_;
+  std::vector<std::byte> object_;
+  std::unique_ptr<metadata::Cell> cell_;
+  std::string node_id_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Peer> peer_;
+  Buffer into_;
+  MemoryHandle local_;
+  metadata::Placement placement_;
+  RemoteMemory pool_;
+};
+
+TEST_F(GrantsOfARealNode, AClientWithTheTokenReachesNothingTheCellDidNotGrant) {
+  const std::uint64_t base = pool_.base(), whole = pool_.length();
+  const auto& p = placement_;
   // Made-up leases over the whole pool, for reading and for writing: refused.
-  EXPECT_EQ(read(base, whole, TransferOp::kRead, "").code(), StatusCode::kPermissionDenied);
-  EXPECT_EQ(read(base, whole, TransferOp::kWrite, "").code(), StatusCode::kPermissionDenied);
-  EXPECT_EQ(read(base, whole, TransferOp::kRead, "g1 forged").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reach(base, whole, TransferOp::kRead, "").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reach(base, whole, TransferOp::kWrite, "").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reach(base, whole, TransferOp::kRead, "g1 forged").code(), StatusCode::kPermissionDenied);
   // A legit reader's grant reaches the object's first page, and no page beside it.
   const std::uint64_t first = base + p.extents[0].page * p.page_size;
-  ASSERT_TRUE(read(first, p.page_size, TransferOp::kRead, p.nodes[0].grant).is_ok());
-  EXPECT_EQ(std::memcmp(region_key.data(), object.data(), p.page_size), 0);
-  EXPECT_EQ(read(base, whole, TransferOp::kRead, p.nodes[0].grant).code(), StatusCode::kPermissionDenied);
-  EXPECT_EQ(read(first, p.page_size, TransferOp::kWrite, p.nodes[0].grant).code(), StatusCode::kPermissionDenied);
+  ASSERT_TRUE(reach(first, p.page_size, TransferOp::kRead, p.nodes[0].grant).is_ok());
+  EXPECT_EQ(std::memcmp(into_.data(), object_.data(), p.page_size), 0);
+  EXPECT_EQ(reach(base, whole, TransferOp::kRead, p.nodes[0].grant).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reach(first, p.page_size, TransferOp::kWrite, p.nodes[0].grant).code(),
+            StatusCode::kPermissionDenied);
+}
 
-  // Nothing was overwritten: the object reads back whole.
-  std::vector<std::byte> back(object.size());
-  const Slice out{back.data(), back.size()};
-  ASSERT_TRUE((*store)->get("secret-prompt", {&out, 1}).is_ok());
-  EXPECT_EQ(back, object);
-  std::filesystem::remove_all(dir);
+// The cell signs no lease longer than grant::kMaxLease: a client that asks for ten years is
+// refused, and a grant minted with the node's key (as whoever reads P:grant:<id>, a replica or
+// a backup of Redis, can) for ten years is refused by the node, while one within the longest
+// lease still serves (the minting is right: the bound is what refuses).
+TEST_F(GrantsOfARealNode, NoGrantOutlivesTheCellsLongestLease) {
+  constexpr std::int64_t kTenYearsMs = 10ll * 365 * 24 * 3600 * 1000;
+  EXPECT_EQ(cell_->catalog()
+                .begin_get("secret-prompt", "greedy", std::chrono::milliseconds(kTenYearsMs))
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cell_->catalog()
+                .begin_put("greedy-put", "greedy", 4096, std::chrono::milliseconds(kTenYearsMs))
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(cell_->catalog().begin_get("secret-prompt", "patient", grant::kMaxLease).is_ok());
+
+  const auto pads = copied_grant_key();
+  const std::vector<std::uint8_t>& key = pads.first;
+  const std::string& epoch = pads.second;
+  ASSERT_EQ(key.size(), grant::kKeyBytes);
+  auto now = cell_->redis().command({"TIME"});
+  ASSERT_TRUE(now.is_ok());
+  const std::uint64_t now_ms = std::stoull(std::string(now->element(0)->str, now->element(0)->len)) * 1000;
+  const auto mint = [&](std::uint64_t deadline) {
+    grant::Terms t;
+    t.issuer = node_id_;
+    t.epoch = epoch;
+    t.op = TransferOp::kRead;
+    t.deadline = deadline;
+    t.whole = true;
+    return grant::sign(key, t);
+  };
+  const std::uint64_t base = pool_.base(), whole = pool_.length();
+  const std::uint64_t soon = now_ms + 60'000, decade = now_ms + kTenYearsMs;
+  EXPECT_TRUE(reach(base, whole, TransferOp::kRead, mint(soon), soon).is_ok())
+      << "a minted grant within the longest lease serves (the key leaked)";
+  EXPECT_EQ(reach(base, whole, TransferOp::kRead, mint(decade), decade).code(), StatusCode::kPermissionDenied)
+      << "a grant for ten years";
+  const std::uint64_t just_past = now_ms + grant::kMaxLease.count() + 60'000;
+  EXPECT_EQ(reach(base, whole, TransferOp::kRead, mint(just_past), just_past).code(),
+            StatusCode::kPermissionDenied)
+      << "a grant a minute past the longest lease";
+}
+
+// The node hands its cell a new grant key every second here (--grant-key-rotation): grants
+// the cell signed before keep serving, and a key copied out of Redis (a backup, a replica, a
+// Redis user since revoked) mints nothing beyond the longest lease of its retirement, while
+// the cell's current key does.
+TEST_F(GrantsOfARealNode, AKeyCopiedOutOfRedisRetiresWithTheNextRotation) {
+  const auto redis_ms = [&] {
+    auto now = cell_->redis().command({"TIME"});
+    EXPECT_TRUE(now.is_ok());
+    return std::stoull(std::string(now->element(0)->str, now->element(0)->len)) * 1000;
+  };
+  const auto mint = [&](const std::pair<std::vector<std::uint8_t>, std::string>& key,
+                        std::uint64_t deadline) {
+    return grant::sign(key.first,
+                       {.issuer = node_id_, .epoch = key.second, .deadline = deadline, .whole = true});
+  };
+  auto before = cell_->catalog().begin_get("secret-prompt", "a-reader-across-rotations", 60s);
+  ASSERT_TRUE(before.is_ok()) << before.status().to_string();
+  const auto copied = copied_grant_key();
+  const auto copied_at = redis_ms();
+  // Retired (the word moved on), then 6 s more: past the 5 s the node allows for clocks.
+  const auto give_up = Clock::now() + 15s;
+  while (copied_grant_key().second == copied.second && Clock::now() < give_up)
+    std::this_thread::sleep_for(50ms);
+  const auto retired = copied_grant_key();
+  ASSERT_NE(retired.second, copied.second) << "the cell still signs with the key of " << copied.second;
+  EXPECT_EQ(retired.second.rfind(copied.second.substr(0, copied.second.find('/')) + "/", 0), 0u)
+      << "the same incarnation's next generation: " << retired.second;
+  std::this_thread::sleep_for(7s);
+
+  const std::uint64_t base = pool_.base(), whole = pool_.length();
+  const auto& p = before->placement;
+  const std::uint64_t first = base + p.extents[0].page * p.page_size;
+  EXPECT_TRUE(reach(first, p.page_size, TransferOp::kRead, p.nodes[0].grant,
+                    static_cast<std::uint64_t>(p.lease_deadline_ms))
+                  .is_ok())
+      << "a grant the cell signed before the rotations still serves until its deadline";
+  const std::uint64_t later = redis_ms() + grant::kMaxLease.count() - 1000;
+  ASSERT_GT(later, copied_at + grant::kMaxLease.count() + 5000);
+  EXPECT_TRUE(reach(base, whole, TransferOp::kRead, mint(copied_grant_key(), later), later).is_ok())
+      << "the current key (whoever reads it now) mints within the longest lease";
+  EXPECT_EQ(reach(base, whole, TransferOp::kRead, mint(copied, later), later).code(),
+            StatusCode::kPermissionDenied)
+      << "the copied key, retired, minting past the leases it signed";
 }
 
 // ---- two tenants on one Redis ---------------------------------------------------------------
@@ -355,19 +580,20 @@ TEST(Tenants, OneTenantsCredentialsReachNothingOfTheOthers) {
     t.token = "token-of-tenant-" + name + "-0123456789";
     t.url = "redis://" + name + ":pw-" + name + "-0123456789@127.0.0.1:" + std::to_string(port) + "/0";
     // The user may touch its own cell's keys alone.
-    EXPECT_TRUE((*cell)->redis()
+    EXPECT_TRUE((*cell)
+                    ->redis()
                     .command({"ACL", "SETUSER", name, "on", ">pw-" + name + "-0123456789",
                               "~kvs:{kvs:" + name + "}*", "+@all"})
                     .is_ok());
     const std::string token_file = std::string(dir) + "/" + name;
     std::ofstream(token_file) << t.token;
     ::chmod(token_file.c_str(), 0600);
-    auto node = tools::LocalNode::start({.redis_url = t.url,
-                                         .capacity = "4MiB",
-                                         .page_size = "64KiB",
-                                         .node_id = "node-" + name,
-                                         .extra_args = {"--cell", name, "--transports", "tcp",
-                                                        "--cluster-token-file", token_file}});
+    auto node = tools::LocalNode::start(
+        {.redis_url = t.url,
+         .capacity = "4MiB",
+         .page_size = "64KiB",
+         .node_id = "node-" + name,
+         .extra_args = {"--cell", name, "--transports", "tcp", "--cluster-token-file", token_file}});
     EXPECT_TRUE(node.is_ok()) << node.status().to_string();
     if (node.is_ok()) t.node = std::move(node).value();
     StoreOptions so;

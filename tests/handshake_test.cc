@@ -3,6 +3,9 @@
 // earn (common/admission.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <memory>
+
 #include "common/admission.h"
 #include "common/handshake.h"
 
@@ -164,6 +167,63 @@ TEST(GuessThrottle, RemembersABoundedNumberOfAddresses) {
   // is the check, and a recent address is still remembered.
   for (int i = 0; i < 10; ++i) t.failed("10.9.9.9", t0);
   EXPECT_EQ(t.admit("10.9.9.9", t0), Verdict::kPeerBackoff);
+}
+
+// A full budget displaces the oldest handshake of the source holding the most places: a flood
+// from two addresses displaces its own, never the one client that waits on its round trip;
+// a known source (it proved the token) is displaced only by another known one.
+TEST(UnprovenBudget, AFloodDisplacesItsOwnHandshakesNotASlowClients) {
+  UnprovenBudget b(8);
+  std::vector<std::uint64_t> dropped;
+  const auto add = [&](const std::string& peer, bool known = false) {
+    auto id = std::make_shared<std::uint64_t>(0);
+    *id = b.add(peer, known, [&dropped, id] { dropped.push_back(*id); });
+    return *id;
+  };
+  const std::uint64_t slow = add("10.0.0.50");
+  const std::uint64_t known = add("10.0.0.60", true);
+  for (int i = 0; i < 10'000; ++i) ASSERT_NE(add(i % 2 ? "10.0.0.2" : "10.0.0.3"), 0u);
+  EXPECT_EQ(b.size(), 8u);
+  EXPECT_EQ(b.displaced(), 10'000u - 6);
+  EXPECT_EQ(std::count(dropped.begin(), dropped.end(), slow), 0) << "the slow client kept its place";
+  EXPECT_EQ(std::count(dropped.begin(), dropped.end(), known), 0);
+  b.remove(slow);
+  EXPECT_EQ(b.size(), 7u);
+  b.remove(slow);  // a second remove is a no-op
+  EXPECT_EQ(b.size(), 7u);
+
+  // Sources holding one place each: the oldest unknown goes first, a known one never for them.
+  UnprovenBudget one(3);
+  dropped.clear();
+  const auto add_one = [&](const std::string& peer, bool k) {
+    auto id = std::make_shared<std::uint64_t>(0);
+    *id = one.add(peer, k, [&dropped, id] { dropped.push_back(*id); });
+    return *id;
+  };
+  const std::uint64_t k1 = add_one("10.1.0.1", true), u1 = add_one("10.1.0.2", false);
+  add_one("10.1.0.3", false);
+  ASSERT_NE(add_one("10.1.0.4", false), 0u);
+  EXPECT_EQ(dropped, std::vector<std::uint64_t>{u1});
+  const std::uint64_t k2 = add_one("10.1.0.5", true), k3 = add_one("10.1.0.6", true);
+  EXPECT_NE(k2, 0u);
+  EXPECT_NE(k3, 0u);
+  EXPECT_EQ(add_one("10.1.0.7", false), 0u) << "a full budget of known sources refuses an unknown one";
+  EXPECT_NE(add_one("10.1.0.8", true), 0u) << "and displaces its oldest for a known one";
+  EXPECT_EQ(dropped.back(), k1);
+}
+
+TEST(UnprovenBudget, AnIPv6SourceIsItsSlash64) {
+  EXPECT_EQ(UnprovenBudget::source_of("10.0.0.7"), "10.0.0.7");
+  EXPECT_EQ(UnprovenBudget::source_of("2001:db8:1:2:a:b:c:d"), "2001:db8:1:2::/64");
+  EXPECT_EQ(UnprovenBudget::source_of("2001:db8:1:2::9"), "2001:db8:1:2::/64");
+  EXPECT_EQ(UnprovenBudget::source_of("2001:db8::1"), "2001:db8:0:0::/64");
+  EXPECT_EQ(UnprovenBudget::source_of("::1"), "0:0:0:0::/64");
+  // Many addresses of one /64 count as one source: they displace each other.
+  UnprovenBudget b(4);
+  int dropped_slow = 0;
+  (void)b.add("2001:db8:9:9::1", false, [&] { ++dropped_slow; });
+  for (int i = 0; i < 100; ++i) (void)b.add("2001:db8:1:2::" + std::to_string(i + 10), false, {});
+  EXPECT_EQ(dropped_slow, 0);
 }
 
 }  // namespace

@@ -484,9 +484,9 @@ struct Phase {
 
 // After a fault ends, the cell settles: a dead node's heartbeat TTL runs out (2 s), clients
 // stop avoiding a node they failed to reach (5 s). Puts before then count to the fault's phase.
-// A Redis fault lasts until every node registered again with the master that serves now (the
-// nemesis waits for that), and settles longer: clients find the new master, reservations and
-// leases of the old one run out.
+// A Redis fault lasts until every node registered again with the master that serves now and
+// it takes writes (the nemesis waits for that), and settles longer: clients find the new
+// master, reservations and leases of the old one run out.
 constexpr std::int64_t kSettleNs = 6'000'000'000;
 constexpr std::int64_t kRedisSettleNs = 10'000'000'000;
 // A quiet stretch shorter than this between two disturbed ones is part of them: the cell is
@@ -940,7 +940,8 @@ return problems
 }
 
 // Waits, up to `limit`, until `nodes` memory nodes are in the cell again (after a Redis fault
-// they register anew with the master that serves now). Whether they are.
+// they register anew with the master that serves now) and that master takes writes. Whether
+// both hold.
 bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds limit) {
   const std::string key = metadata::cell_prefix("default") + ":nodes";
   for (auto end = Clock::now() + limit; Clock::now() < end; std::this_thread::sleep_for(200ms)) {
@@ -953,7 +954,11 @@ bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds lim
         std::to_string(std::stoll(std::string(t->element(0)->str, t->element(0)->len)) * 1000 +
                        std::stoll(std::string(t->element(1)->str, t->element(1)->len)) / 1000);
     auto n = (*redis)->command({"ZCOUNT", key, now_ms, "+inf"});
-    if (n.is_ok() && n->integer() >= nodes) return true;
+    if (!n.is_ok() || n->integer() < nodes) continue;
+    // And the master takes writes: under min-replicas-to-write it refuses them (NOREPLICAS)
+    // until a replica is in sync again, which a replica's full resync (or a slowed link) can
+    // hold off well after the nodes registered.
+    if ((*redis)->command({"SET", "kvstash-history:probe", now_ms}).is_ok()) return true;
   }
   return false;
 }
@@ -1216,7 +1221,8 @@ int run(const RunConfig& rc, const std::string& self) {
       if (fault.is_ok()) std::printf("  at %" PRId64 " ms: %s\n", now_ns() / 1000000, fault->c_str());
       // The fault lasts until the cell is whole again (the phases settle from then on).
       if (fault.is_ok() && !wait_cell_whole(url, rc.nodes, 30s)) {
-        std::printf("  at %" PRId64 " ms: the cell's nodes had not all rejoined after 30 s\n",
+        std::printf("  at %" PRId64
+                    " ms: the cell was not whole (nodes rejoined, master taking writes) after 30 s\n",
                     now_ns() / 1000000);
       }
       if (rc.policy != "lru") (void)set_policy(url, rc.policy);  // a Redis that came back empty forgot it
@@ -1427,7 +1433,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--policy", rc.policy, "The cell's eviction policy (kvstash policy)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"lru", "arc"}));
+      ->check(CLI::IsMember({"lru", "arc", "turn-ttl"}));
   app.add_option(
       "--ssd-dir", rc.ssd_dir,
       "Give each node an NVMe tier, a file DIR/h<i>.tier (a file system with O_DIRECT, not tmpfs), and "

@@ -70,7 +70,7 @@ def cli(*args):
 class Relay:
     """`kvstash events serve` on free loopback ports, and a subscriber on its PUB socket."""
 
-    def __init__(self, extra=()):
+    def __init__(self, extra=("--token-ids",)):
         self.pub = f"tcp://127.0.0.1:{free_port()}"
         self.replay = f"tcp://127.0.0.1:{free_port()}"
         self.ctx = zmq.Context()
@@ -80,9 +80,11 @@ class Relay:
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.last_seq = None
         self.proc = None
-        self.start(extra)
+        self.extra = tuple(extra)
+        self.start()
 
-    def start(self, extra=()):
+    def start(self, extra=None):
+        extra = self.extra if extra is None else extra
         if getattr(self, "log", None) is not None:
             self.log.close()
         self.log = open(os.path.join(engine_fixture.tempfile.mkdtemp(prefix="kvstash-events-"), "relay.log"), "w+")
@@ -304,10 +306,64 @@ class KvEvents(unittest.TestCase):
         _, _, more = self.saved_prompt("f", 2, seed=6)
         self.assert_stored(self.relay.events(stored_all(more)), more)
 
+    def test_token_ids_go_out_only_when_asked_for(self):
+        """The token ids are the prompt's text, near enough: a relay started without
+        --token-ids publishes BlockStored with an empty list, the hashes as before."""
+        _, _, want = self.saved_prompt("t", 2, seed=8)
+        self.relay.events(stored_all(want))
+        quiet = Relay(extra=())
+        try:
+            events = [e for _, b in quiet.replayed(0) for e in b.events]
+            got = {e.block_hashes[0]: e for e in stored(events)}
+            for h, parent, _tokens in want.values():
+                self.assertEqual((got[h].parent_block_hash, list(got[h].token_ids), got[h].block_size),
+                                 (parent, [], BLOCK))
+        finally:
+            quiet.close()
+
+    def test_an_event_no_script_wrote_is_not_published(self):
+        """The log is a Redis stream a client may XADD to: an entry claiming a chunk that does not
+        exist, one giving an object data its record does not hold, and a removal of an object
+        still held are skipped; the events scripts write still go out, in order."""
+        _, keys, want = self.saved_prompt("x", 2, seed=9)
+        self.relay.events(stored_all(want))
+        log = f"{engine_fixture.CELL_PREFIX}:events:log"
+        ev = subprocess.run(["redis-cli", "-u", vllm_test.URL, "HGET", f"{engine_fixture.CELL_PREFIX}:obj:{keys[0]}",
+                             "ev"], capture_output=True, check=True).stdout.rstrip(b"\n")
+        other = subprocess.run(["redis-cli", "-u", vllm_test.URL, "HGET",
+                                f"{engine_fixture.CELL_PREFIX}:obj:{keys[1]}", "ev"],
+                               capture_output=True, check=True).stdout.rstrip(b"\n")
+        self.assertTrue(ev and other and ev != other)
+
+        def xadd(kind, key, data):
+            subprocess.run(["redis-cli", "-u", vllm_test.URL, "-x", "XADD", log, "*", "t", kind, "k", key, "why", "",
+                            "ev"], input=data, capture_output=True, check=True)
+
+        xadd("stored", "kvp:00000000000000000000000000000000", ev)  # no such chunk
+        xadd("stored", keys[1], ev)  # another chunk's data under this key
+        xadd("removed", keys[0], ev)  # still stored
+        _, _, after = self.saved_prompt("y", 2, seed=10)
+        events = self.relay.events(stored_all(after))
+        h0 = want[keys[0]][0]
+        self.assertFalse([e for e in removed(events) if e.block_hashes == [h0]], "a forged removal went out")
+        self.assertEqual([e for e in stored(events) if e.block_hashes == [h0]], [], "a forged store went out")
+        self.assertIn("not back", self.relay.stop())
+
+    def test_a_relay_binds_beyond_loopback_only_when_told(self):
+        """Its sockets have no authentication: a public endpoint needs --public."""
+        port = free_port()
+        out = subprocess.run([KVSTASH, "--redis", vllm_test.URL, "events", "serve", "--pub", f"tcp://0.0.0.0:{port}",
+                              "--seconds", "0.5"], capture_output=True, text=True, timeout=30)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("--public", out.stderr)
+        out = subprocess.run([KVSTASH, "--redis", vllm_test.URL, "events", "serve", "--pub", f"tcp://0.0.0.0:{port}",
+                              "--public", "--seconds", "0.5"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 0, out.stderr)
+
     def test_the_array_format_of_earlier_vllm_releases_and_a_dp_rank(self):
         _, _, want = self.saved_prompt("g", 2, seed=7)
         self.relay.events(stored_all(want))
-        old = Relay(extra=("--format", "array", "--dp-rank", "3"))
+        old = Relay(extra=("--format", "array", "--dp-rank", "3", "--token-ids"))
         try:
             old.decoder = msgspec.msgpack.Decoder(type=_ArrayBatch)
             batches = [b for _, b in old.replayed(0)]

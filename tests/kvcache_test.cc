@@ -15,6 +15,7 @@
 
 #include "http_get.h"
 #include "kvstash/store.h"
+#include "metadata/cell.h"
 #include "test_util.h"
 #include "tools/common/local_cluster.h"
 
@@ -497,6 +498,65 @@ TEST_P(KvCacheTest, ALoadCanStartAfterTheChunksTheEngineHolds) {
   }
   EXPECT_EQ(kvb->begin_load_range(tokens, blocks_b, 2, 2).status().code(), StatusCode::kInvalidArgument)
       << "chunk 3 has no tokens";
+}
+
+// Under turn-ttl a request's saves and loads carry its lookup's KvKeep: each object's use names
+// its chunk's class (the request's turn, counted along the chain) and counts from the lookup.
+TEST_P(KvCacheTest, TurnTtlUsesCarryTheRequestsTurnAndLookupClock) {
+  auto cell = metadata::Cell::open({.redis = {.url = redis_->url(), .password = redis_->password()}});
+  ASSERT_TRUE(cell.is_ok()) << cell.status().to_string();
+  ASSERT_TRUE((*cell)->admin().set_policy("turn-ttl").is_ok());
+  auto& redis = (*cell)->redis();
+  const std::string p = (*cell)->admin().prefix();
+  const auto turn_of = [&](const std::string& key) {
+    auto r = redis.command({"HGET", p + ":obj:" + key, "turn"});
+    return r.is_ok() && !r->is_nil() ? std::string(r->str()) : std::string("none");
+  };
+  const auto due_of = [&](const std::string& key) {
+    auto r = redis.command({"ZSCORE", p + ":ttl:due", key});
+    return r.is_ok() && !r->is_nil() ? std::stod(std::string(r->str())) : -1.0;
+  };
+
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 61), b(shape, 62);
+  auto kva = open(a), kvb = open(b);
+  ASSERT_TRUE(kva && kvb);
+  const auto tokens = token_ids(5 * 64, 63);
+  const KvTokens first = KvTokens(tokens).first(3 * 64);
+  const auto blocks_a = scattered_blocks(20, shape.num_blocks, 64);
+  const auto blocks_b = scattered_blocks(20, shape.num_blocks, 65);
+
+  // The conversation's first turn: 3 chunks, none stored.
+  auto one = kva->lookup_prefix(first);
+  ASSERT_TRUE(one.is_ok()) << one.status().to_string();
+  EXPECT_EQ(one->chunks, 0u);
+  EXPECT_EQ(one->keep.turn, 1u);
+  EXPECT_EQ(one->keep.chunks, 3u);
+  EXPECT_GT(one->keep.looked_up, 0) << "the cell's turn-ttl clock";
+  for (const auto& st : kva->save(first, blocks_a, 0, 3, {}, one->keep))
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+  // The next turn, on another cache: the 3 chunks load, 2 more are saved.
+  auto two = kvb->lookup_prefix(tokens);
+  ASSERT_TRUE(two.is_ok()) << two.status().to_string();
+  EXPECT_EQ(two->chunks, 3u);
+  EXPECT_EQ(two->keep.turn, 2u) << "one more than the turn of the last chunk found";
+  EXPECT_GT(two->keep.looked_up, one->keep.looked_up);
+  auto load = kvb->begin_load(tokens, blocks_b, 3, {}, {}, two->keep);
+  ASSERT_TRUE(load.is_ok()) << load.status().to_string();
+  for (const auto& st : load->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const auto& st : kvb->save(tokens, blocks_b, 3, 2, {}, two->keep))
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+  const auto keys = kvb->keys(tokens);
+  ASSERT_EQ(keys.size(), 5u);
+  for (std::size_t c = 0; c < 5; ++c) {
+    EXPECT_EQ(turn_of(keys[c]), c < 3 ? "1" : "2") << "chunk " << c << "'s record names its putter's turn";
+    // Every use of the second request, the loads as the saves, counts from its lookup: chunk c
+    // is due c microseconds of the cell's clock before it.
+    EXPECT_NEAR(due_of(keys[c]), two->keep.looked_up - 1e-6 * static_cast<double>(c), 1e-7) << "chunk " << c;
+  }
+  ASSERT_TRUE((*cell)->admin().set_policy("lru").is_ok());
 }
 
 TEST_P(KvCacheTest, ACancelledLoadStopsWritingAndReportsWhatDidNotLand) {

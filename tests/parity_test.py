@@ -81,6 +81,9 @@ CLASSES = [
     dict(cpp="KvCache", c_prefix="kvstash_kvcache_", py="KvCache",
          translate={"open": {"py": ["__init__"]},
                     "keys": {"c": ["key"]},  # C returns no lists: one key per call
+                    # C has no default arguments: the forms with a keep are functions of their own
+                    "begin_save": {"c": ["begin_save", "begin_save_keep"]},
+                    "begin_load_range": {"c": ["begin_load_range", "begin_load_range_keep"]},
                     "objects_per_chunk": {"c": []},  # C keys by rank: one object per chunk
                     "key_options": {"both": ["chunk_tokens", "layout_tag"]}},  # its fields
          omit={"layout": "the bindings describe the layout at open",
@@ -124,7 +127,9 @@ BINDING_ONLY_FIELDS = {"arrangement": "which KvLayout constructor", "store": "th
 C_PLUMBING = {"out", "out_size", "capacity", "size", "n", "per_chunk", "count", "chunks", "index", "event",
               "length",
               # kvstash_announce: C++'s (key, data) pairs as three arrays, and what it returns
-              "item_keys", "item_data", "item_lengths", "announced"}
+              "item_keys", "item_data", "item_lengths", "announced",
+              # kvstash_kvcache_lookup_prefix: KvLookup's fields
+              "keep"}
 
 # What the bindings may include besides include/kvstash/: the cluster-token check (C and Python
 # refuse an empty token, which C++ takes as none).

@@ -116,6 +116,10 @@ class KvstashPython(unittest.TestCase):
             save.save_layer(layer, after=kvstash.KvSync.none())
         self.assertEqual(save.wait(), [("ok", ""), ("ok", "")])
         self.assertEqual(kvb.contains_prefix(tokens), 2)
+        keys = kvb.keys(tokens)
+        hit = self.store.contains_prefix(keys)
+        self.assertGreater(hit, 0)
+        self.assertEqual(self.store.lookup_prefix(keys), (hit, 1, 0.0), "under lru: a first turn, no turn-ttl clock")
 
         load = kvb.begin_load(tokens, blocks_b, 2)
         for layer in range(layers):

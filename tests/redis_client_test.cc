@@ -114,7 +114,8 @@ TEST(RedisClient, PasswordsAndAclUsers) {
   EXPECT_NE(denied.status().message().find("NOPERM"), std::string::npos);
 
   // A user without a password is refused before connecting, not quietly run as `default`.
-  EXPECT_EQ(RedisClient::connect({.url = server.url("reader:")}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RedisClient::connect({.url = server.url("reader:")}).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_TRUE(RedisClient::connect({.url = server.url("reader:"), .password = "rpw"}).is_ok());
 }
 
@@ -127,6 +128,67 @@ TEST(RedisClient, ScriptsRunBySha1AndReloadAfterFlush) {
   EXPECT_EQ(c->eval(incr, {"n"}, {"5"})->integer(), 5);
   ASSERT_TRUE(c->command({"SCRIPT", "FLUSH"}).is_ok());
   EXPECT_EQ(c->eval(incr, {"n"}, {"2"})->integer(), 7);
+}
+
+// How many times Redis ran `verb` (INFO commandstats).
+std::int64_t calls_of(RedisClient& c, std::string_view verb) {
+  auto info = c.command({"INFO", "commandstats"});
+  if (!info.is_ok()) return -1;
+  const std::string text(info->str());
+  const auto at = text.find("cmdstat_" + std::string(verb) + ":calls=");
+  return at == std::string::npos ? 0 : std::stoll(text.substr(at + verb.size() + 15));
+}
+
+// A script of a library runs as its function: the library is loaded by the first call that
+// finds the function missing (and again after Redis lost it), never per call.
+TEST(RedisClient, ScriptsRunAsFunctionsOfALibraryLoadedWhenMissing) {
+  test::RedisServer server;
+  ASSERT_TRUE(server.running());
+  auto c = RedisClient::connect({.url = server.url()}).value();
+  const FunctionLibrary lib{
+      "kvstash_test",
+      "#!lua name=kvstash_test\nredis.register_function('incr_test', function(keys, args) return "
+      "redis.call('INCRBY', keys[1], args[1]) end)\n"};
+  Script incr("return redis.call('INCRBY', KEYS[1], ARGV[1])", "incr_test", &lib);
+  EXPECT_EQ(c->eval(incr, {"n"}, {"5"})->integer(), 5);
+  EXPECT_EQ(c->eval(incr, {"n"}, {"2"})->integer(), 7);
+  EXPECT_EQ(calls_of(*c, "fcall"), 3) << "one FCALL that found no function, then one per call";
+  EXPECT_EQ(calls_of(*c, "function|load"), 1);
+  EXPECT_EQ(calls_of(*c, "evalsha"), 0);
+  EXPECT_TRUE(c->runs_functions());
+  // Redis lost its functions (restarted without them, FUNCTION FLUSH): loaded again.
+  ASSERT_TRUE(c->command({"FUNCTION", "FLUSH"}).is_ok());
+  EXPECT_EQ(c->eval(incr, {"n"}, {"1"})->integer(), 8);
+  EXPECT_EQ(calls_of(*c, "function|load"), 2);
+}
+
+// A user whose ACL predates Functions (EVALSHA and SCRIPT LOAD only) still runs every script,
+// by EVALSHA, after one refused FCALL.
+TEST(RedisClient, AUserWithoutFunctionsRunsScriptsByEvalsha) {
+  test::RedisServer server;
+  ASSERT_TRUE(server.running());
+  auto admin = RedisClient::connect({.url = server.url()}).value();
+  ASSERT_TRUE(admin
+                  ->command({"ACL", "SETUSER", "old", "on", ">old-pw-0123456789", "~*", "-@all", "+evalsha",
+                             "+script|load", "+incrby"})
+                  .is_ok());
+  auto c = RedisClient::connect({.url = server.url("old:old-pw-0123456789")}).value();
+  const FunctionLibrary lib{
+      "kvstash_test",
+      "#!lua name=kvstash_test\nredis.register_function('incr_test', function(keys, args) return "
+      "redis.call('INCRBY', keys[1], args[1]) end)\n"};
+  Script incr("return redis.call('INCRBY', KEYS[1], ARGV[1])", "incr_test", &lib);
+  auto first = c->eval(incr, {"n"}, {"5"});
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  EXPECT_EQ(first->integer(), 5);
+  EXPECT_FALSE(c->runs_functions());
+  EXPECT_EQ(c->eval(incr, {"n"}, {"2"})->integer(), 7);
+  EXPECT_EQ(calls_of(*admin, "evalsha"), 3) << "NOSCRIPT once, then both calls";
+  // A refusal from inside a script is the script's error, not a reason to leave Functions.
+  auto fresh = RedisClient::connect({.url = server.url()}).value();
+  EXPECT_FALSE(fresh->eval(incr, {"n"}, {"not a number"}).is_ok());
+  EXPECT_TRUE(fresh->runs_functions());
+  EXPECT_EQ(fresh->eval(incr, {"n"}, {"1"})->integer(), 8);
 }
 
 TEST(RedisClient, ReconnectsAfterRedisRestarts) {
@@ -226,7 +288,8 @@ std::string resp_array(const std::vector<std::string>& items) {
 TEST(RedisClient, ASentinelCannotSendThePasswordToAHostTheUrlDoesNotName) {
   FakeServer master("127.0.0.2", "-ERR not a real master\r\n");
   FakeServer sentinel("127.0.0.1", resp_array({"127.0.0.2", std::to_string(master.port())}));
-  const std::string url = "redis+sentinel://:pw-0123456789@127.0.0.1:" + std::to_string(sentinel.port()) + "/svc";
+  const std::string url =
+      "redis+sentinel://:pw-0123456789@127.0.0.1:" + std::to_string(sentinel.port()) + "/svc";
   auto refused = RedisClient::connect({.url = url, .connect_timeout = std::chrono::milliseconds(1000)});
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
@@ -239,11 +302,31 @@ TEST(RedisClient, ASentinelCannotSendThePasswordToAHostTheUrlDoesNotName) {
   (void)RedisClient::connect(allowed);  // the fake master answers nothing useful
   EXPECT_GE(master.connections(), 1) << "an allowed host is followed";
 
-  // The same allowance in the URL, where every tool that takes a URL can give it.
-  const int before = master.connections();
-  (void)RedisClient::connect({.url = url + "?redirect=127.0.0.9,127.0.0.2:7000",
+  // The same allowance in the URL, where every tool that takes a URL can give it: a host, or
+  // a host:port (another port of that host is not).
+  int before = master.connections();
+  (void)RedisClient::connect({.url = url + "?redirect=127.0.0.9,127.0.0.2:" + std::to_string(master.port()),
                               .connect_timeout = std::chrono::milliseconds(1000)});
-  EXPECT_GT(master.connections(), before) << "a host the URL's redirect= names is followed";
+  EXPECT_GT(master.connections(), before) << "a host:port the URL's redirect= names is followed";
+  before = master.connections();
+  auto other_port = RedisClient::connect(
+      {.url = url + "?redirect=127.0.0.2:7000", .connect_timeout = std::chrono::milliseconds(1000)});
+  EXPECT_EQ(other_port.status().code(), StatusCode::kPermissionDenied) << other_port.status().to_string();
+  EXPECT_EQ(master.connections(), before) << "another port of a host redirect= names";
+}
+
+// A sentinel that names another port of its own host (a server of whoever took the sentinel
+// over, or another user's on that host) gets no password: the sentinel's host is not one the
+// URL vouches for as a Redis server.
+TEST(RedisClient, ASentinelCannotSendThePasswordToAnotherPortOfItsOwnHost) {
+  FakeServer rogue("127.0.0.1", "-ERR not a real master\r\n");
+  FakeServer sentinel("127.0.0.1", resp_array({"127.0.0.1", std::to_string(rogue.port())}));
+  const std::string url =
+      "redis+sentinel://:pw-0123456789@127.0.0.1:" + std::to_string(sentinel.port()) + "/svc";
+  auto refused = RedisClient::connect({.url = url, .connect_timeout = std::chrono::milliseconds(1000)});
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
+  EXPECT_EQ(rogue.connections(), 0) << "the client connected to the port the sentinel named";
+  EXPECT_EQ(rogue.received().find("pw-0123456789"), std::string::npos);
 }
 
 }  // namespace
@@ -255,8 +338,10 @@ namespace kvstash::metadata {
 namespace {
 
 TEST(RedisUrl, TlsFormsAndOptions) {
-  auto u = RedisUrl::parse("rediss://:pw@127.0.0.1:6380/2?ca=/etc/ca%20file.crt&cert=/c.crt&key=/c.key&sni=redis.internal")
-               .value();
+  auto u =
+      RedisUrl::parse(
+          "rediss://:pw@127.0.0.1:6380/2?ca=/etc/ca%20file.crt&cert=/c.crt&key=/c.key&sni=redis.internal")
+          .value();
   EXPECT_TRUE(u.tls);
   EXPECT_EQ(u.port, 6380);
   EXPECT_EQ(u.db, 2);
@@ -271,12 +356,13 @@ TEST(RedisUrl, TlsFormsAndOptions) {
   EXPECT_TRUE(u.tls);
   EXPECT_TRUE(u.sentinel());
   EXPECT_EQ(u.sentinels.size(), 2u);
-  EXPECT_EQ(u.redirect_hosts, (std::vector<std::string>{"10.0.0.5", "::1"}));
+  EXPECT_EQ(u.redirect_hosts, (std::vector<std::string>{"10.0.0.5", "[::1]:6379"}))
+      << "a host, or a host:port";
   EXPECT_EQ(RedisUrl::parse("rediss+cluster://a,b").value().cluster(), true);
   EXPECT_FALSE(RedisUrl::parse("redis://h/0").value().tls);
 
-  for (const char* bad : {"redis://h/0?ca=/x.crt", "rediss://h/0?pem=/x", "rediss://h/0?ca=", "rediss://h/0?ca",
-                          "unixs:///s", "unix:///s?sni=x", "redis://h?db=1"}) {
+  for (const char* bad : {"redis://h/0?ca=/x.crt", "rediss://h/0?pem=/x", "rediss://h/0?ca=",
+                          "rediss://h/0?ca", "unixs:///s", "unix:///s?sni=x", "redis://h?db=1"}) {
     auto r = RedisUrl::parse(bad);
     ASSERT_FALSE(r.is_ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
@@ -287,20 +373,24 @@ TEST(RedisUrl, TlsFormsAndOptions) {
 // the test CA; `clients` is its tls-auth-clients (yes: a client certificate is required).
 class TlsRedis {
  public:
-  explicit TlsRedis(const test::TestPki& pki, const std::string& clients = "yes", std::vector<std::string> more = {})
+  explicit TlsRedis(const test::TestPki& pki, const std::string& clients = "yes",
+                    std::vector<std::string> more = {})
       : tls_port_(test::RedisServer::free_port()), server_(args(pki, clients, std::move(more))) {}
   bool running() const { return server_.running(); }
   int plain_port() const { return server_.port(); }
   std::string url(const std::string& options, const std::string& credentials = "") const {
-    return "rediss://" + credentials + (credentials.empty() ? "" : "@") + "127.0.0.1:" + std::to_string(tls_port_) +
-           "/0" + (options.empty() ? "" : "?") + options;
+    return "rediss://" + credentials + (credentials.empty() ? "" : "@") +
+           "127.0.0.1:" + std::to_string(tls_port_) + "/0" + (options.empty() ? "" : "?") + options;
   }
   test::RedisServer& server() { return server_; }
 
  private:
-  std::vector<std::string> args(const test::TestPki& pki, const std::string& clients, std::vector<std::string> more) {
-    std::vector<std::string> a{"--tls-port",         std::to_string(tls_port_), "--tls-cert-file", pki.file("server.crt"),
-                               "--tls-key-file",     pki.file("server.key"),    "--tls-ca-cert-file", pki.file("ca.crt"),
+  std::vector<std::string> args(const test::TestPki& pki, const std::string& clients,
+                                std::vector<std::string> more) {
+    std::vector<std::string> a{"--tls-port",         std::to_string(tls_port_),
+                               "--tls-cert-file",    pki.file("server.crt"),
+                               "--tls-key-file",     pki.file("server.key"),
+                               "--tls-ca-cert-file", pki.file("ca.crt"),
                                "--tls-auth-clients", clients};
     a.insert(a.end(), more.begin(), more.end());
     return a;
@@ -309,16 +399,16 @@ class TlsRedis {
   test::RedisServer server_;
 };
 
-#define KVSTASH_NEED_TLS_REDIS(pki, redis)                                                               \
-  if (!(pki).ok()) GTEST_SKIP() << "the test PKI could not be made";                         \
+#define KVSTASH_NEED_TLS_REDIS(pki, redis)                           \
+  if (!(pki).ok()) GTEST_SKIP() << "the test PKI could not be made"; \
   if (!(redis).running()) GTEST_SKIP() << "redis-server would not start with TLS (built without TLS?)"
 
 TEST(RedisTls, CommandsScriptsAndPasswordsOverTlsWithAClientCertificate) {
   test::TestPki pki;
   TlsRedis redis(pki, "yes", {"--requirepass", "tls-secret-0123"});
   KVSTASH_NEED_TLS_REDIS(pki, redis);
-  const std::string options = "ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt") +
-                              "&key=" + pki.file("client.key");
+  const std::string options =
+      "ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt") + "&key=" + pki.file("client.key");
   auto c = RedisClient::connect({.url = redis.url(options, ":tls-secret-0123")});
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
 
@@ -357,7 +447,8 @@ TEST(RedisTls, AServerThatDoesNotVerifyIsRefusedBeforeAnythingIsSent) {
   KVSTASH_NEED_TLS_REDIS(pki, redis);
   // Another CA signed the server's certificate: refused, and no retrying.
   const auto started = std::chrono::steady_clock::now();
-  auto other = RedisClient::connect({.url = redis.url("ca=" + pki.file("other-ca.crt"), ":some-password-0123")});
+  auto other =
+      RedisClient::connect({.url = redis.url("ca=" + pki.file("other-ca.crt"), ":some-password-0123")});
   ASSERT_FALSE(other.is_ok());
   EXPECT_EQ(other.status().code(), StatusCode::kPermissionDenied) << other.status().to_string();
   EXPECT_NE(other.status().message().find("did not verify"), std::string::npos) << other.status().to_string();
@@ -385,12 +476,14 @@ TEST(RedisTls, AServerThatWantsAClientCertificateRefusesOneWithout) {
   ASSERT_FALSE(none.is_ok());
   EXPECT_EQ(none.status().code(), StatusCode::kPermissionDenied) << none.status().to_string();
   // A certificate the client cannot load, or without its key: a clear error before connecting.
-  auto missing = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt"))});
+  auto missing = RedisClient::connect(
+      {.url = redis.url("ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt"))});
   EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument) << missing.status().to_string();
   auto unreadable = RedisClient::connect({.url = redis.url("ca=" + pki.file("nothing-here.crt"))});
   EXPECT_EQ(unreadable.status().code(), StatusCode::kInvalidArgument) << unreadable.status().to_string();
-  auto mismatched = RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&cert=" +
-                                                           pki.file("client.crt") + "&key=" + pki.file("server.key"))});
+  auto mismatched =
+      RedisClient::connect({.url = redis.url("ca=" + pki.file("ca.crt") + "&cert=" + pki.file("client.crt") +
+                                             "&key=" + pki.file("server.key"))});
   EXPECT_EQ(mismatched.status().code(), StatusCode::kInvalidArgument) << mismatched.status().to_string();
 }
 
@@ -406,7 +499,8 @@ TEST(RedisTls, TlsAndPlainPortsMixedUpFailFastAndSaySo) {
   auto tls_to_plain = RedisClient::connect(o);
   ASSERT_FALSE(tls_to_plain.is_ok());
   EXPECT_LT(std::chrono::steady_clock::now() - started, 2500ms);
-  EXPECT_NE(tls_to_plain.status().message().find("TLS"), std::string::npos) << tls_to_plain.status().to_string();
+  EXPECT_NE(tls_to_plain.status().message().find("TLS"), std::string::npos)
+      << tls_to_plain.status().to_string();
   // redis:// to the TLS port.
   o = quick;
   o.url = redis.url("");

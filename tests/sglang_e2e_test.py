@@ -189,6 +189,12 @@ class SglangForwardPass(unittest.TestCase):
         # Seed 0's greedy answers repeat one token; seed 1's change from token to token.
         make_model(model, seed=1)
         make_model(other_weights, seed=2)
+        # SGLang builds its page-hash extension on an engine's first request, under a lock in
+        # the torch extensions cache: built here first, no engine's first request waits on a
+        # build (or on a lock another suite's engine left when it was stopped mid-build).
+        subprocess.run([sys.executable, "-c", "from sglang.srt.mem_cache.cpp_utils.native_hash import "
+                        "_load_native_hash_module as load; load()"], check=False, timeout=600,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Every engine starts now (one alone takes about 40 s here, most of it imports); each is a
         # process of its own that sees no prompt before its turn.
         url = cls.cell.url

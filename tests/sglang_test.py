@@ -216,6 +216,48 @@ class SglangBackend(unittest.TestCase):
         self.assertEqual(a.batch_set_v1(keys, torch.arange(0, 3 * PAGE)), [True] * 3)
         self.assertEqual(a.batch_exists(keys), 3)
 
+    def test_under_turn_ttl_each_page_use_tells_the_cell_its_requests_turn_and_lookup(self):
+        """A turn-ttl cell keeps a page for a time learned per class of use: a prefetch's lookup
+        gives the request's turn (counted along the chain) and the cell's clock, and the gets
+        and puts of its pages that follow name them (KeepHint), a page's place counted after
+        SGLang's prefix_keys. Without hints no record would have a turn, and each page would be
+        due when it was used."""
+        import subprocess
+
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+        cli = [os.path.join(BUILD, "tools", "kvstash", "kvstash"), "--redis", URL]
+        out = subprocess.run(cli + ["policy", "turn-ttl", "--yes"], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        try:
+            keys = [f"turns-{i}" for i in range(5)]
+            a = make(storage_config(), host_pool("page_first", seed=21))
+            start = HiCacheStorageExtraInfo(prefix_keys=[])
+            self.assertEqual(a.batch_exists(keys[:3], start), 0)  # the first turn's prefetch
+            self.assertEqual(a.batch_set_v1(keys[:3], torch.arange(3 * PAGE), start), [True] * 3)
+            b = make(storage_config(), host_pool("page_first"))
+            self.assertEqual(b.batch_exists(keys, start), 3)  # the next turn's: the 3 pages, then 2 more
+            self.assertEqual(b.batch_get_v1(keys[:3], torch.arange(3 * PAGE), start), [True] * 3)
+            self.assertEqual(b.batch_set_v1(keys[3:], torch.arange(3 * PAGE, 5 * PAGE),
+                                            HiCacheStorageExtraInfo(prefix_keys=keys[:3])), [True] * 2)
+
+            def field(*args):
+                return subprocess.run(["redis-cli", "-u", URL, *args], capture_output=True, text=True,
+                                      check=True).stdout.strip()
+
+            records = [f"{engine_fixture.CELL_PREFIX}:obj:{b.prefix}{k}" for k in keys]
+            self.assertEqual([field("HGET", r, "turn") for r in records], ["1"] * 3 + ["2"] * 2,
+                             "each page's record names the turn of the request that put it")
+            due = [float(field("ZSCORE", f"{engine_fixture.CELL_PREFIX}:ttl:due", b.prefix + k)) for k in keys]
+            # The next turn's gets and puts count from its lookup: each page due a microsecond of
+            # the cell's clock before the one it leads to.
+            for i in range(1, 5):
+                self.assertAlmostEqual(due[i - 1] - due[i], 1e-6, delta=2e-7,
+                                       msg=f"page {i} is not due just before page {i - 1}: {due}")
+        finally:
+            out = subprocess.run(cli + ["policy", "lru", "--yes"], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+
     def test_tensor_parallel_ranks_keep_their_own_pages_and_mla_one_copy(self):
         host0, host1 = host_pool("page_first", seed=3), host_pool("page_first", seed=4)
         r0 = make(storage_config(tp_rank=0, tp_size=2), host0)

@@ -4,7 +4,9 @@
 // that passed is kTimeout, and what could not be opened says why.
 #include "node/ssd_device.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
@@ -62,11 +64,13 @@ TEST_F(SsdDeviceTest, BytesRoundTripThroughConcurrentBatches) {
         std::vector<SsdIo> writes, reads;
         for (std::size_t c = 0; c < 4; ++c) {
           const std::uint64_t at = (static_cast<std::uint64_t>(t) * 16 + (round % 4) * 4 + c) * kChunk;
-          writes.push_back({.write = true, .offset = at, .buffer = out.data() + c * kChunk, .length = kChunk});
+          writes.push_back(
+              {.write = true, .offset = at, .buffer = out.data() + c * kChunk, .length = kChunk});
           reads.push_back({.write = false, .offset = at, .buffer = in.data() + c * kChunk, .length = kChunk});
         }
         std::memset(in.data(), 0, in.size());
-        if (!device_->run(writes, deadline_after(10s)).is_ok() || !device_->run(reads, deadline_after(10s)).is_ok() ||
+        if (!device_->run(writes, deadline_after(10s)).is_ok() ||
+            !device_->run(reads, deadline_after(10s)).is_ok() ||
             std::memcmp(in.data(), out.data(), out.size()) != 0) {
           ++failures;
         }
@@ -84,14 +88,16 @@ TEST_F(SsdDeviceTest, BytesRoundTripThroughConcurrentBatches) {
   // Reopened: the bytes are the file's.
   Buffer keep = buffer(4096);
   std::memset(keep.data(), 0x5a, keep.size());
-  ASSERT_TRUE(device_->run({{.write = true, .offset = kCapacity - 4096, .buffer = keep.data(), .length = 4096}},
-                           deadline_after(10s))
+  ASSERT_TRUE(device_
+                  ->run({{.write = true, .offset = kCapacity - 4096, .buffer = keep.data(), .length = 4096}},
+                        deadline_after(10s))
                   .is_ok());
   device_.reset();
   device_ = SsdDevice::open({.path = path_, .capacity = kCapacity}).value();
   Buffer back = buffer(4096);
-  ASSERT_TRUE(device_->run({{.write = false, .offset = kCapacity - 4096, .buffer = back.data(), .length = 4096}},
-                           deadline_after(10s))
+  ASSERT_TRUE(device_
+                  ->run({{.write = false, .offset = kCapacity - 4096, .buffer = back.data(), .length = 4096}},
+                        deadline_after(10s))
                   .is_ok());
   EXPECT_EQ(std::memcmp(back.data(), keep.data(), 4096), 0);
 }
@@ -99,9 +105,9 @@ TEST_F(SsdDeviceTest, BytesRoundTripThroughConcurrentBatches) {
 TEST_F(SsdDeviceTest, MisalignedOrOutOfRangeIoIsRefusedBeforeTheDevice) {
   Buffer b = buffer(2 * 4096);
   const std::vector<SsdIo> bad = {
-      {.write = false, .offset = 100, .buffer = b.data(), .length = 4096},      // offset
-      {.write = false, .offset = 0, .buffer = b.data(), .length = 100},         // length
-      {.write = false, .offset = 0, .buffer = b.data() + 8, .length = 4096},    // buffer
+      {.write = false, .offset = 100, .buffer = b.data(), .length = 4096},        // offset
+      {.write = false, .offset = 0, .buffer = b.data(), .length = 100},           // length
+      {.write = false, .offset = 0, .buffer = b.data() + 8, .length = 4096},      // buffer
       {.write = false, .offset = kCapacity, .buffer = b.data(), .length = 4096},  // past the end
       {.write = false, .offset = kCapacity - 4096, .buffer = b.data(), .length = 8192},
       {.write = false, .offset = 0, .buffer = nullptr, .length = 4096},
@@ -125,15 +131,18 @@ TEST_F(SsdDeviceTest, AnInjectedEioFailsItsIoAndNoOther) {
   EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
   EXPECT_EQ(device_->counters().writes, 2u) << "the other two went to the device";
   device_->set_fault([](const SsdIo&) { return ENOSPC; });
-  EXPECT_EQ(device_->run({{.write = true, .offset = 0, .buffer = b.data(), .length = 4096}}, deadline_after(5s))
-                .code(),
-            StatusCode::kNoSpace);
+  EXPECT_EQ(
+      device_->run({{.write = true, .offset = 0, .buffer = b.data(), .length = 4096}}, deadline_after(5s))
+          .code(),
+      StatusCode::kNoSpace);
   device_->set_fault(nullptr);
   EXPECT_TRUE(
-      device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = 4096}}, deadline_after(5s)).is_ok());
+      device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = 4096}}, deadline_after(5s))
+          .is_ok());
   // A deadline that passed: nothing is submitted.
-  EXPECT_EQ(device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = 4096}}, Clock::now()).code(),
-            StatusCode::kTimeout);
+  EXPECT_EQ(
+      device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = 4096}}, Clock::now()).code(),
+      StatusCode::kTimeout);
 }
 
 TEST(SsdDeviceOpen, WhatCannotBeOpenedSaysWhy) {
@@ -150,6 +159,40 @@ TEST(SsdDeviceOpen, WhatCannotBeOpenedSaysWhy) {
   EXPECT_FALSE(huge.is_ok());
   EXPECT_TRUE(huge.status().code() == StatusCode::kNoSpace || huge.status().code() == StatusCode::kIoError)
       << huge.status().to_string();
+  ::unlink(file.c_str());
+}
+
+// The tier holds prompts' KV: a file that group or others may read (made before, with a
+// umask's 0644) is refused, saying how to fix it, as the token file is; the owner's alone opens.
+TEST(SsdDeviceOpen, AFileOthersMayReadIsRefused) {
+  const std::string file = (std::filesystem::current_path() / "ssd-mode-test").string();
+  ::unlink(file.c_str());
+  const int fd = ::open(file.c_str(), O_CREAT | O_WRONLY, 0644);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  ASSERT_EQ(::chmod(file.c_str(), 0644), 0);
+  auto shared = SsdDevice::open({.path = file, .capacity = 1 << 20});
+  EXPECT_EQ(shared.status().code(), StatusCode::kInvalidArgument) << shared.status().to_string();
+  EXPECT_NE(shared.status().message().find("chmod 600"), std::string::npos) << shared.status().to_string();
+  ASSERT_EQ(::chmod(file.c_str(), 0640), 0);
+  EXPECT_EQ(SsdDevice::open({.path = file, .capacity = 1 << 20}).status().code(),
+            StatusCode::kInvalidArgument)
+      << "the group may read it";
+  ASSERT_EQ(::chmod(file.c_str(), 0600), 0);
+  auto own = SsdDevice::open({.path = file, .capacity = 1 << 20});
+  if (own.status().code() != StatusCode::kUnsupported) {
+    EXPECT_TRUE(own.is_ok()) << own.status().to_string();
+  }
+  own = Status::internal("closed");
+  // A file the tier creates is its owner's alone.
+  ::unlink(file.c_str());
+  auto created = SsdDevice::open({.path = file, .capacity = 1 << 20});
+  if (created.is_ok()) {
+    struct stat st {};
+    ASSERT_EQ(::stat(file.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+  }
+  created = Status::internal("closed");
   ::unlink(file.c_str());
 }
 

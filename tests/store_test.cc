@@ -199,8 +199,22 @@ TEST_F(StoreTest, RoundTripsAreBitExactAcrossSizesAndTransports) {
   }
 }
 
-// A client that has only the verbs transport: every byte goes over RDMA to the node's pool
-// (in the Soft-RoCE lane, over rxe0). Skips where there is no RDMA device.
+// The cell grants no lease longer than 10 minutes (grant::kMaxLease): a store that would ask
+// for one is refused at open, with a message that says so.
+TEST_F(StoreTest, AStoreThatWouldAskForLeasesLongerThanTheCellGrantsIsRefused) {
+  StoreOptions o;
+  o.redis_url = redis_->url();
+  o.redis_password = redis_->password();
+  for (auto [put, read] : {std::pair{601s, 60s}, std::pair{60s, 601s}, std::pair{0s, 60s}}) {
+    o.put_lease = put;
+    o.read_lease = read;
+    auto s = Store::open(o);
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << put.count() << " s, " << read.count() << " s";
+  }
+  o.put_lease = o.read_lease = 600s;
+  EXPECT_TRUE(Store::open(o).is_ok()) << "the longest lease the cell grants";
+}
+
 TEST_F(StoreTest, APutStreamWritesInPiecesAndBecomesVisibleAtCommit) {
   auto n = node("n1", "16MiB");
   ASSERT_TRUE(n);
@@ -422,6 +436,8 @@ TEST_F(StoreTest, AGetOfUnknownSizeLearnsItInTheScriptThatReadsIt) {
   EXPECT_EQ(into, data);
 }
 
+// A client that has only the verbs transport: every byte goes over RDMA to the node's pool
+// (in the Soft-RoCE lane, over rxe0). Skips where there is no RDMA device.
 TEST_F(StoreTest, RoundTripsOverVerbs) {
   StoreOptions o;
   o.redis_url = redis_->url();

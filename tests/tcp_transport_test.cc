@@ -14,7 +14,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "common/grant.h"
 #include "common/wire.h"
+#include "node/node_grants.h"
 #include "recording_sink.h"
 #include "test_util.h"
 #include "transport/tcp/tcp_internal.h"
@@ -454,6 +456,158 @@ TEST(TcpTransport, ALeasedRegionIsReachedThroughLiveLeasesOnly) {
             StatusCode::kUnsupported);
 }
 
+// A target whose leased region serves only what its node's grants allow (a NodeGrants of node
+// "n1", epoch "e1", over `pages` pages), and initiators that read its pages under leases.
+struct GrantedTarget {
+  static constexpr std::uint64_t kPage = 4096;
+
+  explicit GrantedTarget(std::uint64_t pages, TcpOptions options = {})
+      : target(make_tcp_transport(options).value()),
+        remote(Buffer::allocate(pages * kPage).value()),
+        local(Buffer::allocate(pages * kPage).value()),
+        check(std::make_shared<node::NodeGrants>("n1", base(), kPage, pages)) {
+    const std::string hex = check->rotate("e1");
+    for (std::size_t i = 0; i + 1 < hex.size(); i += 2)
+      key.push_back(std::stoi(hex.substr(i, 2), nullptr, 16));
+    target->set_grant_check(check);
+    reg = target->register_memory(remote.region(), Access::kLeased).value();
+  }
+
+  std::uintptr_t base() const { return reinterpret_cast<std::uintptr_t>(remote.data()); }
+  RemoteRange page(std::uint64_t p) const { return {base() + p * kPage, kPage}; }
+
+  // A read grant of `runs` (first page, count) until `deadline`, signed with the node's key.
+  std::shared_ptr<const std::string> grant(std::vector<std::pair<std::uint64_t, std::uint64_t>> runs,
+                                           std::uint64_t deadline = 1'000'000) const {
+    const grant::Terms t{.issuer = "n1",
+                         .epoch = "e1",
+                         .op = TransferOp::kRead,
+                         .deadline = deadline,
+                         .runs = std::move(runs)};
+    return std::make_shared<const std::string>(grant::sign(key, t));
+  }
+
+  struct Client {
+    std::unique_ptr<Transport> transport;
+    std::shared_ptr<Endpoint> ep;
+    std::unique_ptr<RemoteKey> region;
+  };
+  Client client() const {
+    Client c;
+    c.transport = make_tcp_transport({}).value();
+    c.ep = c.transport->connect(target->local_address(), deadline_after(5s)).value();
+    c.region = c.ep->import_key(base(), remote.size(), reg->packed_key(), deadline_after(5s)).value();
+    return c;
+  }
+
+  // Page `p` read under `lease` through `c` (into the same page of `local`): its status.
+  Status read(Client& c, const RemoteKey& lease, std::uint64_t p) {
+    Sink sink;
+    Op op;
+    op.op = TransferOp::kRead;
+    op.local = local.data() + p * kPage;
+    op.remote_addr = base() + p * kPage;
+    op.remote_key = &lease;
+    op.length = kPage;
+    op.sink = &sink;
+    c.ep->post({&op, 1});
+    EXPECT_TRUE(sink.wait(1));
+    return sink.status(0);
+  }
+
+  std::unique_ptr<Transport> target;
+  Buffer remote, local;
+  std::shared_ptr<node::NodeGrants> check;
+  std::vector<std::uint8_t> key;
+  std::unique_ptr<LocalRegistration> reg;
+};
+
+// Where the target checks grants, a lease is known by its id bound to the grant it came with:
+// a client that presents its own (genuine) grant under another client's lease id, then revokes
+// that id, revokes only its own lease; and one connection may keep only its share of the
+// target's table of revoked leases, so it cannot fill it for the others.
+TEST(TcpTransport, ALeaseIsRevokedOnlyUnderTheGrantThatMadeIt) {
+  TcpOptions small;
+  small.max_connections = 8;  // a share of 65,536 / 8 revokes per connection
+  GrantedTarget g(64, small);
+  using Client = GrantedTarget::Client;
+  Client victim = g.client(), attacker = g.client();
+  const RemoteRange one = g.page(1), five = g.page(5);
+  const LeaseTerms mine{
+      .id = 42, .op = TransferOp::kRead, .ttl = 30s, .fence = 1'000'000, .grant = g.grant({{1, 1}})};
+  auto lease = victim.ep->lease_key(*victim.region, {&one, 1}, mine, deadline_after(5s)).value();
+  ASSERT_TRUE(g.read(victim, *lease, 1).is_ok());
+
+  // The attacker's own grant, presented under the victim's lease id, then revoked.
+  const LeaseTerms theirs{
+      .id = 42, .op = TransferOp::kRead, .ttl = 30s, .fence = 1'000'000, .grant = g.grant({{5, 1}})};
+  auto forged = attacker.ep->lease_key(*attacker.region, {&five, 1}, theirs, deadline_after(5s)).value();
+  ASSERT_TRUE(g.read(attacker, *forged, 5).is_ok());
+  ASSERT_TRUE(attacker.ep->revoke(*forged, theirs, deadline_after(5s)).is_ok());
+  EXPECT_FALSE(g.read(attacker, *forged, 5).is_ok()) << "the attacker's own lease ended";
+  EXPECT_TRUE(g.read(victim, *lease, 1).is_ok()) << "another client revoked the victim's lease";
+  ASSERT_TRUE(victim.ep->revoke(*lease, mine, deadline_after(5s)).is_ok());
+  EXPECT_FALSE(g.read(victim, *lease, 1).is_ok()) << "its holder's revoke ends it";
+
+  // One connection's share of revoked leases: 65,536 / 8. Past it, its revokes are refused
+  // (kNoSpace: the put waits for the fence instead), and another connection's still work.
+  const std::size_t share = transport::tcp::Fences::kMaxRevoked / small.max_connections;
+  Status refused;
+  std::size_t revoked = 0;
+  for (std::uint64_t id = 1000; revoked <= share && refused.is_ok(); ++id) {
+    const LeaseTerms t{
+        .id = id, .op = TransferOp::kRead, .ttl = 30s, .fence = 1'000'000, .grant = g.grant({{7, 1}})};
+    auto k = attacker.ep->lease_key(*attacker.region, {&one, 1}, t, deadline_after(5s)).value();
+    refused = attacker.ep->revoke(*k, t, deadline_after(5s));
+    if (refused.is_ok()) ++revoked;
+  }
+  EXPECT_EQ(revoked + 1, share) << "the revoke above counts too";
+  EXPECT_EQ(refused.code(), StatusCode::kNoSpace) << refused.to_string();
+  const LeaseTerms again{
+      .id = 43, .op = TransferOp::kRead, .ttl = 30s, .fence = 1'000'000, .grant = g.grant({{1, 1}})};
+  auto next = victim.ep->lease_key(*victim.region, {&one, 1}, again, deadline_after(5s)).value();
+  ASSERT_TRUE(g.read(victim, *next, 1).is_ok());
+  EXPECT_TRUE(victim.ep->revoke(*next, again, deadline_after(5s)).is_ok()) << "another connection's share";
+  // A fence past their tags frees the share.
+  g.target->fence(1'000'000);
+  const LeaseTerms later{.id = 44,
+                         .op = TransferOp::kRead,
+                         .ttl = 30s,
+                         .fence = 2'000'000,
+                         .grant = g.grant({{7, 1}}, 2'000'000)};
+  auto k = attacker.ep->lease_key(*attacker.region, {&one, 1}, later, deadline_after(5s)).value();
+  EXPECT_TRUE(attacker.ep->revoke(*k, later, deadline_after(5s)).is_ok()) << "the fence gave the share back";
+}
+
+// The ranges a connection's grants may pin at the target are bounded (65,536 of them, each
+// grant one more): past that its grants are refused, and a released lease gives its share back.
+TEST(TcpTransport, AConnectionPinsABoundedNumberOfGrantedRanges) {
+  GrantedTarget g(2048);
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> runs;
+  for (std::uint64_t p = 0; p < 2000; p += 2) runs.emplace_back(p, 1);  // 1,000 runs
+  const auto grant = g.grant(std::move(runs));
+  auto c = g.client();
+  const RemoteRange first = g.page(0);
+  const auto lease = [&](std::uint64_t id) {
+    const LeaseTerms terms{.id = id, .op = TransferOp::kRead, .ttl = 30s, .fence = 1'000'000, .grant = grant};
+    return c.ep->lease_key(*c.region, {&first, 1}, terms, deadline_after(5s)).value();
+  };
+  std::vector<std::unique_ptr<RemoteKey>> held;
+  Status last;
+  for (std::uint64_t id = 1; id <= 100 && last.is_ok(); ++id) {
+    held.push_back(lease(id));
+    last = g.read(c, *held.back(), 0);
+  }
+  EXPECT_EQ(held.size(), 66u) << "65 grants of 1,001 ranges fit in 65,536, the 66th does not";
+  // The grant's refusal (kTooManyGrants) leaves the lease without one: its request is refused.
+  EXPECT_EQ(last.code(), StatusCode::kPermissionDenied) << last.to_string();
+  // A lease released gives its ranges back: the next grant fits.
+  held.erase(held.begin());
+  auto again = lease(1000);
+  const Status s = g.read(c, *again, 0);
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+}
+
 // The hole a timed-out put left open: bytes already in a socket reach the target after the
 // initiator gave up. Once a revoke or a fence has returned, none of them lands.
 TEST(TcpTransport, BytesStillQueuedUnderAnEndedLeaseNeverLand) {
@@ -530,6 +684,91 @@ TEST(TcpTransport, ConnectionsAreCappedAndIdleOnesDropped) {
   EXPECT_EQ(::recv(idle, &byte, 1, 0), 0) << "an idle connection was not dropped";
   EXPECT_LT(Clock::now() - start, 3s);
   ::close(idle);
+}
+
+// When every connection slot is taken, one that has done nothing useful for a second gives
+// way to a client that just proved the token (before, idle proven connections held every
+// slot until their idle timeout); connections that work keep theirs, and a newcomer is then
+// refused.
+TEST(TcpTransport, AnIdleConnectionGivesWayWhenEverySlotIsTaken) {
+  using namespace tcp;
+  auto target = make_tcp_transport({.max_connections = 4}).value();
+  auto remote = Buffer::allocate(1u << 16).value();
+  auto reg = target->register_memory(remote.region(), Access::kRemote).value();
+  const auto read_once = [&](int fd) {
+    RequestHeader h{};
+    h.op = static_cast<std::uint8_t>(TransferOp::kRead);
+    h.key = tcp_key_of(*reg);
+    h.addr = reinterpret_cast<std::uintptr_t>(remote.data());
+    h.length = 64;
+    std::vector<char> back(sizeof(ResponseHeader) + h.length);
+    return ::send(fd, &h, sizeof h, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof h) &&
+           ::recv(fd, back.data(), back.size(), MSG_WAITALL) == static_cast<ssize_t>(back.size());
+  };
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) held.push_back(raw_client(*target));
+  for (int fd : held) ASSERT_GE(fd, 0);
+  EXPECT_LT(raw_client(*target), 0) << "four connections proven just now, none idle: full";
+  std::this_thread::sleep_for(1200ms);
+  ASSERT_TRUE(read_once(held[0])) << "one of them works";
+  const int newcomer = raw_client(*target);
+  ASSERT_GE(newcomer, 0) << "an idle connection did not give way";
+  std::vector<int> gone;
+  for (int fd : held) {
+    timeval tv{0, 300000};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char byte;
+    if (::recv(fd, &byte, 1, 0) == 0) gone.push_back(fd);
+  }
+  ASSERT_EQ(gone.size(), 1u) << "exactly one gave way";
+  EXPECT_NE(gone[0], held[0]) << "the one that worked kept its place";
+  EXPECT_TRUE(read_once(newcomer));
+  // Everyone works now: a newcomer is refused rather than displace a working connection.
+  std::this_thread::sleep_for(1200ms);
+  for (int fd : held) {
+    if (fd != gone[0]) {
+      ASSERT_TRUE(read_once(fd));
+    }
+  }
+  ASSERT_TRUE(read_once(newcomer));
+  EXPECT_LT(raw_client(*target), 0) << "a working connection gave way";
+  for (int fd : held) ::close(fd);
+  ::close(newcomer);
+}
+
+// Only requests that do something keep a connection: one that sends nothing but releases of
+// leases it does not hold (which change nothing) is dropped at the idle timeout like a silent
+// one, while one that reads keeps its place.
+TEST(TcpTransport, RequestsThatChangeNothingDoNotKeepAConnection) {
+  using namespace tcp;
+  auto target = make_tcp_transport({.idle_timeout = 300ms}).value();
+  auto remote = Buffer::allocate(1u << 16).value();
+  auto reg = target->register_memory(remote.region(), Access::kRemote).value();
+  const auto keep_sending = [&](int fd, std::uint8_t op) {
+    RequestHeader h{};
+    h.op = op;
+    h.key = tcp_key_of(*reg);
+    h.addr = reinterpret_cast<std::uintptr_t>(remote.data());
+    h.length = op == kReleaseOp ? 0 : 64;
+    h.lease = 77;
+    std::vector<char> back(sizeof(ResponseHeader) + h.length);
+    const auto start = Clock::now();
+    while (Clock::now() - start < 1200ms) {
+      if (::send(fd, &h, sizeof h, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof h)) break;
+      if (::recv(fd, back.data(), back.size(), MSG_WAITALL) != static_cast<ssize_t>(back.size())) break;
+      std::this_thread::sleep_for(100ms);
+    }
+    return Clock::now() - start;
+  };
+  const int idle = raw_client(*target);
+  ASSERT_GE(idle, 0);
+  EXPECT_LT(keep_sending(idle, kReleaseOp), 1s) << "no-op releases kept the connection";
+  ::close(idle);
+  const int busy = raw_client(*target);
+  ASSERT_GE(busy, 0);
+  EXPECT_GE(keep_sending(busy, static_cast<std::uint8_t>(TransferOp::kRead)), 1200ms)
+      << "a connection that reads was dropped";
+  ::close(busy);
 }
 
 // Out of file descriptors, accept() fails at once for as long as the connection waits: the

@@ -56,6 +56,32 @@ TEST(TierHeader, BytesRoundTripAndAnyFlippedByteIsNoHeader) {
   EXPECT_TRUE(encode_tier_header(huge, 8192).is_ok());
 }
 
+// With the node's key a header is signed: only that key reads it back; an unkeyed header, or
+// one signed with another key, is no header to it (whoever can write the device forges those).
+TEST(TierHeader, ASignedHeaderVerifiesOnlyUnderItsNodesKey) {
+  const TierHeader h = header_of(4);
+  const auto key = tier_header_key("a-cluster-token-of-32-characters");
+  const auto other = tier_header_key("another-token-of-thirty-two-chars");
+  ASSERT_EQ(key.size(), 32u);
+  EXPECT_NE(key, other);
+  EXPECT_TRUE(tier_header_key("").empty());
+  const std::string pad(4096, '\0');
+  const std::string signed_bytes = encode_tier_header(h, 4096, key).value();
+  auto back = decode_tier_header(signed_bytes + pad, key);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(*back, h);
+  EXPECT_FALSE(decode_tier_header(signed_bytes + pad, other).has_value()) << "another node's key";
+  EXPECT_FALSE(decode_tier_header(signed_bytes + pad).has_value()) << "read as unkeyed";
+  EXPECT_FALSE(decode_tier_header(encode_tier_header(h, 4096).value() + pad, key).has_value())
+      << "an unkeyed header, to a node with a key";
+  EXPECT_FALSE(decode_tier_header(encode_tier_header(h, 4096, other).value() + pad, key).has_value());
+  for (std::size_t i = 0; i < signed_bytes.size(); i += 7) {
+    std::string bad = signed_bytes;
+    bad[i] = static_cast<char>(bad[i] ^ 0x01);
+    EXPECT_FALSE(decode_tier_header(bad + pad, key).has_value()) << "byte " << i;
+  }
+}
+
 TEST(TierLayout, OneHeaderPlacePerSlotThenTheSlots) {
   const TierLayout l(kCapacity, kPage, 512);
   EXPECT_EQ(l.header_unit, 4096u);
@@ -90,9 +116,12 @@ class TierHeadersTest : public ::testing::Test {
     Buffer b = Buffer::allocate(layout_->header_unit).value();
     std::memset(b.data(), 0, b.size());
     std::memcpy(b.data(), bytes.data(), bytes.size());
-    ASSERT_TRUE(device_->run({{.write = true, .offset = layout_->header_offset(slot), .buffer = b.data(),
-                               .length = b.size()}},
-                             deadline_after(10s))
+    ASSERT_TRUE(device_
+                    ->run({{.write = true,
+                            .offset = layout_->header_offset(slot),
+                            .buffer = b.data(),
+                            .length = b.size()}},
+                          deadline_after(10s))
                     .is_ok());
   }
 
@@ -103,7 +132,8 @@ class TierHeadersTest : public ::testing::Test {
 
 TEST_F(TierHeadersTest, AScanFindsWhatWasWrittenWholeAtItsSlotAndNothingElse) {
   ASSERT_GT(layout_->slots, 300u);
-  for (int i = 0; i < 100; ++i) put_place(static_cast<std::uint64_t>(i) * 3, encode_tier_header(header_of(i), 4096).value());
+  for (int i = 0; i < 100; ++i)
+    put_place(static_cast<std::uint64_t>(i) * 3, encode_tier_header(header_of(i), 4096).value());
   put_place(21, "");  // #7's place zeroed (another object took the slot, without a header)
   {
     // A torn header: #10 written again as a newer one, of which only its first 512 bytes

@@ -6,12 +6,14 @@
 // fail, never return other bytes.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -32,7 +34,9 @@ using test::metric;
 constexpr std::uint64_t kPage = 64 << 10;  // 16 pages of pool
 // A tier of 16 MiB: its superblock's 4 KiB, then per slot a header place of 4 KiB and a page.
 constexpr std::uint64_t kSlots = ((16 << 20) - 4096) / (kPage + 4096);
-constexpr int kObjects = 48;                // 3x the pool
+constexpr int kObjects = 48;  // 3x the pool
+// The cluster's token: the node signs its tier's headers with a key made from it.
+constexpr std::string_view kToken = "a-cluster-token-of-32-characters";
 
 std::string bytes_of(const std::string& key, int version = 0) {
   std::string out(kPage, '\0');
@@ -58,13 +62,19 @@ class TierTest : public ::testing::Test {
       const std::string probe = path_ + ".probe";
       const Status can = node::SsdDevice::open({.path = probe, .capacity = 1 << 20}).status();
       ::unlink(probe.c_str());
-      if (can.code() == StatusCode::kUnsupported) GTEST_SKIP() << "no O_DIRECT tier beside the build: " << can.to_string();
+      if (can.code() == StatusCode::kUnsupported)
+        GTEST_SKIP() << "no O_DIRECT tier beside the build: " << can.to_string();
+    }
+    {
+      std::ofstream(path_ + ".token") << kToken;
+      ::chmod((path_ + ".token").c_str(), 0600);
     }
     start_node(fault);
     if (IsSkipped() || HasFatalFailure()) return;
     StoreOptions o;
     o.redis_url = redis_->url();
     o.engine.transports = {TransportKind::kTcp};
+    o.engine.cluster_token = std::string(kToken);
     o.verify_checksum = false;  // the tier must hold without it
     o.timeout = 20s;
     auto store = Store::open(o);
@@ -78,13 +88,14 @@ class TierTest : public ::testing::Test {
   }
   // (Re)starts the node over path_ (kill it first to restart it).
   void start_node(const std::string& fault = "none") {
-    auto node = tools::LocalNode::start({.redis_url = redis_->url(),
-                                         .capacity = "1MiB",
-                                         .page_size = "64KiB",
-                                         .node_id = "tiered",
-                                         .extra_args = {"--transports", "tcp", "--huge-pages", "off", "--ssd", path_,
-                                                        "--ssd-capacity", "16MiB", "--ssd-fault", fault,
-                                                        "--heartbeat-ttl", "1s"}});
+    auto node = tools::LocalNode::start(
+        {.redis_url = redis_->url(),
+         .capacity = "1MiB",
+         .page_size = "64KiB",
+         .node_id = "tiered",
+         .extra_args = {"--transports", "tcp", "--huge-pages", "off", "--ssd", path_, "--ssd-capacity",
+                        "16MiB", "--ssd-fault", fault, "--heartbeat-ttl", "1s", "--cluster-token-file",
+                        path_ + ".token"}});
     if (!node.is_ok() && node.status().message().find("exit") != std::string::npos &&
         !std::filesystem::exists(path_)) {
       GTEST_SKIP() << "kvstashd could not open an O_DIRECT tier here: " << node.status().to_string();
@@ -97,6 +108,7 @@ class TierTest : public ::testing::Test {
     store_.reset();
     if (node_) node_->stop();
     ::unlink(path_.c_str());
+    ::unlink((path_ + ".token").c_str());
   }
 
   metadata::NodeStatus node_status() { return cell_->admin().node_status("tiered").value(); }
@@ -165,6 +177,11 @@ TEST_F(TierTest, ObjectsOutgrowingThePoolMoveDownAndComeBackByteForByte) {
   EXPECT_GE(s.promoted, static_cast<std::uint64_t>(kObjects));
   EXPECT_GE(s.written_down, static_cast<std::uint64_t>(kObjects));
   EXPECT_EQ(s.tier_lost, 0u);
+  // The cell's sums over its tiers (kvstash status's nvme line) are the node's.
+  const metadata::NodeStatus now = node_status();
+  EXPECT_EQ(s.tier_slots, now.tier_slots);
+  EXPECT_EQ(s.tier_free_slots, now.tier_free_slots);
+  EXPECT_EQ(s.tier_objects, now.tier_objects);
   const std::string m = metrics();
   EXPECT_GE(metric(m, "kvstash_tier_promotions_total"), kObjects) << m;
   EXPECT_GE(metric(m, "kvstash_tier_write_downs_total"), kObjects) << m;
@@ -196,7 +213,8 @@ TEST_F(TierTest, AGetMayDeclineThePromotionAndPrefixTiersSayWhereChunksAre) {
   auto declined = get_matches(cold, 0, false);
   ASSERT_FALSE(declined.is_ok());
   EXPECT_EQ(declined.status().code(), StatusCode::kNotFound);
-  EXPECT_NE(declined.status().message().find("NVMe tier"), std::string::npos) << declined.status().to_string();
+  EXPECT_NE(declined.status().message().find("NVMe tier"), std::string::npos)
+      << declined.status().to_string();
   EXPECT_EQ(store_->prefix_tiers({&cold, 1})->front(), Tier::kSsd) << "declining left it where it was";
   EXPECT_EQ(*get_matches(hot, 0, false), true) << "a pool object needs no promotion";
   EXPECT_EQ(*get_matches(cold), true);
@@ -253,7 +271,8 @@ TEST_F(TierTest, ADeviceThatFailsWritesLeavesObjectsInThePool) {
   EXPECT_GE(metric(metrics(), "kvstash_tier_write_down_failures_total"), 1);
   // A write-down may be taking slots this moment; between tries they are all free again.
   bool all_free = false;
-  for (const Deadline until = deadline_after(3s); !all_free && Clock::now() < until; std::this_thread::sleep_for(1ms)) {
+  for (const Deadline until = deadline_after(3s); !all_free && Clock::now() < until;
+       std::this_thread::sleep_for(1ms)) {
     all_free = node_status().tier_free_slots == kSlots;
   }
   EXPECT_TRUE(all_free) << "a failed write-down kept its slots";
@@ -382,7 +401,8 @@ TEST_F(TierTest, RedisRestartedEmptyUnderARunningNodeGetsTheRecoverableKeysBack)
     ASSERT_TRUE(same.is_ok()) << k << ": " << same.status().to_string();
     EXPECT_TRUE(*same) << k << " came back with other bytes";
   }
-  for (int i = 0; i < 24; ++i) EXPECT_EQ(get_matches(key_of(i)).status().code(), StatusCode::kNotFound) << key_of(i);
+  for (int i = 0; i < 24; ++i)
+    EXPECT_EQ(get_matches(key_of(i)).status().code(), StatusCode::kNotFound) << key_of(i);
 }
 
 // A cell that lost its Redis (restarted empty, the node killed meanwhile) gets back from the
@@ -408,7 +428,9 @@ TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
   }
   ASSERT_GE(tiered.size(), 6u);
   ASSERT_GE(plain.size(), 1u);
-  const std::string replaced = tiered[0], damaged = tiered[1];
+  ASSERT_GE(tiered.size(), 3u);
+  const std::string replaced = tiered[0], damaged = tiered[1], forged_over = tiered[2];
+  const std::string forged = "kvp:{m}forged";
   node_->kill();
   ASSERT_TRUE(redis_->restart().is_ok());  // no persistence: empty
   {
@@ -417,19 +439,34 @@ TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
     auto device = node::SsdDevice::open({.path = path_, .capacity = 16 << 20});
     ASSERT_TRUE(device.is_ok()) << device.status().to_string();
     const node::TierLayout layout((*device)->capacity(), kPage, (*device)->block_size());
-    auto headers = node::scan_tier_headers(**device, layout, deadline_after(10s));
+    const auto key = node::tier_header_key(kToken);
+    EXPECT_TRUE(node::scan_tier_headers(**device, layout, deadline_after(10s))->empty())
+        << "the headers are signed: none verifies without the node's key";
+    auto headers = node::scan_tier_headers(**device, layout, deadline_after(10s), key);
     ASSERT_TRUE(headers.is_ok()) << headers.status().to_string();
     std::uint64_t at = 0;
+    std::optional<std::pair<node::TierHeader, std::uint64_t>> victim;
     for (const auto& [h, slot] : *headers) {
       EXPECT_TRUE(h.key.starts_with("kvp:")) << "a header for " << h.key << ", not a recoverable key";
       if (h.key == damaged) at = layout.slot_offset(slot);
+      if (h.key == forged_over) victim = {h, slot};
     }
     ASSERT_GT(at, 0u) << "no header for " << damaged;
+    ASSERT_TRUE(victim.has_value()) << "no header for " << forged_over;
     device->reset();
     const int fd = ::open(path_.c_str(), O_RDWR);
     ASSERT_GE(fd, 0);
     const std::string junk(4096, '\x5a');
     ASSERT_EQ(::pwrite(fd, junk.data(), junk.size(), static_cast<off_t>(at)), 4096);
+    // Whoever can write the device but lacks the token: a header of their own (unkeyed, as
+    // the code anyone can read writes it) naming a real chunk's slots, bytes and sum.
+    node::TierHeader fake = victim->first;
+    fake.key = forged;
+    fake.sequence += 1000;
+    const auto bytes = node::encode_tier_header(fake, 4096).value();
+    ASSERT_EQ(
+        ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(layout.header_offset(victim->second))),
+        static_cast<ssize_t>(bytes.size()));
     ::fsync(fd);
     ::close(fd);
   }
@@ -438,7 +475,8 @@ TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
                                         .capacity = "1MiB",
                                         .page_size = "64KiB",
                                         .node_id = "other",
-                                        .extra_args = {"--transports", "tcp", "--huge-pages", "off"}});
+                                        .extra_args = {"--transports", "tcp", "--huge-pages", "off",
+                                                       "--cluster-token-file", path_ + ".token"}});
   ASSERT_TRUE(other.is_ok()) << other.status().to_string();
   Status again = Status::unavailable("not tried");
   for (const Deadline until = deadline_after(10s); !again.is_ok() && Clock::now() < until;) {
@@ -455,30 +493,35 @@ TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
     ns = node_status();
   }
   ASSERT_EQ(ns.recovery.state, "done");
-  EXPECT_EQ(ns.recovery.found, tiered.size());
-  EXPECT_EQ(ns.recovery.checked, tiered.size());
+  // The forged header is no header: found are the real ones less the one it overwrote.
+  EXPECT_EQ(ns.recovery.found, tiered.size() - 1);
+  EXPECT_EQ(ns.recovery.checked, tiered.size() - 1);
   EXPECT_EQ(ns.recovery.bad, 1u);
-  EXPECT_EQ(ns.recovery.admitted, tiered.size() - 2);
+  EXPECT_EQ(ns.recovery.admitted, tiered.size() - 3);
   EXPECT_EQ(ns.recovery.refused, 1u) << "the chunk written anew";
-  EXPECT_EQ(metric(metrics(), "kvstash_tier_recovered_total"), static_cast<double>(tiered.size() - 2));
+  EXPECT_EQ(metric(metrics(), "kvstash_tier_recovered_total"), static_cast<double>(tiered.size() - 3));
   {
     // What an operator sees of it.
-    const std::string cmd = tools::find_tool("kvstash") + " --redis " + redis_->url() + " node show tiered 2>&1";
+    const std::string cmd =
+        tools::find_tool("kvstash") + " --redis " + redis_->url() + " node show tiered 2>&1";
     FILE* p = ::popen(cmd.c_str(), "r");
     ASSERT_NE(p, nullptr);
     std::string shown;
     for (char buf[512]; std::fgets(buf, sizeof buf, p) != nullptr;) shown += buf;
     EXPECT_EQ(::pclose(p), 0) << shown;
-    const std::string want = "done: " + std::to_string(tiered.size()) + " of " + std::to_string(tiered.size()) +
-                             " objects on the device checked, " + std::to_string(tiered.size() - 2) + " admitted, 1 not "
+    const std::string want = "done: " + std::to_string(tiered.size() - 1) + " of " +
+                             std::to_string(tiered.size() - 1) + " objects on the device checked, " +
+                             std::to_string(tiered.size() - 3) +
+                             " admitted, 1 not "
                              "matching their sum, 1 refused";
     EXPECT_NE(shown.find(want), std::string::npos) << shown;
   }
   auto check_all = [&](const char* when) {
     for (const std::string& k : tiered) {
       auto same = get_matches(k, k == replaced ? 1 : 0);
-      if (k == damaged) {
-        EXPECT_EQ(same.status().code(), StatusCode::kNotFound) << when << ": changed bytes of " << k << " came back";
+      if (k == damaged || k == forged_over) {
+        EXPECT_EQ(same.status().code(), StatusCode::kNotFound)
+            << when << ": changed bytes of " << k << " came back";
         continue;
       }
       ASSERT_TRUE(same.is_ok()) << when << ": " << k << ": " << same.status().to_string();
@@ -486,6 +529,7 @@ TEST_F(TierTest, ACellThatLostItsRedisGetsTheRecoverableKeysBackFromTheTier) {
     }
   };
   check_all("after the recovery");
+  EXPECT_EQ(get_matches(forged).status().code(), StatusCode::kNotFound) << "a forged header was admitted";
   for (const std::string& k : plain) {
     EXPECT_EQ(get_matches(k).status().code(), StatusCode::kNotFound) << k << " is not a recoverable key";
   }

@@ -19,6 +19,7 @@ Exit 77 (skipped) when vLLM cannot be imported.
 import collections
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -789,6 +790,49 @@ class VllmConnector(unittest.TestCase):
         req = b.request("b", shared + [2])
         self.assertEqual(b.connector.get_num_new_matched_tokens(req, 0), (2 * BLOCK, False))
 
+    def test_under_turn_ttl_each_use_tells_the_cell_its_requests_turn_and_lookup(self):
+        """A turn-ttl cell keeps a chunk for a time learned per class of use: the connector's
+        saves and loads name each chunk's class (KeepHint), the request's turn counted along the
+        chain by its lookup, and count from that lookup's clock. Without hints every chunk's
+        due time would be its use's (equal in one load's script) and no record would have a
+        turn."""
+        kvstash_cli = [os.path.join(BUILD, "tools", "kvstash", "kvstash"), "--redis", URL]
+        out = subprocess.run(kvstash_cli + ["policy", "turn-ttl", "--yes"], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        try:
+            first = [83 + (i * 41) % 900 for i in range(3 * BLOCK)]
+            second = first + [97 + (i * 43) % 900 for i in range(2 * BLOCK)]
+            a = Engine()
+            a.run("turn-1", first + [1])
+            self.assertEqual(a.saved(), 3)
+            b = Engine()  # the conversation's next turn, on another engine: loads 3, saves 2
+            b.run("turn-2", second + [2])
+            self.assertEqual(b.workers[0][0]._stats["chunks_loaded"], 3)
+            self.assertEqual(b.saved(), 2)
+            g = b.connector.geometry
+            keys = g.all_keys(second)
+            self.assertEqual(len(keys), 5 * g.parts())
+
+            def field(*args):
+                return subprocess.run(["redis-cli", "-u", URL, *args], capture_output=True, text=True,
+                                      check=True).stdout.strip()
+
+            turns = [field("HGET", f"{engine_fixture.CELL_PREFIX}:obj:{k}", "turn") for k in keys]
+            self.assertEqual(turns, ["1"] * 3 * g.parts() + ["2"] * 2 * g.parts(),
+                             "each chunk's record names the turn of the request that put it")
+            due = [float(field("ZSCORE", f"{engine_fixture.CELL_PREFIX}:ttl:due", k)) for k in keys]
+            # The second request's uses, loads and saves alike, all count from its lookup: each
+            # chunk due a microsecond of the cell's clock before the one it leads to.
+            for c in range(5):
+                chunk = due[c * g.parts():(c + 1) * g.parts()]
+                self.assertEqual(len(set(chunk)), 1, f"chunk {c}'s objects are due at once")
+                if c:
+                    self.assertAlmostEqual(due[(c - 1) * g.parts()] - chunk[0], 1e-6, delta=2e-7,
+                                           msg=f"chunk {c} is not due just before chunk {c - 1}: {due}")
+        finally:
+            out = subprocess.run(kvstash_cli + ["policy", "lru", "--yes"], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+
     def test_a_load_error_becomes_recomputed_blocks(self):
         shared = [21 + (i * 17) % 900 for i in range(3 * BLOCK)]
         a = Engine()
@@ -1065,7 +1109,7 @@ class VllmConnector(unittest.TestCase):
         first, second = g.keys(shared, 0), g.keys(shared, per_stage)  # stage 0's and stage 1's first heads
         self.assertTrue(first[0].endswith(":l0+1/2:h0+1/2") and second[0].endswith(":l1+1/2:h0+1/2"), first[0])
         self.assertEqual(store.contains_prefix(g.all_keys(shared)) // g.parts(), 2)
-        self.assertEqual(Engine().connector._found_chunks(shared + [2], 2, ("", [])), 0,
+        self.assertEqual(Engine().connector._found_chunks(shared + [2], 2, ("", []))[0], 0,
                          "one stage's objects are not a whole model's")
         store.remove(second[1])  # stage 1's second chunk goes: only the first is whole
         b = Engine(pp_size=2)

@@ -109,6 +109,16 @@ kvstash_status kvstash_announce(kvstash_store* store, const char* const* item_ke
  * the keys of kvstash_kvcache_key. */
 kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
                                        uint32_t timeout_ms, size_t* count);
+/* kvstash_contains_prefix (out->hit), and the request's conversation turn and the cell's
+ * turn-ttl clock (0 under another policy): what a turn-ttl cell's keep hints name
+ * (docs/operations.md, "Choosing an eviction policy"). */
+typedef struct kvstash_prefix_lookup {
+  size_t hit;
+  uint32_t turn;
+  double clock;
+} kvstash_prefix_lookup;
+kvstash_status kvstash_lookup_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                     uint32_t timeout_ms, kvstash_prefix_lookup* out);
 /* Whether each of `keys` (one chain's objects) is stored: out[i] is 1 or 0 (`out`
  * holds n_keys). One round trip: a hybrid model's lookup, whose KV-cache groups need
  * different chunks of a prefix. */
@@ -246,6 +256,20 @@ kvstash_status kvstash_kvcache_key(const kvstash_kvcache* kv, const uint32_t* to
 kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                                uint32_t timeout_ms, size_t* chunks);
 
+/* What a request's loads and saves tell a cell whose eviction policy is turn-ttl (KvKeep): its
+ * conversation turn, the cell's clock at its lookup, the prompt's chunks, the hash of its first
+ * missing chunk's key. */
+typedef struct kvstash_kv_keep {
+  uint32_t turn;
+  double looked_up;
+  uint32_t chunks;
+  uint64_t split_hash;
+} kvstash_kv_keep;
+/* kvstash_kvcache_contains_prefix, with the request's keep (KvCache::lookup_prefix): pass it to
+ * kvstash_kvcache_begin_save_keep and kvstash_kvcache_begin_load_range_keep. */
+kvstash_status kvstash_kvcache_lookup_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                             uint32_t timeout_ms, size_t* chunks, kvstash_kv_keep* keep);
+
 /* Layer-wise save of chunks [first, first + count): block_ids[i] holds tokens [i * block_size,
  * (i + 1) * block_size). Then kvstash_save_layer for layers 0, 1, ... in order as each is
  * written, and kvstash_save_finish (KvSave::wait: commits; per_chunk gets `count` statuses
@@ -254,6 +278,11 @@ kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32
 kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* block_ids, size_t n_block_ids, size_t first,
                                           size_t count, uint32_t timeout_ms, kvstash_save** out);
+/* With the request's keep (kvstash_kvcache_lookup_prefix; NULL: none). */
+kvstash_status kvstash_kvcache_begin_save_keep(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                               const uint32_t* block_ids, size_t n_block_ids, size_t first,
+                                               size_t count, uint32_t timeout_ms, const kvstash_kv_keep* keep,
+                                               kvstash_save** out);
 /* Saves the layer once CUDA's legacy default stream's work up to this call is done (for a
  * host cache: at once). */
 kvstash_status kvstash_save_layer(kvstash_save* save, uint32_t layer);
@@ -280,6 +309,12 @@ kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint3
                                                 const uint32_t* block_ids, size_t n_block_ids, size_t first,
                                                 size_t count, uint32_t timeout_ms, kvstash_sync after,
                                                 kvstash_load** out);
+/* With the request's keep (kvstash_kvcache_lookup_prefix; NULL: none). */
+kvstash_status kvstash_kvcache_begin_load_range_keep(kvstash_kvcache* kv, const uint32_t* tokens,
+                                                     size_t n_tokens, const uint32_t* block_ids,
+                                                     size_t n_block_ids, size_t first, size_t count,
+                                                     uint32_t timeout_ms, kvstash_sync after,
+                                                     const kvstash_kv_keep* keep, kvstash_load** out);
 kvstash_status kvstash_load_wait_layer(kvstash_load* load, uint32_t layer);
 int kvstash_load_layer_ready(const kvstash_load* load, uint32_t layer);
 /* KvLoad::wait_layer_on: `stream` (a cudaStream_t; NULL is the legacy default stream) waits on

@@ -222,6 +222,22 @@ std::vector<std::string> prefix_object_keys(const KvTokens& tokens, const Prefix
 
 class KvCache;
 
+// What a request's loads and saves tell a turn-ttl cell of it (a KeepHint per object): from
+// its prefix lookup (KvCache::lookup_prefix, or Store::lookup_prefix over keys of one's own).
+// Under another policy the cell ignores it.
+struct KvKeep {
+  std::uint32_t turn = 1;        // the request's conversation turn (PrefixLookup::turn)
+  double looked_up = 0;          // the cell's clock at the lookup (PrefixLookup::clock)
+  std::uint32_t chunks = 0;      // the prompt's chunks the request looks up and saves
+  std::uint64_t split_hash = 0;  // KeepHint::hash_key of the first chunk missing (else the last)
+};
+
+// A request's prefix lookup (KvCache::lookup_prefix).
+struct KvLookup {
+  std::size_t chunks = 0;  // leading full chunks stored (contains_prefix)
+  KvKeep keep;             // for the request's begin_load and begin_save
+};
+
 // A point in an inference engine's GPU work, as the engine holds it (not owned), that the
 // cache orders its own work after. The three kinds, as CUDA defines them:
 //
@@ -502,37 +518,45 @@ class KvCache {
 
   // How many leading full chunks of `tokens` the store holds.
   Result<std::size_t> contains_prefix(const KvTokens& tokens, std::optional<Deadline> deadline = {});
+  // contains_prefix (one round trip too), with what the request's loads and saves tell a
+  // turn-ttl cell (pass `keep` on to them: without it, the cell keeps their chunks as LRU
+  // would).
+  Result<KvLookup> lookup_prefix(const KvTokens& tokens, std::optional<Deadline> deadline = {});
 
   // Saves chunks [first, first + count) of a request: `block_ids[i]` holds tokens
   // [i * block_size, (i + 1) * block_size). One Status per chunk: a chunk that failed can be
   // saved again (or recomputed) alone. kInvalidArgument for every chunk when the tokens or
   // blocks do not cover them.
   std::vector<Status> save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                           std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
+                           std::size_t first, std::size_t count, std::optional<Deadline> deadline = {},
+                           const std::optional<KvKeep>& keep = {});
 
   // Loads the first `count` chunks into `block_ids`' blocks. One Status per chunk
   // (kNotFound for one evicted meanwhile: recompute from there).
   std::vector<Status> load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                           std::size_t count, std::optional<Deadline> deadline = {});
+                           std::size_t count, std::optional<Deadline> deadline = {},
+                           const std::optional<KvKeep>& keep = {});
 
   // Layer-wise forms. begin_save reserves chunks [first, first + count) (the tokens and
   // blocks are copied; the blocks' memory must not change until wait() returned). Errors
   // for the whole request: kInvalidArgument (tokens or blocks do not cover the chunks);
-  // per chunk (kNoSpace, ...) through wait().
+  // per chunk (kNoSpace, ...) through wait(). `keep` (here and in the loads): the request's
+  // lookup's, for a turn-ttl cell.
   Result<KvSave> begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                            std::size_t first, std::size_t count, std::optional<Deadline> deadline = {});
+                            std::size_t first, std::size_t count, std::optional<Deadline> deadline = {},
+                            const std::optional<KvKeep>& keep = {});
   // Starts loading the first `count` chunks; every chunk's transfer runs at once. No byte of
   // the blocks is written before the engine's work up to `after` is done (the blocks may have
   // belonged to a request whose kernels still read them; the default is the legacy default
   // stream, as KvSync says). kInvalidArgument for a handle the device cannot use.
   Result<KvLoad> begin_load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                             std::size_t count, std::optional<Deadline> deadline = {},
-                            const KvSync& after = {});
+                            const KvSync& after = {}, const std::optional<KvKeep>& keep = {});
   // Chunks [first, first + count) only (the engine already holds the ones before, e.g. in
   // its own prefix cache); the KvLoad's statuses count from chunk `first`.
   Result<KvLoad> begin_load_range(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                                   std::size_t first, std::size_t count, std::optional<Deadline> deadline = {},
-                                  const KvSync& after = {});
+                                  const KvSync& after = {}, const std::optional<KvKeep>& keep = {});
 
  private:
   friend class KvSave;

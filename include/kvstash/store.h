@@ -150,6 +150,43 @@ struct OpTimings {
   std::chrono::nanoseconds node{0};
 };
 
+// How a use of a prompt's chunk is kept where the cell's eviction policy is turn-ttl
+// (docs/operations.md, "Choosing an eviction policy"): its class, from the request it belongs
+// to. KV caches fill it from their prefix lookup (Store::lookup_prefix gives the turn); other
+// policies ignore it, and a use without one is kept as LRU keeps it.
+struct KeepHint {
+  std::uint32_t turn = 1;    // the request's conversation turn (PrefixLookup::turn)
+  std::uint32_t chunks = 0;  // the prompt's chunks the request looks up and saves
+  std::uint32_t index = 0;   // this chunk's place among them
+  std::uint32_t tokens = 0;  // the tokens the chunk holds
+  // A hash of this chunk's key (one chunk in eight is sampled to learn reuse gaps from), and
+  // of the request's first missing chunk's (or its last): which of the two keep-times a split
+  // class gives the request.
+  std::uint64_t key_hash = 0;
+  std::uint64_t split_hash = 0;
+  // The cell's clock when the request looked its prefix up (PrefixLookup::clock): its uses all
+  // count from then, so that the order of its chunks is the prompt's however long its loads
+  // and saves take (never later than the use, nor a minute before it). 0: when the cell sees
+  // the use.
+  double looked_up = 0;
+
+  // Whether this chunk is one the cell learns from (one in kSampleOneIn), and the request's
+  // draw (0 to 65535) between a split class's two keep-times: Fibonacci hashing of the hashes.
+  static constexpr std::uint32_t kSampleOneIn = 8;
+  bool sampled() const;
+  std::uint32_t draw() const;
+  // A key's hash for key_hash and split_hash (XXH3-64 of its bytes): the same in every process,
+  // so every engine samples the same chunks (Python: kvstash.keep_key_hash).
+  static std::uint64_t hash_key(std::string_view key);
+};
+
+// A prefix lookup's answer (Store::lookup_prefix).
+struct PrefixLookup {
+  std::size_t hit = 0;     // leading keys present (contains_prefix)
+  std::uint32_t turn = 1;  // the request's conversation turn, as turn-ttl counts it (KeepHint)
+  double clock = 0;        // turn-ttl's clock when the cell answered (KeepHint::looked_up); else 0
+};
+
 struct PutOptions {
   // The object expires this long after the put; 0: never (until removed or evicted).
   std::chrono::milliseconds ttl{0};
@@ -173,6 +210,8 @@ struct PutOptions {
   // is written and committed in turn, the object itself last; a put that fails midway may
   // leave copies of its bytes, as a failed put may have committed.
   std::uint32_t replicas = 1;
+  // The use this put is, for a turn-ttl cell (KeepHint).
+  std::optional<KeepHint> keep;
 };
 
 // Cancels gets from another thread (GetOptions::cancel). A default token cancels nothing;
@@ -234,6 +273,9 @@ struct GetOptions {
   // kNotFound instead, its message saying it is on the tier (the caller would rather
   // recompute); Store::prefix_tiers tells beforehand.
   bool promote = true;
+  // The use this get is, for a turn-ttl cell (KeepHint). A get that names a batch of leases
+  // (`leases`) was hinted by Store::lease_reads instead.
+  std::optional<KeepHint> keep;
 };
 
 // Where an object is (Store::prefix_tiers): in a memory node's pool, or on its NVMe tier.
@@ -348,7 +390,9 @@ class Store {
   // Leases `keys` for reading in one Redis round trip per cell (ReadLeases), for gets that
   // name the batch. Keys whose cell is not settled (previous_cells set) are left out: their
   // gets lease for themselves. Errors: kInvalidArgument (a bad key), kUnavailable, kTimeout.
-  Result<ReadLeases> lease_reads(std::span<const std::string> keys, std::optional<Deadline> deadline = {});
+  // `keep`: the uses they are, for a turn-ttl cell (KeepHint), one per key, or none.
+  Result<ReadLeases> lease_reads(std::span<const std::string> keys, std::optional<Deadline> deadline = {},
+                                 std::span<const KeepHint> keep = {});
 
   // Commits every stream (PutStream::commit each), those whose pages came from this client's
   // reservation in one Redis round trip per cell: a KV save's chunks, ready together. Per
@@ -362,6 +406,10 @@ class Store {
   // prefix when keys are a sequence of prefix chunks. One Redis round trip.
   Result<std::size_t> contains_prefix(std::span<const std::string> keys,
                                       std::optional<Deadline> deadline = {});
+  // contains_prefix, and the request's conversation turn, for the KeepHints of its loads and
+  // saves. One round trip.
+  Result<PrefixLookup> lookup_prefix(std::span<const std::string> keys,
+                                     std::optional<Deadline> deadline = {});
   // contains_prefix, and where each of those leading keys is: a get of one on a node's NVMe
   // tier costs a promotion first (a load to weigh against a recompute). One round trip.
   Result<std::vector<Tier>> prefix_tiers(std::span<const std::string> keys,

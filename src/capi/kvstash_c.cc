@@ -84,6 +84,11 @@ kvstash_status per_chunk_result(const std::vector<kvstash::Status>& all, kvstash
   return report(first);
 }
 
+// A request's keep fields as the C++ API takes them (C++ linkage: it returns a C++ type).
+std::optional<kvstash::KvKeep> keep_of(const kvstash_kv_keep* keep) {
+  if (keep == nullptr) return std::nullopt;
+  return kvstash::KvKeep{keep->turn, keep->looked_up, keep->chunks, keep->split_hash};
+}
 }  // namespace
 
 extern "C" {
@@ -211,6 +216,21 @@ kvstash_status kvstash_contains_prefix(kvstash_store* store, const char* const* 
   auto n = store->store->contains_prefix(k, deadline_of(timeout_ms));
   if (!n.is_ok()) return report(n.status());
   *count = *n;
+  return report({});
+}
+
+kvstash_status kvstash_lookup_prefix(kvstash_store* store, const char* const* keys, size_t n_keys,
+                                     uint32_t timeout_ms, kvstash_prefix_lookup* out) {
+  if (store == nullptr || (keys == nullptr && n_keys != 0) || out == nullptr) {
+    return invalid("kvstash_lookup_prefix: store, keys and out are required");
+  }
+  std::vector<std::string> k;
+  if (!copy_keys(keys, n_keys, k)) return invalid("kvstash_lookup_prefix: a key is NULL");
+  auto found = store->store->lookup_prefix(k, deadline_of(timeout_ms));
+  if (!found.is_ok()) return report(found.status());
+  out->hit = found->hit;
+  out->turn = found->turn;
+  out->clock = found->clock;
   return report({});
 }
 
@@ -382,15 +402,36 @@ kvstash_status kvstash_kvcache_contains_prefix(kvstash_kvcache* kv, const uint32
   return report({});
 }
 
+kvstash_status kvstash_kvcache_lookup_prefix(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                             uint32_t timeout_ms, size_t* chunks, kvstash_kv_keep* keep) {
+  if (kv == nullptr || (tokens == nullptr && n_tokens != 0) || chunks == nullptr || keep == nullptr) {
+    return invalid("kvstash_kvcache_lookup_prefix: kv, tokens, chunks and keep are required");
+  }
+  auto found =
+      kv->kv->lookup_prefix(std::span<const std::uint32_t>(tokens, n_tokens), deadline_of(timeout_ms));
+  if (!found.is_ok()) return report(found.status());
+  *chunks = found->chunks;
+  *keep = {found->keep.turn, found->keep.looked_up, found->keep.chunks, found->keep.split_hash};
+  return report({});
+}
+
 kvstash_status kvstash_kvcache_begin_save(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
                                           const uint32_t* block_ids, size_t n_block_ids, size_t first,
                                           size_t count, uint32_t timeout_ms, kvstash_save** out) {
+  return kvstash_kvcache_begin_save_keep(kv, tokens, n_tokens, block_ids, n_block_ids, first, count,
+                                         timeout_ms, nullptr, out);
+}
+
+kvstash_status kvstash_kvcache_begin_save_keep(kvstash_kvcache* kv, const uint32_t* tokens, size_t n_tokens,
+                                               const uint32_t* block_ids, size_t n_block_ids, size_t first,
+                                               size_t count, uint32_t timeout_ms, const kvstash_kv_keep* keep,
+                                               kvstash_save** out) {
   if (kv == nullptr || tokens == nullptr || block_ids == nullptr || out == nullptr) {
     return invalid("kvstash_kvcache_begin_save: kv, tokens, block_ids and out are required");
   }
   *out = nullptr;
   auto s = kv->kv->begin_save(std::span<const std::uint32_t>(tokens, n_tokens), {block_ids, n_block_ids},
-                              first, count, deadline_of(timeout_ms));
+                              first, count, deadline_of(timeout_ms), keep_of(keep));
   if (!s.is_ok()) return report(s.status());
   *out = new kvstash_save{std::move(s).value(), count};
   return report({});
@@ -427,14 +468,24 @@ kvstash_status kvstash_kvcache_begin_load_range(kvstash_kvcache* kv, const uint3
                                                 const uint32_t* block_ids, size_t n_block_ids, size_t first,
                                                 size_t count, uint32_t timeout_ms, kvstash_sync after,
                                                 kvstash_load** out) {
+  return kvstash_kvcache_begin_load_range_keep(kv, tokens, n_tokens, block_ids, n_block_ids, first, count,
+                                               timeout_ms, after, nullptr, out);
+}
+
+kvstash_status kvstash_kvcache_begin_load_range_keep(kvstash_kvcache* kv, const uint32_t* tokens,
+                                                     size_t n_tokens, const uint32_t* block_ids,
+                                                     size_t n_block_ids, size_t first, size_t count,
+                                                     uint32_t timeout_ms, kvstash_sync after,
+                                                     const kvstash_kv_keep* keep, kvstash_load** out) {
   if (kv == nullptr || tokens == nullptr || block_ids == nullptr || out == nullptr) {
     return invalid("kvstash_kvcache_begin_load: kv, tokens, block_ids and out are required");
   }
   *out = nullptr;
   auto sync = sync_of(after);
   if (!sync.is_ok()) return report(sync.status());
-  auto l = kv->kv->begin_load_range(std::span<const std::uint32_t>(tokens, n_tokens),
-                                    {block_ids, n_block_ids}, first, count, deadline_of(timeout_ms), *sync);
+  auto l =
+      kv->kv->begin_load_range(std::span<const std::uint32_t>(tokens, n_tokens), {block_ids, n_block_ids},
+                               first, count, deadline_of(timeout_ms), *sync, keep_of(keep));
   if (!l.is_ok()) return report(l.status());
   *out = new kvstash_load{std::move(l).value(), count};
   return report({});

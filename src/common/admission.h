@@ -1,5 +1,6 @@
 // What a listener does with peers that have not proven the cluster token yet (tcp, verbs):
-// GuessThrottle makes guessing the token cost time.
+// GuessThrottle makes guessing the token cost time; UnprovenBudget bounds the handshakes in
+// progress without letting a flood displace a slow client's.
 //
 // Failed proofs put the peer's address in backoff (after a few, each further failure doubling
 // it, up to a ceiling). Every proof from an address that has not proven the token recently is checked
@@ -19,7 +20,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -74,6 +78,8 @@ class GuessThrottle {
   // The peer proved the token: forgets its failures, lets it pass the listener's limit, and
   // gives back what may_check spent (`spent`).
   void proven(std::string_view peer, bool spent, Clock::time_point now = Clock::now());
+  // Whether `peer` proved the token within known_for.
+  bool known(std::string_view peer, Clock::time_point now = Clock::now());
 
  private:
   struct Failing {
@@ -91,6 +97,47 @@ class GuessThrottle {
   Clock::time_point refilled_{};
   std::unordered_map<std::string, Failing> failing_;
   std::unordered_map<std::string, Clock::time_point> proven_;  // address -> last proof
+};
+
+// The handshakes a listener has in progress, at most `capacity`. When it is full, a new one
+// takes the place of the oldest handshake of the source that holds the most places (an IPv4
+// address, an IPv6 /64), and a source that proved the token recently is displaced only by
+// another such: a flood from a few sources displaces its own handshakes, so that a client
+// holding one place keeps it for as long as its round trip takes (the transport's handshake
+// timeout bounds that), whatever the flood's rate. A flood from more sources than the budget
+// has places still displaces unknown clients, never known ones.
+//
+// Thread safety: none; the listener holds its own lock around every call.
+class UnprovenBudget {
+ public:
+  explicit UnprovenBudget(std::size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
+
+  // A place for a handshake from `peer` (`known`: it proved the token recently), which `drop`
+  // ends; the id to remove() it by, or 0 when the budget is full of places it may not take.
+  // A displaced handshake's `drop` is called here.
+  std::uint64_t add(std::string_view peer, bool known, std::function<void()> drop);
+  // The handshake ended (proven, failed or gone); no-op for an id no longer held.
+  void remove(std::uint64_t id);
+  std::size_t size() const { return places_.size(); }
+  std::uint64_t displaced() const { return displaced_; }
+
+  // The source a peer's address counts under: itself (IPv4), its /64 (IPv6).
+  static std::string source_of(std::string_view peer);
+
+ private:
+  struct Place {
+    std::string source_key;  // in sources_
+    bool known = false;
+    std::function<void()> drop;
+  };
+  struct Source {
+    std::set<std::uint64_t> ids;  // oldest first
+    bool known = false;
+  };
+  std::size_t capacity_;
+  std::uint64_t next_ = 0, displaced_ = 0;
+  std::map<std::uint64_t, Place> places_;
+  std::unordered_map<std::string, Source> sources_;  // keyed by (known ? "+" : "-") + source
 };
 
 }  // namespace kvstash::admission

@@ -10,6 +10,7 @@
 // stays a sound MAC, SHA1's collisions notwithstanding.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -23,6 +24,11 @@
 namespace kvstash::grant {
 
 inline constexpr std::size_t kKeyBytes = 32;
+
+// The longest lease a cell grants (its scripts refuse a longer one: prelude.lua's MAX_LEASE_MS),
+// so no grant's deadline lies further than this past the cell's clock when it is signed; a
+// memory node refuses one that does (a grant minted with a leaked key, for years).
+inline constexpr std::chrono::milliseconds kMaxLease{600000};
 
 struct Terms {
   std::string issuer;

@@ -62,12 +62,7 @@ Result<std::string> read_secret(const std::string& path, bool private_only) {
     struct stat st {};
     if (::fstat(fd, &st) != 0)
       return Status::invalid_argument("cannot stat " + path + ": " + errno_text(errno));
-    if ((st.st_mode & 077) != 0) {
-      char mode[8];
-      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-      return Status::invalid_argument(path + " may be read or written by group or others (mode " + mode +
-                                      "): a secret file must be private to its owner; run chmod 600 " + path);
-    }
+    KVSTASH_RETURN_IF_ERROR(check_owner_only(st.st_mode, path, "a secret file must be private to its owner"));
   }
   std::string s;
   char buf[4096];
@@ -89,6 +84,14 @@ Result<std::string> read_secret(const std::string& path, bool private_only) {
 }
 
 }  // namespace
+
+Status check_owner_only(unsigned mode, const std::string& path, std::string_view why) {
+  if ((mode & 077) == 0) return {};
+  char octal[8];
+  std::snprintf(octal, sizeof octal, "%04o", mode & 07777);
+  return Status::invalid_argument(path + " may be read or written by group or others (mode " + octal +
+                                  "): " + std::string(why) + "; run chmod 600 " + path);
+}
 
 Result<std::string> read_secret_file(const std::string& path) { return read_secret(path, false); }
 

@@ -30,6 +30,10 @@ void* map_shared(int fd, std::size_t length, std::uint64_t offset, bool populate
 // configuration).
 Result<std::string> read_secret_file(const std::string& path);
 
+// OK when `mode` (a file's st_mode) lets only its owner read or write the file at `path`, else
+// kInvalidArgument naming the path, the mode, `why` it must be private and the fix (chmod 600).
+Status check_owner_only(unsigned mode, const std::string& path, std::string_view why);
+
 // A secret that must stay private to its owner (the cluster token), checked as ssh checks a
 // private key: read_secret_file's contents, or kInvalidArgument naming the path, its mode and
 // the fix (chmod 600) when group or others may read or write it (mode & 077), and naming the

@@ -228,8 +228,39 @@ Result<std::size_t> KvCache::contains_prefix(const KvTokens& tokens, std::option
   return objects / impl_->per_chunk();
 }
 
+Result<KvLookup> KvCache::lookup_prefix(const KvTokens& tokens, std::optional<Deadline> deadline) {
+  const auto k = keys(tokens);
+  const std::size_t per_chunk = impl_->per_chunk();
+  KvLookup out;
+  out.keep.chunks = static_cast<std::uint32_t>(k.size() / per_chunk);
+  if (k.empty()) return out;
+  KVSTASH_ASSIGN_OR_RETURN(const PrefixLookup found, impl_->store->lookup_prefix(k, deadline));
+  out.chunks = found.hit / per_chunk;
+  out.keep.turn = found.turn;
+  out.keep.looked_up = found.clock;
+  out.keep.split_hash =
+      KeepHint::hash_key(k[std::min<std::size_t>(out.chunks, out.keep.chunks - 1) * per_chunk]);
+  return out;
+}
+
+namespace {
+// Chunk `chunk`'s object `key` as a use of the request `keep` describes.
+std::optional<KeepHint> keep_hint(const std::optional<KvKeep>& keep, std::size_t chunk,
+                                  std::size_t chunk_tokens, std::string_view key) {
+  if (!keep) return std::nullopt;
+  return KeepHint{.turn = keep->turn,
+                  .chunks = std::max(keep->chunks, static_cast<std::uint32_t>(chunk + 1)),
+                  .index = static_cast<std::uint32_t>(chunk),
+                  .tokens = static_cast<std::uint32_t>(chunk_tokens),
+                  .key_hash = KeepHint::hash_key(key),
+                  .split_hash = keep->split_hash,
+                  .looked_up = keep->looked_up};
+}
+}  // namespace
+
 Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                                   std::size_t first, std::size_t count, std::optional<Deadline> deadline) {
+                                   std::size_t first, std::size_t count, std::optional<Deadline> deadline,
+                                   const std::optional<KvKeep>& keep) {
   KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens.ids, block_ids, first, count));
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_unique<KvSave::State>();
@@ -250,8 +281,11 @@ Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::
       chunk.bounce = std::move(b).value();
     }
     // One checksum segment per layer: each layer's sum is the one its device computed.
-    auto stream = impl_->store->begin_put(chunk.key, impl_->chunk_bytes(),
-                                          {.deadline = deadline, .checksum_segment = impl_->layer_bytes()});
+    auto stream = impl_->store->begin_put(
+        chunk.key, impl_->chunk_bytes(),
+        {.deadline = deadline,
+         .checksum_segment = impl_->layer_bytes(),
+         .keep = keep_hint(keep, u / per_chunk, impl_->keys.chunk_tokens, chunk.key)});
     if (stream.is_ok()) {
       chunk.stream = std::move(stream).value();
     } else {
@@ -264,13 +298,15 @@ Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::
 }
 
 Result<KvLoad> KvCache::begin_load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                                   std::size_t count, std::optional<Deadline> deadline, const KvSync& after) {
-  return begin_load_range(tokens, block_ids, 0, count, deadline, after);
+                                   std::size_t count, std::optional<Deadline> deadline, const KvSync& after,
+                                   const std::optional<KvKeep>& keep) {
+  return begin_load_range(tokens, block_ids, 0, count, deadline, after, keep);
 }
 
 Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                                          std::size_t first, std::size_t count,
-                                         std::optional<Deadline> deadline, const KvSync& after) {
+                                         std::optional<Deadline> deadline, const KvSync& after,
+                                         const std::optional<KvKeep>& keep) {
   KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens.ids, block_ids, first, count));
   impl_->reap();  // earlier loads' bounce buffers the engine's streams are done with
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
@@ -313,7 +349,11 @@ Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const
   }
   // One Redis round trip leases every chunk (a chunk's get without one leases for itself).
   const auto unit_keys = std::span(k).subspan(first * per_chunk, units);
-  if (auto leases = impl_->store->lease_reads(unit_keys, deadline); leases.is_ok()) {
+  std::vector<KeepHint> hints;
+  for (std::size_t c = 0; keep && c < units; ++c) {
+    hints.push_back(*keep_hint(keep, first + c / per_chunk, impl_->keys.chunk_tokens, unit_keys[c]));
+  }
+  if (auto leases = impl_->store->lease_reads(unit_keys, deadline, hints); leases.is_ok()) {
     st->leases = std::move(leases).value();
   } else {
     KVSTASH_LOG_DEBUG("kvcache: leasing {} chunks at once failed, each leases for itself: {}", count,
@@ -330,16 +370,18 @@ Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const
 }
 
 std::vector<Status> KvCache::save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                                  std::size_t first, std::size_t count, std::optional<Deadline> deadline) {
-  auto s = begin_save(tokens, block_ids, first, count, deadline);
+                                  std::size_t first, std::size_t count, std::optional<Deadline> deadline,
+                                  const std::optional<KvKeep>& keep) {
+  auto s = begin_save(tokens, block_ids, first, count, deadline, keep);
   if (!s.is_ok()) return std::vector<Status>(count, s.status());
   for (std::uint32_t l = 0; l < impl_->layout.shape().num_layers; ++l) (void)s->save_layer(l);
   return s->wait();
 }
 
 std::vector<Status> KvCache::load(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
-                                  std::size_t count, std::optional<Deadline> deadline) {
-  auto l = begin_load(tokens, block_ids, count, deadline);
+                                  std::size_t count, std::optional<Deadline> deadline,
+                                  const std::optional<KvKeep>& keep) {
+  auto l = begin_load(tokens, block_ids, count, deadline, {}, keep);
   if (!l.is_ok()) return std::vector<Status>(count, l.status());
   return l->wait();
 }

@@ -1,6 +1,7 @@
 #include "metadata/catalog.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "metadata/catalog_common.h"
 #include "metadata/scripts.h"
@@ -73,11 +74,12 @@ Result<Placement> Catalog::place_put(std::string_view token, std::string_view ke
 
 Status Catalog::commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                            std::string_view layout, std::chrono::milliseconds ttl,
-                           const std::optional<std::string>& if_version, std::uint32_t copies) {
+                           const std::optional<std::string>& if_version, std::uint32_t copies,
+                           std::string_view keep) {
   std::string sum = sum::to_text(checksum), t = ms(ttl), n = std::to_string(copies);
   // "" unconditional, "!" no object, "=<token>" that object.
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
-  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n}).status();
+  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n, keep}).status();
 }
 
 Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const std::string> fenced) {
@@ -88,11 +90,11 @@ Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const
 }
 
 Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
-                                         std::chrono::milliseconds lease,
-                                         std::span<const NodeEndpoint> avoid) {
+                                         std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid,
+                                         std::string_view for_key) {
   std::string n = std::to_string(size), x = std::to_string(extra), l = ms(lease);
-  KVSTASH_ASSIGN_OR_RETURN(
-      Reply r, redis_.eval(scripts::reserve_pages(), {prefix_}, with_avoided({token, n, x, l}, avoid)));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::reserve_pages(), {prefix_},
+                                                with_avoided({token, n, x, l, for_key}, avoid)));
   if (r.type() != Reply::Type::kArray || r.size() < 3) return corrupt("unexpected reply to reserve_pages");
   KVSTASH_ASSIGN_OR_RETURN(Placement p, detail::parse_placement(detail::items_of(r.raw()), 0, 1, 2, 3));
   const std::uint64_t need = pages_for(size, p.page_size);
@@ -106,14 +108,14 @@ Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t s
 Status Catalog::commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                                 std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                                 std::chrono::milliseconds ttl, const std::optional<std::string>& if_version,
-                                std::uint32_t copies) {
+                                std::uint32_t copies, std::string_view keep) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string first = std::to_string(pages.first), count = std::to_string(pages.count);
   std::string n = std::to_string(size), sum = sum::to_text(checksum), t = ms(ttl), c = std::to_string(copies);
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
   return redis_
       .eval(scripts::commit_reserved(), {prefix_},
-            {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c})
+            {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c, keep})
       .status();
 }
 
@@ -122,7 +124,7 @@ Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCo
   std::vector<std::string> texts;
   texts.reserve(puts.size() * 7);
   std::vector<std::string_view> args;
-  args.reserve(puts.size() * 11);
+  args.reserve(puts.size() * 12);
   for (const ReservedCommit& p : puts) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(p.key));
     const std::size_t at = texts.size();
@@ -134,7 +136,7 @@ Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCo
     texts.push_back(!p.if_version ? "" : p.if_version->empty() ? "!" : "=" + *p.if_version);
     texts.push_back(std::to_string(p.copies));
     args.insert(args.end(), {p.pages.reservation, texts[at], texts[at + 1], p.token, p.key, texts[at + 2],
-                             texts[at + 3], p.layout, texts[at + 4], texts[at + 5], texts[at + 6]});
+                             texts[at + 3], p.layout, texts[at + 4], texts[at + 5], texts[at + 6], p.keep});
   }
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::commit_reserveds(), {prefix_}, args));
   return statuses_of(r, puts.size(), "commit_reserveds");
@@ -205,24 +207,29 @@ Result<ReadLease> read_lease_of(std::span<const redisReply* const> r, std::strin
 }  // namespace
 
 Result<ReadLease> Catalog::begin_get(std::string_view key, std::string_view reader,
-                                     std::chrono::milliseconds lease, bool promote) {
+                                     std::chrono::milliseconds lease, bool promote, std::string_view keep) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string l = ms(lease);
   KVSTASH_ASSIGN_OR_RETURN(
-      Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l, promote ? "0" : "1"}));
+      Reply r, redis_.eval(scripts::begin_get(), {prefix_}, {key, reader, l, promote ? "0" : "1", keep}));
   if (r.type() != Reply::Type::kArray) return corrupt("unexpected reply to begin_get");
   return read_lease_of(detail::items_of(r.raw()), key);
 }
 
 Result<std::vector<Result<ReadLease>>> Catalog::begin_gets(std::span<const std::string> keys,
                                                            std::span<const std::string> readers,
-                                                           std::chrono::milliseconds lease) {
+                                                           std::chrono::milliseconds lease,
+                                                           std::span<const std::string> keep) {
   if (readers.size() != keys.size()) return Status::invalid_argument("begin_gets: one reader per key");
+  if (!keep.empty() && keep.size() != keys.size())
+    return Status::invalid_argument("begin_gets: one hint per key");
   for (const auto& k : keys) KVSTASH_RETURN_IF_ERROR(validate_object_key(k));
   std::string l = ms(lease);
   std::vector<std::string_view> args{l};
-  args.reserve(1 + 2 * keys.size());
-  for (std::size_t i = 0; i < keys.size(); ++i) args.insert(args.end(), {keys[i], readers[i]});
+  args.reserve(1 + 3 * keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    args.insert(args.end(), {keys[i], readers[i], keep.empty() ? std::string_view() : keep[i]});
+  }
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::begin_gets(), {prefix_}, args));
   if (r.type() != Reply::Type::kArray || r.size() != keys.size())
     return corrupt("unexpected reply to begin_gets");
@@ -290,6 +297,16 @@ Status Catalog::touch(std::string_view key, std::chrono::milliseconds ttl) {
   return redis_.eval(scripts::touch(), {prefix_}, {key, t}).status();
 }
 
+std::string keep_hint_text(const std::optional<KeepHint>& hint) {
+  if (!hint) return {};
+  char clock[32];
+  const auto [end, ec] = std::to_chars(clock, clock + sizeof clock, std::max(hint->looked_up, 0.0));
+  return std::to_string(std::max<std::uint32_t>(hint->turn, 1)) + ' ' + std::to_string(hint->chunks) + ' ' +
+         std::to_string(hint->index) + ' ' + std::to_string(hint->tokens) + ' ' +
+         (hint->sampled() ? '1' : '0') + ' ' + std::to_string(hint->draw()) + ' ' +
+         (ec == std::errc() ? std::string(clock, end) : "0");
+}
+
 namespace {
 
 // contains_prefix.lua's arguments: the mode ("count" or "tiers"), then the keys, each checked.
@@ -315,6 +332,25 @@ Result<std::size_t> Catalog::contains_prefix(std::span<const std::string> keys) 
     return corrupt("unexpected reply to contains_prefix");
   }
   return static_cast<std::size_t>(r.integer());
+}
+
+Result<PrefixLookup> Catalog::lookup_prefix(std::span<const std::string> keys) {
+  if (keys.empty()) return PrefixLookup{};
+  KVSTASH_ASSIGN_OR_RETURN(auto args, prefix_args("turn", keys));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::contains_prefix(), {prefix_}, args));
+  const std::optional<std::int64_t> hit =
+      r.type() == Reply::Type::kArray && r.size() == 3 ? integer_of(r.element(0)) : std::nullopt;
+  const std::optional<std::int64_t> turn = hit ? integer_of(r.element(1)) : std::nullopt;
+  if (!hit || !turn || *hit < 0 || static_cast<std::uint64_t>(*hit) > keys.size() || *turn < 1) {
+    return corrupt("unexpected reply to contains_prefix");
+  }
+  const std::string_view clock_text = text_of(r.element(2));
+  double clock = 0;
+  if (std::from_chars(clock_text.data(), clock_text.data() + clock_text.size(), clock).ec != std::errc()) {
+    return corrupt("unexpected reply to contains_prefix");
+  }
+  return PrefixLookup{static_cast<std::size_t>(*hit),
+                      static_cast<std::uint32_t>(std::min<std::int64_t>(*turn, 1 << 20)), clock};
 }
 
 Result<std::vector<bool>> Catalog::prefix_tiers(std::span<const std::string> keys) {

@@ -29,6 +29,10 @@
 
 namespace kvstash::metadata {
 
+// A KeepHint as the cell's scripts read it (prelude.lua's ttl_hint): "turn chunks index tokens
+// sampled draw looked_up"; "" for none.
+std::string keep_hint_text(const std::optional<KeepHint>& hint);
+
 // The most event data one object carries (announce): a chunk's block hashes and token ids.
 inline constexpr std::size_t kMaxEventData = 64 * 1024;
 
@@ -67,9 +71,11 @@ class Catalog {
   // `copies`: how many copies of the object its put wrote (PutOptions::replicas; copy i > 0
   // is the object copy_key(key, i), committed before this one); copies numbered that or more,
   // left by an earlier put, are released.
+  // `keep`: the put's keep_hint_text.
   Status commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                     std::string_view layout, std::chrono::milliseconds ttl,
-                    const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1);
+                    const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1,
+                    std::string_view keep = {});
   // Ends a put that will not commit. Its pages on the nodes in `fenced` (those that confirmed
   // that none of its writes can land any more: Peer::revoke) and on dead nodes are freed now;
   // the others return once the lease has passed and their nodes have fenced through it
@@ -82,16 +88,19 @@ class Catalog {
   // pending put of no key under `token`, leased for `lease`, avoiding nodes as begin_put.
   // The puts after it write into consecutive runs of its pages and commit with
   // commit_reserved; the pages no commit took return with release_reservation, or when the
-  // lease has passed and the nodes fenced it.
+  // lease has passed and the nodes fenced it. Its pages are charged to the quota of `for_key`
+  // (the put's key) until puts commit them (each then to its own key's) or they return; its
+  // extra pages stay within that quota.
   Result<Placement> reserve_pages(std::string_view token, std::uint64_t size, std::uint64_t extra,
-                                  std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {});
+                                  std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {},
+                                  std::string_view for_key = {});
   // commit_put for put `token`, whose pages are `pages` of a reservation. kStale when the
   // reservation lost its lease, a node of the put died, or the condition does not hold.
   Status commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                          std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                          std::chrono::milliseconds ttl,
                          const std::optional<std::string>& if_version = std::nullopt,
-                         std::uint32_t copies = 1);
+                         std::uint32_t copies = 1, std::string_view keep = {});
   // commit_reserved of many puts in one script (a KV save's chunks, ready together): per put,
   // what commit_reserved would have returned.
   struct ReservedCommit {
@@ -103,6 +112,7 @@ class Catalog {
     std::chrono::milliseconds ttl{0};
     std::optional<std::string> if_version;
     std::uint32_t copies = 1;
+    std::string_view keep;  // keep_hint_text
   };
   Result<std::vector<Status>> commit_reserveds(std::span<const ReservedCommit> puts);
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the
@@ -120,14 +130,17 @@ class Catalog {
   // Looks `key` up and leases it for reading under `reader` for `lease`. kNotFound when
   // absent, expired or on a dead node; kCorrupt for a malformed record. An object on a node's
   // NVMe tier gets no lease: its promotion is queued and the lease says `promoting_node` (ask
-  // again), or, without `promote`, kNotFound that says it is on the tier.
+  // again), or, without `promote`, kNotFound that says it is on the tier. `keep`: the get's
+  // keep_hint_text, or "".
   Result<ReadLease> begin_get(std::string_view key, std::string_view reader, std::chrono::milliseconds lease,
-                              bool promote = true);
+                              bool promote = true, std::string_view keep = {});
   // begin_get of many keys in one script (a KV load's chunks), `readers[i]` reading keys[i]:
-  // per key its lease, or kNotFound (or kCorrupt for a malformed record).
+  // per key its lease, or kNotFound (or kCorrupt for a malformed record). `keep`: each key's
+  // keep_hint_text, or none.
   Result<std::vector<Result<ReadLease>>> begin_gets(std::span<const std::string> keys,
                                                     std::span<const std::string> readers,
-                                                    std::chrono::milliseconds lease);
+                                                    std::chrono::milliseconds lease,
+                                                    std::span<const std::string> keep = {});
   // For a begin_get that found its object promoting: waits up to `wait` (shorter than the
   // connection's command timeout) for the promotion to end, however it ends; ask again then.
   Status wait_promotion(const ReadLease& promoting, std::chrono::milliseconds wait);
@@ -151,6 +164,8 @@ class Catalog {
   Status touch(std::string_view key, std::chrono::milliseconds ttl);
   // How many of `keys`, from the first, are present (the first missing one ends the count).
   Result<std::size_t> contains_prefix(std::span<const std::string> keys);
+  // contains_prefix, and the request's conversation turn as turn-ttl counts it.
+  Result<PrefixLookup> lookup_prefix(std::span<const std::string> keys);
   // Per leading key present, whether it is on a node's NVMe tier (true) or in a pool (false).
   Result<std::vector<bool>> prefix_tiers(std::span<const std::string> keys);
   // Whether each key is present.

@@ -62,8 +62,9 @@ Result<CellSummary> CellAdmin::summary() {
   c.now_ms = integer_of(r.element(2)).value_or(0);
   for (std::size_t i = 3; i + 1 < r.size(); i += 2) {
     const std::string_view field = text_of(r.element(i));
-    const auto v = static_cast<std::uint64_t>(
-        std::max<std::int64_t>(0, number<std::int64_t>(text_of(r.element(i + 1))).value_or(0)));
+    // P:stats' counters come as text, the tier's sums as integers.
+    const auto v =
+        static_cast<std::uint64_t>(std::max<std::int64_t>(0, integer_of(r.element(i + 1)).value_or(0)));
     if (field == "bytes") c.bytes = v;
     if (field == "hits") c.hits = v;
     if (field == "misses") c.misses = v;
@@ -84,18 +85,22 @@ Result<CellSummary> CellAdmin::summary() {
 namespace {
 
 Result<EvictionPolicyState> policy_state_of(const Reply& r) {
-  if (r.type() != Reply::Type::kArray || r.size() != 6) return corrupt("unexpected reply to set_policy");
+  if (r.type() != Reply::Type::kArray || r.size() != 9) return corrupt("unexpected reply to set_policy");
+  const auto real = [&](std::size_t i) {
+    const std::string_view text = text_of(r.element(i));
+    double x = 0;
+    return std::from_chars(text.data(), text.data() + text.size(), x).ec == std::errc() ? x : 0.0;
+  };
   EvictionPolicyState p;
   p.name = std::string(text_of(r.element(0)));
   p.t1 = static_cast<std::uint64_t>(integer_of(r.element(1)).value_or(0));
   p.t2 = static_cast<std::uint64_t>(integer_of(r.element(2)).value_or(0));
   p.b1 = static_cast<std::uint64_t>(integer_of(r.element(3)).value_or(0));
   p.b2 = static_cast<std::uint64_t>(integer_of(r.element(4)).value_or(0));
-  const std::string_view target = text_of(r.element(5));
-  double t1_target = 0;
-  if (std::from_chars(target.data(), target.data() + target.size(), t1_target).ec == std::errc()) {
-    p.t1_target = t1_target;
-  }
+  p.t1_target = real(5);
+  p.ordered = static_cast<std::uint64_t>(integer_of(r.element(6)).value_or(0));
+  p.ghosts = static_cast<std::uint64_t>(integer_of(r.element(7)).value_or(0));
+  p.clock_rate = real(8);
   return p;
 }
 
@@ -106,8 +111,10 @@ Result<EvictionPolicyState> CellAdmin::policy() {
   return policy_state_of(r);
 }
 
-Result<EvictionPolicyState> CellAdmin::set_policy(std::string_view name) {
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::set_policy(), {prefix_}, {name}));
+Result<EvictionPolicyState> CellAdmin::set_policy(std::string_view name, double clock_rate) {
+  if (!(clock_rate > 0)) return Status::invalid_argument("set_policy: the clock rate must be above 0");
+  const std::string rate = std::to_string(clock_rate);
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::set_policy(), {prefix_}, {name, rate}));
   return policy_state_of(r);
 }
 

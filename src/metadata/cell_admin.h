@@ -40,10 +40,11 @@ class CellAdmin {
   Result<RkeyScope> rkey_scope();
   Status set_rkey_scope(RkeyScope scope);
   // The cell's eviction policy (docs/operations.md, "Choosing an eviction policy") and its
-  // state; set_policy changes it ("lru" or "arc"; kInvalidArgument for another) and returns
-  // the state after.
+  // state; set_policy changes it ("lru", "arc" or "turn-ttl"; kInvalidArgument for another)
+  // and returns the state after. `clock_rate`: turn-ttl's seconds per second of Redis time (a
+  // replay that runs a trace `clock_rate` times as fast keeps the policy's times the trace's).
   Result<EvictionPolicyState> policy();
-  Result<EvictionPolicyState> set_policy(std::string_view name);
+  Result<EvictionPolicyState> set_policy(std::string_view name, double clock_rate = 1);
 
   // --- Nodes ---------------------------------------------------------------------------
   // Every node the cell knows (live, draining, dead, not yet forgotten), sorted.

@@ -5,7 +5,7 @@
 
 Writes a header declaring one `std::string_view` per file, `kvstash::metadata::lua::k<Name>`
 (`begin_put.lua` -> `kBeginPut`, the prelude -> `kPrelude`), and a source defining them.
-scripts.cc puts kPrelude in front of each body; Redis runs the result by its SHA1.
+scripts.cc makes of kPrelude and the bodies one function library (and each body's EVAL text).
 
 Each file opens with a header comment (its KEYS, ARGV and what it returns). That comment is
 documentation for the reader and is left out of the constant: everything from the first line

@@ -20,19 +20,20 @@ Result<std::int64_t> NodeCatalog::register_node(const NodeRecord& n, std::chrono
   if (n.epoch.empty()) return Status::invalid_argument("node epoch must be set");
   std::string size = std::to_string(n.page_size), count = std::to_string(n.page_count), t = ms(ttl);
   std::string slots = std::to_string(n.tier_slots), low = std::to_string(n.tier_low_water);
-  KVSTASH_ASSIGN_OR_RETURN(Reply r,
-                           redis_.eval(scripts::register_node(), {prefix_},
-                                       {n.id, n.epoch, size, count, n.address, n.key, t, n.grant_key, slots, low,
-                                        n.tier_id}));
+  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::register_node(), {prefix_},
+                                                {n.id, n.epoch, size, count, n.address, n.key, t, n.grant_key,
+                                                 slots, low, n.tier_id}));
   auto now = integer_of(r.raw());
   if (!now) return corrupt("unexpected reply to register_node");
   return *now;
 }
 
 Result<std::int64_t> NodeCatalog::heartbeat(std::string_view id, std::string_view epoch,
-                                            std::chrono::milliseconds ttl, std::int64_t fenced_ms) {
+                                            std::chrono::milliseconds ttl, std::int64_t fenced_ms,
+                                            std::string_view next_grant_key, std::string_view key_word) {
   std::string t = ms(ttl), f = std::to_string(std::max<std::int64_t>(0, fenced_ms));
-  KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::heartbeat(), {prefix_}, {id, epoch, t, f}));
+  KVSTASH_ASSIGN_OR_RETURN(
+      Reply r, redis_.eval(scripts::heartbeat(), {prefix_}, {id, epoch, t, f, next_grant_key, key_word}));
   auto now = integer_of(r.raw());
   if (!now) return corrupt("unexpected reply to heartbeat");
   return *now;

@@ -37,9 +37,12 @@ class NodeCatalog {
   Result<std::int64_t> register_node(const NodeRecord& node, std::chrono::milliseconds heartbeat_ttl);
   // Keeps a node alive for `ttl` more and records that it has fenced every lease whose tag
   // (a put's or read's Redis deadline) is at most `fenced_ms`. Returns Redis's clock (ms).
-  // kStale when it must register again (another epoch, or its deadline passed).
+  // kStale when it must register again (another epoch, or its deadline passed). With
+  // `next_grant_key` (hex) the cell signs the node's grants with it from now on, naming it
+  // `key_word` (`<epoch>/<generation>`; kInvalidArgument otherwise).
   Result<std::int64_t> heartbeat(std::string_view id, std::string_view epoch, std::chrono::milliseconds ttl,
-                                 std::int64_t fenced_ms);
+                                 std::int64_t fenced_ms, std::string_view next_grant_key = {},
+                                 std::string_view key_word = {});
   // The node takes no new pages and its objects are dropped. Returns how many.
   Result<std::uint64_t> drain_node(std::string_view id, std::string_view epoch);
   // The node leaves the cell (after drain_node).

@@ -44,21 +44,27 @@ Result<std::uint64_t> CellQuotas::recount(std::string_view gen, Deadline deadlin
 
 Result<std::vector<QuotaUse>> CellQuotas::list() {
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::list_quotas(), {prefix_}, {}));
-  constexpr std::size_t kFields = 9;
-  if (r.type() != Reply::Type::kArray || r.size() % kFields != 0) return corrupt("unexpected reply to list_quotas");
+  constexpr std::size_t kFields = 10;
+  if (r.type() != Reply::Type::kArray || r.size() % kFields != 0)
+    return corrupt("unexpected reply to list_quotas");
   std::vector<QuotaUse> out;
   for (std::size_t i = 0; i < r.size(); i += kFields) {
     QuotaUse q;
     q.prefix = std::string(text_of(r.element(i)));
-    std::uint64_t* fields[] = {&q.limits.max_objects, &q.limits.max_bytes, &q.objects, &q.bytes,
-                               &q.evicted,            &q.refused};
+    std::uint64_t* fields[] = {&q.limits.max_objects,
+                               &q.limits.max_bytes,
+                               &q.objects,
+                               &q.bytes,
+                               &q.evicted,
+                               &q.refused,
+                               &q.reserved};
     for (std::size_t f = 0; f < std::size(fields); ++f) {
       // Counters are signed in Redis: a negative one (never expected) reads as 0.
       const auto v = number<std::int64_t>(text_of(r.element(i + 2 + f)));
       if (!v) return corrupt("a malformed quota counter of prefix " + q.prefix);
       *fields[f] = static_cast<std::uint64_t>(std::max<std::int64_t>(0, *v));
     }
-    q.counting = text_of(r.element(i + 8)) == "1";
+    q.counting = text_of(r.element(i + 9)) == "1";
     out.push_back(std::move(q));
   }
   std::sort(out.begin(), out.end(), [](const QuotaUse& a, const QuotaUse& b) { return a.prefix < b.prefix; });

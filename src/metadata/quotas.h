@@ -28,11 +28,12 @@ struct QuotaLimits {
 struct QuotaUse {
   std::string prefix;
   QuotaLimits limits;
-  std::uint64_t objects = 0;  // committed objects (a replica's copy counts as one)
-  std::uint64_t bytes = 0;    // their pages' bytes
-  std::uint64_t evicted = 0;  // objects its own eviction took, to make room under it
-  std::uint64_t refused = 0;  // puts refused because it was full of leased objects
-  bool counting = false;      // its first pass over the cell's objects is not done
+  std::uint64_t objects = 0;   // committed objects (a replica's copy counts as one)
+  std::uint64_t bytes = 0;     // their pages' bytes
+  std::uint64_t evicted = 0;   // objects its own eviction took, to make room under it
+  std::uint64_t refused = 0;   // puts refused because it was full of leased objects
+  std::uint64_t reserved = 0;  // pages of puts and page reservations not committed yet (bytes)
+  bool counting = false;       // its first pass over the cell's objects is not done
 };
 
 class CellQuotas {

@@ -178,11 +178,14 @@ struct CellSummary {
 // The cell's eviction policy: "lru" or "arc", and ARC's lists (empty under lru).
 struct EvictionPolicyState {
   std::string name = "lru";
-  std::uint64_t t1 = 0;  // objects used once lately
-  std::uint64_t t2 = 0;  // objects used at least twice
-  std::uint64_t b1 = 0;  // keys evicted from T1 that ARC remembers
-  std::uint64_t b2 = 0;  // and from T2
-  double t1_target = 0;  // p: how many objects T1 should hold
+  std::uint64_t t1 = 0;       // objects used once lately
+  std::uint64_t t2 = 0;       // objects used at least twice
+  std::uint64_t b1 = 0;       // keys evicted from T1 that ARC remembers
+  std::uint64_t b2 = 0;       // and from T2
+  double t1_target = 0;       // p: how many objects T1 should hold
+  std::uint64_t ordered = 0;  // turn-ttl: objects it orders by when they are due
+  std::uint64_t ghosts = 0;   // turn-ttl: evicted keys whose turn it remembers
+  double clock_rate = 0;      // turn-ttl: its seconds per second (1 but in a replay)
 };
 
 // One object as an operator sees it (read-only: looking does not touch it).

@@ -4,6 +4,7 @@
 #include <openssl/sha.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <optional>
 #include <thread>
@@ -248,9 +249,11 @@ Status RedisUrl::parse_options(std::string_view query) {
     from = amp + 1;
     const auto eq = option.find('=');
     const std::string_view name = option.substr(0, eq);
-    const auto value = percent_decode(eq == std::string_view::npos ? std::string_view() : option.substr(eq + 1));
+    const auto value =
+        percent_decode(eq == std::string_view::npos ? std::string_view() : option.substr(eq + 1));
     if (!value || value->empty()) {
-      return Status::invalid_argument("redis URL option '" + std::string(name) + "' needs a value (name=value)");
+      return Status::invalid_argument("redis URL option '" + std::string(name) +
+                                      "' needs a value (name=value)");
     }
     const bool tls_option = name == "ca" || name == "cert" || name == "key" || name == "sni";
     if (tls_option && !tls) {
@@ -271,11 +274,13 @@ Status RedisUrl::parse_options(std::string_view query) {
       tls_server_name = *value;
     } else if (name == "redirect") {
       std::vector<std::pair<std::string, int>> hosts;
-      KVSTASH_RETURN_IF_ERROR(parse_host_list(*value, kRedisPort, hosts));
-      for (auto& h : hosts) redirect_hosts.push_back(std::move(h.first));
+      KVSTASH_RETURN_IF_ERROR(parse_host_list(*value, 0, hosts));  // 0: no port named, any port
+      for (auto& [host, port] : hosts)
+        redirect_hosts.push_back(port == 0 ? host : host_port_text(host, port));
     } else {
-      return Status::invalid_argument("unknown redis URL option '" + std::string(name) +
-                                      "' (known: ca, cert, key, sni for rediss://; redirect; db for unix://)");
+      return Status::invalid_argument(
+          "unknown redis URL option '" + std::string(name) +
+          "' (known: ca, cert, key, sni for rediss://; redirect; db for unix://)");
     }
   }
   return {};
@@ -338,6 +343,11 @@ Script::Script(std::string b) : body(std::move(b)) {
   unsigned char digest[SHA_DIGEST_LENGTH];
   SHA1(reinterpret_cast<const unsigned char*>(body.data()), body.size(), digest);
   sha = wire::to_hex(std::string_view(reinterpret_cast<const char*>(digest), sizeof digest));
+}
+
+Script::Script(std::string b, std::string fn, const FunctionLibrary* lib) : Script(std::move(b)) {
+  function = std::move(fn);
+  library = lib;
 }
 
 // ---- RedisClient ----------------------------------------------------------------------------
@@ -404,12 +414,13 @@ Status RedisClient::open_through_sentinels() {
       continue;
     }
     const std::string master_host(master->element(0)->str, master->element(0)->len);
-    const auto master_port = parse_int(std::string_view(master->element(1)->str, master->element(1)->len), 1, 65535);
+    const auto master_port =
+        parse_int(std::string_view(master->element(1)->str, master->element(1)->len), 1, 65535);
     if (!master_port) {
       last = Status::corrupt(where + " named a master with a bad port");
       continue;
     }
-    if (Status allowed = may_follow(master_host, where); !allowed.is_ok()) {
+    if (Status allowed = may_follow(master_host, *master_port, where); !allowed.is_ok()) {
       last = allowed;
       continue;
     }
@@ -473,7 +484,7 @@ Status RedisClient::open_in_cluster() {
       continue;
     }
     if (*master != std::pair{host, port}) {
-      s = may_follow(master->first, where);
+      s = may_follow(master->first, master->second, where);
       if (s.is_ok()) s = open_at(master->first, master->second);
     }
     if (s.is_ok()) {
@@ -485,21 +496,27 @@ Status RedisClient::open_in_cluster() {
   return last;
 }
 
-Status RedisClient::may_follow(const std::string& host, std::string_view who) const {
+Status RedisClient::may_follow(const std::string& host, int port, std::string_view who) const {
   if (url_.password.empty() && options_.password.empty()) return {};
   auto named = [&](const std::vector<std::pair<std::string, int>>& hosts) {
     return std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.first == host; });
   };
+  // A redirect= entry names a host (any port) or a host:port.
+  const std::string where = host_port_text(host, port);
   auto listed = [&](const std::vector<std::string>& hosts) {
-    return std::find(hosts.begin(), hosts.end(), host) != hosts.end();
+    return std::find(hosts.begin(), hosts.end(), host) != hosts.end() ||
+           std::find(hosts.begin(), hosts.end(), where) != hosts.end();
   };
-  if (host == original_host_ || named(url_.sentinels) || named(url_.cluster_nodes) ||
-      listed(options_.redirect_hosts) || listed(url_.redirect_hosts)) {
-    return {};
-  }
-  return Status::permission_denied(std::string(who) + " sent this client to " + host +
-                                   ", a host the Redis URL does not name: refused, so as not to send the password "
-                                   "there (list the cell's Redis hosts in the URL's redirect= option)");
+  // A sentinel's host is where a sentinel runs, not a Redis server the URL vouches for: a
+  // sentinel (or whoever took one over) that names another port of its own host gets nothing
+  // unless redirect= names it. The URL's own host (redis://) and a cluster's seeds are.
+  const bool own_host = url_.sentinels.empty() && (host == original_host_ || named(url_.cluster_nodes));
+  if (own_host || listed(options_.redirect_hosts) || listed(url_.redirect_hosts)) return {};
+  return Status::permission_denied(
+      std::string(who) + " sent this client to " + where +
+      ", which the Redis URL does not name: refused, so as not to send the password "
+      "there (list the cell's Redis servers in the URL's redirect= option, as host or "
+      "host:port)");
 }
 
 Status RedisClient::redirect(std::string_view error) {
@@ -517,7 +534,7 @@ Status RedisClient::redirect(std::string_view error) {
     KVSTASH_RETURN_IF_ERROR(parse_host_port(target, host, port).with_context(std::string(error)));
   }
   KVSTASH_LOG_INFO("redis cluster: MOVED (slot now at {})", host_port_text(host, port));
-  KVSTASH_RETURN_IF_ERROR(may_follow(host, "a MOVED reply"));
+  KVSTASH_RETURN_IF_ERROR(may_follow(host, port, "a MOVED reply"));
   KVSTASH_RETURN_IF_ERROR(open_at(host, port));
   url_.host = host;
   url_.port = port;
@@ -624,7 +641,8 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
     if (Clock::now() + backoff > give_up) {
       const std::string why = last.is_ok() ? std::string() : " (last: " + last.message() + ")";
       if (deadline_ && give_up == *deadline_) {
-        return Status::timeout("redis " + url_.redacted() + " unreachable until the operation's deadline" + why);
+        return Status::timeout("redis " + url_.redacted() + " unreachable until the operation's deadline" +
+                               why);
       }
       return Status::unavailable("redis " + url_.redacted() + " unreachable for " +
                                  std::to_string(options_.reconnect_budget.count()) + " ms" + why);
@@ -642,25 +660,70 @@ Result<Reply> RedisClient::command(const std::vector<std::string_view>& args) {
   }
 }
 
-Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
-                        const std::vector<std::string_view>& keys,
-                        const std::vector<std::string_view>& args) {
+namespace {
+
+// Set once a Redis refused Functions, so that the warning is said once per process.
+std::atomic<bool> said_no_functions{false};
+
+// Whether `s` says the server has no Functions or the user may not call or load them (not a
+// refusal from inside a function, which names the command the script called).
+bool refuses_functions(const Status& s) {
+  const std::string& m = s.message();
+  return m.find("unknown command 'FCALL'") != std::string::npos ||
+         m.find("unknown command 'fcall'") != std::string::npos ||
+         m.find("unknown command 'FUNCTION'") != std::string::npos ||
+         m.find("to run the 'fcall' command") != std::string::npos ||
+         m.find("to run the 'function|load' command") != std::string::npos;
+}
+
+Result<Reply> call_script(const RedisOptions::Command& run, std::string_view verb, std::string_view name,
+                          const std::vector<std::string_view>& keys,
+                          const std::vector<std::string_view>& args) {
   std::string nkeys = std::to_string(keys.size());
-  std::vector<std::string_view> argv{"EVALSHA", script.sha, nkeys};
+  std::vector<std::string_view> argv{verb, name, nkeys};
   argv.insert(argv.end(), keys.begin(), keys.end());
   argv.insert(argv.end(), args.begin(), args.end());
-  auto r = run(argv);
+  return run(argv);
+}
+
+}  // namespace
+
+Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
+                        const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args,
+                        bool* functions) {
+  if (script.library != nullptr && (functions == nullptr || *functions)) {
+    auto r = call_script(run, "FCALL", script.function, keys, args);
+    // Scripts answer NOT_FOUND themselves too; only Redis's own text means "load the library".
+    if (!r.is_ok() && r.status().message().rfind("redis: ERR Function not found", 0) == 0) {
+      auto loaded = run({"FUNCTION", "LOAD", script.library->text});
+      // Another client may have loaded it in between.
+      if (loaded.is_ok() || loaded.status().message().find("already exists") != std::string::npos) {
+        r = call_script(run, "FCALL", script.function, keys, args);
+      } else {
+        r = loaded.status();
+      }
+    }
+    if (r.is_ok() || !refuses_functions(r.status())) return r;
+    if (functions != nullptr) *functions = false;
+    if (!said_no_functions.exchange(true)) {
+      KVSTASH_LOG_WARN(
+          "redis refuses Functions ({}): scripts run by EVALSHA, each call running its prelude "
+          "again; give the user +fcall and +function|load (Redis 7.0 or later)",
+          r.status().message());
+    }
+  }
+  auto r = call_script(run, "EVALSHA", script.sha, keys, args);
   // Scripts answer NOT_FOUND themselves too; only Redis's own NOSCRIPT means "load me".
   if (r.is_ok() || r.status().message().rfind("redis: NOSCRIPT", 0) != 0) return r;
   // NOSCRIPT: Redis restarted, failed over or flushed its scripts. Load and run again.
   KVSTASH_RETURN_IF_ERROR(run({"SCRIPT", "LOAD", script.body}).status());
-  return run(argv);
+  return call_script(run, "EVALSHA", script.sha, keys, args);
 }
 
 Result<Reply> RedisClient::eval(const Script& script, const std::vector<std::string_view>& keys,
                                 const std::vector<std::string_view>& args) {
   return eval_with([this](const std::vector<std::string_view>& argv) { return command(argv); }, script, keys,
-                   args);
+                   args, &functions_);
 }
 
 }  // namespace kvstash::metadata

@@ -1,6 +1,6 @@
 // A small synchronous Redis client over hiredis: URL parsing with ACL credentials, deadlines
-// on connect and on every command, reconnect with backoff, and Lua scripts run by SHA and
-// reloaded after a restart or failover (NOSCRIPT).
+// on connect and on every command, reconnect with backoff, and Lua scripts run as functions of
+// one library (or by SHA where Redis has no Functions), loaded again when Redis lost them.
 //
 // Thread safety: a RedisClient is one connection; use it from one thread at a time.
 #pragma once
@@ -41,8 +41,9 @@ namespace kvstash::metadata {
 //                    asks for one (Redis's tls-auth-clients)
 //   sni=NAME         (rediss) the name sent and checked in every server's certificate, instead
 //                    of the host connected to
-//   redirect=H1,H2   hosts a sentinel or cluster node may send this client to with its password,
-//                    besides the URL's own (RedisOptions::redirect_hosts)
+//   redirect=H1,H2:P hosts (any port) or host:ports a sentinel or cluster node may send this
+//                    client to with its password, besides the URL's own
+//                    (RedisOptions::redirect_hosts)
 //   db=N             (unix:// only) the database
 // A password holding '/', '?' or '@' must be %-escaped.
 struct RedisUrl {
@@ -53,10 +54,10 @@ struct RedisUrl {
   int db = 0;
   std::string user;  // empty: the default user
   std::string password;
-  std::vector<std::pair<std::string, int>> sentinels;  // redis+sentinel://: host, port of each
-  std::string service;                                 // redis+sentinel://: the master's name
+  std::vector<std::pair<std::string, int>> sentinels;      // redis+sentinel://: host, port of each
+  std::string service;                                     // redis+sentinel://: the master's name
   std::vector<std::pair<std::string, int>> cluster_nodes;  // redis+cluster://: the seeds
-  bool tls = false;  // rediss...://
+  bool tls = false;                                        // rediss...://
   std::string tls_ca, tls_cert, tls_key, tls_server_name;
   std::vector<std::string> redirect_hosts;  // redirect=
 
@@ -93,12 +94,14 @@ struct RedisOptions {
   // fence a new master after a Sentinel failover.
   using Command = std::function<Result<Reply>(const std::vector<std::string_view>&)>;
   std::function<Status(const Command&)> on_connect;
-  // Hosts a Sentinel (the master it names) or a Redis Cluster node (CLUSTER SLOTS, MOVED) may
-  // send this client to while it has a password, besides the URL's own hosts (sentinels,
-  // seeds, host). Anywhere else is refused with kPermissionDenied before connecting: a lying
-  // or taken-over sentinel or node must not collect the password by naming its own host.
-  // Without a password there is nothing to hand over, and any host is followed.
-  // The URL's redirect= adds to these.
+  // Where a Sentinel (the master it names) or a Redis Cluster node (CLUSTER SLOTS, MOVED) may
+  // send this client while it has a password, besides the URL's own hosts (a redis:// URL's
+  // host, a cluster's seeds; a sentinel's host is not one: a sentinel names masters, and one
+  // naming another port of its own host gets nothing): each a host (any port) or a
+  // host:port. Anywhere else is refused with kPermissionDenied before connecting: a lying or
+  // taken-over sentinel or node must not collect the password by naming a server of its own.
+  // Without a password there is nothing to hand over, and anywhere is followed. The URL's
+  // redirect= adds to these.
   std::vector<std::string> redirect_hosts;
   // redis+cluster://: the key whose hash slot every command of this connection addresses (a
   // cell's prefix: the cell's keys share its hash tag). The client connects to that slot's
@@ -133,18 +136,36 @@ class Reply {
 // other. A script that answers per item in an array (end_gets) maps each item's text the same.
 Status error_status(std::string_view text);
 
-// A Lua script and its SHA1, loaded lazily.
-struct Script {
-  explicit Script(std::string body);
-  std::string body;
-  std::string sha;  // hex SHA1 of body
+// The function library a build's scripts are functions of (scripts.cc makes it), loaded whole
+// (FUNCTION LOAD) the first time a Redis lacks one of its functions. Its name carries the
+// SHA1 of its text, so clients of different builds keep libraries of their own side by side.
+struct FunctionLibrary {
+  std::string name;
+  std::string text;  // "#!lua name=<name>" and the library
 };
 
-// EVALSHA of `script` through `run`, loading the script first when Redis does not know it
-// (NOSCRIPT: after a restart, a failover or SCRIPT FLUSH). RedisClient::eval, and Cell's
-// on_connect fence, which runs before the connection is the client's.
+// A Lua script. Where Redis has Functions (7.0 on) it runs as a function of its library
+// (FCALL): the prelude's helpers are compiled once per library, not once per call. Elsewhere,
+// or for a script of no library, it runs by SHA1 (EVALSHA of body).
+struct Script {
+  explicit Script(std::string body);
+  Script(std::string body, std::string function, const FunctionLibrary* library);
+  std::string body;      // the EVAL text
+  std::string sha;       // hex SHA1 of body
+  std::string function;  // its name in the library; empty without one
+  const FunctionLibrary* library = nullptr;
+};
+
+// Runs `script` through `run`: FCALL of its function, loading its library when Redis does not
+// know the function (a Redis that restarted empty, or never saw this build), else EVALSHA,
+// loading the script on NOSCRIPT (a restart, a failover or SCRIPT FLUSH). A Redis that refuses
+// FCALL or FUNCTION LOAD (older than 7.0, or an ACL without them) clears `*functions` (when
+// given), so that its caller runs scripts by EVALSHA from then on, and logs it once per
+// process. RedisClient::eval, and Cell's on_connect fence, which runs before the connection is
+// the client's.
 Result<Reply> eval_with(const RedisOptions::Command& run, const Script& script,
-                        const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args);
+                        const std::vector<std::string_view>& keys, const std::vector<std::string_view>& args,
+                        bool* functions = nullptr);
 
 class RedisLink;
 class TlsClientContext;
@@ -167,8 +188,7 @@ class RedisClient {
   // metadata change is an idempotent-by-token script).
   Result<Reply> command(const std::vector<std::string_view>& args);
 
-  // EVALSHA, loading the script first when Redis does not know it (NOSCRIPT: after a
-  // restart, a failover or SCRIPT FLUSH).
+  // Runs `script` (eval_with).
   Result<Reply> eval(const Script& script, const std::vector<std::string_view>& keys,
                      const std::vector<std::string_view>& args);
 
@@ -182,6 +202,8 @@ class RedisClient {
   const RedisUrl& url() const { return url_; }
   // How many times the connection was re-established.
   std::uint64_t reconnects() const { return reconnects_; }
+  // Whether this client runs scripts as functions (FCALL): false once Redis refused them.
+  bool runs_functions() const { return functions_; }
 
  private:
   RedisClient(RedisOptions options, RedisUrl url);
@@ -199,9 +221,9 @@ class RedisClient {
   // After a MOVED reply (`error` its text): connects to the node it names, the slot's master
   // from now on (on_connect runs).
   Status redirect(std::string_view error);
-  // OK, or kPermissionDenied when the client would AUTH to `host`, which neither the URL nor
-  // RedisOptions::redirect_hosts names (`who` named it).
-  Status may_follow(const std::string& host, std::string_view who) const;
+  // OK, or kPermissionDenied when the client would AUTH to `host`:`port`, which neither the
+  // URL nor RedisOptions::redirect_hosts names (`who` named it).
+  Status may_follow(const std::string& host, int port, std::string_view who) const;
   Result<Reply> run_once(const std::vector<std::string_view>& args);
   // `limit`, shortened to what is left of the deadline; zero or less once it has passed.
   std::chrono::milliseconds within_deadline(std::chrono::milliseconds limit) const;
@@ -211,9 +233,10 @@ class RedisClient {
   std::shared_ptr<TlsClientContext> tls_;  // rediss: the CA, certificate and name every connection uses
   std::unique_ptr<RedisLink> link_;        // the connection; null while there is none
   std::uint64_t reconnects_ = 0;
+  bool functions_ = true;  // eval_with clears it when Redis refuses Functions
   std::optional<Deadline> deadline_;
-  std::size_t sentinel_ = 0;                      // the sentinel that answered last
-  std::string original_host_;                     // the URL's host (url_.host follows redirects)
+  std::size_t sentinel_ = 0;   // the sentinel that answered last
+  std::string original_host_;  // the URL's host (url_.host follows redirects)
 };
 
 }  // namespace kvstash::metadata

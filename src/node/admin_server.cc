@@ -5,9 +5,9 @@
 #include <cstdio>
 #include <ctime>
 #include <exception>
+#include <map>
 #include <system_error>
 #include <thread>
-#include <map>
 #include <unordered_set>
 
 #include "common/asio.h"
@@ -28,6 +28,9 @@ constexpr std::size_t kReadChunk = 4096;
 // After a failed accept (out of descriptors, say) the next one would most likely fail the same
 // way at once; waiting keeps the io thread from spinning.
 constexpr auto kAcceptRetryDelay = std::chrono::milliseconds(100);
+// A request head still coming after this long is a slow or silent client's (a probe's comes
+// within a round trip), the first to make room for a newcomer.
+constexpr auto kHeadGrace = std::chrono::milliseconds(1000);
 
 struct HostPort {
   std::string host;
@@ -245,7 +248,10 @@ struct Connection {
   explicit Connection(tcp::socket s) : socket(std::move(s)), deadline(socket.get_executor()) {}
   tcp::socket socket;
   asio::steady_timer deadline;
-  std::uint64_t seq = 0;  // accept order, while still reading its request head; 0 after
+  std::uint64_t seq = 0;  // accept order
+  std::chrono::steady_clock::time_point accepted = std::chrono::steady_clock::now();
+  asio::ip::address peer;
+  bool answered = false;  // its request head is in: it is being answered, or has been
 };
 
 }  // namespace
@@ -334,7 +340,7 @@ class AdminServer::Impl {
     ~Tracked() {
       if (!c_) return;  // moved from
       impl_->live_.erase(c_.get());
-      impl_->head_done(*c_);
+      impl_->by_age_.erase(c_->seq);
       c_->deadline.cancel();
     }
     const std::shared_ptr<Connection>& connection() const { return c_; }
@@ -357,23 +363,17 @@ class AdminServer::Impl {
           co_await retry_timer_.async_wait(redirect_error(use_awaitable, ec));
           continue;
         }
-        if (live_.size() >= kMaxConnections && !reading_.empty()) {
-          // The oldest unfinished request has had the longest to arrive; a probe sends its
-          // whole request at once, so only slow or silent clients lose their place.
-          Connection* oldest = reading_.begin()->second;
-          KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} connections open, dropping the oldest unfinished request",
-                                    address_, live_.size());
-          head_done(*oldest);
-          oldest->socket.close(ec);
-          oldest->deadline.cancel();
-        } else if (live_.size() >= kMaxConnections) {
-          KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} connections open, closing a new one", address_, live_.size());
-          sock.close(ec);
-          continue;
+        const auto peer = sock.remote_endpoint(ec).address();
+        if (ec) continue;  // gone already
+        if (Connection* victim = make_room(peer)) {
+          KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} connections open ({} from {}): dropping one for a new one",
+                                    address_, live_.size(), from(peer), peer.to_string());
+          drop(*victim);
         }
         auto conn = std::make_shared<Connection>(std::move(sock));
         conn->seq = ++next_seq_;
-        reading_.emplace(conn->seq, conn.get());
+        conn->peer = peer;
+        by_age_.emplace(conn->seq, conn.get());
         asio::co_spawn(io_, serve(Tracked(this, std::move(conn))), asio::detached);
       } catch (const std::exception& e) {
         KVSTASH_LOG_WARN_LIMITED("admin {}: accept loop caught: {}", address_, e.what());
@@ -403,8 +403,8 @@ class AdminServer::Impl {
                                                              : route(parser.request());
       // The method is known whenever the request line parsed, even if a header was bad.
       const bool with_body = parser.request().method != "HEAD";
-      KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} {} -> {}", address_, parser.request().method, parser.request().path,
-                        response.status);
+      KVSTASH_LOG_DEBUG_LIMITED("admin {}: {} {} -> {}", address_, parser.request().method,
+                                parser.request().path, response.status);
 
       arm_deadline(conn);  // writing the response gets a budget of its own
       std::string out = serialize(response, with_body);
@@ -449,11 +449,45 @@ class AdminServer::Impl {
     return plain_response(500);
   }
 
-  // The connection has its request head (or is gone): it may no longer be dropped for a newer one.
-  void head_done(Connection& c) {
-    if (c.seq == 0) return;
-    reading_.erase(c.seq);
-    c.seq = 0;
+  // The connection has its request head: it is dropped for a newer one only after every
+  // connection still sending one.
+  static void head_done(Connection& c) { c.answered = true; }
+
+  std::size_t from(const asio::ip::address& peer) const {
+    std::size_t n = 0;
+    for (const auto& [seq, c] : by_age_) n += c->peer == peer ? 1 : 0;
+    return n;
+  }
+
+  // The connection a newcomer from `peer` takes the place of, or null when there is room. A
+  // peer holds at most kMaxConnectionsPerPeer: its own oldest goes. When all kMaxConnections
+  // are taken: the oldest that has been sending its request head for over kHeadGrace (a probe
+  // sends it at once, so only slow or silent clients lose their place); else the oldest with
+  // its head in (answered, or not reading its answer); else the oldest of all. A health probe
+  // is therefore answered whatever the other connections do, unless kMaxConnections newer ones
+  // from other addresses arrive before its request does.
+  Connection* make_room(const asio::ip::address& peer) const {
+    if (from(peer) >= kMaxConnectionsPerPeer) {
+      for (const auto& [seq, c] : by_age_) {
+        if (c->peer == peer) return c;
+      }
+    }
+    if (by_age_.size() < kMaxConnections) return nullptr;
+    const auto now = std::chrono::steady_clock::now();
+    Connection* answered = nullptr;
+    for (const auto& [seq, c] : by_age_) {
+      if (!c->answered && now - c->accepted > kHeadGrace) return c;
+      if (c->answered && answered == nullptr) answered = c;
+    }
+    return answered != nullptr ? answered : by_age_.begin()->second;
+  }
+
+  // Closes `c` now; its serve() coroutine ends and lets it go.
+  void drop(Connection& c) {
+    error_code ignored;
+    by_age_.erase(c.seq);
+    c.socket.close(ignored);
+    c.deadline.cancel();
   }
 
   // (Re)starts the connection's deadline; when it passes, the socket is closed, which ends
@@ -474,8 +508,8 @@ class AdminServer::Impl {
   // Non-owning: each serve() coroutine's Tracked removes its own entry. Declared
   // before io_ so it outlives anything io_ destroys. io thread only.
   std::unordered_set<Connection*> live_;
-  // The connections of live_ still reading their request head, oldest first. io thread only.
-  std::map<std::uint64_t, Connection*> reading_;
+  // The connections of live_ not dropped yet, oldest first. io thread only.
+  std::map<std::uint64_t, Connection*> by_age_;
   std::uint64_t next_seq_ = 0;
   asio::io_context io_{1};
   tcp::acceptor acceptor_{io_};

@@ -15,10 +15,13 @@
 //   - a client that has not sent a whole request head within the request timeout is dropped
 //     without a response; the same timeout then bounds writing the response;
 //   - at most kMaxConnections connections are open, so a flood of idle clients cannot use up
-//     the daemon's file descriptors; when all are taken, the oldest one still sending its
-//     request head is dropped for the newcomer (closed only when every one is past its head),
-//     so a health probe, which sends its request at once, always gets an answer however many
-//     unfinished requests are open.
+//     the daemon's file descriptors, and at most kMaxConnectionsPerPeer from one address (its
+//     oldest is dropped for its newest); when all are taken, the oldest one that has been
+//     sending its request head for over a second is dropped for the newcomer, else the oldest
+//     that has sent it (answered, or not reading its answer), else the oldest. A newcomer is
+//     never refused: a health probe, which sends its request at once and reads the answer, gets
+//     one whatever the other connections do (unless kMaxConnections newer ones from other
+//     addresses arrive before its request does).
 // Request bodies are not read (nothing here takes one) and the Host header is not required:
 // probes and scrapers differ in what they send and nothing here depends on it.
 //
@@ -53,6 +56,7 @@ class AdminServer {
   static constexpr std::chrono::milliseconds kDefaultRequestTimeout{5000};
   static constexpr std::size_t kMaxHeaderBytes = 8192;
   static constexpr std::size_t kMaxConnections = 64;
+  static constexpr std::size_t kMaxConnectionsPerPeer = 16;
 
   // Binds `listen` ("host:port" with a numeric IPv4 host, or "[v6]:port"; port 0 picks a free
   // port) and starts serving. Blocks only while binding. Returns kInvalidArgument for a

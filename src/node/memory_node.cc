@@ -82,6 +82,9 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   if (options.heartbeat_ttl < std::chrono::milliseconds(100)) {
     return Status::invalid_argument("heartbeat TTL must be at least 100 ms");
   }
+  if (options.grant_key_rotation < std::chrono::milliseconds(100)) {
+    return Status::invalid_argument("the grant key rotation period must be at least 100 ms");
+  }
   std::unique_ptr<MemoryNode> n(new MemoryNode());
   n->options_ = options;
   n->id_ = options.node_id.empty() ? default_node_id() : options.node_id;
@@ -94,12 +97,15 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
     return Status::no_space("no huge pages available for the pool (see /proc/sys/vm/nr_hugepages)");
   }
   if (options.tier) {
-    KVSTASH_ASSIGN_OR_RETURN(n->tier_, NodeTier::open(*options.tier, options.page_size, n->id_));
+    TierOptions tier = *options.tier;
+    // The tier's headers are signed with the node's secret: a forged one is never recovered.
+    if (tier.header_secret.empty()) tier.header_secret = options.engine.cluster_token;
+    KVSTASH_ASSIGN_OR_RETURN(n->tier_, NodeTier::open(tier, options.page_size, n->id_));
   }
   KVSTASH_ASSIGN_OR_RETURN(n->engine_, Engine::create(options.engine));
   // Every lease on the pool needs a grant of the cell (before the pool is reachable at all).
   n->grants_ = std::make_shared<NodeGrants>(n->id_, reinterpret_cast<std::uint64_t>(n->pool_.region().addr),
-                                            options.page_size, n->page_count_);
+                                            options.page_size, n->page_count_, options.grant_key_rotation);
   n->engine_->set_grant_check(n->grants_);
   KVSTASH_ASSIGN_OR_RETURN(n->handle_, n->engine_->register_memory(n->pool_.region(), Access::kLeased));
   n->transports_ = n->handle_.transports();
@@ -131,8 +137,8 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
                    n->id_, options.cell, n->page_count_, options.page_size, n->pool_.huge_pages(),
                    n->transports());
   if (n->tier_) {
-    KVSTASH_RETURN_IF_ERROR(n->tier_->start(co, n->id_, static_cast<std::byte*>(n->pool_.region().addr),
-                                            n->page_count_));
+    KVSTASH_RETURN_IF_ERROR(
+        n->tier_->start(co, n->id_, static_cast<std::byte*>(n->pool_.region().addr), n->page_count_));
     KVSTASH_LOG_INFO("node {}: NVMe tier {} ({}): {} slots, tier {} ({})", n->id_, options.tier->path,
                      n->tier_->device().kind(), n->tier_->slots(), n->tier_->id(),
                      n->tier_->found() ? "found: its objects in the cell are kept" : "new");
@@ -168,8 +174,10 @@ Status MemoryNode::join() {
                            tier_ ? tier_->slots() : 0,
                            tier_ ? tier_->low_water(page_count_) : 0,
                            tier_ ? tier_->id() : std::string()};
+  const auto asked = Clock::now();
   KVSTASH_ASSIGN_OR_RETURN(std::int64_t now, s.catalog->register_node(rec, options_.heartbeat_ttl));
   redis_clock_ = std::make_pair(now, Clock::now());
+  grants_->set_clock(now, asked);
   ++s.registrations;
   s.free_pages = page_count_;
   s.objects = 0;
@@ -223,10 +231,16 @@ void MemoryNode::loop() {
   std::unique_lock lock(s.mu);
   while (!s.stopping) {
     const std::int64_t fenced = fence();
-    auto beat_reply = s.catalog->heartbeat(id_, s.epoch, options_.heartbeat_ttl, fenced);
+    const auto asked = Clock::now();
+    // Every rotation period the beat hands the cell the next grant key.
+    const auto next_key = grants_->next_key().value_or(NodeGrants::NextKey{});
+    auto beat_reply =
+        s.catalog->heartbeat(id_, s.epoch, options_.heartbeat_ttl, fenced, next_key.hex, next_key.word);
     Status st = beat_reply.status();
     if (st.is_ok()) {
       redis_clock_ = std::make_pair(*beat_reply, Clock::now());
+      grants_->set_clock(*beat_reply, asked);
+      if (!next_key.hex.empty()) grants_->installed(next_key.word, *beat_reply);
       fenced_reported_ = fenced;
     }
     if (st.code() == StatusCode::kStale && s.state != "gone") {
@@ -368,8 +382,10 @@ void MemoryNode::tier_metrics(MetricsText& m) const {
   const NodeTier::Counters c = tier_->counters();
   const SsdDevice::Counters d = tier_->device().counters();
   const double page = static_cast<double>(options_.page_size);
-  m.gauge("kvstash_tier_slots", "Slots (one page each) of the node's NVMe tier", static_cast<double>(tier_->slots()));
-  m.gauge("kvstash_tier_capacity_bytes", "Bytes of the NVMe tier's slots", static_cast<double>(tier_->slots()) * page);
+  m.gauge("kvstash_tier_slots", "Slots (one page each) of the node's NVMe tier",
+          static_cast<double>(tier_->slots()));
+  m.gauge("kvstash_tier_capacity_bytes", "Bytes of the NVMe tier's slots",
+          static_cast<double>(tier_->slots()) * page);
   m.gauge("kvstash_tier_free_slots", "Free slots of the NVMe tier at the last heartbeat",
           static_cast<double>(s.tier_free_slots.load()));
   m.gauge("kvstash_tier_objects", "Objects on the NVMe tier at the last heartbeat",
@@ -383,27 +399,31 @@ void MemoryNode::tier_metrics(MetricsText& m) const {
             static_cast<double>(c.write_down_failures));
   m.counter("kvstash_tier_promotions_total", "Objects staged back from the NVMe tier into the pool for a get",
             static_cast<double>(c.promoted));
-  m.counter("kvstash_tier_promotion_bytes_total", "Bytes of the objects promoted", static_cast<double>(c.promoted_bytes));
-  m.counter("kvstash_tier_promotion_failures_total", "Promotions that failed (the get sees an error, never bytes)",
+  m.counter("kvstash_tier_promotion_bytes_total", "Bytes of the objects promoted",
+            static_cast<double>(c.promoted_bytes));
+  m.counter("kvstash_tier_promotion_failures_total",
+            "Promotions that failed (the get sees an error, never bytes)",
             static_cast<double>(c.promotion_failures));
   m.counter("kvstash_tier_promotion_corrupt_total",
             "Promotions whose bytes did not match the tier's sum (the object was dropped)",
             static_cast<double>(c.promotion_corrupt));
-  m.counter("kvstash_tier_recovered_total",
-            "Objects of the NVMe tier given back to a cell that had started the tier over (its Redis lost them)",
-            static_cast<double>(c.recovered));
+  m.counter(
+      "kvstash_tier_recovered_total",
+      "Objects of the NVMe tier given back to a cell that had started the tier over (its Redis lost them)",
+      static_cast<double>(c.recovered));
   m.counter("kvstash_tier_recovery_corrupt_total",
             "Objects found on the NVMe tier at a recovery whose bytes did not match their header's sum",
             static_cast<double>(c.recovery_bad));
-  m.counter("kvstash_tier_device_ios_total", "I/Os the NVMe tier's device completed", static_cast<double>(d.reads),
-            {{"op", "read"}});
+  m.counter("kvstash_tier_device_ios_total", "I/Os the NVMe tier's device completed",
+            static_cast<double>(d.reads), {{"op", "read"}});
   m.counter("kvstash_tier_device_ios_total", "", static_cast<double>(d.writes), {{"op", "write"}});
   m.counter("kvstash_tier_device_bytes_total", "Bytes the NVMe tier's device moved",
             static_cast<double>(d.read_bytes), {{"op", "read"}});
   m.counter("kvstash_tier_device_bytes_total", "", static_cast<double>(d.write_bytes), {{"op", "write"}});
   m.counter("kvstash_tier_device_errors_total", "I/Os the device failed (EIO, ENOSPC)",
             static_cast<double>(d.errors));
-  m.counter("kvstash_tier_device_timeouts_total", "I/Os cancelled at their deadline", static_cast<double>(d.timeouts));
+  m.counter("kvstash_tier_device_timeouts_total", "I/Os cancelled at their deadline",
+            static_cast<double>(d.timeouts));
 }
 
 std::pair<bool, std::string> MemoryNode::health() const {

@@ -55,6 +55,9 @@ struct MemoryNodeOptions {
   std::chrono::milliseconds heartbeat_ttl{3000};
   // How often the cell's reclaim sweep runs from this node.
   std::chrono::milliseconds reclaim_interval{1000};
+  // How long the cell signs this node's grants with one key before a heartbeat hands it the
+  // next (node_grants.h).
+  std::chrono::milliseconds grant_key_rotation{60000};
   // An NVMe tier under the pool (kvstashd --ssd): cold objects move down instead of being
   // evicted, and come back on a get (docs/nvme-tier.md).
   std::optional<TierOptions> tier;

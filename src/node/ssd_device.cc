@@ -1,8 +1,8 @@
 #include "node/ssd_device.h"
 
 #include <fcntl.h>
-#include <linux/fs.h>
 #include <liburing.h>
+#include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <list>
@@ -18,6 +19,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "common/system.h"
 
 namespace kvstash::node {
 namespace {
@@ -219,6 +221,35 @@ struct SsdDevice::Impl {
   }
 };
 
+namespace {
+// The tier holds prompts' KV (and their keys, in its headers): a file must be its owner's
+// alone, as the cluster-token file is; a block device, no one's but its owner's and group's.
+// Checked on the descriptor opened.
+Status check_private(int fd, const std::string& path, bool block_device) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return from_errno(errno, "ssd: stat " + path);
+  const unsigned mode = st.st_mode & 07777;
+  if (block_device) {
+    if ((mode & 007) != 0) {
+      char octal[8];
+      std::snprintf(octal, sizeof octal, "%04o", mode);
+      return Status::invalid_argument(
+          "ssd: " + path + " may be read or written by others (mode " + octal +
+          "): the tier holds prompts' KV; remove the others' access (chmod o-rw)");
+    }
+    return {};
+  }
+  KVSTASH_RETURN_IF_ERROR(
+      sys::check_owner_only(mode, path, "the tier holds prompts' KV and keys").with_context("ssd"));
+  if (st.st_uid != ::geteuid()) {
+    return Status::invalid_argument("ssd: " + path + " belongs to uid " + std::to_string(st.st_uid) +
+                                    ", not to this process's " + std::to_string(::geteuid()) +
+                                    ": a tier file must be kvstashd's own");
+  }
+  return {};
+}
+}  // namespace
+
 Result<std::unique_ptr<SsdDevice>> SsdDevice::open(const SsdOptions& o) {
   if (o.path.empty()) return Status::invalid_argument("ssd: the tier needs a path (--ssd)");
   std::unique_ptr<SsdDevice> d(new SsdDevice());
@@ -233,11 +264,13 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::open(const SsdOptions& o) {
   if (impl.fd < 0) {
     const int err = errno;
     if (err == EINVAL) {
-      return Status::unsupported("ssd: " + o.path + ": its file system takes no O_DIRECT (the tier needs it: a "
+      return Status::unsupported("ssd: " + o.path +
+                                 ": its file system takes no O_DIRECT (the tier needs it: a "
                                  "file on ext4 or xfs, or a block device)");
     }
     return from_errno(err, "ssd: open " + o.path);
   }
+  KVSTASH_RETURN_IF_ERROR(check_private(impl.fd, o.path, d->block_device_));
   std::uint64_t size = o.capacity;
   if (d->block_device_) {
     std::uint64_t device_bytes = 0;
@@ -248,8 +281,8 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::open(const SsdOptions& o) {
     }
     if (size == 0) size = device_bytes;
     if (size > device_bytes) {
-      return Status::invalid_argument("ssd: --ssd-capacity " + std::to_string(size) + " is past " + o.path + "'s " +
-                                      std::to_string(device_bytes) + " bytes");
+      return Status::invalid_argument("ssd: --ssd-capacity " + std::to_string(size) + " is past " + o.path +
+                                      "'s " + std::to_string(device_bytes) + " bytes");
     }
   } else {
     if (size == 0) return Status::invalid_argument("ssd: a file tier needs a capacity (--ssd-capacity)");
@@ -270,8 +303,9 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::open(const SsdOptions& o) {
   const int rc = io_uring_queue_init(std::max<std::uint32_t>(o.queue_depth, 8), &impl.ring, 0);
   if (rc < 0) {
     if (rc == -ENOSYS || rc == -EPERM) {
-      return Status::unsupported("ssd: io_uring is off in this kernel (kernel.io_uring_disabled, or a seccomp "
-                                 "profile): the tier needs it");
+      return Status::unsupported(
+          "ssd: io_uring is off in this kernel (kernel.io_uring_disabled, or a seccomp "
+          "profile): the tier needs it");
     }
     return from_errno(-rc, "ssd: io_uring_queue_init");
   }

@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <future>
 #include <cstring>
+#include <future>
 #include <optional>
 #include <span>
 #include <unordered_set>
@@ -70,7 +70,8 @@ std::vector<SsdIo> ios_for(bool write, std::span<const PageRun> pages, std::span
 // last page may be short) to `per_page`; tier_sum folds them.
 void fold_pages(std::vector<std::uint64_t>& per_page, const std::byte* bytes, std::uint64_t n,
                 std::uint64_t page_size) {
-  for (std::uint64_t at = 0; at < n; at += page_size) per_page.push_back(sum::segment_sum(bytes + at, std::min(page_size, n - at)));
+  for (std::uint64_t at = 0; at < n; at += page_size)
+    per_page.push_back(sum::segment_sum(bytes + at, std::min(page_size, n - at)));
 }
 
 std::string tier_sum(const std::vector<std::uint64_t>& per_page) {
@@ -95,7 +96,8 @@ std::string tier_sum(std::span<const PageRun> pages, const std::byte* pool, std:
 // of that.
 constexpr std::string_view kSuperMagic = "KVSTIER1";
 
-std::string superblock(std::uint64_t id, std::uint64_t page_size, std::uint64_t slots, const std::string& node) {
+std::string superblock(std::uint64_t id, std::uint64_t page_size, std::uint64_t slots,
+                       const std::string& node) {
   std::string b(kSuperMagic);
   auto u64 = [&](std::uint64_t v) { b.append(reinterpret_cast<const char*>(&v), 8); };
   u64(id);
@@ -108,10 +110,12 @@ std::string superblock(std::uint64_t id, std::uint64_t page_size, std::uint64_t 
 }
 
 // The id in a superblock for this page size, slot count and node; nullopt for anything else.
-std::optional<std::uint64_t> read_superblock(const std::byte* block, std::size_t size, std::uint64_t page_size,
-                                             std::uint64_t slots, const std::string& node) {
+std::optional<std::uint64_t> read_superblock(const std::byte* block, std::size_t size,
+                                             std::uint64_t page_size, std::uint64_t slots,
+                                             const std::string& node) {
   const char* p = reinterpret_cast<const char*>(block);
-  if (size < kSuperMagic.size() + 40 || std::string_view(p, kSuperMagic.size()) != kSuperMagic) return std::nullopt;
+  if (size < kSuperMagic.size() + 40 || std::string_view(p, kSuperMagic.size()) != kSuperMagic)
+    return std::nullopt;
   std::uint64_t id = 0;
   std::memcpy(&id, p + kSuperMagic.size(), 8);
   const std::string expect = superblock(id, page_size, slots, node);
@@ -129,27 +133,30 @@ Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std
                                                  const std::string& node_id) {
   std::unique_ptr<NodeTier> t(new NodeTier());
   t->options_ = options;
+  t->header_key_ = tier_header_key(options.header_secret);
   t->page_size_ = page_size;
   t->counters_ = std::make_unique<AtomicCounters>();
   KVSTASH_ASSIGN_OR_RETURN(t->device_, SsdDevice::open({.path = options.path, .capacity = options.capacity}));
   const TierLayout layout(t->device_->capacity(), page_size, t->device_->block_size());
   if (layout.slots == 0) {
-    return Status::invalid_argument(fmt::format("the NVMe tier {} ({} bytes) holds no page of {} bytes after its "
-                                                "header area",
-                                                options.path, t->device_->capacity(), page_size));
+    return Status::invalid_argument(
+        fmt::format("the NVMe tier {} ({} bytes) holds no page of {} bytes after its "
+                    "header area",
+                    options.path, t->device_->capacity(), page_size));
   }
   t->slots_ = layout.slots;
   t->layout_ = layout;
   // Headers are numbered on from the clock (microseconds): a restart never numbers a header
   // below one it wrote before.
-  t->sequence_ = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  t->sequence_ = static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                                std::chrono::system_clock::now().time_since_epoch())
+                                                .count());
   // The superblock: the same tier again, or a new one.
   const std::size_t block = t->device_->block_size();
   KVSTASH_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(block));
   KVSTASH_RETURN_IF_ERROR(
-      t->device_->run({{.write = false, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
+      t->device_
+          ->run({{.write = false, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
           .with_context("reading the NVMe tier's superblock"));
   std::optional<std::uint64_t> id = read_superblock(b.data(), block, page_size, t->slots_, node_id);
   t->found_ = t->holds_headers_ = id.has_value();
@@ -159,7 +166,8 @@ Result<std::unique_ptr<NodeTier>> NodeTier::open(const TierOptions& options, std
     std::memset(b.data(), 0, block);
     std::memcpy(b.data(), text.data(), std::min(text.size(), block));
     KVSTASH_RETURN_IF_ERROR(
-        t->device_->run({{.write = true, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
+        t->device_
+            ->run({{.write = true, .offset = 0, .buffer = b.data(), .length = block}}, deadline_after(10s))
             .with_context("writing the NVMe tier's superblock"));
     KVSTASH_RETURN_IF_ERROR(t->device_->flush());
   }
@@ -176,9 +184,11 @@ NodeTier::~NodeTier() {
   if (thread_.joinable()) thread_.join();
 }
 
-Status NodeTier::start(metadata::CellOptions cell, std::string node_id, std::byte* pool, std::uint64_t pages) {
+Status NodeTier::start(metadata::CellOptions cell, std::string node_id, std::byte* pool,
+                       std::uint64_t pages) {
   // A BRPOP waits `poll`: the connection's commands must outlast it.
-  cell.redis.command_timeout = std::max(cell.redis.command_timeout, options_.poll * 4 + std::chrono::seconds(1));
+  cell.redis.command_timeout =
+      std::max(cell.redis.command_timeout, options_.poll * 4 + std::chrono::seconds(1));
   KVSTASH_ASSIGN_OR_RETURN(cell_, metadata::Cell::open(cell));
   catalog_ = std::make_unique<TierCatalog>(cell_->redis(), cell_->name());
   id_ = std::move(node_id);
@@ -194,7 +204,8 @@ void NodeTier::set_epoch(std::string epoch) {
 }
 
 std::uint64_t NodeTier::low_water(std::uint64_t pool_pages) const {
-  return std::max<std::uint64_t>(1, static_cast<std::uint64_t>(static_cast<double>(pool_pages) * options_.low_water + 0.5));
+  return std::max<std::uint64_t>(
+      1, static_cast<std::uint64_t>(static_cast<double>(pool_pages) * options_.low_water + 0.5));
 }
 
 void NodeTier::pause() {
@@ -204,9 +215,9 @@ void NodeTier::pause() {
 
 NodeTier::Counters NodeTier::counters() const {
   const auto& c = *counters_;
-  return {c.written_down.load(), c.written_down_bytes.load(), c.write_down_failures.load(), c.promoted.load(),
-          c.promoted_bytes.load(), c.promotion_failures.load(), c.promotion_corrupt.load(), c.recovered.load(),
-          c.recovery_bad.load()};
+  return {c.written_down.load(),      c.written_down_bytes.load(), c.write_down_failures.load(),
+          c.promoted.load(),          c.promoted_bytes.load(),     c.promotion_failures.load(),
+          c.promotion_corrupt.load(), c.recovered.load(),          c.recovery_bad.load()};
 }
 
 Deadline NodeTier::job_deadline() const {
@@ -272,8 +283,8 @@ bool NodeTier::write_down(const std::string& epoch, bool eager) {
   // (the last batch moved something), the next batch starts at once below that high water,
   // so the device does not wait for the pool to sink to its low water again.
   const std::uint64_t low = low_water(pool_pages_), high = std::min(pool_pages_, 2 * low);
-  auto batch = catalog_->begin_write_down(id_, epoch, eager ? high : low, high, options_.batch_pages,
-                                        options_.lease);
+  auto batch =
+      catalog_->begin_write_down(id_, epoch, eager ? high : low, high, options_.batch_pages, options_.lease);
   if (!batch.is_ok()) {
     if (batch.status().code() != StatusCode::kStale) {
       KVSTASH_LOG_WARN("node {}: NVMe tier: write-down: {}", id_, batch.status().to_string());
@@ -314,17 +325,25 @@ bool NodeTier::write_down(const std::string& epoch, bool eager) {
       const auto& w = batch->objects[i];
       std::byte* place = headers->data() + i * unit;
       if (recoverable(w.key)) {
-        TierHeader h{.sequence = ++sequence_, .cell = cell_->name(), .key = w.key, .token = w.token,
-                     .size = w.size, .checksum = w.checksum, .layout = w.layout, .sum = sums[i],
+        TierHeader h{.sequence = ++sequence_,
+                     .cell = cell_->name(),
+                     .key = w.key,
+                     .token = w.token,
+                     .size = w.size,
+                     .checksum = w.checksum,
+                     .layout = w.layout,
+                     .sum = sums[i],
                      .expires_ms = w.expires_ms};
         for (const PageRun& r : w.slots) h.runs.emplace_back(r.first, r.count);
         // One that does not fit its place (a layout of kilobytes) is not recoverable.
-        if (auto bytes = encode_tier_header(h, unit); bytes.is_ok()) {
+        if (auto bytes = encode_tier_header(h, unit, header_key_); bytes.is_ok()) {
           std::memcpy(place, bytes->data(), bytes->size());
           holds_headers_ = true;
         }
       }
-      places.push_back({.write = true, .offset = layout_.header_offset(w.slots.front().first), .buffer = place,
+      places.push_back({.write = true,
+                        .offset = layout_.header_offset(w.slots.front().first),
+                        .buffer = place,
                         .length = static_cast<std::size_t>(unit)});
     }
     wrote = device_->run(std::move(places), job_deadline());
@@ -340,8 +359,8 @@ bool NodeTier::write_down(const std::string& epoch, bool eager) {
   // slots' bytes (or a file's extents) still in a cache.
   if (Status flushed = device_->flush(); !flushed.is_ok()) {
     counters_->write_down_failures += batch->objects.size();
-    KVSTASH_LOG_WARN("node {}: NVMe tier: flushing a write-down failed ({}); its objects stay in the pool", id_,
-                     flushed.to_string());
+    KVSTASH_LOG_WARN("node {}: NVMe tier: flushing a write-down failed ({}); its objects stay in the pool",
+                     id_, flushed.to_string());
     (void)catalog_->abort_write_down(id_, batch->objects);
     return false;
   }
@@ -377,7 +396,8 @@ struct NodeTier::PromotionJob {
   std::future<Status> read;
 };
 
-std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& epoch, std::optional<std::string> first) {
+std::unique_ptr<NodeTier::PromotionJob> NodeTier::stage_job(const std::string& epoch,
+                                                            std::optional<std::string> first) {
   auto job = std::make_unique<PromotionJob>();
   // Stages `key`: its pool pages leased, its reads added to the job's.
   auto stage = [&](const std::string& key) {
@@ -478,7 +498,8 @@ void NodeTier::promote(const std::string& epoch, std::string first) {
 }
 
 bool NodeTier::recoverable(std::string_view key) const {
-  return std::ranges::any_of(options_.recover_prefixes, [&](const std::string& p) { return key.starts_with(p); });
+  return std::ranges::any_of(options_.recover_prefixes,
+                             [&](const std::string& p) { return key.starts_with(p); });
 }
 
 void NodeTier::promote_queued(const std::string& epoch) {
@@ -518,10 +539,10 @@ bool NodeTier::recover(const std::string& epoch) {
   // holds nothing of the cell's; without recoverable keys nothing is offered.
   if (!holds_headers_ || options_.recover_prefixes.empty()) return finish();
   const auto started = std::chrono::steady_clock::now();
-  auto scanned = scan_tier_headers(*device_, layout_, deadline_after(std::chrono::minutes(10)));
+  auto scanned = scan_tier_headers(*device_, layout_, deadline_after(std::chrono::minutes(10)), header_key_);
   if (!scanned.is_ok()) {
-    KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: reading the headers failed ({}); nothing is recovered", id_,
-                     scanned.status().to_string());
+    KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: reading the headers failed ({}); nothing is recovered",
+                     id_, scanned.status().to_string());
     return finish();
   }
   // What a header must say to be offered: this cell, a recoverable key, its slots on this
@@ -552,15 +573,18 @@ bool NodeTier::recover(const std::string& epoch) {
         if (claimed[i]) return true;
       }
     }
-    for (auto [first, count] : f.first.runs) std::fill_n(claimed.begin() + static_cast<std::ptrdiff_t>(first), count, true);
+    for (auto [first, count] : f.first.runs)
+      std::fill_n(claimed.begin() + static_cast<std::ptrdiff_t>(first), count, true);
     return false;
   });
   std::ranges::sort(found, {}, [](const auto& f) { return f.second; });  // read in device order
   counts.found = found.size();
-  KVSTASH_LOG_INFO("node {}: NVMe tier: the cell started the tier over; checking {} objects' bytes to offer them",
-                   id_, found.size());
+  KVSTASH_LOG_INFO(
+      "node {}: NVMe tier: the cell started the tier over; checking {} objects' bytes to offer them", id_,
+      found.size());
   auto unclaim = [&](const TierHeader& h) {
-    for (auto [first, count] : h.runs) std::fill_n(claimed.begin() + static_cast<std::ptrdiff_t>(first), count, false);
+    for (auto [first, count] : h.runs)
+      std::fill_n(claimed.begin() + static_cast<std::ptrdiff_t>(first), count, false);
   };
   const std::uint64_t chunk_pages = std::max<std::uint64_t>(1, kPromotionBytes / page_size_);
   auto buffer = Buffer::allocate(chunk_pages * page_size_);
@@ -613,14 +637,21 @@ bool NodeTier::recover(const std::string& epoch) {
       ++counters_->recovery_bad;
       unclaim(h);
       if (!ok.is_ok()) {
-        KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: reading {} failed: {}", id_, h.key, ok.status().to_string());
+        KVSTASH_LOG_WARN("node {}: NVMe tier: recovery: reading {} failed: {}", id_, h.key,
+                         ok.status().to_string());
       }
       continue;
     }
     std::string runs;
     for (auto [first, count] : h.runs) runs += fmt::format("{}{},{}", runs.empty() ? "" : ";", first, count);
-    offer.push_back({.key = h.key, .token = h.token, .checksum = h.checksum, .layout = h.layout,
-                     .runs = std::move(runs), .sum = h.sum, .size = h.size, .expires_ms = h.expires_ms});
+    offer.push_back({.key = h.key,
+                     .token = h.token,
+                     .checksum = h.checksum,
+                     .layout = h.layout,
+                     .runs = std::move(runs),
+                     .sum = h.sum,
+                     .size = h.size,
+                     .expires_ms = h.expires_ms});
     offered.push_back(&h);
     if (offer.size() == kOffer) {
       if (!send()) return false;
@@ -629,11 +660,13 @@ bool NodeTier::recover(const std::string& epoch) {
   }
   if (!offer.empty() && !send()) return false;
   if (!finish()) return false;
-  KVSTASH_LOG_INFO("node {}: NVMe tier: recovery done in {} ms: {} objects checked, {} did not match their sum, "
-                   "{} admitted", id_,
-                   std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started)
-                       .count(),
-                   counts.checked, counts.bad, counters_->recovered.load());
+  KVSTASH_LOG_INFO(
+      "node {}: NVMe tier: recovery done in {} ms: {} objects checked, {} did not match their sum, "
+      "{} admitted",
+      id_,
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started)
+          .count(),
+      counts.checked, counts.bad, counters_->recovered.load());
   return true;
 }
 

@@ -59,6 +59,10 @@ struct TierOptions {
   // objects get a header on the device, and a cell that lost its Redis gets them back from it
   // (docs/metadata.md, "A cell that lost its Redis"). Empty: none.
   std::vector<std::string> recover_prefixes;
+  // The node's secret (its cluster token): the headers are signed with a key made from it, and
+  // a recovery admits only headers it signed. Empty: unkeyed headers (anyone who can write the
+  // device can forge them).
+  std::string header_secret;
   // Fault injection (SsdDevice::set_fault): the history checker's and the tests' failing device.
   std::function<int(const SsdIo&)> fault;
 };
@@ -135,8 +139,9 @@ class NodeTier {
   std::uint64_t page_size_ = 0;
   std::uint64_t slots_ = 0;
   TierLayout layout_{0, 0, 4096};
-  std::uint64_t sequence_ = 0;  // the last header's (TierHeader::sequence)
-  std::string recovered_epoch_;  // the registration whose recovery is over
+  std::uint64_t sequence_ = 0;            // the last header's (TierHeader::sequence)
+  std::vector<std::uint8_t> header_key_;  // tier_header_key(options_.header_secret)
+  std::string recovered_epoch_;           // the registration whose recovery is over
   std::string tier_id_;
   bool found_ = false;
   bool holds_headers_ = false;  // found_, or a header written since: a recovery reads them

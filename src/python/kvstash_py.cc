@@ -212,6 +212,38 @@ PYBIND11_MODULE(_native, m) {
   g_error = PyErr_NewException("kvstash.Error", PyExc_RuntimeError, nullptr);
   m.attr("Error") = py::handle(g_error);
 
+  py::class_<KeepHint>(m, "KeepHint")
+      .def(py::init([](std::uint32_t turn, std::uint32_t chunks, std::uint32_t index, std::uint32_t tokens,
+                       std::uint64_t key_hash, std::uint64_t split_hash, double looked_up) {
+             return KeepHint{turn, chunks, index, tokens, key_hash, split_hash, looked_up};
+           }),
+           py::arg("turn") = 1, py::arg("chunks") = 0, py::arg("index") = 0, py::arg("tokens") = 0,
+           py::arg("key_hash") = 0, py::arg("split_hash") = 0, py::arg("looked_up") = 0.0,
+           "One use of a chunk, for a turn-ttl cell (KeepHint): the request's turn and clock from "
+           "Store.lookup_prefix, the prompt's chunks, this chunk's index and tokens, keep_key_hash of its "
+           "key and of the request's first missing chunk's.")
+      .def_readwrite("turn", &KeepHint::turn)
+      .def_readwrite("chunks", &KeepHint::chunks)
+      .def_readwrite("index", &KeepHint::index)
+      .def_readwrite("tokens", &KeepHint::tokens)
+      .def_readwrite("key_hash", &KeepHint::key_hash)
+      .def_readwrite("split_hash", &KeepHint::split_hash)
+      .def_readwrite("looked_up", &KeepHint::looked_up);
+  m.def(
+      "keep_key_hash", [](const std::string& key) { return KeepHint::hash_key(key); }, py::arg("key"),
+      "A key's hash for KeepHint's key_hash and split_hash, the same in every process.");
+  py::class_<KvKeep>(m, "KvKeep")
+      .def(py::init([](std::uint32_t turn, double looked_up, std::uint32_t chunks, std::uint64_t split_hash) {
+             return KvKeep{turn, looked_up, chunks, split_hash};
+           }),
+           py::arg("turn") = 1, py::arg("looked_up") = 0.0, py::arg("chunks") = 0, py::arg("split_hash") = 0,
+           "What a request's loads and saves tell a turn-ttl cell (KvKeep): KvCache.lookup_prefix's, or "
+           "made from Store.lookup_prefix over one's own keys.")
+      .def_readwrite("turn", &KvKeep::turn)
+      .def_readwrite("looked_up", &KvKeep::looked_up)
+      .def_readwrite("chunks", &KvKeep::chunks)
+      .def_readwrite("split_hash", &KvKeep::split_hash);
+
   py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
       .def(py::init([](const std::string& redis_url, const std::string& redis_password,
                        const std::string& cell, const std::string& transports, std::uint32_t timeout_ms,
@@ -256,9 +288,10 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "put",
           [](PyStore& s, const std::string& key, const py::object& data, std::uint64_t ttl_ms,
-             std::uint32_t timeout_ms, std::uint32_t replicas) {
+             std::uint32_t timeout_ms, std::uint32_t replicas, const std::optional<KeepHint>& keep) {
             PutOptions o{.ttl = std::chrono::milliseconds(ttl_ms), .deadline = deadline_of(timeout_ms)};
             o.replicas = replicas;
+            o.keep = keep;
             if (py::isinstance<py::bytes>(data)) {
               std::string bytes = data.cast<std::string>();
               Slice slice{bytes.data(), bytes.size()};
@@ -269,17 +302,19 @@ PYBIND11_MODULE(_native, m) {
             check(nogil([&] { return s.store->put(key, buffers.slices, o); }));
           },
           py::arg("key"), py::arg("data"), py::arg("ttl_ms") = 0, py::arg("timeout_ms") = 0,
-          py::arg("replicas") = 1,
+          py::arg("replicas") = 1, py::arg("keep") = py::none(),
           "data: bytes, or buffers whose concatenation is the object (moved from where they are): buffer "
           "objects, or (address, bytes) pairs inside memory given to register_memory. ttl_ms: 0 never "
-          "expires. replicas: copies on distinct memory nodes (1-4).")
+          "expires. replicas: copies on distinct memory nodes (1-4). keep: the use, for a turn-ttl cell "
+          "(KeepHint).")
       .def(
           "get",
           [](PyStore& s, const std::string& key, const py::object& into, std::uint32_t timeout_ms,
-             bool promote) -> py::object {
+             bool promote, const std::optional<KeepHint>& keep) -> py::object {
             GetOptions o;
             o.deadline = deadline_of(timeout_ms);
             o.promote = promote;
+            o.keep = keep;
             if (into.is_none()) {
               std::string out;
               check(nogil([&] {
@@ -307,10 +342,11 @@ PYBIND11_MODULE(_native, m) {
             return py::int_(info.size);
           },
           py::arg("key"), py::arg("into") = py::none(), py::arg("timeout_ms") = 0, py::arg("promote") = true,
+          py::arg("keep") = py::none(),
           "The object's bytes; with `into`, buffers of exactly its size, read in place (zero-copy), and its "
           "size: writable buffer objects, or (address, bytes) pairs inside memory given to register_memory "
           "(any other address is refused with invalid_argument). promote=False: an object on a node's NVMe "
-          "tier is not_found instead of staged back.")
+          "tier is not_found instead of staged back. keep: the use, for a turn-ttl cell (KeepHint).")
       .def(
           "register_memory",
           [](PyStore& s, std::uintptr_t addr, std::size_t length) {
@@ -355,6 +391,16 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("keys"), py::arg("timeout_ms") = 0,
           "How many leading keys of `keys` are stored (a scheduler's prefix check, no tensors needed).")
+      .def(
+          "lookup_prefix",
+          [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
+            const PrefixLookup found =
+                unwrap(nogil([&] { return s.store->lookup_prefix(keys, deadline_of(timeout_ms)); }));
+            return py::make_tuple(found.hit, found.turn, found.clock);
+          },
+          py::arg("keys"), py::arg("timeout_ms") = 0,
+          "contains_prefix, with the request's conversation turn and the cell's turn-ttl clock (0 under "
+          "another policy): (hit, turn, clock), what a turn-ttl cell's keep hints name.")
       .def(
           "contains_each",
           [](PyStore& s, const std::vector<std::string>& keys, std::uint32_t timeout_ms) {
@@ -624,52 +670,69 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("tokens"), py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{})
       .def(
+          "lookup_prefix",
+          [](PyKvCache& k, const std::vector<std::uint32_t>& tokens, std::uint32_t timeout_ms,
+             const std::vector<std::string>& chunk_salts) {
+            const KvLookup found = unwrap(nogil([&] {
+              return k.kv->lookup_prefix({tokens, chunk_salts}, deadline_of(timeout_ms));
+            }));
+            return py::make_tuple(found.chunks, found.keep);
+          },
+          py::arg("tokens"), py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{},
+          "contains_prefix, with what the request's loads and saves tell a turn-ttl cell: (chunks, KvKeep); "
+          "pass the KvKeep as their keep.")
+      .def(
           "begin_save",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
-             std::uint32_t timeout_ms, const std::vector<std::string>& chunk_salts) {
+             std::uint32_t timeout_ms, const std::vector<std::string>& chunk_salts,
+             const std::optional<KvKeep>& keep) {
             auto s = std::make_shared<PySave>();
             s->kv = k;
             s->save = unwrap(nogil([&] {
               return k->kv->begin_save({tokens, chunk_salts}, block_ids, first, count,
-                                       deadline_of(timeout_ms));
+                                       deadline_of(timeout_ms), keep);
             }));
             return s;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
-          py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{})
+          py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{},
+          py::arg("keep") = py::none())
       .def(
           "begin_load",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t count, std::uint32_t timeout_ms,
-             const KvSync& after, const std::vector<std::string>& chunk_salts) {
+             const KvSync& after, const std::vector<std::string>& chunk_salts,
+             const std::optional<KvKeep>& keep) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
             l->load = unwrap(nogil([&] {
               return k->kv->begin_load({tokens, chunk_salts}, block_ids, count, deadline_of(timeout_ms),
-                                       after);
+                                       after, keep);
             }));
             return l;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("count"), py::arg("timeout_ms") = 0,
           py::arg("after") = KvSync{}, py::arg("chunk_salts") = std::vector<std::string>{},
+          py::arg("keep") = py::none(),
           "Loads the first `count` chunks, writing no block before the engine's work up to `after`.")
       .def(
           "begin_load_range",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
-             std::uint32_t timeout_ms, const KvSync& after, const std::vector<std::string>& chunk_salts) {
+             std::uint32_t timeout_ms, const KvSync& after, const std::vector<std::string>& chunk_salts,
+             const std::optional<KvKeep>& keep) {
             auto l = std::make_shared<PyLoad>();
             l->kv = k;
             l->load = unwrap(nogil([&] {
               return k->kv->begin_load_range({tokens, chunk_salts}, block_ids, first, count,
-                                             deadline_of(timeout_ms), after);
+                                             deadline_of(timeout_ms), after, keep);
             }));
             return l;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
           py::arg("timeout_ms") = 0, py::arg("after") = KvSync{},
-          py::arg("chunk_salts") = std::vector<std::string>{},
+          py::arg("chunk_salts") = std::vector<std::string>{}, py::arg("keep") = py::none(),
           "Loads chunks [first, first + count) only; statuses count from `first`.");
 
   py::class_<PyKvExport, std::shared_ptr<PyKvExport>>(m, "KvExport")

@@ -75,10 +75,11 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
     if (!lease.is_ok()) batch.reset();  // nothing to hand back
   } else {
     batch.reset();
+    const std::string hint = metadata::keep_hint_text(o.keep);
     for (store::CellLink* looked : get_cells(key, deadline)) {
       KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*looked, deadline));
       MetadataClock mc(o.timings);
-      lease = c->begin_get(key, reader, options.read_lease, o.promote);
+      lease = c->begin_get(key, reader, options.read_lease, o.promote, hint);
       cell = looked;
       if (lease.status().code() != StatusCode::kNotFound) break;
     }
@@ -88,19 +89,20 @@ Result<ObjectInfo> Store::Impl::get(std::string_view key, std::span<const Slice>
     while (lease.is_ok() && !lease->promoting_node.empty()) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left <= std::chrono::milliseconds(1)) {
-        return Status::timeout("store: object " + std::string(key) + " was not promoted from the NVMe tier of node " +
-                               lease->promoting_node + " within the get's deadline");
+        return Status::timeout("store: object " + std::string(key) +
+                               " was not promoted from the NVMe tier of node " + lease->promoting_node +
+                               " within the get's deadline");
       }
       if (o.cancel.cancelled()) return Status::cancelled("store: get of " + std::string(key) + " cancelled");
       KVSTASH_ASSIGN_OR_RETURN(auto c, borrow(*cell, deadline));
       MetadataClock mc(o.timings);
-      const auto wait = std::min({left - std::chrono::milliseconds(1), std::chrono::milliseconds(25),
-                                  options.redis_timeout / 2});
+      const auto wait = std::min(
+          {left - std::chrono::milliseconds(1), std::chrono::milliseconds(25), options.redis_timeout / 2});
       if (Status waited = c->wait_promotion(*lease, wait); !waited.is_ok()) {
         KVSTASH_LOG_DEBUG("get {}: waiting for its promotion: {}", key, waited.to_string());
       }
       leased_at = Clock::now();
-      lease = c->begin_get(key, reader, options.read_lease, o.promote);
+      lease = c->begin_get(key, reader, options.read_lease, o.promote, hint);
     }
   }
   if (!lease.is_ok()) return lease.status().with_context(std::string(key));
@@ -227,7 +229,8 @@ ReadLeases::~ReadLeases() = default;
 ReadLeases::State::~State() {
   std::lock_guard lock(mu);
   for (auto& [key, e] : entries) {
-    if (!e.taken && e.lease.is_ok()) ended.emplace_back(e.cell, metadata::Catalog::EndedRead{e.reader, e.lease->object_token, ""});
+    if (!e.taken && e.lease.is_ok())
+      ended.emplace_back(e.cell, metadata::Catalog::EndedRead{e.reader, e.lease->object_token, ""});
   }
   flush_locked();
 }
@@ -260,9 +263,15 @@ void ReadLeases::State::flush_locked() {
   }
 }
 
-Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::optional<Deadline> deadline) {
+Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::optional<Deadline> deadline,
+                                      std::span<const KeepHint> keep) {
   const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
   for (const auto& k : keys) KVSTASH_RETURN_IF_ERROR(metadata::validate_object_key(k));
+  if (!keep.empty() && keep.size() != keys.size()) {
+    return Status::invalid_argument("lease_reads: one keep hint per key, or none");
+  }
+  std::map<std::string_view, std::string> hint_of;  // key -> its keep hint's text
+  for (std::size_t i = 0; i < keep.size(); ++i) hint_of.emplace(keys[i], metadata::keep_hint_text(keep[i]));
   auto state = std::make_shared<ReadLeases::State>();
   state->impl = impl_.get();
   state->leased_at = Clock::now();
@@ -278,10 +287,13 @@ Result<ReadLeases> Store::lease_reads(std::span<const std::string> keys, std::op
   Status failed;
   std::size_t leased_cells = 0;
   for (auto& [cell, batch] : by_cell) {
-    std::vector<std::string> readers;
+    std::vector<std::string> readers, hints;
     for (std::size_t i = 0; i < batch.size(); ++i) readers.push_back(store::random_token());
+    if (!keep.empty()) {
+      for (const auto& k : batch) hints.push_back(hint_of[k]);
+    }
     auto c = impl_->borrow(*cell, d);
-    auto leased = c.is_ok() ? (*c)->begin_gets(batch, readers, impl_->options.read_lease)
+    auto leased = c.is_ok() ? (*c)->begin_gets(batch, readers, impl_->options.read_lease, hints)
                             : Result<std::vector<Result<metadata::ReadLease>>>(c.status());
     std::lock_guard lock(state->mu);
     if (!leased.is_ok()) {

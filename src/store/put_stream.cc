@@ -351,9 +351,12 @@ std::vector<Status> Store::commit_all(std::span<PutStream> streams) {
       continue;
     }
     std::vector<metadata::Catalog::ReservedCommit> puts;
+    std::vector<std::string> keep;  // the puts' keep hints, which `puts` views
     puts.reserve(batch.size());
+    keep.reserve(batch.size());
     for (std::size_t i : batch) {
       PutStream::State& st = *streams[i].state_;
+      keep.push_back(metadata::keep_hint_text(st.options.keep));
       puts.push_back({.pages = st.pages.run(),
                       .token = st.pages.token,
                       .key = st.key,
@@ -362,7 +365,8 @@ std::vector<Status> Store::commit_all(std::span<PutStream> streams) {
                       .layout = st.options.object_layout,
                       .ttl = st.options.ttl,
                       .if_version = st.options.if_version,
-                      .copies = 1});
+                      .copies = 1,
+                      .keep = keep.back()});
     }
     Result<std::vector<Status>> committed = Status::internal("unset");
     {
@@ -532,7 +536,8 @@ void Store::Impl::abort_put(const std::string& key, const store::PutPages& pages
     // A queue that fell behind a stalled node does not wait again for each put.
     auto confirmed = store::revoke_all(key, nodes, leases, confirm_by);
     if (confirmed.size() < nodes.size()) {
-      KVSTASH_LOG_INFO_LIMITED("put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
+      KVSTASH_LOG_INFO_LIMITED(
+          "put {}: its pages on an unconfirmed node return once the node fenced its lease", key);
     }
     end_put(key, pages, confirmed, deadline_after(options.redis_timeout * 2));
   });
@@ -542,8 +547,9 @@ Status Store::Impl::wait_for_replicas(metadata::RedisClient& redis, Deadline dea
   if (options.commit_replicas == 0) return {};
   // WAIT blocks the connection: it must answer well inside the socket's timeout, which is the
   // command timeout or what is left of the put's deadline, whichever is shorter.
-  const auto left = std::min(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()),
-                             options.redis_timeout) * 3 / 4;
+  const auto left =
+      std::min(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()), options.redis_timeout) *
+      3 / 4;
   const std::string want = std::to_string(options.commit_replicas);
   const std::string ms = std::to_string(std::max<std::int64_t>(1, left.count()));
   KVSTASH_ASSIGN_OR_RETURN(metadata::Reply acked, redis.command({"WAIT", want, ms}));
@@ -557,7 +563,8 @@ void Store::Impl::end_put(const std::string& key, const store::PutPages& pages,
   auto c = borrow(*pages.cell, deadline);
   Result<std::uint64_t> waiting = c.is_ok() ? abort_pages(**c, pages, fenced) : c.status();
   if (!waiting.is_ok()) {
-    KVSTASH_LOG_WARN_LIMITED("put {}: abort failed, the lease will reclaim: {}", key, waiting.status().to_string());
+    KVSTASH_LOG_WARN_LIMITED("put {}: abort failed, the lease will reclaim: {}", key,
+                             waiting.status().to_string());
   }
   settle(pages, waiting.is_ok() && *waiting == 0);
 }

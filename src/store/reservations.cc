@@ -76,7 +76,8 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
   const auto leased_at = Clock::now();
   pages.lease_until = store::within_lease(Deadline::max(), leased_at, options.put_lease);
   if (one_node || !apart.empty()) {
-    KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_copy(pages.token, key, size, options.put_lease, avoid, apart));
+    KVSTASH_ASSIGN_OR_RETURN(pages.placement,
+                             c->begin_copy(pages.token, key, size, options.put_lease, avoid, apart));
     return pages;
   }
   if (own_pages) {
@@ -86,8 +87,8 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
   auto fresh = std::make_shared<store::Reservation>();
   fresh->cell = &cell;
   fresh->token = store::random_token();
-  KVSTASH_ASSIGN_OR_RETURN(
-      fresh->placement, c->reserve_pages(fresh->token, size, options.put_reservation, options.put_lease, avoid));
+  KVSTASH_ASSIGN_OR_RETURN(fresh->placement, c->reserve_pages(fresh->token, size, options.put_reservation,
+                                                              options.put_lease, avoid, key));
   fresh->lease_until = pages.lease_until;
   std::shared_ptr<store::Reservation> replaced;
   {
@@ -102,11 +103,12 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
 Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                                  std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
                                  std::uint32_t copies) {
+  const std::string keep = metadata::keep_hint_text(o.keep);
   if (!pages.reservation) {
-    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies);
+    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies, keep);
   }
   Status s = c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl,
-                               o.if_version, copies);
+                               o.if_version, copies, keep);
   reservation_committed(pages, s);
   return s;
 }

@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <thread>
 
+#include <xxhash.h>
+
+#include "common/grant.h"
 #include "common/log.h"
 #include "common/system.h"
 #include "common/wire.h"
@@ -103,6 +106,11 @@ Store::~Store() {
 Result<std::unique_ptr<Store>> Store::open(const StoreOptions& options) {
   if (options.put_lease.count() <= 0 || options.read_lease.count() <= 0 || options.timeout.count() <= 0) {
     return Status::invalid_argument("store: leases and timeout must be positive");
+  }
+  if (options.put_lease > grant::kMaxLease || options.read_lease > grant::kMaxLease) {
+    return Status::invalid_argument("store: a lease lasts at most " +
+                                    std::to_string(grant::kMaxLease.count() / 1000) +
+                                    " s (the cell grants no longer)");
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -216,6 +224,36 @@ Result<std::size_t> Store::contains_prefix(std::span<const std::string> keys,
       KVSTASH_ASSIGN_OR_RETURN(std::size_t more, c->contains_prefix(keys.subspan(found)));
       found += more;
       if (found == keys.size()) break;
+    }
+    return found;
+  }();
+  impl_->meters.op(store::MeteredOp::kLookup, r.status(), started);
+  return r;
+}
+
+namespace {
+// Fibonacci hashing: the top bits of the product mix every bit of the hash in.
+std::uint64_t mix(std::uint64_t x) { return (x * 0x9E3779B97F4A7C15ULL) >> 40; }
+}  // namespace
+
+bool KeepHint::sampled() const { return mix(key_hash) % kSampleOneIn == 0; }
+std::uint32_t KeepHint::draw() const { return static_cast<std::uint32_t>(mix(split_hash) & 0xFFFF); }
+std::uint64_t KeepHint::hash_key(std::string_view key) { return XXH3_64bits(key.data(), key.size()); }
+
+Result<PrefixLookup> Store::lookup_prefix(std::span<const std::string> keys,
+                                          std::optional<Deadline> deadline) {
+  const auto started = Clock::now();
+  auto r = [&]() -> Result<PrefixLookup> {
+    PrefixLookup found;
+    if (keys.empty()) return found;
+    // As contains_prefix; the turn is the answer of the cell the hit ends in.
+    const Deadline d = deadline.value_or(deadline_after(impl_->options.timeout));
+    for (store::CellLink* cell : impl_->get_cells(keys.front(), d)) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, impl_->borrow(*cell, d));
+      KVSTASH_ASSIGN_OR_RETURN(PrefixLookup more, c->lookup_prefix(keys.subspan(found.hit)));
+      if (more.hit > 0 || found.hit == 0) found.turn = more.turn, found.clock = more.clock;
+      found.hit += more.hit;
+      if (found.hit == keys.size()) break;
     }
     return found;
   }();

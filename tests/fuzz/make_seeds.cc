@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../redis_server.h"
+#include "common/grant.h"
 #include "common/system.h"
 #include "common/wire.h"
 #include "engine/blobs.h"
@@ -30,6 +31,7 @@
 #include "kvstash_config.h"
 #include "metadata/cell.h"
 #include "metadata/redis_client.h"
+#include "node/tier_headers.h"
 #include "resp.h"
 #include "transport/shm/shm_internal.h"
 #include "transport/tcp/tcp_internal.h"
@@ -152,17 +154,20 @@ void tcp_target() {
   const std::uint8_t granted = kHandshake | kRewrite | kGrants | kGranted;
   seed(t, "granted_write_inside",
        u8(granted) + header(kWrite, 1, 0, 64, 7, 0) + payload + header(kRead, 1, 0, 64, 7, 0));
-  seed(t, "granted_write_beside", u8(granted) + header(kWrite, 1, (8 << 10) - 32, 64, 7, 0) + payload +
-                                      header(kWrite, 1, 12 << 10, 64, 7, 0) + payload);
+  seed(t, "granted_write_beside",
+       u8(granted) + header(kWrite, 1, (8 << 10) - 32, 64, 7, 0) + payload +
+           header(kWrite, 1, 12 << 10, 64, 7, 0) + payload);
   seed(t, "granted_read_under_write_grant", u8(granted) + header(kRead, 1, 0, 64, 7, 0));
-  seed(t, "granted_then_released", u8(granted) + header(tcpi::kReleaseOp, 1, 0, 0, 7, 0) +
-                                       header(kWrite, 1, 0, 64, 7, 0) + payload);
+  seed(t, "granted_then_released",
+       u8(granted) + header(tcpi::kReleaseOp, 1, 0, 0, 7, 0) + header(kWrite, 1, 0, 64, 7, 0) + payload);
   const std::string forged = "g1 fuzz 1 w 4611686018427387904 * 0123456789abcdef0123456789abcdef01234567";
-  seed(t, "forged_grant", u8(kHandshake | kRewrite | kGrants) + header(tcpi::kGrantOp, 1, 0, forged.size(), 9, 0) +
-                              forged + header(kWrite, 1, 0, 64, 9, 0) + payload);
-  seed(t, "grant_without_lease", u8(kHandshake | kRewrite | kGrants) +
-                                     header(tcpi::kGrantOp, 1, 0, forged.size(), 0, 0) + forged);
-  seed(t, "lease_without_grant", u8(kHandshake | kRewrite | kGrants) + header(kWrite, 1, 0, 64, 9, 0) + payload);
+  seed(t, "forged_grant",
+       u8(kHandshake | kRewrite | kGrants) + header(tcpi::kGrantOp, 1, 0, forged.size(), 9, 0) + forged +
+           header(kWrite, 1, 0, 64, 9, 0) + payload);
+  seed(t, "grant_without_lease",
+       u8(kHandshake | kRewrite | kGrants) + header(tcpi::kGrantOp, 1, 0, forged.size(), 0, 0) + forged);
+  seed(t, "lease_without_grant",
+       u8(kHandshake | kRewrite | kGrants) + header(kWrite, 1, 0, 64, 9, 0) + payload);
 }
 
 // What a target answers a tcp initiator: a response header, and a read's payload.
@@ -569,11 +574,11 @@ void catalog() {
   };
   for (const Method& m : methods) {
     setup();
-    // Some seeds start from Redis without the scripts (restarted, failed over): NOSCRIPT,
-    // SCRIPT LOAD, and the call again.
+    // Some seeds start from Redis without the scripts (restarted empty, never saw this build):
+    // "Function not found", FUNCTION LOAD, and the call again.
     const bool flush = m.index % 4 == 0;
     m.prepare();
-    if (flush) (void)client->command({"SCRIPT", "FLUSH"});
+    if (flush) (void)client->command({"FUNCTION", "FLUSH"});
     proxy.start();
     m.call();
     seed(t, std::string(m.name) + (flush ? "_noscript" : ""), u8(m.index) + proxy.stop());
@@ -644,6 +649,40 @@ void redis_records() {
   }
 }
 
+// ---- grants and tier headers ------------------------------------------------------------------
+
+void grants() {
+  const std::string t = "grants";
+  const std::vector<std::uint8_t> key(grant::kKeyBytes, 0x42);  // grants_fuzz.cc's
+  const auto g = [&](std::string word, TransferOp op, std::uint64_t deadline,
+                     std::vector<std::pair<std::uint64_t, std::uint64_t>> runs) {
+    return grant::sign(key, {.issuer = "n1",
+                             .epoch = std::move(word),
+                             .op = op,
+                             .deadline = deadline,
+                             .whole = runs.empty(),
+                             .runs = std::move(runs)});
+  };
+  seed(t, "grant_registration_key", u8(0) + g("e1", TransferOp::kRead, 1'100'000, {{5, 2}, {7, 1}}));
+  seed(t, "grant_retired_key", u8(0) + g("e1/1", TransferOp::kWrite, 1'200'000, {{0, 64}}));
+  seed(t, "grant_current_whole", u8(0) + g("e1/2", TransferOp::kRead, 1'300'000, {}));
+  seed(t, "grant_offered_past_pool", u8(0) + g("e1/3", TransferOp::kRead, 1'300'000, {{60, 8}}));
+  seed(t, "grant_unsigned", u8(0) + "g1 n1 e1 r 99 1+1 " + std::string(40, '0'));
+  node::TierHeader h{.sequence = 7,
+                     .cell = "default",
+                     .key = "kvp:{m}chunk-1",
+                     .token = "tok",
+                     .size = 100000,
+                     .checksum = "0123456789abcdef/65536",
+                     .layout = "L2.P2.H8.D128.B16.bf16.nhd;xxh3=0123456789abcdef",
+                     .sum = "fedcba9876543210",
+                     .expires_ms = 0,
+                     .runs = {{3, 1}, {9, 1}}};
+  const auto hk = node::tier_header_key("a-cluster-token-of-32-characters");
+  seed(t, "header_keyed", u8(1) + node::encode_tier_header(h, 4096, hk).value());
+  seed(t, "header_unkeyed", u8(1) + node::encode_tier_header(h, 4096).value());
+}
+
 }  // namespace
 }  // namespace kvstash
 
@@ -664,5 +703,6 @@ int main(int argc, char** argv) {
   kvstash::catalog();
   kvstash::admin_http();
   kvstash::redis_records();
+  kvstash::grants();
   return 0;
 }

@@ -18,6 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvstash/store.h"
+
 namespace kvstash::tools {
 
 const char* policy_name(ReplayPolicy policy) {
@@ -63,6 +65,17 @@ Result<std::vector<TraceRequest>> read_trace(const std::string& path, std::size_
 std::size_t blocks_kept(const TraceRequest& r, std::uint32_t block_tokens, ReplaySaves saves) {
   if (saves == ReplaySaves::kEveryBlock) return r.blocks.size();
   return std::min<std::size_t>(r.blocks.size(), r.input_tokens / block_tokens);
+}
+
+std::vector<double> request_times(std::span<const TraceRequest> trace) {
+  std::vector<double> out;
+  out.reserve(trace.size());
+  for (const TraceRequest& r : trace) {
+    const double at = (static_cast<double>(r.at_ms) - static_cast<double>(trace.front().at_ms)) / 1000;
+    // A millisecond apart: more than a request's blocks' microseconds (TurnTtlCache).
+    out.push_back(out.empty() ? at : std::max(at, out.back() + 1e-3));
+  }
+  return out;
 }
 
 std::uint64_t prefix_tokens(const TraceRequest& r, std::size_t blocks, std::uint32_t block_tokens) {
@@ -311,7 +324,7 @@ class ArcCache final : public Cache {
 // learned about it until it is used again, so the best an online policy can do for a class of
 // blocks is to keep them for some time T (Beckmann and Sanchez's argument for hit density).
 // This policy learns, per class, how many tokens a keep-time T would hit and what it would cost
-// in block-seconds, from a sample of the blocks' reuse gaps, and every 100 requests chooses the
+// in block-seconds, from a sample of the blocks' reuse gaps, and every 30 s chooses the
 // times that fill the capacity with the most hits (a greedy walk over each class's concave
 // hull: a fractional knapsack, the split class keeping some of its keys for the longer time).
 // A block's priority is the time it is due to go; the lowest goes first; a parent is due a
@@ -327,16 +340,16 @@ class TurnTtlCache {
   }
   bool contains(std::uint64_t block) const { return priority_.contains(block); }
 
-  // One request: `blocks` are those it looks up and saves, `hit` of them found. Counts saves
-  // and evictions into `out`, a held block put again as `saves` says.
-  void request(const TraceRequest& r, std::span<const std::uint64_t> blocks, std::size_t hit,
+  // One request at `now` (request_times): `blocks` are those it looks up and saves, `hit` of
+  // them found. Counts saves and evictions into `out`, a held block put again as `saves` says.
+  void request(const TraceRequest& r, double now, std::span<const std::uint64_t> blocks, std::size_t hit,
                std::uint32_t block_tokens, ReplaySaves saves, ModelResult& out) {
-    const double now = static_cast<double>(r.at_ms) / 1000;
     if (!started_) {
-      start_ = now;
+      start_ = solved_ = now;
       started_ = true;
     }
-    if (++requests_ % kSolveEvery == 0) {
+    if (!blocks.empty() && now - solved_ >= kSolveEvery) {  // at a use, as in the cell
+      solved_ = now;
       mature(now);
       solve(now);
     }
@@ -388,8 +401,7 @@ class TurnTtlCache {
  private:
   static constexpr double kMaxGap = 900;     // s: a reuse gap counts once this old (or never)
   static constexpr double kHalfLife = 1800;  // s: weights of older samples decay (e-folding)
-  static constexpr std::uint64_t kSample = 8;
-  static constexpr std::uint64_t kSolveEvery = 100;
+  static constexpr double kSolveEvery = 30;  // s
   // Evicted blocks whose turn is remembered, per block of capacity: a conversation back after
   // its blocks went (kept for 0 s: evicted at once) still counts its turn. (Twice: 2,000 blocks
   // of the production trace hit 1.44x LRU's tokens; four times 1.58x, eight 1.60x.)
@@ -408,8 +420,8 @@ class TurnTtlCache {
     double samples = 0;
   };
 
-  static std::uint64_t mix(std::uint64_t x) { return (x * 0x9E3779B97F4A7C15ULL) >> 40; }
-  static bool sampled(std::uint64_t block) { return mix(block) % kSample == 0; }
+  // As the cell's clients sample and draw (KeepHint): one block in KeepHint::kSampleOneIn.
+  static bool sampled(std::uint64_t block) { return KeepHint{.key_hash = block}.sampled(); }
   double weight(double t) const { return std::exp((t - start_) / kHalfLife); }
 
   void set(std::uint64_t b, double due) {
@@ -450,7 +462,9 @@ class TurnTtlCache {
   }
 
   double keep_time(int cls, std::uint64_t key) const {
-    if (cls == split_class_) return (mix(key) & 0xFFFF) < split_share_ * 65536 ? split_long_ : split_short_;
+    if (cls == split_class_) {
+      return KeepHint{.split_hash = key}.draw() < split_share_ * 65536 ? split_long_ : split_short_;
+    }
     return keep_[cls];
   }
 
@@ -490,7 +504,8 @@ class TurnTtlCache {
   void solve(double now) {
     const double limit = now - kMaxGap;
     if (limit <= start_) return;
-    const double budget = static_cast<double>(capacity_) / kSample * kHalfLife * (weight(limit) - 1);
+    const double budget =
+        static_cast<double>(capacity_) / KeepHint::kSampleOneIn * kHalfLife * (weight(limit) - 1);
     struct Point {
       double cost, hits, keep;
     };
@@ -550,8 +565,8 @@ class TurnTtlCache {
   std::uint64_t capacity_;
   std::vector<double> grid_{0.0};  // keep-times: 0, then 5 s growing by a quarter to kMaxGap
   bool started_ = false;
-  double start_ = 0;
-  std::uint64_t requests_ = 0, seq_ = 0;
+  double start_ = 0, solved_ = 0;
+  std::uint64_t seq_ = 0;
   std::unordered_map<std::uint64_t, std::pair<double, std::uint64_t>> priority_;  // block -> (due, seq)
   std::priority_queue<std::tuple<double, std::uint64_t, std::uint64_t>,
                       std::vector<std::tuple<double, std::uint64_t, std::uint64_t>>, std::greater<>>
@@ -615,11 +630,13 @@ ModelResult replay_model(std::span<const TraceRequest> trace, std::uint64_t capa
   ModelResult out;
   if (policy == ReplayPolicy::kTurnTtl) {
     TurnTtlCache cache(capacity_blocks);
-    for (const TraceRequest& r : trace) {
+    const std::vector<double> times = request_times(trace);
+    for (std::size_t i = 0; i < trace.size(); ++i) {
+      const TraceRequest& r = trace[i];
       const std::span<const std::uint64_t> kept(r.blocks.data(), blocks_kept(r, block_tokens, saves));
       const std::size_t hit =
           count_prefix(r, kept.size(), block_tokens, out, [&](std::uint64_t b) { return cache.contains(b); });
-      cache.request(r, kept, hit, block_tokens, saves, out);
+      cache.request(r, times[i], kept, hit, block_tokens, saves, out);
     }
     return out;
   }

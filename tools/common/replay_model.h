@@ -70,6 +70,11 @@ struct ModelResult {
 // whole ones (a partial last block is never saved by a connector).
 std::size_t blocks_kept(const TraceRequest& r, std::uint32_t block_tokens, ReplaySaves saves);
 
+// Each request's time in seconds from the first's, as turn-ttl's model counts it: its
+// timestamp, or a millisecond after the request before it if that is later (a trace's requests
+// of one timestamp come in turn, as in a cell).
+std::vector<double> request_times(std::span<const TraceRequest> trace);
+
 // The prompt tokens of a request's first `blocks` blocks (the last one what the prompt has).
 std::uint64_t prefix_tokens(const TraceRequest& r, std::size_t blocks, std::uint32_t block_tokens);
 

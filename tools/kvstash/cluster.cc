@@ -138,13 +138,24 @@ json policy_json(const metadata::EvictionPolicyState& p) {
     j["b1"] = p.b1;
     j["b2"] = p.b2;
     j["t1_target"] = p.t1_target;
+  } else if (p.name == "turn-ttl") {
+    j["ordered"] = p.ordered;
+    j["ghosts"] = p.ghosts;
+    j["clock_rate"] = p.clock_rate;
   }
   return j;
 }
 
 // "arc: 812 objects used once lately (target 640), 1,210 used again; remembers 800 + 1,500
-// evicted keys", or "lru".
+// evicted keys", "turn-ttl: ...", or "lru: ...".
 std::string policy_text(const metadata::EvictionPolicyState& p) {
+  if (p.name == "turn-ttl") {
+    return fmt::format(
+        "turn-ttl: {} objects kept for times learned per class of use, the one due first goes first; "
+        "remembers "
+        "the turns of {} evicted keys{}",
+        p.ordered, p.ghosts, p.clock_rate != 1 ? fmt::format(" (its clock at {}x)", p.clock_rate) : "");
+  }
   if (p.name != "arc") return p.name + ": the least recently used object goes first";
   return fmt::format(
       "arc: {} objects used once lately (target {:.0f}), {} used again; remembers {} + {} evicted keys", p.t1,
@@ -586,14 +597,17 @@ void add_cluster_commands(Registry& r) {
 
   auto* pol = r.app.add_subcommand(
       "policy",
-      "Show or set which object a full pool evicts first: lru (the least recently used; the default) or arc "
-      "(ARC: recency and frequency lists whose split adapts to the keys evicted from each)");
-  pol->add_option("POLICY", o->policy, "lru or arc")->check(CLI::IsMember({"lru", "arc"}));
+      "Show or set which object a full pool evicts first: lru (the least recently used; the default), arc "
+      "(ARC: recency and frequency lists whose split adapts to the keys evicted from each) or turn-ttl "
+      "(each use keeps a KV cache's chunk for a time learned per conversation turn and prompt length; "
+      "needs the engines' keep hints)");
+  pol->add_option("POLICY", o->policy, "lru, arc or turn-ttl")
+      ->check(CLI::IsMember({"lru", "arc", "turn-ttl"}));
   pol->add_flag("--yes,-y", o->policy_yes, "Do it (without: say what would change)");
   pol->footer(
       "docs/operations.md (\"Choosing an eviction policy\") compares them on a production trace; "
       "kvstash-bench replay measures them on yours.\n\nExamples:\n  kvstash policy\n  kvstash policy arc "
-      "--yes");
+      "--yes\n  kvstash policy turn-ttl --yes");
   pol->final_callback([&r, &s, o] { r.action = [&s, o] { return policy(s, o->policy, o->policy_yes); }; });
 }
 

@@ -45,7 +45,20 @@ struct EventsOptions {
   std::size_t buffer = 10000;  // batches kept for replay
   std::size_t batch = 256;     // events per batch at most
   double seconds = 0;          // serve for this long (0: until SIGINT or SIGTERM)
+  bool token_ids = false;      // BlockStored carries the prompt's token ids (else an empty list)
+  bool public_bind = false;    // --pub / --replay may bind beyond loopback
 };
+
+// Whether a ZMQ endpoint stays on this host: ipc:// and inproc://, or tcp:// on a loopback
+// address. The relay's sockets have no authentication, and its events name prompts' blocks.
+bool loopback_endpoint(std::string_view e) {
+  if (e.starts_with("ipc://") || e.starts_with("inproc://")) return true;
+  if (!e.starts_with("tcp://")) return false;
+  std::string_view host = e.substr(6);
+  host = host.substr(0, host.rfind(':'));
+  if (host.starts_with("[") && host.ends_with("]")) host = host.substr(1, host.size() - 2);
+  return host == "localhost" || host == "::1" || host.starts_with("127.");
+}
 
 // The relay's lines for its operator, on stderr.
 void say(const std::string& line) { std::cerr << "kvstash events: " << line << "\n"; }
@@ -144,14 +157,23 @@ struct Batch {
 // KVCacheEvent was array_like; no lora_name then).
 class EventEncoder {
  public:
-  explicit EventEncoder(const EventsOptions& o) : medium_(o.medium), map_(o.format == "map") {}
+  explicit EventEncoder(const EventsOptions& o)
+      : medium_(o.medium), map_(o.format == "map"), token_ids_(o.token_ids) {}
 
   std::string stored(const EventData& d) const {
     Packer p;
+    // The token ids are the prompt's text, near enough: only with --token-ids.
+    const auto field = [&](std::uint32_t i) {
+      if (i == 2 && !token_ids_) {
+        msgpack_pack_array(p.pk(), 0);
+      } else {
+        msgpack_pack_object(p.pk(), d.field(i));
+      }
+    };
     if (!map_) {
       msgpack_pack_array(p.pk(), 7);
       p.str("BlockStored");
-      for (int i = 0; i < 5; ++i) msgpack_pack_object(p.pk(), d.field(i));
+      for (std::uint32_t i = 0; i < 5; ++i) field(i);
       p.str(medium_);
       return p.take();
     }
@@ -160,7 +182,7 @@ class EventEncoder {
     p.str("BlockStored");
     for (std::uint32_t i = 0; i < EventData::kFields; ++i) {
       p.str(EventData::kNames[i]);
-      msgpack_pack_object(p.pk(), d.field(i));
+      field(i);
     }
     p.str("medium");
     p.str(medium_);
@@ -205,6 +227,7 @@ class EventEncoder {
  private:
   std::string medium_;
   bool map_;
+  bool token_ids_;
 };
 
 // KVEventBatch [ts, events] (+ data_parallel_rank when there is one).
@@ -385,9 +408,12 @@ class Relay {
       const redisReply* entries = r.element(0)->element[1];
       for (std::size_t i = 0; i < entries->elements; ++i) {
         const redisReply* e = entries->element[i];
+        if (Status added = add(b, e->element[1]); !added.is_ok()) {
+          pub_.publish(b);  // what was read and checked so far; this entry comes again
+          return added;
+        }
         pos_.last_id = std::string(text(e->element[0]));
         ++read_;
-        add(b, e->element[1]);
       }
     }
     pub_.publish(b);  // before anything else can fail: these entries are read
@@ -405,6 +431,7 @@ class Relay {
 
   std::uint64_t resyncs() const { return resyncs_; }
   std::uint64_t malformed() const { return malformed_; }
+  std::uint64_t unbacked() const { return unbacked_; }
 
  private:
   // The cell's events epoch; events turned on (maxlen) when they are off.
@@ -440,15 +467,31 @@ class Relay {
     return pos;
   }
 
-  // An entry's fields (t, k, ev, why) as an event of the batch.
-  void add(Batch& b, const redisReply* fields) {
-    std::string_view kind, ev;
+  // An entry's fields (t, k, ev, why) as an event of the batch, if the cell's record agrees:
+  // a stored object holds that event data now, a removed one does not. The log is a stream a
+  // client with XADD can write to; an entry no script made (a chunk that does not exist, data
+  // another object's record does not hold) is skipped, counted and said once.
+  Status add(Batch& b, const redisReply* fields) {
+    std::string_view kind, key, ev;
     for (std::size_t i = 0; i + 1 < fields->elements; i += 2) {
       const std::string_view f = text(fields->element[i]);
       if (f == "t") kind = text(fields->element[i + 1]);
+      if (f == "k") key = text(fields->element[i + 1]);
       if (f == "ev") ev = text(fields->element[i + 1]);
     }
+    KVSTASH_ASSIGN_OR_RETURN(Reply held, redis_.command({"HGET", p_ + ":obj:" + std::string(key), "ev"}));
+    const bool holds = !held.is_nil() && held.str() == ev;
+    if ((kind == "stored" && !holds) || (kind == "removed" && holds)) {
+      if (unbacked_++ == 0) {
+        say(fmt::format(
+            "a {} event of {} that the cell's record does not back was skipped (a stream entry no "
+            "script wrote, or one overtaken since)",
+            kind, key));
+      }
+      return {};
+    }
     push(b, kind, ev);
+    return {};
   }
 
   // A stored or removed event of `ev` (an object's event data) into the batch, which goes out
@@ -512,7 +555,7 @@ class Relay {
   std::optional<std::string> epoch_;
   StreamPos pos_;
   std::int64_t base_added_ = 0, read_ = 0;
-  std::uint64_t resyncs_ = 0, malformed_ = 0;
+  std::uint64_t resyncs_ = 0, malformed_ = 0, unbacked_ = 0;
 };
 
 int serve(Session& s, const EventsOptions& o) {
@@ -535,6 +578,16 @@ int serve(Session& s, const EventsOptions& o) {
     return code;
   };
 
+  for (const auto& [flag, endpoint] : {std::pair{"--pub", o.pub}, std::pair{"--replay", o.replay}}) {
+    if (!endpoint.empty() && !o.public_bind && !loopback_endpoint(endpoint)) {
+      return finish(
+          fail(Status::invalid_argument(std::string(flag) + " " + endpoint +
+                                        " binds beyond loopback, and the relay's ZMQ sockets have no "
+                                        "authentication: anyone who reaches them reads every event. "
+                                        "Bind loopback (and tunnel), or say --public"),
+               "events serve", &s));
+    }
+  }
   auto cell = s.cell();
   if (!cell.is_ok()) return finish(fail(cell.status(), "events serve", &s));
   auto pub = Publisher::open(o);
@@ -559,7 +612,8 @@ int serve(Session& s, const EventsOptions& o) {
     backoff = std::min(backoff * 2, milliseconds(2000));
   }
   std::cerr << "kvstash events: published " << (*pub)->events() << " events in " << (*pub)->batches()
-            << " batches; " << relay.resyncs() << " resyncs, " << relay.malformed() << " malformed\n";
+            << " batches; " << relay.resyncs() << " resyncs, " << relay.malformed() << " malformed, "
+            << relay.unbacked() << " not backed by the cell\n";
   return finish(kExitOk);
 }
 
@@ -644,9 +698,16 @@ void add_events_command(Registry& r) {
       ->check(CLI::PositiveNumber);
   sv->add_option("--seconds", o->seconds, "Serve this long (0: until SIGINT or SIGTERM)")
       ->capture_default_str();
+  sv->add_flag("--token-ids", o->token_ids,
+               "BlockStored carries each block's token ids (the prompt's text, near enough); without it, an "
+               "empty list (routers match blocks by their hashes)");
+  sv->add_flag("--public", o->public_bind,
+               "Let --pub and --replay bind beyond loopback: ZMQ here has no authentication, so anyone who "
+               "reaches them reads every event");
   sv->footer(
       "Examples:\n"
-      "  kvstash events serve --pub tcp://0.0.0.0:5557 --replay tcp://0.0.0.0:5558\n"
+      "  kvstash events serve --pub tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558\n"
+      "  kvstash events serve --pub tcp://10.0.0.5:5557 --public   # a router on another host\n"
       "  kvstash events --json");
   sv->final_callback([&r, &s, o] { r.action = [&s, o] { return serve(s, *o); }; });
 }

@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
                  "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path, "
                  "redis+sentinel://[user:password@]sentinel[:port],.../service[/db] or "
                  "redis+cluster://[user:password@]node[:port],...; rediss://... (and rediss+sentinel, rediss+cluster) for TLS, "
-                 "with ?ca=FILE&cert=FILE&key=FILE&sni=NAME; ?redirect=HOST,... for hosts a sentinel may name")
+                 "with ?ca=FILE&cert=FILE&key=FILE&sni=NAME; ?redirect=HOST[:PORT],... for the servers a sentinel may name")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
   app.add_option("--redis-password-file", g.password_file,

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
 
   node::MemoryNodeOptions opts;
   std::string capacity = "1GiB", page_size = "4MiB", huge = "auto", transports = "all";
-  std::string heartbeat = "3s", reclaim = "1s", admin = "127.0.0.1:9745";
+  std::string heartbeat = "3s", reclaim = "1s", rotation = "1m", admin = "127.0.0.1:9745";
   std::string password_file, token_file;
   bool emulated_rma = false;
   std::uint32_t max_connections = 1024, max_unproven = 64;
@@ -79,8 +79,10 @@ int main(int argc, char** argv) {
   app.add_option("--redis", opts.redis_url,
                  "The cell's Redis: redis://[user:password@]host:port/db, unix://[user:password@]/path, "
                  "redis+sentinel://[user:password@]sentinel[:port],.../service[/db] or "
-                 "redis+cluster://[user:password@]node[:port],...; rediss://... (and rediss+sentinel, rediss+cluster) for TLS, "
-                 "with ?ca=FILE&cert=FILE&key=FILE&sni=NAME; ?redirect=HOST,... for hosts a sentinel may name. "
+                 "redis+cluster://[user:password@]node[:port],...; rediss://... (and rediss+sentinel, "
+                 "rediss+cluster) for TLS, "
+                 "with ?ca=FILE&cert=FILE&key=FILE&sni=NAME; ?redirect=HOST[:PORT],... for the servers a "
+                 "sentinel may name. "
                  "The password is better passed by KVSTASH_REDIS_PASSWORD or --redis-password-file")
       ->envname("KVSTASH_REDIS_URL")
       ->capture_default_str();
@@ -113,24 +115,28 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--advertise", opts.engine.tcp.advertise,
                  "tcp transport: address clients should connect to");
-  app.add_option("--tls-cert", opts.engine.tcp.tls.cert_file,
-                 "tcp transport: PEM certificate chain (leaf first) to serve TLS with; with --tls-key the node "
-                 "serves TLS only, and clients need the CA (KVSTASH_TLS_CA, TcpOptions::tls.ca_file)")
+  app.add_option(
+         "--tls-cert", opts.engine.tcp.tls.cert_file,
+         "tcp transport: PEM certificate chain (leaf first) to serve TLS with; with --tls-key the node "
+         "serves TLS only, and clients need the CA (KVSTASH_TLS_CA, TcpOptions::tls.ca_file)")
       ->check(CLI::ExistingFile);
-  app.add_option("--tls-key", opts.engine.tcp.tls.key_file,
-                 "tcp transport: PEM private key of --tls-cert; refused when group or others may read it (chmod 600)")
+  app.add_option(
+         "--tls-key", opts.engine.tcp.tls.key_file,
+         "tcp transport: PEM private key of --tls-cert; refused when group or others may read it (chmod 600)")
       ->check(CLI::ExistingFile);
-  app.add_option("--tls-ca", opts.engine.tcp.tls.client_ca_file,
-                 "tcp transport: PEM CA bundle clients' certificates must chain to (mutual TLS); needs --tls-cert")
+  app.add_option(
+         "--tls-ca", opts.engine.tcp.tls.client_ca_file,
+         "tcp transport: PEM CA bundle clients' certificates must chain to (mutual TLS); needs --tls-cert")
       ->check(CLI::ExistingFile);
   app.add_option("--tcp-io-threads", opts.engine.tcp.io_threads,
                  "tcp transport: socket I/O threads; 0 = one on hosts of up to 4 cores, two above")
       ->capture_default_str()
       ->check(CLI::Range(0, 64));
   std::uint64_t busy_poll_us = 0;
-  app.add_option("--busy-poll-us", busy_poll_us,
-                 "Latency mode for hosts with cores to spare: tcp I/O threads spin this many microseconds after "
-                 "their last event before they sleep (a core each while busy); 0 = off")
+  app.add_option(
+         "--busy-poll-us", busy_poll_us,
+         "Latency mode for hosts with cores to spare: tcp I/O threads spin this many microseconds after "
+         "their last event before they sleep (a core each while busy); 0 = off")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000000));
   app.add_option("--shm-socket-dir", opts.engine.shm.socket_dir,
@@ -145,10 +151,11 @@ int main(int argc, char** argv) {
                  "a client engine opens 4 tcp streams, and one queue pair per device pair")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--max-unproven-connections", max_unproven,
-                 "tcp and verbs: connections still in the handshake (not yet proven) served at once; when they "
-                 "are all taken the oldest is dropped for a newcomer, so a flood of them cannot keep clients "
-                 "with the token out")
+  app.add_option(
+         "--max-unproven-connections", max_unproven,
+         "tcp and verbs: connections still in the handshake (not yet proven) served at once; when they "
+         "are all taken the oldest is dropped for a newcomer, so a flood of them cannot keep clients "
+         "with the token out")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
   app.add_flag("--ucx-allow-emulated-rma", emulated_rma,
@@ -163,20 +170,27 @@ int main(int argc, char** argv) {
   app.add_option("--reclaim-interval", reclaim,
                  "How often this node sweeps the cell for expired objects, abandoned puts and dead nodes")
       ->capture_default_str();
+  app.add_option("--grant-key-rotation", rotation,
+                 "How long the cell signs this node's grants with one key before the node hands it the "
+                 "next (a key copied out of Redis mints grants for at most this plus the longest lease, "
+                 "10 minutes); at least 1s")
+      ->capture_default_str();
   std::string ssd, ssd_capacity, ssd_low_water = "12.5%", ssd_fault = "none", ssd_recover = "kvp:";
-  app.add_option("--ssd", ssd,
-                 "An NVMe tier under the pool: a file (created, and given --ssd-capacity) or a block device, on a "
-                 "file system that takes O_DIRECT (`kvstash doctor --ssd PATH` checks). Cold objects move down "
-                 "to it instead of being evicted, and a get stages them back (docs/nvme-tier.md)");
+  app.add_option(
+      "--ssd", ssd,
+      "An NVMe tier under the pool: a file (created, and given --ssd-capacity) or a block device, on a "
+      "file system that takes O_DIRECT (`kvstash doctor --ssd PATH` checks). Cold objects move down "
+      "to it instead of being evicted, and a get stages them back (docs/nvme-tier.md)");
   app.add_option("--ssd-capacity", ssd_capacity,
                  "Bytes of --ssd to use (e.g. 512GiB); required for a file, default all of a block device");
   app.add_option("--ssd-low-water", ssd_low_water,
                  "Objects move down to --ssd while fewer than this share of the pool's pages are free")
       ->capture_default_str();
-  app.add_option("--ssd-recover", ssd_recover,
-                 "Comma-separated key prefixes whose keys name their content (the KV cache's chunks are "
-                 "\"kvp:\"): their objects on --ssd are given back to a cell that lost its Redis (docs/metadata.md, "
-                 "\"A cell that lost its Redis\"); \"\" for none")
+  app.add_option(
+         "--ssd-recover", ssd_recover,
+         "Comma-separated key prefixes whose keys name their content (the KV cache's chunks are "
+         "\"kvp:\"): their objects on --ssd are given back to a cell that lost its Redis (docs/metadata.md, "
+         "\"A cell that lost its Redis\"); \"\" for none")
       ->capture_default_str();
   app.add_option("--ssd-fault", ssd_fault,
                  "Tests only: the tier's device fails every read or write with EIO (or a write with ENOSPC)")
@@ -206,6 +220,12 @@ int main(int argc, char** argv) {
     auto hb = units::parse_duration(heartbeat), rc = units::parse_duration(reclaim);
     if (!hb.is_ok()) throw CLI::ValidationError("--heartbeat-ttl", hb.status().message());
     if (!rc.is_ok()) throw CLI::ValidationError("--reclaim-interval", rc.status().message());
+    auto rot = units::parse_duration(rotation);
+    if (!rot.is_ok() || *rot < std::chrono::seconds(1)) {
+      throw CLI::ValidationError("--grant-key-rotation",
+                                 rot.is_ok() ? "must be at least 1s" : rot.status().message());
+    }
+    opts.grant_key_rotation = *rot;
     opts.heartbeat_ttl = *hb;
     opts.reclaim_interval = *rc;
     opts.huge_pages = huge != "off";
@@ -222,7 +242,8 @@ int main(int argc, char** argv) {
       throw CLI::ValidationError("--tls-cert", "--tls-cert and --tls-key go together");
     }
     if (!tls.client_ca_file.empty() && tls.cert_file.empty()) {
-      throw CLI::ValidationError("--tls-ca", "requires clients' certificates only over TLS: give --tls-cert too");
+      throw CLI::ValidationError("--tls-ca",
+                                 "requires clients' certificates only over TLS: give --tls-cert too");
     }
     // The node's private key is held to the token file's rule: private to its owner.
     if (!tls.key_file.empty()) read_secret("--tls-key", sys::read_private_secret_file(tls.key_file));
@@ -241,7 +262,8 @@ int main(int argc, char** argv) {
       const double v = std::strtod(share.c_str(), &end);
       tier.low_water = percent ? v / 100 : v;
       if (share.empty() || end == nullptr || *end != '\0' || !(tier.low_water > 0) || tier.low_water >= 1) {
-        throw CLI::ValidationError("--ssd-low-water", "a share of the pool above 0 and below 1, or a percentage");
+        throw CLI::ValidationError("--ssd-low-water",
+                                   "a share of the pool above 0 and below 1, or a percentage");
       }
       if (ssd_fault != "none") {
         const bool write = ssd_fault != "read-eio";
@@ -317,7 +339,8 @@ int main(int argc, char** argv) {
     }
     if (limit != RLIM_INFINITY && need > limit) {
       warn_loudly("the connection caps (" + parts + "and about 128 of its own) need about " +
-                  std::to_string(need) + " file descriptors, but RLIMIT_NOFILE allows " + std::to_string(limit) +
+                  std::to_string(need) + " file descriptors, but RLIMIT_NOFILE allows " +
+                  std::to_string(limit) +
                   " (raised to the hard limit already): raise it (ulimit -n, LimitNOFILE= in the unit) or "
                   "lower --max-connections / --max-unproven-connections");
     }
@@ -337,9 +360,10 @@ int main(int argc, char** argv) {
   if (auto url = metadata::RedisUrl::parse(opts.redis_url); url.is_ok() && !url->password.empty()) {
     for (int i = 1; i < argc; ++i) {
       if (std::string_view(argv[i]).find(opts.redis_url) != std::string_view::npos) {
-        warn_loudly("the --redis URL on the command line holds a password, which `ps` and /proc/PID/cmdline "
-                    "show to every user of this host: pass it with --redis-password-file or "
-                    "KVSTASH_REDIS_PASSWORD, and the URL without it (or in KVSTASH_REDIS_URL)");
+        warn_loudly(
+            "the --redis URL on the command line holds a password, which `ps` and /proc/PID/cmdline "
+            "show to every user of this host: pass it with --redis-password-file or "
+            "KVSTASH_REDIS_PASSWORD, and the URL without it (or in KVSTASH_REDIS_URL)");
         break;
       }
     }
@@ -371,9 +395,10 @@ int main(int argc, char** argv) {
   if ((*node)->transports().find("ucx") != std::string::npos) {
     // UCX checks neither the cluster token (it never runs with one) nor leases: whoever reads
     // the node's packed key in Redis reaches the whole pool, unfenced.
-    warn_loudly("the pool is served over UCX, which cannot check a cluster token or leases: anyone who "
-                "can read this node's record in Redis can read and write the whole pool. Serve it over "
-                "verbs and tcp with a cluster token instead (--transports shm,tcp,verbs)");
+    warn_loudly(
+        "the pool is served over UCX, which cannot check a cluster token or leases: anyone who "
+        "can read this node's record in Redis can read and write the whole pool. Serve it over "
+        "verbs and tcp with a cluster token instead (--transports shm,tcp,verbs)");
   }
 
   std::cout << "ready node=" << (*node)->id() << " admin=" << admin_address

@@ -30,6 +30,7 @@ for id, page, gen, n in runs(p[1]) do
     end
   end
 end
+quota_unreserve(tok)  -- the pages that wait for a fence are no longer the put's
 if #keep == 0 then
   drop_put(tok, p[1])
 else

@@ -1,7 +1,8 @@
 -- begin_get.lua: looks the object up and leases it for reading.
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     key, reader, lease_ms, no_promote ('1': an object on the NVMe tier stays there)
+-- ARGV     key, reader, lease_ms, no_promote ('1': an object on the NVMe tier stays there), keep hint
+--          ('' or absent: none; turn-ttl's, prelude's ttl_hint)
 -- Returns  page_size, token, size, extents, checksum, layout, the lease's deadline (ms of Redis
 --          time), then id, address, key per node; PROMOTING, node id, object token when the object
 --          is on that node's NVMe tier (its promotion is queued: wait on P:woken:<token>, then ask
@@ -10,8 +11,10 @@
 --
 -- Of an object put with replicas, the readable copy with the fewest readers is leased.
 
+local lease_ms, refused = lease_ms_of(ARGV[3])
+if not lease_ms then return refused end
 local batch = new_read_batch()
-local leased, why = lease_read(ARGV[1], ARGV[2], tonumber(ARGV[3]), batch, ARGV[4] == '1')
+local leased, why = lease_read(ARGV[1], ARGV[2], lease_ms, batch, ARGV[4] == '1', ARGV[5])
 lease_reads_done(batch)
 if not leased then
   if why then return redis.error_reply('NOT_FOUND ' .. why .. ': object ' .. ARGV[1] .. ' is on the NVMe tier, not promoted') end

@@ -12,7 +12,9 @@
 -- generations, a lease, and, if the node never commits, freed by reclaim only once the node
 -- has fenced through the lease's deadline (its own writes into the pages included).
 
-local id, epoch, key, ptoken, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local id, epoch, key, ptoken = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local lease, refused = lease_ms_of(ARGV[5])
+if not lease then return refused end
 if not serves(id, epoch) then return redis.error_reply('STALE node ' .. id .. ' is not serving under this epoch') end
 local ok = P .. ':obj:' .. key
 local o = redis.call('HMGET', ok, 'token', 'tier', 'ssd_extents', 'size', 'nodes', 'ssd_sum')

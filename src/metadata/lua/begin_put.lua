@@ -17,4 +17,4 @@ local one_node, apart = false, {}
 for word in string.gmatch(ARGV[5], '[^ ]+') do
   if word == 'one-node' then one_node = true else apart[word] = true end
 end
-return place_put(ARGV[1], ARGV[2], tonumber(ARGV[3]), 0, tonumber(ARGV[4]), avoid_from_args(6), one_node, apart)
+return place_put(ARGV[1], ARGV[2], tonumber(ARGV[3]), 0, ARGV[4], avoid_from_args(6), one_node, apart)

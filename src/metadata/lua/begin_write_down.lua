@@ -15,7 +15,9 @@
 -- moves it; a put or remove meanwhile simply releases it, slots and all.
 
 local id, epoch = ARGV[1], ARGV[2]
-local low, most, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local low, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease, refused = lease_ms_of(ARGV[5])
+if not lease then return refused end
 local n = redis.call('HMGET', P .. ':node:' .. id, 'epoch', 'state')
 if n[1] ~= epoch or n[2] ~= 'up' or not live(id) then
   return redis.error_reply('STALE node ' .. id .. ' is not up under this epoch')

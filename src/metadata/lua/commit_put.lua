@@ -3,7 +3,8 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     token, key, checksum, layout, ttl_ms, condition ('' none; '!' only if the key holds no
 --          object; '=<token>' only if it holds the object that put wrote, else STALE and the
---          put's pages are freed), copies (optional, 1: the copies the put wrote, see prelude)
+--          put's pages are freed), copies (optional, 1: the copies the put wrote, see prelude),
+--          keep hint (optional: turn-ttl's, prelude's ttl_hint)
 -- Returns  OK, also for a commit repeated after it succeeded; STALE when the put lost its lease,
 --          was aborted, or a node of it died or restarted
 --
@@ -26,12 +27,13 @@ if gone then
   drop_put(token, p[2])
   return redis.error_reply('STALE a memory node of the put died or restarted before the commit')
 end
+quota_unreserve(token)  -- the object is charged from here on
 local failed = condition_fails(key, ARGV[6]) or quota_fit(key, p[4])
 if failed then
   drop_put(token, p[2])
   return redis.error_reply(failed)
 end
-publish(key, token, p[4], p[2], p[3], ARGV[3], ARGV[4], ttl, ARGV[7])
+publish(key, token, p[4], p[2], p[3], ARGV[3], ARGV[4], ttl, ARGV[7], ARGV[8])
 redis.call('DEL', pk)
 redis.call('ZREM', P .. ':pending', token)
 return 'OK'

@@ -7,12 +7,13 @@
 
 local out = {}
 for prefix, q in pairs(quotas()) do
-  local c = redis.call('HMGET', P .. ':quota:' .. q[1], 'objects', 'bytes', 'evicted', 'refused', 'counting')
+  local c = redis.call('HMGET', P .. ':quota:' .. q[1], 'objects', 'bytes', 'evicted', 'refused', 'reserved',
+                       'counting')
   out[#out + 1] = prefix
   out[#out + 1] = q[1]
   out[#out + 1] = decimal(q[2])
   out[#out + 1] = decimal(q[3])
-  for j = 1, 4 do out[#out + 1] = c[j] or '0' end
-  out[#out + 1] = c[5] and '1' or '0'
+  for j = 1, 5 do out[#out + 1] = c[j] or '0' end
+  out[#out + 1] = c[6] and '1' or '0'
 end
 return out

@@ -1,19 +1,35 @@
--- prelude.lua: the start of every script (scripts.cc puts it in front of each body, so Redis
--- runs one text per script): the prefix, the time from Redis itself (client clocks never
--- matter), and the helpers that keep the invariants in one place.
+-- prelude.lua: the start of every script: the prefix, the time from Redis itself (client
+-- clocks never matter), and the helpers that keep the invariants in one place. scripts.cc
+-- makes of it and the bodies one function library (each script a function, `enter` called
+-- first), or, where Redis has no Functions, puts it in front of each body (one EVAL text per
+-- script, `enter(KEYS, ARGV)` between).
 --
--- KEYS[1]  the cell's key prefix, bound to P here
--- Defines  P, now (ms of Redis time), and the helpers the scripts call
+-- KEYS[1]  the cell's key prefix, bound to P by enter
+-- Defines  P, now (ms of Redis time), KEYS, ARGV and the helpers the scripts call
 --
 -- Extent lists are text, runs of pages in object order (see RUN below). Only the holder of a
 -- run's current generation can free it.
 
-local P = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
--- The same with its microseconds as a fraction: the order of uses (P:lru), which uses a
--- millisecond apart keep.
-local now_fine = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+-- What one call sees, set by enter: its keys and arguments, the cell's prefix, Redis's clock
+-- (now_fine keeps the microseconds as a fraction: the order of uses, P:lru, which uses a
+-- millisecond apart keep), the keys named after the prefix, and what a call reads once.
+local KEYS, ARGV, P, now, now_fine
+local ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC
+local TTL, TTL_DUE, TTL_GHOST, TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS
+local node_views, quota_lens, quota_seen, quota_page, policy_of_cell, ttl_state, ttl_evicted_here, grant_keys
+
+local function enter(keys, args)
+  KEYS, ARGV, P = keys, args, keys[1]
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  now_fine = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC = P .. ':arc:t1', P .. ':arc:t2', P .. ':arc:b1', P .. ':arc:b2', P .. ':arc'
+  TTL, TTL_DUE, TTL_GHOST = P .. ':ttl', P .. ':ttl:due', P .. ':ttl:ghost'
+  TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS =
+    P .. ':ttl:track', P .. ':ttl:tracked', P .. ':ttl:pending', P .. ':ttl:stats'
+  node_views, quota_lens, quota_seen, quota_page = {}, nil, {}, nil
+  policy_of_cell, ttl_state, ttl_evicted_here, grant_keys = nil, nil, 0, {}
+end
 
 -- Commands in one script cost a few microseconds each: the helpers below touch a node's
 -- pages with one command per node (chunked under Lua's unpack limit), never one per page.
@@ -53,7 +69,6 @@ end
 -- What a script reads of a node to serve its objects, read once per run (a get, a
 -- contains_prefix of many keys on few nodes): alive, state, generation floor, address, key.
 -- Scripts that change a node's record read it directly, never through here.
-local node_views = {}
 local function node_view(id)
   local v = node_views[id]
   if v == nil then
@@ -223,7 +238,9 @@ end
 -- Ends pending put `token` (or page reservation): its record goes, and the pages of `extents`
 -- (the put's, or what is left of them) return to the pool. A reservation's pages that became
 -- objects carry a later generation, so its extents free only what no commit took.
+local quota_unreserve  -- below, with the quotas
 local function drop_put(token, extents)
+  quota_unreserve(token)
   free_extents(extents)
   redis.call('DEL', P .. ':put:' .. token, P .. ':put:' .. token .. ':pages')
   redis.call('ZREM', P .. ':pending', token)
@@ -256,16 +273,18 @@ end
 -- The quota that governs `key` (the longest prefix with one) and its prefix, or nil. One
 -- HMGET of the key's prefixes of the lengths quotas have (P:quota_lens: length -> how many
 -- quotas), never a walk over every quota.
-local quota_lens = nil  -- read once per script, longest first
-local quota_seen = {}   -- key -> {quota, prefix}: a put asks twice (quota_fit, publish)
-local function quota_of(key)
-  local seen = quota_seen[key]
-  if seen then return seen[1], seen[2] end
+local function quota_lengths()
   if not quota_lens then
     quota_lens = {}
     for _, l in ipairs(redis.call('HKEYS', P .. ':quota_lens')) do quota_lens[#quota_lens + 1] = tonumber(l) end
     table.sort(quota_lens, function(a, b) return a > b end)
   end
+  return quota_lens
+end
+local function quota_of(key)
+  local seen = quota_seen[key]
+  if seen then return seen[1], seen[2] end
+  quota_lengths()
   local prefixes = {}
   for _, l in ipairs(quota_lens) do
     if l <= #key then prefixes[#prefixes + 1] = string.sub(key, 1, l) end
@@ -283,7 +302,6 @@ local function quota_of(key)
 end
 
 -- What an object of `size` bytes is charged: its whole pages.
-local quota_page = nil
 local function charged_bytes(size)
   if not quota_page then quota_page = tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0 end
   if quota_page <= 0 then return 0 end
@@ -313,6 +331,34 @@ local function quota_uncharge(gen, key, size)
   redis.call('ZREM', qk .. ':lru', key)
 end
 
+-- A pending put's pages, and a page reservation's, are charged to the quota of the key they
+-- are for from their allocation until they commit, abort or their lease ends: P:quota:<gen>
+-- 'reserved' (bytes), and the put's record names what it holds there ('qgen', 'qbytes'), so
+-- that uncommitted pages never escape their prefix's quota.
+local function quota_reserve(token, q, bytes)
+  if not q or bytes <= 0 then return end
+  redis.call('HINCRBY', P .. ':quota:' .. q[1], 'reserved', decimal(bytes))
+  redis.call('HSET', P .. ':put:' .. token, 'qgen', q[1], 'qbytes', decimal(bytes))
+end
+
+-- Takes back `bytes` (all when nil) of what pending put `token` holds in its quota. In a cell
+-- without quotas nothing is held (and a removed quota has nothing to take back).
+function quota_unreserve(token, bytes)
+  if #quota_lengths() == 0 then return end
+  local pk = P .. ':put:' .. token
+  local r = redis.call('HMGET', pk, 'qgen', 'qbytes')
+  local held = tonumber(r[2] or '0') or 0
+  if not r[1] or held <= 0 then return end
+  local take = math.min(held, bytes or held)
+  local qk = P .. ':quota:' .. r[1]
+  if redis.call('EXISTS', qk) == 1 then redis.call('HINCRBY', qk, 'reserved', decimal(-take)) end
+  if take < held then
+    redis.call('HSET', pk, 'qbytes', decimal(held - take))
+  else
+    redis.call('HDEL', pk, 'qgen', 'qbytes')
+  end
+end
+
 -- Marks `keys` (object keys, with their quota gens in `gens`) used now in their quotas' LRU.
 local function quota_touch(keys, gens)
   local by = {}
@@ -321,7 +367,7 @@ local function quota_touch(keys, gens)
     if gen and gen ~= '' then
       by[gen] = by[gen] or {}
       local l = by[gen]
-      l[#l + 1] = now
+      l[#l + 1] = now_fine
       l[#l + 1] = key
     end
   end
@@ -397,15 +443,251 @@ end
 --        T2. An eviction takes T1's least recent object while T1 holds more than p (or T2 is
 --        empty), else T2's; the ghosts are then trimmed to the objects held (T1 and B1
 --        together) and twice that (all four). Objects stored before arc was chosen go first.
--- Under either, P:lru keeps every pool object's last use, for operators (kvstash evict), quotas
+--   turn-ttl  kvstash's own, for KV caches' prefix chunks: each use keeps an object until a
+--        time learned for its class (turn-ttl below); the object due first goes first.
+-- Under each, P:lru keeps every pool object's last use, for operators (kvstash evict), quotas
 -- and the NVMe tier's write-down. tools/common/replay_model.cc runs the same rules in process.
-local POLICIES = {lru = true, arc = true}
-local ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC = P .. ':arc:t1', P .. ':arc:t2', P .. ':arc:b1', P .. ':arc:b2', P .. ':arc'
+local POLICIES = {lru = true, arc = true, ['turn-ttl'] = true}
 
-local policy_of_cell
 local function policy()
   if policy_of_cell == nil then policy_of_cell = redis.call('HGET', P .. ':cell', 'policy') or 'lru' end
   return policy_of_cell
+end
+
+-- turn-ttl. Once an object is stored nothing new is learned about it until it is used again, so
+-- the best an online policy can do for a class of objects is to keep them for some time T. The
+-- cell learns, per class, how many tokens each keep-time would hit and what it would cost in
+-- object-seconds, from a sample of the objects' reuse gaps, and every 30 s chooses the times
+-- that fill the pool with the most hits (a fractional knapsack over each class's concave hull).
+-- A use's class comes with it (a hint: Store's KeepHint): the conversation's turn (1 + the turn
+-- of the chunk the request's prefix ends in, or of its first missing chunk if a ghost
+-- remembers it; up to 5), the prompt's length (under 16 chunks, under 48, longer), and whether
+-- it is the prompt's last chunk. An unhinted use keeps for no time: among themselves, such
+-- objects go as under lru.
+--   P:ttl          the learned times ('k<class>', the split class 'sc', 'ss', 'sl', 'sh'), the
+--                  policy's clock ('origin', real s; 'scale': policy seconds per real one, for
+--                  replays that compress time), 'solved' (when, policy s), 'wbase' (weights)
+--   P:ttl:due      pool object -> when it is due to go (policy s); a use never lowers it
+--   P:ttl:ghost    evicted keys -> (a sequence) * 8 + their turn (at most 5), the oldest
+--                  forgotten past TTL_GHOSTS per pool object
+--   P:ttl:track    sampled key -> 'its last use (policy s) and class'; P:ttl:tracked the same
+--                  keys by last use; P:ttl:pending reuses waiting until TTL_MAX_GAP has passed
+--   P:ttl:stats    per class and keep-time bin, decayed: tokens hit, gaps, reuses; samples
+-- An object's turn is its record's 'turn'.
+local TTL_MAX_GAP = 900     -- s: a reuse gap counts once this old (or never)
+local TTL_HALF_LIFE = 1800  -- s: weights of older samples decay (e-folding)
+local TTL_SAMPLE = 8        -- one chunk in 8 is sampled (KeepHint's key hash decides)
+local TTL_SOLVE_EVERY = 30  -- s
+local TTL_GHOSTS = 4        -- ghosts per pool object
+local TTL_CLASSES = 30
+local TTL_GRID = {0}        -- the keep-times tried: 0, then 5 s growing by a quarter to TTL_MAX_GAP
+do
+  local g = 5
+  while g <= TTL_MAX_GAP do
+    TTL_GRID[#TTL_GRID + 1] = g
+    g = g * 1.25
+  end
+end
+
+local function ttl()
+  if ttl_state == nil then
+    ttl_state = {}
+    local h = redis.call('HGETALL', TTL)
+    for i = 1, #h, 2 do ttl_state[h[i]] = tonumber(h[i + 1]) end
+  end
+  return ttl_state
+end
+
+-- The policy's clock, s since it was chosen.
+local function ttl_now()
+  local s = ttl()
+  return (now_fine / 1000 - (s.origin or 0)) * (s.scale or 1)
+end
+
+-- A use's hint: 'turn chunks index tokens sampled draw looked_up' (Catalog's keep_hint_text: the
+-- last, the policy's clock when the request looked its prefix up, 0 if unknown), or nil.
+local function ttl_hint(text)
+  if not text or text == '' then return nil end
+  local turn, chunks, index, tokens, sampled, draw, looked_up =
+    string.match(text, '^(%d+) (%d+) (%d+) (%d+) ([01]) (%d+) (%S+)$')
+  if not turn then return nil end
+  local h = {turn = tonumber(turn), chunks = tonumber(chunks), index = tonumber(index), tokens = tonumber(tokens),
+             sampled = sampled == '1', draw = tonumber(draw), looked_up = tonumber(looked_up) or 0}
+  local length = h.chunks < 16 and 0 or (h.chunks < 48 and 1 or 2)
+  h.class = (math.min(math.max(h.turn, 1), 5) - 1) * 6 + length * 2 + ((h.index + 1 == h.chunks) and 1 or 0)
+  return h
+end
+
+local function ttl_keep(h)
+  if not h then return 0 end
+  local s = ttl()
+  if h.class == s.sc then return (h.draw < s.sh * 65536) and s.sl or s.ss end
+  return s['k' .. h.class] or 0
+end
+
+local function ttl_weight(at)
+  return math.exp((at - (ttl().wbase or 0)) / TTL_HALF_LIFE)
+end
+
+-- Stats fields: '<class>:s' samples, '<class>:<bin>:h|g|r' tokens hit, gaps, reuses; those
+-- changed go into `changed` (field -> true).
+local function ttl_add(stats, changed, field, x)
+  stats[field] = (stats[field] or 0) + x
+  changed[field] = true
+end
+
+local function ttl_count(stats, changed, at, class, gap, tokens)
+  local w = ttl_weight(at)
+  ttl_add(stats, changed, class .. ':s', w)
+  if gap < 0 then return end
+  local bin = 1
+  while bin <= #TTL_GRID and TTL_GRID[bin] < gap do bin = bin + 1 end
+  if bin > #TTL_GRID then return end
+  local f = class .. ':' .. bin .. ':'
+  ttl_add(stats, changed, f .. 'h', w * tokens)
+  ttl_add(stats, changed, f .. 'g', w * gap)
+  ttl_add(stats, changed, f .. 'r', w)
+end
+
+local function fmt17(x) return string.format('%.17g', x) end
+
+-- The samples older than TTL_MAX_GAP (their reuse within it known, or known not to have come)
+-- into the stats; then the keep-times: per class the points (cost in object-seconds, tokens
+-- hit) of each time on the grid, their upper concave hull, and the hull's segments taken by
+-- slope while the budget (the sampled pool over the weighted time seen) lasts.
+local function ttl_solve(t)
+  local s = ttl()
+  local limit = t - TTL_MAX_GAP
+  local stats, changed = {}, {}
+  local h = redis.call('HGETALL', TTL_STATS)
+  for i = 1, #h, 2 do stats[h[i]] = tonumber(h[i + 1]) end
+  local old = redis.call('ZRANGEBYSCORE', TTL_TRACKED, '-inf', '(' .. fmt17(limit))
+  for _, key in ipairs(old) do
+    local at, class = string.match(redis.call('HGET', TTL_TRACK, key) or '', '^(%S+) (%S+)$')
+    if at then ttl_count(stats, changed, tonumber(at), class, -1, 0) end
+  end
+  if #old > 0 then
+    call_chunked('HDEL', TTL_TRACK, old)
+    call_chunked('ZREM', TTL_TRACKED, old)
+  end
+  local due = redis.call('ZRANGEBYSCORE', TTL_PENDING, '-inf', fmt17(limit))
+  for _, item in ipairs(due) do
+    local at, class, gap, tokens = string.match(item, '^(%S+) (%S+) (%S+) (%S+)')
+    ttl_count(stats, changed, tonumber(at), class, tonumber(gap), tonumber(tokens))
+  end
+  if #due > 0 then redis.call('ZREMRANGEBYSCORE', TTL_PENDING, '-inf', fmt17(limit)) end
+  -- Weights grow by e each half-life: rebased (all scaled down) before they grow large.
+  if t - (s.wbase or 0) > 40 * TTL_HALF_LIFE then
+    local f = math.exp(-(t - (s.wbase or 0)) / TTL_HALF_LIFE)
+    for k, v in pairs(stats) do
+      stats[k] = v * f
+      changed[k] = true
+    end
+    s.wbase = t
+  end
+  local flat = {}
+  for k in pairs(changed) do
+    flat[#flat + 1] = k
+    flat[#flat + 1] = fmt17(stats[k])
+  end
+  if #flat > 0 then call_chunked('HSET', TTL_STATS, flat, 2) end
+
+  local keep, split = {}, nil
+  if limit > 0 then
+    local capacity = redis.call('ZCARD', P .. ':lru')
+    local budget = capacity / TTL_SAMPLE * TTL_HALF_LIFE * (ttl_weight(limit) - ttl_weight(0))
+    local segments, spent = {}, 0
+    for class = 0, TTL_CLASSES - 1 do
+      local samples = stats[class .. ':s']
+      if samples then
+        local hull, hits, gaps, reuses = {}, 0, 0, 0
+        for i, g in ipairs(TTL_GRID) do
+          local f = class .. ':' .. i .. ':'
+          hits = hits + (stats[f .. 'h'] or 0)
+          gaps = gaps + (stats[f .. 'g'] or 0)
+          reuses = reuses + (stats[f .. 'r'] or 0)
+          local p = {cost = gaps + (samples - reuses) * g, hits = hits, keep = g}
+          if #hull == 0 or p.hits > hull[#hull].hits + 1e-12 then
+            while #hull >= 2 do
+              local a, b = hull[#hull - 1], hull[#hull]
+              if (b.hits - a.hits) * (p.cost - a.cost) > (p.hits - a.hits) * (b.cost - a.cost) then break end
+              hull[#hull] = nil
+            end
+            hull[#hull + 1] = p
+          end
+        end
+        if #hull > 0 then
+          spent = spent + hull[1].cost
+          keep[class] = hull[1].keep
+          for i = 2, #hull do
+            local cost = hull[i].cost - hull[i - 1].cost
+            segments[#segments + 1] = {slope = (hull[i].hits - hull[i - 1].hits) / math.max(cost, 1e-9), cost = cost,
+                                       class = class, from = hull[i - 1].keep, to = hull[i].keep}
+          end
+        end
+      end
+    end
+    table.sort(segments, function(a, b) return a.slope > b.slope end)
+    for _, g in ipairs(segments) do
+      if spent + g.cost > budget then
+        split = {class = g.class, short = g.from, long = g.to, share = (budget - spent) / g.cost}
+        break
+      end
+      spent = spent + g.cost
+      keep[g.class] = g.to
+    end
+  end
+  local fields = {'solved', fmt17(t), 'wbase', fmt17(s.wbase or 0)}
+  s.solved = t
+  for class = 0, TTL_CLASSES - 1 do
+    local k = keep[class] or 0
+    s['k' .. class] = k
+    fields[#fields + 1] = 'k' .. class
+    fields[#fields + 1] = fmt17(k)
+  end
+  s.sc, s.ss, s.sl, s.sh = -1, 0, 0, 0
+  if split then s.sc, s.ss, s.sl, s.sh = split.class, split.short, split.long, split.share end
+  for _, f in ipairs({'sc', 'ss', 'sl', 'sh'}) do
+    fields[#fields + 1] = f
+    fields[#fields + 1] = fmt17(s[f])
+  end
+  redis.call('HSET', TTL, unpack(fields))
+end
+
+-- `key` used now under `h` (a hint, or nil): a sampled key's reuse gap waits in P:ttl:pending,
+-- and every TTL_SOLVE_EVERY the times are chosen again. Returns when it is due to go. A hinted
+-- use counts from its request's lookup (not after now, nor a minute before).
+local function ttl_use(key, h, t)
+  if h and h.looked_up > 0 then t = math.min(t, math.max(h.looked_up, t - 60 * (ttl().scale or 1))) end
+  if t - (ttl().solved or 0) >= TTL_SOLVE_EVERY then ttl_solve(t) end
+  if h and h.sampled then
+    local at, class = string.match(redis.call('HGET', TTL_TRACK, key) or '', '^(%S+) (%S+)$')
+    if at then
+      redis.call('ZADD', TTL_PENDING, at, table.concat({at, class, fmt17(t - tonumber(at)), h.tokens, key}, ' '))
+    end
+    redis.call('HSET', TTL_TRACK, key, fmt17(t) .. ' ' .. h.class)
+    redis.call('ZADD', TTL_TRACKED, fmt17(t), key)
+  end
+  return t + ttl_keep(h) - 1e-6 * (h and h.index or 0)
+end
+
+-- The request's turn for a lookup that found `count` of `keys` (contains_prefix 'turn').
+local function ttl_turn(keys, count)
+  if count < #keys then
+    local g = redis.call('ZSCORE', TTL_GHOST, keys[count + 1])
+    if g then return 1 + tonumber(g) % 8 end
+  end
+  if count == 0 then return 1 end
+  return 1 + (tonumber(redis.call('HGET', P .. ':obj:' .. keys[count], 'turn') or '0') or 0)
+end
+
+-- Evicted `key` of `turn`: remembered, the oldest ghosts forgotten past TTL_GHOSTS per pool
+-- object (the one being stored counted in; this run's evictions in their order).
+local function ttl_remember(key, turn)
+  ttl_evicted_here = ttl_evicted_here + 1
+  redis.call('ZADD', TTL_GHOST, (now * 64 + math.min(ttl_evicted_here, 63)) * 8 + math.min(tonumber(turn or '0') or 0, 5), key)
+  local over = redis.call('ZCARD', TTL_GHOST) - TTL_GHOSTS * (redis.call('ZCARD', P .. ':lru') + 1)
+  if over > 0 then redis.call('ZPOPMIN', TTL_GHOST, over) end
 end
 
 -- Objects ARC holds (T1 and T2), the one being stored or evicted counted in.
@@ -413,8 +695,8 @@ local function arc_capacity()
   return redis.call('ZCARD', ARC_T1) + redis.call('ZCARD', ARC_T2) + 1
 end
 
--- `keys` (pool objects) were used now.
-local function mark_used(keys)
+-- `keys` (pool objects) were used now; `hints` (turn-ttl's, optional) says how, per key.
+local function mark_used(keys, hints)
   if #keys == 0 then return end
   -- In their order: a step of 2^-12 ms apart (a double this size has no finer one), less than
   -- a script takes per key, so the next script's uses still come after.
@@ -427,18 +709,47 @@ local function mark_used(keys)
   if policy() == 'arc' then
     call_chunked('ZREM', ARC_T1, keys)
     call_chunked('ZADD', ARC_T2, scored, 2)
+  elseif policy() == 'turn-ttl' then
+    local t, due = ttl_now(), {'GT'}
+    for i, key in ipairs(keys) do
+      due[#due + 1] = fmt17(ttl_use(key, ttl_hint(hints and hints[i]), t))
+      due[#due + 1] = key
+    end
+    redis.call('ZADD', TTL_DUE, unpack(due))
   end
 end
 
--- Whether the policy holds `key` (an object about to be replaced: its new one is a use).
+-- What the policy holds of `key` (an object about to be replaced: its new one is a use, not
+-- a new object), or false: ARC, true; turn-ttl, its due time and turn.
 local function policy_holds(key)
-  if policy() ~= 'arc' then return false end
-  return redis.call('ZSCORE', ARC_T1, key) ~= false or redis.call('ZSCORE', ARC_T2, key) ~= false
+  if policy() == 'arc' then
+    return redis.call('ZSCORE', ARC_T1, key) ~= false or redis.call('ZSCORE', ARC_T2, key) ~= false
+  elseif policy() == 'turn-ttl' then
+    local due = redis.call('ZSCORE', TTL_DUE, key)
+    if not due then return false end
+    return {due = tonumber(due), turn = redis.call('HGET', P .. ':obj:' .. key, 'turn')}
+  end
+  return false
 end
 
--- `key` is a pool object now (a put, a promotion from the tier): a use if `replaced` one the
--- policy held, else new to it.
-local function mark_stored(key, replaced)
+-- `key` is a pool object now (a put, a promotion from the tier): a use if `replaced` (what
+-- policy_holds said before) one the policy held, else new to it; `hint`: turn-ttl's.
+local function mark_stored(key, replaced, hint)
+  if policy() == 'turn-ttl' then
+    redis.call('ZADD', P .. ':lru', now_fine, key)
+    local h = ttl_hint(hint)
+    local due = ttl_use(key, h, ttl_now())
+    local turn = h and h.turn
+    if replaced then
+      due = math.max(due, replaced.due)
+      turn = replaced.turn
+    else
+      redis.call('ZREM', TTL_GHOST, key)
+    end
+    redis.call('ZADD', TTL_DUE, fmt17(due), key)
+    if turn then redis.call('HSET', P .. ':obj:' .. key, 'turn', turn) end
+    return
+  end
   if replaced or policy() ~= 'arc' then return mark_used({key}) end
   redis.call('ZADD', P .. ':lru', now_fine, key)
   local in_b1 = redis.call('ZREM', ARC_B1, key) == 1
@@ -459,9 +770,13 @@ local function mark_stored(key, replaced)
 end
 
 -- `key` leaves the pool (released, or moved down to the tier); `evicted`: to make room, which
--- ARC's ghosts remember.
-local function mark_gone(key, evicted)
+-- ARC's and turn-ttl's ghosts remember (`turn`: the object's, for turn-ttl).
+local function mark_gone(key, evicted, turn)
   redis.call('ZREM', P .. ':lru', key)
+  if policy() == 'turn-ttl' then
+    if redis.call('ZREM', TTL_DUE, key) == 1 and evicted then ttl_remember(key, turn) end
+    return
+  end
   if policy() ~= 'arc' then return end
   local ghost
   if redis.call('ZREM', ARC_T1, key) == 1 then
@@ -485,7 +800,8 @@ end
 -- a new object replaces it). Returns the pages freed now.
 local function release(key, why, detail)
   local ok = P .. ':obj:' .. key
-  local o = redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving', 'ev')
+  local o =
+    redis.call('HMGET', ok, 'token', 'extents', 'nodes', 'size', 'quota', 'ssd_extents', 'moving', 'ev', 'turn')
   redis.call('DEL', ok)
   if why and o[1] then record_gone(key, why, detail) end
   if o[8] then
@@ -503,7 +819,7 @@ local function release(key, why, detail)
   end
   -- Sizes stay decimal strings: Lua would print a number of 15 digits or more as 1e+14.
   if o[1] and (tonumber(o[4] or '0') or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', '-' .. o[4]) end
-  mark_gone(key, why == 'evicted')
+  mark_gone(key, why == 'evicted', o[9])
   redis.call('ZREM', P .. ':expiry', key)
   for id in string.gmatch(o[3] or '', '[^ ]+') do redis.call('SREM', P .. ':objs:' .. id, key) end
   if not o[1] then return 0 end
@@ -773,6 +1089,21 @@ local function evict_keys(victims, pressure)
   return freed
 end
 
+-- Walks the objects a policy chosen since they were stored does not hold (`holds(key)` false),
+-- least recent first, as walk_unleased_lru does; they go first. Looks at most 256 (or
+-- `max_visits`) entries. Returns the entries whose record is gone, whether visit stopped, and
+-- the entries looked at.
+local function walk_unadopted(visit, max_visits, holds)
+  local visits, stop = 0, false
+  local orphans = walk_unleased_lru(function(key, last, extents, size)
+    visits = visits + 1
+    if holds(key) then return visits >= 256 end
+    stop = visit(key, last, extents, size)
+    return stop or visits >= 256
+  end, math.min(max_visits, 256))
+  return orphans, stop, visits
+end
+
 -- Walks ARC's order of eviction as walk_unleased_lru walks LRU's: objects stored before arc
 -- was chosen first (least recent first), then each time T1's least recent object while T1 holds
 -- more than p (or T2 has none left), else T2's. Returns the entries whose record is gone, per
@@ -782,13 +1113,10 @@ local function walk_unleased_arc(visit, max_visits)
   local visits = 0
   local held1, held2 = redis.call('ZCARD', ARC_T1), redis.call('ZCARD', ARC_T2)
   if redis.call('ZCARD', P .. ':lru') > held1 + held2 then
-    local stop = false
-    orphans[P .. ':lru'] = walk_unleased_lru(function(key, last, extents, size)
-      visits = visits + 1
-      if redis.call('ZSCORE', ARC_T1, key) or redis.call('ZSCORE', ARC_T2, key) then return visits >= 256 end
-      stop = visit(key, last, extents, size)
-      return stop or visits >= 256
-    end, math.min(max_visits, 256))
+    local stop
+    orphans[P .. ':lru'], stop, visits = walk_unadopted(visit, max_visits, function(key)
+      return redis.call('ZSCORE', ARC_T1, key) or redis.call('ZSCORE', ARC_T2, key)
+    end)
     if stop then return orphans end
   end
   local p = tonumber(redis.call('HGET', ARC, 'p') or '0') or 0
@@ -817,10 +1145,27 @@ local function walk_unleased_arc(visit, max_visits)
   return orphans
 end
 
+-- Walks turn-ttl's order of eviction: objects stored before it was chosen first, then the
+-- object due first.
+local function walk_unleased_ttl(visit, max_visits)
+  local orphans, stop, visits = {}, false, 0
+  if redis.call('ZCARD', P .. ':lru') > redis.call('ZCARD', TTL_DUE) then
+    orphans[P .. ':lru'], stop, visits = walk_unadopted(visit, max_visits, function(key)
+      return redis.call('ZSCORE', TTL_DUE, key)
+    end)
+    if stop then return orphans end
+  end
+  orphans[TTL_DUE] = walk_unleased_lru(function(key, _, extents, size)
+    return visit(key, nil, extents, size)
+  end, max_visits - visits, TTL_DUE)
+  return orphans
+end
+
 -- Walks the cell's policy's order of eviction (walk_unleased_lru's visit and bound); returns
 -- the entries whose record is gone, per list.
 local function walk_victims(visit, max_visits)
   if policy() == 'arc' then return walk_unleased_arc(visit, max_visits) end
+  if policy() == 'turn-ttl' then return walk_unleased_ttl(visit, max_visits) end
   return {[P .. ':lru'] = walk_unleased_lru(visit, max_visits)}
 end
 
@@ -852,7 +1197,8 @@ local function evict(need, usable)
 end
 
 -- Makes room under the quota of `key` for its next object, of `size` bytes, which replaces
--- the one `key` holds now: evicts the quota's least recently used objects that no reader
+-- the one `key` holds now (its pending puts' and reservations' pages count as held:
+-- quota_reserve): evicts the quota's least recently used objects that no reader
 -- leases (never `key` or its copies) until the quota holds it. All or nothing, as evict, unless
 -- the quota is over its limits already (lowered since): then what the search found goes
 -- anyway, so that the prefix comes down to its quota over the next puts. Looks at most 1,024
@@ -861,8 +1207,9 @@ local function quota_fit(key, size)
   local q, prefix = quota_of(key)
   if not q or (q[2] == 0 and q[3] == 0) then return nil end
   local qk = P .. ':quota:' .. q[1]
-  local use = redis.call('HMGET', qk, 'objects', 'bytes')
-  local objects, bytes = tonumber(use[1] or '0') or 0, tonumber(use[2] or '0') or 0
+  local use = redis.call('HMGET', qk, 'objects', 'bytes', 'reserved')
+  local objects = tonumber(use[1] or '0') or 0
+  local bytes = (tonumber(use[2] or '0') or 0) + math.max(0, tonumber(use[3] or '0') or 0)
   local old = redis.call('HMGET', P .. ':obj:' .. key, 'quota', 'size')
   if old[1] == q[1] then objects, bytes = objects - 1, bytes - charged_bytes(old[2]) end
   local add = charged_bytes(size)
@@ -894,14 +1241,48 @@ end
 
 -- Grants (docs/operations.md, "Threat model"): a memory node serves a lease only under a
 -- grant the cell signed for it. Each node hands the cell a fresh HMAC key whenever it
--- registers; register_node keeps the key's pads in P:grant:<id> (a key of its own, so an ACL
--- can keep read-only users away from it). A grant names the node, its epoch, the op, the
+-- registers, and the next one every rotation period (heartbeat); the cell keeps the key's pads
+-- in P:grant:<id> (a key of its own, so an ACL can keep read-only users away from it). A grant names the node, its epoch, the op, the
 -- lease's deadline (its fence tag at the node) and the node's pages the lease may reach, and
 -- is signed with HMAC-SHA1, the one hash scripts have (src/common/grant.h reads it).
-local grant_keys = {}
+
+-- The longest lease the cell grants (ms): every lease a script takes, and so every grant's
+-- deadline, lies within it of Redis's clock; a memory node refuses a grant whose deadline lies
+-- further past its idea of that clock (grant::kMaxLease, the same figure).
+local MAX_LEASE_MS = 600000
+
+-- ARGV text as a lease's length (ms), or nil and the INVALID error: a whole number of 1 to
+-- MAX_LEASE_MS.
+local function lease_ms_of(text)
+  local ms = tonumber(text)
+  if not ms or ms < 1 or ms > MAX_LEASE_MS or ms ~= math.floor(ms) then
+    return nil, redis.error_reply('INVALID a lease lasts 1 to ' .. MAX_LEASE_MS .. ' ms, not ' .. tostring(text))
+  end
+  return ms
+end
 
 local function unhex(h)
   return (string.gsub(h, '%x%x', function(x) return string.char(tonumber(x, 16)) end))
+end
+
+-- Keep node `id`'s grant key (hex) as the one the cell signs with, named `word` in grants
+-- (the epoch at registration, `<epoch>/<generation>` for the keys a heartbeat hands over): its
+-- HMAC pads, so that a grant costs two SHA1s (keys of up to 64 bytes, as HMAC pads them). No
+-- key, no grants.
+local function keep_grant_key(id, key_hex, word)
+  local gk = P .. ':grant:' .. id
+  local key = unhex(key_hex)
+  if #key == 0 or #key > 64 then
+    redis.call('DEL', gk)
+    return
+  end
+  local ipad, opad = {}, {}
+  for i = 1, 64 do
+    local b = string.byte(key, i) or 0
+    ipad[i] = string.char(bit.bxor(b, 0x36))
+    opad[i] = string.char(bit.bxor(b, 0x5c))
+  end
+  redis.call('HSET', gk, 'ipad', table.concat(ipad), 'opad', table.concat(opad), 'epoch', word)
 end
 
 -- The grant of `op` ('r' or 'w') over `runs` ("first+count,...", or '*' for the whole pool)
@@ -947,7 +1328,7 @@ end
 -- What a run's leases leave for lease_reads_done: hits, misses and LRU touches, so that many
 -- leases cost one command of each.
 local function new_read_batch()
-  return {hits = 0, misses = 0, tier = 0, lru = {}, qkeys = {}, qgens = {}}
+  return {hits = 0, misses = 0, tier = 0, lru = {}, hints = {}, qkeys = {}, qgens = {}}
 end
 
 -- How long a queued promotion keeps others from queueing it again (a node that lost the job
@@ -984,8 +1365,8 @@ end
 
 -- Looks `key` up and leases its readable copy for `reader` until now + `lease_ms`: the reply
 -- of begin_get, or nil when there is none (and, for an object on a tier that `no_promote`
--- leaves there, why). Its hit or miss and LRU touch go into `batch`.
-local function lease_read(key, reader, lease_ms, batch, no_promote)
+-- leaves there, why). Its hit or miss and LRU touch (with `hint`, turn-ttl's) go into `batch`.
+local function lease_read(key, reader, lease_ms, batch, no_promote, hint)
   local o, leased = lookup_copy(key)
   if not o then
     batch.misses = batch.misses + 1
@@ -1008,6 +1389,7 @@ local function lease_read(key, reader, lease_ms, batch, no_promote)
   redis.call('ZADD', P .. ':readers:' .. o[1], deadline, reader)
   batch.hits = batch.hits + 1
   batch.lru[#batch.lru + 1] = leased
+  batch.hints[#batch.lru] = hint
   if o[9] then
     batch.qkeys[#batch.qkeys + 1] = leased
     batch.qgens[#batch.qkeys] = o[9]
@@ -1020,7 +1402,7 @@ local function lease_reads_done(batch)
   if batch.hits > 0 then redis.call('HINCRBY', P .. ':stats', 'hits', batch.hits) end
   if batch.misses > 0 then redis.call('HINCRBY', P .. ':stats', 'misses', batch.misses) end
   if batch.tier > 0 then redis.call('HINCRBY', P .. ':stats', 'tier_hits', batch.tier) end
-  mark_used(batch.lru)
+  mark_used(batch.lru, batch.hints)
   quota_touch(batch.qkeys, batch.qgens)
 end
 
@@ -1043,8 +1425,8 @@ end
 
 -- Makes `key` the object put `token` wrote into `extents` on `nodes`, releasing the object it
 -- replaces; a ttl_ms of 0 never expires. `copies` (an object, not a copy): how many copies its
--- put wrote; copies numbered that or more are released.
-local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms, copies)
+-- put wrote; copies numbered that or more are released. `hint`: turn-ttl's (mark_stored).
+local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms, copies, hint)
   local ok = P .. ':obj:' .. key
   local replaced = false
   if redis.call('EXISTS', ok) == 1 then
@@ -1062,8 +1444,8 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
     release_copies(key, copies)
   end
   if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
-  mark_stored(key, replaced)
-  quota_charge(quota_of(key), key, size, now)
+  mark_stored(key, replaced, hint)
+  quota_charge(quota_of(key), key, size, now_fine)
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end
 
@@ -1191,12 +1573,13 @@ local function commit_reserved_one(a, base)
   end
   local extents, why = carve(res, first, count, true)
   if not extents then return why end
+  quota_unreserve(res, count * page_size())  -- charged to the key's quota from here on
   local failed = condition_fails(key, a[base + 10]) or quota_fit(key, size)
   if failed then
     free_extents(extents)  -- the writes are done: nothing can land in them any more
     return failed
   end
-  publish(key, token, size, extents, nodes_of(extents), a[base + 7], a[base + 8], ttl, a[base + 11])
+  publish(key, token, size, extents, nodes_of(extents), a[base + 7], a[base + 8], ttl, a[base + 11], a[base + 12])
   return nil
 end
 
@@ -1316,15 +1699,25 @@ end
 -- failed to reach), unless only they have room left: they may be back already. None ever
 -- comes from a node in `apart` (a set of ids: the earlier copies' of an object put with
 -- replicas).
-local function place_put(token, key, size, extra, lease, avoid, one_node, apart)
+local function place_put(token, key, size, extra, lease_text, avoid, one_node, apart, for_key)
+  local lease, refused = lease_ms_of(lease_text)
+  if not lease then return refused end
   local prev = redis.call('HMGET', P .. ':put:' .. token, 'extents', 'nodes')
   if prev[1] then
     local deadline = redis.call('ZSCORE', P .. ':pending', token) or '0'
     return endpoints({page_size(), prev[1], deadline}, prev[2], 'w', prev[1], tonumber(deadline))
   end
-  if key ~= '' then
-    local refused = quota_fit(key, size)
-    if refused then return redis.error_reply(refused) end
+  -- The pages are charged to the quota of the key (a reservation's: the key it is for).
+  local qkey = key ~= '' and key or (for_key or '')
+  local q = qkey ~= '' and quota_of(qkey)
+  if q then
+    local failed = quota_fit(qkey, size)
+    if failed then return redis.error_reply(failed) end
+    if q[3] > 0 and extra > 0 then  -- a reservation's spare pages only within the quota's room
+      local use = redis.call('HMGET', P .. ':quota:' .. q[1], 'bytes', 'reserved')
+      local room = q[3] - (tonumber(use[1] or '0') or 0) - (tonumber(use[2] or '0') or 0) - charged_bytes(size)
+      extra = math.max(0, math.min(extra, room))
+    end
   end
   -- The nodes apart are avoided whatever their pool key, and on the second try too.
   local strict = {}
@@ -1341,5 +1734,6 @@ local function place_put(token, key, size, extra, lease, avoid, one_node, apart)
     ps, extents, nodes = allocate(token, key, size, extra, lease, only_apart, one_node)
   end
   if not ps then return redis.error_reply(extents) end
+  if q then quota_reserve(token, q, held_pages(extents) * ps) end
   return endpoints({ps, extents, now + lease}, nodes, 'w', extents, now + lease)
 end

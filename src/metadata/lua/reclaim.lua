@@ -20,6 +20,7 @@ for i = 1, #puts, 2 do
   local tok, deadline = puts[i], tonumber(puts[i + 1])
   local pk = P .. ':put:' .. tok
   local p = redis.call('HMGET', pk, 'extents', 'nodes')
+  quota_unreserve(tok)  -- its lease ended: it holds nothing of its quota while it waits
   local ready = true
   for id in string.gmatch(p[2] or '', '[^ ]+') do
     if fenced[id] == nil then

@@ -79,7 +79,7 @@ if op == 'offer' then
       redis.call('SADD', P .. ':tier_objs:' .. id, key)
       redis.call('ZADD', P .. ':lru_ssd:' .. id, now, key)
       if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
-      quota_charge(quota_of(key), key, size, now)
+      quota_charge(quota_of(key), key, size, now_fine)
       if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
       admitted = admitted + 1
       why = 'ADMITTED'

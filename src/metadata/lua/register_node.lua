@@ -76,20 +76,7 @@ elseif held[1] ~= epoch and known[2] then
   redis.call('HDEL', sk, 'gen_floor', 'low', 'tier_id', 'page_count', 'recovery')  -- no tier now: nothing moves down
 end
 redis.call('HSET', nk, 'page_size', ps, 'page_count', count, 'state', 'up', 'address', ARGV[5], 'key', ARGV[6])
--- The key's HMAC pads, so that a grant costs two SHA1s: keys of up to 64 bytes, as HMAC pads them.
-local gk = P .. ':grant:' .. id
-local key = unhex(ARGV[8] or '')
-if #key > 0 and #key <= 64 then
-  local ipad, opad = {}, {}
-  for i = 1, 64 do
-    local b = string.byte(key, i) or 0
-    ipad[i] = string.char(bit.bxor(b, 0x36))
-    opad[i] = string.char(bit.bxor(b, 0x5c))
-  end
-  redis.call('HSET', gk, 'ipad', table.concat(ipad), 'opad', table.concat(opad), 'epoch', epoch)
-else
-  redis.call('DEL', gk)
-end
+keep_grant_key(id, ARGV[8] or '', epoch)
 redis.call('ZADD', P .. ':nodes', now + tonumber(ARGV[7]), id)
 redis.call('SADD', P .. ':known', id)
 return now

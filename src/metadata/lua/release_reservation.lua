@@ -17,6 +17,7 @@ local pk = P .. ':put:' .. res
 if redis.call('HGET', pk, 'key') ~= '' then return 0 end
 local rest = carve(res, from, 4294967296, false)  -- every page from `from` on
 local freed = free_extents(rest)
+quota_unreserve(res, freed * page_size())
 redis.call('HSET', pk, 'ends', math.min(from, tonumber(redis.call('HGET', pk, 'ends') or '') or from))
 local handed = redis.call('HGET', pk, 'extents')
 if from <= 0 or (drop and held_pages(handed) == 0) then drop_put(res, handed) end

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     token, size (bytes of the put it is for), extra (bytes wanted beyond it), lease_ms,
---          then the nodes to avoid, as for begin_put
+--          the key of that put (its quota is charged for the reservation's pages until puts
+--          commit them or they return; '' none), then the nodes to avoid, as for begin_put
 -- Returns  page_size, extents, the lease's deadline (ms of Redis time: the fence tag of every
 --          write into the reserved pages), then id, address, key per node; NO_SPACE when the
 --          needed pages cannot be found
@@ -14,4 +15,5 @@
 -- Repeating a reservation with the same token returns the same pages (a retry after a lost
 -- reply).
 
-return place_put(ARGV[1], '', tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), avoid_from_args(5))
+return place_put(ARGV[1], '', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], avoid_from_args(6), false, {},
+                 ARGV[5])

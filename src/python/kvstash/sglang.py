@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -159,6 +160,9 @@ class KvstashHiCacheStorage(HiCacheStorage):
                       "pages_existed": 0}
         self._metrics = _new_metrics()
         self._store_deltas = _metrics.Deltas(self.store.metrics_text)
+        # Under turn-ttl: each page's use as its request's prefetch lookup saw it (KeepHint), by
+        # cell key, for the gets and puts of that page that follow; the oldest forgotten.
+        self._keeps: OrderedDict[str, kvstash.KeepHint] = OrderedDict()
         if kwargs and kwargs.get("mem_pool_host") is not None:
             self.register_mem_pool_host(kwargs["mem_pool_host"])
 
@@ -306,17 +310,18 @@ class KvstashHiCacheStorage(HiCacheStorage):
     def _get_key(self, key: str, buffers: list[tuple[int, int]]) -> bool:
         """A page by its cell key into `buffers` (no prefix added)."""
         try:
-            self.store.get(key, into=buffers, timeout_ms=self.config.timeout_ms)
+            self.store.get(key, into=buffers, timeout_ms=self.config.timeout_ms, keep=self._keeps.get(key))
             return True
         except kvstash.Error as e:
             if e.code != "not_found":
                 logger.warning("kvstash: page %s did not load: %s", key, e)
             return False
 
-    def _put_key(self, key: str, buffers: list[tuple[int, int]]) -> bool:
+    def _put_key(self, key: str, buffers: list[tuple[int, int]], keep: kvstash.KeepHint | None = None) -> bool:
         """A page from `buffers` under its cell key (no prefix added)."""
         try:
-            self.store.put(key, buffers, ttl_ms=self.config.ttl_ms, timeout_ms=self.config.timeout_ms)
+            self.store.put(key, buffers, ttl_ms=self.config.ttl_ms, timeout_ms=self.config.timeout_ms,
+                           keep=keep or self._keeps.get(key))
             return True
         except kvstash.Error as e:
             logger.warning("kvstash: page %s was not stored: %s", key, e)
@@ -333,25 +338,49 @@ class KvstashHiCacheStorage(HiCacheStorage):
     # ---- existence
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        return self._lookup([key], None)[0] == 1
+
+    KEEPS_REMEMBERED: ClassVar[int] = 1 << 16
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many leading pages are stored: one Redis script for the whole run."""
+        """How many leading pages are stored: one Redis script for the whole run. The pages' uses
+        are remembered for a turn-ttl cell (a prefetch's lookup: the request's)."""
+        hit, hints = self._lookup(keys, extra_info)
+        for key, hint in zip(map(self._key, keys), hints or ()):
+            self._keeps[key] = hint
+            self._keeps.move_to_end(key)
+        while len(self._keeps) > self.KEEPS_REMEMBERED:
+            self._keeps.popitem(last=False)
+        return hit
+
+    def _lookup(self, keys: list[str], extra_info: Any) -> tuple[int, list[kvstash.KeepHint] | None]:
+        """How many leading pages of `keys` are stored, and, under turn-ttl, each page's use: the
+        request's turn and lookup clock, its place after SGLang's prefix_keys (the pages before
+        these, from the sequence's start)."""
         if not keys:
-            return 0
+            return 0, None
+        cell_keys = [self._key(k) for k in keys]
         try:
-            return self.store.contains_prefix([self._key(k) for k in keys], timeout_ms=self.config.timeout_ms)
+            hit, turn, clock = self.store.lookup_prefix(cell_keys, timeout_ms=self.config.timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: exists of %d pages failed, treating them as missing: %s", len(keys), e)
-            return 0
+            return 0, None
+        if not clock:  # another policy: no hints
+            return hit, None
+        before = len(getattr(extra_info, "prefix_keys", None) or ())
+        tokens = getattr(self.mem_pool_host, "page_size", 0)
+        split = kvstash.keep_key_hash(cell_keys[min(hit, len(keys) - 1)])
+        return hit, [kvstash.KeepHint(turn=turn, chunks=before + len(keys), index=before + i, tokens=tokens,
+                                      key_hash=kvstash.keep_key_hash(k), split_hash=split, looked_up=clock)
+                     for i, k in enumerate(cell_keys)]
 
     # ---- pages in place (SGLang's zero-copy variants)
 
     def _get_one(self, key: str, buffers: list[tuple[int, int]]) -> bool:
         return self._get_key(self._key(key), buffers)
 
-    def _set_one(self, key: str, buffers: list[tuple[int, int]]) -> bool:
-        return self._put_key(self._key(key), buffers)
+    def _set_one(self, key: str, buffers: list[tuple[int, int]], keep: kvstash.KeepHint | None = None) -> bool:
+        return self._put_key(self._key(key), buffers, keep)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         if not keys:
@@ -370,11 +399,14 @@ class KvstashHiCacheStorage(HiCacheStorage):
         if not self.writer:
             return [True] * len(keys)  # MLA: the storage writer's copy serves every rank
         # Pages chain: the leading ones stored already (by this or another engine) are skipped.
-        stored = self.batch_exists(keys)
+        # A page's use is its request's prefetch's if remembered (this lookup, by the request's
+        # own backup, would count the turn on from its earlier pages), else this lookup's.
+        stored, hints = self._lookup(keys, extra_info)
+        hints = [self._keeps.get(self._key(k)) or h for k, h in zip(keys, hints)] if hints else [None] * len(keys)
         self.stats["pages_existed"] += stored
         pages = self._page_buffers(keys, host_indices)
         t0 = time.perf_counter()
-        done = [True] * stored + list(self._io.map(self._set_one, keys[stored:], pages[stored:]))
+        done = [True] * stored + list(self._io.map(self._set_one, keys[stored:], pages[stored:], hints[stored:]))
         self._record(self._metrics.backup_pgs, self._metrics.backup_bandwidth, pages[stored:], done[stored:], t0)
         self.stats["pages_set"] += sum(done[stored:])
         self.stats["pages_set_failed"] += len(done) - sum(done)

@@ -552,6 +552,10 @@ def _vllm_version() -> str:
 
 # ---- What the scheduler hands the workers each step --------------------------------------------
 
+# What a request's loads and saves tell a turn-ttl cell: kvstash.KvKeep's fields (turn,
+# looked_up, chunks, split_hash), from the request's lookup.
+Keep = tuple[int, float, int, int]
+
 
 @dataclass
 class ChunkRun:
@@ -569,6 +573,12 @@ class ChunkRun:
     # saves: the chunk on whose last token this step ended, whose Mamba state its block holds
     # now (-1: none; a state is stored only then)
     state_chunk: int = -1
+    # The request's Keep; None: nothing (a hybrid's lookup, which learns no turn, or another
+    # policy than turn-ttl), and the cell keeps its chunks as LRU would.
+    keep: Keep | None = None
+
+    def keep_hint(self) -> kvstash.KvKeep | None:
+        return kvstash.KvKeep(*self.keep) if self.keep else None
 
 
 @dataclass
@@ -602,6 +612,7 @@ class _Tracked:
     # save): chunks past it are checked before they are saved, so none is put twice.
     asked: int = 0
     load: tuple[int, int] | None = None  # (first, count) to load in the next step
+    keep: Keep | None = None  # from its first lookup (ChunkRun.keep)
 
 
 # ---- The connector ----------------------------------------------------------------------------
@@ -655,8 +666,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         self._unheld: set[str] = set()  # holds no export can serve: freed at the next get_finished
         self._unread: set[str] = set()  # reads no import can do: failed at the next get_finished
         # Scheduler side.
-        # req -> (local computed, external, found, chunks asked about)
-        self._matched: dict[str, tuple[int, int, int, int]] = {}
+        # req -> (local computed, external, found, chunks asked about, its Keep)
+        self._matched: dict[str, tuple[int, int, int, int, Keep | None]] = {}
         self._lookups: dict[str, tuple[tuple[int, int], Future]] = {}  # req -> ((computed, tokens), found)
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -742,19 +753,30 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookups.pop(req_id, None)
         self._named.pop(req_id, None)
 
-    def _found_chunks(self, tokens: list[int], limit: int, naming: tuple[str, list[bytes]], first: int = 0) -> int:
-        """Leading chunks of `tokens` stored whole, every head (at most `limit`): one round trip.
-        A hybrid model's: what a hit from chunk `first` on needs of each group (Geometry.hit).
-        0 when the cell cannot be asked (a miss, not a failed request)."""
+    def _found_chunks(self, tokens: list[int], limit: int, naming: tuple[str, list[bytes]],
+                      first: int = 0) -> tuple[int, Keep | None]:
+        """Leading chunks of `tokens` stored whole, every head (at most `limit`): one round trip;
+        and what the request's loads and saves tell a turn-ttl cell (ChunkRun.keep; None under
+        another policy). A hybrid model's: what a hit from chunk `first` on needs of each group
+        (Geometry.hit), and no keep. 0 when the cell cannot be asked (a miss, not a failed
+        request)."""
         g = self.geometry
         try:
             keys = g.all_keys(tokens[: limit * g.chunk_tokens], *naming)
             if g.hybrid():
-                return g.hit(self.store.contains_each(keys, timeout_ms=self.config.timeout_ms), first, limit)
-            return self.store.contains_prefix(keys, timeout_ms=self.config.timeout_ms) // g.parts()
+                return g.hit(self.store.contains_each(keys, timeout_ms=self.config.timeout_ms), first, limit), None
+            if not keys:
+                return 0, None
+            hit, turn, clock = self.store.lookup_prefix(keys, timeout_ms=self.config.timeout_ms)
+            found = hit // g.parts()
+            if not clock:  # another policy than turn-ttl: no hints
+                return found, None
+            # The request's draw between a split class's keep-times: its first missing chunk's key.
+            split = kvstash.keep_key_hash(keys[min(found, limit - 1) * g.parts()])
+            return found, (turn, clock, limit, split)
         except kvstash.Error as e:
             logger.warning("kvstash: a lookup failed, computing instead: %s", e)
-            return 0
+            return 0, None
 
     @staticmethod
     def _handoff_of(request: Request) -> str | None:
@@ -796,12 +818,12 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                 return None, False
             if not pending[1].done():
                 return None, False
-            found = pending[1].result()
+            found, keep = pending[1].result()
         else:
-            found = self._found_chunks(tokens, limit, naming, first)
+            found, keep = self._found_chunks(tokens, limit, naming, first)
             self._stats["lookups"] += 1
         external = max(0, found - first) * chunk
-        self._matched[request.request_id] = (num_computed_tokens, external, found, limit)
+        self._matched[request.request_id] = (num_computed_tokens, external, found, limit, keep)
         return external, external > 0 and self.geometry.hybrid()
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -820,10 +842,11 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             return
         t = self._tracked.setdefault(request.request_id, _Tracked(request))
         t.request = request
-        computed, external, found, asked = self._matched.pop(request.request_id, (0, 0, 0, 0))
+        computed, external, found, asked, keep = self._matched.pop(request.request_id, (0, 0, 0, 0, None))
         self._lookups.pop(request.request_id, None)
         t.stored = max(t.stored, found)
         t.asked = max(t.asked, asked)
+        t.keep = t.keep or keep
         if num_external_tokens > 0:
             if num_external_tokens != external:
                 raise RuntimeError(f"kvstash: vLLM allocated {num_external_tokens} external tokens for "
@@ -833,7 +856,7 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats["chunks_found"] += count
             if self.geometry.hybrid():  # loaded now, while the request waits (KvstashMetadata.fetches)
                 self._to_fetch.append(self._run(request.request_id, request.all_token_ids, blocks.get_block_ids(),
-                                                first, count, self._naming(request)))
+                                                first, count, self._naming(request), keep=t.keep))
             else:
                 t.load = (first, count)
 
@@ -880,7 +903,7 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             naming = self._naming(t.request)
             assert naming is not None  # tracked only when named
             if t.load is not None:
-                meta.loads.append(self._run(req_id, tokens, t.block_ids, *t.load, naming))
+                meta.loads.append(self._run(req_id, tokens, t.block_ids, *t.load, naming, keep=t.keep))
                 t.load = None
             # The chunks whose every token has its KV in the cache once this step ran.
             ready = min(after, len(tokens)) // chunk
@@ -892,15 +915,16 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
             if ready > t.stored and ready > t.asked:
                 # Chunks no lookup asked about (vLLM's own prefix cache had them, or decode
                 # filled them): the cell may hold them already, put by this engine or another.
-                found = self._found_chunks(list(tokens[: ready * chunk]), ready, naming)
+                found, keep = self._found_chunks(list(tokens[: ready * chunk]), ready, naming)
                 t.asked = ready
+                t.keep = t.keep or keep
                 if found > t.stored:
                     self._stats["chunks_already_stored"] += found - t.stored
                     t.stored = found
             if ready > t.stored:
                 meta.saves.append(self._run(req_id, tokens, t.block_ids, t.stored, ready - t.stored, naming,
                                             events=self._chunk_events(t.request, t.stored, ready - t.stored),
-                                            state_chunk=ready - 1 if after == ready * chunk else -1))
+                                            state_chunk=ready - 1 if after == ready * chunk else -1, keep=t.keep))
                 t.stored = ready
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._tracked:
@@ -1226,7 +1250,7 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                 # this step: no byte is written into them before that work is done.
                 loads.append((run, group, first, cache.begin_load_range(
                     run.tokens, run.block_ids[group], first, count, timeout_ms=self.config.timeout_ms,
-                    after=self._after(), chunk_salts=run.chunk_salts)))
+                    after=self._after(), chunk_salts=run.chunk_salts, keep=run.keep_hint())))
         return loads, unfilled
 
     def _fail_load(self, run: ChunkRun) -> None:
@@ -1294,7 +1318,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             try:
                 save = cache.begin_save(run.tokens, run.block_ids[group], first, count,
-                                        timeout_ms=self.config.timeout_ms, chunk_salts=run.chunk_salts)
+                                        timeout_ms=self.config.timeout_ms, chunk_salts=run.chunk_salts,
+                                        keep=run.keep_hint())
             except kvstash.Error as e:
                 logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
                 if group == self._primary():

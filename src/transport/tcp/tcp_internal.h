@@ -28,8 +28,8 @@
 #include <bit>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <map>
@@ -181,6 +181,8 @@ class Fences {
   // nothing, when kMaxRevoked leases are remembered already (the caller's put then waits for
   // the fence instead): a client cannot grow the target's memory without bound.
   bool revoke(std::uint64_t lease, std::uint64_t fence);
+  // The fence so far: revokes with a tag at or below it are no longer remembered.
+  std::uint64_t fenced() const { return fenced_.load(std::memory_order_seq_cst); }
   static constexpr std::size_t kMaxRevoked = 65536;
   // How long a revoke without a fence tag is remembered once the table is full.
   static constexpr std::chrono::minutes kUntaggedLife{10};
@@ -193,7 +195,8 @@ class Fences {
   std::atomic<std::size_t> revoked_count_{0};
   mutable std::mutex mu_;                                     // revoked_, marks_
   std::unordered_map<std::uint64_t, std::uint64_t> revoked_;  // lease -> fence tag
-  std::deque<std::pair<std::uint64_t, std::chrono::steady_clock::time_point>> untagged_;  // fence 0, oldest first
+  std::deque<std::pair<std::uint64_t, std::chrono::steady_clock::time_point>>
+      untagged_;  // fence 0, oldest first
   std::vector<std::weak_ptr<Mark>> marks_;
 };
 
@@ -205,6 +208,7 @@ struct ConnectionCounters {
   std::atomic<std::uint64_t> handshake_timeouts{0};  // no handshake within handshake_timeout
   std::atomic<std::uint64_t> unproven_evicted{0};    // dropped for a newer handshake
   std::atomic<std::uint64_t> idle_dropped{0};        // idle for idle_timeout, or stalled for io_timeout
+  std::atomic<std::uint64_t> gave_way{0};            // idle, closed for a newly proven connection
 };
 
 // What a transport serves: its regions, their fences, and the rules for connections.
@@ -220,18 +224,29 @@ struct Target {
   std::shared_ptr<const GrantCheck> grants;  // grant_mu
   // Whether `grants` is set: what every request on a leased region asks, without the lock.
   std::atomic<bool> checks_grants{false};
-  std::string token;                         // cluster token; empty: none required
+  std::string token;  // cluster token; empty: none required
   TcpOptions options;
-  std::shared_ptr<TlsContext> tls;           // null: plain tcp; else TLS only
+  std::shared_ptr<TlsContext> tls;            // null: plain tcp; else TLS only
   std::atomic<std::uint32_t> connections{0};  // proven ones
   std::mutex peers_mu;
   std::unordered_map<std::string, std::uint32_t> per_peer;  // address -> connections (peers_mu)
-  // Connections in the handshake, oldest first (ids grow), each with what drops it
-  // (peers_mu).
-  std::map<std::uint64_t, std::function<void()>> unproven;
-  std::uint64_t next_unproven = 0;  // peers_mu
+  // Connections in the handshake, each with what drops it (peers_mu).
+  admission::UnprovenBudget unproven{64};
+  // Proven connections by id (peers_mu): when max_connections are, a newly proven one takes
+  // the place of the one idle longest, if that has done nothing useful for kIdleToGiveWay.
+  struct ProvenSeat {
+    std::atomic<std::int64_t> last_useful{0};  // Clock ticks of its last useful request
+    std::function<void()> drop;                // closes the connection (peers_mu)
+  };
+  std::map<std::uint64_t, std::shared_ptr<ProvenSeat>> proven;
+  std::uint64_t next_proven = 0;  // peers_mu
+  static constexpr std::chrono::seconds kIdleToGiveWay{1};
   admission::GuessThrottle throttle;
   ConnectionCounters counters;
+  // The ranges every connection's grants hold (each grant counts one more): at most
+  // kMaxGrantedRanges (64 MiB of them), however many connections hold some.
+  std::atomic<std::size_t> granted_ranges{0};
+  static constexpr std::size_t kMaxGrantedRanges = 1u << 22;
 };
 
 // An accepted connection's place under the target's caps, taken by the accept loop and
@@ -248,14 +263,20 @@ class ConnectionSlot {
   Target& target() const { return *target_; }
   const std::string& peer() const { return peer_; }
   // Moves the connection from the unproven budget to the main one; false (the connection is
-  // to be refused) when the main one is full.
+  // to be refused) when the main one is full of connections that did something useful within
+  // Target::kIdleToGiveWay (the one idle longest gives way otherwise).
   bool promote();
+  // Once proven: what closes the connection when it gives way, and its last useful request.
+  void on_give_way(std::function<void()> drop);
+  void useful(Clock::time_point now);
 
  private:
   std::shared_ptr<Target> target_;  // null once moved from
   std::string peer_;
   std::uint64_t unproven_id_;
   bool proven_ = false;
+  std::uint64_t proven_id_ = 0;
+  std::shared_ptr<Target::ProvenSeat> seat_;
 };
 
 // One op in flight on a client stream, or a control request (no sink): a lease's grant or its

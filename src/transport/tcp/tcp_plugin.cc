@@ -14,11 +14,12 @@ Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
 }
 
 std::vector<TransportFinding> probe() {
-  return {{"transport tcp", TransportFinding::Level::kOk,
-           fmt::format("built in (Boost.Asio, TLS by OpenSSL {}); kvstashd --listen sets where a node serves it, "
-                       "--tls-cert whether over TLS",
-                       OpenSSL_version(OPENSSL_VERSION_STRING)),
-           ""}};
+  return {
+      {"transport tcp", TransportFinding::Level::kOk,
+       fmt::format("built in (Boost.Asio, TLS by OpenSSL {}); kvstashd --listen sets where a node serves it, "
+                   "--tls-cert whether over TLS",
+                   OpenSSL_version(OPENSSL_VERSION_STRING)),
+       ""}};
 }
 
 }  // namespace

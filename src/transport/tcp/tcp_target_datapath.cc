@@ -9,8 +9,12 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <deque>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
+
+#include <xxhash.h>
 
 #include "common/handler_arena.h"
 #include "common/log.h"
@@ -119,7 +123,15 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
         timer_(socket_.get_executor()),
         watch_period_(std::min(target_.options.io_timeout, target_.options.idle_timeout)) {}
 
+  ~RequestServer() { count_ranges(-static_cast<std::ptrdiff_t>(granted_ranges_)); }
+
   void start() {
+    // When the target's connections are all taken, an idle one gives way (ConnectionSlot).
+    slot_.on_give_way([weak = weak_from_this(), strand = strand_] {
+      asio::post(strand, [weak] {
+        if (auto self = weak.lock()) self->close();
+      });
+    });
     deadline(target_.options.idle_timeout, "no request");
     watch();
     run();
@@ -127,19 +139,18 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
 
  private:
   enum class Step { kHeader, kPayloadIn, kGrantIn, kDiscard, kPayloadOut, kRespond };
-  // A connection holds at most this many granted leases, of this many ranges in all: the
-  // initiator releases each when its key goes, and a fence ends them anyway.
+  // A connection holds at most this many granted leases, of this many ranges in all (1 MiB of
+  // them), and the target at most Target::kMaxGrantedRanges: the initiator releases each when
+  // its key goes, and a fence ends them anyway.
   static constexpr std::size_t kMaxGrants = 16384;
-  static constexpr std::size_t kMaxGrantedRanges = 1u << 20;
+  static constexpr std::size_t kMaxGrantedRanges = 1u << 16;
   enum class Next { kGoOn, kServed, kWaitRead, kWaitWrite, kClose };
   // Requests served in one go before the strand lets other handlers run.
   static constexpr int kFairShare = 16;
 
   template <typename F>
   auto handler(F f) {
-    return on_arena(strand_, arena_, [self = shared_from_this(), f](auto&&... args) {
-      f(*self, args...);
-    });
+    return on_arena(strand_, arena_, [self = shared_from_this(), f](auto&&... args) { f(*self, args...); });
   }
 
   void run() {
@@ -147,7 +158,14 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
       switch (advance()) {
         case Next::kGoOn: break;
         case Next::kServed:
-          deadline(target_.options.idle_timeout, "no request");
+          // Only a request that did something keeps the connection: one refused, or the
+          // release of a lease it does not hold, changes nothing, so idle proven connections
+          // cannot hold the target's slots by sending them.
+          if (r_.status == static_cast<std::uint32_t>(StatusCode::kOk) && h_.op != kReleaseOp) {
+            last_useful_ = Clock::now();
+            slot_.useful(last_useful_);
+          }
+          deadline(target_.options.idle_timeout, "no request", last_useful_);
           step_ = Step::kHeader;
           header_got_ = 0;
           region_.reset();
@@ -165,13 +183,14 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
 
   void wait(tcp::socket::wait_type what) {
     socket_.async_wait(what, handler([](RequestServer& s, error_code ec) {
-      if (ec) return s.close();
-      s.run();
-    }));
+                         if (ec) return s.close();
+                         s.run();
+                       }));
   }
 
-  void deadline(std::chrono::milliseconds timeout, const char* what) {
-    deadline_ = Clock::now() + timeout;
+  // The watchdog closes the connection `timeout` after `from` unless something moves it on.
+  void deadline(std::chrono::milliseconds timeout, const char* what, Clock::time_point from = Clock::now()) {
+    deadline_ = from + timeout;
     timeout_ = timeout;
     deadline_what_ = what;
   }
@@ -182,7 +201,8 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
       if (ec || s.closed_) return;
       if (Clock::now() >= s.deadline_) {
         ++s.target_.counters.idle_dropped;
-        KVSTASH_LOG_INFO_LIMITED("tcp: {} for {} ms, dropping the connection", s.deadline_what_, s.timeout_.count());
+        KVSTASH_LOG_INFO_LIMITED("tcp: {} for {} ms, dropping the connection", s.deadline_what_,
+                                 s.timeout_.count());
         return s.close();
       }
       s.watch();
@@ -263,7 +283,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
       return;
     }
     if (h_.op == kReleaseOp) {
-      if (granted_ranges_ > 0) forget_grant(h_.lease);
+      if (granted_ranges_ > 0 && forget_grant(h_.lease)) last_useful_ = Clock::now();
       step_ = Step::kRespond;
       return;
     }
@@ -273,9 +293,7 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     }
     if (h_.op == kRevokeOp) {
       // Answered once no request under the lease can move bytes, on any connection.
-      if (ok && !target_.fences.revoke(h_.lease, h_.fence)) {
-        r_ = refuse(StatusCode::kNoSpace, RefusalReason::kTooManyRevoked);
-      }
+      if (ok && !revoke()) r_ = refuse(StatusCode::kNoSpace, RefusalReason::kTooManyRevoked);
       step_ = Step::kRespond;
     } else if (h_.op == static_cast<std::uint8_t>(TransferOp::kWrite)) {
       if (ok) {
@@ -301,12 +319,34 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     if (it == grants_.end()) return refuse(StatusCode::kPermissionDenied, RefusalReason::kNoGrant);
     const Granted& g = it->second;
     h_.fence = g.grant.fence;
+    h_.lease = g.bound;
     if (g.region != h_.key) return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutsideGrant);
     if (h_.op == kRevokeOp) return ResponseHeader{};
-    if (h_.op != static_cast<std::uint8_t>(g.grant.op) || !rangeset::covers(g.grant.ranges, h_.addr, h_.length)) {
+    if (h_.op != static_cast<std::uint8_t>(g.grant.op) ||
+        !rangeset::covers(g.grant.ranges, h_.addr, h_.length)) {
       return refuse(StatusCode::kPermissionDenied, RefusalReason::kOutsideGrant);
     }
     return ResponseHeader{};
+  }
+
+  // Revokes the lease of h_ at the target, within this connection's share of the target's
+  // table of revoked leases (false: the share is full; the initiator's put then waits for the
+  // fence instead): one client cannot fill the table for the others.
+  bool revoke() {
+    const std::uint64_t fenced = target_.fences.fenced();
+    std::erase_if(revoked_tags_, [&](std::uint64_t tag) { return tag != 0 && tag <= fenced; });
+    const std::size_t share = std::max<std::size_t>(
+        16, Fences::kMaxRevoked / std::max<std::uint32_t>(1, target_.options.max_connections));
+    if (revoked_tags_.size() >= share) return false;
+    if (!target_.fences.revoke(h_.lease, h_.fence)) return false;
+    revoked_tags_.push_back(h_.fence);
+    return true;
+  }
+
+  // The lease id the fences know a granted lease by (Granted::bound): never 0, which means none.
+  static std::uint64_t bound_lease(std::uint64_t lease, std::string_view grant) {
+    const std::uint64_t b = XXH3_64bits_withSeed(grant.data(), grant.size(), lease);
+    return b != 0 ? b : 1;
   }
 
   // A lease's grant, `h_.length` bytes (at most kMaxGrantBytes), then its verdict.
@@ -330,45 +370,58 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
     if (!checks) return ResponseHeader{};  // leases need no grant here: nothing to hold
     auto g = checks->check(grant_text_);
     const auto base = reinterpret_cast<std::uintptr_t>(region_->base);
+    const std::uint64_t bound = bound_lease(h_.lease, grant_text_);
     const char* why = nullptr;
     if (!g.is_ok()) {
       why = "its grant does not verify";
-    } else if (!target_.fences.allowed(h_.lease, g->fence)) {
+    } else if (!target_.fences.allowed(bound, g->fence)) {
       why = "its grant is fenced already (or the lease revoked)";
     } else {
       // A grant may span several regions of its owner (a KvExport's layers): this lease keeps
       // what lies in its own.
       std::erase_if(g->ranges, [&](const RemoteRange& r) {
-        return r.addr < base || r.addr - base > region_->length || r.length > region_->length - (r.addr - base);
+        return r.addr < base || r.addr - base > region_->length ||
+               r.length > region_->length - (r.addr - base);
       });
       if (g->ranges.empty()) why = "its grant names nothing in the lease's region";
     }
     if (why != nullptr) {
-      KVSTASH_LOG_INFO("tcp: refused lease {:#x}: {}{}", h_.lease, why,
-                       g.is_ok() ? std::string() : ": " + g.status().to_string());
+      KVSTASH_LOG_INFO_LIMITED("tcp: refused lease {:#x}: {}{}", h_.lease, why,
+                               g.is_ok() ? std::string() : ": " + g.status().to_string());
       return refuse(StatusCode::kPermissionDenied, RefusalReason::kGrantRefused);
     }
-    if (grants_.size() >= kMaxGrants || granted_ranges_ + g->ranges.size() > kMaxGrantedRanges) {
+    const std::size_t weight = g->ranges.size() + 1;  // + 1: an empty grant still counts
+    const auto full = [&] {
+      return grants_.size() >= kMaxGrants || granted_ranges_ + weight > kMaxGrantedRanges ||
+             target_.granted_ranges.load(std::memory_order_relaxed) + weight > Target::kMaxGrantedRanges;
+    };
+    if (full()) {
       std::erase_if(grants_, [&](const auto& e) {
-        const bool ended = !target_.fences.allowed(e.first, e.second.grant.fence);
-        if (ended) granted_ranges_ -= e.second.grant.ranges.size();
+        const bool ended = !target_.fences.allowed(e.second.bound, e.second.grant.fence);
+        if (ended) count_ranges(-static_cast<std::ptrdiff_t>(e.second.grant.ranges.size() + 1));
         return ended;
       });
-      if (grants_.size() >= kMaxGrants || granted_ranges_ + g->ranges.size() > kMaxGrantedRanges) {
-        return refuse(StatusCode::kNoSpace, RefusalReason::kTooManyGrants);
-      }
+      if (full()) return refuse(StatusCode::kNoSpace, RefusalReason::kTooManyGrants);
     }
     forget_grant(h_.lease);
-    granted_ranges_ += g->ranges.size() + 1;  // + 1: an empty grant still counts
-    grants_[h_.lease] = Granted{std::move(g).value(), h_.key};
+    count_ranges(static_cast<std::ptrdiff_t>(weight));
+    grants_[h_.lease] = Granted{std::move(g).value(), h_.key, bound};
     return ResponseHeader{};
   }
 
-  void forget_grant(std::uint64_t lease) {
+  // Whether the connection held a grant for `lease` (it holds none now).
+  bool forget_grant(std::uint64_t lease) {
     auto it = grants_.find(lease);
-    if (it == grants_.end()) return;
-    granted_ranges_ -= it->second.grant.ranges.size() + 1;
+    if (it == grants_.end()) return false;
+    count_ranges(-static_cast<std::ptrdiff_t>(it->second.grant.ranges.size() + 1));
     grants_.erase(it);
+    return true;
+  }
+
+  // The ranges this connection's grants hold, here and in the target's total.
+  void count_ranges(std::ptrdiff_t delta) {
+    granted_ranges_ = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(granted_ranges_) + delta);
+    target_.granted_ranges.fetch_add(static_cast<std::size_t>(delta), std::memory_order_relaxed);
   }
 
   // The rest of a WRITE's payload (`left` bytes) is read and dropped, keeping the stream in
@@ -464,13 +517,14 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   Strand strand_;
   tcp::socket socket_;
   std::unique_ptr<TlsSession> tls_;  // null: plain tcp
-  ConnectionSlot slot_;  // counts against the target's caps until the connection ends
+  ConnectionSlot slot_;              // counts against the target's caps until the connection ends
   Target& target_;
   const std::shared_ptr<Fences::Mark> mark_;
   HandlerArena arena_;
   asio::steady_timer timer_;
   const std::chrono::milliseconds watch_period_;
   Clock::time_point deadline_{};
+  Clock::time_point last_useful_ = Clock::now();  // the last request that did something
   std::chrono::milliseconds timeout_{};
   const char* deadline_what_ = "";
   bool closed_ = false;
@@ -491,7 +545,14 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
   struct Granted {
     Grant grant;
     std::uint64_t region = 0;  // its region's key
+    // The lease as the target's fences know it: the initiator's id bound to the grant's text,
+    // so a revoke (or a fence check) under a lease id reaches only the leases granted by that
+    // very grant, never another client's that happens to use, or learned, the same id.
+    std::uint64_t bound = 0;
   };
+  // Revokes this connection made whose fence tags the target has not passed yet (each is
+  // remembered by the target until then): at most its share of the target's table.
+  std::deque<std::uint64_t> revoked_tags_;
   std::unordered_map<std::uint64_t, Granted> grants_;
   std::size_t granted_ranges_ = 0;  // + 1 per grant
   std::string grant_text_;          // a grant being received
@@ -500,7 +561,8 @@ class RequestServer : public std::enable_shared_from_this<RequestServer> {
 }  // namespace
 
 void serve_requests(Strand strand, tcp::socket socket, ConnectionSlot slot, std::unique_ptr<TlsSession> tls) {
-  std::make_shared<RequestServer>(std::move(strand), std::move(socket), std::move(slot), std::move(tls))->start();
+  std::make_shared<RequestServer>(std::move(strand), std::move(socket), std::move(slot), std::move(tls))
+      ->start();
 }
 
 }  // namespace kvstash::transport::tcp

@@ -73,10 +73,10 @@ Result<std::unique_ptr<TlsSession>> client_handshake(int fd, const std::string& 
   std::unique_ptr<TlsSession> session;
   if (hello.magic == kTlsServerMagic) {
     if (tls == nullptr) {
-      return Status::unsupported(fmt::format(
-          "tcp: the node at {}:{} serves TLS only, and this engine connects without it (set "
-          "TcpOptions::tls.ca_file, or KVSTASH_TLS_CA, to the cluster's CA)",
-          hp.host, hp.port));
+      return Status::unsupported(
+          fmt::format("tcp: the node at {}:{} serves TLS only, and this engine connects without it (set "
+                      "TcpOptions::tls.ca_file, or KVSTASH_TLS_CA, to the cluster's CA)",
+                      hp.host, hp.port));
     }
     KVSTASH_ASSIGN_OR_RETURN(session, connect_tls(*tls, fd, hp.host, deadline));
     // The kvstash handshake, inside TLS.
@@ -109,7 +109,8 @@ Result<std::unique_ptr<TlsSession>> client_handshake(int fd, const std::string& 
     KVSTASH_RETURN_IF_ERROR(recv_all(fd, &verdict, sizeof verdict, deadline));
   }
   if (verdict.status == static_cast<std::uint32_t>(StatusCode::kUnavailable)) {
-    return Status::unavailable("the target is serving its limit of connections (TcpOptions::max_connections)");
+    return Status::unavailable(
+        "the target is serving its limit of connections (TcpOptions::max_connections)");
   }
   if (verdict.status != static_cast<std::uint32_t>(StatusCode::kOk)) {
     return Status::permission_denied(
@@ -158,6 +159,7 @@ class TcpTransport final : public Transport {
         target_(std::make_shared<Target>()) {
     target_->token = std::move(cluster_token);
     target_->options = options;
+    target_->unproven = admission::UnprovenBudget(options.max_unproven_connections);
     target_->tls = std::move(serving_tls);
     asio::co_spawn(acceptor_.get_executor(), accept_loop(), asio::detached);
   }
@@ -204,9 +206,14 @@ class TcpTransport final : public Transport {
             c.handshakes_failed),
         one("handshake_timeouts", "connections closed for not finishing the handshake in time",
             c.handshake_timeouts),
-        one("unproven_evicted", "handshakes in progress dropped for newer ones (the unproven budget was full)",
+        one("unproven_evicted",
+            "handshakes in progress dropped for newer ones (the unproven budget was full)",
             c.unproven_evicted),
         one("connections_dropped_inactive", "connections closed for being idle or stalled", c.idle_dropped),
+        one("connections_gave_way",
+            "idle connections closed for a newly proven one (the connection limit was "
+            "reached)",
+            c.gave_way),
     };
   }
 
@@ -284,9 +291,10 @@ class TcpTransport final : public Transport {
     co_return;
   }
 
-  // Takes the connection into the unproven budget (dropping the oldest handshake in progress
-  // when it is full) and returns its slot, or closes it when its address is over its cap or
-  // backing off after failed handshakes.
+  // Takes the connection into the unproven budget (displacing a handshake in progress of the
+  // source that holds the most when it is full: admission.h) and returns its slot, or closes
+  // it when its address is over its cap, backing off after failed handshakes, or the budget
+  // is full of handshakes of sources that proved the token.
   std::optional<ConnectionSlot> admit(tcp::socket& sock, const Strand& strand,
                                       const std::shared_ptr<HandshakeGate>& gate) {
     boost::system::error_code ec;
@@ -297,6 +305,7 @@ class TcpTransport final : public Transport {
     const admission::Verdict verdict = target_->token.empty() || !options_.guess_backoff
                                            ? admission::Verdict::kAdmit
                                            : target_->throttle.admit(peer);
+    const bool known = !target_->token.empty() && target_->throttle.known(peer);
     if (verdict != admission::Verdict::kAdmit) {
       refused = admission::describe(verdict);
     } else {
@@ -306,19 +315,18 @@ class TcpTransport final : public Transport {
         refused = "its per-peer connection limit (TcpOptions::max_connections_per_peer) is reached";
         if (mine == 0) target_->per_peer.erase(peer);
       } else {
-        if (target_->unproven.size() >= std::max<std::uint32_t>(1, options_.max_unproven_connections)) {
-          // The oldest handshake has had the longest to answer; a client that proves the token
-          // answers within a round trip, so only connections that stall lose their place.
-          auto oldest = target_->unproven.begin();
-          oldest->second();
-          target_->unproven.erase(oldest);
-          ++target_->counters.unproven_evicted;
+        const std::uint64_t displaced = target_->unproven.displaced();
+        id = target_->unproven.add(peer, known,
+                                   [strand, gate] { asio::post(strand, [gate] { gate->drop(); }); });
+        target_->counters.unproven_evicted += target_->unproven.displaced() - displaced;
+        if (id == 0) {
+          refused =
+              "the handshakes in progress (TcpOptions::max_unproven_connections) are all of clients that "
+              "proved the token";
+          if (mine == 0) target_->per_peer.erase(peer);
+        } else {
+          ++mine;
         }
-        ++mine;
-        id = ++target_->next_unproven;
-        target_->unproven.emplace(id, [strand, gate] {
-          asio::post(strand, [gate] { gate->drop(); });
-        });
       }
     }
     if (!refused.empty()) {
@@ -533,9 +541,10 @@ ConnectionSlot::~ConnectionSlot() {
   if (!target_) return;
   std::lock_guard lock(target_->peers_mu);
   if (proven_) {
-    --target_->connections;
+    // A connection that gave way was taken off the count when it did.
+    if (target_->proven.erase(proven_id_) > 0) --target_->connections;
   } else {
-    target_->unproven.erase(unproven_id_);
+    target_->unproven.remove(unproven_id_);
   }
   auto it = target_->per_peer.find(peer_);
   if (it != target_->per_peer.end() && --it->second == 0) target_->per_peer.erase(it);
@@ -544,11 +553,40 @@ ConnectionSlot::~ConnectionSlot() {
 bool ConnectionSlot::promote() {
   std::lock_guard lock(target_->peers_mu);
   if (proven_) return true;
-  if (target_->connections.load() >= std::max<std::uint32_t>(1, target_->options.max_connections)) return false;
-  target_->unproven.erase(unproven_id_);
+  const auto now = Clock::now();
+  if (target_->connections.load() >= std::max<std::uint32_t>(1, target_->options.max_connections)) {
+    // The connection idle longest gives way, if it has been idle long enough to be no one's
+    // working connection: held slots cannot keep out a client that needs one.
+    auto idlest = target_->proven.end();
+    for (auto it = target_->proven.begin(); it != target_->proven.end(); ++it) {
+      if (idlest == target_->proven.end() || it->second->last_useful < idlest->second->last_useful)
+        idlest = it;
+    }
+    const auto before = (now - Target::kIdleToGiveWay).time_since_epoch().count();
+    if (idlest == target_->proven.end() || idlest->second->last_useful.load() > before) return false;
+    if (idlest->second->drop) idlest->second->drop();
+    target_->proven.erase(idlest);
+    --target_->connections;
+    ++target_->counters.gave_way;
+  }
+  target_->unproven.remove(unproven_id_);
   ++target_->connections;
   proven_ = true;
+  proven_id_ = ++target_->next_proven;
+  seat_ = std::make_shared<Target::ProvenSeat>();
+  seat_->last_useful = now.time_since_epoch().count();
+  target_->proven.emplace(proven_id_, seat_);
   return true;
+}
+
+void ConnectionSlot::on_give_way(std::function<void()> drop) {
+  if (!seat_) return;
+  std::lock_guard lock(target_->peers_mu);
+  seat_->drop = std::move(drop);
+}
+
+void ConnectionSlot::useful(Clock::time_point now) {
+  if (seat_) seat_->last_useful.store(now.time_since_epoch().count(), std::memory_order_relaxed);
 }
 
 void HandshakeGate::drop() {
@@ -627,7 +665,8 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
       while (tls->handshake() != 1) {
         if (errno != EAGAIN) {
           ++target.counters.handshakes_failed;
-          KVSTASH_LOG_INFO_LIMITED("tcp: TLS handshake with {} failed: {}", slot.peer(), tls->failure().to_string());
+          KVSTASH_LOG_INFO_LIMITED("tcp: TLS handshake with {} failed: {}", slot.peer(),
+                                   tls->failure().to_string());
           co_return;
         }
         co_await socket.async_wait(
@@ -677,7 +716,7 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
       target.throttle.failed(slot.peer());
     }
     if (ok && !full) verdict.mac = proof.proof();
-    verdict.status = static_cast<std::uint32_t>(!ok  ? StatusCode::kPermissionDenied
+    verdict.status = static_cast<std::uint32_t>(!ok    ? StatusCode::kPermissionDenied
                                                 : full ? StatusCode::kUnavailable
                                                        : StatusCode::kOk);
     moved = co_await send(&verdict, sizeof verdict);
@@ -694,9 +733,10 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
     }
     if (full) {
       ++target.counters.refused;
-      KVSTASH_LOG_WARN_LIMITED("tcp: refused a client at {}: the connection limit (TcpOptions::max_connections) "
-                               "is reached",
-                               slot.peer());
+      KVSTASH_LOG_WARN_LIMITED(
+          "tcp: refused a client at {}: the connection limit (TcpOptions::max_connections) "
+          "is reached",
+          slot.peer());
       co_return;
     }
     ++target.counters.accepted;
@@ -708,9 +748,10 @@ asio::awaitable<void> serve_connection(Strand strand, tcp::socket socket, Connec
       KVSTASH_LOG_INFO_LIMITED("tcp: dropped a connection from {} that did not finish its handshake in time",
                                slot.peer());
     } else if (gate->dropped()) {
-      KVSTASH_LOG_INFO_LIMITED("tcp: dropped a handshake in progress from {} for a newer connection "
-                               "(TcpOptions::max_unproven_connections)",
-                               slot.peer());
+      KVSTASH_LOG_INFO_LIMITED(
+          "tcp: dropped a handshake in progress from {} for a newer connection "
+          "(TcpOptions::max_unproven_connections)",
+          slot.peer());
     } else if (e.code() != asio::error::eof) {
       // The initiator went away or broke protocol; its requests are its own to retry.
       KVSTASH_LOG_DEBUG_LIMITED("tcp: connection ended: {}", e.what());
@@ -741,7 +782,7 @@ TcpTlsOptions connecting_tls_options(const TcpTlsOptions& options) {
 }  // namespace
 
 Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std::string cluster_token,
-                                                 std::chrono::microseconds busy_poll) {
+                                                  std::chrono::microseconds busy_poll) {
   KVSTASH_ASSIGN_OR_RETURN(HostPort listen, parse_host_port(options.listen));
   std::uint32_t threads = options.io_threads;
   if (threads == 0) threads = std::thread::hardware_concurrency() <= 4 ? 1 : 2;
@@ -765,14 +806,16 @@ Result<std::unique_ptr<Transport>> make_transport(const TcpOptions& options, std
   if (!options.tls.cert_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(serving, TlsContext::serving(options.tls));
   } else if (!options.tls.key_file.empty() || !options.tls.client_ca_file.empty()) {
-    return Status::invalid_argument("TcpTlsOptions: key_file and client_ca_file serve TLS only with a cert_file");
+    return Status::invalid_argument(
+        "TcpTlsOptions: key_file and client_ca_file serve TLS only with a cert_file");
   }
   const TcpTlsOptions connect_with = connecting_tls_options(options.tls);
   if (!connect_with.ca_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(connecting, TlsContext::connecting(connect_with));
   } else if (!connect_with.client_cert_file.empty() || !connect_with.server_name.empty()) {
     return Status::invalid_argument(
-        "TcpTlsOptions: a client certificate or server_name needs ca_file (tcp never connects over TLS without "
+        "TcpTlsOptions: a client certificate or server_name needs ca_file (tcp never connects over TLS "
+        "without "
         "verifying the node)");
   }
   return std::unique_ptr<Transport>(new TcpTransport(options, std::move(cluster_token), std::move(runtime),

@@ -12,7 +12,8 @@ namespace kvstash::transport {
 // know it (EngineOptions::cluster_token). Its I/O threads spin `busy_poll` after their last
 // event before they sleep (EngineOptions::busy_poll). Errors: kUnavailable when it cannot run
 // on this host, kIoError.
-Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options, std::string cluster_token = {},
+Result<std::unique_ptr<Transport>> make_tcp_transport(const TcpOptions& options,
+                                                      std::string cluster_token = {},
                                                       std::chrono::microseconds busy_poll = {});
 
 }  // namespace kvstash::transport

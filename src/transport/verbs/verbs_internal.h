@@ -142,8 +142,9 @@ struct Target {
 // Bounds: the handshake must end within VerbsOptions::handshake_timeout of the accept, each
 // later message (and its answer) within message_timeout; at most max_connections in all and
 // max_connections_per_peer from one address, closed at accept beyond that. Connections in the
-// handshake have their own budget (max_unproven_connections; when it is full the oldest goes
-// for the newcomer), and cost no queue pair or memory until the peer proved the token.
+// handshake have their own budget (max_unproven_connections; when it is full the newcomer
+// displaces a handshake of the source holding the most: admission::UnprovenBudget), and cost
+// no queue pair or memory until the peer proved the token.
 class SetupService {
  public:
   // Serves `listener` (listening, non-blocking) on its own thread until destroyed.
@@ -165,8 +166,8 @@ class SetupService {
   bool on_frame(Conn& c, std::string_view frame);
   bool on_hello(Conn& c, std::string_view frame);
   bool on_proof(Conn& c, std::string_view frame);
-  // Drops the oldest connection still in its handshake, for a newer one.
-  void evict_oldest_unproven();
+  // Drops a connection still in its handshake that a newer one displaced.
+  void displaced(std::list<Conn>::iterator it);
   void close(Conn& c);
   // Logs at most one such line a second: a flood of refusals must not flood the log.
   void warn(const std::string& line);
@@ -178,7 +179,7 @@ class SetupService {
   std::string token_;
   std::list<Conn> conns_;  // the service thread's alone
   std::unordered_map<std::string, std::uint32_t> per_peer_;
-  std::size_t unproven_ = 0;  // connections of conns_ still in the handshake
+  admission::UnprovenBudget unproven_;  // connections of conns_ still in the handshake
   admission::GuessThrottle throttle_;
   Clock::time_point accept_paused_until_{};  // out of file descriptors: accept again later
   Clock::time_point last_warning_{};

@@ -1,14 +1,16 @@
 // The setup service: the target side of every setup connection, served at once by one thread
 // with non-blocking sockets. Each connection is a small state machine:
 //
-//   hello  --its hello / our challenge-->  proof  --its token proof / our hello-->  up  --lease messages-->  ...
+//   hello  --its hello / our challenge-->  proof  --its token proof / our hello-->  up  --lease messages-->
+//   ...
 //
 // In `hello` and `proof` the peer is not authenticated yet: its frames are small
 // (kMaxSetupFrame), the whole handshake must end within handshake_timeout of the accept, and
 // it holds nothing but its socket and a few hundred bytes: the queue pair is created, and our
 // own proof of the token sent, only once the peer proved it (verbs_wire.h). Such connections
-// have their own budget (max_unproven_connections): when it is full, the oldest goes for the
-// newcomer, so a flood of them cannot keep out a client that proves the token at once. A
+// have their own budget (max_unproven_connections): when it is full, the newcomer displaces a
+// handshake of the source that holds the most (admission::UnprovenBudget), so a flood of them
+// cannot keep out a client that proves the token, however far away. A
 // failed proof backs the peer's address (and, bounded, the listener) off (admission.h).
 // Once `up`, the queue pair is connected and the connection is in Target::accepted; each lease
 // message may be as large as kMaxLeaseFrame, must arrive whole and have its answer taken within
@@ -52,7 +54,7 @@ struct SetupService::Conn {
   std::size_t out_at = 0;  // of `out`, already sent
   bool closing = false;    // close once `out` is sent (the queue pair broke)
   // The handshake's state until the queue pair is up.
-  bool unproven = true;  // counted in SetupService::unproven_
+  std::uint64_t unproven_id = 0;  // its place in SetupService::unproven_; 0 once proven
   std::size_t dev = 0;
   QpConfig cfg;
   Qp qp;
@@ -90,7 +92,8 @@ SetupService::SetupService(UniqueFd listener, std::shared_ptr<Target> target, co
       wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
       target_(std::move(target)),
       options_(options),
-      token_(std::move(token)) {
+      token_(std::move(token)),
+      unproven_(options.max_unproven_connections) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -187,12 +190,23 @@ void SetupService::accept_all() {
       warn("verbs: refused a setup connection from " + peer + ": " + refused);
       continue;  // closing the socket tells the peer
     }
-    if (unproven_ >= std::max<std::uint32_t>(1, options_.max_unproven_connections)) evict_oldest_unproven();
+    Conn& c = conns_.emplace_back();
+    const auto it = std::prev(conns_.end());
+    c.unproven_id =
+        unproven_.add(peer, !token_.empty() && throttle_.known(peer), [this, it] { displaced(it); });
+    if (c.unproven_id == 0) {
+      if (mine == 0) per_peer_.erase(peer);
+      conns_.pop_back();
+      Counters::add(target_->counters().connections_refused);
+      warn("verbs: refused a setup connection from " + peer +
+           ": the handshakes in progress (VerbsOptions::max_unproven_connections) are all of clients that "
+           "proved "
+           "the token");
+      continue;
+    }
     ++mine;
-    ++unproven_;
     int one = 1;
     ::setsockopt(sock.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    Conn& c = conns_.emplace_back();
     c.socket = std::move(sock);
     c.peer = std::move(peer);
     c.deadline = Clock::now() + options_.handshake_timeout;
@@ -342,12 +356,13 @@ bool SetupService::on_proof(Conn& c, std::string_view frame) {
       !c.proof->check_proof(reinterpret_cast<const std::uint8_t*>(frame.data()), frame.size()).is_ok()) {
     Counters::add(target_->counters().handshakes_failed);
     throttle_.failed(c.peer);
-    warn("verbs: refused " + c.peer + (checked ? ": it failed the cluster-token handshake"
-                                               : ": too many failed cluster-token handshakes (backing off)"));
+    warn("verbs: refused " + c.peer +
+         (checked ? ": it failed the cluster-token handshake"
+                  : ": too many failed cluster-token handshakes (backing off)"));
     return false;  // closing the socket tells it
   }
   if (!token_.empty()) throttle_.proven(c.peer, spent);
-  if (conns_.size() - unproven_ >= std::max<std::uint32_t>(1, options_.max_connections)) {
+  if (conns_.size() - unproven_.size() >= std::max<std::uint32_t>(1, options_.max_connections)) {
     Counters::add(target_->counters().connections_refused);
     warn("verbs: refused " + c.peer + ": the connection limit (VerbsOptions::max_connections) is reached");
     return false;
@@ -378,24 +393,18 @@ bool SetupService::on_proof(Conn& c, std::string_view frame) {
   }
   Counters::add(target_->counters().connections_accepted);
   c.phase = Conn::Phase::kUp;
-  c.unproven = false;
-  --unproven_;
+  unproven_.remove(std::exchange(c.unproven_id, 0));
   c.deadline.reset();
   append_frame(c.out, encode_hello(c.mine));
   return true;
 }
 
-void SetupService::evict_oldest_unproven() {
-  // conns_ is in accept order: the first one in its handshake has had the longest to answer.
-  for (auto it = conns_.begin(); it != conns_.end(); ++it) {
-    if (!it->unproven) continue;
-    Counters::add(target_->counters().unproven_evicted);
-    warn("verbs: dropped a setup handshake in progress from " + it->peer +
-         " for a newer connection (VerbsOptions::max_unproven_connections)");
-    close(*it);
-    conns_.erase(it);
-    return;
-  }
+void SetupService::displaced(std::list<Conn>::iterator it) {
+  Counters::add(target_->counters().unproven_evicted);
+  warn("verbs: dropped a setup handshake in progress from " + it->peer +
+       " for a newer connection (VerbsOptions::max_unproven_connections)");
+  close(*it);
+  conns_.erase(it);
 }
 
 void SetupService::close(Conn& c) {
@@ -404,10 +413,7 @@ void SetupService::close(Conn& c) {
     target_->drop(*c.accepted);
     c.accepted.reset();
   }
-  if (c.unproven) {
-    c.unproven = false;
-    --unproven_;
-  }
+  if (c.unproven_id != 0) unproven_.remove(std::exchange(c.unproven_id, 0));
   auto it = per_peer_.find(c.peer);
   if (it != per_peer_.end() && --it->second == 0) per_peer_.erase(it);
   c.socket = UniqueFd();
