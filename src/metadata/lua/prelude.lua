@@ -16,7 +16,7 @@
 local KEYS, ARGV, P, now, now_fine
 local ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC
 local TTL, TTL_DUE, TTL_GHOST, TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS
-local node_views, quota_lens, quota_seen, quota_page, policy_of_cell, ttl_state, ttl_evicted_here, grant_keys
+local node_views, quota_lens, quota_seen, cell_view, ttl_state, ttl_evicted_here, grant_keys
 
 local function enter(keys, args)
   KEYS, ARGV, P = keys, args, keys[1]
@@ -27,8 +27,8 @@ local function enter(keys, args)
   TTL, TTL_DUE, TTL_GHOST = P .. ':ttl', P .. ':ttl:due', P .. ':ttl:ghost'
   TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS =
     P .. ':ttl:track', P .. ':ttl:tracked', P .. ':ttl:pending', P .. ':ttl:stats'
-  node_views, quota_lens, quota_seen, quota_page = {}, nil, {}, nil
-  policy_of_cell, ttl_state, ttl_evicted_here, grant_keys = nil, nil, 0, {}
+  node_views, quota_lens, quota_seen, cell_view = {}, nil, {}, nil
+  ttl_state, ttl_evicted_here, grant_keys = nil, 0, {}
 end
 
 -- Commands in one script cost a few microseconds each: the helpers below touch a node's
@@ -301,11 +301,24 @@ local function quota_of(key)
   return nil
 end
 
+-- The cell's settings, read once per call (one HMGET for the page size and the policy, which
+-- a get, a put and their quotas all ask for). A script that changes them updates this view.
+local function cell_settings()
+  if not cell_view then
+    local c = redis.call('HMGET', P .. ':cell', 'page_size', 'policy')
+    cell_view = {page_size = tonumber(c[1] or '0') or 0, policy = c[2] or 'lru'}
+  end
+  return cell_view
+end
+local function page_size()
+  return cell_settings().page_size
+end
+
 -- What an object of `size` bytes is charged: its whole pages.
 local function charged_bytes(size)
-  if not quota_page then quota_page = tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0 end
-  if quota_page <= 0 then return 0 end
-  return math.ceil((tonumber(size) or 0) / quota_page) * quota_page
+  local ps = page_size()
+  if ps <= 0 then return 0 end
+  return math.ceil((tonumber(size) or 0) / ps) * ps
 end
 local function decimal(n)
   return string.format('%.0f', n)  -- never 1e+14
@@ -450,8 +463,7 @@ end
 local POLICIES = {lru = true, arc = true, ['turn-ttl'] = true}
 
 local function policy()
-  if policy_of_cell == nil then policy_of_cell = redis.call('HGET', P .. ':cell', 'policy') or 'lru' end
-  return policy_of_cell
+  return cell_settings().policy
 end
 
 -- turn-ttl. Once an object is stored nothing new is learned about it until it is used again, so
@@ -1319,10 +1331,6 @@ local function endpoints(out, nodes, op, extents, deadline)
     out[#out + 1] = grant_for(id, op, deadline, table.concat(pages[id] or {}, ','))
   end
   return out
-end
-
-local function page_size()
-  return tonumber(redis.call('HGET', P .. ':cell', 'page_size') or '0') or 0
 end
 
 -- What a run's leases leave for lease_reads_done: hits, misses and LRU touches, so that many

@@ -34,6 +34,7 @@ if cell > 0 and cell ~= ps then
   return redis.error_reply('INVALID page size ' .. ps .. ' differs from the cell page size ' .. cell)
 end
 redis.call('HSET', P .. ':cell', 'page_size', ps, 'schema', 4)
+cell_settings().page_size = tonumber(ps)
 local nk = P .. ':node:' .. id
 local held = redis.call('HMGET', nk, 'epoch', 'state')
 if held[1] and held[1] ~= epoch and (held[2] == 'up' or held[2] == 'draining') and live(id) then

@@ -22,7 +22,7 @@ if want ~= '' and (want ~= policy() or (want == 'turn-ttl' and scale ~= (ttl().s
   redis.call('UNLINK', ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC, TTL, TTL_DUE, TTL_GHOST, TTL_TRACK, TTL_TRACKED,
              TTL_PENDING, TTL_STATS)
   redis.call('HSET', P .. ':cell', 'policy', want)
-  policy_of_cell = want
+  cell_settings().policy = want
   ttl_state = nil
   if want == 'turn-ttl' then redis.call('HSET', TTL, 'origin', fmt17(now_fine / 1000), 'scale', fmt17(scale)) end
 end
