@@ -365,6 +365,10 @@ int main(int argc, char** argv) {
         "puts', the rest over other prefixes; none ever full): what quota accounting costs")
       ->capture_default_str()
       ->check(CLI::Range(0, 256));
+  md->add_flag("--features", meta.features,
+               "Instead: the mix at the first --clients count with the cell's features turned on one by one "
+               "in one run (none; grants signed per node; 4 quotas; the arc policy; turn-ttl): what each "
+               "costs an operation");
   md->add_option("--shards", meta.shards,
                  "Instead: the mix over a Redis Cluster of each shard count listed (one master per shard, "
                  "one cell per shard, clients spread over the cells), for how ops/s scale with shards")

@@ -27,6 +27,9 @@ struct MetadataBenchOptions {
   // objects, one over the puts' keys, the rest over prefixes no key has; all with room to
   // spare: what the scripts' accounting costs, without eviction.
   int quotas = 0;
+  // Instead: the mix at the first client count, with the features turned on one by one in one
+  // run (none, grants, quotas, the arc and turn-ttl policies): what each costs an operation.
+  bool features = false;
   // Throughput: the kvstash clients reach Redis over TLS (rediss://, throwaway certificates;
   // redis-benchmark's references stay plain): what TLS to Redis costs the metadata plane.
   bool tls = false;

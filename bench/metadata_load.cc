@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <latch>
 #include <memory>
@@ -147,7 +148,8 @@ struct Tally {
 class Client {
  public:
   // `serial` is unique in the run: its put tokens are never an earlier client's (a reused
-  // reservation token is a retry, answered with what that reservation has left).
+  // reservation token is a retry, answered with what that reservation has left), and its keys
+  // never an earlier client's objects (a put that replaces an object does more: release).
   Client(std::unique_ptr<Cell> cell, int index, std::uint64_t serial, std::span<const std::string> hot,
          Releaser& releaser)
       : cell_(std::move(cell)),
@@ -156,7 +158,7 @@ class Client {
         hot_(hot),
         put_(cell_->catalog(), std::to_string(serial)),
         reader_("reader-" + std::to_string(index)),
-        key_prefix_("new/" + std::to_string(index) + "/"),
+        key_prefix_("new/" + std::to_string(serial) + "/"),
         rng_(static_cast<std::uint32_t>(index) + 1) {}
 
   // One operation of each kind, not counted: the connection and Redis's script cache warm.
@@ -356,11 +358,19 @@ class LoadBench {
   Status prepare();
   // The rows of one client count: redis-benchmark's, then the mix's.
   std::vector<Row> measure_group(int clients);
+  // --features: redis-benchmark's rows, then the mix's row after each feature is turned on.
+  std::vector<Row> measure_features(int clients);
   // The mix's rows alone.
   void kvstash_rows(int clients, std::vector<Row>* rows);
 
  private:
   Result<std::unique_ptr<Cell>> connect() const { return Cell::open(options_); }
+  // Registers the two fake nodes, without grant keys; with `grants`, hands them one each
+  // instead (the heartbeat of a key rotation).
+  Status register_nodes(bool grants);
+  // Sets `count` quotas: one over the gets' keys, one over the puts', the rest over prefixes no
+  // key has; all with room to spare.
+  Status set_quotas(int count);
   void reference_rows(int clients, std::vector<Row>* rows);
 
   const MetadataBenchOptions& o_;
@@ -373,17 +383,33 @@ class LoadBench {
   Status missing_;  // redis-benchmark is not installed
 };
 
-Status LoadBench::prepare() {
+Status LoadBench::register_nodes(bool grants) {
   for (const char* id : {"n1", "n2"}) {
-    KVSTASH_RETURN_IF_ERROR(
-        cell_.node_catalog().register_node({id, "e1", kPage, kPoolPages, "addr", "key"}, 3600s).status());
+    if (grants) {
+      // A key handed over by a heartbeat, as a node rotates its key: the nodes' objects stay.
+      KVSTASH_RETURN_IF_ERROR(
+          cell_.node_catalog().heartbeat(id, "e1", 3600s, 0, std::string(64, 'a'), "e1/1").status());
+    } else {
+      KVSTASH_RETURN_IF_ERROR(
+          cell_.node_catalog().register_node({id, "e1", kPage, kPoolPages, "addr", "key"}, 3600s).status());
+    }
   }
+  return {};
+}
+
+Status LoadBench::set_quotas(int count) {
   metadata::CellQuotas quotas(cell_.redis(), cell_.prefix());
   constexpr std::uint64_t kRoom = std::uint64_t{1} << 49;  // never full
-  for (int i = 0; i < o_.quotas; ++i) {
+  for (int i = 0; i < count; ++i) {
     const std::string prefix = i == 0 ? "hot/" : i == 1 ? "new/" : "tenant-" + std::to_string(i) + "/";
     KVSTASH_RETURN_IF_ERROR(quotas.set(prefix, {0, kRoom}, deadline_after(60s)));
   }
+  return {};
+}
+
+Status LoadBench::prepare() {
+  KVSTASH_RETURN_IF_ERROR(register_nodes(false));
+  if (!o_.features) KVSTASH_RETURN_IF_ERROR(set_quotas(o_.quotas));
   for (std::size_t i = 0; i < kHotObjects; ++i) hot_.push_back("hot/" + std::to_string(i));
   // The hot objects, on a few connections at once, through the put the clients use.
   std::atomic<std::size_t> next{0};
@@ -548,6 +574,32 @@ std::vector<Row> LoadBench::measure_group(int clients) {
   return rows;
 }
 
+std::vector<Row> LoadBench::measure_features(int clients) {
+  std::vector<Row> rows;
+  reference_rows(clients, &rows);
+  metadata::CellAdmin admin(cell_.redis());
+  const std::vector<std::pair<std::string, std::function<Status()>>> stages = {
+      {"mix, no feature", [] { return Status{}; }},
+      {"mix + grants (signed per node)", [&] { return register_nodes(true); }},
+      {"mix + 4 quotas", [&] { return set_quotas(4); }},
+      {"mix + policy arc", [&] { return admin.set_policy("arc").status(); }},
+      {"mix + policy turn-ttl", [&] { return admin.set_policy("turn-ttl").status(); }},
+  };
+  for (const auto& [name, turn_on] : stages) {
+    if (interrupted()) break;
+    if (Status s = turn_on(); !s.is_ok()) {
+      rows.push_back({.what = name, .clients = clients, .error = s.to_string()});
+      break;
+    }
+    std::vector<Row> mix;
+    kvstash_rows(clients, &mix);
+    if (mix.empty()) continue;
+    mix.front().what = name;  // "kvstash mix (all)", or the row that says why it did not run
+    rows.push_back(std::move(mix.front()));
+  }
+  return rows;
+}
+
 void print_header() {
   std::printf("%-44s %7s %9s %8s %8s %9s %7s\n", "what", "clients", "ops/s", "p50 us", "p99 us", "trips/op",
               "x GET");
@@ -664,9 +716,13 @@ int run_metadata_load(const MetadataBenchOptions& o) {
         kHotObjects, o.seconds);
     print_header();
   }
-  for (int clients : o.clients) {
-    if (interrupted()) break;
-    print_group(bench.measure_group(clients), o.json);
+  if (o.features) {
+    print_group(bench.measure_features(o.clients.front()), o.json);
+  } else {
+    for (int clients : o.clients) {
+      if (interrupted()) break;
+      print_group(bench.measure_group(clients), o.json);
+    }
   }
   if (!o.json) {
     std::printf(
