@@ -365,9 +365,10 @@ class LoadBench {
 
  private:
   Result<std::unique_ptr<Cell>> connect() const { return Cell::open(options_); }
-  // Registers the two fake nodes, without grant keys; with `grants`, hands them one each
-  // instead (the heartbeat of a key rotation).
-  Status register_nodes(bool grants);
+  // Registers the two fake nodes, without grant keys: the cell signs no grants for them.
+  Status register_nodes();
+  // Hands each node a grant key (the heartbeat of a key rotation): grants are signed from then.
+  Status hand_grant_keys();
   // Sets `count` quotas: one over the gets' keys, one over the puts', the rest over prefixes no
   // key has; all with room to spare.
   Status set_quotas(int count);
@@ -383,16 +384,19 @@ class LoadBench {
   Status missing_;  // redis-benchmark is not installed
 };
 
-Status LoadBench::register_nodes(bool grants) {
+Status LoadBench::register_nodes() {
   for (const char* id : {"n1", "n2"}) {
-    if (grants) {
-      // A key handed over by a heartbeat, as a node rotates its key: the nodes' objects stay.
-      KVSTASH_RETURN_IF_ERROR(
-          cell_.node_catalog().heartbeat(id, "e1", 3600s, 0, std::string(64, 'a'), "e1/1").status());
-    } else {
-      KVSTASH_RETURN_IF_ERROR(
-          cell_.node_catalog().register_node({id, "e1", kPage, kPoolPages, "addr", "key"}, 3600s).status());
-    }
+    KVSTASH_RETURN_IF_ERROR(
+        cell_.node_catalog().register_node({id, "e1", kPage, kPoolPages, "addr", "key"}, 3600s).status());
+  }
+  return {};
+}
+
+Status LoadBench::hand_grant_keys() {
+  // A key handed over by a heartbeat, as a node rotates its key: the nodes' objects stay.
+  for (const char* id : {"n1", "n2"}) {
+    KVSTASH_RETURN_IF_ERROR(
+        cell_.node_catalog().heartbeat(id, "e1", 3600s, 0, std::string(64, 'a'), "e1/1").status());
   }
   return {};
 }
@@ -408,7 +412,7 @@ Status LoadBench::set_quotas(int count) {
 }
 
 Status LoadBench::prepare() {
-  KVSTASH_RETURN_IF_ERROR(register_nodes(false));
+  KVSTASH_RETURN_IF_ERROR(register_nodes());
   if (!o_.features) KVSTASH_RETURN_IF_ERROR(set_quotas(o_.quotas));
   for (std::size_t i = 0; i < kHotObjects; ++i) hot_.push_back("hot/" + std::to_string(i));
   // The hot objects, on a few connections at once, through the put the clients use.
@@ -580,7 +584,7 @@ std::vector<Row> LoadBench::measure_features(int clients) {
   metadata::CellAdmin admin(cell_.redis());
   const std::vector<std::pair<std::string, std::function<Status()>>> stages = {
       {"mix, no feature", [] { return Status{}; }},
-      {"mix + grants (signed per node)", [&] { return register_nodes(true); }},
+      {"mix + grants (signed per node)", [&] { return hand_grant_keys(); }},
       {"mix + 4 quotas", [&] { return set_quotas(4); }},
       {"mix + policy arc", [&] { return admin.set_policy("arc").status(); }},
       {"mix + policy turn-ttl", [&] { return admin.set_policy("turn-ttl").status(); }},

@@ -3,8 +3,6 @@
 // with that prefix, so all of them share one hash tag.
 #pragma once
 
-#include <vector>
-
 #include "metadata/redis_client.h"
 
 namespace kvstash::metadata::scripts {
@@ -65,8 +63,7 @@ const Script& begin_promote();
 const Script& commit_promote();
 const Script& abort_promote();
 
-// Every script above but fence_master, which only Sentinel connections load (kvstash doctor
-// checks which ones Redis has cached).
-std::vector<const Script*> all();
+// The function library every script above is a function of (kvstash doctor asks Redis for it).
+const FunctionLibrary& library();
 
 }  // namespace kvstash::metadata::scripts

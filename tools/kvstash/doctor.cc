@@ -172,10 +172,10 @@ class Doctor {
     }
     // The summary ran as a function of this build's library where Redis has Functions and the
     // user may call and load them; else every script runs by EVALSHA.
-    const metadata::FunctionLibrary* lib = metadata::scripts::all().front()->library;
-    auto listed = redis.command({"FUNCTION", "LIST", "LIBRARYNAME", lib->name});
+    const metadata::FunctionLibrary& lib = metadata::scripts::library();
+    auto listed = redis.command({"FUNCTION", "LIST", "LIBRARYNAME", lib.name});
     if (listed.is_ok() && listed->size() > 0) {
-      add("lua scripts", "ok", "kvstash's scripts run as functions of library " + lib->name + " in Redis");
+      add("lua scripts", "ok", "kvstash's scripts run as functions of library " + lib.name + " in Redis");
     } else {
       add("lua scripts", "warn",
           "kvstash's scripts run by EVALSHA: each call runs their prelude again (about five times the Redis "
