@@ -87,8 +87,20 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
   auto fresh = std::make_shared<store::Reservation>();
   fresh->cell = &cell;
   fresh->token = store::random_token();
-  KVSTASH_ASSIGN_OR_RETURN(fresh->placement, c->reserve_pages(fresh->token, size, options.put_reservation,
-                                                              options.put_lease, avoid, key));
+  auto placement =
+      c->reserve_pages(fresh->token, size, options.put_reservation, options.put_lease, avoid, key);
+  if (!placement.is_ok()) {
+    // A reply lost to the deadline or a broken connection may hide a reservation Redis made:
+    // no put took from it, so all of it goes back (releasing a token Redis never saw does
+    // nothing), rather than its pages waiting for its lease.
+    const StatusCode code = placement.status().code();
+    if (code == StatusCode::kTimeout || code == StatusCode::kUnavailable) {
+      releaser->submit(
+          [this, fresh] { release_reservation(*fresh, 0, true, deadline_after(options.redis_timeout * 2)); });
+    }
+    return placement.status();
+  }
+  fresh->placement = std::move(placement).value();
   fresh->lease_until = pages.lease_until;
   std::shared_ptr<store::Reservation> replaced;
   {
