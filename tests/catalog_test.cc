@@ -1041,6 +1041,37 @@ TEST_F(CatalogTest, NoNodesIsNoSpace) {
   EXPECT_EQ(cat_->begin_put("t", "k", 1, 1s).status().code(), StatusCode::kNoSpace);
 }
 
+// A put refused because every page is busy is told what holds them, and that they come back by
+// themselves (Catalog::pages_held: the store waits for them); one beyond the cell's capacity
+// is refused for good.
+TEST_F(CatalogTest, ARefusalSaysWhatHoldsThePagesAndWhetherTheyComeBack) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  put("read", 2);
+  ASSERT_TRUE(cat_->begin_get("read", "r", 30s).is_ok());                  // 2 pages a reader leases
+  ASSERT_TRUE(cat_->begin_put("t-w", "writing", 3 * kPage, 30s).is_ok());  // 3 being written
+  ASSERT_TRUE(cat_->reserve_pages("res", kPage, 0, 30s).is_ok());          // 1 reserved ahead
+  ASSERT_TRUE(cat_->begin_put("t-f", "failed", 2 * kPage, 30s).is_ok());
+  ASSERT_EQ(cat_->abort_put("t-f", {}).value(), 2u);  // 2 wait for the node's fence
+  ASSERT_EQ(free_of("a"), 0u);
+
+  auto busy = cat_->begin_put("t-x", "x", kPage, 30s);
+  ASSERT_EQ(busy.status().code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(Catalog::pages_held(busy.status())) << busy.status().to_string();
+  EXPECT_NE(
+      busy.status().message().find("0 are free; of the others 3 are being written by puts, 1 reserved ahead "
+                                   "by clients, 2 wait for their memory nodes to fence failed puts, and 2 "
+                                   "hold objects that readers lease"),
+      std::string::npos)
+      << busy.status().to_string();
+  auto reserve = cat_->reserve_pages("res-2", kPage, 0, 30s);
+  EXPECT_TRUE(Catalog::pages_held(reserve.status())) << reserve.status().to_string();
+
+  auto huge = cat_->begin_put("t-h", "huge", 9 * kPage, 30s);
+  ASSERT_EQ(huge.status().code(), StatusCode::kNoSpace);
+  EXPECT_FALSE(Catalog::pages_held(huge.status())) << "never: " << huge.status().to_string();
+  EXPECT_FALSE(Catalog::pages_held(Status::no_space("the caller's own")));
+}
+
 }  // namespace
 // The batching alone, no Redis: what queues while a batch is being ended goes in the next one,
 // every read is handed on exactly once, and one drain runs at a time.

@@ -284,8 +284,12 @@ void client_thread(Store& store, const ClientConfig& c, int thread, Log& log, De
       const std::int64_t t0 = now_ns();
       Status st = store.put(key, {&s, 1}, o);
       const std::int64_t t1 = now_ns();
-      std::snprintf(buf, sizeof buf, "P %s %" PRIu64 " %zu %" PRId64 " %" PRId64 " %d %lld", key.c_str(), id,
-                    size, t0, t1, code_of(st), static_cast<long long>(budget.count()));
+      // A failed put's line ends with its message: the report names why a quiet phase refused.
+      std::string why = st.is_ok() ? std::string("-") : st.to_string();
+      std::replace(why.begin(), why.end(), '\n', ' ');
+      std::snprintf(buf, sizeof buf, "P %s %" PRIu64 " %zu %" PRId64 " %" PRId64 " %d %lld %.300s",
+                    key.c_str(), id, size, t0, t1, code_of(st), static_cast<long long>(budget.count()),
+                    why.c_str());
       log.line(buf);
     } else if (dice < 40) {  // a put stream dropped half-way: it never commits
       const std::uint64_t id = ++next_put;
@@ -466,7 +470,8 @@ struct Report {
   struct PutCall {
     std::int64_t t_inv = 0, t_ret = 0;
     bool ok = false;
-    int code = 0;  // its StatusCode
+    int code = 0;     // its StatusCode
+    std::string why;  // a failure's message
   };
   std::vector<PutCall> put_calls;  // every put (not the dropped streams), for the phases
 };
@@ -476,7 +481,8 @@ struct Phase {
   std::int64_t from_ns = 0, to_ns = 0;
   std::vector<std::string> faults;  // empty: quiet
   std::uint64_t puts = 0, puts_ok = 0;
-  std::map<int, std::uint64_t> failed;  // StatusCode -> puts that ended with it
+  std::map<int, std::uint64_t> failed;   // StatusCode -> puts that ended with it
+  std::map<int, std::string> first_why;  // StatusCode -> the message of the first of them
   double success() const {
     return puts == 0 ? 1.0 : static_cast<double>(puts_ok) / static_cast<double>(puts);
   }
@@ -522,7 +528,7 @@ std::vector<Phase> phases_of(std::int64_t from, std::int64_t to,
       if (in) {
         ++ph.puts;
         ph.puts_ok += p.ok;
-        if (!p.ok) ++ph.failed[p.code];
+        if (!p.ok && ph.failed[p.code]++ == 0) ph.first_why[p.code] = p.why;
         break;
       }
     }
@@ -557,12 +563,13 @@ void check(const std::vector<std::string>& logs, Report& report,
         Put p;
         std::uint64_t id = 0;
         f >> p.key >> id >> p.size >> p.t_inv >> p.t_ret;
-        if (kind == 'P') f >> p.code >> deadline_ms;
+        std::string why;
+        if (kind == 'P') f >> p.code >> deadline_ms, std::getline(f >> std::ws, why);
         p.dropped = kind == 'A';
         t0 = p.t_inv, t1 = p.t_ret, code = p.code;
         if (kind == 'P' && p.code == 0) changes[p.key].push_back({p.t_inv, p.t_ret});
         report.ops[kind == 'P' ? "put " + code_name(p.code) : std::string("put stream dropped")]++;
-        if (kind == 'P') report.put_calls.push_back({p.t_inv, p.t_ret, p.code == 0, p.code});
+        if (kind == 'P') report.put_calls.push_back({p.t_inv, p.t_ret, p.code == 0, p.code, std::move(why)});
         puts.emplace(id, std::move(p));
       } else if (kind == 'G') {
         Get g;
@@ -1346,6 +1353,9 @@ int run(const RunConfig& rc, const std::string& self) {
                 static_cast<double>(ph.from_ns - run_start) / 1e9,
                 static_cast<double>(ph.to_ns - run_start) / 1e9, ph.puts_ok, ph.puts, 100 * ph.success(),
                 what.c_str(), failed.c_str());
+    if (!ph.faults.empty()) continue;
+    for (const auto& [code, why] : ph.first_why)
+      std::printf("    first %s: %s\n", code_name(code).c_str(), why.c_str());
   }
   if (quiet_puts < kMinQuietPuts) {
     std::printf("  (fewer than %" PRIu64 " puts in quiet phases: their success is reported, not held)\n",

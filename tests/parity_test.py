@@ -32,6 +32,7 @@ STRUCTS = [
          omit={"both": {"put_lease": "tuning: the C++ default", "read_lease": "tuning: the C++ default",
                         "put_reservation": "tuning: the C++ default",
                         "avoid_unreachable_nodes": "tuning: the C++ default",
+                        "wait_for_pages": "tuning: the C++ default",
                         "commit_replicas": "C++ only so far (Sentinel deployments)",
                         "cells": "C++ only so far (deployments of several cells)",
                         "previous_cells": "C++ only so far (deployments of several cells)",

@@ -51,6 +51,8 @@ class StoreTest : public ::testing::Test {
   std::uint64_t put_reservation_ = StoreOptions{}.put_reservation;
   // How long puts avoid a node they failed to reach (StoreOptions::avoid_unreachable_nodes).
   std::chrono::milliseconds avoid_unreachable_ = StoreOptions{}.avoid_unreachable_nodes;
+  // How long a put waits for busy pages (StoreOptions::wait_for_pages).
+  std::chrono::milliseconds wait_for_pages_ = StoreOptions{}.wait_for_pages;
 
   std::unique_ptr<LocalNode> node(const std::string& id, const std::string& capacity = "16MiB",
                                   std::vector<std::string> extra = {},
@@ -84,6 +86,7 @@ class StoreTest : public ::testing::Test {
     o.read_lease = read_lease;
     o.put_reservation = put_reservation_;
     o.avoid_unreachable_nodes = avoid_unreachable_;
+    o.wait_for_pages = wait_for_pages_;
     auto s = Store::open(o);
     EXPECT_TRUE(s.is_ok()) << s.status().to_string();
     return s.is_ok() ? std::move(s).value() : nullptr;
@@ -209,7 +212,8 @@ TEST_F(StoreTest, AStoreThatWouldAskForLeasesLongerThanTheCellGrantsIsRefused) {
     o.put_lease = put;
     o.read_lease = read;
     auto s = Store::open(o);
-    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << put.count() << " s, " << read.count() << " s";
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument)
+        << put.count() << " s, " << read.count() << " s";
   }
   o.put_lease = o.read_lease = 600s;
   EXPECT_TRUE(Store::open(o).is_ok()) << "the longest lease the cell grants";
@@ -859,6 +863,48 @@ TEST_F(StoreTest, ANodesStatusTellsReservedPagesAndPagesInLimbo) {
 // once (the client confirms it, or no write went out), and their reservations' records go
 // with the last put that took from them. With the lease alone, a cell that turns over in
 // milliseconds would fill with pages held for a minute.
+// A put into a cell whose every page is busy for now waits (StoreOptions::wait_for_pages,
+// within its deadline) for them to come back: here a reader's lease on the object that fills
+// the pool, ended 150 ms into the put, which then evicts it. Without the wait (0) the same put
+// is refused kNoSpace at once; one larger than the cell is refused at once either way.
+TEST_F(StoreTest, APutWaitsForPagesThatAreOnlyBusy) {
+  auto n = node("a", "4MiB");
+  ASSERT_TRUE(n);
+  std::vector<std::byte> full(4 * kPage), one(kPage), huge(5 * kPage);
+  fill(full), fill(one);
+  put_reservation_ = 0;
+  for (const auto wait : {0ms, 2000ms}) {
+    SCOPED_TRACE(wait.count());
+    wait_for_pages_ = wait;
+    auto store = open();
+    ASSERT_TRUE(store);
+    ASSERT_TRUE(put_bytes(*store, "held", full).is_ok());
+    auto lease = cell_->catalog().begin_get("held", "reader", 30s);
+    ASSERT_TRUE(lease.is_ok()) << lease.status().to_string();
+    std::thread ender([&] {
+      std::this_thread::sleep_for(150ms);
+      EXPECT_TRUE(cell_->catalog().end_get("reader", *lease).is_ok());
+    });
+    const auto t0 = Clock::now();
+    Status s = put_bytes(*store, "next", one);
+    const auto took = Clock::now() - t0;
+    ender.join();
+    if (wait == 0ms) {
+      EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.to_string();
+      EXPECT_LT(took, 150ms) << "refused at once";
+      ASSERT_TRUE(store->remove("held").is_ok());
+    } else {
+      EXPECT_TRUE(s.is_ok()) << s.to_string();
+      EXPECT_GE(took, 150ms) << "it waited for the reader";
+      EXPECT_EQ(store->get("held", {}).status().code(), StatusCode::kNotFound) << "evicted once unleased";
+      ASSERT_TRUE(store->remove("next").is_ok());
+    }
+    const auto h0 = Clock::now();
+    EXPECT_EQ(put_bytes(*store, "huge", huge).code(), StatusCode::kNoSpace);
+    EXPECT_LT(Clock::now() - h0, 1s) << "no wait for pages the cell never has";
+  }
+}
+
 TEST_F(StoreTest, PagesOfPutsThatMissTheirDeadlineComeBackAtOnce) {
   auto n1 = node("n1", "16MiB"), n2 = node("n2", "16MiB");
   ASSERT_TRUE(n1 && n2);

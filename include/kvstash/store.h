@@ -103,6 +103,12 @@ struct StoreOptions {
   // nodes' heartbeat TTL (kvstashd --heartbeat-ttl, 3 s by default): by then the cell has
   // declared a dead node dead. 0: neither.
   std::chrono::milliseconds avoid_unreachable_nodes{5000};
+  // A put that finds no free page while other pages are only held for now (by readers' leases,
+  // other puts, clients' reservations, failed puts waiting for their fence) waits this long,
+  // within its deadline, for them to come back, asking again with growing pauses (2 to 64 ms),
+  // before it returns kNoSpace. A full cell evicts what no reader leases at once: the wait is
+  // for a cell whose every page is busy. 0: refuse at once.
+  std::chrono::milliseconds wait_for_pages{500};
   // Redis replicas that must hold a put's commit before the put returns OK (Redis WAIT, within
   // the put's deadline). With Sentinel, a failover then keeps every object whose put returned
   // OK, unless more replicas die with the master. When fewer replicas acknowledge in time the

@@ -148,6 +148,12 @@ bool Catalog::condition_failed(const Status& commit) {
          commit.message().find("changed since the version this put was based on") != std::string::npos;
 }
 
+bool Catalog::pages_held(const Status& refusal) {
+  // allocate and quota_fit (lua/prelude.lua) word it so.
+  return refusal.code() == StatusCode::kNoSpace &&
+         refusal.message().find("NO_SPACE for now:") != std::string::npos;
+}
+
 Result<std::uint64_t> Catalog::abort_reserved(const ReservedPages& pages,
                                               std::span<const std::string> fenced) {
   std::string first = std::to_string(pages.first), count = std::to_string(pages.count);

@@ -118,6 +118,10 @@ class Catalog {
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the
   // put's pages or nodes.
   static bool condition_failed(const Status& commit);
+  // Whether a kNoSpace from a put's allocation (begin_put, reserve_pages, begin_copy) is for
+  // now only: the pages it needs are held by leases, puts or reservations that end by
+  // themselves, rather than beyond the cell's capacity or its quota's.
+  static bool pages_held(const Status& refusal);
   // abort_put for a put into `pages`: its pages on `fenced` and dead nodes are freed now, the
   // others return with the reservation. Returns how many pages wait.
   Result<std::uint64_t> abort_reserved(const ReservedPages& pages, std::span<const std::string> fenced);

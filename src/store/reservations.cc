@@ -4,6 +4,7 @@
 // reservation is a pending put of no key: its lease, its fence at the nodes and its reclaim
 // are a put's, so a client that dies holding one loses nothing for longer than a put would.
 #include <algorithm>
+#include <thread>
 
 #include "common/log.h"
 #include "store/store_internal.h"
@@ -37,6 +38,23 @@ metadata::Placement run_of(const store::Reservation& r, std::uint64_t first, std
 Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::string_view key,
                                                std::uint64_t size, Deadline deadline, OpTimings* timings,
                                                std::span<const metadata::NodeEndpoint> apart, bool one_node) {
+  const Deadline give_up = std::min(deadline, deadline_after(options.wait_for_pages));
+  auto pause = std::chrono::milliseconds(2);
+  for (;;) {
+    auto pages = place_pages(cell, key, size, deadline, timings, apart, one_node);
+    if (pages.is_ok() || !metadata::Catalog::pages_held(pages.status()) || Clock::now() + pause >= give_up) {
+      return pages;
+    }
+    KVSTASH_LOG_DEBUG("put {}: waiting {} ms for pages: {}", key, pause.count(), pages.status().to_string());
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(64));
+  }
+}
+
+Result<store::PutPages> Store::Impl::place_pages(store::CellLink& cell, std::string_view key,
+                                                 std::uint64_t size, Deadline deadline, OpTimings* timings,
+                                                 std::span<const metadata::NodeEndpoint> apart,
+                                                 bool one_node) {
   store::PutPages pages;
   pages.cell = &cell;
   pages.token = store::random_token();
@@ -97,6 +115,16 @@ Result<store::PutPages> Store::Impl::put_pages(store::CellLink& cell, std::strin
     if (code == StatusCode::kTimeout || code == StatusCode::kUnavailable) {
       releaser->submit(
           [this, fresh] { release_reservation(*fresh, 0, true, deadline_after(options.redis_timeout * 2)); });
+    }
+    // Every page is held for now, some by this client's own reservation, too short for this
+    // put: it goes back, for the next try.
+    if (metadata::Catalog::pages_held(placement.status())) {
+      std::shared_ptr<store::Reservation> short_one;
+      {
+        std::lock_guard lock(reserve_mu);
+        short_one = cell.reservation;
+      }
+      if (short_one) retire(std::move(short_one));
     }
     return placement.status();
   }

@@ -38,7 +38,16 @@ namespace store {
 // The Store's metrics (Store::metrics_text; docs/operations.md, "Engine-side metrics"): every
 // operation by its outcome and latency, the bytes it moved, and per transport the bytes the
 // transfers moved.
-enum class MeteredOp : std::uint8_t { kPut, kPutStream, kGet, kLookup, kRemove, kRemoveCorrupt, kTouch, kStat };
+enum class MeteredOp : std::uint8_t {
+  kPut,
+  kPutStream,
+  kGet,
+  kLookup,
+  kRemove,
+  kRemoveCorrupt,
+  kTouch,
+  kStat
+};
 
 struct Meters {
   metrics::Registry registry;
@@ -54,7 +63,8 @@ struct Meters {
   struct OpSeries {
     std::atomic<metrics::Histogram*> duration{nullptr};
     std::atomic<metrics::Counter*> bytes{nullptr};
-    std::array<std::atomic<metrics::Counter*>, static_cast<std::size_t>(StatusCode::kInternal) + 1> outcomes{};
+    std::array<std::atomic<metrics::Counter*>, static_cast<std::size_t>(StatusCode::kInternal) + 1>
+        outcomes{};
   };
   std::array<OpSeries, static_cast<std::size_t>(MeteredOp::kStat) + 1> ops_;
 };
@@ -171,8 +181,8 @@ struct ReadLeases::State {
   Store::Impl* impl = nullptr;
   Clock::time_point leased_at;
   std::mutex mu;
-  std::map<std::string, Entry, std::less<>> entries;                          // guarded by mu
-  std::size_t open = 0;                                                       // found, not yet handed back
+  std::map<std::string, Entry, std::less<>> entries;                             // guarded by mu
+  std::size_t open = 0;                                                          // found, not yet handed back
   std::vector<std::pair<store::CellLink*, metadata::Catalog::EndedRead>> ended;  // guarded by mu
 
   ~State();
@@ -271,10 +281,16 @@ struct Store::Impl {
   // begin_put of the put's own). Errors name no key.
   // `apart`: nodes it must not use (the other copies'); `one_node`: a copy of a put with
   // replicas, all on one node where one can hold it, so that the other copies find nodes apart.
-  // Either makes it a begin_put of its own.
+  // Either makes it a begin_put of its own. When every page the put could have is held for
+  // now (Catalog::pages_held), asks again for up to options.wait_for_pages within `deadline`.
   Result<store::PutPages> put_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
                                     Deadline deadline, OpTimings* timings,
-                                    std::span<const metadata::NodeEndpoint> apart = {}, bool one_node = false);
+                                    std::span<const metadata::NodeEndpoint> apart = {},
+                                    bool one_node = false);
+  // One try of put_pages.
+  Result<store::PutPages> place_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
+                                      Deadline deadline, OpTimings* timings,
+                                      std::span<const metadata::NodeEndpoint> apart, bool one_node);
   // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                       std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,

@@ -1247,8 +1247,8 @@ local function quota_fit(key, size)
   end
   if fits() then return nil end
   redis.call('HINCRBY', qk, 'refused', 1)
-  return refusal .. decimal(q[2]) .. ' objects, ' .. decimal(q[3]) .. ' bytes; 0: no limit) is full, and ' ..
-         'its objects that no reader leases cannot make room'
+  return 'NO_SPACE for now: quota of prefix ' .. prefix .. ' (' .. decimal(q[2]) .. ' objects, ' .. decimal(q[3]) ..
+         ' bytes; 0: no limit) is full, and its objects that no reader leases cannot make room'
 end
 
 -- Grants (docs/operations.md, "Threat model"): a memory node serves a lease only under a
@@ -1646,6 +1646,35 @@ local function nudge_tier(id)
   redis.call('RPUSH', P .. ':promote:' .. id, '')
 end
 
+-- What holds the `held` pages of the nodes in `usable` that are not free, for a put's refusal
+-- (the error path only): pending puts (being written, reserved ahead by clients, or waiting
+-- for their nodes to fence them: aborted, or past their lease), the rest objects that readers
+-- lease or zombies that wait for theirs. Looks at 256 pending puts at most. Every one of them
+-- comes back by itself: the refusal begins 'NO_SPACE for now:' (Catalog::pages_held), and a
+-- put waits for them within its deadline.
+local function held_text(usable, held)
+  local writing, reserved, fencing = 0, 0, 0
+  local pending = redis.call('ZRANGE', P .. ':pending', 0, 255, 'WITHSCORES')
+  for i = 1, #pending, 2 do
+    local p = redis.call('HMGET', P .. ':put:' .. pending[i], 'key', 'extents', 'aborted')
+    local n = 0
+    for id, _, _, count in runs(p[2] or '') do
+      if usable[id] then n = n + count end
+    end
+    if p[3] or tonumber(pending[i + 1]) < now then
+      fencing = fencing + n
+    elseif p[1] == '' then
+      reserved = reserved + n
+    else
+      writing = writing + n
+    end
+  end
+  local readers = math.max(0, held - writing - reserved - fencing)
+  return 'of the others ' .. writing .. ' are being written by puts, ' .. reserved .. ' reserved ahead by clients, ' ..
+         fencing .. ' wait for their memory nodes to fence failed puts, and ' .. readers ..
+         ' hold objects that readers lease (or pages that wait for their readers)'
+end
+
 local function allocate(token, key, size, extra, lease, avoid, one_node)
   local ps = page_size()
   if ps <= 0 then return nil, 'NO_SPACE no memory node has joined this cell' end
@@ -1675,9 +1704,8 @@ local function allocate(token, key, size, extra, lease, avoid, one_node)
       cands, total = candidates(avoid)
     end
     if total < need then
-      return nil, 'NO_SPACE object needs ' .. need .. ' pages, ' .. total ..
-                  ' are free and every other page is leased by a reader or a put, or waits' ..
-                  ' for its memory node to fence a failed put'
+      return nil, 'NO_SPACE for now: object needs ' .. need .. ' pages, ' .. total .. ' are free; ' ..
+                  held_text(usable_nodes(avoid), capacity - total)
     end
   end
   local want = need + math.min(extra, RESERVE_MAX, math.floor((total - need) / 4))
