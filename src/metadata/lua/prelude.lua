@@ -19,14 +19,17 @@ local TTL, TTL_DUE, TTL_GHOST, TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS
 local node_views, quota_lens, quota_seen, cell_view, ttl_state, ttl_evicted_here, grant_keys
 
 local function enter(keys, args)
-  KEYS, ARGV, P = keys, args, keys[1]
+  KEYS, ARGV = keys, args
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   now_fine = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-  ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC = P .. ':arc:t1', P .. ':arc:t2', P .. ':arc:b1', P .. ':arc:b2', P .. ':arc'
-  TTL, TTL_DUE, TTL_GHOST = P .. ':ttl', P .. ':ttl:due', P .. ':ttl:ghost'
-  TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS =
-    P .. ':ttl:track', P .. ':ttl:tracked', P .. ':ttl:pending', P .. ':ttl:stats'
+  if P ~= keys[1] then  -- a function library serves call after call of one cell: named once
+    P = keys[1]
+    ARC_T1, ARC_T2, ARC_B1, ARC_B2, ARC = P .. ':arc:t1', P .. ':arc:t2', P .. ':arc:b1', P .. ':arc:b2', P .. ':arc'
+    TTL, TTL_DUE, TTL_GHOST = P .. ':ttl', P .. ':ttl:due', P .. ':ttl:ghost'
+    TTL_TRACK, TTL_TRACKED, TTL_PENDING, TTL_STATS =
+      P .. ':ttl:track', P .. ':ttl:tracked', P .. ':ttl:pending', P .. ':ttl:stats'
+  end
   node_views, quota_lens, quota_seen, cell_view = {}, nil, {}, nil
   ttl_state, ttl_evicted_here, grant_keys = nil, 0, {}
 end
@@ -325,13 +328,14 @@ local function decimal(n)
 end
 
 -- Charges object `key` of `size` bytes, last used at `last`, to quota `q` (nil: none).
-local function quota_charge(q, key, size, last)
+-- `recorded`: its record names the quota already (publish writes it with the record).
+local function quota_charge(q, key, size, last, recorded)
   if not q then return end
   local qk = P .. ':quota:' .. q[1]
   redis.call('HINCRBY', qk, 'objects', 1)
   redis.call('HINCRBY', qk, 'bytes', decimal(charged_bytes(size)))
   redis.call('ZADD', qk .. ':lru', last, key)
-  redis.call('HSET', P .. ':obj:' .. key, 'quota', q[1])
+  if not recorded then redis.call('HSET', P .. ':obj:' .. key, 'quota', q[1]) end
 end
 
 -- Takes back what object `key` of `size` bytes was charged to quota `gen` (nil: none).
@@ -355,11 +359,12 @@ local function quota_reserve(token, q, bytes)
 end
 
 -- Takes back `bytes` (all when nil) of what pending put `token` holds in its quota. In a cell
--- without quotas nothing is held (and a removed quota has nothing to take back).
-function quota_unreserve(token, bytes)
+-- without quotas nothing is held (and a removed quota has nothing to take back). `held_now`:
+-- the put's 'qgen' and 'qbytes', when the caller read them already.
+function quota_unreserve(token, bytes, held_now)
   if #quota_lengths() == 0 then return end
   local pk = P .. ':put:' .. token
-  local r = redis.call('HMGET', pk, 'qgen', 'qbytes')
+  local r = held_now or redis.call('HMGET', pk, 'qgen', 'qbytes')
   local held = tonumber(r[2] or '0') or 0
   if not r[1] or held <= 0 then return end
   local take = math.min(held, bytes or held)
@@ -979,6 +984,9 @@ local function is_copy(key)
   return string.find(key, '\31', 1, true) ~= nil
 end
 local function release_copies(key, from)
+  local keys = {}
+  for i = math.max(from, 1), MAX_COPIES - 1 do keys[#keys + 1] = P .. ':obj:' .. copy_key(key, i) end
+  if #keys == 0 or redis.call('EXISTS', unpack(keys)) == 0 then return end  -- one command, mostly
   for i = math.max(from, 1), MAX_COPIES - 1 do
     local ck = copy_key(key, i)
     if redis.call('EXISTS', P .. ':obj:' .. ck) == 1 then release(ck) end
@@ -1215,14 +1223,15 @@ end
 -- the quota is over its limits already (lowered since): then what the search found goes
 -- anyway, so that the prefix comes down to its quota over the next puts. Looks at most 1,024
 -- objects. Returns nil when it fits (or no quota governs `key`), else the refusal's text.
-local function quota_fit(key, size)
+-- `old`: the quota and size `key`'s record holds now, when the caller read them already.
+local function quota_fit(key, size, old)
   local q, prefix = quota_of(key)
   if not q or (q[2] == 0 and q[3] == 0) then return nil end
   local qk = P .. ':quota:' .. q[1]
   local use = redis.call('HMGET', qk, 'objects', 'bytes', 'reserved')
   local objects = tonumber(use[1] or '0') or 0
   local bytes = (tonumber(use[2] or '0') or 0) + math.max(0, tonumber(use[3] or '0') or 0)
-  local old = redis.call('HMGET', P .. ':obj:' .. key, 'quota', 'size')
+  old = old or redis.call('HMGET', P .. ':obj:' .. key, 'quota', 'size')
   if old[1] == q[1] then objects, bytes = objects - 1, bytes - charged_bytes(old[2]) end
   local add = charged_bytes(size)
   local over = (q[2] > 0 and objects > q[2]) or (q[3] > 0 and bytes > q[3])
@@ -1434,17 +1443,24 @@ end
 -- Makes `key` the object put `token` wrote into `extents` on `nodes`, releasing the object it
 -- replaces; a ttl_ms of 0 never expires. `copies` (an object, not a copy): how many copies its
 -- put wrote; copies numbered that or more are released. `hint`: turn-ttl's (mark_stored).
-local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms, copies, hint)
+local function publish(key, token, size, extents, nodes, checksum, layout, ttl_ms, copies, hint, exists)
   local ok = P .. ':obj:' .. key
   local replaced = false
-  if redis.call('EXISTS', ok) == 1 then
+  if exists == nil then exists = redis.call('EXISTS', ok) == 1 end
+  if exists then
     replaced = policy_holds(key)
     release(key)
   end
   local expires = 0
   if ttl_ms > 0 then expires = now + ttl_ms end
-  redis.call('HSET', ok, 'size', size, 'token', token, 'extents', extents, 'nodes', nodes, 'checksum', checksum,
-             'layout', layout, 'created', now, 'expires', expires)
+  local fields = {'size', size, 'token', token, 'extents', extents, 'nodes', nodes, 'checksum', checksum,
+                  'layout', layout, 'created', now, 'expires', expires}
+  local q = quota_of(key)
+  if q then
+    fields[#fields + 1] = 'quota'
+    fields[#fields + 1] = q[1]
+  end
+  redis.call('HSET', ok, unpack(fields))
   for id in string.gmatch(nodes, '[^ ]+') do redis.call('SADD', P .. ':objs:' .. id, key) end
   if not is_copy(key) then
     copies = math.min(math.max(tonumber(copies or '1') or 1, 1), MAX_COPIES)
@@ -1453,7 +1469,7 @@ local function publish(key, token, size, extents, nodes, checksum, layout, ttl_m
   end
   if (tonumber(size) or 0) > 0 then redis.call('HINCRBY', P .. ':stats', 'bytes', size) end
   mark_stored(key, replaced, hint)
-  quota_charge(quota_of(key), key, size, now_fine)
+  quota_charge(q, key, size, now_fine, true)
   if expires > 0 then redis.call('ZADD', P .. ':expiry', expires, key) end
 end
 
@@ -1466,11 +1482,13 @@ end
 -- too (a run is never partly freed). Returns the stretches' extents (in reservation order) and
 -- how many of those pages it no longer held. With `all` (a commit), nothing changes unless
 -- every page is held and on a node alive and serving: then it returns nil and why ('INVALID
--- ...' for pages past the reservation's end, 'STALE ...' for pages it lost).
-local function carve(res, first, count, all)
+-- ...' for pages past the reservation's end, 'STALE ...' for pages it lost). `rec`: the
+-- reservation's 'ends' and 'extents', when the caller read them already.
+local function carve(res, first, count, all, rec)
   local pk = P .. ':put:' .. res
   -- Pages from 'ends' on went back (release_reservation): past the reservation's end now.
-  local ends = tonumber(redis.call('HGET', pk, 'ends') or '') or math.huge
+  rec = rec or redis.call('HMGET', pk, 'ends', 'extents')
+  local ends = tonumber(rec[1] or '') or math.huge
   local want, off = {}, 0
   for _, e in ipairs(redis.call('LRANGE', pk .. ':pages', 0, -1)) do
     for id, page, _, n in runs(e) do
@@ -1483,7 +1501,7 @@ local function carve(res, first, count, all)
   end
   if all and count > 0 and off < first + count then return nil, 'INVALID the reservation holds no pages ' .. first .. '+' .. count end
   local held = {}
-  each_run_state(redis.call('HGET', pk, 'extents'), function(id, g, i, cur)
+  each_run_state(rec[2], function(id, g, i, cur)
     if cur then held[#held + 1] = {id, g.pages[i], g.gens[i], g.counts[i]} end
   end)
   if all then
@@ -1574,20 +1592,23 @@ end
 local function commit_reserved_one(a, base)
   local res, first, count = a[base + 1], tonumber(a[base + 2]), tonumber(a[base + 3])
   local token, key, size, ttl = a[base + 4], a[base + 5], a[base + 6], tonumber(a[base + 9])
-  if redis.call('HGET', P .. ':obj:' .. key, 'token') == token then return nil end
-  local pk = P .. ':put:' .. res
-  if redis.call('HGET', pk, 'key') ~= '' then
+  -- What the commit reads of the object and of the reservation, each in one command.
+  local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'quota', 'size')
+  if o[1] == token then return nil end
+  local r = redis.call('HMGET', P .. ':put:' .. res, 'key', 'ends', 'extents', 'qgen', 'qbytes')
+  if r[1] ~= '' then
     return 'STALE the page reservation lost its lease before the commit; its pages were reclaimed'
   end
-  local extents, why = carve(res, first, count, true)
+  local extents, why = carve(res, first, count, true, {r[2], r[3]})
   if not extents then return why end
-  quota_unreserve(res, count * page_size())  -- charged to the key's quota from here on
-  local failed = condition_fails(key, a[base + 10]) or quota_fit(key, size)
+  quota_unreserve(res, count * page_size(), {r[4], r[5]})  -- charged to the key's quota from here on
+  local failed = condition_fails(key, a[base + 10]) or quota_fit(key, size, {o[2], o[3]})
   if failed then
     free_extents(extents)  -- the writes are done: nothing can land in them any more
     return failed
   end
-  publish(key, token, size, extents, nodes_of(extents), a[base + 7], a[base + 8], ttl, a[base + 11], a[base + 12])
+  publish(key, token, size, extents, nodes_of(extents), a[base + 7], a[base + 8], ttl, a[base + 11], a[base + 12],
+          o[1] ~= false)
   return nil
 end
 
