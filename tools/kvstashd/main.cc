@@ -16,6 +16,7 @@
 #include "metadata/redis_client.h"
 #include "node/admin_server.h"
 #include "node/memory_node.h"
+#include "service_notify.h"
 
 namespace {
 
@@ -204,7 +205,8 @@ int main(int argc, char** argv) {
       "Signals: SIGTERM, SIGINT or SIGHUP drains the node (no new pages, its pool's objects leave the "
       "metadata; those on its --ssd tier stay, for its restart over the same device) and exits 0.\n"
       "Prints `ready node=ID admin=HOST:PORT pages=N page_size=BYTES transports=LIST` on stdout once it "
-      "serves.\n"
+      "serves, and tells a service manager (READY=1 to $NOTIFY_SOCKET: systemd's Type=notify; "
+      "deploy/systemd/kvstashd.service).\n"
       "Example: kvstashd --redis redis://kvstash@10.0.0.5:6379/0 --redis-password-file /etc/kvstash/redis-pw "
       "--cluster-token-file /etc/kvstash/token --capacity 64GiB --listen 10.0.0.7:7400\n"
       "A password written in the --redis URL shows in `ps` and /proc/PID/cmdline to every user of the "
@@ -404,10 +406,14 @@ int main(int argc, char** argv) {
   std::cout << "ready node=" << (*node)->id() << " admin=" << admin_address
             << " pages=" << (*node)->page_count() << " page_size=" << (*node)->page_size()
             << " transports=" << (*node)->transports() << std::endl;
+  kvstashd::notify_service_manager("READY=1\nSTATUS=serving node " + (*node)->id() + ", " +
+                                   std::to_string((*node)->page_count()) + " pages over " +
+                                   (*node)->transports());
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
   KVSTASH_LOG_INFO("kvstashd: signal {}, draining", sig);
+  kvstashd::notify_service_manager("STOPPING=1\nSTATUS=draining");
   auto dropped = (*node)->drain();
   if (!dropped.is_ok()) {
     // The cell still forgets us: the heartbeat stops and the deadline passes.
