@@ -5,6 +5,11 @@
   misspelt value is caught (the check can fail).
 - `systemd-analyze security --offline=yes` scores its sandbox at most 2.0 ("OK"); the unit
   without its hardening section scores above (the threshold can fail).
+- deploy/kubernetes: every core object valid against Kubernetes' schemas (kubernetes-validate
+  --strict; a misspelt field is caught), the PrometheusRule's groups those of
+  docs/monitoring/kvstash-rules.yml, every option the DaemonSet gives kvstashd and its preStop
+  gives the CLI known to them, the Redis ACL user the operations guide's. No cluster runs here:
+  the manifests were never applied.
 - kvstashd started from deploy/systemd/kvstashd.conf.example (its cell, addresses and sizes
   replaced by a private Redis and loopback) sends READY=1 to $NOTIFY_SOCKET once it prints
   `ready`, STOPPING=1 on SIGTERM, and exits 0 after its drain.
@@ -80,6 +85,82 @@ class Unit(unittest.TestCase):
         bare = unit_text().split("# Hardening.")[0] + "\n[Install]\nWantedBy=multi-user.target\n"
         r = self.analyze("security", "--offline=yes", f"--threshold={THRESHOLD}", self.write(bare))
         self.assertNotEqual(r.returncode, 0, r.stdout[-400:])
+
+
+K8S = os.path.join(REPO, "deploy", "kubernetes")
+VENV = os.environ.get("KVSTASH_DEPLOY_VENV", os.path.expanduser("~/.cache/kvstash/deploy-venv"))
+VALIDATOR = os.path.join(VENV, "bin", "kubernetes-validate")
+K8S_VERSION = "1.31.0"  # what the manifests are written for (apps/v1, HugePages-2Mi volumes)
+
+
+def documents(name):
+    import yaml  # Debian's python3-yaml, or the validator's venv
+    with open(os.path.join(K8S, name)) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+@unittest.skipUnless(os.access(VALIDATOR, os.X_OK), f"no {VALIDATOR} (scripts/deploy-tools-setup installs it)")
+class Kubernetes(unittest.TestCase):
+    """deploy/kubernetes against Kubernetes' schemas, and against what kvstash itself accepts."""
+
+    def validate(self, path):
+        return subprocess.run([VALIDATOR, "--strict", "--no-warn", "-k", K8S_VERSION, path], capture_output=True,
+                              text=True, timeout=120)
+
+    def test_core_objects_match_the_schemas(self):
+        names = sorted(n for n in os.listdir(K8S) if n.endswith(".yaml"))
+        self.assertEqual(names, ["kvstashd.yaml", "monitoring.yaml", "redis-sentinel.yaml", "secrets.example.yaml"])
+        for name in names:
+            r = self.validate(os.path.join(K8S, name))
+            self.assertEqual(r.returncode, 0, f"{name}:\n{r.stdout}{r.stderr}")
+        # The check can fail: a misspelt field under --strict.
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+            with open(os.path.join(K8S, "kvstashd.yaml")) as src:
+                f.write(src.read().replace("hostNetwork: true", "hostNetwrk: true"))
+            f.flush()
+            self.assertNotEqual(self.validate(f.name).returncode, 0)
+
+    def test_the_rules_are_the_monitoring_rules(self):
+        import yaml
+        with open(os.path.join(REPO, "docs", "monitoring", "kvstash-rules.yml")) as f:
+            groups = yaml.safe_load(f)["groups"]
+        kinds = {d["kind"]: d for d in documents("monitoring.yaml")}
+        self.assertEqual(kinds["PrometheusRule"]["spec"]["groups"], groups,
+                         "monitoring.yaml's PrometheusRule drifted from docs/monitoring/kvstash-rules.yml")
+        endpoint = kinds["ServiceMonitor"]["spec"]["endpoints"][0]
+        self.assertEqual(endpoint["relabelings"][0]["replacement"], "kvstash_nodes", "the rules' job")
+        service = [d for d in documents("kvstashd.yaml") if d["kind"] == "Service"][0]
+        self.assertIn(endpoint["port"], [p["name"] for p in service["spec"]["ports"]])
+
+    def test_kvstashd_and_the_cli_know_every_option_given(self):
+        daemonset = [d for d in documents("kvstashd.yaml") if d["kind"] == "DaemonSet"][0]
+        container = daemonset["spec"]["template"]["spec"]["containers"][0]
+        kvstash = os.path.join(BUILD, "tools", "kvstash", "kvstash")
+
+        def options(*argv):
+            return set(re.findall(r"(--[a-z][a-z0-9-]*)", subprocess.run(argv, capture_output=True, text=True).stdout))
+
+        for arg in container["args"]:
+            self.assertIn(arg.split("=")[0], options(KVSTASHD, "--help"), arg)
+        drain = container["lifecycle"]["preStop"]["exec"]["command"]
+        self.assertEqual(drain[0], "/usr/bin/kvstash")
+        known = options(kvstash, "--help") | options(kvstash, "drain", "--help")
+        for arg in drain[1:]:
+            if arg.startswith("--"):
+                self.assertIn(arg.split("=")[0], known, arg)
+        self.assertIn("--move", drain)
+        # The Redis URL the node and the drain use is one the sentinels' Service serves.
+        url = [a for a in container["args"] if a.startswith("--redis=")][0]
+        self.assertIn(url, drain)
+        self.assertRegex(url, r"^--redis=redis\+sentinel://kvstash@redis-sentinel\.kvstash\.svc:26379/kvstash/0$")
+
+    def test_the_redis_user_may_run_what_the_operations_guide_lists(self):
+        script = [d for d in documents("redis-sentinel.yaml") if d["kind"] == "ConfigMap"][0]["data"]["start-redis.sh"]
+        acl = re.search(r"user kvstash on .*", script).group(0).rstrip('"')  # an echo's line
+        with open(os.path.join(REPO, "docs", "operations.md")) as f:
+            recipe = re.search(r"ACL SETUSER kvstash reset on \S+ \S+ (.*)", f.read()).group(1)
+        self.assertEqual(set(re.findall(r"[+-]\S+", acl)) - {"-@all"}, set(re.findall(r"[+-]\S+", recipe)) - {"-@all"})
+        self.assertIn("~kvs:{kvs:default}*", acl)
 
 
 class Notify(unittest.TestCase):
