@@ -905,6 +905,39 @@ TEST_F(StoreTest, APutWaitsForPagesThatAreOnlyBusy) {
   }
 }
 
+// A put whose commit is held up on its way to Redis (here Redis itself stopped) returns
+// kTimeout once its client stops waiting; the commit, reaching Redis later, must change
+// nothing: the key keeps the object it had (a put that returned an error never becomes the
+// object behind the caller's back, after later puts of the key). Without the commit's
+// deadline in the script (commit_by), the get after Redis resumes returns the second put's
+// bytes.
+TEST_F(StoreTest, ACommitThatReachesRedisAfterItsPutGaveUpChangesNothing) {
+  auto n = node("a", "16MiB");
+  ASSERT_TRUE(n);
+  StoreOptions o;
+  o.redis_url = redis_->url();
+  o.redis_password = redis_->password();
+  o.engine.prefer = TransportKind::kShm;
+  o.redis_timeout = 300ms;
+  o.timeout = 5s;
+  auto opened = Store::open(o);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  auto& store = **opened;
+  std::vector<std::byte> v1(64 << 10), v2(64 << 10), got(64 << 10);
+  fill(v1), fill(v2);
+  ASSERT_TRUE(put_bytes(store, "k", v1).is_ok());  // the store holds a reservation from here on
+  ASSERT_EQ(::kill(redis_->pid(), SIGSTOP), 0);
+  Status late = put_bytes(store, "k", v2, {.deadline = deadline_after(2s)});  // writes, then its commit waits
+  ASSERT_EQ(::kill(redis_->pid(), SIGCONT), 0);
+  EXPECT_EQ(late.code(), StatusCode::kTimeout) << late.to_string();
+  std::this_thread::sleep_for(300ms);  // Redis has run whatever reached it meanwhile
+  Slice into{got.data(), got.size()};
+  auto r = store.get("k", {&into, 1});
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(test::first_mismatch(got.data(), v1.data(), v1.size()), -1)
+      << "the put that returned kTimeout became the object afterwards";
+}
+
 TEST_F(StoreTest, PagesOfPutsThatMissTheirDeadlineComeBackAtOnce) {
   auto n1 = node("n1", "16MiB"), n2 = node("n2", "16MiB");
   ASSERT_TRUE(n1 && n2);

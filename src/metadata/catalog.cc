@@ -75,11 +75,13 @@ Result<Placement> Catalog::place_put(std::string_view token, std::string_view ke
 Status Catalog::commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                            std::string_view layout, std::chrono::milliseconds ttl,
                            const std::optional<std::string>& if_version, std::uint32_t copies,
-                           std::string_view keep) {
+                           std::string_view keep, std::int64_t commit_by_ms) {
   std::string sum = sum::to_text(checksum), t = ms(ttl), n = std::to_string(copies);
+  std::string by = std::to_string(commit_by_ms);
   // "" unconditional, "!" no object, "=<token>" that object.
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
-  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n, keep}).status();
+  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n, keep, by})
+      .status();
 }
 
 Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const std::string> fenced) {
@@ -108,23 +110,24 @@ Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t s
 Status Catalog::commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                                 std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                                 std::chrono::milliseconds ttl, const std::optional<std::string>& if_version,
-                                std::uint32_t copies, std::string_view keep) {
+                                std::uint32_t copies, std::string_view keep, std::int64_t commit_by_ms) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
   std::string first = std::to_string(pages.first), count = std::to_string(pages.count);
   std::string n = std::to_string(size), sum = sum::to_text(checksum), t = ms(ttl), c = std::to_string(copies);
+  std::string by = std::to_string(commit_by_ms);
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
   return redis_
       .eval(scripts::commit_reserved(), {prefix_},
-            {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c, keep})
+            {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c, keep, by})
       .status();
 }
 
 Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCommit> puts) {
   // The texts the arguments view, kept while the script runs.
   std::vector<std::string> texts;
-  texts.reserve(puts.size() * 7);
+  texts.reserve(puts.size() * 8);
   std::vector<std::string_view> args;
-  args.reserve(puts.size() * 12);
+  args.reserve(puts.size() * 13);
   for (const ReservedCommit& p : puts) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(p.key));
     const std::size_t at = texts.size();
@@ -135,8 +138,10 @@ Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCo
     texts.push_back(ms(p.ttl));
     texts.push_back(!p.if_version ? "" : p.if_version->empty() ? "!" : "=" + *p.if_version);
     texts.push_back(std::to_string(p.copies));
-    args.insert(args.end(), {p.pages.reservation, texts[at], texts[at + 1], p.token, p.key, texts[at + 2],
-                             texts[at + 3], p.layout, texts[at + 4], texts[at + 5], texts[at + 6], p.keep});
+    texts.push_back(std::to_string(p.commit_by_ms));
+    args.insert(args.end(),
+                {p.pages.reservation, texts[at], texts[at + 1], p.token, p.key, texts[at + 2], texts[at + 3],
+                 p.layout, texts[at + 4], texts[at + 5], texts[at + 6], p.keep, texts[at + 7]});
   }
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::commit_reserveds(), {prefix_}, args));
   return statuses_of(r, puts.size(), "commit_reserveds");

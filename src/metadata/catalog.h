@@ -72,10 +72,12 @@ class Catalog {
   // is the object copy_key(key, i), committed before this one); copies numbered that or more,
   // left by an earlier put, are released.
   // `keep`: the put's keep_hint_text.
+  // `commit_by_ms`: Redis's time (ms) after which the commit is refused kTimeout, changing
+  // nothing: the client stopped waiting for it by then (Store::Impl::commit_by); 0: never.
   Status commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                     std::string_view layout, std::chrono::milliseconds ttl,
                     const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1,
-                    std::string_view keep = {});
+                    std::string_view keep = {}, std::int64_t commit_by_ms = 0);
   // Ends a put that will not commit. Its pages on the nodes in `fenced` (those that confirmed
   // that none of its writes can land any more: Peer::revoke) and on dead nodes are freed now;
   // the others return once the lease has passed and their nodes have fenced through it
@@ -95,12 +97,13 @@ class Catalog {
                                   std::chrono::milliseconds lease, std::span<const NodeEndpoint> avoid = {},
                                   std::string_view for_key = {});
   // commit_put for put `token`, whose pages are `pages` of a reservation. kStale when the
-  // reservation lost its lease, a node of the put died, or the condition does not hold.
+  // reservation lost its lease, a node of the put died, or the condition does not hold;
+  // kTimeout past `commit_by_ms`, as commit_put.
   Status commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                          std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                          std::chrono::milliseconds ttl,
                          const std::optional<std::string>& if_version = std::nullopt,
-                         std::uint32_t copies = 1, std::string_view keep = {});
+                         std::uint32_t copies = 1, std::string_view keep = {}, std::int64_t commit_by_ms = 0);
   // commit_reserved of many puts in one script (a KV save's chunks, ready together): per put,
   // what commit_reserved would have returned.
   struct ReservedCommit {
@@ -112,7 +115,8 @@ class Catalog {
     std::chrono::milliseconds ttl{0};
     std::optional<std::string> if_version;
     std::uint32_t copies = 1;
-    std::string_view keep;  // keep_hint_text
+    std::string_view keep;          // keep_hint_text
+    std::int64_t commit_by_ms = 0;  // as commit_reserved's
   };
   Result<std::vector<Status>> commit_reserveds(std::span<const ReservedCommit> puts);
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the

@@ -72,6 +72,7 @@ Status error_status(std::string_view text) {
   if (text.rfind("NOT_FOUND", 0) == 0) return Status::not_found(std::move(msg));
   if (text.rfind("INVALID", 0) == 0) return Status::invalid_argument(std::move(msg));
   if (text.rfind("CORRUPT", 0) == 0) return Status::corrupt(std::move(msg));
+  if (text.rfind("TIMEOUT", 0) == 0) return Status::timeout(std::move(msg));
   // A kvstash key holding another type was written by something else (by hand, a foreign
   // tool): the record is not ours to trust.
   if (text.find("WRONGTYPE") != std::string_view::npos) {

@@ -317,8 +317,8 @@ Status PutStream::commit() {
     return c.status().with_context(st.key);
   }
   MetadataClock mc(st.options.timings);
-  Status committed =
-      st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options, st.copies);
+  Status committed = st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options,
+                                           st.copies, st.deadline);
   return st.after_commit(c->cell(), committed);
 }
 
@@ -366,7 +366,8 @@ std::vector<Status> Store::commit_all(std::span<PutStream> streams) {
                       .ttl = st.options.ttl,
                       .if_version = st.options.if_version,
                       .copies = 1,
-                      .keep = keep.back()});
+                      .keep = keep.back(),
+                      .commit_by_ms = impl_->commit_by(st.pages, deadline)});
     }
     Result<std::vector<Status>> committed = Status::internal("unset");
     {

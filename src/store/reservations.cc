@@ -66,6 +66,7 @@ Result<store::PutPages> Store::Impl::place_pages(store::CellLink& cell, std::str
     if (r->lease_until < needs_until || r->placement.extents.size() - r->next < need) return false;
     pages.placement = run_of(*r, r->next, need);
     pages.lease_until = r->lease_until;
+    pages.answered_at = r->answered_at;
     pages.reservation = r;
     pages.first = r->next;
     r->next += need;
@@ -96,10 +97,12 @@ Result<store::PutPages> Store::Impl::place_pages(store::CellLink& cell, std::str
   if (one_node || !apart.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(pages.placement,
                              c->begin_copy(pages.token, key, size, options.put_lease, avoid, apart));
+    pages.answered_at = Clock::now();
     return pages;
   }
   if (own_pages) {
     KVSTASH_ASSIGN_OR_RETURN(pages.placement, c->begin_put(pages.token, key, size, options.put_lease, avoid));
+    pages.answered_at = Clock::now();
     return pages;
   }
   auto fresh = std::make_shared<store::Reservation>();
@@ -130,6 +133,7 @@ Result<store::PutPages> Store::Impl::place_pages(store::CellLink& cell, std::str
   }
   fresh->placement = std::move(placement).value();
   fresh->lease_until = pages.lease_until;
+  fresh->answered_at = Clock::now();
   std::shared_ptr<store::Reservation> replaced;
   {
     std::lock_guard lock(reserve_mu);
@@ -140,15 +144,28 @@ Result<store::PutPages> Store::Impl::place_pages(store::CellLink& cell, std::str
   return pages;
 }
 
+std::int64_t Store::Impl::commit_by(const store::PutPages& pages, Deadline deadline) const {
+  const std::int64_t lease_end = pages.placement.lease_deadline_ms;
+  if (lease_end <= 0) return 0;
+  using std::chrono::duration_cast, std::chrono::milliseconds;
+  // The script that leased the pages ran at Redis time lease_end - put_lease, and locally no
+  // later than answered_at: from there, Redis's clock runs at least as far as ours.
+  const Deadline gives_up = std::min(deadline, Clock::now() + options.redis_timeout);
+  const std::int64_t span = duration_cast<milliseconds>(gives_up - pages.answered_at).count();
+  // Less 1 ms for rounding, and 0.1% for the two clocks' rates (a lease lasts seconds to minutes).
+  return lease_end - options.put_lease.count() + span - 1 - std::max<std::int64_t>(0, span) / 1000;
+}
+
 Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                                  std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
-                                 std::uint32_t copies) {
+                                 std::uint32_t copies, Deadline deadline) {
   const std::string keep = metadata::keep_hint_text(o.keep);
+  const std::int64_t by = commit_by(pages, deadline);
   if (!pages.reservation) {
-    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies, keep);
+    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies, keep, by);
   }
   Status s = c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl,
-                               o.if_version, copies, keep);
+                               o.if_version, copies, keep, by);
   reservation_committed(pages, s);
   return s;
 }

@@ -130,6 +130,7 @@ struct Reservation {
   std::string token;
   metadata::Placement placement;  // every page, in the reservation's order
   Clock::time_point lease_until;  // local time by which every write into it has ended
+  Clock::time_point answered_at;  // local time its placement came back (Impl::commit_by)
   // Guarded by Impl::reserve_mu:
   std::uint64_t next = 0;       // pages [0, next) went to puts
   std::uint32_t unsettled = 0;  // puts that took pages and have not settled yet
@@ -144,6 +145,7 @@ struct PutPages {
   std::string token;                         // the put's (the object's, once committed)
   metadata::Placement placement;             // the put's pages only
   Clock::time_point lease_until;             // its writes end by then
+  Clock::time_point answered_at;             // local time its placement came back (Impl::commit_by)
   std::shared_ptr<Reservation> reservation;  // where the pages came from; null: its own begin_put
   std::uint64_t first = 0;                   // the reservation's [first, first + pages)
   bool held = false;  // taken from a reservation held before this put (no round trip): a
@@ -291,10 +293,17 @@ struct Store::Impl {
   Result<store::PutPages> place_pages(store::CellLink& cell, std::string_view key, std::uint64_t size,
                                       Deadline deadline, OpTimings* timings,
                                       std::span<const metadata::NodeEndpoint> apart, bool one_node);
+  // The Redis time (ms) after which a commit of `pages` sent now must not take effect: when
+  // this client stops waiting for its answer (the command's timeout or `deadline`, whichever
+  // comes first), seen on Redis's clock through the placement's lease (its deadline, and when
+  // its reply came back: the latest local time the script can have run). A commit delayed
+  // past it in the network (a partition that heals, a stalled Redis) is refused, so that a
+  // put that returned kTimeout never becomes the object after later puts of its key. 0: none.
+  std::int64_t commit_by(const store::PutPages& pages, Deadline deadline) const;
   // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                       std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
-                      std::uint32_t copies = 1);
+                      std::uint32_t copies, Deadline deadline);
   // After a commit of reserved pages answered `s`: a reservation that came back kStale is no
   // longer taken from.
   void reservation_committed(const store::PutPages& pages, const Status& s);

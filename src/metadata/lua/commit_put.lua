@@ -4,9 +4,11 @@
 -- ARGV     token, key, checksum, layout, ttl_ms, condition ('' none; '!' only if the key holds no
 --          object; '=<token>' only if it holds the object that put wrote, else STALE and the
 --          put's pages are freed), copies (optional, 1: the copies the put wrote, see prelude),
---          keep hint (optional: turn-ttl's, prelude's ttl_hint)
+--          keep hint (optional: turn-ttl's, prelude's ttl_hint), commit by (optional: Redis time
+--          in ms after which the commit changes nothing, its client having stopped waiting for
+--          it; '' or 0 none: prelude's late_commit)
 -- Returns  OK, also for a commit repeated after it succeeded; STALE when the put lost its lease,
---          was aborted, or a node of it died or restarted
+--          was aborted, or a node of it died or restarted; TIMEOUT past its commit-by time
 --
 -- An object it replaces is released.
 
@@ -17,6 +19,8 @@ if not p[1] then
   if redis.call('HGET', P .. ':obj:' .. key, 'token') == token then return 'OK' end
   return redis.error_reply('STALE the put lost its lease before the commit; its pages were reclaimed')
 end
+local late = late_commit(ARGV[9])
+if late then return redis.error_reply(late) end
 if p[5] then return redis.error_reply('STALE the put was aborted') end
 if p[1] ~= key then return redis.error_reply('INVALID put token belongs to another key') end
 local gone = not current(p[2])

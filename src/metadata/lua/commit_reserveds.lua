@@ -2,13 +2,13 @@
 -- together), so that a save costs Redis one script, not one per chunk.
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
--- ARGV     per put, commit_reserved's twelve arguments: reservation, first, count, put token,
---          key, size, checksum, layout, ttl_ms, condition, copies, keep hint
+-- ARGV     per put, commit_reserved's thirteen arguments: reservation, first, count, put token,
+--          key, size, checksum, layout, ttl_ms, condition, copies, keep hint, commit by
 -- Returns  one reply per put, in order: OK, or the error text commit_reserved would have
---          replied (STALE ..., INVALID ...)
+--          replied (STALE ..., INVALID ..., TIMEOUT ...)
 
 local out = {}
-for base = 0, #ARGV - 12, 12 do
+for base = 0, #ARGV - 13, 13 do
   out[#out + 1] = commit_reserved_one(ARGV, base) or 'OK'
 end
 return out

@@ -1586,15 +1586,28 @@ local function carve(res, first, count, all, rec)
   return table.concat(out, ';'), missing
 end
 
--- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 11] (reservation,
--- first, count, token, key, size, checksum, layout, ttl_ms, condition, copies): nil once it is
--- the object (or already was), else why not (an error reply's text: STALE, INVALID).
+-- A commit that reaches Redis after `by` (Redis ms; '' or 0: none) changes nothing: its client
+-- stopped waiting for its answer by then and told its caller kTimeout, and puts of the key
+-- may have followed (a commit held up in a partition that healed, or by a stalled Redis,
+-- would otherwise make an older object the key's again). Returns the refusal, or nil.
+local function late_commit(by)
+  by = tonumber(by or '') or 0
+  if by <= 0 or now <= by then return nil end
+  return 'TIMEOUT the commit reached Redis ' .. (now - by) .. ' ms after its client stopped waiting for it'
+end
+
+-- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 13] (reservation,
+-- first, count, token, key, size, checksum, layout, ttl_ms, condition, copies, keep hint,
+-- commit by): nil once it is the object (or already was), else why not (an error reply's
+-- text: STALE, INVALID, TIMEOUT).
 local function commit_reserved_one(a, base)
   local res, first, count = a[base + 1], tonumber(a[base + 2]), tonumber(a[base + 3])
   local token, key, size, ttl = a[base + 4], a[base + 5], a[base + 6], tonumber(a[base + 9])
   -- What the commit reads of the object and of the reservation, each in one command.
   local o = redis.call('HMGET', P .. ':obj:' .. key, 'token', 'quota', 'size')
   if o[1] == token then return nil end
+  local late = late_commit(a[base + 13])
+  if late then return late end
   local r = redis.call('HMGET', P .. ':put:' .. res, 'key', 'ends', 'extents', 'qgen', 'qbytes')
   if r[1] ~= '' then
     return 'STALE the page reservation lost its lease before the commit; its pages were reclaimed'
