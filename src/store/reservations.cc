@@ -148,12 +148,17 @@ std::int64_t Store::Impl::commit_by(const store::PutPages& pages, Deadline deadl
   const std::int64_t lease_end = pages.placement.lease_deadline_ms;
   if (lease_end <= 0) return 0;
   using std::chrono::duration_cast, std::chrono::milliseconds;
-  // The script that leased the pages ran at Redis time lease_end - put_lease, and locally no
-  // later than answered_at: from there, Redis's clock runs at least as far as ours.
-  const Deadline gives_up = std::min(deadline, Clock::now() + options.redis_timeout);
-  const std::int64_t span = duration_cast<milliseconds>(gives_up - pages.answered_at).count();
-  // Less 1 ms for rounding, and 0.1% for the two clocks' rates (a lease lasts seconds to minutes).
-  return lease_end - options.put_lease.count() + span - 1 - std::max<std::int64_t>(0, span) / 1000;
+  // The script that leased the pages ran at Redis time lease_end - put_lease (its clock in
+  // whole ms: no later), and locally no later than answered_at: from there, Redis's clock runs
+  // at least as far as ours. The client gives up on the commit when RedisClient's wait ends:
+  // the command's timeout, or the deadline rounded up to a whole ms.
+  const auto now = Clock::now();
+  const Deadline gives_up =
+      now + std::min(options.redis_timeout, std::chrono::ceil<milliseconds>(deadline - now));
+  const std::int64_t span = duration_cast<milliseconds>(gives_up - pages.answered_at).count();  // rounds down
+  // Less 100 ppm for the two clocks' rates (crystals drift by tens of ppm; a reservation
+  // serves puts for up to half a put lease: 3 ms over 30 s).
+  return lease_end - options.put_lease.count() + span - std::max<std::int64_t>(0, span) / 10000;
 }
 
 Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,

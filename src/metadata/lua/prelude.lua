@@ -1592,8 +1592,9 @@ end
 -- would otherwise make an older object the key's again). Returns the refusal, or nil.
 local function late_commit(by)
   by = tonumber(by or '') or 0
-  if by <= 0 or now <= by then return nil end
-  return 'TIMEOUT the commit reached Redis ' .. (now - by) .. ' ms after its client stopped waiting for it'
+  if by <= 0 or now_fine <= by then return nil end  -- to the microsecond: `now` rounds down
+  return 'TIMEOUT the commit reached Redis ' .. string.format('%.1f', now_fine - by) ..
+         ' ms after its client stopped waiting for it'
 end
 
 -- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 13] (reservation,
