@@ -1724,10 +1724,14 @@ local function allocate(token, key, size, extra, lease, avoid, one_node)
   if single then
     cands, total = {single}, single[2]
   elseif total < need then
-    local capacity = 0
+    -- The nodes that take allocations (as usable_nodes), and their pages, in one walk.
+    local capacity, usable = 0, {}
     for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':nodes', now, '+inf')) do
       local st = redis.call('HMGET', P .. ':node:' .. id, 'state', 'page_count', 'key')
-      if st[1] == 'up' and avoid[id] ~= st[3] then capacity = capacity + (tonumber(st[2]) or 0) end
+      if st[1] == 'up' and avoid[id] ~= st[3] then
+        capacity = capacity + (tonumber(st[2]) or 0)
+        usable[id] = true
+      end
     end
     if need > capacity then
       return nil, 'NO_SPACE object needs ' .. need .. ' pages, the live nodes hold ' .. capacity
@@ -1735,12 +1739,12 @@ local function allocate(token, key, size, extra, lease, avoid, one_node)
     sweep_expired(256)
     cands, total = candidates(avoid)
     if total < need then
-      evict(need - total, usable_nodes(avoid))
+      evict(need - total, usable)
       cands, total = candidates(avoid)
     end
     if total < need then
       return nil, 'NO_SPACE for now: object needs ' .. need .. ' pages, ' .. total .. ' are free; ' ..
-                  held_text(usable_nodes(avoid), capacity - total)
+                  held_text(usable, capacity - total)
     end
   end
   local want = need + math.min(extra, RESERVE_MAX, math.floor((total - need) / 4))
