@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/runtime_library.h"
 #include "engine/blobs.h"
 #include "kvstash/engine.h"
 #include "test_util.h"
@@ -270,3 +271,25 @@ TEST(Engine, ProbeReportsEveryTransport) {
 
 }  // namespace
 }  // namespace kvstash
+
+// The optional transports' libraries (libibverbs, libucp) are opened at run time: one that is
+// missing says which file, why and what to install, and yields no symbols; one that is present
+// yields its functions.
+TEST(RuntimeLibrary, AMissingLibrarySaysWhatToInstallAndAPresentOneResolves) {
+  const kvstash::sys::RuntimeLibrary missing({"libkvstash-absent.so.7", "libkvstash-absent.so"},
+                                             "install the absent package");
+  EXPECT_FALSE(missing.available());
+  EXPECT_NE(missing.error().find("libkvstash-absent.so.7, libkvstash-absent.so"), std::string::npos)
+      << missing.error();
+  EXPECT_NE(missing.error().find("install the absent package"), std::string::npos) << missing.error();
+  EXPECT_EQ(missing.symbol("getpid"), nullptr);
+
+  const kvstash::sys::RuntimeLibrary libc({"libkvstash-absent.so.7", "libc.so.6"}, "");
+  ASSERT_TRUE(libc.available()) << libc.error();
+  EXPECT_TRUE(libc.error().empty());
+  using Getpid = int (*)();
+  auto* getpid_fn = reinterpret_cast<Getpid>(libc.symbol("getpid"));
+  ASSERT_NE(getpid_fn, nullptr);
+  EXPECT_EQ(getpid_fn(), ::getpid());
+  EXPECT_EQ(libc.symbol("kvstash_no_such_function"), nullptr);
+}

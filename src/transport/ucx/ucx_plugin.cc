@@ -7,12 +7,14 @@
 #include <sstream>
 
 #include "transport/registry.h"
+#include "transport/ucx/ucx_library.h"
 #include "transport/ucx/ucx_transport.h"
 
 namespace kvstash::transport::ucx {
 namespace {
 
 Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
+  if (!library().available()) return Status::unsupported("ucx transport unavailable: " + library().error());
   return make_ucx_transport(options.ucx, options.cluster_token);
 }
 
@@ -52,6 +54,11 @@ std::string resources() {
 }
 
 std::vector<TransportFinding> probe() {
+  if (!library().available()) {
+    return {{"transport ucx", TransportFinding::Level::kInfo,
+             "ucx transport unavailable: " + library().error(),
+             "needed only for the ucx transport; verbs, tcp and shm do not use UCX"}};
+  }
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
   const std::string found = resources();

@@ -4,17 +4,23 @@
 
 #include "transport/registry.h"
 #include "transport/verbs/verbs_device.h"
+#include "transport/verbs/verbs_library.h"
 #include "transport/verbs/verbs_transport.h"
 
 namespace kvstash::transport::verbs {
 namespace {
 
 Result<std::unique_ptr<Transport>> start(const EngineOptions& options) {
+  if (!library().available()) return Status::unsupported("verbs transport unavailable: " + library().error());
   return make_verbs_transport(options.verbs, options.cluster_token);
 }
 
 std::vector<TransportFinding> probe() {
   using Level = TransportFinding::Level;
+  if (!library().available()) {
+    return {{"rdma", Level::kWarn, "verbs transport unavailable: " + library().error(),
+             "without RDMA hardware tcp is the transport to use; with it, install rdma-core"}};
+  }
   auto devices = discover();
   if (!devices.is_ok()) {
     return {{"rdma", Level::kWarn, "cannot query RDMA devices: " + devices.status().message(),
