@@ -556,7 +556,7 @@ int main(int argc, char** argv) {
   ch->add_option("--plot", churn.plot,
                  "Also draw efficiency, put success and limbo over time (SVG, gnuplot)");
   ch->footer(
-      "Examples:\n  kvstash-bench churn --seconds 45 --keys 20   (the case issue 26 began from)\n"
+      "Examples:\n  kvstash-bench churn --seconds 45 --keys 20   (few keys, each overwritten over and over)\n"
       "  kvstash-bench churn --mix put=4,stream=1,get=4,remove=1,touch=1 --cancel-fraction 0.1\n"
       "  kvstash-bench churn --sizes kv --nodes 2 --node-capacity 1GiB --page-size 4MiB --keys 40 --plot "
       "churn.svg");

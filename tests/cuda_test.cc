@@ -1,13 +1,13 @@
 // The CUDA device (src/kvcache/cuda) as the CUDA runtime really behaves. One source, two
 // binaries:
 //   cuda_test        the real runtime and kernels: skips without a GPU; scripts/gpu-check runs it
-//                    (also with CUDA_DEVICE_MAX_CONNECTIONS=1) on the first GPU a session is lent;
+//                    (also with CUDA_DEVICE_MAX_CONNECTIONS=1) on a host with a GPU;
 //   cuda_model_test  tests/cuda_model, a CPU model of the runtime (streams, the legacy default
 //                    stream, events, the per-thread last error, stream memory operations on
 //                    shared hardware queues, primary contexts, device memory the host cannot
 //                    touch) with host twins of the kernels: it runs here, in every test run.
-// Where the two disagree, the model is wrong and gets fixed. Each test names the finding it
-// guards (issue 25); each failed on the CUDA device as it was before.
+// Where the two disagree, the model is wrong and gets fixed. Each test names the finding (a way
+// the runtime behaves) it guards, and fails on a CUDA device that does not allow for it.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -303,9 +303,9 @@ TEST_P(GrantedLeases, AGrantEndsWithItsDeadlineAndWithTheKey) {
   EXPECT_EQ(reach(TransferOp::kRead, 1, 1, later).code(), StatusCode::kPermissionDenied);
 }
 
-// A revoke names a lease granted on its connection: a flood of revokes of made-up leases
-// (issue 28: one peer filled all 65,536 entries in 0.3 s, after which every confirmed revoke got
-// kNoSpace) is refused one by one and leaves the real ones working.
+// A revoke names a lease granted on its connection: a flood of revokes of made-up leases (one
+// peer can send 65,536 in 0.3 s; were they kept, every later confirmed revoke would get kNoSpace)
+// is refused one by one and leaves the real ones working.
 TEST_P(GrantedLeases, RevokesOfLeasesNeverGrantedAreRefusedAndTakeNoRoom) {
   if (GetParam() != TransportKind::kTcp) GTEST_SKIP() << "verbs forgets the oldest revoked ids instead";
   const RemoteRange r{page(3), kPage};

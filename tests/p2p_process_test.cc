@@ -704,8 +704,8 @@ class VerbsProcess : public ::testing::Test {
   RemoteMemory region_;
 };
 
-// Issue 12: more than 254 ranges overflowed the setup frame and the target dropped the
-// connection; the store chunks leases at kMaxLeaseRanges, which fragmented pools reach.
+// A lease of more than 254 ranges must not overflow the setup frame (the target would drop the
+// connection); the store chunks leases at kMaxLeaseRanges, which fragmented pools reach.
 TEST_F(VerbsProcess, ALeaseOfTheMostRangesReadsEveryRange) {
   constexpr std::size_t kStep = 8192, kLen = 4096;
   std::vector<RemoteRange> ranges;
@@ -725,9 +725,9 @@ TEST_F(VerbsProcess, ALeaseOfTheMostRangesReadsEveryRange) {
   }
 }
 
-// Issue 12: the setup socket's lock was held across the lease exchange, so a caller waited for
-// another caller's exchange with a stopped target past its own deadline. Now it gives up at its
-// own deadline (kTimeout), for a lease and for a revoke alike.
+// A caller must not wait for another caller's lease exchange with a stopped target past its own
+// deadline (as it would if the setup socket's lock were held across the exchange): it gives up
+// at its own deadline (kTimeout), for a lease and for a revoke alike.
 TEST_F(VerbsProcess, ACallerWaitsForAnotherCallersLeaseExchangeOnlyUntilItsOwnDeadline) {
   const RemoteRange first[] = {{base(), 4096}}, second[] = {{base() + 65536, 4096}};
   auto held = conn_->lease(region_, first, {.op = TransferOp::kRead, .ttl = 60s});

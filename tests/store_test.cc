@@ -1363,12 +1363,11 @@ TEST_F(StoreTest, GetsOfAReplicatedObjectSpreadOverItsCopies) {
   EXPECT_EQ(by_node["b"], 3);
 }
 
-// Issue 12, first hole, as it was reproduced from outside the project: a put over tcp to a
-// stopped node times out while its writes sit in the sockets; the pool is exactly full, so
-// another client's put (over shm, which needs nothing from the node) can only get the first
-// put's pages. Those pages must not be handed out before the node has confirmed that the
-// first put's writes can no longer land (its revoke or its fence), so whatever the second
-// put stores reads back exactly, with the checksum off.
+// A put over tcp to a stopped node times out while its writes sit in the sockets; the pool is
+// exactly full, so another client's put (over shm, which needs nothing from the node) can only
+// get the first put's pages. Those pages must not be handed out before the node has confirmed
+// that the first put's writes can no longer land (its revoke or its fence), so whatever the
+// second put stores reads back exactly, with the checksum off.
 TEST_F(StoreTest, ATimedOutTcpPutNeverWritesIntoPagesAnotherPutWasGiven) {
   auto n = node("n1", "12MiB", {}, "30s");  // not declared dead while stopped
   ASSERT_TRUE(n);
@@ -1407,10 +1406,10 @@ TEST_F(StoreTest, ATimedOutTcpPutNeverWritesIntoPagesAnotherPutWasGiven) {
   }
 }
 
-// Issue 12, second hole: a node declared dead that rejoins from the same process (a pause
-// past its heartbeat deadline) must not hand out pages that a put of its earlier life may
-// still write. Here the put is still running, within its deadline, when the node rejoins
-// and another put is given the same pages: its next writes must fail, not land.
+// A node declared dead that rejoins from the same process (a pause past its heartbeat deadline)
+// must not hand out pages that a put of its earlier life may still write. Here the put is still
+// running, within its deadline, when the node rejoins and another put is given the same pages:
+// its next writes must fail, not land.
 TEST_F(StoreTest, ANodeThatRejoinsFencesThePutsOfItsEarlierLife) {
   auto n = node("n1", "8MiB");  // heartbeat ttl 1s
   ASSERT_TRUE(n);

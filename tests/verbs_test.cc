@@ -482,9 +482,9 @@ Result<std::unique_ptr<RemoteKey>> lease(Endpoint& ep, const RemoteKey& region,
                       deadline_after(10s));
 }
 
-// Issue 12: a lease of more than 254 ranges overflowed the 4,096-byte setup frame and the
-// target dropped the connection. The largest lease the engine allows (kMaxLeaseRanges, what the
-// store chunks at) binds a real window per range on every lane.
+// A lease of more than 254 ranges must not overflow the 4,096-byte setup frame (the target would
+// drop the connection). The largest lease the engine allows (kMaxLeaseRanges, what the store
+// chunks at) binds a real window per range on every lane.
 TEST(VerbsTransport, ALeaseOfTheMostRangesBindsAWindowPerRangeOnEveryLane) {
   START_VERBS(target, {});
   START_VERBS(client, {});
@@ -608,9 +608,9 @@ TEST(VerbsTransport, RevokeEndsALeaseOnEveryConnectionAndLaneBeforeItIsConfirmed
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
 }
 
-// Issue 12: the setup service was one thread that waited up to 5 s on each silent connection,
-// so ten idle sockets stalled every connect and lease. Now they delay nothing, and are closed at
-// the handshake timeout (an oversize hello at once).
+// Idle setup sockets must not stall connects and leases (as they would if the setup service
+// waited on each silent connection in turn): ten of them delay nothing, and are closed at the
+// handshake timeout (an oversize hello at once).
 TEST(VerbsTransport, IdleSetupSocketsDelayNoConnectAndAreClosedAtTheHandshakeTimeout) {
   VerbsOptions o;
   o.handshake_timeout = 3s;

@@ -11,8 +11,8 @@ kvstash's Python package linked against the CPU model of the CUDA runtime (no GP
   stream whose cuda_stream is 0 (this venv's torch is CPU-only, so the test says it);
 - a second worker loads the chunks into other blocks, each layer handed to stream 0.
 
-What a load brings back must be the kernels' bytes. Before issue 25 the connector passed that 0
-as "nothing to wait for": the saves stored (and checksummed) the bytes from before the kernels.
+What a load brings back must be the kernels' bytes. A connector that took that 0 as "nothing to
+wait for" would store (and checksum) the bytes from before the kernels; this test catches it.
 
 Usage (meson test `vllm_gpu_model`): VENV/bin/python tests/vllm_gpu_model_test.py BUILD_DIR
 Exit 77 (skipped) when vLLM cannot be imported.

