@@ -375,7 +375,7 @@ TEST_F(CatalogTest, FullPoolEvictsLeastRecentlyUsedObjectsWithoutReaders) {
   EXPECT_GE(free_of("a"), 3u);
 }
 
-// The arc policy (prelude.lua, "Eviction policy"): objects used twice outlive a scan of new
+// The arc policy (prelude/policy.lua): objects used twice outlive a scan of new
 // ones that LRU would keep instead; a leased object is never evicted; ghosts move p; the
 // state reads back; a policy kvstash does not know is refused.
 TEST_F(CatalogTest, ArcKeepsObjectsUsedTwiceThroughAScanThatLruKeepsInstead) {
@@ -433,7 +433,7 @@ TEST_F(CatalogTest, ArcKeepsObjectsUsedTwiceThroughAScanThatLruKeepsInstead) {
   EXPECT_EQ(admin_->policy()->name, "lru");
 }
 
-// turn-ttl (prelude.lua, "Eviction policy") before it has learned anything: a request's
+// turn-ttl (prelude/policy.lua) before it has learned anything: a request's
 // chunks count from its lookup, a parent outlives its child, a chunk of the next turn finds
 // the turn its prefix ends in (or a ghost remembers), objects stored before the switch go
 // first, a leased one never.

@@ -6,7 +6,7 @@
 // runs are `*` (the whole region) or `first+count,...` in the owner's unit (a memory node's
 // pages, a KvExport's bytes); mac is the lowercase hex HMAC-SHA1 over everything before the
 // space that precedes it. Memory nodes' grants are made by the cell's Lua scripts
-// (prelude.lua, grant_for), which have SHA1 (redis.sha1hex) and nothing stronger: HMAC-SHA1
+// (prelude/grants.lua, grant_for), which have SHA1 (redis.sha1hex) and nothing stronger: HMAC-SHA1
 // stays a sound MAC, SHA1's collisions notwithstanding.
 #pragma once
 
@@ -25,7 +25,7 @@ namespace kvstash::grant {
 
 inline constexpr std::size_t kKeyBytes = 32;
 
-// The longest lease a cell grants (its scripts refuse a longer one: prelude.lua's MAX_LEASE_MS),
+// The longest lease a cell grants (its scripts refuse a longer one: prelude/grants.lua's MAX_LEASE_MS),
 // so no grant's deadline lies further than this past the cell's clock when it is signed; a
 // memory node refuses one that does (a grant minted with a leaked key, for years).
 inline constexpr std::chrono::milliseconds kMaxLease{600000};

@@ -148,13 +148,13 @@ Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCo
 }
 
 bool Catalog::condition_failed(const Status& commit) {
-  // condition_fails (lua/prelude.lua) words it so.
+  // condition_fails (lua/prelude/publish.lua) words it so.
   return commit.code() == StatusCode::kStale &&
          commit.message().find("changed since the version this put was based on") != std::string::npos;
 }
 
 bool Catalog::pages_held(const Status& refusal) {
-  // allocate and quota_fit (lua/prelude.lua) word it so.
+  // allocate and quota_fit (lua/prelude/placement.lua, eviction.lua) word it so.
   return refusal.code() == StatusCode::kNoSpace &&
          refusal.message().find("NO_SPACE for now:") != std::string::npos;
 }

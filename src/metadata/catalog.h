@@ -29,7 +29,7 @@
 
 namespace kvstash::metadata {
 
-// A KeepHint as the cell's scripts read it (prelude.lua's ttl_hint): "turn chunks index tokens
+// A KeepHint as the cell's scripts read it (prelude/policy.lua's ttl_hint): "turn chunks index tokens
 // sampled draw looked_up"; "" for none.
 std::string keep_hint_text(const std::optional<KeepHint>& hint);
 

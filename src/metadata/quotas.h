@@ -1,5 +1,5 @@
 // Quotas per key prefix: a prefix of a cell's keys (a tenant's, a model's) may hold at most so
-// many objects and so many bytes of the pool. The object scripts enforce them (prelude.lua,
+// many objects and so many bytes of the pool. The object scripts enforce them (prelude/quotas.lua,
 // "Quotas"): a put over its prefix's quota first evicts that prefix's own least recently used
 // objects that no reader leases, and is refused (kNoSpace, naming the quota) only when they
 // cannot make room. Other prefixes' objects are never evicted for it. The operator sets them

@@ -38,7 +38,7 @@ bool valid_node_id(std::string_view id) {
 
 Result<std::vector<Extent>> parse_extents(std::string_view text) {
   // A corrupt count must not make this allocate without bound: no object spans more pages
-  // than this (allocate in prelude.lua refuses bigger puts).
+  // than this (allocate in prelude/placement.lua refuses bigger puts).
   constexpr std::uint64_t kMaxPages = kMaxObjectPages;
   std::vector<Extent> out;
   while (!text.empty()) {

@@ -6,6 +6,7 @@
 --          failed or the bytes did not match their sum: the object is removed, counted as
 --          tier_lost; '0': it stays on the tier, and the next get queues it again)
 -- Returns  DROPPED when the object went (bad, and still the one promoted), else OK
+-- Uses     call, pages, objects, reads
 
 local id, key, token, ptoken, bad = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1'
 local pk = P .. ':put:' .. ptoken

@@ -9,6 +9,7 @@
 -- stay with the pending put, and reclaim frees them once its lease has passed and their nodes
 -- have fenced through it (a write still queued at a stalled node must never land in a page
 -- another put was given). Idempotent.
+-- Uses     call, nodes, pages, quotas
 
 local tok = ARGV[1]
 local pk = P .. ':put:' .. tok

@@ -8,6 +8,7 @@
 -- As abort_put: the put's pages on those nodes, and on nodes that are not alive, are freed
 -- now; the rest stay in the reservation, and return with it once its lease has passed and
 -- their nodes have fenced through it. Idempotent.
+-- Uses     call, nodes, pages, publish
 
 local res, first, count = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local pk = P .. ':put:' .. res

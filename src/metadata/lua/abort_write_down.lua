@@ -7,6 +7,7 @@
 --
 -- The node calls it only once the device gave the slots' buffers back (no write of them is
 -- still in flight).
+-- Uses     call, pages
 
 local n = 0
 for i = 2, #ARGV - 1, 2 do

@@ -7,6 +7,7 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     key, event data, key, event data... (the data: msgpack, as docs/events.md says)
 -- Returns  how many objects were announced; -1 when the cell's events are off
+-- Uses     call, events, objects
 
 local maxlen = events_maxlen()
 if not maxlen then return -1 end

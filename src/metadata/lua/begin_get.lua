@@ -10,6 +10,7 @@
 --          'NOT_FOUND ON_SSD <node>' for an object on the tier)
 --
 -- Of an object put with replicas, the readable copy with the fewest readers is leased.
+-- Uses     call, grants, reads
 
 local lease_ms, refused = lease_ms_of(ARGV[3])
 if not lease_ms then return refused end

@@ -7,6 +7,7 @@
 -- Returns  one array per object, in order: begin_get's reply, or an empty array when there is
 --          no such object; PROMOTING, node id, token for an object on that node's NVMe tier (its
 --          promotion queued)
+-- Uses     call, grants, reads
 
 local lease_ms, refused = lease_ms_of(ARGV[1])
 if not lease_ms then return refused end

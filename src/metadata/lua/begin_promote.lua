@@ -11,6 +11,7 @@
 -- The pages are a pending put of the node's, under the same rules as any put: fresh
 -- generations, a lease, and, if the node never commits, freed by reclaim only once the node
 -- has fenced through the lease's deadline (its own writes into the pages included).
+-- Uses     call, nodes, pages, quotas, objects, eviction, grants, reads
 
 local id, epoch, key, ptoken = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local lease, refused = lease_ms_of(ARGV[5])

@@ -12,6 +12,7 @@
 -- The pages come as allocate gives them (prelude, through place_put), from no node the client
 -- asks to avoid while others have room. Repeating a begin_put with the same token returns the
 -- same pages (a retry after a lost reply).
+-- Uses     call, capacity, placement
 
 local one_node, apart = false, {}
 for word in string.gmatch(ARGV[5], '[^ ]+') do

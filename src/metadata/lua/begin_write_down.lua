@@ -13,6 +13,7 @@
 -- least recently used objects when it is full. Each object is marked moving (its slots, until
 -- the deadline): its pages are untouched, and it serves gets as before. commit_write_down
 -- moves it; a put or remove meanwhile simply releases it, slots and all.
+-- Uses     call, nodes, pages, tier, objects, eviction, grants
 
 local id, epoch = ARGV[1], ARGV[2]
 local low, most = tonumber(ARGV[3]), tonumber(ARGV[4])

@@ -4,6 +4,7 @@
 -- ARGV     (none)
 -- Returns  page size, objects, now, then the counters of P:stats as field, value, then
 --          'tier_objects', the objects on the nodes' NVMe tiers, and 'tier_slots', 'tier_free'
+-- Uses     call, pages, quotas, tier
 
 local tier, slots, free = 0, 0, 0
 for _, id in ipairs(redis.call('ZRANGE', P .. ':nodes', 0, -1)) do

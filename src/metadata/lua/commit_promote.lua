@@ -6,6 +6,7 @@
 -- Returns  OK; STALE when the object changed (replaced, removed, its slots no longer its own)
 --          or the node or the promotion's lease is over: its pages are freed (the node's
 --          reads into them are done)
+-- Uses     call, nodes, pages, policy, reads
 
 local id, epoch, key, token, ptoken, slots = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local pk = P .. ':put:' .. ptoken

@@ -11,6 +11,7 @@
 --          was aborted, or a node of it died or restarted; TIMEOUT past its commit-by time
 --
 -- An object it replaces is released.
+-- Uses     call, nodes, pages, quotas, eviction, publish
 
 local token, key, ttl = ARGV[1], ARGV[2], tonumber(ARGV[5])
 local pk = P .. ':put:' .. token

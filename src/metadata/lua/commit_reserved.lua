@@ -13,6 +13,7 @@
 -- generation of its own: dropping the reservation (release_reservation, reclaim) frees only
 -- what no commit took, and a commit repeated after its object was replaced finds its pages
 -- gone (STALE), never someone else's. An object it replaces is released.
+-- Uses     call, publish
 
 local failed = commit_reserved_one(ARGV, 0)
 if failed then return redis.error_reply(failed) end

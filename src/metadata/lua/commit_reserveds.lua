@@ -6,6 +6,7 @@
 --          key, size, checksum, layout, ttl_ms, condition, copies, keep hint, commit by
 -- Returns  one reply per put, in order: OK, or the error text commit_reserved would have
 --          replied (STALE ..., INVALID ..., TIMEOUT ...)
+-- Uses     call, publish
 
 local out = {}
 for base = 0, #ARGV - 13, 13 do

@@ -8,6 +8,7 @@
 -- An object moves only if it is still the one the write-down copied (its token, its pages
 -- current), its slots are the write-down's and within its deadline, and no reader leases it
 -- now; then its pool pages return to the pool and it takes the tier's LRU place it had.
+-- Uses     call, nodes, pages, policy
 
 local id, epoch = ARGV[1], ARGV[2]
 local serving = serves(id, epoch)

@@ -9,6 +9,7 @@
 --          order, 'dram' (in a node's pool) or 'ssd' (on a node's NVMe tier: a get promotes it
 --          first, one round trip more) ('tiers'); or, per key, 1 if present, else 0 ('each':
 --          a hybrid model's lookup, whose groups need different chunks)
+-- Uses     call, policy, replicas
 
 if ARGV[1] == 'each' then
   local each = {}

@@ -6,6 +6,7 @@
 --
 -- The node takes no new pages; its objects stay readable until they expire, are evicted or
 -- removed.
+-- Uses     call
 
 local nk = P .. ':node:' .. ARGV[1]
 local st = redis.call('HGET', nk, 'state')

@@ -6,6 +6,7 @@
 --
 -- Generations stay, so extents handed out by this incarnation can never match a page of a
 -- later one.
+-- Uses     call, objects
 
 local id = ARGV[1]
 local nk = P .. ':node:' .. id

@@ -4,6 +4,7 @@
 -- ARGV     keys
 -- Returns  now, then per key: size ('' when absent), created, expires, last access, nodes,
 --          checksum, live read leases, tier ('dram', or 'ssd': on its node's NVMe tier)
+-- Uses     call
 
 local out = {now}
 for _, key in ipairs(ARGV) do

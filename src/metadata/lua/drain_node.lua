@@ -6,6 +6,7 @@
 --
 -- It takes no new pages and its objects are dropped (unreadable at once, swept in
 -- batches).
+-- Uses     call, objects
 
 local id = ARGV[1]
 local nk = P .. ':node:' .. id

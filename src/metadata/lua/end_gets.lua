@@ -8,6 +8,7 @@
 --          page was freed or reused meanwhile (the bytes read cannot be trusted)
 --
 -- A zombie whose last reader left is freed here.
+-- Uses     call, pages
 
 -- Ends `reader`'s read lease on object `tok`, whose pages it read as `extents`. Returns nil, or
 -- why the bytes read cannot be trusted: the lease expired, or a page was freed or reused while

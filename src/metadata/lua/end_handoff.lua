@@ -4,6 +4,7 @@
 -- ARGV     name, reader
 -- Returns  1 when the reader was pending, 0 when it was not (ended already, or the record
 --          expired)
+-- Uses     call
 
 local key = P .. ':handoff:' .. ARGV[1]
 local was = redis.call('HDEL', key, 'r:' .. ARGV[2])

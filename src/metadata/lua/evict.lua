@@ -6,6 +6,7 @@
 --
 -- Evicts least recently used unleased objects until that many bytes came free (all or
 -- nothing).
+-- Uses     call, quotas, capacity, eviction
 
 local ps = page_size()
 if ps <= 0 then return {0, 0} end

@@ -6,6 +6,7 @@
 --
 -- Least recently used unleased objects first: those idle for at least idle_ms, until
 -- max_bytes of them are chosen (the one that crosses it included). Released unless dry_run.
+-- Uses     call, eviction
 
 local idle, max_bytes, dry, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
 local out, chosen, bytes = {now}, {}, 0

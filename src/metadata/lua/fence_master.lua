@@ -11,6 +11,7 @@
 -- ARGV     the replication ID of the master this connection reached (INFO replication's
 --          master_replid)
 -- Returns  1 when the cell knew another master and its nodes were declared dead, else 0
+-- Uses     call, tier
 
 local seen = redis.call('GET', P .. ':master')
 if seen == ARGV[1] then return 0 end

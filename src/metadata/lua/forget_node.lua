@@ -8,6 +8,7 @@
 -- Its objects (released), free list and generations, its place in the cell. The node's
 -- record keeps its incarnation count, so a later node with this id still starts above every old
 -- generation.
+-- Uses     call, nodes, objects
 
 local id = ARGV[1]
 local nk = P .. ':node:' .. id

@@ -8,6 +8,7 @@
 -- Returns  the grant's deadline, the grant; NOT_FOUND for a node that is not live and up or
 --          draining; INVALID under rkey scope 'lease', or for a deadline already past or
 --          more than 10 minutes away
+-- Uses     call, nodes, grants
 
 local id, op = ARGV[1], ARGV[2]
 local deadline, ttl = tonumber(ARGV[3]) or 0, tonumber(ARGV[4]) or 0

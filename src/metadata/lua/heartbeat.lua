@@ -11,6 +11,7 @@
 -- STALE when another epoch holds the id, or its deadline passed (readers have been told its
 -- objects are gone, and puts' pages may have been freed without its fence: only a new
 -- registration, after fencing the whole pool, may serve again).
+-- Uses     call, nodes, grants
 
 local id = ARGV[1]
 local nk = P .. ':node:' .. id

@@ -3,6 +3,7 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     (none)
 -- Returns  sorted ids
+-- Uses     call
 
 local ids = redis.call('SMEMBERS', P .. ':known')
 for _, id in ipairs(redis.call('ZRANGE', P .. ':nodes', 0, -1)) do ids[#ids + 1] = id end

@@ -4,6 +4,7 @@
 -- ARGV     (none)
 -- Returns  per quota: prefix, gen, max objects, max bytes, objects, bytes, evicted, refused,
 --          counting ('1' while its first count is not done, else '0')
+-- Uses     call, quotas
 
 local out = {}
 for prefix, q in pairs(quotas()) do

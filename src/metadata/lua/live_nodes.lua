@@ -4,6 +4,7 @@
 -- KEYS[1]  the cell's key prefix (P)
 -- ARGV     (none)
 -- Returns  {id, address, key, id, address, key, ...}
+-- Uses     call, nodes
 
 local out = {}
 for _, id in ipairs(redis.call('ZRANGE', P .. ':nodes', 0, -1)) do

@@ -13,6 +13,7 @@
 -- a released object's pages while a reader still leases them (zombies), and the pages of
 -- puts past their lease or aborted, until their nodes have fenced them. Counted over the
 -- first SCAN pending records and zombies, so a run stays short whatever piles up.
+-- Uses     call, pages, tier
 
 local SCAN = 1000
 local id = ARGV[1]

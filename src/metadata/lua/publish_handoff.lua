@@ -4,6 +4,7 @@
 -- KEYS[1]  the cell's key prefix (P)
 -- ARGV     name, ttl_ms (> 0), descriptor, reader...
 -- Returns  OK
+-- Uses     call
 
 local key = P .. ':handoff:' .. ARGV[1]
 redis.call('DEL', key)

@@ -10,6 +10,7 @@
 --          moved
 --
 -- A step looks at about 256 objects (ZSCAN of the LRU order), whatever the cell's size.
+-- Uses     call, quotas
 
 local step = redis.call('ZSCAN', P .. ':lru', ARGV[1], 'COUNT', 256)
 local items, moved = step[2], 0

@@ -11,6 +11,7 @@
 -- deadline (`state = dead`; their objects go to the sweep); and objects of the sweep (dead or
 -- restarted nodes'). Each item costs a few dozen microseconds: a small limit keeps one run near
 -- a millisecond, and the caller runs it again while `more` says work is left.
+-- Uses     call, nodes, pages, quotas, objects, eviction
 
 local limit = tonumber(ARGV[1])
 local expired = sweep_expired(limit)

@@ -22,6 +22,7 @@
 -- is pending or running (begin_write_down), so no slot is handed out until `end` has made the
 -- free list of the slots no admitted object holds. A node that dies during a recovery runs it
 -- again when it registers: what it admitted is KEPT.
+-- Uses     call, nodes, pages, quotas, tier, objects, replicas
 
 local id, epoch, op = ARGV[1], ARGV[2], ARGV[3]
 local sid = slots_of(id)

@@ -15,6 +15,7 @@
 -- deregistered its pool from every transport (which fences every lease and request of the old
 -- keys). So its objects are dropped (swept in batches; unreadable at once) and its pool starts
 -- over.
+-- Uses     call, nodes, quotas, tier, objects, grants
 
 local id, epoch = ARGV[1], ARGV[2]
 local ps, count = tonumber(ARGV[3]), tonumber(ARGV[4])

@@ -11,6 +11,7 @@
 -- once its lease has passed and its nodes have fenced through it (reclaim). With drop, the
 -- record goes now, unless a page before `from` is still the reservation's (a put the client
 -- believes settled is not): then it stays for reclaim. Idempotent.
+-- Uses     call, pages, quotas, publish
 
 local res, from, drop = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local pk = P .. ':put:' .. res

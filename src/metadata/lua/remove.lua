@@ -5,6 +5,7 @@
 -- Returns  OK; NOT_FOUND
 --
 -- Every copy of an object put with replicas goes with it.
+-- Uses     call, objects, replicas
 
 local keys = present_copies(ARGV[1])
 if #keys == 0 then return redis.error_reply('NOT_FOUND no object ' .. ARGV[1]) end

@@ -14,6 +14,7 @@
 -- its lease, fence and reclaim are a put's, and the pages no commit took return with it.
 -- Repeating a reservation with the same token returns the same pages (a retry after a lost
 -- reply).
+-- Uses     call, capacity, placement
 
 return place_put(ARGV[1], '', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], avoid_from_args(6), false, {},
                  ARGV[5])

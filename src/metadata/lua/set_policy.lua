@@ -1,5 +1,5 @@
 -- set_policy.lua: the cell's eviction policy (kvstash policy): which object a full pool gives up
--- first (prelude.lua, "Eviction policy").
+-- first (prelude/policy.lua).
 --
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     the policy ('lru', 'arc' or 'turn-ttl'), or '' to change nothing; turn-ttl's clock
@@ -11,6 +11,7 @@
 --
 -- A change drops the state of the policy left: under a new arc or turn-ttl, the objects stored
 -- before it go first.
+-- Uses     call, quotas, policy
 
 local want = ARGV[1] or ''
 if want ~= '' and not POLICIES[want] then

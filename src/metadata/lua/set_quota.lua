@@ -8,6 +8,7 @@
 --
 -- Changing a quota's limits keeps its counts: objects over a lowered limit leave by its own
 -- eviction as the prefix's next puts need room.
+-- Uses     call, quotas
 
 local prefix, max_objects, max_bytes = ARGV[1], ARGV[2], ARGV[3]
 if prefix == '' then return redis.error_reply('INVALID a quota needs a key prefix') end

@@ -4,6 +4,7 @@
 -- ARGV     key
 -- Returns  size, checksum, layout, extents, nodes, ms to expiry (-1: none), token, tier ('dram'
 --          or 'ssd'); NOT_FOUND
+-- Uses     call, objects, replicas
 
 local o = lookup(ARGV[1])  -- the object itself (its version is its put's), else a copy
 if not o then o = lookup_copy(ARGV[1]) end

@@ -3,6 +3,7 @@
 -- KEYS[1]  the cell's key prefix (P); every key a script touches starts with it
 -- ARGV     key, ttl_ms (0: no expiry)
 -- Returns  OK; NOT_FOUND
+-- Uses     call, quotas, policy, replicas
 
 local ttl = tonumber(ARGV[2])
 local keys = present_copies(ARGV[1])  -- every copy of it
