@@ -4,19 +4,19 @@
 #include <iostream>
 #include <sstream>
 
-#include "checksum.h"
-#include "churn.h"
+#include "checksum_bench.h"
+#include "churn_bench.h"
 #include "common/system.h"
 #include "common/units.h"
-#include "kvcache.h"
+#include "kvcache_bench.h"
 #include "kvstash/types.h"
-#include "metadata.h"
-#include "p2p.h"
-#include "peers.h"
-#include "replay.h"
-#include "serve.h"
-#include "store.h"
-#include "tier.h"
+#include "metadata_bench.h"
+#include "p2p_bench.h"
+#include "peers_bench.h"
+#include "replay_bench.h"
+#include "serve_bench.h"
+#include "store_bench.h"
+#include "tier_bench.h"
 
 namespace {
 

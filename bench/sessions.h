@@ -9,7 +9,7 @@
 
 #include "kvstash/memory.h"
 #include "kvstash/status.h"
-#include "store.h"
+#include "store_bench.h"
 
 namespace kvstash::bench {
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The house's layers, held against the code: every #include "..." of src/, include/, tools/
 and bench/ must point into a folder its layer may include (docs/architecture.md, "Layers",
-and each folder's README). Fails naming each include that runs the wrong way.
+and each folder's README). Fails naming each include that runs the wrong way, and each header
+of tools/ or bench/ named as a public header is (bench/store.h beside include/kvstash/store.h:
+`#include "store.h"` would say one and mean the other to a reader).
 
 usage: layering_test.py SOURCE_ROOT
 """
@@ -88,6 +90,11 @@ def main():
                         target = resolve(root, source, m.group(1))
                         if target is not None and not allowed(layer, target):
                             wrong.append(f"{source}:{number}: {layer} may not include {target}")
+    public = set(os.listdir(os.path.join(root, PUBLIC)))
+    for top in ("tools", "bench"):
+        for folder, _, names in os.walk(os.path.join(root, top)):
+            for name in sorted(n for n in names if n.endswith(".h") and n in public):
+                wrong.append(f"{os.path.relpath(os.path.join(folder, name), root)}: named as {PUBLIC}/{name}")
     if wrong:
         print("includes that run against the layers (docs/architecture.md):")
         for w in wrong:

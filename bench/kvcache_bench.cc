@@ -1,5 +1,5 @@
 // `kvstash-bench kvcache`: a scattered, layer-wise session against contiguous objects.
-#include "kvcache.h"
+#include "kvcache_bench.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,7 +1,7 @@
-// `kvstash-bench churn`: clients keep a cell full (churn.h). Every put's bytes are a window of
+// `kvstash-bench churn`: clients keep a cell full (churn_bench.h). Every put's bytes are a window of
 // one random buffer, named in its object layout, so every get that finds an object compares
 // all of its bytes with what was put.
-#include "churn.h"
+#include "churn_bench.h"
 
 #include <unistd.h>
 

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/units.h"
-#include "kvcache.h"
+#include "kvcache_bench.h"
 #include "kvcache/cuda/cuda_device.h"
 #include "kvstash/kvcache.h"
 #include "kvstash/store.h"

@@ -1,4 +1,4 @@
-#include "p2p.h"
+#include "p2p_bench.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,4 +1,4 @@
-#include "tier.h"
+#include "tier_bench.h"
 
 #include <unistd.h>
 

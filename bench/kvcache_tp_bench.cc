@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/units.h"
-#include "kvcache.h"
+#include "kvcache_bench.h"
 #include "kvstash/store.h"
 #include "measure.h"
 

@@ -38,7 +38,7 @@
 
 #include "common/thread_pool.h"
 #include "measure.h"
-#include "metadata.h"
+#include "metadata_bench.h"
 #include "metadata/cell.h"
 #include "metadata/quotas.h"
 #include "metadata/read_releases.h"

@@ -8,7 +8,7 @@
 
 #include "common/units.h"
 #include "metadata/redis_client.h"
-#include "store_internal.h"
+#include "store_bench_internal.h"
 
 namespace kvstash::bench {
 

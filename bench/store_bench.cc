@@ -1,7 +1,7 @@
 // `kvstash-bench store`: the Store measured per backend against the Redis-bytes baseline
-// (store_redis.cc), on the synthetic sessions (sessions.h), and the run that starts a private
+// (store_redis_bench.cc), on the synthetic sessions (sessions.h), and the run that starts a private
 // cell when it is given none.
-#include "store.h"
+#include "store_bench.h"
 
 #include <unistd.h>
 
@@ -26,7 +26,7 @@
 #include "kvstash_config.h"
 #include "metadata/redis_client.h"
 #include "references.h"
-#include "store_internal.h"
+#include "store_bench_internal.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {

@@ -7,7 +7,7 @@
 // room because leased objects block the LRU's head, contains_prefix, the sweep of a dead node
 // holding half the objects, a node registering again over its earlier life, and the CLI's
 // LRU eviction. Redis runs one script at a time: what one holds, every client waits.
-#include "metadata.h"
+#include "metadata_bench.h"
 
 #include <algorithm>
 #include <atomic>

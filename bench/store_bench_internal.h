@@ -1,5 +1,5 @@
 // Private to `kvstash-bench store`: its rows and the class that measures each backend
-// (store.cc: the Store and the output; store_redis.cc: the Redis-bytes baseline).
+// (store_bench.cc: the Store and the output; store_redis_bench.cc: the Redis-bytes baseline).
 #pragma once
 
 #include <optional>
@@ -10,7 +10,7 @@
 #include "kvstash/store.h"
 #include "measure.h"
 #include "sessions.h"
-#include "store.h"
+#include "store_bench.h"
 
 namespace kvstash::bench {
 

@@ -1,5 +1,5 @@
-// `kvstash-bench serve`: a simulated engine's request stream over kvstash (serve.h).
-#include "serve.h"
+// `kvstash-bench serve`: a simulated engine's request stream over kvstash (serve_bench.h).
+#include "serve_bench.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "peers.h"
+#include "peers_bench.h"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,7 +18,7 @@
 
 #include "common/units.h"
 #include "measure.h"
-#include "p2p.h"
+#include "p2p_bench.h"
 #include "plot.h"
 
 #ifndef KVSTASH_BENCH_PEERS_DIR

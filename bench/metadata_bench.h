@@ -1,6 +1,6 @@
 // `kvstash-bench metadata`: what one Redis gives the metadata plane. By default, operations per
-// second with N clients next to redis-benchmark on the same Redis (metadata_load.cc); with
-// --scripts, how long each script holds Redis in a cell of many objects (metadata.cc).
+// second with N clients next to redis-benchmark on the same Redis (metadata_load_bench.cc); with
+// --scripts, how long each script holds Redis in a cell of many objects (metadata_bench.cc).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// `kvstash-bench tier --store`: the NVMe tier under a real kvstashd (bench/tier.h says what
+// `kvstash-bench tier --store`: the NVMe tier under a real kvstashd (bench/tier_bench.h says what
 // it measures). docs/nvme-tier.md has the figures.
 #include <unistd.h>
 
@@ -19,7 +19,7 @@
 #include "kvstash/store.h"
 #include "measure.h"
 #include "metadata/cell.h"
-#include "tier.h"
+#include "tier_bench.h"
 #include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {

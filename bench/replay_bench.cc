@@ -1,5 +1,5 @@
-// `kvstash-bench replay` (replay.h): the model's rows, then the trace through a real cell.
-#include "replay.h"
+// `kvstash-bench replay` (replay_bench.h): the model's rows, then the trace through a real cell.
+#include "replay_bench.h"
 
 #include <unistd.h>
 

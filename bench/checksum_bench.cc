@@ -1,7 +1,7 @@
-// `kvstash-bench checksum` (checksum.h). One buffer of random bytes, hashed `rounds` times per
+// `kvstash-bench checksum` (checksum_bench.h). One buffer of random bytes, hashed `rounds` times per
 // row; GB/s = bytes hashed / wall time. The tree on several threads splits the segment's
 // blocks into contiguous ranges, one per thread, and folds their digests: the same sum.
-#include "checksum.h"
+#include "checksum_bench.h"
 
 #include <xxhash.h>
 
