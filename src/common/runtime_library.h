@@ -24,6 +24,11 @@ class RuntimeLibrary {
   // The address of `name` in the library or its dependencies (UCX's ucs_* are libucs's), or
   // nullptr when the library is unavailable or lacks it.
   void* symbol(const char* name) const;
+  // symbol() as a function of type `Fn` (a pointer to function), or nullptr.
+  template <typename Fn>
+  Fn function(const char* name) const {
+    return reinterpret_cast<Fn>(symbol(name));
+  }
 
  private:
   void* handle_ = nullptr;

@@ -13,29 +13,20 @@ const sys::RuntimeLibrary& library() {
   static const sys::RuntimeLibrary lib({"libucp.so.0"}, "install UCX (Debian and Ubuntu: libucx0)");
   return lib;
 }
-
-namespace {
-
-template <typename Fn>
-Fn resolve(const char* name) {
-  return reinterpret_cast<Fn>(library().symbol(name));
-}
-
-}  // namespace
 }  // namespace kvstash::transport::ucx
 
 // `fail` is what the call returns when the library or the function is missing.
-#define KVSTASH_UCX_CALL(ret, name, fail, params, args)               \
-  extern "C" ret name params {                                        \
-    using Fn = ret(*) params;                                         \
-    static const Fn fn = kvstash::transport::ucx::resolve<Fn>(#name); \
-    return fn != nullptr ? fn args : (fail);                          \
+#define KVSTASH_UCX_CALL(ret, name, fail, params, args)                          \
+  extern "C" ret name params {                                                   \
+    using Fn = ret(*) params;                                                    \
+    static const Fn fn = kvstash::transport::ucx::library().function<Fn>(#name); \
+    return fn != nullptr ? fn args : (fail);                                     \
   }
-#define KVSTASH_UCX_CALL_VOID(name, params, args)                     \
-  extern "C" void name params {                                       \
-    using Fn = void(*) params;                                        \
-    static const Fn fn = kvstash::transport::ucx::resolve<Fn>(#name); \
-    if (fn != nullptr) fn args;                                       \
+#define KVSTASH_UCX_CALL_VOID(name, params, args)                                \
+  extern "C" void name params {                                                  \
+    using Fn = void(*) params;                                                   \
+    static const Fn fn = kvstash::transport::ucx::library().function<Fn>(#name); \
+    if (fn != nullptr) fn args;                                                  \
   }
 
 namespace {

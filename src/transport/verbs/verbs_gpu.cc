@@ -1,6 +1,5 @@
 #include "transport/verbs/verbs_gpu.h"
 
-#include <dlfcn.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +13,7 @@
 
 #include "common/fd.h"
 #include "common/log.h"
+#include "common/runtime_library.h"
 
 namespace kvstash::transport::verbs {
 namespace {
@@ -32,21 +32,15 @@ constexpr std::string_view kExpandableHint =
     "(PyTorch maps its expandable segments so: register memory allocated with "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or let the KV-cache layer stage it)";
 
-// libcuda.so.1, or nullptr without a driver. Loaded once, never unloaded.
-void* libcuda() {
-  static void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+// libcuda.so.1 (unavailable without a driver). Loaded once, never unloaded.
+const sys::RuntimeLibrary& libcuda() {
+  static const sys::RuntimeLibrary lib({"libcuda.so.1"}, "install the NVIDIA driver");
   return lib;
 }
 
 template <typename Fn>
-Fn driver_fn(const char* name) {
-  void* lib = libcuda();
-  return lib == nullptr ? nullptr : reinterpret_cast<Fn>(::dlsym(lib, name));
-}
-
-template <typename Fn>
 void load(Fn& fn, const char* name) {
-  fn = driver_fn<Fn>(name);
+  fn = libcuda().function<Fn>(name);
 }
 
 std::string cu_error(const CudaDriver& d, int rc) {
@@ -277,9 +271,9 @@ std::size_t pick_keyed_lane(std::span<const std::size_t> lane_devices, std::uint
 }
 
 std::optional<std::string> gpu_pci_bus_id(const void* dptr) {
-  static const auto attribute = driver_fn<PointerGetAttributeFn>("cuPointerGetAttribute");
-  static const auto device_get = driver_fn<DeviceGetFn>("cuDeviceGet");
-  static const auto bus_id = driver_fn<DeviceGetPciBusIdFn>("cuDeviceGetPCIBusId");
+  static const auto attribute = libcuda().function<PointerGetAttributeFn>("cuPointerGetAttribute");
+  static const auto device_get = libcuda().function<DeviceGetFn>("cuDeviceGet");
+  static const auto bus_id = libcuda().function<DeviceGetPciBusIdFn>("cuDeviceGetPCIBusId");
   if (dptr == nullptr || attribute == nullptr || device_get == nullptr || bus_id == nullptr)
     return std::nullopt;
   int ordinal = -1;

@@ -16,33 +16,24 @@ const sys::RuntimeLibrary& library() {
       {"libibverbs.so.1"}, "install rdma-core (Debian and Ubuntu: libibverbs1 ibverbs-providers)");
   return lib;
 }
-
-namespace {
-
-template <typename Fn>
-Fn resolve(const char* name) {
-  return reinterpret_cast<Fn>(library().symbol(name));
-}
-
-}  // namespace
 }  // namespace kvstash::transport::verbs
 
 // `fail` is what the call returns when the library or the function is missing.
-#define KVSTASH_VERBS_CALL(ret, name, fail, params, args)               \
-  extern "C" ret(name) params {                                         \
-    using Fn = ret(*) params;                                           \
-    static const Fn fn = kvstash::transport::verbs::resolve<Fn>(#name); \
-    if (fn == nullptr) {                                                \
-      errno = ENOSYS;                                                   \
-      return fail;                                                      \
-    }                                                                   \
-    return fn args;                                                     \
+#define KVSTASH_VERBS_CALL(ret, name, fail, params, args)                          \
+  extern "C" ret(name) params {                                                    \
+    using Fn = ret(*) params;                                                      \
+    static const Fn fn = kvstash::transport::verbs::library().function<Fn>(#name); \
+    if (fn == nullptr) {                                                           \
+      errno = ENOSYS;                                                              \
+      return fail;                                                                 \
+    }                                                                              \
+    return fn args;                                                                \
   }
-#define KVSTASH_VERBS_CALL_VOID(name, params, args)                     \
-  extern "C" void(name) params {                                        \
-    using Fn = void(*) params;                                          \
-    static const Fn fn = kvstash::transport::verbs::resolve<Fn>(#name); \
-    if (fn != nullptr) fn args;                                         \
+#define KVSTASH_VERBS_CALL_VOID(name, params, args)                                \
+  extern "C" void(name) params {                                                   \
+    using Fn = void(*) params;                                                     \
+    static const Fn fn = kvstash::transport::verbs::library().function<Fn>(#name); \
+    if (fn != nullptr) fn args;                                                    \
   }
 
 KVSTASH_VERBS_CALL(ibv_device**, ibv_get_device_list, nullptr, (int* n), (n))
