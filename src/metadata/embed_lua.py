@@ -95,20 +95,18 @@ def check_uses(prelude: list, scripts: list, fix: bool) -> list:
     """Each module's and script's prelude modules, against its header's Uses line. Returns the
     mismatches (or, with `fix`, rewrites the lines and returns none)."""
     order = [p.stem for p in prelude]
-    defines = {}
+    codes = [code_of(script_text(path)) for path in prelude + scripts]
+    defines = {m: defined_names(code) for m, code in zip(order, codes)}
     errors = []
-    for i, path in enumerate(prelude + scripts):
+    for i, (path, code) in enumerate(zip(prelude + scripts, codes)):
         text = path.read_text(encoding="utf-8")
-        code = code_of(script_text(path))
-        mine = defined_names(code) if i < len(prelude) else set()
-        used = names_used(code) - mine
-        modules = [m for m in order if m != path.stem and used & defines.get(m, set())]
-        if i < len(prelude):
-            later = [n for n in sorted(used) for m in order[i + 1:] if n in defined_names(
-                code_of(script_text(prelude[order.index(m)])))]
+        module = i < len(prelude)
+        used = names_used(code) - (defines[order[i]] if module else set())
+        modules = [m for m in (order[:i] if module else order) if used & defines[m]]
+        if module:
+            later = sorted(n for n in used if any(n in defines[m] for m in order[i + 1:]))
             if later:
                 errors.append(f"{path}: uses {', '.join(later)} of a module declared after it")
-            defines[path.stem] = mine
         want = uses_line(modules)
         found = USES.search(text)
         if found and found.group(0) == want:
