@@ -230,16 +230,21 @@ def evicted_and_promoted(tier):
     return engine, a, answers, loaded
 
 
-def stored_then_fresh_engine(tier):
-    """An engine offloads prompt 3's chunks and shuts down; a fresh engine (its own CPU tier,
-    its own tier instance) looks up the prompt with 3 more blocks. Returns (the fresh engine,
-    the stored keys, the answers for all, the bytes loaded for the hits)."""
+def offload_and_close(tier, keys):
+    """An engine offloads `keys` (one request's chunks) through `tier` and shuts down."""
     first = Engine(tier)
-    keys = chain(3, 6)
     ctx = first.request("p")
     first.store(ctx, keys)
     first.finish(ctx)
     first.close()
+
+
+def stored_then_fresh_engine(tier):
+    """An engine offloads prompt 3's chunks and shuts down; a fresh engine (its own CPU tier,
+    its own tier instance) looks up the prompt with 3 more blocks. Returns (the fresh engine,
+    the stored keys, the answers for all, the bytes loaded for the hits)."""
+    keys = chain(3, 6)
+    offload_and_close(tier, keys)
     engine = Engine(tier)
     ctx = engine.request("q")
     longer = chain(3, 9)
@@ -330,12 +335,8 @@ class TierTest(unittest.TestCase):
         self.assertEqual(answers, [MISS] * 9)
 
     def test_a_chunk_removed_or_corrupt_after_its_lookup_fails_alone(self):
-        first = Engine(kvstash_tier(URL))
         keys = chain(4, 6)
-        ctx = first.request("p")
-        first.store(ctx, keys)
-        first.finish(ctx)
-        first.close()
+        offload_and_close(kvstash_tier(URL), keys)
         engine = Engine(kvstash_tier(URL))
         try:
             ctx = engine.request("q")
@@ -370,12 +371,8 @@ class TierTest(unittest.TestCase):
         cell = engine_fixture.Cell(BUILD)
         try:
             tier = kvstash_tier(cell.url, timeout_ms=2000)
-            first = Engine(tier)
             keys = chain(5, 4)
-            ctx = first.request("p")
-            first.store(ctx, keys)
-            first.finish(ctx)
-            first.close()
+            offload_and_close(tier, keys)
             engine = Engine(tier)
             try:
                 ctx = engine.request("q")
