@@ -168,6 +168,59 @@ TEST_F(CatalogTest, AnnouncedObjectsAreLoggedStoredThenRemovedWithTheirDataInOrd
   EXPECT_EQ(redis_->command({"HGET", p + ":events", "epoch"}).value().str(), "1") << "a failover";
 }
 
+// A commit carries its object's event data in its own script (a KV save's chunks: one Redis
+// call, not a commit and then an announce): recorded, logged stored and later removed with the
+// same data while the cell's events are on; nothing recorded while they are off. Each commit says
+// whether it recorded it. Batched commits (commit_reserveds) say it per put.
+TEST_F(CatalogTest, ACommitRecordsItsEventDataInItsOwnScript) {
+  ASSERT_TRUE(add_node("a", 8).is_ok());
+  const std::string p = cell_->prefix();
+  auto log = [&] {
+    std::vector<std::string> got;
+    auto r = redis_->command({"XRANGE", p + ":events:log", "-", "+"}).value();
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      const redisReply* f = r.element(i)->element[1];
+      got.push_back(std::string(f->element[1]->str) + " " + f->element[3]->str + " " + f->element[5]->str);
+    }
+    return got;
+  };
+  auto commit = [&](const std::string& key, std::string_view event, bool* announced) {
+    const std::string token = "t-" + key + "-" + std::to_string(++puts_);
+    EXPECT_TRUE(cat_->begin_put(token, key, kPage, 30s).is_ok());
+    return cat_->commit_put(token, key, {1}, "", 0ms, std::nullopt, 1, {}, 0, event, announced);
+  };
+  bool announced = true;
+  ASSERT_TRUE(commit("off", "ev-off", &announced).is_ok());
+  EXPECT_FALSE(announced) << "events off";
+  EXPECT_TRUE(redis_->command({"HGET", p + ":obj:off", "ev"}).value().is_nil());
+  EXPECT_EQ(redis_->command({"EXISTS", p + ":events:log"}).value().integer(), 0);
+
+  ASSERT_TRUE(redis_->command({"HSET", p + ":events", "maxlen", "1000"}).is_ok());
+  ASSERT_TRUE(commit("a", "ev-a", &announced).is_ok());
+  EXPECT_TRUE(announced);
+  ASSERT_TRUE(commit("plain", "", &announced).is_ok());
+  EXPECT_FALSE(announced) << "no event data";
+  EXPECT_EQ(commit("big", std::string(kMaxEventData + 1, 'e'), &announced).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(redis_->command({"SISMEMBER", p + ":events:objs", "a"}).value().integer(), 1);
+
+  ASSERT_TRUE(cat_->reserve_pages("res", 2 * kPage, 0, 30s).is_ok());
+  const std::vector<Catalog::ReservedCommit> batch{
+      {.pages = {"res", 0, 1}, .token = "r1", .key = "b", .size = kPage, .checksum = {1}, .event = "ev-b"},
+      {.pages = {"res", 1, 1}, .token = "r2", .key = "c", .size = kPage, .checksum = {1}}};
+  std::vector<bool> each;
+  auto committed = cat_->commit_reserveds(batch, &each);
+  ASSERT_TRUE(committed.is_ok()) << committed.status().to_string();
+  EXPECT_TRUE((*committed)[0].is_ok() && (*committed)[1].is_ok());
+  EXPECT_EQ(each, (std::vector<bool>{true, false}));
+
+  ASSERT_TRUE(cat_->remove("a").is_ok());
+  ASSERT_TRUE(cat_->remove("b").is_ok());
+  ASSERT_TRUE(cat_->remove("c").is_ok());
+  EXPECT_EQ(log(),
+            (std::vector<std::string>{"stored a ev-a", "stored b ev-b", "removed a ev-a", "removed b ev-b"}));
+}
+
 TEST_F(CatalogTest, PutSpansNodesMostFreeFirstAndGetSeesTheSamePages) {
   ASSERT_TRUE(add_node("a", 10).is_ok());
   ASSERT_TRUE(add_node("b", 6).is_ok());

@@ -3,6 +3,7 @@
 #include "kvstash/kvcache.h"
 
 #include <gtest/gtest.h>
+#include <hiredis/hiredis.h>
 
 #include <thread>
 
@@ -385,6 +386,47 @@ TEST_P(KvCacheTest, AnUnfinishedSaveLeavesNothingBehind) {
   EXPECT_EQ(kv->contains_prefix(tokens).value(), 0u);
   EXPECT_EQ(kv->begin_save(tokens, blocks, 1, 2).status().code(), StatusCode::kInvalidArgument)
       << "chunk 2 has no tokens";
+}
+
+// A save names the keys it writes (the connector needs no second derivation of them), and the
+// chunks' event data rides in their commits: once the cell's events are on, wait() has each
+// chunk's first object logged as stored with its data, and says how many it announced.
+TEST_P(KvCacheTest, ASaveNamesItsKeysAndItsCommitAnnouncesItsChunks) {
+  const KvCacheShape shape = small_shape(GetParam());
+  HostCache a(shape, 61);
+  auto kv = open(a);
+  ASSERT_TRUE(kv);
+  const auto tokens = token_ids(3 * 64, 9);
+  const auto blocks = scattered_blocks(12, shape.num_blocks, 13);
+  const std::vector<std::string> events{"ev-0", "ev-1", "ev-2"};
+  EXPECT_EQ(kv->begin_save(tokens, blocks, 0, 3, {}, {}, std::span(events).first(2)).status().code(),
+            StatusCode::kInvalidArgument)
+      << "one event per chunk";
+
+  auto redis = metadata::RedisClient::connect({.url = redis_->url(), .password = redis_->password()});
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  const std::string p = metadata::cell_prefix("default");
+  ASSERT_TRUE((*redis)->command({"HSET", p + ":events", "maxlen", "1000"}).is_ok());
+
+  auto save = kv->begin_save(tokens, blocks, 0, 3, {}, {}, events);
+  ASSERT_TRUE(save.is_ok()) << save.status().to_string();
+  EXPECT_EQ(save->keys(), kv->keys(tokens));
+  for (std::uint32_t l = 0; l < shape.num_layers; ++l) ASSERT_TRUE(save->save_layer(l).is_ok());
+  for (const auto& st : save->wait()) ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(save->announced(), 3u);
+
+  const auto keys = kv->keys(tokens);
+  std::vector<std::string> want, got;
+  for (std::size_t c = 0; c < 3; ++c)
+    want.push_back("stored " + keys[c * kv->objects_per_chunk()] + " " + events[c]);
+  auto log = (*redis)->command({"XRANGE", p + ":events:log", "-", "+"}).value();
+  for (std::size_t i = 0; i < log.size(); ++i) {
+    const redisReply* f = log.element(i)->element[1];
+    got.push_back(std::string(f->element[1]->str) + " " + f->element[3]->str + " " + f->element[5]->str);
+  }
+  std::ranges::sort(want);
+  std::ranges::sort(got);
+  EXPECT_EQ(got, want);
 }
 
 TEST_P(KvCacheTest, MemoryNoTransportReachesIsStagedThroughBounceBuffers) {

@@ -92,7 +92,10 @@ CLASSES = [
                "load": "the one-call form: begin_load, wait"}),
     dict(cpp="KvSave", c_prefix="kvstash_save_", py="KvSave",
          translate={"wait": {"c": ["finish"]},  # waits, and frees the handle
-                    "save_layer": {"c": ["layer", "layer_after"]}}),  # kvstash_save_layer[_after]
+                    "save_layer": {"c": ["layer", "layer_after"]},  # kvstash_save_layer[_after]
+                    "keys": {"c": []},  # C names a chunk's key with kvstash_kvcache_key
+                    # C saves carry no KV events' data: a C engine announces with kvstash_announce
+                    "announced": {"c": []}}),
     dict(cpp="KvLoad", c_prefix="kvstash_load_", py="KvLoad",
          translate={"wait": {"c": ["finish"]},
                     "object_statuses": {"c": []}}),  # C keys by rank: an object a chunk

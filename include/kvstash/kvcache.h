@@ -420,8 +420,14 @@ class KvSave {
   // (or whose `after` never completes before the save's deadline) is reported by wait().
   Status save_layer(std::uint32_t layer, const KvSync& after = {});
   // Waits for every write and commits: one Status per chunk (kInvalidArgument for a chunk
-  // whose layers were not all saved; kCancelled after cancel()).
+  // whose layers were not all saved; kCancelled after cancel()). All chunks' commits, and
+  // their event data (begin_save's `events`), go to Redis in one script.
   std::vector<Status> wait();
+  // The keys of the objects the save writes, chunk by chunk (KvCache::objects_per_chunk()
+  // each), as KvCache::keys names them.
+  std::vector<std::string> keys() const;
+  // After wait(): how many chunks' event data the cell recorded (0 while its events are off).
+  std::size_t announced() const;
   // Drops the save: returns once no transfer reads the cache's memory any more; nothing
   // becomes visible, the reserved pages go back. save_layer fails afterwards.
   void cancel();
@@ -541,10 +547,12 @@ class KvCache {
   // blocks are copied; the blocks' memory must not change until wait() returned). Errors
   // for the whole request: kInvalidArgument (tokens or blocks do not cover the chunks);
   // per chunk (kNoSpace, ...) through wait(). `keep` (here and in the loads): the request's
-  // lookup's, for a turn-ttl cell.
+  // lookup's, for a turn-ttl cell. `events`: none, or each chunk's event data for routers
+  // (docs/events.md), which the commit of the chunk's first object records
+  // (PutOptions::event); kInvalidArgument for another count.
   Result<KvSave> begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                             std::size_t first, std::size_t count, std::optional<Deadline> deadline = {},
-                            const std::optional<KvKeep>& keep = {});
+                            const std::optional<KvKeep>& keep = {}, std::span<const std::string> events = {});
   // Starts loading the first `count` chunks; every chunk's transfer runs at once. No byte of
   // the blocks is written before the engine's work up to `after` is done (the blocks may have
   // belonged to a request whose kernels still read them; the default is the legacy default

@@ -218,6 +218,12 @@ struct PutOptions {
   std::uint32_t replicas = 1;
   // The use this put is, for a turn-ttl cell (KeepHint).
   std::optional<KeepHint> keep;
+  // Event data for cache-aware routers (docs/events.md; at most 64 KiB; empty: none): while the
+  // cell's events are on, the put's commit records it in its own script and the cell's
+  // `kvstash events` relay publishes the object as stored, and its removal, whatever the reason,
+  // with the same data. What announce does for an object stored earlier, without its second
+  // round trip. The object's copies (replicas) carry none.
+  std::string event;
 };
 
 // Cancels gets from another thread (GetOptions::cancel). A default token cancels nothing;
@@ -350,6 +356,9 @@ class PutStream {
   Status commit();
   // Drops the put; its pages return. Waits for writes in flight.
   void abort();
+  // After a commit that succeeded: whether the cell recorded the put's event data
+  // (PutOptions::event). False without event data, or while the cell's events are off.
+  bool announced() const;
 
  private:
   friend class Store;

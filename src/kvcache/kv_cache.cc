@@ -260,8 +260,12 @@ std::optional<KeepHint> keep_hint(const std::optional<KvKeep>& keep, std::size_t
 
 Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::uint32_t> block_ids,
                                    std::size_t first, std::size_t count, std::optional<Deadline> deadline,
-                                   const std::optional<KvKeep>& keep) {
+                                   const std::optional<KvKeep>& keep, std::span<const std::string> events) {
   KVSTASH_RETURN_IF_ERROR(impl_->covers(tokens.ids, block_ids, first, count));
+  if (!events.empty() && events.size() != count) {
+    return Status::invalid_argument("kvcache: " + std::to_string(events.size()) +
+                                    " chunks' event data for a save of " + std::to_string(count) + " chunks");
+  }
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_unique<KvSave::State>();
   st->kv = impl_.get();
@@ -280,12 +284,15 @@ Result<KvSave> KvCache::begin_save(const KvTokens& tokens, std::span<const std::
       }
       chunk.bounce = std::move(b).value();
     }
-    // One checksum segment per layer: each layer's sum is the one its device computed.
-    auto stream = impl_->store->begin_put(
-        chunk.key, impl_->chunk_bytes(),
-        {.deadline = deadline,
-         .checksum_segment = impl_->layer_bytes(),
-         .keep = keep_hint(keep, u / per_chunk, impl_->keys.chunk_tokens, chunk.key)});
+    // One checksum segment per layer: each layer's sum is the one its device computed. A
+    // router hears of a chunk by its first object.
+    const bool announces = !events.empty() && chunk.object == 0;
+    auto stream =
+        impl_->store->begin_put(chunk.key, impl_->chunk_bytes(),
+                                {.deadline = deadline,
+                                 .checksum_segment = impl_->layer_bytes(),
+                                 .keep = keep_hint(keep, u / per_chunk, impl_->keys.chunk_tokens, chunk.key),
+                                 .event = announces ? events[u / per_chunk - first] : std::string()});
     if (stream.is_ok()) {
       chunk.stream = std::move(stream).value();
     } else {

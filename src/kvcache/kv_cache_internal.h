@@ -154,6 +154,7 @@ struct KvSave::State {
   std::uint32_t next_layer = 0;
   bool waited = false;
   std::atomic<bool> cancelled = false;
+  std::size_t announced = 0;  // chunks whose event data the commit recorded (wait's)
 
   // A saver's task: once the engine's work up to `written` is done, starts writing `layer` of
   // `c` (summed by the device on the direct path to device memory; gathered into a bounce

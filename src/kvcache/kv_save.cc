@@ -106,6 +106,16 @@ Status KvSave::save_layer(std::uint32_t layer, const KvSync& after) {
   return Status::ok();
 }
 
+std::vector<std::string> KvSave::keys() const {
+  std::vector<std::string> out;
+  if (!state_) return out;
+  out.reserve(state_->chunks.size());
+  for (const auto& c : state_->chunks) out.push_back(c.key);
+  return out;
+}
+
+std::size_t KvSave::announced() const { return state_ ? state_->announced : 0; }
+
 void KvSave::cancel() {
   if (!state_ || state_->waited || state_->cancelled) return;
   State& st = *state_;
@@ -154,7 +164,10 @@ std::vector<Status> KvSave::wait() {
     out.emplace_back();
   }
   const std::vector<Status> committed = st.kv->store->commit_all(ready);
-  for (std::size_t i = 0; i < ready.size(); ++i) out[ready_at[i]] = committed[i];
+  for (std::size_t i = 0; i < ready.size(); ++i) {
+    out[ready_at[i]] = committed[i];
+    if (committed[i].is_ok() && ready[i].announced()) ++st.announced;
+  }
   out = kvcache::fold_objects(out, st.kv->per_chunk());
   count_chunks(*st.kv->store, "save", out);
   return out;

@@ -32,18 +32,44 @@ std::vector<std::string_view> with_avoided(std::vector<std::string_view> args,
   return args;
 }
 
-// One status per item of a script that answers per item (end_gets, commit_reserveds): OK, or
-// the text an error reply would have carried.
-Result<std::vector<Status>> statuses_of(const Reply& r, std::size_t items, std::string_view script) {
+// What a commit script replies once the object is published: OK, or this when the commit's
+// event data was recorded too (lua/prelude/publish.lua, committed_reply).
+constexpr std::string_view kAnnounced = "OK announced";
+
+// One status per item of a script that answers per item (end_gets, commit_reserveds): OK (or
+// kAnnounced), or the text an error reply would have carried.
+Result<std::vector<Status>> statuses_of(const Reply& r, std::size_t items, std::string_view script,
+                                        std::vector<bool>* announced = nullptr) {
   if (r.type() != Reply::Type::kArray || r.size() != items)
     return corrupt("unexpected reply to " + std::string(script));
   std::vector<Status> out;
   out.reserve(items);
+  if (announced != nullptr) announced->assign(items, false);
   for (std::size_t i = 0; i < items; ++i) {
     const std::string_view text = text_of(r.element(i));
-    out.push_back(text == "OK" ? Status::ok() : error_status(text));
+    const bool with_event = text == kAnnounced;
+    if (with_event && announced != nullptr) (*announced)[i] = true;
+    out.push_back(text == "OK" || with_event ? Status::ok() : error_status(text));
   }
   return out;
+}
+
+// A commit script's reply as a status; `announced` (when given) whether its event data was
+// recorded.
+Status committed(Result<Reply> r, bool* announced) {
+  if (announced != nullptr) *announced = false;
+  KVSTASH_RETURN_IF_ERROR(r.status());
+  if (announced != nullptr) *announced = text_of(r->raw()) == kAnnounced;
+  return Status::ok();
+}
+
+// The event data a commit records, checked as announce checks it.
+Status check_event(std::string_view key, std::string_view event) {
+  if (event.size() > kMaxEventData) {
+    return Status::invalid_argument("event data of " + std::string(key) + " must be at most " +
+                                    std::to_string(kMaxEventData) + " bytes");
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -75,13 +101,16 @@ Result<Placement> Catalog::place_put(std::string_view token, std::string_view ke
 Status Catalog::commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                            std::string_view layout, std::chrono::milliseconds ttl,
                            const std::optional<std::string>& if_version, std::uint32_t copies,
-                           std::string_view keep, std::int64_t commit_by_ms) {
+                           std::string_view keep, std::int64_t commit_by_ms, std::string_view event,
+                           bool* announced) {
+  KVSTASH_RETURN_IF_ERROR(check_event(key, event));
   std::string sum = sum::to_text(checksum), t = ms(ttl), n = std::to_string(copies);
   std::string by = std::to_string(commit_by_ms);
   // "" unconditional, "!" no object, "=<token>" that object.
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
-  return redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n, keep, by})
-      .status();
+  return committed(
+      redis_.eval(scripts::commit_put(), {prefix_}, {token, key, sum, layout, t, cond, n, keep, by, event}),
+      announced);
 }
 
 Result<std::uint64_t> Catalog::abort_put(std::string_view token, std::span<const std::string> fenced) {
@@ -110,26 +139,30 @@ Result<Placement> Catalog::reserve_pages(std::string_view token, std::uint64_t s
 Status Catalog::commit_reserved(const ReservedPages& pages, std::string_view token, std::string_view key,
                                 std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                                 std::chrono::milliseconds ttl, const std::optional<std::string>& if_version,
-                                std::uint32_t copies, std::string_view keep, std::int64_t commit_by_ms) {
+                                std::uint32_t copies, std::string_view keep, std::int64_t commit_by_ms,
+                                std::string_view event, bool* announced) {
   KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
+  KVSTASH_RETURN_IF_ERROR(check_event(key, event));
   std::string first = std::to_string(pages.first), count = std::to_string(pages.count);
   std::string n = std::to_string(size), sum = sum::to_text(checksum), t = ms(ttl), c = std::to_string(copies);
   std::string by = std::to_string(commit_by_ms);
   const std::string cond = !if_version ? "" : if_version->empty() ? "!" : "=" + *if_version;
-  return redis_
-      .eval(scripts::commit_reserved(), {prefix_},
-            {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c, keep, by})
-      .status();
+  return committed(
+      redis_.eval(scripts::commit_reserved(), {prefix_},
+                  {pages.reservation, first, count, token, key, n, sum, layout, t, cond, c, keep, by, event}),
+      announced);
 }
 
-Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCommit> puts) {
+Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCommit> puts,
+                                                      std::vector<bool>* announced) {
   // The texts the arguments view, kept while the script runs.
   std::vector<std::string> texts;
   texts.reserve(puts.size() * 8);
   std::vector<std::string_view> args;
-  args.reserve(puts.size() * 13);
+  args.reserve(puts.size() * 14);
   for (const ReservedCommit& p : puts) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(p.key));
+    KVSTASH_RETURN_IF_ERROR(check_event(p.key, p.event));
     const std::size_t at = texts.size();
     texts.push_back(std::to_string(p.pages.first));
     texts.push_back(std::to_string(p.pages.count));
@@ -141,10 +174,10 @@ Result<std::vector<Status>> Catalog::commit_reserveds(std::span<const ReservedCo
     texts.push_back(std::to_string(p.commit_by_ms));
     args.insert(args.end(),
                 {p.pages.reservation, texts[at], texts[at + 1], p.token, p.key, texts[at + 2], texts[at + 3],
-                 p.layout, texts[at + 4], texts[at + 5], texts[at + 6], p.keep, texts[at + 7]});
+                 p.layout, texts[at + 4], texts[at + 5], texts[at + 6], p.keep, texts[at + 7], p.event});
   }
   KVSTASH_ASSIGN_OR_RETURN(Reply r, redis_.eval(scripts::commit_reserveds(), {prefix_}, args));
-  return statuses_of(r, puts.size(), "commit_reserveds");
+  return statuses_of(r, puts.size(), "commit_reserveds", announced);
 }
 
 bool Catalog::condition_failed(const Status& commit) {

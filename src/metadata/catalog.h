@@ -74,10 +74,13 @@ class Catalog {
   // `keep`: the put's keep_hint_text.
   // `commit_by_ms`: Redis's time (ms) after which the commit is refused kTimeout, changing
   // nothing: the client stopped waiting for it by then (Store::Impl::commit_by); 0: never.
+  // `event`: the object's KV event data (PutOptions::event; empty: none), recorded in the same
+  // script while the cell's events are on; `announced`, when given, says whether it was.
   Status commit_put(std::string_view token, std::string_view key, const sum::ObjectSum& checksum,
                     std::string_view layout, std::chrono::milliseconds ttl,
                     const std::optional<std::string>& if_version = std::nullopt, std::uint32_t copies = 1,
-                    std::string_view keep = {}, std::int64_t commit_by_ms = 0);
+                    std::string_view keep = {}, std::int64_t commit_by_ms = 0, std::string_view event = {},
+                    bool* announced = nullptr);
   // Ends a put that will not commit. Its pages on the nodes in `fenced` (those that confirmed
   // that none of its writes can land any more: Peer::revoke) and on dead nodes are freed now;
   // the others return once the lease has passed and their nodes have fenced through it
@@ -103,9 +106,11 @@ class Catalog {
                          std::uint64_t size, const sum::ObjectSum& checksum, std::string_view layout,
                          std::chrono::milliseconds ttl,
                          const std::optional<std::string>& if_version = std::nullopt,
-                         std::uint32_t copies = 1, std::string_view keep = {}, std::int64_t commit_by_ms = 0);
+                         std::uint32_t copies = 1, std::string_view keep = {}, std::int64_t commit_by_ms = 0,
+                         std::string_view event = {}, bool* announced = nullptr);
   // commit_reserved of many puts in one script (a KV save's chunks, ready together): per put,
-  // what commit_reserved would have returned.
+  // what commit_reserved would have returned; `announced`, when given, per put whether its
+  // event data was recorded.
   struct ReservedCommit {
     ReservedPages pages;
     std::string_view token, key;
@@ -117,8 +122,10 @@ class Catalog {
     std::uint32_t copies = 1;
     std::string_view keep;          // keep_hint_text
     std::int64_t commit_by_ms = 0;  // as commit_reserved's
+    std::string_view event;         // as commit_reserved's
   };
-  Result<std::vector<Status>> commit_reserveds(std::span<const ReservedCommit> puts);
+  Result<std::vector<Status>> commit_reserveds(std::span<const ReservedCommit> puts,
+                                               std::vector<bool>* announced = nullptr);
   // Whether a kStale from a commit is its condition (if_version) failing, rather than the
   // put's pages or nodes.
   static bool condition_failed(const Status& commit);

@@ -505,7 +505,13 @@ PYBIND11_MODULE(_native, m) {
           "Writes the layer once the engine's work up to `after` is done (default: the legacy default "
           "stream); returns at once.")
       .def("wait", [](PySave& s) { return statuses(nogil([&] { return s.save.wait(); })); })
-      .def("cancel", [](PySave& s) { nogil([&] { s.save.cancel(); }); });
+      .def("cancel", [](PySave& s) { nogil([&] { s.save.cancel(); }); })
+      .def(
+          "keys", [](const PySave& s) { return s.save.keys(); },
+          "The keys of the objects the save writes, chunk by chunk (KvCache.objects_per_chunk() each).")
+      .def(
+          "announced", [](const PySave& s) { return s.save.announced(); },
+          "After wait(): how many chunks' event data the cell recorded (0 while its events are off).");
 
   py::class_<PyLoad, std::shared_ptr<PyLoad>>(m, "KvLoad")
       .def(
@@ -686,18 +692,21 @@ PYBIND11_MODULE(_native, m) {
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,
              const std::vector<std::uint32_t>& block_ids, std::size_t first, std::size_t count,
              std::uint32_t timeout_ms, const std::vector<std::string>& chunk_salts,
-             const std::optional<KvKeep>& keep) {
+             const std::optional<KvKeep>& keep, const std::vector<std::string>& events) {
             auto s = std::make_shared<PySave>();
             s->kv = k;
             s->save = unwrap(nogil([&] {
               return k->kv->begin_save({tokens, chunk_salts}, block_ids, first, count,
-                                       deadline_of(timeout_ms), keep);
+                                       deadline_of(timeout_ms), keep, events);
             }));
             return s;
           },
           py::arg("tokens"), py::arg("block_ids"), py::arg("first"), py::arg("count"),
           py::arg("timeout_ms") = 0, py::arg("chunk_salts") = std::vector<std::string>{},
-          py::arg("keep") = py::none())
+          py::arg("keep") = py::none(), py::arg("events") = std::vector<std::string>{},
+          "Starts a layer-wise save of chunks [first, first + count). `events`: none, or each chunk's "
+          "event data (msgpack, docs/events.md), recorded by the chunks' commits while the cell's events "
+          "are on.")
       .def(
           "begin_load",
           [](std::shared_ptr<PyKvCache> k, const std::vector<std::uint32_t>& tokens,

@@ -65,6 +65,7 @@ struct PutStream::State {
   bool node_lost = false;        // writes failed because a node went away; it is avoided now
   std::uint32_t copies = 1;      // of a put with replicas (the commit of the object itself says it)
   bool in_put = false;           // Store::put's own stream: that put is what its metrics count
+  bool announced = false;        // the commit recorded the put's event data (PutOptions::event)
 
   explicit State(std::uint64_t segment) : hash(segment) {}
 
@@ -243,6 +244,7 @@ PutStream::~PutStream() { abort(); }
 
 std::uint64_t PutStream::size() const { return state_ ? state_->size : 0; }
 std::uint64_t PutStream::written() const { return state_ ? state_->written : 0; }
+bool PutStream::announced() const { return state_ && state_->announced; }
 
 Status PutStream::wait_written(std::uint64_t end) {
   if (!state_) return Status::invalid_argument("store: wait on an empty put stream");
@@ -318,7 +320,7 @@ Status PutStream::commit() {
   }
   MetadataClock mc(st.options.timings);
   Status committed = st.impl->commit_pages(**c, st.pages, st.key, st.size, st.hash.finish(), st.options,
-                                           st.copies, st.deadline);
+                                           st.copies, st.deadline, &st.announced);
   return st.after_commit(c->cell(), committed);
 }
 
@@ -367,16 +369,19 @@ std::vector<Status> Store::commit_all(std::span<PutStream> streams) {
                       .if_version = st.options.if_version,
                       .copies = 1,
                       .keep = keep.back(),
-                      .commit_by_ms = impl_->commit_by(st.pages, deadline)});
+                      .commit_by_ms = impl_->commit_by(st.pages, deadline),
+                      .event = st.options.event});
     }
     Result<std::vector<Status>> committed = Status::internal("unset");
+    std::vector<bool> announced;
     {
       MetadataClock mc(streams[batch.front()].state_->options.timings);
-      committed = (*c)->commit_reserveds(puts);
+      committed = (*c)->commit_reserveds(puts, &announced);
     }
     for (std::size_t k = 0; k < batch.size(); ++k) {
       PutStream::State& st = *streams[batch[k]].state_;
       const Status s = committed.is_ok() ? (*committed)[k] : committed.status();
+      st.announced = committed.is_ok() && announced[k];
       impl_->reservation_committed(st.pages, s);
       out[batch[k]] = st.after_commit(c->cell(), s);
     }
@@ -474,9 +479,11 @@ Status Store::put_all(std::string_view key, std::span<const Slice> data, const P
   // The copies first, each apart from the ones before; the object itself last, its commit
   // naming how many copies there are (and dropping any beyond, an earlier put's).
   Copy copy{.copies = o.replicas, .apart = {}};
+  PutOptions copy_options = o;
+  copy_options.event.clear();  // a router hears of the object, not of its copies
   for (std::uint32_t i = 1; i < o.replicas; ++i) {
     const std::string copy_key = metadata::copy_key(key, i);
-    Status s = put(copy_key, data, o, &copy);
+    Status s = put(copy_key, data, copy_options, &copy);
     if (!s.is_ok()) return s.with_context("copy " + std::to_string(i) + " of " + std::string(key));
   }
   return put(key, data, o, &copy);

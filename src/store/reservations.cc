@@ -163,14 +163,15 @@ std::int64_t Store::Impl::commit_by(const store::PutPages& pages, Deadline deadl
 
 Status Store::Impl::commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                                  std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
-                                 std::uint32_t copies, Deadline deadline) {
+                                 std::uint32_t copies, Deadline deadline, bool* announced) {
   const std::string keep = metadata::keep_hint_text(o.keep);
   const std::int64_t by = commit_by(pages, deadline);
   if (!pages.reservation) {
-    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies, keep, by);
+    return c.commit_put(pages.token, key, checksum, o.object_layout, o.ttl, o.if_version, copies, keep, by,
+                        o.event, announced);
   }
   Status s = c.commit_reserved(pages.run(), pages.token, key, size, checksum, o.object_layout, o.ttl,
-                               o.if_version, copies, keep, by);
+                               o.if_version, copies, keep, by, o.event, announced);
   reservation_committed(pages, s);
   return s;
 }

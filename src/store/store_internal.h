@@ -303,7 +303,7 @@ struct Store::Impl {
   // commit_put or commit_reserved. A reservation that came back kStale is no longer taken from.
   Status commit_pages(metadata::Catalog& c, const store::PutPages& pages, std::string_view key,
                       std::uint64_t size, const sum::ObjectSum& checksum, const PutOptions& o,
-                      std::uint32_t copies, Deadline deadline);
+                      std::uint32_t copies, Deadline deadline, bool* announced = nullptr);
   // After a commit of reserved pages answered `s`: a reservation that came back kStale is no
   // longer taken from.
   void reservation_committed(const store::PutPages& pages, const Status& s);

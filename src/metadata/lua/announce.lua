@@ -15,9 +15,7 @@ local n = 0
 for i = 1, #ARGV - 1, 2 do
   local key, ev = ARGV[i], ARGV[i + 1]
   if present(key) then
-    redis.call('HSET', P .. ':obj:' .. key, 'ev', ev)
-    redis.call('SADD', P .. ':events:objs', key)
-    emit_event('stored', key, ev, nil, maxlen)
+    record_event(key, ev, maxlen)
     n = n + 1
   end
 end

@@ -6,8 +6,10 @@
 --          put's pages are freed), copies (optional, 1: the copies the put wrote, see prelude),
 --          keep hint (optional: turn-ttl's, prelude's ttl_hint), commit by (optional: Redis time
 --          in ms after which the commit changes nothing, its client having stopped waiting for
---          it; '' or 0 none: prelude's late_commit)
--- Returns  OK, also for a commit repeated after it succeeded; STALE when the put lost its lease,
+--          it; '' or 0 none: prelude's late_commit), event data (optional: KV events, recorded
+--          with the object while the cell's events are on, as announce.lua does)
+-- Returns  OK ('OK announced' when its event data was recorded), also for a commit repeated
+--          after it succeeded; STALE when the put lost its lease,
 --          was aborted, or a node of it died or restarted; TIMEOUT past its commit-by time
 --
 -- An object it replaces is released.
@@ -41,4 +43,4 @@ end
 publish(key, token, p[4], p[2], p[3], ARGV[3], ARGV[4], ttl, ARGV[7], ARGV[8])
 redis.call('DEL', pk)
 redis.call('ZREM', P .. ':pending', token)
-return 'OK'
+return committed_reply(commit_event(key, ARGV[10]))

@@ -34,3 +34,12 @@ local function emit_event(kind, key, ev, why, maxlen)
   if not maxlen then return end
   redis.call('XADD', P .. ':events:log', 'MAXLEN', '~', maxlen, '*', 't', kind, 'k', key, 'ev', ev, 'why', why or '')
 end
+
+-- An object present now takes its event data `ev` and goes out as stored (again, if it was
+-- announced before); its removal, whenever it comes, goes out with the same data. `maxlen`:
+-- events_maxlen(), which the caller checked.
+local function record_event(key, ev, maxlen)
+  redis.call('HSET', P .. ':obj:' .. key, 'ev', ev)
+  redis.call('SADD', P .. ':events:objs', key)
+  emit_event('stored', key, ev, nil, maxlen)
+end

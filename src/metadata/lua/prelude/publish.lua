@@ -1,6 +1,6 @@
 -- prelude/publish.lua: publishing a put: its conditions, the record that makes it the object,
 -- carving a page reservation, commits that arrive too late.
--- Uses     call, nodes, pages, quotas, policy, objects, replicas, eviction, reads
+-- Uses     call, nodes, pages, quotas, events, policy, objects, replicas, eviction, reads
 
 -- Why a commit's condition fails ('' none; '!' only if `key` holds no object; '=<token>'
 -- only if it holds the object that put wrote), or nil when it holds.
@@ -170,10 +170,26 @@ local function late_commit(by)
          ' ms after its client stopped waiting for it'
 end
 
--- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 13] (reservation,
+-- A commit's event data (KV events, docs/events.md; '' or nil: none), recorded with the object
+-- it just published while the cell's events are on, in the commit's own script: a router hears
+-- of the object exactly when it became one. Returns whether it was recorded.
+local function commit_event(key, ev)
+  if (ev or '') == '' then return false end
+  local maxlen = events_maxlen()
+  if not maxlen then return false end
+  record_event(key, ev, maxlen)
+  return true
+end
+
+-- What a commit replies: OK, or 'OK announced' when its event data was recorded.
+local function committed_reply(announced)
+  return announced and 'OK announced' or 'OK'
+end
+
+-- commit_reserved of the put whose arguments are a[base + 1] .. a[base + 14] (reservation,
 -- first, count, token, key, size, checksum, layout, ttl_ms, condition, copies, keep hint,
--- commit by): nil once it is the object (or already was), else why not (an error reply's
--- text: STALE, INVALID, TIMEOUT).
+-- commit by, event data): nil once it is the object (or already was) and whether its event
+-- data was recorded, else why not (an error reply's text: STALE, INVALID, TIMEOUT).
 local function commit_reserved_one(a, base)
   local res, first, count = a[base + 1], tonumber(a[base + 2]), tonumber(a[base + 3])
   local token, key, size, ttl = a[base + 4], a[base + 5], a[base + 6], tonumber(a[base + 9])
@@ -196,5 +212,5 @@ local function commit_reserved_one(a, base)
   end
   publish(key, token, size, extents, nodes_of(extents), a[base + 7], a[base + 8], ttl, a[base + 11], a[base + 12],
           o[1] ~= false)
-  return nil
+  return nil, commit_event(key, a[base + 14])
 end

@@ -317,8 +317,8 @@ class SchedulerRole(Role):
     def _chunk_events(self, request: Request, first: int, count: int) -> list[bytes] | None:
         """Chunks [first, first + count)'s event data as vLLM's own BlockStored would name their
         blocks (its block hashes, converted as its publisher converts them, and the parent
-        block's), msgpack-encoded for Store.announce; None without block hashes (no prefix
-        caching) or with kv_events off."""
+        block's), msgpack-encoded for their save's commits (KvCache.begin_save's events); None
+        without block hashes (no prefix caching) or with kv_events off."""
         if not self.config.kv_events:
             return None
         per_block = self.geometry.block_size

@@ -85,7 +85,7 @@ class Counts:
 
     def take(self, announced: int, sides: tuple[Any, ...], opened_store: kvstash.Store | None) -> KvstashStats | None:
         """The interval's counts (get_kv_connector_stats), zeroed; None when nothing was counted.
-        `announced`: the chunks the KV events' announcer announced since start; `sides`: the
+        `announced`: the chunks the saves' commits announced since start (KV events); `sides`: the
         direct path's export and import (None where closed); `opened_store`: the store if it was
         opened (its metrics' increments are added, and it is never opened for them)."""
         self.interval["chunks_announced"] += announced - self._announced_reported

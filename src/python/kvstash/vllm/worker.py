@@ -1,7 +1,7 @@
 """A worker's side of the connector (WorkerRole): its rank's KV-cache tensors registered as
 kvstash caches (one per KV-cache group, and per request salt), the loads each step starts and
 each layer waits for before its attention runs, the saves each layer adds to once its attention
-wrote it and the step waits for, the chunks it announces to routers once saved (KV events), the
+wrote it and the step waits for (their commits announcing the chunks to routers: KV events), the
 direct P/D path's export (a prefill's blocks held for its decode) and import (a decode's reads),
 and the blocks and requests whose loads failed, reported back to vLLM.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import kvstash
@@ -30,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerRole(Role):
-    """A worker's side of the connector, which vLLM's model runner calls from its forward pass
-    (the KV events' announces run on a thread of their own)."""
+    """A worker's side of the connector, which vLLM's model runner calls from its forward pass."""
 
     def __init__(self, config: KvstashConfig, geometry: Geometry, stats: dict[str, int], kv_role: str,
                  engine_id: str, kv_cache_config: KVCacheConfig):
@@ -56,9 +54,8 @@ class WorkerRole(Role):
         self._fetches: dict[str, tuple[list[tuple[ChunkRun, int, int, Any]], bool]] = {}
         self._failed_fetches: set[str] = set()
         self._load_errors: set[int] = set()
-        self._events_off_until = 0.0  # KV events: the cell's were off; ask again after this
-        self._announcer: ThreadPoolExecutor | None = None  # KV events: announces, in order
-        self._announced = 0  # chunks announced (the announcer's count)
+        self._events_off_until = 0.0  # KV events: the cell's were off; send none until then
+        self._announced = 0  # chunks whose saves' commits announced them (KV events)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]):
         g = self.geometry
@@ -362,13 +359,23 @@ class WorkerRole(Role):
             try:
                 save = cache.begin_save(run.tokens, run.block_ids[group], first, count,
                                         timeout_ms=self.config.timeout_ms, chunk_salts=run.chunk_salts,
-                                        keep=run.keep_hint())
+                                        keep=run.keep_hint(), events=self._events_of(run, group, first, count))
             except kvstash.Error as e:
                 logger.warning("kvstash: save of %s did not start: %s", run.req_id, e)
                 if group == self._primary():
                     self._stats["chunks_save_failed"] += run.count
                 continue
             self._saves.append((run, group, first, save))
+
+    def _events_of(self, run: ChunkRun, group: int, first: int, count: int) -> list[bytes]:
+        """KV events: the event data the save of chunks [first, first + count) commits with its
+        chunks (docs/events.md): rank 0's primary group's, so that a router hears of a chunk
+        once, by the key of its first object. None while the cell's events were found off (a
+        minute: the data would only travel to be dropped)."""
+        if (not run.events or group != self._primary() or self._tp_rank != 0
+                or time.monotonic() < self._events_off_until):
+            return []
+        return run.events[first - run.first:first - run.first + count]
 
     def wait_for_save(self):
         # Mamba layers call no save_kv_layer: their group's layers are saved now, the step done.
@@ -381,47 +388,24 @@ class WorkerRole(Role):
                     except kvstash.Error as e:
                         logger.warning("kvstash: saving state layer %d of %s failed: %s", layer, run.req_id, e)
         for run, group, first, save in self._saves:
-            saved = []
-            for i, (code, message) in enumerate(save.wait()):
+            saved = 0
+            for code, message in save.wait():
                 if code != "ok":
                     logger.warning("kvstash: a chunk of %s was not saved: %s %s", run.req_id, code, message)
                 if group != self._primary():
                     continue  # counted and announced by the primary group's chunks
                 if code == "ok":
                     self._stats["chunks_saved"] += 1
-                    saved.append(first - run.first + i)
+                    saved += 1
                 else:
                     self._stats["chunks_save_failed"] += 1
-            if run.events and saved:
-                self._announce(run, saved)
+            announced = save.announced()
+            self._announced += announced
+            if saved and not announced and self._events_of(run, group, first, 1):
+                self._events_off_until = time.monotonic() + 60  # the cell's events are off
         self._saves.clear()
         self._saving = False
         self._finish_loads()
-
-    def _announce(self, run: ChunkRun, saved: list[int]) -> None:
-        """KV events: rank 0 announces its saved chunks (a router hears of a chunk once, by the
-        key of its first object; docs/events.md), off the forward pass: a hint for routers, which
-        nothing waits for. While the cell's events are off it asks again a minute on."""
-        if self._tp_rank != 0 or time.monotonic() < self._events_off_until:
-            return
-        g = self.geometry
-        keys = g.group_keys(run.tokens[: (run.first + run.count) * g.chunk_tokens], self._primary(), run.salt,
-                            run.chunk_salts)[::g.group_objects(self._primary())]
-        items = [(keys[run.first + i], run.events[i]) for i in saved]
-        if self._announcer is None:
-            self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-announce")
-        self._announcer.submit(self._announce_now, run.req_id, items)
-
-    def _announce_now(self, req_id: str, items: list[tuple[str, bytes]]) -> None:
-        try:
-            n = self.store.announce(items, timeout_ms=self.config.timeout_ms)
-        except kvstash.Error as e:
-            logger.warning("kvstash: chunks of %s were saved but not announced to routers: %s", req_id, e)
-            return
-        if n is None:
-            self._events_off_until = time.monotonic() + 60
-        else:
-            self._announced += n  # this thread's alone; get_kv_connector_stats reads it
 
     def _finish_loads(self) -> None:
         for run, group, first, load in self._loads:
@@ -497,7 +481,5 @@ class WorkerRole(Role):
         return out
 
     def shutdown(self) -> None:
-        if self._announcer is not None:
-            self._announcer.shutdown(wait=True)
         if self._import is not None:
             self._import.close()
