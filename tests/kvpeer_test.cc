@@ -299,26 +299,26 @@ TEST_P(KvPeerTest, AGoneExporterFailsTheReadByItsDeadline) {
 
 TEST_P(KvPeerTest, HandoffRecordsGoWithTheirLastReaderOrTheirTtl) {
   const std::vector<std::string> readers{"0", "1"};
-  ASSERT_TRUE(prefill_->publish_handoff("e1:req:a", "descriptor", readers, 10s).is_ok());
-  EXPECT_EQ(decode_->handoff("e1:req:a").value(), "descriptor");
-  EXPECT_TRUE(prefill_->handoff_pending("e1:req:a", "0").value());
-  EXPECT_TRUE(decode_->end_handoff("e1:req:a", "0").value());
-  EXPECT_FALSE(decode_->end_handoff("e1:req:a", "0").value()) << "a reader ended twice";
-  EXPECT_FALSE(prefill_->handoff_pending("e1:req:a", "0").value());
-  EXPECT_TRUE(prefill_->handoff_pending("e1:req:a", "1").value());
-  EXPECT_TRUE(decode_->end_handoff("e1:req:a", "1").value());
-  EXPECT_EQ(decode_->handoff("e1:req:a").status().code(), StatusCode::kNotFound)
+  KvHandoffs prefill(*prefill_), decode(*decode_);
+  ASSERT_TRUE(prefill.publish("e1:req:a", "descriptor", readers, 10s).is_ok());
+  EXPECT_EQ(decode.descriptor("e1:req:a").value(), "descriptor");
+  EXPECT_TRUE(prefill.pending("e1:req:a", "0").value());
+  EXPECT_TRUE(decode.end("e1:req:a", "0").value());
+  EXPECT_FALSE(decode.end("e1:req:a", "0").value()) << "a reader ended twice";
+  EXPECT_FALSE(prefill.pending("e1:req:a", "0").value());
+  EXPECT_TRUE(prefill.pending("e1:req:a", "1").value());
+  EXPECT_TRUE(decode.end("e1:req:a", "1").value());
+  EXPECT_EQ(decode.descriptor("e1:req:a").status().code(), StatusCode::kNotFound)
       << "the last reader ended it";
 
-  ASSERT_TRUE(prefill_->publish_handoff("e1:req:b", "d", readers, 200ms).is_ok());
+  ASSERT_TRUE(prefill.publish("e1:req:b", "d", readers, 200ms).is_ok());
   std::this_thread::sleep_for(400ms);
-  EXPECT_EQ(decode_->handoff("e1:req:b").status().code(), StatusCode::kNotFound) << "its ttl passed";
-  EXPECT_FALSE(prefill_->handoff_pending("e1:req:b", "0").value()) << "an expired handoff holds nothing";
+  EXPECT_EQ(decode.descriptor("e1:req:b").status().code(), StatusCode::kNotFound) << "its ttl passed";
+  EXPECT_FALSE(prefill.pending("e1:req:b", "0").value()) << "an expired handoff holds nothing";
 
-  EXPECT_EQ(prefill_->publish_handoff("has space", "d", readers, 1s).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(prefill_->publish_handoff("e1:req:c", "d", readers, 0ms).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(prefill_->publish_handoff(std::string(300, 'x'), "d", readers, 1s).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill.publish("has space", "d", readers, 1s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill.publish("e1:req:c", "d", readers, 0ms).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill.publish(std::string(300, 'x'), "d", readers, 1s).code(), StatusCode::kInvalidArgument);
 }
 
 // GPU to GPU without a GPU: both caches in device stand-in memory (the host cannot touch it once

@@ -68,8 +68,6 @@ CLASSES = [
     dict(cpp="Store", c_prefix="kvstash_", py="Store",
          translate={"open": {"c": ["store_open"], "py": ["__init__"]},
                     "register_memory": {"c": [], "py": ["register_memory"]},  # C: the KV cache registers
-                    # P/D's direct path is Python's (kvstash.vllm) and C++'s so far
-                    **{m: {"c": []} for m in ("publish_handoff", "handoff", "end_handoff", "handoff_pending")},
                     "connect_nodes": {"c": []}},  # an engine's start: Python's and C++'s so far
          omit={"get_unsized": "it is the bindings' get (they know no size in advance)",
                "begin_put": "C++ only: streamed puts are the KV cache's",
@@ -77,6 +75,7 @@ CLASSES = [
                "put_async": "C++ only", "get_async": "C++ only", "remove_async": "C++ only",
                "touch_async": "C++ only", "contains_prefix_async": "C++ only",
                "engine": "C++ only",
+               "metrics": "C++ only: the bindings read the registry's text (metrics_text)",
                "lease_reads": "C++ only: the KV cache's loads lease their chunks with it",
                "commit_all": "C++ only: the KV cache's saves commit their chunks with it"}),
     dict(cpp="KvCache", c_prefix="kvstash_kvcache_", py="KvCache",
@@ -90,6 +89,10 @@ CLASSES = [
          omit={"layout": "the bindings describe the layout at open",
                "save": "the one-call form: begin_save, save_layer, wait",
                "load": "the one-call form: begin_load, wait"}),
+    # P/D's direct path is Python's (kvstash.vllm) and C++'s so far
+    dict(cpp="KvHandoffs", c_prefix="kvstash_handoffs_", py="KvHandoffs",
+         translate={**{m: {"c": []} for m in ("publish", "descriptor", "end", "pending")},
+                    "KvHandoffs": {"c": [], "py": ["__init__"]}}),
     dict(cpp="KvSave", c_prefix="kvstash_save_", py="KvSave",
          translate={"wait": {"c": ["finish"]},  # waits, and frees the handle
                     "save_layer": {"c": ["layer", "layer_after"]},  # kvstash_save_layer[_after]

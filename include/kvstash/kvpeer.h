@@ -5,7 +5,7 @@
 // Its regions are registered for leased access only (Access::kLeased): a peer reaches them
 // through leases alone, which name the blocks, end at a deadline by the exporter's clock, and
 // carry a fence tag. descriptor() is what a reader needs (the engine's address, each region's
-// key, the layout); the exporter hands it over out of band (Redis: Store::publish_handoff).
+// key, the layout); the exporter hands it over out of band (the cell's Redis: KvHandoffs).
 //
 // A reader (the decode) opens a KvImport over its own cache of the same shape and reads blocks
 // of an export into its own blocks, every layer, one-sided: RDMA READ (GPU to GPU where the NIC
@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -131,6 +132,32 @@ class KvImport {
   struct Impl;
   explicit KvImport(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+};
+
+// Handoffs: the direct path's rendezvous. A short-lived record in the cell's Redis saying where
+// a process holds memory for `readers` (a KvExport's descriptor and the blocks) and which of
+// them have yet to read it. Only metadata: the bytes move one-sided. It lives in the cell a put
+// of its name would go to (the holder and its readers, opened on the same cells, find the same
+// one), expires after `ttl` (> 0) by Redis's clock, and goes with its last reader's end().
+// Names and readers: 1..256 printable bytes, no spaces. Publishing a name again replaces its
+// record. Every call is one Redis script, with the store's deadline (its timeout by default).
+class KvHandoffs {
+ public:
+  explicit KvHandoffs(Store& store) : store_(&store) {}
+
+  Status publish(std::string_view name, std::string_view descriptor, std::span<const std::string> readers,
+                 std::chrono::milliseconds ttl, std::optional<Deadline> deadline = {});
+  // The descriptor. kNotFound once the record expired or went with its last reader.
+  Result<std::string> descriptor(std::string_view name, std::optional<Deadline> deadline = {});
+  // `reader` is done with the memory: true when it was pending, false when it had ended
+  // already or the record expired.
+  Result<bool> end(std::string_view name, std::string_view reader, std::optional<Deadline> deadline = {});
+  // Whether `reader` has yet to end it (false once it did, or the record expired): what the
+  // holder polls before it gives the memory up.
+  Result<bool> pending(std::string_view name, std::string_view reader, std::optional<Deadline> deadline = {});
+
+ private:
+  Store* store_;
 };
 
 }  // namespace kvstash

@@ -41,8 +41,12 @@
 
 namespace kvstash {
 
+namespace store {
+class CellRecords;  // src/store/cell_records.h: the records the KV layer keeps in the cell
+}  // namespace store
+
 namespace metrics {
-class Registry;  // src/common/metrics.h: the library's own, private
+class Registry;  // kvstash/metrics.h
 }
 
 // How a client keys a memory node's pool where leasing asks the node (verbs binds a memory
@@ -462,26 +466,6 @@ class Store {
   // is left to the first operation that needs it (and logged). Errors: Redis's.
   Result<std::size_t> connect_nodes(std::optional<Deadline> deadline = {});
 
-  // Handoffs (prefill/decode disaggregation's direct path, kvstash/kvpeer.h): a short-lived
-  // record in the cell's Redis saying where this process holds memory for `readers` (a
-  // KvExport's descriptor and the blocks) and which of them have yet to read it. Only
-  // metadata: the bytes move one-sided. It expires after `ttl` (> 0) by Redis's clock, and goes
-  // with its last reader's end_handoff. Names and readers: 1..256 printable bytes, no spaces.
-  // Publishing a name again replaces its record.
-  Status publish_handoff(std::string_view name, std::string_view descriptor,
-                         std::span<const std::string> readers, std::chrono::milliseconds ttl,
-                         std::optional<Deadline> deadline = {});
-  // The descriptor. kNotFound once the record expired or went with its last reader.
-  Result<std::string> handoff(std::string_view name, std::optional<Deadline> deadline = {});
-  // `reader` is done with the memory: true when it was pending, false when it had ended
-  // already or the record expired.
-  Result<bool> end_handoff(std::string_view name, std::string_view reader,
-                           std::optional<Deadline> deadline = {});
-  // Whether `reader` has yet to end it (false once it did, or the record expired): what the
-  // holder polls before it gives the memory up.
-  Result<bool> handoff_pending(std::string_view name, std::string_view reader,
-                               std::optional<Deadline> deadline = {});
-
   // Async forms: run on the store's threads; the future holds what the sync form returns.
   // Slices are copied, not the memory they name.
   std::future<Status> put_async(std::string key, std::vector<Slice> data, PutOptions options = {});
@@ -505,11 +489,14 @@ class Store {
   // waits. For an engine to serve on its /metrics, or to hand to its own registry
   // (kvstash.vllm and kvstash.sglang do). Counts since open.
   std::string metrics_text() const;
+  // The registry those metrics are kept in (kvstash/metrics.h): the layers above the store
+  // (its KvCaches) and an engine count into it too, and metrics_text shows theirs with its own.
+  metrics::Registry& metrics();
 
  private:
   friend class PutStream;
-  friend class ReadLeases;                                // its state ends leases through the store
-  friend metrics::Registry& store_metrics(Store& store);  // src/store/store_metrics.h
+  friend class ReadLeases;          // its state ends leases through the store
+  friend class store::CellRecords;  // runs the KV layer's records' scripts in the store's cells
   struct Impl;
   struct Copy;  // which copy of a put with replicas, and the nodes it keeps apart from
   explicit Store(std::unique_ptr<Impl> impl);

@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "kvstash/metrics.h"
 
 #include <fmt/format.h>
 
@@ -19,7 +19,8 @@ void Histogram::observe(double seconds) {
 
 std::uint64_t Histogram::at_or_below(std::size_t i) const {
   std::uint64_t n = 0;
-  for (std::size_t b = 0; b <= i && b < buckets_.size(); ++b) n += buckets_[b].load(std::memory_order_relaxed);
+  for (std::size_t b = 0; b <= i && b < buckets_.size(); ++b)
+    n += buckets_[b].load(std::memory_order_relaxed);
   return n;
 }
 
@@ -96,7 +97,8 @@ std::string Registry::text() const {
   std::vector<Sample> series;
   std::lock_guard lock(mu_);
   for (const auto& [name, f] : families_) {
-    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, f.help, name, f.histogram ? "histogram" : "counter");
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, f.help, name,
+                       f.histogram ? "histogram" : "counter");
     series.clear();
     append_samples(name, f, series);
     for (const Sample& s : series) {

@@ -1,7 +1,7 @@
 #include "kvcache/bounce_pool.h"
 
+#include "kvstash/metrics.h"
 #include "kvstash/store.h"
-#include "store/store_metrics.h"
 
 namespace kvstash::kvcache {
 
@@ -10,7 +10,7 @@ namespace {
 // The pool's use in its store's metrics: takes served from the pool or by a new buffer, and
 // the bytes of buffers made (a warm cache makes none).
 void count_take(Store& store, bool made, std::size_t bytes) {
-  metrics::Registry& r = store_metrics(store);
+  metrics::Registry& r = store.metrics();
   r.counter("kvstash_kvcache_bounce_takes_total",
             "Host bounce buffers taken by staged loads and saves: from the pool, or made anew",
             {{"from", made ? "new" : "pool"}})

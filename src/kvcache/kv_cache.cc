@@ -9,7 +9,6 @@
 #include "common/log.h"
 #include "kvcache/data_path.h"
 #include "kvcache/kv_cache_internal.h"
-#include "store/store_metrics.h"
 
 #if KVSTASH_HAVE_CUDA_KERNELS
 #include "kvcache/cuda/cuda_device.h"
@@ -319,9 +318,9 @@ Result<KvLoad> KvCache::begin_load_range(const KvTokens& tokens, std::span<const
   const auto k = keys(tokens.first((first + count) * impl_->keys.chunk_tokens));
   auto st = std::make_shared<KvLoad::State>();
   st->kv = impl_.get();
-  st->layer_waits = &store_metrics(*impl_->store)
-                         .histogram("kvstash_kvcache_layer_wait_duration_seconds",
-                                    "How long the engine waited for a layer of a load (KvLoad::wait_layer)");
+  st->layer_waits = &impl_->store->metrics().histogram(
+      "kvstash_kvcache_layer_wait_duration_seconds",
+      "How long the engine waited for a layer of a load (KvLoad::wait_layer)");
   st->device = impl_->device;
   st->layers = impl_->layout.shape().num_layers;
   st->deadline = deadline;
@@ -394,7 +393,7 @@ std::vector<Status> KvCache::load(const KvTokens& tokens, std::span<const std::u
 }
 
 void count_chunks(Store& store, std::string_view op, std::span<const Status> outcomes) {
-  metrics::Registry& r = store_metrics(store);
+  metrics::Registry& r = store.metrics();
   for (const Status& s : outcomes) {
     r.counter("kvstash_kvcache_chunks_total",
               "KV-cache chunks loaded or saved, by outcome (a load's failed chunks are computed again)",

@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-#include "common/metrics.h"
 #include "common/thread_pool.h"
 #include "kvcache/bounce_pool.h"
 #include "kvstash/engine.h"
 #include "kvstash/kvcache.h"
+#include "kvstash/metrics.h"
 #include "kvstash/status.h"
 #include "kvstash/store.h"
 #include "kvstash/types.h"

@@ -163,6 +163,12 @@ struct PyKvCache {
   std::unique_ptr<KvCache> kv;
 };
 
+// Handoff records over a store, which outlives them.
+struct PyHandoffs {
+  std::shared_ptr<PyStore> store;
+  KvHandoffs records;
+};
+
 // An export or import over a KvCache's layout: the cache (its store and tensors) outlives it.
 struct PyKvExport {
   std::shared_ptr<PyKvCache> kv;
@@ -432,39 +438,46 @@ PYBIND11_MODULE(_native, m) {
             return unwrap(nogil([&] { return s.store->connect_nodes(deadline_of(timeout_ms)); }));
           },
           py::arg("timeout_ms") = 0,
-          "Connects to every live node of the cell now (off a first request's path); how many.")
+          "Connects to every live node of the cell now (off a first request's path); how many.");
+
+  py::class_<PyHandoffs>(m, "KvHandoffs",
+                         "The direct path's rendezvous records in the store's cell (kvstash/kvpeer.h).")
+      .def(py::init([](std::shared_ptr<PyStore> s) {
+             return PyHandoffs{s, KvHandoffs(*s->store)};
+           }),
+           py::arg("store"))
       .def(
-          "publish_handoff",
-          [](PyStore& s, const std::string& name, const py::bytes& descriptor,
+          "publish",
+          [](PyHandoffs& h, const std::string& name, const py::bytes& descriptor,
              const std::vector<std::string>& readers, std::uint64_t ttl_ms, std::uint32_t timeout_ms) {
             const std::string d = descriptor;
             check(nogil([&] {
-              return s.store->publish_handoff(name, d, readers, std::chrono::milliseconds(ttl_ms),
-                                              deadline_of(timeout_ms));
+              return h.records.publish(name, d, readers, std::chrono::milliseconds(ttl_ms),
+                                       deadline_of(timeout_ms));
             }));
           },
           py::arg("name"), py::arg("descriptor"), py::arg("readers"), py::arg("ttl_ms"),
           py::arg("timeout_ms") = 0,
           "A handoff record: where this process holds memory for `readers`, for ttl_ms.")
       .def(
-          "handoff",
-          [](PyStore& s, const std::string& name, std::uint32_t timeout_ms) {
-            return py::bytes(unwrap(nogil([&] { return s.store->handoff(name, deadline_of(timeout_ms)); })));
+          "descriptor",
+          [](PyHandoffs& h, const std::string& name, std::uint32_t timeout_ms) {
+            return py::bytes(
+                unwrap(nogil([&] { return h.records.descriptor(name, deadline_of(timeout_ms)); })));
           },
           py::arg("name"), py::arg("timeout_ms") = 0,
           "The handoff's descriptor (Error 'not_found' once it expired or every reader ended it).")
       .def(
-          "end_handoff",
-          [](PyStore& s, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
-            return unwrap(nogil([&] { return s.store->end_handoff(name, reader, deadline_of(timeout_ms)); }));
+          "end",
+          [](PyHandoffs& h, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return h.records.end(name, reader, deadline_of(timeout_ms)); }));
           },
           py::arg("name"), py::arg("reader"), py::arg("timeout_ms") = 0,
           "`reader` is done: True when it was pending.")
       .def(
-          "handoff_pending",
-          [](PyStore& s, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
-            return unwrap(
-                nogil([&] { return s.store->handoff_pending(name, reader, deadline_of(timeout_ms)); }));
+          "pending",
+          [](PyHandoffs& h, const std::string& name, const std::string& reader, std::uint32_t timeout_ms) {
+            return unwrap(nogil([&] { return h.records.pending(name, reader, deadline_of(timeout_ms)); }));
           },
           py::arg("name"), py::arg("reader"), py::arg("timeout_ms") = 0,
           "Whether `reader` has yet to end the handoff.");

@@ -15,7 +15,6 @@
 #include "common/system.h"
 #include "common/wire.h"
 #include "store/store_internal.h"
-#include "store/store_metrics.h"
 
 namespace kvstash {
 
@@ -80,7 +79,7 @@ void store::Meters::op(MeteredOp op, const Status& s, Clock::time_point started,
 
 std::string Store::metrics_text() const { return impl_->meters.registry.text(); }
 
-metrics::Registry& store_metrics(Store& store) { return store.impl_->meters.registry; }
+metrics::Registry& Store::metrics() { return impl_->meters.registry; }
 
 std::string store::random_token() {
   char raw[16];
@@ -345,32 +344,6 @@ Result<std::size_t> Store::connect_nodes(std::optional<Deadline> deadline) {
     }
   }
   return connected;
-}
-
-// Handoffs live in the cell a put of their name would go to: the holder and its readers,
-// opened on the same cells, find the same one.
-Status Store::publish_handoff(std::string_view name, std::string_view descriptor,
-                              std::span<const std::string> readers, std::chrono::milliseconds ttl,
-                              std::optional<Deadline> deadline) {
-  return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) {
-    return c.publish_handoff(name, descriptor, readers, ttl);
-  });
-}
-
-Result<std::string> Store::handoff(std::string_view name, std::optional<Deadline> deadline) {
-  return impl_->with_catalog(name, deadline, [&](metadata::Catalog& c) { return c.handoff(name); });
-}
-
-Result<bool> Store::end_handoff(std::string_view name, std::string_view reader,
-                                std::optional<Deadline> deadline) {
-  return impl_->with_catalog(name, deadline,
-                             [&](metadata::Catalog& c) { return c.end_handoff(name, reader); });
-}
-
-Result<bool> Store::handoff_pending(std::string_view name, std::string_view reader,
-                                    std::optional<Deadline> deadline) {
-  return impl_->with_catalog(name, deadline,
-                             [&](metadata::Catalog& c) { return c.handoff_pending(name, reader); });
 }
 
 std::future<Status> Store::put_async(std::string key, std::vector<Slice> data, PutOptions options) {

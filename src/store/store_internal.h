@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "common/metrics.h"
 #include "common/thread_pool.h"
+#include "kvstash/metrics.h"
 #include "kvstash/store.h"
 #include "metadata/catalog.h"
 #include "metadata/cell_pool.h"

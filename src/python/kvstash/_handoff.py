@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation's direct path (kvstash.vllm with ``pd: "direct"``): the decode
 reads the prefill's KV blocks one-sided out of the prefill's memory (kvstash.KvExport and
 KvImport), with no memory node in between. Redis holds only handoff records
-(Store.publish_handoff):
+(kvstash.KvHandoffs):
 
   <engine>:export:<rank>   a prefill worker's KvExport descriptor: its engine's address, its
                            cache's regions and keys. Published when the caches are registered.
@@ -76,14 +76,14 @@ def publish_request(store: kvstash.Store, engine_id: str, request_id: str, block
     fence = now_ms() + ttl_ms
     record = json.dumps({"engine": engine_id, "blocks": list(block_ids), "fence": fence, "tp": tp_size,
                          "readers": readers})
-    store.publish_handoff(name, record.encode(), readers, ttl_ms + RECORD_SLACK_MS, timeout_ms=timeout_ms)
+    kvstash.KvHandoffs(store).publish(name, record.encode(), readers, ttl_ms + RECORD_SLACK_MS, timeout_ms=timeout_ms)
     return name, fence
 
 
 def end_readers(store: kvstash.Store, name: str, readers: list[str], timeout_ms: int) -> None:
     for reader in readers:
         try:
-            store.end_handoff(name, reader, timeout_ms=timeout_ms)
+            kvstash.KvHandoffs(store).end(name, reader, timeout_ms=timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: could not end handoff %s (the prefill frees at its deadline): %s", name, e)
 
@@ -91,7 +91,7 @@ def end_readers(store: kvstash.Store, name: str, readers: list[str], timeout_ms:
 def end_unread(store: kvstash.Store, name: str, timeout_ms: int) -> None:
     """A decode request that ended before its read (aborted): the prefill may free at once."""
     try:
-        record = json.loads(store.handoff(name, timeout_ms=timeout_ms))
+        record = json.loads(kvstash.KvHandoffs(store).descriptor(name, timeout_ms=timeout_ms))
     except (kvstash.Error, ValueError) as e:
         logger.warning("kvstash: handoff %s could not be read to end it (the prefill frees at its deadline): %s",
                        name, e)
@@ -113,6 +113,7 @@ class PrefillExport(_Counted):
                  timeout_ms: int):
         """readers: those whose end frees this rank's blocks (its heads', or its rank's)."""
         self._store, self._rank, self._readers, self._timeout_ms = store, rank, readers, timeout_ms
+        self._records = kvstash.KvHandoffs(store)
         self._export = kvstash.KvExport(cache)
         self._name = export_name(engine_id, rank)
         self._published = 0.0
@@ -126,7 +127,7 @@ class PrefillExport(_Counted):
         if not force and time.monotonic() - self._published < EXPORT_REFRESH_S:
             return
         try:
-            self._store.publish_handoff(self._name, self._export.descriptor, [], EXPORT_TTL_MS,
+            self._records.publish(self._name, self._export.descriptor, [], EXPORT_TTL_MS,
                                         timeout_ms=self._timeout_ms)
             self._published = time.monotonic()
         except kvstash.Error as e:
@@ -144,7 +145,7 @@ class PrefillExport(_Counted):
         try:
             grant = self._export.grant(block_ids, fence)
             ttl_ms = max(1, fence - now_ms()) + RECORD_SLACK_MS
-            self._store.publish_handoff(grant_name(name, self._rank), grant, [], ttl_ms, timeout_ms=self._timeout_ms)
+            self._records.publish(grant_name(name, self._rank), grant, [], ttl_ms, timeout_ms=self._timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: the grant for %s could not be published (its decode computes): %s", request_id, e)
 
@@ -169,7 +170,7 @@ class PrefillExport(_Counted):
                 continue
             try:
                 # In order, stopping at the first still pending: one round trip while unread.
-                if not any(self._store.handoff_pending(name, r, timeout_ms=self._timeout_ms) for r in self._readers):
+                if not any(self._records.pending(name, r, timeout_ms=self._timeout_ms) for r in self._readers):
                     done.add(request_id)
                     self._count("handoffs_read", 1)
             except kvstash.Error as e:
@@ -189,6 +190,7 @@ class DecodeReads(_Counted):
         """plan(record) -> [(prefill rank, heads, its first head, this rank's first head, readers)]:
         what this rank reads of a record, and whose end it says (Geometry.pd_reads)."""
         self._store, self._plan, self._timeout_ms = store, plan, timeout_ms
+        self._records = kvstash.KvHandoffs(store)
         self._import = kvstash.KvImport(cache)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstash-pd-read")
         self._exports: dict[str, bytes] = {}  # export record name -> descriptor
@@ -206,7 +208,7 @@ class DecodeReads(_Counted):
         with self._lock:
             found = self._exports.get(key)
         if found is None:
-            found = self._store.handoff(key, timeout_ms=self._timeout_ms)
+            found = self._records.descriptor(key, timeout_ms=self._timeout_ms)
             with self._lock:
                 if len(self._exports) >= self._EXPORTS_KEPT:
                     self._exports.clear()
@@ -219,7 +221,7 @@ class DecodeReads(_Counted):
         key = grant_name(name, rank)
         while True:
             try:
-                return self._store.handoff(key, timeout_ms=left_ms())
+                return self._records.descriptor(key, timeout_ms=left_ms())
             except kvstash.Error as e:
                 if getattr(e, "code", None) != "not_found":
                     raise
@@ -236,7 +238,7 @@ class DecodeReads(_Counted):
 
         engine, readers, plan = None, [], []
         try:
-            record = json.loads(self._store.handoff(name, timeout_ms=left_ms()))
+            record = json.loads(self._records.descriptor(name, timeout_ms=left_ms()))
             try:
                 plan = self._plan(record)
             except ValueError:

@@ -1,6 +1,7 @@
-// A client's own metrics (docs/operations.md, "Engine-side metrics"): counters and latency
-// histograms that the Store and the KvCache keep as they work, and their text in Prometheus'
-// exposition format, for an engine to serve or to hand to its own registry (vLLM's, SGLang's).
+// kvstash/metrics.h: a client's own metrics (docs/operations.md, "Engine-side metrics"):
+// counters and latency histograms that the Store and the KvCache keep as they work
+// (Store::metrics), and their text in Prometheus' exposition format, for an engine to serve or
+// to hand to its own registry (vLLM's, SGLang's). An engine may count into the same registry.
 //
 // A series is made once (a lock and a map lookup) and then updated with relaxed atomics: the
 // callers keep the Counter& or Histogram& they were given, which live as long as the registry.
@@ -35,9 +36,9 @@ class Counter {
 // Upper bounds (seconds) of a latency histogram's buckets: 10 us to 10 s, about three per
 // decade, as an operation of this library takes from microseconds (a hit on shm) to seconds
 // (a deadline).
-inline constexpr std::array<double, 19> kLatencyBuckets = {1e-5,   2.5e-5, 5e-5,  1e-4, 2.5e-4, 5e-4, 1e-3,
-                                                           2.5e-3, 5e-3,   1e-2,  2.5e-2, 5e-2, 0.1,  0.25,
-                                                           0.5,    1.0,    2.5,   5.0,  10.0};
+inline constexpr std::array<double, 19> kLatencyBuckets = {1e-5,   2.5e-5, 5e-5, 1e-4,   2.5e-4, 5e-4, 1e-3,
+                                                           2.5e-3, 5e-3,   1e-2, 2.5e-2, 5e-2,   0.1,  0.25,
+                                                           0.5,    1.0,    2.5,  5.0,    10.0};
 
 class Histogram {
  public:
