@@ -118,20 +118,20 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
   co.redis.command_timeout = std::max(std::chrono::milliseconds(50), options.heartbeat_ttl / 3);
   co.redis.reconnect_budget = co.redis.command_timeout;
   co.cell = options.cell;
-  KVSTASH_ASSIGN_OR_RETURN(n->shared_->cell, metadata::Cell::open(co));
-  n->shared_->catalog = &n->shared_->cell->node_catalog();
-  KVSTASH_RETURN_IF_ERROR(n->shared_->cell->check_schema());
-  {
-    // A previous incarnation killed moments ago holds the id until its heartbeat deadline:
-    // wait that long, then give up (a second daemon with this id is still running).
-    std::lock_guard lock(n->shared_->mu);
-    const Deadline give_up = deadline_after(options.heartbeat_ttl + std::chrono::milliseconds(500));
-    Status joined;
-    while (!(joined = n->join()).is_ok() && joined.message().find("IN_USE") != std::string::npos &&
-           Clock::now() < give_up) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // A node (re)started while the cell's Redis is down or failing over waits for it: the pool
+  // it allocated serves nobody if the daemon exits, and whatever restarts it would only try
+  // again.
+  const Deadline join_by = deadline_after(options.join_timeout);
+  for (bool first = true;; first = false) {
+    Status joined = n->open_and_join(co);
+    if (joined.is_ok()) break;
+    if (joined.code() != StatusCode::kUnavailable && joined.code() != StatusCode::kTimeout) return joined;
+    if (Clock::now() >= join_by) return joined.with_context("still after --join-timeout");
+    if (first) {
+      KVSTASH_LOG_WARN("node {}: cannot join cell {} yet ({}); trying again for up to {} ms", n->id_,
+                       options.cell, joined.to_string(), options.join_timeout.count());
     }
-    KVSTASH_RETURN_IF_ERROR(joined);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   KVSTASH_LOG_INFO("node {}: joined cell {} with {} pages of {} bytes (huge pages: {}, transports: {})",
                    n->id_, options.cell, n->page_count_, options.page_size, n->pool_.huge_pages(),
@@ -160,6 +160,24 @@ MemoryNode::~MemoryNode() {
 }
 
 // Caller holds shared_->mu.
+Status MemoryNode::open_and_join(const metadata::CellOptions& co) {
+  shared_->catalog = nullptr;
+  shared_->cell.reset();
+  KVSTASH_ASSIGN_OR_RETURN(shared_->cell, metadata::Cell::open(co));
+  shared_->catalog = &shared_->cell->node_catalog();
+  KVSTASH_RETURN_IF_ERROR(shared_->cell->check_schema());
+  // A previous incarnation killed moments ago holds the id until its heartbeat deadline: wait
+  // that long, then give up (a second daemon with this id is still running).
+  std::lock_guard lock(shared_->mu);
+  const Deadline give_up = deadline_after(options_.heartbeat_ttl + std::chrono::milliseconds(500));
+  Status joined;
+  while (!(joined = join()).is_ok() && joined.message().find("IN_USE") != std::string::npos &&
+         Clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return joined;
+}
+
 Status MemoryNode::join() {
   auto& s = *shared_;
   s.epoch = new_epoch();

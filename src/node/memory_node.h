@@ -53,6 +53,10 @@ struct MemoryNodeOptions {
   EngineOptions engine;
   // A node that misses its heartbeat for this long is declared dead and its objects dropped.
   std::chrono::milliseconds heartbeat_ttl{3000};
+  // How long start() keeps trying to reach the cell's Redis and register while Redis is
+  // unavailable (not up yet, failing over, a new master refusing writes until its replicas
+  // catch up) before it gives up with Redis's error.
+  std::chrono::milliseconds join_timeout{30000};
   // How often the cell's reclaim sweep runs from this node.
   std::chrono::milliseconds reclaim_interval{1000};
   // How long the cell signs this node's grants with one key before a heartbeat hands it the
@@ -97,6 +101,8 @@ class MemoryNode {
   MemoryNode() = default;
   void loop();
   Status join();  // (re)registers under a fresh epoch
+  // Connects to the cell's Redis, checks its schema and joins: start()'s one attempt.
+  Status open_and_join(const metadata::CellOptions& co);
   // After the cell declared this node dead: fences the whole pool (deregisters it from every
   // transport, waits out copies peers began) and registers it again. Caller holds the lock.
   Status rejoin();

@@ -111,6 +111,9 @@ class CellRedis {
     }
   }
 
+  // How many servers replicate the master (0: a single server).
+  int replicas() const { return sentinels_.empty() ? 0 : static_cast<int>(servers_.size()) - 1; }
+
   std::string url() const {
     if (sentinels_.empty()) return servers_[0]->url();
     std::string url = "redis+sentinel://";

@@ -120,7 +120,7 @@ return problems
 // Waits, up to `limit`, until `nodes` memory nodes are in the cell again (after a Redis fault
 // they register anew with the master that serves now) and that master takes writes. Whether
 // both hold.
-bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds limit) {
+bool wait_cell_whole(const std::string& url, int nodes, int replicas, std::chrono::seconds limit) {
   const std::string key = metadata::cell_prefix("default") + ":nodes";
   for (auto end = Clock::now() + limit; Clock::now() < end; std::this_thread::sleep_for(200ms)) {
     auto redis = metadata::RedisClient::connect({.url = url});
@@ -133,9 +133,19 @@ bool wait_cell_whole(const std::string& url, int nodes, std::chrono::seconds lim
                        std::stoll(std::string(t->element(1)->str, t->element(1)->len)) / 1000);
     auto n = (*redis)->command({"ZCOUNT", key, now_ms, "+inf"});
     if (!n.is_ok() || n->integer() < nodes) continue;
-    // And the master takes writes: under min-replicas-to-write it refuses them (NOREPLICAS)
-    // until a replica is in sync again, which a replica's full resync (or a slowed link) can
-    // hold off well after the nodes registered.
+    // And every replica back in sync with the master. Under min-replicas-to-write the master
+    // refuses writes (NOREPLICAS) while no replica is in sync; right after a failover the one
+    // replica that is may be the server that just came back, while the other still waits for
+    // its full resync: a master that took one write then can refuse the next for seconds.
+    // The failover is over once replication is whole again.
+    auto info = (*redis)->command({"INFO", "replication"});
+    if (!info.is_ok()) continue;
+    int online = 0;
+    const std::string_view text = info->str();
+    for (auto at = text.find("state=online"); at != std::string_view::npos;
+         at = text.find("state=online", at + 1))
+      ++online;
+    if (online < replicas) continue;
     if ((*redis)->command({"SET", "kvstash-history:probe", now_ms}).is_ok()) return true;
   }
   return false;
@@ -398,9 +408,10 @@ int run(const RunConfig& rc, const std::string& self) {
       ++report.faults[fault.is_ok() ? *fault : std::string("redis fault failed")];
       if (fault.is_ok()) std::printf("  at %" PRId64 " ms: %s\n", now_ns() / 1000000, fault->c_str());
       // The fault lasts until the cell is whole again (the phases settle from then on).
-      if (fault.is_ok() && !wait_cell_whole(url, rc.nodes, 30s)) {
+      if (fault.is_ok() && !wait_cell_whole(url, rc.nodes, (*redis)->replicas(), 30s)) {
         std::printf("  at %" PRId64
-                    " ms: the cell was not whole (nodes rejoined, master taking writes) after 30 s\n",
+                    " ms: the cell was not whole (nodes rejoined, replicas in sync, master taking writes) "
+                    "after 30 s\n",
                     now_ns() / 1000000);
       }
       if (rc.policy != "lru") (void)set_policy(url, rc.policy);  // a Redis that came back empty forgot it

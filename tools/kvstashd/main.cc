@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
 
   node::MemoryNodeOptions opts;
   std::string capacity = "1GiB", page_size = "4MiB", huge = "auto", transports = "all";
-  std::string heartbeat = "3s", reclaim = "1s", rotation = "1m", admin = "127.0.0.1:9745";
+  std::string heartbeat = "3s", reclaim = "1s", rotation = "1m", admin = "127.0.0.1:9745", join = "30s";
   std::string password_file, token_file;
   bool emulated_rma = false;
   std::uint32_t max_connections = 1024, max_unproven = 64;
@@ -168,6 +168,10 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-ttl", heartbeat,
                  "A node silent for this long is declared dead and its objects dropped; it beats every third")
       ->capture_default_str();
+  app.add_option("--join-timeout", join,
+                 "How long a starting node waits for the cell's Redis while it is unavailable (not up yet, "
+                 "failing over) before it exits with Redis's error")
+      ->capture_default_str();
   app.add_option("--reclaim-interval", reclaim,
                  "How often this node sweeps the cell for expired objects, abandoned puts and dead nodes")
       ->capture_default_str();
@@ -228,6 +232,9 @@ int main(int argc, char** argv) {
                                  rot.is_ok() ? "must be at least 1s" : rot.status().message());
     }
     opts.grant_key_rotation = *rot;
+    auto jt = units::parse_duration(join);
+    if (!jt.is_ok()) throw CLI::ValidationError("--join-timeout", jt.status().message());
+    opts.join_timeout = *jt;
     opts.heartbeat_ttl = *hb;
     opts.reclaim_interval = *rc;
     opts.huge_pages = huge != "off";
