@@ -1,13 +1,14 @@
 // kvstashd as a process: its command line, config file, admin endpoint, cluster token and exit
 // codes.
 #include <gtest/gtest.h>
-#include <sys/stat.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -77,8 +78,9 @@ TEST(Kvstashd, CapsAreFlagsAndRiskySettingsAreSaidAtStart) {
   EXPECT_NE(help.find("shows in `ps`"), std::string::npos) << help;
 
   // A Redis that is not there: kvstashd checks its settings, says what it must, then fails.
-  const std::vector<std::string> base = {"--redis", "redis://127.0.0.1:1/0", "--capacity", "4MiB", "--admin",
-                                         "off", "--huge-pages", "off", "--transports", "tcp"};
+  const std::vector<std::string> base = {
+      "--redis", "redis://127.0.0.1:1/0", "--capacity", "4MiB",         "--admin",
+      "off",     "--huge-pages",          "off",        "--transports", "tcp"};
   auto with = [&](std::vector<std::string> more) {
     std::vector<std::string> args = base;
     args.insert(args.end(), more.begin(), more.end());
@@ -98,7 +100,8 @@ TEST(Kvstashd, CapsAreFlagsAndRiskySettingsAreSaidAtStart) {
   EXPECT_EQ(pw.find("pw-0123456789"), std::string::npos) << "the password is never echoed: " << pw;
   std::vector<std::string> env_args = with({});
   env_args.erase(env_args.begin(), env_args.begin() + 2);
-  auto [rc_env_pw, env_pw] = run(env_args, 10s, "export KVSTASH_REDIS_URL=redis://:pw-0123456789@127.0.0.1:1/0; ");
+  auto [rc_env_pw, env_pw] =
+      run(env_args, 10s, "export KVSTASH_REDIS_URL=redis://:pw-0123456789@127.0.0.1:1/0; ");
   EXPECT_EQ(env_pw.find("holds a password"), std::string::npos) << env_pw;
 
   rlimit limit{};
@@ -121,7 +124,8 @@ TEST(Kvstashd, RaisesItsDescriptorLimit) {
   rlimit low = saved;
   low.rlim_cur = 1024;
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);  // inherited by the node
-  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "4MiB", .page_size = "1MiB"});
+  auto node =
+      tools::LocalNode::start({.redis_url = (*redis)->url(), .capacity = "4MiB", .page_size = "1MiB"});
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
   ASSERT_TRUE(node.is_ok()) << node.status().to_string();
   std::ifstream limits("/proc/" + std::to_string((*node)->pid()) + "/limits");
@@ -259,6 +263,37 @@ TEST(Kvstashd, HealthAndMetricsDoNotWaitForRedis) {
   EXPECT_LT(slowest, 300ms) << "a probe waited for the node's Redis command";
 }
 
+// A node (re)started while its cell's Redis is down (a restart of both, a failover) waits for
+// it, up to --join-timeout, rather than exiting with the pool it allocated; past that it exits
+// with Redis's error.
+TEST(Kvstashd, AStartingNodeWaitsForItsRedisUpToTheJoinTimeout) {
+  auto redis = tools::LocalRedis::start();
+  ASSERT_TRUE(redis.is_ok()) << redis.status().to_string();
+  (*redis)->kill();
+  auto node = std::async(std::launch::async, [&] {
+    return tools::LocalNode::start({.redis_url = (*redis)->url(),
+                                    .capacity = "4MiB",
+                                    .page_size = "1MiB",
+                                    .extra_args = {"--transports", "tcp"},
+                                    .ready_timeout = 20s});
+  });
+  std::this_thread::sleep_for(1500ms);
+  ASSERT_TRUE((*redis)->restart().is_ok());
+  auto started = node.get();
+  ASSERT_TRUE(started.is_ok()) << started.status().to_string();
+  EXPECT_TRUE((*started)->running());
+
+  (*redis)->kill();
+  const auto t0 = Clock::now();
+  auto gave_up = tools::LocalNode::start({.redis_url = (*redis)->url(),
+                                          .capacity = "4MiB",
+                                          .page_size = "1MiB",
+                                          .node_id = "late",
+                                          .extra_args = {"--transports", "tcp", "--join-timeout", "1s"}});
+  EXPECT_EQ(gave_up.status().code(), StatusCode::kUnavailable) << "it exited before it was ready";
+  EXPECT_LT(Clock::now() - t0, 8s);
+}
+
 Status put_and_get(Store& store, const std::string& key) {
   std::string data = "bytes of " + key, back(data.size(), '\0');
   Slice in{data.data(), data.size()}, out{back.data(), back.size()};
@@ -383,7 +418,8 @@ TEST(Kvstashd, NodeStoreAndCliReachRedisOverTls) {
   EXPECT_TRUE(ok.is_ok()) << ok.to_string();
 
   auto cli = tools::ChildProcess::start(
-      {.argv = {"/bin/sh", "-c", "exec '" + tools::find_tool("kvstash") + "' --redis '" + url + "' nodes 2>&1"},
+      {.argv = {"/bin/sh", "-c",
+                "exec '" + tools::find_tool("kvstash") + "' --redis '" + url + "' nodes 2>&1"},
        .env = {{"KVSTASH_REDIS_PASSWORD", "tls-secret-0123"}}});
   ASSERT_TRUE(cli.is_ok()) << cli.status().to_string();
   std::string cli_out;
@@ -392,7 +428,8 @@ TEST(Kvstashd, NodeStoreAndCliReachRedisOverTls) {
   EXPECT_NE(cli_out.find("over-tls"), std::string::npos) << cli_out;
 
   StoreOptions untrusting = o;
-  untrusting.redis_url = "rediss://127.0.0.1:" + std::to_string(tls_port) + "/0?ca=" + pki.file("other-ca.crt");
+  untrusting.redis_url =
+      "rediss://127.0.0.1:" + std::to_string(tls_port) + "/0?ca=" + pki.file("other-ca.crt");
   auto refused = Store::open(untrusting);
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().to_string();
@@ -431,13 +468,13 @@ TEST(Kvstashd, TlsFlagsServeThePoolOverTlsOnly) {
   EXPECT_NE(out_open.find("chmod 600"), std::string::npos) << out_open;
   ::chmod(tls->server_key.c_str(), 0600);
 
-  auto node = tools::LocalNode::start(
-      {.redis_url = url,
-       .capacity = "4MiB",
-       .page_size = "1MiB",
-       .node_id = "tls",
-       .extra_args = {"--transports", "tcp", "--tls-cert", tls->server_cert, "--tls-key", tls->server_key,
-                      "--tls-ca", tls->ca_cert}});
+  auto node =
+      tools::LocalNode::start({.redis_url = url,
+                               .capacity = "4MiB",
+                               .page_size = "1MiB",
+                               .node_id = "tls",
+                               .extra_args = {"--transports", "tcp", "--tls-cert", tls->server_cert,
+                                              "--tls-key", tls->server_key, "--tls-ca", tls->ca_cert}});
   ASSERT_TRUE(node.is_ok()) << node.status().to_string();
   auto open = [&](bool ca, bool cert) {
     StoreOptions o;

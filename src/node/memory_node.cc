@@ -126,7 +126,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::start(const MemoryNodeOptions& o
     Status joined = n->open_and_join(co);
     if (joined.is_ok()) break;
     if (joined.code() != StatusCode::kUnavailable && joined.code() != StatusCode::kTimeout) return joined;
-    if (Clock::now() >= join_by) return joined.with_context("still after --join-timeout");
+    if (Clock::now() >= join_by) return joined.with_context("gave up after --join-timeout");
     if (first) {
       KVSTASH_LOG_WARN("node {}: cannot join cell {} yet ({}); trying again for up to {} ms", n->id_,
                        options.cell, joined.to_string(), options.join_timeout.count());
