@@ -27,7 +27,7 @@
 #include "metadata/cell.h"
 #include "plot.h"
 #include "sessions.h"
-#include "tools/common/local_cluster.h"
+#include "tests/harness/local_cluster.h"
 
 namespace kvstash::bench {
 
@@ -52,18 +52,12 @@ struct Counters {
 
 Outcome outcome_of(const Status& s) {
   switch (s.code()) {
-    case StatusCode::kOk:
-      return kOk;
-    case StatusCode::kNoSpace:
-      return kNoSpace;
-    case StatusCode::kTimeout:
-      return kTimedOut;
-    case StatusCode::kCancelled:
-      return kCancelled;
-    case StatusCode::kNotFound:
-      return kMiss;
-    default:
-      return kOther;
+    case StatusCode::kOk: return kOk;
+    case StatusCode::kNoSpace: return kNoSpace;
+    case StatusCode::kTimeout: return kTimedOut;
+    case StatusCode::kCancelled: return kCancelled;
+    case StatusCode::kNotFound: return kMiss;
+    default: return kOther;
   }
 }
 
@@ -103,7 +97,9 @@ struct Sample {
   std::uint64_t gets = 0, hits = 0;
   double efficiency = 0, evictions_per_s = 0;
   Gauge gauge;
-  double put_success() const { return puts == 0 ? 1.0 : static_cast<double>(puts_ok) / static_cast<double>(puts); }
+  double put_success() const {
+    return puts == 0 ? 1.0 : static_cast<double>(puts_ok) / static_cast<double>(puts);
+  }
   double hit_ratio() const { return gets == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(gets); }
 };
 
@@ -140,7 +136,11 @@ class Client {
  public:
   Client(const ChurnBenchOptions& o, Store& store, const Buffer& source, const MemoryHandle& source_handle,
          Counters& counters, std::uint32_t index)
-      : o_(o), store_(store), source_(source), source_handle_(source_handle), counters_(counters),
+      : o_(o),
+        store_(store),
+        source_(source),
+        source_handle_(source_handle),
+        counters_(counters),
         rng_(o.seed * 1000003 + index) {}
 
   Status prepare() {
@@ -158,28 +158,20 @@ class Client {
     const double weights[kOps] = {o_.put, o_.stream, o_.get, o_.remove, o_.touch};
     std::discrete_distribution<std::size_t> pick(std::begin(weights), std::end(weights));
     while (!stop.load(std::memory_order_relaxed) && !interrupted()) {
-      const std::string key = fmt::format("churn/{}", std::uniform_int_distribution<std::uint32_t>(0, o_.keys - 1)(rng_));
+      const std::string key =
+          fmt::format("churn/{}", std::uniform_int_distribution<std::uint32_t>(0, o_.keys - 1)(rng_));
       switch (static_cast<Op>(pick(rng_))) {
-        case kPut:
-          counters_.add(kPut, outcome_of(put(key)));
-          break;
-        case kStream:
-          counters_.add(kStream, outcome_of(stream_put(key)));
-          break;
+        case kPut: counters_.add(kPut, outcome_of(put(key))); break;
+        case kStream: counters_.add(kStream, outcome_of(stream_put(key))); break;
         case kGet: {
           Status s = get(key);
           if (s.code() == StatusCode::kCorrupt || s.code() == StatusCode::kInternal) return s;
           counters_.add(kGet, outcome_of(s));
           break;
         }
-        case kRemove:
-          counters_.add(kRemove, outcome_of(store_.remove(key)));
-          break;
-        case kTouch:
-          counters_.add(kTouch, outcome_of(store_.touch(key, 0ms)));
-          break;
-        default:
-          break;
+        case kRemove: counters_.add(kRemove, outcome_of(store_.remove(key))); break;
+        case kTouch: counters_.add(kTouch, outcome_of(store_.touch(key, 0ms))); break;
+        default: break;
       }
     }
     return Status::ok();
@@ -189,16 +181,18 @@ class Client {
   double uniform() { return std::uniform_real_distribution<double>(0, 1)(rng_); }
 
   std::uint64_t size() {
-    const double lo = std::log(static_cast<double>(o_.min_size)), hi = std::log(static_cast<double>(o_.max_size));
-    return std::clamp<std::uint64_t>(static_cast<std::uint64_t>(std::exp(lo + (hi - lo) * uniform())), o_.min_size,
-                                     o_.max_size);
+    const double lo = std::log(static_cast<double>(o_.min_size)),
+                 hi = std::log(static_cast<double>(o_.max_size));
+    return std::clamp<std::uint64_t>(static_cast<std::uint64_t>(std::exp(lo + (hi - lo) * uniform())),
+                                     o_.min_size, o_.max_size);
   }
 
   PutOptions options(std::uint64_t offset, std::uint64_t n) {
     PutOptions po;
     po.object_layout = fmt::format("churn {} {}", offset, n);
     if (uniform() < o_.ttl_fraction) po.ttl = std::chrono::milliseconds(200 + rng_() % 1800);
-    if (uniform() < o_.short_deadline_fraction) po.deadline = Clock::now() + std::chrono::milliseconds(1 + rng_() % 50);
+    if (uniform() < o_.short_deadline_fraction)
+      po.deadline = Clock::now() + std::chrono::milliseconds(1 + rng_() % 50);
     return po;
   }
 
@@ -270,8 +264,8 @@ class Client {
 };
 
 void print_header() {
-  std::cout << fmt::format("{:>6} {:>7} {:>8} {:>8} {:>7} {:>6} {:>10} {:>8} {:>8} {:>7} {:>7} {:>6}\n", "t s",
-                           "puts/s", "put ok", "nospace", "timeout", "other", "efficiency", "evict/s",
+  std::cout << fmt::format("{:>6} {:>7} {:>8} {:>8} {:>7} {:>6} {:>10} {:>8} {:>8} {:>7} {:>7} {:>6}\n",
+                           "t s", "puts/s", "put ok", "nospace", "timeout", "other", "efficiency", "evict/s",
                            "reserved", "limbo", "pending", "hits");
 }
 
@@ -296,11 +290,11 @@ void print_sample(const Sample& s, double seconds, bool json) {
     std::cout << j.dump() << std::endl;
     return;
   }
-  std::cout << fmt::format("{:>6.1f} {:>7.0f} {:>7.1f}% {:>8} {:>7} {:>6} {:>10.3f} {:>8.1f} {:>8} {:>7} {:>7} {:>6}\n",
-                           s.t, static_cast<double>(s.puts) / seconds, 100 * s.put_success(), s.no_space,
-                           s.timeouts, s.other, s.efficiency, s.evictions_per_s, s.gauge.reserved_pages,
-                           s.gauge.limbo_pages, s.gauge.pending,
-                           s.gets == 0 ? std::string("-") : fmt::format("{:.0f}%", 100 * s.hit_ratio()));
+  std::cout << fmt::format(
+      "{:>6.1f} {:>7.0f} {:>7.1f}% {:>8} {:>7} {:>6} {:>10.3f} {:>8.1f} {:>8} {:>7} {:>7} {:>6}\n", s.t,
+      static_cast<double>(s.puts) / seconds, 100 * s.put_success(), s.no_space, s.timeouts, s.other,
+      s.efficiency, s.evictions_per_s, s.gauge.reserved_pages, s.gauge.limbo_pages, s.gauge.pending,
+      s.gets == 0 ? std::string("-") : fmt::format("{:.0f}%", 100 * s.hit_ratio()));
   std::cout.flush();  // a row per interval, as it comes
 }
 
@@ -312,8 +306,9 @@ Status plot(const ChurnBenchOptions& o, const std::vector<Sample>& samples) {
   for (const Sample& s : samples) {
     series[0].points.emplace_back(s.t, s.efficiency);
     series[1].points.emplace_back(s.t, s.put_success());
-    series[2].points.emplace_back(
-        s.t, s.gauge.pages == 0 ? 0.0 : static_cast<double>(s.gauge.limbo_pages) / static_cast<double>(s.gauge.pages));
+    series[2].points.emplace_back(s.t, s.gauge.pages == 0 ? 0.0
+                                                          : static_cast<double>(s.gauge.limbo_pages) /
+                                                                static_cast<double>(s.gauge.pages));
   }
   return plot_over_time(o.plot,
                         plot_title(fmt::format("kvstash-bench churn, {}..{} objects over {} x {} nodes",
@@ -375,8 +370,9 @@ Status parse_churn_sizes(std::string_view text, ChurnBenchOptions* o) {
 
 int run_churn(const ChurnBenchOptions& options) {
   ChurnBenchOptions o = options;
-  const double mean = (static_cast<double>(o.max_size) - static_cast<double>(o.min_size)) /
-                      std::max(1e-9, std::log(static_cast<double>(o.max_size) / static_cast<double>(o.min_size)));
+  const double mean =
+      (static_cast<double>(o.max_size) - static_cast<double>(o.min_size)) /
+      std::max(1e-9, std::log(static_cast<double>(o.max_size) / static_cast<double>(o.min_size)));
   if (o.keys == 0) {
     o.keys = static_cast<std::uint32_t>(
         std::ceil(3.0 * static_cast<double>(o.node_capacity * o.nodes) / std::max(1.0, mean)));
@@ -387,12 +383,12 @@ int run_churn(const ChurnBenchOptions& options) {
     return 2;
   }
   InterruptHandler on_interrupt;
-  auto redis = tools::LocalRedis::start({});
+  auto redis = harness::LocalRedis::start({});
   if (!redis.is_ok()) {
     std::cerr << "kvstash-bench churn: redis-server: " << redis.status().to_string() << "\n";
     return 1;
   }
-  std::vector<std::unique_ptr<tools::LocalNode>> nodes;
+  std::vector<std::unique_ptr<harness::LocalNode>> nodes;
   std::vector<std::string> ids;
   std::vector<std::string> tier_files;
   for (std::uint32_t i = 0; i < o.nodes; ++i) {
@@ -402,11 +398,11 @@ int run_churn(const ChurnBenchOptions& options) {
       const std::uint64_t cap = o.ssd_capacity > 0 ? o.ssd_capacity : 8 * o.node_capacity;
       args.insert(args.end(), {"--ssd", tier_files.back(), "--ssd-capacity", std::to_string(cap)});
     }
-    auto n = tools::LocalNode::start({.redis_url = (*redis)->url(),
-                                      .capacity = std::to_string(o.node_capacity),
-                                      .page_size = std::to_string(o.page_size),
-                                      .node_id = fmt::format("churn-{}", i),
-                                      .extra_args = args});
+    auto n = harness::LocalNode::start({.redis_url = (*redis)->url(),
+                                        .capacity = std::to_string(o.node_capacity),
+                                        .page_size = std::to_string(o.page_size),
+                                        .node_id = fmt::format("churn-{}", i),
+                                        .extra_args = args});
     if (!n.is_ok()) {
       std::cerr << "kvstash-bench churn: kvstashd: " << n.status().to_string() << "\n";
       return 1;
@@ -485,8 +481,8 @@ int run_churn(const ChurnBenchOptions& options) {
   auto last = read_gauge(**cell, ids);
   int rc = 0;
   while (!stop && !interrupted()) {
-    const auto next = t0 + std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(o.interval * static_cast<double>(samples.size() + 1)));
+    const auto next = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                               o.interval * static_cast<double>(samples.size() + 1)));
     std::this_thread::sleep_until(next);
     auto g = read_gauge(**cell, ids);
     if (!g.is_ok()) {
@@ -506,7 +502,8 @@ int run_churn(const ChurnBenchOptions& options) {
     s.other = now.other - before.other;
     s.gets = now.gets - before.gets;
     s.hits = now.hits - before.hits;
-    s.efficiency = g->pool_bytes == 0 ? 0 : static_cast<double>(g->stored_bytes) / static_cast<double>(g->pool_bytes);
+    s.efficiency =
+        g->pool_bytes == 0 ? 0 : static_cast<double>(g->stored_bytes) / static_cast<double>(g->pool_bytes);
     const std::uint64_t evicted_before = last.is_ok() ? last->evicted : 0;
     s.evictions_per_s = static_cast<double>(g->evicted - evicted_before) / o.interval;
     print_sample(s, o.interval, o.json);
@@ -542,7 +539,9 @@ int run_churn(const ChurnBenchOptions& options) {
                                 {"gets", all.gets},
                                 {"gets_per_s", static_cast<double>(all.gets) / o.seconds},
                                 {"tier", !o.ssd_dir.empty()},
-                                {"hit_ratio", all.gets == 0 ? 0.0 : static_cast<double>(all.hits) / static_cast<double>(all.gets)}}
+                                {"hit_ratio", all.gets == 0 ? 0.0
+                                                            : static_cast<double>(all.hits) /
+                                                                  static_cast<double>(all.gets)}}
                      .dump()
               << std::endl;
   } else {
@@ -553,9 +552,11 @@ int run_churn(const ChurnBenchOptions& options) {
         static_cast<double>(all.gets) / o.seconds,
         all.gets == 0 ? 0.0 : 100.0 * static_cast<double>(all.hits) / static_cast<double>(all.gets),
         o.ssd_dir.empty() ? "" : " with an NVMe tier under each node");
-    std::cout << "efficiency: bytes of live objects over pool bytes; reserved: pages held by pending puts and page\n"
-                 "reservations within their leases; limbo: pages freed but not yet reusable (waiting for a read\n"
-                 "lease or a node's fence); pending: pending put records in Redis.\n";
+    std::cout
+        << "efficiency: bytes of live objects over pool bytes; reserved: pages held by pending puts and "
+           "page\n"
+           "reservations within their leases; limbo: pages freed but not yet reusable (waiting for a read\n"
+           "lease or a node's fence); pending: pending put records in Redis.\n";
   }
   if (!o.plot.empty()) {
     if (Status s = plot(o, samples); !s.is_ok()) {
@@ -564,8 +565,8 @@ int run_churn(const ChurnBenchOptions& options) {
     }
   }
   if (o.min_put_success > 0 && success < o.min_put_success) {
-    std::cerr << fmt::format("kvstash-bench churn: put success {:.4f} is below --min-put-success {:.4f}\n", success,
-                             o.min_put_success);
+    std::cerr << fmt::format("kvstash-bench churn: put success {:.4f} is below --min-put-success {:.4f}\n",
+                             success, o.min_put_success);
     rc = 1;
   }
   clients.clear();

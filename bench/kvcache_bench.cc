@@ -17,7 +17,7 @@
 #include "kvstash/store.h"
 #include "measure.h"
 #include "metadata/redis_client.h"
-#include "tools/common/local_cluster.h"
+#include "tests/harness/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -46,12 +46,12 @@ BenchCell::~BenchCell() = default;
 
 Result<BenchCell> start_bench_cell(std::uint64_t capacity) {
   BenchCell cell;
-  auto redis = tools::LocalRedis::start({});
+  auto redis = harness::LocalRedis::start({});
   if (!redis.is_ok()) return redis.status().with_context("redis-server");
   cell.redis = std::move(redis).value();
-  auto node = tools::LocalNode::start({.redis_url = cell.redis->url(),
-                                       .capacity = std::to_string(capacity),
-                                       .extra_args = {"--transports", "all"}});
+  auto node = harness::LocalNode::start({.redis_url = cell.redis->url(),
+                                         .capacity = std::to_string(capacity),
+                                         .extra_args = {"--transports", "all"}});
   if (!node.is_ok()) return node.status().with_context("kvstashd");
   cell.node = std::move(node).value();
   return cell;

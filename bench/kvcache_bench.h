@@ -16,10 +16,10 @@
 
 namespace kvstash {
 class Store;
-namespace tools {
+namespace harness {
 class LocalRedis;
 class LocalNode;
-}  // namespace tools
+}  // namespace harness
 }  // namespace kvstash
 
 namespace kvstash::bench {
@@ -65,8 +65,8 @@ struct BenchCell {
   BenchCell();
   BenchCell(BenchCell&&) noexcept;
   ~BenchCell();
-  std::unique_ptr<tools::LocalRedis> redis;
-  std::unique_ptr<tools::LocalNode> node;
+  std::unique_ptr<harness::LocalRedis> redis;
+  std::unique_ptr<harness::LocalNode> node;
 };
 Result<BenchCell> start_bench_cell(std::uint64_t capacity);
 // A store of `cell` preferring `kind` (UCX's emulated RMA allowed), with a 2-minute timeout.

@@ -23,7 +23,7 @@
 
 #include "measure.h"
 #include "metadata/cell.h"
-#include "tools/common/local_cluster.h"
+#include "tests/harness/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -102,7 +102,7 @@ int run_metadata(const MetadataBenchOptions& o) {
 }
 
 int run_metadata_scripts(const MetadataBenchOptions& o) {
-  auto redis = tools::LocalRedis::start({});
+  auto redis = harness::LocalRedis::start({});
   if (!redis.is_ok()) {
     std::cerr << "metadata: " << redis.status().to_string() << "\n";
     return 1;

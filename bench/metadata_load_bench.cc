@@ -38,14 +38,14 @@
 
 #include "common/thread_pool.h"
 #include "measure.h"
-#include "metadata_bench.h"
 #include "metadata/cell.h"
 #include "metadata/quotas.h"
 #include "metadata/read_releases.h"
 #include "metadata/records.h"
 #include "metadata/scripts.h"
-#include "tools/common/local_cluster.h"
-#include "tools/common/throwaway_tls.h"
+#include "metadata_bench.h"
+#include "tests/harness/local_cluster.h"
+#include "tests/harness/throwaway_tls.h"
 
 namespace kvstash::bench {
 namespace {
@@ -305,7 +305,7 @@ std::optional<BenchLine> parse_csv_line(const std::string& line) {
 // figures, kTimeout when it ran past its bound (it is killed).
 Result<std::vector<BenchLine>> redis_benchmark(int port, int clients, std::uint64_t requests,
                                                const std::vector<std::string>& test, Deadline deadline) {
-  tools::ChildOptions co;
+  harness::ChildOptions co;
   co.argv = {"redis-benchmark",
              "-h",
              "127.0.0.1",
@@ -319,7 +319,7 @@ Result<std::vector<BenchLine>> redis_benchmark(int port, int clients, std::uint6
              "1",
              "--csv"};
   co.argv.insert(co.argv.end(), test.begin(), test.end());
-  auto child = tools::ChildProcess::start(co);
+  auto child = harness::ChildProcess::start(co);
   if (!child.is_ok()) {
     if (child.status().code() == StatusCode::kNotFound) {
       return Status::not_found("redis-benchmark is not installed (Debian package redis-tools)");
@@ -340,7 +340,7 @@ Result<std::vector<BenchLine>> redis_benchmark(int port, int clients, std::uint6
     return Status::timeout("redis-benchmark ran past its time bound and was killed");
   }
   if (*status != 0 || lines.empty()) {
-    return Status::unavailable("redis-benchmark " + tools::describe_status(*status) +
+    return Status::unavailable("redis-benchmark " + harness::describe_status(*status) +
                                (lines.empty() ? " and gave no figures" : ""));
   }
   return lines;
@@ -351,7 +351,7 @@ class LoadBench {
  public:
   // `cell` is a connection to the cell the clients use, over `redis` (a plain server, or the
   // master of the cell's slot in a cluster), opened from `options`.
-  LoadBench(const MetadataBenchOptions& o, tools::LocalRedis& redis, Cell& cell,
+  LoadBench(const MetadataBenchOptions& o, harness::LocalRedis& redis, Cell& cell,
             metadata::CellOptions options)
       : o_(o), redis_(redis), cell_(cell), options_(std::move(options)) {}
 
@@ -375,7 +375,7 @@ class LoadBench {
   void reference_rows(int clients, std::vector<Row>* rows);
 
   const MetadataBenchOptions& o_;
-  tools::LocalRedis& redis_;
+  harness::LocalRedis& redis_;
   Cell& cell_;
   const metadata::CellOptions options_;
   std::vector<std::string> hot_;
@@ -659,7 +659,7 @@ void print_group(const std::vector<Row>& rows, bool json) {
 int run_metadata_load(const MetadataBenchOptions& o) {
   InterruptHandler interrupt;
   // --tls: the same server also listens on a TLS port, with certificates made for this run.
-  tools::LocalRedisOptions ro;
+  harness::LocalRedisOptions ro;
   std::string tls_dir, tls_url;
   if (o.tls) {
     char dir[] = "/tmp/kvstash-bench-tls-XXXXXX";
@@ -668,12 +668,12 @@ int run_metadata_load(const MetadataBenchOptions& o) {
       return 1;
     }
     tls_dir = dir;
-    auto tls = tools::make_throwaway_tls(tls_dir);
+    auto tls = harness::make_throwaway_tls(tls_dir);
     if (!tls.is_ok()) {
       std::cerr << "metadata: " << tls.status().to_string() << "\n";
       return 1;
     }
-    const int port = tools::free_port();
+    const int port = harness::free_port();
     ro.extra_args = {
         "--tls-port",    std::to_string(port), "--tls-cert-file", tls->server_cert,     "--tls-key-file",
         tls->server_key, "--tls-ca-cert-file", tls->ca_cert,      "--tls-auth-clients", "no"};
@@ -686,7 +686,7 @@ int run_metadata_load(const MetadataBenchOptions& o) {
       if (!dir.empty()) std::filesystem::remove_all(dir, ec);
     }
   } cleanup{tls_dir};
-  auto redis = tools::LocalRedis::start(ro);
+  auto redis = harness::LocalRedis::start(ro);
   if (!redis.is_ok()) {
     std::cerr << "metadata: " << redis.status().to_string() << "\n";
     return 1;
@@ -752,7 +752,7 @@ int run_metadata_shards(const MetadataBenchOptions& o) {
   }
   for (int shards : o.shards) {
     if (interrupted()) break;
-    auto cluster = tools::LocalRedisCluster::start({.masters = shards, .replicas_per_master = 0});
+    auto cluster = harness::LocalRedisCluster::start({.masters = shards, .replicas_per_master = 0});
     if (!cluster.is_ok()) {
       std::cerr << "metadata: " << cluster.status().to_string() << "\n";
       return 1;

@@ -24,7 +24,7 @@
 #include "measure.h"
 #include "plot.h"
 #include "references.h"
-#include "tools/common/throwaway_tls.h"
+#include "tests/harness/throwaway_tls.h"
 
 namespace kvstash::bench {
 namespace {
@@ -64,13 +64,13 @@ void print(const Row& r, bool json) {
   auto us = [&](double v) {
     return r.reference() && (r.op != "pingpong" || v == 0) ? std::string() : fmt::format("{:.1f}", v);
   };
-  std::cout << fmt::format("{:<10} {:<8} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9} {:>7} {:>10}\n",
-                           r.transport, r.op, units::format_size(r.size), r.threads, r.depth, r.gbps,
-                           us(r.p50_us), us(r.p99_us),
-                           r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
-                           r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "",
-                           r.pingpong_us > 0 ? fmt::format("{:.2f}", r.p50_us / r.pingpong_us) : "",
-                           r.cpu_us_per_op > 0 ? fmt::format("{:.1f}", r.cpu_us_per_op) : "");
+  std::cout << fmt::format(
+      "{:<10} {:<8} {:>10} {:>3}x{:<3} {:>8.2f} {:>10} {:>10} {:>9} {:>9} {:>7} {:>10}\n", r.transport, r.op,
+      units::format_size(r.size), r.threads, r.depth, r.gbps, us(r.p50_us), us(r.p99_us),
+      r.memcpy_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.memcpy_gbps) : "",
+      r.socket_gbps > 0 ? fmt::format("{:.2f}", r.gbps / r.socket_gbps) : "",
+      r.pingpong_us > 0 ? fmt::format("{:.2f}", r.p50_us / r.pingpong_us) : "",
+      r.cpu_us_per_op > 0 ? fmt::format("{:.1f}", r.cpu_us_per_op) : "");
 }
 
 Row reference_row(std::string transport, std::string op, std::size_t size, double gbps) {
@@ -208,8 +208,8 @@ int run_p2p_target(std::size_t region_bytes, const std::vector<TransportKind>& t
     }
     tls_engine = std::move(made).value();
     tls_mem = std::move(registered).value();
-    std::cout << "tls-address " << to_text(tls_engine->address()) << "\ntls-key " << to_text(tls_mem.remote_key())
-              << std::endl;
+    std::cout << "tls-address " << to_text(tls_engine->address()) << "\ntls-key "
+              << to_text(tls_mem.remote_key()) << std::endl;
   }
   std::string ignored;
   while (std::getline(std::cin, ignored)) {
@@ -247,7 +247,8 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
   };
   // TLS is this benchmark's to choose per row (--tls): a client CA in the environment would turn
   // the plain tcp rows into TLS ones that the plain listener refuses.
-  for (const char* name : {"KVSTASH_TLS_CA", "KVSTASH_TLS_CERT", "KVSTASH_TLS_KEY", "KVSTASH_TLS_SERVER_NAME"}) {
+  for (const char* name :
+       {"KVSTASH_TLS_CA", "KVSTASH_TLS_CERT", "KVSTASH_TLS_KEY", "KVSTASH_TLS_SERVER_NAME"}) {
     ::unsetenv(name);
   }
   const std::size_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
@@ -287,15 +288,21 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     } else {
       ::setenv("KVSTASH_CLUSTER_TOKEN", o.token.c_str(), 1);
     }
-    std::vector<std::string> argv{"p2p-target", "--region", std::to_string(region), "--tcp-io-threads",
-                                  std::to_string(o.tcp.io_threads), "--transports", list, "--busy-poll-us",
+    std::vector<std::string> argv{"p2p-target",
+                                  "--region",
+                                  std::to_string(region),
+                                  "--tcp-io-threads",
+                                  std::to_string(o.tcp.io_threads),
+                                  "--transports",
+                                  list,
+                                  "--busy-poll-us",
                                   std::to_string(o.busy_poll_us)};
     if (o.tls) {
       // Throwaway credentials: a CA, and a certificate for 127.0.0.1 that the target serves.
       std::string pattern = (std::filesystem::temp_directory_path() / "kvstash-bench-tls-XXXXXX").string();
       if (::mkdtemp(pattern.data()) == nullptr) return Status::from_errno("mkdtemp", errno);
       tls_dir = pattern;
-      auto made = tools::make_throwaway_tls(tls_dir);
+      auto made = harness::make_throwaway_tls(tls_dir);
       if (!made.is_ok()) return made.status();
       tls_ca = made->ca_cert;
       argv.insert(argv.end(), {"--tls-cert", made->server_cert, "--tls-key", made->server_key});
@@ -333,8 +340,9 @@ Result<std::vector<P2PRow>> measure_p2p(const P2POptions& o,
     tls_address = from_text(a.rfind("tls-address ", 0) == 0 ? a.substr(12) : "");
     tls_key = from_text(k.rfind("tls-key ", 0) == 0 ? k.substr(8) : "");
     if (!tls_address.is_ok() || !tls_key.is_ok()) {
-      return Status::unavailable("--tls: no valid tls-address and tls-key lines from the target (p2p-target "
-                                 "prints them when it has --tls-cert and --tls-key)");
+      return Status::unavailable(
+          "--tls: no valid tls-address and tls-key lines from the target (p2p-target "
+          "prints them when it has --tls-cert and --tls-key)");
     }
   }
 

@@ -24,7 +24,7 @@
 #include "metadata/cell.h"
 #include "plot.h"
 #include "sessions.h"
-#include "tools/common/local_cluster.h"
+#include "tests/harness/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -75,15 +75,15 @@ struct RemovedFile {
 // its Redis, its node, a store.
 struct PrivateCell {
   RemovedFile tier_file;  // destroyed last: after the node that uses it
-  std::unique_ptr<tools::LocalRedis> redis;
-  std::unique_ptr<tools::LocalNode> node;
+  std::unique_ptr<harness::LocalRedis> redis;
+  std::unique_ptr<harness::LocalNode> node;
   std::unique_ptr<metadata::Cell> cell;
   std::unique_ptr<Store> store;
 };
 
 Result<PrivateCell> start_cell(std::uint64_t capacity, std::uint64_t tier, const ReplayBenchOptions& o) {
   PrivateCell c;
-  KVSTASH_ASSIGN_OR_RETURN(c.redis, tools::LocalRedis::start({}));
+  KVSTASH_ASSIGN_OR_RETURN(c.redis, harness::LocalRedis::start({}));
   std::vector<std::string> args{"--transports", "all"};
   if (tier > 0) {
     // Write-down keeps 1% of the pool free (the model's pool holds it all), at least 4 pages.
@@ -98,11 +98,11 @@ Result<PrivateCell> start_cell(std::uint64_t capacity, std::uint64_t tier, const
                              "--ssd-low-water", fmt::format("{:.3f}%", low_water)});
   }
   KVSTASH_ASSIGN_OR_RETURN(c.node,
-                           tools::LocalNode::start({.redis_url = c.redis->url(),
-                                                    .capacity = std::to_string(capacity * o.block_bytes),
-                                                    .page_size = std::to_string(o.block_bytes),
-                                                    .node_id = "replay",
-                                                    .extra_args = args}));
+                           harness::LocalNode::start({.redis_url = c.redis->url(),
+                                                      .capacity = std::to_string(capacity * o.block_bytes),
+                                                      .page_size = std::to_string(o.block_bytes),
+                                                      .node_id = "replay",
+                                                      .extra_args = args}));
   if (c.node->pages() != capacity) {
     return Status::internal(fmt::format("the node holds {} pages, not {}", c.node->pages(), capacity));
   }
@@ -175,7 +175,7 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
 
   std::vector<std::byte> expected(o.block_bytes);
   std::vector<std::string> keys;
-  const std::vector<double> times = tools::request_times(trace);
+  const std::vector<double> times = replay::request_times(trace);
   const auto start = Clock::now();
   auto shown = start;
   for (std::size_t i = 0; i < trace.size() && !interrupted(); ++i) {
@@ -187,7 +187,7 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
       run.max_lag_seconds =
           std::max(run.max_lag_seconds, std::chrono::duration<double>(Clock::now() - due).count());
     }
-    const std::size_t kept = tools::blocks_kept(r, o.block_tokens, o.saves);
+    const std::size_t kept = replay::blocks_kept(r, o.block_tokens, o.saves);
     keys.clear();
     for (std::size_t b = 0; b < kept; ++b) keys.push_back(block_key(r.blocks[b]));
     run.counts.prompt_tokens += r.input_tokens;
@@ -201,16 +201,17 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
       hit = found.hit;
       const std::uint64_t split = kept == 0 ? 0 : r.blocks[std::min(hit, kept - 1)];
       for (std::size_t b = 0; b < kept; ++b) {
-        hints.push_back({.turn = found.turn,
-                         .chunks = static_cast<std::uint32_t>(kept),
-                         .index = static_cast<std::uint32_t>(b),
-                         .tokens = static_cast<std::uint32_t>(tools::prefix_tokens(r, b + 1, o.block_tokens) -
-                                                              tools::prefix_tokens(r, b, o.block_tokens)),
-                         .key_hash = r.blocks[b],
-                         .split_hash = split,
-                         // The trace's time (the model's), as the cell's clock would have it
-                         // had the replay kept pace: the cell's figures are not the lag's.
-                         .looked_up = std::max(times[i], 1e-9)});
+        hints.push_back(
+            {.turn = found.turn,
+             .chunks = static_cast<std::uint32_t>(kept),
+             .index = static_cast<std::uint32_t>(b),
+             .tokens = static_cast<std::uint32_t>(replay::prefix_tokens(r, b + 1, o.block_tokens) -
+                                                  replay::prefix_tokens(r, b, o.block_tokens)),
+             .key_hash = r.blocks[b],
+             .split_hash = split,
+             // The trace's time (the model's), as the cell's clock would have it
+             // had the replay kept pace: the cell's figures are not the lag's.
+             .looked_up = std::max(times[i], 1e-9)});
       }
     } else {
       KVSTASH_ASSIGN_OR_RETURN(hit, c.store->contains_prefix(keys));
@@ -254,7 +255,7 @@ Result<CellRun> replay_cell(const std::vector<TraceRequest>& trace, std::uint64_
       run.bytes_loaded += loaded * o.block_bytes;
     }
     run.counts.hit_blocks += loaded;
-    const std::uint64_t hit_tokens = tools::prefix_tokens(r, loaded, o.block_tokens);
+    const std::uint64_t hit_tokens = replay::prefix_tokens(r, loaded, o.block_tokens);
     run.counts.hit_tokens += hit_tokens;
 
     // Saves: every block from the hit on, one put each (a held one is replaced).

@@ -8,19 +8,19 @@
 #include <vector>
 
 #include "kvstash/types.h"
-#include "tools/common/replay_model.h"
+#include "tools/kvstash/replay_model.h"
 
 namespace kvstash::bench {
 
-using tools::ModelResult;
-using tools::policy_name;
-using tools::read_trace;
-using tools::replay_model;
-using tools::replay_tiers;
-using tools::ReplayPolicy;
-using tools::ReplaySaves;
-using tools::TierResult;
-using tools::TraceRequest;
+using replay::ModelResult;
+using replay::policy_name;
+using replay::read_trace;
+using replay::replay_model;
+using replay::replay_tiers;
+using replay::ReplayPolicy;
+using replay::ReplaySaves;
+using replay::TierResult;
+using replay::TraceRequest;
 
 struct ReplayBenchOptions {
   std::string trace;                                         // the trace's path

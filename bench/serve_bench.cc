@@ -16,7 +16,7 @@
 #include "kvstash/store.h"
 #include "measure.h"
 #include "metadata/redis_client.h"
-#include "tools/common/local_cluster.h"
+#include "tests/harness/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -291,14 +291,14 @@ int run_serve(const ServeBenchOptions& o) {
       (std::uint64_t{o.sessions} * max_session + o.system_prompts * o.system_tokens) * token_bytes * 5 / 4 +
       (256ull << 20);
 
-  auto redis = tools::LocalRedis::start({});
+  auto redis = harness::LocalRedis::start({});
   if (!redis.is_ok()) {
     std::cerr << "kvstash-bench serve: redis-server: " << redis.status().to_string() << "\n";
     return 1;
   }
-  auto node = tools::LocalNode::start({.redis_url = (*redis)->url(),
-                                       .capacity = std::to_string(pool),
-                                       .extra_args = {"--transports", "all"}});
+  auto node = harness::LocalNode::start({.redis_url = (*redis)->url(),
+                                         .capacity = std::to_string(pool),
+                                         .extra_args = {"--transports", "all"}});
   if (!node.is_ok()) {
     std::cerr << "kvstash-bench serve: kvstashd: " << node.status().to_string() << "\n";
     return 1;

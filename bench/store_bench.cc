@@ -27,7 +27,7 @@
 #include "metadata/redis_client.h"
 #include "references.h"
 #include "store_bench_internal.h"
-#include "tools/common/local_cluster.h"
+#include "tests/harness/local_cluster.h"
 
 namespace kvstash::bench {
 
@@ -226,7 +226,7 @@ namespace {
 // node's RSS per GiB of pool (its pool is resident from the start), and the client's own
 // memory (heap, stacks: RssAnon, at its largest while a store was open) beside the session
 // buffers it maps.
-void report_memory(const tools::LocalNode* node, std::uint64_t client_anon, const Sessions& s) {
+void report_memory(const harness::LocalNode* node, std::uint64_t client_anon, const Sessions& s) {
   std::cout << "\nmemory    ";
   if (node != nullptr) {
     const ResidentMemory n = resident_memory(std::to_string(node->pid()));
@@ -391,11 +391,11 @@ int run_store(const StoreBenchOptions& options) {
   // The private cell. Destroyed in reverse order: the node says goodbye to Redis before
   // Redis goes, and the token file outlives the node that reads it.
   std::optional<SecretFile> token_file;
-  std::unique_ptr<tools::LocalRedis> local_redis;
-  std::unique_ptr<tools::LocalNode> node;
+  std::unique_ptr<harness::LocalRedis> local_redis;
+  std::unique_ptr<harness::LocalNode> node;
   std::string url = o.redis_url;
   if (private_cell) {
-    auto r = tools::LocalRedis::start({});
+    auto r = harness::LocalRedis::start({});
     if (!r.is_ok()) {
       std::cerr << "kvstash-bench: cannot start a private redis-server: " << r.status().to_string() << "\n";
       return 1;
@@ -403,7 +403,7 @@ int run_store(const StoreBenchOptions& options) {
     local_redis = std::move(*r);
     url = local_redis->url();
     if (!store_backends.empty()) {
-      tools::LocalNodeOptions no;
+      harness::LocalNodeOptions no;
       no.redis_url = url;
       if (o.page_size != 0) no.page_size = std::to_string(o.page_size);
       no.extra_args = {"--transports", "all"};
@@ -421,7 +421,7 @@ int run_store(const StoreBenchOptions& options) {
       // bigger if whole pages for every session (and the warm-up object) do not fit.
       for (int attempt = 0; attempt < 2 && !node; ++attempt) {
         no.capacity = std::to_string(capacity);
-        auto n = tools::LocalNode::start(no);
+        auto n = harness::LocalNode::start(no);
         if (!n.is_ok()) {
           std::cerr << "kvstash-bench: cannot start a private kvstashd: " << n.status().to_string() << "\n";
           return 1;

@@ -15,7 +15,7 @@
 
 #include "kvstash/memory.h"
 #include "node/ssd_device.h"
-#include "tools/common/child_process.h"
+#include "tests/harness/child_process.h"
 
 namespace kvstash::bench {
 namespace {
@@ -138,17 +138,18 @@ int run_tier(const TierBenchOptions& o) {
     return 0.0;
   };
   if (!o.json) {
-    std::printf("%s, %s sequential in %llu KiB I/Os, %u in flight, best of %u passes; fio: the same file, "
-                "O_DIRECT, io_uring, same block size and depth\n",
-                o.path.c_str(), (std::to_string(o.bytes >> 20) + " MiB").c_str(),
-                static_cast<unsigned long long>(o.io_bytes >> 10), o.depth, o.rounds);
+    std::printf(
+        "%s, %s sequential in %llu KiB I/Os, %u in flight, best of %u passes; fio: the same file, "
+        "O_DIRECT, io_uring, same block size and depth\n",
+        o.path.c_str(), (std::to_string(o.bytes >> 20) + " MiB").c_str(),
+        static_cast<unsigned long long>(o.io_bytes >> 10), o.depth, o.rounds);
     std::printf("%-12s %-6s %8s %8s\n", "engine", "op", "GB/s", "x fio");
   }
   for (const Row& r : rows) {
     const double ref = fio_of(r.op);
     if (o.json) {
-      nlohmann::json j{{"engine", r.engine}, {"op", r.op}, {"gbps", r.gbps}, {"io_bytes", o.io_bytes},
-                       {"depth", o.depth}, {"bytes", o.bytes}};
+      nlohmann::json j{{"engine", r.engine},     {"op", r.op},       {"gbps", r.gbps},
+                       {"io_bytes", o.io_bytes}, {"depth", o.depth}, {"bytes", o.bytes}};
       if (ref > 0) j["vs_fio"] = r.gbps / ref;
       if (!r.note.empty()) j["note"] = r.note;
       std::cout << j.dump() << "\n";
@@ -158,7 +159,8 @@ int run_tier(const TierBenchOptions& o) {
       std::printf("%-12s %-6s   %s\n", r.engine.c_str(), r.op.c_str(), r.note.c_str());
       continue;
     }
-    std::printf("%-12s %-6s %8.2f %7.2fx\n", r.engine.c_str(), r.op.c_str(), r.gbps, ref > 0 ? r.gbps / ref : 0);
+    std::printf("%-12s %-6s %8.2f %7.2fx\n", r.engine.c_str(), r.op.c_str(), r.gbps,
+                ref > 0 ? r.gbps / ref : 0);
   }
   return 0;
 }

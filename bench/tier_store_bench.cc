@@ -19,8 +19,8 @@
 #include "kvstash/store.h"
 #include "measure.h"
 #include "metadata/cell.h"
+#include "tests/harness/local_cluster.h"
 #include "tier_bench.h"
-#include "tools/common/local_cluster.h"
 
 namespace kvstash::bench {
 namespace {
@@ -56,14 +56,15 @@ class Bench {
     if (pool_objects < 2) return Status::invalid_argument("--pool holds fewer than two objects of this size");
     const std::uint64_t n = pool_objects * o_.pools_of_objects;
     const std::uint64_t tier_bytes = n * pages_per * o_.page + (64ull << 20);
-    KVSTASH_ASSIGN_OR_RETURN(auto redis, tools::LocalRedis::start({}));
+    KVSTASH_ASSIGN_OR_RETURN(auto redis, harness::LocalRedis::start({}));
     KVSTASH_ASSIGN_OR_RETURN(
-        auto node, tools::LocalNode::start({.redis_url = redis->url(),
-                                            .capacity = std::to_string(o_.pool),
-                                            .page_size = std::to_string(o_.page),
-                                            .node_id = "tier-bench",
-                                            .extra_args = {"--transports", "tcp", "--ssd", o_.path, "--ssd-capacity",
-                                                           std::to_string(tier_bytes), "--ssd-low-water", "10%"}}));
+        auto node,
+        harness::LocalNode::start({.redis_url = redis->url(),
+                                   .capacity = std::to_string(o_.pool),
+                                   .page_size = std::to_string(o_.page),
+                                   .node_id = "tier-bench",
+                                   .extra_args = {"--transports", "tcp", "--ssd", o_.path, "--ssd-capacity",
+                                                  std::to_string(tier_bytes), "--ssd-low-water", "10%"}}));
     metadata::CellOptions co;
     co.redis.url = redis->url();
     KVSTASH_ASSIGN_OR_RETURN(auto cell, metadata::Cell::open(co));
@@ -116,10 +117,11 @@ class Bench {
       auto where = store->prefix_tiers({&key, 1});
       if (!where.is_ok() || where->empty()) {
         auto sum = cell->admin().summary();
-        return Status::internal(fmt::format("object {} was lost ({} evicted from the pool, {} from the tier, {} "
-                                            "lost there)",
-                                            key, sum.is_ok() ? sum->evicted : 0, sum.is_ok() ? sum->tier_evicted : 0,
-                                            sum.is_ok() ? sum->tier_lost : 0));
+        return Status::internal(
+            fmt::format("object {} was lost ({} evicted from the pool, {} from the tier, {} "
+                        "lost there)",
+                        key, sum.is_ok() ? sum->evicted : 0, sum.is_ok() ? sum->tier_evicted : 0,
+                        sum.is_ok() ? sum->tier_lost : 0));
       }
       if (where->front() == Tier::kSsd) {
         cold.push_back(key);
@@ -167,7 +169,8 @@ class Bench {
     Row get{"promoted_get", size, cold.size(), 0, percentile(get_us, 0.5), percentile(get_us, 0.99)};
     get.gbps = static_cast<double>(cold.size() * size) / 1e9 / get_s;
     get.verified = !wrong;
-    get.note = fmt::format("{} at once: the node's read into pool pages, then the client's over tcp", o_.sessions);
+    get.note =
+        fmt::format("{} at once: the node's read into pool pages, then the client's over tcp", o_.sessions);
     rows.push_back(get);
     node->stop();
     ::unlink(o_.path.c_str());
@@ -190,7 +193,8 @@ int run_tier_store(const TierStoreBenchOptions& o) {
   for (std::uint64_t size : o.object_sizes) {
     auto r = bench.run(size);
     if (!r.is_ok()) {
-      std::cerr << "tier --store: objects of " << units::format_size(size) << ": " << r.status().to_string() << "\n";
+      std::cerr << "tier --store: objects of " << units::format_size(size) << ": " << r.status().to_string()
+                << "\n";
       ::unlink(o.path.c_str());
       return 1;
     }
@@ -209,19 +213,23 @@ int run_tier_store(const TierStoreBenchOptions& o) {
   rows.push_back({"fio_write", o.page, 0, fio_write, 0, 0, 0, true, why_w});
   rows.push_back({"fio_read", o.page, 0, fio_read, 0, 0, 0, true, why_r});
   if (!o.json) {
-    std::printf("NVMe tier under a kvstashd: %s, pool %s in pages of %s, %u pools' worth of objects, gets %u at "
-                "once, checksum %s; fio: O_DIRECT io_uring, %s I/Os, depth %u, same file system\n",
-                o.path.c_str(), units::format_size(o.pool).c_str(), units::format_size(o.page).c_str(),
-                o.pools_of_objects, o.sessions, o.verify_checksum ? "on" : "off", units::format_size(o.page).c_str(),
-                o.depth);
-    std::printf("%-13s %9s %8s %8s %10s %10s %7s  %s\n", "op", "object", "objects", "GB/s", "p50_us", "p99_us",
-                "x fio", "");
+    std::printf(
+        "NVMe tier under a kvstashd: %s, pool %s in pages of %s, %u pools' worth of objects, gets %u at "
+        "once, checksum %s; fio: O_DIRECT io_uring, %s I/Os, depth %u, same file system\n",
+        o.path.c_str(), units::format_size(o.pool).c_str(), units::format_size(o.page).c_str(),
+        o.pools_of_objects, o.sessions, o.verify_checksum ? "on" : "off", units::format_size(o.page).c_str(),
+        o.depth);
+    std::printf("%-13s %9s %8s %8s %10s %10s %7s  %s\n", "op", "object", "objects", "GB/s", "p50_us",
+                "p99_us", "x fio", "");
   }
   bool all_verified = true;
   for (const Row& r : rows) {
     all_verified = all_verified && r.verified;
     if (o.json) {
-      nlohmann::json j{{"op", r.op}, {"object_bytes", r.object_bytes}, {"objects", r.objects}, {"gbps", r.gbps},
+      nlohmann::json j{{"op", r.op},
+                       {"object_bytes", r.object_bytes},
+                       {"objects", r.objects},
+                       {"gbps", r.gbps},
                        {"verified", r.verified}};
       if (r.p50_us > 0) j["p50_us"] = r.p50_us, j["p99_us"] = r.p99_us;
       if (r.vs_fio > 0) j["vs_fio"] = r.vs_fio;
@@ -230,8 +238,8 @@ int run_tier_store(const TierStoreBenchOptions& o) {
       continue;
     }
     std::printf("%-13s %9s %8llu %8.2f %10.0f %10.0f %7s  %s%s\n", r.op.c_str(),
-                units::format_size(r.object_bytes).c_str(), static_cast<unsigned long long>(r.objects), r.gbps,
-                r.p50_us, r.p99_us, r.vs_fio > 0 ? fmt::format("{:.2f}x", r.vs_fio).c_str() : "-",
+                units::format_size(r.object_bytes).c_str(), static_cast<unsigned long long>(r.objects),
+                r.gbps, r.p50_us, r.p99_us, r.vs_fio > 0 ? fmt::format("{:.2f}x", r.vs_fio).c_str() : "-",
                 r.verified ? "" : "WRONG BYTES ", r.note.c_str());
   }
   return all_verified ? 0 : 1;

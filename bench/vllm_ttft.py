@@ -4,7 +4,7 @@ against the offloading connectors that can run here, all measured in one run.
 
 The model is a random-weight Llama made by the run (by default 12 layers, hidden 1024, 8 KV
 heads, float32: 144M parameters), large enough that a 3,001-token prefill takes seconds here.
-Each engine is a process of its own (tests/vllm_engine.py) on a private cell (scripts/cluster):
+Each engine is a process of its own (tests/engines/vllm_engine.py) on a private cell (scripts/cluster):
 - "full prefill": an engine without a connector (its first request, then its next ones);
 - "kvstash, saving": an engine with kvstash computing the prompts and saving their chunks;
 - "kvstash, fresh engine": another engine loading them: its first request (which also pays
@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "engines"))
 
 import engine_fixture  # noqa: E402
 from vllm_engine import VOCAB, Engine, make_model  # noqa: E402

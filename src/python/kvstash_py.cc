@@ -2,7 +2,7 @@
 // API (include/kvstash/store.h, kvcache.h) name for name, as the C API (include/kvstash/c_api.h)
 // is: keywords are the C++ fields and parameters (a std::chrono::milliseconds `x` is `x_ms`, a
 // deadline is `timeout_ms` from now), defaults are read from the C++ structs, enums are their
-// text forms ("fp16", "nhd", "host"). tests/parity_test.py checks it. Blocking calls release
+// text forms ("fp16", "nhd", "host"). tests/unit/bindings/parity_test.py checks it. Blocking calls release
 // the GIL. Failures raise kvstash.Error with .code (the status name) and the message.
 //
 //   import kvstash

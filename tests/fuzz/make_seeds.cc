@@ -1,6 +1,6 @@
 // Writes the fuzz targets' seed corpora (tests/fuzz/corpus/<target>/) from the real encoders:
 // the engine's, tcp's, shm's and verbs' own encode functions and transports, and, for the
-// catalog, replies recorded from a real redis-server (tests/redis_server.h) answering a real
+// catalog, replies recorded from a real redis-server (tests/harness/redis_server.h) answering a real
 // Catalog through a recording proxy. `scripts/fuzz --seeds` runs it; its output is committed.
 //
 //   fuzz_make_seeds DIR     writes DIR/<target>/<name> (existing files are overwritten)
@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "../redis_server.h"
+#include "../harness/redis_server.h"
 #include "common/grant.h"
 #include "common/system.h"
 #include "common/wire.h"

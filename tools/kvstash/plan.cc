@@ -12,7 +12,7 @@
 
 #include "cli.h"
 #include "common/units.h"
-#include "tools/common/replay_model.h"
+#include "tools/kvstash/replay_model.h"
 
 namespace kvstash::cli {
 namespace {
@@ -113,7 +113,7 @@ std::optional<std::uint64_t> smallest(std::uint64_t lo, std::uint64_t hi, double
 // kvstash plan --trace: per layout (DRAM alone; DRAM of a share of that over an NVMe tier), the
 // capacity that reaches the hit rate, in blocks and in bytes of this model's KV cache.
 int plan_trace(Session& s, const PlanOptions& o, std::uint64_t bytes_per_token) {
-  auto trace = tools::read_trace(o.trace);
+  auto trace = replay::read_trace(o.trace);
   if (!trace.is_ok()) return fail(trace.status(), "plan --trace", &s);
   if (trace->empty())
     return fail(Status::invalid_argument("trace " + o.trace + " has no request"), "plan", &s);
@@ -122,8 +122,8 @@ int plan_trace(Session& s, const PlanOptions& o, std::uint64_t bytes_per_token) 
   const std::uint64_t all = distinct.size();
   const double hours = static_cast<double>(trace->back().at_ms - trace->front().at_ms) / 3.6e6;
   auto lru = [&](std::uint64_t blocks) {
-    return tools::replay_model(*trace, blocks, tools::ReplayPolicy::kLru, o.block_tokens,
-                               tools::ReplaySaves::kConnector)
+    return replay::replay_model(*trace, blocks, replay::ReplayPolicy::kLru, o.block_tokens,
+                                replay::ReplaySaves::kConnector)
         .hit_rate();
   };
   const double ceiling = lru(all);
@@ -144,13 +144,13 @@ int plan_trace(Session& s, const PlanOptions& o, std::uint64_t bytes_per_token) 
     for (std::uint64_t share : {2, 4, 10}) {
       const std::uint64_t dram = std::max<std::uint64_t>(1, *dram_alone / share);
       auto tiered = [&](std::uint64_t nvme) {
-        return tools::replay_tiers(*trace, dram, nvme, o.block_tokens).total.hit_rate();
+        return replay::replay_tiers(*trace, dram, nvme, o.block_tokens).total.hit_rate();
       };
       const auto nvme = smallest(0, all, target, tiered);
       Layout l{
           .name = "DRAM 1/" + std::to_string(share) + " + NVMe", .dram = dram, .reached = nvme.has_value()};
       if (nvme) {
-        const tools::TierResult t = tools::replay_tiers(*trace, dram, *nvme, o.block_tokens);
+        const replay::TierResult t = replay::replay_tiers(*trace, dram, *nvme, o.block_tokens);
         l.nvme = *nvme;
         l.hit = t.total.hit_rate();
         l.promoted = t.tier_hit_blocks;

@@ -16,7 +16,7 @@
 --   turn-ttl  kvstash's own, for KV caches' prefix chunks: each use keeps an object until a
 --        time learned for its class (turn-ttl below); the object due first goes first.
 -- Under each, P:lru keeps every pool object's last use, for operators (kvstash evict), quotas
--- and the NVMe tier's write-down. tools/common/replay_model.cc runs the same rules in process.
+-- and the NVMe tier's write-down. tools/kvstash/replay_model.cc runs the same rules in process.
 local POLICIES = {lru = true, arc = true, ['turn-ttl'] = true}
 
 local function policy()

