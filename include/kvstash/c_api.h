@@ -3,7 +3,7 @@
  * A translation of the C++ API (include/kvstash/store.h, kvcache.h), name for name: opaque
  * handles over Store and KvCache; kvstash_<type>_<method> for Type::method; option structs
  * whose fields are the C++ fields (a std::chrono::milliseconds `x` is `x_ms`; a deadline is a
- * `timeout_ms` from now); enums that mirror the C++ ones value for value. tests/parity_test.py
+ * `timeout_ms` from now); enums that mirror the C++ ones value for value. tests/unit/bindings/parity_test.py
  * checks this header and the Python module against the C++ headers.
  *
  * Open a store, register a KV cache, ask how much of a prompt is stored, save and load a

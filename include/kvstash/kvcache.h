@@ -252,7 +252,7 @@ struct KvLookup {
 //                      synchronized itself, or a CPU wrote a host cache).
 //
 // The default, KvSync{}, is the legacy default stream: "nothing" is never what an unset or null
-// handle means. A device stand-in (tests/device_standin.h) takes its own handles.
+// handle means. A device stand-in (tests/gpu/device_standin.h) takes its own handles.
 struct KvSync {
   enum class Kind : std::uint8_t { kStream, kEvent, kNone };
   Kind kind = Kind::kStream;
@@ -335,7 +335,7 @@ class KvDeviceHandover {
 //
 // The CUDA device (src/kvcache/cuda/cuda_device.h, built where the CUDA toolkit is found)
 // does each with kernels and events; host_device() serves memory the host may touch;
-// tests/device_standin.h is a device made of memory the test process cannot touch. Every
+// tests/gpu/device_standin.h is a device made of memory the test process cannot touch. Every
 // blocking call returns by its deadline (kTimeout). Implementations are thread-safe: saver
 // and loader threads call them at once.
 class KvDevice {

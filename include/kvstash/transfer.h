@@ -201,7 +201,7 @@ struct VerbsOptions {
   bool memory_windows = true;
   // Registers MemoryKind::kCuda regions with ibv_reg_mr on their address where neither
   // dma-buf nor nvidia-peermem can (as nvidia-peermem would): only for device memory mapped
-  // into this process, the tests' device stand-in (tests/device_standin.h). Off, GPU memory
+  // into this process, the tests' device stand-in (tests/gpu/device_standin.h). Off, GPU memory
   // the driver cannot export is refused, and the KV-cache layer stages it.
   bool device_memory_by_address = false;
   // Register host memory with on-demand paging (not pinned; the NIC faults pages in). Where

@@ -27,7 +27,7 @@ struct kvstash_load {
   std::size_t chunks = 0;
 };
 
-// The C enums mirror the C++ ones value for value (tests/parity_test.py checks the names).
+// The C enums mirror the C++ ones value for value (tests/unit/bindings/parity_test.py checks the names).
 static_assert(KVSTASH_INTERNAL == static_cast<int>(kvstash::StatusCode::kInternal));
 static_assert(KVSTASH_CANCELLED == static_cast<int>(kvstash::StatusCode::kCancelled));
 static_assert(KVSTASH_INT8 == static_cast<int>(kvstash::KvDType::kInt8));

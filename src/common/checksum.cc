@@ -1,7 +1,7 @@
 // Host side of the xxh3 tree (checksum.h): the tree and its folds are the shared core's; each
 // 4 KiB block digest is libxxhash's XXH3-64, the same function with SIMD code chosen at run
 // time (the core's portable XXH3 runs at 0.7x of it on this project's machines when the bytes
-// are in cache). tests/checksum_test.cc holds the two equal for every length class.
+// are in cache). tests/unit/common/checksum_test.cc holds the two equal for every length class.
 #include "common/checksum.h"
 
 #include <xxhash.h>

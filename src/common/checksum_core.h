@@ -12,7 +12,7 @@
 // XXH3-64 (seed 0, the default secret) is written here from its specification, because the
 // xxhash library cannot run on a GPU: the digest kernel and the tests' device stand-in run it.
 // The host's own block digests come from libxxhash (common/checksum.cc: the same function,
-// with SIMD code), and tests/checksum_test.cc holds the two equal for every length class and
+// with SIMD code), and tests/unit/common/checksum_test.cc holds the two equal for every length class and
 // alignment. The tree and its folds are this header's on both. Little-endian machines only
 // (x86-64, arm64, NVIDIA GPUs).
 #pragma once

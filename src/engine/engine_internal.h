@@ -50,7 +50,7 @@ struct Peer::State {
   Result<std::pair<std::shared_ptr<transport::Endpoint>, std::uint64_t>> current(Deadline deadline);
 
   // A batch's state for `entries` entries: one whose batch has ended, reused, or a new one.
-  // A warm peer's submit allocates nothing (tests/alloc_test.cc).
+  // A warm peer's submit allocates nothing (tests/unit/memory/alloc_test.cc).
   std::shared_ptr<Batch::State> batch_state(std::size_t entries, Deadline deadline);
   std::mutex batches_mu;
   std::vector<std::shared_ptr<Batch::State>> batches;  // the pool: at most kBatchPool

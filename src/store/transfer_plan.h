@@ -3,7 +3,7 @@
 // `wave_bytes` of the object; a reader checksums a wave as it lands while the later ones
 // still move), one list of entries per memory node. Pieces contiguous on both sides travel as
 // one entry. It is pure: it reads no memory and asks no one, so tests drive it without Redis,
-// nodes or registered memory (tests/transfer_plan_test.cc).
+// nodes or registered memory (tests/unit/store/transfer_plan_test.cc).
 //
 // A put's writes to nodes whose transport digests them (Peer::digests_writes) can carry
 // where their 4 KiB block digests go: the planner gives an entry the digests of the blocks it

@@ -5,7 +5,7 @@
 // layers handed to the engine's streams (cuda_handover.cc), each stream waiting on the GPU
 // for a host-written counter alone and then placing or checking the layer itself. Built into
 // libkvstash where the CUDA toolkit and nvcc are found (KVSTASH_HAVE_CUDA_KERNELS); the tests
-// also link it against a CPU model of the CUDA runtime (tests/cuda_model).
+// also link it against a CPU model of the CUDA runtime (tests/gpu/cuda_model).
 #pragma once
 
 #include <memory>

@@ -5,7 +5,7 @@
 //
 // The kernels themselves are in kernels.cu (device code, built by nvcc); the launches are
 // host code (kernels_launch.cc) that passes their handles to cudaLaunchKernel, so that every
-// launch reports its own error and a CPU model of the runtime (tests/cuda_model) can run the
+// launch reports its own error and a CPU model of the runtime (tests/gpu/cuda_model) can run the
 // same launch code with host twins of the kernels.
 //
 // Thread safety: stateless; a launch is ordered on its stream.

@@ -1,7 +1,7 @@
 // The shm datapath: post() validates and queues ops on per-lane copy threads; a copy thread
 // checks that the peer is alive and the key not revoked, memcpys (a write that asks for its
 // block digests computes them as it copies), checks the peer again and completes. No
-// allocation once warm (tests/alloc_test.cc), no lock held while bytes move.
+// allocation once warm (tests/unit/memory/alloc_test.cc), no lock held while bytes move.
 //
 // Revocation is checked before every copy, not during it: an op that passed the check
 // finishes its copy even if the target deregisters meanwhile. Ops that start after the
