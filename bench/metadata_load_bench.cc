@@ -37,6 +37,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/thread_pool.h"
+#include "kvstash/store.h"
 #include "measure.h"
 #include "metadata/cell.h"
 #include "metadata/quotas.h"

@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "kvstash/store.h"
+#include "kvstash/object.h"
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "kvstash/status.h"
-#include "kvstash/store.h"
+#include "kvstash/object.h"
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
 

@@ -20,7 +20,7 @@
 #include <string_view>
 #include <vector>
 
-#include "kvstash/store.h"
+#include "kvstash/object.h"
 #include "metadata/records.h"
 #include "metadata/redis_client.h"
 
