@@ -126,8 +126,9 @@ class CellRedis {
     return url.append("/history/0");
   }
 
-  // Single: restarts Redis empty. Sentinel: kills the master, waits for the failover (or
-  // its time), and brings the killed server back, empty (the sentinel makes it a replica).
+  // Single: restarts Redis empty. Sentinel: kills the master, waits for the failover (the
+  // sentinels naming another master, up to 10 s), and brings the killed server back, empty
+  // (the sentinels make it a replica).
   // Returns the fault's name.
   Result<std::string> fault(std::mt19937_64& rng) {
     if (sentinels_.empty()) {
@@ -145,8 +146,20 @@ class CellRedis {
     if (victim == servers_.end()) return Status::internal("the sentinel names a master that is none of ours");
     std::printf("  at %" PRId64 " ms: killing the master %s:%d\n", now_ns() / 1000000, host.c_str(), port);
     (*victim)->kill();
-    std::this_thread::sleep_for(
-        std::chrono::milliseconds(std::uniform_int_distribution<int>(1500, 3000)(rng)));
+    // The failover: until the sentinels name another master (or 10 s). Back before that, the
+    // killed server would be a master again, empty, with the sentinels halfway through
+    // promoting a replica: two masters until they agree, which is Sentinel's own fault to
+    // heal, not the cell's.
+    for (auto give_up = Clock::now() + 10s; Clock::now() < give_up; std::this_thread::sleep_for(100ms)) {
+      auto now_master = ask_sentinel();
+      if (!now_master.is_ok()) continue;
+      auto named = (*now_master)->command({"SENTINEL", "get-master-addr-by-name", "history"});
+      if (named.is_ok() && named->size() == 2 &&
+          (std::string(named->element(0)->str) != host || std::atoi(named->element(1)->str) != port)) {
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 1500)(rng)));
     KVSTASH_RETURN_IF_ERROR((*victim)->restart());
     return std::string("redis master killed (failover)");
   }

@@ -179,12 +179,17 @@ std::map<std::string, std::uint64_t> tier_counters(const std::string& url) {
 }
 
 std::vector<std::string> account_pages(const std::string& url) {
-  auto redis = metadata::RedisClient::connect({.url = url});
-  if (!redis.is_ok()) return {"page accounting: " + redis.status().to_string()};
   const std::string prefix = metadata::cell_prefix("default");
   // Put leases (3 s) and read leases (2 s) end, the nodes' reclaim (every 200 ms) frees
-  // what they held and sweeps what dead incarnations left.
+  // what they held and sweeps what dead incarnations left; a failover the nemesis began
+  // before it stopped completes.
+  Result<std::unique_ptr<metadata::RedisClient>> redis = Status::unavailable("not connected");
   for (auto end = Clock::now() + 60s;; std::this_thread::sleep_for(500ms)) {
+    if (!redis.is_ok()) redis = metadata::RedisClient::connect({.url = url});
+    if (!redis.is_ok()) {
+      if (Clock::now() < end) continue;
+      return {"page accounting: " + redis.status().to_string()};
+    }
     auto r = (*redis)->eval(accounting_script(), {prefix}, {});
     if (!r.is_ok()) {
       if (Clock::now() < end) continue;
