@@ -63,11 +63,12 @@ Status committed(Result<Reply> r, bool* announced) {
   return Status::ok();
 }
 
-// The event data a commit records, checked as announce checks it.
-Status check_event(std::string_view key, std::string_view event) {
-  if (event.size() > kMaxEventData) {
-    return Status::invalid_argument("event data of " + std::string(key) + " must be at most " +
-                                    std::to_string(kMaxEventData) + " bytes");
+// The event data of `key` that a commit (empty: none) or an announce (`required`) records.
+Status check_event(std::string_view key, std::string_view event, bool required = false) {
+  if ((required && event.empty()) || event.size() > kMaxEventData) {
+    return Status::invalid_argument("event data of " + std::string(key) + " must be " +
+                                    (required ? "1.." : "at most ") + std::to_string(kMaxEventData) +
+                                    " bytes");
   }
   return Status::ok();
 }
@@ -433,10 +434,7 @@ Result<std::optional<std::size_t>> Catalog::announce(
   args.reserve(items.size() * 2);
   for (const auto& [key, ev] : items) {
     KVSTASH_RETURN_IF_ERROR(validate_object_key(key));
-    if (ev.empty() || ev.size() > kMaxEventData) {
-      return Status::invalid_argument("event data of " + key + " must be 1.." +
-                                      std::to_string(kMaxEventData) + " bytes");
-    }
+    KVSTASH_RETURN_IF_ERROR(check_event(key, ev, /*required=*/true));
     args.push_back(key);
     args.push_back(ev);
   }

@@ -159,7 +159,6 @@ MemoryNode::~MemoryNode() {
   if (thread_.joinable()) thread_.join();
 }
 
-// Caller holds shared_->mu.
 Status MemoryNode::open_and_join(const metadata::CellOptions& co) {
   shared_->catalog = nullptr;
   shared_->cell.reset();
@@ -178,6 +177,7 @@ Status MemoryNode::open_and_join(const metadata::CellOptions& co) {
   return joined;
 }
 
+// Caller holds shared_->mu.
 Status MemoryNode::join() {
   auto& s = *shared_;
   s.epoch = new_epoch();

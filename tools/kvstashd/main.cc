@@ -223,20 +223,17 @@ int main(int argc, char** argv) {
     if (!ps.is_ok()) throw CLI::ValidationError("--page-size", ps.status().message());
     opts.capacity = *cap;
     opts.page_size = *ps;
-    auto hb = units::parse_duration(heartbeat), rc = units::parse_duration(reclaim);
-    if (!hb.is_ok()) throw CLI::ValidationError("--heartbeat-ttl", hb.status().message());
-    if (!rc.is_ok()) throw CLI::ValidationError("--reclaim-interval", rc.status().message());
-    auto rot = units::parse_duration(rotation);
-    if (!rot.is_ok() || *rot < std::chrono::seconds(1)) {
-      throw CLI::ValidationError("--grant-key-rotation",
-                                 rot.is_ok() ? "must be at least 1s" : rot.status().message());
-    }
-    opts.grant_key_rotation = *rot;
-    auto jt = units::parse_duration(join);
-    if (!jt.is_ok()) throw CLI::ValidationError("--join-timeout", jt.status().message());
-    opts.join_timeout = *jt;
-    opts.heartbeat_ttl = *hb;
-    opts.reclaim_interval = *rc;
+    const auto duration = [](const char* flag, const std::string& text) {
+      auto d = units::parse_duration(text);
+      if (!d.is_ok()) throw CLI::ValidationError(flag, d.status().message());
+      return *d;
+    };
+    opts.heartbeat_ttl = duration("--heartbeat-ttl", heartbeat);
+    opts.reclaim_interval = duration("--reclaim-interval", reclaim);
+    opts.grant_key_rotation = duration("--grant-key-rotation", rotation);
+    if (opts.grant_key_rotation < std::chrono::seconds(1))
+      throw CLI::ValidationError("--grant-key-rotation", "must be at least 1s");
+    opts.join_timeout = duration("--join-timeout", join);
     opts.huge_pages = huge != "off";
     opts.require_huge_pages = huge == "on";
     auto kinds = parse_transport_list(transports);

@@ -76,14 +76,16 @@ def publish_request(store: kvstash.Store, engine_id: str, request_id: str, block
     fence = now_ms() + ttl_ms
     record = json.dumps({"engine": engine_id, "blocks": list(block_ids), "fence": fence, "tp": tp_size,
                          "readers": readers})
-    kvstash.KvHandoffs(store).publish(name, record.encode(), readers, ttl_ms + RECORD_SLACK_MS, timeout_ms=timeout_ms)
+    kvstash.KvHandoffs(store).publish(name, record.encode(), readers, ttl_ms + RECORD_SLACK_MS,
+                                      timeout_ms=timeout_ms)
     return name, fence
 
 
 def end_readers(store: kvstash.Store, name: str, readers: list[str], timeout_ms: int) -> None:
+    records = kvstash.KvHandoffs(store)
     for reader in readers:
         try:
-            kvstash.KvHandoffs(store).end(name, reader, timeout_ms=timeout_ms)
+            records.end(name, reader, timeout_ms=timeout_ms)
         except kvstash.Error as e:
             logger.warning("kvstash: could not end handoff %s (the prefill frees at its deadline): %s", name, e)
 
